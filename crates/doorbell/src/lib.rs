@@ -1,0 +1,65 @@
+//! Doorbells and polling policy.
+//!
+//! - [`EventFd`]: a doorbell each way between frontend and driver domain.
+//! - [`Poller`]: blocks on several doorbells at once (the driver serves all queues from one loop).
+//! - [`NotifyMode`]: `irq` (always sleep, always ring: the IDDR thesis' base design), `poll`
+//!   (spin forever), `adaptive` (spin up to a budget, then sleep: the thesis' improved design).
+//! - [`SpinBudget`]: a fixed budget, or one that tunes itself from observed gaps (see
+//!   `docs/ring-protocol.md`, "Adaptive budget").
+#![deny(missing_docs)]
+
+mod budget;
+mod eventfd;
+
+pub use budget::{BudgetPolicy, SpinBudget};
+pub use eventfd::{EventFd, Poller};
+
+use std::str::FromStr;
+
+/// How a side waits for the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotifyMode {
+    /// Sleep on the doorbell at once; the peer always rings.
+    Irq,
+    /// Spin without ever sleeping.
+    Poll,
+    /// Spin up to the budget, then publish SLEEPING and block.
+    Adaptive,
+}
+
+impl NotifyMode {
+    /// Name as written in configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotifyMode::Irq => "irq",
+            NotifyMode::Poll => "poll",
+            NotifyMode::Adaptive => "adaptive",
+        }
+    }
+}
+
+impl FromStr for NotifyMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "irq" => Ok(NotifyMode::Irq),
+            "poll" => Ok(NotifyMode::Poll),
+            "adaptive" => Ok(NotifyMode::Adaptive),
+            _ => Err(format!("unknown notification mode `{s}` (expected irq, poll or adaptive)")),
+        }
+    }
+}
+
+impl std::fmt::Display for NotifyMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Monotonic nanoseconds (CLOCK_MONOTONIC through the vDSO: ~20 ns).
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid out pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
