@@ -1,0 +1,171 @@
+//! The driver domain's end of a queue.
+
+use std::os::fd::{AsRawFd, RawFd};
+
+use bulkhead_doorbell::EventFd;
+use bulkhead_ring::{validate_request, ArenaSizes, BackRing, RequestError, ResponseSlot, RingError, RingLayout, Status, ValidRequest, ARENA_WRITE, MAX_SEGMENTS};
+use bulkhead_shmem::{Mapping, Protection, SharedSlice};
+
+use crate::{BackQueueFds, ChannelError};
+
+/// What [`BackQueue::pop`] found.
+#[derive(Debug)]
+pub enum Popped {
+    /// A request that passed validation.
+    Valid(ValidRequest),
+    /// A malformed request: answer it with `Status::Invalid`.
+    Invalid {
+        /// Its id.
+        id: u64,
+        /// Its generation field.
+        generation: u32,
+        /// What was wrong.
+        error: RequestError,
+    },
+}
+
+/// The data windows of a validated request, in order.
+#[derive(Debug)]
+pub struct SegBufs<'a> {
+    bufs: [Option<SharedSlice<'a>>; MAX_SEGMENTS],
+    n: usize,
+}
+
+impl<'a> SegBufs<'a> {
+    /// The windows.
+    pub fn iter(&self) -> impl Iterator<Item = SharedSlice<'a>> + '_ {
+        self.bufs[..self.n].iter().map(|b| b.expect("first n are set"))
+    }
+
+    /// Number of windows.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+}
+
+/// The driver end of one queue.
+#[derive(Debug)]
+pub struct BackQueue {
+    ring: BackRing,
+    warena: Mapping,
+    rarena: Mapping,
+    kick: EventFd,
+    irq: EventFd,
+    arenas: ArenaSizes,
+    device_size: u64,
+}
+
+fn err(e: impl std::fmt::Display) -> ChannelError {
+    ChannelError::Setup(e.to_string())
+}
+
+impl BackQueue {
+    /// Maps the descriptors received from the supervisor. The write arena is mapped read-only
+    /// (its descriptor allows nothing else).
+    pub fn from_fds(fds: BackQueueFds, nslots: u32, arenas: ArenaSizes, device_size: u64) -> Result<Self, ChannelError> {
+        let layout = RingLayout::new(nslots).map_err(err)?;
+        for (fd, want) in [(&fds.write_arena, arenas.write), (&fds.read_arena, arenas.read)] {
+            let have = bulkhead_shmem::memfd::size_of(fd.as_raw_fd()).map_err(err)?;
+            if have < want {
+                return Err(ChannelError::Setup(format!("arena of {have} bytes, expected {want}")));
+            }
+        }
+        let map = Mapping::new(fds.ring.as_raw_fd(), layout.file_size(), Protection::ReadWrite).map_err(err)?;
+        let ring = BackRing::attach(map, layout).map_err(err)?;
+        let warena = Mapping::new(fds.write_arena.as_raw_fd(), arenas.write as usize, Protection::ReadOnly).map_err(err)?;
+        let rarena = Mapping::new(fds.read_arena.as_raw_fd(), arenas.read as usize, Protection::ReadWrite).map_err(err)?;
+        Ok(BackQueue {
+            ring,
+            warena,
+            rarena,
+            kick: EventFd::from_owned(fds.kick).map_err(err)?,
+            irq: EventFd::from_owned(fds.irq).map_err(err)?,
+            arenas,
+            device_size,
+        })
+    }
+
+    /// Takes and validates the next request. A ring-index violation is fatal for the queue.
+    pub fn pop(&mut self) -> Result<Option<Popped>, ChannelError> {
+        let slot = match self.ring.pop_request() {
+            Ok(Some(s)) => s,
+            Ok(None) => return Ok(None),
+            Err(e @ RingError::IndexOutOfRange { .. }) => return Err(ChannelError::Protocol(e.to_string())),
+            Err(e) => return Err(ChannelError::Protocol(e.to_string())),
+        };
+        Ok(Some(match validate_request(&slot, self.arenas, self.device_size, self.ring.generation()) {
+            Ok(v) => Popped::Valid(v),
+            Err(error) => Popped::Invalid { id: slot.id, generation: slot.generation, error },
+        }))
+    }
+
+    /// The data windows of a validated request.
+    pub fn buffers(&self, req: &ValidRequest) -> SegBufs<'_> {
+        let mut bufs = [None; MAX_SEGMENTS];
+        for (i, s) in req.segments().iter().enumerate() {
+            let arena = if s.arena == ARENA_WRITE { &self.warena } else { &self.rarena };
+            bufs[i] = Some(arena.slice(s.offset as usize, s.len as usize).expect("validated against arena size"));
+        }
+        SegBufs { bufs, n: req.nsegs }
+    }
+
+    /// Queues a response (visible after [`publish`](Self::publish)).
+    pub fn complete(&mut self, id: u64, generation: u32, status: Status, len: u64) {
+        let rsp = ResponseSlot { id, generation, status: status as u32, len, reserved: 0 };
+        // The response ring is ours to write; a failure here means a broken mapping.
+        let _ = self.ring.push(&rsp);
+    }
+
+    /// Publishes responses; rings the frontend if it sleeps.
+    pub fn publish(&mut self) {
+        if self.ring.publish() {
+            self.irq.ring();
+        }
+    }
+
+    /// Whether a request is waiting.
+    pub fn pending(&self) -> bool {
+        self.ring.request_pending()
+    }
+
+    /// Announces SLEEPING; `true` if work is already pending (do not sleep).
+    pub fn prepare_sleep(&self) -> bool {
+        self.ring.prepare_sleep()
+    }
+
+    /// Announces RUNNING and clears the doorbell.
+    pub fn set_running(&self) {
+        self.ring.set_running();
+        self.kick.drain();
+    }
+
+    /// The doorbell the frontend rings.
+    pub fn kick_fd(&self) -> RawFd {
+        self.kick.as_raw_fd()
+    }
+
+    /// Channel generation.
+    pub fn generation(&self) -> u32 {
+        self.ring.generation()
+    }
+
+    /// Responses produced.
+    pub fn completed(&self) -> u64 {
+        self.ring.completed()
+    }
+
+    /// Device size requests are checked against.
+    pub fn device_size(&self) -> u64 {
+        self.device_size
+    }
+
+    /// The ring mapping, for hostile-driver test modes that must scribble on it.
+    pub fn ring_mapping(&self) -> &Mapping {
+        self.ring.mapping()
+    }
+}

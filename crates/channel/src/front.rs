@@ -1,0 +1,402 @@
+//! The frontend's end of a queue: submission, the shadow table of outstanding requests, and
+//! validation of every response.
+
+use std::os::fd::{AsRawFd, RawFd};
+
+use bulkhead_doorbell::{now_ns, EventFd, NotifyMode, SpinBudget};
+use bulkhead_ring::{
+    FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA,
+    MAX_REQUEST_BYTES,
+};
+use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice};
+
+use crate::{ChannelError, QueueConfig, SubmitError};
+
+/// What the frontend asks of the device.
+#[derive(Debug, Clone, Copy)]
+pub enum FrontRequest<'a> {
+    /// Read `len` bytes at `offset`.
+    Read {
+        /// Device offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// Write `data` at `offset`; with `fua`, durable when acknowledged.
+    Write {
+        /// Device offset.
+        offset: u64,
+        /// Bytes to write (copied into the write arena).
+        data: &'a [u8],
+        /// Force unit access.
+        fua: bool,
+    },
+    /// Make acknowledged writes durable.
+    Flush,
+    /// Deallocate a range.
+    Discard {
+        /// Device offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// Zero a range.
+    WriteZeroes {
+        /// Device offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+}
+
+/// A validated completion, handed to the caller of [`FrontQueue::reap`].
+#[derive(Debug)]
+pub struct Completion<'a> {
+    /// The caller's token given at submission.
+    pub user: u64,
+    /// `Ok(bytes)` or the device's status.
+    pub result: Result<u64, Status>,
+    /// For a successful read: the data, in the read arena. Copy it out once (or hand it to a
+    /// system call) inside the callback; the space is reused afterwards.
+    pub data: Option<SharedSlice<'a>>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Entry {
+    live: bool,
+    id: u64,
+    user: u64,
+    op: u8,
+    len: u64,
+    arena_off: usize,
+    arena_len: usize,
+}
+
+/// Counters of a queue.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct QueueStats {
+    /// Requests completed (any status).
+    pub completed: u64,
+    /// Doorbells rung towards the driver.
+    pub kicks: u64,
+    /// Times the frontend slept waiting for a response.
+    pub sleeps: u64,
+}
+
+/// The frontend end of one queue. Owned by one thread (`&mut self` everywhere): no lock on the
+/// data path.
+#[derive(Debug)]
+pub struct FrontQueue {
+    ring: FrontRing,
+    warena: Mapping,
+    rarena: Mapping,
+    walloc: PageAllocator,
+    ralloc: PageAllocator,
+    kick: EventFd,
+    irq: EventFd,
+    mode: NotifyMode,
+    budget: SpinBudget,
+    generation: u32,
+    table: Vec<Entry>,
+    free: Vec<u32>,
+    seq: u64,
+    broken: Option<ChannelError>,
+    stats: QueueStats,
+}
+
+const INDEX_BITS: u32 = 16;
+
+impl FrontQueue {
+    pub(crate) fn new(ring: FrontRing, warena: Mapping, rarena: Mapping, kick: EventFd, irq: EventFd, cfg: &QueueConfig) -> Self {
+        let n = ring.layout().nslots;
+        FrontQueue {
+            walloc: PageAllocator::new(warena.len()),
+            ralloc: PageAllocator::new(rarena.len()),
+            ring,
+            warena,
+            rarena,
+            kick,
+            irq,
+            mode: cfg.mode,
+            budget: SpinBudget::new(cfg.budget),
+            generation: cfg.generation,
+            table: vec![Entry::default(); n as usize],
+            free: (0..n).rev().collect(),
+            seq: 0,
+            broken: None,
+            stats: QueueStats::default(),
+        }
+    }
+
+    /// Bytes in each arena: the largest request this queue can carry.
+    pub fn arena_bytes(&self) -> usize {
+        self.warena.len()
+    }
+
+    /// Largest data request.
+    pub fn max_request(&self) -> u64 {
+        (self.warena.len() as u64).min(MAX_REQUEST_BYTES)
+    }
+
+    /// Requests submitted and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.table.len() - self.free.len()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> QueueStats {
+        self.stats
+    }
+
+    /// The notification mode.
+    pub fn mode(&self) -> NotifyMode {
+        self.mode
+    }
+
+    /// Current spin budget in nanoseconds.
+    pub fn budget_ns(&self) -> u64 {
+        self.budget.budget_ns()
+    }
+
+    /// Requests the driver claims to have completed.
+    pub fn progress(&self) -> u64 {
+        self.ring.progress()
+    }
+
+    /// The doorbell the driver rings (for callers that poll several queues).
+    pub fn irq_fd(&self) -> RawFd {
+        self.irq.as_raw_fd()
+    }
+
+    /// Why the channel is broken, if it is.
+    pub fn broken(&self) -> Option<&ChannelError> {
+        self.broken.as_ref()
+    }
+
+    fn mark_broken(&mut self, e: ChannelError) -> ChannelError {
+        if self.broken.is_none() {
+            self.broken = Some(e.clone());
+        }
+        e
+    }
+
+    /// Places a request in the ring (not yet visible: call [`publish`](Self::publish), or use
+    /// [`submit`](Self::submit)). `user` comes back in the completion.
+    pub fn push(&mut self, req: FrontRequest<'_>, user: u64) -> Result<(), SubmitError> {
+        if let Some(e) = &self.broken {
+            return Err(SubmitError::Broken(e.clone()));
+        }
+        if !self.ring.has_space() || self.free.is_empty() {
+            return Err(SubmitError::Full);
+        }
+        let mut slot = RequestSlot { generation: self.generation, ..Default::default() };
+        let (op, offset, len, arena): (Op, u64, u64, Option<(u32, usize)>) = match req {
+            FrontRequest::Read { offset, len } => (Op::Read, offset, len, Some((ARENA_READ, len as usize))),
+            FrontRequest::Write { offset, data, fua } => {
+                if fua {
+                    slot.flags = FLAG_FUA;
+                }
+                (Op::Write, offset, data.len() as u64, Some((ARENA_WRITE, data.len())))
+            }
+            FrontRequest::Flush => (Op::Flush, 0, 0, None),
+            FrontRequest::Discard { offset, len } => (Op::Discard, offset, len, None),
+            FrontRequest::WriteZeroes { offset, len } => (Op::WriteZeroes, offset, len, None),
+        };
+        let (mut arena_off, mut arena_len) = (0, 0);
+        if let Some((which, n)) = arena {
+            if n == 0 {
+                return Err(SubmitError::TooLarge(0));
+            }
+            if n as u64 > self.max_request() || n > u32::MAX as usize {
+                return Err(SubmitError::TooLarge(n as u64));
+            }
+            let alloc = if which == ARENA_WRITE { &mut self.walloc } else { &mut self.ralloc };
+            arena_off = alloc.alloc(n).ok_or(SubmitError::Full)?;
+            arena_len = n;
+            if let FrontRequest::Write { data, .. } = req {
+                let win = self.warena.slice(arena_off, n).expect("allocator stays inside the arena");
+                win.copy_from(data).expect("frontend maps the write arena read-write");
+            }
+            slot.nsegs = 1;
+            slot.segs[0] = Segment { arena: which, len: n as u32, offset: arena_off as u64 };
+        }
+        let index = self.free.pop().expect("checked non-empty");
+        self.seq += 1;
+        let id = (self.seq << INDEX_BITS) | index as u64;
+        slot.id = id;
+        slot.op = op as u8;
+        slot.offset = offset;
+        slot.len = len;
+        self.table[index as usize] = Entry { live: true, id, user, op: op as u8, len, arena_off, arena_len };
+        self.ring.push(&slot).expect("space checked above");
+        Ok(())
+    }
+
+    /// Makes pushed requests visible with one release store and rings the driver if it sleeps.
+    pub fn publish(&mut self) {
+        if self.ring.publish() {
+            self.stats.kicks += 1;
+            self.kick.ring();
+        }
+    }
+
+    /// [`push`](Self::push) then [`publish`](Self::publish).
+    pub fn submit(&mut self, req: FrontRequest<'_>, user: u64) -> Result<(), SubmitError> {
+        self.push(req, user)?;
+        self.publish();
+        Ok(())
+    }
+
+    fn validate(&self, rsp: &ResponseSlot) -> Result<(usize, Result<u64, Status>), ChannelError> {
+        let index = (rsp.id & ((1 << INDEX_BITS) - 1)) as usize;
+        let e = self.table.get(index).ok_or(ChannelError::BadResponse { id: rsp.id, why: "unknown id" })?;
+        if !e.live || e.id != rsp.id {
+            return Err(ChannelError::BadResponse { id: rsp.id, why: "unknown or duplicate id" });
+        }
+        if rsp.generation != self.generation {
+            return Err(ChannelError::BadResponse { id: rsp.id, why: "stale generation" });
+        }
+        let status = Status::from_u32(rsp.status).ok_or(ChannelError::BadResponse { id: rsp.id, why: "unknown status" })?;
+        if rsp.len > e.len {
+            return Err(ChannelError::BadResponse { id: rsp.id, why: "length beyond the request" });
+        }
+        let data_op = e.op == Op::Read as u8 || e.op == Op::Write as u8;
+        let result = match status {
+            // A data request is all or nothing: a short transfer is reported as an I/O error.
+            Status::Ok if data_op && rsp.len != e.len => Err(Status::IoError),
+            Status::Ok => Ok(rsp.len),
+            s => Err(s),
+        };
+        Ok((index, result))
+    }
+
+    /// Validates and delivers every published response. A response that does not match an
+    /// outstanding request breaks the channel: the error is returned and outstanding requests
+    /// stay in the shadow table for reissue.
+    pub fn reap(&mut self, mut f: impl FnMut(Completion<'_>)) -> Result<usize, ChannelError> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        let mut n = 0;
+        loop {
+            let rsp = match self.ring.pop_response() {
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(RingError::IndexOutOfRange { prod, cons, .. }) => {
+                    return Err(self.mark_broken(ChannelError::Protocol(format!(
+                        "response index {prod} beyond outstanding requests (consumer {cons})"
+                    ))))
+                }
+                Err(e) => return Err(self.mark_broken(ChannelError::Protocol(e.to_string()))),
+            };
+            let (index, result) = match self.validate(&rsp) {
+                Ok(v) => v,
+                Err(e) => return Err(self.mark_broken(e)),
+            };
+            let e = self.table[index];
+            let data = if e.op == Op::Read as u8 && result.is_ok() {
+                Some(self.rarena.slice(e.arena_off, e.arena_len).expect("allocator stays inside the arena"))
+            } else {
+                None
+            };
+            f(Completion { user: e.user, result, data });
+            match e.op {
+                x if x == Op::Read as u8 => self.ralloc.free(e.arena_off, e.arena_len),
+                x if x == Op::Write as u8 => self.walloc.free(e.arena_off, e.arena_len),
+                _ => {}
+            }
+            self.table[index].live = false;
+            self.free.push(index as u32);
+            self.stats.completed += 1;
+            n += 1;
+        }
+        if n > 0 {
+            self.ring.finish_responses();
+        }
+        Ok(n)
+    }
+
+    /// Waits until a response is published, following the queue's notification mode, or until
+    /// `timeout_ms` passes. Returns `Ok(false)` on timeout.
+    pub fn wait(&mut self, timeout_ms: i32) -> Result<bool, ChannelError> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        if self.ring.response_pending() {
+            return Ok(true);
+        }
+        let start = now_ns();
+        let spin = match self.mode {
+            NotifyMode::Irq => 0,
+            NotifyMode::Poll => u64::MAX,
+            NotifyMode::Adaptive => self.budget.budget_ns(),
+        };
+        let deadline = if timeout_ms < 0 { u64::MAX } else { start + timeout_ms as u64 * 1_000_000 };
+        let mut i = 0u32;
+        loop {
+            if self.ring.response_pending() {
+                self.budget.record(now_ns() - start);
+                return Ok(true);
+            }
+            std::hint::spin_loop();
+            i = i.wrapping_add(1);
+            if i % 64 == 0 {
+                let now = now_ns();
+                if now >= deadline {
+                    return Ok(false);
+                }
+                if now - start >= spin {
+                    break;
+                }
+            }
+        }
+        // Sleep: publish SLEEPING + event index, re-check, block.
+        loop {
+            if self.ring.prepare_sleep() {
+                self.ring.set_running();
+                self.budget.record(now_ns() - start);
+                return Ok(true);
+            }
+            self.stats.sleeps += 1;
+            let now = now_ns();
+            let left = if deadline == u64::MAX { -1 } else { (deadline.saturating_sub(now) / 1_000_000) as i32 };
+            let rung = self.irq.wait(left).map_err(|e| ChannelError::Setup(e.to_string()))?;
+            self.ring.set_running();
+            if self.ring.response_pending() {
+                self.budget.record(now_ns() - start);
+                return Ok(true);
+            }
+            if !rung && now_ns() >= deadline {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Submits one request and waits for its completion, calling `on_data` with the read data.
+    /// Other completions that arrive meanwhile are delivered to `others`.
+    pub fn execute(
+        &mut self,
+        req: FrontRequest<'_>,
+        timeout_ms: i32,
+        mut on_data: impl FnMut(SharedSlice<'_>),
+    ) -> Result<Result<u64, Status>, SubmitError> {
+        const TOKEN: u64 = u64::MAX;
+        self.submit(req, TOKEN)?;
+        let mut out = None;
+        while out.is_none() {
+            self.reap(|c| {
+                if c.user == TOKEN {
+                    if let Some(d) = c.data {
+                        on_data(d);
+                    }
+                    out = Some(c.result);
+                }
+            })?;
+            if out.is_none() && !self.wait(timeout_ms)? {
+                let e = ChannelError::Timeout(timeout_ms as u64);
+                return Err(SubmitError::Broken(e));
+            }
+        }
+        Ok(out.expect("loop ends with a result"))
+    }
+}

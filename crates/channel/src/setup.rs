@@ -1,0 +1,108 @@
+//! Creation of a queue's shared files on the trusted side.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use bulkhead_doorbell::{BudgetPolicy, EventFd, NotifyMode};
+use bulkhead_ring::{ArenaSizes, FrontRing, RingLayout};
+use bulkhead_shmem::{memfd, Mapping, Protection};
+
+use crate::{BackQueue, ChannelError, FrontQueue};
+
+/// Geometry and policy of a queue.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueConfig {
+    /// Slots per ring (power of two): the most requests in flight.
+    pub nslots: u32,
+    /// Bytes in each grant arena (at least the largest request).
+    pub arena_bytes: usize,
+    /// How the frontend waits for responses.
+    pub mode: NotifyMode,
+    /// Spin budget of adaptive mode.
+    pub budget: BudgetPolicy,
+    /// Channel generation.
+    pub generation: u32,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            nslots: 64,
+            arena_bytes: 8 << 20,
+            mode: NotifyMode::Adaptive,
+            budget: BudgetPolicy::DEFAULT_AUTO,
+            generation: 1,
+        }
+    }
+}
+
+/// The descriptors a driver domain needs for one queue.
+#[derive(Debug)]
+pub struct BackQueueFds {
+    /// Queue file (read-write).
+    pub ring: OwnedFd,
+    /// Write arena, reopened read-only.
+    pub write_arena: OwnedFd,
+    /// Read arena (read-write).
+    pub read_arena: OwnedFd,
+    /// Doorbell rung by the frontend.
+    pub kick: OwnedFd,
+    /// Doorbell rung by the driver.
+    pub irq: OwnedFd,
+}
+
+impl BackQueueFds {
+    /// The descriptors in passing order: ring, write arena, read arena, kick, irq.
+    pub fn as_array(&self) -> [&OwnedFd; 5] {
+        [&self.ring, &self.write_arena, &self.read_arena, &self.kick, &self.irq]
+    }
+}
+
+/// Creates a queue's files.
+#[derive(Debug)]
+pub struct QueueSetup;
+
+fn setup_err(e: impl std::fmt::Display) -> ChannelError {
+    ChannelError::Setup(e.to_string())
+}
+
+fn dup(fd: &impl AsRawFd) -> Result<OwnedFd, ChannelError> {
+    // SAFETY: dup of a descriptor we hold; F_DUPFD_CLOEXEC returns a new owned descriptor.
+    let n = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
+    if n < 0 {
+        return Err(setup_err(std::io::Error::last_os_error()));
+    }
+    // SAFETY: fresh descriptor from fcntl.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(n) })
+}
+
+impl QueueSetup {
+    /// Creates ring, arenas and doorbells; returns the frontend end and the driver's descriptors.
+    pub fn create(name: &str, cfg: &QueueConfig) -> Result<(FrontQueue, BackQueueFds), ChannelError> {
+        let layout = RingLayout::new(cfg.nslots).map_err(setup_err)?;
+        let arena = cfg.arena_bytes.div_ceil(bulkhead_shmem::PAGE_SIZE) * bulkhead_shmem::PAGE_SIZE;
+        let ring_fd = memfd::create(&format!("bulkhead-{name}-ring"), layout.file_size() as u64).map_err(setup_err)?;
+        let w_fd = memfd::create(&format!("bulkhead-{name}-warena"), arena as u64).map_err(setup_err)?;
+        let r_fd = memfd::create(&format!("bulkhead-{name}-rarena"), arena as u64).map_err(setup_err)?;
+        for fd in [&ring_fd, &w_fd, &r_fd] {
+            memfd::seal_size(fd.as_raw_fd()).map_err(setup_err)?;
+        }
+        let ring_map = Mapping::new(ring_fd.as_raw_fd(), layout.file_size(), Protection::ReadWrite).map_err(setup_err)?;
+        let w_map = Mapping::new(w_fd.as_raw_fd(), arena, Protection::ReadWrite).map_err(setup_err)?;
+        let r_map = Mapping::new(r_fd.as_raw_fd(), arena, Protection::ReadWrite).map_err(setup_err)?;
+        memfd::seal_future_write(w_fd.as_raw_fd()).map_err(setup_err)?;
+        let w_ro = memfd::reopen_readonly(w_fd.as_raw_fd()).map_err(setup_err)?;
+        let ring = FrontRing::create(ring_map, layout, cfg.generation).map_err(setup_err)?;
+        let kick = EventFd::new().map_err(setup_err)?;
+        let irq = EventFd::new().map_err(setup_err)?;
+        let fds = BackQueueFds { ring: ring_fd, write_arena: w_ro, read_arena: r_fd, kick: dup(&kick)?, irq: dup(&irq)? };
+        let front = FrontQueue::new(ring, w_map, r_map, kick, irq, cfg);
+        Ok((front, fds))
+    }
+}
+
+/// A frontend and a driver end in one process (tests, benchmarks of the ring alone).
+pub fn pair(cfg: &QueueConfig, device_size: u64) -> Result<(FrontQueue, BackQueue), ChannelError> {
+    let (front, fds) = QueueSetup::create("pair", cfg)?;
+    let back = BackQueue::from_fds(fds, cfg.nslots, ArenaSizes { write: front.arena_bytes() as u64, read: front.arena_bytes() as u64 }, device_size)?;
+    Ok((front, back))
+}

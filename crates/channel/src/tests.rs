@@ -1,0 +1,226 @@
+//! Tests of a frontend and a driver end in one process; the driver end is driven by hand so each
+//! test can play an honest or a hostile peer.
+
+use bulkhead_ring::{RequestSlot, ResponseSlot};
+
+use crate::*;
+
+fn cfg() -> QueueConfig {
+    QueueConfig { nslots: 8, arena_bytes: 1 << 20, mode: NotifyMode::Poll, ..Default::default() }
+}
+
+/// Serves every pending request honestly: writes land in `disk`, reads come from it.
+fn serve(back: &mut BackQueue, disk: &mut [u8]) -> usize {
+    let mut n = 0;
+    while let Some(p) = back.pop().unwrap() {
+        match p {
+            Popped::Valid(r) => {
+                let bufs = back.buffers(&r);
+                let mut off = r.offset as usize;
+                for b in bufs.iter() {
+                    match r.op {
+                        Op::Write => b.copy_to(&mut disk[off..off + b.len()]),
+                        Op::Read => b.copy_from(&disk[off..off + b.len()]).unwrap(),
+                        _ => {}
+                    }
+                    off += b.len();
+                }
+                let len = if matches!(r.op, Op::Read | Op::Write) { r.len } else { 0 };
+                back.complete(r.id, r.generation, Status::Ok, len);
+            }
+            Popped::Invalid { id, generation, .. } => back.complete(id, generation, Status::Invalid, 0),
+        }
+        n += 1;
+    }
+    back.publish();
+    n
+}
+
+#[test]
+fn write_then_read_round_trips_data() {
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    let mut disk = vec![0u8; 1 << 20];
+    let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
+    f.submit(FrontRequest::Write { offset: 4096, data: &data, fua: true }, 1).unwrap();
+    serve(&mut b, &mut disk);
+    let mut got = vec![];
+    f.reap(|c| got.push((c.user, c.result))).unwrap();
+    assert_eq!(got, vec![(1, Ok(8192))]);
+    f.submit(FrontRequest::Read { offset: 4096, len: 8192 }, 2).unwrap();
+    serve(&mut b, &mut disk);
+    let mut out = vec![0u8; 8192];
+    f.reap(|c| c.data.unwrap().copy_to(&mut out)).unwrap();
+    assert_eq!(out, data);
+    assert_eq!(f.in_flight(), 0);
+}
+
+#[test]
+fn full_queue_refuses_then_recovers() {
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    for i in 0..8 {
+        f.submit(FrontRequest::Flush, i).unwrap();
+    }
+    assert_eq!(f.submit(FrontRequest::Flush, 9), Err(SubmitError::Full));
+    serve(&mut b, &mut vec![0; 1 << 20]);
+    assert_eq!(f.reap(|_| {}).unwrap(), 8);
+    f.submit(FrontRequest::Flush, 9).unwrap();
+}
+
+#[test]
+fn arena_exhaustion_is_full_and_oversize_is_too_large() {
+    let (mut f, _b) = pair(&cfg(), 1 << 30).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, len: 1 << 20 }, 1).unwrap();
+    assert_eq!(f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 2), Err(SubmitError::Full));
+    assert_eq!(f.submit(FrontRequest::Read { offset: 0, len: 2 << 20 }, 3), Err(SubmitError::TooLarge(2 << 20)));
+}
+
+#[test]
+fn four_mib_request_round_trips() {
+    let c = QueueConfig { arena_bytes: 8 << 20, ..cfg() };
+    let (mut f, mut b) = pair(&c, 16 << 20).unwrap();
+    let mut disk = vec![0u8; 16 << 20];
+    let data: Vec<u8> = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
+    f.submit(FrontRequest::Write { offset: 1 << 20, data: &data, fua: false }, 1).unwrap();
+    serve(&mut b, &mut disk);
+    f.reap(|c| assert_eq!(c.result, Ok(4 << 20))).unwrap();
+    assert_eq!(&disk[1 << 20..5 << 20], &data[..]);
+}
+
+fn hostile_answer(b: &mut BackQueue, edit: impl Fn(&mut ResponseSlot, &bulkhead_ring::ValidRequest)) {
+    let Popped::Valid(r) = b.pop().unwrap().unwrap() else { panic!("expected a valid request") };
+    let mut rsp = ResponseSlot { id: r.id, generation: r.generation, status: 0, len: r.len, reserved: 0 };
+    edit(&mut rsp, &r);
+    b.complete(rsp.id, rsp.generation, Status::Ok, rsp.len);
+    // Overwrite the slot just pushed with the hostile content (status may be out of range).
+    let layout = bulkhead_ring::RingLayout::new(8).unwrap();
+    let prod_private = (b.completed() - 1) as u32;
+    b.ring_mapping().write_obj(layout.rsp_slot(prod_private), &rsp).unwrap();
+    b.publish();
+}
+
+fn expect_broken(edit: impl Fn(&mut ResponseSlot, &bulkhead_ring::ValidRequest), why: &str) {
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 1).unwrap();
+    hostile_answer(&mut b, edit);
+    let mut delivered = 0;
+    let e = f.reap(|_| delivered += 1).unwrap_err();
+    assert_eq!(delivered, 0, "{why}: nothing delivered");
+    assert!(e.to_string().contains(why), "{e} should mention {why}");
+    assert!(f.broken().is_some());
+    assert!(matches!(f.submit(FrontRequest::Flush, 2), Err(SubmitError::Broken(_))));
+    assert_eq!(f.in_flight(), 1, "the request stays in the shadow table for reissue");
+}
+
+#[test]
+fn unknown_id_breaks_channel() {
+    expect_broken(|r, _| r.id ^= 0x5555_0000, "unknown");
+}
+
+#[test]
+fn stale_generation_breaks_channel() {
+    expect_broken(|r, _| r.generation = r.generation.wrapping_sub(1), "stale generation");
+}
+
+#[test]
+fn unknown_status_breaks_channel() {
+    expect_broken(|r, _| r.status = 99, "unknown status");
+}
+
+#[test]
+fn length_beyond_request_breaks_channel() {
+    expect_broken(|r, req| r.len = req.len + 1, "length beyond");
+}
+
+#[test]
+fn duplicate_response_breaks_channel() {
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    f.submit(FrontRequest::Flush, 1).unwrap();
+    f.submit(FrontRequest::Flush, 2).unwrap();
+    let Popped::Valid(r) = b.pop().unwrap().unwrap() else { panic!() };
+    b.complete(r.id, r.generation, Status::Ok, 0);
+    b.complete(r.id, r.generation, Status::Ok, 0);
+    b.publish();
+    let mut n = 0;
+    let e = f.reap(|_| n += 1).unwrap_err();
+    assert_eq!(n, 1, "the first answer is delivered once");
+    assert!(e.to_string().contains("duplicate"));
+}
+
+#[test]
+fn out_of_order_completion_is_accepted() {
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    for u in 1..=3 {
+        f.submit(FrontRequest::Flush, u).unwrap();
+    }
+    let mut reqs = vec![];
+    while let Some(Popped::Valid(r)) = b.pop().unwrap() {
+        reqs.push(r);
+    }
+    for r in reqs.iter().rev() {
+        b.complete(r.id, r.generation, Status::Ok, 0);
+    }
+    b.publish();
+    let mut users = vec![];
+    f.reap(|c| users.push(c.user)).unwrap();
+    assert_eq!(users, vec![3, 2, 1]);
+}
+
+#[test]
+fn short_read_reports_io_error_without_breaking() {
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, len: 8192 }, 1).unwrap();
+    let Popped::Valid(r) = b.pop().unwrap().unwrap() else { panic!() };
+    b.complete(r.id, r.generation, Status::Ok, 4096);
+    b.publish();
+    let mut res = None;
+    f.reap(|c| res = Some((c.result, c.data.is_some()))).unwrap();
+    assert_eq!(res, Some((Err(Status::IoError), false)));
+    assert!(f.broken().is_none());
+}
+
+#[test]
+fn driver_rejects_segment_outside_arena() {
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    f.submit(FrontRequest::Flush, 1).unwrap();
+    // A hostile frontend rewrites the slot to name bytes past the arena.
+    let layout = bulkhead_ring::RingLayout::new(8).unwrap();
+    let mut slot: RequestSlot = b.ring_mapping().read_obj(layout.req_slot(0)).unwrap();
+    slot.op = Op::Write as u8;
+    slot.nsegs = 1;
+    slot.len = 4096;
+    slot.segs[0] = bulkhead_ring::Segment { arena: bulkhead_ring::ARENA_WRITE, len: 4096, offset: 1 << 20 };
+    b.ring_mapping().write_obj(layout.req_slot(0), &slot).unwrap();
+    match b.pop().unwrap().unwrap() {
+        Popped::Invalid { error, .. } => assert!(matches!(error, bulkhead_ring::RequestError::SegmentOutOfArena { .. })),
+        Popped::Valid(_) => panic!("accepted a segment outside the arena"),
+    }
+}
+
+#[test]
+fn wait_times_out_when_driver_never_answers() {
+    let c = QueueConfig { mode: NotifyMode::Adaptive, budget: BudgetPolicy::Fixed(10_000), ..cfg() };
+    let (mut f, _b) = pair(&c, 1 << 20).unwrap();
+    f.submit(FrontRequest::Flush, 1).unwrap();
+    assert_eq!(f.wait(20), Ok(false));
+    let e = f.execute(FrontRequest::Flush, 20, |_| {}).unwrap_err();
+    assert!(matches!(e, SubmitError::Broken(ChannelError::Timeout(20))));
+}
+
+#[test]
+fn irq_mode_wakes_sleeping_frontend() {
+    let c = QueueConfig { mode: NotifyMode::Irq, ..cfg() };
+    let (mut f, mut b) = pair(&c, 1 << 20).unwrap();
+    let t = std::thread::spawn(move || {
+        let mut disk = vec![0u8; 1 << 20];
+        let mut served = 0;
+        while served < 100 {
+            served += serve(&mut b, &mut disk);
+            std::thread::yield_now();
+        }
+    });
+    for i in 0..100 {
+        assert_eq!(f.execute(FrontRequest::Flush, 10_000, |_| {}).unwrap(), Ok(0), "request {i}");
+    }
+    assert!(f.stats().sleeps > 0, "irq mode sleeps");
+    t.join().unwrap();
+}
