@@ -3,8 +3,8 @@
 use std::os::fd::{AsRawFd, RawFd};
 
 use bulkhead_doorbell::EventFd;
-use bulkhead_ring::{validate_request, ArenaSizes, BackRing, RequestError, ResponseSlot, RingError, RingLayout, Status, ValidRequest, ARENA_WRITE, MAX_SEGMENTS};
-use bulkhead_shmem::{Mapping, Protection, SharedSlice};
+use bulkhead_ring::{validate_request, ArenaSizes, BackRing, RequestError, ResponseSlot, RingError, RingLayout, Status, ValidRequest, ARENA_WRITE};
+use bulkhead_shmem::{Mapping, Protection, SliceList};
 
 use crate::{BackQueueFds, ChannelError};
 
@@ -22,30 +22,6 @@ pub enum Popped {
         /// What was wrong.
         error: RequestError,
     },
-}
-
-/// The data windows of a validated request, in order.
-#[derive(Debug)]
-pub struct SegBufs<'a> {
-    bufs: [Option<SharedSlice<'a>>; MAX_SEGMENTS],
-    n: usize,
-}
-
-impl<'a> SegBufs<'a> {
-    /// The windows.
-    pub fn iter(&self) -> impl Iterator<Item = SharedSlice<'a>> + '_ {
-        self.bufs[..self.n].iter().map(|b| b.expect("first n are set"))
-    }
-
-    /// Number of windows.
-    pub fn len(&self) -> usize {
-        self.n
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.n == 0
-    }
 }
 
 /// The driver end of one queue.
@@ -105,13 +81,13 @@ impl BackQueue {
     }
 
     /// The data windows of a validated request.
-    pub fn buffers(&self, req: &ValidRequest) -> SegBufs<'_> {
-        let mut bufs = [None; MAX_SEGMENTS];
-        for (i, s) in req.segments().iter().enumerate() {
+    pub fn buffers(&self, req: &ValidRequest) -> SliceList<'_> {
+        let mut list = SliceList::new();
+        for s in req.segments() {
             let arena = if s.arena == ARENA_WRITE { &self.warena } else { &self.rarena };
-            bufs[i] = Some(arena.slice(s.offset as usize, s.len as usize).expect("validated against arena size"));
+            list.push(arena.slice(s.offset as usize, s.len as usize).expect("validated against arena size"));
         }
-        SegBufs { bufs, n: req.nsegs }
+        list
     }
 
     /// Queues a response (visible after [`publish`](Self::publish)).

@@ -13,7 +13,8 @@ mod setup;
 #[cfg(test)]
 mod tests;
 
-pub use back::{BackQueue, Popped, SegBufs};
+pub use back::{BackQueue, Popped};
+pub use bulkhead_shmem::{SharedSlice, SliceList};
 pub use front::{Completion, FrontQueue, FrontRequest, QueueStats};
 pub use setup::{pair, BackQueueFds, QueueConfig, QueueSetup};
 

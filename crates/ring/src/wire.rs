@@ -7,7 +7,7 @@ pub const REQ_SLOT_SIZE: usize = 128;
 /// Bytes in a response slot.
 pub const RSP_SLOT_SIZE: usize = 32;
 /// Segments a request slot can name.
-pub const MAX_SEGMENTS: usize = 6;
+pub const MAX_SEGMENTS: usize = bulkhead_shmem::MAX_SLICES;
 /// Largest data transfer of one request (read or write).
 pub const MAX_REQUEST_BYTES: u64 = 32 << 20;
 /// Arena holding data flowing to the driver (mapped read-only by it).

@@ -17,7 +17,7 @@ mod mapping;
 pub mod memfd;
 
 pub use alloc::PageAllocator;
-pub use mapping::{Mapping, Protection, SharedSlice};
+pub use mapping::{Mapping, Protection, SharedSlice, SliceList, MAX_SLICES};
 
 /// Errors from creating, sealing or mapping shared memory.
 #[derive(Debug, thiserror::Error)]

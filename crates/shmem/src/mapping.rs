@@ -282,6 +282,62 @@ impl<'a> SharedSlice<'a> {
     }
 }
 
+/// Most windows one request can name.
+pub const MAX_SLICES: usize = 6;
+
+/// The data windows of one request, in device order (a small fixed array: no allocation).
+#[derive(Debug, Clone, Copy)]
+pub struct SliceList<'a> {
+    bufs: [Option<SharedSlice<'a>>; MAX_SLICES],
+    n: usize,
+}
+
+impl<'a> SliceList<'a> {
+    /// An empty list.
+    pub fn new() -> Self {
+        SliceList { bufs: [None; MAX_SLICES], n: 0 }
+    }
+
+    /// A list of one window.
+    pub fn one(s: SharedSlice<'a>) -> Self {
+        let mut l = Self::new();
+        l.push(s);
+        l
+    }
+
+    /// Appends a window; panics past [`MAX_SLICES`] (callers validate counts first).
+    pub fn push(&mut self, s: SharedSlice<'a>) {
+        self.bufs[self.n] = Some(s);
+        self.n += 1;
+    }
+
+    /// The windows.
+    pub fn iter(&self) -> impl Iterator<Item = SharedSlice<'a>> + '_ {
+        self.bufs[..self.n].iter().map(|b| b.expect("first n are set"))
+    }
+
+    /// Number of windows.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// Total bytes.
+    pub fn total_len(&self) -> u64 {
+        self.iter().map(|s| s.len() as u64).sum()
+    }
+}
+
+impl Default for SliceList<'_> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

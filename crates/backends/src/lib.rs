@@ -1,0 +1,34 @@
+//! Backends: the storage at the end of a driver domain's chain.
+//!
+//! Every backend receives descriptors opened for it by the supervisor; none opens a path itself
+//! (the sandbox forbids it).
+#![deny(missing_docs)]
+
+mod file;
+mod null;
+mod ram;
+
+pub use file::{Engine, FileBackend};
+pub use null::NullBackend;
+pub use ram::RamBackend;
+
+/// Setup errors of a backend.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// A system call failed while setting up.
+    #[error("{op}: {source}")]
+    Sys {
+        /// What was being done.
+        op: &'static str,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Mapping the ramdisk failed.
+    #[error("ramdisk mapping: {0}")]
+    Map(#[from] bulkhead_shmem::ShmError),
+}
+
+pub(crate) fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+}
