@@ -1,0 +1,168 @@
+//! What the supervisor tells a domain: which inherited descriptor is which, and how to serve.
+
+use serde::{Deserialize, Serialize};
+
+/// The whole description of one domain, passed as JSON on its command line.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DomainSpec {
+    /// Device name (for logs).
+    pub device: String,
+    /// Device size in bytes.
+    pub size: u64,
+    /// `irq`, `poll` or `adaptive`.
+    pub mode: String,
+    /// Fixed spin budget in ns; `None` tunes itself.
+    pub budget_ns: Option<u64>,
+    /// The queues.
+    pub queues: Vec<QueueSpec>,
+    /// The backend.
+    pub backend: BackendSpec,
+}
+
+/// One queue's descriptors and geometry.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct QueueSpec {
+    /// Slots per ring.
+    pub nslots: u32,
+    /// Bytes in each arena.
+    pub arena_bytes: u64,
+    /// Descriptors: ring, write arena (read-only), read arena, kick, irq.
+    pub fds: [i32; 5],
+}
+
+/// The backend and its descriptors.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum BackendSpec {
+    /// Ramdisk over an inherited memfd.
+    Ram {
+        /// The memfd.
+        fd: i32,
+    },
+    /// File or block device.
+    File {
+        /// Main descriptor (O_DIRECT when `buffered_fd` is set).
+        fd: i32,
+        /// Buffered descriptor for unaligned requests when direct.
+        buffered_fd: Option<i32>,
+        /// Refuse writes.
+        read_only: bool,
+        /// `sync` or `io_uring`.
+        engine: String,
+    },
+    /// Null device.
+    Null,
+}
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use bulkhead_backends::{Engine, FileBackend, NullBackend, RamBackend};
+use bulkhead_block::{Backend, Chain};
+use bulkhead_channel::{BackQueue, BackQueueFds, BudgetPolicy, NotifyMode};
+use bulkhead_ring::ArenaSizes;
+
+use crate::{Domain, DriverError};
+
+/// Takes ownership of an inherited descriptor named in the spec.
+///
+/// # Safety
+/// `fd` must be open, inherited for this purpose, and claimed only once.
+unsafe fn claim(fd: i32) -> Result<OwnedFd, DriverError> {
+    // SAFETY: F_GETFD only checks that the descriptor is open.
+    if fd < 3 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(DriverError::Setup(format!("descriptor {fd} named in the spec is not open")));
+    }
+    // SAFETY: the caller guarantees the descriptor is ours alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+impl DomainSpec {
+    /// The notification mode.
+    pub fn notify_mode(&self) -> Result<NotifyMode, DriverError> {
+        self.mode.parse().map_err(DriverError::Setup)
+    }
+
+    /// The spin budget policy.
+    pub fn budget(&self) -> BudgetPolicy {
+        self.budget_ns.map(BudgetPolicy::Fixed).unwrap_or(BudgetPolicy::DEFAULT_AUTO)
+    }
+
+    /// Builds the domain from descriptors inherited at exec.
+    ///
+    /// # Safety
+    /// Every descriptor named in the spec must be inherited for this domain and not used by
+    /// anything else in the process.
+    pub unsafe fn build_inherited(&self, stop: Arc<AtomicBool>) -> Result<Domain, DriverError> {
+        let mode = self.notify_mode()?;
+        let mut queues = Vec::with_capacity(self.queues.len());
+        for q in &self.queues {
+            // SAFETY: forwarded from this function's contract.
+            let [ring, write_arena, read_arena, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
+            let fds = BackQueueFds { ring: ring?, write_arena: write_arena?, read_arena: read_arena?, kick: kick?, irq: irq? };
+            let arenas = ArenaSizes { write: q.arena_bytes, read: q.arena_bytes };
+            queues.push(
+                BackQueue::from_fds(fds, q.nslots, arenas, self.size).map_err(|e| DriverError::Setup(e.to_string()))?,
+            );
+        }
+        let setup = |e: bulkhead_backends::BackendError| DriverError::Setup(e.to_string());
+        let backend: Box<dyn Backend> = match &self.backend {
+            // SAFETY: forwarded from this function's contract.
+            BackendSpec::Ram { fd } => Box::new(RamBackend::new(unsafe { claim(*fd)? }, self.size).map_err(setup)?),
+            BackendSpec::File { fd, buffered_fd, read_only, engine } => {
+                let engine = match engine.as_str() {
+                    "sync" => Engine::Sync,
+                    "io_uring" => Engine::IoUring,
+                    other => return Err(DriverError::Setup(format!("unknown engine `{other}`"))),
+                };
+                // SAFETY: forwarded from this function's contract.
+                let main = unsafe { claim(*fd)? };
+                // SAFETY: as above.
+                let buffered = match buffered_fd { Some(b) => Some(unsafe { claim(*b)? }), None => None };
+                Box::new(FileBackend::new(main, buffered, *read_only, engine).map_err(setup)?)
+            }
+            BackendSpec::Null => Box::new(NullBackend::new(self.size)),
+        };
+        let chain = Chain::new(Vec::new(), backend);
+        Domain::new(queues, Box::new(chain), mode, self.budget(), stop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_round_trips_through_json_and_refuses_unknown_fields() {
+        let spec = DomainSpec {
+            device: "disk0".into(),
+            size: 1 << 30,
+            mode: "adaptive".into(),
+            budget_ns: None,
+            queues: vec![QueueSpec { nslots: 64, arena_bytes: 8 << 20, fds: [3, 4, 5, 6, 7] }],
+            backend: BackendSpec::File { fd: 8, buffered_fd: Some(9), read_only: false, engine: "io_uring".into() },
+        };
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(serde_json::from_str::<DomainSpec>(&json).unwrap(), spec);
+        let bad = json.replace("\"mode\"", "\"mood\"");
+        assert!(serde_json::from_str::<DomainSpec>(&bad).is_err());
+    }
+
+    #[test]
+    fn closed_descriptor_is_a_setup_error() {
+        let spec = DomainSpec {
+            device: "d".into(),
+            size: 4096,
+            mode: "poll".into(),
+            budget_ns: None,
+            queues: vec![QueueSpec { nslots: 8, arena_bytes: 4096, fds: [1000, 1001, 1002, 1003, 1004] }],
+            backend: BackendSpec::Null,
+        };
+        // SAFETY: the descriptors named are not open, which is what is being tested.
+        let e = unsafe { spec.build_inherited(Arc::new(AtomicBool::new(false))) }.unwrap_err();
+        assert!(e.to_string().contains("descriptor 1000"), "{e}");
+    }
+}
