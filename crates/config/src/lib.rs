@@ -1,0 +1,551 @@
+//! The configuration of `bulkhead serve`.
+//!
+//! ```toml
+//! [fuse]
+//! enabled = true          # export <run-dir>/fuse/<device>
+//! threads = 4             # FUSE worker threads
+//!
+//! [[device]]
+//! name = "disk0"
+//! size = "1G"             # bytes, or with K/M/G/T suffix (powers of 1024)
+//! queues = 4              # channel queues
+//! queue_depth = 64        # slots per ring (power of two)
+//! arena = "8M"            # bytes per grant arena (≥ the largest request, 4M at least)
+//! notify = "adaptive"     # irq | poll | adaptive
+//! spin_budget_us = "auto" # or a number of microseconds
+//!
+//! [device.backend]
+//! type = "ram"            # ram | file | null
+//! # path = "/var/lib/img" # file: a regular file or block device
+//! # direct = false        # file: O_DIRECT
+//! # engine = "sync"       # file: sync | io_uring
+//! # read_only = false     # file
+//! ```
+//!
+//! Unknown keys and bad values are errors naming the key and the line.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+use std::path::{Path, PathBuf};
+
+use serde::de::{self, Deserializer};
+use serde::Deserialize;
+use toml::Spanned;
+
+/// The embedded default: one 1 GiB `ram` device `disk0`, adaptive notification, FUSE export.
+pub const DEFAULT_CONFIG: &str = r#"
+[fuse]
+enabled = true
+
+[[device]]
+name = "disk0"
+size = "1G"
+notify = "adaptive"
+
+[device.backend]
+type = "ram"
+"#;
+
+/// A configuration error, with the file and line when known.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The path.
+        path: PathBuf,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// TOML syntax, unknown key or bad value (toml's message names key, line and column).
+    #[error("{origin}: {message}")]
+    Parse {
+        /// File name or "embedded default".
+        origin: String,
+        /// The message.
+        message: String,
+    },
+    /// A semantic error at a line.
+    #[error("{origin}, line {line}: {message}")]
+    Invalid {
+        /// File name.
+        origin: String,
+        /// 1-based line.
+        line: usize,
+        /// What is wrong, naming the key.
+        message: String,
+    },
+}
+
+/// Byte size written as an integer or a string with a K/M/G/T suffix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+/// Parses "1G", "512M", "4096", "64k".
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mul) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        None => (t, 1u64),
+        Some((i, _)) => {
+            let mul = match t[i..].to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
+                "" => 1,
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                "G" => 1 << 30,
+                "T" => 1 << 40,
+                _ => return Err(format!("invalid size `{s}` (use bytes or a K, M, G, T suffix)")),
+            };
+            (&t[..i], mul)
+        }
+    };
+    let n: u64 = num.parse().map_err(|_| format!("invalid size `{s}`"))?;
+    n.checked_mul(mul).ok_or_else(|| format!("size `{s}` is too large"))
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = Size;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a size in bytes or a string such as \"1G\"")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Size, E> {
+                u64::try_from(v).map(Size).map_err(|_| E::custom("size must not be negative"))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Size, E> {
+                Ok(Size(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Size, E> {
+                parse_size(v).map(Size).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Notification mode of a device's channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Notify {
+    /// Always sleep, always ring.
+    Irq,
+    /// Spin forever.
+    Poll,
+    /// Spin up to a budget, then sleep.
+    Adaptive,
+}
+
+impl Notify {
+    /// The configuration spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Notify::Irq => "irq",
+            Notify::Poll => "poll",
+            Notify::Adaptive => "adaptive",
+        }
+    }
+}
+
+/// Spin budget: "auto" or microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpinBudget {
+    /// Self-tuning.
+    Auto,
+    /// Fixed microseconds.
+    Micros(u64),
+}
+
+impl<'de> Deserialize<'de> for SpinBudget {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = SpinBudget;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("\"auto\" or a number of microseconds")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<SpinBudget, E> {
+                u64::try_from(v).map(SpinBudget::Micros).map_err(|_| E::custom("spin budget must not be negative"))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<SpinBudget, E> {
+                Ok(SpinBudget::Micros(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<SpinBudget, E> {
+                if v == "auto" {
+                    Ok(SpinBudget::Auto)
+                } else {
+                    Err(E::custom(format!("invalid spin budget `{v}` (expected \"auto\" or microseconds)")))
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// File backend engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Engine {
+    /// Synchronous system calls.
+    Sync,
+    /// io_uring.
+    IoUring,
+}
+
+impl Engine {
+    /// The configuration spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Engine::Sync => "sync",
+            Engine::IoUring => "io_uring",
+        }
+    }
+}
+
+/// Kind of backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// A ramdisk (sparse memfd).
+    Ram,
+    /// A regular file or block device.
+    File,
+    /// Reads zeroes, drops writes.
+    Null,
+}
+
+/// The `[device.backend]` table as written.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendTable {
+    /// `type`.
+    #[serde(rename = "type")]
+    pub kind: BackendKind,
+    /// `path` (file).
+    pub path: Option<Spanned<PathBuf>>,
+    /// `direct` (file).
+    pub direct: Option<Spanned<bool>>,
+    /// `engine` (file).
+    pub engine: Option<Spanned<Engine>>,
+    /// `read_only` (file).
+    pub read_only: Option<Spanned<bool>>,
+}
+
+/// A device's backend, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Backend {
+    /// A ramdisk.
+    Ram,
+    /// A file or block device.
+    File {
+        /// Path of the file or device.
+        path: PathBuf,
+        /// Open with O_DIRECT.
+        direct: bool,
+        /// I/O engine.
+        engine: Engine,
+        /// Refuse writes.
+        read_only: bool,
+    },
+    /// Reads zeroes, drops writes.
+    Null,
+}
+
+impl BackendTable {
+    /// The resolved backend (after validation).
+    pub fn resolve(&self) -> Backend {
+        match self.kind {
+            BackendKind::Ram => Backend::Ram,
+            BackendKind::Null => Backend::Null,
+            BackendKind::File => Backend::File {
+                path: self.path.as_ref().map(|p| p.get_ref().clone()).unwrap_or_default(),
+                direct: self.direct.as_ref().map(|d| *d.get_ref()).unwrap_or(false),
+                engine: self.engine.as_ref().map(|e| *e.get_ref()).unwrap_or(Engine::Sync),
+                read_only: self.read_only.as_ref().map(|r| *r.get_ref()).unwrap_or(false),
+            },
+        }
+    }
+}
+
+/// One device.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Device {
+    /// Name: the FUSE file and NBD export name.
+    pub name: Spanned<String>,
+    /// Size in bytes (defaults to the file size for `file`; required otherwise).
+    pub size: Option<Spanned<Size>>,
+    /// Number of queues.
+    #[serde(default = "default_queues")]
+    pub queues: Spanned<u32>,
+    /// Slots per ring.
+    #[serde(default = "default_depth")]
+    pub queue_depth: Spanned<u32>,
+    /// Bytes per grant arena.
+    #[serde(default = "default_arena")]
+    pub arena: Spanned<Size>,
+    /// Notification mode.
+    #[serde(default = "default_notify")]
+    pub notify: Notify,
+    /// Spin budget.
+    #[serde(default = "default_budget")]
+    pub spin_budget_us: SpinBudget,
+    /// Backend table.
+    pub backend: BackendTable,
+}
+
+fn default_queues() -> Spanned<u32> {
+    Spanned::new(0..0, 4)
+}
+fn default_depth() -> Spanned<u32> {
+    Spanned::new(0..0, 64)
+}
+fn default_arena() -> Spanned<Size> {
+    Spanned::new(0..0, Size(8 << 20))
+}
+fn default_notify() -> Notify {
+    Notify::Adaptive
+}
+fn default_budget() -> SpinBudget {
+    SpinBudget::Auto
+}
+
+/// The FUSE export.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fuse {
+    /// Export devices under `<run-dir>/fuse/`.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Worker threads.
+    #[serde(default = "default_threads")]
+    pub threads: Spanned<u32>,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_threads() -> Spanned<u32> {
+    Spanned::new(0..0, 4)
+}
+
+impl Default for Fuse {
+    fn default() -> Self {
+        Fuse { enabled: true, threads: default_threads() }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// FUSE export settings.
+    #[serde(default)]
+    pub fuse: Fuse,
+    /// Devices.
+    #[serde(default, rename = "device")]
+    pub devices: Vec<Device>,
+}
+
+fn line_of(src: &str, offset: usize) -> usize {
+    src[..offset.min(src.len())].bytes().filter(|&b| b == b'\n').count() + 1
+}
+
+impl Config {
+    /// Parses and validates `src`; `origin` names it in errors.
+    pub fn parse(src: &str, origin: &str) -> Result<Config, ConfigError> {
+        let cfg: Config =
+            toml::from_str(src).map_err(|e| ConfigError::Parse { origin: origin.to_string(), message: e.to_string() })?;
+        cfg.validate(src, origin)?;
+        Ok(cfg)
+    }
+
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let src = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        Config::parse(&src, &path.display().to_string())
+    }
+
+    /// The embedded default.
+    pub fn embedded_default() -> Config {
+        Config::parse(DEFAULT_CONFIG, "embedded default").expect("embedded default is valid")
+    }
+
+    fn validate(&self, src: &str, origin: &str) -> Result<(), ConfigError> {
+        let err = |span: std::ops::Range<usize>, message: String| ConfigError::Invalid {
+            origin: origin.to_string(),
+            line: line_of(src, span.start),
+            message,
+        };
+        if self.devices.is_empty() {
+            return Err(ConfigError::Invalid { origin: origin.into(), line: 1, message: "no [[device]] configured".into() });
+        }
+        let t = &self.fuse.threads;
+        if !(1..=64).contains(t.get_ref()) {
+            return Err(err(t.span(), format!("key `fuse.threads`: {} is out of range 1..=64", t.get_ref())));
+        }
+        let mut names = std::collections::HashSet::new();
+        for d in &self.devices {
+            let name = d.name.get_ref();
+            let valid = !name.is_empty()
+                && name.len() <= 64
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                && !name.starts_with('.');
+            if !valid {
+                return Err(err(
+                    d.name.span(),
+                    format!("key `name`: `{name}` is not a valid device name (1-64 of A-Z a-z 0-9 - _ ., not starting with .)"),
+                ));
+            }
+            if !names.insert(name.clone()) {
+                return Err(err(d.name.span(), format!("key `name`: device `{name}` is defined twice")));
+            }
+            let q = &d.queues;
+            if !(1..=64).contains(q.get_ref()) {
+                return Err(err(q.span(), format!("device `{name}`: key `queues`: {} is out of range 1..=64", q.get_ref())));
+            }
+            let depth = &d.queue_depth;
+            if !depth.get_ref().is_power_of_two() || !(2..=4096).contains(depth.get_ref()) {
+                return Err(err(
+                    depth.span(),
+                    format!("device `{name}`: key `queue_depth`: {} must be a power of two in 2..=4096", depth.get_ref()),
+                ));
+            }
+            let arena = &d.arena;
+            if arena.get_ref().0 < 4 << 20 || arena.get_ref().0 > 1 << 30 {
+                return Err(err(
+                    arena.span(),
+                    format!("device `{name}`: key `arena`: {} bytes is out of range 4M..=1G", arena.get_ref().0),
+                ));
+            }
+            if let SpinBudget::Micros(us) = d.spin_budget_us {
+                if us > 1_000_000 {
+                    return Err(err(d.name.span(), format!("device `{name}`: key `spin_budget_us`: {us} exceeds one second")));
+                }
+            }
+            let b = &d.backend;
+            if b.kind == BackendKind::File {
+                let Some(path) = &b.path else {
+                    return Err(err(d.name.span(), format!("device `{name}`: key `backend.path` is required for type = \"file\"")));
+                };
+                let p = path.get_ref();
+                if !p.exists() {
+                    return Err(err(path.span(), format!("device `{name}`: key `backend.path`: {} does not exist", p.display())));
+                }
+            } else {
+                let file_only = [
+                    ("path", b.path.as_ref().map(|x| x.span())),
+                    ("direct", b.direct.as_ref().map(|x| x.span())),
+                    ("engine", b.engine.as_ref().map(|x| x.span())),
+                    ("read_only", b.read_only.as_ref().map(|x| x.span())),
+                ];
+                if let Some((key, Some(span))) = file_only.into_iter().find(|(_, s)| s.is_some()) {
+                    return Err(err(span, format!("device `{name}`: key `backend.{key}` only applies to type = \"file\"")));
+                }
+                if d.size.is_none() {
+                    return Err(err(d.name.span(), format!("device `{name}`: key `size` is required for this backend")));
+                }
+            }
+            if let Some(s) = &d.size {
+                if s.get_ref().0 == 0 || s.get_ref().0 % 512 != 0 {
+                    return Err(err(
+                        s.span(),
+                        format!("device `{name}`: key `size`: {} is not a positive multiple of 512", s.get_ref().0),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::parse(s, "test.toml")
+    }
+
+    #[test]
+    fn embedded_default_is_one_gib_ram_adaptive_with_fuse() {
+        let c = Config::embedded_default();
+        assert_eq!(c.devices.len(), 1);
+        let d = &c.devices[0];
+        assert_eq!(d.name.get_ref(), "disk0");
+        assert_eq!(d.size.as_ref().unwrap().get_ref().0, 1 << 30);
+        assert_eq!(d.notify, Notify::Adaptive);
+        assert_eq!(d.backend.resolve(), Backend::Ram);
+        assert!(c.fuse.enabled);
+    }
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64k"), Ok(64 << 10));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert!(parse_size("1X").is_err());
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn unknown_key_names_key_and_line() {
+        let e = parse("[[device]]\nname = \"a\"\nsize = \"1M\"\ncolour = 3\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("colour") && m.contains("line 4"), "{m}");
+    }
+
+    #[test]
+    fn bad_value_names_key_and_line() {
+        let e = parse("[[device]]\nname = \"a\"\nsize = \"1X\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("size") && m.contains("line 3") && m.contains("1X"), "{m}");
+        let e = parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nnotify = \"sometimes\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("notify") && m.contains("line 4"), "{m}");
+    }
+
+    #[test]
+    fn missing_backing_file_names_the_path_and_line() {
+        let e = parse("[[device]]\nname = \"a\"\n[device.backend]\ntype = \"file\"\npath = \"/nonexistent/img\"\n").unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("/nonexistent/img") && m.contains("line 5") && m.contains("backend.path"), "{m}");
+    }
+
+    #[test]
+    fn semantic_errors_name_key_and_line() {
+        let e = parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nqueue_depth = 3\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        assert!(e.to_string().contains("queue_depth") && e.to_string().contains("line 4"), "{e}");
+        let e = parse("[[device]]\nname = \"a/b\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        assert!(e.to_string().contains("line 2") && e.to_string().contains("a/b"), "{e}");
+        let dup = "[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n";
+        let e = parse(&format!("{dup}{dup}")).unwrap_err();
+        assert!(e.to_string().contains("twice") && e.to_string().contains("line 7"), "{e}");
+        let e = parse("[[device]]\nname = \"a\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        assert!(e.to_string().contains("`size` is required"), "{e}");
+        let e = parse("[[device]]\nname = \"a\"\nsize = 1000\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        assert!(e.to_string().contains("multiple of 512"), "{e}");
+        let e = parse("[fuse]\nthreads = 0\n[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        assert!(e.to_string().contains("fuse.threads") && e.to_string().contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn file_backend_takes_its_options() {
+        let c = parse("[[device]]\nname = \"f\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\ndirect = true\nengine = \"io_uring\"\n").unwrap();
+        match c.devices[0].backend.resolve() {
+            Backend::File { direct, engine, read_only, .. } => {
+                assert!(direct);
+                assert_eq!(engine, Engine::IoUring);
+                assert!(!read_only);
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = parse("[[device]]\nname = \"f\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\nengine = \"aio\"\n").unwrap_err();
+        assert!(e.to_string().contains("aio") && e.to_string().contains("line 6"), "{e}");
+        let e = parse("[[device]]\nname = \"r\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\ndirect = true\n").unwrap_err();
+        assert!(e.to_string().contains("backend.direct") && e.to_string().contains("line 6"), "{e}");
+    }
+}
