@@ -1,0 +1,10 @@
+//! Benchmarks behind `bulkhead bench`.
+//!
+//! Each benchmark runs the real pieces: the channel benchmark execs a real driver domain
+//! (`bulkhead driver`) with a `ram` backend and drives it from this process.
+#![deny(missing_docs)]
+
+pub mod channel;
+mod table;
+
+pub use table::Table;

@@ -1,0 +1,120 @@
+//! `bulkhead`: serve block devices from isolated driver domains.
+
+mod driver_cmd;
+mod serve;
+mod status;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(name = "bulkhead", version, about = "Block devices served by isolated, restartable driver domains")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the supervisor, driver domains and exports until SIGINT/SIGTERM.
+    Serve {
+        /// TOML configuration (default: one 1 GiB ram device `disk0`, adaptive, FUSE export).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Directory for the FUSE export, sockets and lock.
+        #[arg(long, default_value = "./bulkhead-run")]
+        run_dir: PathBuf,
+    },
+    /// Print each device's state, driver pid, mode, requests, restarts, outages and memory.
+    Status {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run")]
+        run_dir: PathBuf,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCmd,
+    },
+    /// The driver-domain role (exec'd by the supervisor; not for direct use).
+    #[command(hide = true)]
+    Driver {
+        /// Domain description (JSON).
+        #[arg(long)]
+        spec: String,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Irq,
+    Poll,
+    Adaptive,
+    All,
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// The device channel between two processes, per notification mode.
+    Channel {
+        /// Mode to measure.
+        #[arg(long, value_enum, default_value = "all")]
+        mode: ModeArg,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+        /// Seconds per IOPS phase.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Round trips sampled per latency phase.
+        #[arg(long, default_value_t = 200_000)]
+        samples: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Serve { config, run_dir } => serve::run(config.as_deref(), &run_dir),
+        Cmd::Status { json, run_dir } => status::run(&run_dir, json),
+        Cmd::Driver { spec } => driver_cmd::run(&spec),
+        Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples } } => bench_channel(mode, json, seconds, samples),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("bulkhead: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn bench_channel(mode: ModeArg, json: bool, seconds: f64, samples: usize) -> anyhow::Result<ExitCode> {
+    use bulkhead_channel::NotifyMode;
+    if !(0.1..=600.0).contains(&seconds) {
+        anyhow::bail!("--seconds must be between 0.1 and 600");
+    }
+    if !(1000..=100_000_000).contains(&samples) {
+        anyhow::bail!("--samples must be between 1000 and 100000000");
+    }
+    let modes = match mode {
+        ModeArg::Irq => vec![NotifyMode::Irq],
+        ModeArg::Poll => vec![NotifyMode::Poll],
+        ModeArg::Adaptive => vec![NotifyMode::Adaptive],
+        ModeArg::All => vec![NotifyMode::Irq, NotifyMode::Poll, NotifyMode::Adaptive],
+    };
+    let exe = std::env::current_exe()?;
+    let opts = bulkhead_bench::channel::Options { modes, seconds, samples };
+    let report = bulkhead_bench::channel::run(&exe, &opts, |p| eprintln!("bench channel: {p}")).map_err(anyhow::Error::msg)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", bulkhead_bench::channel::render(&report));
+    }
+    Ok(ExitCode::SUCCESS)
+}

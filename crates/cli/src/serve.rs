@@ -1,0 +1,152 @@
+//! `bulkhead serve`: supervisor, driver domains, exports, control socket; clean shutdown.
+
+use std::fs::File;
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use bulkhead_config::Config;
+use bulkhead_fuse_export::FuseExport;
+use bulkhead_supervisor::control::ControlServer;
+use bulkhead_supervisor::Supervisor;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+
+/// The exclusive lock on a run directory, held for the life of `serve`.
+struct RunLock {
+    file: File,
+    path: PathBuf,
+}
+
+impl RunLock {
+    fn acquire(run_dir: &Path) -> anyhow::Result<RunLock> {
+        let path = run_dir.join("serve.lock");
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } < 0 {
+            let mut pid = String::new();
+            let _ = file.read_to_string(&mut pid);
+            bail!(
+                "another bulkhead serve (pid {}) is already running on run dir {}",
+                pid.trim().parse::<u32>().map(|p| p.to_string()).unwrap_or_else(|_| "?".into()),
+                run_dir.display()
+            );
+        }
+        file.set_len(0)?;
+        file.rewind()?;
+        write!(file, "{}", std::process::id())?;
+        Ok(RunLock { file, path })
+    }
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+        let _ = &self.file;
+    }
+}
+
+fn is_mountpoint(p: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let want = p.to_string_lossy();
+    info.lines().any(|l| l.split(' ').nth(4).is_some_and(|m| m == want))
+}
+
+/// A FUSE mount left by a serve that was killed is dead (ENOTCONN); detach it.
+fn clear_stale_mount(dir: &Path) {
+    if is_mountpoint(dir) {
+        eprintln!("bulkhead: removing a stale FUSE mount at {} left by an earlier serve", dir.display());
+        let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).expect("path without NUL");
+        // SAFETY: valid path string.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u]).replace(".0 ", " ")
+}
+
+pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCode> {
+    let config = match config_path {
+        Some(p) => Config::load(p)?,
+        None => Config::embedded_default(),
+    };
+    // Signals first, so a SIGTERM during start-up is not lost.
+    let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
+    std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run dir {}", run_dir.display()))?;
+    let run_dir = run_dir.canonicalize().with_context(|| format!("run dir {}", run_dir.display()))?;
+    let lock = RunLock::acquire(&run_dir)?;
+    let fuse_dir = run_dir.join("fuse");
+    clear_stale_mount(&fuse_dir);
+
+    let sup = Arc::new(Supervisor::start(&config, None)?);
+    let fuse = if config.fuse.enabled {
+        match FuseExport::mount(&fuse_dir, sup.devices(), *config.fuse.threads.get_ref() as usize) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                sup.shutdown();
+                return Err(anyhow::Error::new(e).context("FUSE export (needs root and /dev/fuse)"));
+            }
+        }
+    } else {
+        None
+    };
+    let s = sup.clone();
+    let control = ControlServer::start(
+        &run_dir.join("control.sock"),
+        Arc::new(move |req| match req["cmd"].as_str() {
+            Some("status") => serde_json::to_value(s.status()).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()})),
+            Some(other) => serde_json::json!({ "error": format!("unknown command `{other}`") }),
+            None => serde_json::json!({ "error": "missing `cmd`" }),
+        }),
+    )
+    .with_context(|| format!("cannot bind {}", run_dir.join("control.sock").display()));
+    let mut control = match control {
+        Ok(c) => c,
+        Err(e) => {
+            drop(fuse);
+            sup.shutdown();
+            return Err(e);
+        }
+    };
+
+    for d in sup.status().devices {
+        let at = if fuse.is_some() { format!(" at {}", fuse_dir.join(&d.name).display()) } else { String::new() };
+        eprintln!(
+            "bulkhead: serving {} ({} {}, {} notification, driver pid {}){at}",
+            d.name,
+            human(d.size_bytes),
+            d.backend,
+            d.mode,
+            d.driver_pid
+        );
+    }
+    eprintln!("bulkhead: control socket {}; stop with SIGINT or SIGTERM", run_dir.join("control.sock").display());
+
+    let sig = signals.forever().next().unwrap_or(SIGTERM);
+    eprintln!("bulkhead: {} received; shutting down", if sig == SIGINT { "SIGINT" } else { "SIGTERM" });
+    // Stop accepting: control first, then the FUSE export (workers finish the request in hand).
+    control.stop();
+    let clean = fuse.map(FuseExport::shutdown).unwrap_or(true);
+    // Flush every device and end the domains.
+    sup.shutdown();
+    drop(lock);
+    eprintln!("bulkhead: stopped{}", if clean { "" } else { " (the FUSE mount was busy and was detached lazily)" });
+    Ok(ExitCode::SUCCESS)
+}

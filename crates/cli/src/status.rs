@@ -1,0 +1,64 @@
+//! `bulkhead status`.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use bulkhead_bench::Table;
+
+fn mib(kib: Option<u64>) -> String {
+    kib.map(|k| format!("{:.1} MiB", k as f64 / 1024.0)).unwrap_or_else(|| "-".into())
+}
+
+fn ms(v: &serde_json::Value) -> String {
+    v.as_f64().map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into())
+}
+
+pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let sock = run_dir.join("control.sock");
+    if !sock.exists() {
+        anyhow::bail!("no bulkhead serve is running on run dir {} ({} not found)", run_dir.display(), sock.display());
+    }
+    let report = bulkhead_supervisor::control::request(&sock, &serde_json::json!({"cmd": "status"}))
+        .with_context(|| format!("cannot reach {}", sock.display()))?;
+    if let Some(e) = report.get("error") {
+        anyhow::bail!("serve answered: {e}");
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut t = Table::new(&[
+        "DEVICE", "STATE", "DRIVER PID", "MODE", "COMPLETED", "FAILED", "RESTARTS", "LAST OUTAGE ms", "P99 OUTAGE ms", "DRIVER RSS", "BACKEND",
+    ]);
+    for d in report["devices"].as_array().into_iter().flatten() {
+        t.row(vec![
+            d["name"].as_str().unwrap_or("?").into(),
+            d["state"].as_str().unwrap_or("?").into(),
+            d["driver_pid"].as_u64().filter(|&p| p != 0).map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+            d["mode"].as_str().unwrap_or("?").into(),
+            d["requests_completed"].to_string(),
+            d["requests_failed"].to_string(),
+            d["restarts"].to_string(),
+            ms(&d["last_outage_ms"]),
+            ms(&d["p99_outage_ms"]),
+            mib(d["driver_memory"]["total_kib"].as_u64()),
+            d["backend"].as_str().unwrap_or("?").into(),
+        ]);
+    }
+    print!("{}", t.render());
+    let fe = &report["frontend"];
+    println!(
+        "frontend pid {}: rss {} (private {}, shared {})",
+        fe["pid"],
+        mib(fe["rss"]["total_kib"].as_u64()),
+        mib(fe["rss"]["anon_kib"].as_u64()),
+        mib(fe["rss"]["shmem_kib"].as_u64())
+    );
+    for d in report["devices"].as_array().into_iter().flatten() {
+        if let Some(f) = d["failure"].as_str() {
+            println!("{}: {f}", d["name"].as_str().unwrap_or("?"));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,120 @@
+//! The control socket: one JSON request per line, one JSON answer per line.
+//!
+//! Requests: `{"cmd":"status"}`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Handles one request, returning the answer.
+pub type Handler = Arc<dyn Fn(&serde_json::Value) -> serde_json::Value + Send + Sync>;
+
+/// A running control socket; removed on drop.
+pub struct ControlServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ControlServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlServer").field("path", &self.path).finish()
+    }
+}
+
+impl ControlServer {
+    /// Binds `path` (replacing a stale socket) and serves `handler`.
+    pub fn start(path: &Path, handler: Handler) -> std::io::Result<Self> {
+        let _ = std::fs::remove_file(path);
+        let listener = UnixListener::bind(path)?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new().name("control".into()).spawn(move || {
+            while !s.load(Ordering::Acquire) {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        let h = handler.clone();
+                        std::thread::spawn(move || serve_conn(conn, h));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(50)),
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        })?;
+        Ok(ControlServer { path: path.to_path_buf(), stop, thread: Some(thread) })
+    }
+
+    /// Stops accepting and removes the socket.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn serve_conn(conn: UnixStream, handler: Handler) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut w = match conn.try_clone() {
+        Ok(w) => w,
+        Err(_) => return,
+    };
+    let mut line = String::new();
+    // Bound what an untrusted local client can make us buffer.
+    let mut r = BufReader::new(conn.take(64 * 1024));
+    while matches!(r.read_line(&mut line), Ok(n) if n > 0) {
+        let answer = match serde_json::from_str::<serde_json::Value>(&line) {
+            Ok(v) => handler(&v),
+            Err(e) => serde_json::json!({ "error": format!("bad request: {e}") }),
+        };
+        if writeln!(w, "{answer}").is_err() {
+            return;
+        }
+        line.clear();
+    }
+}
+
+/// Sends one request to the control socket at `path` and returns the answer.
+pub fn request(path: &Path, req: &serde_json::Value) -> std::io::Result<serde_json::Value> {
+    let mut s = UnixStream::connect(path)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    writeln!(s, "{req}")?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line)?;
+    serde_json::from_str(&line).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_gets_handler_answer_and_bad_json_gets_error() {
+        let dir = std::env::temp_dir().join(format!("bulkhead-ctl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("control.sock");
+        let mut srv = ControlServer::start(&path, Arc::new(|v| serde_json::json!({ "echo": v["cmd"] }))).unwrap();
+        let a = request(&path, &serde_json::json!({"cmd": "status"})).unwrap();
+        assert_eq!(a["echo"], "status");
+        let mut s = UnixStream::connect(&path).unwrap();
+        writeln!(s, "not json").unwrap();
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).unwrap();
+        assert!(line.contains("bad request"));
+        srv.stop();
+        assert!(!path.exists(), "socket removed on stop");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

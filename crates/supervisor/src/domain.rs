@@ -1,0 +1,278 @@
+//! One device's runtime: its channel, backend descriptors and driver-domain process.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use bulkhead_channel::{BudgetPolicy, NotifyMode, QueueConfig, QueueSetup};
+use bulkhead_client::Device;
+use bulkhead_config::{Backend, Device as DeviceConfig, Engine, Notify, SpinBudget};
+use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec};
+use bulkhead_shmem::memfd;
+
+use crate::supervisor::{DeviceState, SupervisorError};
+
+/// How long a request may wait for a driver before the client gives up with EIO.
+const REQUEST_TIMEOUT_MS: u64 = 30_000;
+/// Most descriptors one domain can be handed.
+const MAX_PASSED_FDS: usize = 64 * 5 + 2;
+
+/// A running domain process.
+#[derive(Debug)]
+pub(crate) struct DomainProc {
+    pub child: Option<Child>,
+    pub pidfd: Option<OwnedFd>,
+    pub pid: u32,
+    pub state: DeviceState,
+    pub failure: Option<String>,
+}
+
+/// A configured device: channel frontend, backend descriptors, driver process.
+#[derive(Debug)]
+pub struct DeviceRuntime {
+    /// Device name.
+    pub name: String,
+    /// The frontend, shared with the exports.
+    pub device: Arc<Device>,
+    /// Notification mode.
+    pub mode: NotifyMode,
+    /// Backend, described for status.
+    pub backend_desc: String,
+    /// Number of queues.
+    pub queues: usize,
+    pub(crate) proc_: Mutex<DomainProc>,
+    /// Descriptors kept for the life of the device (ramdisk memfd, backing files).
+    _backend_fds: Vec<OwnedFd>,
+}
+
+fn notify_mode(n: Notify) -> NotifyMode {
+    match n {
+        Notify::Irq => NotifyMode::Irq,
+        Notify::Poll => NotifyMode::Poll,
+        Notify::Adaptive => NotifyMode::Adaptive,
+    }
+}
+
+fn open_backing(path: &Path, read_only: bool, direct: bool) -> Result<OwnedFd, std::io::Error> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    let mut flags = libc::O_CLOEXEC | if read_only { libc::O_RDONLY } else { libc::O_RDWR };
+    if direct {
+        flags |= libc::O_DIRECT;
+    }
+    // SAFETY: valid NUL-terminated path.
+    let fd = unsafe { libc::open(c.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fresh descriptor.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn backing_size(fd: RawFd) -> std::io::Result<u64> {
+    // SAFETY: plain data for fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out pointer.
+    if unsafe { libc::fstat(fd, &mut st) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if st.st_mode & libc::S_IFMT == libc::S_IFBLK {
+        let mut size: u64 = 0;
+        // SAFETY: BLKGETSIZE64 writes one u64.
+        if unsafe { libc::ioctl(fd, 0x8008_1272, &mut size) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        return Ok(size);
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file or block device"));
+    }
+    Ok(st.st_size as u64)
+}
+
+impl DeviceRuntime {
+    /// Creates the channel and backend storage for `cfg` and starts its driver domain.
+    pub(crate) fn start(cfg: &DeviceConfig, exe: &Path) -> Result<Self, SupervisorError> {
+        let name = cfg.name.get_ref().clone();
+        let err = |what: String| SupervisorError::Device { device: name.clone(), message: what };
+        let mode = notify_mode(cfg.notify);
+        let budget = match cfg.spin_budget_us {
+            SpinBudget::Auto => BudgetPolicy::DEFAULT_AUTO,
+            SpinBudget::Micros(us) => BudgetPolicy::Fixed(us * 1000),
+        };
+
+        // Backend storage, opened here so the domain never opens a path.
+        let mut backend_fds: Vec<OwnedFd> = Vec::new();
+        let backend = cfg.backend.resolve();
+        let (size, backend_desc) = match &backend {
+            Backend::Ram | Backend::Null => {
+                let size = cfg.size.as_ref().expect("validated: size required").get_ref().0;
+                if matches!(backend, Backend::Ram) {
+                    let fd = memfd::create(&format!("bulkhead-{name}-ram"), size).map_err(|e| err(format!("ramdisk: {e}")))?;
+                    memfd::seal_size(fd.as_raw_fd()).map_err(|e| err(format!("ramdisk: {e}")))?;
+                    backend_fds.push(fd);
+                    (size, "ram".to_string())
+                } else {
+                    (size, "null".to_string())
+                }
+            }
+            Backend::File { path, direct, engine, read_only } => {
+                let main = open_backing(path, *read_only, *direct)
+                    .map_err(|e| err(format!("cannot open backing file {}: {e}", path.display())))?;
+                let file_size = backing_size(main.as_raw_fd()).map_err(|e| err(format!("{}: {e}", path.display())))?;
+                let size = match &cfg.size {
+                    Some(s) if s.get_ref().0 > file_size => {
+                        return Err(err(format!(
+                            "size {} exceeds the {} bytes of {}",
+                            s.get_ref().0,
+                            file_size,
+                            path.display()
+                        )))
+                    }
+                    Some(s) => s.get_ref().0,
+                    None => file_size / 512 * 512,
+                };
+                if size == 0 {
+                    return Err(err(format!("{} is empty", path.display())));
+                }
+                backend_fds.push(main);
+                if *direct {
+                    let buffered = open_backing(path, *read_only, false)
+                        .map_err(|e| err(format!("cannot open backing file {}: {e}", path.display())))?;
+                    backend_fds.push(buffered);
+                }
+                let desc = format!(
+                    "file:{}{}{}{}",
+                    path.display(),
+                    if *direct { ",direct" } else { "" },
+                    if *engine == Engine::IoUring { ",io_uring" } else { "" },
+                    if *read_only { ",ro" } else { "" }
+                );
+                (size, desc)
+            }
+        };
+
+        // Channel: one queue setup per queue.
+        let qcfg = QueueConfig {
+            nslots: *cfg.queue_depth.get_ref(),
+            arena_bytes: cfg.arena.get_ref().0 as usize,
+            mode,
+            budget,
+            generation: 1,
+        };
+        let mut fronts = Vec::new();
+        let mut pass: Vec<OwnedFd> = Vec::new();
+        let mut queue_specs = Vec::new();
+        for q in 0..*cfg.queues.get_ref() {
+            let (front, fds) = QueueSetup::create(&format!("{name}-q{q}"), &qcfg).map_err(|e| err(e.to_string()))?;
+            let base = 3 + pass.len() as i32;
+            queue_specs.push(QueueSpec {
+                nslots: qcfg.nslots,
+                arena_bytes: front.arena_bytes() as u64,
+                fds: [base, base + 1, base + 2, base + 3, base + 4],
+            });
+            let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } = fds;
+            pass.extend([ring, write_arena, read_arena, kick, irq]);
+            fronts.push(front);
+        }
+        let next = 3 + pass.len() as i32;
+        let backend_spec = match &backend {
+            Backend::Ram => BackendSpec::Ram { fd: next },
+            Backend::Null => BackendSpec::Null,
+            Backend::File { direct, engine, read_only, .. } => BackendSpec::File {
+                fd: next,
+                buffered_fd: direct.then_some(next + 1),
+                read_only: *read_only,
+                engine: engine.as_str().to_string(),
+            },
+        };
+        let spec = DomainSpec {
+            device: name.clone(),
+            size,
+            mode: mode.as_str().to_string(),
+            budget_ns: match budget {
+                BudgetPolicy::Fixed(ns) => Some(ns),
+                BudgetPolicy::Auto { .. } => None,
+            },
+            queues: queue_specs,
+            backend: backend_spec,
+        };
+        let mut raw: Vec<RawFd> = pass.iter().map(|f| f.as_raw_fd()).collect();
+        raw.extend(backend_fds.iter().map(|f| f.as_raw_fd()));
+        let json = serde_json::to_string(&spec).expect("spec serialises");
+        let child = spawn_domain(exe, &json, &raw).map_err(|e| err(format!("cannot start driver domain: {e}")))?;
+        // The domain holds its own copies now.
+        drop(pass);
+        let pid = child.id();
+        let pidfd = pidfd_open(pid).map_err(|e| err(format!("pidfd_open: {e}")))?;
+        let device = Arc::new(Device::new(&name, size, fronts, REQUEST_TIMEOUT_MS));
+        Ok(DeviceRuntime {
+            name,
+            device,
+            mode,
+            backend_desc,
+            queues: *cfg.queues.get_ref() as usize,
+            proc_: Mutex::new(DomainProc { child: Some(child), pidfd: Some(pidfd), pid, state: DeviceState::Running, failure: None }),
+            _backend_fds: backend_fds,
+        })
+    }
+}
+
+/// `pidfd_open(2)`.
+pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+    // SAFETY: plain syscall with integer arguments.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fresh descriptor.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Execs `exe driver --spec JSON` with `fds` placed at 3, 4, … and every other descriptor
+/// closed at exec. The domain gets its own process group (a terminal's Ctrl-C reaches only the
+/// supervisor, which stops domains in order) and dies with the supervisor (PDEATHSIG).
+pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd]) -> std::io::Result<Child> {
+    if fds.len() > MAX_PASSED_FDS {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "too many descriptors for one domain"));
+    }
+    let mut srcs = [0 as RawFd; MAX_PASSED_FDS];
+    srcs[..fds.len()].copy_from_slice(fds);
+    let n = fds.len();
+    let mut cmd = Command::new(exe);
+    cmd.arg("driver").arg("--spec").arg(spec_json).stdin(Stdio::null());
+    // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
+    // calls on integers it owns (no allocation, no locks).
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setpgid(0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            // Move every source above the target range first, so no dup2 clobbers a source.
+            let mut high = [0 as RawFd; MAX_PASSED_FDS];
+            for i in 0..n {
+                high[i] = libc::fcntl(srcs[i], libc::F_DUPFD_CLOEXEC, 1024);
+                if high[i] < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            for (i, &h) in high.iter().enumerate().take(n) {
+                // dup2 leaves the target without FD_CLOEXEC: it survives exec.
+                if libc::dup2(h, 3 + i as RawFd) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            // Everything else is closed at exec (CLOSE_RANGE_CLOEXEC keeps std's exec-error
+            // pipe working until then).
+            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+            libc::syscall(libc::SYS_close_range, 3 + n as libc::c_uint, libc::c_uint::MAX, CLOSE_RANGE_CLOEXEC);
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+/// The `bulkhead` executable to exec for domains.
+pub(crate) fn current_exe() -> PathBuf {
+    std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"))
+}

@@ -1,0 +1,16 @@
+//! The supervisor (device manager) inside `bulkhead serve`.
+//!
+//! For each configured device it creates the channel (one [`bulkhead_channel::QueueSetup`]
+//! per queue), opens or creates the backend's storage, execs a driver domain
+//! (`bulkhead driver --spec …`) holding only those descriptors, and hands the frontend end to
+//! the exports as a [`bulkhead_client::Device`]. A watcher thread learns of a domain's death
+//! through its pidfd. The control socket answers `status`.
+#![deny(missing_docs)]
+
+pub mod control;
+mod domain;
+pub mod proc_info;
+mod supervisor;
+
+pub use domain::{pidfd_open, spawn_domain, DeviceRuntime};
+pub use supervisor::{DeviceState, DeviceStatus, ProcessMemory, StatusReport, Supervisor, SupervisorError};
