@@ -1,0 +1,133 @@
+//! Helpers for tests that run `bulkhead serve` for real.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub use bulkhead_testkit::kernel::{run, ChildGuard, LoopGuard, MountGuard};
+
+pub fn exe() -> &'static str {
+    env!("CARGO_BIN_EXE_bulkhead")
+}
+
+/// A fresh directory under /tmp, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let p = std::env::temp_dir().join(format!("bulkhead-test-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running `bulkhead serve`; stopped with SIGTERM (then SIGKILL and a lazy unmount) on drop.
+pub struct Serve {
+    pub child: ChildGuard,
+    pub run_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Serve {
+    /// Starts serve with `config` (TOML text) or the embedded default, and waits until every
+    /// device named in `devices` has its FUSE file.
+    pub fn start(run_dir: &Path, config: Option<&str>, devices: &[&str]) -> Serve {
+        let log = run_dir.with_extension("log");
+        let mut cmd = Command::new(exe());
+        cmd.arg("serve").arg("--run-dir").arg(run_dir);
+        if let Some(text) = config {
+            let path = run_dir.with_extension("toml");
+            std::fs::write(&path, text).unwrap();
+            cmd.arg("--config").arg(path);
+        }
+        let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
+        let mut s = Serve { child: ChildGuard(Some(child)), run_dir: run_dir.to_path_buf(), log };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ready = run_dir.join("control.sock").exists() && devices.iter().all(|d| run_dir.join("fuse").join(d).exists());
+            if ready {
+                break;
+            }
+            if let Some(c) = s.child.0.as_mut() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    panic!("serve exited early ({st}): {}", std::fs::read_to_string(&s.log).unwrap_or_default());
+                }
+            }
+            assert!(Instant::now() < deadline, "serve did not become ready: {}", s.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    pub fn fuse_file(&self, dev: &str) -> PathBuf {
+        self.run_dir.join("fuse").join(dev)
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn status_json(&self) -> serde_json::Value {
+        let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(&self.run_dir).output().unwrap();
+        assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.0.as_ref().unwrap().id()
+    }
+
+    /// SIGTERM and wait; returns the exit status.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        self.child.terminate()
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.0.as_mut() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        // ChildGuard kills if still running; then make sure no mount is left.
+        let fuse = self.run_dir.join("fuse");
+        if std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default().contains(fuse.to_str().unwrap()) {
+            let _ = Command::new("umount").arg("-l").arg(&fuse).status();
+        }
+    }
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+pub fn small_ram_config(name: &str, size: &str, notify: &str) -> String {
+    format!("[[device]]\nname = \"{name}\"\nsize = \"{size}\"\nnotify = \"{notify}\"\n[device.backend]\ntype = \"ram\"\n")
+}

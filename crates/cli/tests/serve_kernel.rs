@@ -1,0 +1,232 @@
+//! `bulkhead serve` end to end through the real kernel: FUSE, loop devices, ext4, dd, fio.
+//! Skipped with a message where the kernel support is missing, unless BULKHEAD_REQUIRE_KERNEL=1.
+
+mod common;
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::process::Command;
+
+use bulkhead_testkit::require_kernel;
+use common::*;
+
+#[test]
+fn ext4_through_loop_survives_remount_and_fsck() {
+    require_kernel!();
+    let tmp = TempDir::new("ext4");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("disk0", "512M", "adaptive")), &["disk0"]);
+    let lo = LoopGuard::attach_direct(&serve.fuse_file("disk0"));
+    assert!(lo.direct_io(), "loop device should run with direct I/O on the FUSE file");
+    run("mkfs.ext4", &["-q", "-F", &lo.dev]);
+    let mnt = tmp.path().join("mnt");
+    let files: Vec<(String, Vec<u8>)> =
+        (0..8).map(|i| (format!("f{i}"), pattern(i, [4096, 1 << 20, 3 << 20, 12345, 7 << 20, 1, 65536, 5 << 20][i as usize]))).collect();
+    {
+        let m = MountGuard::mount(&lo.dev, &mnt);
+        for (name, data) in &files {
+            std::fs::write(mnt.join(name), data).unwrap();
+        }
+        run("sync", &[]);
+        m.unmount();
+    }
+    {
+        let m = MountGuard::mount(&lo.dev, &mnt);
+        for (name, data) in &files {
+            let got = std::fs::read(mnt.join(name)).unwrap();
+            assert!(got == *data, "{name} differs after remount");
+        }
+        m.unmount();
+    }
+    let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
+    assert!(fsck.status.success(), "e2fsck -fn: {}\n{}", String::from_utf8_lossy(&fsck.stdout), String::from_utf8_lossy(&fsck.stderr));
+    drop(lo);
+    let st = serve.status_json();
+    assert!(st["devices"][0]["requests_completed"].as_u64().unwrap() > 100);
+}
+
+fn dd(args: &[&str]) {
+    let out = Command::new("dd").args(args).arg("status=none").output().unwrap();
+    assert!(out.status.success(), "dd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn direct_io_at_4k_1m_4m_and_unaligned_offsets_reads_back_equal() {
+    require_kernel!();
+    let tmp = TempDir::new("dd");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("d", "256M", "poll")), &["d"]);
+    let lo = LoopGuard::attach_direct(&serve.fuse_file("d"));
+    // (block size, byte offset): offsets not aligned to the block size, only to 512.
+    let cases: [(usize, u64); 6] =
+        [(4096, 0), (4096, 512 * 7), (1 << 20, 1 << 20), (1 << 20, (5 << 20) + 3584), (4 << 20, 16 << 20), (4 << 20, (40 << 20) + 512)];
+    for (i, (bs, off)) in cases.iter().enumerate() {
+        let src = tmp.path().join(format!("src{i}"));
+        let back = tmp.path().join(format!("back{i}"));
+        let data = pattern(100 + i as u64, bs * 2);
+        std::fs::write(&src, &data).unwrap();
+        let bs_arg = format!("bs={bs}");
+        let seek = format!("seek={off}");
+        let skip = format!("skip={off}");
+        dd(&[&format!("if={}", src.display()), &format!("of={}", lo.dev), &bs_arg, "count=2", &seek, "oflag=direct,seek_bytes", "conv=notrunc"]);
+        dd(&[&format!("if={}", lo.dev), &format!("of={}", back.display()), &bs_arg, "count=2", &skip, "iflag=direct,skip_bytes"]);
+        assert!(std::fs::read(&back).unwrap() == data, "case {i}: bs={bs} offset={off} read back differs");
+    }
+    drop(lo);
+    // The FUSE file itself, buffered, at byte offsets no block device would allow.
+    let f = serve.fuse_file("d");
+    let mut h = std::fs::OpenOptions::new().read(true).write(true).open(&f).unwrap();
+    let data = pattern(7, 10_000);
+    h.seek(SeekFrom::Start(123_457)).unwrap();
+    h.write_all(&data).unwrap();
+    h.sync_all().unwrap();
+    let mut h = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&f).unwrap();
+    let mut aligned = vec![0u8; 3 * 4096 + 4096];
+    // O_DIRECT needs an aligned buffer: use a page-aligned window of a larger allocation.
+    let pad = aligned.as_ptr().align_offset(4096);
+    let buf = &mut aligned[pad..pad + 3 * 4096];
+    h.seek(SeekFrom::Start(122_880)).unwrap();
+    h.read_exact(buf).unwrap();
+    assert!(buf[577..577 + 10_000] == data[..], "O_DIRECT read of bytes written buffered at an odd offset");
+}
+
+#[test]
+fn fio_crc32c_verify_passes_with_zero_errors() {
+    require_kernel!();
+    if bulkhead_testkit::kernel::which("fio").is_none() {
+        assert!(std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"), "fio required but not installed");
+        eprintln!("SKIP: fio not installed");
+        return;
+    }
+    let tmp = TempDir::new("fio");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("f", "256M", "adaptive")), &["f"]);
+    let lo = LoopGuard::attach_direct(&serve.fuse_file("f"));
+    for (name, rw) in [("randwrite-verify", "randwrite"), ("mixed-verify", "randrw")] {
+        let out = Command::new("fio")
+            .args([
+                &format!("--name={name}"),
+                &format!("--filename={}", lo.dev),
+                "--ioengine=libaio",
+                "--direct=1",
+                &format!("--rw={rw}"),
+                "--bsrange=4k-256k",
+                "--iodepth=8",
+                "--numjobs=1",
+                "--size=96M",
+                "--verify=crc32c",
+                "--do_verify=1",
+                "--verify_fatal=1",
+                "--randrepeat=0",
+                "--output-format=json",
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "fio {name}: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let job = &v["jobs"][0];
+        assert_eq!(job["error"], 0, "fio {name} reported an error");
+        assert!(job["write"]["io_bytes"].as_u64().unwrap() > 0, "fio {name} wrote nothing");
+        assert!(job["read"]["io_bytes"].as_u64().unwrap() > 0, "fio {name} verified nothing");
+    }
+}
+
+#[test]
+fn file_backend_keeps_flushed_data_across_serve_restarts() {
+    require_kernel!();
+    let tmp = TempDir::new("file");
+    let img = tmp.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(64 << 20).unwrap();
+    for (direct, engine) in [(false, "sync"), (true, "io_uring")] {
+        let cfg = format!(
+            "[[device]]\nname = \"fd\"\nqueues = 2\n[device.backend]\ntype = \"file\"\npath = \"{}\"\ndirect = {direct}\nengine = \"{engine}\"\n",
+            img.display()
+        );
+        let data = pattern(if direct { 1 } else { 2 }, 3 << 20);
+        {
+            let mut serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["fd"]);
+            let mut f = std::fs::OpenOptions::new().write(true).open(serve.fuse_file("fd")).unwrap();
+            f.seek(SeekFrom::Start(1 << 20)).unwrap();
+            f.write_all(&data).unwrap();
+            f.sync_all().unwrap();
+            drop(f);
+            assert!(serve.stop().success());
+        }
+        // The data is in the backing file itself.
+        let mut raw = vec![0u8; data.len()];
+        let mut b = std::fs::File::open(&img).unwrap();
+        b.seek(SeekFrom::Start(1 << 20)).unwrap();
+        b.read_exact(&mut raw).unwrap();
+        assert!(raw == data, "backing file holds the flushed data (direct={direct})");
+        // And a new serve reads it back.
+        let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["fd"]);
+        let mut got = vec![0u8; data.len()];
+        let mut f = std::fs::File::open(serve.fuse_file("fd")).unwrap();
+        f.seek(SeekFrom::Start(1 << 20)).unwrap();
+        f.read_exact(&mut got).unwrap();
+        assert!(got == data, "restarted serve reads the data back (direct={direct}, {engine})");
+    }
+}
+
+fn mounted(path: &std::path::Path) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo").unwrap().contains(path.to_str().unwrap())
+}
+
+#[test]
+fn sigterm_leaves_no_mount_loop_process_or_socket() {
+    require_kernel!();
+    let tmp = TempDir::new("term");
+    let run_dir = tmp.path().join("run");
+    let mut serve = Serve::start(&run_dir, Some(&small_ram_config("t", "64M", "adaptive")), &["t"]);
+    let driver = serve.status_json()["devices"][0]["driver_pid"].as_u64().unwrap() as i32;
+    assert!(driver > 0);
+    let lo = LoopGuard::attach_direct(&serve.fuse_file("t"));
+    dd(&["if=/dev/zero", &format!("of={}", lo.dev), "bs=1M", "count=8", "oflag=direct"]);
+    let lo_dev = lo.dev.clone();
+    drop(lo);
+    assert!(serve.stop().success(), "serve exits 0 on SIGTERM:\n{}", serve.log_text());
+    assert!(!mounted(&run_dir.join("fuse")), "FUSE still mounted");
+    assert!(!run_dir.join("control.sock").exists(), "control socket left behind");
+    assert!(!run_dir.join("serve.lock").exists(), "lock file left behind");
+    // SAFETY: probing a pid with signal 0.
+    assert_eq!(unsafe { libc::kill(driver, 0) }, -1, "driver domain still alive");
+    let loops = run("losetup", &["-a"]);
+    assert!(!loops.contains(run_dir.to_str().unwrap()), "loop device still attached: {loops} ({lo_dev})");
+    assert!(serve.log_text().contains("SIGTERM received"));
+}
+
+#[test]
+fn second_serve_on_same_run_dir_is_refused() {
+    require_kernel!();
+    let tmp = TempDir::new("twice");
+    let run_dir = tmp.path().join("run");
+    let serve = Serve::start(&run_dir, Some(&small_ram_config("a", "16M", "irq")), &["a"]);
+    let out = Command::new(exe()).args(["serve", "--run-dir"]).arg(&run_dir).output().unwrap();
+    assert!(!out.status.success());
+    let msg = String::from_utf8_lossy(&out.stderr);
+    assert!(msg.contains("already running") && msg.contains(&serve.pid().to_string()), "{msg}");
+    // The first one still serves.
+    assert_eq!(serve.status_json()["devices"][0]["state"], "running");
+}
+
+#[test]
+fn status_reports_fields_and_a_fresh_ram_device_costs_little() {
+    require_kernel!();
+    let tmp = TempDir::new("status");
+    let serve = Serve::start(&tmp.path().join("run"), None, &["disk0"]);
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    assert_eq!(d["name"], "disk0");
+    assert_eq!(d["state"], "running");
+    assert_eq!(d["mode"], "adaptive");
+    assert_eq!(d["size_bytes"], 1u64 << 30);
+    assert_eq!(d["restarts"], 0);
+    for key in ["driver_pid", "requests_completed", "last_outage_ms", "p99_outage_ms", "driver_memory"] {
+        assert!(d.get(key).is_some(), "status lacks {key}");
+    }
+    // A fresh 1 GiB ramdisk: the driver domain holds a few MiB, not the device size.
+    let drv_kib = d["driver_memory"]["total_kib"].as_u64().unwrap();
+    assert!(drv_kib < 16 * 1024, "fresh 1 GiB ram device uses {drv_kib} KiB in its domain");
+    let fe_anon = st["frontend"]["rss"]["anon_kib"].as_u64().unwrap();
+    assert!(fe_anon < 64 * 1024, "frontend private memory {fe_anon} KiB");
+    let text = Command::new(exe()).args(["status", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("disk0") && text.contains("running") && text.contains("adaptive"), "{text}");
+}
