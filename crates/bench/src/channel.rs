@@ -61,6 +61,10 @@ pub struct Iops {
     pub frontend_cpu_pct: f64,
     /// CPU of the driver domain, percent of one core.
     pub driver_cpu_pct: f64,
+    /// Times the frontend slept on its doorbell.
+    pub frontend_sleeps: u64,
+    /// Frontend spin budget at the end of the phase, ns.
+    pub frontend_budget_ns: u64,
 }
 
 /// The idle phase.
@@ -177,6 +181,7 @@ fn rtt(front: &mut FrontQueue, n: usize, mut make: impl FnMut(u64) -> FrontReque
 
 fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iops, String> {
     let (c0, d0, t0) = (thread_cpu_ns(), process_cpu_ns(pid), Instant::now());
+    let sleeps0 = front.stats().sleeps;
     let nblocks = DEVICE_SIZE / BLOCK;
     let mut seq = 0u64;
     let mut done = 0u64;
@@ -223,6 +228,8 @@ fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iop
         iops: done as f64 / el,
         frontend_cpu_pct: (c1 - c0) as f64 / (el * 1e7),
         driver_cpu_pct: (d1 - d0) as f64 / (el * 1e7),
+        frontend_sleeps: front.stats().sleeps - sleeps0,
+        frontend_budget_ns: front.budget_ns(),
     })
 }
 

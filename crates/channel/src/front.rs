@@ -3,7 +3,7 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 
-use bulkhead_doorbell::{now_ns, EventFd, NotifyMode, SpinBudget};
+use bulkhead_doorbell::{now_ns, BudgetPolicy, EventFd, NotifyMode, SpinBudget};
 use bulkhead_ring::{
     FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA,
     MAX_REQUEST_BYTES,
@@ -106,6 +106,18 @@ pub struct FrontQueue {
 
 const INDEX_BITS: u32 = 16;
 
+/// The frontend waits only while it has a request outstanding: a response is certain to come,
+/// so spinning up to the wake-up cost (the auto ceiling) is always 2-competitive and needs no
+/// tuning. Tuning both sides from each other's gaps feeds back (one side's sleep lengthens the
+/// other's gaps) into a stable, interrupt-like equilibrium; only the driver, which waits for
+/// requests that may never come, tunes its budget.
+fn frontend_policy(p: BudgetPolicy) -> BudgetPolicy {
+    match p {
+        BudgetPolicy::Auto { max_ns, .. } => BudgetPolicy::Fixed(max_ns),
+        fixed => fixed,
+    }
+}
+
 impl FrontQueue {
     pub(crate) fn new(ring: FrontRing, warena: Mapping, rarena: Mapping, kick: EventFd, irq: EventFd, cfg: &QueueConfig) -> Self {
         let n = ring.layout().nslots;
@@ -118,7 +130,7 @@ impl FrontQueue {
             kick,
             irq,
             mode: cfg.mode,
-            budget: SpinBudget::new(cfg.budget),
+            budget: SpinBudget::new(frontend_policy(cfg.budget)),
             generation: cfg.generation,
             table: vec![Entry::default(); n as usize],
             free: (0..n).rev().collect(),

@@ -1,20 +1,23 @@
 //! The spin budget of adaptive mode.
 //!
-//! Spinning before sleeping is the ski-rental problem: each gap spent spinning costs CPU, each
-//! sleep costs a wake-up (here ~25–45 µs of latency). Spinning for as long as a wake-up costs is
-//! 2-competitive whatever the gaps are, so that is the ceiling (`max_ns`). Below it, the `auto`
-//! policy learns from the gaps it observes:
+//! Spinning before sleeping is the ski-rental problem: a gap spent spinning costs CPU time, a
+//! sleep costs a wake-up (here ~25–45 µs of added latency and the peer's doorbell system call).
+//! Spinning for as long as a wake-up costs is 2-competitive whatever the gaps are, so that is
+//! the ceiling (`max_ns`, which stands for the wake-up cost W). Below it, the `auto` policy picks
+//! the threshold that would have been cheapest on the gaps it has seen:
 //!
 //! * every gap (time from going idle to the next work) is recorded in a log2 histogram;
-//! * every 64 samples the budget is recomputed: if fewer than half the gaps were shorter than
-//!   the ceiling, spinning rarely pays and the budget drops to `min_ns`; otherwise it becomes
-//!   1.5× the 90th percentile of the short gaps (so most short gaps are caught by the spin),
-//!   clamped to `[min_ns, max_ns]`;
+//! * every 64 samples, for each candidate threshold T (each bucket boundary up to the ceiling,
+//!   and the floor `min_ns`), the cost over the histogram is Σ gap for gaps ≤ T (spun through)
+//!   plus Σ (T + W) for longer gaps (spun in vain, then a wake-up); the cheapest T wins, the
+//!   smaller on a tie;
 //! * the histogram then decays by half, so the budget follows a changing workload within a few
 //!   hundred requests.
 //!
-//! A gap that ended after a sleep includes the wake-up latency; that biases it upwards, which
-//! only makes the policy spin a little longer, never starve.
+//! Back-to-back load (gaps far below W) therefore keeps the full budget and never sleeps; sparse
+//! load (gaps far above W) drops to the floor and stops burning CPU between requests. A gap that
+//! ended after a sleep includes the wake-up latency; that biases it upwards, which only makes
+//! the policy spin a little longer, never starve.
 
 const BUCKETS: usize = 40;
 const RETUNE_EVERY: u32 = 64;
@@ -82,25 +85,33 @@ impl SpinBudget {
 
     fn retune(&mut self, min_ns: u64, max_ns: u64) {
         self.samples = 0;
-        // Bucket b holds gaps in [2^(b-1), 2^b).
-        let max_bucket = (64 - max_ns.max(1).leading_zeros() as usize).min(BUCKETS - 1);
-        let total: u64 = self.hist.iter().map(|&c| c as u64).sum();
-        let short: u64 = self.hist[..=max_bucket].iter().map(|&c| c as u64).sum();
-        self.current = if total == 0 || short * 2 < total {
-            min_ns
-        } else {
-            let want = short * 9 / 10;
-            let mut acc = 0;
-            let mut p90 = max_ns;
-            for (b, &c) in self.hist[..=max_bucket].iter().enumerate() {
-                acc += c as u64;
-                if acc >= want.max(1) {
-                    p90 = 1u64 << b;
-                    break;
-                }
-            }
-            (p90 + p90 / 2).clamp(min_ns, max_ns)
+        let wake = max_ns as f64;
+        // Bucket b holds gaps in [2^(b-1), 2^b); its representative gap is 0.75 * 2^b.
+        let rep = |b: usize| 0.75 * (1u64 << b) as f64;
+        let cost = |t: u64| -> f64 {
+            self.hist
+                .iter()
+                .enumerate()
+                .map(|(b, &c)| {
+                    let g = rep(b);
+                    c as f64 * if g <= t as f64 { g } else { t as f64 + wake }
+                })
+                .sum()
         };
+        let mut best = (cost(min_ns), min_ns);
+        let mut t = min_ns.next_power_of_two();
+        while t < max_ns {
+            let c = cost(t);
+            if c < best.0 {
+                best = (c, t);
+            }
+            t *= 2;
+        }
+        let c = cost(max_ns);
+        if c < best.0 {
+            best = (c, max_ns);
+        }
+        self.current = best.1;
         for c in &mut self.hist {
             *c /= 2;
         }
@@ -123,13 +134,24 @@ mod tests {
     }
 
     #[test]
-    fn short_gaps_shrink_budget_to_cover_them() {
+    fn short_gaps_get_a_budget_that_covers_them() {
         let mut b = SpinBudget::new(AUTO);
         for _ in 0..256 {
             b.record(3_000);
         }
-        // p90 bucket upper bound 4096, times 1.5.
-        assert_eq!(b.budget_ns(), 6_144);
+        // Gaps of ~3 µs: the cheapest threshold is the first one that covers them.
+        assert_eq!(b.budget_ns(), 4_096);
+    }
+
+    #[test]
+    fn back_to_back_load_with_a_tail_keeps_spinning_through_the_tail() {
+        let mut b = SpinBudget::new(AUTO);
+        for i in 0..640 {
+            // 95% gaps of 300 ns, 5% of 20 µs: sleeping through the tail would cost a wake-up
+            // each time, so the budget must cover the tail too.
+            b.record(if i % 20 == 0 { 20_000 } else { 300 });
+        }
+        assert!(b.budget_ns() >= 20_000, "budget {}", b.budget_ns());
     }
 
     #[test]

@@ -30,22 +30,22 @@ impl HeaderOffsets {
     pub const GENERATION: usize = 20;
     /// Frontend-written, driver-polled: request producer index.
     pub const REQ_PROD: usize = 64;
-    /// Driver-written: request consumer index.
-    pub const REQ_CONS: usize = 128;
-    /// Driver-written: "notify me when req_prod passes this".
-    pub const REQ_EVENT: usize = 132;
+    /// Driver-written when it goes to sleep: "notify me when req_prod passes this".
+    pub const REQ_EVENT: usize = 128;
     /// Driver-written: the driver's [`PeerState`](crate::PeerState).
-    pub const BACK_STATE: usize = 136;
-    /// Driver-written: requests completed (u64), watched by the supervisor.
-    pub const PROGRESS: usize = 144;
+    pub const BACK_STATE: usize = 132;
     /// Driver-written, frontend-polled: response producer index.
     pub const RSP_PROD: usize = 192;
-    /// Frontend-written: response consumer index.
-    pub const RSP_CONS: usize = 256;
-    /// Frontend-written: "notify me when rsp_prod passes this".
-    pub const RSP_EVENT: usize = 260;
+    /// Frontend-written when it goes to sleep: "notify me when rsp_prod passes this".
+    pub const RSP_EVENT: usize = 256;
     /// Frontend-written: the frontend's [`PeerState`](crate::PeerState).
-    pub const FRONT_STATE: usize = 264;
+    pub const FRONT_STATE: usize = 260;
+    /// Driver-written every batch: request consumer index (informational).
+    pub const REQ_CONS: usize = 320;
+    /// Driver-written every batch: requests completed (u64), watched by the supervisor.
+    pub const PROGRESS: usize = 328;
+    /// Frontend-written every batch: response consumer index (informational).
+    pub const RSP_CONS: usize = 384;
 }
 
 /// Geometry of one queue file.

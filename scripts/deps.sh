@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the system packages bulkhead's serve, tests and benchmarks use, if any is missing.
+# Usage: scripts/deps.sh serve|test|bench
+set -euo pipefail
+need=()
+want() { command -v "$1" >/dev/null 2>&1 || need+=("$2"); }
+want losetup util-linux
+want mkfs.ext4 e2fsprogs
+case "${1:-serve}" in
+  test) want fio fio ;;
+  bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
+         want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3 ;;
+esac
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "cargo not found: install Rust (https://rustup.rs) first" >&2
+  exit 1
+fi
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "missing packages: ${need[*]} (run as root to install them)" >&2
+    exit 1
+  fi
+  echo "installing: ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need[@]}" >/dev/null
+fi
