@@ -165,6 +165,18 @@ impl FrontQueue {
         self.mode
     }
 
+    /// The channel generation this queue belongs to.
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+
+    /// A duplicate of the doorbell the driver rings, so a supervisor can wake a thread sleeping
+    /// on this queue without taking it.
+    pub fn irq_waker(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        use std::os::fd::AsFd;
+        self.irq.as_fd().try_clone_to_owned()
+    }
+
     /// Current spin budget in nanoseconds.
     pub fn budget_ns(&self) -> u64 {
         self.budget.budget_ns()

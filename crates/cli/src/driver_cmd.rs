@@ -16,9 +16,24 @@ fn harden() {
     }
 }
 
+/// Test hook: `BULKHEAD_TEST_FAULT=crash-on-start` makes every domain exit at once, as a driver
+/// with a start-up bug would. Tests use it to drive the supervisor's crash-loop handling.
+fn test_fault() -> Option<ExitCode> {
+    match std::env::var("BULKHEAD_TEST_FAULT").ok()?.as_str() {
+        "crash-on-start" => {
+            eprintln!("bulkhead driver: crashing on start (BULKHEAD_TEST_FAULT)");
+            Some(ExitCode::from(70))
+        }
+        _ => None,
+    }
+}
+
 pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     let spec: DomainSpec = serde_json::from_str(spec_json).context("bad domain spec")?;
     harden();
+    if let Some(code) = test_fault() {
+        return Ok(code);
+    }
     let stop = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
     signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;

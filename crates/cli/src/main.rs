@@ -36,6 +36,14 @@ enum Cmd {
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
     },
+    /// Restart a device's driver domain now (also one that turned `failed`).
+    Restart {
+        /// Device name.
+        device: String,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run")]
+        run_dir: PathBuf,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -82,6 +90,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Serve { config, run_dir } => serve::run(config.as_deref(), &run_dir),
         Cmd::Status { json, run_dir } => status::run(&run_dir, json),
+        Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Driver { spec } => driver_cmd::run(&spec),
         Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples } } => bench_channel(mode, json, seconds, samples),
     };

@@ -112,6 +112,13 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCod
         &run_dir.join("control.sock"),
         Arc::new(move |req| match req["cmd"].as_str() {
             Some("status") => serde_json::to_value(s.status()).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()})),
+            Some("restart") => match req["device"].as_str() {
+                Some(name) => match s.restart_device(name) {
+                    Ok(pid) => serde_json::json!({ "device": name, "driver_pid": pid }),
+                    Err(e) => serde_json::json!({ "error": format!("device `{name}`: {e}") }),
+                },
+                None => serde_json::json!({ "error": "restart needs `device`" }),
+            },
             Some(other) => serde_json::json!({ "error": format!("unknown command `{other}`") }),
             None => serde_json::json!({ "error": "missing `cmd`" }),
         }),

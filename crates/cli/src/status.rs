@@ -14,16 +14,27 @@ fn ms(v: &serde_json::Value) -> String {
     v.as_f64().map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into())
 }
 
-pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+fn ask(run_dir: &Path, req: serde_json::Value) -> anyhow::Result<serde_json::Value> {
     let sock = run_dir.join("control.sock");
     if !sock.exists() {
         anyhow::bail!("no bulkhead serve is running on run dir {} ({} not found)", run_dir.display(), sock.display());
     }
-    let report = bulkhead_supervisor::control::request(&sock, &serde_json::json!({"cmd": "status"}))
-        .with_context(|| format!("cannot reach {}", sock.display()))?;
-    if let Some(e) = report.get("error") {
-        anyhow::bail!("serve answered: {e}");
+    let answer =
+        bulkhead_supervisor::control::request(&sock, &req).with_context(|| format!("cannot reach {}", sock.display()))?;
+    if let Some(e) = answer.get("error").and_then(|e| e.as_str()) {
+        anyhow::bail!("{e}");
     }
+    Ok(answer)
+}
+
+pub fn restart(run_dir: &Path, device: &str) -> anyhow::Result<ExitCode> {
+    let a = ask(run_dir, serde_json::json!({"cmd": "restart", "device": device}))?;
+    println!("{device}: restarted, driver pid {}", a["driver_pid"]);
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let report = ask(run_dir, serde_json::json!({"cmd": "status"}))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(ExitCode::SUCCESS);

@@ -16,10 +16,19 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode, SharedSlice, Status, SubmitError};
+use bulkhead_doorbell::EventFd;
+
+enum Answer {
+    Done(Result<u64, Status>),
+    Failed(IoError),
+    Reissue,
+}
 
 /// Why an I/O failed, with the errno an export sends.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -59,8 +68,21 @@ pub struct DeviceCounters {
     pub bytes_written: AtomicU64,
 }
 
-/// How long one wait slice lasts before the device re-checks whether it was failed.
-const WAIT_SLICE_MS: i32 = 100;
+/// How long one wait slice lasts before the device re-checks its generation and state.
+const WAIT_SLICE_MS: i32 = 50;
+
+/// Restart bookkeeping shared with the supervisor.
+#[derive(Debug, Default)]
+struct Generations {
+    /// Replacement queues of the newest generation, taken by the next user of each queue.
+    staged: Vec<Option<FrontQueue>>,
+    /// Duplicates of each current queue's irq doorbell, to wake sleepers on a restart.
+    wakers: Vec<Option<EventFd>>,
+    /// When the outage being repaired was detected.
+    outage_since: Option<Instant>,
+    /// Outages measured (detection to first completion after restart), ms.
+    outages_ms: Vec<f64>,
+}
 
 /// A device served by a driver domain.
 #[derive(Debug)]
@@ -69,26 +91,46 @@ pub struct Device {
     size: u64,
     mode: NotifyMode,
     queues: Vec<Mutex<FrontQueue>>,
+    generation: AtomicU32,
+    gens: Mutex<Generations>,
+    changed: Condvar,
     failed: AtomicBool,
     fail_reason: Mutex<Option<String>>,
-    timeout_ms: u64,
+    broken_reported: AtomicBool,
+    alarm: EventFd,
+    in_flight: AtomicUsize,
+    timeout_ms: Option<u64>,
     /// Counters.
     pub counters: DeviceCounters,
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl Device {
-    /// A device over `queues` (at least one). Requests give up after `timeout_ms` without an
-    /// answer.
-    pub fn new(name: &str, size: u64, queues: Vec<FrontQueue>, timeout_ms: u64) -> Self {
+    /// A device over `queues` (at least one, all of one generation). With `timeout_ms`, a
+    /// request with no answer for that long fails with `Unavailable`; without, it waits for the
+    /// supervisor to restart or fail the domain.
+    pub fn new(name: &str, size: u64, queues: Vec<FrontQueue>, timeout_ms: Option<u64>) -> Self {
         assert!(!queues.is_empty(), "a device has at least one queue");
         let mode = queues[0].mode();
+        let generation = queues[0].generation();
+        let wakers = queues.iter().map(|q| q.irq_waker().ok().and_then(|fd| EventFd::from_owned(fd).ok())).collect();
+        let n = queues.len();
         Device {
             name: name.to_string(),
             size,
             mode,
             queues: queues.into_iter().map(Mutex::new).collect(),
+            generation: AtomicU32::new(generation),
+            gens: Mutex::new(Generations { staged: (0..n).map(|_| None).collect(), wakers, ..Default::default() }),
+            changed: Condvar::new(),
             failed: AtomicBool::new(false),
             fail_reason: Mutex::new(None),
+            broken_reported: AtomicBool::new(false),
+            alarm: EventFd::new().expect("eventfd"),
+            in_flight: AtomicUsize::new(0),
             timeout_ms,
             counters: DeviceCounters::default(),
         }
@@ -114,10 +156,88 @@ impl Device {
         self.queues.len()
     }
 
+    /// The current channel generation.
+    pub fn generation(&self) -> u32 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Requests submitted and not yet answered.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Requests answered so far (any status): the supervisor's progress measure.
+    pub fn answered(&self) -> u64 {
+        self.counters.completed.load(Ordering::Relaxed) + self.counters.failed.load(Ordering::Relaxed)
+    }
+
+    /// A doorbell rung when a queue reports its channel broken (for the supervisor to poll).
+    pub fn alarm_fd(&self) -> RawFd {
+        self.alarm.as_raw_fd()
+    }
+
+    /// Whether a queue reported a broken channel since the last restart; clears the report.
+    pub fn take_broken_report(&self) -> bool {
+        self.alarm.drain();
+        self.broken_reported.swap(false, Ordering::AcqRel)
+    }
+
+    fn report_broken(&self, e: &ChannelError) {
+        if !self.broken_reported.swap(true, Ordering::AcqRel) {
+            eprintln!("bulkhead: device {}: channel broken: {e}", self.name);
+        }
+        self.alarm.ring();
+    }
+
+    /// Marks the start of an outage (the supervisor detected a dead, wedged or broken domain).
+    pub fn outage_started(&self, at: Instant) {
+        let mut g = lock(&self.gens);
+        g.outage_since.get_or_insert(at);
+    }
+
+    /// Installs the queues of a new generation (a restarted domain). Each is taken by the next
+    /// thread to use its queue; threads waiting on an old queue are woken and reissue their
+    /// request on the new one. The requests they reissue are exactly those without a response.
+    pub fn install_generation(&self, queues: Vec<FrontQueue>) {
+        assert_eq!(queues.len(), self.queues.len(), "a restart keeps the queue count");
+        let generation = queues[0].generation();
+        let mut g = lock(&self.gens);
+        let old_wakers = std::mem::take(&mut g.wakers);
+        g.wakers = queues.iter().map(|q| q.irq_waker().ok().and_then(|fd| EventFd::from_owned(fd).ok())).collect();
+        g.staged = queues.into_iter().map(Some).collect();
+        self.broken_reported.store(false, Ordering::Release);
+        // With nothing in flight, no caller waits on the outage: it ends with the new domain.
+        if self.in_flight() == 0 {
+            if let Some(t) = g.outage_since.take() {
+                g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        self.generation.store(generation, Ordering::Release);
+        self.failed.store(false, Ordering::Release);
+        *lock(&self.fail_reason) = None;
+        drop(g);
+        self.changed.notify_all();
+        for w in old_wakers.into_iter().flatten() {
+            w.ring();
+        }
+    }
+
+    /// Outages measured so far, ms: from detection to the first completion after the restart,
+    /// or to the new domain's installation when no request was waiting.
+    pub fn outages_ms(&self) -> Vec<f64> {
+        lock(&self.gens).outages_ms.clone()
+    }
+
     /// Marks the device failed: waiting and future requests return `Unavailable` promptly.
     pub fn fail(&self, reason: &str) {
-        *self.fail_reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.to_string());
+        *lock(&self.fail_reason) = Some(reason.to_string());
         self.failed.store(true, Ordering::Release);
+        let g = lock(&self.gens);
+        for w in g.wakers.iter().flatten() {
+            w.ring();
+        }
+        drop(g);
+        self.changed.notify_all();
     }
 
     /// Why the device failed, if it did.
@@ -125,17 +245,7 @@ impl Device {
         if !self.failed.load(Ordering::Acquire) {
             return None;
         }
-        self.fail_reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// Requests the driver claims to have completed, summed over queues.
-    pub fn driver_progress(&self) -> u64 {
-        self.queues.iter().map(|q| q.lock().unwrap_or_else(|e| e.into_inner()).progress()).sum()
-    }
-
-    /// Why the channel is broken, if any queue reported a violation.
-    pub fn broken(&self) -> Option<ChannelError> {
-        self.queues.iter().find_map(|q| q.lock().unwrap_or_else(|e| e.into_inner()).broken().cloned())
+        lock(&self.fail_reason).clone()
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<(), IoError> {
@@ -149,26 +259,112 @@ impl Device {
         IoError::Unavailable(self.failure().unwrap_or_else(|| "device failed".into()))
     }
 
-    /// Runs one request on the queue of `slot`, waiting in slices so a failed device is noticed.
-    fn run(&self, slot: usize, req: FrontRequest<'_>, mut on_data: impl FnMut(SharedSlice<'_>)) -> Result<u64, IoError> {
-        if self.failed.load(Ordering::Acquire) {
-            return Err(self.unavailable());
+    /// Brings queue `idx` (locked by the caller) to the current generation.
+    fn refresh(&self, idx: usize, q: &mut FrontQueue) {
+        if q.generation() == self.generation() {
+            return;
         }
-        let mut q = self.queues[slot % self.queues.len()].lock().unwrap_or_else(|e| e.into_inner());
-        const TOKEN: u64 = 0;
+        if let Some(newer) = lock(&self.gens).staged[idx].take() {
+            *q = newer;
+        }
+    }
+
+    /// Blocks until the generation moves past `gen`, the device fails, or `slice` passes.
+    fn wait_for_generation(&self, gen: u32, slice: Duration) {
+        let g = lock(&self.gens);
+        let _ = self
+            .changed
+            .wait_timeout_while(g, slice, |_| self.generation() == gen && !self.failed.load(Ordering::Acquire));
+    }
+
+    fn note_completion(&self) {
+        let mut g = lock(&self.gens);
+        if let Some(t) = g.outage_since.take() {
+            g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+
+    /// Runs one request on the queue of `slot` until it is answered. If the domain dies, wedges
+    /// or breaks the channel meanwhile, the request is reissued on the next generation once the
+    /// supervisor has restarted the domain.
+    fn run(&self, slot: usize, req: FrontRequest<'_>, mut on_data: impl FnMut(SharedSlice<'_>)) -> Result<u64, IoError> {
+        let idx = slot % self.queues.len();
+        let started = Instant::now();
         loop {
+            if self.failed.load(Ordering::Acquire) {
+                return Err(self.unavailable());
+            }
+            let mut q = lock(&self.queues[idx]);
+            self.refresh(idx, &mut q);
+            let gen = q.generation();
+            if q.broken().is_some() {
+                // This generation is finished; wait for the next one.
+                drop(q);
+                self.wait_for_generation(gen, Duration::from_millis(WAIT_SLICE_MS as u64));
+                self.check_timeout(started)?;
+                continue;
+            }
+            const TOKEN: u64 = 0;
             match q.submit(req, TOKEN) {
-                Ok(()) => break,
-                // Only this thread uses this queue while it holds the lock, and it waits for
-                // each request, so a full queue means space leaked by a broken peer.
-                Err(SubmitError::Full) => return Err(IoError::Unavailable("queue full".into())),
+                Ok(()) => {}
+                Err(SubmitError::Full) => {
+                    // Only the holder of the lock uses this queue and it waits for each
+                    // request, so a full queue means a driver that stopped answering.
+                    let e = ChannelError::Protocol("queue full with no request of ours outstanding".into());
+                    self.report_broken(&e);
+                    drop(q);
+                    self.wait_for_generation(gen, Duration::from_millis(WAIT_SLICE_MS as u64));
+                    self.check_timeout(started)?;
+                    continue;
+                }
                 Err(SubmitError::TooLarge(_)) => return Err(IoError::Invalid("request larger than the queue's arena")),
-                Err(SubmitError::Broken(e)) => return Err(self.note_broken(e)),
+                Err(SubmitError::Broken(e)) => {
+                    self.report_broken(&e);
+                    continue;
+                }
+            }
+            self.in_flight.fetch_add(1, Ordering::AcqRel);
+            let outcome = self.await_answer(&mut q, gen, started, &mut on_data);
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            match outcome {
+                Answer::Done(Ok(n)) => {
+                    self.counters.completed.fetch_add(1, Ordering::Relaxed);
+                    self.note_completion();
+                    return Ok(n);
+                }
+                Answer::Done(Err(s)) => {
+                    self.counters.failed.fetch_add(1, Ordering::Relaxed);
+                    self.note_completion();
+                    return Err(IoError::Device(s));
+                }
+                Answer::Failed(e) => return Err(e),
+                Answer::Reissue => {
+                    drop(q);
+                    self.wait_for_generation(gen, Duration::from_millis(WAIT_SLICE_MS as u64));
+                    self.check_timeout(started)?;
+                }
             }
         }
-        let mut waited = 0u64;
-        let mut out = None;
+    }
+
+    fn check_timeout(&self, started: Instant) -> Result<(), IoError> {
+        match self.timeout_ms {
+            Some(ms) if started.elapsed() >= Duration::from_millis(ms) => {
+                Err(IoError::Unavailable(format!("no response within {ms} ms")))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn await_answer(
+        &self,
+        q: &mut FrontQueue,
+        gen: u32,
+        started: Instant,
+        on_data: &mut impl FnMut(SharedSlice<'_>),
+    ) -> Answer {
         loop {
+            let mut out = None;
             let r = q.reap(|c| {
                 if let Some(d) = c.data {
                     on_data(d);
@@ -176,43 +372,36 @@ impl Device {
                 out = Some(c.result);
             });
             if let Err(e) = r {
-                return Err(self.note_broken(e));
+                self.report_broken(&e);
+                return Answer::Reissue;
             }
-            if let Some(res) = out.take() {
-                return match res {
-                    Ok(n) => {
-                        self.counters.completed.fetch_add(1, Ordering::Relaxed);
-                        Ok(n)
-                    }
-                    Err(s) => {
-                        self.counters.failed.fetch_add(1, Ordering::Relaxed);
-                        Err(IoError::Device(s))
-                    }
-                };
+            if let Some(res) = out {
+                return Answer::Done(res);
             }
             if self.failed.load(Ordering::Acquire) {
-                return Err(self.unavailable());
+                return Answer::Failed(self.unavailable());
             }
-            match q.wait(WAIT_SLICE_MS) {
-                Ok(true) => {}
-                Ok(false) => {
-                    waited += WAIT_SLICE_MS as u64;
-                    if waited >= self.timeout_ms {
-                        return Err(IoError::Unavailable(format!("no response within {} ms", self.timeout_ms)));
-                    }
-                }
-                Err(e) => return Err(self.note_broken(e)),
+            if self.generation() != gen {
+                // The domain was replaced while we waited: reissue on the new generation.
+                return Answer::Reissue;
+            }
+            if let Err(e) = self.check_timeout(started) {
+                return Answer::Failed(e);
+            }
+            if let Err(e) = q.wait(WAIT_SLICE_MS) {
+                self.report_broken(&e);
+                return Answer::Reissue;
             }
         }
     }
 
-    fn note_broken(&self, e: ChannelError) -> IoError {
-        self.counters.failed.fetch_add(1, Ordering::Relaxed);
-        IoError::Unavailable(e.to_string())
+    fn chunk(&self, slot: usize) -> u64 {
+        lock(&self.queues[slot % self.queues.len()]).max_request()
     }
 
-    fn chunk(&self, slot: usize) -> u64 {
-        self.queues[slot % self.queues.len()].lock().unwrap_or_else(|e| e.into_inner()).max_request()
+    /// Largest request one queue carries without splitting.
+    pub fn max_request(&self, slot: usize) -> u64 {
+        self.chunk(slot)
     }
 
     /// Reads `len` bytes at `offset`, handing the data to `f` as `(offset within the request,

@@ -13,6 +13,9 @@
 //! arena = "8M"            # bytes per grant arena (≥ the largest request, 4M at least)
 //! notify = "adaptive"     # irq | poll | adaptive
 //! spin_budget_us = "auto" # or a number of microseconds
+//! watchdog_ms = 1000      # restart a domain that answers nothing for this long
+//! restart_limit = 5       # restarts allowed within restart_window_ms, then `failed`
+//! restart_window_ms = 60000
 //!
 //! [device.backend]
 //! type = "ram"            # ram | file | null
@@ -291,6 +294,15 @@ pub struct Device {
     /// Spin budget.
     #[serde(default = "default_budget")]
     pub spin_budget_us: SpinBudget,
+    /// A domain with requests pending and no answer for this long is restarted.
+    #[serde(default = "default_watchdog")]
+    pub watchdog_ms: Spanned<u64>,
+    /// Restarts allowed within `restart_window_ms` before the device turns failed.
+    #[serde(default = "default_restart_limit")]
+    pub restart_limit: Spanned<u32>,
+    /// The window of `restart_limit`.
+    #[serde(default = "default_restart_window")]
+    pub restart_window_ms: Spanned<u64>,
     /// Backend table.
     pub backend: BackendTable,
 }
@@ -303,6 +315,15 @@ fn default_depth() -> Spanned<u32> {
 }
 fn default_arena() -> Spanned<Size> {
     Spanned::new(0..0, Size(8 << 20))
+}
+fn default_watchdog() -> Spanned<u64> {
+    Spanned::new(0..0, 1000)
+}
+fn default_restart_limit() -> Spanned<u32> {
+    Spanned::new(0..0, 5)
+}
+fn default_restart_window() -> Spanned<u64> {
+    Spanned::new(0..0, 60_000)
 }
 fn default_notify() -> Notify {
     Notify::Adaptive
@@ -419,6 +440,21 @@ impl Config {
                     format!("device `{name}`: key `arena`: {} bytes is out of range 4M..=1G", arena.get_ref().0),
                 ));
             }
+            let w = &d.watchdog_ms;
+            if !(10..=3_600_000).contains(w.get_ref()) {
+                return Err(err(w.span(), format!("device `{name}`: key `watchdog_ms`: {} is out of range 10..=3600000", w.get_ref())));
+            }
+            let l = &d.restart_limit;
+            if !(1..=1_000_000).contains(l.get_ref()) {
+                return Err(err(l.span(), format!("device `{name}`: key `restart_limit`: {} is out of range 1..=1000000", l.get_ref())));
+            }
+            let rw = &d.restart_window_ms;
+            if !(1..=86_400_000).contains(rw.get_ref()) {
+                return Err(err(
+                    rw.span(),
+                    format!("device `{name}`: key `restart_window_ms`: {} is out of range 1..=86400000", rw.get_ref()),
+                ));
+            }
             if let SpinBudget::Micros(us) = d.spin_budget_us {
                 if us > 1_000_000 {
                     return Err(err(d.name.span(), format!("device `{name}`: key `spin_budget_us`: {us} exceeds one second")));
@@ -528,6 +564,8 @@ mod tests {
         assert!(e.to_string().contains("`size` is required"), "{e}");
         let e = parse("[[device]]\nname = \"a\"\nsize = 1000\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
         assert!(e.to_string().contains("multiple of 512"), "{e}");
+        let e = parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nwatchdog_ms = 1\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        assert!(e.to_string().contains("watchdog_ms") && e.to_string().contains("line 4"), "{e}");
         let e = parse("[fuse]\nthreads = 0\n[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
         assert!(e.to_string().contains("fuse.threads") && e.to_string().contains("line 2"), "{e}");
     }

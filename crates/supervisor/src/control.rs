@@ -1,6 +1,6 @@
 //! The control socket: one JSON request per line, one JSON answer per line.
 //!
-//! Requests: `{"cmd":"status"}`.
+//! Requests: `{"cmd":"status"}`, `{"cmd":"restart","device":NAME}`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};

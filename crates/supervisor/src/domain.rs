@@ -4,9 +4,11 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use bulkhead_channel::{BudgetPolicy, NotifyMode, QueueConfig, QueueSetup};
+use bulkhead_channel::{BudgetPolicy, FrontQueue, NotifyMode, QueueConfig, QueueSetup};
 use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, Notify, SpinBudget};
 use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec};
@@ -14,12 +16,10 @@ use bulkhead_shmem::memfd;
 
 use crate::supervisor::{DeviceState, SupervisorError};
 
-/// How long a request may wait for a driver before the client gives up with EIO.
-const REQUEST_TIMEOUT_MS: u64 = 30_000;
 /// Most descriptors one domain can be handed.
 const MAX_PASSED_FDS: usize = 64 * 5 + 2;
 
-/// A running domain process.
+/// A running domain process and the device's restart history.
 #[derive(Debug)]
 pub(crate) struct DomainProc {
     pub child: Option<Child>,
@@ -27,6 +27,22 @@ pub(crate) struct DomainProc {
     pub pid: u32,
     pub state: DeviceState,
     pub failure: Option<String>,
+    pub started_at: Instant,
+    pub answered_at_start: u64,
+    pub restarts: u64,
+    pub history: VecDeque<Instant>,
+    pub quick_deaths: u32,
+}
+
+/// Restart policy of a device.
+#[derive(Debug, Clone, Copy)]
+pub struct RestartPolicy {
+    /// A domain with requests pending and no answer for this long is wedged.
+    pub watchdog: Duration,
+    /// Restarts allowed within `window` before the device turns failed.
+    pub limit: u32,
+    /// The window.
+    pub window: Duration,
 }
 
 /// A configured device: channel frontend, backend descriptors, driver process.
@@ -42,9 +58,26 @@ pub struct DeviceRuntime {
     pub backend_desc: String,
     /// Number of queues.
     pub queues: usize,
+    /// Restart policy.
+    pub policy: RestartPolicy,
     pub(crate) proc_: Mutex<DomainProc>,
-    /// Descriptors kept for the life of the device (ramdisk memfd, backing files).
-    _backend_fds: Vec<OwnedFd>,
+    pub(crate) launcher: Launcher,
+    pub(crate) restart_lock: Mutex<()>,
+}
+
+/// Everything needed to launch another generation of a device's domain.
+#[derive(Debug)]
+pub(crate) struct Launcher {
+    name: String,
+    mode: NotifyMode,
+    queues: usize,
+    qcfg: QueueConfig,
+    size: u64,
+    backend: Backend,
+    exe: PathBuf,
+    /// Descriptors kept for the life of the device (ramdisk memfd, backing files): every
+    /// generation of the domain gets the same ones, so a restart keeps the contents.
+    backend_fds: Vec<OwnedFd>,
 }
 
 fn notify_mode(n: Notify) -> NotifyMode {
@@ -91,8 +124,15 @@ fn backing_size(fd: RawFd) -> std::io::Result<u64> {
     Ok(st.st_size as u64)
 }
 
+/// A launched generation: its frontend queues and its domain process.
+pub(crate) struct Launched {
+    pub fronts: Vec<FrontQueue>,
+    pub child: Child,
+    pub pidfd: OwnedFd,
+}
+
 impl DeviceRuntime {
-    /// Creates the channel and backend storage for `cfg` and starts its driver domain.
+    /// Creates the backend storage for `cfg` and starts generation 1 of its driver domain.
     pub(crate) fn start(cfg: &DeviceConfig, exe: &Path) -> Result<Self, SupervisorError> {
         let name = cfg.name.get_ref().clone();
         let err = |what: String| SupervisorError::Device { device: name.clone(), message: what };
@@ -152,8 +192,6 @@ impl DeviceRuntime {
                 (size, desc)
             }
         };
-
-        // Channel: one queue setup per queue.
         let qcfg = QueueConfig {
             nslots: *cfg.queue_depth.get_ref(),
             arena_bytes: cfg.arena.get_ref().0 as usize,
@@ -161,11 +199,49 @@ impl DeviceRuntime {
             budget,
             generation: 1,
         };
+        let nqueues = *cfg.queues.get_ref() as usize;
+        let policy = RestartPolicy {
+            watchdog: Duration::from_millis(*cfg.watchdog_ms.get_ref()),
+            limit: *cfg.restart_limit.get_ref(),
+            window: Duration::from_millis(*cfg.restart_window_ms.get_ref()),
+        };
+        let launcher =
+            Launcher { name: name.clone(), mode, queues: nqueues, qcfg, size, backend, exe: exe.to_path_buf(), backend_fds };
+        let l = launcher.launch(1).map_err(err)?;
+        Ok(DeviceRuntime {
+            name: name.clone(),
+            device: Arc::new(Device::new(&name, size, l.fronts, None)),
+            mode,
+            backend_desc,
+            queues: nqueues,
+            policy,
+            proc_: Mutex::new(DomainProc {
+                pid: l.child.id(),
+                child: Some(l.child),
+                pidfd: Some(l.pidfd),
+                state: DeviceState::Running,
+                failure: None,
+                started_at: Instant::now(),
+                answered_at_start: 0,
+                restarts: 0,
+                history: VecDeque::new(),
+                quick_deaths: 0,
+            }),
+            launcher,
+            restart_lock: Mutex::new(()),
+        })
+    }
+}
+
+impl Launcher {
+    /// Creates the queues of `generation` and execs a domain holding them and the backend.
+    pub(crate) fn launch(&self, generation: u32) -> Result<Launched, String> {
+        let qcfg = QueueConfig { generation, ..self.qcfg };
         let mut fronts = Vec::new();
         let mut pass: Vec<OwnedFd> = Vec::new();
         let mut queue_specs = Vec::new();
-        for q in 0..*cfg.queues.get_ref() {
-            let (front, fds) = QueueSetup::create(&format!("{name}-q{q}"), &qcfg).map_err(|e| err(e.to_string()))?;
+        for q in 0..self.queues {
+            let (front, fds) = QueueSetup::create(&format!("{}-q{q}", self.name), &qcfg).map_err(|e| e.to_string())?;
             let base = 3 + pass.len() as i32;
             queue_specs.push(QueueSpec {
                 nslots: qcfg.nslots,
@@ -177,7 +253,7 @@ impl DeviceRuntime {
             fronts.push(front);
         }
         let next = 3 + pass.len() as i32;
-        let backend_spec = match &backend {
+        let backend_spec = match &self.backend {
             Backend::Ram => BackendSpec::Ram { fd: next },
             Backend::Null => BackendSpec::Null,
             Backend::File { direct, engine, read_only, .. } => BackendSpec::File {
@@ -188,10 +264,10 @@ impl DeviceRuntime {
             },
         };
         let spec = DomainSpec {
-            device: name.clone(),
-            size,
-            mode: mode.as_str().to_string(),
-            budget_ns: match budget {
+            device: self.name.clone(),
+            size: self.size,
+            mode: self.mode.as_str().to_string(),
+            budget_ns: match qcfg.budget {
                 BudgetPolicy::Fixed(ns) => Some(ns),
                 BudgetPolicy::Auto { .. } => None,
             },
@@ -199,23 +275,13 @@ impl DeviceRuntime {
             backend: backend_spec,
         };
         let mut raw: Vec<RawFd> = pass.iter().map(|f| f.as_raw_fd()).collect();
-        raw.extend(backend_fds.iter().map(|f| f.as_raw_fd()));
+        raw.extend(self.backend_fds.iter().map(|f| f.as_raw_fd()));
         let json = serde_json::to_string(&spec).expect("spec serialises");
-        let child = spawn_domain(exe, &json, &raw).map_err(|e| err(format!("cannot start driver domain: {e}")))?;
+        let child = spawn_domain(&self.exe, &json, &raw).map_err(|e| format!("cannot start driver domain: {e}"))?;
         // The domain holds its own copies now.
         drop(pass);
-        let pid = child.id();
-        let pidfd = pidfd_open(pid).map_err(|e| err(format!("pidfd_open: {e}")))?;
-        let device = Arc::new(Device::new(&name, size, fronts, REQUEST_TIMEOUT_MS));
-        Ok(DeviceRuntime {
-            name,
-            device,
-            mode,
-            backend_desc,
-            queues: *cfg.queues.get_ref() as usize,
-            proc_: Mutex::new(DomainProc { child: Some(child), pidfd: Some(pidfd), pid, state: DeviceState::Running, failure: None }),
-            _backend_fds: backend_fds,
-        })
+        let pidfd = pidfd_open(child.id()).map_err(|e| format!("pidfd_open: {e}"))?;
+        Ok(Launched { fronts, child, pidfd })
     }
 }
 
@@ -233,6 +299,9 @@ pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
 /// Execs `exe driver --spec JSON` with `fds` placed at 3, 4, … and every other descriptor
 /// closed at exec. The domain gets its own process group (a terminal's Ctrl-C reaches only the
 /// supervisor, which stops domains in order) and dies with the supervisor (PDEATHSIG).
+///
+/// PDEATHSIG fires when the *thread* that called this exits: call it only from a thread that
+/// outlives the domain (the main thread or the supervisor's watcher).
 pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd]) -> std::io::Result<Child> {
     if fds.len() > MAX_PASSED_FDS {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "too many descriptors for one domain"));

@@ -102,9 +102,15 @@ pub struct StatusReport {
     pub devices: Vec<DeviceStatus>,
 }
 
+/// A manual restart, handed to the watcher thread: domains must be spawned by a thread that
+/// lives as long as they do, since PR_SET_PDEATHSIG fires when the spawning *thread* exits.
+type RestartRequest = (String, std::sync::mpsc::Sender<Result<u32, String>>);
+
 struct Inner {
     devices: Vec<DeviceRuntime>,
     shutting_down: AtomicBool,
+    requests: std::sync::Mutex<Vec<RestartRequest>>,
+    wake: bulkhead_doorbell::EventFd,
 }
 
 /// The supervisor: owns every device's runtime and a watcher thread.
@@ -131,7 +137,7 @@ impl Supervisor {
                 Err(e) => {
                     // Stop what was started before failing.
                     let partial = Supervisor {
-                        inner: Arc::new(Inner { devices, shutting_down: AtomicBool::new(false) }),
+                        inner: Arc::new(Inner::new(devices)),
                         watcher: std::sync::Mutex::new(None),
                         started: Instant::now(),
                     };
@@ -140,7 +146,7 @@ impl Supervisor {
                 }
             }
         }
-        let inner = Arc::new(Inner { devices, shutting_down: AtomicBool::new(false) });
+        let inner = Arc::new(Inner::new(devices));
         let w = inner.clone();
         let watcher = std::thread::Builder::new().name("watcher".into()).spawn(move || watch(w)).expect("spawn watcher");
         Ok(Supervisor { inner, watcher: std::sync::Mutex::new(Some(watcher)), started: Instant::now() })
@@ -159,6 +165,7 @@ impl Supervisor {
             .devices
             .iter()
             .map(|rt| {
+                let outages = rt.device.outages_ms();
                 let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
                 let running = p.state == DeviceState::Running;
                 DeviceStatus {
@@ -171,9 +178,9 @@ impl Supervisor {
                     queues: rt.queues,
                     requests_completed: rt.device.counters.completed.load(Ordering::Relaxed),
                     requests_failed: rt.device.counters.failed.load(Ordering::Relaxed),
-                    restarts: 0,
-                    last_outage_ms: None,
-                    p99_outage_ms: None,
+                    restarts: p.restarts,
+                    last_outage_ms: outages.last().copied(),
+                    p99_outage_ms: p99(&outages),
                     driver_memory: if running { proc_info::rss(p.pid) } else { None },
                     failure: p.failure.clone(),
                 }
@@ -184,6 +191,21 @@ impl Supervisor {
             uptime_s: self.started.elapsed().as_secs_f64(),
             devices,
         }
+    }
+
+    /// Restarts a device's domain on demand (also a failed one: its restart history is
+    /// cleared). Returns the new driver pid.
+    pub fn restart_device(&self, name: &str) -> Result<u32, String> {
+        if !self.inner.devices.iter().any(|d| d.name == name) {
+            return Err(format!("no device `{name}`"));
+        }
+        if self.inner.shutting_down.load(Ordering::Acquire) {
+            return Err("shutting down".into());
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.inner.requests.lock().unwrap_or_else(|e| e.into_inner()).push((name.to_string(), tx));
+        self.inner.wake.ring();
+        rx.recv_timeout(Duration::from_secs(30)).map_err(|_| "the supervisor did not answer".to_string())?
     }
 
     /// Flushes every device, then ends every domain (SIGTERM, SIGKILL after 3 s). Idempotent.
@@ -235,43 +257,197 @@ impl Drop for Supervisor {
     }
 }
 
-/// Waits on every domain's pidfd; a domain that exits while not shutting down fails its device.
+impl Inner {
+    fn new(devices: Vec<DeviceRuntime>) -> Self {
+        Inner {
+            devices,
+            shutting_down: AtomicBool::new(false),
+            requests: std::sync::Mutex::new(Vec::new()),
+            wake: bulkhead_doorbell::EventFd::new().expect("eventfd"),
+        }
+    }
+}
+
+fn p99(v: &[f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    Some(s[((s.len() as f64 * 0.99).ceil() as usize).clamp(1, s.len()) - 1])
+}
+
+/// What the watcher saw of one device since its last look.
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    answered: u64,
+    since: Instant,
+}
+
+/// Watches every domain: death (pidfd), a broken channel (the device's alarm), and no progress
+/// with requests pending (the watchdog). Any of them restarts the domain.
 fn watch(inner: Arc<Inner>) {
+    let mut progress: Vec<Progress> =
+        inner.devices.iter().map(|rt| Progress { answered: rt.device.answered(), since: Instant::now() }).collect();
     while !inner.shutting_down.load(Ordering::Acquire) {
         let mut pfds = Vec::new();
-        let mut idx = Vec::new();
-        for (i, rt) in inner.devices.iter().enumerate() {
+        let mut polled_pids = Vec::new();
+        for rt in &inner.devices {
             let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
             if let (Some(fd), DeviceState::Running) = (&p.pidfd, p.state) {
                 pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-                idx.push(i);
+                polled_pids.push(p.pid);
+            } else {
+                pfds.push(libc::pollfd { fd: -1, events: 0, revents: 0 });
+                polled_pids.push(0);
+            }
+            pfds.push(libc::pollfd { fd: rt.device.alarm_fd(), events: libc::POLLIN, revents: 0 });
+        }
+        pfds.push(libc::pollfd { fd: inner.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        // SAFETY: `pfds` is a valid array of pollfds for the call.
+        unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 10) };
+        if inner.shutting_down.load(Ordering::Acquire) {
+            break;
+        }
+        inner.wake.drain();
+        let requests = std::mem::take(&mut *inner.requests.lock().unwrap_or_else(|e| e.into_inner()));
+        for (name, reply) in requests {
+            let Some((i, rt)) = inner.devices.iter().enumerate().find(|(_, d)| d.name == name) else { continue };
+            {
+                let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+                p.history.clear();
+                p.quick_deaths = 0;
+                p.state = DeviceState::Running;
+            }
+            restart(rt, "restart requested", Instant::now(), &inner.shutting_down);
+            progress[i] = Progress { answered: rt.device.answered(), since: Instant::now() };
+            let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = reply.send(match p.state {
+                DeviceState::Running => Ok(p.pid),
+                _ => Err(p.failure.clone().unwrap_or_else(|| "restart failed".into())),
+            });
+        }
+        let now = Instant::now();
+        for (i, rt) in inner.devices.iter().enumerate() {
+            let died = pfds[2 * i].revents != 0;
+            let broken = rt.device.take_broken_report();
+            let mut why = None;
+            // The pidfd polled may belong to a domain a concurrent restart already replaced:
+            // act only if the process polled is still the device's, and has really exited.
+            let exited = died.then(|| {
+                let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+                if p.pid != polled_pids[i] {
+                    return None;
+                }
+                let status = p.child.as_mut()?.try_wait().ok()??;
+                p.child = None;
+                p.pidfd = None;
+                Some(format!("driver domain (pid {}) exited: {status}", p.pid))
+            });
+            if let Some(Some(e)) = exited {
+                why = Some(e);
+            } else if broken {
+                let pid = rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).pid;
+                why = Some(format!("driver domain (pid {pid}) broke the channel protocol"));
+            } else {
+                let answered = rt.device.answered();
+                let pending = rt.device.in_flight();
+                let pr = &mut progress[i];
+                if pending == 0 || answered != pr.answered {
+                    *pr = Progress { answered, since: now };
+                } else if now.duration_since(pr.since) >= rt.policy.watchdog {
+                    let pid = rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).pid;
+                    why = Some(format!(
+                        "driver domain (pid {pid}) answered nothing for {} ms with {pending} requests pending",
+                        now.duration_since(pr.since).as_millis()
+                    ));
+                }
+            }
+            if let Some(why) = why {
+                if rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).state != DeviceState::Running {
+                    continue;
+                }
+                restart(rt, &why, now, &inner.shutting_down);
+                progress[i] = Progress { answered: rt.device.answered(), since: Instant::now() };
             }
         }
-        // SAFETY: `pfds` is a valid array of pollfds for the call (possibly empty).
-        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 200) };
-        if n <= 0 || inner.shutting_down.load(Ordering::Acquire) {
-            continue;
+    }
+}
+
+/// Replaces a device's domain: kills what is left of the old one, launches the next generation
+/// with the same backend descriptors and hands its queues to the frontend, which reissues every
+/// request that had no response. Crash loops back off exponentially; past the restart limit
+/// the device turns failed.
+pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting_down: &AtomicBool) {
+    let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
+    rt.device.outage_started(detected);
+    let delay = {
+        let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(mut c) = p.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
-        for (pfd, &i) in pfds.iter().zip(&idx) {
-            if pfd.revents == 0 {
-                continue;
-            }
-            let rt = &inner.devices[i];
-            let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-            if inner.shutting_down.load(Ordering::Acquire) {
-                break;
-            }
-            let status = p.child.as_mut().and_then(|c| c.wait().ok());
-            let why = match status {
-                Some(s) => format!("driver domain (pid {}) exited: {s}", p.pid),
-                None => format!("driver domain (pid {}) exited", p.pid),
-            };
-            eprintln!("bulkhead: device {}: {why}; the device is failed", rt.name);
-            rt.device.fail(&why);
-            p.child = None;
-            p.pidfd = None;
+        p.pidfd = None;
+        while p.history.front().is_some_and(|t| detected.duration_since(*t) > rt.policy.window) {
+            p.history.pop_front();
+        }
+        if p.history.len() as u32 >= rt.policy.limit {
+            let reason = format!(
+                "{why}; {} restarts within {} ms: device failed (`bulkhead restart {}` tries again)",
+                p.history.len(),
+                rt.policy.window.as_millis(),
+                rt.name
+            );
+            eprintln!("bulkhead: device {}: {reason}", rt.name);
             p.state = DeviceState::Failed;
-            p.failure = Some(why);
+            p.failure = Some(reason.clone());
+            drop(p);
+            rt.device.fail(&reason);
+            return;
+        }
+        // A domain that dies within a second of starting without answering anything is
+        // crash-looping: back off. One that served requests restarts at once.
+        if p.started_at.elapsed() < Duration::from_secs(1) && rt.device.answered() == p.answered_at_start {
+            p.quick_deaths += 1;
+        } else {
+            p.quick_deaths = 0;
+        }
+        p.history.push_back(detected);
+        match p.quick_deaths {
+            0 => Duration::ZERO,
+            n => Duration::from_millis(10u64 << (n - 1).min(7)).min(Duration::from_secs(1)),
+        }
+    };
+    eprintln!("bulkhead: device {}: {why}; restarting", rt.name);
+    if !delay.is_zero() {
+        std::thread::sleep(delay);
+    }
+    if shutting_down.load(Ordering::Acquire) {
+        return;
+    }
+    let generation = rt.device.generation().wrapping_add(1);
+    match rt.launcher.launch(generation) {
+        Ok(l) => {
+            let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+            p.pid = l.child.id();
+            p.child = Some(l.child);
+            p.pidfd = Some(l.pidfd);
+            p.state = DeviceState::Running;
+            p.failure = None;
+            p.started_at = Instant::now();
+            p.answered_at_start = rt.device.answered();
+            p.restarts += 1;
+            drop(p);
+            rt.device.install_generation(l.fronts);
+        }
+        Err(e) => {
+            let reason = format!("{why}; restart failed: {e}");
+            eprintln!("bulkhead: device {}: {reason}", rt.name);
+            let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+            p.state = DeviceState::Failed;
+            p.failure = Some(reason.clone());
+            drop(p);
+            rt.device.fail(&reason);
         }
     }
 }

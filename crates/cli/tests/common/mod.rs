@@ -43,8 +43,14 @@ impl Serve {
     /// Starts serve with `config` (TOML text) or the embedded default, and waits until every
     /// device named in `devices` has its FUSE file.
     pub fn start(run_dir: &Path, config: Option<&str>, devices: &[&str]) -> Serve {
+        Self::start_with_env(run_dir, config, devices, &[])
+    }
+
+    /// As [`start`](Self::start), with extra environment variables for serve and its domains.
+    pub fn start_with_env(run_dir: &Path, config: Option<&str>, devices: &[&str], env: &[(&str, &str)]) -> Serve {
         let log = run_dir.with_extension("log");
         let mut cmd = Command::new(exe());
+        cmd.envs(env.iter().copied());
         cmd.arg("serve").arg("--run-dir").arg(run_dir);
         if let Some(text) = config {
             let path = run_dir.with_extension("toml");
@@ -82,6 +88,10 @@ impl Serve {
         let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(&self.run_dir).output().unwrap();
         assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    pub fn driver_pid(&self, dev: usize) -> u32 {
+        self.status_json()["devices"][dev]["driver_pid"].as_u64().unwrap_or(0) as u32
     }
 
     pub fn pid(&self) -> u32 {
