@@ -5,6 +5,7 @@
 #![deny(missing_docs)]
 
 pub mod channel;
+pub mod restart;
 mod table;
 
 pub use table::Table;

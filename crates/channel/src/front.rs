@@ -340,9 +340,17 @@ impl FrontQueue {
         Ok(n)
     }
 
-    /// Waits until a response is published, following the queue's notification mode, or until
-    /// `timeout_ms` passes. Returns `Ok(false)` on timeout.
+    /// Waits until a response is published or the doorbell rings, following the queue's
+    /// notification mode, or until `timeout_ms` passes. Returns `Ok(false)` on timeout. A ring
+    /// with no response (spurious, or the supervisor waking the caller) also returns `Ok(true)`:
+    /// callers reap and look again.
     pub fn wait(&mut self, timeout_ms: i32) -> Result<bool, ChannelError> {
+        self.wait_or(timeout_ms, &std::sync::atomic::AtomicBool::new(false))
+    }
+
+    /// As [`wait`](Self::wait), but also returns `Ok(false)` as soon as `abort` is set (checked
+    /// while spinning; a sleeper must be rung as well).
+    pub fn wait_or(&mut self, timeout_ms: i32, abort: &std::sync::atomic::AtomicBool) -> Result<bool, ChannelError> {
         if let Some(e) = &self.broken {
             return Err(e.clone());
         }
@@ -366,7 +374,7 @@ impl FrontQueue {
             i = i.wrapping_add(1);
             if i % 64 == 0 {
                 let now = now_ns();
-                if now >= deadline {
+                if now >= deadline || abort.load(std::sync::atomic::Ordering::Relaxed) {
                     return Ok(false);
                 }
                 if now - start >= spin {
@@ -375,25 +383,19 @@ impl FrontQueue {
             }
         }
         // Sleep: publish SLEEPING + event index, re-check, block.
-        loop {
-            if self.ring.prepare_sleep() {
-                self.ring.set_running();
-                self.budget.record(now_ns() - start);
-                return Ok(true);
-            }
-            self.stats.sleeps += 1;
-            let now = now_ns();
-            let left = if deadline == u64::MAX { -1 } else { (deadline.saturating_sub(now) / 1_000_000) as i32 };
-            let rung = self.irq.wait(left).map_err(|e| ChannelError::Setup(e.to_string()))?;
+        if self.ring.prepare_sleep() {
             self.ring.set_running();
-            if self.ring.response_pending() {
-                self.budget.record(now_ns() - start);
-                return Ok(true);
-            }
-            if !rung && now_ns() >= deadline {
-                return Ok(false);
-            }
+            self.budget.record(now_ns() - start);
+            return Ok(true);
         }
+        self.stats.sleeps += 1;
+        let now = now_ns();
+        let left = if deadline == u64::MAX { -1 } else { (deadline.saturating_sub(now) / 1_000_000) as i32 };
+        let rung = self.irq.wait(left).map_err(|e| ChannelError::Setup(e.to_string()))?;
+        self.ring.set_running();
+        // A ring without a response is not ignored: the supervisor rings to say the channel was
+        // replaced, and the caller must look at its state.
+        Ok(rung || self.ring.response_pending())
     }
 
     /// Submits one request and waits for its completion, calling `on_data` with the read data.

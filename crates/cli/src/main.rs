@@ -83,6 +83,21 @@ enum BenchCmd {
         #[arg(long, default_value_t = 200_000)]
         samples: usize,
     },
+    /// Outage per driver-domain restart: SIGKILL the driver under load, again and again.
+    Restart {
+        /// Kills to perform (at least 1).
+        #[arg(long, default_value_t = 100)]
+        kills: usize,
+        /// Notification mode of the device.
+        #[arg(long, value_enum, default_value = "adaptive")]
+        mode: ModeArg,
+        /// Load threads (and queues).
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -93,6 +108,7 @@ fn main() -> ExitCode {
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Driver { spec } => driver_cmd::run(&spec),
         Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples } } => bench_channel(mode, json, seconds, samples),
+        Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, json } } => bench_restart(kills, mode, threads, json),
     };
     match result {
         Ok(code) => code,
@@ -101,6 +117,30 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+fn bench_restart(kills: usize, mode: ModeArg, threads: usize, json: bool) -> anyhow::Result<ExitCode> {
+    if kills == 0 || kills > 100_000 {
+        anyhow::bail!("--kills must be between 1 and 100000");
+    }
+    if threads == 0 || threads > 64 {
+        anyhow::bail!("--threads must be between 1 and 64");
+    }
+    let mode = match mode {
+        ModeArg::Irq => "irq",
+        ModeArg::Poll => "poll",
+        ModeArg::Adaptive => "adaptive",
+        ModeArg::All => anyhow::bail!("bench restart takes one mode"),
+    };
+    let exe = std::env::current_exe()?;
+    let opts = bulkhead_bench::restart::Options { kills, mode: mode.into(), threads };
+    let r = bulkhead_bench::restart::run(&exe, &opts, |p| eprintln!("bench restart: {p}")).map_err(anyhow::Error::msg)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", bulkhead_bench::restart::render(&r));
+    }
+    Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 fn bench_channel(mode: ModeArg, json: bool, seconds: f64, samples: usize) -> anyhow::Result<ExitCode> {

@@ -99,6 +99,9 @@ pub struct Device {
     broken_reported: AtomicBool,
     alarm: EventFd,
     in_flight: AtomicUsize,
+    /// Set from the supervisor's detection of a dead, wedged or broken domain until the next
+    /// generation is installed: waiters stop spinning on a domain that will not answer.
+    outage: AtomicBool,
     timeout_ms: Option<u64>,
     /// Counters.
     pub counters: DeviceCounters,
@@ -131,6 +134,7 @@ impl Device {
             broken_reported: AtomicBool::new(false),
             alarm: EventFd::new().expect("eventfd"),
             in_flight: AtomicUsize::new(0),
+            outage: AtomicBool::new(false),
             timeout_ms,
             counters: DeviceCounters::default(),
         }
@@ -193,6 +197,10 @@ impl Device {
     pub fn outage_started(&self, at: Instant) {
         let mut g = lock(&self.gens);
         g.outage_since.get_or_insert(at);
+        self.outage.store(true, Ordering::Release);
+        for w in g.wakers.iter().flatten() {
+            w.ring();
+        }
     }
 
     /// Installs the queues of a new generation (a restarted domain). Each is taken by the next
@@ -213,6 +221,7 @@ impl Device {
             }
         }
         self.generation.store(generation, Ordering::Release);
+        self.outage.store(false, Ordering::Release);
         self.failed.store(false, Ordering::Release);
         *lock(&self.fail_reason) = None;
         drop(g);
@@ -388,7 +397,11 @@ impl Device {
             if let Err(e) = self.check_timeout(started) {
                 return Answer::Failed(e);
             }
-            if let Err(e) = q.wait(WAIT_SLICE_MS) {
+            if self.outage.load(Ordering::Acquire) {
+                // The domain is being replaced: block until the next generation, then reissue.
+                return Answer::Reissue;
+            }
+            if let Err(e) = q.wait_or(WAIT_SLICE_MS, &self.outage) {
                 self.report_broken(&e);
                 return Answer::Reissue;
             }

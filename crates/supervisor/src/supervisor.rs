@@ -118,6 +118,7 @@ pub struct Supervisor {
     inner: Arc<Inner>,
     watcher: std::sync::Mutex<Option<JoinHandle<()>>>,
     started: Instant,
+    stopping: AtomicBool,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -140,6 +141,7 @@ impl Supervisor {
                         inner: Arc::new(Inner::new(devices)),
                         watcher: std::sync::Mutex::new(None),
                         started: Instant::now(),
+                        stopping: AtomicBool::new(false),
                     };
                     partial.shutdown();
                     return Err(e);
@@ -149,7 +151,7 @@ impl Supervisor {
         let inner = Arc::new(Inner::new(devices));
         let w = inner.clone();
         let watcher = std::thread::Builder::new().name("watcher".into()).spawn(move || watch(w)).expect("spawn watcher");
-        Ok(Supervisor { inner, watcher: std::sync::Mutex::new(Some(watcher)), started: Instant::now() })
+        Ok(Supervisor { inner, watcher: std::sync::Mutex::new(Some(watcher)), started: Instant::now(), stopping: AtomicBool::new(false) })
     }
 
     /// The devices, for the exports.
@@ -209,17 +211,40 @@ impl Supervisor {
     }
 
     /// Flushes every device, then ends every domain (SIGTERM, SIGKILL after 3 s). Idempotent.
+    ///
+    /// The flushes run while the watcher still works, so a domain that dies during them is
+    /// restarted and the flush completes on the next generation; each is bounded by 5 s.
     pub fn shutdown(&self) {
-        if self.inner.shutting_down.swap(true, Ordering::AcqRel) {
+        if self.stopping.swap(true, Ordering::AcqRel) {
             return;
         }
+        let mut flushes = Vec::new();
         for rt in &self.inner.devices {
-            let running = rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).state == DeviceState::Running;
-            if running {
-                if let Err(e) = rt.device.flush(0) {
-                    eprintln!("bulkhead: device {}: final flush failed: {e}", rt.name);
-                }
+            if rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).state != DeviceState::Running {
+                continue;
             }
+            let (tx, rx) = std::sync::mpsc::channel();
+            let dev = rt.device.clone();
+            std::thread::spawn(move || {
+                let _ = tx.send(dev.flush(0));
+            });
+            flushes.push((rt.name.clone(), rx));
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (name, rx) in flushes {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => eprintln!("bulkhead: device {name}: final flush failed: {e}"),
+                Err(_) => eprintln!("bulkhead: device {name}: final flush did not complete within 5 s"),
+            }
+        }
+        self.inner.shutting_down.store(true, Ordering::Release);
+        let w = self.watcher.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(w) = w {
+            let _ = w.join();
+        }
+        for rt in &self.inner.devices {
+            // Releases any caller still waiting (their requests fail with EIO).
             rt.device.fail("shutting down");
         }
         for rt in &self.inner.devices {
@@ -243,10 +268,6 @@ impl Supervisor {
             }
             p.pidfd = None;
             p.state = DeviceState::Stopped;
-        }
-        let w = self.watcher.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(w) = w {
-            let _ = w.join();
         }
     }
 }

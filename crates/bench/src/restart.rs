@@ -1,0 +1,169 @@
+//! `bulkhead bench restart`: how long a device is out when its driver domain is killed.
+//!
+//! A real supervisor serves one `ram` device whose domains are exec'd as usual; load threads
+//! write and read back 4 KiB blocks through the client library without pause, checking every
+//! byte; the driver is SIGKILLed at random moments. The outage of each kill runs from the
+//! supervisor noticing the death to the first request completed by the new domain (the seed
+//! paper measured ~275 ms per driver restart).
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bulkhead_config::Config;
+use bulkhead_supervisor::Supervisor;
+use serde::Serialize;
+
+use crate::Table;
+
+/// Options.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Kills to perform.
+    pub kills: usize,
+    /// Notification mode of the device.
+    pub mode: String,
+    /// Load threads.
+    pub threads: usize,
+}
+
+/// Results.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Mode.
+    pub mode: String,
+    /// Kills performed.
+    pub kills: usize,
+    /// Restarts the supervisor made.
+    pub restarts: u64,
+    /// Outages measured.
+    pub outages: usize,
+    /// Median outage, ms.
+    pub outage_p50_ms: f64,
+    /// 99th percentile outage, ms.
+    pub outage_p99_ms: f64,
+    /// Longest outage, ms.
+    pub outage_max_ms: f64,
+    /// Requests completed by the load.
+    pub requests: u64,
+    /// Requests that failed or read back wrong data (must be 0).
+    pub errors: u64,
+    /// Seconds the run took.
+    pub seconds: f64,
+}
+
+fn pct(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[((s.len() as f64 * q).ceil() as usize).clamp(1, s.len()) - 1]
+}
+
+/// Runs the benchmark, execing `exe` for the domains.
+pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+    let text = format!(
+        "[fuse]\nenabled = false\n[[device]]\nname = \"r\"\nsize = \"256M\"\nqueues = {}\nnotify = \"{}\"\nrestart_limit = 1000000\n[device.backend]\ntype = \"ram\"\n",
+        opts.threads, opts.mode
+    );
+    let config = Config::parse(&text, "bench restart").map_err(|e| e.to_string())?;
+    let sup = Supervisor::start(&config, Some(exe)).map_err(|e| e.to_string())?;
+    let dev = sup.devices()[0].clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let requests = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut load = Vec::new();
+    for t in 0..opts.threads {
+        let (dev, stop, requests, errors) = (dev.clone(), stop.clone(), requests.clone(), errors.clone());
+        load.push(std::thread::spawn(move || {
+            let blocks = dev.size() / 4096 / 64;
+            let mut x = 0x9e37_79b9_u64 + t as u64;
+            let mut buf = vec![0u8; 4096];
+            let mut back = vec![0u8; 4096];
+            while !stop.load(Ordering::Relaxed) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Each thread owns every 64th block group, so threads never overlap.
+                let off = ((x % blocks) * 64 + t as u64) * 4096;
+                buf.iter_mut().enumerate().for_each(|(i, b)| *b = (x >> (i % 8 * 8)) as u8 ^ i as u8);
+                let ok = dev.write(t, off, &buf, false).is_ok() && dev.read_into(t, off, &mut back).is_ok() && back == buf;
+                requests.fetch_add(2, Ordering::Relaxed);
+                if !ok {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    let start = Instant::now();
+    let mut x = 0x1234_5678_u64;
+    let mut kills = 0;
+    let mut last_pid = 0;
+    while kills < opts.kills {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        std::thread::sleep(Duration::from_millis(10 + x % 40));
+        // One outage at a time: the previous restart must have served a request first.
+        if dev.outages_ms().len() < kills {
+            continue;
+        }
+        let st = sup.status();
+        let d = &st.devices[0];
+        if d.driver_pid == 0 || d.driver_pid == last_pid {
+            continue;
+        }
+        // SAFETY: signalling a domain of our own supervisor by pid.
+        if unsafe { libc::kill(d.driver_pid as i32, libc::SIGKILL) } == 0 {
+            kills += 1;
+            last_pid = d.driver_pid;
+            if kills % 10 == 0 {
+                progress(&format!("{kills}/{} kills", opts.kills));
+            }
+        }
+    }
+    // Let the last restart complete and be measured.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while dev.outages_ms().len() < kills && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in load {
+        let _ = t.join();
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let restarts = sup.status().devices[0].restarts;
+    let outages = dev.outages_ms();
+    sup.shutdown();
+    Ok(Report {
+        mode: opts.mode.clone(),
+        kills,
+        restarts,
+        outages: outages.len(),
+        outage_p50_ms: pct(&outages, 0.50),
+        outage_p99_ms: pct(&outages, 0.99),
+        outage_max_ms: pct(&outages, 1.0),
+        requests: requests.load(Ordering::Relaxed),
+        errors: errors.load(Ordering::Relaxed),
+        seconds,
+    })
+}
+
+/// Renders the report.
+pub fn render(r: &Report) -> String {
+    let mut t = Table::new(&["mode", "kills", "restarts", "outage p50 ms", "p99 ms", "max ms", "requests", "errors", "seed paper"]);
+    t.row(vec![
+        r.mode.clone(),
+        r.kills.to_string(),
+        r.restarts.to_string(),
+        format!("{:.2}", r.outage_p50_ms),
+        format!("{:.2}", r.outage_p99_ms),
+        format!("{:.2}", r.outage_max_ms),
+        r.requests.to_string(),
+        r.errors.to_string(),
+        "~275 ms".into(),
+    ]);
+    t.render()
+}
