@@ -4,11 +4,13 @@
 //! Phases per mode: round trips without data (a flush, which the `ram` backend completes at
 //! once), with a 4 KiB read and with a 4 KiB write; IOPS of 4 KiB reads at queue depth 1 and
 //! 32; CPU time of each side during the IOPS phases; then an idle phase of one second, after
-//! the spin budget has run out, with the CPU each side used.
+//! the spin budget has run out, with the CPU each side used. By default the frontend thread
+//! and the driver domain are pinned to CPUs 0 and 1 (as SPDK pins its reactors), so two
+//! spinning sides never share a core.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
-use std::process::Child;
+use bulkhead_sandbox::spawn::DomainChild;
 use std::time::{Duration, Instant};
 
 use bulkhead_channel::{BudgetPolicy, FrontQueue, FrontRequest, NotifyMode, QueueConfig, QueueSetup};
@@ -31,11 +33,13 @@ pub struct Options {
     pub seconds: f64,
     /// Round trips sampled per latency phase (polled modes; irq uses a tenth).
     pub samples: usize,
+    /// Pin the frontend thread and the driver domain to different CPUs.
+    pub pin: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { modes: vec![NotifyMode::Irq, NotifyMode::Poll, NotifyMode::Adaptive], seconds: 2.0, samples: 200_000 }
+        Options { modes: vec![NotifyMode::Irq, NotifyMode::Poll, NotifyMode::Adaptive], seconds: 2.0, samples: 200_000, pin: true }
     }
 }
 
@@ -122,6 +126,16 @@ fn process_cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
+/// Pins `pid` (0: the calling thread) to `cpu`. Returns whether it worked.
+fn pin(pid: u32, cpu: usize) -> bool {
+    // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(pid as libc::pid_t, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
 fn percentiles(mut v: Vec<u64>) -> Latency {
     v.sort_unstable();
     let at = |q: f64| v[((v.len() as f64 * q) as usize).min(v.len() - 1)];
@@ -130,13 +144,12 @@ fn percentiles(mut v: Vec<u64>) -> Latency {
 
 struct Peer {
     front: FrontQueue,
-    child: Child,
+    child: DomainChild,
 }
 
 impl Drop for Peer {
     fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.signal(libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(3);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
@@ -162,9 +175,11 @@ fn start_peer(exe: &Path, mode: NotifyMode) -> Result<Peer, String> {
         budget_ns: None,
         queues: vec![QueueSpec { nslots: 64, arena_bytes: front.arena_bytes() as u64, fds: [3, 4, 5, 6, 7] }],
         backend: BackendSpec::Ram { fd: 8 },
+        sandbox: Default::default(),
+        report_fd: None,
     };
     let json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
-    let child = bulkhead_supervisor::spawn_domain(exe, &json, &raw).map_err(|e| format!("exec driver: {e}"))?;
+    let (child, _) = bulkhead_supervisor::spawn_domain(exe, &json, &raw, true).map_err(|e| format!("exec driver: {e}"))?;
     Ok(Peer { front, child })
 }
 
@@ -236,10 +251,16 @@ fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iop
 /// Runs the benchmark for each mode, execing `exe` as the driver domain.
 pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
     let mut modes = Vec::new();
+    // Read once: available_parallelism honours the affinity mask, which pinning narrows.
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     for &mode in &opts.modes {
         progress(&format!("{mode}: starting driver domain"));
         let mut peer = start_peer(exe, mode)?;
         let pid = peer.child.id();
+        if opts.pin && cpus >= 2 {
+            pin(0, 0);
+            pin(pid, 1);
+        }
         let front = &mut peer.front;
         let n = if mode == NotifyMode::Irq { (opts.samples / 10).max(1000) } else { opts.samples };
         // Warm up: touch the device so reads hit allocated pages, and let budgets settle.
@@ -270,6 +291,17 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         let frontend_budget_ns = front.budget_ns();
         modes.push(ModeReport { mode: mode.as_str().into(), rtt_nodata, rtt_read_4k, rtt_write_4k, qd1, qd32, idle, frontend_budget_ns });
         drop(peer);
+    }
+    if opts.pin {
+        // Give the calling thread its CPUs back.
+        // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for c in 0..cpus {
+                libc::CPU_SET(c, &mut set);
+            }
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
     }
     Ok(Report { modes })
 }

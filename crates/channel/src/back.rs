@@ -140,6 +140,11 @@ impl BackQueue {
         self.device_size
     }
 
+    /// The write arena mapping (read-only here), for the sandbox's escape probe.
+    pub fn write_arena_mapping(&self) -> &Mapping {
+        &self.warena
+    }
+
     /// The ring mapping, for hostile-driver test modes that must scribble on it.
     pub fn ring_mapping(&self) -> &Mapping {
         self.ring.mapping()

@@ -1,38 +1,32 @@
 //! `bulkhead driver`: the driver-domain process.
 
+use std::io::Write;
+use std::os::fd::FromRawFd;
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::Context;
 use bulkhead_driver::spec::DomainSpec;
+use bulkhead_sandbox::confine::{confine, Options};
 
-fn harden() {
-    // SAFETY: plain prctl/setrlimit calls with valid arguments.
-    unsafe {
-        libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
-        let none = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        libc::setrlimit(libc::RLIMIT_CORE, &none);
-    }
+/// Test hooks, read from `BULKHEAD_TEST_FAULT` (inherited from `serve`):
+/// - `crash-on-start`: exit at once, as a driver with a start-up bug would;
+/// - `escape`: once confined, try to escape and report how each attempt failed, then store into
+///   the read-only write arena (which must kill the domain with SIGSEGV).
+fn test_fault() -> Option<String> {
+    std::env::var("BULKHEAD_TEST_FAULT").ok()
 }
 
-/// Test hook: `BULKHEAD_TEST_FAULT=crash-on-start` makes every domain exit at once, as a driver
-/// with a start-up bug would. Tests use it to drive the supervisor's crash-loop handling.
-fn test_fault() -> Option<ExitCode> {
-    match std::env::var("BULKHEAD_TEST_FAULT").ok()?.as_str() {
-        "crash-on-start" => {
-            eprintln!("bulkhead driver: crashing on start (BULKHEAD_TEST_FAULT)");
-            Some(ExitCode::from(70))
-        }
-        _ => None,
-    }
-}
+/// Address space allowed beyond what a domain has mapped at confinement: the allocator's needs.
+const HEADROOM: u64 = 256 << 20;
 
 pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     let spec: DomainSpec = serde_json::from_str(spec_json).context("bad domain spec")?;
-    harden();
-    if let Some(code) = test_fault() {
-        return Ok(code);
+    let fault = test_fault();
+    if fault.as_deref() == Some("crash-on-start") {
+        eprintln!("bulkhead driver: crashing on start (BULKHEAD_TEST_FAULT)");
+        return Ok(ExitCode::from(70));
     }
     let stop = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
@@ -40,6 +34,34 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
     // alone, and nothing else here uses them.
     let mut domain = unsafe { spec.build_inherited(stop) }.with_context(|| format!("device {}", spec.device))?;
+    let opts = Options {
+        policy: spec.sandbox.policy,
+        role: spec.seccomp_role(),
+        namespaces: bulkhead_sandbox::spawn::namespaces_layer(spec.sandbox.policy),
+        address_space_headroom: HEADROOM,
+    };
+    let layers = confine(&opts).with_context(|| format!("device {}: sandbox", spec.device))?;
+    if let Some(fd) = spec.report_fd {
+        // SAFETY: the report pipe named in the spec is ours alone; File closes it.
+        let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
+        let _ = writeln!(f, "{}", serde_json::to_string(&layers)?);
+    }
+    if fault.as_deref() == Some("escape") {
+        let q = domain.queue(0).context("escape probe needs a queue")?;
+        let w = q.write_arena_mapping();
+        let targets = bulkhead_sandbox::probe::Targets {
+            outside_pid: std::env::var("BULKHEAD_TEST_OUTSIDE_PID").ok().and_then(|p| p.parse().ok()).unwrap_or(1),
+            write_arena: w.base_ptr(),
+            write_arena_len: w.len(),
+            shared_fd: spec.queues[0].fds[0],
+            write_arena_fd: spec.queues[0].fds[1],
+        };
+        eprintln!("bulkhead escape-probe: {}", bulkhead_sandbox::probe::attempt_escapes(&targets));
+        // SAFETY: the arena mapping is at least one page; the store is meant to fault.
+        unsafe { bulkhead_sandbox::probe::write_into_readonly(w.base_ptr()) };
+        eprintln!("bulkhead escape-probe: write into the read-only arena succeeded");
+        return Ok(ExitCode::from(99));
+    }
     domain.run().with_context(|| format!("device {}", spec.device))?;
     Ok(ExitCode::SUCCESS)
 }

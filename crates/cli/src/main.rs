@@ -82,6 +82,9 @@ enum BenchCmd {
         /// Round trips sampled per latency phase.
         #[arg(long, default_value_t = 200_000)]
         samples: usize,
+        /// Do not pin the frontend and the driver domain to different CPUs.
+        #[arg(long)]
+        no_pin: bool,
     },
     /// Outage per driver-domain restart: SIGKILL the driver under load, again and again.
     Restart {
@@ -107,7 +110,7 @@ fn main() -> ExitCode {
         Cmd::Status { json, run_dir } => status::run(&run_dir, json),
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Driver { spec } => driver_cmd::run(&spec),
-        Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples } } => bench_channel(mode, json, seconds, samples),
+        Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples, no_pin } } => bench_channel(mode, json, seconds, samples, !no_pin),
         Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, json } } => bench_restart(kills, mode, threads, json),
     };
     match result {
@@ -143,7 +146,7 @@ fn bench_restart(kills: usize, mode: ModeArg, threads: usize, json: bool) -> any
     Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
-fn bench_channel(mode: ModeArg, json: bool, seconds: f64, samples: usize) -> anyhow::Result<ExitCode> {
+fn bench_channel(mode: ModeArg, json: bool, seconds: f64, samples: usize, pin: bool) -> anyhow::Result<ExitCode> {
     use bulkhead_channel::NotifyMode;
     if !(0.1..=600.0).contains(&seconds) {
         anyhow::bail!("--seconds must be between 0.1 and 600");
@@ -158,7 +161,7 @@ fn bench_channel(mode: ModeArg, json: bool, seconds: f64, samples: usize) -> any
         ModeArg::All => vec![NotifyMode::Irq, NotifyMode::Poll, NotifyMode::Adaptive],
     };
     let exe = std::env::current_exe()?;
-    let opts = bulkhead_bench::channel::Options { modes, seconds, samples };
+    let opts = bulkhead_bench::channel::Options { modes, seconds, samples, pin };
     let report = bulkhead_bench::channel::run(&exe, &opts, |p| eprintln!("bench channel: {p}")).map_err(anyhow::Error::msg)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);

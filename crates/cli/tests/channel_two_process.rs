@@ -36,11 +36,14 @@ fn run_mode(mode: NotifyMode) {
         budget_ns: None,
         queues: vec![QueueSpec { nslots: 64, arena_bytes: front.arena_bytes() as u64, fds: [3, 4, 5, 6, 7] }],
         backend: BackendSpec::Ram { fd: 8 },
+        sandbox: Default::default(),
+        report_fd: None,
     };
-    let mut child = bulkhead_supervisor::spawn_domain(
+    let (mut child, _) = bulkhead_supervisor::spawn_domain(
         std::path::Path::new(env!("CARGO_BIN_EXE_bulkhead")),
         &serde_json::to_string(&spec).unwrap(),
         &raw,
+        true,
     )
     .unwrap();
     drop(fds);
@@ -98,8 +101,7 @@ fn run_mode(mode: NotifyMode) {
     eprintln!("{mode}: {REQUESTS} requests in {:.2} s, {verified} reads verified, {} doorbells", el.as_secs_f64(), front.stats().kicks);
     assert_eq!(verified, reads, "every read was checked");
     assert!(reads > REQUESTS / 2 - BLOCKS, "half the requests are checked reads");
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    child.signal(libc::SIGTERM).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {

@@ -16,6 +16,7 @@
 //! watchdog_ms = 1000      # restart a domain that answers nothing for this long
 //! restart_limit = 5       # restarts allowed within restart_window_ms, then `failed`
 //! restart_window_ms = 60000
+//! sandbox = "best_effort" # required | best_effort | off
 //!
 //! [device.backend]
 //! type = "ram"            # ram | file | null
@@ -303,6 +304,10 @@ pub struct Device {
     /// The window of `restart_limit`.
     #[serde(default = "default_restart_window")]
     pub restart_window_ms: Spanned<u64>,
+    /// Sandbox policy: `required` refuses to start a domain a layer of which is unavailable;
+    /// `best_effort` starts it with a warning; `off` applies none (debugging only).
+    #[serde(default = "default_sandbox")]
+    pub sandbox: Sandbox,
     /// Backend table.
     pub backend: BackendTable,
 }
@@ -316,6 +321,22 @@ fn default_depth() -> Spanned<u32> {
 fn default_arena() -> Spanned<Size> {
     Spanned::new(0..0, Size(8 << 20))
 }
+/// Sandbox policy of a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Sandbox {
+    /// Refuse to start without every layer.
+    Required,
+    /// Warn and go on without an unavailable layer.
+    BestEffort,
+    /// No sandbox.
+    Off,
+}
+
+fn default_sandbox() -> Sandbox {
+    Sandbox::BestEffort
+}
+
 fn default_watchdog() -> Spanned<u64> {
     Spanned::new(0..0, 1000)
 }

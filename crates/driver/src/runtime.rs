@@ -63,6 +63,11 @@ impl Domain {
         Ok(Domain { queues, chain, mode, budget: SpinBudget::new(budget), poller, stop, stats: DomainStats::default() })
     }
 
+    /// Queue `i`'s driver end (for test modes).
+    pub fn queue(&self, i: usize) -> Option<&BackQueue> {
+        self.queues.get(i)
+    }
+
     /// Counters.
     pub fn stats(&self) -> DomainStats {
         self.stats

@@ -18,6 +18,24 @@ pub struct DomainSpec {
     pub queues: Vec<QueueSpec>,
     /// The backend.
     pub backend: BackendSpec,
+    /// Sandbox policy.
+    pub sandbox: SandboxSpec,
+    /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
+    pub report_fd: Option<i32>,
+}
+
+/// The sandbox part of a spec.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxSpec {
+    /// Required, best effort, or off.
+    pub policy: bulkhead_sandbox::Policy,
+}
+
+impl Default for SandboxSpec {
+    fn default() -> Self {
+        SandboxSpec { policy: bulkhead_sandbox::Policy::BestEffort }
+    }
 }
 
 /// One queue's descriptors and geometry.
@@ -86,6 +104,16 @@ impl DomainSpec {
         self.mode.parse().map_err(DriverError::Setup)
     }
 
+    /// The seccomp role its backend needs.
+    pub fn seccomp_role(&self) -> bulkhead_sandbox::seccomp::Role {
+        use bulkhead_sandbox::seccomp::Role;
+        match &self.backend {
+            BackendSpec::Ram { .. } | BackendSpec::Null => Role::Memory,
+            BackendSpec::File { engine, .. } if engine == "io_uring" => Role::FileIoUring,
+            BackendSpec::File { .. } => Role::FileSync,
+        }
+    }
+
     /// The spin budget policy.
     pub fn budget(&self) -> BudgetPolicy {
         self.budget_ns.map(BudgetPolicy::Fixed).unwrap_or(BudgetPolicy::DEFAULT_AUTO)
@@ -144,6 +172,8 @@ mod tests {
             budget_ns: None,
             queues: vec![QueueSpec { nslots: 64, arena_bytes: 8 << 20, fds: [3, 4, 5, 6, 7] }],
             backend: BackendSpec::File { fd: 8, buffered_fd: Some(9), read_only: false, engine: "io_uring".into() },
+            sandbox: SandboxSpec::default(),
+            report_fd: Some(10),
         };
         let json = serde_json::to_string(&spec).unwrap();
         assert_eq!(serde_json::from_str::<DomainSpec>(&json).unwrap(), spec);
@@ -160,6 +190,8 @@ mod tests {
             budget_ns: None,
             queues: vec![QueueSpec { nslots: 8, arena_bytes: 4096, fds: [1000, 1001, 1002, 1003, 1004] }],
             backend: BackendSpec::Null,
+            sandbox: SandboxSpec::default(),
+            report_fd: None,
         };
         // SAFETY: the descriptors named are not open, which is what is being tested.
         let e = unsafe { spec.build_inherited(Arc::new(AtomicBool::new(false))) }.unwrap_err();

@@ -63,6 +63,12 @@ impl Mapping {
         self.len == 0
     }
 
+    /// The base address, for code that must aim a system call at the mapping as a whole (the
+    /// sandbox's escape probe). Never dereferenced by this crate's callers.
+    pub fn base_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     /// The protection this process mapped it with.
     pub fn protection(&self) -> Protection {
         self.prot

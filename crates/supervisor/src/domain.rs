@@ -1,9 +1,7 @@
 //! One device's runtime: its channel, backend descriptors and driver-domain process.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,18 +9,19 @@ use std::time::{Duration, Instant};
 use bulkhead_channel::{BudgetPolicy, FrontQueue, NotifyMode, QueueConfig, QueueSetup};
 use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, Notify, SpinBudget};
-use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec};
+use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec, SandboxSpec};
+use bulkhead_sandbox::spawn::DomainChild;
+use bulkhead_sandbox::{Layer, Layers, Policy};
 use bulkhead_shmem::memfd;
 
 use crate::supervisor::{DeviceState, SupervisorError};
 
-/// Most descriptors one domain can be handed.
-const MAX_PASSED_FDS: usize = 64 * 5 + 2;
 
 /// A running domain process and the device's restart history.
 #[derive(Debug)]
 pub(crate) struct DomainProc {
-    pub child: Option<Child>,
+    pub child: Option<DomainChild>,
+    pub layers: Option<Layers>,
     pub pidfd: Option<OwnedFd>,
     pub pid: u32,
     pub state: DeviceState,
@@ -78,6 +77,7 @@ pub(crate) struct Launcher {
     /// Descriptors kept for the life of the device (ramdisk memfd, backing files): every
     /// generation of the domain gets the same ones, so a restart keeps the contents.
     backend_fds: Vec<OwnedFd>,
+    policy: Policy,
 }
 
 fn notify_mode(n: Notify) -> NotifyMode {
@@ -127,7 +127,8 @@ fn backing_size(fd: RawFd) -> std::io::Result<u64> {
 /// A launched generation: its frontend queues and its domain process.
 pub(crate) struct Launched {
     pub fronts: Vec<FrontQueue>,
-    pub child: Child,
+    pub child: DomainChild,
+    pub layers: Option<Layers>,
     pub pidfd: OwnedFd,
 }
 
@@ -206,7 +207,21 @@ impl DeviceRuntime {
             window: Duration::from_millis(*cfg.restart_window_ms.get_ref()),
         };
         let launcher =
-            Launcher { name: name.clone(), mode, queues: nqueues, qcfg, size, backend, exe: exe.to_path_buf(), backend_fds };
+            Launcher {
+                name: name.clone(),
+                mode,
+                queues: nqueues,
+                qcfg,
+                size,
+                backend,
+                exe: exe.to_path_buf(),
+                backend_fds,
+                policy: match cfg.sandbox {
+                    bulkhead_config::Sandbox::Required => Policy::Required,
+                    bulkhead_config::Sandbox::BestEffort => Policy::BestEffort,
+                    bulkhead_config::Sandbox::Off => Policy::Off,
+                },
+            };
         let l = launcher.launch(1).map_err(err)?;
         Ok(DeviceRuntime {
             name: name.clone(),
@@ -218,6 +233,7 @@ impl DeviceRuntime {
             proc_: Mutex::new(DomainProc {
                 pid: l.child.id(),
                 child: Some(l.child),
+                layers: l.layers,
                 pidfd: Some(l.pidfd),
                 state: DeviceState::Running,
                 failure: None,
@@ -253,6 +269,9 @@ impl Launcher {
             fronts.push(front);
         }
         let next = 3 + pass.len() as i32;
+        let (report_r, report_w) = report_pipe().map_err(|e| format!("report pipe: {e}"))?;
+        let backend_fd_count = self.backend_fds.len() as i32;
+        let report_fd = next + backend_fd_count;
         let backend_spec = match &self.backend {
             Backend::Ram => BackendSpec::Ram { fd: next },
             Backend::Null => BackendSpec::Null,
@@ -273,16 +292,64 @@ impl Launcher {
             },
             queues: queue_specs,
             backend: backend_spec,
+            sandbox: SandboxSpec { policy: self.policy },
+            report_fd: Some(report_fd),
         };
         let mut raw: Vec<RawFd> = pass.iter().map(|f| f.as_raw_fd()).collect();
         raw.extend(self.backend_fds.iter().map(|f| f.as_raw_fd()));
+        raw.push(report_w.as_raw_fd());
         let json = serde_json::to_string(&spec).expect("spec serialises");
-        let child = spawn_domain(&self.exe, &json, &raw).map_err(|e| format!("cannot start driver domain: {e}"))?;
+        let use_ns = self.policy != Policy::Off;
+        let (mut child, ns) =
+            spawn_domain(&self.exe, &json, &raw, use_ns).map_err(|e| format!("cannot start driver domain: {e}"))?;
         // The domain holds its own copies now.
         drop(pass);
+        drop(report_w);
+        if let (Policy::Required, Layer::Unavailable(why)) = (self.policy, &ns) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}"));
+        }
+        let layers = read_report(&report_r);
         let pidfd = pidfd_open(child.id()).map_err(|e| format!("pidfd_open: {e}"))?;
-        Ok(Launched { fronts, child, pidfd })
+        Ok(Launched { fronts, child, pidfd, layers })
     }
+}
+
+fn report_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut p = [0; 2];
+    // SAFETY: valid array of two ints.
+    if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fresh descriptors.
+    Ok(unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) })
+}
+
+/// Reads the domain's sandbox report: one JSON line, written once it is confined. `None` if it
+/// exits or stays silent for 5 s.
+fn read_report(fd: &OwnedFd) -> Option<Layers> {
+    let mut buf = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now()).as_millis() as i32;
+        let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        if left <= 0 || unsafe { libc::poll(&mut pfd, 1, left) } <= 0 {
+            return None;
+        }
+        let mut chunk = [0u8; 1024];
+        // SAFETY: reads into a local buffer.
+        let n = unsafe { libc::read(fd.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
+        if n <= 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n as usize]);
+        if buf.contains(&b'\n') || buf.len() > 64 * 1024 {
+            break;
+        }
+    }
+    serde_json::from_slice(buf.split(|&b| b == b'\n').next()?).ok()
 }
 
 /// `pidfd_open(2)`.
@@ -296,49 +363,14 @@ pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// Execs `exe driver --spec JSON` with `fds` placed at 3, 4, … and every other descriptor
-/// closed at exec. The domain gets its own process group (a terminal's Ctrl-C reaches only the
-/// supervisor, which stops domains in order) and dies with the supervisor (PDEATHSIG).
+/// Execs `exe driver --spec JSON` as a sandboxed domain (see [`bulkhead_sandbox::spawn`]):
+/// `fds` at 3, 4, …, everything else closed at exec, new namespaces when `namespaces`.
 ///
-/// PDEATHSIG fires when the *thread* that called this exits: call it only from a thread that
-/// outlives the domain (the main thread or the supervisor's watcher).
-pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd]) -> std::io::Result<Child> {
-    if fds.len() > MAX_PASSED_FDS {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "too many descriptors for one domain"));
-    }
-    let mut srcs = [0 as RawFd; MAX_PASSED_FDS];
-    srcs[..fds.len()].copy_from_slice(fds);
-    let n = fds.len();
-    let mut cmd = Command::new(exe);
-    cmd.arg("driver").arg("--spec").arg(spec_json).stdin(Stdio::null());
-    // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
-    // calls on integers it owns (no allocation, no locks).
-    unsafe {
-        cmd.pre_exec(move || {
-            libc::setpgid(0, 0);
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            // Move every source above the target range first, so no dup2 clobbers a source.
-            let mut high = [0 as RawFd; MAX_PASSED_FDS];
-            for i in 0..n {
-                high[i] = libc::fcntl(srcs[i], libc::F_DUPFD_CLOEXEC, 1024);
-                if high[i] < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            for (i, &h) in high.iter().enumerate().take(n) {
-                // dup2 leaves the target without FD_CLOEXEC: it survives exec.
-                if libc::dup2(h, 3 + i as RawFd) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            // Everything else is closed at exec (CLOSE_RANGE_CLOEXEC keeps std's exec-error
-            // pipe working until then).
-            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
-            libc::syscall(libc::SYS_close_range, 3 + n as libc::c_uint, libc::c_uint::MAX, CLOSE_RANGE_CLOEXEC);
-            Ok(())
-        });
-    }
-    cmd.spawn()
+/// The domain dies with the *thread* that calls this (PR_SET_PDEATHSIG): call it only from a
+/// thread that outlives the domain (the main thread or the supervisor's watcher).
+pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd], namespaces: bool) -> std::io::Result<(DomainChild, Layer)> {
+    let args: [&std::ffi::OsStr; 3] = ["driver".as_ref(), "--spec".as_ref(), spec_json.as_ref()];
+    bulkhead_sandbox::spawn::spawn(exe, &args, fds, namespaces)
 }
 
 /// The `bulkhead` executable to exec for domains.

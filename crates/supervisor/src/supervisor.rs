@@ -89,6 +89,8 @@ pub struct DeviceStatus {
     pub driver_memory: Option<Rss>,
     /// Why the device failed.
     pub failure: Option<String>,
+    /// The sandbox layers in force in the driver domain, as it reported them.
+    pub sandbox: Option<bulkhead_sandbox::Layers>,
 }
 
 /// The whole status report.
@@ -185,6 +187,7 @@ impl Supervisor {
                     p99_outage_ms: p99(&outages),
                     driver_memory: if running { proc_info::rss(p.pid) } else { None },
                     failure: p.failure.clone(),
+                    sandbox: if running { p.layers.clone() } else { None },
                 }
             })
             .collect();
@@ -250,8 +253,7 @@ impl Supervisor {
         for rt in &self.inner.devices {
             let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(mut child) = p.child.take() {
-                // SAFETY: signalling our own child by pid.
-                unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                let _ = child.signal(libc::SIGTERM);
                 let deadline = Instant::now() + Duration::from_secs(3);
                 loop {
                     match child.try_wait() {
@@ -452,6 +454,7 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
             let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
             p.pid = l.child.id();
             p.child = Some(l.child);
+            p.layers = l.layers;
             p.pidfd = Some(l.pidfd);
             p.state = DeviceState::Running;
             p.failure = None;

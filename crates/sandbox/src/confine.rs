@@ -1,0 +1,109 @@
+//! Confining a domain once it is set up.
+
+use crate::seccomp::Role;
+use crate::{landlock, seccomp, Layer, Layers, Policy, SandboxError};
+
+/// What to confine and how strictly.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Policy for unavailable layers.
+    pub policy: Policy,
+    /// Seccomp role.
+    pub role: Role,
+    /// What the supervisor reported for the namespaces layer.
+    pub namespaces: Layer,
+    /// Address space allowed beyond what is mapped now (bytes).
+    pub address_space_headroom: u64,
+}
+
+fn setrlimit(res: libc::__rlimit_resource_t, cur: u64, max: u64) -> Result<(), String> {
+    let r = libc::rlimit { rlim_cur: cur, rlim_max: max };
+    // SAFETY: plain setrlimit with a valid struct.
+    if unsafe { libc::setrlimit(res, &r) } < 0 {
+        return Err(format!("setrlimit({res}): {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+fn highest_open_fd() -> i32 {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok()).max().unwrap_or(2))
+        .unwrap_or(1023)
+}
+
+fn mapped_bytes() -> u64 {
+    let pages: u64 = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+fn rlimits(headroom: u64) -> Result<(), String> {
+    setrlimit(libc::RLIMIT_CORE, 0, 0)?;
+    // No new processes (seccomp also refuses clone).
+    setrlimit(libc::RLIMIT_NPROC, 0, 0)?;
+    setrlimit(libc::RLIMIT_MEMLOCK, 0, 0)?;
+    // No descriptor beyond those it holds (one spare for the kernel's own needs).
+    let fds = highest_open_fd() as u64 + 2;
+    setrlimit(libc::RLIMIT_NOFILE, fds, fds)?;
+    // Address space: what is mapped now (channel, arenas, ramdisk) plus the headroom.
+    let limit = mapped_bytes() + headroom;
+    setrlimit(libc::RLIMIT_AS, limit, limit)
+}
+
+fn no_new_privs() -> Result<(), String> {
+    // SAFETY: plain prctl calls.
+    unsafe {
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 {
+            return Err(format!("PR_SET_NO_NEW_PRIVS: {}", std::io::Error::last_os_error()));
+        }
+        // Not dumpable: no core, no ptrace attach, /proc/PID/mem closed to same-uid peers.
+        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+    }
+    Ok(())
+}
+
+/// Applies every layer in order; returns what is in force. With [`Policy::Required`], the
+/// first unavailable layer is an error.
+pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
+    let mut layers = Layers {
+        namespaces: opts.namespaces.clone(),
+        rlimits: Layer::Off,
+        no_new_privs: Layer::Off,
+        landlock: Layer::Off,
+        landlock_abi: landlock::abi(),
+        seccomp: Layer::Off,
+        seccomp_role: opts.role.as_str().to_string(),
+    };
+    if opts.policy == Policy::Off {
+        return Ok(layers);
+    }
+    let required = opts.policy == Policy::Required;
+    let check = |layer: &'static str, r: Result<(), String>| -> Result<Layer, SandboxError> {
+        match r {
+            Ok(()) => Ok(Layer::Applied),
+            Err(reason) if required => Err(SandboxError::Required { layer, reason }),
+            Err(reason) => {
+                eprintln!("bulkhead driver: warning: sandbox layer {layer} unavailable: {reason}");
+                Ok(Layer::Unavailable(reason))
+            }
+        }
+    };
+    // Memory faults must kill the domain at once. Rust's stack-overflow handler would try to
+    // reinstall the default action with rt_sigaction, which seccomp refuses, and the fault
+    // would repeat forever.
+    // SAFETY: restoring default dispositions; no handler code is involved.
+    unsafe {
+        libc::signal(libc::SIGSEGV, libc::SIG_DFL);
+        libc::signal(libc::SIGBUS, libc::SIG_DFL);
+    }
+    if let Layer::Unavailable(reason) = &opts.namespaces {
+        check("namespaces", Err(reason.clone()))?;
+    }
+    layers.rlimits = check("rlimits", rlimits(opts.address_space_headroom))?;
+    layers.no_new_privs = check("no_new_privs", no_new_privs())?;
+    layers.landlock = check("landlock", landlock::deny_all().map(|_| ()))?;
+    layers.seccomp = check("seccomp", seccomp::apply(opts.role))?;
+    Ok(layers)
+}

@@ -1,0 +1,96 @@
+//! The sandbox of a driver domain.
+//!
+//! Layers, outermost first:
+//!
+//! 1. [`spawn`]: the supervisor starts a domain with `clone3` into new user, pid, mount, network
+//!    and IPC namespaces (root inside maps to `nobody` outside), with exactly the descriptors it
+//!    needs at 3, 4, … and everything else closed at exec;
+//! 2. [`confine`]: once the domain has mapped its channel and opened its engines, it drops what
+//!    it could still do: rlimits (no core dumps, no new processes, bounded address space and
+//!    descriptors), no_new_privs, not dumpable, Landlock (no filesystem access at all, no TCP,
+//!    no signals or abstract sockets outside its domain), and a seccomp allowlist for its role
+//!    ([`seccomp::allowlist`], one line of reason per system call).
+//!
+//! Where a layer is unavailable the domain starts with a warning; with [`Policy::Required`] it
+//! refuses instead. Each layer's outcome is reported in [`Layers`].
+#![deny(missing_docs)]
+
+pub mod confine;
+pub mod landlock;
+pub mod probe;
+pub mod seccomp;
+pub mod spawn;
+
+use serde::{Deserialize, Serialize};
+
+/// What to do when a layer is unavailable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Refuse to start the domain.
+    Required,
+    /// Start it with a warning.
+    BestEffort,
+    /// Apply no sandbox at all (debugging).
+    Off,
+}
+
+/// Outcome of one layer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layer {
+    /// In force.
+    Applied,
+    /// Not available here; the reason.
+    Unavailable(String),
+    /// Not requested.
+    Off,
+}
+
+impl Layer {
+    /// Whether the layer is in force.
+    pub fn applied(&self) -> bool {
+        matches!(self, Layer::Applied)
+    }
+}
+
+/// The layers in force in a domain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layers {
+    /// User, pid, mount, network and IPC namespaces.
+    pub namespaces: Layer,
+    /// Resource limits.
+    pub rlimits: Layer,
+    /// no_new_privs and not dumpable.
+    pub no_new_privs: Layer,
+    /// Landlock, with the ABI version used.
+    pub landlock: Layer,
+    /// Landlock ABI version of the kernel (0: none).
+    pub landlock_abi: u32,
+    /// Seccomp allowlist.
+    pub seccomp: Layer,
+    /// Role of the seccomp allowlist.
+    pub seccomp_role: String,
+}
+
+/// Sandbox errors.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// A layer failed and the policy requires it.
+    #[error("sandbox layer {layer} unavailable: {reason}")]
+    Required {
+        /// Layer name.
+        layer: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A system call failed.
+    #[error("{op}: {source}")]
+    Sys {
+        /// Operation.
+        op: &'static str,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
