@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # Installs what the tests need and runs the whole suite: unit tests, the loom model, the
-# two-process channel test and the kernel tests (FUSE, loop devices, ext4, fio), which must run
-# here (BULKHEAD_REQUIRE_KERNEL=1 turns a missing kernel feature into a failure, not a skip).
-# Then the shared-memory crates' tests again under AddressSanitizer (nightly toolchain).
+# two-process channel test and the kernel tests (FUSE, loop devices, ext4, fio, namespaces,
+# sandbox, restarts), which must run here (BULKHEAD_REQUIRE_KERNEL=1 turns a missing kernel
+# feature into a failure, not a skip). Then the shared-memory crates' tests again under
+# AddressSanitizer (nightly toolchain). Ends with one line: "N passed, N failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh test
 export BULKHEAD_REQUIRE_KERNEL="${BULKHEAD_REQUIRE_KERNEL:-1}"
-cargo test --workspace --locked "$@"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --locked "$@" 2>&1 | tee -a "$log"
 
 if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
   echo "== shared-memory crates under AddressSanitizer =="
   RUSTFLAGS="-Zsanitizer=address" ASAN_OPTIONS="detect_leaks=1" \
     cargo +nightly test --locked -q -p bulkhead-shmem -p bulkhead-ring -p bulkhead-channel -p bulkhead-doorbell \
-      --target "$(rustc -vV | sed -n 's/^host: //p')" --target-dir target/asan -- --skip loom
+      --lib --tests --target "$(rustc -vV | sed -n 's/^host: //p')" --target-dir target/asan -- --skip loom 2>&1 | tee -a "$log"
 else
   echo "SKIP: AddressSanitizer pass needs the nightly toolchain (rustup toolchain install nightly)"
 fi
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
+     END { printf "%d passed, %d failed\n", p, f }' "$log"
