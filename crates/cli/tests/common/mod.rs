@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[allow(unused_imports)] // each test file uses a different subset
 pub use bulkhead_testkit::kernel::{run, ChildGuard, LoopGuard, MountGuard};
 
 pub fn exe() -> &'static str {
