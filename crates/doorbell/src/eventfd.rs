@@ -55,18 +55,16 @@ impl EventFd {
     /// Blocks until rung or `timeout_ms` passes (-1: forever). Returns whether it was rung.
     pub fn wait(&self, timeout_ms: i32) -> io::Result<bool> {
         let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        loop {
-            // SAFETY: one valid pollfd.
-            let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
-            if rc < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    return Ok(false);
-                }
-                return Err(e);
+        // SAFETY: one valid pollfd.
+        let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(false);
             }
-            return Ok(rc > 0 && self.drain() > 0);
+            return Err(e);
         }
+        Ok(rc > 0 && self.drain() > 0)
     }
 }
 

@@ -164,6 +164,7 @@ mod tests {
                 // SAFETY: constant path.
                 let fd = unsafe { libc::open(c"/etc/hostname".as_ptr(), libc::O_RDONLY) };
                 let e = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+                // SAFETY: a zero-length write from a valid pointer.
                 let ok_write = unsafe { libc::write(2, c"".as_ptr().cast(), 0) } == 0;
                 if fd < 0 && e == libc::EPERM && ok_write {
                     0
