@@ -162,24 +162,34 @@ impl Drop for Peer {
     }
 }
 
-fn start_peer(exe: &Path, mode: NotifyMode) -> Result<Peer, String> {
-    let cfg = QueueConfig { nslots: 64, arena_bytes: 8 << 20, mode, budget: BudgetPolicy::DEFAULT_AUTO, generation: 1 };
-    let (front, fds) = QueueSetup::create("bench", &cfg).map_err(|e| e.to_string())?;
-    let ram = memfd::create("bench-ram", DEVICE_SIZE).map_err(|e| e.to_string())?;
+/// Execs `exe driver` as a one-queue domain over a `size`-byte ram backend, with the queue
+/// described by `cfg`; returns the frontend end and the domain process.
+pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(FrontQueue, DomainChild), String> {
+    let (front, fds) = QueueSetup::create("peer", cfg).map_err(|e| e.to_string())?;
+    let ram = memfd::create("peer-ram", size).map_err(|e| e.to_string())?;
     let owned: [&OwnedFd; 6] = [&fds.ring, &fds.write_arena, &fds.read_arena, &fds.kick, &fds.irq, &ram];
     let raw: Vec<RawFd> = owned.iter().map(|f| f.as_raw_fd()).collect();
     let spec = DomainSpec {
-        device: "bench".into(),
-        size: DEVICE_SIZE,
-        mode: mode.as_str().into(),
-        budget_ns: None,
-        queues: vec![QueueSpec { nslots: 64, arena_bytes: front.arena_bytes() as u64, fds: [3, 4, 5, 6, 7] }],
+        device: "peer".into(),
+        size,
+        mode: cfg.mode.as_str().into(),
+        budget_ns: match cfg.budget {
+            BudgetPolicy::Fixed(ns) => Some(ns),
+            BudgetPolicy::Auto { .. } => None,
+        },
+        queues: vec![QueueSpec { nslots: cfg.nslots, arena_bytes: front.arena_bytes() as u64, fds: [3, 4, 5, 6, 7] }],
         backend: BackendSpec::Ram { fd: 8 },
         sandbox: Default::default(),
         report_fd: None,
     };
     let json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
     let (child, _) = bulkhead_supervisor::spawn_domain(exe, &json, &raw, true).map_err(|e| format!("exec driver: {e}"))?;
+    Ok((front, child))
+}
+
+fn start_peer(exe: &Path, mode: NotifyMode) -> Result<Peer, String> {
+    let cfg = QueueConfig { nslots: 64, arena_bytes: 8 << 20, mode, budget: BudgetPolicy::DEFAULT_AUTO, generation: 1 };
+    let (front, child) = spawn_ram_domain(exe, &cfg, DEVICE_SIZE)?;
     Ok(Peer { front, child })
 }
 

@@ -2,12 +2,9 @@
 //! domain is `bulkhead driver`, exec'd (not forked) with only its descriptors. One million
 //! requests per notification mode, every byte checked end to end.
 
-use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
-use bulkhead_channel::{BudgetPolicy, FrontRequest, NotifyMode, QueueConfig, QueueSetup};
-use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec};
-use bulkhead_shmem::memfd;
+use bulkhead_channel::{BudgetPolicy, FrontRequest, NotifyMode, QueueConfig};
 
 const BLOCK: usize = 4096;
 const BLOCKS: u64 = 1024;
@@ -25,28 +22,8 @@ fn fill(buf: &mut [u8], b: u64, r: u64) {
 fn run_mode(mode: NotifyMode) {
     let size = BLOCKS * BLOCK as u64;
     let cfg = QueueConfig { nslots: 64, arena_bytes: 4 << 20, mode, budget: BudgetPolicy::DEFAULT_AUTO, generation: 7 };
-    let (mut front, fds) = QueueSetup::create("twoproc", &cfg).unwrap();
-    let ram = memfd::create("twoproc-ram", size).unwrap();
-    let raw: Vec<RawFd> =
-        [&fds.ring, &fds.write_arena, &fds.read_arena, &fds.kick, &fds.irq, &ram].iter().map(|f| f.as_raw_fd()).collect();
-    let spec = DomainSpec {
-        device: "twoproc".into(),
-        size,
-        mode: mode.as_str().into(),
-        budget_ns: None,
-        queues: vec![QueueSpec { nslots: 64, arena_bytes: front.arena_bytes() as u64, fds: [3, 4, 5, 6, 7] }],
-        backend: BackendSpec::Ram { fd: 8 },
-        sandbox: Default::default(),
-        report_fd: None,
-    };
-    let (mut child, _) = bulkhead_supervisor::spawn_domain(
-        std::path::Path::new(env!("CARGO_BIN_EXE_bulkhead")),
-        &serde_json::to_string(&spec).unwrap(),
-        &raw,
-        true,
-    )
-    .unwrap();
-    drop(fds);
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_bulkhead"));
+    let (mut front, mut child) = bulkhead_bench::channel::spawn_ram_domain(exe, &cfg, size).unwrap();
     assert_ne!(child.id(), std::process::id());
 
     // Even rounds write every block with the round's pattern; odd rounds read every block back

@@ -102,6 +102,10 @@ pub struct Device {
     /// Set from the supervisor's detection of a dead, wedged or broken domain until the next
     /// generation is installed: waiters stop spinning on a domain that will not answer.
     outage: AtomicBool,
+    /// An outage is being timed (cheap check on the completion path before taking `gens`).
+    outage_timed: AtomicBool,
+    /// Largest request one queue carries (all queues share one geometry).
+    max_request: u64,
     timeout_ms: Option<u64>,
     /// Counters.
     pub counters: DeviceCounters,
@@ -119,6 +123,7 @@ impl Device {
         assert!(!queues.is_empty(), "a device has at least one queue");
         let mode = queues[0].mode();
         let generation = queues[0].generation();
+        let max_request = queues[0].max_request();
         let wakers = queues.iter().map(|q| q.irq_waker().ok().and_then(|fd| EventFd::from_owned(fd).ok())).collect();
         let n = queues.len();
         Device {
@@ -135,6 +140,8 @@ impl Device {
             alarm: EventFd::new().expect("eventfd"),
             in_flight: AtomicUsize::new(0),
             outage: AtomicBool::new(false),
+            outage_timed: AtomicBool::new(false),
+            max_request,
             timeout_ms,
             counters: DeviceCounters::default(),
         }
@@ -197,6 +204,7 @@ impl Device {
     pub fn outage_started(&self, at: Instant) {
         let mut g = lock(&self.gens);
         g.outage_since.get_or_insert(at);
+        self.outage_timed.store(true, Ordering::Release);
         self.outage.store(true, Ordering::Release);
         for w in g.wakers.iter().flatten() {
             w.ring();
@@ -218,6 +226,7 @@ impl Device {
         if self.in_flight() == 0 {
             if let Some(t) = g.outage_since.take() {
                 g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                self.outage_timed.store(false, Ordering::Release);
             }
         }
         self.generation.store(generation, Ordering::Release);
@@ -287,10 +296,15 @@ impl Device {
     }
 
     fn note_completion(&self) {
+        // Hot path: only an open outage takes the lock.
+        if !self.outage_timed.load(Ordering::Acquire) {
+            return;
+        }
         let mut g = lock(&self.gens);
         if let Some(t) = g.outage_since.take() {
             g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
         }
+        self.outage_timed.store(false, Ordering::Release);
     }
 
     /// Runs one request on the queue of `slot` until it is answered. If the domain dies, wedges
@@ -408,20 +422,16 @@ impl Device {
         }
     }
 
-    fn chunk(&self, slot: usize) -> u64 {
-        lock(&self.queues[slot % self.queues.len()]).max_request()
-    }
-
     /// Largest request one queue carries without splitting.
-    pub fn max_request(&self, slot: usize) -> u64 {
-        self.chunk(slot)
+    pub fn max_request(&self) -> u64 {
+        self.max_request
     }
 
     /// Reads `len` bytes at `offset`, handing the data to `f` as `(offset within the request,
     /// window)` pieces, in order. Copy out inside `f`: the window is reused afterwards.
     pub fn read(&self, slot: usize, offset: u64, len: u64, mut f: impl FnMut(u64, SharedSlice<'_>)) -> Result<(), IoError> {
         self.check_range(offset, len)?;
-        let chunk = self.chunk(slot);
+        let chunk = self.max_request;
         let mut done = 0;
         while done < len {
             let n = (len - done).min(chunk);
@@ -440,7 +450,7 @@ impl Device {
     /// Writes `data` at `offset`; with `fua` the data is durable when this returns.
     pub fn write(&self, slot: usize, offset: u64, data: &[u8], fua: bool) -> Result<(), IoError> {
         self.check_range(offset, data.len() as u64)?;
-        let chunk = self.chunk(slot) as usize;
+        let chunk = self.max_request as usize;
         for (i, piece) in data.chunks(chunk.max(1)).enumerate() {
             let at = offset + (i * chunk) as u64;
             self.run(slot, FrontRequest::Write { offset: at, data: piece, fua }, |_| {})?;
