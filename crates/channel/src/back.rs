@@ -97,6 +97,16 @@ impl BackQueue {
         let _ = self.ring.push(&rsp);
     }
 
+    /// Queues a response exactly as given, however malformed (hostile-driver test modes).
+    pub fn complete_raw(&mut self, rsp: ResponseSlot) {
+        let _ = self.ring.push(&rsp);
+    }
+
+    /// Rings the frontend's doorbell whether or not it sleeps (hostile-driver test modes).
+    pub fn ring_peer(&self) {
+        self.irq.ring();
+    }
+
     /// Publishes responses; rings the frontend if it sleeps.
     pub fn publish(&mut self) {
         if self.ring.publish() {

@@ -81,7 +81,18 @@ pub struct QueueStats {
     pub kicks: u64,
     /// Times the frontend slept waiting for a response.
     pub sleeps: u64,
+    /// Doorbell storms seen: runs of [`STORM_WAKES`] wake-ups in a row with no response, after
+    /// which waits stop listening to the doorbell for [`STORM_DAMP_MS`].
+    pub storms: u64,
 }
+
+/// Wake-ups in a row without a response that make a doorbell storm.
+pub const STORM_WAKES: u32 = 32;
+/// How long waits ignore a storming doorbell and look at the ring on a timer instead, ms.
+pub const STORM_DAMP_MS: u64 = 100;
+/// The timer's period while damped, µs: bounds both the CPU a storm costs and the latency it
+/// adds.
+const STORM_NAP_US: u64 = 500;
 
 /// The frontend end of one queue. Owned by one thread (`&mut self` everywhere): no lock on the
 /// data path.
@@ -102,6 +113,10 @@ pub struct FrontQueue {
     seq: u64,
     broken: Option<ChannelError>,
     stats: QueueStats,
+    /// Wake-ups in a row that found no response.
+    spurious: u32,
+    /// Until when (ns) waits ignore the doorbell: a storm was detected.
+    damped_until: u64,
 }
 
 const INDEX_BITS: u32 = 16;
@@ -137,6 +152,8 @@ impl FrontQueue {
             seq: 0,
             broken: None,
             stats: QueueStats::default(),
+            spurious: 0,
+            damped_until: 0,
         }
     }
 
@@ -390,12 +407,32 @@ impl FrontQueue {
         }
         self.stats.sleeps += 1;
         let now = now_ns();
+        if now < self.damped_until {
+            // A storming doorbell says nothing: look at the ring on a timer instead. The
+            // supervisor's wake-ups are seen within one nap, as callers re-check their state.
+            self.ring.set_running();
+            self.irq.drain();
+            let nap = (STORM_NAP_US * 1000).min(deadline.saturating_sub(now));
+            std::thread::sleep(std::time::Duration::from_nanos(nap));
+            return Ok(self.ring.response_pending() || now_ns() < deadline);
+        }
         let left = if deadline == u64::MAX { -1 } else { (deadline.saturating_sub(now) / 1_000_000) as i32 };
         let rung = self.irq.wait(left).map_err(|e| ChannelError::Setup(e.to_string()))?;
         self.ring.set_running();
+        let answered = self.ring.response_pending();
+        if rung && !answered {
+            self.spurious += 1;
+            if self.spurious >= STORM_WAKES {
+                self.spurious = 0;
+                self.stats.storms += 1;
+                self.damped_until = now_ns() + STORM_DAMP_MS * 1_000_000;
+            }
+        } else if answered {
+            self.spurious = 0;
+        }
         // A ring without a response is not ignored: the supervisor rings to say the channel was
         // replaced, and the caller must look at its state.
-        Ok(rung || self.ring.response_pending())
+        Ok(rung || answered)
     }
 
     /// Submits one request and waits for its completion, calling `on_data` with the read data.

@@ -224,3 +224,49 @@ fn irq_mode_wakes_sleeping_frontend() {
     assert!(f.stats().sleeps > 0, "irq mode sleeps");
     t.join().unwrap();
 }
+
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: writes one timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[test]
+fn doorbell_storm_is_damped_and_the_answer_still_arrives() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let cfg = QueueConfig { nslots: 8, arena_bytes: 1 << 16, mode: NotifyMode::Irq, ..Default::default() };
+    let (mut f, mut b) = pair(&cfg, 1 << 16).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let storm_for = Duration::from_millis(400);
+    let driver = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            // Ring without answering for a while, then answer honestly.
+            let t0 = Instant::now();
+            while t0.elapsed() < storm_for {
+                b.ring_peer();
+            }
+            let mut disk = vec![0u8; 1 << 16];
+            while !stop.load(Ordering::Relaxed) {
+                serve(&mut b, &mut disk);
+                std::thread::yield_now();
+            }
+        })
+    };
+    let cpu0 = thread_cpu_ns();
+    let t0 = Instant::now();
+    let r = f.execute(FrontRequest::Read { offset: 0, len: 4096 }, 5000, |_| {}).unwrap();
+    let wall = t0.elapsed();
+    let cpu = thread_cpu_ns() - cpu0;
+    stop.store(true, Ordering::Relaxed);
+    driver.join().unwrap();
+    assert_eq!(r, Ok(4096));
+    assert!(wall >= storm_for, "answered before the storm ended: {wall:?}");
+    assert!(f.stats().storms >= 1, "storm not detected: {:?}", f.stats());
+    // Undamped, the waiter would burn the whole storm on wake-ups; damped it naps.
+    let share = cpu as f64 / wall.as_nanos() as f64;
+    assert!(share < 0.5, "waiter used {:.0}% of a core during the storm", share * 100.0);
+}

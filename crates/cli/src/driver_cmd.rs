@@ -13,7 +13,9 @@ use bulkhead_sandbox::confine::{confine, Options};
 /// Test hooks, read from `BULKHEAD_TEST_FAULT` (inherited from `serve`):
 /// - `crash-on-start`: exit at once, as a driver with a start-up bug would;
 /// - `escape`: once confined, try to escape and report how each attempt failed, then store into
-///   the read-only write arena (which must kill the domain with SIGSEGV).
+///   the read-only write arena (which must kill the domain with SIGSEGV);
+/// - `hostile:<behaviour>`: serve honestly for a while, then misbehave as
+///   [`Hostility`](bulkhead_driver::hostile::Hostility) names (corrupt indexes, bad ids, …).
 fn test_fault() -> Option<String> {
     std::env::var("BULKHEAD_TEST_FAULT").ok()
 }
@@ -61,6 +63,10 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
         unsafe { bulkhead_sandbox::probe::write_into_readonly(w.base_ptr()) };
         eprintln!("bulkhead escape-probe: write into the read-only arena succeeded");
         return Ok(ExitCode::from(99));
+    }
+    if let Some(name) = fault.as_deref().and_then(|f| f.strip_prefix("hostile:")) {
+        let h = bulkhead_driver::hostile::Hostility::parse(name).with_context(|| format!("unknown hostile test mode {name:?}"))?;
+        domain.set_hostility(h);
     }
     domain.run().with_context(|| format!("device {}", spec.device))?;
     Ok(ExitCode::SUCCESS)

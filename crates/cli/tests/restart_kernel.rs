@@ -70,8 +70,12 @@ fn sigkill_fifty_times_under_fio_verify_loses_nothing() {
             kills
         })
     };
-    let out = Command::new("fio")
+    let out = Command::new("timeout")
         .args([
+            // A hung request fails the test instead of stalling the suite.
+            "--kill-after=10",
+            "180",
+            "fio",
             "--name=killverify",
             &format!("--directory={}", mnt.display()),
             "--ioengine=libaio",
@@ -85,6 +89,7 @@ fn sigkill_fifty_times_under_fio_verify_loses_nothing() {
             "--verify=crc32c",
             "--verify_backlog=32",
             "--verify_fatal=1",
+            "--verify_state_save=0",
             "--output-format=json",
         ])
         .output()

@@ -69,7 +69,7 @@ fn status_shows_every_sandbox_layer_applied() {
     let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("l", "16M", "adaptive")), &["l"]);
     let st = serve.status_json();
     let s = &st["devices"][0]["sandbox"];
-    for layer in ["namespaces", "rlimits", "no_new_privs", "landlock", "seccomp"] {
+    for layer in ["namespaces", "mounts", "rlimits", "no_new_privs", "landlock", "seccomp"] {
         assert_eq!(s[layer], "applied", "{layer}: {s}");
     }
     assert_eq!(s["seccomp_role"], "memory");
@@ -78,8 +78,103 @@ fn status_shows_every_sandbox_layer_applied() {
     assert!(status.contains("Seccomp:\t2") && status.contains("NoNewPrivs:\t1"), "{status}");
     let map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).unwrap();
     assert_eq!(map.split_whitespace().collect::<Vec<_>>(), ["0", "65534", "1"], "root inside is nobody outside");
+    // …and the domain runs as that user, seen from outside: not as the supervisor's root.
+    let ids = |key: &str| status.lines().find(|l| l.starts_with(key)).unwrap().split_whitespace().skip(1).collect::<Vec<_>>();
+    assert_eq!(ids("Uid:"), ["65534"; 4], "{status}");
+    assert_eq!(ids("Gid:"), ["65534"; 4], "{status}");
+    assert_eq!(ids("Groups:"), Vec::<&str>::new(), "{status}");
+    // The domain's mount namespace holds one empty read-only root and no copy of a host mount:
+    // a copy would pin host filesystems (one mounted on this very device included).
+    let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    let lines: Vec<&str> = mounts.lines().collect();
+    assert_eq!(lines.len(), 1, "{mounts}");
+    assert!(lines[0].contains(" / / ro,") && lines[0].contains(" - tmpfs bulkhead-empty "), "{mounts}");
     // Only the passed descriptors are open: 5 per queue (4 queues), the ramdisk, and what the
     // domain created itself (epoll, signal pipe).
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count();
     assert!(fds <= 3 + 4 * 5 + 1 + 4, "{fds} descriptors open in the domain");
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Every memfd a process maps or holds under bulkhead's names (rings, arenas, ramdisk), with
+/// its contents, keyed by inode.
+fn shared_files(pid: u32, into: &mut std::collections::BTreeMap<String, (String, Vec<u8>)>) {
+    for line in std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap().lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() > 5 && f[5].starts_with("/memfd:bulkhead-") && !into.contains_key(f[4]) {
+            // map_files opens the mapped file itself (root only), whatever the mapping's protection.
+            let bytes = std::fs::read(format!("/proc/{pid}/map_files/{}", f[0])).unwrap();
+            into.insert(f[4].to_string(), (f[5].to_string(), bytes));
+        }
+    }
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+        let Ok(target) = std::fs::read_link(e.path()) else { continue };
+        let name = target.to_string_lossy().to_string();
+        if name.starts_with("/memfd:bulkhead-") {
+            let ino = std::fs::metadata(e.path()).map(|m| std::os::unix::fs::MetadataExt::ino(&m).to_string()).unwrap();
+            into.entry(ino).or_insert_with(|| (name, std::fs::read(e.path()).unwrap()));
+        }
+    }
+}
+
+/// Whether `needle` is in `pid`'s private anonymous memory (heap and anonymous mappings).
+fn in_private_memory(pid: u32, needle: &[u8]) -> bool {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    for line in std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap().lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if !f[1].starts_with("rw") || f[1].ends_with('s') || (f.len() > 5 && f[5] != "[heap]") {
+            continue;
+        }
+        let (a, b) = f[0].split_once('-').unwrap();
+        let (a, b) = (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
+        let mut buf = vec![0u8; (b - a) as usize];
+        if mem.read_exact_at(&mut buf, a).is_ok() && contains(&buf, needle) {
+            return true;
+        }
+    }
+    false
+}
+
+#[test]
+fn frontend_heap_canaries_never_reach_an_arena_ring_or_backend() {
+    require_kernel!();
+    let tmp = TempDir::new("canary");
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let marker = format!("<frontend-canary-{nanos:x}>");
+    let serve = Serve::start_with_env(
+        &tmp.path().join("run"),
+        Some(&small_ram_config("c", "32M", "adaptive")),
+        &["c"],
+        &[("BULKHEAD_TEST_CANARY", &marker)],
+    );
+    let file = serve.fuse_file("c");
+    let src = tmp.path().join("src");
+    std::fs::write(&src, pattern(77, 4 << 20)).unwrap();
+    let of = format!("of={}", file.display());
+    let iff = format!("if={}", src.display());
+    // Direct writes of many sizes, buffered writes at odd offsets, then reads of all of it.
+    for (bs, seek) in [("4k", "3"), ("1M", "5"), ("4M", "2"), ("12k", "101")] {
+        run("dd", &[&iff, &of, &format!("bs={bs}"), "count=1", &format!("seek={seek}"), "oflag=direct", "conv=notrunc", "status=none"]);
+    }
+    run("dd", &[&iff, &of, "bs=1000", "count=700", "seek=7777", "conv=notrunc,fsync", "status=none"]);
+    run("dd", &[&format!("if={}", file.display()), "of=/dev/null", "bs=1M", "iflag=direct", "status=none"]);
+    run("dd", &[&format!("if={}", file.display()), "of=/dev/null", "bs=7777", "count=500", "skip=13", "status=none"]);
+
+    let needle = marker.as_bytes();
+    // The probe finds the marker where it is: the frontend's heap.
+    assert!(in_private_memory(serve.pid(), needle), "canary not planted in the frontend's heap");
+    let driver = serve.driver_pid(0);
+    let mut files = std::collections::BTreeMap::new();
+    for pid in [serve.pid(), driver] {
+        shared_files(pid, &mut files);
+    }
+    for (name, bytes) in files.values() {
+        assert!(!contains(bytes, needle), "frontend heap bytes reached {name}");
+    }
+    // Rings and both arenas of four queues, and the ramdisk: all were looked at.
+    assert_eq!(files.len(), 4 * 3 + 1, "{:?}", files.values().map(|v| &v.0).collect::<Vec<_>>());
 }

@@ -100,8 +100,12 @@ fn fio_crc32c_verify_passes_with_zero_errors() {
     let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("f", "256M", "adaptive")), &["f"]);
     let lo = LoopGuard::attach_direct(&serve.fuse_file("f"));
     for (name, rw) in [("randwrite-verify", "randwrite"), ("mixed-verify", "randrw")] {
-        let out = Command::new("fio")
+        let out = Command::new("timeout")
             .args([
+                // A hung request fails the test instead of stalling the suite.
+                "--kill-after=10",
+                "180",
+                "fio",
                 &format!("--name={name}"),
                 &format!("--filename={}", lo.dev),
                 "--ioengine=libaio",

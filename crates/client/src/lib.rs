@@ -71,6 +71,23 @@ pub struct DeviceCounters {
 /// How long one wait slice lasts before the device re-checks its generation and state.
 const WAIT_SLICE_MS: i32 = 50;
 
+/// Log lines a device may write in a burst; after that one per second, counting what it held
+/// back: a hostile driver must not be able to flood the log.
+const LOG_BURST: f64 = 5.0;
+
+#[derive(Debug)]
+struct LogLimit {
+    tokens: f64,
+    refilled: Instant,
+    held_back: u64,
+}
+
+impl Default for LogLimit {
+    fn default() -> Self {
+        LogLimit { tokens: LOG_BURST, refilled: Instant::now(), held_back: 0 }
+    }
+}
+
 /// Restart bookkeeping shared with the supervisor.
 #[derive(Debug, Default)]
 struct Generations {
@@ -97,6 +114,7 @@ pub struct Device {
     failed: AtomicBool,
     fail_reason: Mutex<Option<String>>,
     broken_reported: AtomicBool,
+    log_limit: Mutex<LogLimit>,
     alarm: EventFd,
     in_flight: AtomicUsize,
     /// Set from the supervisor's detection of a dead, wedged or broken domain until the next
@@ -137,6 +155,7 @@ impl Device {
             failed: AtomicBool::new(false),
             fail_reason: Mutex::new(None),
             broken_reported: AtomicBool::new(false),
+            log_limit: Mutex::new(LogLimit::default()),
             alarm: EventFd::new().expect("eventfd"),
             in_flight: AtomicUsize::new(0),
             outage: AtomicBool::new(false),
@@ -193,9 +212,31 @@ impl Device {
         self.broken_reported.swap(false, Ordering::AcqRel)
     }
 
+    /// Logs `line` (prefixed with the device) within a budget of a few lines in a burst and
+    /// one a second after that; the next line logged says how many were held back. For
+    /// everything a misbehaving driver can cause at a high rate.
+    pub fn log_limited(&self, line: impl FnOnce() -> String) {
+        let mut l = lock(&self.log_limit);
+        let now = Instant::now();
+        l.tokens = (l.tokens + now.duration_since(l.refilled).as_secs_f64()).min(LOG_BURST);
+        l.refilled = now;
+        if l.tokens < 1.0 {
+            l.held_back += 1;
+            return;
+        }
+        l.tokens -= 1.0;
+        let held = std::mem::take(&mut l.held_back);
+        drop(l);
+        if held > 0 {
+            eprintln!("bulkhead: device {}: {} ({held} similar lines held back)", self.name, line());
+        } else {
+            eprintln!("bulkhead: device {}: {}", self.name, line());
+        }
+    }
+
     fn report_broken(&self, e: &ChannelError) {
         if !self.broken_reported.swap(true, Ordering::AcqRel) {
-            eprintln!("bulkhead: device {}: channel broken: {e}", self.name);
+            self.log_limited(|| format!("channel broken: {e}"));
         }
         self.alarm.ring();
     }
@@ -415,9 +456,19 @@ impl Device {
                 // The domain is being replaced: block until the next generation, then reissue.
                 return Answer::Reissue;
             }
+            let storms = q.stats().storms;
             if let Err(e) = q.wait_or(WAIT_SLICE_MS, &self.outage) {
                 self.report_broken(&e);
                 return Answer::Reissue;
+            }
+            if q.stats().storms != storms {
+                self.log_limited(|| {
+                    format!(
+                        "driver rings its doorbell with no response ({} wake-ups in a row): ignoring it for {} ms",
+                        bulkhead_channel::STORM_WAKES,
+                        bulkhead_channel::STORM_DAMP_MS
+                    )
+                });
             }
         }
     }

@@ -7,6 +7,7 @@
 //! [`bulkhead_block::Chain`].
 #![deny(missing_docs)]
 
+pub mod hostile;
 mod runtime;
 pub mod spec;
 

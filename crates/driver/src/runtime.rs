@@ -7,8 +7,9 @@ use arrayvec::ArrayVec;
 use bulkhead_block::{Backend, Io, Request};
 use bulkhead_channel::{BackQueue, Popped};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
-use bulkhead_ring::{Op, Status, ValidRequest};
+use bulkhead_ring::{HeaderOffsets, Op, ResponseSlot, Status, ValidRequest};
 
+use crate::hostile::{Garbage, Hostility, TRIGGER_AFTER};
 use crate::DriverError;
 
 /// Requests taken from one queue per turn.
@@ -34,6 +35,9 @@ pub struct Domain {
     poller: Poller,
     stop: Arc<AtomicBool>,
     stats: DomainStats,
+    /// Test-only misbehaviour, and whether it has started.
+    hostile: Option<Hostility>,
+    turned: bool,
 }
 
 impl std::fmt::Debug for Domain {
@@ -60,7 +64,35 @@ impl Domain {
         for (i, q) in queues.iter().enumerate() {
             poller.add(q.kick_fd(), i as u64).map_err(|e| DriverError::Setup(e.to_string()))?;
         }
-        Ok(Domain { queues, chain, mode, budget: SpinBudget::new(budget), poller, stop, stats: DomainStats::default() })
+        Ok(Domain {
+            queues,
+            chain,
+            mode,
+            budget: SpinBudget::new(budget),
+            poller,
+            stop,
+            stats: DomainStats::default(),
+            hostile: None,
+            turned: false,
+        })
+    }
+
+    /// Makes this domain misbehave once it has answered [`TRIGGER_AFTER`] requests (tests only).
+    pub fn set_hostility(&mut self, h: Hostility) {
+        self.hostile = Some(h);
+    }
+
+    /// The hostile behaviour in force now, announcing it the first time.
+    fn hostile_now(&mut self) -> Option<Hostility> {
+        let h = self.hostile?;
+        if h != Hostility::OutOfOrder && self.stats.completed < TRIGGER_AFTER {
+            return None;
+        }
+        if !self.turned {
+            self.turned = true;
+            eprintln!("bulkhead driver: hostile test mode {}: misbehaving from now on", h.as_str());
+        }
+        Some(h)
     }
 
     /// Queue `i`'s driver end (for test modes).
@@ -95,7 +127,7 @@ impl Domain {
         if taken.is_empty() {
             return Ok(0);
         }
-        let mut results: ArrayVec<(u64, u32, Status, u64), BATCH> = ArrayVec::new();
+        let mut results: ArrayVec<ResponseSlot, BATCH> = ArrayVec::new();
         {
             let q = &self.queues[qi];
             let mut ios: ArrayVec<Io<'_>, BATCH> = ArrayVec::new();
@@ -115,7 +147,7 @@ impl Domain {
             self.chain.execute(&mut ios);
             let mut it = ios.iter();
             for t in &taken {
-                results.push(match t {
+                let (id, generation, status, len) = match t {
                     Taken::Valid(r) => {
                         let io = it.next().expect("one io per valid request");
                         match &io.result {
@@ -127,16 +159,65 @@ impl Domain {
                         }
                     }
                     Taken::Invalid { id, generation } => (*id, *generation, Status::Invalid, 0),
-                });
+                };
+                results.push(ResponseSlot { id, generation, status: status as u32, len, reserved: 0 });
+            }
+        }
+        let n = results.len();
+        if let Some(h) = self.hostile_now() {
+            self.misbehave(h, qi, &mut results);
+            if h == Hostility::DoorbellStorm {
+                // Answer slowly, ringing all the while: the frontend waits, and every wake-up
+                // it gets is empty.
+                let until = now_ns() + 2_000_000;
+                while now_ns() < until {
+                    for q in &self.queues {
+                        q.ring_peer();
+                    }
+                }
             }
         }
         let q = &mut self.queues[qi];
-        for (id, generation, status, len) in &results {
-            q.complete(*id, *generation, *status, *len);
+        for rsp in results {
+            q.complete_raw(rsp);
         }
         q.publish();
-        self.stats.completed += results.len() as u64;
-        Ok(results.len())
+        if self.hostile_now() == Some(Hostility::CorruptIndex) {
+            let nslots = self.queues[qi].ring_mapping().atomic_u32(HeaderOffsets::NSLOTS).map(|a| a.load(Ordering::Relaxed)).unwrap_or(64);
+            if let Ok(prod) = self.queues[qi].ring_mapping().atomic_u32(HeaderOffsets::RSP_PROD) {
+                prod.fetch_add(nslots.wrapping_mul(3), Ordering::Release);
+            }
+            self.queues[qi].ring_peer();
+        }
+        self.stats.completed += n as u64;
+        Ok(n)
+    }
+
+    /// Rewrites a batch of responses the way `h` misbehaves (tests only).
+    fn misbehave(&mut self, h: Hostility, qi: usize, results: &mut ArrayVec<ResponseSlot, BATCH>) {
+        let first = results[0];
+        match h {
+            Hostility::UnknownId => results[0].id ^= 0x5a5a << 40,
+            Hostility::DuplicateId => {
+                if results.is_full() {
+                    results.pop();
+                }
+                results.push(first);
+            }
+            Hostility::StaleGeneration => results[0].generation = first.generation.wrapping_sub(1),
+            Hostility::OutOfOrder => results.reverse(),
+            Hostility::WrongLength => results[0].len = first.len + 4096,
+            Hostility::BadStatus => results[0].status = 0xbad,
+            Hostility::CorruptSlot => {
+                let mut g = Garbage::new(first.id ^ now_ns());
+                results[0] = ResponseSlot { id: g.next(), generation: g.next() as u32, status: g.next() as u32, len: g.next(), reserved: g.next() };
+            }
+            Hostility::ExitMidRequest => {
+                eprintln!("bulkhead driver: hostile test mode: exiting with {} requests of queue {qi} unanswered", results.len());
+                std::process::exit(3);
+            }
+            Hostility::CorruptIndex | Hostility::DoorbellStorm | Hostility::StopAnswering => {}
+        }
     }
 
     /// One round over every queue.
@@ -157,6 +238,15 @@ impl Domain {
         let mut idle_since: Option<u64> = None;
         let mut spins = 0u32;
         while !self.stop.load(Ordering::Relaxed) {
+            match self.hostile_now() {
+                Some(Hostility::StopAnswering) => return self.play_dead(),
+                Some(Hostility::DoorbellStorm) => {
+                    for q in &self.queues {
+                        q.ring_peer();
+                    }
+                }
+                _ => {}
+            }
             if self.poll_once()? > 0 {
                 if let Some(t) = idle_since.take() {
                     self.budget.record(now_ns() - t);
@@ -165,7 +255,9 @@ impl Domain {
                 continue;
             }
             let since = *idle_since.get_or_insert_with(now_ns);
+            let storming = self.turned && self.hostile == Some(Hostility::DoorbellStorm);
             let sleep = match self.mode {
+                _ if storming => false,
                 NotifyMode::Poll => false,
                 NotifyMode::Irq => true,
                 NotifyMode::Adaptive => {
@@ -183,6 +275,17 @@ impl Domain {
                 continue;
             }
             self.sleep()?;
+        }
+        Ok(())
+    }
+
+    /// Stays alive and takes nothing more (the stop-answering test mode).
+    fn play_dead(&mut self) -> Result<(), DriverError> {
+        while !self.stop.load(Ordering::Relaxed) {
+            self.poller.wait(500, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
+            for q in &self.queues {
+                q.set_running();
+            }
         }
         Ok(())
     }

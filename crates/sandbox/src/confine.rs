@@ -1,7 +1,7 @@
 //! Confining a domain once it is set up.
 
 use crate::seccomp::Role;
-use crate::{landlock, seccomp, Layer, Layers, Policy, SandboxError};
+use crate::{landlock, mounts, seccomp, Layer, Layers, Policy, SandboxError};
 
 /// What to confine and how strictly.
 #[derive(Debug, Clone)]
@@ -39,16 +39,23 @@ fn mapped_bytes() -> u64 {
     pages * 4096
 }
 
-fn rlimits(headroom: u64) -> Result<(), String> {
+/// What the rlimits are derived from, read from /proc before the domain's filesystem view is
+/// emptied.
+struct Footprint {
+    highest_fd: i32,
+    mapped: u64,
+}
+
+fn rlimits(now: &Footprint, headroom: u64) -> Result<(), String> {
     setrlimit(libc::RLIMIT_CORE, 0, 0)?;
     // No new processes (seccomp also refuses clone).
     setrlimit(libc::RLIMIT_NPROC, 0, 0)?;
     setrlimit(libc::RLIMIT_MEMLOCK, 0, 0)?;
     // No descriptor beyond those it holds (one spare for the kernel's own needs).
-    let fds = highest_open_fd() as u64 + 2;
+    let fds = now.highest_fd as u64 + 2;
     setrlimit(libc::RLIMIT_NOFILE, fds, fds)?;
     // Address space: what is mapped now (channel, arenas, ramdisk) plus the headroom.
-    let limit = mapped_bytes() + headroom;
+    let limit = now.mapped + headroom;
     setrlimit(libc::RLIMIT_AS, limit, limit)
 }
 
@@ -69,6 +76,7 @@ fn no_new_privs() -> Result<(), String> {
 pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
     let mut layers = Layers {
         namespaces: opts.namespaces.clone(),
+        mounts: Layer::Off,
         rlimits: Layer::Off,
         no_new_privs: Layer::Off,
         landlock: Layer::Off,
@@ -101,7 +109,13 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
     if let Layer::Unavailable(reason) = &opts.namespaces {
         check("namespaces", Err(reason.clone()))?;
     }
-    layers.rlimits = check("rlimits", rlimits(opts.address_space_headroom))?;
+    let footprint = Footprint { highest_fd: highest_open_fd(), mapped: mapped_bytes() };
+    // Only a domain in a mount namespace of its own may empty it.
+    layers.mounts = match opts.namespaces {
+        Layer::Applied => check("mounts", mounts::isolate())?,
+        _ => check("mounts", Err("no mount namespace of the domain's own".into()))?,
+    };
+    layers.rlimits = check("rlimits", rlimits(&footprint, opts.address_space_headroom))?;
     layers.no_new_privs = check("no_new_privs", no_new_privs())?;
     layers.landlock = check("landlock", landlock::deny_all().map(|_| ()))?;
     layers.seccomp = check("seccomp", seccomp::apply(opts.role))?;

@@ -6,7 +6,8 @@
 //!    and IPC namespaces (root inside maps to `nobody` outside), with exactly the descriptors it
 //!    needs at 3, 4, … and everything else closed at exec;
 //! 2. [`confine`]: once the domain has mapped its channel and opened its engines, it drops what
-//!    it could still do: rlimits (no core dumps, no new processes, bounded address space and
+//!    it could still do: its copy of the host's mounts ([`mounts`]: an empty read-only root,
+//!    pinning no host filesystem), rlimits (no core dumps, no new processes, bounded address space and
 //!    descriptors), no_new_privs, not dumpable, Landlock (no filesystem access at all, no TCP,
 //!    no signals or abstract sockets outside its domain), and a seccomp allowlist for its role
 //!    ([`seccomp::allowlist`], one line of reason per system call).
@@ -17,6 +18,7 @@
 
 pub mod confine;
 pub mod landlock;
+pub mod mounts;
 pub mod probe;
 pub mod seccomp;
 pub mod spawn;
@@ -59,6 +61,8 @@ impl Layer {
 pub struct Layers {
     /// User, pid, mount, network and IPC namespaces.
     pub namespaces: Layer,
+    /// An empty read-only root in place of the copied host mount tree.
+    pub mounts: Layer,
     /// Resource limits.
     pub rlimits: Layer,
     /// no_new_privs and not dumpable.

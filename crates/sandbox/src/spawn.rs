@@ -82,6 +82,25 @@ impl DomainChild {
         self.reap(libc::WNOHANG)
     }
 
+    /// Waits up to `timeout` for the process to exit; `None` if it has not. A killed process
+    /// can take a while to finish exiting (its exit may have to release kernel resources that
+    /// wait on I/O), so callers that must stay responsive use this rather than [`wait`](Self::wait).
+    pub fn wait_timeout(&mut self, timeout: std::time::Duration) -> io::Result<Option<ExitStatus>> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.try_wait()? {
+                return Ok(Some(s));
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: polls one valid pollfd; the pidfd turns readable when the process exits.
+            unsafe { libc::poll(&mut pfd, 1, left.as_millis().clamp(1, i32::MAX as u128) as i32) };
+        }
+    }
+
     /// Waits for the process to exit.
     pub fn wait(&mut self) -> io::Result<ExitStatus> {
         Ok(self.reap(0)?.expect("blocking waitpid returns a status"))
@@ -233,7 +252,11 @@ fn map_ids(pid: u32) -> io::Result<()> {
     // SAFETY: plain getters.
     let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
     let (out_uid, out_gid) = if uid == 0 { (65534, 65534) } else { (uid, gid) };
-    std::fs::write(format!("/proc/{pid}/setgroups"), "deny")?;
+    // Root may map another user's ids and leave setgroups(2) allowed, so the child can drop
+    // root's supplementary groups; anyone else must deny setgroups to map at all.
+    if uid != 0 {
+        std::fs::write(format!("/proc/{pid}/setgroups"), "deny")?;
+    }
     std::fs::write(format!("/proc/{pid}/uid_map"), format!("0 {out_uid} 1"))?;
     std::fs::write(format!("/proc/{pid}/gid_map"), format!("0 {out_gid} 1"))?;
     Ok(())
@@ -267,6 +290,17 @@ unsafe fn child(
         let mut b = 0u8;
         libc::read(sync_r, (&mut b as *mut u8).cast(), 1);
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        if in_ns {
+            // Become the mapped root of the new namespace: until now this process has the
+            // creator's ids, which the namespace does not map. Raw system calls, as glibc's
+            // wrappers would try to reach threads this copy does not have. Dropping the
+            // supplementary groups is only possible where the creator was root; otherwise
+            // setgroups is denied and the process never had groups beyond its own.
+            libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>());
+            if libc::syscall(libc::SYS_setresgid, 0, 0, 0) < 0 || libc::syscall(libc::SYS_setresuid, 0, 0, 0) < 0 {
+                fail(err_w);
+            }
+        }
         if !in_ns {
             libc::setpgid(0, 0);
         }

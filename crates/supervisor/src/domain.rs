@@ -31,6 +31,37 @@ pub(crate) struct DomainProc {
     pub restarts: u64,
     pub history: VecDeque<Instant>,
     pub quick_deaths: u32,
+    /// Killed domains that had not finished exiting when they were replaced; reaped later.
+    pub lingering: Vec<DomainChild>,
+}
+
+/// How long a restart waits for a killed domain to finish exiting before it starts the next
+/// generation anyway (the old one can no longer run code; it is reaped later).
+pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
+
+impl DomainProc {
+    /// Kills the current domain and reaps it if it exits within [`EXIT_WAIT`]; otherwise
+    /// keeps it in `lingering` and says so.
+    pub fn kill_current(&mut self, device: &str) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            if let Ok(None) = c.wait_timeout(EXIT_WAIT) {
+                eprintln!(
+                    "bulkhead: device {device}: killed driver domain (pid {}) has not finished exiting after {} ms; \
+                     carrying on without it",
+                    c.id(),
+                    EXIT_WAIT.as_millis()
+                );
+                self.lingering.push(c);
+            }
+        }
+        self.reap_lingering();
+    }
+
+    /// Reaps lingering domains that have exited since.
+    pub fn reap_lingering(&mut self) {
+        self.lingering.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_)) | Err(_)));
+    }
 }
 
 /// Restart policy of a device.
@@ -242,6 +273,7 @@ impl DeviceRuntime {
                 restarts: 0,
                 history: VecDeque::new(),
                 quick_deaths: 0,
+                lingering: Vec::new(),
             }),
             launcher,
             restart_lock: Mutex::new(()),
@@ -307,7 +339,7 @@ impl Launcher {
         drop(report_w);
         if let (Policy::Required, Layer::Unavailable(why)) = (self.policy, &ns) {
             let _ = child.kill();
-            let _ = child.wait();
+            let _ = child.wait_timeout(EXIT_WAIT);
             return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}"));
         }
         let layers = read_report(&report_r);

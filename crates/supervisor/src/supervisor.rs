@@ -261,13 +261,17 @@ impl Supervisor {
                         Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
                         _ => {
                             eprintln!("bulkhead: device {}: driver did not stop; killing it", rt.name);
-                            let _ = child.kill();
-                            let _ = child.wait();
+                            p.child = Some(child);
+                            p.kill_current(&rt.name);
                             break;
                         }
                     }
                 }
             }
+            for c in &mut p.lingering {
+                let _ = c.wait_timeout(Duration::from_secs(1));
+            }
+            p.reap_lingering();
             p.pidfd = None;
             p.state = DeviceState::Stopped;
         }
@@ -352,6 +356,12 @@ fn watch(inner: Arc<Inner>) {
         }
         let now = Instant::now();
         for (i, rt) in inner.devices.iter().enumerate() {
+            {
+                let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+                if !p.lingering.is_empty() {
+                    p.reap_lingering();
+                }
+            }
             let died = pfds[2 * i].revents != 0;
             let broken = rt.device.take_broken_report();
             let mut why = None;
@@ -406,10 +416,7 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
     rt.device.outage_started(detected);
     let delay = {
         let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(mut c) = p.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        p.kill_current(&rt.name);
         p.pidfd = None;
         while p.history.front().is_some_and(|t| detected.duration_since(*t) > rt.policy.window) {
             p.history.pop_front();
@@ -441,7 +448,8 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
             n => Duration::from_millis(10u64 << (n - 1).min(7)).min(Duration::from_secs(1)),
         }
     };
-    eprintln!("bulkhead: device {}: {why}; restarting", rt.name);
+    // A driver that breaks every generation restarts many times a second: rate-limited.
+    rt.device.log_limited(|| format!("{why}; restarting"));
     if !delay.is_zero() {
         std::thread::sleep(delay);
     }

@@ -1,0 +1,168 @@
+//! A driver domain turns hostile while a real workload runs through FUSE: for each way of
+//! misbehaving, the frontend must not crash, hang or corrupt a request. Protocol violations
+//! break the channel (logged, rate-limited) and the supervisor replaces the domain; requests
+//! without an answer are held and reissued, so the data written reads back intact.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use bulkhead_testkit::require_kernel;
+use common::*;
+
+/// serve's CPU time so far (user + system), seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / hz
+}
+
+fn dd(args: &[&str]) {
+    let mut a = vec!["--kill-after=5", "60", "dd"];
+    a.extend_from_slice(args);
+    a.push("status=none");
+    let out = Command::new("timeout").args(&a).output().unwrap();
+    assert!(out.status.success(), "dd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+struct Outcome {
+    restarts: u64,
+    log: String,
+    /// serve's CPU use during the workload, in cores.
+    busy_cores: f64,
+    /// serve's CPU use during a second with no I/O afterwards, in cores.
+    idle_cores: f64,
+}
+
+/// Runs a write-then-verify workload against a domain that turns hostile as `mode` says.
+fn survive(mode: &str, notify: &str) -> Outcome {
+    let tmp = TempDir::new(&format!("hostile-{mode}"));
+    let cfg = format!(
+        "[[device]]\nname = \"h\"\nsize = \"64M\"\nnotify = \"{notify}\"\nwatchdog_ms = 200\nrestart_limit = 100000\n\
+         [device.backend]\ntype = \"ram\"\n"
+    );
+    let fault = format!("hostile:{mode}");
+    let serve = Serve::start_with_env(&tmp.path().join("run"), Some(&cfg), &["h"], &[("BULKHEAD_TEST_FAULT", &fault)]);
+    let file = serve.fuse_file("h");
+    let data = pattern(0x4057, 16 << 20);
+    let src = tmp.path().join("src");
+    std::fs::write(&src, &data).unwrap();
+    let back = tmp.path().join("back");
+
+    let cpu0 = cpu_seconds(serve.pid());
+    let t0 = Instant::now();
+    // 256 writes of 64 KiB from four writers at once (four FUSE threads, four queues), then
+    // the same reads: the domain turns after 64 answers, and every replacement does too.
+    std::thread::scope(|s| {
+        for i in 0..4 {
+            let (src, file) = (&src, &file);
+            s.spawn(move || {
+                let (skip, seek) = (format!("skip={}", i * 64), format!("seek={}", i * 64));
+                dd(&[&format!("if={}", src.display()), &format!("of={}", file.display()), "bs=64k", "count=64", &skip, &seek, "oflag=direct", "conv=notrunc"]);
+            });
+        }
+    });
+    dd(&[&format!("if={}", file.display()), &format!("of={}", back.display()), "bs=64k", "count=256", "iflag=direct"]);
+    let busy_cores = (cpu_seconds(serve.pid()) - cpu0) / t0.elapsed().as_secs_f64();
+    assert!(std::fs::read(&back).unwrap() == data, "{mode}: data read back differs");
+
+    let cpu1 = cpu_seconds(serve.pid());
+    let t1 = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let idle_cores = (cpu_seconds(serve.pid()) - cpu1) / t1.elapsed().as_secs_f64();
+
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    assert_eq!(d["state"], "running", "{mode}: {d}");
+    let restarts = d["restarts"].as_u64().unwrap();
+    Outcome { restarts, log: serve.log_text(), busy_cores, idle_cores }
+}
+
+/// A protocol violation: detected, logged without flooding, the domain replaced, data intact.
+fn violation(mode: &str, why: &[&str]) {
+    require_kernel!();
+    let o = survive(mode, "adaptive");
+    assert!(o.log.contains(&format!("hostile test mode {mode}: misbehaving")), "{}", o.log);
+    assert!(o.restarts >= 2, "{mode}: {} restarts\n{}", o.restarts, o.log);
+    assert!(o.log.contains("channel broken") && why.iter().any(|w| o.log.contains(w)), "{mode}: expected one of {why:?} in\n{}", o.log);
+    // Rate-limited: far fewer frontend lines than restarts, once restarts come quickly.
+    let lines = o.log.lines().filter(|l| l.starts_with("bulkhead: device h:")).count() as u64;
+    assert!(lines <= 2 * (o.restarts.min(4) + 2) + 6, "{mode}: {lines} log lines for {} restarts\n{}", o.restarts, o.log);
+}
+
+#[test]
+fn corrupt_response_index_breaks_the_channel() {
+    violation("corrupt-index", &["beyond outstanding requests"]);
+}
+
+#[test]
+fn garbage_response_slot_breaks_the_channel() {
+    violation("corrupt-slot", &["bad response"]);
+}
+
+#[test]
+fn unknown_id_breaks_the_channel() {
+    violation("unknown-id", &["unknown or duplicate id"]);
+}
+
+#[test]
+fn duplicate_id_breaks_the_channel() {
+    // Caught as a duplicate, or earlier as more responses than requests outstanding.
+    violation("duplicate-id", &["unknown or duplicate id", "beyond outstanding requests"]);
+}
+
+#[test]
+fn stale_generation_breaks_the_channel() {
+    violation("stale-generation", &["stale generation"]);
+}
+
+#[test]
+fn length_beyond_the_request_breaks_the_channel() {
+    violation("wrong-length", &["length beyond the request"]);
+}
+
+#[test]
+fn undefined_status_breaks_the_channel() {
+    violation("bad-status", &["unknown status"]);
+}
+
+#[test]
+fn out_of_order_answers_are_fine() {
+    require_kernel!();
+    let o = survive("out-of-order", "adaptive");
+    assert_eq!(o.restarts, 0, "{}", o.log);
+    assert!(!o.log.contains("channel broken"), "{}", o.log);
+}
+
+#[test]
+fn domain_that_stops_answering_is_replaced_by_the_watchdog() {
+    require_kernel!();
+    let o = survive("stop-answering", "adaptive");
+    assert!(o.restarts >= 2, "{} restarts\n{}", o.restarts, o.log);
+    assert!(o.log.contains("answered nothing"), "{}", o.log);
+}
+
+#[test]
+fn domain_that_exits_mid_request_is_replaced_and_the_requests_reissued() {
+    require_kernel!();
+    let o = survive("exit-mid-request", "adaptive");
+    assert!(o.restarts >= 2, "{} restarts\n{}", o.restarts, o.log);
+    assert!(o.log.contains("exited: exit status: 3"), "{}", o.log);
+}
+
+#[test]
+fn doorbell_storm_costs_the_frontend_at_most_one_core() {
+    require_kernel!();
+    // irq mode: every wait sleeps on the doorbell, which is what a storm attacks.
+    let o = survive("doorbell-storm", "irq");
+    eprintln!("doorbell storm: frontend {:.2} cores under load, {:.3} idle", o.busy_cores, o.idle_cores);
+    assert_eq!(o.restarts, 0, "{}", o.log);
+    assert!(o.log.contains("ignoring it for"), "storm not noticed:\n{}", o.log);
+    assert!(o.busy_cores <= 1.0, "frontend used {:.2} cores under the storm", o.busy_cores);
+    assert!(o.idle_cores <= 0.1, "frontend used {:.2} cores while idle under the storm", o.idle_cores);
+}
