@@ -14,6 +14,9 @@ use crate::{errno, BackendError};
 
 const DIRECT_ALIGN: u64 = 4096;
 const URING_DEPTH: u32 = 128;
+/// Most io-wq workers of each kind (bounded, unbounded) an io_uring engine may use (the
+/// sandbox's RLIMIT_NPROC for the io_uring role counts on this bound).
+pub const IOWQ_WORKERS: u32 = 4;
 
 /// Engine selection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +84,10 @@ pub fn probe_size(fd: RawFd) -> std::io::Result<(u64, bool)> {
 fn restricted_ring() -> std::io::Result<IoUring> {
     use io_uring::register::Restriction;
     let ring = IoUring::builder().setup_r_disabled().build(URING_DEPTH)?;
+    // Operations the kernel cannot finish inline go to io-wq worker threads; bound them, as
+    // the sandbox allows a domain only a few tasks (RLIMIT_NPROC).
+    let mut workers = [IOWQ_WORKERS, IOWQ_WORKERS];
+    ring.submitter().register_iowq_max_workers(&mut workers)?;
     let mut allowed = [
         Restriction::sqe_op(opcode::Readv::CODE),
         Restriction::sqe_op(opcode::Writev::CODE),

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use bulkhead_driver::spec::DomainSpec;
 use bulkhead_sandbox::confine::{confine, Options};
+use bulkhead_sandbox::Report;
 
 /// Test hooks, read from `BULKHEAD_TEST_FAULT` (inherited from `serve`):
 /// - `crash-on-start`: exit at once, as a driver with a start-up bug would;
@@ -42,12 +43,17 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
         namespaces: bulkhead_sandbox::spawn::namespaces_layer(spec.sandbox.policy),
         address_space_headroom: HEADROOM,
     };
-    let layers = confine(&opts).with_context(|| format!("device {}: sandbox", spec.device))?;
+    let confined = confine(&opts);
     if let Some(fd) = spec.report_fd {
         // SAFETY: the report pipe named in the spec is ours alone; File closes it.
         let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
-        let _ = writeln!(f, "{}", serde_json::to_string(&layers)?);
+        let report = match &confined {
+            Ok(layers) => Report::Confined(layers.clone()),
+            Err(e) => Report::Refused { refused: e.to_string() },
+        };
+        let _ = writeln!(f, "{}", serde_json::to_string(&report)?);
     }
+    confined.with_context(|| format!("device {}: sandbox", spec.device))?;
     if fault.as_deref() == Some("escape") {
         let q = domain.queue(0).context("escape probe needs a queue")?;
         let w = q.write_arena_mapping();

@@ -178,3 +178,39 @@ fn frontend_heap_canaries_never_reach_an_arena_ring_or_backend() {
     // Rings and both arenas of four queues, and the ramdisk: all were looked at.
     assert_eq!(files.len(), 4 * 3 + 1, "{:?}", files.values().map(|v| &v.0).collect::<Vec<_>>());
 }
+
+#[test]
+fn unavailable_layer_warns_under_best_effort_and_refuses_under_required() {
+    require_kernel!();
+    let missing = [("BULKHEAD_TEST_UNAVAILABLE_LAYERS", "landlock")];
+    // best_effort: the domain starts, says so, and status shows the layer missing.
+    let tmp = TempDir::new("layer-missing");
+    let serve = Serve::start_with_env(&tmp.path().join("run"), Some(&small_ram_config("w", "16M", "adaptive")), &["w"], &missing);
+    let s = serve.status_json()["devices"][0]["sandbox"].clone();
+    assert!(s["landlock"]["unavailable"].as_str().unwrap().contains("not available"), "{s}");
+    assert_eq!(s["seccomp"], "applied", "{s}");
+    assert!(serve.log_text().contains("warning: sandbox layer landlock unavailable"), "{}", serve.log_text());
+    let data = pattern(5, 1 << 20);
+    let src = tmp.path().join("src");
+    std::fs::write(&src, &data).unwrap();
+    run("dd", &[&format!("if={}", src.display()), &format!("of={}", serve.fuse_file("w").display()), "bs=1M", "oflag=direct", "conv=notrunc", "status=none"]);
+    drop(serve);
+
+    // required: serve refuses the device, naming the layer.
+    let tmp = TempDir::new("layer-required");
+    let cfg = "[[device]]\nname = \"r\"\nsize = \"16M\"\nsandbox = \"required\"\n[device.backend]\ntype = \"ram\"\n";
+    let cfg_path = tmp.path().join("r.toml");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let out = std::process::Command::new("timeout")
+        .args(["30", exe(), "serve", "--config"])
+        .arg(&cfg_path)
+        .arg("--run-dir")
+        .arg(tmp.path().join("run"))
+        .envs(missing)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("device r") && err.contains("refused to start") && err.contains("landlock"), "{err}");
+    assert!(!tmp.path().join("run").join("control.sock").exists());
+}

@@ -118,6 +118,7 @@ fn fio_crc32c_verify_passes_with_zero_errors() {
                 "--verify=crc32c",
                 "--do_verify=1",
                 "--verify_fatal=1",
+                "--verify_state_save=0",
                 "--randrepeat=0",
                 "--output-format=json",
             ])

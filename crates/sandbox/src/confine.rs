@@ -46,10 +46,20 @@ struct Footprint {
     mapped: u64,
 }
 
-fn rlimits(now: &Footprint, headroom: u64) -> Result<(), String> {
+/// Tasks a domain may have. None of its own making (seccomp refuses clone), but an io_uring
+/// engine's io-wq workers are tasks of the domain too: the engine bounds them to 4 + 4
+/// (`IOWQ_WORKERS` of the backends crate), plus the domain's own thread and a margin.
+fn nproc_limit(role: Role) -> u64 {
+    match role {
+        Role::FileIoUring => 12,
+        Role::Memory | Role::FileSync => 0,
+    }
+}
+
+fn rlimits(now: &Footprint, role: Role, headroom: u64) -> Result<(), String> {
     setrlimit(libc::RLIMIT_CORE, 0, 0)?;
-    // No new processes (seccomp also refuses clone).
-    setrlimit(libc::RLIMIT_NPROC, 0, 0)?;
+    let nproc = nproc_limit(role);
+    setrlimit(libc::RLIMIT_NPROC, nproc, nproc)?;
     setrlimit(libc::RLIMIT_MEMLOCK, 0, 0)?;
     // No descriptor beyond those it holds (one spare for the kernel's own needs).
     let fds = now.highest_fd as u64 + 2;
@@ -88,6 +98,16 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
         return Ok(layers);
     }
     let required = opts.policy == Policy::Required;
+    // Test hook: `BULKHEAD_TEST_UNAVAILABLE_LAYERS=landlock,seccomp` makes those layers behave
+    // as on a host without them, so the warning and the refusal paths can be tested here.
+    let simulated = std::env::var("BULKHEAD_TEST_UNAVAILABLE_LAYERS").unwrap_or_default();
+    let unavailable = |layer: &str| simulated.split(',').any(|l| l == layer);
+    let apply = |layer: &'static str, f: &dyn Fn() -> Result<(), String>| -> Result<(), String> {
+        if unavailable(layer) {
+            return Err("not available on this host (simulated by BULKHEAD_TEST_UNAVAILABLE_LAYERS)".into());
+        }
+        f()
+    };
     let check = |layer: &'static str, r: Result<(), String>| -> Result<Layer, SandboxError> {
         match r {
             Ok(()) => Ok(Layer::Applied),
@@ -112,12 +132,12 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
     let footprint = Footprint { highest_fd: highest_open_fd(), mapped: mapped_bytes() };
     // Only a domain in a mount namespace of its own may empty it.
     layers.mounts = match opts.namespaces {
-        Layer::Applied => check("mounts", mounts::isolate())?,
+        Layer::Applied => check("mounts", apply("mounts", &mounts::isolate))?,
         _ => check("mounts", Err("no mount namespace of the domain's own".into()))?,
     };
-    layers.rlimits = check("rlimits", rlimits(&footprint, opts.address_space_headroom))?;
-    layers.no_new_privs = check("no_new_privs", no_new_privs())?;
-    layers.landlock = check("landlock", landlock::deny_all().map(|_| ()))?;
-    layers.seccomp = check("seccomp", seccomp::apply(opts.role))?;
+    layers.rlimits = check("rlimits", apply("rlimits", &|| rlimits(&footprint, opts.role, opts.address_space_headroom)))?;
+    layers.no_new_privs = check("no_new_privs", apply("no_new_privs", &no_new_privs))?;
+    layers.landlock = check("landlock", apply("landlock", &|| landlock::deny_all().map(|_| ())))?;
+    layers.seccomp = check("seccomp", apply("seccomp", &|| seccomp::apply(opts.role)))?;
     Ok(layers)
 }

@@ -77,6 +77,20 @@ pub struct Layers {
     pub seccomp_role: String,
 }
 
+/// What a domain reports to the supervisor once confinement is done: the layers in force, or
+/// why it refused to start (a layer required by the policy is unavailable).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Report {
+    /// The domain is confined and about to serve.
+    Confined(Layers),
+    /// The domain refused to start.
+    Refused {
+        /// Why.
+        refused: String,
+    },
+}
+
 /// Sandbox errors.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {

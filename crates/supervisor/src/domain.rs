@@ -11,7 +11,7 @@ use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, Notify, SpinBudget};
 use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec, SandboxSpec};
 use bulkhead_sandbox::spawn::DomainChild;
-use bulkhead_sandbox::{Layer, Layers, Policy};
+use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 use bulkhead_shmem::memfd;
 
 use crate::supervisor::{DeviceState, SupervisorError};
@@ -342,7 +342,16 @@ impl Launcher {
             let _ = child.wait_timeout(EXIT_WAIT);
             return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}"));
         }
-        let layers = read_report(&report_r);
+        let layers = match read_report(&report_r) {
+            Some(Report::Confined(layers)) => Some(layers),
+            Some(Report::Refused { refused }) => {
+                let _ = child.wait_timeout(EXIT_WAIT);
+                let _ = child.kill();
+                let _ = child.wait_timeout(EXIT_WAIT);
+                return Err(format!("driver domain refused to start: {refused} (sandbox = \"required\")"));
+            }
+            None => None,
+        };
         let pidfd = pidfd_open(child.id()).map_err(|e| format!("pidfd_open: {e}"))?;
         Ok(Launched { fronts, child, pidfd, layers })
     }
@@ -360,7 +369,7 @@ fn report_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
 
 /// Reads the domain's sandbox report: one JSON line, written once it is confined. `None` if it
 /// exits or stays silent for 5 s.
-fn read_report(fd: &OwnedFd) -> Option<Layers> {
+fn read_report(fd: &OwnedFd) -> Option<Report> {
     let mut buf = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
