@@ -8,9 +8,9 @@
 //! and the driver domain are pinned to CPUs 0 and 1 (as SPDK pins its reactors), so two
 //! spinning sides never share a core.
 
+use bulkhead_sandbox::spawn::DomainChild;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
-use bulkhead_sandbox::spawn::DomainChild;
 use std::time::{Duration, Instant};
 
 use bulkhead_channel::{BudgetPolicy, FrontQueue, FrontRequest, NotifyMode, QueueConfig, QueueSetup};
@@ -39,7 +39,12 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { modes: vec![NotifyMode::Irq, NotifyMode::Poll, NotifyMode::Adaptive], seconds: 2.0, samples: 200_000, pin: true }
+        Options {
+            modes: vec![NotifyMode::Irq, NotifyMode::Poll, NotifyMode::Adaptive],
+            seconds: 2.0,
+            samples: 200_000,
+            pin: true,
+        }
     }
 }
 
@@ -119,7 +124,9 @@ fn thread_cpu_ns() -> u64 {
 
 /// CPU time of a process's threads, ns (from /proc/PID/task/*/schedstat).
 fn process_cpu_ns(pid: u32) -> u64 {
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
     dir.filter_map(|e| e.ok())
         .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
         .filter_map(|s| s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()))
@@ -299,7 +306,16 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
             driver_cpu_pct: (process_cpu_ns(pid) - d0) as f64 / (el * 1e7),
         };
         let frontend_budget_ns = front.budget_ns();
-        modes.push(ModeReport { mode: mode.as_str().into(), rtt_nodata, rtt_read_4k, rtt_write_4k, qd1, qd32, idle, frontend_budget_ns });
+        modes.push(ModeReport {
+            mode: mode.as_str().into(),
+            rtt_nodata,
+            rtt_read_4k,
+            rtt_write_4k,
+            qd1,
+            qd32,
+            idle,
+            frontend_budget_ns,
+        });
         drop(peer);
     }
     if opts.pin {

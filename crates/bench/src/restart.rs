@@ -153,7 +153,8 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
 
 /// Renders the report.
 pub fn render(r: &Report) -> String {
-    let mut t = Table::new(&["mode", "kills", "restarts", "outage p50 ms", "p99 ms", "max ms", "requests", "errors", "seed paper"]);
+    let mut t =
+        Table::new(&["mode", "kills", "restarts", "outage p50 ms", "p99 ms", "max ms", "requests", "errors", "seed paper"]);
     t.row(vec![
         r.mode.clone(),
         r.kills.to_string(),

@@ -3,7 +3,9 @@
 use std::os::fd::{AsRawFd, RawFd};
 
 use bulkhead_doorbell::EventFd;
-use bulkhead_ring::{validate_request, ArenaSizes, BackRing, RequestError, ResponseSlot, RingError, RingLayout, Status, ValidRequest, ARENA_WRITE};
+use bulkhead_ring::{
+    validate_request, ArenaSizes, BackRing, RequestError, ResponseSlot, RingError, RingLayout, Status, ValidRequest, ARENA_WRITE,
+};
 use bulkhead_shmem::{Mapping, Protection, SliceList};
 
 use crate::{BackQueueFds, ChannelError};

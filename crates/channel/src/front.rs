@@ -5,8 +5,7 @@ use std::os::fd::{AsRawFd, RawFd};
 
 use bulkhead_doorbell::{now_ns, BudgetPolicy, EventFd, NotifyMode, SpinBudget};
 use bulkhead_ring::{
-    FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA,
-    MAX_REQUEST_BYTES,
+    FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES,
 };
 use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice};
 

@@ -103,6 +103,11 @@ impl QueueSetup {
 /// A frontend and a driver end in one process (tests, benchmarks of the ring alone).
 pub fn pair(cfg: &QueueConfig, device_size: u64) -> Result<(FrontQueue, BackQueue), ChannelError> {
     let (front, fds) = QueueSetup::create("pair", cfg)?;
-    let back = BackQueue::from_fds(fds, cfg.nslots, ArenaSizes { write: front.arena_bytes() as u64, read: front.arena_bytes() as u64 }, device_size)?;
+    let back = BackQueue::from_fds(
+        fds,
+        cfg.nslots,
+        ArenaSizes { write: front.arena_bytes() as u64, read: front.arena_bytes() as u64 },
+        device_size,
+    )?;
     Ok((front, back))
 }

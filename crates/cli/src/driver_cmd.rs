@@ -71,7 +71,8 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(99));
     }
     if let Some(name) = fault.as_deref().and_then(|f| f.strip_prefix("hostile:")) {
-        let h = bulkhead_driver::hostile::Hostility::parse(name).with_context(|| format!("unknown hostile test mode {name:?}"))?;
+        let h =
+            bulkhead_driver::hostile::Hostility::parse(name).with_context(|| format!("unknown hostile test mode {name:?}"))?;
         domain.set_hostility(h);
     }
     domain.run().with_context(|| format!("device {}", spec.device))?;

@@ -110,7 +110,9 @@ fn main() -> ExitCode {
         Cmd::Status { json, run_dir } => status::run(&run_dir, json),
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Driver { spec } => driver_cmd::run(&spec),
-        Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples, no_pin } } => bench_channel(mode, json, seconds, samples, !no_pin),
+        Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples, no_pin } } => {
+            bench_channel(mode, json, seconds, samples, !no_pin)
+        }
         Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, json } } => bench_restart(kills, mode, threads, json),
     };
     match result {

@@ -40,7 +40,17 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let mut t = Table::new(&[
-        "DEVICE", "STATE", "DRIVER PID", "MODE", "COMPLETED", "FAILED", "RESTARTS", "LAST OUTAGE ms", "P99 OUTAGE ms", "DRIVER RSS", "BACKEND",
+        "DEVICE",
+        "STATE",
+        "DRIVER PID",
+        "MODE",
+        "COMPLETED",
+        "FAILED",
+        "RESTARTS",
+        "LAST OUTAGE ms",
+        "P99 OUTAGE ms",
+        "DRIVER RSS",
+        "BACKEND",
     ]);
     for d in report["devices"].as_array().into_iter().flatten() {
         t.row(vec![

@@ -75,7 +75,11 @@ fn run_mode(mode: NotifyMode) {
         }
     }
     let el = start.elapsed();
-    eprintln!("{mode}: {REQUESTS} requests in {:.2} s, {verified} reads verified, {} doorbells", el.as_secs_f64(), front.stats().kicks);
+    eprintln!(
+        "{mode}: {REQUESTS} requests in {:.2} s, {verified} reads verified, {} doorbells",
+        el.as_secs_f64(),
+        front.stats().kicks
+    );
     assert_eq!(verified, reads, "every read was checked");
     assert!(reads > REQUESTS / 2 - BLOCKS, "half the requests are checked reads");
     child.signal(libc::SIGTERM).unwrap();

@@ -63,7 +63,16 @@ fn survive(mode: &str, notify: &str) -> Outcome {
             let (src, file) = (&src, &file);
             s.spawn(move || {
                 let (skip, seek) = (format!("skip={}", i * 64), format!("seek={}", i * 64));
-                dd(&[&format!("if={}", src.display()), &format!("of={}", file.display()), "bs=64k", "count=64", &skip, &seek, "oflag=direct", "conv=notrunc"]);
+                dd(&[
+                    &format!("if={}", src.display()),
+                    &format!("of={}", file.display()),
+                    "bs=64k",
+                    "count=64",
+                    &skip,
+                    &seek,
+                    "oflag=direct",
+                    "conv=notrunc",
+                ]);
             });
         }
     });
@@ -89,7 +98,11 @@ fn violation(mode: &str, why: &[&str]) {
     let o = survive(mode, "adaptive");
     assert!(o.log.contains(&format!("hostile test mode {mode}: misbehaving")), "{}", o.log);
     assert!(o.restarts >= 2, "{mode}: {} restarts\n{}", o.restarts, o.log);
-    assert!(o.log.contains("channel broken") && why.iter().any(|w| o.log.contains(w)), "{mode}: expected one of {why:?} in\n{}", o.log);
+    assert!(
+        o.log.contains("channel broken") && why.iter().any(|w| o.log.contains(w)),
+        "{mode}: expected one of {why:?} in\n{}",
+        o.log
+    );
     // Rate-limited: far fewer frontend lines than restarts, once restarts come quickly.
     let lines = o.log.lines().filter(|l| l.starts_with("bulkhead: device h:")).count() as u64;
     assert!(lines <= 2 * (o.restarts.min(4) + 2) + 6, "{mode}: {lines} log lines for {} restarts\n{}", o.restarts, o.log);

@@ -129,13 +129,33 @@ fn stopped_driver_is_restarted_by_the_watchdog_and_io_carries_on() {
     assert_eq!(unsafe { libc::kill(old as i32, libc::SIGSTOP) }, 0);
     let t0 = Instant::now();
     // This write finds the domain stopped; it must complete once the watchdog has replaced it.
-    run("dd", &[&format!("if={}", src.display()), &format!("of={}", file.display()), "bs=1M", "oflag=direct", "conv=notrunc", "status=none"]);
+    run(
+        "dd",
+        &[
+            &format!("if={}", src.display()),
+            &format!("of={}", file.display()),
+            "bs=1M",
+            "oflag=direct",
+            "conv=notrunc",
+            "status=none",
+        ],
+    );
     let took = t0.elapsed();
     let new = serve.driver_pid(0);
     assert_ne!(new, old, "a new domain serves");
     assert!(took < Duration::from_millis(300 + 2000), "restart took {took:?}");
     let back = tmp.path().join("back");
-    run("dd", &[&format!("if={}", file.display()), &format!("of={}", back.display()), "bs=1M", "count=8", "iflag=direct", "status=none"]);
+    run(
+        "dd",
+        &[
+            &format!("if={}", file.display()),
+            &format!("of={}", back.display()),
+            "bs=1M",
+            "count=8",
+            "iflag=direct",
+            "status=none",
+        ],
+    );
     assert!(std::fs::read(&back).unwrap() == data);
     let d = &serve.status_json()["devices"][0];
     assert_eq!(d["restarts"], 1);
@@ -196,7 +216,12 @@ fn manual_restart_replaces_a_healthy_domain_and_keeps_the_data() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let new = serve.driver_pid(0);
     assert_ne!(old, new);
-    assert!(String::from_utf8_lossy(&out.stdout).contains(&new.to_string()), "{} vs {new}\n{}", String::from_utf8_lossy(&out.stdout), serve.log_text());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&new.to_string()),
+        "{} vs {new}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        serve.log_text()
+    );
     let got = std::fs::read(serve.fuse_file("m")).unwrap();
     assert!(got[..data.len()] == data[..], "ramdisk contents survive the restart");
     let bad = Command::new(exe()).args(["restart", "nosuch", "--run-dir"]).arg(&serve.run_dir).output().unwrap();

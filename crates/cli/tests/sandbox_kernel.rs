@@ -111,7 +111,9 @@ fn shared_files(pid: u32, into: &mut std::collections::BTreeMap<String, (String,
         }
     }
     for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
-        let Ok(target) = std::fs::read_link(e.path()) else { continue };
+        let Ok(target) = std::fs::read_link(e.path()) else {
+            continue;
+        };
         let name = target.to_string_lossy().to_string();
         if name.starts_with("/memfd:bulkhead-") {
             let ino = std::fs::metadata(e.path()).map(|m| std::os::unix::fs::MetadataExt::ino(&m).to_string()).unwrap();
@@ -158,7 +160,10 @@ fn frontend_heap_canaries_never_reach_an_arena_ring_or_backend() {
     let iff = format!("if={}", src.display());
     // Direct writes of many sizes, buffered writes at odd offsets, then reads of all of it.
     for (bs, seek) in [("4k", "3"), ("1M", "5"), ("4M", "2"), ("12k", "101")] {
-        run("dd", &[&iff, &of, &format!("bs={bs}"), "count=1", &format!("seek={seek}"), "oflag=direct", "conv=notrunc", "status=none"]);
+        run(
+            "dd",
+            &[&iff, &of, &format!("bs={bs}"), "count=1", &format!("seek={seek}"), "oflag=direct", "conv=notrunc", "status=none"],
+        );
     }
     run("dd", &[&iff, &of, "bs=1000", "count=700", "seek=7777", "conv=notrunc,fsync", "status=none"]);
     run("dd", &[&format!("if={}", file.display()), "of=/dev/null", "bs=1M", "iflag=direct", "status=none"]);
@@ -193,7 +198,17 @@ fn unavailable_layer_warns_under_best_effort_and_refuses_under_required() {
     let data = pattern(5, 1 << 20);
     let src = tmp.path().join("src");
     std::fs::write(&src, &data).unwrap();
-    run("dd", &[&format!("if={}", src.display()), &format!("of={}", serve.fuse_file("w").display()), "bs=1M", "oflag=direct", "conv=notrunc", "status=none"]);
+    run(
+        "dd",
+        &[
+            &format!("if={}", src.display()),
+            &format!("of={}", serve.fuse_file("w").display()),
+            "bs=1M",
+            "oflag=direct",
+            "conv=notrunc",
+            "status=none",
+        ],
+    );
     drop(serve);
 
     // required: serve refuses the device, naming the layer.

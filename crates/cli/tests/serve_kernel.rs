@@ -19,8 +19,9 @@ fn ext4_through_loop_survives_remount_and_fsck() {
     assert!(lo.direct_io(), "loop device should run with direct I/O on the FUSE file");
     run("mkfs.ext4", &["-q", "-F", &lo.dev]);
     let mnt = tmp.path().join("mnt");
-    let files: Vec<(String, Vec<u8>)> =
-        (0..8).map(|i| (format!("f{i}"), pattern(i, [4096, 1 << 20, 3 << 20, 12345, 7 << 20, 1, 65536, 5 << 20][i as usize]))).collect();
+    let files: Vec<(String, Vec<u8>)> = (0..8)
+        .map(|i| (format!("f{i}"), pattern(i, [4096, 1 << 20, 3 << 20, 12345, 7 << 20, 1, 65536, 5 << 20][i as usize])))
+        .collect();
     {
         let m = MountGuard::mount(&lo.dev, &mnt);
         for (name, data) in &files {
@@ -38,7 +39,12 @@ fn ext4_through_loop_survives_remount_and_fsck() {
         m.unmount();
     }
     let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
-    assert!(fsck.status.success(), "e2fsck -fn: {}\n{}", String::from_utf8_lossy(&fsck.stdout), String::from_utf8_lossy(&fsck.stderr));
+    assert!(
+        fsck.status.success(),
+        "e2fsck -fn: {}\n{}",
+        String::from_utf8_lossy(&fsck.stdout),
+        String::from_utf8_lossy(&fsck.stderr)
+    );
     drop(lo);
     let st = serve.status_json();
     assert!(st["devices"][0]["requests_completed"].as_u64().unwrap() > 100);
@@ -56,8 +62,14 @@ fn direct_io_at_4k_1m_4m_and_unaligned_offsets_reads_back_equal() {
     let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("d", "256M", "poll")), &["d"]);
     let lo = LoopGuard::attach_direct(&serve.fuse_file("d"));
     // (block size, byte offset): offsets not aligned to the block size, only to 512.
-    let cases: [(usize, u64); 6] =
-        [(4096, 0), (4096, 512 * 7), (1 << 20, 1 << 20), (1 << 20, (5 << 20) + 3584), (4 << 20, 16 << 20), (4 << 20, (40 << 20) + 512)];
+    let cases: [(usize, u64); 6] = [
+        (4096, 0),
+        (4096, 512 * 7),
+        (1 << 20, 1 << 20),
+        (1 << 20, (5 << 20) + 3584),
+        (4 << 20, 16 << 20),
+        (4 << 20, (40 << 20) + 512),
+    ];
     for (i, (bs, off)) in cases.iter().enumerate() {
         let src = tmp.path().join(format!("src{i}"));
         let back = tmp.path().join(format!("back{i}"));
@@ -66,7 +78,15 @@ fn direct_io_at_4k_1m_4m_and_unaligned_offsets_reads_back_equal() {
         let bs_arg = format!("bs={bs}");
         let seek = format!("seek={off}");
         let skip = format!("skip={off}");
-        dd(&[&format!("if={}", src.display()), &format!("of={}", lo.dev), &bs_arg, "count=2", &seek, "oflag=direct,seek_bytes", "conv=notrunc"]);
+        dd(&[
+            &format!("if={}", src.display()),
+            &format!("of={}", lo.dev),
+            &bs_arg,
+            "count=2",
+            &seek,
+            "oflag=direct,seek_bytes",
+            "conv=notrunc",
+        ]);
         dd(&[&format!("if={}", lo.dev), &format!("of={}", back.display()), &bs_arg, "count=2", &skip, "iflag=direct,skip_bytes"]);
         assert!(std::fs::read(&back).unwrap() == data, "case {i}: bs={bs} offset={off} read back differs");
     }
@@ -124,7 +144,12 @@ fn fio_crc32c_verify_passes_with_zero_errors() {
             ])
             .output()
             .unwrap();
-        assert!(out.status.success(), "fio {name}: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "fio {name}: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let job = &v["jobs"][0];
         assert_eq!(job["error"], 0, "fio {name} reported an error");

@@ -74,7 +74,9 @@ impl SpinBudget {
     /// Records one observed gap.
     #[inline]
     pub fn record(&mut self, gap_ns: u64) {
-        let BudgetPolicy::Auto { min_ns, max_ns } = self.policy else { return };
+        let BudgetPolicy::Auto { min_ns, max_ns } = self.policy else {
+            return;
+        };
         let b = (64 - gap_ns.max(1).leading_zeros() as usize).min(BUCKETS - 1);
         self.hist[b] += 1;
         self.samples += 1;

@@ -116,7 +116,10 @@ impl Domain {
                     Some(Popped::Valid(r)) => taken.push(Taken::Valid(r)),
                     Some(Popped::Invalid { id, generation, error }) => {
                         if self.stats.invalid.is_power_of_two() {
-                            eprintln!("bulkhead driver: queue {qi}: refused request {id:#x}: {error} ({} so far)", self.stats.invalid + 1);
+                            eprintln!(
+                                "bulkhead driver: queue {qi}: refused request {id:#x}: {error} ({} so far)",
+                                self.stats.invalid + 1
+                            );
                         }
                         self.stats.invalid += 1;
                         taken.push(Taken::Invalid { id, generation });
@@ -183,7 +186,8 @@ impl Domain {
         }
         q.publish();
         if self.hostile_now() == Some(Hostility::CorruptIndex) {
-            let nslots = self.queues[qi].ring_mapping().atomic_u32(HeaderOffsets::NSLOTS).map(|a| a.load(Ordering::Relaxed)).unwrap_or(64);
+            let nslots =
+                self.queues[qi].ring_mapping().atomic_u32(HeaderOffsets::NSLOTS).map(|a| a.load(Ordering::Relaxed)).unwrap_or(64);
             if let Ok(prod) = self.queues[qi].ring_mapping().atomic_u32(HeaderOffsets::RSP_PROD) {
                 prod.fetch_add(nslots.wrapping_mul(3), Ordering::Release);
             }
@@ -210,7 +214,13 @@ impl Domain {
             Hostility::BadStatus => results[0].status = 0xbad,
             Hostility::CorruptSlot => {
                 let mut g = Garbage::new(first.id ^ now_ns());
-                results[0] = ResponseSlot { id: g.next(), generation: g.next() as u32, status: g.next() as u32, len: g.next(), reserved: g.next() };
+                results[0] = ResponseSlot {
+                    id: g.next(),
+                    generation: g.next() as u32,
+                    status: g.next() as u32,
+                    len: g.next(),
+                    reserved: g.next(),
+                };
             }
             Hostility::ExitMidRequest => {
                 eprintln!("bulkhead driver: hostile test mode: exiting with {} requests of queue {qi} unanswered", results.len());
@@ -373,7 +383,8 @@ mod tests {
         let (mut front, back) = pair(&cfg, 1 << 16).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let null = bulkhead_backends::NullBackend::new(1 << 16);
-        let mut dom = Domain::new(vec![back], Box::new(null), NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
+        let mut dom =
+            Domain::new(vec![back], Box::new(null), NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
         let t = std::thread::spawn(move || dom.run());
         let r = front.execute(FrontRequest::Read { offset: 1 << 16, len: 4096 }, 5000, |_| {}).unwrap();
         assert_eq!(r, Err(Status::Invalid));

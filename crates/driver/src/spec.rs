@@ -132,9 +132,7 @@ impl DomainSpec {
             let [ring, write_arena, read_arena, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
             let fds = BackQueueFds { ring: ring?, write_arena: write_arena?, read_arena: read_arena?, kick: kick?, irq: irq? };
             let arenas = ArenaSizes { write: q.arena_bytes, read: q.arena_bytes };
-            queues.push(
-                BackQueue::from_fds(fds, q.nslots, arenas, self.size).map_err(|e| DriverError::Setup(e.to_string()))?,
-            );
+            queues.push(BackQueue::from_fds(fds, q.nslots, arenas, self.size).map_err(|e| DriverError::Setup(e.to_string()))?);
         }
         let setup = |e: bulkhead_backends::BackendError| DriverError::Setup(e.to_string());
         let backend: Box<dyn Backend> = match &self.backend {
@@ -149,7 +147,10 @@ impl DomainSpec {
                 // SAFETY: forwarded from this function's contract.
                 let main = unsafe { claim(*fd)? };
                 // SAFETY: as above.
-                let buffered = match buffered_fd { Some(b) => Some(unsafe { claim(*b)? }), None => None };
+                let buffered = match buffered_fd {
+                    Some(b) => Some(unsafe { claim(*b)? }),
+                    None => None,
+                };
                 Box::new(FileBackend::new(main, buffered, *read_only, engine).map_err(setup)?)
             }
             BackendSpec::Null => Box::new(NullBackend::new(self.size)),

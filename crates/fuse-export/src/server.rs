@@ -131,7 +131,8 @@ impl FuseExport {
             start_time: now,
             errors_logged: AtomicUsize::new(0),
         });
-        let mut export = FuseExport { mountpoint: mountpoint.to_path_buf(), shared: shared.clone(), workers: vec![], mounted: true };
+        let mut export =
+            FuseExport { mountpoint: mountpoint.to_path_buf(), shared: shared.clone(), workers: vec![], mounted: true };
         let mut fds = vec![master];
         for _ in 1..threads.max(1) {
             let clone = open_dev_fuse().map_err(|source| FuseError::Sys { op: "open", path: "/dev/fuse".into(), source })?;
@@ -290,7 +291,9 @@ impl Shared {
 }
 
 fn handle(fd: RawFd, slot: usize, sh: &Shared, req: &[u8], scratch: &mut Vec<u8>) -> Flow {
-    let Some(h) = parse::<InHeader>(req) else { return Flow::Continue };
+    let Some(h) = parse::<InHeader>(req) else {
+        return Flow::Continue;
+    };
     let body = &req[std::mem::size_of::<InHeader>().min(req.len())..];
     let u = h.unique;
     match h.opcode {
@@ -326,14 +329,19 @@ fn handle(fd: RawFd, slot: usize, sh: &Shared, req: &[u8], scratch: &mut Vec<u8>
         FORGET | BATCH_FORGET | INTERRUPT => {} // no reply
         LOOKUP => {
             let name = body.split(|&b| b == 0).next().unwrap_or(&[]);
-            let found = (h.nodeid == FUSE_ROOT_ID)
-                .then(|| sh.devices.iter().position(|d| d.name().as_bytes() == name))
-                .flatten();
+            let found = (h.nodeid == FUSE_ROOT_ID).then(|| sh.devices.iter().position(|d| d.name().as_bytes() == name)).flatten();
             match found {
                 Some(i) => {
                     let nodeid = i as u64 + 2;
                     let attr = sh.attr(nodeid).expect("device node");
-                    let out = EntryOut { nodeid, generation: 1, entry_valid: ATTR_VALID_S, attr_valid: ATTR_VALID_S, attr, ..Default::default() };
+                    let out = EntryOut {
+                        nodeid,
+                        generation: 1,
+                        entry_valid: ATTR_VALID_S,
+                        attr_valid: ATTR_VALID_S,
+                        attr,
+                        ..Default::default()
+                    };
                     reply(fd, u, &out);
                 }
                 None => reply_err(fd, u, libc::ENOENT),
@@ -381,7 +389,11 @@ fn handle(fd: RawFd, slot: usize, sh: &Shared, req: &[u8], scratch: &mut Vec<u8>
             None => reply_err(fd, u, 0),
         },
         FALLOCATE => fallocate(fd, slot, sh, u, h.nodeid, body),
-        STATFS => reply(fd, u, &StatfsOut { bsize: 4096, frsize: 4096, namelen: 255, files: sh.devices.len() as u64, ..Default::default() }),
+        STATFS => reply(
+            fd,
+            u,
+            &StatfsOut { bsize: 4096, frsize: 4096, namelen: 255, files: sh.devices.len() as u64, ..Default::default() },
+        ),
         FLUSH | RELEASE | RELEASEDIR | FSYNCDIR | ACCESS => reply_err(fd, u, 0),
         GETXATTR | LISTXATTR => reply_err(fd, u, libc::ENOSYS),
         _ => reply_err(fd, u, libc::ENOSYS),
@@ -390,7 +402,9 @@ fn handle(fd: RawFd, slot: usize, sh: &Shared, req: &[u8], scratch: &mut Vec<u8>
 }
 
 fn readdir(fd: RawFd, sh: &Shared, u: u64, nodeid: u64, body: &[u8]) {
-    let Some(r) = parse::<ReadIn>(body) else { return reply_err(fd, u, libc::EINVAL) };
+    let Some(r) = parse::<ReadIn>(body) else {
+        return reply_err(fd, u, libc::EINVAL);
+    };
     if nodeid != FUSE_ROOT_ID {
         return reply_err(fd, u, libc::ENOTDIR);
     }
@@ -413,8 +427,12 @@ fn readdir(fd: RawFd, sh: &Shared, u: u64, nodeid: u64, body: &[u8]) {
 }
 
 fn read(fd: RawFd, slot: usize, sh: &Shared, u: u64, nodeid: u64, body: &[u8], scratch: &mut Vec<u8>) {
-    let Some(r) = parse::<ReadIn>(body) else { return reply_err(fd, u, libc::EINVAL) };
-    let Some(d) = sh.device(nodeid) else { return reply_err(fd, u, libc::EISDIR) };
+    let Some(r) = parse::<ReadIn>(body) else {
+        return reply_err(fd, u, libc::EINVAL);
+    };
+    let Some(d) = sh.device(nodeid) else {
+        return reply_err(fd, u, libc::EISDIR);
+    };
     let len = (r.size as u64).min(d.size().saturating_sub(r.offset));
     if len == 0 {
         return reply_raw(fd, u, 0, &[]);
@@ -447,8 +465,12 @@ fn read(fd: RawFd, slot: usize, sh: &Shared, u: u64, nodeid: u64, body: &[u8], s
 }
 
 fn write(fd: RawFd, slot: usize, sh: &Shared, u: u64, nodeid: u64, body: &[u8]) {
-    let Some(w) = parse::<WriteIn>(body) else { return reply_err(fd, u, libc::EINVAL) };
-    let Some(d) = sh.device(nodeid) else { return reply_err(fd, u, libc::EISDIR) };
+    let Some(w) = parse::<WriteIn>(body) else {
+        return reply_err(fd, u, libc::EINVAL);
+    };
+    let Some(d) = sh.device(nodeid) else {
+        return reply_err(fd, u, libc::EISDIR);
+    };
     let data = &body[std::mem::size_of::<WriteIn>()..];
     if data.len() != w.size as usize {
         return reply_err(fd, u, libc::EINVAL);
@@ -467,8 +489,12 @@ fn write(fd: RawFd, slot: usize, sh: &Shared, u: u64, nodeid: u64, body: &[u8]) 
 }
 
 fn fallocate(fd: RawFd, slot: usize, sh: &Shared, u: u64, nodeid: u64, body: &[u8]) {
-    let Some(f) = parse::<FallocateIn>(body) else { return reply_err(fd, u, libc::EINVAL) };
-    let Some(d) = sh.device(nodeid) else { return reply_err(fd, u, libc::EISDIR) };
+    let Some(f) = parse::<FallocateIn>(body) else {
+        return reply_err(fd, u, libc::EINVAL);
+    };
+    let Some(d) = sh.device(nodeid) else {
+        return reply_err(fd, u, libc::EISDIR);
+    };
     if f.offset.checked_add(f.length).is_none_or(|end| end > d.size()) {
         return reply_err(fd, u, if f.mode & FALLOC_FL_KEEP_SIZE != 0 { libc::EINVAL } else { libc::ENOSPC });
     }

@@ -39,7 +39,8 @@ impl FrontRing {
         map.write_obj(H::NSLOTS, &layout.nslots)?;
         map.write_obj(H::REQ_SLOT, &(REQ_SLOT_SIZE as u32))?;
         map.write_obj(H::RSP_SLOT, &(RSP_SLOT_SIZE as u32))?;
-        for off in [H::REQ_PROD, H::REQ_CONS, H::REQ_EVENT, H::BACK_STATE, H::RSP_PROD, H::RSP_CONS, H::RSP_EVENT, H::FRONT_STATE] {
+        for off in [H::REQ_PROD, H::REQ_CONS, H::REQ_EVENT, H::BACK_STATE, H::RSP_PROD, H::RSP_CONS, H::RSP_EVENT, H::FRONT_STATE]
+        {
             cell(&map, off).store(0, Ordering::Relaxed);
         }
         map.atomic_u64(H::PROGRESS)?.store(0, Ordering::Relaxed);
@@ -267,7 +268,6 @@ impl BackRing {
         &self.map
     }
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -164,7 +164,8 @@ mod tests {
     const ARENAS: ArenaSizes = ArenaSizes { write: 1 << 20, read: 1 << 20 };
 
     fn write(offset: u64, len: u32) -> RequestSlot {
-        let mut s = RequestSlot { id: 7, generation: 3, op: Op::Write as u8, nsegs: 1, offset, len: len as u64, ..Default::default() };
+        let mut s =
+            RequestSlot { id: 7, generation: 3, op: Op::Write as u8, nsegs: 1, offset, len: len as u64, ..Default::default() };
         s.segs[0] = Segment { arena: ARENA_WRITE, len, offset: 0 };
         s
     }
@@ -201,7 +202,10 @@ mod tests {
     #[test]
     fn range_beyond_device_is_rejected() {
         assert!(matches!(validate_request(&write(1 << 30, 4096), ARENAS, 1 << 30, 3), Err(RequestError::BeyondDevice { .. })));
-        assert!(matches!(validate_request(&write(u64::MAX - 1, 4096), ARENAS, u64::MAX, 3), Err(RequestError::BeyondDevice { .. })));
+        assert!(matches!(
+            validate_request(&write(u64::MAX - 1, 4096), ARENAS, u64::MAX, 3),
+            Err(RequestError::BeyondDevice { .. })
+        ));
     }
 
     #[test]
@@ -224,7 +228,8 @@ mod tests {
     #[test]
     fn four_mib_request_in_several_segments_is_accepted() {
         let arenas = ArenaSizes { write: 8 << 20, read: 8 << 20 };
-        let mut s = RequestSlot { id: 1, generation: 0, op: Op::Read as u8, nsegs: 4, offset: 0, len: 4 << 20, ..Default::default() };
+        let mut s =
+            RequestSlot { id: 1, generation: 0, op: Op::Read as u8, nsegs: 4, offset: 0, len: 4 << 20, ..Default::default() };
         for i in 0..4 {
             s.segs[i] = Segment { arena: ARENA_READ, len: 1 << 20, offset: (i as u64) << 21 };
         }

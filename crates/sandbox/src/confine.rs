@@ -32,10 +32,8 @@ fn highest_open_fd() -> i32 {
 }
 
 fn mapped_bytes() -> u64 {
-    let pages: u64 = std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
+    let pages: u64 =
+        std::fs::read_to_string("/proc/self/statm").ok().and_then(|s| s.split_whitespace().next()?.parse().ok()).unwrap_or(0);
     pages * 4096
 }
 

@@ -17,7 +17,9 @@ struct RulesetAttr {
 /// The kernel's Landlock ABI version (0 if Landlock is unavailable).
 pub fn abi() -> u32 {
     // SAFETY: the version query takes a null attribute and size 0.
-    let v = unsafe { libc::syscall(SYS_LANDLOCK_CREATE_RULESET, std::ptr::null::<RulesetAttr>(), 0usize, LANDLOCK_CREATE_RULESET_VERSION) };
+    let v = unsafe {
+        libc::syscall(SYS_LANDLOCK_CREATE_RULESET, std::ptr::null::<RulesetAttr>(), 0usize, LANDLOCK_CREATE_RULESET_VERSION)
+    };
     if v < 0 {
         0
     } else {

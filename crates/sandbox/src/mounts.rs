@@ -42,7 +42,13 @@ pub fn isolate() -> Result<(), String> {
         let mut last = String::new();
         let mut dir = None;
         for d in MOUNT_POINTS {
-            let rc = libc::mount(c"bulkhead-empty".as_ptr(), d.as_ptr(), c"tmpfs".as_ptr(), flags, c"size=4k,nr_inodes=2,mode=0555".as_ptr().cast());
+            let rc = libc::mount(
+                c"bulkhead-empty".as_ptr(),
+                d.as_ptr(),
+                c"tmpfs".as_ptr(),
+                flags,
+                c"size=4k,nr_inodes=2,mode=0555".as_ptr().cast(),
+            );
             match check("mount tmpfs", rc) {
                 Ok(()) => {
                     dir = Some(d);

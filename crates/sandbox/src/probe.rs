@@ -62,13 +62,28 @@ pub fn attempt_escapes(t: &Targets) -> String {
             errno_of(libc::mprotect(t.write_arena.cast(), t.write_arena_len, libc::PROT_READ | libc::PROT_WRITE) as i64),
         ));
         out.push(("pwrite_write_arena", errno_of(libc::pwrite(t.write_arena_fd, buf.as_ptr().cast(), 16, 0) as i64)));
-        let p = libc::mmap(std::ptr::null_mut(), 1 << 20, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, t.write_arena_fd, 0);
+        let p =
+            libc::mmap(std::ptr::null_mut(), 1 << 20, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, t.write_arena_fd, 0);
         out.push(("mmap_write_arena_shared_rw", if p == libc::MAP_FAILED { errno_of(-1) } else { "succeeded".into() }));
         let p = libc::mmap(std::ptr::null_mut(), 1 << 30, libc::PROT_READ, libc::MAP_SHARED, t.shared_fd, 1 << 40);
         out.push(("mmap_beyond_ring", if p == libc::MAP_FAILED { errno_of(-1) } else { "succeeded".into() }));
-        let p = libc::mmap(std::ptr::null_mut(), 64 << 30, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            64 << 30,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
         out.push(("mmap_anon_64g", if p == libc::MAP_FAILED { errno_of(-1) } else { "succeeded".into() }));
-        let p = libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_EXEC, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_EXEC,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
         out.push(("mmap_exec", if p == libc::MAP_FAILED { errno_of(-1) } else { "succeeded".into() }));
         let big = libc::rlimit { rlim_cur: 1 << 20, rlim_max: 1 << 20 };
         out.push(("setrlimit_nofile", errno_of(libc::setrlimit(libc::RLIMIT_NOFILE, &big) as i64)));

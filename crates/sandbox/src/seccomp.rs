@@ -67,10 +67,8 @@ const FILE: &[(i64, &str)] = &[
 ];
 
 /// Extra system calls of the io_uring role.
-const IO_URING: &[(i64, &str)] = &[(
-    libc::SYS_io_uring_enter,
-    "submit and reap a batch (the ring is restricted to readv, writev and fsync at setup)",
-)];
+const IO_URING: &[(i64, &str)] =
+    &[(libc::SYS_io_uring_enter, "submit and reap a batch (the ring is restricted to readv, writev and fsync at setup)")];
 
 fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCondition {
     SeccompCondition::new(arg, len, op, v).expect("valid seccomp condition")
@@ -146,7 +144,9 @@ mod tests {
         }
         let mem: Vec<i64> = allowlist(Role::Memory).iter().map(|x| x.0).collect();
         assert!(!mem.contains(&libc::SYS_pwrite64), "memory role cannot write files");
-        for banned in [libc::SYS_openat, libc::SYS_socket, libc::SYS_clone, libc::SYS_execve, libc::SYS_ptrace, libc::SYS_setrlimit] {
+        for banned in
+            [libc::SYS_openat, libc::SYS_socket, libc::SYS_clone, libc::SYS_execve, libc::SYS_ptrace, libc::SYS_setrlimit]
+        {
             assert!(!allowlist(Role::FileIoUring).iter().any(|x| x.0 == banned), "{banned} must not be allowed");
         }
     }

@@ -1,8 +1,8 @@
 //! One device's runtime: its channel, backend descriptors and driver-domain process.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,6 @@ use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 use bulkhead_shmem::memfd;
 
 use crate::supervisor::{DeviceState, SupervisorError};
-
 
 /// A running domain process and the device's restart history.
 #[derive(Debug)]
@@ -195,12 +194,7 @@ impl DeviceRuntime {
                 let file_size = backing_size(main.as_raw_fd()).map_err(|e| err(format!("{}: {e}", path.display())))?;
                 let size = match &cfg.size {
                     Some(s) if s.get_ref().0 > file_size => {
-                        return Err(err(format!(
-                            "size {} exceeds the {} bytes of {}",
-                            s.get_ref().0,
-                            file_size,
-                            path.display()
-                        )))
+                        return Err(err(format!("size {} exceeds the {} bytes of {}", s.get_ref().0, file_size, path.display())))
                     }
                     Some(s) => s.get_ref().0,
                     None => file_size / 512 * 512,
@@ -237,22 +231,21 @@ impl DeviceRuntime {
             limit: *cfg.restart_limit.get_ref(),
             window: Duration::from_millis(*cfg.restart_window_ms.get_ref()),
         };
-        let launcher =
-            Launcher {
-                name: name.clone(),
-                mode,
-                queues: nqueues,
-                qcfg,
-                size,
-                backend,
-                exe: exe.to_path_buf(),
-                backend_fds,
-                policy: match cfg.sandbox {
-                    bulkhead_config::Sandbox::Required => Policy::Required,
-                    bulkhead_config::Sandbox::BestEffort => Policy::BestEffort,
-                    bulkhead_config::Sandbox::Off => Policy::Off,
-                },
-            };
+        let launcher = Launcher {
+            name: name.clone(),
+            mode,
+            queues: nqueues,
+            qcfg,
+            size,
+            backend,
+            exe: exe.to_path_buf(),
+            backend_fds,
+            policy: match cfg.sandbox {
+                bulkhead_config::Sandbox::Required => Policy::Required,
+                bulkhead_config::Sandbox::BestEffort => Policy::BestEffort,
+                bulkhead_config::Sandbox::Off => Policy::Off,
+            },
+        };
         let l = launcher.launch(1).map_err(err)?;
         Ok(DeviceRuntime {
             name: name.clone(),

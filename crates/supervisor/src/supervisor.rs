@@ -153,7 +153,12 @@ impl Supervisor {
         let inner = Arc::new(Inner::new(devices));
         let w = inner.clone();
         let watcher = std::thread::Builder::new().name("watcher".into()).spawn(move || watch(w)).expect("spawn watcher");
-        Ok(Supervisor { inner, watcher: std::sync::Mutex::new(Some(watcher)), started: Instant::now(), stopping: AtomicBool::new(false) })
+        Ok(Supervisor {
+            inner,
+            watcher: std::sync::Mutex::new(Some(watcher)),
+            started: Instant::now(),
+            stopping: AtomicBool::new(false),
+        })
     }
 
     /// The devices, for the exports.
@@ -238,7 +243,9 @@ impl Supervisor {
             match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => eprintln!("bulkhead: device {name}: final flush failed: {e}"),
-                Err(_) => eprintln!("bulkhead: device {name}: final flush did not complete within 5 s"),
+                Err(_) => {
+                    eprintln!("bulkhead: device {name}: final flush did not complete within 5 s")
+                }
             }
         }
         self.inner.shutting_down.store(true, Ordering::Release);
@@ -339,7 +346,9 @@ fn watch(inner: Arc<Inner>) {
         inner.wake.drain();
         let requests = std::mem::take(&mut *inner.requests.lock().unwrap_or_else(|e| e.into_inner()));
         for (name, reply) in requests {
-            let Some((i, rt)) = inner.devices.iter().enumerate().find(|(_, d)| d.name == name) else { continue };
+            let Some((i, rt)) = inner.devices.iter().enumerate().find(|(_, d)| d.name == name) else {
+                continue;
+            };
             {
                 let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
                 p.history.clear();

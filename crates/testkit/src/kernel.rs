@@ -26,11 +26,8 @@ pub fn missing_kernel_support() -> Option<String> {
 /// Finds an executable on PATH (plus the sbin directories).
 pub fn which(tool: &str) -> Option<PathBuf> {
     let path = std::env::var("PATH").unwrap_or_default();
-    let found = path
-        .split(':')
-        .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"])
-        .map(|d| Path::new(d).join(tool))
-        .find(|p| p.is_file());
+    let found =
+        path.split(':').chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"]).map(|d| Path::new(d).join(tool)).find(|p| p.is_file());
     found
 }
 
