@@ -10,6 +10,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use bulkhead_config::Config;
 use bulkhead_fuse_export::FuseExport;
+use bulkhead_nbd::{socket_path, NbdServer, ServerConfig};
 use bulkhead_supervisor::control::ControlServer;
 use bulkhead_supervisor::Supervisor;
 use signal_hook::consts::{SIGINT, SIGTERM};
@@ -56,7 +57,9 @@ impl Drop for RunLock {
 }
 
 fn is_mountpoint(p: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
     let want = p.to_string_lossy();
     info.lines().any(|l| l.split(' ').nth(4).is_some_and(|m| m == want))
 }
@@ -126,6 +129,26 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCod
     } else {
         None
     };
+    let nbd = if config.nbd.enabled {
+        let cfg = ServerConfig {
+            unix: Some(socket_path(&run_dir)),
+            tcp: config.nbd.tcp.as_ref().map(|t| t.get_ref().clone()),
+            max_connections: *config.nbd.max_connections.get_ref() as usize,
+            workers_per_connection: *config.nbd.workers.get_ref() as usize,
+            handshake_timeout: std::time::Duration::from_millis(*config.nbd.handshake_timeout_ms.get_ref()),
+            request_timeout: std::time::Duration::from_millis(*config.nbd.request_timeout_ms.get_ref()),
+        };
+        match NbdServer::start(sup.devices(), cfg) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                drop(fuse);
+                sup.shutdown();
+                return Err(anyhow::Error::new(e).context("NBD export"));
+            }
+        }
+    } else {
+        None
+    };
     let s = sup.clone();
     let control = ControlServer::start(
         &run_dir.join("control.sock"),
@@ -146,6 +169,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCod
     let mut control = match control {
         Ok(c) => c,
         Err(e) => {
+            drop(nbd);
             drop(fuse);
             sup.shutdown();
             return Err(e);
@@ -163,12 +187,19 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCod
             d.driver_pid
         );
     }
+    if nbd.is_some() {
+        let tcp = config.nbd.tcp.as_ref().map(|t| format!(" and TCP {}", t.get_ref())).unwrap_or_default();
+        eprintln!("bulkhead: NBD export on {}{tcp} (export name = device name)", socket_path(&run_dir).display());
+    }
     eprintln!("bulkhead: control socket {}; stop with SIGINT or SIGTERM", run_dir.join("control.sock").display());
 
     let sig = signals.forever().next().unwrap_or(SIGTERM);
     eprintln!("bulkhead: {} received; shutting down", if sig == SIGINT { "SIGINT" } else { "SIGTERM" });
-    // Stop accepting: control first, then the FUSE export (workers finish the request in hand).
+    // Stop accepting: control first, then the exports (workers finish the request in hand).
     control.stop();
+    if let Some(n) = nbd {
+        n.shutdown();
+    }
     let clean = fuse.map(FuseExport::shutdown).unwrap_or(true);
     // Flush every device and end the domains.
     sup.shutdown();

@@ -21,7 +21,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode, SharedSlice, Status, SubmitError};
+pub use bulkhead_channel::Status;
+use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode, SharedSlice, SubmitError};
 use bulkhead_doorbell::EventFd;
 
 enum Answer {
@@ -331,9 +332,7 @@ impl Device {
     /// Blocks until the generation moves past `gen`, the device fails, or `slice` passes.
     fn wait_for_generation(&self, gen: u32, slice: Duration) {
         let g = lock(&self.gens);
-        let _ = self
-            .changed
-            .wait_timeout_while(g, slice, |_| self.generation() == gen && !self.failed.load(Ordering::Acquire));
+        let _ = self.changed.wait_timeout_while(g, slice, |_| self.generation() == gen && !self.failed.load(Ordering::Acquire));
     }
 
     fn note_completion(&self) {
@@ -420,13 +419,7 @@ impl Device {
         }
     }
 
-    fn await_answer(
-        &self,
-        q: &mut FrontQueue,
-        gen: u32,
-        started: Instant,
-        on_data: &mut impl FnMut(SharedSlice<'_>),
-    ) -> Answer {
+    fn await_answer(&self, q: &mut FrontQueue, gen: u32, started: Instant, on_data: &mut impl FnMut(SharedSlice<'_>)) -> Answer {
         loop {
             let mut out = None;
             let r = q.reap(|c| {

@@ -5,6 +5,14 @@
 //! enabled = true          # export <run-dir>/fuse/<device>
 //! threads = 4             # FUSE worker threads
 //!
+//! [nbd]
+//! enabled = true          # export every device on <run-dir>/nbd.sock (export name = device)
+//! # tcp = "0.0.0.0:10809" # also on TCP
+//! max_connections = 64    # more are closed at accept
+//! workers = 4             # requests of one connection run at once
+//! handshake_timeout_ms = 10000 # negotiation must finish within this
+//! request_timeout_ms = 30000   # a request, once started, must arrive within this
+//!
 //! [[device]]
 //! name = "disk0"
 //! size = "1G"             # bytes, or with K/M/G/T suffix (powers of 1024)
@@ -378,6 +386,57 @@ impl Default for Fuse {
     }
 }
 
+/// The NBD export.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Nbd {
+    /// Serve `<run-dir>/nbd.sock`.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Also serve TCP at this address (`host:port`).
+    #[serde(default)]
+    pub tcp: Option<Spanned<String>>,
+    /// Connections served at once.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: Spanned<u32>,
+    /// Requests of one connection run at once.
+    #[serde(default = "default_nbd_workers")]
+    pub workers: Spanned<u32>,
+    /// Negotiation must finish within this, ms.
+    #[serde(default = "default_handshake_ms")]
+    pub handshake_timeout_ms: Spanned<u64>,
+    /// A request that has started to arrive must arrive whole within this, ms.
+    #[serde(default = "default_request_ms")]
+    pub request_timeout_ms: Spanned<u64>,
+}
+
+fn default_handshake_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 10_000)
+}
+fn default_request_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 30_000)
+}
+
+fn default_max_connections() -> Spanned<u32> {
+    Spanned::new(0..0, 64)
+}
+fn default_nbd_workers() -> Spanned<u32> {
+    Spanned::new(0..0, 4)
+}
+
+impl Default for Nbd {
+    fn default() -> Self {
+        Nbd {
+            enabled: true,
+            tcp: None,
+            max_connections: default_max_connections(),
+            workers: default_nbd_workers(),
+            handshake_timeout_ms: default_handshake_ms(),
+            request_timeout_ms: default_request_ms(),
+        }
+    }
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -385,6 +444,9 @@ pub struct Config {
     /// FUSE export settings.
     #[serde(default)]
     pub fuse: Fuse,
+    /// NBD export settings.
+    #[serde(default)]
+    pub nbd: Nbd,
     /// Devices.
     #[serde(default, rename = "device")]
     pub devices: Vec<Device>,
@@ -427,6 +489,26 @@ impl Config {
         if !(1..=64).contains(t.get_ref()) {
             return Err(err(t.span(), format!("key `fuse.threads`: {} is out of range 1..=64", t.get_ref())));
         }
+        let m = &self.nbd.max_connections;
+        if !(1..=4096).contains(m.get_ref()) {
+            return Err(err(m.span(), format!("key `nbd.max_connections`: {} is out of range 1..=4096", m.get_ref())));
+        }
+        let w = &self.nbd.workers;
+        if !(1..=64).contains(w.get_ref()) {
+            return Err(err(w.span(), format!("key `nbd.workers`: {} is out of range 1..=64", w.get_ref())));
+        }
+        for (key, v) in
+            [("handshake_timeout_ms", &self.nbd.handshake_timeout_ms), ("request_timeout_ms", &self.nbd.request_timeout_ms)]
+        {
+            if !(100..=3_600_000).contains(v.get_ref()) {
+                return Err(err(v.span(), format!("key `nbd.{key}`: {} is out of range 100..=3600000", v.get_ref())));
+            }
+        }
+        if let Some(t) = &self.nbd.tcp {
+            if t.get_ref().parse::<std::net::SocketAddr>().is_err() && !t.get_ref().contains(':') {
+                return Err(err(t.span(), format!("key `nbd.tcp`: `{}` is not host:port", t.get_ref())));
+            }
+        }
         let mut names = std::collections::HashSet::new();
         for d in &self.devices {
             let name = d.name.get_ref();
@@ -463,11 +545,17 @@ impl Config {
             }
             let w = &d.watchdog_ms;
             if !(10..=3_600_000).contains(w.get_ref()) {
-                return Err(err(w.span(), format!("device `{name}`: key `watchdog_ms`: {} is out of range 10..=3600000", w.get_ref())));
+                return Err(err(
+                    w.span(),
+                    format!("device `{name}`: key `watchdog_ms`: {} is out of range 10..=3600000", w.get_ref()),
+                ));
             }
             let l = &d.restart_limit;
             if !(1..=1_000_000).contains(l.get_ref()) {
-                return Err(err(l.span(), format!("device `{name}`: key `restart_limit`: {} is out of range 1..=1000000", l.get_ref())));
+                return Err(err(
+                    l.span(),
+                    format!("device `{name}`: key `restart_limit`: {} is out of range 1..=1000000", l.get_ref()),
+                ));
             }
             let rw = &d.restart_window_ms;
             if !(1..=86_400_000).contains(rw.get_ref()) {
@@ -484,7 +572,10 @@ impl Config {
             let b = &d.backend;
             if b.kind == BackendKind::File {
                 let Some(path) = &b.path else {
-                    return Err(err(d.name.span(), format!("device `{name}`: key `backend.path` is required for type = \"file\"")));
+                    return Err(err(
+                        d.name.span(),
+                        format!("device `{name}`: key `backend.path` is required for type = \"file\""),
+                    ));
                 };
                 let p = path.get_ref();
                 if !p.exists() {
@@ -526,6 +617,21 @@ mod tests {
     }
 
     #[test]
+    fn nbd_section_is_validated_with_key_and_line() {
+        let dev = "[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n";
+        let c = parse(&format!("[nbd]\ntcp = \"127.0.0.1:10809\"\nworkers = 8\n{dev}")).unwrap();
+        assert_eq!(c.nbd.tcp.as_ref().map(|t| t.get_ref().as_str()), Some("127.0.0.1:10809"));
+        assert_eq!(*c.nbd.workers.get_ref(), 8);
+        assert!(c.nbd.enabled);
+        let e = parse(&format!("[nbd]\nmax_connections = 0\n{dev}")).unwrap_err().to_string();
+        assert!(e.contains("nbd.max_connections") && e.contains("line 2"), "{e}");
+        let e = parse(&format!("[nbd]\n\ntcp = \"nowhere\"\n{dev}")).unwrap_err().to_string();
+        assert!(e.contains("nbd.tcp") && e.contains("line 3"), "{e}");
+        let e = parse(&format!("[nbd]\nport = 1\n{dev}")).unwrap_err().to_string();
+        assert!(e.contains("port"), "{e}");
+    }
+
+    #[test]
     fn embedded_default_is_one_gib_ram_adaptive_with_fuse() {
         let c = Config::embedded_default();
         assert_eq!(c.devices.len(), 1);
@@ -560,7 +666,8 @@ mod tests {
         let e = parse("[[device]]\nname = \"a\"\nsize = \"1X\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
         let m = e.to_string();
         assert!(m.contains("size") && m.contains("line 3") && m.contains("1X"), "{m}");
-        let e = parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nnotify = \"sometimes\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        let e = parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nnotify = \"sometimes\"\n[device.backend]\ntype = \"ram\"\n")
+            .unwrap_err();
         let m = e.to_string();
         assert!(m.contains("notify") && m.contains("line 4"), "{m}");
     }
@@ -574,7 +681,8 @@ mod tests {
 
     #[test]
     fn semantic_errors_name_key_and_line() {
-        let e = parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nqueue_depth = 3\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        let e =
+            parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nqueue_depth = 3\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
         assert!(e.to_string().contains("queue_depth") && e.to_string().contains("line 4"), "{e}");
         let e = parse("[[device]]\nname = \"a/b\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
         assert!(e.to_string().contains("line 2") && e.to_string().contains("a/b"), "{e}");
@@ -585,9 +693,11 @@ mod tests {
         assert!(e.to_string().contains("`size` is required"), "{e}");
         let e = parse("[[device]]\nname = \"a\"\nsize = 1000\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
         assert!(e.to_string().contains("multiple of 512"), "{e}");
-        let e = parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nwatchdog_ms = 1\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        let e =
+            parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nwatchdog_ms = 1\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
         assert!(e.to_string().contains("watchdog_ms") && e.to_string().contains("line 4"), "{e}");
-        let e = parse("[fuse]\nthreads = 0\n[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
+        let e = parse("[fuse]\nthreads = 0\n[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n")
+            .unwrap_err();
         assert!(e.to_string().contains("fuse.threads") && e.to_string().contains("line 2"), "{e}");
     }
 
@@ -602,7 +712,8 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let e = parse("[[device]]\nname = \"f\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\nengine = \"aio\"\n").unwrap_err();
+        let e = parse("[[device]]\nname = \"f\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\nengine = \"aio\"\n")
+            .unwrap_err();
         assert!(e.to_string().contains("aio") && e.to_string().contains("line 6"), "{e}");
         let e = parse("[[device]]\nname = \"r\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\ndirect = true\n").unwrap_err();
         assert!(e.to_string().contains("backend.direct") && e.to_string().contains("line 6"), "{e}");

@@ -1,0 +1,578 @@
+//! The NBD export against real clients (qemu-io, qemu-img, nbdinfo, nbdcopy, nbdfuse), and
+//! against hostile ones: one test per class of published nbdkit / qemu NBD server advisory.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use bulkhead_testkit::kernel::which;
+use common::*;
+
+const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+const REP_ACK: u32 = 1;
+const REP_INFO: u32 = 3;
+const REP_ERR_UNSUP: u32 = (1 << 31) | 1;
+const REP_ERR_INVALID: u32 = (1 << 31) | 3;
+const REP_ERR_UNKNOWN: u32 = (1 << 31) | 6;
+
+fn config(extra: &str) -> String {
+    format!(
+        "[fuse]\nenabled = false\n[nbd]\nhandshake_timeout_ms = 1500\nrequest_timeout_ms = 1500\n{extra}\n\
+         [[device]]\nname = \"d0\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n\
+         [[device]]\nname = \"d1\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n"
+    )
+}
+
+fn start(tag: &str, extra: &str) -> (TempDir, Serve) {
+    let tmp = TempDir::new(tag);
+    let run_dir = tmp.path().join("run");
+    let serve = Serve::start(&run_dir, Some(&config(extra)), &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !run_dir.join("nbd.sock").exists() {
+        assert!(Instant::now() < deadline, "no nbd.sock: {}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (tmp, serve)
+}
+
+fn uri(serve: &Serve, export: &str) -> String {
+    format!("nbd+unix:///{export}?socket={}", serve.run_dir.join("nbd.sock").display())
+}
+
+fn tools(names: &[&str]) -> bool {
+    for n in names {
+        if which(n).is_none() {
+            assert!(std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"), "{n} required but not installed");
+            eprintln!("SKIP: {n} not installed");
+            return false;
+        }
+    }
+    true
+}
+
+/// Runs a command under a time limit; its stdout, or a panic with its output.
+fn sh(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new("timeout").args(["--kill-after=5", "60", cmd]).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn qemu_io_writes_patterns_and_reads_them_back() {
+    if !tools(&["qemu-io"]) {
+        return;
+    }
+    let (_tmp, serve) = start("nbd-qemu-io", "");
+    let u = uri(&serve, "d0");
+    let cmds = [
+        "write -P 0xab 0 1M",
+        "write -P 0xcd 1048575 65537",
+        "write -P 0x44 5243657 3",
+        "aio_write -P 0x11 8M 4k",
+        "aio_write -P 0x22 9M 128k",
+        "aio_flush",
+        "write -z 16M 1M",
+        "discard 20M 64k",
+        "flush",
+        "read -P 0xab 0 1048575",
+        "read -P 0xcd 1048575 65537",
+        "read -P 0x11 8M 4k",
+        "read -P 0x22 9M 128k",
+        "read -P 0x44 5243657 3",
+        "read -P 0 16M 1M",
+        // FUA writes
+        "write -f -P 0x33 32M 64k",
+        "read -P 0x33 32M 64k",
+    ];
+    let mut args = vec!["-f", "raw"];
+    for c in &cmds {
+        args.extend(["-c", c]);
+    }
+    args.push(&u);
+    let out = sh("qemu-io", &args);
+    assert!(!out.contains("Pattern verification failed"), "{out}");
+    // Past the end: an error, not silence.
+    let out = Command::new("qemu-io").args(["-f", "raw", "-c", "read 64M 512", &u]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("Input/output error") || text.contains("Invalid argument") || text.contains("out of range"), "{text}");
+}
+
+#[test]
+fn qemu_img_converts_into_and_out_of_an_export_and_compares_equal() {
+    if !tools(&["qemu-img"]) {
+        return;
+    }
+    let (tmp, serve) = start("nbd-qemu-img", "");
+    let u = uri(&serve, "d1");
+    let src = tmp.path().join("src.img");
+    std::fs::write(&src, pattern(3, 16 << 20)).unwrap();
+    sh("qemu-img", &["convert", "-n", "-f", "raw", "-O", "raw", src.to_str().unwrap(), &u]);
+    sh("qemu-img", &["compare", "-f", "raw", "-F", "raw", src.to_str().unwrap(), &u]);
+    let out = tmp.path().join("out.qcow2");
+    sh("qemu-img", &["convert", "-f", "raw", "-O", "qcow2", &u, out.to_str().unwrap()]);
+    sh("qemu-img", &["compare", "-f", "qcow2", "-F", "raw", out.to_str().unwrap(), src.to_str().unwrap()]);
+    let info = sh("qemu-img", &["info", "--output=json", &u]);
+    assert!(info.contains("\"virtual-size\": 16777216"), "{info}");
+}
+
+#[test]
+fn nbdinfo_lists_every_device_with_its_size_flags_and_block_sizes() {
+    if !tools(&["nbdinfo"]) {
+        return;
+    }
+    let (_tmp, serve) = start("nbd-info", "");
+    let list = sh("nbdinfo", &["--list", "--json", &uri(&serve, "")]);
+    assert!(list.contains("\"export-name\": \"d0\"") && list.contains("\"export-name\": \"d1\""), "{list}");
+    let one = sh("nbdinfo", &["--json", &uri(&serve, "d0")]);
+    for want in [
+        "\"export-size\": 67108864",
+        "\"can_flush\": true",
+        "\"can_fua\": true",
+        "\"can_trim\": true",
+        "\"can_zero\": true",
+        "\"can_multi_conn\": true",
+        "\"block_size_minimum\": 1",
+        "\"block_size_preferred\": 4096",
+        "\"block_size_maximum\": 33554432",
+    ] {
+        assert!(one.contains(want), "{want} missing: {one}");
+    }
+    assert!(one.contains("structured"), "{one}");
+}
+
+#[test]
+fn nbdcopy_round_trips_over_several_connections() {
+    if !tools(&["nbdcopy"]) {
+        return;
+    }
+    let (tmp, serve) = start("nbd-copy", "");
+    let u = uri(&serve, "d0");
+    let src = tmp.path().join("src.img");
+    let data = pattern(11, 64 << 20);
+    std::fs::write(&src, &data).unwrap();
+    sh("nbdcopy", &["--connections=4", "--requests=16", src.to_str().unwrap(), &u]);
+    let back = tmp.path().join("back.img");
+    sh("nbdcopy", &["--connections=4", &u, back.to_str().unwrap()]);
+    assert!(std::fs::read(&back).unwrap() == data, "nbdcopy round trip differs");
+}
+
+#[test]
+fn nbdfuse_mounts_an_export() {
+    if !tools(&["nbdfuse", "fusermount3"]) {
+        return;
+    }
+    let (tmp, serve) = start("nbd-fuse", "");
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let child =
+        Command::new("nbdfuse").arg(&mnt).args(["--unix", serve.run_dir.join("nbd.sock").to_str().unwrap()]).spawn().unwrap();
+    let mut guard = ChildGuard(Some(child));
+    let file = mnt.join("nbd");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !file.exists() {
+        assert!(Instant::now() < deadline, "nbdfuse did not mount");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let data = pattern(21, 1 << 20);
+    let src = tmp.path().join("src");
+    std::fs::write(&src, &data).unwrap();
+    run(
+        "dd",
+        &[
+            &format!("if={}", src.display()),
+            &format!("of={}", file.display()),
+            "bs=64k",
+            "seek=3",
+            "conv=notrunc,fsync",
+            "status=none",
+        ],
+    );
+    let back = tmp.path().join("back");
+    run(
+        "dd",
+        &[&format!("if={}", file.display()), &format!("of={}", back.display()), "bs=64k", "skip=3", "count=16", "status=none"],
+    );
+    let unmounted = Command::new("fusermount3").arg("-u").arg(&mnt).status().map(|s| s.success()).unwrap_or(false);
+    if !unmounted {
+        let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+    }
+    let _ = guard.0.as_mut().map(|c| c.wait());
+    assert!(std::fs::read(&back).unwrap() == data, "nbdfuse round trip differs");
+}
+
+#[test]
+fn tcp_export_serves_when_configured() {
+    if !tools(&["nbdinfo", "qemu-io"]) {
+        return;
+    }
+    // A free port: bind to 0 and let it go.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (_tmp, serve) = start("nbd-tcp", &format!("tcp = \"127.0.0.1:{port}\""));
+    let u = format!("nbd://127.0.0.1:{port}/d1");
+    let out = sh("nbdinfo", &["--size", &u]);
+    assert_eq!(out.trim(), "16777216");
+    sh("qemu-io", &["-f", "raw", "-c", "write -P 0x5a 0 1M", "-c", "read -P 0x5a 0 1M", &u]);
+    assert!(serve.log_text().contains(&format!("TCP 127.0.0.1:{port}")), "{}", serve.log_text());
+}
+
+// ---- hostile clients ------------------------------------------------------------------------
+
+/// A hand-rolled client that can send anything.
+struct Raw(UnixStream);
+
+impl Raw {
+    fn connect(serve: &Serve) -> Raw {
+        let s = UnixStream::connect(serve.run_dir.join("nbd.sock")).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Raw(s)
+    }
+
+    /// Reads the greeting and sends the client flags.
+    fn hello(serve: &Serve) -> Raw {
+        let mut r = Raw::connect(serve);
+        assert_eq!(r.u64(), NBDMAGIC);
+        assert_eq!(r.u64(), IHAVEOPT);
+        let flags = r.u16();
+        assert_eq!(flags & 3, 3, "fixed newstyle, no zeroes");
+        r.send(&3u32.to_be_bytes());
+        r
+    }
+
+    fn send(&mut self, b: &[u8]) {
+        self.0.write_all(b).unwrap();
+    }
+
+    fn exact(&mut self, n: usize) -> Vec<u8> {
+        let mut b = vec![0u8; n];
+        self.0.read_exact(&mut b).unwrap();
+        b
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from_be_bytes(self.exact(2).try_into().unwrap())
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from_be_bytes(self.exact(4).try_into().unwrap())
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from_be_bytes(self.exact(8).try_into().unwrap())
+    }
+
+    fn option(&mut self, opt: u32, data: &[u8]) {
+        let mut b = IHAVEOPT.to_be_bytes().to_vec();
+        b.extend_from_slice(&opt.to_be_bytes());
+        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        b.extend_from_slice(data);
+        self.send(&b);
+    }
+
+    /// One option reply: (type, data).
+    fn reply(&mut self, opt: u32) -> (u32, Vec<u8>) {
+        assert_eq!(self.u64(), OPT_REPLY_MAGIC);
+        assert_eq!(self.u32(), opt);
+        let typ = self.u32();
+        let len = self.u32() as usize;
+        (typ, self.exact(len))
+    }
+
+    /// Whether the server closed the connection (EOF or reset) within the read timeout.
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.0.read(&mut b), Ok(0) | Err(_))
+    }
+
+    /// NBD_OPT_GO on `name`; the transmission flags.
+    fn go(&mut self, name: &str) -> u16 {
+        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(name.as_bytes());
+        d.extend_from_slice(&0u16.to_be_bytes());
+        self.option(7, &d);
+        let mut flags = 0;
+        loop {
+            let (t, data) = self.reply(7);
+            match t {
+                REP_INFO if u16::from_be_bytes([data[0], data[1]]) == 0 => flags = u16::from_be_bytes([data[10], data[11]]),
+                REP_INFO => {}
+                REP_ACK => return flags,
+                other => panic!("GO failed: {other:#x}"),
+            }
+        }
+    }
+
+    fn request(&mut self, typ: u16, flags: u16, cookie: u64, offset: u64, len: u32) {
+        let mut b = 0x2560_9513u32.to_be_bytes().to_vec();
+        b.extend_from_slice(&flags.to_be_bytes());
+        b.extend_from_slice(&typ.to_be_bytes());
+        b.extend_from_slice(&cookie.to_be_bytes());
+        b.extend_from_slice(&offset.to_be_bytes());
+        b.extend_from_slice(&len.to_be_bytes());
+        self.send(&b);
+    }
+
+    /// A simple reply: (error, cookie).
+    fn simple(&mut self) -> (u32, u64) {
+        assert_eq!(self.u32(), 0x6744_6698);
+        (self.u32(), self.u64())
+    }
+}
+
+/// A well-behaved client still works: the server was not disturbed.
+fn still_serves(serve: &Serve) {
+    let mut c = Raw::hello(serve);
+    c.go("d1");
+    c.request(1, 0, 42, 4096, 512);
+    c.send(&[0x77; 512]);
+    assert_eq!(c.simple(), (0, 42));
+    c.request(0, 0, 43, 4096, 512);
+    assert_eq!(c.simple(), (0, 43));
+    assert_eq!(c.exact(512), vec![0x77; 512]);
+    c.request(2, 0, 44, 0, 0);
+}
+
+#[test]
+fn bad_magic_unknown_flags_and_unknown_options_get_the_protocol_answer() {
+    let (_tmp, serve) = start("nbd-bad", "");
+    // Bad option magic: closed.
+    let mut c = Raw::hello(&serve);
+    c.send(&[0u8; 16]);
+    assert!(c.closed());
+    // Unknown client flags: closed.
+    let mut c = Raw::connect(&serve);
+    c.exact(18);
+    c.send(&0x8000_0003u32.to_be_bytes());
+    assert!(c.closed());
+    // Unknown option: ERR_UNSUP, and negotiation goes on.
+    let mut c = Raw::hello(&serve);
+    c.option(0x7777, b"whatever");
+    assert_eq!(c.reply(0x7777).0, REP_ERR_UNSUP);
+    // Unknown export: ERR_UNKNOWN, and negotiation goes on.
+    let mut d = 7u32.to_be_bytes().to_vec();
+    d.extend_from_slice(b"missing");
+    d.extend_from_slice(&0u16.to_be_bytes());
+    c.option(6, &d);
+    assert_eq!(c.reply(6).0, REP_ERR_UNKNOWN);
+    // LIST with a payload is invalid; without, it lists both devices.
+    c.option(3, b"x");
+    assert_eq!(c.reply(3).0, REP_ERR_INVALID);
+    c.option(3, &[]);
+    let mut names = Vec::new();
+    loop {
+        let (t, data) = c.reply(3);
+        if t == REP_ACK {
+            break;
+        }
+        names.push(String::from_utf8(data[4..].to_vec()).unwrap());
+    }
+    assert_eq!(names, ["d0", "d1"]);
+    // Unknown command, and flags that do not belong: EINVAL, connection kept.
+    let flags = c.go("d0");
+    assert_eq!(flags & 1, 1);
+    c.request(0x99, 0, 1, 0, 512);
+    assert_eq!(c.simple(), (22, 1));
+    c.request(0, 1, 2, 0, 512); // FUA on a read
+    assert_eq!(c.simple(), (22, 2));
+    c.request(3, 0, 3, 0, 0); // flush
+    assert_eq!(c.simple(), (0, 3));
+    still_serves(&serve);
+}
+
+/// qemu CVE-2017-15119 class: an option length of gigabytes must not be read or allocated.
+#[test]
+fn advisory_class_huge_option_length_closes_without_allocating() {
+    let (_tmp, serve) = start("nbd-bigopt", "");
+    let mut c = Raw::hello(&serve);
+    let mut b = IHAVEOPT.to_be_bytes().to_vec();
+    b.extend_from_slice(&7u32.to_be_bytes());
+    b.extend_from_slice(&u32::MAX.to_be_bytes());
+    c.send(&b);
+    assert!(c.closed());
+    assert!(serve.log_text().contains("bytes (limit"), "{}", serve.log_text());
+    still_serves(&serve);
+}
+
+/// qemu CVE-2017-15118 class: an over-long export name in NBD_OPT_INFO/GO.
+#[test]
+fn advisory_class_over_long_export_name_is_invalid() {
+    let (_tmp, serve) = start("nbd-longname", "");
+    let mut c = Raw::hello(&serve);
+    let name = vec![b'a'; 8000];
+    let mut d = (name.len() as u32).to_be_bytes().to_vec();
+    d.extend_from_slice(&name);
+    d.extend_from_slice(&0u16.to_be_bytes());
+    c.option(7, &d);
+    assert_eq!(c.reply(7).0, REP_ERR_INVALID);
+    // A name length that lies about the payload.
+    let mut d = 100u32.to_be_bytes().to_vec();
+    d.extend_from_slice(b"d0");
+    c.option(6, &d);
+    assert_eq!(c.reply(6).0, REP_ERR_INVALID);
+    // EXPORT_NAME too long: no error reply exists for it, so the connection closes.
+    c.option(1, &vec![b'b'; 5000]);
+    assert!(c.closed());
+    still_serves(&serve);
+}
+
+/// nbdkit CVE-2019-14851 class: transmission commands sent while still negotiating (after
+/// NBD_OPT_INFO, before NBD_OPT_GO) must not be taken as commands.
+#[test]
+fn advisory_class_commands_before_go_close_the_connection() {
+    let (_tmp, serve) = start("nbd-order", "");
+    let answered = || serve.status_json()["devices"][0]["completed"].as_u64().unwrap_or(0);
+    let before = answered();
+    let mut c = Raw::hello(&serve);
+    let mut d = 2u32.to_be_bytes().to_vec();
+    d.extend_from_slice(b"d0");
+    d.extend_from_slice(&0u16.to_be_bytes());
+    c.option(6, &d);
+    loop {
+        if c.reply(6).0 == REP_ACK {
+            break;
+        }
+    }
+    c.request(1, 0, 9, 0, 4);
+    c.send(b"evil");
+    assert!(c.closed());
+    assert_eq!(answered(), before, "a command ran before GO");
+    still_serves(&serve);
+}
+
+/// nbdkit CVE-2021-3716 class: state negotiated in plaintext must not change behind the
+/// client's back. Here STARTTLS is refused (no TLS) and changes nothing; a second
+/// STRUCTURED_REPLY is refused; replies follow exactly what was agreed.
+#[test]
+fn advisory_class_refused_options_change_no_state() {
+    let (_tmp, serve) = start("nbd-tls", "");
+    let mut c = Raw::hello(&serve);
+    c.option(5, &[]);
+    assert_eq!(c.reply(5).0, REP_ERR_UNSUP);
+    // No structured replies were agreed: the export does not offer DF and replies are simple.
+    let flags = c.go("d1");
+    assert_eq!(flags & (1 << 7), 0, "DF without structured replies");
+    c.request(0, 0, 5, 0, 16);
+    assert_eq!(c.simple(), (0, 5));
+    c.exact(16);
+
+    let mut c = Raw::hello(&serve);
+    c.option(8, &[]);
+    assert_eq!(c.reply(8).0, REP_ACK);
+    c.option(8, &[]);
+    assert_eq!(c.reply(8).0, REP_ERR_INVALID, "structured replies agreed twice");
+    c.option(5, &[]);
+    assert_eq!(c.reply(5).0, REP_ERR_UNSUP);
+    let flags = c.go("d1");
+    assert_ne!(flags & (1 << 7), 0, "DF with structured replies");
+    c.request(0, 0, 6, 0, 16);
+    // A structured chunk: magic, DONE flag, OFFSET_DATA, cookie, length 8 + 16.
+    assert_eq!(c.u32(), 0x668e_33ef);
+    assert_eq!(c.u16(), 1);
+    assert_eq!(c.u16(), 1);
+    assert_eq!(c.u64(), 6);
+    assert_eq!(c.u32(), 24);
+    assert_eq!(c.u64(), 0);
+    c.exact(16);
+}
+
+/// nbdkit CVE-2019-14850 class: clients that never finish negotiating must cost no device
+/// work, are cut off at the handshake deadline (also when they trickle bytes), and do not
+/// keep others out.
+#[test]
+fn advisory_class_stalled_negotiations_cost_nothing_and_time_out() {
+    let (_tmp, serve) = start("nbd-stall", "");
+    let t0 = Instant::now();
+    let mut idle: Vec<Raw> = (0..8).map(|_| Raw::hello(&serve)).collect();
+    let mut trickler = Raw::hello(&serve);
+    // Half an option header now, a byte every 400 ms later.
+    trickler.send(&IHAVEOPT.to_be_bytes()[..4]);
+    still_serves(&serve);
+    let mut trickle_closed = false;
+    for b in IHAVEOPT.to_be_bytes()[4..].iter().chain([0u8; 8].iter()) {
+        std::thread::sleep(Duration::from_millis(400));
+        if trickler.0.write_all(&[*b]).is_err() {
+            trickle_closed = true;
+            break;
+        }
+    }
+    for c in &mut idle {
+        assert!(c.closed(), "a stalled negotiation was not cut off");
+    }
+    assert!(trickle_closed || trickler.closed(), "a trickling client was not cut off");
+    // handshake_timeout_ms = 1500: cut off within the deadline plus one timeout.
+    assert!(t0.elapsed() < Duration::from_secs(8), "took {:?}", t0.elapsed());
+    assert!(serve.log_text().contains("negotiation did not finish in time"), "{}", serve.log_text());
+}
+
+/// Requests past the end, with offset + length overflowing, or longer than the maximum block
+/// size: errors, not crashes; a write too large to skip closes the connection.
+#[test]
+fn advisory_class_out_of_range_and_oversized_requests() {
+    let (_tmp, serve) = start("nbd-range", "");
+    let mut c = Raw::hello(&serve);
+    c.go("d1");
+    let size = 16u64 << 20;
+    c.request(0, 0, 1, size - 256, 512);
+    assert_eq!(c.simple(), (22, 1), "read past the end");
+    c.request(1, 0, 2, size - 256, 512);
+    c.send(&[1u8; 512]);
+    assert_eq!(c.simple(), (28, 2), "write past the end: ENOSPC, payload consumed");
+    c.request(0, 0, 3, u64::MAX - 100, 4096);
+    assert_eq!(c.simple(), (22, 3), "offset + length overflows");
+    c.request(4, 0, 4, u64::MAX - 100, 4096);
+    assert_eq!(c.simple(), (22, 4), "trim overflows");
+    c.request(0, 0, 5, 0, 64 << 20);
+    assert_eq!(c.simple(), (75, 5), "read beyond the maximum block size");
+    // Still in step after all that:
+    c.request(0, 0, 6, 0, 8);
+    assert_eq!(c.simple(), (0, 6));
+    c.exact(8);
+    // A 4 GiB write cannot be skipped: error, then closed.
+    c.request(1, 0, 7, 0, u32::MAX);
+    assert_eq!(c.simple(), (75, 7));
+    assert!(c.closed());
+    still_serves(&serve);
+}
+
+/// A client that starts a request and stalls mid-way is cut off; an idle one is not.
+#[test]
+fn slow_request_is_cut_off_but_idle_connection_stays() {
+    let (_tmp, serve) = start("nbd-slow", "");
+    let mut idle = Raw::hello(&serve);
+    idle.go("d0");
+    let mut slow = Raw::hello(&serve);
+    slow.go("d0");
+    // A write header and half its payload, then nothing.
+    slow.request(1, 0, 1, 0, 4096);
+    slow.send(&[0u8; 2048]);
+    std::thread::sleep(Duration::from_millis(3500));
+    assert!(slow.closed(), "stalled request not cut off");
+    // The idle connection (3.5 s > request_timeout_ms) still works.
+    idle.request(0, 0, 9, 0, 512);
+    assert_eq!(idle.simple(), (0, 9));
+    idle.exact(512);
+}
+
+/// qemu CVE-2024-7409 class: shutting down with clients stuck in negotiation must neither hang
+/// nor crash; connections beyond the limit are refused at accept without disturbing others.
+#[test]
+fn advisory_class_shutdown_with_clients_mid_negotiation_and_connection_limit() {
+    let (_tmp, mut serve) = start("nbd-shutdown", "max_connections = 4");
+    let stuck: Vec<Raw> = (0..4).map(|_| Raw::hello(&serve)).collect();
+    // A fifth is over the limit: closed at accept.
+    let mut extra = Raw::connect(&serve);
+    assert!(extra.closed());
+    let t0 = Instant::now();
+    let st = serve.stop();
+    assert!(st.success(), "serve: {st}\n{}", serve.log_text());
+    assert!(t0.elapsed() < Duration::from_secs(5), "shutdown took {:?}", t0.elapsed());
+    assert!(!Path::new(&serve.run_dir.join("nbd.sock")).exists(), "socket left behind");
+    drop(stuck);
+}

@@ -1,0 +1,824 @@
+//! The NBD server: every device of `serve` as an export named after it, on a unix socket and,
+//! when configured, TCP.
+//!
+//! One thread accepts on each listener. Each connection gets a reader thread (negotiation,
+//! then requests) and a few workers that run requests on the device concurrently and write
+//! replies under a lock, so a client's pipelined requests use the device's queues. Clients are
+//! untrusted: negotiation has a deadline and bounded option sizes, requests are checked before
+//! anything is allocated for them, payload memory is bounded across all connections, and a
+//! client that breaks the protocol loses its connection and nothing else.
+
+use std::collections::HashMap;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bulkhead_client::{Device, IoError};
+
+use crate::proto::*;
+
+/// Largest read or write payload, and the maximum block size advertised.
+pub const MAX_PAYLOAD: u32 = 32 << 20;
+/// Largest option payload accepted in negotiation (an export name is at most 4096 bytes).
+pub const MAX_OPTION: u32 = 16 << 10;
+/// Longest name or query string in an option.
+const MAX_STRING: u32 = 4096;
+/// Options one connection may send before it must pick an export.
+const MAX_OPTIONS: u32 = 64;
+/// Payload bytes held in memory by all connections together.
+const PAYLOAD_BUDGET: u64 = 64 << 20;
+
+/// Where and how to serve.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Unix socket path (removed and re-created).
+    pub unix: Option<PathBuf>,
+    /// TCP address, e.g. `127.0.0.1:10809`.
+    pub tcp: Option<String>,
+    /// Connections served at once; more are closed at accept.
+    pub max_connections: usize,
+    /// Requests of one connection run at once.
+    pub workers_per_connection: usize,
+    /// Negotiation must finish within this.
+    pub handshake_timeout: Duration,
+    /// Once a request has started to arrive, the rest of it must arrive within this.
+    pub request_timeout: Duration,
+}
+
+/// Counters of the server.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    /// Connections accepted.
+    pub accepted: AtomicU64,
+    /// Connections refused (over the limit).
+    pub refused: AtomicU64,
+    /// Connections closed for breaking the protocol or missing a deadline.
+    pub dropped: AtomicU64,
+    /// Requests answered.
+    pub requests: AtomicU64,
+}
+
+/// A byte budget shared by every connection.
+#[derive(Debug)]
+struct Budget {
+    free: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl Budget {
+    fn take(&self, n: u64) -> BudgetGuard<'_> {
+        let mut free = lock(&self.free);
+        while *free < n {
+            free = self.cv.wait(free).unwrap_or_else(|e| e.into_inner());
+        }
+        *free -= n;
+        BudgetGuard { budget: self, n }
+    }
+}
+
+struct BudgetGuard<'a> {
+    budget: &'a Budget,
+    n: u64,
+}
+
+impl Drop for BudgetGuard<'_> {
+    fn drop(&mut self) {
+        *lock(&self.budget.free) += self.n;
+        self.budget.cv.notify_all();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Shared {
+    devices: Vec<Arc<Device>>,
+    cfg: ServerConfig,
+    stop: AtomicBool,
+    /// Live connections' sockets (to shut them down on stop).
+    conns: Mutex<HashMap<u64, Arc<OwnedFd>>>,
+    next_id: AtomicU64,
+    active: AtomicUsize,
+    budget: Budget,
+    stats: ServerStats,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// A running NBD server.
+pub struct NbdServer {
+    shared: Arc<Shared>,
+    listeners: Vec<(Arc<OwnedFd>, JoinHandle<()>)>,
+    unix_path: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for NbdServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NbdServer").field("unix", &self.unix_path).field("tcp", &self.shared.cfg.tcp).finish()
+    }
+}
+
+fn set_timeout(fd: RawFd, opt: libc::c_int, d: Option<Duration>) {
+    let tv = match d {
+        Some(d) => libc::timeval { tv_sec: d.as_secs() as libc::time_t, tv_usec: d.subsec_micros() as libc::suseconds_t },
+        None => libc::timeval { tv_sec: 0, tv_usec: 0 },
+    };
+    // SAFETY: setsockopt with a valid timeval on a socket we hold.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            opt,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
+    }
+}
+
+fn shutdown_fd(fd: RawFd) {
+    // SAFETY: shutdown on a socket we hold; wakes any thread blocked on it.
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+}
+
+impl NbdServer {
+    /// Binds the configured listeners and starts accepting.
+    pub fn start(devices: Vec<Arc<Device>>, cfg: ServerConfig) -> io::Result<NbdServer> {
+        let shared = Arc::new(Shared {
+            devices,
+            cfg: cfg.clone(),
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
+            active: AtomicUsize::new(0),
+            budget: Budget { free: Mutex::new(PAYLOAD_BUDGET), cv: Condvar::new() },
+            stats: ServerStats::default(),
+            threads: Mutex::new(Vec::new()),
+        });
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        if let Some(p) = &cfg.unix {
+            let _ = std::fs::remove_file(p);
+            let l = UnixListener::bind(p).map_err(|e| io::Error::new(e.kind(), format!("cannot bind {}: {e}", p.display())))?;
+            fds.push(l.into());
+        }
+        if let Some(addr) = &cfg.tcp {
+            let l = std::net::TcpListener::bind(addr)
+                .map_err(|e| io::Error::new(e.kind(), format!("cannot bind TCP {addr}: {e}")))?;
+            fds.push(l.into());
+        }
+        let mut listeners = Vec::new();
+        for fd in fds {
+            let fd = Arc::new(fd);
+            let (s, f) = (shared.clone(), fd.clone());
+            let t = std::thread::Builder::new().name("nbd-accept".into()).spawn(move || accept_loop(s, f))?;
+            listeners.push((fd, t));
+        }
+        Ok(NbdServer { shared, listeners, unix_path: cfg.unix })
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &ServerStats {
+        &self.shared.stats
+    }
+
+    /// Connections open now.
+    pub fn active(&self) -> usize {
+        self.shared.active.load(Ordering::Acquire)
+    }
+
+    /// Stops accepting, ends every connection (requests in hand finish first) and removes the
+    /// unix socket.
+    pub fn shutdown(mut self) {
+        self.stop_all();
+    }
+
+    fn stop_all(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        for (fd, _) in &self.listeners {
+            shutdown_fd(fd.as_raw_fd());
+        }
+        for (_, t) in self.listeners.drain(..) {
+            let _ = t.join();
+        }
+        for fd in lock(&self.shared.conns).values() {
+            shutdown_fd(fd.as_raw_fd());
+        }
+        let threads = std::mem::take(&mut *lock(&self.shared.threads));
+        for t in threads {
+            let _ = t.join();
+        }
+        if let Some(p) = self.unix_path.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+impl Drop for NbdServer {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+fn accept_loop(shared: Arc<Shared>, listener: Arc<OwnedFd>) {
+    loop {
+        // SAFETY: accept4 on our listening socket; the peer address is not wanted.
+        let fd = unsafe { libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
+        if shared.stop.load(Ordering::Acquire) {
+            if fd >= 0 {
+                // SAFETY: closing the descriptor accept4 just returned.
+                unsafe { libc::close(fd) };
+            }
+            return;
+        }
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
+                Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS) | Some(libc::ENOMEM) => {
+                    // Out of descriptors or memory: wait a little instead of spinning.
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+                _ => return,
+            }
+        }
+        // SAFETY: a fresh descriptor from accept4, owned from here on.
+        let sock: OwnedFd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) };
+        if shared.active.load(Ordering::Acquire) >= shared.cfg.max_connections {
+            shared.stats.refused.fetch_add(1, Ordering::Relaxed);
+            continue; // dropped: closed at once
+        }
+        let one: libc::c_int = 1;
+        // SAFETY: TCP_NODELAY on a socket we own; harmless failure on unix sockets.
+        unsafe {
+            libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, (&one as *const libc::c_int).cast(), 4);
+        }
+        shared.stats.accepted.fetch_add(1, Ordering::Relaxed);
+        shared.active.fetch_add(1, Ordering::AcqRel);
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let sock = Arc::new(sock);
+        lock(&shared.conns).insert(id, sock.clone());
+        let s = shared.clone();
+        let t = std::thread::Builder::new().name("nbd-conn".into()).spawn(move || {
+            let sh = s.clone();
+            let r = serve_connection(&s, id, sock);
+            if let Err(e) = r {
+                if !sh.stop.load(Ordering::Acquire) {
+                    sh.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                    eprintln!("bulkhead: nbd client {id}: {e}; connection closed");
+                }
+            }
+            lock(&sh.conns).remove(&id);
+            sh.active.fetch_sub(1, Ordering::AcqRel);
+        });
+        match t {
+            Ok(t) => {
+                let mut threads = lock(&shared.threads);
+                threads.retain(|t| !t.is_finished());
+                threads.push(t);
+            }
+            Err(_) => {
+                lock(&shared.conns).remove(&id);
+                shared.active.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+/// A protocol error that ends the connection.
+fn violation(msg: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+/// What negotiation settled on.
+struct Negotiated {
+    device: Arc<Device>,
+    structured: bool,
+}
+
+/// The socket's read side with a deadline: a read after the deadline fails. With the socket's
+/// receive timeout as well, a client that trickles bytes is cut off within the deadline plus
+/// one timeout, however it spaces them.
+struct DeadlineReader {
+    file: std::fs::File,
+    deadline: Option<std::time::Instant>,
+}
+
+impl Read for DeadlineReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.deadline.is_some_and(|d| std::time::Instant::now() > d) {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        self.file.read(buf)
+    }
+}
+
+type SockReader = BufReader<DeadlineReader>;
+
+fn sock_file(fd: &Arc<OwnedFd>) -> io::Result<std::fs::File> {
+    Ok(std::fs::File::from(fd.try_clone()?))
+}
+
+fn serve_connection(shared: &Arc<Shared>, id: u64, sock: Arc<OwnedFd>) -> io::Result<()> {
+    let raw = sock.as_raw_fd();
+    let cfg = &shared.cfg;
+    set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.handshake_timeout));
+    set_timeout(raw, libc::SO_SNDTIMEO, Some(cfg.request_timeout));
+    let deadline = std::time::Instant::now() + cfg.handshake_timeout;
+    let mut reader = BufReader::with_capacity(64 << 10, DeadlineReader { file: sock_file(&sock)?, deadline: Some(deadline) });
+    let mut writer = sock_file(&sock)?;
+    let neg = match negotiate(shared, &mut reader, &mut writer).map_err(|e| timeout_says(e, "negotiation"))? {
+        Some(n) => n,
+        None => return Ok(()),
+    };
+    set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.request_timeout));
+    transmit(shared, id, raw, reader, writer, neg)
+}
+
+fn timeout_says(e: io::Error, phase: &str) -> io::Error {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            io::Error::new(io::ErrorKind::TimedOut, format!("{phase} did not finish in time"))
+        }
+        _ => e,
+    }
+}
+
+fn read_u32(r: &mut impl Read) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_be_bytes(b))
+}
+
+fn read_u64(r: &mut impl Read) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_be_bytes(b))
+}
+
+fn find_device(shared: &Shared, name: &[u8]) -> Option<Arc<Device>> {
+    if name.is_empty() {
+        // The default export: the first device.
+        return shared.devices.first().cloned();
+    }
+    shared.devices.iter().find(|d| d.name().as_bytes() == name).cloned()
+}
+
+fn transmission_flags(structured: bool) -> u16 {
+    let mut f =
+        TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES | TFLAG_CAN_MULTI_CONN;
+    if structured {
+        f |= TFLAG_SEND_DF;
+    }
+    f
+}
+
+/// Parses the payload of NBD_OPT_INFO / NBD_OPT_GO: name, then the information requested.
+fn parse_info_request(data: &[u8]) -> Option<(&[u8], Vec<u16>)> {
+    if data.len() < 6 {
+        return None;
+    }
+    let nlen = be32(data) as usize;
+    if nlen > MAX_STRING as usize || data.len() < 4 + nlen + 2 {
+        return None;
+    }
+    let name = &data[4..4 + nlen];
+    let n = be16(&data[4 + nlen..]) as usize;
+    let rest = &data[4 + nlen + 2..];
+    if rest.len() != 2 * n {
+        return None;
+    }
+    Some((name, rest.chunks(2).map(be16).collect()))
+}
+
+/// Checks the payload of NBD_OPT_LIST_META_CONTEXT / SET_META_CONTEXT.
+fn meta_request_valid(data: &[u8]) -> bool {
+    if data.len() < 8 {
+        return false;
+    }
+    let nlen = be32(data) as usize;
+    if nlen > MAX_STRING as usize || data.len() < 4 + nlen + 4 {
+        return false;
+    }
+    let n = be32(&data[4 + nlen..]) as usize;
+    let mut rest = &data[4 + nlen + 4..];
+    for _ in 0..n {
+        if rest.len() < 4 {
+            return false;
+        }
+        let qlen = be32(rest) as usize;
+        if qlen > MAX_STRING as usize || rest.len() < 4 + qlen {
+            return false;
+        }
+        rest = &rest[4 + qlen..];
+    }
+    rest.is_empty()
+}
+
+/// Fixed newstyle negotiation. `None`: the client aborted cleanly.
+fn negotiate(shared: &Shared, r: &mut SockReader, w: &mut std::fs::File) -> io::Result<Option<Negotiated>> {
+    let mut hello = Vec::with_capacity(18);
+    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    w.write_all(&hello)?;
+    let cflags = read_u32(r)?;
+    if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(violation(format!("unknown client flags {cflags:#x}")));
+    }
+    if cflags & FLAG_C_FIXED_NEWSTYLE == 0 {
+        return Err(violation("client does not speak fixed newstyle"));
+    }
+    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+    let mut structured = false;
+    for _ in 0..MAX_OPTIONS {
+        let magic = read_u64(r)?;
+        if magic != IHAVEOPT {
+            return Err(violation(format!("bad option magic {magic:#x}")));
+        }
+        let opt = read_u32(r)?;
+        let len = read_u32(r)?;
+        if len > MAX_OPTION {
+            // Reading it to stay in step would let a client make us read up to 4 GiB.
+            return Err(violation(format!("option {opt} of {len} bytes (limit {MAX_OPTION})")));
+        }
+        let mut data = vec![0u8; len as usize];
+        r.read_exact(&mut data)?;
+        let reply = |w: &mut std::fs::File, typ: u32, payload: &[u8]| w.write_all(&option_reply(opt, typ, payload));
+        match opt {
+            OPT_EXPORT_NAME => {
+                if data.len() > MAX_STRING as usize {
+                    return Err(violation("export name too long"));
+                }
+                // No error reply exists for this option: an unknown name closes the connection.
+                let device = find_device(shared, &data).ok_or_else(|| violation("unknown export name"))?;
+                let mut v = Vec::with_capacity(10 + 124);
+                v.extend_from_slice(&device.size().to_be_bytes());
+                v.extend_from_slice(&transmission_flags(structured).to_be_bytes());
+                if !no_zeroes {
+                    v.extend_from_slice(&[0u8; 124]);
+                }
+                w.write_all(&v)?;
+                return Ok(Some(Negotiated { device, structured }));
+            }
+            OPT_ABORT => {
+                let _ = reply(w, REP_ACK, &[]);
+                return Ok(None);
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    reply(w, REP_ERR_INVALID, &[])?;
+                    continue;
+                }
+                for d in &shared.devices {
+                    let mut p = (d.name().len() as u32).to_be_bytes().to_vec();
+                    p.extend_from_slice(d.name().as_bytes());
+                    reply(w, REP_SERVER, &p)?;
+                }
+                reply(w, REP_ACK, &[])?;
+            }
+            OPT_INFO | OPT_GO => {
+                let Some((name, infos)) = parse_info_request(&data) else {
+                    reply(w, REP_ERR_INVALID, &[])?;
+                    continue;
+                };
+                let Some(device) = find_device(shared, name) else {
+                    reply(w, REP_ERR_UNKNOWN, b"no such export")?;
+                    continue;
+                };
+                let mut export = INFO_EXPORT.to_be_bytes().to_vec();
+                export.extend_from_slice(&device.size().to_be_bytes());
+                export.extend_from_slice(&transmission_flags(structured).to_be_bytes());
+                reply(w, REP_INFO, &export)?;
+                for i in infos {
+                    let mut p = i.to_be_bytes().to_vec();
+                    match i {
+                        INFO_NAME => p.extend_from_slice(device.name().as_bytes()),
+                        INFO_DESCRIPTION => p.extend_from_slice(b"bulkhead device"),
+                        INFO_BLOCK_SIZE => {
+                            p.extend_from_slice(&1u32.to_be_bytes());
+                            p.extend_from_slice(&4096u32.to_be_bytes());
+                            p.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
+                        }
+                        _ => continue, // unknown information: ignored, as the protocol asks
+                    }
+                    reply(w, REP_INFO, &p)?;
+                }
+                reply(w, REP_ACK, &[])?;
+                if opt == OPT_GO {
+                    return Ok(Some(Negotiated { device, structured }));
+                }
+            }
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() || structured {
+                    reply(w, REP_ERR_INVALID, &[])?;
+                    continue;
+                }
+                structured = true;
+                reply(w, REP_ACK, &[])?;
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                // No metadata context is offered; the reply lists none.
+                if !structured || !meta_request_valid(&data) {
+                    reply(w, REP_ERR_INVALID, &[])?;
+                    continue;
+                }
+                reply(w, REP_ACK, &[])?;
+            }
+            // No TLS, no extended headers, nothing else: refused without changing any state.
+            _ => reply(w, REP_ERR_UNSUP, &[])?,
+        }
+    }
+    Err(violation(format!("more than {MAX_OPTIONS} options without choosing an export")))
+}
+
+/// One request handed to a worker.
+struct Job {
+    req: Request,
+    payload: Option<(Vec<u8>, u64)>,
+}
+
+/// Writes replies; shared by the workers of one connection.
+struct Replier {
+    w: Mutex<std::fs::File>,
+    structured: bool,
+    broken: AtomicBool,
+}
+
+impl Replier {
+    fn send(&self, bufs: &[&[u8]]) {
+        let mut w = lock(&self.w);
+        for b in bufs {
+            if w.write_all(b).is_err() {
+                self.broken.store(true, Ordering::Release);
+                return;
+            }
+        }
+    }
+
+    /// A reply without data: success or an error.
+    fn done(&self, cookie: u64, error: u32) {
+        if !self.structured {
+            self.send(&[&simple_reply(error, cookie)]);
+        } else if error == 0 {
+            self.send(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0)]);
+        } else {
+            let mut p = error.to_be_bytes().to_vec();
+            p.extend_from_slice(&0u16.to_be_bytes());
+            self.send(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, p.len() as u32), &p]);
+        }
+    }
+}
+
+fn io_error(e: &IoError) -> u32 {
+    error_of_errno(e.errno())
+}
+
+/// Checks a request before anything is allocated for it; the protocol error if it is bad.
+fn check(req: &Request, size: u64, structured: bool) -> Result<(), u32> {
+    let allowed = match req.typ {
+        CMD_READ => {
+            if structured {
+                CMD_FLAG_DF
+            } else {
+                0
+            }
+        }
+        CMD_WRITE | CMD_TRIM => CMD_FLAG_FUA,
+        CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
+        CMD_FLUSH => 0,
+        _ => return Err(EINVAL),
+    };
+    if req.flags & !allowed != 0 {
+        return Err(EINVAL);
+    }
+    if matches!(req.typ, CMD_READ | CMD_WRITE) && req.len > MAX_PAYLOAD {
+        return Err(EOVERFLOW);
+    }
+    if req.typ == CMD_FLUSH {
+        return if req.offset == 0 && req.len == 0 { Ok(()) } else { Err(EINVAL) };
+    }
+    match req.offset.checked_add(req.len as u64) {
+        Some(end) if end <= size => Ok(()),
+        // Writing past the end is "no space"; anything else past the end is invalid.
+        _ if matches!(req.typ, CMD_WRITE | CMD_WRITE_ZEROES) => Err(ENOSPC),
+        _ => Err(EINVAL),
+    }
+}
+
+fn transmit(shared: &Arc<Shared>, id: u64, raw: RawFd, mut r: SockReader, w: std::fs::File, neg: Negotiated) -> io::Result<()> {
+    let replier = Arc::new(Replier { w: Mutex::new(w), structured: neg.structured, broken: AtomicBool::new(false) });
+    let nworkers = shared.cfg.workers_per_connection.max(1);
+    let (tx, rx) = sync_channel::<Job>(nworkers * 2);
+    let rx = Arc::new(Mutex::new(rx));
+    let mut workers = Vec::with_capacity(nworkers);
+    for i in 0..nworkers {
+        let (s, rp, rx, dev) = (shared.clone(), replier.clone(), rx.clone(), neg.device.clone());
+        // Spread connections and their workers over the device's queues.
+        let slot = (id as usize).wrapping_mul(nworkers).wrapping_add(i);
+        workers.push(std::thread::Builder::new().name("nbd-worker".into()).spawn(move || work(&s, &dev, slot, &rp, &rx))?);
+    }
+    let size = neg.device.size();
+    let result = (|| -> io::Result<()> {
+        loop {
+            if replier.broken.load(Ordering::Acquire) {
+                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "cannot write replies"));
+            }
+            if r.buffer().is_empty() {
+                // Idle between requests is fine, for as long as the client likes.
+                let mut pfd = libc::pollfd { fd: raw, events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd.
+                if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
+                    let e = io::Error::last_os_error();
+                    if e.kind() == io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return Err(e);
+                }
+                r.get_mut().deadline = None;
+                if r.fill_buf()?.is_empty() {
+                    return Ok(()); // the client closed
+                }
+            }
+            // From its first byte, a request (header and payload) must arrive in time.
+            r.get_mut().deadline = Some(std::time::Instant::now() + shared.cfg.request_timeout);
+            let mut hdr = [0u8; Request::SIZE];
+            r.read_exact(&mut hdr).map_err(|e| timeout_says(e, "request"))?;
+            let req = Request::decode(&hdr).ok_or_else(|| violation("bad request magic"))?;
+            if req.typ == CMD_DISC {
+                return Ok(());
+            }
+            if let Err(e) = check(&req, size, neg.structured) {
+                if req.typ == CMD_WRITE {
+                    if req.len > MAX_PAYLOAD {
+                        // Cannot skip that much without reading it: refuse and close.
+                        replier.done(req.cookie, e);
+                        return Err(violation(format!("write of {} bytes (limit {MAX_PAYLOAD})", req.len)));
+                    }
+                    // Stay in step: consume the payload of the refused write.
+                    io::copy(&mut (&mut r).take(req.len as u64), &mut io::sink()).map_err(|e| timeout_says(e, "request"))?;
+                }
+                replier.done(req.cookie, e);
+                shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let payload = if req.typ == CMD_WRITE {
+                let guard = shared.budget.take(req.len as u64);
+                let mut data = vec![0u8; req.len as usize];
+                r.read_exact(&mut data).map_err(|e| timeout_says(e, "request"))?;
+                std::mem::forget(guard); // released by the worker, with the buffer
+                Some((data, req.len as u64))
+            } else {
+                None
+            };
+            if tx.send(Job { req, payload }).is_err() {
+                return Err(io::Error::other("workers ended"));
+            }
+        }
+    })();
+    // Requests in hand finish and are answered before the connection closes.
+    drop(tx);
+    for wk in workers {
+        let _ = wk.join();
+    }
+    result
+}
+
+fn work(shared: &Shared, dev: &Device, slot: usize, rp: &Replier, rx: &Mutex<Receiver<Job>>) {
+    loop {
+        let job = match lock(rx).recv() {
+            Ok(j) => j,
+            Err(_) => return,
+        };
+        let req = job.req;
+        let fua = req.flags & CMD_FLAG_FUA != 0;
+        match req.typ {
+            CMD_READ => {
+                let _budget = shared.budget.take(req.len as u64);
+                let hdr = if rp.structured { 20 + 8 } else { 16 };
+                let mut buf = vec![0u8; hdr + req.len as usize];
+                match dev.read_into(slot, req.offset, &mut buf[hdr..]) {
+                    Ok(()) => {
+                        if rp.structured {
+                            let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + req.len);
+                            buf[..20].copy_from_slice(&h);
+                            buf[20..28].copy_from_slice(&req.offset.to_be_bytes());
+                        } else {
+                            buf[..16].copy_from_slice(&simple_reply(0, req.cookie));
+                        }
+                        rp.send(&[&buf]);
+                    }
+                    Err(e) => rp.done(req.cookie, io_error(&e)),
+                }
+            }
+            CMD_WRITE => {
+                let (data, held) = job.payload.expect("a write carries its payload");
+                let r = dev.write(slot, req.offset, &data, fua);
+                drop(data);
+                // The reader took this budget for the payload.
+                drop(BudgetGuard { budget: &shared.budget, n: held });
+                rp.done(req.cookie, r.err().map_or(0, |e| io_error(&e)));
+            }
+            CMD_FLUSH => rp.done(req.cookie, dev.flush(slot).err().map_or(0, |e| io_error(&e))),
+            CMD_TRIM => {
+                let r = dev.discard(slot, req.offset, req.len as u64).and_then(|_| if fua { dev.flush(slot) } else { Ok(()) });
+                rp.done(req.cookie, r.err().map_or(0, |e| io_error(&e)));
+            }
+            CMD_WRITE_ZEROES => {
+                let r = zero(dev, slot, req.offset, req.len as u64).and_then(|_| if fua { dev.flush(slot) } else { Ok(()) });
+                rp.done(req.cookie, r.err().map_or(0, |e| io_error(&e)));
+            }
+            _ => rp.done(req.cookie, EINVAL),
+        }
+        shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Write-zeroes, falling back to writing zeroes where the device cannot zero a range itself.
+fn zero(dev: &Device, slot: usize, offset: u64, len: u64) -> Result<(), IoError> {
+    match dev.write_zeroes(slot, offset, len) {
+        Err(IoError::Device(bulkhead_client::Status::NotSupported)) => {
+            let chunk = vec![0u8; (len.min(1 << 20)) as usize];
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(chunk.len() as u64) as usize;
+                dev.write(slot, offset + done, &chunk[..n], false)?;
+                done += n as u64;
+            }
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+/// The unix socket path of a run directory.
+pub fn socket_path(run_dir: &Path) -> PathBuf {
+    run_dir.join("nbd.sock")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(typ: u16, flags: u16, offset: u64, len: u32) -> Request {
+        Request { flags, typ, cookie: 7, offset, len }
+    }
+
+    #[test]
+    fn requests_are_checked_before_anything_is_allocated() {
+        let size = 1 << 20;
+        assert_eq!(check(&req(CMD_READ, 0, 0, 4096), size, false), Ok(()));
+        assert_eq!(check(&req(CMD_READ, 0, size - 1, 2), size, false), Err(EINVAL));
+        assert_eq!(check(&req(CMD_WRITE, 0, size, 1), size, false), Err(ENOSPC));
+        assert_eq!(check(&req(CMD_WRITE_ZEROES, 0, size - 4096, 8192), size, false), Err(ENOSPC));
+        // offset + length overflowing 64 bits
+        assert_eq!(check(&req(CMD_READ, 0, u64::MAX - 10, 4096), size, false), Err(EINVAL));
+        assert_eq!(check(&req(CMD_WRITE, 0, u64::MAX - 10, 4096), size, false), Err(ENOSPC));
+        assert_eq!(check(&req(CMD_READ, 0, 0, MAX_PAYLOAD + 1), u64::MAX, false), Err(EOVERFLOW));
+        // Flags: FUA only where it means something; DF only with structured replies.
+        assert_eq!(check(&req(CMD_READ, CMD_FLAG_FUA, 0, 512), size, false), Err(EINVAL));
+        assert_eq!(check(&req(CMD_READ, CMD_FLAG_DF, 0, 512), size, false), Err(EINVAL));
+        assert_eq!(check(&req(CMD_READ, CMD_FLAG_DF, 0, 512), size, true), Ok(()));
+        assert_eq!(check(&req(CMD_WRITE, CMD_FLAG_FUA, 0, 512), size, false), Ok(()));
+        assert_eq!(check(&req(CMD_WRITE, 1 << 9, 0, 512), size, false), Err(EINVAL));
+        assert_eq!(check(&req(CMD_FLUSH, 0, 0, 0), size, false), Ok(()));
+        assert_eq!(check(&req(CMD_FLUSH, 0, 0, 1), size, false), Err(EINVAL));
+        assert_eq!(check(&req(CMD_CACHE, 0, 0, 512), size, false), Err(EINVAL));
+        assert_eq!(check(&req(CMD_BLOCK_STATUS, 0, 0, 512), size, false), Err(EINVAL));
+        assert_eq!(check(&req(99, 0, 0, 512), size, false), Err(EINVAL));
+    }
+
+    #[test]
+    fn info_and_meta_payloads_are_parsed_strictly() {
+        let mut ok = 4u32.to_be_bytes().to_vec();
+        ok.extend_from_slice(b"disk");
+        ok.extend_from_slice(&2u16.to_be_bytes());
+        ok.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+        ok.extend_from_slice(&INFO_NAME.to_be_bytes());
+        let (name, infos) = parse_info_request(&ok).unwrap();
+        assert_eq!((name, infos), (&b"disk"[..], vec![INFO_BLOCK_SIZE, INFO_NAME]));
+        assert!(parse_info_request(&ok[..ok.len() - 1]).is_none(), "truncated");
+        let mut long = ok.clone();
+        long.push(0);
+        assert!(parse_info_request(&long).is_none(), "trailing byte");
+        let mut huge = u32::MAX.to_be_bytes().to_vec();
+        huge.extend_from_slice(&[0; 8]);
+        assert!(parse_info_request(&huge).is_none(), "name length beyond the payload");
+
+        let mut m = 4u32.to_be_bytes().to_vec();
+        m.extend_from_slice(b"disk");
+        m.extend_from_slice(&1u32.to_be_bytes());
+        m.extend_from_slice(&15u32.to_be_bytes());
+        m.extend_from_slice(b"base:allocation");
+        assert!(meta_request_valid(&m));
+        assert!(!meta_request_valid(&m[..m.len() - 1]));
+        let mut lie = m.clone();
+        lie[8 + 3] = 9; // claims 9 queries
+        assert!(!meta_request_valid(&lie));
+    }
+}
