@@ -7,9 +7,10 @@ want() { command -v "$1" >/dev/null 2>&1 || need+=("$2"); }
 want losetup util-linux
 want mkfs.ext4 e2fsprogs
 case "${1:-serve}" in
-  test) want fio fio ;;
+  test) want fio fio; want qemu-io qemu-utils; want qemu-img qemu-utils; want nbdinfo libnbd-bin
+        want nbdcopy libnbd-bin; want nbdfuse libnbd-bin; want fusermount3 fuse3 ;;
   bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
-         want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3 ;;
+         want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3; want qemu-nbd qemu-utils ;;
 esac
 if ! command -v cargo >/dev/null 2>&1; then
   echo "cargo not found: install Rust (https://rustup.rs) first" >&2
@@ -23,5 +24,6 @@ if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq "${need[@]}" >/dev/null
+  # shellcheck disable=SC2046 # one word per package, duplicates removed
+  apt-get install -y -qq $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
 fi
