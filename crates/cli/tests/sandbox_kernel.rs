@@ -83,6 +83,10 @@ fn status_shows_every_sandbox_layer_applied() {
     assert_eq!(ids("Uid:"), ["65534"; 4], "{status}");
     assert_eq!(ids("Gid:"), ["65534"; 4], "{status}");
     assert_eq!(ids("Groups:"), Vec::<&str>::new(), "{status}");
+    // Its own process group: a Ctrl-C at serve's terminal reaches serve, not the domain.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let pgrp: u64 = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().nth(2).unwrap().parse().unwrap();
+    assert_eq!(pgrp, pid, "domain shares a process group");
     // The domain's mount namespace holds one empty read-only root and no copy of a host mount:
     // a copy would pin host filesystems (one mounted on this very device included).
     let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();

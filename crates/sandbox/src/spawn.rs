@@ -301,9 +301,9 @@ unsafe fn child(
                 fail(err_w);
             }
         }
-        if !in_ns {
-            libc::setpgid(0, 0);
-        }
+        // A process group of its own: a Ctrl-C at serve's terminal is for serve, which ends
+        // its domains in order, not for the domains directly.
+        libc::setpgid(0, 0);
         let err_hi = libc::fcntl(err_w, libc::F_DUPFD_CLOEXEC, 2048);
         if err_hi < 0 {
             fail(err_w);
