@@ -72,22 +72,24 @@ struct Budget {
 }
 
 impl Budget {
-    fn take(&self, n: u64) -> BudgetGuard<'_> {
+    /// Waits until `n` bytes are free and takes them; they return when the grant drops.
+    fn take(self: &Arc<Self>, n: u64) -> Held {
         let mut free = lock(&self.free);
         while *free < n {
             free = self.cv.wait(free).unwrap_or_else(|e| e.into_inner());
         }
         *free -= n;
-        BudgetGuard { budget: self, n }
+        Held { budget: self.clone(), n }
     }
 }
 
-struct BudgetGuard<'a> {
-    budget: &'a Budget,
+/// Bytes taken from the [`Budget`]; given back on drop, wherever the payload ends up.
+struct Held {
+    budget: Arc<Budget>,
     n: u64,
 }
 
-impl Drop for BudgetGuard<'_> {
+impl Drop for Held {
     fn drop(&mut self) {
         *lock(&self.budget.free) += self.n;
         self.budget.cv.notify_all();
@@ -106,7 +108,7 @@ struct Shared {
     conns: Mutex<HashMap<u64, Arc<OwnedFd>>>,
     next_id: AtomicU64,
     active: AtomicUsize,
-    budget: Budget,
+    budget: Arc<Budget>,
     stats: ServerStats,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -156,7 +158,7 @@ impl NbdServer {
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
             active: AtomicUsize::new(0),
-            budget: Budget { free: Mutex::new(PAYLOAD_BUDGET), cv: Condvar::new() },
+            budget: Arc::new(Budget { free: Mutex::new(PAYLOAD_BUDGET), cv: Condvar::new() }),
             stats: ServerStats::default(),
             threads: Mutex::new(Vec::new()),
         });
@@ -540,7 +542,7 @@ fn negotiate(shared: &Shared, r: &mut SockReader, w: &mut std::fs::File) -> io::
 /// One request handed to a worker.
 struct Job {
     req: Request,
-    payload: Option<(Vec<u8>, u64)>,
+    payload: Option<(Vec<u8>, Held)>,
 }
 
 /// Writes replies; shared by the workers of one connection.
@@ -668,11 +670,11 @@ fn transmit(shared: &Arc<Shared>, id: u64, raw: RawFd, mut r: SockReader, w: std
                 continue;
             }
             let payload = if req.typ == CMD_WRITE {
-                let guard = shared.budget.take(req.len as u64);
+                // The grant travels with the buffer to the worker.
+                let held = shared.budget.take(req.len as u64);
                 let mut data = vec![0u8; req.len as usize];
                 r.read_exact(&mut data).map_err(|e| timeout_says(e, "request"))?;
-                std::mem::forget(guard); // released by the worker, with the buffer
-                Some((data, req.len as u64))
+                Some((data, held))
             } else {
                 None
             };
@@ -719,9 +721,7 @@ fn work(shared: &Shared, dev: &Device, slot: usize, rp: &Replier, rx: &Mutex<Rec
             CMD_WRITE => {
                 let (data, held) = job.payload.expect("a write carries its payload");
                 let r = dev.write(slot, req.offset, &data, fua);
-                drop(data);
-                // The reader took this budget for the payload.
-                drop(BudgetGuard { budget: &shared.budget, n: held });
+                drop((data, held));
                 rp.done(req.cookie, r.err().map_or(0, |e| io_error(&e)));
             }
             CMD_FLUSH => rp.done(req.cookie, dev.flush(slot).err().map_or(0, |e| io_error(&e))),
@@ -791,6 +791,21 @@ mod tests {
         assert_eq!(check(&req(CMD_CACHE, 0, 0, 512), size, false), Err(EINVAL));
         assert_eq!(check(&req(CMD_BLOCK_STATUS, 0, 0, 512), size, false), Err(EINVAL));
         assert_eq!(check(&req(99, 0, 0, 512), size, false), Err(EINVAL));
+    }
+
+    #[test]
+    fn payload_budget_waits_and_returns_on_drop() {
+        let b = Arc::new(Budget { free: Mutex::new(100), cv: Condvar::new() });
+        let first = b.take(80);
+        let (b2, t0) = (b.clone(), std::time::Instant::now());
+        let waiter = std::thread::spawn(move || {
+            let _second = b2.take(50);
+            t0.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        drop(first);
+        assert!(waiter.join().unwrap() >= Duration::from_millis(50), "took bytes that were not free");
+        assert_eq!(*lock(&b.free), 100, "every grant came back");
     }
 
     #[test]
