@@ -1,14 +1,16 @@
 //! Backends: the storage at the end of a driver domain's chain.
 //!
 //! Every backend receives descriptors opened for it by the supervisor; none opens a path itself
-//! (the sandbox forbids it).
+//! (the sandbox forbids it); the `nbd` backend gets a socket the supervisor connected.
 #![deny(missing_docs)]
 
 mod file;
+mod nbd;
 mod null;
 mod ram;
 
 pub use file::{Engine, FileBackend};
+pub use nbd::NbdBackend;
 pub use null::NullBackend;
 pub use ram::RamBackend;
 

@@ -154,6 +154,19 @@ pub trait Backend: Send {
     /// Executes every request of the batch, setting each `result`. Requests in one batch may
     /// complete in any order, except that a `Flush` covers every write before it in the batch.
     fn execute(&mut self, ios: &mut [Io<'_>]);
+    /// Called once the domain is confined, before the first request: a backend that talks to
+    /// something outside the domain (a remote server) connects here. An error is the same as
+    /// [`lost`](Self::lost).
+    fn start(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+    /// Something the backend depends on outside the domain is gone (the remote server closed
+    /// the connection). The results of the last batch must then not be sent: the domain ends
+    /// and the supervisor starts the next generation on a fresh connection, to which the
+    /// frontend reissues every unanswered request.
+    fn lost(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// A filter or soft device between the frontend and the backend.
@@ -221,6 +234,12 @@ impl Backend for Chain {
     }
     fn execute(&mut self, ios: &mut [Io<'_>]) {
         Rest { layers: &mut self.layers, backend: &mut *self.backend }.execute(ios)
+    }
+    fn start(&mut self) -> Result<(), String> {
+        self.backend.start()
+    }
+    fn lost(&self) -> Option<&str> {
+        self.backend.lost()
     }
 }
 

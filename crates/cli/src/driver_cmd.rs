@@ -21,6 +21,10 @@ fn test_fault() -> Option<String> {
     std::env::var("BULKHEAD_TEST_FAULT").ok()
 }
 
+/// Exit status of a domain whose backend lost its remote server (EX_TEMPFAIL): the supervisor
+/// reconnects and starts the next generation, which gets the unanswered requests again.
+pub const LOST_EXIT: u8 = bulkhead_supervisor::LOST_EXIT;
+
 /// Address space allowed beyond what a domain has mapped at confinement: the allocator's needs.
 const HEADROOM: u64 = 256 << 20;
 
@@ -75,6 +79,12 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
             bulkhead_driver::hostile::Hostility::parse(name).with_context(|| format!("unknown hostile test mode {name:?}"))?;
         domain.set_hostility(h);
     }
-    domain.run().with_context(|| format!("device {}", spec.device))?;
-    Ok(ExitCode::SUCCESS)
+    match domain.run() {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(bulkhead_driver::DriverError::BackendLost(why)) => {
+            eprintln!("bulkhead driver: device {}: backend lost: {why}", spec.device);
+            Ok(ExitCode::from(LOST_EXIT))
+        }
+        Err(e) => Err(e).with_context(|| format!("device {}", spec.device)),
+    }
 }

@@ -9,7 +9,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use bulkhead_testkit::kernel::which;
 use common::*;
 
 const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
@@ -43,17 +42,6 @@ fn start(tag: &str, extra: &str) -> (TempDir, Serve) {
 
 fn uri(serve: &Serve, export: &str) -> String {
     format!("nbd+unix:///{export}?socket={}", serve.run_dir.join("nbd.sock").display())
-}
-
-fn tools(names: &[&str]) -> bool {
-    for n in names {
-        if which(n).is_none() {
-            assert!(std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"), "{n} required but not installed");
-            eprintln!("SKIP: {n} not installed");
-            return false;
-        }
-    }
-    true
 }
 
 /// Runs a command under a time limit; its stdout, or a panic with its output.

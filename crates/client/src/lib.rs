@@ -360,8 +360,10 @@ impl Device {
             let mut q = lock(&self.queues[idx]);
             self.refresh(idx, &mut q);
             let gen = q.generation();
-            if q.broken().is_some() {
-                // This generation is finished; wait for the next one.
+            if q.broken().is_some() || self.outage.load(Ordering::Acquire) {
+                // This generation is finished (or being replaced, which may take a while when
+                // a remote server must be reconnected): wait for the next one rather than
+                // piling reissues into a queue nobody serves.
                 drop(q);
                 self.wait_for_generation(gen, Duration::from_millis(WAIT_SLICE_MS as u64));
                 self.check_timeout(started)?;

@@ -27,11 +27,14 @@
 //! sandbox = "best_effort" # required | best_effort | off
 //!
 //! [device.backend]
-//! type = "ram"            # ram | file | null
+//! type = "ram"            # ram | file | nbd | null
 //! # path = "/var/lib/img" # file: a regular file or block device
 //! # direct = false        # file: O_DIRECT
 //! # engine = "sync"       # file: sync | io_uring
 //! # read_only = false     # file
+//! # uri = "nbd://host:10809/export"  # nbd: or nbd+unix:///export?socket=/path
+//! # connect_timeout_ms = 5000        # nbd: one connection attempt
+//! # reconnect_timeout_ms = 60000     # nbd: keep reconnecting this long, then `failed`
 //! ```
 //!
 //! Unknown keys and bad values are errors naming the key and the line.
@@ -225,6 +228,8 @@ pub enum BackendKind {
     File,
     /// Reads zeroes, drops writes.
     Null,
+    /// A remote NBD server.
+    Nbd,
 }
 
 /// The `[device.backend]` table as written.
@@ -242,6 +247,93 @@ pub struct BackendTable {
     pub engine: Option<Spanned<Engine>>,
     /// `read_only` (file).
     pub read_only: Option<Spanned<bool>>,
+    /// `uri` (nbd).
+    pub uri: Option<Spanned<String>>,
+    /// `connect_timeout_ms` (nbd).
+    pub connect_timeout_ms: Option<Spanned<u64>>,
+    /// `reconnect_timeout_ms` (nbd).
+    pub reconnect_timeout_ms: Option<Spanned<u64>>,
+}
+
+/// Where a remote NBD server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NbdTarget {
+    /// A unix socket.
+    Unix(PathBuf),
+    /// TCP.
+    Tcp {
+        /// Host name or address.
+        host: String,
+        /// Port.
+        port: u16,
+    },
+}
+
+/// The NBD port assigned by IANA.
+pub const NBD_DEFAULT_PORT: u16 = 10809;
+
+/// Parses an NBD URI (`nbd://host[:port]/export` or `nbd+unix:///export?socket=PATH`) into
+/// its target and export name.
+pub fn parse_nbd_uri(uri: &str) -> Result<(NbdTarget, String), String> {
+    let decode = |s: &str| -> Result<String, String> {
+        let b = s.as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'%' {
+                let hex = s.get(i + 1..i + 3).ok_or_else(|| format!("bad percent escape in `{s}`"))?;
+                out.push(u8::from_str_radix(hex, 16).map_err(|_| format!("bad percent escape in `{s}`"))?);
+                i += 3;
+            } else {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+        String::from_utf8(out).map_err(|_| format!("`{s}` is not UTF-8 once decoded"))
+    };
+    let (scheme, rest) = uri.split_once("://").ok_or("expected nbd://host[:port]/export or nbd+unix:///export?socket=PATH")?;
+    let (authority, path_query) = rest.split_once('/').unwrap_or((rest, ""));
+    let (path, query) = path_query.split_once('?').unwrap_or((path_query, ""));
+    let export = decode(path)?;
+    if export.len() > 4096 {
+        return Err("export name longer than 4096 bytes".into());
+    }
+    match scheme {
+        "nbd" => {
+            if !query.is_empty() {
+                return Err(format!("unexpected query `?{query}` for nbd://"));
+            }
+            let (host, port) = if let Some(h) = authority.strip_prefix('[') {
+                let (h, after) = h.split_once(']').ok_or("unclosed [ in host")?;
+                (h.to_string(), after.strip_prefix(':'))
+            } else {
+                match authority.rsplit_once(':') {
+                    Some((h, p)) => (h.to_string(), Some(p)),
+                    None => (authority.to_string(), None),
+                }
+            };
+            if host.is_empty() {
+                return Err("no host in nbd:// URI".into());
+            }
+            let port = match port {
+                None => NBD_DEFAULT_PORT,
+                Some(p) => p.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| format!("bad port `{p}`"))?,
+            };
+            Ok((NbdTarget::Tcp { host, port }, export))
+        }
+        "nbd+unix" => {
+            if !authority.is_empty() {
+                return Err(format!("nbd+unix:// takes no host (found `{authority}`)"));
+            }
+            let socket = query.split('&').find_map(|kv| kv.strip_prefix("socket=")).ok_or("nbd+unix:// needs ?socket=PATH")?;
+            let socket = decode(socket)?;
+            if !socket.starts_with('/') {
+                return Err(format!("socket path `{socket}` is not absolute"));
+            }
+            Ok((NbdTarget::Unix(PathBuf::from(socket)), export))
+        }
+        other => Err(format!("unsupported scheme `{other}` (nbd or nbd+unix; TLS is not supported)")),
+    }
 }
 
 /// A device's backend, resolved.
@@ -262,6 +354,19 @@ pub enum Backend {
     },
     /// Reads zeroes, drops writes.
     Null,
+    /// A remote NBD server.
+    Nbd {
+        /// The URI as written.
+        uri: String,
+        /// Where the server listens.
+        target: NbdTarget,
+        /// Export name.
+        export: String,
+        /// One connection attempt may take this long, ms.
+        connect_timeout_ms: u64,
+        /// After losing the server, keep reconnecting this long before the device fails, ms.
+        reconnect_timeout_ms: u64,
+    },
 }
 
 impl BackendTable {
@@ -276,6 +381,17 @@ impl BackendTable {
                 engine: self.engine.as_ref().map(|e| *e.get_ref()).unwrap_or(Engine::Sync),
                 read_only: self.read_only.as_ref().map(|r| *r.get_ref()).unwrap_or(false),
             },
+            BackendKind::Nbd => {
+                let uri = self.uri.as_ref().map(|u| u.get_ref().clone()).unwrap_or_default();
+                let (target, export) = parse_nbd_uri(&uri).unwrap_or((NbdTarget::Unix(PathBuf::new()), String::new()));
+                Backend::Nbd {
+                    uri,
+                    target,
+                    export,
+                    connect_timeout_ms: self.connect_timeout_ms.as_ref().map(|t| *t.get_ref()).unwrap_or(5000),
+                    reconnect_timeout_ms: self.reconnect_timeout_ms.as_ref().map(|t| *t.get_ref()).unwrap_or(60_000),
+                }
+            }
         }
     }
 }
@@ -303,9 +419,9 @@ pub struct Device {
     /// Spin budget.
     #[serde(default = "default_budget")]
     pub spin_budget_us: SpinBudget,
-    /// A domain with requests pending and no answer for this long is restarted.
-    #[serde(default = "default_watchdog")]
-    pub watchdog_ms: Spanned<u64>,
+    /// A domain with requests pending and no answer for this long is restarted (default 1000
+    /// ms; 10000 for `nbd`, whose requests cross a network). See [`Device::watchdog_ms`].
+    pub watchdog_ms: Option<Spanned<u64>>,
     /// Restarts allowed within `restart_window_ms` before the device turns failed.
     #[serde(default = "default_restart_limit")]
     pub restart_limit: Spanned<u32>,
@@ -329,6 +445,17 @@ fn default_depth() -> Spanned<u32> {
 fn default_arena() -> Spanned<Size> {
     Spanned::new(0..0, Size(8 << 20))
 }
+impl Device {
+    /// The watchdog in ms: as configured, else 1000 (10000 for an `nbd` backend).
+    pub fn watchdog_ms(&self) -> u64 {
+        match &self.watchdog_ms {
+            Some(w) => *w.get_ref(),
+            None if self.backend.kind == BackendKind::Nbd => 10_000,
+            None => 1000,
+        }
+    }
+}
+
 /// Sandbox policy of a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -345,9 +472,6 @@ fn default_sandbox() -> Sandbox {
     Sandbox::BestEffort
 }
 
-fn default_watchdog() -> Spanned<u64> {
-    Spanned::new(0..0, 1000)
-}
 fn default_restart_limit() -> Spanned<u32> {
     Spanned::new(0..0, 5)
 }
@@ -543,12 +667,13 @@ impl Config {
                     format!("device `{name}`: key `arena`: {} bytes is out of range 4M..=1G", arena.get_ref().0),
                 ));
             }
-            let w = &d.watchdog_ms;
-            if !(10..=3_600_000).contains(w.get_ref()) {
-                return Err(err(
-                    w.span(),
-                    format!("device `{name}`: key `watchdog_ms`: {} is out of range 10..=3600000", w.get_ref()),
-                ));
+            if let Some(w) = &d.watchdog_ms {
+                if !(10..=3_600_000).contains(w.get_ref()) {
+                    return Err(err(
+                        w.span(),
+                        format!("device `{name}`: key `watchdog_ms`: {} is out of range 10..=3600000", w.get_ref()),
+                    ));
+                }
             }
             let l = &d.restart_limit;
             if !(1..=1_000_000).contains(l.get_ref()) {
@@ -570,29 +695,76 @@ impl Config {
                 }
             }
             let b = &d.backend;
-            if b.kind == BackendKind::File {
-                let Some(path) = &b.path else {
-                    return Err(err(
-                        d.name.span(),
-                        format!("device `{name}`: key `backend.path` is required for type = \"file\""),
-                    ));
-                };
-                let p = path.get_ref();
-                if !p.exists() {
-                    return Err(err(path.span(), format!("device `{name}`: key `backend.path`: {} does not exist", p.display())));
+            let file_keys = [
+                ("path", b.path.as_ref().map(|x| x.span())),
+                ("direct", b.direct.as_ref().map(|x| x.span())),
+                ("engine", b.engine.as_ref().map(|x| x.span())),
+                ("read_only", b.read_only.as_ref().map(|x| x.span())),
+            ];
+            let nbd_keys = [
+                ("uri", b.uri.as_ref().map(|x| x.span())),
+                ("connect_timeout_ms", b.connect_timeout_ms.as_ref().map(|x| x.span())),
+                ("reconnect_timeout_ms", b.reconnect_timeout_ms.as_ref().map(|x| x.span())),
+            ];
+            let foreign = |keys: &[(&'static str, Option<std::ops::Range<usize>>)], owner: &str| match keys
+                .iter()
+                .find(|(_, s)| s.is_some())
+            {
+                Some((key, Some(span))) => {
+                    Err(err(span.clone(), format!("device `{name}`: key `backend.{key}` only applies to type = \"{owner}\"")))
                 }
-            } else {
-                let file_only = [
-                    ("path", b.path.as_ref().map(|x| x.span())),
-                    ("direct", b.direct.as_ref().map(|x| x.span())),
-                    ("engine", b.engine.as_ref().map(|x| x.span())),
-                    ("read_only", b.read_only.as_ref().map(|x| x.span())),
-                ];
-                if let Some((key, Some(span))) = file_only.into_iter().find(|(_, s)| s.is_some()) {
-                    return Err(err(span, format!("device `{name}`: key `backend.{key}` only applies to type = \"file\"")));
+                _ => Ok(()),
+            };
+            if b.kind != BackendKind::File {
+                foreign(&file_keys, "file")?;
+            }
+            if b.kind != BackendKind::Nbd {
+                foreign(&nbd_keys, "nbd")?;
+            }
+            match b.kind {
+                BackendKind::File => {
+                    let Some(path) = &b.path else {
+                        return Err(err(
+                            d.name.span(),
+                            format!("device `{name}`: key `backend.path` is required for type = \"file\""),
+                        ));
+                    };
+                    let p = path.get_ref();
+                    if !p.exists() {
+                        return Err(err(
+                            path.span(),
+                            format!("device `{name}`: key `backend.path`: {} does not exist", p.display()),
+                        ));
+                    }
                 }
-                if d.size.is_none() {
-                    return Err(err(d.name.span(), format!("device `{name}`: key `size` is required for this backend")));
+                BackendKind::Nbd => {
+                    let Some(uri) = &b.uri else {
+                        return Err(err(
+                            d.name.span(),
+                            format!("device `{name}`: key `backend.uri` is required for type = \"nbd\""),
+                        ));
+                    };
+                    if let Err(e) = parse_nbd_uri(uri.get_ref()) {
+                        return Err(err(uri.span(), format!("device `{name}`: key `backend.uri`: `{}`: {e}", uri.get_ref())));
+                    }
+                    for (key, v, lo, hi) in [
+                        ("connect_timeout_ms", &b.connect_timeout_ms, 10, 600_000),
+                        ("reconnect_timeout_ms", &b.reconnect_timeout_ms, 0, 86_400_000),
+                    ] {
+                        if let Some(v) = v {
+                            if !(lo..=hi).contains(v.get_ref()) {
+                                return Err(err(
+                                    v.span(),
+                                    format!("device `{name}`: key `backend.{key}`: {} is out of range {lo}..={hi}", v.get_ref()),
+                                ));
+                            }
+                        }
+                    }
+                }
+                BackendKind::Ram | BackendKind::Null => {
+                    if d.size.is_none() {
+                        return Err(err(d.name.span(), format!("device `{name}`: key `size` is required for this backend")));
+                    }
                 }
             }
             if let Some(s) = &d.size {
@@ -717,5 +889,56 @@ mod tests {
         assert!(e.to_string().contains("aio") && e.to_string().contains("line 6"), "{e}");
         let e = parse("[[device]]\nname = \"r\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\ndirect = true\n").unwrap_err();
         assert!(e.to_string().contains("backend.direct") && e.to_string().contains("line 6"), "{e}");
+    }
+
+    #[test]
+    fn nbd_backend_takes_a_uri_and_names_bad_ones() {
+        let c = parse("[[device]]\nname = \"n\"\n[device.backend]\ntype = \"nbd\"\nuri = \"nbd://10.0.0.2/disk0\"\n").unwrap();
+        match c.devices[0].backend.resolve() {
+            Backend::Nbd { target, export, reconnect_timeout_ms, .. } => {
+                assert_eq!(target, NbdTarget::Tcp { host: "10.0.0.2".into(), port: NBD_DEFAULT_PORT });
+                assert_eq!(export, "disk0");
+                assert_eq!(reconnect_timeout_ms, 60_000);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(c.devices[0].watchdog_ms(), 10_000, "network requests get a longer watchdog");
+        let e = parse("[[device]]\nname = \"n\"\n[device.backend]\ntype = \"nbd\"\nuri = \"http://x/y\"\n").unwrap_err();
+        assert!(
+            e.to_string().contains("backend.uri") && e.to_string().contains("line 5") && e.to_string().contains("scheme"),
+            "{e}"
+        );
+        let e = parse("[[device]]\nname = \"n\"\n[device.backend]\ntype = \"nbd\"\n").unwrap_err();
+        assert!(e.to_string().contains("backend.uri` is required"), "{e}");
+        let e = parse("[[device]]\nname = \"n\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\nuri = \"nbd://h/e\"\n")
+            .unwrap_err();
+        assert!(e.to_string().contains("only applies to type = \"nbd\""), "{e}");
+        let e =
+            parse("[[device]]\nname = \"n\"\n[device.backend]\ntype = \"nbd\"\nuri = \"nbd://h/e\"\npath = \"/\"\n").unwrap_err();
+        assert!(e.to_string().contains("backend.path` only applies to type = \"file\""), "{e}");
+    }
+
+    #[test]
+    fn nbd_uris_parse_like_the_uri_specification() {
+        assert_eq!(
+            parse_nbd_uri("nbd+unix:///d%2F0?socket=/run/b/nbd.sock").unwrap(),
+            (NbdTarget::Unix("/run/b/nbd.sock".into()), "d/0".into())
+        );
+        assert_eq!(
+            parse_nbd_uri("nbd://[::1]:10900/").unwrap(),
+            (NbdTarget::Tcp { host: "::1".into(), port: 10900 }, String::new())
+        );
+        assert_eq!(parse_nbd_uri("nbd://host").unwrap(), (NbdTarget::Tcp { host: "host".into(), port: 10809 }, String::new()));
+        for bad in [
+            "nbd://h:0/x",
+            "nbd://h:99999/x",
+            "nbd:///x",
+            "nbd+unix:///x",
+            "nbd+unix://h/x?socket=/s",
+            "nbds://h/x",
+            "nbd://h/%zz",
+        ] {
+            assert!(parse_nbd_uri(bad).is_err(), "{bad}");
+        }
     }
 }

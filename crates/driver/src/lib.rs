@@ -25,6 +25,10 @@ pub enum DriverError {
         #[source]
         source: bulkhead_channel::ChannelError,
     },
+    /// The backend lost something outside the domain it depends on (its remote server). The
+    /// last batch was not answered; the supervisor reconnects and the frontend reissues it.
+    #[error("backend lost: {0}")]
+    BackendLost(String),
     /// The spec or a descriptor in it was unusable.
     #[error("setup: {0}")]
     Setup(String),

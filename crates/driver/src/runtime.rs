@@ -148,6 +148,10 @@ impl Domain {
                 }
             }
             self.chain.execute(&mut ios);
+            if let Some(why) = self.chain.lost() {
+                // Answer nothing: the next generation gets every request of this batch again.
+                return Err(DriverError::BackendLost(why.to_string()));
+            }
             let mut it = ios.iter();
             for t in &taken {
                 let (id, generation, status, len) = match t {
@@ -245,6 +249,7 @@ impl Domain {
 
     /// Serves until the stop flag is set, spinning and sleeping per the notification mode.
     pub fn run(&mut self) -> Result<(), DriverError> {
+        self.chain.start().map_err(DriverError::BackendLost)?;
         let mut idle_since: Option<u64> = None;
         let mut spins = 0u32;
         while !self.stop.load(Ordering::Relaxed) {

@@ -70,6 +70,15 @@ pub enum BackendSpec {
         /// `sync` or `io_uring`.
         engine: String,
     },
+    /// A remote NBD export over a socket the supervisor connected.
+    Nbd {
+        /// The connected socket (negotiation not yet done).
+        fd: i32,
+        /// Export name.
+        export: String,
+        /// Negotiation and any wait for a reply are bounded by this, ms.
+        timeout_ms: u64,
+    },
     /// Null device.
     Null,
 }
@@ -78,7 +87,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use bulkhead_backends::{Engine, FileBackend, NullBackend, RamBackend};
+use bulkhead_backends::{Engine, FileBackend, NbdBackend, NullBackend, RamBackend};
 use bulkhead_block::{Backend, Chain};
 use bulkhead_channel::{BackQueue, BackQueueFds, BudgetPolicy, NotifyMode};
 use bulkhead_ring::ArenaSizes;
@@ -111,6 +120,7 @@ impl DomainSpec {
             BackendSpec::Ram { .. } | BackendSpec::Null => Role::Memory,
             BackendSpec::File { engine, .. } if engine == "io_uring" => Role::FileIoUring,
             BackendSpec::File { .. } => Role::FileSync,
+            BackendSpec::Nbd { .. } => Role::Network,
         }
     }
 
@@ -146,12 +156,17 @@ impl DomainSpec {
                 };
                 // SAFETY: forwarded from this function's contract.
                 let main = unsafe { claim(*fd)? };
-                // SAFETY: as above.
                 let buffered = match buffered_fd {
+                    // SAFETY: as above.
                     Some(b) => Some(unsafe { claim(*b)? }),
                     None => None,
                 };
                 Box::new(FileBackend::new(main, buffered, *read_only, engine).map_err(setup)?)
+            }
+            BackendSpec::Nbd { fd, export, timeout_ms } => {
+                // SAFETY: forwarded from this function's contract.
+                let sock = unsafe { claim(*fd)? };
+                Box::new(NbdBackend::new(sock, export, self.size, std::time::Duration::from_millis(*timeout_ms)))
             }
             BackendSpec::Null => Box::new(NullBackend::new(self.size)),
         };

@@ -2,6 +2,7 @@
 //! the kernel's nbd client, other hosts), and the client the `nbd` backend uses.
 #![deny(missing_docs)]
 
+pub mod client;
 pub mod proto;
 pub mod server;
 

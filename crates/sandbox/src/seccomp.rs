@@ -17,6 +17,8 @@ pub enum Role {
     FileSync,
     /// `file` with the io_uring engine.
     FileIoUring,
+    /// `nbd`: a connected socket passed in, no way to make another.
+    Network,
 }
 
 impl Role {
@@ -26,6 +28,7 @@ impl Role {
             Role::Memory => "memory",
             Role::FileSync => "file-sync",
             Role::FileIoUring => "file-io_uring",
+            Role::Network => "network",
         }
     }
 }
@@ -70,6 +73,17 @@ const FILE: &[(i64, &str)] = &[
 const IO_URING: &[(i64, &str)] =
     &[(libc::SYS_io_uring_enter, "submit and reap a batch (the ring is restricted to readv, writev and fsync at setup)")];
 
+/// Extra system calls of the network role (the socket was connected by the supervisor;
+/// `socket`, `connect`, `bind` and `accept` stay forbidden).
+const NETWORK: &[(i64, &str)] = &[
+    (libc::SYS_sendmsg, "send requests with their payload from the grant windows"),
+    (libc::SYS_recvmsg, "receive replies into the grant windows"),
+    (libc::SYS_sendto, "negotiation (send)"),
+    (libc::SYS_recvfrom, "negotiation (recv)"),
+    (libc::SYS_poll, "wait for the socket with a deadline"),
+    (libc::SYS_ppoll, "as poll (libc may use this form)"),
+];
+
 fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCondition {
     SeccompCondition::new(arg, len, op, v).expect("valid seccomp condition")
 }
@@ -77,15 +91,18 @@ fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCond
 /// The rules, as (syscall, reason, conditions) for documentation and for the filter.
 pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     let mut v: Vec<(i64, &'static str)> = COMMON.to_vec();
-    if role != Role::Memory {
+    if matches!(role, Role::FileSync | Role::FileIoUring) {
         v.extend_from_slice(FILE);
+    }
+    if role == Role::Network {
+        v.extend_from_slice(NETWORK);
     }
     if role == Role::FileIoUring {
         v.extend_from_slice(IO_URING);
     }
     v.push((libc::SYS_mmap, "the allocator: anonymous private memory only, never executable"));
     v.push((libc::SYS_mprotect, "the allocator: never executable"));
-    if role != Role::Memory {
+    if matches!(role, Role::FileSync | Role::FileIoUring) {
         v.push((libc::SYS_ioctl, "BLKDISCARD and BLKZEROOUT on a block-device backend only"));
     }
     v
@@ -108,7 +125,7 @@ pub fn filter(role: Role) -> Result<seccompiler::BpfProgram, String> {
             .map_err(|e| e.to_string())?],
     );
     rules.insert(libc::SYS_mprotect, vec![SeccompRule::new(vec![no_exec]).map_err(|e| e.to_string())?]);
-    if role != Role::Memory {
+    if matches!(role, Role::FileSync | Role::FileIoUring) {
         const BLKDISCARD: u64 = 0x1277;
         const BLKZEROOUT: u64 = 0x127f;
         rules.insert(
@@ -136,7 +153,7 @@ mod tests {
 
     #[test]
     fn every_role_compiles_and_lists_a_reason_per_syscall() {
-        for role in [Role::Memory, Role::FileSync, Role::FileIoUring] {
+        for role in [Role::Memory, Role::FileSync, Role::FileIoUring, Role::Network] {
             assert!(filter(role).is_ok(), "{role:?}");
             for (nr, why) in allowlist(role) {
                 assert!(!why.is_empty(), "syscall {nr} has no reason");
@@ -148,6 +165,11 @@ mod tests {
             [libc::SYS_openat, libc::SYS_socket, libc::SYS_clone, libc::SYS_execve, libc::SYS_ptrace, libc::SYS_setrlimit]
         {
             assert!(!allowlist(Role::FileIoUring).iter().any(|x| x.0 == banned), "{banned} must not be allowed");
+        }
+        let net: Vec<i64> = allowlist(Role::Network).iter().map(|x| x.0).collect();
+        assert!(!net.contains(&libc::SYS_pwrite64) && !net.contains(&libc::SYS_ioctl), "network role touches no file");
+        for banned in [libc::SYS_socket, libc::SYS_connect, libc::SYS_bind, libc::SYS_accept4, libc::SYS_openat] {
+            assert!(!net.contains(&banned), "network role must not make connections ({banned})");
         }
     }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bulkhead_channel::{BudgetPolicy, FrontQueue, NotifyMode, QueueConfig, QueueSetup};
 use bulkhead_client::Device;
-use bulkhead_config::{Backend, Device as DeviceConfig, Engine, Notify, SpinBudget};
+use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget};
 use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec, SandboxSpec};
 use bulkhead_sandbox::spawn::DomainChild;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
@@ -32,6 +32,10 @@ pub(crate) struct DomainProc {
     pub quick_deaths: u32,
     /// Killed domains that had not finished exiting when they were replaced; reaped later.
     pub lingering: Vec<DomainChild>,
+    /// While reconnecting to a remote server: when it was lost, the next attempt, the delay.
+    pub down_since: Option<Instant>,
+    pub retry_at: Option<Instant>,
+    pub retry_delay: Duration,
 }
 
 /// How long a restart waits for a killed domain to finish exiting before it starts the next
@@ -108,6 +112,63 @@ pub(crate) struct Launcher {
     /// generation of the domain gets the same ones, so a restart keeps the contents.
     backend_fds: Vec<OwnedFd>,
     policy: Policy,
+    /// The domain's bound on waiting for a remote server, ms.
+    io_timeout_ms: u64,
+}
+
+/// Why a launch failed.
+#[derive(Debug)]
+pub(crate) enum LaunchError {
+    /// The remote server could not be reached: worth trying again.
+    Connect(String),
+    /// Anything else.
+    Other(String),
+}
+
+impl std::fmt::Display for LaunchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LaunchError::Connect(m) | LaunchError::Other(m) => f.write_str(m),
+        }
+    }
+}
+
+impl From<String> for LaunchError {
+    fn from(m: String) -> Self {
+        LaunchError::Other(m)
+    }
+}
+
+/// Connects to a remote NBD server within `timeout` (the domain can open no socket itself).
+pub(crate) fn connect_nbd(target: &NbdTarget, timeout: Duration) -> Result<OwnedFd, String> {
+    match target {
+        NbdTarget::Unix(path) => std::os::unix::net::UnixStream::connect(path)
+            .map(OwnedFd::from)
+            .map_err(|e| format!("cannot connect to {}: {e}", path.display())),
+        NbdTarget::Tcp { host, port } => {
+            use std::net::ToSocketAddrs;
+            let addrs = (host.as_str(), *port).to_socket_addrs().map_err(|e| format!("cannot resolve {host}: {e}"))?;
+            let mut last = format!("{host} has no address");
+            for a in addrs {
+                match std::net::TcpStream::connect_timeout(&a, timeout) {
+                    Ok(s) => {
+                        let _ = s.set_nodelay(true);
+                        return Ok(OwnedFd::from(s));
+                    }
+                    Err(e) => last = format!("cannot connect to {a}: {e}"),
+                }
+            }
+            Err(last)
+        }
+    }
+}
+
+/// Reads a remote export's size at device start (the only negotiation outside a domain).
+fn probe_nbd(target: &NbdTarget, export: &str, timeout: Duration) -> Result<u64, String> {
+    let sock = connect_nbd(target, timeout)?;
+    let info = bulkhead_nbd::client::handshake(sock.as_raw_fd(), export, timeout).map_err(|e| e.to_string())?;
+    bulkhead_nbd::client::disconnect(sock.as_raw_fd());
+    Ok(info.size)
 }
 
 fn notify_mode(n: Notify) -> NotifyMode {
@@ -177,6 +238,21 @@ impl DeviceRuntime {
         let mut backend_fds: Vec<OwnedFd> = Vec::new();
         let backend = cfg.backend.resolve();
         let (size, backend_desc) = match &backend {
+            Backend::Nbd { uri, target, export, connect_timeout_ms, .. } => {
+                let export_size = probe_nbd(target, export, Duration::from_millis(*connect_timeout_ms))
+                    .map_err(|e| err(format!("backend {uri}: {e}")))?;
+                let size = match &cfg.size {
+                    Some(s) if s.get_ref().0 > export_size => {
+                        return Err(err(format!("size {} exceeds the {export_size} bytes of {uri}", s.get_ref().0)))
+                    }
+                    Some(s) => s.get_ref().0,
+                    None => export_size / 512 * 512,
+                };
+                if size == 0 {
+                    return Err(err(format!("{uri} is empty")));
+                }
+                (size, format!("nbd:{uri}"))
+            }
             Backend::Ram | Backend::Null => {
                 let size = cfg.size.as_ref().expect("validated: size required").get_ref().0;
                 if matches!(backend, Backend::Ram) {
@@ -227,7 +303,7 @@ impl DeviceRuntime {
         };
         let nqueues = *cfg.queues.get_ref() as usize;
         let policy = RestartPolicy {
-            watchdog: Duration::from_millis(*cfg.watchdog_ms.get_ref()),
+            watchdog: Duration::from_millis(cfg.watchdog_ms()),
             limit: *cfg.restart_limit.get_ref(),
             window: Duration::from_millis(*cfg.restart_window_ms.get_ref()),
         };
@@ -240,13 +316,14 @@ impl DeviceRuntime {
             backend,
             exe: exe.to_path_buf(),
             backend_fds,
+            io_timeout_ms: cfg.watchdog_ms(),
             policy: match cfg.sandbox {
                 bulkhead_config::Sandbox::Required => Policy::Required,
                 bulkhead_config::Sandbox::BestEffort => Policy::BestEffort,
                 bulkhead_config::Sandbox::Off => Policy::Off,
             },
         };
-        let l = launcher.launch(1).map_err(err)?;
+        let l = launcher.launch(1).map_err(|e| err(e.to_string()))?;
         Ok(DeviceRuntime {
             name: name.clone(),
             device: Arc::new(Device::new(&name, size, l.fronts, None)),
@@ -267,6 +344,9 @@ impl DeviceRuntime {
                 history: VecDeque::new(),
                 quick_deaths: 0,
                 lingering: Vec::new(),
+                down_since: None,
+                retry_at: None,
+                retry_delay: Duration::ZERO,
             }),
             launcher,
             restart_lock: Mutex::new(()),
@@ -275,8 +355,24 @@ impl DeviceRuntime {
 }
 
 impl Launcher {
+    /// How long to keep reconnecting to a lost remote server; `None` for local backends.
+    pub(crate) fn reconnect_timeout(&self) -> Option<Duration> {
+        match &self.backend {
+            Backend::Nbd { reconnect_timeout_ms, .. } => Some(Duration::from_millis(*reconnect_timeout_ms)),
+            _ => None,
+        }
+    }
+
     /// Creates the queues of `generation` and execs a domain holding them and the backend.
-    pub(crate) fn launch(&self, generation: u32) -> Result<Launched, String> {
+    pub(crate) fn launch(&self, generation: u32) -> Result<Launched, LaunchError> {
+        // A remote backend gets a fresh connection each generation.
+        let conn = match &self.backend {
+            Backend::Nbd { uri, target, connect_timeout_ms, .. } => Some(
+                connect_nbd(target, Duration::from_millis(*connect_timeout_ms))
+                    .map_err(|e| LaunchError::Connect(format!("{uri}: {e}")))?,
+            ),
+            _ => None,
+        };
         let qcfg = QueueConfig { generation, ..self.qcfg };
         let mut fronts = Vec::new();
         let mut pass: Vec<OwnedFd> = Vec::new();
@@ -295,11 +391,12 @@ impl Launcher {
         }
         let next = 3 + pass.len() as i32;
         let (report_r, report_w) = report_pipe().map_err(|e| format!("report pipe: {e}"))?;
-        let backend_fd_count = self.backend_fds.len() as i32;
+        let backend_fd_count = self.backend_fds.len() as i32 + conn.is_some() as i32;
         let report_fd = next + backend_fd_count;
         let backend_spec = match &self.backend {
             Backend::Ram => BackendSpec::Ram { fd: next },
             Backend::Null => BackendSpec::Null,
+            Backend::Nbd { export, .. } => BackendSpec::Nbd { fd: next, export: export.clone(), timeout_ms: self.io_timeout_ms },
             Backend::File { direct, engine, read_only, .. } => BackendSpec::File {
                 fd: next,
                 buffered_fd: direct.then_some(next + 1),
@@ -322,6 +419,7 @@ impl Launcher {
         };
         let mut raw: Vec<RawFd> = pass.iter().map(|f| f.as_raw_fd()).collect();
         raw.extend(self.backend_fds.iter().map(|f| f.as_raw_fd()));
+        raw.extend(conn.iter().map(|f| f.as_raw_fd()));
         raw.push(report_w.as_raw_fd());
         let json = serde_json::to_string(&spec).expect("spec serialises");
         let use_ns = self.policy != Policy::Off;
@@ -329,11 +427,12 @@ impl Launcher {
             spawn_domain(&self.exe, &json, &raw, use_ns).map_err(|e| format!("cannot start driver domain: {e}"))?;
         // The domain holds its own copies now.
         drop(pass);
+        drop(conn);
         drop(report_w);
         if let (Policy::Required, Layer::Unavailable(why)) = (self.policy, &ns) {
             let _ = child.kill();
             let _ = child.wait_timeout(EXIT_WAIT);
-            return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}"));
+            return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}").into());
         }
         let layers = match read_report(&report_r) {
             Some(Report::Confined(layers)) => Some(layers),
@@ -341,7 +440,7 @@ impl Launcher {
                 let _ = child.wait_timeout(EXIT_WAIT);
                 let _ = child.kill();
                 let _ = child.wait_timeout(EXIT_WAIT);
-                return Err(format!("driver domain refused to start: {refused} (sandbox = \"required\")"));
+                return Err(format!("driver domain refused to start: {refused} (sandbox = \"required\")").into());
             }
             None => None,
         };

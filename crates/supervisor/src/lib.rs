@@ -12,5 +12,9 @@ mod domain;
 pub mod proc_info;
 mod supervisor;
 
+/// Exit status of a domain whose backend lost its remote server (EX_TEMPFAIL): the supervisor
+/// reconnects and starts the next generation.
+pub const LOST_EXIT: u8 = 75;
+
 pub use domain::{pidfd_open, spawn_domain, DeviceRuntime};
 pub use supervisor::{DeviceState, DeviceStatus, ProcessMemory, StatusReport, Supervisor, SupervisorError};

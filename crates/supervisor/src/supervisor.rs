@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bulkhead_config::Config;
 use serde::Serialize;
 
-use crate::domain::{current_exe, DeviceRuntime};
+use crate::domain::{current_exe, DeviceRuntime, LaunchError};
 use crate::proc_info::{self, Rss};
 
 /// Supervisor errors.
@@ -32,6 +32,8 @@ pub enum SupervisorError {
 pub enum DeviceState {
     /// Its domain runs and serves.
     Running,
+    /// Its remote server is gone and is being reconnected; I/O waits.
+    Reconnecting,
     /// Its domain is gone; I/O fails promptly.
     Failed,
     /// Stopped at shutdown.
@@ -43,6 +45,7 @@ impl DeviceState {
     pub fn as_str(self) -> &'static str {
         match self {
             DeviceState::Running => "running",
+            DeviceState::Reconnecting => "reconnecting",
             DeviceState::Failed => "failed",
             DeviceState::Stopped => "stopped",
         }
@@ -353,6 +356,8 @@ fn watch(inner: Arc<Inner>) {
                 let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
                 p.history.clear();
                 p.quick_deaths = 0;
+                p.down_since = None;
+                p.retry_at = None;
                 p.state = DeviceState::Running;
             }
             restart(rt, "restart requested", Instant::now(), &inner.shutting_down);
@@ -371,6 +376,16 @@ fn watch(inner: Arc<Inner>) {
                     p.reap_lingering();
                 }
             }
+            let retry = {
+                let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+                p.state == DeviceState::Reconnecting && p.retry_at.is_some_and(|t| t <= now)
+            };
+            if retry {
+                let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
+                relaunch(rt, "reconnecting", &inner.shutting_down);
+                progress[i] = Progress { answered: rt.device.answered(), since: Instant::now() };
+                continue;
+            }
             let died = pfds[2 * i].revents != 0;
             let broken = rt.device.take_broken_report();
             let mut why = None;
@@ -384,6 +399,9 @@ fn watch(inner: Arc<Inner>) {
                 let status = p.child.as_mut()?.try_wait().ok()??;
                 p.child = None;
                 p.pidfd = None;
+                if status.code() == Some(crate::LOST_EXIT as i32) {
+                    return Some(format!("driver domain (pid {}) lost its remote server", p.pid));
+                }
                 Some(format!("driver domain (pid {}) exited: {status}", p.pid))
             });
             if let Some(Some(e)) = exited {
@@ -465,10 +483,25 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
     if shutting_down.load(Ordering::Acquire) {
         return;
     }
+    relaunch(rt, why, shutting_down);
+}
+
+/// Launches the next generation of a device's domain (the caller holds its restart lock). A
+/// remote server that cannot be reached is retried with backoff, the device `reconnecting`,
+/// until its reconnect timeout; any other failure turns the device failed.
+fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
+    if shutting_down.load(Ordering::Acquire) {
+        return;
+    }
     let generation = rt.device.generation().wrapping_add(1);
     match rt.launcher.launch(generation) {
         Ok(l) => {
             let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(since) = p.down_since.take() {
+                eprintln!("bulkhead: device {}: reconnected after {} ms", rt.name, since.elapsed().as_millis());
+            }
+            p.retry_at = None;
+            p.retry_delay = Duration::ZERO;
             p.pid = l.child.id();
             p.child = Some(l.child);
             p.layers = l.layers;
@@ -480,6 +513,34 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
             p.restarts += 1;
             drop(p);
             rt.device.install_generation(l.fronts);
+        }
+        Err(LaunchError::Connect(e)) if rt.launcher.reconnect_timeout().is_some() => {
+            let timeout = rt.launcher.reconnect_timeout().unwrap_or_default();
+            let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            let since = *p.down_since.get_or_insert(now);
+            if now.duration_since(since) < timeout {
+                p.retry_delay = (p.retry_delay * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
+                p.retry_at = Some(now + p.retry_delay);
+                p.state = DeviceState::Reconnecting;
+                p.failure = Some(format!("{why}; reconnecting: {e}"));
+                let delay = p.retry_delay;
+                drop(p);
+                rt.device.log_limited(|| format!("{e}; trying again in {} ms", delay.as_millis()));
+                return;
+            }
+            let reason = format!(
+                "{e}; no connection for {} ms: device failed (`bulkhead restart {}` tries again)",
+                timeout.as_millis(),
+                rt.name
+            );
+            eprintln!("bulkhead: device {}: {reason}", rt.name);
+            p.state = DeviceState::Failed;
+            p.failure = Some(reason.clone());
+            p.down_since = None;
+            p.retry_at = None;
+            drop(p);
+            rt.device.fail(&reason);
         }
         Err(e) => {
             let reason = format!("{why}; restart failed: {e}");

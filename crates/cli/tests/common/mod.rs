@@ -142,3 +142,16 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 pub fn small_ram_config(name: &str, size: &str, notify: &str) -> String {
     format!("[[device]]\nname = \"{name}\"\nsize = \"{size}\"\nnotify = \"{notify}\"\n[device.backend]\ntype = \"ram\"\n")
 }
+
+/// Whether every tool is installed; a missing one skips the test, or fails it when
+/// `BULKHEAD_REQUIRE_KERNEL=1` (as in CI).
+pub fn tools(names: &[&str]) -> bool {
+    for n in names {
+        if bulkhead_testkit::kernel::which(n).is_none() {
+            assert!(std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"), "{n} required but not installed");
+            eprintln!("SKIP: {n} not installed");
+            return false;
+        }
+    }
+    true
+}
