@@ -86,6 +86,39 @@ enum BenchCmd {
         #[arg(long)]
         no_pin: bool,
     },
+    /// The IDDR thesis' sysbench fileio experiment, bulkhead next to the peers (needs root).
+    Fileio {
+        /// The quick subset (about two minutes).
+        #[arg(long)]
+        quick: bool,
+        /// Modes (comma-separated): rndrd, rndwr, rndrw, seqrd, seqwr, seqrewr.
+        #[arg(long, value_delimiter = ',')]
+        modes: Option<Vec<String>>,
+        /// Thread counts (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        threads: Option<Vec<u32>>,
+        /// bulkhead backends (comma-separated): ram, file.
+        #[arg(long, value_delimiter = ',')]
+        backends: Option<Vec<String>>,
+        /// Notification modes (comma-separated): irq, poll, adaptive.
+        #[arg(long, value_delimiter = ',')]
+        notify: Option<Vec<String>>,
+        /// Peers (comma-separated): native, nbdkit, qsd; `none` for none.
+        #[arg(long, value_delimiter = ',')]
+        peers: Option<Vec<String>>,
+        /// Seconds per point.
+        #[arg(long)]
+        seconds: Option<u32>,
+        /// Where to write report.json, points.csv, fileio.svg and report.txt.
+        #[arg(long, default_value = "bench-fileio")]
+        out: PathBuf,
+        /// Scratch directory for images (tmpfs).
+        #[arg(long, default_value = "/dev/shm")]
+        scratch: PathBuf,
+        /// Print the JSON report instead of the tables.
+        #[arg(long)]
+        json: bool,
+    },
     /// Outage per driver-domain restart: SIGKILL the driver under load, again and again.
     Restart {
         /// Kills to perform (at least 1).
@@ -114,6 +147,12 @@ fn main() -> ExitCode {
             bench_channel(mode, json, seconds, samples, !no_pin)
         }
         Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, json } } => bench_restart(kills, mode, threads, json),
+        Cmd::Bench {
+            which: BenchCmd::Fileio { quick, modes, threads, backends, notify, peers, seconds, out, scratch, json },
+        } => {
+            let args = FileioArgs { quick, modes, threads, backends, notify, peers, seconds, out, scratch, json };
+            bench_fileio(args)
+        }
     };
     match result {
         Ok(code) => code,
@@ -122,6 +161,106 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+struct FileioArgs {
+    quick: bool,
+    modes: Option<Vec<String>>,
+    threads: Option<Vec<u32>>,
+    backends: Option<Vec<String>>,
+    notify: Option<Vec<String>>,
+    peers: Option<Vec<String>>,
+    seconds: Option<u32>,
+    out: PathBuf,
+    scratch: PathBuf,
+    json: bool,
+}
+
+fn bench_fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
+    use bulkhead_bench::fileio::{self, System};
+    let mut opts = if a.quick { fileio::Options::quick() } else { fileio::Options::full() };
+    let check = |key: &str, given: &[String], allowed: &[&str]| -> anyhow::Result<()> {
+        match given.iter().find(|g| !allowed.contains(&g.as_str())) {
+            Some(bad) => anyhow::bail!("--{key}: unknown value `{bad}` (one of {})", allowed.join(", ")),
+            None => Ok(()),
+        }
+    };
+    if let Some(m) = a.modes {
+        check("modes", &m, &fileio::MODES)?;
+        opts.modes = m;
+    }
+    if let Some(t) = a.threads {
+        if let Some(bad) = t.iter().find(|t| !(1..=256).contains(*t)) {
+            anyhow::bail!("--threads: {bad} is out of range 1..=256");
+        }
+        opts.threads = t;
+    }
+    if let Some(s) = a.seconds {
+        if !(1..=3600).contains(&s) {
+            anyhow::bail!("--seconds: {s} is out of range 1..=3600");
+        }
+        opts.seconds = s;
+    }
+    let (mut backends, mut notify): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
+    let mut peers: Vec<String> = Vec::new();
+    for s in &opts.systems {
+        match s {
+            System::Bulkhead { backend, notify: n } => {
+                if !backends.contains(backend) {
+                    backends.push(backend.clone());
+                }
+                if !notify.contains(n) {
+                    notify.push(n.clone());
+                }
+            }
+            System::Peer { name } => peers.push(name.clone()),
+        }
+    }
+    if let Some(b) = a.backends {
+        check("backends", &b, &["ram", "file"])?;
+        backends = b;
+    }
+    if let Some(n) = a.notify {
+        check("notify", &n, &["irq", "poll", "adaptive"])?;
+        notify = n;
+    }
+    if let Some(p) = a.peers {
+        let p: Vec<String> = p.into_iter().filter(|x| x != "none").collect();
+        check("peers", &p, &fileio::PEERS)?;
+        peers = p;
+    }
+    opts.systems = backends
+        .iter()
+        .flat_map(|b| notify.iter().map(move |n| System::Bulkhead { backend: b.clone(), notify: n.clone() }))
+        .chain(peers.into_iter().map(|name| System::Peer { name }))
+        .collect();
+    opts.scratch = a.scratch;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
+    let exe = std::env::current_exe()?;
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let report = fileio::run_matrix(&exe, &opts, &stop, |p| {
+        if tty {
+            eprint!("\r\x1b[2K{}", fileio::progress_line(p));
+        } else {
+            eprintln!("bench fileio: {}", fileio::progress_line(p));
+        }
+    })
+    .map_err(anyhow::Error::msg)?;
+    if tty {
+        eprintln!();
+    }
+    let files = fileio::write_outputs(&report, &a.out).map_err(anyhow::Error::msg)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render());
+    }
+    for f in files {
+        eprintln!("bench fileio: wrote {}", f.display());
+    }
+    Ok(if report.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
 }
 
 fn bench_restart(kills: usize, mode: ModeArg, threads: usize, json: bool) -> anyhow::Result<ExitCode> {

@@ -252,6 +252,7 @@ impl Domain {
         self.chain.start().map_err(DriverError::BackendLost)?;
         let mut idle_since: Option<u64> = None;
         let mut spins = 0u32;
+        let mut slept = false;
         while !self.stop.load(Ordering::Relaxed) {
             match self.hostile_now() {
                 Some(Hostility::StopAnswering) => return self.play_dead(),
@@ -264,7 +265,11 @@ impl Domain {
             }
             if self.poll_once()? > 0 {
                 if let Some(t) = idle_since.take() {
-                    self.budget.record(now_ns() - t);
+                    if std::mem::take(&mut slept) {
+                        self.budget.record_after_sleep(now_ns() - t);
+                    } else {
+                        self.budget.record(now_ns() - t);
+                    }
                 }
                 spins = 0;
                 continue;
@@ -290,6 +295,7 @@ impl Domain {
                 continue;
             }
             self.sleep()?;
+            slept = true;
         }
         Ok(())
     }

@@ -1,0 +1,972 @@
+//! `bulkhead bench fileio`: the IDDR thesis' evaluation (ch. 5, figures 5.1–5.5) for bulkhead
+//! and the systems a user would pick instead, in one run.
+//!
+//! Every system is measured the same way: ext2 on a loop device (`--direct-io=on`) over the
+//! exported file, sysbench fileio with 16 KiB blocks and `O_DIRECT` over 256 MiB in 16 files,
+//! each mode at each thread count. Systems: bulkhead (`serve` with a 1 GiB `ram` device, or a
+//! `file` device on a loop device over a tmpfs file, in each notification mode) and the peers
+//! of `shared/tools/peers_fileio.sh` — the native loop device, nbdkit's memory plugin through
+//! nbdfuse, and qemu-storage-daemon's NBD export through nbdfuse. A peer whose tools are not
+//! installed is skipped with a note.
+//!
+//! CPU is reported per point two ways: the cores the whole host was busy (from `/proc/stat`,
+//! sysbench and the kernel included) and the cores used by the serving processes alone
+//! (`serve` and its driver domains; nbdkit, qemu-storage-daemon and nbdfuse).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// sysbench fileio modes, in the thesis' order.
+pub const MODES: [&str; 6] = ["rndrd", "rndwr", "rndrw", "seqrd", "seqwr", "seqrewr"];
+/// Thread counts of the thesis' figures.
+pub const THREADS: [u32; 6] = [1, 2, 4, 8, 16, 32];
+/// The peers.
+pub const PEERS: [&str; 3] = ["native", "nbdkit", "qsd"];
+
+/// One system under test.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum System {
+    /// bulkhead with a backend and a notification mode.
+    Bulkhead {
+        /// `ram` or `file`.
+        backend: String,
+        /// `irq`, `poll` or `adaptive`.
+        notify: String,
+    },
+    /// A peer (`native`, `nbdkit`, `qsd`).
+    Peer {
+        /// Its name.
+        name: String,
+    },
+}
+
+impl System {
+    /// Short name for tables and plots.
+    pub fn label(&self) -> String {
+        match self {
+            System::Bulkhead { backend, notify } => format!("bulkhead-{backend}-{notify}"),
+            System::Peer { name } => name.clone(),
+        }
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// sysbench modes.
+    pub modes: Vec<String>,
+    /// Thread counts.
+    pub threads: Vec<u32>,
+    /// Systems, in order.
+    pub systems: Vec<System>,
+    /// Seconds per point.
+    pub seconds: u32,
+    /// Scratch directory (tmpfs is best: images live there).
+    pub scratch: PathBuf,
+}
+
+impl Options {
+    /// The full matrix: every mode and thread count, bulkhead `ram` and `file` in every mode,
+    /// every peer.
+    pub fn full() -> Self {
+        let mut systems = Vec::new();
+        for backend in ["ram", "file"] {
+            for notify in ["irq", "poll", "adaptive"] {
+                systems.push(System::Bulkhead { backend: backend.into(), notify: notify.into() });
+            }
+        }
+        systems.extend(PEERS.iter().map(|p| System::Peer { name: p.to_string() }));
+        Options {
+            modes: MODES.iter().map(|s| s.to_string()).collect(),
+            threads: THREADS.to_vec(),
+            systems,
+            seconds: 5,
+            scratch: PathBuf::from("/dev/shm"),
+        }
+    }
+
+    /// The quick subset (about two minutes): random read and sequential write at 1 and 8
+    /// threads, bulkhead `ram` in every mode and every peer, 3 s per point.
+    pub fn quick() -> Self {
+        let mut o = Options::full();
+        o.modes = vec!["rndrd".into(), "seqwr".into()];
+        o.threads = vec![1, 8];
+        o.systems.retain(|s| !matches!(s, System::Bulkhead { backend, .. } if backend == "file"));
+        o.seconds = 3;
+        o
+    }
+}
+
+/// One measured point.
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    /// System label.
+    pub system: String,
+    /// sysbench mode.
+    pub mode: String,
+    /// Threads.
+    pub threads: u32,
+    /// Read throughput, MiB/s.
+    pub read_mibs: f64,
+    /// Write throughput, MiB/s.
+    pub write_mibs: f64,
+    /// Read plus write, MiB/s (the figure plotted and compared).
+    pub total_mibs: f64,
+    /// 95th percentile latency, ms.
+    pub p95_ms: f64,
+    /// Cores the host was busy during the point.
+    pub host_cpu_cores: f64,
+    /// Cores the serving processes used (0 for the native loop: its work is in the kernel).
+    pub server_cpu_cores: f64,
+}
+
+/// A system that could not be measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Skipped {
+    /// System label.
+    pub system: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Seconds per point.
+    pub seconds: u32,
+    /// Modes.
+    pub modes: Vec<String>,
+    /// Thread counts.
+    pub threads: Vec<u32>,
+    /// Systems measured, in order.
+    pub systems: Vec<String>,
+    /// Points.
+    pub points: Vec<Point>,
+    /// Systems skipped.
+    pub skipped: Vec<Skipped>,
+    /// Whether the run was interrupted (SIGINT/SIGTERM) before the end.
+    pub interrupted: bool,
+}
+
+/// Progress of a run, for a progress bar.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    /// Points done.
+    pub done: usize,
+    /// Points in all.
+    pub total: usize,
+    /// What runs now.
+    pub what: String,
+    /// Estimated time left.
+    pub eta: Duration,
+}
+
+fn which(tool: &str) -> bool {
+    std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())).unwrap_or(false)
+}
+
+fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(cmd).args(args).output().map_err(|e| format!("{cmd}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cmd} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Processes started for a system; SIGTERM, then SIGKILL, on drop.
+struct Procs(Vec<Child>);
+
+impl Procs {
+    fn pids(&self) -> Vec<u32> {
+        self.0.iter().map(|c| c.id()).collect()
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in self.0.iter_mut().rev() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline && !matches!(c.try_wait(), Ok(Some(_))) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Mounts, loop devices and FUSE mounts to undo, last first.
+#[derive(Default)]
+struct Undo(Vec<(String, Vec<String>)>);
+
+impl Undo {
+    fn push(&mut self, cmd: &str, args: &[&str]) {
+        self.0.push((cmd.to_string(), args.iter().map(|s| s.to_string()).collect()));
+    }
+}
+
+impl Drop for Undo {
+    fn drop(&mut self) {
+        while let Some((cmd, args)) = self.0.pop() {
+            let _ = Command::new(&cmd).args(&args).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        }
+    }
+}
+
+fn wait_for(path: &Path, what: &str, child: Option<&mut Child>) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut child = child;
+    while !path.exists() {
+        if let Some(c) = child.as_deref_mut() {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Err(format!("{what} exited ({st}) before {} appeared", path.display()));
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{what}: {} did not appear within 30 s", path.display()));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+fn losetup(file: &Path, undo: &mut Undo) -> Result<String, String> {
+    let dev = run("losetup", &["--direct-io=on", "-f", "--show", &file.display().to_string()])?.trim().to_string();
+    undo.push("losetup", &["-d", &dev]);
+    Ok(dev)
+}
+
+/// A system set up and mounted: ext2 on a loop device at `mnt`, sysbench files prepared.
+struct Mounted {
+    procs: Procs,
+    _undo: Undo,
+}
+
+fn image(path: &Path) -> Result<(), String> {
+    let f = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    f.set_len(1 << 30).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Starts `cmd` with no output, owned by `procs`.
+fn spawn_quiet(mut cmd: Command, what: &str, procs: &mut Procs) -> Result<(), String> {
+    let child =
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| format!("{what}: {e}"))?;
+    procs.0.push(child);
+    Ok(())
+}
+
+/// Starts an nbdfuse command mounting at `fuse`; its file once it is there.
+fn nbdfuse(cmd: Command, fuse: &Path, procs: &mut Procs, undo: &mut Undo) -> Result<PathBuf, String> {
+    spawn_quiet(cmd, "nbdfuse", procs)?;
+    undo.push("fusermount3", &["-u", &fuse.display().to_string()]);
+    let f = fuse.join("nbd");
+    wait_for(&f, "nbdfuse", procs.0.last_mut())?;
+    Ok(f)
+}
+
+/// Brings `sys` up under `dir` and mounts ext2 on it at `mnt`.
+fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path) -> Result<Mounted, String> {
+    let mut undo = Undo::default();
+    let mut procs = Procs(Vec::new());
+    let fuse = dir.join("fuse");
+    std::fs::create_dir_all(&fuse).map_err(|e| e.to_string())?;
+    let device_file = match sys {
+        System::Bulkhead { backend, notify } => {
+            let backend_toml = if backend == "file" {
+                let img = dir.join("backing.img");
+                image(&img)?;
+                let lo = losetup(&img, &mut undo)?;
+                format!("type = \"file\"\npath = \"{lo}\"\ndirect = true\n")
+            } else {
+                "type = \"ram\"\n".to_string()
+            };
+            let size = if backend == "file" { "" } else { "size = \"1G\"\n" };
+            let cfg = format!(
+                "[nbd]\nenabled = false\n[[device]]\nname = \"disk0\"\n{size}notify = \"{notify}\"\n[device.backend]\n{backend_toml}"
+            );
+            let cfg_path = dir.join("serve.toml");
+            std::fs::write(&cfg_path, cfg).map_err(|e| e.to_string())?;
+            let run_dir = dir.join("run");
+            let log = std::fs::File::create(dir.join("serve.log")).map_err(|e| e.to_string())?;
+            let child = Command::new(exe)
+                .arg("serve")
+                .arg("--config")
+                .arg(&cfg_path)
+                .arg("--run-dir")
+                .arg(&run_dir)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .map_err(|e| format!("cannot start bulkhead serve: {e}"))?;
+            procs.0.push(child);
+            let f = run_dir.join("fuse/disk0");
+            if let Err(e) = wait_for(&f, "bulkhead serve", procs.0.last_mut()) {
+                let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
+                return Err(format!("{e}: {}", log.lines().last().unwrap_or("")));
+            }
+            f
+        }
+        System::Peer { name } if name == "native" => {
+            let img = dir.join("native.img");
+            image(&img)?;
+            img
+        }
+        System::Peer { name } if name == "nbdkit" => {
+            let mut c = Command::new("nbdfuse");
+            c.arg(&fuse).args(["--command", "nbdkit", "-s", "memory", "1G"]);
+            nbdfuse(c, &fuse, &mut procs, &mut undo)?
+        }
+        System::Peer { name } if name == "qsd" => {
+            let img = dir.join("qsd.img");
+            image(&img)?;
+            let sock = dir.join("qsd.sock");
+            let mut c = Command::new("qemu-storage-daemon");
+            c.arg("--blockdev")
+                .arg(format!("driver=file,node-name=f,filename={},cache.direct=off", img.display()))
+                .arg("--nbd-server")
+                .arg(format!("addr.type=unix,addr.path={}", sock.display()))
+                .args(["--export", "type=nbd,id=e,node-name=f,writable=on"]);
+            spawn_quiet(c, "qemu-storage-daemon", &mut procs)?;
+            wait_for(&sock, "qemu-storage-daemon", procs.0.last_mut())?;
+            let mut c = Command::new("nbdfuse");
+            c.arg(&fuse).arg(format!("nbd+unix:///f?socket={}", sock.display()));
+            nbdfuse(c, &fuse, &mut procs, &mut undo)?
+        }
+        System::Peer { name } => return Err(format!("unknown peer `{name}`")),
+    };
+    let lo = losetup(&device_file, &mut undo)?;
+    run("mkfs.ext2", &["-q", "-F", &lo])?;
+    std::fs::create_dir_all(mnt).map_err(|e| e.to_string())?;
+    run("mount", &[&lo, &mnt.display().to_string()])?;
+    undo.push("umount", &[&mnt.display().to_string()]);
+    prepare(mnt)?;
+    Ok(Mounted { procs, _undo: undo })
+}
+
+/// Creates (or brings back to full size) sysbench's 16 files of 16 MiB.
+fn prepare(mnt: &Path) -> Result<(), String> {
+    let out = Command::new("sysbench")
+        .current_dir(mnt)
+        .args(["fileio", "--file-total-size=256M", "--file-num=16", "prepare"])
+        .output()
+        .map_err(|e| format!("sysbench: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("sysbench prepare: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok(())
+}
+
+/// Busy and total jiffies of the whole host.
+fn host_jiffies() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<u64> = s.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+/// utime + stime (jiffies) of `roots` and all their descendants.
+fn tree_jiffies(roots: &[u32]) -> u64 {
+    let mut parent: HashMap<u32, u32> = HashMap::new();
+    let mut cpu: HashMap<u32, u64> = HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // Fields after the command name, which may hold spaces, closed by the last ')'.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { continue };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.len() < 13 {
+            continue;
+        }
+        parent.insert(pid, f[1].parse().unwrap_or(0));
+        cpu.insert(pid, f[11].parse::<u64>().unwrap_or(0) + f[12].parse::<u64>().unwrap_or(0));
+    }
+    let mut sum = 0;
+    for (&pid, &j) in &cpu {
+        let mut p = pid;
+        for _ in 0..64 {
+            if roots.contains(&p) {
+                sum += j;
+                break;
+            }
+            match parent.get(&p) {
+                Some(&pp) if pp != 0 && pp != p => p = pp,
+                _ => break,
+            }
+        }
+    }
+    sum
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: plain sysconf query.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+fn field(out: &str, key: &str) -> f64 {
+    out.lines().find(|l| l.contains(key)).and_then(|l| l.split_whitespace().last()).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+}
+
+/// Runs one sysbench point on the mounted filesystem.
+fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: &[u32]) -> Result<Point, String> {
+    let (b0, t0) = host_jiffies();
+    let s0 = tree_jiffies(server);
+    let started = Instant::now();
+    let out = Command::new("sysbench")
+        .current_dir(mnt)
+        .args([
+            "fileio",
+            "--file-total-size=256M",
+            "--file-num=16",
+            &format!("--file-test-mode={mode}"),
+            "--file-block-size=16384",
+            "--file-extra-flags=direct",
+            &format!("--threads={threads}"),
+            &format!("--time={seconds}"),
+            "run",
+        ])
+        .output()
+        .map_err(|e| format!("sysbench: {e}"))?;
+    let wall = started.elapsed().as_secs_f64();
+    let (b1, t1) = host_jiffies();
+    let s1 = tree_jiffies(server);
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        // sysbench reports its fatal errors on stdout.
+        let err = String::from_utf8_lossy(&out.stderr);
+        let why: Vec<&str> =
+            text.lines().chain(err.lines()).filter(|l| l.contains("FATAL") || l.contains("rror")).map(str::trim).collect();
+        let why = if why.is_empty() { format!("exit {}", out.status) } else { why.join("; ") };
+        return Err(format!("sysbench {mode} threads={threads}: {why}"));
+    }
+    let read = field(&text, "read, MiB/s:");
+    let write = field(&text, "written, MiB/s:");
+    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
+    let host = if t1 > t0 { (b1 - b0) as f64 / (t1 - t0) as f64 * ncpu } else { 0.0 };
+    Ok(Point {
+        system: sys.to_string(),
+        mode: mode.to_string(),
+        threads,
+        read_mibs: read,
+        write_mibs: write,
+        total_mibs: read + write,
+        p95_ms: field(&text, "95th percentile:"),
+        host_cpu_cores: host,
+        server_cpu_cores: (s1.saturating_sub(s0)) as f64 / clock_ticks() / wall,
+    })
+}
+
+/// Why a system cannot run here, if it cannot.
+fn missing(sys: &System) -> Option<String> {
+    let tools: &[&str] = match sys {
+        System::Bulkhead { .. } | System::Peer { .. } if !which("sysbench") => return Some("sysbench not installed".into()),
+        System::Bulkhead { .. } => &[],
+        System::Peer { name } if name == "native" => &[],
+        System::Peer { name } if name == "nbdkit" => &["nbdkit", "nbdfuse"],
+        System::Peer { name } if name == "qsd" => &["qemu-storage-daemon", "nbdfuse"],
+        System::Peer { name } => return Some(format!("unknown peer `{name}`")),
+    };
+    tools.iter().find(|t| !which(t)).map(|t| format!("{t} not installed"))
+}
+
+/// Runs the matrix. `stop` ends it early (between points; what was set up is torn down).
+pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: impl FnMut(&Progress)) -> Result<Report, String> {
+    if ["losetup", "mkfs.ext2", "mount"].iter().any(|t| !which(t)) {
+        return Err("bench fileio needs losetup, mkfs.ext2 and mount (util-linux, e2fsprogs)".into());
+    }
+    // SAFETY: plain getuid.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("bench fileio needs root (loop devices, mount, FUSE)".into());
+    }
+    let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    // Short: unix socket paths under it must stay within 108 bytes.
+    let work = opts.scratch.join(format!("bh-fileio-{}-{}", std::process::id(), nonce % 1_000_000));
+    std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+    struct RmDir(PathBuf);
+    impl Drop for RmDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _rm = RmDir(work.clone());
+
+    let mut report = Report {
+        seconds: opts.seconds,
+        modes: opts.modes.clone(),
+        threads: opts.threads.clone(),
+        systems: Vec::new(),
+        points: Vec::new(),
+        skipped: Vec::new(),
+        interrupted: false,
+    };
+    let runnable: Vec<&System> = opts
+        .systems
+        .iter()
+        .filter(|s| match missing(s) {
+            Some(reason) => {
+                report.skipped.push(Skipped { system: s.label(), reason });
+                false
+            }
+            None => true,
+        })
+        .collect();
+    let per_system = opts.modes.len() * opts.threads.len();
+    let total = per_system * runnable.len();
+    let started = Instant::now();
+    let mut done = 0;
+    for (si, sys) in runnable.iter().enumerate() {
+        if stop.load(Ordering::Relaxed) {
+            report.interrupted = true;
+            break;
+        }
+        let label = sys.label();
+        let dir = work.join(format!("s{si}"));
+        let mnt = dir.join("mnt");
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        progress(&Progress { done, total, what: format!("{label}: setting up"), eta: eta(started, done, total) });
+        let m = match bring_up(sys, exe, &dir, &mnt) {
+            Ok(m) => m,
+            Err(reason) => {
+                report.skipped.push(Skipped { system: label.clone(), reason });
+                done += per_system;
+                continue;
+            }
+        };
+        report.systems.push(label.clone());
+        let server = m.procs.pids();
+        'modes: for (mi, mode) in opts.modes.iter().enumerate() {
+            // A time-limited seqwr rewrites the files from the start and leaves them as long as
+            // it got: the modes after it need them whole again.
+            if mi > 0 && opts.modes[mi - 1] == "seqwr" {
+                if let Err(e) = prepare(&mnt) {
+                    report.skipped.push(Skipped { system: label.clone(), reason: e });
+                }
+            }
+            for &t in &opts.threads {
+                if stop.load(Ordering::Relaxed) {
+                    report.interrupted = true;
+                    break 'modes;
+                }
+                progress(&Progress { done, total, what: format!("{label} {mode} threads={t}"), eta: eta(started, done, total) });
+                match point(&label, &mnt, mode, t, opts.seconds, &server) {
+                    Ok(p) => report.points.push(p),
+                    Err(e) => {
+                        report.skipped.push(Skipped { system: label.clone(), reason: e });
+                        done += 1;
+                        continue;
+                    }
+                }
+                done += 1;
+            }
+        }
+        drop(m);
+    }
+    progress(&Progress { done: total, total, what: "done".into(), eta: Duration::ZERO });
+    Ok(report)
+}
+
+fn eta(started: Instant, done: usize, total: usize) -> Duration {
+    if done == 0 {
+        return Duration::ZERO;
+    }
+    started.elapsed().mul_f64((total - done) as f64 / done as f64)
+}
+
+/// A one-line progress bar.
+pub fn progress_line(p: &Progress) -> String {
+    let width = 30;
+    let filled = if p.total == 0 { width } else { p.done * width / p.total };
+    let eta = if p.eta.is_zero() { "--".to_string() } else { format!("{}m{:02}s", p.eta.as_secs() / 60, p.eta.as_secs() % 60) };
+    format!("[{}{}] {}/{} ETA {eta} {}", "#".repeat(filled), ".".repeat(width - filled), p.done, p.total, p.what)
+}
+
+impl Report {
+    fn get(&self, sys: &str, mode: &str, t: u32) -> Option<&Point> {
+        self.points.iter().find(|p| p.system == sys && p.mode == mode && p.threads == t)
+    }
+
+    fn peers(&self) -> Vec<&String> {
+        self.systems.iter().filter(|s| !s.starts_with("bulkhead-")).collect()
+    }
+
+    /// CSV, one line per point.
+    pub fn csv(&self) -> String {
+        let mut s = String::from("system,mode,threads,read_mibs,write_mibs,total_mibs,p95_ms,host_cpu_cores,server_cpu_cores\n");
+        for p in &self.points {
+            s.push_str(&format!(
+                "{},{},{},{:.2},{:.2},{:.2},{:.2},{:.3},{:.3}\n",
+                p.system,
+                p.mode,
+                p.threads,
+                p.read_mibs,
+                p.write_mibs,
+                p.total_mibs,
+                p.p95_ms,
+                p.host_cpu_cores,
+                p.server_cpu_cores
+            ));
+        }
+        s
+    }
+
+    /// The tables: throughput per mode, CPU, ratios to each peer, and the goals.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let ths: Vec<String> = self.threads.iter().map(|t| format!("{t} thr")).collect();
+        for mode in &self.modes {
+            out.push_str(&format!("\n{mode}: MiB/s (server CPU cores)\n"));
+            let mut header = vec!["system"];
+            header.extend(ths.iter().map(|s| s.as_str()));
+            let mut t = crate::Table::new(&header);
+            for sys in &self.systems {
+                let mut row = vec![sys.clone()];
+                for &th in &self.threads {
+                    row.push(match self.get(sys, mode, th) {
+                        Some(p) => format!("{:.0} ({:.2})", p.total_mibs, p.server_cpu_cores),
+                        None => "-".into(),
+                    });
+                }
+                t.row(row);
+            }
+            out.push_str(&t.render());
+        }
+        let peers = self.peers();
+        if !peers.is_empty() {
+            out.push_str("\nratio of each bulkhead system to each peer over all points (min / median / max; at 1 thread)\n");
+            let mut t = crate::Table::new(&["bulkhead", "peer", "min", "median", "max", "1 thread (median)"]);
+            for sys in self.systems.iter().filter(|s| s.starts_with("bulkhead-")) {
+                for peer in &peers {
+                    let (all, one) = self.ratios(sys, peer);
+                    if all.is_empty() {
+                        continue;
+                    }
+                    t.row(vec![
+                        sys.clone(),
+                        peer.to_string(),
+                        format!("{:.2}", all[0]),
+                        format!("{:.2}", median(&all)),
+                        format!("{:.2}", all[all.len() - 1]),
+                        if one.is_empty() { "-".into() } else { format!("{:.2}", median(&one)) },
+                    ]);
+                }
+            }
+            out.push_str(&t.render());
+        }
+        out.push_str(&self.goals());
+        for s in &self.skipped {
+            out.push_str(&format!("skipped {}: {}\n", s.system, s.reason));
+        }
+        if self.interrupted {
+            out.push_str("interrupted: the results above are partial\n");
+        }
+        out
+    }
+
+    /// Sorted ratios of `sys` to `peer` over all points, and over the 1-thread points.
+    fn ratios(&self, sys: &str, peer: &str) -> (Vec<f64>, Vec<f64>) {
+        let mut all = Vec::new();
+        let mut one = Vec::new();
+        for p in self.points.iter().filter(|p| p.system == sys) {
+            if let Some(q) = self.get(peer, &p.mode, p.threads) {
+                if q.total_mibs > 0.0 {
+                    all.push(p.total_mibs / q.total_mibs);
+                    if p.threads == 1 {
+                        one.push(p.total_mibs / q.total_mibs);
+                    }
+                }
+            }
+        }
+        all.sort_by(|a, b| a.total_cmp(b));
+        one.sort_by(|a, b| a.total_cmp(b));
+        (all, one)
+    }
+
+    /// The issue's goals, checked on this run's points.
+    pub fn goals(&self) -> String {
+        let mut out = String::from("\ngoals\n");
+        for sys in self.systems.iter().filter(|s| s.ends_with("-adaptive")) {
+            let base = sys.trim_end_matches("-adaptive");
+            let (mut worst, mut at) = (f64::INFINITY, String::new());
+            let mut vs_native = Vec::new();
+            for p in self.points.iter().filter(|p| &p.system == sys) {
+                let best = ["nbdkit", "qsd"]
+                    .iter()
+                    .filter_map(|q| self.get(q, &p.mode, p.threads))
+                    .map(|q| q.total_mibs)
+                    .fold(0.0, f64::max);
+                if best > 0.0 && p.total_mibs / best < worst {
+                    worst = p.total_mibs / best;
+                    at = format!("{} threads={}", p.mode, p.threads);
+                }
+                if p.threads == 1 {
+                    if let Some(n) = self.get("native", &p.mode, 1) {
+                        vs_native.push(p.total_mibs / n.total_mibs.max(f64::MIN_POSITIVE));
+                    }
+                }
+            }
+            if worst.is_finite() {
+                out.push_str(&format!(
+                    "{sys} >= 2x best peer at every point: {} (worst {worst:.2}x at {at})\n",
+                    if worst >= 2.0 { "met" } else { "NOT met" }
+                ));
+            }
+            if !vs_native.is_empty() {
+                let m = vs_native.iter().cloned().fold(f64::INFINITY, f64::min);
+                out.push_str(&format!(
+                    "{sys} >= 50% of native at 1 thread: {} (worst {:.0}%)\n",
+                    if m >= 0.5 { "met" } else { "NOT met" },
+                    m * 100.0
+                ));
+            }
+            let (poll, irq) = (format!("{base}-poll"), format!("{base}-irq"));
+            let mut within = (0, 0);
+            for p in self.points.iter().filter(|p| &p.system == sys) {
+                let better = [&poll, &irq]
+                    .iter()
+                    .filter_map(|s| self.get(s, &p.mode, p.threads))
+                    .map(|q| q.total_mibs)
+                    .fold(0.0, f64::max);
+                if better > 0.0 {
+                    within.1 += 1;
+                    if p.total_mibs >= 0.9 * better {
+                        within.0 += 1;
+                    }
+                }
+            }
+            if within.1 > 0 {
+                out.push_str(&format!("{sys} within 10% of the better of poll and irq: {} of {} points\n", within.0, within.1));
+            }
+            let mut low = (0, 0);
+            for p in self.points.iter().filter(|p| p.system == poll && p.threads <= 2) {
+                if let Some(i) = self.get(&irq, &p.mode, p.threads) {
+                    low.1 += 1;
+                    if p.total_mibs > i.total_mibs {
+                        low.0 += 1;
+                    }
+                }
+            }
+            if low.1 > 0 {
+                out.push_str(&format!("{poll} beats {irq} at 1-2 threads: {} of {} points\n", low.0, low.1));
+            }
+        }
+        out
+    }
+
+    /// An SVG with one panel per mode: throughput against threads (log scale), a line per system.
+    pub fn svg(&self) -> String {
+        const COLORS: [&str; 9] =
+            ["#1f77b4", "#ff7f0e", "#2ca02c", "#17becf", "#bcbd22", "#9467bd", "#7f7f7f", "#d62728", "#8c564b"];
+        let (pw, ph, cols) = (380.0, 260.0, 3usize);
+        let rows = self.modes.len().div_ceil(cols).max(1);
+        let legend_h = 24.0 * self.systems.len().div_ceil(3) as f64 + 10.0;
+        let (w, h) = (pw * cols as f64 + 20.0, ph * rows as f64 + legend_h + 40.0);
+        let mut s = format!(
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
+             <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+             <text x=\"10\" y=\"20\" font-size=\"14\">sysbench fileio, 16 KiB O_DIRECT, ext2 on loop (--direct-io=on); MiB/s against threads; {} s per point</text>\n",
+            self.seconds
+        );
+        let tmin = self.threads.iter().copied().min().unwrap_or(1).max(1) as f64;
+        let tmax = self.threads.iter().copied().max().unwrap_or(1).max(2) as f64;
+        for (i, mode) in self.modes.iter().enumerate() {
+            let (ox, oy) = (10.0 + pw * (i % cols) as f64, 30.0 + ph * (i / cols) as f64);
+            let (l, r, t, b) = (ox + 50.0, ox + pw - 15.0, oy + 20.0, oy + ph - 35.0);
+            let ymax = self.points.iter().filter(|p| &p.mode == mode).map(|p| p.total_mibs).fold(0.0, f64::max).max(1.0) * 1.1;
+            let x =
+                |th: f64| if tmax > tmin { l + (th.ln() - tmin.ln()) / (tmax.ln() - tmin.ln()) * (r - l) } else { (l + r) / 2.0 };
+            let y = |v: f64| b - v / ymax * (b - t);
+            s.push_str(&format!("<text x=\"{}\" y=\"{}\" font-size=\"13\" font-weight=\"bold\">{mode}</text>\n", l, t - 6.0));
+            s.push_str(&format!(
+                "<rect x=\"{l}\" y=\"{t}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#888\"/>\n",
+                r - l,
+                b - t
+            ));
+            for k in 0..=4 {
+                let v = ymax / 1.1 * k as f64 / 4.0;
+                s.push_str(&format!(
+                    "<line x1=\"{l}\" x2=\"{r}\" y1=\"{0:.1}\" y2=\"{0:.1}\" stroke=\"#eee\"/><text x=\"{1}\" y=\"{2:.1}\" text-anchor=\"end\">{3:.0}</text>\n",
+                    y(v),
+                    l - 4.0,
+                    y(v) + 4.0,
+                    v
+                ));
+            }
+            for &th in &self.threads {
+                s.push_str(&format!("<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{th}</text>\n", x(th as f64), b + 14.0));
+            }
+            s.push_str(&format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">threads</text>\n", (l + r) / 2.0, b + 28.0));
+            for (si, sys) in self.systems.iter().enumerate() {
+                let pts: Vec<String> = self
+                    .threads
+                    .iter()
+                    .filter_map(|&th| self.get(sys, mode, th).map(|p| format!("{:.1},{:.1}", x(th as f64), y(p.total_mibs))))
+                    .collect();
+                if pts.is_empty() {
+                    continue;
+                }
+                let c = COLORS[si % COLORS.len()];
+                let dash = if sys.starts_with("bulkhead-") { "" } else { " stroke-dasharray=\"5,3\"" };
+                s.push_str(&format!(
+                    "<polyline points=\"{}\" fill=\"none\" stroke=\"{c}\" stroke-width=\"2\"{dash}/>\n",
+                    pts.join(" ")
+                ));
+                for p in &pts {
+                    let (px, py) = p.split_once(',').unwrap_or(("0", "0"));
+                    s.push_str(&format!("<circle cx=\"{px}\" cy=\"{py}\" r=\"2.5\" fill=\"{c}\"/>\n"));
+                }
+            }
+        }
+        let ly = 30.0 + ph * rows as f64 + 10.0;
+        for (si, sys) in self.systems.iter().enumerate() {
+            let (lx, yy) = (20.0 + 300.0 * (si % 3) as f64, ly + 24.0 * (si / 3) as f64);
+            let c = COLORS[si % COLORS.len()];
+            let dash = if sys.starts_with("bulkhead-") { "" } else { " stroke-dasharray=\"5,3\"" };
+            s.push_str(&format!(
+                "<line x1=\"{lx}\" x2=\"{}\" y1=\"{yy}\" y2=\"{yy}\" stroke=\"{c}\" stroke-width=\"2\"{dash}/><text x=\"{}\" y=\"{}\">{sys}</text>\n",
+                lx + 30.0,
+                lx + 36.0,
+                yy + 4.0
+            ));
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Writes `report.json`, `points.csv`, `fileio.svg` and `report.txt` into `dir`.
+pub fn write_outputs(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let files = [
+        ("report.json", serde_json::to_string_pretty(report).map_err(|e| e.to_string())? + "\n"),
+        ("points.csv", report.csv()),
+        ("fileio.svg", report.svg()),
+        ("report.txt", report.render()),
+    ];
+    let mut out = Vec::new();
+    for (name, text) in files {
+        let p = dir.join(name);
+        let mut f = std::fs::File::create(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        f.write_all(text.as_bytes()).map_err(|e| format!("{}: {e}", p.display()))?;
+        out.push(p);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Report {
+        let mut points = Vec::new();
+        for (sys, base) in [
+            ("bulkhead-ram-adaptive", 300.0),
+            ("bulkhead-ram-poll", 320.0),
+            ("bulkhead-ram-irq", 150.0),
+            ("native", 500.0),
+            ("nbdkit", 100.0),
+            ("qsd", 140.0),
+        ] {
+            for mode in ["rndrd", "seqwr"] {
+                for t in [1u32, 8] {
+                    let v = base * if t == 8 { 1.5 } else { 1.0 };
+                    points.push(Point {
+                        system: sys.into(),
+                        mode: mode.into(),
+                        threads: t,
+                        read_mibs: if mode == "rndrd" { v } else { 0.0 },
+                        write_mibs: if mode == "seqwr" { v } else { 0.0 },
+                        total_mibs: v,
+                        p95_ms: 0.1,
+                        host_cpu_cores: 1.5,
+                        server_cpu_cores: 0.8,
+                    });
+                }
+            }
+        }
+        Report {
+            seconds: 3,
+            modes: vec!["rndrd".into(), "seqwr".into()],
+            threads: vec![1, 8],
+            systems: ["bulkhead-ram-irq", "bulkhead-ram-poll", "bulkhead-ram-adaptive", "native", "nbdkit", "qsd"]
+                .map(String::from)
+                .to_vec(),
+            points,
+            skipped: vec![Skipped { system: "bulkhead-file-irq".into(), reason: "not asked".into() }],
+            interrupted: false,
+        }
+    }
+
+    #[test]
+    fn goals_are_checked_against_the_best_peer_and_native() {
+        let g = sample().goals();
+        // 300 / 140 = 2.14 against qsd, the better peer: met. 300 / 500 = 60% of native: met.
+        assert!(g.contains("bulkhead-ram-adaptive >= 2x best peer at every point: met (worst 2.14x"), "{g}");
+        assert!(g.contains(">= 50% of native at 1 thread: met (worst 60%)"), "{g}");
+        assert!(g.contains("within 10% of the better of poll and irq: 4 of 4 points"), "{g}");
+        assert!(g.contains("bulkhead-ram-poll beats bulkhead-ram-irq at 1-2 threads: 2 of 2 points"), "{g}");
+    }
+
+    #[test]
+    fn outputs_hold_every_point() {
+        let r = sample();
+        let csv = r.csv();
+        assert_eq!(csv.lines().count(), 1 + r.points.len());
+        assert!(csv.contains("nbdkit,seqwr,8,0.00,150.00,150.00"), "{csv}");
+        let txt = r.render();
+        assert!(txt.contains("rndrd: MiB/s") && txt.contains("skipped bulkhead-file-irq: not asked"), "{txt}");
+        assert!(txt.contains("bulkhead-ram-adaptive  nbdkit  3.00"), "{txt}");
+        let svg = r.svg();
+        assert_eq!(svg.matches("<polyline").count(), 12, "a line per system per mode");
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        let dir = std::env::temp_dir().join(format!("bulkhead-fileio-out-{}", std::process::id()));
+        let files = write_outputs(&r, &dir).unwrap();
+        assert_eq!(files.len(), 4);
+        let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+        assert_eq!(back["points"].as_array().unwrap().len(), r.points.len());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn sysbench_fields_parse() {
+        let out = "File operations:\n    reads/s:                      17044.94\nThroughput:\n    read, MiB/s:                  266.33\n    written, MiB/s:               0.00\nLatency (ms):\n         95th percentile:                        0.09\n";
+        assert_eq!(field(out, "read, MiB/s:"), 266.33);
+        assert_eq!(field(out, "written, MiB/s:"), 0.0);
+        assert_eq!(field(out, "95th percentile:"), 0.09);
+    }
+
+    #[test]
+    fn quick_is_a_subset_of_full() {
+        let (q, f) = (Options::quick(), Options::full());
+        assert!(q.systems.iter().all(|s| f.systems.contains(s)));
+        assert_eq!(f.systems.len(), 9);
+        assert_eq!(q.modes.len() * q.threads.len() * q.systems.len() * q.seconds as usize, 72);
+    }
+}

@@ -1,0 +1,50 @@
+//! `bulkhead bench fileio` end to end on a small matrix: bulkhead and the native loop peer
+//! measured, outputs written, nothing left behind.
+
+mod common;
+
+use std::process::Command;
+
+use bulkhead_testkit::require_kernel;
+use common::*;
+
+fn leftovers() -> (usize, usize) {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let loops =
+        Command::new("losetup").arg("-a").output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    (mounts.matches("bh-fileio-").count(), loops.matches("bh-fileio-").count())
+}
+
+#[test]
+fn bench_fileio_measures_a_small_matrix_and_cleans_up() {
+    require_kernel!();
+    if !tools(&["sysbench", "mkfs.ext2"]) {
+        return;
+    }
+    let tmp = TempDir::new("bench-fileio");
+    let out_dir = tmp.path().join("out");
+    let before = leftovers();
+    let out = Command::new("timeout")
+        .args(["300", exe(), "bench", "fileio", "--modes", "rndrd,seqwr", "--threads", "1,2", "--backends", "ram"])
+        .args(["--notify", "poll", "--peers", "native", "--seconds", "1", "--out"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("8/8"), "the progress reaches the end: {stderr}");
+    assert!(stdout.contains("bulkhead-ram-poll") && stdout.contains("native") && stdout.contains("goals"), "{stdout}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap()).unwrap();
+    let points = report["points"].as_array().unwrap();
+    assert_eq!(points.len(), 8, "2 systems x 2 modes x 2 thread counts: {report}");
+    for p in points {
+        assert!(p["total_mibs"].as_f64().unwrap() > 1.0, "a real measurement: {p}");
+    }
+    let bulkhead_cpu: f64 =
+        points.iter().filter(|p| p["system"] == "bulkhead-ram-poll").map(|p| p["server_cpu_cores"].as_f64().unwrap()).sum();
+    assert!(bulkhead_cpu > 0.5, "a polling driver domain uses CPU, and it is counted: {bulkhead_cpu}");
+    assert_eq!(std::fs::read_to_string(out_dir.join("points.csv")).unwrap().lines().count(), 9);
+    assert_eq!(std::fs::read_to_string(out_dir.join("fileio.svg")).unwrap().matches("<polyline").count(), 4);
+    assert_eq!(leftovers(), before, "no mount or loop device left behind");
+}
