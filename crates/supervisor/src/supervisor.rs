@@ -382,7 +382,7 @@ fn watch(inner: Arc<Inner>) {
             };
             if retry {
                 let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
-                relaunch(rt, "reconnecting", &inner.shutting_down);
+                relaunch(rt, "remote server still unreachable", &inner.shutting_down);
                 progress[i] = Progress { answered: rt.device.answered(), since: Instant::now() };
                 continue;
             }
