@@ -70,6 +70,8 @@ pub struct Options {
     pub seconds: u32,
     /// Scratch directory (tmpfs is best: images live there).
     pub scratch: PathBuf,
+    /// bulkhead's `spin_budget_us` (`None`: "auto").
+    pub spin_budget_us: Option<u64>,
 }
 
 impl Options {
@@ -89,6 +91,7 @@ impl Options {
             systems,
             seconds: 5,
             scratch: PathBuf::from("/dev/shm"),
+            spin_budget_us: None,
         }
     }
 
@@ -274,7 +277,7 @@ fn nbdfuse(cmd: Command, fuse: &Path, procs: &mut Procs, undo: &mut Undo) -> Res
 }
 
 /// Brings `sys` up under `dir` and mounts ext2 on it at `mnt`.
-fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path) -> Result<Mounted, String> {
+fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path, budget_us: Option<u64>) -> Result<Mounted, String> {
     let mut undo = Undo::default();
     let mut procs = Procs(Vec::new());
     let fuse = dir.join("fuse");
@@ -290,8 +293,9 @@ fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path) -> Result<Mounted,
                 "type = \"ram\"\n".to_string()
             };
             let size = if backend == "file" { "" } else { "size = \"1G\"\n" };
+            let budget = budget_us.map(|us| us.to_string()).unwrap_or_else(|| "\"auto\"".into());
             let cfg = format!(
-                "[nbd]\nenabled = false\n[[device]]\nname = \"disk0\"\n{size}notify = \"{notify}\"\n[device.backend]\n{backend_toml}"
+                "[nbd]\nenabled = false\n[[device]]\nname = \"disk0\"\n{size}notify = \"{notify}\"\nspin_budget_us = {budget}\n[device.backend]\n{backend_toml}"
             );
             let cfg_path = dir.join("serve.toml");
             std::fs::write(&cfg_path, cfg).map_err(|e| e.to_string())?;
@@ -474,8 +478,10 @@ fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: 
 
 /// Why a system cannot run here, if it cannot.
 fn missing(sys: &System) -> Option<String> {
+    if !which("sysbench") {
+        return Some("sysbench not installed".into());
+    }
     let tools: &[&str] = match sys {
-        System::Bulkhead { .. } | System::Peer { .. } if !which("sysbench") => return Some("sysbench not installed".into()),
         System::Bulkhead { .. } => &[],
         System::Peer { name } if name == "native" => &[],
         System::Peer { name } if name == "nbdkit" => &["nbdkit", "nbdfuse"],
@@ -540,7 +546,7 @@ pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: i
         let mnt = dir.join("mnt");
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         progress(&Progress { done, total, what: format!("{label}: setting up"), eta: eta(started, done, total) });
-        let m = match bring_up(sys, exe, &dir, &mnt) {
+        let m = match bring_up(sys, exe, &dir, &mnt, opts.spin_budget_us) {
             Ok(m) => m,
             Err(reason) => {
                 report.skipped.push(Skipped { system: label.clone(), reason });

@@ -115,6 +115,9 @@ enum BenchCmd {
         /// Scratch directory for images (tmpfs).
         #[arg(long, default_value = "/dev/shm")]
         scratch: PathBuf,
+        /// bulkhead's spin budget in µs (default: the self-tuning "auto").
+        #[arg(long)]
+        spin_budget_us: Option<u64>,
         /// Print the JSON report instead of the tables.
         #[arg(long)]
         json: bool,
@@ -148,9 +151,10 @@ fn main() -> ExitCode {
         }
         Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, json } } => bench_restart(kills, mode, threads, json),
         Cmd::Bench {
-            which: BenchCmd::Fileio { quick, modes, threads, backends, notify, peers, seconds, out, scratch, json },
+            which:
+                BenchCmd::Fileio { quick, modes, threads, backends, notify, peers, seconds, out, scratch, spin_budget_us, json },
         } => {
-            let args = FileioArgs { quick, modes, threads, backends, notify, peers, seconds, out, scratch, json };
+            let args = FileioArgs { quick, modes, threads, backends, notify, peers, seconds, out, scratch, spin_budget_us, json };
             bench_fileio(args)
         }
     };
@@ -173,6 +177,7 @@ struct FileioArgs {
     seconds: Option<u32>,
     out: PathBuf,
     scratch: PathBuf,
+    spin_budget_us: Option<u64>,
     json: bool,
 }
 
@@ -235,6 +240,12 @@ fn bench_fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
         .chain(peers.into_iter().map(|name| System::Peer { name }))
         .collect();
     opts.scratch = a.scratch;
+    if let Some(us) = a.spin_budget_us {
+        if us > 1_000_000 {
+            anyhow::bail!("--spin-budget-us: {us} exceeds one second");
+        }
+    }
+    opts.spin_budget_us = a.spin_budget_us;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
