@@ -121,6 +121,12 @@ impl BackQueue {
         self.ring.request_pending()
     }
 
+    /// Declares that the frontend never sleeps (`poll` mode): responses are then published
+    /// without the sleep handshake's fence.
+    pub fn set_peer_polls(&mut self, polls: bool) {
+        self.ring.set_peer_polls(polls);
+    }
+
     /// Announces SLEEPING; `true` if work is already pending (do not sleep).
     pub fn prepare_sleep(&self) -> bool {
         self.ring.prepare_sleep()

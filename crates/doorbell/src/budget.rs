@@ -107,6 +107,12 @@ impl SpinBudget {
         self.sample(gap_ns, gap_ns.saturating_sub(WAKE_LATENCY_NS));
     }
 
+    /// Whether recorded gaps change the budget (the `Auto` policy); callers that would read the
+    /// clock only to record a gap can skip it otherwise.
+    pub fn tunes(&self) -> bool {
+        matches!(self.policy, BudgetPolicy::Auto { .. })
+    }
+
     /// Whether the budget is probing at its ceiling now.
     pub fn probing(&self) -> bool {
         self.probing

@@ -54,14 +54,15 @@ enum Taken {
 impl Domain {
     /// A domain serving `queues` through `chain`; `stop` ends [`run`](Self::run).
     pub fn new(
-        queues: Vec<BackQueue>,
+        mut queues: Vec<BackQueue>,
         chain: Box<dyn Backend>,
         mode: NotifyMode,
         budget: BudgetPolicy,
         stop: Arc<AtomicBool>,
     ) -> Result<Self, DriverError> {
         let poller = Poller::new().map_err(|e| DriverError::Setup(e.to_string()))?;
-        for (i, q) in queues.iter().enumerate() {
+        for (i, q) in queues.iter_mut().enumerate() {
+            q.set_peer_polls(mode == NotifyMode::Poll);
             poller.add(q.kick_fd(), i as u64).map_err(|e| DriverError::Setup(e.to_string()))?;
         }
         Ok(Domain {
@@ -253,6 +254,7 @@ impl Domain {
         let mut idle_since: Option<u64> = None;
         let mut spins = 0u32;
         let mut slept = false;
+        let tunes = self.mode == NotifyMode::Adaptive && self.budget.tunes();
         while !self.stop.load(Ordering::Relaxed) {
             match self.hostile_now() {
                 Some(Hostility::StopAnswering) => return self.play_dead(),
@@ -265,22 +267,25 @@ impl Domain {
             }
             if self.poll_once()? > 0 {
                 if let Some(t) = idle_since.take() {
-                    if std::mem::take(&mut slept) {
-                        self.budget.record_after_sleep(now_ns() - t);
-                    } else {
-                        self.budget.record(now_ns() - t);
+                    if tunes {
+                        if std::mem::take(&mut slept) {
+                            self.budget.record_after_sleep(now_ns() - t);
+                        } else {
+                            self.budget.record(now_ns() - t);
+                        }
                     }
                 }
                 spins = 0;
                 continue;
             }
-            let since = *idle_since.get_or_insert_with(now_ns);
             let storming = self.turned && self.hostile == Some(Hostility::DoorbellStorm);
             let sleep = match self.mode {
                 _ if storming => false,
                 NotifyMode::Poll => false,
                 NotifyMode::Irq => true,
                 NotifyMode::Adaptive => {
+                    // Only this mode times the idle gap: poll and irq read no clock per request.
+                    let since = *idle_since.get_or_insert_with(now_ns);
                     spins = spins.wrapping_add(1);
                     spins % 32 == 0 && now_ns() - since >= self.budget.budget_ns()
                 }

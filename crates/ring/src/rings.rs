@@ -7,8 +7,9 @@ use bulkhead_shmem::Mapping;
 
 use crate::layout::{HeaderOffsets as H, RingLayout, MAGIC, VERSION};
 use crate::notify::{self, IndexCell, PeerState};
-use crate::wire::{RequestSlot, ResponseSlot, REQ_SLOT_SIZE, RSP_SLOT_SIZE};
+use crate::wire::{RequestSlot, ResponseSlot, HEAD_SEGMENTS, REQ_SLOT_HEAD, REQ_SLOT_SIZE, RSP_SLOT_SIZE};
 use crate::RingError;
+use zerocopy::{FromZeros, IntoBytes};
 
 fn cell(map: &Mapping, off: usize) -> &AtomicU32 {
     map.atomic_u32(off).expect("header field inside the mapping (layout checked at attach)")
@@ -26,6 +27,7 @@ pub struct FrontRing {
     req_published: u32,
     rsp_cons: u32,
     rsp_prod_seen: u32,
+    peer_polls: bool,
 }
 
 impl FrontRing {
@@ -45,12 +47,18 @@ impl FrontRing {
         }
         map.atomic_u64(H::PROGRESS)?.store(0, Ordering::Relaxed);
         cell(&map, H::GENERATION).store(generation, Ordering::Release);
-        Ok(FrontRing { map, layout, req_prod: 0, req_published: 0, rsp_cons: 0, rsp_prod_seen: 0 })
+        Ok(FrontRing { map, layout, req_prod: 0, req_published: 0, rsp_cons: 0, rsp_prod_seen: 0, peer_polls: false })
     }
 
     /// Ring geometry.
     pub fn layout(&self) -> RingLayout {
         self.layout
+    }
+
+    /// Declares that the driver never sleeps (`poll` mode on both sides): publication is then a
+    /// plain release store, without the fence and event-index check of the sleep handshake.
+    pub fn set_peer_polls(&mut self, polls: bool) {
+        self.peer_polls = polls;
     }
 
     /// Requests pushed whose responses have not been consumed.
@@ -69,7 +77,10 @@ impl FrontRing {
         if !self.has_space() {
             return Err(RingError::Full);
         }
-        self.map.write_obj(self.layout.req_slot(self.req_prod), slot)?;
+        // A request whose segments fit the first line is written as that line alone: the rest of
+        // the slot may hold an older request's bytes, which the driver does not read.
+        let n = if slot.nsegs as usize <= HEAD_SEGMENTS { REQ_SLOT_HEAD } else { REQ_SLOT_SIZE };
+        self.map.write_from(self.layout.req_slot(self.req_prod), &slot.as_bytes()[..n])?;
         self.req_prod = self.req_prod.wrapping_add(1);
         Ok(())
     }
@@ -82,6 +93,10 @@ impl FrontRing {
         }
         let old = self.req_published;
         self.req_published = self.req_prod;
+        if self.peer_polls {
+            cell(&self.map, H::REQ_PROD).store_release(self.req_prod);
+            return false;
+        }
         notify::publish(cell(&self.map, H::REQ_PROD), cell(&self.map, H::REQ_EVENT), old, self.req_prod)
     }
 
@@ -156,6 +171,7 @@ pub struct BackRing {
     rsp_prod: u32,
     rsp_published: u32,
     progress: u64,
+    peer_polls: bool,
 }
 
 impl BackRing {
@@ -189,12 +205,19 @@ impl BackRing {
             rsp_prod,
             rsp_published: rsp_prod,
             progress: 0,
+            peer_polls: false,
         })
     }
 
     /// Generation of the channel incarnation.
     pub fn generation(&self) -> u32 {
         self.generation
+    }
+
+    /// Declares that the frontend never sleeps (`poll` mode): publication is then a plain
+    /// release store, without the fence and event-index check of the sleep handshake.
+    pub fn set_peer_polls(&mut self, polls: bool) {
+        self.peer_polls = polls;
     }
 
     /// Takes the next request, if one is published, as a copy to validate.
@@ -210,7 +233,14 @@ impl BackRing {
                 return Ok(None);
             }
         }
-        let slot = self.map.read_obj::<RequestSlot>(self.layout.req_slot(self.req_cons))?;
+        // The first line, then the rest only if the copy says it names more segments: each byte
+        // is read once, and the copy is what gets validated.
+        let off = self.layout.req_slot(self.req_cons);
+        let mut slot = RequestSlot::new_zeroed();
+        self.map.read_into(off, &mut slot.as_mut_bytes()[..REQ_SLOT_HEAD])?;
+        if slot.nsegs as usize > HEAD_SEGMENTS {
+            self.map.read_into(off + REQ_SLOT_HEAD, &mut slot.as_mut_bytes()[REQ_SLOT_HEAD..])?;
+        }
         self.req_cons = self.req_cons.wrapping_add(1);
         Ok(Some(slot))
     }
@@ -240,6 +270,10 @@ impl BackRing {
         }
         let old = self.rsp_published;
         self.rsp_published = self.rsp_prod;
+        if self.peer_polls {
+            cell(&self.map, H::RSP_PROD).store_release(self.rsp_prod);
+            return false;
+        }
         notify::publish(cell(&self.map, H::RSP_PROD), cell(&self.map, H::RSP_EVENT), old, self.rsp_prod)
     }
 
@@ -378,6 +412,71 @@ mod tests {
         let _f = FrontRing::create(fm, layout, 0).unwrap();
         let m = Mapping::new(fd.as_raw_fd(), layout.file_size(), Protection::ReadWrite).unwrap();
         assert!(BackRing::attach(m, RingLayout::new(16).unwrap()).is_err());
+    }
+
+    fn seg(i: u64) -> crate::wire::Segment {
+        crate::wire::Segment { arena: 1, len: 4096, offset: i * 4096 }
+    }
+
+    #[test]
+    fn short_request_is_one_line_and_ignores_stale_tail() {
+        let (mut f, mut b) = pair(2);
+        // A six-segment request fills the whole slot 0.
+        let mut long = req(1);
+        long.nsegs = 6;
+        for i in 0..6 {
+            long.segs[i] = seg(i as u64 + 1);
+        }
+        f.push(&long).unwrap();
+        f.publish();
+        assert_eq!(b.pop_request().unwrap().unwrap(), long, "a long request is read whole");
+        b.push(&ResponseSlot { id: 1, generation: 5, ..Default::default() }).unwrap();
+        b.publish();
+        f.pop_response().unwrap().unwrap();
+        // Slot 1, then slot 0 again with one segment: its tail still holds the long request's
+        // segments, and the copy the driver gets must not.
+        let mut short = req(2);
+        short.nsegs = 1;
+        short.segs[0] = seg(9);
+        f.push(&req(3)).unwrap();
+        f.push(&short).unwrap();
+        f.publish();
+        assert_eq!(b.pop_request().unwrap().unwrap().id, 3);
+        let got = b.pop_request().unwrap().unwrap();
+        assert_eq!(got, short);
+        assert!(got.segs[2..].iter().all(|s| *s == Default::default()), "stale tail not read");
+        let raw = b.mapping().read_obj::<RequestSlot>(RingLayout::new(2).unwrap().req_slot(0)).unwrap();
+        assert_eq!(raw.segs[5], seg(6), "the tail in shared memory was indeed stale");
+    }
+
+    #[test]
+    fn a_slot_claiming_many_segments_is_read_whole_for_validation() {
+        let (mut f, mut b) = pair(2);
+        let mut s = req(1);
+        s.nsegs = 1;
+        f.push(&s).unwrap();
+        // A hostile frontend rewrites nsegs after the push: the driver's copy reads the tail too
+        // (and validation, not the ring, judges the segments).
+        f.map.write_obj(RingLayout::new(2).unwrap().req_slot(0) + 14, &7u16).unwrap();
+        f.publish();
+        let got = b.pop_request().unwrap().unwrap();
+        assert_eq!(got.nsegs, 7);
+    }
+
+    #[test]
+    fn polling_peers_publish_without_ringing() {
+        let (mut f, mut b) = pair(8);
+        f.set_peer_polls(true);
+        b.set_peer_polls(true);
+        // Even a peer that claims to sleep is not rung in poll mode: it never does.
+        assert!(!b.prepare_sleep());
+        f.push(&req(1)).unwrap();
+        assert!(!f.publish());
+        assert_eq!(b.pop_request().unwrap().unwrap().id, 1);
+        assert!(!f.prepare_sleep());
+        b.push(&ResponseSlot { id: 1, generation: 5, ..Default::default() }).unwrap();
+        assert!(!b.publish());
+        assert_eq!(f.pop_response().unwrap().unwrap().id, 1);
     }
 
     #[test]

@@ -4,6 +4,12 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 /// Bytes in a request slot.
 pub const REQ_SLOT_SIZE: usize = 128;
+/// Bytes of a request slot's first cache line: the fixed fields and the first
+/// [`HEAD_SEGMENTS`] segments. A request with no more segments than that is written and read as
+/// this line alone, so a round trip moves one line of request instead of two.
+pub const REQ_SLOT_HEAD: usize = 64;
+/// Segments that fit in [`REQ_SLOT_HEAD`].
+pub const HEAD_SEGMENTS: usize = (REQ_SLOT_HEAD - 32) / 16;
 /// Bytes in a response slot.
 pub const RSP_SLOT_SIZE: usize = 32;
 /// Segments a request slot can name.
@@ -150,6 +156,8 @@ mod tests {
     fn slot_sizes_are_fixed() {
         assert_eq!(std::mem::size_of::<RequestSlot>(), REQ_SLOT_SIZE);
         assert_eq!(std::mem::size_of::<ResponseSlot>(), RSP_SLOT_SIZE);
+        assert_eq!(std::mem::offset_of!(RequestSlot, segs), REQ_SLOT_HEAD - HEAD_SEGMENTS * 16);
+        assert_eq!(std::mem::size_of::<Segment>(), 16);
     }
 
     #[test]

@@ -113,6 +113,26 @@ impl Mapping {
         Ok(out)
     }
 
+    /// Copies the `dst.len()` bytes at `offset` into `dst` with volatile loads (a part of a slot;
+    /// the same rules as [`read_obj`](Self::read_obj)).
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
+        self.check(offset, dst.len())?;
+        // SAFETY: source range checked in bounds; destination is a private buffer of that length.
+        unsafe { volatile_copy(self.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into shared memory at `offset` with volatile stores.
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
+        if self.prot != Protection::ReadWrite {
+            return Err(ShmError::ReadOnly);
+        }
+        self.check(offset, src.len())?;
+        // SAFETY: destination checked in bounds of a writable mapping; source is private.
+        unsafe { volatile_copy(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) };
+        Ok(())
+    }
+
     /// Copies `obj` into shared memory with volatile stores.
     pub fn write_obj<T: IntoBytes + Immutable>(&self, offset: usize, obj: &T) -> Result<(), ShmError> {
         if self.prot != Protection::ReadWrite {
