@@ -35,6 +35,8 @@ struct IovecScratch(Vec<[libc::iovec; bulkhead_shmem::MAX_SLICES]>);
 // calls the vector holds stale values that are never dereferenced (it is cleared first).
 unsafe impl Send for IovecScratch {}
 
+// One per backend, built once and never moved on the data path: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum EngineState {
     Sync,
     Uring { ring: IoUring, iovecs: IovecScratch },
@@ -115,8 +117,10 @@ impl FileBackend {
     fn fd_for(&self, offset: u64, bufs: &SliceList<'_>) -> RawFd {
         match &self.buffered {
             Some(b) => {
-                let aligned = offset % DIRECT_ALIGN == 0
-                    && bufs.iter().all(|s| s.len() as u64 % DIRECT_ALIGN == 0 && s.as_ptr() as u64 % DIRECT_ALIGN == 0);
+                let aligned = offset.is_multiple_of(DIRECT_ALIGN)
+                    && bufs.iter().all(|s| {
+                        (s.len() as u64).is_multiple_of(DIRECT_ALIGN) && (s.as_ptr() as u64).is_multiple_of(DIRECT_ALIGN)
+                    });
                 if aligned {
                     self.fd.as_raw_fd()
                 } else {

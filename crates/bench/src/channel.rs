@@ -245,7 +245,7 @@ fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iop
             return Err("driver stopped answering".into());
         }
         check += 1;
-        if check % 64 == 0 && Instant::now() >= end {
+        if check.is_multiple_of(64) && Instant::now() >= end {
             break;
         }
     }

@@ -597,7 +597,7 @@ fn eta(started: Instant, done: usize, total: usize) -> Duration {
 /// A one-line progress bar.
 pub fn progress_line(p: &Progress) -> String {
     let width = 30;
-    let filled = if p.total == 0 { width } else { p.done * width / p.total };
+    let filled = (p.done * width).checked_div(p.total).unwrap_or(width);
     let eta = if p.eta.is_zero() { "--".to_string() } else { format!("{}m{:02}s", p.eta.as_secs() / 60, p.eta.as_secs() % 60) };
     format!("[{}{}] {}/{} ETA {eta} {}", "#".repeat(filled), ".".repeat(width - filled), p.done, p.total, p.what)
 }

@@ -403,7 +403,7 @@ impl FrontQueue {
             }
             std::hint::spin_loop();
             i = i.wrapping_add(1);
-            if i % 64 == 0 {
+            if i.is_multiple_of(64) {
                 let now = now_ns();
                 if i == 64 {
                     start = if tunes { start } else { now };

@@ -287,7 +287,7 @@ impl Domain {
                     // Only this mode times the idle gap: poll and irq read no clock per request.
                     let since = *idle_since.get_or_insert_with(now_ns);
                     spins = spins.wrapping_add(1);
-                    spins % 32 == 0 && now_ns() - since >= self.budget.budget_ns()
+                    spins.is_multiple_of(32) && now_ns() - since >= self.budget.budget_ns()
                 }
             };
             if !sleep {

@@ -284,7 +284,7 @@ impl Shared {
     fn log_error(&self, what: &str, e: &IoError) {
         // Rate-limited: the first 10, then every 1000th.
         let n = self.errors_logged.fetch_add(1, Ordering::Relaxed);
-        if n < 10 || n % 1000 == 0 {
+        if n < 10 || n.is_multiple_of(1000) {
             eprintln!("bulkhead: fuse {what}: {e} ({} errors so far)", n + 1);
         }
     }

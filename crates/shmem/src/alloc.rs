@@ -70,7 +70,7 @@ impl PageAllocator {
         let mut p = from;
         while p + n <= self.pages {
             // Skip whole used words quickly.
-            if p % 64 == 0 && self.bits[p / 64] == u64::MAX {
+            if p.is_multiple_of(64) && self.bits[p / 64] == u64::MAX {
                 p += 64;
                 continue;
             }

@@ -182,7 +182,7 @@ impl<T: FromBytes> AsMutBytesPtr for T {
 /// `src` must be valid for `len` reads and `dst` for `len` writes.
 unsafe fn volatile_copy(src: *const u8, dst: *mut u8, len: usize) {
     let mut i = 0;
-    if (src as usize) % 8 == 0 && (dst as usize) % 8 == 0 {
+    if (src as usize).is_multiple_of(8) && (dst as usize).is_multiple_of(8) {
         while i + 8 <= len {
             // SAFETY: in bounds per the contract and 8-aligned (both bases aligned, i multiple of 8).
             unsafe {
