@@ -31,8 +31,10 @@ pub const MAX_OPTION: u32 = 16 << 10;
 const MAX_STRING: u32 = 4096;
 /// Options one connection may send before it must pick an export.
 const MAX_OPTIONS: u32 = 64;
-/// Payload bytes held in memory by all connections together.
-const PAYLOAD_BUDGET: u64 = 64 << 20;
+/// Payload bytes held in memory by all connections together: one request of the largest size,
+/// or many smaller ones. With the FUSE workers' buffers this keeps the frontend's private
+/// memory under 64 MiB however many clients push at once.
+const PAYLOAD_BUDGET: u64 = MAX_PAYLOAD as u64;
 
 /// Where and how to serve.
 #[derive(Debug, Clone)]
