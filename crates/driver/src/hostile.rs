@@ -35,11 +35,14 @@ pub enum Hostility {
     StopAnswering,
     /// Exit after executing a batch, before answering it.
     ExitMidRequest,
+    /// Print a 1 MiB line and 100,000 more at once on standard error — terminal escapes,
+    /// lines posing as serve's own, bytes that are not UTF-8 — then serve correctly.
+    LogFlood,
 }
 
 impl Hostility {
     /// Every behaviour, in the order the tests run them.
-    pub const ALL: [Hostility; 11] = [
+    pub const ALL: [Hostility; 12] = [
         Hostility::CorruptIndex,
         Hostility::CorruptSlot,
         Hostility::UnknownId,
@@ -51,6 +54,7 @@ impl Hostility {
         Hostility::DoorbellStorm,
         Hostility::StopAnswering,
         Hostility::ExitMidRequest,
+        Hostility::LogFlood,
     ];
 
     /// The name used in `BULKHEAD_TEST_FAULT=hostile:<name>`.
@@ -67,6 +71,7 @@ impl Hostility {
             Hostility::DoorbellStorm => "doorbell-storm",
             Hostility::StopAnswering => "stop-answering",
             Hostility::ExitMidRequest => "exit-mid-request",
+            Hostility::LogFlood => "log-flood",
         }
     }
 
@@ -77,8 +82,36 @@ impl Hostility {
 
     /// Whether the behaviour breaks the protocol (the frontend must declare the channel broken).
     pub fn violates_protocol(self) -> bool {
-        !matches!(self, Hostility::OutOfOrder | Hostility::DoorbellStorm | Hostility::StopAnswering | Hostility::ExitMidRequest)
+        !matches!(
+            self,
+            Hostility::OutOfOrder
+                | Hostility::DoorbellStorm
+                | Hostility::StopAnswering
+                | Hostility::ExitMidRequest
+                | Hostility::LogFlood
+        )
     }
+}
+
+/// Writes the [`Hostility::LogFlood`] output to standard error.
+pub(crate) fn flood_log() {
+    use std::io::Write;
+    let mut out = Vec::with_capacity(2 << 20);
+    out.extend(std::iter::repeat_n(b'L', 1 << 20));
+    out.push(b'\n');
+    for i in 0..100_000u32 {
+        match i % 4 {
+            0 => out.extend_from_slice(format!("flood line {i}\n").as_bytes()),
+            1 => out.extend_from_slice(b"\x1b[2J\x1b[31mforged: screen cleared\r\n"),
+            2 => out.extend_from_slice(b"bulkhead: device other: forged: restarted, all is well\n"),
+            _ => out.extend_from_slice(b"\xff\xfe not utf-8\x07\n"),
+        }
+        if out.len() >= 1 << 20 {
+            let _ = std::io::stderr().write_all(&out);
+            out.clear();
+        }
+    }
+    let _ = std::io::stderr().write_all(&out);
 }
 
 /// A small deterministic generator for garbage bytes.

@@ -92,6 +92,9 @@ impl Domain {
         if !self.turned {
             self.turned = true;
             eprintln!("bulkhead driver: hostile test mode {}: misbehaving from now on", h.as_str());
+            if h == Hostility::LogFlood {
+                crate::hostile::flood_log();
+            }
         }
         Some(h)
     }
@@ -231,7 +234,7 @@ impl Domain {
                 eprintln!("bulkhead driver: hostile test mode: exiting with {} requests of queue {qi} unanswered", results.len());
                 std::process::exit(3);
             }
-            Hostility::CorruptIndex | Hostility::DoorbellStorm | Hostility::StopAnswering => {}
+            Hostility::CorruptIndex | Hostility::DoorbellStorm | Hostility::StopAnswering | Hostility::LogFlood => {}
         }
     }
 

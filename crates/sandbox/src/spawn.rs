@@ -143,11 +143,18 @@ const NS_FLAGS: u64 =
 /// Starts `exe args…` with `fds` at descriptors 3, 4, … and every other descriptor closed at
 /// exec. With `namespaces`, the process starts in new user, pid, mount, network and IPC
 /// namespaces, root inside mapped to `nobody` outside (to our own uid when not root); if the
-/// kernel refuses, it starts without them and the returned layer says why.
+/// kernel refuses, it starts without them and the returned layer says why. `output`, when
+/// given, becomes the process's descriptors 1 and 2 (otherwise it shares the caller's).
 ///
 /// The process dies with the calling *thread* (PR_SET_PDEATHSIG): call this only from a thread
 /// that outlives the domain.
-pub fn spawn(exe: &Path, args: &[&OsStr], fds: &[RawFd], namespaces: bool) -> io::Result<(DomainChild, Layer)> {
+pub fn spawn(
+    exe: &Path,
+    args: &[&OsStr],
+    fds: &[RawFd],
+    output: Option<RawFd>,
+    namespaces: bool,
+) -> io::Result<(DomainChild, Layer)> {
     if fds.len() > MAX_FDS {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "too many descriptors for one domain"));
     }
@@ -191,7 +198,17 @@ pub fn spawn(exe: &Path, args: &[&OsStr], fds: &[RawFd], namespaces: bool) -> io
         if pid == 0 {
             // SAFETY: child side; see above.
             unsafe {
-                child(sync_r.as_raw_fd(), err_w.as_raw_fd(), &srcs, n, want_ns, path.as_ptr(), argv.as_ptr(), envp.as_ptr())
+                child(
+                    sync_r.as_raw_fd(),
+                    err_w.as_raw_fd(),
+                    &srcs,
+                    n,
+                    output,
+                    want_ns,
+                    path.as_ptr(),
+                    argv.as_ptr(),
+                    envp.as_ptr(),
+                )
             }
         }
         if pid < 0 {
@@ -273,6 +290,7 @@ unsafe fn child(
     err_w: RawFd,
     srcs: &[RawFd; MAX_FDS],
     n: usize,
+    output: Option<RawFd>,
     in_ns: bool,
     path: *const libc::c_char,
     argv: *const *const libc::c_char,
@@ -315,11 +333,21 @@ unsafe fn child(
                 fail(err_hi);
             }
         }
+        let out_hi = match output {
+            Some(fd) => libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 1024),
+            None => -1,
+        };
+        if output.is_some() && out_hi < 0 {
+            fail(err_hi);
+        }
         for (i, &h) in high.iter().enumerate().take(n) {
             // dup2 leaves the target without FD_CLOEXEC: it survives exec.
             if libc::dup2(h, 3 + i as RawFd) < 0 {
                 fail(err_hi);
             }
+        }
+        if out_hi >= 0 && (libc::dup2(out_hi, 1) < 0 || libc::dup2(out_hi, 2) < 0) {
+            fail(err_hi);
         }
         const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
         libc::syscall(libc::SYS_close_range, 3 + n as libc::c_uint, libc::c_uint::MAX, CLOSE_RANGE_CLOEXEC);

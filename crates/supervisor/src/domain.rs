@@ -11,6 +11,8 @@ use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget};
 use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec, SandboxSpec};
 use bulkhead_sandbox::spawn::DomainChild;
+
+use crate::domain_log;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 use bulkhead_shmem::memfd;
 
@@ -423,23 +425,25 @@ impl Launcher {
         raw.push(report_w.as_raw_fd());
         let json = serde_json::to_string(&spec).expect("spec serialises");
         let use_ns = self.policy != Policy::Off;
-        let (mut child, ns) =
-            spawn_domain(&self.exe, &json, &raw, use_ns).map_err(|e| format!("cannot start driver domain: {e}"))?;
+        let (out_r, out_w) = domain_log::pipe().map_err(|e| format!("cannot make the domain's output pipe: {e}"))?;
+        let (mut child, ns) = spawn_domain_with_output(&self.exe, &json, &raw, Some(out_w.as_raw_fd()), use_ns)
+            .map_err(|e| format!("cannot start driver domain: {e}"))?;
         // The domain holds its own copies now.
         drop(pass);
         drop(conn);
         drop(report_w);
+        drop(out_w);
+        domain_log::relay(&self.name, child.id(), out_r);
         if let (Policy::Required, Layer::Unavailable(why)) = (self.policy, &ns) {
-            let _ = child.kill();
-            let _ = child.wait_timeout(EXIT_WAIT);
+            discard(child);
             return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}").into());
         }
         let layers = match read_report(&report_r) {
             Some(Report::Confined(layers)) => Some(layers),
             Some(Report::Refused { refused }) => {
+                // It exits on its own after reporting; give it the time to say why.
                 let _ = child.wait_timeout(EXIT_WAIT);
-                let _ = child.kill();
-                let _ = child.wait_timeout(EXIT_WAIT);
+                discard(child);
                 return Err(format!("driver domain refused to start: {refused} (sandbox = \"required\")").into());
             }
             None => None,
@@ -502,8 +506,30 @@ pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
 /// The domain dies with the *thread* that calls this (PR_SET_PDEATHSIG): call it only from a
 /// thread that outlives the domain (the main thread or the supervisor's watcher).
 pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd], namespaces: bool) -> std::io::Result<(DomainChild, Layer)> {
+    spawn_domain_with_output(exe, spec_json, fds, None, namespaces)
+}
+
+/// As [`spawn_domain`], with `output` as the domain's descriptors 1 and 2.
+pub(crate) fn spawn_domain_with_output(
+    exe: &Path,
+    spec_json: &str,
+    fds: &[RawFd],
+    output: Option<RawFd>,
+    namespaces: bool,
+) -> std::io::Result<(DomainChild, Layer)> {
     let args: [&std::ffi::OsStr; 3] = ["driver".as_ref(), "--spec".as_ref(), spec_json.as_ref()];
-    bulkhead_sandbox::spawn::spawn(exe, &args, fds, namespaces)
+    bulkhead_sandbox::spawn::spawn(exe, &args, fds, output, namespaces)
+}
+
+/// Ends a domain that will not be used: kills it and reaps it, on a thread of its own if it
+/// does not finish exiting at once (a killed process can take a while; see [`EXIT_WAIT`]).
+fn discard(mut child: DomainChild) {
+    let _ = child.kill();
+    if let Ok(None) = child.wait_timeout(EXIT_WAIT) {
+        let _ = std::thread::Builder::new().name("reap-domain".into()).spawn(move || {
+            let _ = child.wait();
+        });
+    }
 }
 
 /// The `bulkhead` executable to exec for domains.

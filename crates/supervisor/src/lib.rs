@@ -4,11 +4,13 @@
 //! per queue), opens or creates the backend's storage, execs a driver domain
 //! (`bulkhead driver --spec …`) holding only those descriptors, and hands the frontend end to
 //! the exports as a [`bulkhead_client::Device`]. A watcher thread learns of a domain's death
-//! through its pidfd. The control socket answers `status`.
+//! through its pidfd. The control socket answers `status`. What a domain prints reaches the
+//! log through [`domain_log`], prefixed, sanitised and rate-limited.
 #![deny(missing_docs)]
 
 pub mod control;
 mod domain;
+pub mod domain_log;
 pub mod proc_info;
 mod supervisor;
 

@@ -285,6 +285,8 @@ impl Supervisor {
             p.pidfd = None;
             p.state = DeviceState::Stopped;
         }
+        // The domains' last words reach the log before serve exits.
+        crate::domain_log::finish_all(Duration::from_secs(1));
     }
 }
 
