@@ -392,7 +392,7 @@ impl FrontQueue {
         // polled response (well under a microsecond) costs no clock read at all.
         let tunes = self.budget.tunes();
         let mut start = if tunes { now_ns() } else { 0 };
-        let mut deadline = u64::MAX;
+        let mut deadline = None;
         let mut i = 0u32;
         loop {
             if self.ring.response_pending() {
@@ -405,10 +405,16 @@ impl FrontQueue {
             i = i.wrapping_add(1);
             if i.is_multiple_of(64) {
                 let now = now_ns();
-                if i == 64 {
-                    start = if tunes { start } else { now };
-                    deadline = if timeout_ms < 0 { u64::MAX } else { start + timeout_ms as u64 * 1_000_000 };
-                }
+                let deadline = *deadline.get_or_insert_with(|| {
+                    if !tunes {
+                        start = now;
+                    }
+                    if timeout_ms < 0 {
+                        u64::MAX
+                    } else {
+                        start + timeout_ms as u64 * 1_000_000
+                    }
+                });
                 if now >= deadline || abort.load(std::sync::atomic::Ordering::Relaxed) {
                     return Ok(false);
                 }
@@ -417,6 +423,7 @@ impl FrontQueue {
                 }
             }
         }
+        let deadline = deadline.expect("the spin reads the clock before it gives up");
         // Sleep: publish SLEEPING + event index, re-check, block.
         if self.ring.prepare_sleep() {
             self.ring.set_running();
