@@ -11,11 +11,10 @@ use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget};
 use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec, SandboxSpec};
 use bulkhead_sandbox::spawn::DomainChild;
-
-use crate::domain_log;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 use bulkhead_shmem::memfd;
 
+use crate::domain_log;
 use crate::supervisor::{DeviceState, SupervisorError};
 
 /// A running domain process and the device's restart history.
