@@ -26,6 +26,22 @@ fn sh(cmd: &str, args: &[&str]) -> String {
     try_sh(cmd, args, 60).unwrap_or_else(|e| panic!("{cmd} {args:?}: {e}"))
 }
 
+/// Writes `count` blocks of `bs` (a dd size) of pattern `seed` at block `at` of a loop device
+/// over `fuse_file` with direct I/O, reads them back the same way, and says whether they match.
+fn direct_round_trip(tmp: &std::path::Path, fuse_file: &std::path::Path, bs: &str, at: u64, count: u64, seed: u64) -> bool {
+    let block = bs.trim_end_matches('M').parse::<usize>().unwrap() << 20;
+    let lo = LoopGuard::attach_direct(fuse_file);
+    let data = pattern(seed, block * count as usize);
+    let (src, back) = (tmp.join("src"), tmp.join("back"));
+    std::fs::write(&src, &data).unwrap();
+    let (bs, seek, skip, count) = (format!("bs={bs}"), format!("seek={at}"), format!("skip={at}"), format!("count={count}"));
+    let (inf, of) = (format!("if={}", src.display()), format!("of={}", lo.dev));
+    sh("dd", &[&inf, &of, &bs, &seek, "oflag=direct", "status=none"]);
+    let (inf, of) = (format!("if={}", lo.dev), format!("of={}", back.display()));
+    sh("dd", &[&inf, &of, &bs, &skip, &count, "iflag=direct", "status=none"]);
+    std::fs::read(&back).unwrap() == data
+}
+
 /// qemu-io commands against an NBD URI; panics unless all succeed.
 fn qemu_io(uri: &str, cmds: &[&str]) -> String {
     let mut args = vec!["-f", "raw"];
@@ -132,26 +148,10 @@ fn nbd_backend_serves_a_device_from_nbdkit() {
     qemu_io(&unix_uri(&sock, ""), &["read -P 0x5a 0 1M", "read -P 0xa5 1048577 70000", "read -P 0x3c 8M 64k"]);
 
     // And through the kernel: FUSE file → loop device with direct I/O, 4 MiB requests.
-    let lo = LoopGuard::attach_direct(&serve.fuse_file("r"));
-    let data = pattern(31, 8 << 20);
-    let src = tmp.path().join("src");
-    let back = tmp.path().join("back");
-    std::fs::write(&src, &data).unwrap();
-    sh("dd", &[&format!("if={}", src.display()), &format!("of={}", lo.dev), "bs=4M", "seek=4", "oflag=direct", "status=none"]);
-    sh(
-        "dd",
-        &[
-            &format!("if={}", lo.dev),
-            &format!("of={}", back.display()),
-            "bs=4M",
-            "skip=4",
-            "count=2",
-            "iflag=direct",
-            "status=none",
-        ],
+    assert!(
+        direct_round_trip(tmp.path(), &serve.fuse_file("r"), "4M", 4, 2, 31),
+        "4 MiB direct I/O through the nbd backend differs"
     );
-    assert!(std::fs::read(&back).unwrap() == data, "4 MiB direct I/O through the nbd backend differs");
-    drop(lo);
     let st = serve.status_json();
     assert_eq!(st["devices"][0]["restarts"], 0, "{st}");
     assert_eq!(st["devices"][0]["requests_failed"], 0, "{st}");
@@ -370,26 +370,10 @@ fn nbd_backend_reaches_a_bulkhead_export_on_a_second_host_over_tcp() {
     // The remote host holds the data: read it there, over its own unix socket.
     qemu_io(&unix_uri(&remote_run.join("nbd.sock"), "remote0"), &["read -P 0x42 0 4M", "read -P 0x43 6291457 12345"]);
     // And this host's kernel sees it as a block device.
-    let lo = LoopGuard::attach_direct(&serve.fuse_file("far"));
-    let data = pattern(5, 1 << 20);
-    let src = tmp.path().join("src");
-    let back = tmp.path().join("back");
-    std::fs::write(&src, &data).unwrap();
-    sh("dd", &[&format!("if={}", src.display()), &format!("of={}", lo.dev), "bs=1M", "seek=20", "oflag=direct", "status=none"]);
-    sh(
-        "dd",
-        &[
-            &format!("if={}", lo.dev),
-            &format!("of={}", back.display()),
-            "bs=1M",
-            "skip=20",
-            "count=1",
-            "iflag=direct",
-            "status=none",
-        ],
+    assert!(
+        direct_round_trip(tmp.path(), &serve.fuse_file("far"), "1M", 20, 1, 5),
+        "1 MiB direct I/O through the remote device differs"
     );
-    assert!(std::fs::read(&back).unwrap() == data);
-    drop(lo);
     let st = serve.status_json();
     assert_eq!(st["devices"][0]["requests_failed"], 0, "{st}");
 }
