@@ -241,6 +241,8 @@ fn doorbell_storm_is_damped_and_the_answer_still_arrives() {
     let (mut f, mut b) = pair(&cfg, 1 << 16).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let storm_for = Duration::from_millis(400);
+    // Timed from before the driver starts, so the storm cannot begin before the clock does.
+    let t0 = Instant::now();
     let driver = {
         let stop = stop.clone();
         std::thread::spawn(move || {
@@ -257,7 +259,6 @@ fn doorbell_storm_is_damped_and_the_answer_still_arrives() {
         })
     };
     let cpu0 = thread_cpu_ns();
-    let t0 = Instant::now();
     let r = f.execute(FrontRequest::Read { offset: 0, len: 4096 }, 5000, |_| {}).unwrap();
     let wall = t0.elapsed();
     let cpu = thread_cpu_ns() - cpu0;
