@@ -186,6 +186,8 @@ pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(Fro
         },
         queues: vec![QueueSpec { nslots: cfg.nslots, arena_bytes: front.arena_bytes() as u64, fds: [3, 4, 5, 6, 7] }],
         backend: BackendSpec::Ram { fd: 8 },
+        filters: Vec::new(),
+        state_fd: None,
         sandbox: Default::default(),
         report_fd: None,
     };

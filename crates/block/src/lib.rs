@@ -1,8 +1,11 @@
 //! The block request model shared by every layer of a driver domain.
 //!
 //! A domain runs a [`Chain`]: zero or more [`Layer`]s (filters, soft devices) over one
-//! [`Backend`]. Work moves through it in batches of [`Io`]s, so an engine such as io_uring can
-//! keep a whole batch in flight while every layer stays a plain synchronous function.
+//! [`Backend`]. Each request in flight carries a [`Tag`]; a layer sees it on the way down
+//! ([`Layer::submit`]) and decides with a [`Verdict`] to pass it on, answer it itself, or hold
+//! it (a delay, a throttle) until its [`Layer::poll`] releases it, and sees its result on the
+//! way up ([`Layer::complete`]). What reaches the backend goes down in batches of [`Io`]s, so
+//! an engine such as io_uring keeps a whole batch in flight.
 //!
 //! Every layer matches [`Request`] in full: there is no default pass-through, because a filter
 //! that forwards an operation it does not understand corrupts data.
@@ -49,7 +52,69 @@ pub enum Request<'a> {
     },
 }
 
+/// The kind of a [`Request`], for counting and configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// [`Request::Read`].
+    Read,
+    /// [`Request::Write`].
+    Write,
+    /// [`Request::Flush`].
+    Flush,
+    /// [`Request::Discard`].
+    Discard,
+    /// [`Request::WriteZeroes`].
+    WriteZeroes,
+}
+
+impl OpKind {
+    /// Every kind, in a fixed order (its [`index`](Self::index)).
+    pub const ALL: [OpKind; 5] = [OpKind::Read, OpKind::Write, OpKind::Flush, OpKind::Discard, OpKind::WriteZeroes];
+
+    /// Position in [`ALL`](Self::ALL).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Lower-case name as in configuration and status (`read`, `write`, `flush`, `discard`,
+    /// `write_zeroes`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OpKind::Read => "read",
+            OpKind::Write => "write",
+            OpKind::Flush => "flush",
+            OpKind::Discard => "discard",
+            OpKind::WriteZeroes => "write_zeroes",
+        }
+    }
+
+    /// Parses [`as_str`](Self::as_str).
+    pub fn parse(s: &str) -> Option<OpKind> {
+        Self::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
 impl Request<'_> {
+    /// Its kind.
+    pub fn kind(&self) -> OpKind {
+        match self {
+            Request::Read { .. } => OpKind::Read,
+            Request::Write { .. } => OpKind::Write,
+            Request::Flush => OpKind::Flush,
+            Request::Discard { .. } => OpKind::Discard,
+            Request::WriteZeroes { .. } => OpKind::WriteZeroes,
+        }
+    }
+
+    /// The device range it touches: offset and bytes (0, 0 for a flush).
+    pub fn range(&self) -> (u64, u64) {
+        match *self {
+            Request::Read { offset, bufs } | Request::Write { offset, bufs, .. } => (offset, bufs.total_len()),
+            Request::Discard { offset, len } | Request::WriteZeroes { offset, len } => (offset, len),
+            Request::Flush => (0, 0),
+        }
+    }
+
     /// Bytes a successful completion transfers (0 for operations without data).
     pub fn transfer_len(&self) -> u64 {
         match self {
@@ -137,6 +202,7 @@ impl BlockError {
             BlockError::Os { errno, .. } if *errno == 28 => Status::NoSpace,
             BlockError::Os { errno, .. } if *errno == 30 => Status::ReadOnly,
             BlockError::Os { errno, .. } if *errno == 95 => Status::NotSupported,
+            BlockError::Os { errno, .. } if *errno == 22 => Status::Invalid,
             BlockError::NotSupported(_) => Status::NotSupported,
             BlockError::Invalid(_) => Status::Invalid,
             BlockError::ReadOnly => Status::ReadOnly,
@@ -169,140 +235,15 @@ pub trait Backend: Send {
     }
 }
 
-/// A filter or soft device between the frontend and the backend.
-pub trait Layer: Send {
-    /// Short name for logs and status.
-    fn name(&self) -> &'static str;
-    /// Capabilities seen from above, given those below.
-    fn caps(&self, lower: Caps) -> Caps;
-    /// Size seen from above, given the size below.
-    fn size(&self, lower: u64) -> u64;
-    /// Executes a batch, forwarding to `lower` as it sees fit.
-    fn execute(&mut self, ios: &mut [Io<'_>], lower: &mut dyn Backend);
-}
+mod chain;
+mod layer;
 
-/// Layers over a backend, itself usable as a backend.
-pub struct Chain {
-    layers: Vec<Box<dyn Layer>>,
-    backend: Box<dyn Backend>,
-}
-
-impl std::fmt::Debug for Chain {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Chain").field("layers", &self.layer_names()).finish()
-    }
-}
-
-impl Chain {
-    /// `layers[0]` is nearest the frontend.
-    pub fn new(layers: Vec<Box<dyn Layer>>, backend: Box<dyn Backend>) -> Self {
-        Chain { layers, backend }
-    }
-
-    /// Names of the layers, top first.
-    pub fn layer_names(&self) -> Vec<&'static str> {
-        self.layers.iter().map(|l| l.name()).collect()
-    }
-}
-
-struct Rest<'c> {
-    layers: &'c mut [Box<dyn Layer>],
-    backend: &'c mut dyn Backend,
-}
-
-impl Backend for Rest<'_> {
-    fn size(&self) -> u64 {
-        self.layers.iter().rev().fold(self.backend.size(), |s, l| l.size(s))
-    }
-    fn caps(&self) -> Caps {
-        self.layers.iter().rev().fold(self.backend.caps(), |c, l| l.caps(c))
-    }
-    fn execute(&mut self, ios: &mut [Io<'_>]) {
-        match self.layers.split_first_mut() {
-            None => self.backend.execute(ios),
-            Some((top, rest)) => top.execute(ios, &mut Rest { layers: rest, backend: &mut *self.backend }),
-        }
-    }
-}
-
-impl Backend for Chain {
-    fn size(&self) -> u64 {
-        self.layers.iter().rev().fold(self.backend.size(), |s, l| l.size(s))
-    }
-    fn caps(&self) -> Caps {
-        self.layers.iter().rev().fold(self.backend.caps(), |c, l| l.caps(c))
-    }
-    fn execute(&mut self, ios: &mut [Io<'_>]) {
-        Rest { layers: &mut self.layers, backend: &mut *self.backend }.execute(ios)
-    }
-    fn start(&mut self) -> Result<(), String> {
-        self.backend.start()
-    }
-    fn lost(&self) -> Option<&str> {
-        self.backend.lost()
-    }
-}
+pub use chain::Chain;
+pub use layer::{Layer, Tag, TagSpace, Verdict};
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    struct Counting(u64);
-    impl Backend for Counting {
-        fn size(&self) -> u64 {
-            1 << 20
-        }
-        fn caps(&self) -> Caps {
-            Caps { flush: true, fua: false, discard: true, write_zeroes: true, read_only: false }
-        }
-        fn execute(&mut self, ios: &mut [Io<'_>]) {
-            for io in ios {
-                self.0 += 1;
-                io.result = Ok(io.req.transfer_len());
-            }
-        }
-    }
-
-    struct HideDiscard;
-    impl Layer for HideDiscard {
-        fn name(&self) -> &'static str {
-            "hide-discard"
-        }
-        fn caps(&self, lower: Caps) -> Caps {
-            Caps { discard: false, ..lower }
-        }
-        fn size(&self, lower: u64) -> u64 {
-            lower / 2
-        }
-        fn execute(&mut self, ios: &mut [Io<'_>], lower: &mut dyn Backend) {
-            for io in ios.iter_mut() {
-                match io.req {
-                    Request::Discard { .. } => io.result = Err(BlockError::NotSupported("discard")),
-                    Request::Read { .. } | Request::Write { .. } | Request::Flush | Request::WriteZeroes { .. } => {
-                        lower.execute(std::slice::from_mut(io))
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn chain_folds_caps_and_size_through_layers() {
-        let chain = Chain::new(vec![Box::new(HideDiscard), Box::new(HideDiscard)], Box::new(Counting(0)));
-        assert_eq!(chain.size(), 1 << 18);
-        assert!(!chain.caps().discard);
-        assert!(chain.caps().flush);
-        assert_eq!(chain.layer_names(), vec!["hide-discard", "hide-discard"]);
-    }
-
-    #[test]
-    fn chain_routes_requests_through_each_layer() {
-        let mut chain = Chain::new(vec![Box::new(HideDiscard)], Box::new(Counting(0)));
-        let mut ios = [Io::new(Request::Flush), Io::new(Request::Discard { offset: 0, len: 4096 })];
-        chain.execute(&mut ios);
-        assert_eq!(ios[0].result, Ok(0));
-        assert_eq!(ios[1].result, Err(BlockError::NotSupported("discard")));
-    }
 
     #[test]
     fn errors_map_to_stable_statuses() {

@@ -148,6 +148,11 @@ impl BackQueue {
         self.ring.generation()
     }
 
+    /// Slots of its rings: the most requests it can have in flight.
+    pub fn nslots(&self) -> u32 {
+        self.ring.nslots()
+    }
+
     /// Responses produced.
     pub fn completed(&self) -> u64 {
         self.ring.completed()

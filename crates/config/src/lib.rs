@@ -25,6 +25,7 @@
 //! restart_limit = 5       # restarts allowed within restart_window_ms, then `failed`
 //! restart_window_ms = 60000
 //! sandbox = "best_effort" # required | best_effort | off
+//! tap = "passthrough"     # where filters run (only passthrough in this version)
 //!
 //! [device.backend]
 //! type = "ram"            # ram | file | nbd | null
@@ -35,6 +36,10 @@
 //! # uri = "nbd://host:10809/export"  # nbd: or nbd+unix:///export?socket=/path
 //! # connect_timeout_ms = 5000        # nbd: one connection attempt
 //! # reconnect_timeout_ms = 60000     # nbd: keep reconnecting this long, then `failed`
+//!
+//! [[device.filter]]       # zero or more, frontend side first (docs/filters/)
+//! type = "trace"          # trace | stats | delay | error | throttle
+//! path = "/var/log/disk0.blktrace"
 //! ```
 //!
 //! Unknown keys and bad values are errors naming the key and the line.
@@ -42,6 +47,10 @@
 #![deny(missing_docs)]
 
 use std::path::{Path, PathBuf};
+
+mod filter;
+
+pub use filter::{Filter, FilterKind, FilterTable};
 
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
@@ -432,8 +441,38 @@ pub struct Device {
     /// `best_effort` starts it with a warning; `off` applies none (debugging only).
     #[serde(default = "default_sandbox")]
     pub sandbox: Sandbox,
+    /// Where the filters run.
+    #[serde(default)]
+    pub tap: Tap,
     /// Backend table.
     pub backend: BackendTable,
+    /// `[[device.filter]]` tables, frontend side first.
+    #[serde(default, rename = "filter")]
+    pub filters: Vec<FilterTable>,
+}
+
+/// Where a device's filters run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tap {
+    /// In the backend's own driver domain.
+    #[default]
+    Passthrough,
+    /// In a tap domain of their own between the frontend and the backend domain.
+    Interpose,
+    /// In a tap domain that ends the chain itself, with no backend domain.
+    Intercept,
+}
+
+impl Tap {
+    /// The configuration spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tap::Passthrough => "passthrough",
+            Tap::Interpose => "interpose",
+            Tap::Intercept => "intercept",
+        }
+    }
 }
 
 fn default_queues() -> Spanned<u32> {
@@ -446,6 +485,14 @@ fn default_arena() -> Spanned<Size> {
     Spanned::new(0..0, Size(8 << 20))
 }
 impl Device {
+    /// The filters, resolved (validated with the rest of the configuration).
+    pub fn filters(&self) -> Vec<Filter> {
+        let watchdog = self.watchdog_ms();
+        let name = self.name.get_ref();
+        let err = |_: std::ops::Range<usize>, m: String| ConfigError::Parse { origin: String::new(), message: m };
+        self.filters.iter().enumerate().filter_map(|(i, f)| f.resolve(name, i, watchdog, &err).ok()).collect()
+    }
+
     /// The watchdog in ms: as configured, else 1000 (10000 for an `nbd` backend).
     pub fn watchdog_ms(&self) -> u64 {
         match &self.watchdog_ms {
@@ -767,6 +814,19 @@ impl Config {
                     }
                 }
             }
+            for (i, f) in d.filters.iter().enumerate() {
+                f.resolve(name, i, d.watchdog_ms(), &err)?;
+            }
+            if d.tap != Tap::Passthrough {
+                let span = d.filters.first().map_or(d.name.span(), |f| f.kind.span());
+                return Err(err(
+                    span,
+                    format!(
+                        "device `{name}`: key `tap`: \"{}\" is not available in this version; \"passthrough\" runs the filters in the backend's domain",
+                        d.tap.as_str()
+                    ),
+                ));
+            }
             if let Some(s) = &d.size {
                 if s.get_ref().0 == 0 || s.get_ref().0 % 512 != 0 {
                     return Err(err(
@@ -940,5 +1000,74 @@ mod tests {
         ] {
             assert!(parse_nbd_uri(bad).is_err(), "{bad}");
         }
+    }
+
+    const RAM: &str = "[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n";
+
+    #[test]
+    fn filters_resolve_in_order_frontend_side_first() {
+        let c = parse(&format!(
+            "{RAM}[[device.filter]]\ntype = \"trace\"\npath = \"/tmp/t.blktrace\"\n[[device.filter]]\ntype = \"stats\"\n\
+             [[device.filter]]\ntype = \"delay\"\ndelay_us = 100\nflush_us = 0\n[[device.filter]]\ntype = \"error\"\n\
+             ops = [\"write\", \"flush\"]\nprobability = 0.5\nerrno = \"ENOSPC\"\ncount = 3\noffset = \"1M\"\n\
+             [[device.filter]]\ntype = \"throttle\"\niops = 100\niops_max = 200\nmax_length = 2.0\nbps_write = \"10M\"\n"
+        ))
+        .unwrap();
+        let f = c.devices[0].filters();
+        let types: Vec<_> = f.iter().map(|f| f.spec.type_name()).collect();
+        assert_eq!(types, ["trace", "stats", "delay", "error", "throttle"]);
+        assert_eq!(f[0].path.as_deref(), Some(Path::new("/tmp/t.blktrace")));
+        assert_eq!(f[2].spec, bulkhead_filters::FilterSpec::Delay { delay_us: [100, 100, 0, 100, 100] });
+        match &f[3].spec {
+            bulkhead_filters::FilterSpec::Error { rule } => {
+                assert_eq!(
+                    (rule.ops, rule.probability_ppm, rule.errno, rule.count, rule.offset),
+                    (0b110, 500_000, 28, Some(3), 1 << 20)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        match &f[4].spec {
+            bulkhead_filters::FilterSpec::Throttle { limits } => {
+                let iops = limits.iops_total.unwrap();
+                assert_eq!((iops.avg, iops.max, iops.max_length), (100.0, 200.0, 2.0));
+                assert_eq!(limits.bps_write.unwrap().avg, 10.0 * 1048576.0);
+                assert!(limits.bps_total.is_none());
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn filter_errors_name_the_key_the_filter_and_the_line() {
+        let cases = [
+            ("type = \"trace\"\n", "filter.path", 7),
+            ("type = \"stats\"\ndelay_us = 5\n", "only applies to type = \"delay\"", 8),
+            ("type = \"delay\"\ndelay_us = 900000\n", "watchdog_ms", 8),
+            ("type = \"delay\"\n", "set delay_us", 7),
+            ("type = \"error\"\nops = [\"read\", \"trim\"]\n", "unknown operation `trim`", 8),
+            ("type = \"error\"\nprobability = 1.5\n", "filter.probability", 8),
+            ("type = \"error\"\nerrno = \"EPERM\"\n", "filter.errno", 8),
+            ("type = \"throttle\"\n", "at least one", 7),
+            ("type = \"throttle\"\niops_max = 5\n", "needs `iops`", 8),
+            ("type = \"throttle\"\niops = 50\niops_max = 5\n", "below the average", 9),
+            ("type = \"throttle\"\niops = 0\n", "positive", 8),
+            ("type = \"zip\"\n", "zip", 7),
+            ("type = \"stats\"\nguard = \"dwc\"\n", "guard", 8),
+        ];
+        for (table, want, line) in cases {
+            let e = parse(&format!("{RAM}[[device.filter]]\n{table}")).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains(&format!("line {line}")), "{table:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn tap_modes_other_than_passthrough_are_refused_by_name() {
+        let c = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"passthrough\"")).unwrap();
+        assert_eq!(c.devices[0].tap, Tap::Passthrough);
+        let e = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"interpose\"")).unwrap_err().to_string();
+        assert!(e.contains("`tap`") && e.contains("interpose"), "{e}");
+        let e = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"sideways\"")).unwrap_err().to_string();
+        assert!(e.contains("sideways") && e.contains("line 4"), "{e}");
     }
 }

@@ -11,7 +11,7 @@ pub mod hostile;
 mod runtime;
 pub mod spec;
 
-pub use runtime::{Domain, DomainStats};
+pub use runtime::{Domain, DomainStats, HEARTBEAT, HELD};
 
 /// Why a domain stopped.
 #[derive(Debug, thiserror::Error)]

@@ -1,12 +1,20 @@
 //! The service loop.
+//!
+//! Each turn takes up to [`BATCH`] requests from one queue, gives every valid one a [`Tag`] from
+//! that queue's share of the tag table, and runs the [`Chain`]: requests a layer holds (a
+//! delay, a throttle) stay in the table and complete on a later turn, possibly after requests
+//! that came after them — the protocol lets the driver answer out of order. A queue whose
+//! every tag is in flight is not read until one comes back, so a frontend can never make the
+//! domain hold more than its ring's slots.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrayvec::ArrayVec;
-use bulkhead_block::{Backend, Io, Request};
+use bulkhead_block::{BlockError, Chain, Request, Tag, TagSpace};
 use bulkhead_channel::{BackQueue, Popped};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
+use bulkhead_filters::state::StatePage;
 use bulkhead_ring::{HeaderOffsets, Op, ResponseSlot, Status, ValidRequest};
 
 use crate::hostile::{Garbage, Hostility, TRIGGER_AFTER};
@@ -14,6 +22,15 @@ use crate::DriverError;
 
 /// Requests taken from one queue per turn.
 const BATCH: usize = 32;
+
+/// Slots of the domain's state page: a counter bumped every 100 ms or so while the loop turns
+/// with layers in the chain, and the requests layers hold.
+pub const HEARTBEAT: usize = 1;
+/// See [`HEARTBEAT`].
+pub const HELD: usize = 2;
+
+/// Longest sleep between turns, so a stop request and layers' housekeeping are seen promptly.
+const MAX_SLEEP_MS: u64 = 500;
 
 /// Counters of a running domain.
 #[derive(Debug, Clone, Copy, Default)]
@@ -26,15 +43,72 @@ pub struct DomainStats {
     pub sleeps: u64,
 }
 
+/// A request in the chain: the queue it came from and its validated copy.
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    queue: usize,
+    req: ValidRequest,
+}
+
+/// The tag table: every request between its pop and its response.
+#[derive(Debug)]
+struct Tags {
+    slots: Vec<Option<InFlight>>,
+    /// Free tags of each queue (each queue owns as many tags as its ring has slots).
+    free: Vec<Vec<Tag>>,
+}
+
+impl Tags {
+    fn new(queues: &[BackQueue]) -> Self {
+        let mut free = Vec::with_capacity(queues.len());
+        let mut next = 0u32;
+        for q in queues {
+            let n = q.nslots();
+            free.push((next..next + n).rev().map(Tag::new).collect());
+            next += n;
+        }
+        Tags { slots: vec![None; next as usize], free }
+    }
+
+    fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.iter().map(Vec::len).sum::<usize>()
+    }
+}
+
+/// The block request a validated ring request stands for, over its arena windows.
+fn request<'q>(queues: &'q [BackQueue], f: &InFlight) -> Request<'q> {
+    let r = &f.req;
+    match r.op {
+        Op::Read => Request::Read { offset: r.offset, bufs: queues[f.queue].buffers(r) },
+        Op::Write => Request::Write { offset: r.offset, bufs: queues[f.queue].buffers(r), fua: r.fua },
+        Op::Flush => Request::Flush,
+        Op::Discard => Request::Discard { offset: r.offset, len: r.len },
+        Op::WriteZeroes => Request::WriteZeroes { offset: r.offset, len: r.len },
+    }
+}
+
 /// A driver domain's queues and chain.
 pub struct Domain {
     queues: Vec<BackQueue>,
-    chain: Box<dyn Backend>,
+    chain: Chain,
+    tags: Tags,
+    /// Results of the current turn, by tag (scratch, kept to avoid allocating).
+    done: Vec<(Tag, Result<u64, BlockError>)>,
+    /// Queues with responses written and not yet published.
+    dirty: Vec<bool>,
     mode: NotifyMode,
     budget: SpinBudget,
     poller: Poller,
     stop: Arc<AtomicBool>,
     stats: DomainStats,
+    /// When layers last had their idle call.
+    idled_at: u64,
+    /// Where the domain shows the supervisor it is alive while layers hold requests.
+    state: Option<StatePage>,
     /// Test-only misbehaviour, and whether it has started.
     hostile: Option<Hostility>,
     turned: bool,
@@ -46,16 +120,11 @@ impl std::fmt::Debug for Domain {
     }
 }
 
-enum Taken {
-    Valid(ValidRequest),
-    Invalid { id: u64, generation: u32 },
-}
-
 impl Domain {
     /// A domain serving `queues` through `chain`; `stop` ends [`run`](Self::run).
     pub fn new(
         mut queues: Vec<BackQueue>,
-        chain: Box<dyn Backend>,
+        mut chain: Chain,
         mode: NotifyMode,
         budget: BudgetPolicy,
         stop: Arc<AtomicBool>,
@@ -65,17 +134,34 @@ impl Domain {
             q.set_peer_polls(mode == NotifyMode::Poll);
             poller.add(q.kick_fd(), i as u64).map_err(|e| DriverError::Setup(e.to_string()))?;
         }
+        let tags = Tags::new(&queues);
+        let per_queue = queues.first().map_or(0, BackQueue::nslots);
+        if queues.iter().any(|q| q.nslots() != per_queue) {
+            return Err(DriverError::Setup("every queue of a device has the same depth".into()));
+        }
+        chain.attach(TagSpace { queues: queues.len() as u32, per_queue });
         Ok(Domain {
+            done: Vec::with_capacity(tags.capacity()),
+            dirty: vec![false; queues.len()],
             queues,
             chain,
+            tags,
             mode,
             budget: SpinBudget::new(budget),
             poller,
             stop,
             stats: DomainStats::default(),
+            idled_at: now_ns(),
+            state: None,
             hostile: None,
             turned: false,
         })
+    }
+
+    /// Gives the domain its state page: while layers hold requests (a delay, a throttle) and
+    /// nothing is answered, the supervisor's watchdog looks there for signs of life.
+    pub fn set_state_page(&mut self, page: StatePage) {
+        self.state = Some(page);
     }
 
     /// Makes this domain misbehave once it has answered [`TRIGGER_AFTER`] requests (tests only).
@@ -109,15 +195,22 @@ impl Domain {
         self.stats
     }
 
-    /// Serves one batch from queue `qi`; returns how many requests it answered.
+    /// Serves one batch from queue `qi` (and whatever held requests come due meanwhile);
+    /// returns how many requests it answered.
     fn serve_queue(&mut self, qi: usize) -> Result<usize, DriverError> {
-        let mut taken: ArrayVec<Taken, BATCH> = ArrayVec::new();
+        let mut new: ArrayVec<Tag, BATCH> = ArrayVec::new();
+        let mut results: ArrayVec<ResponseSlot, BATCH> = ArrayVec::new();
         {
             let q = &mut self.queues[qi];
-            while !taken.is_full() {
+            let free = &mut self.tags.free[qi];
+            while !new.is_full() && !results.is_full() && !free.is_empty() {
                 match q.pop().map_err(|source| DriverError::Channel { queue: qi, source })? {
                     None => break,
-                    Some(Popped::Valid(r)) => taken.push(Taken::Valid(r)),
+                    Some(Popped::Valid(req)) => {
+                        let tag = free.pop().expect("checked non-empty");
+                        self.tags.slots[tag.index()] = Some(InFlight { queue: qi, req });
+                        new.push(tag);
+                    }
                     Some(Popped::Invalid { id, generation, error }) => {
                         if self.stats.invalid.is_power_of_two() {
                             eprintln!(
@@ -126,73 +219,71 @@ impl Domain {
                             );
                         }
                         self.stats.invalid += 1;
-                        taken.push(Taken::Invalid { id, generation });
+                        let status = Status::Invalid as u32;
+                        results.push(ResponseSlot { id, generation, status, len: 0, reserved: 0 });
                     }
                 }
             }
         }
-        if taken.is_empty() {
+        let due = self.chain.next_poll().is_some_and(|t| t <= now_ns());
+        if new.is_empty() && results.is_empty() && !due {
             return Ok(0);
         }
-        let mut results: ArrayVec<ResponseSlot, BATCH> = ArrayVec::new();
-        {
-            let q = &self.queues[qi];
-            let mut ios: ArrayVec<Io<'_>, BATCH> = ArrayVec::new();
-            for t in &taken {
-                if let Taken::Valid(r) = t {
-                    let bufs = q.buffers(r);
-                    let req = match r.op {
-                        Op::Read => Request::Read { offset: r.offset, bufs },
-                        Op::Write => Request::Write { offset: r.offset, bufs, fua: r.fua },
-                        Op::Flush => Request::Flush,
-                        Op::Discard => Request::Discard { offset: r.offset, len: r.len },
-                        Op::WriteZeroes => Request::WriteZeroes { offset: r.offset, len: r.len },
-                    };
-                    ios.push(Io::new(req));
+        // Without layers nothing looks at the clock: a polled request reads none.
+        let now = if self.chain.layer_count() > 0 { now_ns() } else { 0 };
+        let Domain { queues, chain, tags, done, .. } = self;
+        let lookup = |t: Tag| request(queues, tags.slots[t.index()].as_ref().expect("tag in flight"));
+        chain.run(&new, now, &lookup, &mut |t, r| done.push((t, r)));
+        if let Some(why) = self.chain.lost() {
+            // Answer nothing: the next generation gets every unanswered request again.
+            return Err(DriverError::BackendLost(why.to_string()));
+        }
+        let mut n = results.len();
+        let mut others = std::mem::take(&mut self.done);
+        for (tag, result) in others.drain(..) {
+            let f = self.tags.slots[tag.index()].take().expect("completed tag was in flight");
+            self.tags.free[f.queue].push(tag);
+            let (status, len) = match result {
+                Ok(len) => (Status::Ok, len),
+                Err(e) => {
+                    self.log_failure(f.req.id, &e);
+                    (e.status(), 0)
                 }
+            };
+            let rsp = ResponseSlot { id: f.req.id, generation: f.req.generation, status: status as u32, len, reserved: 0 };
+            if f.queue == qi && !results.is_full() {
+                results.push(rsp);
+            } else {
+                self.queues[f.queue].complete_raw(rsp);
+                self.dirty[f.queue] = true;
             }
-            self.chain.execute(&mut ios);
-            if let Some(why) = self.chain.lost() {
-                // Answer nothing: the next generation gets every request of this batch again.
-                return Err(DriverError::BackendLost(why.to_string()));
-            }
-            let mut it = ios.iter();
-            for t in &taken {
-                let (id, generation, status, len) = match t {
-                    Taken::Valid(r) => {
-                        let io = it.next().expect("one io per valid request");
-                        match &io.result {
-                            Ok(n) => (r.id, r.generation, Status::Ok, *n),
-                            Err(e) => {
-                                eprintln!("bulkhead driver: request {:#x}: {e}", r.id);
-                                (r.id, r.generation, e.status(), 0)
-                            }
+            n += 1;
+        }
+        self.done = others;
+        if !results.is_empty() {
+            if let Some(h) = self.hostile_now() {
+                self.misbehave(h, qi, &mut results);
+                if h == Hostility::DoorbellStorm {
+                    // Answer slowly, ringing all the while: the frontend waits, and every wake-up
+                    // it gets is empty.
+                    let until = now_ns() + 2_000_000;
+                    while now_ns() < until {
+                        for q in &self.queues {
+                            q.ring_peer();
                         }
                     }
-                    Taken::Invalid { id, generation } => (*id, *generation, Status::Invalid, 0),
-                };
-                results.push(ResponseSlot { id, generation, status: status as u32, len, reserved: 0 });
-            }
-        }
-        let n = results.len();
-        if let Some(h) = self.hostile_now() {
-            self.misbehave(h, qi, &mut results);
-            if h == Hostility::DoorbellStorm {
-                // Answer slowly, ringing all the while: the frontend waits, and every wake-up
-                // it gets is empty.
-                let until = now_ns() + 2_000_000;
-                while now_ns() < until {
-                    for q in &self.queues {
-                        q.ring_peer();
-                    }
                 }
             }
+            for rsp in results {
+                self.queues[qi].complete_raw(rsp);
+            }
+            self.dirty[qi] = true;
         }
-        let q = &mut self.queues[qi];
-        for rsp in results {
-            q.complete_raw(rsp);
+        for (i, q) in self.queues.iter_mut().enumerate() {
+            if std::mem::take(&mut self.dirty[i]) {
+                q.publish();
+            }
         }
-        q.publish();
         if self.hostile_now() == Some(Hostility::CorruptIndex) {
             let nslots =
                 self.queues[qi].ring_mapping().atomic_u32(HeaderOffsets::NSLOTS).map(|a| a.load(Ordering::Relaxed)).unwrap_or(64);
@@ -203,6 +294,15 @@ impl Domain {
         }
         self.stats.completed += n as u64;
         Ok(n)
+    }
+
+    /// Logs a failed request: the first few, then one in each power of two.
+    fn log_failure(&mut self, id: u64, e: &BlockError) {
+        static FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = FAILED.fetch_add(1, Ordering::Relaxed) + 1;
+        if n <= 8 || n.is_power_of_two() {
+            eprintln!("bulkhead driver: request {id:#x}: {e} ({n} failed so far)");
+        }
     }
 
     /// Rewrites a batch of responses the way `h` misbehaves (tests only).
@@ -251,8 +351,35 @@ impl Domain {
         self.queues.iter().any(|q| q.pending())
     }
 
+    /// Requests between pop and response (held by a layer or at the backend).
+    pub fn in_flight(&self) -> usize {
+        self.tags.in_flight()
+    }
+
+    /// Gives layers their housekeeping call if it is due (see [`bulkhead_block::Layer::idle`]).
+    fn idle_layers(&mut self, force: bool) {
+        if self.chain.layer_count() == 0 {
+            return;
+        }
+        let now = now_ns();
+        if force || now - self.idled_at >= 100_000_000 {
+            self.idled_at = now;
+            self.chain.idle();
+            if let Some(p) = &self.state {
+                p.add(HEARTBEAT, 1);
+                p.set(HELD, self.chain.held() as u64);
+            }
+        }
+    }
+
     /// Serves until the stop flag is set, spinning and sleeping per the notification mode.
     pub fn run(&mut self) -> Result<(), DriverError> {
+        let r = self.serve();
+        self.idle_layers(true);
+        r
+    }
+
+    fn serve(&mut self) -> Result<(), DriverError> {
         self.chain.start().map_err(DriverError::BackendLost)?;
         let mut idle_since: Option<u64> = None;
         let mut spins = 0u32;
@@ -270,7 +397,8 @@ impl Domain {
             }
             if self.poll_once()? > 0 {
                 if let Some(t) = idle_since.take() {
-                    if tunes {
+                    // Gaps that layers made by holding requests say nothing of the frontend.
+                    if tunes && self.chain.held() == 0 {
                         if std::mem::take(&mut slept) {
                             self.budget.record_after_sleep(now_ns() - t);
                         } else {
@@ -284,7 +412,10 @@ impl Domain {
             let storming = self.turned && self.hostile == Some(Hostility::DoorbellStorm);
             let sleep = match self.mode {
                 _ if storming => false,
-                NotifyMode::Poll => false,
+                NotifyMode::Poll => {
+                    spins = spins.wrapping_add(1);
+                    false
+                }
                 NotifyMode::Irq => true,
                 NotifyMode::Adaptive => {
                     // Only this mode times the idle gap: poll and irq read no clock per request.
@@ -293,7 +424,13 @@ impl Domain {
                     spins.is_multiple_of(32) && now_ns() - since >= self.budget.budget_ns()
                 }
             };
+            // A held request due within a millisecond is waited for spinning: a sleep has
+            // millisecond granularity.
+            let sleep = sleep && self.chain.next_poll().is_none_or(|t| t > now_ns() + 1_000_000);
             if !sleep {
+                if spins.is_multiple_of(4096) {
+                    self.idle_layers(false);
+                }
                 for _ in 0..8 {
                     if self.any_pending() {
                         break;
@@ -303,6 +440,7 @@ impl Domain {
                 continue;
             }
             self.sleep()?;
+            self.idle_layers(false);
             slept = true;
         }
         Ok(())
@@ -311,7 +449,7 @@ impl Domain {
     /// Stays alive and takes nothing more (the stop-answering test mode).
     fn play_dead(&mut self) -> Result<(), DriverError> {
         while !self.stop.load(Ordering::Relaxed) {
-            self.poller.wait(500, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
+            self.poller.wait(MAX_SLEEP_MS as i32, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
             for q in &self.queues {
                 q.set_running();
             }
@@ -326,8 +464,15 @@ impl Domain {
         }
         if !pending {
             self.stats.sleeps += 1;
-            // A bounded wait, so a stop request racing the sleep is seen within half a second.
-            self.poller.wait(500, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
+            // A bounded wait, so a stop request racing the sleep is seen within half a second,
+            // and no longer than until a held request is due.
+            let ms = match self.chain.next_poll() {
+                Some(t) => t.saturating_sub(now_ns()).div_ceil(1_000_000).min(MAX_SLEEP_MS),
+                None => MAX_SLEEP_MS,
+            };
+            if ms > 0 {
+                self.poller.wait(ms as i32, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
+            }
         }
         for q in &self.queues {
             q.set_running();
@@ -340,22 +485,48 @@ impl Domain {
 mod tests {
     use super::*;
     use bulkhead_backends::RamBackend;
-    use bulkhead_block::Chain;
-    use bulkhead_channel::{pair, FrontRequest, QueueConfig};
+    use bulkhead_block::{Layer, OpKind};
+    use bulkhead_channel::{pair, FrontQueue, FrontRequest, QueueConfig};
+    use bulkhead_filters::error::ErrorRule;
+    use bulkhead_filters::{FilterFds, FilterSpec};
     use bulkhead_shmem::{memfd, Mapping, Protection};
-    use bulkhead_testkit::XorLayer;
     use std::os::fd::AsRawFd;
+    use std::time::{Duration, Instant};
+
+    fn filter(spec: FilterSpec) -> Box<dyn Layer> {
+        let state = memfd::create("state", bulkhead_filters::state::STATE_BYTES as u64).unwrap();
+        bulkhead_filters::build(&spec, FilterFds { state, output: None }).unwrap()
+    }
+
+    /// Refuses write-zeroes with EOPNOTSUPP, holds reads for `read_delay_us`.
+    fn test_chain(ram: RamBackend, read_delay_us: u64) -> Chain {
+        let rule = ErrorRule {
+            ops: 1 << OpKind::WriteZeroes.index(),
+            offset: 0,
+            len: u64::MAX,
+            probability_ppm: 1_000_000,
+            after: 0,
+            count: None,
+            errno: 95,
+            seed: 1,
+        };
+        let delay = FilterSpec::Delay { delay_us: [read_delay_us, 0, 0, 0, 0] };
+        Chain::new(vec![filter(FilterSpec::Error { rule }), filter(delay)], Box::new(ram))
+    }
+
+    fn ram(size: u64) -> (RamBackend, Mapping) {
+        let fd = memfd::create("ram", size).unwrap();
+        let probe = Mapping::new(fd.as_raw_fd(), size as usize, Protection::ReadOnly).unwrap();
+        (RamBackend::new(fd, size).unwrap(), probe)
+    }
 
     fn run_chain_test(mode: NotifyMode) {
         let size = 4 << 20;
         let cfg = QueueConfig { nslots: 16, arena_bytes: 1 << 20, mode, ..Default::default() };
         let (mut front, back) = pair(&cfg, size).unwrap();
-        let ram_fd = memfd::create("ram", size).unwrap();
-        let probe = Mapping::new(ram_fd.as_raw_fd(), size as usize, Protection::ReadOnly).unwrap();
-        let ram = RamBackend::new(ram_fd, size).unwrap();
-        let chain = Chain::new(vec![Box::new(XorLayer::new(0x5a, 1 << 20))], Box::new(ram));
+        let (ram, probe) = ram(size);
         let stop = Arc::new(AtomicBool::new(false));
-        let mut dom = Domain::new(vec![back], Box::new(chain), mode, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
+        let mut dom = Domain::new(vec![back], test_chain(ram, 2_000), mode, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
         let t = std::thread::spawn(move || {
             dom.run().unwrap();
             dom.stats()
@@ -365,15 +536,17 @@ mod tests {
         let r = front.execute(FrontRequest::Write { offset: 8192, data: &data, fua: false }, 5000, |_| {}).unwrap();
         assert_eq!(r, Ok(65536));
         assert_eq!(front.execute(FrontRequest::Flush, 5000, |_| {}).unwrap(), Ok(0));
-        // The backend holds transformed bytes: the layer really sat in the path.
         let mut stored = vec![0u8; 65536];
         probe.slice(8192, 65536).unwrap().copy_to(&mut stored);
-        assert!(stored.iter().zip(&data).all(|(s, d)| *s == d ^ 0x5a));
+        assert_eq!(stored, data);
+        // The read is held by the delay layer for 2 ms and still comes back whole.
         let mut back_out = vec![0u8; 65536];
+        let start = Instant::now();
         let r = front.execute(FrontRequest::Read { offset: 8192, len: 65536 }, 5000, |w| w.copy_to(&mut back_out)).unwrap();
+        assert!(start.elapsed() >= Duration::from_millis(2), "the read was not held");
         assert_eq!(r, Ok(65536));
         assert_eq!(back_out, data);
-        // An operation the layer refuses comes back as its status, not as silent success.
+        // An operation a layer refuses comes back as its status, not as silent success.
         let r = front.execute(FrontRequest::WriteZeroes { offset: 0, len: 4096 }, 5000, |_| {}).unwrap();
         assert_eq!(r, Err(Status::NotSupported));
         stop.store(true, Ordering::Relaxed);
@@ -382,18 +555,51 @@ mod tests {
     }
 
     #[test]
-    fn chain_with_test_layer_serves_in_poll_mode() {
+    fn chain_with_filters_serves_in_poll_mode() {
         run_chain_test(NotifyMode::Poll);
     }
 
     #[test]
-    fn chain_with_test_layer_serves_in_irq_mode() {
+    fn chain_with_filters_serves_in_irq_mode() {
         run_chain_test(NotifyMode::Irq);
     }
 
     #[test]
-    fn chain_with_test_layer_serves_in_adaptive_mode() {
+    fn chain_with_filters_serves_in_adaptive_mode() {
         run_chain_test(NotifyMode::Adaptive);
+    }
+
+    #[test]
+    fn a_held_request_holds_up_neither_its_queue_nor_the_others() {
+        let size = 1 << 20;
+        let cfg = QueueConfig { nslots: 8, arena_bytes: 1 << 20, mode: NotifyMode::Adaptive, ..Default::default() };
+        let (front0, back0) = pair(&cfg, size).unwrap();
+        let (mut front1, back1) = pair(&cfg, size).unwrap();
+        let (ram, _) = ram(size);
+        let stop = Arc::new(AtomicBool::new(false));
+        let chain = test_chain(ram, 300_000);
+        let mut dom =
+            Domain::new(vec![back0, back1], chain, NotifyMode::Adaptive, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
+        let t = std::thread::spawn(move || dom.run());
+        let reader = std::thread::spawn(move || {
+            let mut front0: FrontQueue = front0;
+            let start = Instant::now();
+            let r = front0.execute(FrontRequest::Read { offset: 0, len: 4096 }, 5000, |_| {}).unwrap();
+            (r, start.elapsed())
+        });
+        // While queue 0's read is held for 300 ms, queue 1 is served.
+        std::thread::sleep(Duration::from_millis(20));
+        let data = [7u8; 4096];
+        for i in 0..50 {
+            let r = front1.execute(FrontRequest::Write { offset: i * 4096, data: &data, fua: false }, 5000, |_| {}).unwrap();
+            assert_eq!(r, Ok(4096));
+        }
+        assert!(!reader.is_finished(), "the read finished before its delay");
+        let (r, took) = reader.join().unwrap();
+        assert_eq!(r, Ok(4096));
+        assert!(took >= Duration::from_millis(300), "read came back after {took:?}");
+        stop.store(true, Ordering::Relaxed);
+        t.join().unwrap().unwrap();
     }
 
     #[test]
@@ -401,9 +607,8 @@ mod tests {
         let cfg = QueueConfig { nslots: 8, arena_bytes: 1 << 16, mode: NotifyMode::Poll, ..Default::default() };
         let (mut front, back) = pair(&cfg, 1 << 16).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
-        let null = bulkhead_backends::NullBackend::new(1 << 16);
-        let mut dom =
-            Domain::new(vec![back], Box::new(null), NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
+        let null = Chain::new(Vec::new(), Box::new(bulkhead_backends::NullBackend::new(1 << 16)));
+        let mut dom = Domain::new(vec![back], null, NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
         let t = std::thread::spawn(move || dom.run());
         let r = front.execute(FrontRequest::Read { offset: 1 << 16, len: 4096 }, 5000, |_| {}).unwrap();
         assert_eq!(r, Err(Status::Invalid));

@@ -1,5 +1,6 @@
 //! What the supervisor tells a domain: which inherited descriptor is which, and how to serve.
 
+use bulkhead_filters::{FilterFds, FilterSpec};
 use serde::{Deserialize, Serialize};
 
 /// The whole description of one domain, passed as JSON on its command line.
@@ -18,6 +19,12 @@ pub struct DomainSpec {
     pub queues: Vec<QueueSpec>,
     /// The backend.
     pub backend: BackendSpec,
+    /// Filters over the backend, frontend side first.
+    #[serde(default)]
+    pub filters: Vec<FilterSlot>,
+    /// The domain's own state page (its heartbeat for the supervisor's watchdog), if given.
+    #[serde(default)]
+    pub state_fd: Option<i32>,
     /// Sandbox policy.
     pub sandbox: SandboxSpec,
     /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
@@ -48,6 +55,18 @@ pub struct QueueSpec {
     pub arena_bytes: u64,
     /// Descriptors: ring, write arena (read-only), read arena, kick, irq.
     pub fds: [i32; 5],
+}
+
+/// One filter and its descriptors.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FilterSlot {
+    /// What the filter is.
+    pub spec: FilterSpec,
+    /// Its state page.
+    pub state_fd: i32,
+    /// Its output (trace file), if it has one.
+    pub output_fd: Option<i32>,
 }
 
 /// The backend and its descriptors.
@@ -170,8 +189,36 @@ impl DomainSpec {
             }
             BackendSpec::Null => Box::new(NullBackend::new(self.size)),
         };
-        let chain = Chain::new(Vec::new(), backend);
-        Domain::new(queues, Box::new(chain), mode, self.budget(), stop)
+        let mut layers = Vec::with_capacity(self.filters.len());
+        for f in &self.filters {
+            // SAFETY: forwarded from this function's contract.
+            let state = unsafe { claim(f.state_fd)? };
+            let output = match f.output_fd {
+                // SAFETY: as above.
+                Some(fd) => Some(unsafe { claim(fd)? }),
+                None => None,
+            };
+            layers.push(
+                bulkhead_filters::build(&f.spec, FilterFds { state, output }).map_err(|e| DriverError::Setup(e.to_string()))?,
+            );
+        }
+        let chain = Chain::new(layers, backend);
+        // The device may use a prefix of what the chain offers (a file longer than `size`).
+        if chain.size() < self.size {
+            return Err(DriverError::Setup(format!("the chain offers {} bytes, the device is {}", chain.size(), self.size)));
+        }
+        let state = match self.state_fd {
+            // SAFETY: as above.
+            Some(fd) => Some(unsafe { claim(fd)? }),
+            None => None,
+        };
+        let mut domain = Domain::new(queues, chain, mode, self.budget(), stop)?;
+        if let Some(fd) = state {
+            let page = bulkhead_filters::state::StatePage::map(std::os::fd::AsRawFd::as_raw_fd(&fd), true)
+                .map_err(|e| DriverError::Setup(format!("state page: {e}")))?;
+            domain.set_state_page(page);
+        }
+        Ok(domain)
     }
 }
 
@@ -188,6 +235,11 @@ mod tests {
             budget_ns: None,
             queues: vec![QueueSpec { nslots: 64, arena_bytes: 8 << 20, fds: [3, 4, 5, 6, 7] }],
             backend: BackendSpec::File { fd: 8, buffered_fd: Some(9), read_only: false, engine: "io_uring".into() },
+            filters: vec![
+                FilterSlot { spec: FilterSpec::Trace { device_number: 3 }, state_fd: 11, output_fd: Some(12) },
+                FilterSlot { spec: FilterSpec::Stats {}, state_fd: 13, output_fd: None },
+            ],
+            state_fd: Some(14),
             sandbox: SandboxSpec::default(),
             report_fd: Some(10),
         };
@@ -206,6 +258,8 @@ mod tests {
             budget_ns: None,
             queues: vec![QueueSpec { nslots: 8, arena_bytes: 4096, fds: [1000, 1001, 1002, 1003, 1004] }],
             backend: BackendSpec::Null,
+            filters: Vec::new(),
+            state_fd: None,
             sandbox: SandboxSpec::default(),
             report_fd: None,
         };

@@ -209,7 +209,12 @@ impl BackRing {
         })
     }
 
-    /// Generation of the channel incarnation.
+    /// Slots in each ring.
+    pub fn nslots(&self) -> u32 {
+        self.layout.nslots
+    }
+
+    /// Channel generation.
     pub fn generation(&self) -> u32 {
         self.generation
     }

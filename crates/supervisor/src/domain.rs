@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use bulkhead_channel::{BudgetPolicy, FrontQueue, NotifyMode, QueueConfig, QueueSetup};
 use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget};
-use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec, SandboxSpec};
+use bulkhead_driver::spec::{BackendSpec, DomainSpec, FilterSlot, QueueSpec, SandboxSpec};
+use bulkhead_filters::state::{StatePage, STATE_BYTES};
+use bulkhead_filters::FilterSpec;
 use bulkhead_sandbox::spawn::DomainChild;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 use bulkhead_shmem::memfd;
@@ -94,6 +96,12 @@ pub struct DeviceRuntime {
     pub queues: usize,
     /// Restart policy.
     pub policy: RestartPolicy,
+    /// Where the filters run.
+    pub tap: bulkhead_config::Tap,
+    /// The filters, frontend side first, with their state pages (read-only here).
+    pub(crate) filters: Vec<(FilterSpec, StatePage)>,
+    /// The domain's state page: its heartbeat while layers hold requests.
+    pub(crate) state: StatePage,
     pub(crate) proc_: Mutex<DomainProc>,
     pub(crate) launcher: Launcher,
     pub(crate) restart_lock: Mutex<()>,
@@ -115,6 +123,46 @@ pub(crate) struct Launcher {
     policy: Policy,
     /// The domain's bound on waiting for a remote server, ms.
     io_timeout_ms: u64,
+    /// Each filter's spec, state page and output, the same for every generation.
+    filters: Vec<(FilterSpec, OwnedFd, Option<OwnedFd>)>,
+    /// The domain's state page.
+    state_fd: OwnedFd,
+}
+
+/// Major device number stamped on trace records (the range Linux reserves for local use).
+const TRACE_MAJOR: u32 = 240;
+
+/// A size-sealed state page for a filter or a domain.
+fn state_page(name: &str) -> Result<(OwnedFd, StatePage), String> {
+    let fd = memfd::create(name, STATE_BYTES as u64).map_err(|e| format!("state page: {e}"))?;
+    memfd::seal_size(fd.as_raw_fd()).map_err(|e| format!("state page: {e}"))?;
+    let page = StatePage::map(fd.as_raw_fd(), false).map_err(|e| format!("state page: {e}"))?;
+    Ok((fd, page))
+}
+
+/// Opens a trace file for a domain to append to: created, or emptied if it exists.
+fn open_trace(path: &Path) -> std::io::Result<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .custom_flags(libc::O_CLOEXEC | libc::O_APPEND)
+        .open(path)?;
+    Ok(OwnedFd::from(f))
+}
+
+/// Cuts a trace file back to whole records: a domain killed in the middle of a write may have
+/// left part of one, which would misalign every record after it.
+fn trim_trace(fd: &OwnedFd) {
+    let f = std::fs::File::from(fd.try_clone().expect("dup of an open descriptor"));
+    if let Ok(m) = f.metadata() {
+        let whole = m.len() / bulkhead_filters::trace::RECORD_BYTES as u64 * bulkhead_filters::trace::RECORD_BYTES as u64;
+        if whole != m.len() {
+            let _ = f.set_len(whole);
+        }
+    }
 }
 
 /// Why a launch failed.
@@ -226,7 +274,7 @@ pub(crate) struct Launched {
 
 impl DeviceRuntime {
     /// Creates the backend storage for `cfg` and starts generation 1 of its driver domain.
-    pub(crate) fn start(cfg: &DeviceConfig, exe: &Path) -> Result<Self, SupervisorError> {
+    pub(crate) fn start(cfg: &DeviceConfig, index: u32, exe: &Path) -> Result<Self, SupervisorError> {
         let name = cfg.name.get_ref().clone();
         let err = |what: String| SupervisorError::Device { device: name.clone(), message: what };
         let mode = notify_mode(cfg.notify);
@@ -295,6 +343,26 @@ impl DeviceRuntime {
                 (size, desc)
             }
         };
+        // Filter state pages and outputs, opened here: the domain opens nothing.
+        let mut filters = Vec::new();
+        let mut filter_pages = Vec::new();
+        for (i, f) in cfg.filters().into_iter().enumerate() {
+            let mut spec = f.spec;
+            if let FilterSpec::Trace { device_number } = &mut spec {
+                *device_number = (TRACE_MAJOR << 20) | index;
+            }
+            let (fd, page) = state_page(&format!("bulkhead-{name}-filter{i}")).map_err(err)?;
+            let output = match &f.path {
+                Some(p) => Some(
+                    open_trace(p)
+                        .map_err(|e| err(format!("filter {} ({}): cannot open {}: {e}", i + 1, spec.type_name(), p.display())))?,
+                ),
+                None => None,
+            };
+            filter_pages.push((spec.clone(), page));
+            filters.push((spec, fd, output));
+        }
+        let (state_fd, state) = state_page(&format!("bulkhead-{name}-domain")).map_err(err)?;
         let qcfg = QueueConfig {
             nslots: *cfg.queue_depth.get_ref(),
             arena_bytes: cfg.arena.get_ref().0 as usize,
@@ -318,6 +386,8 @@ impl DeviceRuntime {
             exe: exe.to_path_buf(),
             backend_fds,
             io_timeout_ms: cfg.watchdog_ms(),
+            filters,
+            state_fd,
             policy: match cfg.sandbox {
                 bulkhead_config::Sandbox::Required => Policy::Required,
                 bulkhead_config::Sandbox::BestEffort => Policy::BestEffort,
@@ -332,6 +402,9 @@ impl DeviceRuntime {
             backend_desc,
             queues: nqueues,
             policy,
+            tap: cfg.tap,
+            filters: filter_pages,
+            state,
             proc_: Mutex::new(DomainProc {
                 pid: l.child.id(),
                 child: Some(l.child),
@@ -393,7 +466,28 @@ impl Launcher {
         let next = 3 + pass.len() as i32;
         let (report_r, report_w) = report_pipe().map_err(|e| format!("report pipe: {e}"))?;
         let backend_fd_count = self.backend_fds.len() as i32 + conn.is_some() as i32;
-        let report_fd = next + backend_fd_count;
+        // After the backend's descriptors: each filter's state page and output, then the
+        // domain's state page, then the report pipe.
+        let mut at = next + backend_fd_count;
+        let mut filter_raw: Vec<RawFd> = Vec::new();
+        let mut filter_slots = Vec::new();
+        for (spec, state, output) in &self.filters {
+            if let (FilterSpec::Trace { .. }, Some(o)) = (spec, output) {
+                trim_trace(o);
+            }
+            let state_fd = at;
+            filter_raw.push(state.as_raw_fd());
+            at += 1;
+            let output_fd = output.as_ref().map(|o| {
+                filter_raw.push(o.as_raw_fd());
+                at += 1;
+                at - 1
+            });
+            filter_slots.push(FilterSlot { spec: spec.clone(), state_fd, output_fd });
+        }
+        filter_raw.push(self.state_fd.as_raw_fd());
+        let state_fd = at;
+        let report_fd = at + 1;
         let backend_spec = match &self.backend {
             Backend::Ram => BackendSpec::Ram { fd: next },
             Backend::Null => BackendSpec::Null,
@@ -415,12 +509,15 @@ impl Launcher {
             },
             queues: queue_specs,
             backend: backend_spec,
+            filters: filter_slots,
+            state_fd: Some(state_fd),
             sandbox: SandboxSpec { policy: self.policy },
             report_fd: Some(report_fd),
         };
         let mut raw: Vec<RawFd> = pass.iter().map(|f| f.as_raw_fd()).collect();
         raw.extend(self.backend_fds.iter().map(|f| f.as_raw_fd()));
         raw.extend(conn.iter().map(|f| f.as_raw_fd()));
+        raw.extend(filter_raw);
         raw.push(report_w.as_raw_fd());
         let json = serde_json::to_string(&spec).expect("spec serialises");
         let use_ns = self.policy != Policy::Off;

@@ -94,6 +94,20 @@ pub struct DeviceStatus {
     pub failure: Option<String>,
     /// The sandbox layers in force in the driver domain, as it reported them.
     pub sandbox: Option<bulkhead_sandbox::Layers>,
+    /// Where the filters run.
+    pub tap: String,
+    /// The filters, frontend side first, with their figures (as the domain counted them).
+    pub filters: Vec<FilterStatus>,
+}
+
+/// One filter in the status report.
+#[derive(Debug, Clone, Serialize)]
+pub struct FilterStatus {
+    /// Its figures, tagged with its `type`.
+    #[serde(flatten)]
+    pub report: bulkhead_filters::FilterReport,
+    /// The same in one line.
+    pub summary: String,
 }
 
 /// The whole status report.
@@ -137,8 +151,8 @@ impl Supervisor {
     pub fn start(config: &Config, exe: Option<&Path>) -> Result<Self, SupervisorError> {
         let exe: PathBuf = exe.map(Path::to_path_buf).unwrap_or_else(current_exe);
         let mut devices = Vec::new();
-        for d in &config.devices {
-            match DeviceRuntime::start(d, &exe) {
+        for (i, d) in config.devices.iter().enumerate() {
+            match DeviceRuntime::start(d, i as u32, &exe) {
                 Ok(rt) => devices.push(rt),
                 Err(e) => {
                     // Stop what was started before failing.
@@ -196,6 +210,15 @@ impl Supervisor {
                     driver_memory: if running { proc_info::rss(p.pid) } else { None },
                     failure: p.failure.clone(),
                     sandbox: if running { p.layers.clone() } else { None },
+                    tap: rt.tap.as_str().to_string(),
+                    filters: rt
+                        .filters
+                        .iter()
+                        .map(|(spec, page)| {
+                            let report = bulkhead_filters::FilterReport::read(spec, page);
+                            FilterStatus { summary: report.summary(), report }
+                        })
+                        .collect(),
                 }
             })
             .collect();
@@ -321,13 +344,20 @@ fn p99(v: &[f64]) -> Option<f64> {
 struct Progress {
     answered: u64,
     since: Instant,
+    /// The domain's heartbeat: it turns while layers hold requests (a delay, a throttle).
+    heartbeat: u64,
+}
+
+impl Progress {
+    fn now(rt: &DeviceRuntime) -> Self {
+        Progress { answered: rt.device.answered(), since: Instant::now(), heartbeat: rt.state.get(bulkhead_driver::HEARTBEAT) }
+    }
 }
 
 /// Watches every domain: death (pidfd), a broken channel (the device's alarm), and no progress
 /// with requests pending (the watchdog). Any of them restarts the domain.
 fn watch(inner: Arc<Inner>) {
-    let mut progress: Vec<Progress> =
-        inner.devices.iter().map(|rt| Progress { answered: rt.device.answered(), since: Instant::now() }).collect();
+    let mut progress: Vec<Progress> = inner.devices.iter().map(Progress::now).collect();
     while !inner.shutting_down.load(Ordering::Acquire) {
         let mut pfds = Vec::new();
         let mut polled_pids = Vec::new();
@@ -363,7 +393,7 @@ fn watch(inner: Arc<Inner>) {
                 p.state = DeviceState::Running;
             }
             restart(rt, "restart requested", Instant::now(), &inner.shutting_down);
-            progress[i] = Progress { answered: rt.device.answered(), since: Instant::now() };
+            progress[i] = Progress::now(rt);
             let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
             let _ = reply.send(match p.state {
                 DeviceState::Running => Ok(p.pid),
@@ -385,7 +415,7 @@ fn watch(inner: Arc<Inner>) {
             if retry {
                 let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
                 relaunch(rt, "remote server still unreachable", &inner.shutting_down);
-                progress[i] = Progress { answered: rt.device.answered(), since: Instant::now() };
+                progress[i] = Progress::now(rt);
                 continue;
             }
             let died = pfds[2 * i].revents != 0;
@@ -414,9 +444,12 @@ fn watch(inner: Arc<Inner>) {
             } else {
                 let answered = rt.device.answered();
                 let pending = rt.device.in_flight();
+                let heartbeat = rt.state.get(bulkhead_driver::HEARTBEAT);
+                // A domain whose layers hold requests is alive while its loop turns.
+                let holding = heartbeat != progress[i].heartbeat && rt.state.get(bulkhead_driver::HELD) > 0;
                 let pr = &mut progress[i];
-                if pending == 0 || answered != pr.answered {
-                    *pr = Progress { answered, since: now };
+                if pending == 0 || answered != pr.answered || holding {
+                    *pr = Progress { answered, since: now, heartbeat };
                 } else if now.duration_since(pr.since) >= rt.policy.watchdog {
                     let pid = rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).pid;
                     why = Some(format!(
@@ -430,7 +463,7 @@ fn watch(inner: Arc<Inner>) {
                     continue;
                 }
                 restart(rt, &why, now, &inner.shutting_down);
-                progress[i] = Progress { answered: rt.device.answered(), since: Instant::now() };
+                progress[i] = Progress::now(rt);
             }
         }
     }

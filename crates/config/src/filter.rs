@@ -1,0 +1,339 @@
+//! `[[device.filter]]` tables: the filters of a device's chain, frontend side first.
+
+use std::ops::Range;
+use std::path::PathBuf;
+
+use bulkhead_filters::error::{ErrorRule, ERRNOS};
+use bulkhead_filters::throttle::{Limit, Limits};
+use bulkhead_filters::FilterSpec;
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::Size;
+
+/// Type of a filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FilterKind {
+    /// blktrace records of every request.
+    Trace,
+    /// Counts, bytes and latency histograms in `status`.
+    Stats,
+    /// A fixed delay per operation.
+    Delay,
+    /// Injected failures.
+    Error,
+    /// Bytes and operations per second.
+    Throttle,
+}
+
+impl FilterKind {
+    /// The configuration spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FilterKind::Trace => "trace",
+            FilterKind::Stats => "stats",
+            FilterKind::Delay => "delay",
+            FilterKind::Error => "error",
+            FilterKind::Throttle => "throttle",
+        }
+    }
+}
+
+/// A `[[device.filter]]` table as written.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterTable {
+    /// `type`.
+    #[serde(rename = "type")]
+    pub kind: Spanned<FilterKind>,
+    /// `path` (trace): the trace file, created or truncated when the device starts.
+    pub path: Option<Spanned<PathBuf>>,
+    /// `delay_us` (delay): every operation.
+    pub delay_us: Option<Spanned<u64>>,
+    /// `read_us` (delay).
+    pub read_us: Option<Spanned<u64>>,
+    /// `write_us` (delay).
+    pub write_us: Option<Spanned<u64>>,
+    /// `flush_us` (delay).
+    pub flush_us: Option<Spanned<u64>>,
+    /// `discard_us` (delay).
+    pub discard_us: Option<Spanned<u64>>,
+    /// `write_zeroes_us` (delay).
+    pub write_zeroes_us: Option<Spanned<u64>>,
+    /// `ops` (error): operations that may fail (default: all).
+    pub ops: Option<Spanned<Vec<String>>>,
+    /// `offset` (error): start of the range that fails (default 0).
+    pub offset: Option<Spanned<Size>>,
+    /// `len` (error): its length (default: to the end).
+    pub len: Option<Spanned<Size>>,
+    /// `probability` (error): 0.0 to 1.0 (default 1.0).
+    pub probability: Option<Spanned<f64>>,
+    /// `after` (error): matching requests let through first.
+    pub after: Option<Spanned<u64>>,
+    /// `count` (error): failures at most.
+    pub count: Option<Spanned<u64>>,
+    /// `errno` (error): EIO, ENOSPC, EROFS, EINVAL or EOPNOTSUPP (default EIO).
+    pub errno: Option<Spanned<String>>,
+    /// `seed` (error): of the random choice.
+    pub seed: Option<Spanned<u64>>,
+    /// `bps` (throttle): bytes/s, reads and writes together.
+    pub bps: Option<Spanned<Size>>,
+    /// `bps_read` (throttle).
+    pub bps_read: Option<Spanned<Size>>,
+    /// `bps_write` (throttle).
+    pub bps_write: Option<Spanned<Size>>,
+    /// `iops` (throttle): operations/s together.
+    pub iops: Option<Spanned<u64>>,
+    /// `iops_read` (throttle).
+    pub iops_read: Option<Spanned<u64>>,
+    /// `iops_write` (throttle).
+    pub iops_write: Option<Spanned<u64>>,
+    /// `bps_max` (throttle): burst rate of `bps`.
+    pub bps_max: Option<Spanned<Size>>,
+    /// `bps_read_max` (throttle).
+    pub bps_read_max: Option<Spanned<Size>>,
+    /// `bps_write_max` (throttle).
+    pub bps_write_max: Option<Spanned<Size>>,
+    /// `iops_max` (throttle): burst rate of `iops`.
+    pub iops_max: Option<Spanned<u64>>,
+    /// `iops_read_max` (throttle).
+    pub iops_read_max: Option<Spanned<u64>>,
+    /// `iops_write_max` (throttle).
+    pub iops_write_max: Option<Spanned<u64>>,
+    /// `max_length` (throttle): seconds a burst may last (default 1).
+    pub max_length: Option<Spanned<f64>>,
+    /// `iops_size` (throttle): larger requests count as several operations.
+    pub iops_size: Option<Spanned<Size>>,
+}
+
+/// A resolved filter: what the domain gets, plus the trace file the supervisor opens for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Filter {
+    /// The filter (a trace's device number is set by the supervisor).
+    pub spec: FilterSpec,
+    /// The trace file.
+    pub path: Option<PathBuf>,
+}
+
+type Err<'a> = &'a dyn Fn(Range<usize>, String) -> crate::ConfigError;
+
+impl FilterTable {
+    /// Keys present, with their spans and the filter types they belong to.
+    fn keys(&self) -> Vec<(&'static str, Range<usize>, FilterKind)> {
+        use FilterKind::*;
+        let mut v = Vec::new();
+        let mut k = |name: &'static str, span: Option<Range<usize>>, kind: FilterKind| {
+            if let Some(s) = span {
+                v.push((name, s, kind));
+            }
+        };
+        k("path", self.path.as_ref().map(Spanned::span), Trace);
+        for (name, x) in [
+            ("delay_us", &self.delay_us),
+            ("read_us", &self.read_us),
+            ("write_us", &self.write_us),
+            ("flush_us", &self.flush_us),
+            ("discard_us", &self.discard_us),
+            ("write_zeroes_us", &self.write_zeroes_us),
+        ] {
+            k(name, x.as_ref().map(Spanned::span), Delay);
+        }
+        k("ops", self.ops.as_ref().map(Spanned::span), Error);
+        k("offset", self.offset.as_ref().map(Spanned::span), Error);
+        k("len", self.len.as_ref().map(Spanned::span), Error);
+        k("probability", self.probability.as_ref().map(Spanned::span), Error);
+        k("after", self.after.as_ref().map(Spanned::span), Error);
+        k("count", self.count.as_ref().map(Spanned::span), Error);
+        k("errno", self.errno.as_ref().map(Spanned::span), Error);
+        k("seed", self.seed.as_ref().map(Spanned::span), Error);
+        for (name, x) in [("bps", &self.bps), ("bps_read", &self.bps_read), ("bps_write", &self.bps_write)] {
+            k(name, x.as_ref().map(Spanned::span), Throttle);
+        }
+        for (name, x) in
+            [("bps_max", &self.bps_max), ("bps_read_max", &self.bps_read_max), ("bps_write_max", &self.bps_write_max)]
+        {
+            k(name, x.as_ref().map(Spanned::span), Throttle);
+        }
+        for (name, x) in [("iops", &self.iops), ("iops_read", &self.iops_read), ("iops_write", &self.iops_write)] {
+            k(name, x.as_ref().map(Spanned::span), Throttle);
+        }
+        for (name, x) in
+            [("iops_max", &self.iops_max), ("iops_read_max", &self.iops_read_max), ("iops_write_max", &self.iops_write_max)]
+        {
+            k(name, x.as_ref().map(Spanned::span), Throttle);
+        }
+        k("max_length", self.max_length.as_ref().map(Spanned::span), Throttle);
+        k("iops_size", self.iops_size.as_ref().map(Spanned::span), Throttle);
+        v
+    }
+
+    /// Validates the table and resolves it. `device` and `index` name it in errors; a delay
+    /// must stay under the device's `watchdog_ms`, or the watchdog would take the held
+    /// requests for a wedged domain.
+    pub(crate) fn resolve(
+        &self,
+        device: &str,
+        index: usize,
+        watchdog_ms: u64,
+        err: Err<'_>,
+    ) -> Result<Filter, crate::ConfigError> {
+        let kind = *self.kind.get_ref();
+        let at = |key: &str| format!("device `{device}`: filter {} ({}): key `filter.{key}`", index + 1, kind.as_str());
+        for (key, span, owner) in self.keys() {
+            if owner != kind {
+                return Err(err(span, format!("{} only applies to type = \"{}\"", at(key), owner.as_str())));
+            }
+        }
+        let spec = match kind {
+            FilterKind::Trace => {
+                let Some(path) = &self.path else {
+                    return Err(err(self.kind.span(), format!("{} is required for type = \"trace\"", at("path"))));
+                };
+                let parent = path.get_ref().parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+                if !parent.is_dir() {
+                    return Err(err(path.span(), format!("{}: directory {} does not exist", at("path"), parent.display())));
+                }
+                return Ok(Filter { spec: FilterSpec::Trace { device_number: 0 }, path: Some(path.get_ref().clone()) });
+            }
+            FilterKind::Stats => FilterSpec::Stats {},
+            FilterKind::Delay => {
+                let all = self.delay_us.as_ref().map(|d| *d.get_ref()).unwrap_or(0);
+                let mut delay_us = [all; 5];
+                for (i, (key, v)) in [
+                    ("read_us", &self.read_us),
+                    ("write_us", &self.write_us),
+                    ("flush_us", &self.flush_us),
+                    ("discard_us", &self.discard_us),
+                    ("write_zeroes_us", &self.write_zeroes_us),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    if let Some(v) = v {
+                        delay_us[i] = *v.get_ref();
+                    }
+                    let limit_us = watchdog_ms.saturating_mul(1000) / 2;
+                    if delay_us[i] > limit_us {
+                        let (span, key) = match v {
+                            Some(v) => (v.span(), key),
+                            None => (self.delay_us.as_ref().map_or(self.kind.span(), Spanned::span), "delay_us"),
+                        };
+                        return Err(err(
+                            span,
+                            format!(
+                                "{}: {} µs is more than half the device's watchdog_ms ({watchdog_ms} ms); raise watchdog_ms",
+                                at(key),
+                                delay_us[i]
+                            ),
+                        ));
+                    }
+                }
+                if delay_us.iter().all(|&d| d == 0) {
+                    return Err(err(
+                        self.kind.span(),
+                        format!("device `{device}`: filter {} (delay): set delay_us or a per-operation delay", index + 1),
+                    ));
+                }
+                FilterSpec::Delay { delay_us }
+            }
+            FilterKind::Error => FilterSpec::Error { rule: self.error_rule(&at, err)? },
+            FilterKind::Throttle => FilterSpec::Throttle { limits: self.limits(&at, err)? },
+        };
+        Ok(Filter { spec, path: None })
+    }
+
+    fn error_rule(&self, at: &dyn Fn(&str) -> String, err: Err<'_>) -> Result<ErrorRule, crate::ConfigError> {
+        let ops = match &self.ops {
+            None => 0b1_1111,
+            Some(list) => {
+                let mut m = 0u8;
+                for name in list.get_ref() {
+                    let Some(op) = bulkhead_block::OpKind::parse(name) else {
+                        return Err(err(
+                            list.span(),
+                            format!("{}: unknown operation `{name}` (read, write, flush, discard, write_zeroes)", at("ops")),
+                        ));
+                    };
+                    m |= 1 << op.index();
+                }
+                if m == 0 {
+                    return Err(err(list.span(), format!("{}: names no operation", at("ops"))));
+                }
+                m
+            }
+        };
+        let probability = self.probability.as_ref().map(|p| (*p.get_ref(), p.span()));
+        if let Some((p, span)) = &probability {
+            if !(0.0..=1.0).contains(p) {
+                return Err(err(span.clone(), format!("{}: {p} is not between 0.0 and 1.0", at("probability"))));
+            }
+        }
+        let errno = match &self.errno {
+            None => 5,
+            Some(e) => match ERRNOS.iter().find(|(n, _)| n.eq_ignore_ascii_case(e.get_ref())) {
+                Some((_, v)) => *v,
+                None => {
+                    let names: Vec<_> = ERRNOS.iter().map(|(n, _)| *n).collect();
+                    return Err(err(e.span(), format!("{}: `{}` is not one of {}", at("errno"), e.get_ref(), names.join(", "))));
+                }
+            },
+        };
+        Ok(ErrorRule {
+            ops,
+            offset: self.offset.as_ref().map_or(0, |o| o.get_ref().0),
+            len: self.len.as_ref().map_or(u64::MAX, |l| l.get_ref().0),
+            probability_ppm: probability.map_or(1_000_000, |(p, _)| (p * 1e6).round() as u32),
+            after: self.after.as_ref().map_or(0, |a| *a.get_ref()),
+            count: self.count.as_ref().map(|c| *c.get_ref()),
+            errno,
+            seed: self.seed.as_ref().map_or(0x5eed, |s| *s.get_ref()),
+        })
+    }
+
+    fn limits(&self, at: &dyn Fn(&str) -> String, err: Err<'_>) -> Result<Limits, crate::ConfigError> {
+        let max_length = match &self.max_length {
+            None => 1.0,
+            Some(m) if (1.0..=86_400.0).contains(m.get_ref()) => *m.get_ref(),
+            Some(m) => {
+                return Err(err(m.span(), format!("{}: {} is out of range 1..=86400 seconds", at("max_length"), m.get_ref())))
+            }
+        };
+        let limit = |avg_key: &str,
+                     avg: Option<(u64, Range<usize>)>,
+                     max_key: &str,
+                     max: Option<(u64, Range<usize>)>|
+         -> Result<Option<Limit>, crate::ConfigError> {
+            match (avg, max) {
+                (None, None) => Ok(None),
+                (None, Some((_, span))) => Err(err(span, format!("{} needs `{avg_key}` as well", at(max_key)))),
+                (Some((0, span)), _) => Err(err(span, format!("{}: must be positive", at(avg_key)))),
+                (Some((a, _)), Some((m, span))) if m < a => {
+                    Err(err(span, format!("{}: {m} is below the average rate `{avg_key}` = {a}", at(max_key))))
+                }
+                (Some((a, _)), m) => Ok(Some(Limit { avg: a as f64, max: m.map_or(0.0, |m| m.0 as f64), max_length })),
+            }
+        };
+        let sz = |x: &Option<Spanned<Size>>| x.as_ref().map(|v| (v.get_ref().0, v.span()));
+        let n = |x: &Option<Spanned<u64>>| x.as_ref().map(|v| (*v.get_ref(), v.span()));
+        let limits = Limits {
+            bps_total: limit("bps", sz(&self.bps), "bps_max", sz(&self.bps_max))?,
+            bps_read: limit("bps_read", sz(&self.bps_read), "bps_read_max", sz(&self.bps_read_max))?,
+            bps_write: limit("bps_write", sz(&self.bps_write), "bps_write_max", sz(&self.bps_write_max))?,
+            iops_total: limit("iops", n(&self.iops), "iops_max", n(&self.iops_max))?,
+            iops_read: limit("iops_read", n(&self.iops_read), "iops_read_max", n(&self.iops_read_max))?,
+            iops_write: limit("iops_write", n(&self.iops_write), "iops_write_max", n(&self.iops_write_max))?,
+            iops_size: self.iops_size.as_ref().map_or(0, |s| s.get_ref().0),
+        };
+        if [limits.bps_total, limits.bps_read, limits.bps_write, limits.iops_total, limits.iops_read, limits.iops_write]
+            .iter()
+            .all(Option::is_none)
+        {
+            return Err(err(
+                self.kind.span(),
+                format!("{}: set at least one of bps, iops and their _read/_write forms", at("type")),
+            ));
+        }
+        Ok(limits)
+    }
+}
