@@ -188,6 +188,7 @@ pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(Fro
         backend: BackendSpec::Ram { fd: 8 },
         filters: Vec::new(),
         state_fd: None,
+        heartbeat_ms: 100,
         sandbox: Default::default(),
         report_fd: None,
     };

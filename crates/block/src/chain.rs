@@ -93,17 +93,20 @@ impl Chain {
         }
     }
 
-    /// One turn: releases what layers let go of by `now_ns`, walks each of `new` down, runs
-    /// the backend on what reached it, walks results up, and calls `done` once for every
-    /// request that completed. `req` gives the request a tag stands for; tags in `new` must not
-    /// be in flight already.
+    /// One turn: releases what layers let go of by now, walks each of `new` down, runs the
+    /// backend on what reached it, walks results up, and calls `done` once for every request
+    /// that completed. `clock` is the monotonic clock in ns, read only when there are layers
+    /// (before the walk down and after the backend, so layers time the backend's work);
+    /// `req` gives the request a tag stands for; tags in `new` must not be in flight already.
     pub fn run<'q>(
         &mut self,
         new: &[Tag],
-        now_ns: u64,
+        clock: &dyn Fn() -> u64,
         req: &dyn Fn(Tag) -> Request<'q>,
         done: &mut dyn FnMut(Tag, Result<u64, BlockError>),
     ) {
+        let timed = !self.layers.is_empty();
+        let now_ns = if timed { clock() } else { 0 };
         let mut released = std::mem::take(&mut self.released);
         let mut to_backend = std::mem::take(&mut self.to_backend);
         if self.held > 0 && self.next_poll.is_some_and(|t| t <= now_ns) {
@@ -127,6 +130,7 @@ impl Chain {
         for chunk in to_backend.chunks(BACKEND_BATCH) {
             let mut ios: ArrayVec<Io<'q>, BACKEND_BATCH> = chunk.iter().map(|&t| Io::new(req(t))).collect();
             self.backend.execute(&mut ios);
+            let now_ns = if timed { clock() } else { 0 };
             let below = self.layers.len();
             for (&tag, io) in chunk.iter().zip(ios) {
                 self.ascend(tag, below, io.result, now_ns, req, done);
@@ -313,7 +317,7 @@ mod tests {
         chain.attach(TagSpace { queues: 1, per_queue: 4 });
         let req = |t: Tag| if t.index() == 1 { Request::Discard { offset: 0, len: 4096 } } else { Request::Flush };
         let mut out = Vec::new();
-        chain.run(&[Tag::new(0), Tag::new(1)], 0, &req, &mut |t, r| out.push((t.index(), r)));
+        chain.run(&[Tag::new(0), Tag::new(1)], &|| 0, &req, &mut |t, r| out.push((t.index(), r)));
         out.sort_by_key(|x| x.0);
         assert_eq!(out, vec![(0, Ok(0)), (1, Err(BlockError::NotSupported("discard")))]);
     }
@@ -323,14 +327,14 @@ mod tests {
         let mut chain = Chain::new(vec![Box::new(HoldUntil { until: 500, q: VecDeque::new() })], Box::new(Counting(0)));
         chain.attach(TagSpace { queues: 1, per_queue: 4 });
         let mut out = Vec::new();
-        chain.run(&[Tag::new(2), Tag::new(3)], 100, &flush, &mut |t, r| out.push((t.index(), r)));
+        chain.run(&[Tag::new(2), Tag::new(3)], &|| 100, &flush, &mut |t, r| out.push((t.index(), r)));
         assert!(out.is_empty());
         assert_eq!(chain.held(), 2);
         assert_eq!(chain.next_poll(), Some(100));
-        chain.run(&[], 200, &flush, &mut |t, r| out.push((t.index(), r)));
+        chain.run(&[], &|| 200, &flush, &mut |t, r| out.push((t.index(), r)));
         assert!(out.is_empty(), "released before its time");
         assert_eq!(chain.next_poll(), Some(500));
-        chain.run(&[], 500, &flush, &mut |t, r| out.push((t.index(), r)));
+        chain.run(&[], &|| 500, &flush, &mut |t, r| out.push((t.index(), r)));
         assert_eq!(out, vec![(2, Ok(1000)), (3, Ok(1000))]);
         assert_eq!(chain.held(), 0);
         assert_eq!(chain.next_poll(), None);

@@ -3,6 +3,7 @@
 mod driver_cmd;
 mod serve;
 mod status;
+mod trace_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -43,6 +44,15 @@ enum Cmd {
         /// Run directory of the `serve` to ask.
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
+    },
+    /// Summarise a trace written by a `trace` filter: requests, bytes, errors and latency per
+    /// operation, requests per queue.
+    Trace {
+        /// The trace file.
+        file: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
     },
     /// Benchmarks.
     Bench {
@@ -146,6 +156,7 @@ fn main() -> ExitCode {
         Cmd::Status { json, run_dir } => status::run(&run_dir, json),
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Driver { spec } => driver_cmd::run(&spec),
+        Cmd::Trace { file, json } => trace_cmd::run(&file, json),
         Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples, no_pin } } => {
             bench_channel(mode, json, seconds, samples, !no_pin)
         }

@@ -23,8 +23,8 @@ use crate::DriverError;
 /// Requests taken from one queue per turn.
 const BATCH: usize = 32;
 
-/// Slots of the domain's state page: a counter bumped every 100 ms or so while the loop turns
-/// with layers in the chain, and the requests layers hold.
+/// Slots of the domain's state page: a counter bumped at least every heartbeat interval while
+/// the loop turns with requests held by layers, and the requests layers hold.
 pub const HEARTBEAT: usize = 1;
 /// See [`HEARTBEAT`].
 pub const HELD: usize = 2;
@@ -109,6 +109,9 @@ pub struct Domain {
     idled_at: u64,
     /// Where the domain shows the supervisor it is alive while layers hold requests.
     state: Option<StatePage>,
+    /// How often it must show it (under the supervisor's watchdog), and when it last did.
+    heartbeat_ns: u64,
+    beat_at: u64,
     /// Test-only misbehaviour, and whether it has started.
     hostile: Option<Hostility>,
     turned: bool,
@@ -153,6 +156,8 @@ impl Domain {
             stats: DomainStats::default(),
             idled_at: now_ns(),
             state: None,
+            heartbeat_ns: 100_000_000,
+            beat_at: 0,
             hostile: None,
             turned: false,
         })
@@ -160,8 +165,10 @@ impl Domain {
 
     /// Gives the domain its state page: while layers hold requests (a delay, a throttle) and
     /// nothing is answered, the supervisor's watchdog looks there for signs of life.
-    pub fn set_state_page(&mut self, page: StatePage) {
+    /// The page must show a beat at least every `heartbeat_ms`.
+    pub fn set_state_page(&mut self, page: StatePage, heartbeat_ms: u64) {
         self.state = Some(page);
+        self.heartbeat_ns = heartbeat_ms.max(2) * 1_000_000;
     }
 
     /// Makes this domain misbehave once it has answered [`TRIGGER_AFTER`] requests (tests only).
@@ -229,11 +236,10 @@ impl Domain {
         if new.is_empty() && results.is_empty() && !due {
             return Ok(0);
         }
-        // Without layers nothing looks at the clock: a polled request reads none.
-        let now = if self.chain.layer_count() > 0 { now_ns() } else { 0 };
+        // Without layers the chain reads no clock: a polled request reads none.
         let Domain { queues, chain, tags, done, .. } = self;
         let lookup = |t: Tag| request(queues, tags.slots[t.index()].as_ref().expect("tag in flight"));
-        chain.run(&new, now, &lookup, &mut |t, r| done.push((t, r)));
+        chain.run(&new, &now_ns, &lookup, &mut |t, r| done.push((t, r)));
         if let Some(why) = self.chain.lost() {
             // Answer nothing: the next generation gets every unanswered request again.
             return Err(DriverError::BackendLost(why.to_string()));
@@ -365,9 +371,15 @@ impl Domain {
         if force || now - self.idled_at >= 100_000_000 {
             self.idled_at = now;
             self.chain.idle();
-            if let Some(p) = &self.state {
+        }
+        // While layers hold requests nothing may be answered for a while: beat, so the
+        // watchdog sees the loop still turns.
+        if let Some(p) = &self.state {
+            let held = self.chain.held() as u64;
+            if (held > 0 || p.get(HELD) > 0) && now - self.beat_at >= self.heartbeat_ns / 2 {
+                self.beat_at = now;
                 p.add(HEARTBEAT, 1);
-                p.set(HELD, self.chain.held() as u64);
+                p.set(HELD, held);
             }
         }
     }
@@ -428,7 +440,7 @@ impl Domain {
             // millisecond granularity.
             let sleep = sleep && self.chain.next_poll().is_none_or(|t| t > now_ns() + 1_000_000);
             if !sleep {
-                if spins.is_multiple_of(4096) {
+                if spins.is_multiple_of(1024) {
                     self.idle_layers(false);
                 }
                 for _ in 0..8 {
@@ -466,10 +478,13 @@ impl Domain {
             self.stats.sleeps += 1;
             // A bounded wait, so a stop request racing the sleep is seen within half a second,
             // and no longer than until a held request is due.
-            let ms = match self.chain.next_poll() {
+            let mut ms = match self.chain.next_poll() {
                 Some(t) => t.saturating_sub(now_ns()).div_ceil(1_000_000).min(MAX_SLEEP_MS),
                 None => MAX_SLEEP_MS,
             };
+            if self.chain.held() > 0 {
+                ms = ms.min((self.heartbeat_ns / 2_000_000).max(1));
+            }
             if ms > 0 {
                 self.poller.wait(ms as i32, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
             }

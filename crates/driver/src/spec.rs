@@ -25,6 +25,9 @@ pub struct DomainSpec {
     /// The domain's own state page (its heartbeat for the supervisor's watchdog), if given.
     #[serde(default)]
     pub state_fd: Option<i32>,
+    /// How often the domain beats there while layers hold requests, ms.
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
     /// Sandbox policy.
     pub sandbox: SandboxSpec,
     /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
@@ -55,6 +58,10 @@ pub struct QueueSpec {
     pub arena_bytes: u64,
     /// Descriptors: ring, write arena (read-only), read arena, kick, irq.
     pub fds: [i32; 5],
+}
+
+fn default_heartbeat_ms() -> u64 {
+    100
 }
 
 /// One filter and its descriptors.
@@ -216,7 +223,7 @@ impl DomainSpec {
         if let Some(fd) = state {
             let page = bulkhead_filters::state::StatePage::map(std::os::fd::AsRawFd::as_raw_fd(&fd), true)
                 .map_err(|e| DriverError::Setup(format!("state page: {e}")))?;
-            domain.set_state_page(page);
+            domain.set_state_page(page, self.heartbeat_ms);
         }
         Ok(domain)
     }
@@ -240,6 +247,7 @@ mod tests {
                 FilterSlot { spec: FilterSpec::Stats {}, state_fd: 13, output_fd: None },
             ],
             state_fd: Some(14),
+            heartbeat_ms: 250,
             sandbox: SandboxSpec::default(),
             report_fd: Some(10),
         };
@@ -260,6 +268,7 @@ mod tests {
             backend: BackendSpec::Null,
             filters: Vec::new(),
             state_fd: None,
+            heartbeat_ms: 100,
             sandbox: SandboxSpec::default(),
             report_fd: None,
         };

@@ -17,6 +17,7 @@ pub mod state;
 pub mod stats;
 pub mod throttle;
 pub mod trace;
+pub mod trace_summary;
 
 pub use spec::{build, FilterFds, FilterReport, FilterSpec};
 

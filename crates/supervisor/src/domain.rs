@@ -511,6 +511,8 @@ impl Launcher {
             backend: backend_spec,
             filters: filter_slots,
             state_fd: Some(state_fd),
+            // Four beats within the watchdog's time.
+            heartbeat_ms: (self.io_timeout_ms / 4).max(2),
             sandbox: SandboxSpec { policy: self.policy },
             report_fd: Some(report_fd),
         };
