@@ -223,6 +223,48 @@ fn sigterm_leaves_no_mount_loop_process_or_socket() {
 }
 
 #[test]
+fn serve_sigkilled_leaves_no_domain_behind_and_a_new_serve_takes_over() {
+    require_kernel!();
+    let tmp = TempDir::new("sigkill");
+    let run_dir = tmp.path().join("run");
+    let cfg = format!("{}{}", small_ram_config("a", "16M", "adaptive"), small_ram_config("b", "16M", "irq"));
+    let mut serve = Serve::start(&run_dir, Some(&cfg), &["a", "b"]);
+    // One domain started at start-up, one by the watcher thread on a restart.
+    let r = Command::new(exe()).args(["restart", "b", "--run-dir"]).arg(&run_dir).output().unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let domains = [serve.driver_pid(0) as i32, serve.driver_pid(1) as i32];
+    assert!(domains.iter().all(|&p| p > 0));
+    let c = serve.child.0.as_mut().unwrap();
+    c.kill().unwrap();
+    c.wait().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    // SAFETY: probing pids with signal 0.
+    while domains.iter().any(|&p| unsafe { libc::kill(p, 0) } == 0) {
+        assert!(std::time::Instant::now() < deadline, "driver domains {domains:?} outlived their serve");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let orphans = run("ps", &["-eo", "ppid=,args="]);
+    assert!(
+        !orphans.lines().any(|l| l.trim_start().starts_with("1 ") && l.contains("bulkhead driver") && l.contains(&format!("{run_dir:?}").replace('"', ""))),
+        "{orphans}"
+    );
+    // The next serve on the same run directory takes over (stale mount, socket and lock
+    // cleared); the old socket file is still there until it does, so ask until it answers.
+    let next = Serve::start(&run_dir, Some(&cfg), &["a", "b"]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(&run_dir).output().unwrap();
+        if out.status.success() {
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(v["devices"][1]["state"], "running");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the next serve never answered: {}", next.log_text());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
 fn second_serve_on_same_run_dir_is_refused() {
     require_kernel!();
     let tmp = TempDir::new("twice");

@@ -235,13 +235,14 @@ pub fn spawn(
                 continue;
             }
         }
-        // Let the child go on to exec.
+        // Let the child go on to exec. The write end stays open until it has: the child checks
+        // it to know this thread was alive when its parent-death signal was armed.
         // SAFETY: writes one byte from a local.
         unsafe { libc::write(sync_w.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
-        drop(sync_w);
         let mut errno = [0u8; 4];
         // SAFETY: reads up to 4 bytes into a local; EOF means the exec succeeded.
         let got = unsafe { libc::read(err_r.as_raw_fd(), errno.as_mut_ptr().cast(), 4) };
+        drop(sync_w);
         if got == 4 {
             let _ = child_proc.wait();
             return Err(io::Error::from_raw_os_error(i32::from_ne_bytes(errno)));
@@ -307,7 +308,6 @@ unsafe fn child(
         // Wait until the parent has written our uid/gid maps.
         let mut b = 0u8;
         libc::read(sync_r, (&mut b as *mut u8).cast(), 1);
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
         if in_ns {
             // Become the mapped root of the new namespace: until now this process has the
             // creator's ids, which the namespace does not map. Raw system calls, as glibc's
@@ -318,6 +318,15 @@ unsafe fn child(
             if libc::syscall(libc::SYS_setresgid, 0, 0, 0) < 0 || libc::syscall(libc::SYS_setresuid, 0, 0, 0) < 0 {
                 fail(err_w);
             }
+        }
+        // Die with the spawning thread. Set only now: a change of credentials (the setresuid
+        // above) clears it, which once left domains running after a SIGKILLed serve. The
+        // parent keeps the sync pipe open until this process has exec'd: if it is already
+        // closed, the parent died before the signal was armed.
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        let mut pfd = libc::pollfd { fd: sync_r, events: libc::POLLIN, revents: 0 };
+        if libc::poll(&mut pfd, 1, 0) > 0 && pfd.revents & libc::POLLHUP != 0 {
+            libc::_exit(127);
         }
         // A process group of its own: a Ctrl-C at serve's terminal is for serve, which ends
         // its domains in order, not for the domains directly.
