@@ -11,7 +11,7 @@ export BULKHEAD_REQUIRE_KERNEL="${BULKHEAD_REQUIRE_KERNEL:-1}"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 # A hang must fail the run with its output, not run into CI's own time limit.
-timeout --kill-after=60 "${BULKHEAD_TEST_TIMEOUT:-3000}" cargo test --workspace --locked "$@" 2>&1 | tee -a "$log"
+timeout --kill-after=60 "${BULKHEAD_TEST_TIMEOUT:-3000}" cargo test --workspace --locked --features bulkhead/test-driver "$@" 2>&1 | tee -a "$log"
 
 if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
   echo "== shared-memory crates under AddressSanitizer =="

@@ -99,13 +99,9 @@ impl BackQueue {
         let _ = self.ring.push(&rsp);
     }
 
-    /// Queues a response exactly as given, however malformed (hostile-driver test modes).
-    pub fn complete_raw(&mut self, rsp: ResponseSlot) {
-        let _ = self.ring.push(&rsp);
-    }
-
-    /// Rings the frontend's doorbell whether or not it sleeps (hostile-driver test modes).
-    pub fn ring_peer(&self) {
+    /// Rings the frontend's doorbell whether or not it sleeps (this crate's storm test).
+    #[cfg(test)]
+    pub(crate) fn ring_peer(&self) {
         self.irq.ring();
     }
 
@@ -163,13 +159,9 @@ impl BackQueue {
         self.device_size
     }
 
-    /// The write arena mapping (read-only here), for the sandbox's escape probe.
-    pub fn write_arena_mapping(&self) -> &Mapping {
-        &self.warena
-    }
-
-    /// The ring mapping, for hostile-driver test modes that must scribble on it.
-    pub fn ring_mapping(&self) -> &Mapping {
+    /// The ring mapping, for this crate's tests that play a hostile frontend.
+    #[cfg(test)]
+    pub(crate) fn ring_mapping(&self) -> &Mapping {
         self.ring.mapping()
     }
 }

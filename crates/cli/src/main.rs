@@ -27,6 +27,10 @@ enum Cmd {
         /// Directory for the FUSE export, sockets and lock.
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
+        /// Run the driver domains from this executable, which must take `driver --spec JSON`
+        /// as `bulkhead` does (a driver under development; default: this executable).
+        #[arg(long)]
+        driver_exe: Option<PathBuf>,
     },
     /// Print each device's state, driver pid, mode, requests, restarts, outages and memory.
     Status {
@@ -152,7 +156,7 @@ enum BenchCmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Serve { config, run_dir } => serve::run(config.as_deref(), &run_dir),
+        Cmd::Serve { config, run_dir, driver_exe } => serve::run(config.as_deref(), &run_dir, driver_exe.as_deref()),
         Cmd::Status { json, run_dir } => status::run(&run_dir, json),
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Driver { spec } => driver_cmd::run(&spec),

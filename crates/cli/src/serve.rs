@@ -103,7 +103,7 @@ fn plant_canaries(marker: &[u8]) -> Vec<Vec<u8>> {
     kept
 }
 
-pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCode> {
+pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>) -> anyhow::Result<ExitCode> {
     let config = match config_path {
         Some(p) => Config::load(p)?,
         None => Config::embedded_default(),
@@ -117,7 +117,11 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCod
     let fuse_dir = run_dir.join("fuse");
     clear_stale_mount(&fuse_dir);
 
-    let sup = Arc::new(Supervisor::start(&config, None)?);
+    let driver_exe = match driver_exe {
+        Some(p) => Some(p.canonicalize().with_context(|| format!("--driver-exe {}", p.display()))?),
+        None => None,
+    };
+    let sup = Arc::new(Supervisor::start(&config, driver_exe.as_deref())?);
     let fuse = if config.fuse.enabled {
         match FuseExport::mount(&fuse_dir, sup.devices(), *config.fuse.threads.get_ref() as usize) {
             Ok(f) => Some(f),

@@ -171,7 +171,11 @@ fn driver_crashing_on_start_turns_the_device_failed_and_io_fails_promptly() {
     require_kernel!();
     let tmp = TempDir::new("crash");
     let cfg = "[[device]]\nname = \"c\"\nsize = \"16M\"\nrestart_limit = 3\nrestart_window_ms = 60000\n[device.backend]\ntype = \"ram\"\n";
-    let serve = Serve::start_with_env(&tmp.path().join("run"), Some(cfg), &["c"], &[("BULKHEAD_TEST_FAULT", "crash-on-start")]);
+    let Some(serve) =
+        Serve::start_test_driver(&tmp.path().join("run"), Some(cfg), &["c"], &[("BULKHEAD_TEST_FAULT", "crash-on-start")])
+    else {
+        return;
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let d = serve.status_json()["devices"][0].clone();

@@ -14,12 +14,14 @@ fn every_escape_attempt_from_a_domain_fails_with_the_expected_errno() {
     let tmp = TempDir::new("escape");
     let cfg = "[[device]]\nname = \"e\"\nsize = \"16M\"\nrestart_limit = 1\n[device.backend]\ntype = \"ram\"\n";
     let me = std::process::id().to_string();
-    let serve = Serve::start_with_env(
+    let Some(serve) = Serve::start_test_driver(
         &tmp.path().join("run"),
         Some(cfg),
         &["e"],
         &[("BULKHEAD_TEST_FAULT", "escape"), ("BULKHEAD_TEST_OUTSIDE_PID", &me)],
-    );
+    ) else {
+        return;
+    };
     let deadline = Instant::now() + Duration::from_secs(15);
     let (probe, log) = loop {
         let log = serve.log_text();

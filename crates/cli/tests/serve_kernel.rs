@@ -245,7 +245,9 @@ fn serve_sigkilled_leaves_no_domain_behind_and_a_new_serve_takes_over() {
     }
     let orphans = run("ps", &["-eo", "ppid=,args="]);
     assert!(
-        !orphans.lines().any(|l| l.trim_start().starts_with("1 ") && l.contains("bulkhead driver") && l.contains(&format!("{run_dir:?}").replace('"', ""))),
+        !orphans.lines().any(|l| l.trim_start().starts_with("1 ")
+            && l.contains("bulkhead driver")
+            && l.contains(&format!("{run_dir:?}").replace('"', ""))),
         "{orphans}"
     );
     // The next serve on the same run directory takes over (stale mount, socket and lock

@@ -7,7 +7,6 @@
 //! [`bulkhead_block::Chain`].
 #![deny(missing_docs)]
 
-pub mod hostile;
 mod runtime;
 pub mod spec;
 
@@ -32,4 +31,37 @@ pub enum DriverError {
     /// The spec or a descriptor in it was unusable.
     #[error("setup: {0}")]
     Setup(String),
+    /// The sandbox could not be applied as the policy requires.
+    #[error("sandbox: {0}")]
+    Sandbox(String),
+}
+
+/// Address space allowed beyond what a domain has mapped at confinement: the allocator's needs.
+const HEADROOM: u64 = 256 << 20;
+
+/// Confines this process as the domain `spec` describes (namespaces were entered at spawn;
+/// this applies the empty mount tree, rlimits, no_new_privs, Landlock and the seccomp allowlist
+/// of its role) and reports the layers in force, or why it refused, on the spec's report pipe.
+/// Call it once every descriptor and mapping the domain needs exists: afterwards it can open
+/// nothing more.
+pub fn confine_and_report(spec: &spec::DomainSpec) -> Result<bulkhead_sandbox::Layers, DriverError> {
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    let opts = bulkhead_sandbox::confine::Options {
+        policy: spec.sandbox.policy,
+        role: spec.seccomp_role(),
+        namespaces: bulkhead_sandbox::spawn::namespaces_layer(spec.sandbox.policy),
+        address_space_headroom: HEADROOM,
+    };
+    let confined = bulkhead_sandbox::confine::confine(&opts);
+    if let Some(fd) = spec.report_fd {
+        // SAFETY: the report pipe named in the spec is this process's alone; File closes it.
+        let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
+        let report = match &confined {
+            Ok(layers) => bulkhead_sandbox::Report::Confined(layers.clone()),
+            Err(e) => bulkhead_sandbox::Report::Refused { refused: e.to_string() },
+        };
+        let _ = writeln!(f, "{}", serde_json::to_string(&report).expect("report serialises"));
+    }
+    confined.map_err(|e| DriverError::Sandbox(e.to_string()))
 }

@@ -15,9 +15,8 @@ use bulkhead_block::{BlockError, Chain, Request, Tag, TagSpace};
 use bulkhead_channel::{BackQueue, Popped};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
-use bulkhead_ring::{HeaderOffsets, Op, ResponseSlot, Status, ValidRequest};
+use bulkhead_ring::{Op, Status, ValidRequest};
 
-use crate::hostile::{Garbage, Hostility, TRIGGER_AFTER};
 use crate::DriverError;
 
 /// Requests taken from one queue per turn.
@@ -112,9 +111,6 @@ pub struct Domain {
     /// How often it must show it (under the supervisor's watchdog), and when it last did.
     heartbeat_ns: u64,
     beat_at: u64,
-    /// Test-only misbehaviour, and whether it has started.
-    hostile: Option<Hostility>,
-    turned: bool,
 }
 
 impl std::fmt::Debug for Domain {
@@ -158,8 +154,6 @@ impl Domain {
             state: None,
             heartbeat_ns: 100_000_000,
             beat_at: 0,
-            hostile: None,
-            turned: false,
         })
     }
 
@@ -171,32 +165,6 @@ impl Domain {
         self.heartbeat_ns = heartbeat_ms.max(2) * 1_000_000;
     }
 
-    /// Makes this domain misbehave once it has answered [`TRIGGER_AFTER`] requests (tests only).
-    pub fn set_hostility(&mut self, h: Hostility) {
-        self.hostile = Some(h);
-    }
-
-    /// The hostile behaviour in force now, announcing it the first time.
-    fn hostile_now(&mut self) -> Option<Hostility> {
-        let h = self.hostile?;
-        if h != Hostility::OutOfOrder && self.stats.completed < TRIGGER_AFTER {
-            return None;
-        }
-        if !self.turned {
-            self.turned = true;
-            eprintln!("bulkhead driver: hostile test mode {}: misbehaving from now on", h.as_str());
-            if h == Hostility::LogFlood {
-                crate::hostile::flood_log();
-            }
-        }
-        Some(h)
-    }
-
-    /// Queue `i`'s driver end (for test modes).
-    pub fn queue(&self, i: usize) -> Option<&BackQueue> {
-        self.queues.get(i)
-    }
-
     /// Counters.
     pub fn stats(&self) -> DomainStats {
         self.stats
@@ -206,11 +174,11 @@ impl Domain {
     /// returns how many requests it answered.
     fn serve_queue(&mut self, qi: usize) -> Result<usize, DriverError> {
         let mut new: ArrayVec<Tag, BATCH> = ArrayVec::new();
-        let mut results: ArrayVec<ResponseSlot, BATCH> = ArrayVec::new();
+        let mut refused = 0;
         {
             let q = &mut self.queues[qi];
             let free = &mut self.tags.free[qi];
-            while !new.is_full() && !results.is_full() && !free.is_empty() {
+            while new.len() + refused < BATCH && !free.is_empty() {
                 match q.pop().map_err(|source| DriverError::Channel { queue: qi, source })? {
                     None => break,
                     Some(Popped::Valid(req)) => {
@@ -226,14 +194,15 @@ impl Domain {
                             );
                         }
                         self.stats.invalid += 1;
-                        let status = Status::Invalid as u32;
-                        results.push(ResponseSlot { id, generation, status, len: 0, reserved: 0 });
+                        q.complete(id, generation, Status::Invalid, 0);
+                        self.dirty[qi] = true;
+                        refused += 1;
                     }
                 }
             }
         }
         let due = self.chain.next_poll().is_some_and(|t| t <= now_ns());
-        if new.is_empty() && results.is_empty() && !due {
+        if new.is_empty() && refused == 0 && !due {
             return Ok(0);
         }
         // Without layers the chain reads no clock: a polled request reads none.
@@ -244,9 +213,9 @@ impl Domain {
             // Answer nothing: the next generation gets every unanswered request again.
             return Err(DriverError::BackendLost(why.to_string()));
         }
-        let mut n = results.len();
-        let mut others = std::mem::take(&mut self.done);
-        for (tag, result) in others.drain(..) {
+        let mut n = refused;
+        let mut finished = std::mem::take(&mut self.done);
+        for (tag, result) in finished.drain(..) {
             let f = self.tags.slots[tag.index()].take().expect("completed tag was in flight");
             self.tags.free[f.queue].push(tag);
             let (status, len) = match result {
@@ -256,47 +225,15 @@ impl Domain {
                     (e.status(), 0)
                 }
             };
-            let rsp = ResponseSlot { id: f.req.id, generation: f.req.generation, status: status as u32, len, reserved: 0 };
-            if f.queue == qi && !results.is_full() {
-                results.push(rsp);
-            } else {
-                self.queues[f.queue].complete_raw(rsp);
-                self.dirty[f.queue] = true;
-            }
+            self.queues[f.queue].complete(f.req.id, f.req.generation, status, len);
+            self.dirty[f.queue] = true;
             n += 1;
         }
-        self.done = others;
-        if !results.is_empty() {
-            if let Some(h) = self.hostile_now() {
-                self.misbehave(h, qi, &mut results);
-                if h == Hostility::DoorbellStorm {
-                    // Answer slowly, ringing all the while: the frontend waits, and every wake-up
-                    // it gets is empty.
-                    let until = now_ns() + 2_000_000;
-                    while now_ns() < until {
-                        for q in &self.queues {
-                            q.ring_peer();
-                        }
-                    }
-                }
-            }
-            for rsp in results {
-                self.queues[qi].complete_raw(rsp);
-            }
-            self.dirty[qi] = true;
-        }
+        self.done = finished;
         for (i, q) in self.queues.iter_mut().enumerate() {
             if std::mem::take(&mut self.dirty[i]) {
                 q.publish();
             }
-        }
-        if self.hostile_now() == Some(Hostility::CorruptIndex) {
-            let nslots =
-                self.queues[qi].ring_mapping().atomic_u32(HeaderOffsets::NSLOTS).map(|a| a.load(Ordering::Relaxed)).unwrap_or(64);
-            if let Ok(prod) = self.queues[qi].ring_mapping().atomic_u32(HeaderOffsets::RSP_PROD) {
-                prod.fetch_add(nslots.wrapping_mul(3), Ordering::Release);
-            }
-            self.queues[qi].ring_peer();
         }
         self.stats.completed += n as u64;
         Ok(n)
@@ -308,39 +245,6 @@ impl Domain {
         let n = FAILED.fetch_add(1, Ordering::Relaxed) + 1;
         if n <= 8 || n.is_power_of_two() {
             eprintln!("bulkhead driver: request {id:#x}: {e} ({n} failed so far)");
-        }
-    }
-
-    /// Rewrites a batch of responses the way `h` misbehaves (tests only).
-    fn misbehave(&mut self, h: Hostility, qi: usize, results: &mut ArrayVec<ResponseSlot, BATCH>) {
-        let first = results[0];
-        match h {
-            Hostility::UnknownId => results[0].id ^= 0x5a5a << 40,
-            Hostility::DuplicateId => {
-                if results.is_full() {
-                    results.pop();
-                }
-                results.push(first);
-            }
-            Hostility::StaleGeneration => results[0].generation = first.generation.wrapping_sub(1),
-            Hostility::OutOfOrder => results.reverse(),
-            Hostility::WrongLength => results[0].len = first.len + 4096,
-            Hostility::BadStatus => results[0].status = 0xbad,
-            Hostility::CorruptSlot => {
-                let mut g = Garbage::new(first.id ^ now_ns());
-                results[0] = ResponseSlot {
-                    id: g.next(),
-                    generation: g.next() as u32,
-                    status: g.next() as u32,
-                    len: g.next(),
-                    reserved: g.next(),
-                };
-            }
-            Hostility::ExitMidRequest => {
-                eprintln!("bulkhead driver: hostile test mode: exiting with {} requests of queue {qi} unanswered", results.len());
-                std::process::exit(3);
-            }
-            Hostility::CorruptIndex | Hostility::DoorbellStorm | Hostility::StopAnswering | Hostility::LogFlood => {}
         }
     }
 
@@ -398,15 +302,6 @@ impl Domain {
         let mut slept = false;
         let tunes = self.mode == NotifyMode::Adaptive && self.budget.tunes();
         while !self.stop.load(Ordering::Relaxed) {
-            match self.hostile_now() {
-                Some(Hostility::StopAnswering) => return self.play_dead(),
-                Some(Hostility::DoorbellStorm) => {
-                    for q in &self.queues {
-                        q.ring_peer();
-                    }
-                }
-                _ => {}
-            }
             if self.poll_once()? > 0 {
                 if let Some(t) = idle_since.take() {
                     // Gaps that layers made by holding requests say nothing of the frontend.
@@ -421,9 +316,7 @@ impl Domain {
                 spins = 0;
                 continue;
             }
-            let storming = self.turned && self.hostile == Some(Hostility::DoorbellStorm);
             let sleep = match self.mode {
-                _ if storming => false,
                 NotifyMode::Poll => {
                     spins = spins.wrapping_add(1);
                     false
@@ -454,17 +347,6 @@ impl Domain {
             self.sleep()?;
             self.idle_layers(false);
             slept = true;
-        }
-        Ok(())
-    }
-
-    /// Stays alive and takes nothing more (the stop-answering test mode).
-    fn play_dead(&mut self) -> Result<(), DriverError> {
-        while !self.stop.load(Ordering::Relaxed) {
-            self.poller.wait(MAX_SLEEP_MS as i32, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
-            for q in &self.queues {
-                q.set_running();
-            }
         }
         Ok(())
     }

@@ -19,7 +19,6 @@
 pub mod confine;
 pub mod landlock;
 pub mod mounts;
-pub mod probe;
 pub mod seccomp;
 pub mod spawn;
 

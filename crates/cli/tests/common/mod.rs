@@ -49,10 +49,33 @@ impl Serve {
 
     /// As [`start`](Self::start), with extra environment variables for serve and its domains.
     pub fn start_with_env(run_dir: &Path, config: Option<&str>, devices: &[&str], env: &[(&str, &str)]) -> Serve {
+        Self::spawn(run_dir, config, devices, env, None)
+    }
+
+    /// As [`start_with_env`](Self::start_with_env), with domains run by the test driver
+    /// (`bulkhead-test-driver`: hostile and escape-probe modes chosen by `BULKHEAD_TEST_FAULT`
+    /// in `env`). `None` (the test skips) when the test driver was not built, which fails
+    /// the test where the kernel tests are required.
+    pub fn start_test_driver(run_dir: &Path, config: Option<&str>, devices: &[&str], env: &[(&str, &str)]) -> Option<Serve> {
+        let Some(driver) = option_env!("CARGO_BIN_EXE_bulkhead-test-driver") else {
+            assert!(
+                std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"),
+                "the test driver is required: build with --features bulkhead/test-driver"
+            );
+            eprintln!("SKIP: bulkhead-test-driver not built (--features bulkhead/test-driver)");
+            return None;
+        };
+        Some(Self::spawn(run_dir, config, devices, env, Some(Path::new(driver))))
+    }
+
+    fn spawn(run_dir: &Path, config: Option<&str>, devices: &[&str], env: &[(&str, &str)], driver: Option<&Path>) -> Serve {
         let log = run_dir.with_extension("log");
         let mut cmd = Command::new(exe());
         cmd.envs(env.iter().copied());
         cmd.arg("serve").arg("--run-dir").arg(run_dir);
+        if let Some(d) = driver {
+            cmd.arg("--driver-exe").arg(d);
+        }
         if let Some(text) = config {
             let path = run_dir.with_extension("toml");
             std::fs::write(&path, text).unwrap();

@@ -1,5 +1,5 @@
-//! A test-only escape probe: from inside a confined domain, try what a hostile driver would,
-//! and report how each attempt failed. Run by `bulkhead driver` only under
+//! An escape probe: from inside a confined domain, try what a hostile driver would, and report
+//! how each attempt failed. Run by the test driver (`bulkhead-test-driver`) under
 //! `BULKHEAD_TEST_FAULT=escape`; the sandbox tests assert the exact errno of each attempt.
 
 use std::fmt::Write as _;

@@ -1,0 +1,111 @@
+//! `bulkhead-test-driver`: a driver domain for tests, run by `bulkhead serve --driver-exe`.
+//!
+//! It takes `driver --spec JSON` as `bulkhead` does and, by `BULKHEAD_TEST_FAULT`:
+//! - `crash-on-start`: exits at once, as a driver with a start-up bug would;
+//! - `escape`: confines itself, tries to escape and reports how each attempt failed, then stores
+//!   into the read-only write arena (which must kill it with SIGSEGV);
+//! - `hostile:<behaviour>`: serves honestly for a while, then misbehaves as
+//!   [`Hostility`](bulkhead_testkit::hostile::Hostility) names;
+//! - unset: runs the real driver runtime, like `bulkhead driver`.
+//!
+//! Built only with the `test-driver` feature: none of this is in the shipped binary.
+
+use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use bulkhead_driver::spec::DomainSpec;
+use bulkhead_shmem::{Mapping, Protection};
+use bulkhead_testkit::hostile::Hostility;
+
+fn fail(msg: String) -> ExitCode {
+    eprintln!("bulkhead-test-driver: {msg}");
+    ExitCode::from(1)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, cmd, flag, json] = &args[..] else {
+        return fail("usage: bulkhead-test-driver driver --spec JSON".into());
+    };
+    if cmd != "driver" || flag != "--spec" {
+        return fail("usage: bulkhead-test-driver driver --spec JSON".into());
+    }
+    let spec: DomainSpec = match serde_json::from_str(json) {
+        Ok(s) => s,
+        Err(e) => return fail(format!("bad spec: {e}")),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        if let Err(e) = signal_hook::flag::register(sig, stop.clone()) {
+            return fail(format!("signal handler: {e}"));
+        }
+    }
+    let fault = std::env::var("BULKHEAD_TEST_FAULT").unwrap_or_default();
+    match fault.as_str() {
+        "crash-on-start" => {
+            eprintln!("bulkhead driver: crashing on start (BULKHEAD_TEST_FAULT)");
+            ExitCode::from(70)
+        }
+        "escape" => escape(&spec, stop),
+        f if f.starts_with("hostile:") => {
+            let Some(h) = Hostility::parse(&f["hostile:".len()..]) else {
+                return fail(format!("unknown hostile mode {f:?}"));
+            };
+            // SAFETY: the supervisor placed exactly the descriptors the spec names, for this
+            // process alone.
+            match unsafe { bulkhead_testkit::hostile::serve(&spec, h, &stop) } {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(e),
+            }
+        }
+        _ => {
+            // SAFETY: as above.
+            let mut domain = match unsafe { spec.build_inherited(stop) } {
+                Ok(d) => d,
+                Err(e) => return fail(e.to_string()),
+            };
+            if let Err(e) = bulkhead_driver::confine_and_report(&spec) {
+                return fail(e.to_string());
+            }
+            match domain.run() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(e.to_string()),
+            }
+        }
+    }
+}
+
+/// Builds the domain as the real driver does, confines it, then attempts escapes.
+fn escape(spec: &DomainSpec, stop: Arc<AtomicBool>) -> ExitCode {
+    let Some(q) = spec.queues.first() else {
+        return fail("the escape probe needs a queue".into());
+    };
+    let (ring_fd, warena_fd) = (q.fds[0], q.fds[1]);
+    // The write arena as the domain maps it: read-only (its descriptor allows nothing else).
+    let warena = match Mapping::new(warena_fd, q.arena_bytes as usize, Protection::ReadOnly) {
+        Ok(m) => m,
+        Err(e) => return fail(format!("write arena: {e}")),
+    };
+    // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
+    // alone; the mapping above does not use the descriptor after it is made.
+    let _domain = match unsafe { spec.build_inherited(stop) } {
+        Ok(d) => d,
+        Err(e) => return fail(e.to_string()),
+    };
+    if let Err(e) = bulkhead_driver::confine_and_report(spec) {
+        return fail(e.to_string());
+    }
+    let targets = bulkhead_testkit::probe::Targets {
+        outside_pid: std::env::var("BULKHEAD_TEST_OUTSIDE_PID").ok().and_then(|p| p.parse().ok()).unwrap_or(1),
+        write_arena: warena.base_ptr(),
+        write_arena_len: warena.len(),
+        shared_fd: ring_fd,
+        write_arena_fd: warena_fd,
+    };
+    eprintln!("bulkhead escape-probe: {}", bulkhead_testkit::probe::attempt_escapes(&targets));
+    // SAFETY: the arena mapping is at least one page; the store is meant to fault.
+    unsafe { bulkhead_testkit::probe::write_into_readonly(warena.base_ptr()) };
+    eprintln!("bulkhead escape-probe: write into the read-only arena succeeded");
+    ExitCode::from(99)
+}
