@@ -4,11 +4,13 @@
 //! (the sandbox forbids it); the `nbd` backend gets a socket the supervisor connected.
 #![deny(missing_docs)]
 
+mod channel;
 mod file;
 mod nbd;
 mod null;
 mod ram;
 
+pub use channel::ChannelBackend;
 pub use file::{Engine, FileBackend};
 pub use nbd::NbdBackend;
 pub use null::NullBackend;

@@ -7,7 +7,7 @@ use bulkhead_doorbell::{now_ns, BudgetPolicy, EventFd, NotifyMode, SpinBudget};
 use bulkhead_ring::{
     FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES,
 };
-use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice};
+use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice, SliceList};
 
 use crate::{ChannelError, QueueConfig, SubmitError};
 
@@ -58,6 +58,18 @@ pub struct Completion<'a> {
     /// For a successful read: the data, in the read arena. Copy it out once (or hand it to a
     /// system call) inside the callback; the space is reused afterwards.
     pub data: Option<SharedSlice<'a>>,
+}
+
+/// Where a request's data comes from.
+enum Payload<'d, 's> {
+    /// No data.
+    None,
+    /// Read-arena space for the driver to fill.
+    ReadSpace,
+    /// Bytes of the caller's.
+    Bytes(&'d [u8]),
+    /// Windows of shared memory.
+    Slices(&'d SliceList<'s>),
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -165,6 +177,27 @@ impl FrontQueue {
         }
     }
 
+    /// The frontend end of a queue whose files another process made (a tap domain's queues to
+    /// the domain below it): maps them and writes the ring's header. The driver end must not
+    /// attach before this returns.
+    pub fn from_fds(fds: crate::FrontQueueFds, cfg: &QueueConfig) -> Result<Self, ChannelError> {
+        let err = |e: &dyn std::fmt::Display| ChannelError::Setup(e.to_string());
+        let layout = bulkhead_ring::RingLayout::new(cfg.nslots).map_err(|e| err(&e))?;
+        let arena = bulkhead_shmem::memfd::size_of(fds.write_arena.as_raw_fd()).map_err(|e| err(&e))? as usize;
+        let rarena = bulkhead_shmem::memfd::size_of(fds.read_arena.as_raw_fd()).map_err(|e| err(&e))? as usize;
+        if arena < cfg.arena_bytes || rarena < cfg.arena_bytes {
+            return Err(ChannelError::Setup(format!("arenas of {arena} and {rarena} bytes, expected {}", cfg.arena_bytes)));
+        }
+        let prot = bulkhead_shmem::Protection::ReadWrite;
+        let ring_map = Mapping::new(fds.ring.as_raw_fd(), layout.file_size(), prot).map_err(|e| err(&e))?;
+        let w = Mapping::new(fds.write_arena.as_raw_fd(), cfg.arena_bytes, prot).map_err(|e| err(&e))?;
+        let r = Mapping::new(fds.read_arena.as_raw_fd(), cfg.arena_bytes, prot).map_err(|e| err(&e))?;
+        let ring = FrontRing::create(ring_map, layout, cfg.generation).map_err(|e| err(&e))?;
+        let kick = EventFd::from_owned(fds.kick).map_err(|e| err(&e))?;
+        let irq = EventFd::from_owned(fds.irq).map_err(|e| err(&e))?;
+        Ok(FrontQueue::new(ring, w, r, kick, irq, cfg))
+    }
+
     /// Bytes in each arena: the largest request this queue can carry.
     pub fn arena_bytes(&self) -> usize {
         self.warena.len()
@@ -232,6 +265,32 @@ impl FrontQueue {
     /// Places a request in the ring (not yet visible: call [`publish`](Self::publish), or use
     /// [`submit`](Self::submit)). `user` comes back in the completion.
     pub fn push(&mut self, req: FrontRequest<'_>, user: u64) -> Result<(), SubmitError> {
+        let (op, offset, len, payload, fua) = match req {
+            FrontRequest::Read { offset, len } => (Op::Read, offset, len, Payload::ReadSpace, false),
+            FrontRequest::Write { offset, data, fua } => (Op::Write, offset, data.len() as u64, Payload::Bytes(data), fua),
+            FrontRequest::Flush => (Op::Flush, 0, 0, Payload::None, false),
+            FrontRequest::Discard { offset, len } => (Op::Discard, offset, len, Payload::None, false),
+            FrontRequest::WriteZeroes { offset, len } => (Op::WriteZeroes, offset, len, Payload::None, false),
+        };
+        self.place(op, offset, len, payload, fua, user)
+    }
+
+    /// Places a write whose data sits in shared memory (another queue's arena windows, as a tap
+    /// domain passes a write on): the data is copied into this queue's write arena with
+    /// volatile copies, never read through a reference. Otherwise as [`push`](Self::push).
+    pub fn push_write_from(&mut self, offset: u64, src: &SliceList<'_>, fua: bool, user: u64) -> Result<(), SubmitError> {
+        self.place(Op::Write, offset, src.total_len(), Payload::Slices(src), fua, user)
+    }
+
+    fn place(
+        &mut self,
+        op: Op,
+        offset: u64,
+        len: u64,
+        payload: Payload<'_, '_>,
+        fua: bool,
+        user: u64,
+    ) -> Result<(), SubmitError> {
         if let Some(e) = &self.broken {
             return Err(SubmitError::Broken(e.clone()));
         }
@@ -239,32 +298,37 @@ impl FrontQueue {
             return Err(SubmitError::Full);
         }
         let mut slot = RequestSlot { generation: self.generation, ..Default::default() };
-        let (op, offset, len, arena): (Op, u64, u64, Option<(u32, usize)>) = match req {
-            FrontRequest::Read { offset, len } => (Op::Read, offset, len, Some((ARENA_READ, len as usize))),
-            FrontRequest::Write { offset, data, fua } => {
-                if fua {
-                    slot.flags = FLAG_FUA;
-                }
-                (Op::Write, offset, data.len() as u64, Some((ARENA_WRITE, data.len())))
-            }
-            FrontRequest::Flush => (Op::Flush, 0, 0, None),
-            FrontRequest::Discard { offset, len } => (Op::Discard, offset, len, None),
-            FrontRequest::WriteZeroes { offset, len } => (Op::WriteZeroes, offset, len, None),
-        };
+        if fua {
+            slot.flags = FLAG_FUA;
+        }
         let (mut arena_off, mut arena_len) = (0, 0);
-        if let Some((which, n)) = arena {
+        if !matches!(payload, Payload::None) {
+            let n = len as usize;
             if n == 0 {
                 return Err(SubmitError::TooLarge(0));
             }
-            if n as u64 > self.max_request() || n > u32::MAX as usize {
-                return Err(SubmitError::TooLarge(n as u64));
+            if len > self.max_request() || len > u32::MAX as u64 {
+                return Err(SubmitError::TooLarge(len));
             }
+            let which = if op == Op::Write { ARENA_WRITE } else { ARENA_READ };
             let alloc = if which == ARENA_WRITE { &mut self.walloc } else { &mut self.ralloc };
             arena_off = alloc.alloc(n).ok_or(SubmitError::Full)?;
             arena_len = n;
-            if let FrontRequest::Write { data, .. } = req {
-                let win = self.warena.slice(arena_off, n).expect("allocator stays inside the arena");
-                win.copy_from(data).expect("frontend maps the write arena read-write");
+            match payload {
+                Payload::Bytes(data) => {
+                    let win = self.warena.slice(arena_off, n).expect("allocator stays inside the arena");
+                    win.copy_from(data).expect("frontend maps the write arena read-write");
+                }
+                Payload::Slices(src) => {
+                    let win = self.warena.slice(arena_off, n).expect("allocator stays inside the arena");
+                    let mut at = 0;
+                    for s in src.iter() {
+                        let dst = win.sub(at, s.len()).expect("inside the window");
+                        s.copy_to_shared(&dst).expect("frontend maps the write arena read-write");
+                        at += s.len();
+                    }
+                }
+                Payload::ReadSpace | Payload::None => {}
             }
             slot.nsegs = 1;
             slot.segs[0] = Segment { arena: which, len: n as u32, offset: arena_off as u64 };

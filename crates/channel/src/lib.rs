@@ -16,7 +16,7 @@ mod tests;
 pub use back::{BackQueue, Popped};
 pub use bulkhead_shmem::{SharedSlice, SliceList};
 pub use front::{Completion, FrontQueue, FrontRequest, QueueStats, STORM_DAMP_MS, STORM_WAKES};
-pub use setup::{pair, BackQueueFds, QueueConfig, QueueSetup};
+pub use setup::{pair, BackQueueFds, FrontQueueFds, QueueConfig, QueueSetup, SplitQueue};
 
 pub use bulkhead_doorbell::{BudgetPolicy, NotifyMode};
 pub use bulkhead_ring::{Op, Status};

@@ -271,3 +271,39 @@ fn doorbell_storm_is_damped_and_the_answer_still_arrives() {
     let share = cpu as f64 / wall.as_nanos() as f64;
     assert!(share < 0.5, "waiter used {:.0}% of a core during the storm", share * 100.0);
 }
+
+#[test]
+fn split_queue_carries_writes_from_shared_windows_and_seals_the_write_arena_before_the_lower_end() {
+    use std::os::fd::AsRawFd;
+    let cfg = cfg();
+    let split = SplitQueue::create("split", &cfg).unwrap();
+    let fronts = split.front_fds().unwrap();
+    let warena_rw = fronts.write_arena.try_clone().unwrap();
+    let mut front = FrontQueue::from_fds(fronts, &cfg).unwrap();
+    let mut back = BackQueue::from_fds(
+        split.back_fds().unwrap(),
+        cfg.nslots,
+        bulkhead_ring::ArenaSizes { write: 1 << 20, read: 1 << 20 },
+        1 << 20,
+    )
+    .unwrap();
+    // Once the lower end has its descriptors, no new writable mapping of the write arena can be
+    // made, even from the read-write descriptor.
+    assert!(bulkhead_shmem::Mapping::new(warena_rw.as_raw_fd(), 4096, bulkhead_shmem::Protection::ReadWrite).is_err());
+    // The data of a write comes from two windows of another shared file.
+    let src_fd = bulkhead_shmem::memfd::create("src", 8192).unwrap();
+    let src = bulkhead_shmem::Mapping::new(src_fd.as_raw_fd(), 8192, bulkhead_shmem::Protection::ReadWrite).unwrap();
+    let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    src.write_from(0, &data).unwrap();
+    let mut list = SliceList::new();
+    list.push(src.slice(0, 4096).unwrap());
+    list.push(src.slice(4096, 4096).unwrap());
+    front.push_write_from(12288, &list, false, 7).unwrap();
+    front.publish();
+    let mut disk = vec![0u8; 1 << 20];
+    assert_eq!(serve(&mut back, &mut disk), 1);
+    let mut got = Vec::new();
+    front.reap(|c| got.push((c.user, c.result))).unwrap();
+    assert_eq!(got, vec![(7, Ok(8192))]);
+    assert_eq!(&disk[12288..12288 + 8192], &data[..]);
+}

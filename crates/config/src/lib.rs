@@ -25,7 +25,7 @@
 //! restart_limit = 5       # restarts allowed within restart_window_ms, then `failed`
 //! restart_window_ms = 60000
 //! sandbox = "best_effort" # required | best_effort | off
-//! tap = "passthrough"     # where filters run (only passthrough in this version)
+//! tap = "passthrough"     # where filters run: passthrough | interpose
 //!
 //! [device.backend]
 //! type = "ram"            # ram | file | nbd | null
@@ -817,13 +817,13 @@ impl Config {
             for (i, f) in d.filters.iter().enumerate() {
                 f.resolve(name, i, d.watchdog_ms(), &err)?;
             }
-            if d.tap != Tap::Passthrough {
+            if d.tap == Tap::Intercept {
                 let span = d.filters.first().map_or(d.name.span(), |f| f.kind.span());
                 return Err(err(
                     span,
                     format!(
-                        "device `{name}`: key `tap`: \"{}\" is not available in this version; \"passthrough\" runs the filters in the backend's domain",
-                        d.tap.as_str()
+                        "device `{name}`: key `tap`: \"intercept\" is not available in this version; \"passthrough\" runs the \
+                         filters in the backend's domain, \"interpose\" in a tap domain of their own"
                     ),
                 ));
             }
@@ -1062,11 +1062,13 @@ mod tests {
     }
 
     #[test]
-    fn tap_modes_other_than_passthrough_are_refused_by_name() {
+    fn tap_modes_parse_and_intercept_is_refused_by_name() {
         let c = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"passthrough\"")).unwrap();
         assert_eq!(c.devices[0].tap, Tap::Passthrough);
-        let e = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"interpose\"")).unwrap_err().to_string();
-        assert!(e.contains("`tap`") && e.contains("interpose"), "{e}");
+        let c = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"interpose\"")).unwrap();
+        assert_eq!(c.devices[0].tap, Tap::Interpose);
+        let e = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"intercept\"")).unwrap_err().to_string();
+        assert!(e.contains("`tap`") && e.contains("intercept"), "{e}");
         let e = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"sideways\"")).unwrap_err().to_string();
         assert!(e.contains("sideways") && e.contains("line 4"), "{e}");
     }

@@ -107,15 +107,23 @@ pub enum BackendSpec {
     },
     /// Null device.
     Null,
+    /// The channel to the domain below (a tap domain in `interpose` mode is its frontend).
+    Channel {
+        /// Its queues' frontend descriptors: ring, write arena (read-write), read arena, kick,
+        /// irq.
+        queues: Vec<QueueSpec>,
+        /// Its generation.
+        generation: u32,
+    },
 }
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use bulkhead_backends::{Engine, FileBackend, NbdBackend, NullBackend, RamBackend};
+use bulkhead_backends::{ChannelBackend, Engine, FileBackend, NbdBackend, NullBackend, RamBackend};
 use bulkhead_block::{Backend, Chain};
-use bulkhead_channel::{BackQueue, BackQueueFds, BudgetPolicy, NotifyMode};
+use bulkhead_channel::{BackQueue, BackQueueFds, BudgetPolicy, FrontQueue, FrontQueueFds, NotifyMode, QueueConfig};
 use bulkhead_ring::ArenaSizes;
 
 use crate::{Domain, DriverError};
@@ -147,6 +155,7 @@ impl DomainSpec {
             BackendSpec::File { engine, .. } if engine == "io_uring" => Role::FileIoUring,
             BackendSpec::File { .. } => Role::FileSync,
             BackendSpec::Nbd { .. } => Role::Network,
+            BackendSpec::Channel { .. } => Role::Tap,
         }
     }
 
@@ -161,6 +170,7 @@ impl DomainSpec {
     /// Every descriptor named in the spec must be inherited for this domain and not used by
     /// anything else in the process.
     pub unsafe fn build_inherited(&self, stop: Arc<AtomicBool>) -> Result<Domain, DriverError> {
+        let lower_stop = stop.clone();
         let mode = self.notify_mode()?;
         let mut queues = Vec::with_capacity(self.queues.len());
         for q in &self.queues {
@@ -195,6 +205,27 @@ impl DomainSpec {
                 Box::new(NbdBackend::new(sock, export, self.size, std::time::Duration::from_millis(*timeout_ms)))
             }
             BackendSpec::Null => Box::new(NullBackend::new(self.size)),
+            BackendSpec::Channel { queues: lower, generation } => {
+                let mut fronts = Vec::with_capacity(lower.len());
+                for q in lower {
+                    // SAFETY: forwarded from this function's contract.
+                    let [ring, write_arena, read_arena, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
+                    let fds =
+                        FrontQueueFds { ring: ring?, write_arena: write_arena?, read_arena: read_arena?, kick: kick?, irq: irq? };
+                    let cfg = QueueConfig {
+                        nslots: q.nslots,
+                        arena_bytes: q.arena_bytes as usize,
+                        mode,
+                        budget: self.budget(),
+                        generation: *generation,
+                    };
+                    fronts.push(FrontQueue::from_fds(fds, &cfg).map_err(|e| DriverError::Setup(format!("channel below: {e}")))?);
+                }
+                if fronts.is_empty() {
+                    return Err(DriverError::Setup("a channel below needs a queue".into()));
+                }
+                Box::new(ChannelBackend::new(fronts, self.size, lower_stop))
+            }
         };
         let mut layers = Vec::with_capacity(self.filters.len());
         for f in &self.filters {

@@ -50,7 +50,7 @@ struct Footprint {
 fn nproc_limit(role: Role) -> u64 {
     match role {
         Role::FileIoUring => 12,
-        Role::Memory | Role::FileSync | Role::Network => 0,
+        Role::Memory | Role::FileSync | Role::Network | Role::Tap => 0,
     }
 }
 

@@ -19,6 +19,8 @@ pub enum Role {
     FileIoUring,
     /// `nbd`: a connected socket passed in, no way to make another.
     Network,
+    /// A tap domain in `interpose` mode: the frontend of the domain below over a channel.
+    Tap,
 }
 
 impl Role {
@@ -29,6 +31,7 @@ impl Role {
             Role::FileSync => "file-sync",
             Role::FileIoUring => "file-io_uring",
             Role::Network => "network",
+            Role::Tap => "tap",
         }
     }
 }
@@ -73,6 +76,12 @@ const FILE: &[(i64, &str)] = &[
 const IO_URING: &[(i64, &str)] =
     &[(libc::SYS_io_uring_enter, "submit and reap a batch (the ring is restricted to readv, writev and fsync at setup)")];
 
+/// Extra system calls of the tap role.
+const TAP: &[(i64, &str)] = &[
+    (libc::SYS_poll, "wait on the doorbell of the channel to the domain below"),
+    (libc::SYS_ppoll, "as poll (libc may use this form)"),
+];
+
 /// Extra system calls of the network role (the socket was connected by the supervisor;
 /// `socket`, `connect`, `bind` and `accept` stay forbidden).
 const NETWORK: &[(i64, &str)] = &[
@@ -99,6 +108,9 @@ pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     }
     if role == Role::FileIoUring {
         v.extend_from_slice(IO_URING);
+    }
+    if role == Role::Tap {
+        v.extend_from_slice(TAP);
     }
     v.push((libc::SYS_mmap, "the allocator: anonymous private memory only, never executable"));
     v.push((libc::SYS_mprotect, "the allocator: never executable"));
@@ -153,7 +165,7 @@ mod tests {
 
     #[test]
     fn every_role_compiles_and_lists_a_reason_per_syscall() {
-        for role in [Role::Memory, Role::FileSync, Role::FileIoUring, Role::Network] {
+        for role in [Role::Memory, Role::FileSync, Role::FileIoUring, Role::Network, Role::Tap] {
             assert!(filter(role).is_ok(), "{role:?}");
             for (nr, why) in allowlist(role) {
                 assert!(!why.is_empty(), "syscall {nr} has no reason");

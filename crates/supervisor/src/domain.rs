@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bulkhead_channel::{BudgetPolicy, FrontQueue, NotifyMode, QueueConfig, QueueSetup};
+use bulkhead_channel::{BudgetPolicy, FrontQueue, NotifyMode, QueueConfig, QueueSetup, SplitQueue};
 use bulkhead_client::Device;
-use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget};
+use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget, Tap};
 use bulkhead_driver::spec::{BackendSpec, DomainSpec, FilterSlot, QueueSpec, SandboxSpec};
 use bulkhead_filters::state::{StatePage, STATE_BYTES};
 use bulkhead_filters::FilterSpec;
@@ -19,13 +19,16 @@ use bulkhead_shmem::memfd;
 use crate::domain_log;
 use crate::supervisor::{DeviceState, SupervisorError};
 
-/// A running domain process and the device's restart history.
+/// A device's running domains — the one its frontend reaches (`child`: the driver domain, or
+/// in `interpose` mode the tap domain) and the driver domain below a tap domain (`lower`) —
+/// and its restart history. A generation's domains start and end together.
 #[derive(Debug)]
 pub(crate) struct DomainProc {
     pub child: Option<DomainChild>,
     pub layers: Option<Layers>,
     pub pidfd: Option<OwnedFd>,
     pub pid: u32,
+    pub lower: Option<Spawned>,
     pub state: DeviceState,
     pub failure: Option<String>,
     pub started_at: Instant,
@@ -46,10 +49,47 @@ pub(crate) struct DomainProc {
 pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
 
 impl DomainProc {
-    /// Kills the current domain and reaps it if it exits within [`EXIT_WAIT`]; otherwise
+    /// A device's first generation.
+    pub fn new(top: Spawned, lower: Option<Spawned>) -> Self {
+        DomainProc {
+            pid: top.child.id(),
+            child: Some(top.child),
+            layers: top.layers,
+            pidfd: Some(top.pidfd),
+            lower,
+            state: DeviceState::Running,
+            failure: None,
+            started_at: Instant::now(),
+            answered_at_start: 0,
+            restarts: 0,
+            history: VecDeque::new(),
+            quick_deaths: 0,
+            lingering: Vec::new(),
+            down_since: None,
+            retry_at: None,
+            retry_delay: Duration::ZERO,
+        }
+    }
+
+    /// Takes the domains of a new generation.
+    pub fn install(&mut self, top: Spawned, lower: Option<Spawned>) {
+        self.pid = top.child.id();
+        self.child = Some(top.child);
+        self.layers = top.layers;
+        self.pidfd = Some(top.pidfd);
+        self.lower = lower;
+    }
+
+    /// The pid of the domain that runs the backend (the one below a tap domain, if any).
+    pub fn driver_pid(&self) -> u32 {
+        self.lower.as_ref().map_or(self.pid, |l| l.child.id())
+    }
+
+    /// Kills the current domains and reaps each that exits within [`EXIT_WAIT`]; otherwise
     /// keeps it in `lingering` and says so.
     pub fn kill_current(&mut self, device: &str) {
-        if let Some(mut c) = self.child.take() {
+        let lower = self.lower.take().map(|l| l.child);
+        for mut c in self.child.take().into_iter().chain(lower) {
             let _ = c.kill();
             if let Ok(None) = c.wait_timeout(EXIT_WAIT) {
                 eprintln!(
@@ -127,6 +167,9 @@ pub(crate) struct Launcher {
     filters: Vec<(FilterSpec, OwnedFd, Option<OwnedFd>)>,
     /// The domain's state page.
     state_fd: OwnedFd,
+    /// Where the filters run: with `interpose`, each generation is a tap domain over a driver
+    /// domain.
+    tap: Tap,
 }
 
 /// Major device number stamped on trace records (the range Linux reserves for local use).
@@ -264,12 +307,12 @@ fn backing_size(fd: RawFd) -> std::io::Result<u64> {
     Ok(st.st_size as u64)
 }
 
-/// A launched generation: its frontend queues and its domain process.
+/// A launched generation: its frontend queues, the domain they reach (the driver domain, or
+/// in `interpose` mode the tap domain) and the domain below it, if any.
 pub(crate) struct Launched {
     pub fronts: Vec<FrontQueue>,
-    pub child: DomainChild,
-    pub layers: Option<Layers>,
-    pub pidfd: OwnedFd,
+    pub top: Spawned,
+    pub lower: Option<Spawned>,
 }
 
 impl DeviceRuntime {
@@ -388,16 +431,17 @@ impl DeviceRuntime {
             io_timeout_ms: cfg.watchdog_ms(),
             filters,
             state_fd,
+            tap: cfg.tap,
             policy: match cfg.sandbox {
                 bulkhead_config::Sandbox::Required => Policy::Required,
                 bulkhead_config::Sandbox::BestEffort => Policy::BestEffort,
                 bulkhead_config::Sandbox::Off => Policy::Off,
             },
         };
-        let l = launcher.launch(1).map_err(|e| err(e.to_string()))?;
+        let Launched { fronts, top, lower } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
         Ok(DeviceRuntime {
             name: name.clone(),
-            device: Arc::new(Device::new(&name, size, l.fronts, None)),
+            device: Arc::new(Device::new(&name, size, fronts, None)),
             mode,
             backend_desc,
             queues: nqueues,
@@ -405,23 +449,7 @@ impl DeviceRuntime {
             tap: cfg.tap,
             filters: filter_pages,
             state,
-            proc_: Mutex::new(DomainProc {
-                pid: l.child.id(),
-                child: Some(l.child),
-                layers: l.layers,
-                pidfd: Some(l.pidfd),
-                state: DeviceState::Running,
-                failure: None,
-                started_at: Instant::now(),
-                answered_at_start: 0,
-                restarts: 0,
-                history: VecDeque::new(),
-                quick_deaths: 0,
-                lingering: Vec::new(),
-                down_since: None,
-                retry_at: None,
-                retry_delay: Duration::ZERO,
-            }),
+            proc_: Mutex::new(DomainProc::new(top, lower)),
             launcher,
             restart_lock: Mutex::new(()),
         })
@@ -448,88 +476,128 @@ impl Launcher {
             _ => None,
         };
         let qcfg = QueueConfig { generation, ..self.qcfg };
+        let arena = |f: &FrontQueue| f.arena_bytes() as u64;
+        let mut upper = Pass::default();
         let mut fronts = Vec::new();
-        let mut pass: Vec<OwnedFd> = Vec::new();
         let mut queue_specs = Vec::new();
         for q in 0..self.queues {
             let (front, fds) = QueueSetup::create(&format!("{}-q{q}", self.name), &qcfg).map_err(|e| e.to_string())?;
-            let base = 3 + pass.len() as i32;
-            queue_specs.push(QueueSpec {
-                nslots: qcfg.nslots,
-                arena_bytes: front.arena_bytes() as u64,
-                fds: [base, base + 1, base + 2, base + 3, base + 4],
-            });
             let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } = fds;
-            pass.extend([ring, write_arena, read_arena, kick, irq]);
+            queue_specs.push(upper.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena(&front)));
             fronts.push(front);
         }
-        let next = 3 + pass.len() as i32;
-        let (report_r, report_w) = report_pipe().map_err(|e| format!("report pipe: {e}"))?;
-        let backend_fd_count = self.backend_fds.len() as i32 + conn.is_some() as i32;
-        // After the backend's descriptors: each filter's state page and output, then the
-        // domain's state page, then the report pipe.
-        let mut at = next + backend_fd_count;
-        let mut filter_raw: Vec<RawFd> = Vec::new();
-        let mut filter_slots = Vec::new();
-        for (spec, state, output) in &self.filters {
-            if let (FilterSpec::Trace { .. }, Some(o)) = (spec, output) {
-                trim_trace(o);
+        let arena_bytes = arena(&fronts[0]);
+        match self.tap {
+            // Configuration refuses `intercept` in this version.
+            Tap::Passthrough | Tap::Intercept => {
+                let backend = self.backend_spec(&mut upper, conn);
+                let top = self.spawn("driver", upper, queue_specs, backend, true)?;
+                Ok(Launched { fronts, top, lower: None })
             }
-            let state_fd = at;
-            filter_raw.push(state.as_raw_fd());
-            at += 1;
-            let output_fd = output.as_ref().map(|o| {
-                filter_raw.push(o.as_raw_fd());
-                at += 1;
-                at - 1
-            });
-            filter_slots.push(FilterSlot { spec: spec.clone(), state_fd, output_fd });
+            Tap::Interpose => {
+                // The channel between the tap domain and the domain below: both its ends run
+                // in domains, the tap domain's as the frontend.
+                let mut splits = Vec::new();
+                let mut below_fronts = Vec::new();
+                for q in 0..self.queues {
+                    let split = SplitQueue::create(&format!("{}-lower-q{q}", self.name), &qcfg).map_err(|e| e.to_string())?;
+                    let f = split.front_fds().map_err(|e| e.to_string())?;
+                    let bulkhead_channel::FrontQueueFds { ring, write_arena, read_arena, kick, irq } = f;
+                    below_fronts.push(upper.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena_bytes));
+                    splits.push(split);
+                }
+                let backend = BackendSpec::Channel { queues: below_fronts, generation };
+                let top = self.spawn("tap", upper, queue_specs, backend, true)?;
+                // The tap domain has mapped its end (it reports once confined, when it can map
+                // nothing more): seal the write arenas and start the domain below.
+                let mut lower = Pass::default();
+                let mut lower_specs = Vec::new();
+                for split in &splits {
+                    let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } =
+                        split.back_fds().map_err(|e| e.to_string())?;
+                    lower_specs.push(lower.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena_bytes));
+                }
+                let backend = self.backend_spec(&mut lower, conn);
+                match self.spawn("driver", lower, lower_specs, backend, false) {
+                    Ok(below) => Ok(Launched { fronts, top, lower: Some(below) }),
+                    Err(e) => {
+                        discard(top.child);
+                        Err(e)
+                    }
+                }
+            }
         }
-        filter_raw.push(self.state_fd.as_raw_fd());
-        let state_fd = at;
-        let report_fd = at + 1;
-        let backend_spec = match &self.backend {
-            Backend::Ram => BackendSpec::Ram { fd: next },
+    }
+
+    /// The backend's part of a spec, its descriptors added to `pass`.
+    fn backend_spec(&self, pass: &mut Pass, conn: Option<OwnedFd>) -> BackendSpec {
+        match &self.backend {
+            Backend::Ram => BackendSpec::Ram { fd: pass.add(&self.backend_fds[0]) },
             Backend::Null => BackendSpec::Null,
-            Backend::Nbd { export, .. } => BackendSpec::Nbd { fd: next, export: export.clone(), timeout_ms: self.io_timeout_ms },
+            Backend::Nbd { export, .. } => BackendSpec::Nbd {
+                fd: pass.add_owned(conn.expect("an nbd backend connects before it launches")),
+                export: export.clone(),
+                timeout_ms: self.io_timeout_ms,
+            },
             Backend::File { direct, engine, read_only, .. } => BackendSpec::File {
-                fd: next,
-                buffered_fd: direct.then_some(next + 1),
+                fd: pass.add(&self.backend_fds[0]),
+                buffered_fd: direct.then(|| pass.add(&self.backend_fds[1])),
                 read_only: *read_only,
                 engine: engine.as_str().to_string(),
             },
-        };
+        }
+    }
+
+    /// Execs one domain (`role` names it in messages): its queues and backend are in `pass`
+    /// already; the upper domain of a device also gets the filters, their descriptors and the
+    /// domain state page. Waits for its sandbox report.
+    fn spawn(
+        &self,
+        role: &str,
+        mut pass: Pass,
+        queues: Vec<QueueSpec>,
+        backend: BackendSpec,
+        upper: bool,
+    ) -> Result<Spawned, LaunchError> {
+        let mut filters = Vec::new();
+        let mut state_fd = None;
+        if upper {
+            for (spec, state, output) in &self.filters {
+                if let (FilterSpec::Trace { .. }, Some(o)) = (spec, output) {
+                    trim_trace(o);
+                }
+                let state_fd = pass.add(state);
+                let output_fd = output.as_ref().map(|o| pass.add(o));
+                filters.push(FilterSlot { spec: spec.clone(), state_fd, output_fd });
+            }
+            state_fd = Some(pass.add(&self.state_fd));
+        }
+        let (report_r, report_w) = report_pipe().map_err(|e| format!("report pipe: {e}"))?;
+        let report_fd = pass.add_owned(report_w);
         let spec = DomainSpec {
             device: self.name.clone(),
             size: self.size,
             mode: self.mode.as_str().to_string(),
-            budget_ns: match qcfg.budget {
+            budget_ns: match self.qcfg.budget {
                 BudgetPolicy::Fixed(ns) => Some(ns),
                 BudgetPolicy::Auto { .. } => None,
             },
-            queues: queue_specs,
-            backend: backend_spec,
-            filters: filter_slots,
-            state_fd: Some(state_fd),
+            queues,
+            backend,
+            filters,
+            state_fd,
             // Four beats within the watchdog's time.
             heartbeat_ms: (self.io_timeout_ms / 4).max(2),
             sandbox: SandboxSpec { policy: self.policy },
             report_fd: Some(report_fd),
         };
-        let mut raw: Vec<RawFd> = pass.iter().map(|f| f.as_raw_fd()).collect();
-        raw.extend(self.backend_fds.iter().map(|f| f.as_raw_fd()));
-        raw.extend(conn.iter().map(|f| f.as_raw_fd()));
-        raw.extend(filter_raw);
-        raw.push(report_w.as_raw_fd());
         let json = serde_json::to_string(&spec).expect("spec serialises");
         let use_ns = self.policy != Policy::Off;
         let (out_r, out_w) = domain_log::pipe().map_err(|e| format!("cannot make the domain's output pipe: {e}"))?;
-        let (mut child, ns) = spawn_domain_with_output(&self.exe, &json, &raw, Some(out_w.as_raw_fd()), use_ns)
-            .map_err(|e| format!("cannot start driver domain: {e}"))?;
+        let (mut child, ns) = spawn_domain_with_output(&self.exe, &json, &pass.raw, Some(out_w.as_raw_fd()), use_ns)
+            .map_err(|e| format!("cannot start {role} domain: {e}"))?;
         // The domain holds its own copies now.
         drop(pass);
-        drop(conn);
-        drop(report_w);
         drop(out_w);
         domain_log::relay(&self.name, child.id(), out_r);
         if let (Policy::Required, Layer::Unavailable(why)) = (self.policy, &ns) {
@@ -542,13 +610,49 @@ impl Launcher {
                 // It exits on its own after reporting; give it the time to say why.
                 let _ = child.wait_timeout(EXIT_WAIT);
                 discard(child);
-                return Err(format!("driver domain refused to start: {refused} (sandbox = \"required\")").into());
+                return Err(format!("{role} domain refused to start: {refused} (sandbox = \"required\")").into());
             }
             None => None,
         };
         let pidfd = pidfd_open(child.id()).map_err(|e| format!("pidfd_open: {e}"))?;
-        Ok(Launched { fronts, child, pidfd, layers })
+        Ok(Spawned { child, pidfd, layers })
     }
+}
+
+/// Descriptors handed to a domain, which finds them at 3, 4, … in the order added.
+#[derive(Default)]
+struct Pass {
+    raw: Vec<RawFd>,
+    /// Descriptors made for this domain alone, closed here once it holds its copies.
+    owned: Vec<OwnedFd>,
+}
+
+impl Pass {
+    /// Passes `fd` (kept open by the caller); returns its number in the domain.
+    fn add(&mut self, fd: &impl AsRawFd) -> i32 {
+        self.raw.push(fd.as_raw_fd());
+        2 + self.raw.len() as i32
+    }
+
+    /// Passes `fd`, closing it here after the spawn.
+    fn add_owned(&mut self, fd: OwnedFd) -> i32 {
+        let n = self.add(&fd);
+        self.owned.push(fd);
+        n
+    }
+
+    /// Passes one queue's five descriptors.
+    fn queue(&mut self, fds: [OwnedFd; 5], nslots: u32, arena_bytes: u64) -> QueueSpec {
+        QueueSpec { nslots, arena_bytes, fds: fds.map(|fd| self.add_owned(fd)) }
+    }
+}
+
+/// One domain process just started.
+#[derive(Debug)]
+pub(crate) struct Spawned {
+    pub child: DomainChild,
+    pub pidfd: OwnedFd,
+    pub layers: Option<Layers>,
 }
 
 fn report_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {

@@ -68,8 +68,12 @@ pub struct DeviceStatus {
     pub name: String,
     /// State.
     pub state: DeviceState,
-    /// Driver-domain pid (0 if none).
+    /// Pid of the driver domain, the one running the backend (0 if none).
     pub driver_pid: u32,
+    /// Pid of the tap domain in `interpose` mode.
+    pub tap_pid: Option<u32>,
+    /// The tap domain's resident memory.
+    pub tap_memory: Option<Rss>,
     /// Notification mode.
     pub mode: String,
     /// Backend description.
@@ -94,6 +98,8 @@ pub struct DeviceStatus {
     pub failure: Option<String>,
     /// The sandbox layers in force in the driver domain, as it reported them.
     pub sandbox: Option<bulkhead_sandbox::Layers>,
+    /// The same for the tap domain in `interpose` mode.
+    pub tap_sandbox: Option<bulkhead_sandbox::Layers>,
     /// Where the filters run.
     pub tap: String,
     /// The filters, frontend side first, with their figures (as the domain counted them).
@@ -197,7 +203,9 @@ impl Supervisor {
                 DeviceStatus {
                     name: rt.name.clone(),
                     state: p.state,
-                    driver_pid: if running { p.pid } else { 0 },
+                    driver_pid: if running { p.driver_pid() } else { 0 },
+                    tap_pid: (running && p.lower.is_some()).then_some(p.pid),
+                    tap_memory: if running && p.lower.is_some() { proc_info::rss(p.pid) } else { None },
                     mode: rt.mode.as_str().to_string(),
                     backend: rt.backend_desc.clone(),
                     size_bytes: rt.device.size(),
@@ -207,9 +215,14 @@ impl Supervisor {
                     restarts: p.restarts,
                     last_outage_ms: outages.last().copied(),
                     p99_outage_ms: p99(&outages),
-                    driver_memory: if running { proc_info::rss(p.pid) } else { None },
+                    driver_memory: if running { proc_info::rss(p.driver_pid()) } else { None },
                     failure: p.failure.clone(),
-                    sandbox: if running { p.layers.clone() } else { None },
+                    sandbox: match (&p.lower, running) {
+                        (_, false) => None,
+                        (Some(l), true) => l.layers.clone(),
+                        (None, true) => p.layers.clone(),
+                    },
+                    tap_sandbox: if running && p.lower.is_some() { p.layers.clone() } else { None },
                     tap: rt.tap.as_str().to_string(),
                     filters: rt
                         .filters
@@ -363,13 +376,14 @@ fn watch(inner: Arc<Inner>) {
         let mut polled_pids = Vec::new();
         for rt in &inner.devices {
             let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-            if let (Some(fd), DeviceState::Running) = (&p.pidfd, p.state) {
-                pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-                polled_pids.push(p.pid);
-            } else {
-                pfds.push(libc::pollfd { fd: -1, events: 0, revents: 0 });
-                polled_pids.push(0);
-            }
+            let running = p.state == DeviceState::Running;
+            let mut pidfd = |fd: Option<&std::os::fd::OwnedFd>| match (fd, running) {
+                (Some(fd), true) => pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }),
+                _ => pfds.push(libc::pollfd { fd: -1, events: 0, revents: 0 }),
+            };
+            pidfd(p.pidfd.as_ref());
+            pidfd(p.lower.as_ref().map(|l| &l.pidfd));
+            polled_pids.push(if running && p.pidfd.is_some() { p.pid } else { 0 });
             pfds.push(libc::pollfd { fd: rt.device.alarm_fd(), events: libc::POLLIN, revents: 0 });
         }
         pfds.push(libc::pollfd { fd: inner.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
@@ -418,7 +432,7 @@ fn watch(inner: Arc<Inner>) {
                 progress[i] = Progress::now(rt);
                 continue;
             }
-            let died = pfds[2 * i].revents != 0;
+            let died = pfds[3 * i].revents != 0 || pfds[3 * i + 1].revents != 0;
             let broken = rt.device.take_broken_report();
             let mut why = None;
             // The pidfd polled may belong to a domain a concurrent restart already replaced:
@@ -428,13 +442,19 @@ fn watch(inner: Arc<Inner>) {
                 if p.pid != polled_pids[i] {
                     return None;
                 }
-                let status = p.child.as_mut()?.try_wait().ok()??;
-                p.child = None;
-                p.pidfd = None;
-                if status.code() == Some(crate::LOST_EXIT as i32) {
-                    return Some(format!("driver domain (pid {}) lost its remote server", p.pid));
+                let role = if p.lower.is_some() { "tap" } else { "driver" };
+                if let Some(status) = p.child.as_mut()?.try_wait().ok().flatten() {
+                    p.child = None;
+                    p.pidfd = None;
+                    if status.code() == Some(crate::LOST_EXIT as i32) {
+                        let what = if role == "tap" { "the driver domain below it" } else { "its remote server" };
+                        return Some(format!("{role} domain (pid {}) lost {what}", p.pid));
+                    }
+                    return Some(format!("{role} domain (pid {}) exited: {status}", p.pid));
                 }
-                Some(format!("driver domain (pid {}) exited: {status}", p.pid))
+                let lower = p.lower.as_mut()?;
+                let status = lower.child.try_wait().ok()??;
+                Some(format!("driver domain (pid {}) below the tap domain exited: {status}", lower.child.id()))
             });
             if let Some(Some(e)) = exited {
                 why = Some(e);
@@ -537,10 +557,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
             }
             p.retry_at = None;
             p.retry_delay = Duration::ZERO;
-            p.pid = l.child.id();
-            p.child = Some(l.child);
-            p.layers = l.layers;
-            p.pidfd = Some(l.pidfd);
+            p.install(l.top, l.lower);
             p.state = DeviceState::Running;
             p.failure = None;
             p.started_at = Instant::now();

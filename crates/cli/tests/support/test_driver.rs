@@ -8,6 +8,9 @@
 //!   [`Hostility`](bulkhead_testkit::hostile::Hostility) names;
 //! - unset: runs the real driver runtime, like `bulkhead driver`.
 //!
+//! `BULKHEAD_TEST_FAULT_ROLE=tap|driver` limits the fault to that domain of an `interpose`
+//! device.
+//!
 //! Built only with the `test-driver` feature: none of this is in the shipped binary.
 
 use std::process::ExitCode;
@@ -41,7 +44,15 @@ fn main() -> ExitCode {
             return fail(format!("signal handler: {e}"));
         }
     }
-    let fault = std::env::var("BULKHEAD_TEST_FAULT").unwrap_or_default();
+    let mut fault = std::env::var("BULKHEAD_TEST_FAULT").unwrap_or_default();
+    // With `BULKHEAD_TEST_FAULT_ROLE=tap` or `=driver`, only that domain of an `interpose`
+    // device misbehaves; the other runs the real runtime.
+    if let Ok(role) = std::env::var("BULKHEAD_TEST_FAULT_ROLE") {
+        let is_tap = matches!(spec.backend, bulkhead_driver::spec::BackendSpec::Channel { .. });
+        if (role == "tap") != is_tap {
+            fault.clear();
+        }
+    }
     match fault.as_str() {
         "crash-on-start" => {
             eprintln!("bulkhead driver: crashing on start (BULKHEAD_TEST_FAULT)");
@@ -70,6 +81,10 @@ fn main() -> ExitCode {
             }
             match domain.run() {
                 Ok(()) => ExitCode::SUCCESS,
+                Err(bulkhead_driver::DriverError::BackendLost(why)) => {
+                    eprintln!("bulkhead-test-driver: backend lost: {why}");
+                    ExitCode::from(bulkhead_supervisor::LOST_EXIT)
+                }
                 Err(e) => fail(e.to_string()),
             }
         }

@@ -1,0 +1,171 @@
+//! `tap = "interpose"`: the filters run in a tap domain of their own between the frontend and
+//! the driver domain. Through the real kernel: a three-filter chain under ext4 and fio verify
+//! while the tap domain and the driver domain are each killed again and again; a driver domain
+//! breaking the channel below the tap domain; status naming both domains.
+
+mod common;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bulkhead_testkit::require_kernel;
+use common::*;
+
+fn interpose_config(name: &str, extra: &str, filters: &str) -> String {
+    format!(
+        "[[device]]\nname = \"{name}\"\nsize = \"256M\"\ntap = \"interpose\"\n{extra}[device.backend]\ntype = \"ram\"\n{filters}"
+    )
+}
+
+const THREE: &str = "[[device.filter]]\ntype = \"stats\"\n[[device.filter]]\ntype = \"delay\"\nwrite_us = 50\n\
+                     [[device.filter]]\ntype = \"throttle\"\niops = 20000\n";
+
+#[test]
+fn status_names_the_tap_domain_and_the_driver_domain_with_their_sandboxes() {
+    require_kernel!();
+    let tmp = TempDir::new("interpose-status");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&interpose_config("s", "", THREE)), &["s"]);
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    let (tap, driver) = (d["tap_pid"].as_u64().unwrap(), d["driver_pid"].as_u64().unwrap());
+    assert!(tap > 0 && driver > 0 && tap != driver, "{d}");
+    assert_eq!(d["tap"], "interpose");
+    assert_eq!(d["tap_sandbox"]["seccomp_role"], "tap", "{d}");
+    assert_eq!(d["sandbox"]["seccomp_role"], "memory", "{d}");
+    // Both are separate sandboxed processes, neither a child of the other.
+    let ppid = |pid: u64| -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        stat[stat.rfind(')').unwrap() + 2..].split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    assert_eq!((ppid(tap), ppid(driver)), (serve.pid() as u64, serve.pid() as u64));
+}
+
+#[test]
+fn three_filter_tap_under_fio_verify_survives_killing_the_tap_and_the_driver_domain() {
+    require_kernel!();
+    if !tools(&["fio"]) {
+        return;
+    }
+    let tmp = TempDir::new("interpose-kill");
+    let cfg = interpose_config("k", "restart_limit = 100000\n", THREE);
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["k"]);
+    let lo = LoopGuard::attach_direct(&serve.fuse_file("k"));
+    run("mkfs.ext4", &["-q", "-F", &lo.dev]);
+    let mnt = tmp.path().join("mnt");
+    let m = MountGuard::mount(&lo.dev, &mnt);
+    let done = Arc::new(AtomicBool::new(false));
+    let killer = {
+        let done = done.clone();
+        let run_dir = serve.run_dir.clone();
+        std::thread::spawn(move || {
+            let (mut taps, mut drivers) = (0u32, 0u32);
+            let mut last = 0u64;
+            let mut turn = 0u32;
+            while !done.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(250));
+                let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(&run_dir).output().unwrap();
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+                let d = &v["devices"][0];
+                let (tap, driver) = (d["tap_pid"].as_u64().unwrap_or(0), d["driver_pid"].as_u64().unwrap_or(0));
+                // One kill per generation, the tap domain and the driver domain in turn.
+                let victim = if turn.is_multiple_of(2) { tap } else { driver };
+                // SAFETY: signalling a domain of our serve by pid.
+                if victim != 0 && tap != last && unsafe { libc::kill(victim as i32, libc::SIGKILL) } == 0 {
+                    if turn.is_multiple_of(2) {
+                        taps += 1;
+                    } else {
+                        drivers += 1;
+                    }
+                    turn += 1;
+                    last = tap;
+                }
+            }
+            (taps, drivers)
+        })
+    };
+    let out = Command::new("timeout")
+        .args([
+            "--kill-after=10",
+            "180",
+            "fio",
+            "--name=interpose",
+            &format!("--directory={}", mnt.display()),
+            "--ioengine=libaio",
+            "--direct=1",
+            "--rw=randrw",
+            "--bsrange=4k-256k",
+            "--iodepth=8",
+            "--size=48M",
+            "--runtime=8",
+            "--time_based",
+            "--verify=crc32c",
+            "--verify_backlog=32",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--output-format=json",
+        ])
+        .output()
+        .unwrap();
+    done.store(true, Ordering::Release);
+    let (taps, drivers) = killer.join().unwrap();
+    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["jobs"][0]["error"], 0, "fio saw an I/O or verify error");
+    assert!(taps >= 5 && drivers >= 5, "only {taps} tap and {drivers} driver kills landed");
+    m.unmount();
+    let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
+    assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    assert_eq!(d["state"], "running");
+    assert!(d["restarts"].as_u64().unwrap() >= (taps + drivers) as u64, "{d}");
+    let log = serve.log_text();
+    assert!(log.contains("tap domain (pid") && log.contains("below the tap domain exited"), "{log}");
+    eprintln!("{taps} tap and {drivers} driver kills; outage p99 {} ms", d["p99_outage_ms"]);
+}
+
+#[test]
+fn a_driver_domain_breaking_the_channel_below_the_tap_is_caught_and_both_restart() {
+    require_kernel!();
+    let tmp = TempDir::new("interpose-hostile");
+    let cfg = interpose_config("h", "restart_limit = 100000\n", "[[device.filter]]\ntype = \"stats\"\n");
+    let env = [("BULKHEAD_TEST_FAULT", "hostile:unknown-id"), ("BULKHEAD_TEST_FAULT_ROLE", "driver")];
+    let Some(serve) = Serve::start_test_driver(&tmp.path().join("run"), Some(&cfg), &["h"], &env) else {
+        return;
+    };
+    let file = serve.fuse_file("h");
+    let data = pattern(0x1e7, 8 << 20);
+    let src = tmp.path().join("src");
+    let back = tmp.path().join("back");
+    std::fs::write(&src, &data).unwrap();
+    run(
+        "dd",
+        &[
+            &format!("if={}", src.display()),
+            &format!("of={}", file.display()),
+            "bs=64k",
+            "oflag=direct",
+            "conv=notrunc",
+            "status=none",
+        ],
+    );
+    run(
+        "dd",
+        &[
+            &format!("if={}", file.display()),
+            &format!("of={}", back.display()),
+            "bs=64k",
+            "count=128",
+            "iflag=direct",
+            "status=none",
+        ],
+    );
+    assert!(std::fs::read(&back).unwrap() == data, "data read back differs");
+    let st = serve.status_json();
+    assert!(st["devices"][0]["restarts"].as_u64().unwrap() >= 2, "{st}");
+    let log = serve.log_text();
+    assert!(log.contains("lost the driver domain below it"), "{log}");
+    assert!(log.contains("unknown or duplicate id"), "the tap domain says why: {log}");
+}
