@@ -2,12 +2,14 @@
 //!
 //! Each benchmark runs the real pieces: the channel benchmark execs a real driver domain
 //! (`bulkhead driver`) with a `ram` backend and drives it from this process; the fileio benchmark
-//! runs `bulkhead serve` and the peers under sysbench, through the kernel.
+//! runs `bulkhead serve` and the peers under sysbench, through the kernel; the tap benchmark
+//! runs a supervisor in this process with and without filters, through the library and FUSE.
 #![deny(missing_docs)]
 
 pub mod channel;
 pub mod fileio;
 pub mod restart;
 mod table;
+pub mod tap;
 
 pub use table::Table;

@@ -128,6 +128,8 @@ pub struct FrontQueue {
     spurious: u32,
     /// Until when (ns) waits ignore the doorbell: a storm was detected.
     damped_until: u64,
+    /// Spins after which a wait yields the CPU between looks (0: never).
+    yield_after: u32,
 }
 
 const INDEX_BITS: u32 = 16;
@@ -174,6 +176,7 @@ impl FrontQueue {
             stats: QueueStats::default(),
             spurious: 0,
             damped_until: 0,
+            yield_after: 0,
         }
     }
 
@@ -196,6 +199,13 @@ impl FrontQueue {
         let kick = EventFd::from_owned(fds.kick).map_err(|e| err(&e))?;
         let irq = EventFd::from_owned(fds.irq).map_err(|e| err(&e))?;
         Ok(FrontQueue::new(ring, w, r, kick, irq, cfg))
+    }
+
+    /// Makes waits yield the CPU between looks once they have spun `spins` times (0: never):
+    /// for a frontend that is itself a domain (a tap domain), one of three spinners for two
+    /// CPUs, whose peer may be runnable on its CPU.
+    pub fn set_yield_after(&mut self, spins: u32) {
+        self.yield_after = spins;
     }
 
     /// Bytes in each arena: the largest request this queue can carry.
@@ -467,6 +477,10 @@ impl FrontQueue {
             }
             std::hint::spin_loop();
             i = i.wrapping_add(1);
+            if self.yield_after != 0 && i >= self.yield_after {
+                // SAFETY: sched_yield has no preconditions.
+                unsafe { libc::sched_yield() };
+            }
             if i.is_multiple_of(64) {
                 let now = now_ns();
                 let deadline = *deadline.get_or_insert_with(|| {

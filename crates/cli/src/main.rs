@@ -100,6 +100,28 @@ enum BenchCmd {
         #[arg(long)]
         no_pin: bool,
     },
+    /// The cost of the block tap: no filter, a trace filter in the driver domain (passthrough)
+    /// and in a tap domain (interpose), through the library and FUSE; nbdkit's filters beside.
+    Tap {
+        /// Notification mode of the devices.
+        #[arg(long, value_enum, default_value = "poll")]
+        mode: ModeArg,
+        /// Bytes written and read sequentially (the device's size), e.g. 1G.
+        #[arg(long, default_value = "1G")]
+        bytes: String,
+        /// Synchronous 4 KiB reads timed per system and path.
+        #[arg(long, default_value_t = 100_000)]
+        requests: usize,
+        /// Skip nbdkit.
+        #[arg(long)]
+        no_nbdkit: bool,
+        /// Scratch directory for trace files and mount points (a tmpfs).
+        #[arg(long, default_value = "/dev/shm")]
+        scratch: PathBuf,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// The IDDR thesis' sysbench fileio experiment, bulkhead next to the peers (needs root).
     Fileio {
         /// The quick subset (about two minutes).
@@ -165,6 +187,9 @@ fn main() -> ExitCode {
             bench_channel(mode, json, seconds, samples, !no_pin)
         }
         Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, json } } => bench_restart(kills, mode, threads, json),
+        Cmd::Bench { which: BenchCmd::Tap { mode, bytes, requests, no_nbdkit, scratch, json } } => {
+            bench_tap(mode, &bytes, requests, !no_nbdkit, scratch, json)
+        }
         Cmd::Bench {
             which:
                 BenchCmd::Fileio { quick, modes, threads, backends, notify, peers, seconds, out, scratch, spin_budget_us, json },
@@ -311,6 +336,42 @@ fn bench_restart(kills: usize, mode: ModeArg, threads: usize, json: bool) -> any
         print!("{}", bulkhead_bench::restart::render(&r));
     }
     Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+fn bench_tap(
+    mode: ModeArg,
+    bytes: &str,
+    requests: usize,
+    nbdkit: bool,
+    scratch: PathBuf,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let mode = match mode {
+        ModeArg::Irq => "irq",
+        ModeArg::Poll => "poll",
+        ModeArg::Adaptive => "adaptive",
+        ModeArg::All => anyhow::bail!("bench tap takes one mode"),
+    };
+    let bytes = bulkhead_config::parse_size(bytes).map_err(anyhow::Error::msg)?;
+    if bytes < 16 << 20 || bytes % (1 << 20) != 0 {
+        anyhow::bail!("--bytes must be a whole number of MiB, at least 16M");
+    }
+    if requests == 0 || requests > 10_000_000 {
+        anyhow::bail!("--requests must be between 1 and 10000000");
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        anyhow::bail!("bench tap mounts FUSE exports: run it as root");
+    }
+    let exe = std::env::current_exe()?;
+    let opts = bulkhead_bench::tap::Options { mode: mode.into(), bytes, requests, scratch, nbdkit };
+    let r = bulkhead_bench::tap::run(&exe, &opts, |p| eprintln!("bench tap: {p}")).map_err(anyhow::Error::msg)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", bulkhead_bench::tap::render(&r));
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn bench_channel(mode: ModeArg, json: bool, seconds: f64, samples: usize, pin: bool) -> anyhow::Result<ExitCode> {

@@ -28,6 +28,9 @@ pub const HEARTBEAT: usize = 1;
 /// See [`HEARTBEAT`].
 pub const HELD: usize = 2;
 
+/// Idle turns (each a look at every queue and eight spins) before an idle spinner yields.
+const IDLE_SPINS_BEFORE_YIELD: u32 = 4;
+
 /// Longest sleep between turns, so a stop request and layers' housekeeping are seen promptly.
 const MAX_SLEEP_MS: u64 = 500;
 
@@ -111,6 +114,8 @@ pub struct Domain {
     /// How often it must show it (under the supervisor's watchdog), and when it last did.
     heartbeat_ns: u64,
     beat_at: u64,
+    /// Yield the CPU while spinning idle (a domain with a tap domain above or below it).
+    yield_when_idle: bool,
 }
 
 impl std::fmt::Debug for Domain {
@@ -154,6 +159,7 @@ impl Domain {
             state: None,
             heartbeat_ns: 100_000_000,
             beat_at: 0,
+            yield_when_idle: false,
         })
     }
 
@@ -261,6 +267,12 @@ impl Domain {
         self.queues.iter().any(|q| q.pending())
     }
 
+    /// Makes the loop yield the CPU after spinning idle for a while (see the run loop): for the
+    /// domains of an `interpose` device, which spin three to a device.
+    pub fn set_yield_when_idle(&mut self, on: bool) {
+        self.yield_when_idle = on;
+    }
+
     /// Requests between pop and response (held by a layer or at the backend).
     pub fn in_flight(&self) -> usize {
         self.tags.in_flight()
@@ -341,6 +353,14 @@ impl Domain {
                         break;
                     }
                     std::hint::spin_loop();
+                }
+                // A spinner that has found nothing for a while lets a thread runnable on its
+                // CPU go first: with a tap domain there are three spinners (frontend, tap,
+                // driver) for two CPUs here, and the one that must act next may be waiting for
+                // this one's slice to end. Alone on its CPU, the call returns at once.
+                if self.yield_when_idle && spins >= IDLE_SPINS_BEFORE_YIELD {
+                    // SAFETY: sched_yield has no preconditions.
+                    unsafe { libc::sched_yield() };
                 }
                 continue;
             }

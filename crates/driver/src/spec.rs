@@ -28,6 +28,9 @@ pub struct DomainSpec {
     /// How often the domain beats there while layers hold requests, ms.
     #[serde(default = "default_heartbeat_ms")]
     pub heartbeat_ms: u64,
+    /// Yield the CPU when spinning idle (the two domains of an `interpose` device).
+    #[serde(default)]
+    pub yield_when_idle: bool,
     /// Sandbox policy.
     pub sandbox: SandboxSpec,
     /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
@@ -59,6 +62,9 @@ pub struct QueueSpec {
     /// Descriptors: ring, write arena (read-only), read arena, kick, irq.
     pub fds: [i32; 5],
 }
+
+/// Spins a tap domain's wait on the domain below makes before it starts yielding the CPU.
+const YIELD_AFTER_SPINS: u32 = 64;
 
 fn default_heartbeat_ms() -> u64 {
     100
@@ -219,7 +225,10 @@ impl DomainSpec {
                         budget: self.budget(),
                         generation: *generation,
                     };
-                    fronts.push(FrontQueue::from_fds(fds, &cfg).map_err(|e| DriverError::Setup(format!("channel below: {e}")))?);
+                    let mut front =
+                        FrontQueue::from_fds(fds, &cfg).map_err(|e| DriverError::Setup(format!("channel below: {e}")))?;
+                    front.set_yield_after(YIELD_AFTER_SPINS);
+                    fronts.push(front);
                 }
                 if fronts.is_empty() {
                     return Err(DriverError::Setup("a channel below needs a queue".into()));
@@ -251,6 +260,7 @@ impl DomainSpec {
             None => None,
         };
         let mut domain = Domain::new(queues, chain, mode, self.budget(), stop)?;
+        domain.set_yield_when_idle(self.yield_when_idle);
         if let Some(fd) = state {
             let page = bulkhead_filters::state::StatePage::map(std::os::fd::AsRawFd::as_raw_fd(&fd), true)
                 .map_err(|e| DriverError::Setup(format!("state page: {e}")))?;
@@ -279,6 +289,7 @@ mod tests {
             ],
             state_fd: Some(14),
             heartbeat_ms: 250,
+            yield_when_idle: true,
             sandbox: SandboxSpec::default(),
             report_fd: Some(10),
         };
@@ -300,6 +311,7 @@ mod tests {
             filters: Vec::new(),
             state_fd: None,
             heartbeat_ms: 100,
+            yield_when_idle: false,
             sandbox: SandboxSpec::default(),
             report_fd: None,
         };

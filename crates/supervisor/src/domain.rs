@@ -588,6 +588,7 @@ impl Launcher {
             state_fd,
             // Four beats within the watchdog's time.
             heartbeat_ms: (self.io_timeout_ms / 4).max(2),
+            yield_when_idle: self.tap == Tap::Interpose,
             sandbox: SandboxSpec { policy: self.policy },
             report_fd: Some(report_fd),
         };
