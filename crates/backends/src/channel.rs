@@ -1,49 +1,132 @@
 //! `channel`: the end of a tap domain's chain in `interpose` mode — the device channel to the
 //! domain below, whose frontend this domain is.
 //!
-//! A batch is submitted to one of the lower queues (round robin across batches), writes copied
-//! from the upper channel's write arena into the lower one's with volatile copies, and waited
-//! for; what was read is copied from the lower read arena into the upper one. The domain below
+//! The channel below shares the arenas of the channel above (queue for queue): a request is
+//! passed on naming the very windows it came in, so nothing is copied; a read's data lands in
+//! the upper read arena where the frontend asked for it. Each request goes down on the queue
+//! whose arenas hold its windows; one without data on the next queue in turn. The domain below
 //! is untrusted like any driver: every response is validated by [`FrontQueue`], and one that
-//! breaks the protocol, or silence past the wait limit, makes the channel [`lost`](Backend::lost):
-//! this domain then ends without answering the batch, and the supervisor restarts both domains,
-//! the frontend reissuing every unanswered request.
+//! breaks the protocol makes the channel [`lost`](Backend::lost): this domain then ends without
+//! answering the batch, and the supervisor restarts both domains, the frontend reissuing every
+//! unanswered request.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use arrayvec::ArrayVec;
 use bulkhead_block::{Backend, BlockError, Caps, Io, Request};
-use bulkhead_channel::{FrontQueue, FrontRequest, SubmitError};
+use bulkhead_channel::{ArenaWindows, FrontQueue, Op, Segment, SubmitError, ARENA_READ, ARENA_WRITE};
 
 /// Longest one wait for the domain below, ms; the supervisor's watchdog decides before this.
 const WAIT_SLICE_MS: i32 = 100;
+
+/// Most segments a request names.
+const MAX_SEGS: usize = bulkhead_shmem::MAX_SLICES;
 
 /// The channel to the domain below.
 #[derive(Debug)]
 pub struct ChannelBackend {
     queues: Vec<FrontQueue>,
+    /// Where this domain maps the arenas of each queue above (the same files as below).
+    windows: Vec<ArenaWindows>,
     size: u64,
     next: usize,
     lost: Option<String>,
     stop: Arc<AtomicBool>,
+    /// Scratch: the queue below each request of a batch goes to.
+    route: Vec<usize>,
+}
+
+/// Where one request goes below: its queue, operation and windows.
+struct Route {
+    queue: usize,
+    op: Op,
+    segs: ArrayVec<Segment, MAX_SEGS>,
 }
 
 impl ChannelBackend {
-    /// Over the frontend ends `queues` of a device of `size` bytes; `stop` (the domain's stop
+    /// Over the forwarding frontend ends `queues` (queue `i` sharing the arenas the upper
+    /// queue `i` maps at `windows[i]`), for a device of `size` bytes; `stop` (the domain's stop
     /// flag) ends a wait.
-    pub fn new(queues: Vec<FrontQueue>, size: u64, stop: Arc<AtomicBool>) -> Self {
-        assert!(!queues.is_empty(), "a channel has at least one queue");
-        ChannelBackend { queues, size, next: 0, lost: None, stop }
+    pub fn new(queues: Vec<FrontQueue>, windows: Vec<ArenaWindows>, size: u64, stop: Arc<AtomicBool>) -> Self {
+        assert!(!queues.is_empty() && queues.len() == windows.len(), "one upper arena pair per queue below");
+        ChannelBackend { queues, windows, size, next: 0, lost: None, stop, route: Vec::new() }
     }
 
-    fn push(q: &mut FrontQueue, req: &Request<'_>, user: u64) -> Result<(), SubmitError> {
-        match *req {
-            Request::Read { offset, bufs } => q.push(FrontRequest::Read { offset, len: bufs.total_len() }, user),
-            Request::Write { offset, bufs, fua } => q.push_write_from(offset, &bufs, fua, user),
-            Request::Flush => q.push(FrontRequest::Flush, user),
-            Request::Discard { offset, len } => q.push(FrontRequest::Discard { offset, len }, user),
-            Request::WriteZeroes { offset, len } => q.push(FrontRequest::WriteZeroes { offset, len }, user),
+    /// The queue and windows of a request, or why it cannot go down.
+    fn route(&mut self, req: &Request<'_>) -> Result<Route, BlockError> {
+        let (op, arena, bufs) = match req {
+            Request::Read { bufs, .. } => (Op::Read, ARENA_READ, Some(bufs)),
+            Request::Write { bufs, .. } => (Op::Write, ARENA_WRITE, Some(bufs)),
+            Request::Flush => (Op::Flush, 0, None),
+            Request::Discard { .. } => (Op::Discard, 0, None),
+            Request::WriteZeroes { .. } => (Op::WriteZeroes, 0, None),
+        };
+        let Some(bufs) = bufs else {
+            self.next = (self.next + 1) % self.queues.len();
+            return Ok(Route { queue: self.next, op, segs: ArrayVec::new() });
+        };
+        let first = bufs.iter().next().ok_or(BlockError::Invalid("data request without a window"))?;
+        let queue = self
+            .windows
+            .iter()
+            .position(|w| w.segment(arena, first.as_ptr() as usize, first.len()).is_some())
+            .ok_or(BlockError::Invalid("buffer outside the channel's arenas"))?;
+        let mut segs = ArrayVec::new();
+        for b in bufs.iter() {
+            let s = self.windows[queue]
+                .segment(arena, b.as_ptr() as usize, b.len())
+                .ok_or(BlockError::Invalid("buffer outside the channel's arenas"))?;
+            segs.try_push(s).map_err(|_| BlockError::Invalid("too many windows"))?;
         }
+        Ok(Route { queue, op, segs })
+    }
+
+    fn push(q: &mut FrontQueue, req: &Request<'_>, route: &Route, user: u64) -> Result<(), SubmitError> {
+        let (offset, len) = req.range();
+        let fua = matches!(req, Request::Write { fua: true, .. });
+        q.push_forward(route.op, offset, len, &route.segs, fua, user)
+    }
+
+    /// Sends the requests of `ios` routed to queue `qi` and waits for all of them.
+    fn run_queue(&mut self, qi: usize, ios: &mut [Io<'_>], routes: &[Option<Route>]) -> Result<(), String> {
+        let q = &mut self.queues[qi];
+        let mine: ArrayVec<usize, 64> =
+            routes.iter().enumerate().filter(|(_, r)| r.as_ref().is_some_and(|r| r.queue == qi)).map(|(i, _)| i).collect();
+        let (mut sent, mut pending) = (0, 0usize);
+        while sent < mine.len() || pending > 0 {
+            while sent < mine.len() {
+                let i = mine[sent];
+                let route = routes[i].as_ref().expect("routed");
+                match Self::push(q, &ios[i].req, route, i as u64) {
+                    Ok(()) => pending += 1,
+                    Err(SubmitError::Full) if pending > 0 => break,
+                    Err(SubmitError::Full | SubmitError::TooLarge(_)) => {
+                        ios[i].result = Err(BlockError::Invalid("request larger than the channel below"))
+                    }
+                    Err(SubmitError::Broken(e)) => return Err(format!("channel to the domain below: {e}")),
+                }
+                sent += 1;
+            }
+            q.publish();
+            if pending == 0 {
+                break;
+            }
+            q.wait_or(WAIT_SLICE_MS, &self.stop).map_err(|e| format!("channel to the domain below: {e}"))?;
+            if self.stop.load(Ordering::Relaxed) {
+                return Err("stopping".into());
+            }
+            let reaped = q.reap(|c| {
+                let io = &mut ios[c.user as usize];
+                io.result = c.result.map_err(|status| BlockError::Os {
+                    op: io.req.kind().as_str(),
+                    offset: io.req.range().0,
+                    errno: status.errno(),
+                });
+            });
+            pending -= reaped.map_err(|e| format!("channel to the domain below: {e}"))?;
+        }
+        Ok(())
     }
 }
 
@@ -58,75 +141,44 @@ impl Backend for ChannelBackend {
     }
 
     fn execute(&mut self, ios: &mut [Io<'_>]) {
-        if self.lost.is_some() {
-            return;
-        }
-        let qi = self.next;
-        self.next = (self.next + 1) % self.queues.len();
-        let q = &mut self.queues[qi];
-        let (mut sent, mut pending) = (0, 0usize);
-        while sent < ios.len() || pending > 0 {
-            while sent < ios.len() {
-                match Self::push(q, &ios[sent].req, sent as u64) {
-                    Ok(()) => pending += 1,
-                    Err(SubmitError::Full) if pending > 0 => break,
-                    // Larger than the lower queue can ever carry (its arena is as large as the
-                    // upper one's, so only a misconfiguration gets here).
-                    Err(SubmitError::Full | SubmitError::TooLarge(_)) => {
-                        ios[sent].result = Err(BlockError::Invalid("request larger than the channel below"))
-                    }
-                    Err(SubmitError::Broken(e)) => {
-                        self.lost = Some(format!("channel to the domain below: {e}"));
-                        return;
-                    }
-                }
-                sent += 1;
-            }
-            q.publish();
-            if pending == 0 {
-                break;
-            }
-            match q.wait_or(WAIT_SLICE_MS, &self.stop) {
-                Ok(_) => {}
-                Err(e) => {
-                    self.lost = Some(format!("channel to the domain below: {e}"));
-                    return;
-                }
-            }
-            if self.stop.load(std::sync::atomic::Ordering::Relaxed) {
-                self.lost = Some("stopping".into());
-                return;
-            }
-            let reaped = q.reap(|c| {
-                let io = &mut ios[c.user as usize];
-                io.result = match c.result {
-                    Ok(n) => {
-                        if let (Some(data), Request::Read { bufs, .. }) = (c.data, &io.req) {
-                            let mut at = 0;
-                            for w in bufs.iter() {
-                                let part = data.sub(at, w.len()).expect("a read returns its whole length");
-                                part.copy_to_shared(&w).expect("read windows are writable");
-                                at += w.len();
-                            }
-                        }
-                        Ok(n)
-                    }
-                    Err(status) => {
-                        Err(BlockError::Os { op: io.req.kind().as_str(), offset: io.req.range().0, errno: status.errno() })
-                    }
-                };
-            });
-            match reaped {
-                Ok(n) => pending -= n,
-                Err(e) => {
-                    self.lost = Some(format!("channel to the domain below: {e}"));
-                    return;
-                }
-            }
+        for chunk in ios.chunks_mut(64) {
+            self.execute_chunk(chunk);
         }
     }
 
     fn lost(&self) -> Option<&str> {
         self.lost.as_deref()
+    }
+}
+
+impl ChannelBackend {
+    fn execute_chunk(&mut self, ios: &mut [Io<'_>]) {
+        if self.lost.is_some() {
+            return;
+        }
+        let mut used = std::mem::take(&mut self.route);
+        used.clear();
+        let mut routes: ArrayVec<Option<Route>, 64> = ArrayVec::new();
+        for io in ios.iter_mut() {
+            match self.route(&io.req) {
+                Ok(r) => {
+                    if !used.contains(&r.queue) {
+                        used.push(r.queue);
+                    }
+                    routes.push(Some(r));
+                }
+                Err(e) => {
+                    io.result = Err(e);
+                    routes.push(None);
+                }
+            }
+        }
+        for &qi in &used {
+            if let Err(why) = self.run_queue(qi, ios, &routes) {
+                self.lost = Some(why);
+                break;
+            }
+        }
+        self.route = used;
     }
 }

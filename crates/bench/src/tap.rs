@@ -260,11 +260,12 @@ impl Drop for NbdFuse {
     }
 }
 
-fn nbdkit(opts: &Options, system: &str, filter: &[&str]) -> Result<Row, String> {
+/// `filters` are nbdkit's `--filter=` options, `params` their parameters (after the plugin's).
+fn nbdkit(opts: &Options, system: &str, filters: &[&str], params: &[&str]) -> Result<Row, String> {
     let mnt = opts.scratch.join(format!("bench-tap-{system}-{}", std::process::id()));
     std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
     let mut cmd = Command::new("nbdfuse");
-    cmd.arg(&mnt).args(["--command", "nbdkit", "-s"]).args(filter).args(["memory", &opts.bytes.to_string()]);
+    cmd.arg(&mnt).args(["--command", "nbdkit", "-s"]).args(filters).args(["memory", &opts.bytes.to_string()]).args(params);
     let child =
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| format!("nbdfuse: {e}"))?;
     let mut n = NbdFuse { child, mnt: mnt.clone() };
@@ -297,17 +298,13 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         if which("nbdkit") && which("nbdfuse") {
             let log = opts.scratch.join(format!("bench-tap-nbdkit-{}.log", std::process::id()));
             let logfile = format!("logfile={}", log.display());
-            for (system, filter) in [
-                ("nbdkit", vec![]),
-                ("nbdkit+log", vec!["--filter=log", logfile.as_str()]),
-                ("nbdkit+delay", vec!["--filter=delay", "rdelay=0", "wdelay=0"]),
+            for (system, filters, params) in [
+                ("nbdkit", vec![], vec![]),
+                ("nbdkit+log", vec!["--filter=log"], vec![logfile.as_str()]),
+                ("nbdkit+delay", vec!["--filter=delay"], vec!["rdelay=0", "wdelay=0"]),
             ] {
                 progress(system);
-                // The filter's options follow the plugin in nbdkit's command line.
-                let (filters, params): (Vec<&str>, Vec<&str>) = filter.iter().partition(|a| a.starts_with("--filter"));
-                let mut args = filters;
-                args.extend(params);
-                match nbdkit(opts, system, &args) {
+                match nbdkit(opts, system, &filters, &params) {
                     Ok(r) => rows.push(r),
                     Err(e) => skipped.push(format!("{system}: {e}")),
                 }

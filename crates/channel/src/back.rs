@@ -26,6 +26,28 @@ pub enum Popped {
     },
 }
 
+/// The addresses of a driver end's arena mappings (see [`BackQueue::arena_windows`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaWindows {
+    /// Write arena: first address and length.
+    pub write: (usize, usize),
+    /// Read arena: first address and length.
+    pub read: (usize, usize),
+}
+
+impl ArenaWindows {
+    /// The segment naming `len` bytes at address `addr`, if they lie in the arena `arena`
+    /// ([`ARENA_WRITE`] or [`bulkhead_ring::ARENA_READ`]).
+    pub fn segment(&self, arena: u32, addr: usize, len: usize) -> Option<bulkhead_ring::Segment> {
+        let (base, size) = if arena == ARENA_WRITE { self.write } else { self.read };
+        let off = addr.checked_sub(base)?;
+        if off.checked_add(len)? > size || len > u32::MAX as usize {
+            return None;
+        }
+        Some(bulkhead_ring::Segment { arena, len: len as u32, offset: off as u64 })
+    }
+}
+
 /// The driver end of one queue.
 #[derive(Debug)]
 pub struct BackQueue {
@@ -142,6 +164,16 @@ impl BackQueue {
     /// Channel generation.
     pub fn generation(&self) -> u32 {
         self.ring.generation()
+    }
+
+    /// Where this end maps its arenas: the write arena's first address and length, the read
+    /// arena's. A tap domain forwarding a request below names its windows by their offsets
+    /// from these.
+    pub fn arena_windows(&self) -> ArenaWindows {
+        ArenaWindows {
+            write: (self.warena.base_ptr() as usize, self.warena.len()),
+            read: (self.rarena.base_ptr() as usize, self.rarena.len()),
+        }
     }
 
     /// Slots of its rings: the most requests it can have in flight.

@@ -7,7 +7,7 @@ use bulkhead_doorbell::{now_ns, BudgetPolicy, EventFd, NotifyMode, SpinBudget};
 use bulkhead_ring::{
     FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES,
 };
-use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice, SliceList};
+use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice};
 
 use crate::{ChannelError, QueueConfig, SubmitError};
 
@@ -56,20 +56,30 @@ pub struct Completion<'a> {
     /// `Ok(bytes)` or the device's status.
     pub result: Result<u64, Status>,
     /// For a successful read: the data, in the read arena. Copy it out once (or hand it to a
-    /// system call) inside the callback; the space is reused afterwards.
+    /// system call) inside the callback; the space is reused afterwards. `None` for a request
+    /// placed with [`FrontQueue::push_forward`], whose data is where it asked for it.
     pub data: Option<SharedSlice<'a>>,
 }
 
+/// The two grant arenas of a queue, as its frontend maps them, with their allocators.
+#[derive(Debug)]
+struct Arenas {
+    w: Mapping,
+    r: Mapping,
+    walloc: PageAllocator,
+    ralloc: PageAllocator,
+}
+
 /// Where a request's data comes from.
-enum Payload<'d, 's> {
+enum Payload<'d> {
     /// No data.
     None,
     /// Read-arena space for the driver to fill.
     ReadSpace,
     /// Bytes of the caller's.
     Bytes(&'d [u8]),
-    /// Windows of shared memory.
-    Slices(&'d SliceList<'s>),
+    /// Windows the driver already has, named as they are.
+    Forward(&'d [Segment]),
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -110,10 +120,11 @@ const STORM_NAP_US: u64 = 500;
 #[derive(Debug)]
 pub struct FrontQueue {
     ring: FrontRing,
-    warena: Mapping,
-    rarena: Mapping,
-    walloc: PageAllocator,
-    ralloc: PageAllocator,
+    /// The arenas this end fills and reads; `None` for a forwarding end (see
+    /// [`FrontQueue::forwarding`]), whose requests name windows of arenas the driver already has.
+    arenas: Option<Arenas>,
+    /// Bytes in each arena (the forwarded-to arenas for a forwarding end).
+    arena_bytes: usize,
     kick: EventFd,
     irq: EventFd,
     mode: NotifyMode,
@@ -159,11 +170,14 @@ impl FrontQueue {
         // Both sides run the device's mode: in `poll` neither ever sleeps.
         ring.set_peer_polls(cfg.mode == NotifyMode::Poll);
         FrontQueue {
-            walloc: PageAllocator::new(warena.len()),
-            ralloc: PageAllocator::new(rarena.len()),
+            arena_bytes: warena.len(),
+            arenas: Some(Arenas {
+                walloc: PageAllocator::new(warena.len()),
+                ralloc: PageAllocator::new(rarena.len()),
+                w: warena,
+                r: rarena,
+            }),
             ring,
-            warena,
-            rarena,
             kick,
             irq,
             mode: cfg.mode,
@@ -180,25 +194,37 @@ impl FrontQueue {
         }
     }
 
-    /// The frontend end of a queue whose files another process made (a tap domain's queues to
-    /// the domain below it): maps them and writes the ring's header. The driver end must not
-    /// attach before this returns.
-    pub fn from_fds(fds: crate::FrontQueueFds, cfg: &QueueConfig) -> Result<Self, ChannelError> {
+    /// A forwarding frontend end, for a tap domain passing requests on to the domain below: the
+    /// queue's ring and doorbells are its own, its arenas are those of the channel above, which
+    /// the domain below maps too. Requests are placed with [`push_forward`](Self::push_forward)
+    /// naming the windows they came in, so no data is copied. Writes the ring's header: the
+    /// driver end must not attach before this returns.
+    pub fn forwarding(fds: crate::ForwardQueueFds, cfg: &QueueConfig) -> Result<Self, ChannelError> {
         let err = |e: &dyn std::fmt::Display| ChannelError::Setup(e.to_string());
         let layout = bulkhead_ring::RingLayout::new(cfg.nslots).map_err(|e| err(&e))?;
-        let arena = bulkhead_shmem::memfd::size_of(fds.write_arena.as_raw_fd()).map_err(|e| err(&e))? as usize;
-        let rarena = bulkhead_shmem::memfd::size_of(fds.read_arena.as_raw_fd()).map_err(|e| err(&e))? as usize;
-        if arena < cfg.arena_bytes || rarena < cfg.arena_bytes {
-            return Err(ChannelError::Setup(format!("arenas of {arena} and {rarena} bytes, expected {}", cfg.arena_bytes)));
-        }
         let prot = bulkhead_shmem::Protection::ReadWrite;
         let ring_map = Mapping::new(fds.ring.as_raw_fd(), layout.file_size(), prot).map_err(|e| err(&e))?;
-        let w = Mapping::new(fds.write_arena.as_raw_fd(), cfg.arena_bytes, prot).map_err(|e| err(&e))?;
-        let r = Mapping::new(fds.read_arena.as_raw_fd(), cfg.arena_bytes, prot).map_err(|e| err(&e))?;
-        let ring = FrontRing::create(ring_map, layout, cfg.generation).map_err(|e| err(&e))?;
-        let kick = EventFd::from_owned(fds.kick).map_err(|e| err(&e))?;
-        let irq = EventFd::from_owned(fds.irq).map_err(|e| err(&e))?;
-        Ok(FrontQueue::new(ring, w, r, kick, irq, cfg))
+        let mut ring = FrontRing::create(ring_map, layout, cfg.generation).map_err(|e| err(&e))?;
+        ring.set_peer_polls(cfg.mode == NotifyMode::Poll);
+        let n = layout.nslots;
+        Ok(FrontQueue {
+            arenas: None,
+            arena_bytes: cfg.arena_bytes,
+            ring,
+            kick: EventFd::from_owned(fds.kick).map_err(|e| err(&e))?,
+            irq: EventFd::from_owned(fds.irq).map_err(|e| err(&e))?,
+            mode: cfg.mode,
+            budget: SpinBudget::new(frontend_policy(cfg.budget)),
+            generation: cfg.generation,
+            table: vec![Entry::default(); n as usize],
+            free: (0..n).rev().collect(),
+            seq: 0,
+            broken: None,
+            stats: QueueStats::default(),
+            spurious: 0,
+            damped_until: 0,
+            yield_after: 0,
+        })
     }
 
     /// Makes waits yield the CPU between looks once they have spun `spins` times (0: never):
@@ -210,12 +236,12 @@ impl FrontQueue {
 
     /// Bytes in each arena: the largest request this queue can carry.
     pub fn arena_bytes(&self) -> usize {
-        self.warena.len()
+        self.arena_bytes
     }
 
     /// Largest data request.
     pub fn max_request(&self) -> u64 {
-        (self.warena.len() as u64).min(MAX_REQUEST_BYTES)
+        (self.arena_bytes as u64).min(MAX_REQUEST_BYTES)
     }
 
     /// Requests submitted and not yet completed.
@@ -285,22 +311,24 @@ impl FrontQueue {
         self.place(op, offset, len, payload, fua, user)
     }
 
-    /// Places a write whose data sits in shared memory (another queue's arena windows, as a tap
-    /// domain passes a write on): the data is copied into this queue's write arena with
-    /// volatile copies, never read through a reference. Otherwise as [`push`](Self::push).
-    pub fn push_write_from(&mut self, offset: u64, src: &SliceList<'_>, fua: bool, user: u64) -> Result<(), SubmitError> {
-        self.place(Op::Write, offset, src.total_len(), Payload::Slices(src), fua, user)
-    }
-
-    fn place(
+    /// Places a request whose data windows the driver already has (a forwarding end's: windows
+    /// of the channel above, named by arena, offset and length as they came in). Nothing is
+    /// copied; a read's data lands where the request above asked for it. `len` is the request's
+    /// length; the segments must add up to it for a read or write and be empty otherwise (the
+    /// driver checks them against its arenas like any request).
+    pub fn push_forward(
         &mut self,
         op: Op,
         offset: u64,
         len: u64,
-        payload: Payload<'_, '_>,
+        segments: &[Segment],
         fua: bool,
         user: u64,
     ) -> Result<(), SubmitError> {
+        self.place(op, offset, len, Payload::Forward(segments), fua, user)
+    }
+
+    fn place(&mut self, op: Op, offset: u64, len: u64, payload: Payload<'_>, fua: bool, user: u64) -> Result<(), SubmitError> {
         if let Some(e) = &self.broken {
             return Err(SubmitError::Broken(e.clone()));
         }
@@ -312,33 +340,30 @@ impl FrontQueue {
             slot.flags = FLAG_FUA;
         }
         let (mut arena_off, mut arena_len) = (0, 0);
-        if !matches!(payload, Payload::None) {
+        if let Payload::Forward(segs) = payload {
+            if segs.len() > slot.segs.len() {
+                return Err(SubmitError::TooLarge(len));
+            }
+            slot.nsegs = segs.len() as u16;
+            slot.segs[..segs.len()].copy_from_slice(segs);
+        } else if !matches!(payload, Payload::None) {
+            let Some(arenas) = self.arenas.as_mut() else {
+                return Err(SubmitError::Broken(ChannelError::Setup("a forwarding queue carries no data of its own".into())));
+            };
             let n = len as usize;
             if n == 0 {
                 return Err(SubmitError::TooLarge(0));
             }
-            if len > self.max_request() || len > u32::MAX as u64 {
+            if len > (self.arena_bytes as u64).min(MAX_REQUEST_BYTES) || len > u32::MAX as u64 {
                 return Err(SubmitError::TooLarge(len));
             }
             let which = if op == Op::Write { ARENA_WRITE } else { ARENA_READ };
-            let alloc = if which == ARENA_WRITE { &mut self.walloc } else { &mut self.ralloc };
+            let alloc = if which == ARENA_WRITE { &mut arenas.walloc } else { &mut arenas.ralloc };
             arena_off = alloc.alloc(n).ok_or(SubmitError::Full)?;
             arena_len = n;
-            match payload {
-                Payload::Bytes(data) => {
-                    let win = self.warena.slice(arena_off, n).expect("allocator stays inside the arena");
-                    win.copy_from(data).expect("frontend maps the write arena read-write");
-                }
-                Payload::Slices(src) => {
-                    let win = self.warena.slice(arena_off, n).expect("allocator stays inside the arena");
-                    let mut at = 0;
-                    for s in src.iter() {
-                        let dst = win.sub(at, s.len()).expect("inside the window");
-                        s.copy_to_shared(&dst).expect("frontend maps the write arena read-write");
-                        at += s.len();
-                    }
-                }
-                Payload::ReadSpace | Payload::None => {}
+            if let Payload::Bytes(data) = payload {
+                let win = arenas.w.slice(arena_off, n).expect("allocator stays inside the arena");
+                win.copy_from(data).expect("frontend maps the write arena read-write");
             }
             slot.nsegs = 1;
             slot.segs[0] = Segment { arena: which, len: n as u32, offset: arena_off as u64 };
@@ -417,16 +442,19 @@ impl FrontQueue {
                 Err(e) => return Err(self.mark_broken(e)),
             };
             let e = self.table[index];
-            let data = if e.op == Op::Read as u8 && result.is_ok() {
-                Some(self.rarena.slice(e.arena_off, e.arena_len).expect("allocator stays inside the arena"))
-            } else {
-                None
+            let data = match &self.arenas {
+                Some(a) if e.op == Op::Read as u8 && result.is_ok() && e.arena_len > 0 => {
+                    Some(a.r.slice(e.arena_off, e.arena_len).expect("allocator stays inside the arena"))
+                }
+                _ => None,
             };
             f(Completion { user: e.user, result, data });
-            match e.op {
-                x if x == Op::Read as u8 => self.ralloc.free(e.arena_off, e.arena_len),
-                x if x == Op::Write as u8 => self.walloc.free(e.arena_off, e.arena_len),
-                _ => {}
+            if let (Some(a), true) = (&mut self.arenas, e.arena_len > 0) {
+                match e.op {
+                    x if x == Op::Read as u8 => a.ralloc.free(e.arena_off, e.arena_len),
+                    x if x == Op::Write as u8 => a.walloc.free(e.arena_off, e.arena_len),
+                    _ => {}
+                }
             }
             self.table[index].live = false;
             self.free.push(index as u32);

@@ -57,78 +57,67 @@ impl BackQueueFds {
     }
 }
 
-/// The descriptors a frontend in another process needs for one queue: the frontend of the
-/// domain below a tap domain is the tap domain itself.
+/// The descriptors of a forwarding frontend (a tap domain's end of the queue to the domain
+/// below it): the queue file and the doorbells; it has no arenas of its own.
 #[derive(Debug)]
-pub struct FrontQueueFds {
+pub struct ForwardQueueFds {
     /// Queue file (read-write).
     pub ring: OwnedFd,
-    /// Write arena (read-write: the frontend fills it).
-    pub write_arena: OwnedFd,
-    /// Read arena (read-write).
-    pub read_arena: OwnedFd,
     /// Doorbell the frontend rings.
     pub kick: OwnedFd,
     /// Doorbell rung by the driver.
     pub irq: OwnedFd,
 }
 
-impl FrontQueueFds {
-    /// The descriptors in passing order: ring, write arena, read arena, kick, irq.
-    pub fn as_array(&self) -> [&OwnedFd; 5] {
-        [&self.ring, &self.write_arena, &self.read_arena, &self.kick, &self.irq]
+impl ForwardQueueFds {
+    /// The descriptors in passing order: ring, kick, irq.
+    pub fn as_array(&self) -> [&OwnedFd; 3] {
+        [&self.ring, &self.kick, &self.irq]
     }
 }
 
-/// A queue whose two ends both run in other processes (between a tap domain and the domain
-/// below it). The trusted side creates the files, hands [`front_fds`](Self::front_fds) to the
-/// upper domain, and only once that domain has mapped them (it reports after confinement, when
-/// it can map nothing more) seals the write arena against new writable mappings and hands
-/// [`back_fds`](Self::back_fds), with the write arena read-only, to the lower domain.
+/// The queue between a tap domain and the domain below it, for one queue of the channel above.
+/// Its arenas are that queue's: the domain below gets the upper write arena as the same
+/// read-only, write-sealed descriptor the tap domain has, and the upper read arena, so the tap
+/// domain passes requests on by naming the windows they came in, and nothing is copied. Only
+/// the queue file and the doorbells are new.
 #[derive(Debug)]
-pub struct SplitQueue {
+pub struct LowerQueue {
     ring: OwnedFd,
-    write_arena: OwnedFd,
-    read_arena: OwnedFd,
     kick: OwnedFd,
     irq: OwnedFd,
+    write_arena: OwnedFd,
+    read_arena: OwnedFd,
 }
 
-impl SplitQueue {
-    /// Creates the files of a queue of `cfg`'s geometry (the upper domain writes the header).
-    pub fn create(name: &str, cfg: &QueueConfig) -> Result<Self, ChannelError> {
+impl LowerQueue {
+    /// The queue below the upper queue whose driver descriptors are `upper`, of `cfg`'s ring
+    /// geometry (the tap domain writes the header).
+    pub fn create(name: &str, cfg: &QueueConfig, upper: &BackQueueFds) -> Result<Self, ChannelError> {
         let layout = RingLayout::new(cfg.nslots).map_err(setup_err)?;
-        let arena = cfg.arena_bytes.div_ceil(bulkhead_shmem::PAGE_SIZE) * bulkhead_shmem::PAGE_SIZE;
         let ring = memfd::create(&format!("bulkhead-{name}-ring"), layout.file_size() as u64).map_err(setup_err)?;
-        let write_arena = memfd::create(&format!("bulkhead-{name}-warena"), arena as u64).map_err(setup_err)?;
-        let read_arena = memfd::create(&format!("bulkhead-{name}-rarena"), arena as u64).map_err(setup_err)?;
-        for fd in [&ring, &write_arena, &read_arena] {
-            memfd::seal_size(fd.as_raw_fd()).map_err(setup_err)?;
-        }
+        memfd::seal_size(ring.as_raw_fd()).map_err(setup_err)?;
         let kick = EventFd::new().map_err(setup_err)?;
         let irq = EventFd::new().map_err(setup_err)?;
-        Ok(SplitQueue { ring, write_arena, read_arena, kick: dup(&kick)?, irq: dup(&irq)? })
-    }
-
-    /// Descriptors for the upper domain, its frontend.
-    pub fn front_fds(&self) -> Result<FrontQueueFds, ChannelError> {
-        Ok(FrontQueueFds {
-            ring: dup(&self.ring)?,
-            write_arena: dup(&self.write_arena)?,
-            read_arena: dup(&self.read_arena)?,
-            kick: dup(&self.kick)?,
-            irq: dup(&self.irq)?,
+        Ok(LowerQueue {
+            ring,
+            kick: dup(&kick)?,
+            irq: dup(&irq)?,
+            write_arena: dup(&upper.write_arena)?,
+            read_arena: dup(&upper.read_arena)?,
         })
     }
 
-    /// Seals the write arena against new writable mappings and returns the descriptors for the
-    /// lower domain, the write arena reopened read-only. Call once the upper domain has mapped
-    /// its end.
+    /// Descriptors for the tap domain, the forwarding frontend.
+    pub fn front_fds(&self) -> Result<ForwardQueueFds, ChannelError> {
+        Ok(ForwardQueueFds { ring: dup(&self.ring)?, kick: dup(&self.kick)?, irq: dup(&self.irq)? })
+    }
+
+    /// Descriptors for the domain below. Call once the tap domain has written the header.
     pub fn back_fds(&self) -> Result<BackQueueFds, ChannelError> {
-        memfd::seal_future_write(self.write_arena.as_raw_fd()).map_err(setup_err)?;
         Ok(BackQueueFds {
             ring: dup(&self.ring)?,
-            write_arena: memfd::reopen_readonly(self.write_arena.as_raw_fd()).map_err(setup_err)?,
+            write_arena: dup(&self.write_arena)?,
             read_arena: dup(&self.read_arena)?,
             kick: dup(&self.kick)?,
             irq: dup(&self.irq)?,

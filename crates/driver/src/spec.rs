@@ -82,6 +82,16 @@ pub struct FilterSlot {
     pub output_fd: Option<i32>,
 }
 
+/// One queue of the channel below a tap domain.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LowerQueueSpec {
+    /// Slots per ring.
+    pub nslots: u32,
+    /// Descriptors: ring, kick, irq.
+    pub fds: [i32; 3],
+}
+
 /// The backend and its descriptors.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
@@ -113,11 +123,11 @@ pub enum BackendSpec {
     },
     /// Null device.
     Null,
-    /// The channel to the domain below (a tap domain in `interpose` mode is its frontend).
+    /// The channel to the domain below (a tap domain in `interpose` mode is its frontend). It
+    /// shares the arenas of the channel above, queue for queue.
     Channel {
-        /// Its queues' frontend descriptors: ring, write arena (read-write), read arena, kick,
-        /// irq.
-        queues: Vec<QueueSpec>,
+        /// Its queues, one per queue above: slots, and descriptors ring, kick, irq.
+        queues: Vec<LowerQueueSpec>,
         /// Its generation.
         generation: u32,
     },
@@ -129,7 +139,7 @@ use std::sync::Arc;
 
 use bulkhead_backends::{ChannelBackend, Engine, FileBackend, NbdBackend, NullBackend, RamBackend};
 use bulkhead_block::{Backend, Chain};
-use bulkhead_channel::{BackQueue, BackQueueFds, BudgetPolicy, FrontQueue, FrontQueueFds, NotifyMode, QueueConfig};
+use bulkhead_channel::{BackQueue, BackQueueFds, BudgetPolicy, ForwardQueueFds, FrontQueue, NotifyMode, QueueConfig};
 use bulkhead_ring::ArenaSizes;
 
 use crate::{Domain, DriverError};
@@ -212,28 +222,27 @@ impl DomainSpec {
             }
             BackendSpec::Null => Box::new(NullBackend::new(self.size)),
             BackendSpec::Channel { queues: lower, generation } => {
+                if lower.len() != queues.len() {
+                    return Err(DriverError::Setup("the channel below needs one queue per queue above".into()));
+                }
                 let mut fronts = Vec::with_capacity(lower.len());
-                for q in lower {
+                for (q, above) in lower.iter().zip(&self.queues) {
                     // SAFETY: forwarded from this function's contract.
-                    let [ring, write_arena, read_arena, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
-                    let fds =
-                        FrontQueueFds { ring: ring?, write_arena: write_arena?, read_arena: read_arena?, kick: kick?, irq: irq? };
+                    let [ring, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
                     let cfg = QueueConfig {
                         nslots: q.nslots,
-                        arena_bytes: q.arena_bytes as usize,
+                        arena_bytes: above.arena_bytes as usize,
                         mode,
                         budget: self.budget(),
                         generation: *generation,
                     };
-                    let mut front =
-                        FrontQueue::from_fds(fds, &cfg).map_err(|e| DriverError::Setup(format!("channel below: {e}")))?;
+                    let mut front = FrontQueue::forwarding(ForwardQueueFds { ring: ring?, kick: kick?, irq: irq? }, &cfg)
+                        .map_err(|e| DriverError::Setup(format!("channel below: {e}")))?;
                     front.set_yield_after(YIELD_AFTER_SPINS);
                     fronts.push(front);
                 }
-                if fronts.is_empty() {
-                    return Err(DriverError::Setup("a channel below needs a queue".into()));
-                }
-                Box::new(ChannelBackend::new(fronts, self.size, lower_stop))
+                let windows = queues.iter().map(BackQueue::arena_windows).collect();
+                Box::new(ChannelBackend::new(fronts, windows, self.size, lower_stop))
             }
         };
         let mut layers = Vec::with_capacity(self.filters.len());

@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bulkhead_channel::{BudgetPolicy, FrontQueue, NotifyMode, QueueConfig, QueueSetup, SplitQueue};
+use bulkhead_channel::{BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup};
 use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget, Tap};
-use bulkhead_driver::spec::{BackendSpec, DomainSpec, FilterSlot, QueueSpec, SandboxSpec};
+use bulkhead_driver::spec::{BackendSpec, DomainSpec, FilterSlot, LowerQueueSpec, QueueSpec, SandboxSpec};
 use bulkhead_filters::state::{StatePage, STATE_BYTES};
 use bulkhead_filters::FilterSpec;
 use bulkhead_sandbox::spawn::DomainChild;
@@ -477,54 +477,49 @@ impl Launcher {
         };
         let qcfg = QueueConfig { generation, ..self.qcfg };
         let arena = |f: &FrontQueue| f.arena_bytes() as u64;
+        let interpose = self.tap == Tap::Interpose;
         let mut upper = Pass::default();
         let mut fronts = Vec::new();
         let mut queue_specs = Vec::new();
+        // With a tap domain, the channel below it shares the arenas of the channel above, queue
+        // for queue: only its queue files and doorbells are new.
+        let mut lowers = Vec::new();
         for q in 0..self.queues {
             let (front, fds) = QueueSetup::create(&format!("{}-q{q}", self.name), &qcfg).map_err(|e| e.to_string())?;
+            if interpose {
+                lowers.push(LowerQueue::create(&format!("{}-lower-q{q}", self.name), &qcfg, &fds).map_err(|e| e.to_string())?);
+            }
             let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } = fds;
             queue_specs.push(upper.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena(&front)));
             fronts.push(front);
         }
-        let arena_bytes = arena(&fronts[0]);
-        match self.tap {
-            // Configuration refuses `intercept` in this version.
-            Tap::Passthrough | Tap::Intercept => {
-                let backend = self.backend_spec(&mut upper, conn);
-                let top = self.spawn("driver", upper, queue_specs, backend, true)?;
-                Ok(Launched { fronts, top, lower: None })
-            }
-            Tap::Interpose => {
-                // The channel between the tap domain and the domain below: both its ends run
-                // in domains, the tap domain's as the frontend.
-                let mut splits = Vec::new();
-                let mut below_fronts = Vec::new();
-                for q in 0..self.queues {
-                    let split = SplitQueue::create(&format!("{}-lower-q{q}", self.name), &qcfg).map_err(|e| e.to_string())?;
-                    let f = split.front_fds().map_err(|e| e.to_string())?;
-                    let bulkhead_channel::FrontQueueFds { ring, write_arena, read_arena, kick, irq } = f;
-                    below_fronts.push(upper.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena_bytes));
-                    splits.push(split);
-                }
-                let backend = BackendSpec::Channel { queues: below_fronts, generation };
-                let top = self.spawn("tap", upper, queue_specs, backend, true)?;
-                // The tap domain has mapped its end (it reports once confined, when it can map
-                // nothing more): seal the write arenas and start the domain below.
-                let mut lower = Pass::default();
-                let mut lower_specs = Vec::new();
-                for split in &splits {
-                    let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } =
-                        split.back_fds().map_err(|e| e.to_string())?;
-                    lower_specs.push(lower.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena_bytes));
-                }
-                let backend = self.backend_spec(&mut lower, conn);
-                match self.spawn("driver", lower, lower_specs, backend, false) {
-                    Ok(below) => Ok(Launched { fronts, top, lower: Some(below) }),
-                    Err(e) => {
-                        discard(top.child);
-                        Err(e)
-                    }
-                }
+        if !interpose {
+            let backend = self.backend_spec(&mut upper, conn);
+            let top = self.spawn("driver", upper, queue_specs, backend, true)?;
+            return Ok(Launched { fronts, top, lower: None });
+        }
+        let mut below = Vec::new();
+        for l in &lowers {
+            let bulkhead_channel::ForwardQueueFds { ring, kick, irq } = l.front_fds().map_err(|e| e.to_string())?;
+            below.push(LowerQueueSpec { nslots: qcfg.nslots, fds: [ring, kick, irq].map(|fd| upper.add_owned(fd)) });
+        }
+        let backend = BackendSpec::Channel { queues: below, generation };
+        let top = self.spawn("tap", upper, queue_specs, backend, true)?;
+        // The tap domain has written the lower queues' headers (it reports once confined):
+        // start the domain below.
+        let mut lower = Pass::default();
+        let mut lower_specs = Vec::new();
+        for l in &lowers {
+            let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } =
+                l.back_fds().map_err(|e| e.to_string())?;
+            lower_specs.push(lower.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena(&fronts[0])));
+        }
+        let backend = self.backend_spec(&mut lower, conn);
+        match self.spawn("driver", lower, lower_specs, backend, false) {
+            Ok(below) => Ok(Launched { fronts, top, lower: Some(below) }),
+            Err(e) => {
+                discard(top.child);
+                Err(e)
             }
         }
     }
