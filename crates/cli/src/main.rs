@@ -49,6 +49,29 @@ enum Cmd {
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
     },
+    /// Move a running device's filters: `passthrough` (in its driver domain) or `interpose` (in
+    /// a tap domain of their own). Requests in flight are reissued to the new domains; nothing
+    /// fails.
+    Tap {
+        /// Device name.
+        device: String,
+        /// passthrough | interpose.
+        mode: String,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run")]
+        run_dir: PathBuf,
+    },
+    /// Insert a filter into, or remove one from, a running device's chain. Requests in flight
+    /// are reissued to the new domains; nothing fails.
+    Filter {
+        /// Device name.
+        device: String,
+        #[command(subcommand)]
+        op: FilterOp,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run", global = true)]
+        run_dir: PathBuf,
+    },
     /// Summarise a trace written by a `trace` filter: requests, bytes, errors and latency per
     /// operation, requests per queue.
     Trace {
@@ -69,6 +92,25 @@ enum Cmd {
         /// Domain description (JSON).
         #[arg(long)]
         spec: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum FilterOp {
+    /// Insert a filter, given as the lines of its `[[device.filter]]` table:
+    /// `bulkhead filter disk0 add 'type = "delay"' 'read_us = 200'`.
+    Add {
+        /// Position (0: nearest the frontend; default: nearest the backend).
+        #[arg(long)]
+        at: Option<usize>,
+        /// The table's lines.
+        #[arg(required = true)]
+        lines: Vec<String>,
+    },
+    /// Remove the filter at a position (0: nearest the frontend; `bulkhead status` lists them).
+    Remove {
+        /// Position.
+        at: usize,
     },
 }
 
@@ -183,6 +225,15 @@ fn main() -> ExitCode {
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Driver { spec } => driver_cmd::run(&spec),
         Cmd::Trace { file, json } => trace_cmd::run(&file, json),
+        Cmd::Tap { device, mode, run_dir } => status::change(&run_dir, &device, serde_json::json!({"cmd": "tap", "mode": mode})),
+        Cmd::Filter { device, op: FilterOp::Add { at, lines }, run_dir } => status::change(
+            &run_dir,
+            &device,
+            serde_json::json!({"cmd": "filter", "op": "add", "at": at, "table": lines.join("\n")}),
+        ),
+        Cmd::Filter { device, op: FilterOp::Remove { at }, run_dir } => {
+            status::change(&run_dir, &device, serde_json::json!({"cmd": "filter", "op": "remove", "at": at}))
+        }
         Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples, no_pin } } => {
             bench_channel(mode, json, seconds, samples, !no_pin)
         }

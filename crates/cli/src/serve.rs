@@ -8,11 +8,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use bulkhead_config::Config;
+use bulkhead_config::{Config, Tap};
 use bulkhead_fuse_export::FuseExport;
 use bulkhead_nbd::{socket_path, NbdServer, ServerConfig};
 use bulkhead_supervisor::control::ControlServer;
-use bulkhead_supervisor::Supervisor;
+use bulkhead_supervisor::{DeviceChange, Supervisor};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
@@ -103,6 +103,35 @@ fn plant_canaries(marker: &[u8]) -> Vec<Vec<u8>> {
     kept
 }
 
+/// The change a control request asks for: `restart`; `tap` with `mode`; `filter` with `op`
+/// `add` (`table`, optional `at`) or `remove` (`at`).
+fn device_change(cmd: &str, req: &serde_json::Value) -> Result<DeviceChange, String> {
+    match cmd {
+        "restart" => Ok(DeviceChange::Restart),
+        "tap" => match req["mode"].as_str() {
+            Some("passthrough") => Ok(DeviceChange::Tap(Tap::Passthrough)),
+            Some("interpose") => Ok(DeviceChange::Tap(Tap::Interpose)),
+            Some("intercept") => Ok(DeviceChange::Tap(Tap::Intercept)),
+            Some(other) => Err(format!("unknown tap mode `{other}` (passthrough, interpose)")),
+            None => Err("tap needs `mode`".into()),
+        },
+        _ => {
+            let at = match &req["at"] {
+                serde_json::Value::Null => None,
+                v => Some(v.as_u64().ok_or("`at` must be a position (0, 1, …)")? as usize),
+            };
+            match req["op"].as_str() {
+                Some("add") => {
+                    let table = req["table"].as_str().ok_or("filter add needs `table`")?.to_string();
+                    Ok(DeviceChange::AddFilter { at, table })
+                }
+                Some("remove") => Ok(DeviceChange::RemoveFilter(at.ok_or("filter remove needs `at`")?)),
+                _ => Err("filter needs `op`: add or remove".into()),
+            }
+        }
+    }
+}
+
 pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>) -> anyhow::Result<ExitCode> {
     let config = match config_path {
         Some(p) => Config::load(p)?,
@@ -158,13 +187,19 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         &run_dir.join("control.sock"),
         Arc::new(move |req| match req["cmd"].as_str() {
             Some("status") => serde_json::to_value(s.status()).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()})),
-            Some("restart") => match req["device"].as_str() {
-                Some(name) => match s.restart_device(name) {
+            Some(cmd @ ("restart" | "tap" | "filter")) => {
+                let Some(name) = req["device"].as_str() else {
+                    return serde_json::json!({ "error": format!("{cmd} needs `device`") });
+                };
+                let change = match device_change(cmd, req) {
+                    Ok(c) => c,
+                    Err(e) => return serde_json::json!({ "error": e }),
+                };
+                match s.change_device(name, change) {
                     Ok(pid) => serde_json::json!({ "device": name, "driver_pid": pid }),
                     Err(e) => serde_json::json!({ "error": format!("device `{name}`: {e}") }),
-                },
-                None => serde_json::json!({ "error": "restart needs `device`" }),
-            },
+                }
+            }
             Some(other) => serde_json::json!({ "error": format!("unknown command `{other}`") }),
             None => serde_json::json!({ "error": "missing `cmd`" }),
         }),

@@ -33,6 +33,23 @@ pub fn restart(run_dir: &Path, device: &str) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Asks for a change to a running device (`tap`, `filter`) and prints the outcome.
+pub fn change(run_dir: &Path, device: &str, mut req: serde_json::Value) -> anyhow::Result<ExitCode> {
+    req["device"] = serde_json::Value::from(device);
+    let a = ask(run_dir, req)?;
+    println!("{device}: changed; new driver pid {}", a["driver_pid"]);
+    let status = ask(run_dir, serde_json::json!({"cmd": "status"}))?;
+    if let Some(d) = status["devices"].as_array().into_iter().flatten().find(|d| d["name"] == device) {
+        let names: Vec<&str> = d["filters"].as_array().into_iter().flatten().filter_map(|f| f["type"].as_str()).collect();
+        let tap = d["tap"].as_str().unwrap_or("?");
+        println!(
+            "{device}: tap {tap}, filters (frontend side first): {}",
+            if names.is_empty() { "none".into() } else { names.join(", ") }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let report = ask(run_dir, serde_json::json!({"cmd": "status"}))?;
     if json {

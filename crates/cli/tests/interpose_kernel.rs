@@ -169,3 +169,87 @@ fn a_driver_domain_breaking_the_channel_below_the_tap_is_caught_and_both_restart
     assert!(log.contains("lost the driver domain below it"), "{log}");
     assert!(log.contains("unknown or duplicate id"), "the tap domain says why: {log}");
 }
+
+fn cli(run_dir: &std::path::Path, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(exe()).args(args).arg("--run-dir").arg(run_dir).output().unwrap();
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn chain(serve: &Serve) -> (String, Vec<String>) {
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    let filters = d["filters"].as_array().unwrap().iter().map(|f| f["type"].as_str().unwrap().to_string()).collect();
+    (d["tap"].as_str().unwrap().to_string(), filters)
+}
+
+#[test]
+fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
+    require_kernel!();
+    if !tools(&["fio"]) {
+        return;
+    }
+    let tmp = TempDir::new("interpose-switch");
+    let cfg =
+        "[[device]]\nname = \"w\"\nsize = \"256M\"\n[device.backend]\ntype = \"ram\"\n[[device.filter]]\ntype = \"stats\"\n";
+    let serve = Serve::start(&tmp.path().join("run"), Some(cfg), &["w"]);
+    let run_dir = serve.run_dir.clone();
+    let lo = LoopGuard::attach_direct(&serve.fuse_file("w"));
+    run("mkfs.ext4", &["-q", "-F", &lo.dev]);
+    let mnt = tmp.path().join("mnt");
+    let m = MountGuard::mount(&lo.dev, &mnt);
+    let fio = {
+        let dir = mnt.clone();
+        std::thread::spawn(move || {
+            Command::new("timeout")
+                .args(["--kill-after=10", "120", "fio", "--name=switch", &format!("--directory={}", dir.display())])
+                .args(["--ioengine=libaio", "--direct=1", "--rw=randrw", "--bsrange=4k-128k", "--iodepth=8", "--size=32M"])
+                .args(["--runtime=8", "--time_based", "--verify=crc32c", "--verify_backlog=16", "--verify_fatal=1"])
+                .args(["--verify_state_save=0", "--output-format=json"])
+                .output()
+                .unwrap()
+        })
+    };
+    let pause = || std::thread::sleep(Duration::from_millis(700));
+    pause();
+    cli(&run_dir, &["tap", "w", "interpose"]).unwrap();
+    assert_eq!(chain(&serve), ("interpose".into(), vec!["stats".into()]));
+    pause();
+    cli(&run_dir, &["filter", "w", "add", "--at", "0", "type = \"delay\"", "write_us = 100"]).unwrap();
+    cli(&run_dir, &["filter", "w", "add", "type = \"throttle\"", "iops = 50000"]).unwrap();
+    assert_eq!(chain(&serve).1, ["delay", "stats", "throttle"]);
+    // A bad table is refused, naming the key and its line, and the device runs on unchanged.
+    let e = cli(&run_dir, &["filter", "w", "add", "type = \"delay\"", "flush_us = 99999999"]).unwrap_err();
+    assert!(e.contains("flush_us") && e.contains("line 2"), "{e}");
+    let e = cli(&run_dir, &["filter", "w", "remove", "7"]).unwrap_err();
+    assert!(e.contains("no filter at position 7"), "{e}");
+    let e = cli(&run_dir, &["tap", "w", "sideways"]).unwrap_err();
+    assert!(e.contains("sideways"), "{e}");
+    pause();
+    cli(&run_dir, &["tap", "w", "passthrough"]).unwrap();
+    pause();
+    cli(&run_dir, &["filter", "w", "remove", "0"]).unwrap();
+    assert_eq!(chain(&serve), ("passthrough".into(), vec!["stats".into(), "throttle".into()]));
+    let out = fio.join().unwrap();
+    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["jobs"][0]["error"], 0, "fio saw an I/O or verify error");
+    m.unmount();
+    let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
+    assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    assert_eq!(d["state"], "running");
+    assert_eq!(d["requests_failed"], 0, "{d}");
+    // The stats filter's counters carried on through every change.
+    let writes = d["filters"][0]["ops"].as_array().unwrap().iter().find(|o| o["op"] == "write").unwrap()["requests"].as_u64();
+    assert!(writes.unwrap() > 200, "{writes:?}");
+    let log = serve.log_text();
+    for what in ["tap mode passthrough → interpose", "filter delay inserted at position 0", "filter delay at position 0 removed"]
+    {
+        assert!(log.contains(what), "{what}: {log}");
+    }
+}

@@ -623,6 +623,22 @@ pub struct Config {
     pub devices: Vec<Device>,
 }
 
+/// Parses and validates one filter given as the body of a `[[device.filter]]` table (`type =
+/// "delay"` and its keys, one per line), for device `device` with watchdog `watchdog_ms`, to
+/// stand at position `index`: what `bulkhead filter DEVICE add` sends. Errors name the key and
+/// the line of `text`.
+pub fn parse_filter(text: &str, device: &str, index: usize, watchdog_ms: u64) -> Result<Filter, ConfigError> {
+    let origin = "filter";
+    let table: FilterTable =
+        toml::from_str(text).map_err(|e| ConfigError::Parse { origin: origin.to_string(), message: e.to_string() })?;
+    let err = |span: std::ops::Range<usize>, message: String| ConfigError::Invalid {
+        origin: origin.to_string(),
+        line: line_of(text, span.start),
+        message,
+    };
+    table.resolve(device, index, watchdog_ms, &err)
+}
+
 fn line_of(src: &str, offset: usize) -> usize {
     src[..offset.min(src.len())].bytes().filter(|&b| b == b'\n').count() + 1
 }

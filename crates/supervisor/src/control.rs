@@ -1,6 +1,9 @@
 //! The control socket: one JSON request per line, one JSON answer per line.
 //!
-//! Requests: `{"cmd":"status"}`, `{"cmd":"restart","device":NAME}`.
+//! Requests: `{"cmd":"status"}`, `{"cmd":"restart","device":NAME}`,
+//! `{"cmd":"tap","device":NAME,"mode":"interpose"}`,
+//! `{"cmd":"filter","device":NAME,"op":"add","at":N|null,"table":"type = \"delay\"\n…"}`,
+//! `{"cmd":"filter","device":NAME,"op":"remove","at":N}`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};

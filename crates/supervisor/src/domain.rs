@@ -10,12 +10,12 @@ use bulkhead_channel::{BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueCo
 use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget, Tap};
 use bulkhead_driver::spec::{BackendSpec, DomainSpec, FilterSlot, LowerQueueSpec, QueueSpec, SandboxSpec};
-use bulkhead_filters::state::{StatePage, STATE_BYTES};
-use bulkhead_filters::FilterSpec;
+use bulkhead_filters::state::StatePage;
 use bulkhead_sandbox::spawn::DomainChild;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 use bulkhead_shmem::memfd;
 
+use crate::chain::{state_page, ChainSetup, FilterSetup};
 use crate::domain_log;
 use crate::supervisor::{DeviceState, SupervisorError};
 
@@ -136,10 +136,6 @@ pub struct DeviceRuntime {
     pub queues: usize,
     /// Restart policy.
     pub policy: RestartPolicy,
-    /// Where the filters run.
-    pub tap: bulkhead_config::Tap,
-    /// The filters, frontend side first, with their state pages (read-only here).
-    pub(crate) filters: Vec<(FilterSpec, StatePage)>,
     /// The domain's state page: its heartbeat while layers hold requests.
     pub(crate) state: StatePage,
     pub(crate) proc_: Mutex<DomainProc>,
@@ -163,53 +159,18 @@ pub(crate) struct Launcher {
     policy: Policy,
     /// The domain's bound on waiting for a remote server, ms.
     io_timeout_ms: u64,
-    /// Each filter's spec, state page and output, the same for every generation.
-    filters: Vec<(FilterSpec, OwnedFd, Option<OwnedFd>)>,
+    /// Where the filters run (with `interpose` each generation is a tap domain over a driver
+    /// domain) and the filters; changed on a running device by `bulkhead tap` and `bulkhead
+    /// filter`, taking effect with the next generation.
+    pub(crate) chain: Mutex<ChainSetup>,
     /// The domain's state page.
     state_fd: OwnedFd,
-    /// Where the filters run: with `interpose`, each generation is a tap domain over a driver
-    /// domain.
-    tap: Tap,
+    /// The device's place in the configuration (for trace device numbers).
+    pub(crate) index: u32,
 }
 
 /// Spins a frontend waiting on a tap domain makes before it yields between looks (about 10 µs).
 const FRONTEND_YIELD_AFTER_SPINS: u32 = 2048;
-
-/// Major device number stamped on trace records (the range Linux reserves for local use).
-const TRACE_MAJOR: u32 = 240;
-
-/// A size-sealed state page for a filter or a domain.
-fn state_page(name: &str) -> Result<(OwnedFd, StatePage), String> {
-    let fd = memfd::create(name, STATE_BYTES as u64).map_err(|e| format!("state page: {e}"))?;
-    memfd::seal_size(fd.as_raw_fd()).map_err(|e| format!("state page: {e}"))?;
-    let page = StatePage::map(fd.as_raw_fd(), false).map_err(|e| format!("state page: {e}"))?;
-    Ok((fd, page))
-}
-
-/// Opens a trace file for a domain to append to: created, or emptied if it exists.
-fn open_trace(path: &Path) -> std::io::Result<OwnedFd> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o644)
-        .custom_flags(libc::O_CLOEXEC | libc::O_APPEND)
-        .open(path)?;
-    Ok(OwnedFd::from(f))
-}
-
-/// Cuts a trace file back to whole records: a domain killed in the middle of a write may have
-/// left part of one, which would misalign every record after it.
-fn trim_trace(fd: &OwnedFd) {
-    let f = std::fs::File::from(fd.try_clone().expect("dup of an open descriptor"));
-    if let Ok(m) = f.metadata() {
-        let whole = m.len() / bulkhead_filters::trace::RECORD_BYTES as u64 * bulkhead_filters::trace::RECORD_BYTES as u64;
-        if whole != m.len() {
-            let _ = f.set_len(whole);
-        }
-    }
-}
 
 /// Why a launch failed.
 #[derive(Debug)]
@@ -391,22 +352,8 @@ impl DeviceRuntime {
         };
         // Filter state pages and outputs, opened here: the domain opens nothing.
         let mut filters = Vec::new();
-        let mut filter_pages = Vec::new();
         for (i, f) in cfg.filters().into_iter().enumerate() {
-            let mut spec = f.spec;
-            if let FilterSpec::Trace { device_number } = &mut spec {
-                *device_number = (TRACE_MAJOR << 20) | index;
-            }
-            let (fd, page) = state_page(&format!("bulkhead-{name}-filter{i}")).map_err(err)?;
-            let output = match &f.path {
-                Some(p) => Some(
-                    open_trace(p)
-                        .map_err(|e| err(format!("filter {} ({}): cannot open {}: {e}", i + 1, spec.type_name(), p.display())))?,
-                ),
-                None => None,
-            };
-            filter_pages.push((spec.clone(), page));
-            filters.push((spec, fd, output));
+            filters.push(FilterSetup::new(&name, index, f).map_err(|e| err(format!("filter {}: {e}", i + 1)))?);
         }
         let (state_fd, state) = state_page(&format!("bulkhead-{name}-domain")).map_err(err)?;
         let qcfg = QueueConfig {
@@ -432,9 +379,9 @@ impl DeviceRuntime {
             exe: exe.to_path_buf(),
             backend_fds,
             io_timeout_ms: cfg.watchdog_ms(),
-            filters,
+            chain: Mutex::new(ChainSetup { tap: cfg.tap, filters }),
             state_fd,
-            tap: cfg.tap,
+            index,
             policy: match cfg.sandbox {
                 bulkhead_config::Sandbox::Required => Policy::Required,
                 bulkhead_config::Sandbox::BestEffort => Policy::BestEffort,
@@ -449,13 +396,50 @@ impl DeviceRuntime {
             backend_desc,
             queues: nqueues,
             policy,
-            tap: cfg.tap,
-            filters: filter_pages,
             state,
             proc_: Mutex::new(DomainProc::new(top, lower)),
             launcher,
             restart_lock: Mutex::new(()),
         })
+    }
+}
+
+impl DeviceRuntime {
+    /// Applies `change` to the chain the next generation runs; returns what to log for the
+    /// restart, or why the change is refused (the chain is then as it was).
+    pub(crate) fn change_chain(&self, change: &crate::DeviceChange) -> Result<String, String> {
+        use crate::DeviceChange;
+        let mut chain = self.launcher.chain.lock().unwrap_or_else(|e| e.into_inner());
+        match change {
+            DeviceChange::Restart => Ok("restart requested".into()),
+            DeviceChange::Tap(Tap::Intercept) => {
+                Err("tap mode \"intercept\" is not available in this version (passthrough or interpose)".into())
+            }
+            DeviceChange::Tap(t) => {
+                let was = chain.tap;
+                chain.tap = *t;
+                Ok(format!("tap mode {} → {}", was.as_str(), t.as_str()))
+            }
+            DeviceChange::AddFilter { at, table } => {
+                let at = at.unwrap_or(chain.filters.len());
+                if at > chain.filters.len() {
+                    return Err(format!("position {at} is past the end of the chain ({} filters)", chain.filters.len()));
+                }
+                let watchdog_ms = self.policy.watchdog.as_millis() as u64;
+                let f = bulkhead_config::parse_filter(table, &self.name, at, watchdog_ms).map_err(|e| e.to_string())?;
+                let setup = FilterSetup::new(&self.name, self.launcher.index, f)?;
+                let what = setup.spec.type_name();
+                chain.filters.insert(at, setup);
+                Ok(format!("filter {what} inserted at position {at}"))
+            }
+            DeviceChange::RemoveFilter(at) => {
+                if *at >= chain.filters.len() {
+                    return Err(format!("no filter at position {at} ({} filters)", chain.filters.len()));
+                }
+                let gone = chain.filters.remove(*at);
+                Ok(format!("filter {} at position {at} removed", gone.spec.type_name()))
+            }
+        }
     }
 }
 
@@ -480,7 +464,8 @@ impl Launcher {
         };
         let qcfg = QueueConfig { generation, ..self.qcfg };
         let arena = |f: &FrontQueue| f.arena_bytes() as u64;
-        let interpose = self.tap == Tap::Interpose;
+        let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        let interpose = chain.tap == Tap::Interpose;
         let mut upper = Pass::default();
         let mut fronts = Vec::new();
         let mut queue_specs = Vec::new();
@@ -504,7 +489,7 @@ impl Launcher {
             }
         } else {
             let backend = self.backend_spec(&mut upper, conn);
-            let top = self.spawn("driver", upper, queue_specs, backend, true)?;
+            let top = self.spawn("driver", upper, queue_specs, backend, Some(&chain))?;
             return Ok(Launched { fronts, top, lower: None });
         }
         let mut below = Vec::new();
@@ -513,7 +498,7 @@ impl Launcher {
             below.push(LowerQueueSpec { nslots: qcfg.nslots, fds: [ring, kick, irq].map(|fd| upper.add_owned(fd)) });
         }
         let backend = BackendSpec::Channel { queues: below, generation };
-        let top = self.spawn("tap", upper, queue_specs, backend, true)?;
+        let top = self.spawn("tap", upper, queue_specs, backend, Some(&chain))?;
         // The tap domain has written the lower queues' headers (it reports once confined):
         // start the domain below.
         let mut lower = Pass::default();
@@ -524,7 +509,7 @@ impl Launcher {
             lower_specs.push(lower.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena(&fronts[0])));
         }
         let backend = self.backend_spec(&mut lower, conn);
-        match self.spawn("driver", lower, lower_specs, backend, false) {
+        match self.spawn("driver", lower, lower_specs, backend, None) {
             Ok(below) => Ok(Launched { fronts, top, lower: Some(below) }),
             Err(e) => {
                 discard(top.child);
@@ -553,29 +538,28 @@ impl Launcher {
     }
 
     /// Execs one domain (`role` names it in messages): its queues and backend are in `pass`
-    /// already; the upper domain of a device also gets the filters, their descriptors and the
-    /// domain state page. Waits for its sandbox report.
+    /// already; the upper domain of a device also gets `chain`'s filters, their descriptors and
+    /// the domain state page. Waits for its sandbox report.
     fn spawn(
         &self,
         role: &str,
         mut pass: Pass,
         queues: Vec<QueueSpec>,
         backend: BackendSpec,
-        upper: bool,
+        chain: Option<&ChainSetup>,
     ) -> Result<Spawned, LaunchError> {
         let mut filters = Vec::new();
         let mut state_fd = None;
-        if upper {
-            for (spec, state, output) in &self.filters {
-                if let (FilterSpec::Trace { .. }, Some(o)) = (spec, output) {
-                    trim_trace(o);
-                }
-                let state_fd = pass.add(state);
-                let output_fd = output.as_ref().map(|o| pass.add(o));
-                filters.push(FilterSlot { spec: spec.clone(), state_fd, output_fd });
+        if let Some(chain) = chain {
+            for f in &chain.filters {
+                f.trim_output();
+                let state_fd = pass.add(&f.state_fd);
+                let output_fd = f.output.as_ref().map(|o| pass.add(o));
+                filters.push(FilterSlot { spec: f.spec.clone(), state_fd, output_fd });
             }
             state_fd = Some(pass.add(&self.state_fd));
         }
+        let interpose = chain.is_none_or(|c| c.tap == Tap::Interpose);
         let (report_r, report_w) = report_pipe().map_err(|e| format!("report pipe: {e}"))?;
         let report_fd = pass.add_owned(report_w);
         let spec = DomainSpec {
@@ -592,7 +576,7 @@ impl Launcher {
             state_fd,
             // Four beats within the watchdog's time.
             heartbeat_ms: (self.io_timeout_ms / 4).max(2),
-            yield_when_idle: self.tap == Tap::Interpose,
+            yield_when_idle: interpose,
             sandbox: SandboxSpec { policy: self.policy },
             report_fd: Some(report_fd),
         };

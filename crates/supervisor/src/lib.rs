@@ -8,6 +8,7 @@
 //! log through [`domain_log`], prefixed, sanitised and rate-limited.
 #![deny(missing_docs)]
 
+mod chain;
 pub mod control;
 mod domain;
 pub mod domain_log;
@@ -19,4 +20,4 @@ mod supervisor;
 pub const LOST_EXIT: u8 = 75;
 
 pub use domain::{pidfd_open, spawn_domain, DeviceRuntime};
-pub use supervisor::{DeviceState, DeviceStatus, ProcessMemory, StatusReport, Supervisor, SupervisorError};
+pub use supervisor::{DeviceChange, DeviceState, DeviceStatus, ProcessMemory, StatusReport, Supervisor, SupervisorError};

@@ -129,7 +129,28 @@ pub struct StatusReport {
 
 /// A manual restart, handed to the watcher thread: domains must be spawned by a thread that
 /// lives as long as they do, since PR_SET_PDEATHSIG fires when the spawning *thread* exits.
-type RestartRequest = (String, std::sync::mpsc::Sender<Result<u32, String>>);
+type RestartRequest = (String, DeviceChange, std::sync::mpsc::Sender<Result<u32, String>>);
+
+/// A change to a running device. Each replaces the device's domains with a new generation
+/// running the changed chain: requests in flight are reissued to it, so applications pause and
+/// nothing fails (qemu's blockdev-reopen and dm's suspend and reload are the models).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceChange {
+    /// The same chain, on fresh domains (`bulkhead restart`).
+    Restart,
+    /// Run the filters in another place (`bulkhead tap DEVICE MODE`).
+    Tap(bulkhead_config::Tap),
+    /// Insert a filter, described as a `[[device.filter]]` table's body, at a position
+    /// (0: nearest the frontend; `None`: nearest the backend).
+    AddFilter {
+        /// Where.
+        at: Option<usize>,
+        /// The table, e.g. `type = "delay"\nread_us = 100`.
+        table: String,
+    },
+    /// Remove the filter at a position (0: nearest the frontend).
+    RemoveFilter(usize),
+}
 
 struct Inner {
     devices: Vec<DeviceRuntime>,
@@ -199,6 +220,7 @@ impl Supervisor {
             .map(|rt| {
                 let outages = rt.device.outages_ms();
                 let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+                let chain = rt.launcher.chain.lock().unwrap_or_else(|e| e.into_inner());
                 let running = p.state == DeviceState::Running;
                 DeviceStatus {
                     name: rt.name.clone(),
@@ -223,12 +245,12 @@ impl Supervisor {
                         (None, true) => p.layers.clone(),
                     },
                     tap_sandbox: if running && p.lower.is_some() { p.layers.clone() } else { None },
-                    tap: rt.tap.as_str().to_string(),
-                    filters: rt
+                    tap: chain.tap.as_str().to_string(),
+                    filters: chain
                         .filters
                         .iter()
-                        .map(|(spec, page)| {
-                            let report = bulkhead_filters::FilterReport::read(spec, page);
+                        .map(|f| {
+                            let report = bulkhead_filters::FilterReport::read(&f.spec, &f.page);
                             FilterStatus { summary: report.summary(), report }
                         })
                         .collect(),
@@ -245,6 +267,13 @@ impl Supervisor {
     /// Restarts a device's domain on demand (also a failed one: its restart history is
     /// cleared). Returns the new driver pid.
     pub fn restart_device(&self, name: &str) -> Result<u32, String> {
+        self.change_device(name, DeviceChange::Restart)
+    }
+
+    /// Changes a running device (see [`DeviceChange`]) and starts its next generation;
+    /// returns the new driver pid. A change that is not valid is refused, saying why, and the
+    /// device runs on as it was.
+    pub fn change_device(&self, name: &str, change: DeviceChange) -> Result<u32, String> {
         if !self.inner.devices.iter().any(|d| d.name == name) {
             return Err(format!("no device `{name}`"));
         }
@@ -252,7 +281,7 @@ impl Supervisor {
             return Err("shutting down".into());
         }
         let (tx, rx) = std::sync::mpsc::channel();
-        self.inner.requests.lock().unwrap_or_else(|e| e.into_inner()).push((name.to_string(), tx));
+        self.inner.requests.lock().unwrap_or_else(|e| e.into_inner()).push((name.to_string(), change, tx));
         self.inner.wake.ring();
         rx.recv_timeout(Duration::from_secs(30)).map_err(|_| "the supervisor did not answer".to_string())?
     }
@@ -394,9 +423,16 @@ fn watch(inner: Arc<Inner>) {
         }
         inner.wake.drain();
         let requests = std::mem::take(&mut *inner.requests.lock().unwrap_or_else(|e| e.into_inner()));
-        for (name, reply) in requests {
+        for (name, change, reply) in requests {
             let Some((i, rt)) = inner.devices.iter().enumerate().find(|(_, d)| d.name == name) else {
                 continue;
+            };
+            let why = match rt.change_chain(&change) {
+                Ok(why) => why,
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    continue;
+                }
             };
             {
                 let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
@@ -406,11 +442,11 @@ fn watch(inner: Arc<Inner>) {
                 p.retry_at = None;
                 p.state = DeviceState::Running;
             }
-            restart(rt, "restart requested", Instant::now(), &inner.shutting_down);
+            restart(rt, &why, Instant::now(), &inner.shutting_down);
             progress[i] = Progress::now(rt);
             let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
             let _ = reply.send(match p.state {
-                DeviceState::Running => Ok(p.pid),
+                DeviceState::Running => Ok(p.driver_pid()),
                 _ => Err(p.failure.clone().unwrap_or_else(|| "restart failed".into())),
             });
         }

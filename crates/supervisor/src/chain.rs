@@ -1,0 +1,85 @@
+//! A device's chain as the supervisor keeps it: where the filters run, and each filter with the
+//! descriptors it is handed every generation. `bulkhead tap` and `bulkhead filter` change it on a
+//! running device; the next generation runs the new chain.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
+
+use bulkhead_config::{Filter, Tap};
+use bulkhead_filters::state::{StatePage, STATE_BYTES};
+use bulkhead_filters::FilterSpec;
+use bulkhead_shmem::memfd;
+
+/// Major device number stamped on trace records (the range Linux reserves for local use).
+const TRACE_MAJOR: u32 = 240;
+
+/// A size-sealed state page for a filter or a domain, and the supervisor's read-only view.
+pub(crate) fn state_page(name: &str) -> Result<(OwnedFd, StatePage), String> {
+    let fd = memfd::create(name, STATE_BYTES as u64).map_err(|e| format!("state page: {e}"))?;
+    memfd::seal_size(fd.as_raw_fd()).map_err(|e| format!("state page: {e}"))?;
+    let page = StatePage::map(fd.as_raw_fd(), false).map_err(|e| format!("state page: {e}"))?;
+    Ok((fd, page))
+}
+
+/// Opens a trace file for a domain to append to: created, or emptied if it exists.
+fn open_trace(path: &Path) -> std::io::Result<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .custom_flags(libc::O_CLOEXEC | libc::O_APPEND)
+        .open(path)?;
+    Ok(OwnedFd::from(f))
+}
+
+/// One filter of a device: what it is, its state page and its output, the same for every
+/// generation so counters and traces carry on across restarts.
+#[derive(Debug)]
+pub(crate) struct FilterSetup {
+    pub spec: FilterSpec,
+    pub state_fd: OwnedFd,
+    pub output: Option<OwnedFd>,
+    /// The state page as `status` reads it.
+    pub page: StatePage,
+}
+
+impl FilterSetup {
+    /// Makes the state page and opens the output of a configured filter of device `device`
+    /// (the `index`-th in the configuration, for the trace's device number).
+    pub fn new(device: &str, index: u32, f: Filter) -> Result<Self, String> {
+        let mut spec = f.spec;
+        if let FilterSpec::Trace { device_number } = &mut spec {
+            *device_number = (TRACE_MAJOR << 20) | index;
+        }
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let (state_fd, page) = state_page(&format!("bulkhead-{device}-{}-{nanos:x}", spec.type_name()))?;
+        let output = match &f.path {
+            Some(p) => Some(open_trace(p).map_err(|e| format!("{}: cannot open {}: {e}", spec.type_name(), p.display()))?),
+            None => None,
+        };
+        Ok(FilterSetup { spec, state_fd, output, page })
+    }
+
+    /// Cuts a trace file back to whole records: a domain killed in the middle of a write may
+    /// have left part of one, which would misalign every record after it.
+    pub fn trim_output(&self) {
+        let (FilterSpec::Trace { .. }, Some(o)) = (&self.spec, &self.output) else { return };
+        let Ok(dup) = o.try_clone() else { return };
+        let f = std::fs::File::from(dup);
+        let record = bulkhead_filters::trace::RECORD_BYTES as u64;
+        if let Ok(m) = f.metadata() {
+            if m.len() % record != 0 {
+                let _ = f.set_len(m.len() / record * record);
+            }
+        }
+    }
+}
+
+/// Where a device's filters run, and the filters, frontend side first.
+#[derive(Debug)]
+pub(crate) struct ChainSetup {
+    pub tap: Tap,
+    pub filters: Vec<FilterSetup>,
+}
