@@ -1088,4 +1088,14 @@ mod tests {
         let e = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"sideways\"")).unwrap_err().to_string();
         assert!(e.contains("sideways") && e.contains("line 4"), "{e}");
     }
+
+    #[test]
+    fn a_filter_table_on_its_own_parses_and_its_errors_name_key_and_line() {
+        let f = parse_filter("type = \"delay\"\nread_us = 100", "d", 0, 1000).unwrap();
+        assert_eq!(f.spec, bulkhead_filters::FilterSpec::Delay { delay_us: [100, 0, 0, 0, 0] });
+        let e = parse_filter("type = \"delay\"\nread_us = 900000", "d", 2, 1000).unwrap_err().to_string();
+        assert!(e.contains("filter 3") && e.contains("read_us") && e.contains("line 2"), "{e}");
+        let e = parse_filter("type = \"stats\"\ncolour = 1", "d", 0, 1000).unwrap_err().to_string();
+        assert!(e.contains("colour") && e.contains("line 2"), "{e}");
+    }
 }

@@ -195,3 +195,95 @@ mod tests {
         assert!(serde_json::from_str::<FilterSpec>(r#"{"type":"passthrough"}"#).is_err());
     }
 }
+
+#[cfg(test)]
+mod every_operation {
+    use super::*;
+    use bulkhead_block::{BlockError, OpKind, Request, SliceList, Tag, TagSpace, Verdict};
+    use bulkhead_shmem::{memfd, Mapping, Protection};
+    use std::os::fd::AsRawFd;
+
+    /// Each filter, configured to act on everything it can, against each of the five
+    /// operations: it must give a verdict, release what it holds, and take the completion of
+    /// what it passed on.
+    #[test]
+    fn every_filter_handles_every_operation_of_the_request_enum() {
+        let buf_fd = memfd::create("buf", 8192).unwrap();
+        let map = Mapping::new(buf_fd.as_raw_fd(), 8192, Protection::ReadWrite).unwrap();
+        let bufs = SliceList::one(map.slice(0, 8192).unwrap());
+        let requests = [
+            Request::Read { offset: 4096, bufs },
+            Request::Write { offset: 4096, bufs, fua: true },
+            Request::Flush,
+            Request::Discard { offset: 0, len: 65536 },
+            Request::WriteZeroes { offset: 8192, len: 4096 },
+        ];
+        assert_eq!(requests.map(|r| r.kind()), OpKind::ALL, "one request of each kind");
+        let trace_path = std::env::temp_dir().join(format!("bulkhead-every-op-{}", std::process::id()));
+        let specs = [
+            FilterSpec::Trace { device_number: 1 },
+            FilterSpec::Stats {},
+            FilterSpec::Delay { delay_us: [1; 5] },
+            FilterSpec::Error {
+                rule: ErrorRule {
+                    ops: 0b1_1111,
+                    offset: 0,
+                    len: u64::MAX,
+                    probability_ppm: 1_000_000,
+                    after: 0,
+                    count: None,
+                    errno: 5,
+                    seed: 1,
+                },
+            },
+            FilterSpec::Throttle {
+                limits: Limits {
+                    iops_total: Some(crate::throttle::Limit { avg: 1.0, max: 0.0, max_length: 1.0 }),
+                    ..Limits::default()
+                },
+            },
+        ];
+        for spec in specs {
+            let state = memfd::create("state", crate::state::STATE_BYTES as u64).unwrap();
+            let output = spec.needs_output().then(|| std::fs::File::create(&trace_path).unwrap().into());
+            let mut layer = build(&spec, FilterFds { state, output }).unwrap();
+            layer.attach(TagSpace { queues: 1, per_queue: 8 });
+            let mut passed = Vec::new();
+            let mut answered = 0;
+            let mut held = 0;
+            for (i, r) in requests.iter().enumerate() {
+                match layer.submit(Tag::new(i as u32), r, 1_000) {
+                    Verdict::Forward => passed.push(i),
+                    Verdict::Complete(Err(_)) => answered += 1,
+                    Verdict::Complete(Ok(_)) => panic!("{}: completed {:?} without the layers below", spec.type_name(), r.kind()),
+                    Verdict::Hold => held += 1,
+                }
+            }
+            // Whatever it holds comes back, in time, exactly once.
+            let mut released = Vec::new();
+            let mut now = 1_000;
+            while released.len() < held {
+                now += 500_000_000;
+                layer.poll(now, &mut |t, v| released.push((t, v)));
+                assert!(now < 60_000_000_000, "{}: held requests never released", spec.type_name());
+            }
+            assert_eq!(released.len(), held, "{}", spec.type_name());
+            for (t, v) in released {
+                assert_eq!(v, Verdict::Forward, "{}", spec.type_name());
+                passed.push(t.index());
+            }
+            for i in passed.iter().copied() {
+                let mut result: Result<u64, BlockError> = Ok(requests[i].transfer_len());
+                layer.complete(Tag::new(i as u32), &requests[i], &mut result, now);
+                assert_eq!(result, Ok(requests[i].transfer_len()), "{} changed a result", spec.type_name());
+            }
+            assert_eq!(passed.len() + answered, requests.len(), "{}: a request vanished", spec.type_name());
+            let expect_answered = if matches!(spec, FilterSpec::Error { .. }) { 5 } else { 0 };
+            assert_eq!(answered, expect_answered, "{}", spec.type_name());
+            layer.idle();
+        }
+        let trace = std::fs::read(&trace_path).unwrap();
+        let _ = std::fs::remove_file(&trace_path);
+        assert_eq!(trace.len(), 10 * crate::trace::RECORD_BYTES, "a queue and a complete record per operation");
+    }
+}
