@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use bulkhead_channel::{BudgetPolicy, FrontQueue, FrontRequest, NotifyMode, QueueConfig, QueueSetup};
 use bulkhead_doorbell::now_ns;
-use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec};
 use bulkhead_shmem::memfd;
+use bulkhead_spec::{BackendSpec, DomainSpec, QueueSpec};
 use serde::Serialize;
 
 use crate::Table;

@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::Context;
-use bulkhead_driver::spec::DomainSpec;
+use bulkhead_spec::DomainSpec;
 
 /// Exit status of a domain whose backend lost its remote server (EX_TEMPFAIL): the supervisor
 /// reconnects and starts the next generation, which gets the unanswered requests again.
@@ -18,7 +18,8 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
     // alone, and nothing else here uses them.
-    let mut domain = unsafe { spec.build_inherited(stop) }.with_context(|| format!("device {}", spec.device))?;
+    let mut domain =
+        unsafe { bulkhead_driver::build_inherited(&spec, stop) }.with_context(|| format!("device {}", spec.device))?;
     bulkhead_driver::confine_and_report(&spec).with_context(|| format!("device {}", spec.device))?;
     match domain.run() {
         Ok(()) => Ok(ExitCode::SUCCESS),

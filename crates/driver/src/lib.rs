@@ -2,15 +2,17 @@
 //!
 //! A domain is a separate process (`bulkhead driver`, exec'd by the supervisor) that holds only
 //! the descriptors it was given: each queue's ring, arenas and doorbells, and its backend's
-//! files. [`spec::DomainSpec`] says which descriptor is which; [`Domain`] serves every queue of
+//! files. [`bulkhead_spec::DomainSpec`] says which descriptor is which ([`build_inherited`]
+//! claims them); [`Domain`] serves every queue of
 //! the device from one thread, round-robin, one batch per queue per turn, through a
 //! [`bulkhead_block::Chain`].
 #![deny(missing_docs)]
 
+mod build;
 mod runtime;
-pub mod spec;
 
-pub use runtime::{Domain, DomainStats, HEARTBEAT, HELD};
+pub use build::build_inherited;
+pub use runtime::{Domain, DomainStats};
 
 /// Why a domain stopped.
 #[derive(Debug, thiserror::Error)]
@@ -44,7 +46,7 @@ const HEADROOM: u64 = 256 << 20;
 /// of its role) and reports the layers in force, or why it refused, on the spec's report pipe.
 /// Call it once every descriptor and mapping the domain needs exists: afterwards it can open
 /// nothing more.
-pub fn confine_and_report(spec: &spec::DomainSpec) -> Result<bulkhead_sandbox::Layers, DriverError> {
+pub fn confine_and_report(spec: &bulkhead_spec::DomainSpec) -> Result<bulkhead_sandbox::Layers, DriverError> {
     use std::io::Write;
     use std::os::fd::FromRawFd;
     let opts = bulkhead_sandbox::confine::Options {

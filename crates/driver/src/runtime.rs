@@ -16,17 +16,12 @@ use bulkhead_channel::{BackQueue, Popped};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::{Op, Status, ValidRequest};
+use bulkhead_spec::state_slots::{HEARTBEAT, HELD};
 
 use crate::DriverError;
 
 /// Requests taken from one queue per turn.
 const BATCH: usize = 32;
-
-/// Slots of the domain's state page: a counter bumped at least every heartbeat interval while
-/// the loop turns with requests held by layers, and the requests layers hold.
-pub const HEARTBEAT: usize = 1;
-/// See [`HEARTBEAT`].
-pub const HELD: usize = 2;
 
 /// Idle turns (each a look at every queue and eight spins) before an idle spinner yields.
 const IDLE_SPINS_BEFORE_YIELD: u32 = 4;

@@ -42,7 +42,8 @@ pub struct OpStats {
     pub histogram: Vec<u64>,
 }
 
-/// Reads the figures of every operation with at least one request.
+/// Reads the figures of every operation with at least one request. The page is the domain's to
+/// write, so any value may be there: the arithmetic saturates rather than overflows.
 pub fn read(page: &StatePage) -> Vec<OpStats> {
     OpKind::ALL
         .into_iter()
@@ -55,12 +56,12 @@ pub fn read(page: &StatePage) -> Vec<OpStats> {
             while histogram.last() == Some(&0) {
                 histogram.pop();
             }
-            let total: u64 = histogram.iter().sum();
+            let total = histogram.iter().fold(0u64, |a, &n| a.saturating_add(n));
             let pct = |p: f64| {
                 let want = ((total as f64) * p).ceil() as u64;
-                let mut seen = 0;
+                let mut seen = 0u64;
                 for (b, n) in histogram.iter().enumerate() {
-                    seen += n;
+                    seen = seen.saturating_add(*n);
                     if seen >= want.max(1) {
                         return 2u64 << b;
                     }
@@ -151,6 +152,17 @@ impl Layer for Stats {
 mod tests {
     use super::*;
     use crate::state::test_page;
+
+    #[test]
+    fn a_page_full_of_the_largest_values_reads_without_overflow() {
+        let (_fd, page) = test_page();
+        for i in 0..crate::state::SLOTS {
+            page.set(i, u64::MAX);
+        }
+        let ops = read(&page);
+        assert_eq!(ops.len(), 5);
+        assert_eq!(ops[0].histogram.len(), BUCKETS);
+    }
 
     #[test]
     fn latency_buckets_are_powers_of_two_microseconds() {

@@ -146,7 +146,8 @@ pub fn summarize(mut input: impl Read) -> Result<Summary, TraceError> {
         }
         let l = &mut lat[k.index()];
         l.sort_unstable();
-        let mean_us = if l.is_empty() { 0.0 } else { l.iter().sum::<u64>() as f64 / l.len() as f64 / 1e3 };
+        // Times come from the file: summed wide, so hostile values cannot overflow.
+        let mean_us = if l.is_empty() { 0.0 } else { l.iter().map(|&x| x as u128).sum::<u128>() as f64 / l.len() as f64 / 1e3 };
         s.ops.push(OpSummary {
             op: k.as_str(),
             queued,
@@ -202,6 +203,19 @@ mod tests {
         assert_eq!((write.p50_us, write.max_us), (1.0, 30.0));
         assert_eq!(s.per_queue, vec![(0, 2), (1, 2)]);
         assert_eq!((s.unpaired_completions, s.in_flight_at_end, s.trailing_bytes), (1, 1, 3));
+    }
+
+    #[test]
+    fn latencies_near_the_top_of_the_clock_do_not_overflow_the_mean() {
+        // Found by the trace_file fuzz target: two requests a whole clock apart.
+        let mut bytes = Vec::new();
+        for pid in [1, 2] {
+            bytes.extend(rec(QW, 0, pid, 8, 4096, 0, 0));
+            bytes.extend(rec(CW, 0, pid, 8, 4096, u64::MAX - 1, 0));
+        }
+        let s = summarize(&bytes[..]).unwrap();
+        assert_eq!(s.ops[0].completed, 2);
+        assert!(s.ops[0].mean_us > 1.8e13, "{}", s.ops[0].mean_us);
     }
 
     #[test]

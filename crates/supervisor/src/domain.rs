@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use bulkhead_channel::{BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup};
 use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget, Tap};
-use bulkhead_driver::spec::{BackendSpec, DomainSpec, FilterSlot, LowerQueueSpec, QueueSpec, SandboxSpec};
 use bulkhead_filters::state::StatePage;
 use bulkhead_sandbox::spawn::DomainChild;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 use bulkhead_shmem::memfd;
+use bulkhead_spec::{BackendSpec, DomainSpec, FilterSlot, LowerQueueSpec, QueueSpec, SandboxSpec};
 
 use crate::chain::{state_page, ChainSetup, FilterSetup};
 use crate::domain_log;

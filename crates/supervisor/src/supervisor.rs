@@ -392,7 +392,11 @@ struct Progress {
 
 impl Progress {
     fn now(rt: &DeviceRuntime) -> Self {
-        Progress { answered: rt.device.answered(), since: Instant::now(), heartbeat: rt.state.get(bulkhead_driver::HEARTBEAT) }
+        Progress {
+            answered: rt.device.answered(),
+            since: Instant::now(),
+            heartbeat: rt.state.get(bulkhead_spec::state_slots::HEARTBEAT),
+        }
     }
 }
 
@@ -500,9 +504,9 @@ fn watch(inner: Arc<Inner>) {
             } else {
                 let answered = rt.device.answered();
                 let pending = rt.device.in_flight();
-                let heartbeat = rt.state.get(bulkhead_driver::HEARTBEAT);
+                let heartbeat = rt.state.get(bulkhead_spec::state_slots::HEARTBEAT);
                 // A domain whose layers hold requests is alive while its loop turns.
-                let holding = heartbeat != progress[i].heartbeat && rt.state.get(bulkhead_driver::HELD) > 0;
+                let holding = heartbeat != progress[i].heartbeat && rt.state.get(bulkhead_spec::state_slots::HELD) > 0;
                 let pr = &mut progress[i];
                 if pending == 0 || answered != pr.answered || holding {
                     *pr = Progress { answered, since: now, heartbeat };

@@ -14,11 +14,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use bulkhead_backends::RamBackend;
 use bulkhead_block::{Backend, Io, Request, SliceList};
 use bulkhead_doorbell::{now_ns, EventFd, Poller};
-use bulkhead_driver::spec::{BackendSpec, DomainSpec, QueueSpec};
 use bulkhead_ring::{
     validate_request, ArenaSizes, BackRing, HeaderOffsets, Op, ResponseSlot, RingLayout, Status, ValidRequest, ARENA_WRITE,
 };
 use bulkhead_shmem::{Mapping, Protection};
+use bulkhead_spec::{BackendSpec, DomainSpec, QueueSpec};
 
 /// Requests a hostile domain answers honestly before it turns.
 pub const TRIGGER_AFTER: u64 = 64;

@@ -17,8 +17,8 @@ use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use bulkhead_driver::spec::DomainSpec;
 use bulkhead_shmem::{Mapping, Protection};
+use bulkhead_spec::DomainSpec;
 use bulkhead_testkit::hostile::Hostility;
 
 fn fail(msg: String) -> ExitCode {
@@ -48,7 +48,7 @@ fn main() -> ExitCode {
     // With `BULKHEAD_TEST_FAULT_ROLE=tap` or `=driver`, only that domain of an `interpose`
     // device misbehaves; the other runs the real runtime.
     if let Ok(role) = std::env::var("BULKHEAD_TEST_FAULT_ROLE") {
-        let is_tap = matches!(spec.backend, bulkhead_driver::spec::BackendSpec::Channel { .. });
+        let is_tap = matches!(spec.backend, bulkhead_spec::BackendSpec::Channel { .. });
         if (role == "tap") != is_tap {
             fault.clear();
         }
@@ -72,7 +72,7 @@ fn main() -> ExitCode {
         }
         _ => {
             // SAFETY: as above.
-            let mut domain = match unsafe { spec.build_inherited(stop) } {
+            let mut domain = match unsafe { bulkhead_driver::build_inherited(&spec, stop) } {
                 Ok(d) => d,
                 Err(e) => return fail(e.to_string()),
             };
@@ -104,7 +104,7 @@ fn escape(spec: &DomainSpec, stop: Arc<AtomicBool>) -> ExitCode {
     };
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
     // alone; the mapping above does not use the descriptor after it is made.
-    let _domain = match unsafe { spec.build_inherited(stop) } {
+    let _domain = match unsafe { bulkhead_driver::build_inherited(spec, stop) } {
         Ok(d) => d,
         Err(e) => return fail(e.to_string()),
     };

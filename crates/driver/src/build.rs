@@ -1,0 +1,155 @@
+//! Building a domain from its spec and the descriptors it inherited.
+
+use bulkhead_filters::FilterFds;
+use bulkhead_spec::{BackendSpec, DomainSpec};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use bulkhead_backends::{ChannelBackend, Engine, FileBackend, NbdBackend, NullBackend, RamBackend};
+use bulkhead_block::{Backend, Chain};
+use bulkhead_channel::{BackQueue, BackQueueFds, ForwardQueueFds, FrontQueue, QueueConfig};
+use bulkhead_ring::ArenaSizes;
+
+use crate::{Domain, DriverError};
+
+/// Spins a tap domain's wait on the domain below makes before it starts yielding the CPU.
+const YIELD_AFTER_SPINS: u32 = 64;
+
+/// Takes ownership of an inherited descriptor named in the spec.
+///
+/// # Safety
+/// `fd` must be open, inherited for this purpose, and claimed only once.
+unsafe fn claim(fd: i32) -> Result<OwnedFd, DriverError> {
+    // SAFETY: F_GETFD only checks that the descriptor is open.
+    if fd < 3 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(DriverError::Setup(format!("descriptor {fd} named in the spec is not open")));
+    }
+    // SAFETY: the caller guarantees the descriptor is ours alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Builds the domain `spec` describes from descriptors inherited at exec.
+///
+/// # Safety
+/// Every descriptor named in the spec must be inherited for this domain and not used by
+/// anything else in the process.
+pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Result<Domain, DriverError> {
+    let this = spec;
+    let lower_stop = stop.clone();
+    let mode = this.notify_mode().map_err(DriverError::Setup)?;
+    let mut queues = Vec::with_capacity(this.queues.len());
+    for q in &this.queues {
+        // SAFETY: forwarded from this function's contract.
+        let [ring, write_arena, read_arena, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
+        let fds = BackQueueFds { ring: ring?, write_arena: write_arena?, read_arena: read_arena?, kick: kick?, irq: irq? };
+        let arenas = ArenaSizes { write: q.arena_bytes, read: q.arena_bytes };
+        queues.push(BackQueue::from_fds(fds, q.nslots, arenas, this.size).map_err(|e| DriverError::Setup(e.to_string()))?);
+    }
+    let setup = |e: bulkhead_backends::BackendError| DriverError::Setup(e.to_string());
+    let backend: Box<dyn Backend> = match &this.backend {
+        // SAFETY: forwarded from this function's contract.
+        BackendSpec::Ram { fd } => Box::new(RamBackend::new(unsafe { claim(*fd)? }, this.size).map_err(setup)?),
+        BackendSpec::File { fd, buffered_fd, read_only, engine } => {
+            let engine = match engine.as_str() {
+                "sync" => Engine::Sync,
+                "io_uring" => Engine::IoUring,
+                other => return Err(DriverError::Setup(format!("unknown engine `{other}`"))),
+            };
+            // SAFETY: forwarded from this function's contract.
+            let main = unsafe { claim(*fd)? };
+            let buffered = match buffered_fd {
+                // SAFETY: as above.
+                Some(b) => Some(unsafe { claim(*b)? }),
+                None => None,
+            };
+            Box::new(FileBackend::new(main, buffered, *read_only, engine).map_err(setup)?)
+        }
+        BackendSpec::Nbd { fd, export, timeout_ms } => {
+            // SAFETY: forwarded from this function's contract.
+            let sock = unsafe { claim(*fd)? };
+            Box::new(NbdBackend::new(sock, export, this.size, std::time::Duration::from_millis(*timeout_ms)))
+        }
+        BackendSpec::Null => Box::new(NullBackend::new(this.size)),
+        BackendSpec::Channel { queues: lower, generation } => {
+            if lower.len() != queues.len() {
+                return Err(DriverError::Setup("the channel below needs one queue per queue above".into()));
+            }
+            let mut fronts = Vec::with_capacity(lower.len());
+            for (q, above) in lower.iter().zip(&this.queues) {
+                // SAFETY: forwarded from this function's contract.
+                let [ring, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
+                let cfg = QueueConfig {
+                    nslots: q.nslots,
+                    arena_bytes: above.arena_bytes as usize,
+                    mode,
+                    budget: this.budget(),
+                    generation: *generation,
+                };
+                let mut front = FrontQueue::forwarding(ForwardQueueFds { ring: ring?, kick: kick?, irq: irq? }, &cfg)
+                    .map_err(|e| DriverError::Setup(format!("channel below: {e}")))?;
+                front.set_yield_after(YIELD_AFTER_SPINS);
+                fronts.push(front);
+            }
+            let windows = queues.iter().map(BackQueue::arena_windows).collect();
+            Box::new(ChannelBackend::new(fronts, windows, this.size, lower_stop))
+        }
+    };
+    let mut layers = Vec::with_capacity(this.filters.len());
+    for f in &this.filters {
+        // SAFETY: forwarded from this function's contract.
+        let state = unsafe { claim(f.state_fd)? };
+        let output = match f.output_fd {
+            // SAFETY: as above.
+            Some(fd) => Some(unsafe { claim(fd)? }),
+            None => None,
+        };
+        layers
+            .push(bulkhead_filters::build(&f.spec, FilterFds { state, output }).map_err(|e| DriverError::Setup(e.to_string()))?);
+    }
+    let chain = Chain::new(layers, backend);
+    // The device may use a prefix of what the chain offers (a file longer than `size`).
+    if chain.size() < this.size {
+        return Err(DriverError::Setup(format!("the chain offers {} bytes, the device is {}", chain.size(), this.size)));
+    }
+    let state = match this.state_fd {
+        // SAFETY: as above.
+        Some(fd) => Some(unsafe { claim(fd)? }),
+        None => None,
+    };
+    let mut domain = Domain::new(queues, chain, mode, this.budget(), stop)?;
+    domain.set_yield_when_idle(this.yield_when_idle);
+    if let Some(fd) = state {
+        let page = bulkhead_filters::state::StatePage::map(std::os::fd::AsRawFd::as_raw_fd(&fd), true)
+            .map_err(|e| DriverError::Setup(format!("state page: {e}")))?;
+        domain.set_state_page(page, this.heartbeat_ms);
+    }
+    Ok(domain)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bulkhead_spec::{QueueSpec, SandboxSpec};
+
+    #[test]
+    fn closed_descriptor_is_a_setup_error() {
+        let spec = DomainSpec {
+            device: "d".into(),
+            size: 4096,
+            mode: "poll".into(),
+            budget_ns: None,
+            queues: vec![QueueSpec { nslots: 8, arena_bytes: 4096, fds: [1000, 1001, 1002, 1003, 1004] }],
+            backend: BackendSpec::Null,
+            filters: Vec::new(),
+            state_fd: None,
+            heartbeat_ms: 100,
+            yield_when_idle: false,
+            sandbox: SandboxSpec::default(),
+            report_fd: None,
+        };
+        // SAFETY: the descriptors named are not open, which is what is being tested.
+        let e = unsafe { build_inherited(&spec, Arc::new(AtomicBool::new(false))) }.unwrap_err();
+        assert!(e.to_string().contains("descriptor 1000"), "{e}");
+    }
+}

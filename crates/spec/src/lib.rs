@@ -1,0 +1,201 @@
+//! What the supervisor tells a domain: which inherited descriptor is which, and how to serve.
+//!
+//! A domain is exec'd as `bulkhead driver --spec JSON`; this crate is that JSON's shape, shared by
+//! the supervisor that writes it and the driver runtime that reads it, with no I/O of its own.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+use bulkhead_doorbell::{BudgetPolicy, NotifyMode};
+use bulkhead_filters::FilterSpec;
+use serde::{Deserialize, Serialize};
+
+/// The whole description of one domain, passed as JSON on its command line.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DomainSpec {
+    /// Device name (for logs).
+    pub device: String,
+    /// Device size in bytes.
+    pub size: u64,
+    /// `irq`, `poll` or `adaptive`.
+    pub mode: String,
+    /// Fixed spin budget in ns; `None` tunes itself.
+    pub budget_ns: Option<u64>,
+    /// The queues.
+    pub queues: Vec<QueueSpec>,
+    /// The backend.
+    pub backend: BackendSpec,
+    /// Filters over the backend, frontend side first.
+    #[serde(default)]
+    pub filters: Vec<FilterSlot>,
+    /// The domain's own state page (its heartbeat for the supervisor's watchdog), if given.
+    #[serde(default)]
+    pub state_fd: Option<i32>,
+    /// How often the domain beats there while layers hold requests, ms.
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    /// Yield the CPU when spinning idle (the two domains of an `interpose` device).
+    #[serde(default)]
+    pub yield_when_idle: bool,
+    /// Sandbox policy.
+    pub sandbox: SandboxSpec,
+    /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
+    pub report_fd: Option<i32>,
+}
+
+/// The sandbox part of a spec.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxSpec {
+    /// Required, best effort, or off.
+    pub policy: bulkhead_sandbox::Policy,
+}
+
+impl Default for SandboxSpec {
+    fn default() -> Self {
+        SandboxSpec { policy: bulkhead_sandbox::Policy::BestEffort }
+    }
+}
+
+/// One queue's descriptors and geometry.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct QueueSpec {
+    /// Slots per ring.
+    pub nslots: u32,
+    /// Bytes in each arena.
+    pub arena_bytes: u64,
+    /// Descriptors: ring, write arena (read-only), read arena, kick, irq.
+    pub fds: [i32; 5],
+}
+
+fn default_heartbeat_ms() -> u64 {
+    100
+}
+
+/// One filter and its descriptors.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FilterSlot {
+    /// What the filter is.
+    pub spec: FilterSpec,
+    /// Its state page.
+    pub state_fd: i32,
+    /// Its output (trace file), if it has one.
+    pub output_fd: Option<i32>,
+}
+
+/// One queue of the channel below a tap domain.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LowerQueueSpec {
+    /// Slots per ring.
+    pub nslots: u32,
+    /// Descriptors: ring, kick, irq.
+    pub fds: [i32; 3],
+}
+
+/// The backend and its descriptors.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum BackendSpec {
+    /// Ramdisk over an inherited memfd.
+    Ram {
+        /// The memfd.
+        fd: i32,
+    },
+    /// File or block device.
+    File {
+        /// Main descriptor (O_DIRECT when `buffered_fd` is set).
+        fd: i32,
+        /// Buffered descriptor for unaligned requests when direct.
+        buffered_fd: Option<i32>,
+        /// Refuse writes.
+        read_only: bool,
+        /// `sync` or `io_uring`.
+        engine: String,
+    },
+    /// A remote NBD export over a socket the supervisor connected.
+    Nbd {
+        /// The connected socket (negotiation not yet done).
+        fd: i32,
+        /// Export name.
+        export: String,
+        /// Negotiation and any wait for a reply are bounded by this, ms.
+        timeout_ms: u64,
+    },
+    /// Null device.
+    Null,
+    /// The channel to the domain below (a tap domain in `interpose` mode is its frontend). It
+    /// shares the arenas of the channel above, queue for queue.
+    Channel {
+        /// Its queues, one per queue above: slots, and descriptors ring, kick, irq.
+        queues: Vec<LowerQueueSpec>,
+        /// Its generation.
+        generation: u32,
+    },
+}
+
+/// Slots of a domain's state page (its heartbeat for the supervisor's watchdog): a counter
+/// bumped at least every heartbeat interval while the domain's loop turns with requests held
+/// by layers, and the requests layers hold.
+pub mod state_slots {
+    /// Bumped while the loop turns with requests held.
+    pub const HEARTBEAT: usize = 1;
+    /// Requests layers hold.
+    pub const HELD: usize = 2;
+}
+
+impl DomainSpec {
+    /// The notification mode.
+    pub fn notify_mode(&self) -> Result<NotifyMode, String> {
+        self.mode.parse()
+    }
+
+    /// The seccomp role its backend needs.
+    pub fn seccomp_role(&self) -> bulkhead_sandbox::seccomp::Role {
+        use bulkhead_sandbox::seccomp::Role;
+        match &self.backend {
+            BackendSpec::Ram { .. } | BackendSpec::Null => Role::Memory,
+            BackendSpec::File { engine, .. } if engine == "io_uring" => Role::FileIoUring,
+            BackendSpec::File { .. } => Role::FileSync,
+            BackendSpec::Nbd { .. } => Role::Network,
+            BackendSpec::Channel { .. } => Role::Tap,
+        }
+    }
+
+    /// The spin budget policy.
+    pub fn budget(&self) -> BudgetPolicy {
+        self.budget_ns.map(BudgetPolicy::Fixed).unwrap_or(BudgetPolicy::DEFAULT_AUTO)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_round_trips_through_json_and_refuses_unknown_fields() {
+        let spec = DomainSpec {
+            device: "disk0".into(),
+            size: 1 << 30,
+            mode: "adaptive".into(),
+            budget_ns: None,
+            queues: vec![QueueSpec { nslots: 64, arena_bytes: 8 << 20, fds: [3, 4, 5, 6, 7] }],
+            backend: BackendSpec::File { fd: 8, buffered_fd: Some(9), read_only: false, engine: "io_uring".into() },
+            filters: vec![
+                FilterSlot { spec: FilterSpec::Trace { device_number: 3 }, state_fd: 11, output_fd: Some(12) },
+                FilterSlot { spec: FilterSpec::Stats {}, state_fd: 13, output_fd: None },
+            ],
+            state_fd: Some(14),
+            heartbeat_ms: 250,
+            yield_when_idle: true,
+            sandbox: SandboxSpec::default(),
+            report_fd: Some(10),
+        };
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(serde_json::from_str::<DomainSpec>(&json).unwrap(), spec);
+        let bad = json.replace("\"mode\"", "\"mood\"");
+        assert!(serde_json::from_str::<DomainSpec>(&bad).is_err());
+    }
+}
