@@ -10,7 +10,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use bulkhead_config::{Config, Tap};
 use bulkhead_fuse_export::FuseExport;
-use bulkhead_nbd::{socket_path, NbdServer, ServerConfig};
+use bulkhead_nbd_export::{socket_path, NbdServer, ServerConfig};
 use bulkhead_supervisor::control::ControlServer;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
 use signal_hook::consts::{SIGINT, SIGTERM};

@@ -10,7 +10,6 @@ use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use crate::proto::*;
-use crate::server::MAX_PAYLOAD;
 
 /// The magic of oldstyle negotiation, refused with a clear message.
 const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;

@@ -1,9 +1,6 @@
-//! NBD for bulkhead: the export that serves every device to NBD clients (qemu, libnbd tools,
-//! the kernel's nbd client, other hosts), and the client the `nbd` backend uses.
+//! NBD for bulkhead: the protocol's wire format and the client the `nbd` backend uses to reach
+//! a remote server. The export that serves bulkhead's devices is `bulkhead-nbd-export`.
 #![deny(missing_docs)]
 
 pub mod client;
 pub mod proto;
-pub mod server;
-
-pub use server::{socket_path, NbdServer, ServerConfig, ServerStats, MAX_PAYLOAD};

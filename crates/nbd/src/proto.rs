@@ -2,6 +2,10 @@
 //! `doc/proto.md`): fixed newstyle negotiation, simple and structured replies. All integers
 //! are big-endian.
 
+/// Largest read or write payload bulkhead sends or accepts, and the maximum block size its
+/// export advertises.
+pub const MAX_PAYLOAD: u32 = 32 << 20;
+
 /// "NBDMAGIC", first thing the server sends.
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
 /// "IHAVEOPT": newstyle negotiation; also the magic of every option request.

@@ -21,10 +21,9 @@ use std::time::Duration;
 
 use bulkhead_client::{Device, IoError};
 
-use crate::proto::*;
+use bulkhead_nbd::proto::*;
 
-/// Largest read or write payload, and the maximum block size advertised.
-pub const MAX_PAYLOAD: u32 = 32 << 20;
+pub use bulkhead_nbd::proto::MAX_PAYLOAD;
 /// Largest option payload accepted in negotiation (an export name is at most 4096 bytes).
 pub const MAX_OPTION: u32 = 16 << 10;
 /// Longest name or query string in an option.

@@ -1,0 +1,7 @@
+//! The NBD export: serves every device to NBD clients (qemu, libnbd tools, the kernel's nbd
+//! client, other hosts) on `<run-dir>/nbd.sock` and, when configured, TCP.
+#![deny(missing_docs)]
+
+mod server;
+
+pub use server::{socket_path, NbdServer, ServerConfig, ServerStats, MAX_PAYLOAD};
