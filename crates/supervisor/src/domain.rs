@@ -1,6 +1,5 @@
 //! One device's runtime: its channel, backend descriptors and driver-domain process.
 
-use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -17,7 +16,8 @@ use bulkhead_spec::{BackendSpec, DomainSpec, FilterSlot, LowerQueueSpec, QueueSp
 
 use crate::chain::{state_page, ChainSetup, FilterSetup};
 use crate::domain_log;
-use crate::supervisor::{DeviceState, SupervisorError};
+use crate::lifecycle::Lifecycle;
+use crate::supervisor::SupervisorError;
 
 /// A device's running domains — the one its frontend reaches (`child`: the driver domain, or
 /// in `interpose` mode the tap domain) and the driver domain below a tap domain (`lower`) —
@@ -29,19 +29,10 @@ pub(crate) struct DomainProc {
     pub pidfd: Option<OwnedFd>,
     pub pid: u32,
     pub lower: Option<Spawned>,
-    pub state: DeviceState,
-    pub failure: Option<String>,
-    pub started_at: Instant,
-    pub answered_at_start: u64,
-    pub restarts: u64,
-    pub history: VecDeque<Instant>,
-    pub quick_deaths: u32,
+    /// State, restart history and the watchdog's view.
+    pub life: Lifecycle,
     /// Killed domains that had not finished exiting when they were replaced; reaped later.
     pub lingering: Vec<DomainChild>,
-    /// While reconnecting to a remote server: when it was lost, the next attempt, the delay.
-    pub down_since: Option<Instant>,
-    pub retry_at: Option<Instant>,
-    pub retry_delay: Duration,
 }
 
 /// How long a restart waits for a killed domain to finish exiting before it starts the next
@@ -50,24 +41,15 @@ pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
 
 impl DomainProc {
     /// A device's first generation.
-    pub fn new(top: Spawned, lower: Option<Spawned>) -> Self {
+    pub fn new(top: Spawned, lower: Option<Spawned>, life: Lifecycle) -> Self {
         DomainProc {
             pid: top.child.id(),
             child: Some(top.child),
             layers: top.layers,
             pidfd: Some(top.pidfd),
             lower,
-            state: DeviceState::Running,
-            failure: None,
-            started_at: Instant::now(),
-            answered_at_start: 0,
-            restarts: 0,
-            history: VecDeque::new(),
-            quick_deaths: 0,
+            life,
             lingering: Vec::new(),
-            down_since: None,
-            retry_at: None,
-            retry_delay: Duration::ZERO,
         }
     }
 
@@ -397,7 +379,7 @@ impl DeviceRuntime {
             queues: nqueues,
             policy,
             state,
-            proc_: Mutex::new(DomainProc::new(top, lower)),
+            proc_: Mutex::new(DomainProc::new(top, lower, Lifecycle::new(&name, policy, Instant::now()))),
             launcher,
             restart_lock: Mutex::new(()),
         })

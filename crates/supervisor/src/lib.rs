@@ -12,6 +12,7 @@ mod chain;
 pub mod control;
 mod domain;
 pub mod domain_log;
+mod lifecycle;
 pub mod proc_info;
 mod supervisor;
 

@@ -11,6 +11,7 @@ use bulkhead_config::Config;
 use serde::Serialize;
 
 use crate::domain::{current_exe, DeviceRuntime, LaunchError};
+use crate::lifecycle::{Decision, Observation, Retry};
 use crate::proc_info::{self, Rss};
 
 /// Supervisor errors.
@@ -221,10 +222,10 @@ impl Supervisor {
                 let outages = rt.device.outages_ms();
                 let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
                 let chain = rt.launcher.chain.lock().unwrap_or_else(|e| e.into_inner());
-                let running = p.state == DeviceState::Running;
+                let running = p.life.state() == DeviceState::Running;
                 DeviceStatus {
                     name: rt.name.clone(),
-                    state: p.state,
+                    state: p.life.state(),
                     driver_pid: if running { p.driver_pid() } else { 0 },
                     tap_pid: (running && p.lower.is_some()).then_some(p.pid),
                     tap_memory: if running && p.lower.is_some() { proc_info::rss(p.pid) } else { None },
@@ -234,11 +235,11 @@ impl Supervisor {
                     queues: rt.queues,
                     requests_completed: rt.device.counters.completed.load(Ordering::Relaxed),
                     requests_failed: rt.device.counters.failed.load(Ordering::Relaxed),
-                    restarts: p.restarts,
+                    restarts: p.life.restarts(),
                     last_outage_ms: outages.last().copied(),
                     p99_outage_ms: p99(&outages),
                     driver_memory: if running { proc_info::rss(p.driver_pid()) } else { None },
-                    failure: p.failure.clone(),
+                    failure: p.life.failure().map(String::from),
                     sandbox: match (&p.lower, running) {
                         (_, false) => None,
                         (Some(l), true) => l.layers.clone(),
@@ -296,7 +297,7 @@ impl Supervisor {
         }
         let mut flushes = Vec::new();
         for rt in &self.inner.devices {
-            if rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).state != DeviceState::Running {
+            if rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).life.state() != DeviceState::Running {
                 continue;
             }
             let (tx, rx) = std::sync::mpsc::channel();
@@ -348,7 +349,7 @@ impl Supervisor {
             }
             p.reap_lingering();
             p.pidfd = None;
-            p.state = DeviceState::Stopped;
+            p.life.stopped();
         }
         // The domains' last words reach the log before serve exits.
         crate::domain_log::finish_all(Duration::from_secs(1));
@@ -381,35 +382,34 @@ fn p99(v: &[f64]) -> Option<f64> {
     Some(s[((s.len() as f64 * 0.99).ceil() as usize).clamp(1, s.len()) - 1])
 }
 
-/// What the watcher saw of one device since its last look.
-#[derive(Debug, Clone, Copy)]
-struct Progress {
-    answered: u64,
-    since: Instant,
-    /// The domain's heartbeat: it turns while layers hold requests (a delay, a throttle).
-    heartbeat: u64,
+/// What the watcher sees of a device now.
+fn observe(rt: &DeviceRuntime) -> Observation {
+    Observation {
+        answered: rt.device.answered(),
+        pending: rt.device.in_flight(),
+        heartbeat: rt.state.get(bulkhead_spec::state_slots::HEARTBEAT),
+        held: rt.state.get(bulkhead_spec::state_slots::HELD),
+    }
 }
 
-impl Progress {
-    fn now(rt: &DeviceRuntime) -> Self {
-        Progress {
-            answered: rt.device.answered(),
-            since: Instant::now(),
-            heartbeat: rt.state.get(bulkhead_spec::state_slots::HEARTBEAT),
-        }
-    }
+/// Restarts the watchdog's clock of a device that just got a new generation.
+fn progress_seen(rt: &DeviceRuntime) {
+    let obs = observe(rt);
+    rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).life.progress_seen(Instant::now(), obs);
 }
 
 /// Watches every domain: death (pidfd), a broken channel (the device's alarm), and no progress
 /// with requests pending (the watchdog). Any of them restarts the domain.
 fn watch(inner: Arc<Inner>) {
-    let mut progress: Vec<Progress> = inner.devices.iter().map(Progress::now).collect();
+    for rt in &inner.devices {
+        progress_seen(rt);
+    }
     while !inner.shutting_down.load(Ordering::Acquire) {
         let mut pfds = Vec::new();
         let mut polled_pids = Vec::new();
         for rt in &inner.devices {
             let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-            let running = p.state == DeviceState::Running;
+            let running = p.life.state() == DeviceState::Running;
             let mut pidfd = |fd: Option<&std::os::fd::OwnedFd>| match (fd, running) {
                 (Some(fd), true) => pfds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }),
                 _ => pfds.push(libc::pollfd { fd: -1, events: 0, revents: 0 }),
@@ -428,7 +428,7 @@ fn watch(inner: Arc<Inner>) {
         inner.wake.drain();
         let requests = std::mem::take(&mut *inner.requests.lock().unwrap_or_else(|e| e.into_inner()));
         for (name, change, reply) in requests {
-            let Some((i, rt)) = inner.devices.iter().enumerate().find(|(_, d)| d.name == name) else {
+            let Some(rt) = inner.devices.iter().find(|d| d.name == name) else {
                 continue;
             };
             let why = match rt.change_chain(&change) {
@@ -438,20 +438,13 @@ fn watch(inner: Arc<Inner>) {
                     continue;
                 }
             };
-            {
-                let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-                p.history.clear();
-                p.quick_deaths = 0;
-                p.down_since = None;
-                p.retry_at = None;
-                p.state = DeviceState::Running;
-            }
+            rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).life.reset();
             restart(rt, &why, Instant::now(), &inner.shutting_down);
-            progress[i] = Progress::now(rt);
+            progress_seen(rt);
             let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = reply.send(match p.state {
+            let _ = reply.send(match p.life.state() {
                 DeviceState::Running => Ok(p.driver_pid()),
-                _ => Err(p.failure.clone().unwrap_or_else(|| "restart failed".into())),
+                _ => Err(p.life.failure().unwrap_or("restart failed").to_string()),
             });
         }
         let now = Instant::now();
@@ -462,14 +455,11 @@ fn watch(inner: Arc<Inner>) {
                     p.reap_lingering();
                 }
             }
-            let retry = {
-                let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-                p.state == DeviceState::Reconnecting && p.retry_at.is_some_and(|t| t <= now)
-            };
+            let retry = rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).life.retry_due(now);
             if retry {
                 let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
                 relaunch(rt, "remote server still unreachable", &inner.shutting_down);
-                progress[i] = Progress::now(rt);
+                progress_seen(rt);
                 continue;
             }
             let died = pfds[3 * i].revents != 0 || pfds[3 * i + 1].revents != 0;
@@ -499,31 +489,25 @@ fn watch(inner: Arc<Inner>) {
             if let Some(Some(e)) = exited {
                 why = Some(e);
             } else if broken {
-                let pid = rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).pid;
-                why = Some(format!("driver domain (pid {pid}) broke the channel protocol"));
+                let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+                let role = if p.lower.is_some() { "tap" } else { "driver" };
+                why = Some(format!("{role} domain (pid {}) broke the channel protocol", p.pid));
             } else {
-                let answered = rt.device.answered();
-                let pending = rt.device.in_flight();
-                let heartbeat = rt.state.get(bulkhead_spec::state_slots::HEARTBEAT);
-                // A domain whose layers hold requests is alive while its loop turns.
-                let holding = heartbeat != progress[i].heartbeat && rt.state.get(bulkhead_spec::state_slots::HELD) > 0;
-                let pr = &mut progress[i];
-                if pending == 0 || answered != pr.answered || holding {
-                    *pr = Progress { answered, since: now, heartbeat };
-                } else if now.duration_since(pr.since) >= rt.policy.watchdog {
-                    let pid = rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).pid;
-                    why = Some(format!(
-                        "driver domain (pid {pid}) answered nothing for {} ms with {pending} requests pending",
-                        now.duration_since(pr.since).as_millis()
-                    ));
+                let obs = observe(rt);
+                let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+                if p.life.state() == DeviceState::Running {
+                    if let Some(wedged) = p.life.watch(now, obs) {
+                        let role = if p.lower.is_some() { "tap" } else { "driver" };
+                        why = Some(format!("{role} domain (pid {}) {wedged}", p.pid));
+                    }
                 }
             }
             if let Some(why) = why {
-                if rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).state != DeviceState::Running {
+                if rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).life.state() != DeviceState::Running {
                     continue;
                 }
                 restart(rt, &why, now, &inner.shutting_down);
-                progress[i] = Progress::now(rt);
+                progress_seen(rt);
             }
         }
     }
@@ -540,34 +524,14 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
         let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
         p.kill_current(&rt.name);
         p.pidfd = None;
-        while p.history.front().is_some_and(|t| detected.duration_since(*t) > rt.policy.window) {
-            p.history.pop_front();
-        }
-        if p.history.len() as u32 >= rt.policy.limit {
-            let reason = format!(
-                "{why}; {} restarts within {} ms: device failed (`bulkhead restart {}` tries again)",
-                p.history.len(),
-                rt.policy.window.as_millis(),
-                rt.name
-            );
-            eprintln!("bulkhead: device {}: {reason}", rt.name);
-            p.state = DeviceState::Failed;
-            p.failure = Some(reason.clone());
-            drop(p);
-            rt.device.fail(&reason);
-            return;
-        }
-        // A domain that dies within a second of starting without answering anything is
-        // crash-looping: back off. One that served requests restarts at once.
-        if p.started_at.elapsed() < Duration::from_secs(1) && rt.device.answered() == p.answered_at_start {
-            p.quick_deaths += 1;
-        } else {
-            p.quick_deaths = 0;
-        }
-        p.history.push_back(detected);
-        match p.quick_deaths {
-            0 => Duration::ZERO,
-            n => Duration::from_millis(10u64 << (n - 1).min(7)).min(Duration::from_secs(1)),
+        match p.life.on_failure(why, detected, rt.device.answered()) {
+            Decision::Restart { delay } => delay,
+            Decision::Fail { reason } => {
+                drop(p);
+                eprintln!("bulkhead: device {}: {reason}", rt.name);
+                rt.device.fail(&reason);
+                return;
+            }
         }
     };
     // A driver that breaks every generation restarts many times a second: rate-limited.
@@ -589,58 +553,33 @@ fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
         return;
     }
     let generation = rt.device.generation().wrapping_add(1);
-    match rt.launcher.launch(generation) {
+    let answered = rt.device.answered();
+    let outcome = match rt.launcher.launch(generation) {
         Ok(l) => {
             let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(since) = p.down_since.take() {
-                eprintln!("bulkhead: device {}: reconnected after {} ms", rt.name, since.elapsed().as_millis());
+            if let Some(down) = p.life.on_launched(Instant::now(), answered) {
+                eprintln!("bulkhead: device {}: reconnected after {} ms", rt.name, down.as_millis());
             }
-            p.retry_at = None;
-            p.retry_delay = Duration::ZERO;
             p.install(l.top, l.lower);
-            p.state = DeviceState::Running;
-            p.failure = None;
-            p.started_at = Instant::now();
-            p.answered_at_start = rt.device.answered();
-            p.restarts += 1;
             drop(p);
             rt.device.install_generation(l.fronts);
+            return;
         }
         Err(LaunchError::Connect(e)) if rt.launcher.reconnect_timeout().is_some() => {
-            let timeout = rt.launcher.reconnect_timeout().unwrap_or_default();
+            let timeout = rt.launcher.reconnect_timeout();
             let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-            let now = Instant::now();
-            let since = *p.down_since.get_or_insert(now);
-            if now.duration_since(since) < timeout {
-                p.retry_delay = (p.retry_delay * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
-                p.retry_at = Some(now + p.retry_delay);
-                p.state = DeviceState::Reconnecting;
-                p.failure = Some(format!("{why}; reconnecting: {e}"));
-                let delay = p.retry_delay;
-                drop(p);
-                rt.device.log_limited(|| format!("{e}; trying again in {} ms", delay.as_millis()));
-                return;
-            }
-            let reason = format!(
-                "{e}; no connection for {} ms: device failed (`bulkhead restart {}` tries again)",
-                timeout.as_millis(),
-                rt.name
-            );
-            eprintln!("bulkhead: device {}: {reason}", rt.name);
-            p.state = DeviceState::Failed;
-            p.failure = Some(reason.clone());
-            p.down_since = None;
-            p.retry_at = None;
-            drop(p);
-            rt.device.fail(&reason);
+            (p.life.on_launch_failed(why, &e, timeout, Instant::now()), e)
         }
         Err(e) => {
-            let reason = format!("{why}; restart failed: {e}");
-            eprintln!("bulkhead: device {}: {reason}", rt.name);
+            let e = e.to_string();
             let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-            p.state = DeviceState::Failed;
-            p.failure = Some(reason.clone());
-            drop(p);
+            (p.life.on_launch_failed(why, &e, None, Instant::now()), e)
+        }
+    };
+    match outcome {
+        (Retry::After(delay), e) => rt.device.log_limited(|| format!("{e}; trying again in {} ms", delay.as_millis())),
+        (Retry::Fail { reason }, _) => {
+            eprintln!("bulkhead: device {}: {reason}", rt.name);
             rt.device.fail(&reason);
         }
     }
