@@ -13,18 +13,18 @@ fuzz_target!(|data: &[u8]| {
     let generation = word(3) as u32;
     let Ok(v) = validate_request(&slot, arenas, device, generation) else { return };
     // Everything the runtime will act on holds.
-    assert_eq!(v.generation, generation);
-    assert!(v.offset.checked_add(v.len).is_some_and(|e| e <= device));
+    assert_eq!(v.generation(), generation);
+    assert!(v.offset().checked_add(v.len()).is_some_and(|e| e <= device));
     let mut sum = 0u64;
     for s in v.segments() {
-        let (arena, size) = if v.op == Op::Write { (ARENA_WRITE, arenas.write) } else { (ARENA_READ, arenas.read) };
+        let (arena, size) = if v.op() == Op::Write { (ARENA_WRITE, arenas.write) } else { (ARENA_READ, arenas.read) };
         assert_eq!(s.arena, arena);
         assert!(s.len > 0 && s.offset + s.len as u64 <= size);
         sum += s.len as u64;
     }
-    match v.op {
-        Op::Read | Op::Write => assert!(sum == v.len && v.len <= MAX_REQUEST_BYTES && v.nsegs > 0),
-        _ => assert_eq!(v.nsegs, 0),
+    match v.op() {
+        Op::Read | Op::Write => assert!(sum == v.len() && v.len() <= MAX_REQUEST_BYTES && v.segments().len() > 0),
+        _ => assert_eq!(v.segments().len(), 0),
     }
-    assert!(!v.fua || v.op == Op::Write);
+    assert!(!v.fua() || v.op() == Op::Write);
 });

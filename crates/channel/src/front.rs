@@ -82,15 +82,22 @@ enum Payload<'d> {
     Forward(&'d [Segment]),
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+/// One request in the shadow table: what the frontend sent, against which responses are checked.
+#[derive(Debug, Clone, Copy)]
 struct Entry {
     live: bool,
     id: u64,
     user: u64,
-    op: u8,
+    op: Op,
     len: u64,
     arena_off: usize,
     arena_len: usize,
+}
+
+impl Default for Entry {
+    fn default() -> Self {
+        Entry { live: false, id: 0, user: 0, op: Op::Flush, len: 0, arena_off: 0, arena_len: 0 }
+    }
 }
 
 /// Counters of a queue.
@@ -375,7 +382,7 @@ impl FrontQueue {
         slot.op = op as u8;
         slot.offset = offset;
         slot.len = len;
-        self.table[index as usize] = Entry { live: true, id, user, op: op as u8, len, arena_off, arena_len };
+        self.table[index as usize] = Entry { live: true, id, user, op, len, arena_off, arena_len };
         self.ring.push(&slot).expect("space checked above");
         Ok(())
     }
@@ -408,7 +415,7 @@ impl FrontQueue {
         if rsp.len > e.len {
             return Err(ChannelError::BadResponse { id: rsp.id, why: "length beyond the request" });
         }
-        let data_op = e.op == Op::Read as u8 || e.op == Op::Write as u8;
+        let data_op = matches!(e.op, Op::Read | Op::Write);
         let result = match status {
             // A data request is all or nothing: a short transfer is reported as an I/O error.
             Status::Ok if data_op && rsp.len != e.len => Err(Status::IoError),
@@ -443,7 +450,7 @@ impl FrontQueue {
             };
             let e = self.table[index];
             let data = match &self.arenas {
-                Some(a) if e.op == Op::Read as u8 && result.is_ok() && e.arena_len > 0 => {
+                Some(a) if e.op == Op::Read && result.is_ok() && e.arena_len > 0 => {
                     Some(a.r.slice(e.arena_off, e.arena_len).expect("allocator stays inside the arena"))
                 }
                 _ => None,
@@ -451,9 +458,9 @@ impl FrontQueue {
             f(Completion { user: e.user, result, data });
             if let (Some(a), true) = (&mut self.arenas, e.arena_len > 0) {
                 match e.op {
-                    x if x == Op::Read as u8 => a.ralloc.free(e.arena_off, e.arena_len),
-                    x if x == Op::Write as u8 => a.walloc.free(e.arena_off, e.arena_len),
-                    _ => {}
+                    Op::Read => a.ralloc.free(e.arena_off, e.arena_len),
+                    Op::Write => a.walloc.free(e.arena_off, e.arena_len),
+                    Op::Flush | Op::Discard | Op::WriteZeroes => {}
                 }
             }
             self.table[index].live = false;

@@ -16,17 +16,17 @@ fn serve(back: &mut BackQueue, disk: &mut [u8]) -> usize {
         match p {
             Popped::Valid(r) => {
                 let bufs = back.buffers(&r);
-                let mut off = r.offset as usize;
+                let mut off = r.offset() as usize;
                 for b in bufs.iter() {
-                    match r.op {
+                    match r.op() {
                         Op::Write => b.copy_to(&mut disk[off..off + b.len()]),
                         Op::Read => b.copy_from(&disk[off..off + b.len()]).unwrap(),
                         _ => {}
                     }
                     off += b.len();
                 }
-                let len = if matches!(r.op, Op::Read | Op::Write) { r.len } else { 0 };
-                back.complete(r.id, r.generation, Status::Ok, len);
+                let len = if matches!(r.op(), Op::Read | Op::Write) { r.len() } else { 0 };
+                back.complete(r.id(), r.generation(), Status::Ok, len);
             }
             Popped::Invalid { id, generation, .. } => back.complete(id, generation, Status::Invalid, 0),
         }
@@ -88,7 +88,7 @@ fn four_mib_request_round_trips() {
 
 fn hostile_answer(b: &mut BackQueue, edit: impl Fn(&mut ResponseSlot, &bulkhead_ring::ValidRequest)) {
     let Popped::Valid(r) = b.pop().unwrap().unwrap() else { panic!("expected a valid request") };
-    let mut rsp = ResponseSlot { id: r.id, generation: r.generation, status: 0, len: r.len, reserved: 0 };
+    let mut rsp = ResponseSlot { id: r.id(), generation: r.generation(), status: 0, len: r.len(), reserved: 0 };
     edit(&mut rsp, &r);
     b.complete(rsp.id, rsp.generation, Status::Ok, rsp.len);
     // Overwrite the slot just pushed with the hostile content (status may be out of range).
@@ -128,7 +128,7 @@ fn unknown_status_breaks_channel() {
 
 #[test]
 fn length_beyond_request_breaks_channel() {
-    expect_broken(|r, req| r.len = req.len + 1, "length beyond");
+    expect_broken(|r, req| r.len = req.len() + 1, "length beyond");
 }
 
 #[test]
@@ -137,8 +137,8 @@ fn duplicate_response_breaks_channel() {
     f.submit(FrontRequest::Flush, 1).unwrap();
     f.submit(FrontRequest::Flush, 2).unwrap();
     let Popped::Valid(r) = b.pop().unwrap().unwrap() else { panic!() };
-    b.complete(r.id, r.generation, Status::Ok, 0);
-    b.complete(r.id, r.generation, Status::Ok, 0);
+    b.complete(r.id(), r.generation(), Status::Ok, 0);
+    b.complete(r.id(), r.generation(), Status::Ok, 0);
     b.publish();
     let mut n = 0;
     let e = f.reap(|_| n += 1).unwrap_err();
@@ -157,7 +157,7 @@ fn out_of_order_completion_is_accepted() {
         reqs.push(r);
     }
     for r in reqs.iter().rev() {
-        b.complete(r.id, r.generation, Status::Ok, 0);
+        b.complete(r.id(), r.generation(), Status::Ok, 0);
     }
     b.publish();
     let mut users = vec![];
@@ -170,7 +170,7 @@ fn short_read_reports_io_error_without_breaking() {
     let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
     f.submit(FrontRequest::Read { offset: 0, len: 8192 }, 1).unwrap();
     let Popped::Valid(r) = b.pop().unwrap().unwrap() else { panic!() };
-    b.complete(r.id, r.generation, Status::Ok, 4096);
+    b.complete(r.id(), r.generation(), Status::Ok, 4096);
     b.publish();
     let mut res = None;
     f.reap(|c| res = Some((c.result, c.data.is_some()))).unwrap();
@@ -278,10 +278,10 @@ fn forward_all(tap: &mut BackQueue, fwd: &mut FrontQueue, below: &mut BackQueue,
     let windows = tap.arena_windows();
     let mut n = 0;
     while let Some(Popped::Valid(r)) = tap.pop().unwrap() {
-        let arena = if r.op == Op::Write { ARENA_WRITE } else { ARENA_READ };
+        let arena = if r.op() == Op::Write { ARENA_WRITE } else { ARENA_READ };
         let segs: Vec<Segment> =
             tap.buffers(&r).iter().map(|w| windows.segment(arena, w.as_ptr() as usize, w.len()).unwrap()).collect();
-        fwd.push_forward(r.op, r.offset, r.len, &segs, r.fua, r.id).unwrap();
+        fwd.push_forward(r.op(), r.offset(), r.len(), &segs, r.fua(), r.id()).unwrap();
         fwd.publish();
         assert_eq!(serve(below, disk), 1);
         let mut got = Vec::new();
@@ -289,8 +289,8 @@ fn forward_all(tap: &mut BackQueue, fwd: &mut FrontQueue, below: &mut BackQueue,
         assert_eq!(got.len(), 1);
         let (id, result, no_copy) = got[0];
         assert!(no_copy, "a forwarded read's data is already where it was asked for");
-        assert_eq!(id, r.id);
-        tap.complete(r.id, r.generation, Status::Ok, result.unwrap());
+        assert_eq!(id, r.id());
+        tap.complete(r.id(), r.generation(), Status::Ok, result.unwrap());
         tap.publish();
         n += 1;
     }

@@ -79,12 +79,12 @@ impl Tags {
 /// The block request a validated ring request stands for, over its arena windows.
 fn request<'q>(queues: &'q [BackQueue], f: &InFlight) -> Request<'q> {
     let r = &f.req;
-    match r.op {
-        Op::Read => Request::Read { offset: r.offset, bufs: queues[f.queue].buffers(r) },
-        Op::Write => Request::Write { offset: r.offset, bufs: queues[f.queue].buffers(r), fua: r.fua },
+    match r.op() {
+        Op::Read => Request::Read { offset: r.offset(), bufs: queues[f.queue].buffers(r) },
+        Op::Write => Request::Write { offset: r.offset(), bufs: queues[f.queue].buffers(r), fua: r.fua() },
         Op::Flush => Request::Flush,
-        Op::Discard => Request::Discard { offset: r.offset, len: r.len },
-        Op::WriteZeroes => Request::WriteZeroes { offset: r.offset, len: r.len },
+        Op::Discard => Request::Discard { offset: r.offset(), len: r.len() },
+        Op::WriteZeroes => Request::WriteZeroes { offset: r.offset(), len: r.len() },
     }
 }
 
@@ -222,11 +222,11 @@ impl Domain {
             let (status, len) = match result {
                 Ok(len) => (Status::Ok, len),
                 Err(e) => {
-                    self.log_failure(f.req.id, &e);
+                    self.log_failure(f.req.id(), &e);
                     (e.status(), 0)
                 }
             };
-            self.queues[f.queue].complete(f.req.id, f.req.generation, status, len);
+            self.queues[f.queue].complete(f.req.id(), f.req.generation(), status, len);
             self.dirty[f.queue] = true;
             n += 1;
         }

@@ -12,28 +12,56 @@ pub struct ArenaSizes {
 }
 
 /// A request that passed every check: known op and flags, segments inside the right arena and
-/// summing to the length, range inside the device.
+/// summing to the length, range inside the device. Only [`validate_request`] makes one, so
+/// holding one proves the checks were made; its fields are read through accessors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ValidRequest {
-    /// Request id.
-    pub id: u64,
-    /// Generation echoed in the response.
-    pub generation: u32,
-    /// Operation.
-    pub op: Op,
-    /// Force unit access.
-    pub fua: bool,
-    /// Device byte offset.
-    pub offset: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Segments (only the first `nsegs` are meaningful).
-    pub segs: [Segment; MAX_SEGMENTS],
-    /// Number of segments.
-    pub nsegs: usize,
+    id: u64,
+    generation: u32,
+    op: Op,
+    fua: bool,
+    offset: u64,
+    len: u64,
+    segs: [Segment; MAX_SEGMENTS],
+    nsegs: usize,
 }
 
 impl ValidRequest {
+    /// Request id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Generation, echoed in the response.
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+
+    /// Operation.
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    /// Force unit access.
+    pub fn fua(&self) -> bool {
+        self.fua
+    }
+
+    /// Device byte offset.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it moves no bytes (a flush).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// The valid segments.
     pub fn segments(&self) -> &[Segment] {
         &self.segs[..self.nsegs]

@@ -257,12 +257,12 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
                 let (status, len) = match validate_request(&slot, q.arenas, spec.size, q.ring.generation()) {
                     Err(_) => (Status::Invalid, 0),
                     Ok(v) => {
-                        let req = match v.op {
-                            Op::Read => Request::Read { offset: v.offset, bufs: q.buffers(&v) },
-                            Op::Write => Request::Write { offset: v.offset, bufs: q.buffers(&v), fua: v.fua },
+                        let req = match v.op() {
+                            Op::Read => Request::Read { offset: v.offset(), bufs: q.buffers(&v) },
+                            Op::Write => Request::Write { offset: v.offset(), bufs: q.buffers(&v), fua: v.fua() },
                             Op::Flush => Request::Flush,
-                            Op::Discard => Request::Discard { offset: v.offset, len: v.len },
-                            Op::WriteZeroes => Request::WriteZeroes { offset: v.offset, len: v.len },
+                            Op::Discard => Request::Discard { offset: v.offset(), len: v.len() },
+                            Op::WriteZeroes => Request::WriteZeroes { offset: v.offset(), len: v.len() },
                         };
                         let mut io = [Io::new(req)];
                         ram.execute(&mut io);
