@@ -253,3 +253,47 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
         assert!(log.contains(what), "{what}: {log}");
     }
 }
+
+#[test]
+fn a_hostile_tap_domain_is_caught_by_the_frontend_and_both_domains_replaced() {
+    require_kernel!();
+    let tmp = TempDir::new("interpose-hostile-tap");
+    let cfg = interpose_config("t", "restart_limit = 100000\n", "[[device.filter]]\ntype = \"stats\"\n");
+    let env = [("BULKHEAD_TEST_FAULT", "hostile:duplicate-id"), ("BULKHEAD_TEST_FAULT_ROLE", "tap")];
+    let Some(serve) = Serve::start_test_driver(&tmp.path().join("run"), Some(&cfg), &["t"], &env) else {
+        return;
+    };
+    let file = serve.fuse_file("t");
+    let data = pattern(0x7a9, 8 << 20);
+    let src = tmp.path().join("src");
+    let back = tmp.path().join("back");
+    std::fs::write(&src, &data).unwrap();
+    run(
+        "dd",
+        &[
+            &format!("if={}", src.display()),
+            &format!("of={}", file.display()),
+            "bs=64k",
+            "oflag=direct",
+            "conv=notrunc",
+            "status=none",
+        ],
+    );
+    run(
+        "dd",
+        &[
+            &format!("if={}", file.display()),
+            &format!("of={}", back.display()),
+            "bs=64k",
+            "count=128",
+            "iflag=direct",
+            "status=none",
+        ],
+    );
+    assert!(std::fs::read(&back).unwrap() == data, "data read back differs");
+    let st = serve.status_json();
+    assert!(st["devices"][0]["restarts"].as_u64().unwrap() >= 2, "{st}");
+    let log = serve.log_text();
+    assert!(log.contains("hostile test mode duplicate-id: misbehaving"), "{log}");
+    assert!(log.contains("tap domain (pid") && log.contains("broke the channel protocol"), "{log}");
+}

@@ -11,8 +11,9 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use bulkhead_backends::RamBackend;
+use bulkhead_backends::{ChannelBackend, RamBackend};
 use bulkhead_block::{Backend, Io, Request, SliceList};
+use bulkhead_channel::{ArenaWindows, ForwardQueueFds, FrontQueue, QueueConfig};
 use bulkhead_doorbell::{now_ns, EventFd, Poller};
 use bulkhead_ring::{
     validate_request, ArenaSizes, BackRing, HeaderOffsets, Op, ResponseSlot, RingLayout, Status, ValidRequest, ARENA_WRITE,
@@ -198,8 +199,9 @@ impl RawQueue {
     }
 }
 
-/// The hostile domain: serves the queues of `spec` over its ramdisk, honestly for
-/// [`TRIGGER_AFTER`] requests, then as `h` says, until `stop` is set.
+/// The hostile domain: serves the queues of `spec` over its ramdisk — or, as a tap domain, over
+/// the channel to the domain below, passing requests on honestly — honestly for
+/// [`TRIGGER_AFTER`] requests, then as `h` says to the frontend, until `stop` is set.
 ///
 /// # Safety
 /// Every descriptor the spec names must be inherited for this process and used by nothing else.
@@ -209,11 +211,35 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
         // SAFETY: forwarded from this function's contract.
         queues.push(unsafe { RawQueue::from_spec(q) }?);
     }
-    let BackendSpec::Ram { fd } = spec.backend else {
-        return Err("the hostile test driver serves ram devices only".into());
+    let mut ram: Box<dyn Backend> = match &spec.backend {
+        // SAFETY: as above.
+        BackendSpec::Ram { fd } => Box::new(RamBackend::new(unsafe { claim(*fd) }?, spec.size).map_err(|e| e.to_string())?),
+        BackendSpec::Channel { queues: lower, generation } => {
+            let mut fronts = Vec::new();
+            for (q, above) in lower.iter().zip(&spec.queues) {
+                // SAFETY: as above.
+                let [ring, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
+                let cfg = QueueConfig {
+                    nslots: q.nslots,
+                    arena_bytes: above.arena_bytes as usize,
+                    mode: spec.notify_mode()?,
+                    budget: spec.budget(),
+                    generation: *generation,
+                };
+                let fds = ForwardQueueFds { ring: ring?, kick: kick?, irq: irq? };
+                fronts.push(FrontQueue::forwarding(fds, &cfg).map_err(|e| e.to_string())?);
+            }
+            let windows = queues
+                .iter()
+                .map(|q| ArenaWindows {
+                    write: (q.warena.base_ptr() as usize, q.warena.len()),
+                    read: (q.rarena.base_ptr() as usize, q.rarena.len()),
+                })
+                .collect();
+            Box::new(ChannelBackend::new(fronts, windows, spec.size, std::sync::Arc::new(AtomicBool::new(false))))
+        }
+        _ => return Err("the hostile test driver serves ram devices, or the channel below a tap domain".into()),
     };
-    // SAFETY: as above.
-    let mut ram = RamBackend::new(unsafe { claim(fd) }?, spec.size).map_err(|e| e.to_string())?;
     let poller = Poller::new().map_err(|e| e.to_string())?;
     for (i, q) in queues.iter().enumerate() {
         poller.add(q.kick.as_raw_fd(), i as u64).map_err(|e| e.to_string())?;
