@@ -165,10 +165,18 @@ fn frontend_policy(p: BudgetPolicy) -> BudgetPolicy {
 }
 
 impl FrontQueue {
-    pub(crate) fn new(
+    pub(crate) fn new(ring: FrontRing, warena: Mapping, rarena: Mapping, kick: EventFd, irq: EventFd, cfg: &QueueConfig) -> Self {
+        let arena_bytes = warena.len();
+        let arenas =
+            Arenas { walloc: PageAllocator::new(warena.len()), ralloc: PageAllocator::new(rarena.len()), w: warena, r: rarena };
+        Self::assemble(ring, Some(arenas), arena_bytes, kick, irq, cfg)
+    }
+
+    /// A queue over its ring, doorbells and (unless it forwards) arenas, with nothing in flight.
+    fn assemble(
         mut ring: FrontRing,
-        warena: Mapping,
-        rarena: Mapping,
+        arenas: Option<Arenas>,
+        arena_bytes: usize,
         kick: EventFd,
         irq: EventFd,
         cfg: &QueueConfig,
@@ -177,13 +185,8 @@ impl FrontQueue {
         // Both sides run the device's mode: in `poll` neither ever sleeps.
         ring.set_peer_polls(cfg.mode == NotifyMode::Poll);
         FrontQueue {
-            arena_bytes: warena.len(),
-            arenas: Some(Arenas {
-                walloc: PageAllocator::new(warena.len()),
-                ralloc: PageAllocator::new(rarena.len()),
-                w: warena,
-                r: rarena,
-            }),
+            arenas,
+            arena_bytes,
             ring,
             kick,
             irq,
@@ -211,27 +214,10 @@ impl FrontQueue {
         let layout = bulkhead_ring::RingLayout::new(cfg.nslots).map_err(|e| err(&e))?;
         let prot = bulkhead_shmem::Protection::ReadWrite;
         let ring_map = Mapping::new(fds.ring.as_raw_fd(), layout.file_size(), prot).map_err(|e| err(&e))?;
-        let mut ring = FrontRing::create(ring_map, layout, cfg.generation).map_err(|e| err(&e))?;
-        ring.set_peer_polls(cfg.mode == NotifyMode::Poll);
-        let n = layout.nslots;
-        Ok(FrontQueue {
-            arenas: None,
-            arena_bytes: cfg.arena_bytes,
-            ring,
-            kick: EventFd::from_owned(fds.kick).map_err(|e| err(&e))?,
-            irq: EventFd::from_owned(fds.irq).map_err(|e| err(&e))?,
-            mode: cfg.mode,
-            budget: SpinBudget::new(frontend_policy(cfg.budget)),
-            generation: cfg.generation,
-            table: vec![Entry::default(); n as usize],
-            free: (0..n).rev().collect(),
-            seq: 0,
-            broken: None,
-            stats: QueueStats::default(),
-            spurious: 0,
-            damped_until: 0,
-            yield_after: 0,
-        })
+        let ring = FrontRing::create(ring_map, layout, cfg.generation).map_err(|e| err(&e))?;
+        let kick = EventFd::from_owned(fds.kick).map_err(|e| err(&e))?;
+        let irq = EventFd::from_owned(fds.irq).map_err(|e| err(&e))?;
+        Ok(Self::assemble(ring, None, cfg.arena_bytes, kick, irq, cfg))
     }
 
     /// Makes waits yield the CPU between looks once they have spun `spins` times (0: never):

@@ -26,37 +26,6 @@ fn filter<'a>(status: &'a serde_json::Value, ty: &str) -> &'a serde_json::Value 
         .unwrap_or_else(|| panic!("no {ty} in {status}"))
 }
 
-fn fio_verify(dir: &std::path::Path, seconds: u32) -> serde_json::Value {
-    let out = Command::new("timeout")
-        .args([
-            "--kill-after=10",
-            "180",
-            "fio",
-            "--name=filters",
-            &format!("--directory={}", dir.display()),
-            "--ioengine=libaio",
-            "--direct=1",
-            "--rw=randrw",
-            "--bsrange=4k-256k",
-            "--iodepth=8",
-            "--size=48M",
-            &format!("--runtime={seconds}"),
-            "--time_based",
-            "--verify=crc32c",
-            "--verify_backlog=32",
-            "--verify_fatal=1",
-            "--verify_state_save=0",
-            "--output-format=json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["jobs"][0]["error"], 0, "fio saw an I/O or verify error");
-    assert!(v["jobs"][0]["write"]["io_bytes"].as_u64().unwrap() > 0);
-    v
-}
-
 #[test]
 fn ext4_and_fio_verify_through_four_filters_and_blkparse_reads_the_trace() {
     require_kernel!();
@@ -76,7 +45,7 @@ fn ext4_and_fio_verify_through_four_filters_and_blkparse_reads_the_trace() {
     run("mkfs.ext4", &["-q", "-F", &lo.dev]);
     let mnt = tmp.path().join("mnt");
     let m = MountGuard::mount(&lo.dev, &mnt);
-    fio_verify(&mnt, 6);
+    fio_verify(&mnt, "randrw", "4k-256k", "48M", 6);
     m.unmount();
     let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
     assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
@@ -224,7 +193,7 @@ fn domain_kills_while_filters_hold_requests_lose_no_acknowledged_write() {
             kills
         })
     };
-    fio_verify(&mnt, 8);
+    fio_verify(&mnt, "randrw", "4k-256k", "48M", 8);
     done.store(true, Ordering::Release);
     let kills = killer.join().unwrap();
     assert!(kills >= 10, "only {kills} kills landed");

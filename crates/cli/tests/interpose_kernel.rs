@@ -85,34 +85,9 @@ fn three_filter_tap_under_fio_verify_survives_killing_the_tap_and_the_driver_dom
             (taps, drivers)
         })
     };
-    let out = Command::new("timeout")
-        .args([
-            "--kill-after=10",
-            "180",
-            "fio",
-            "--name=interpose",
-            &format!("--directory={}", mnt.display()),
-            "--ioengine=libaio",
-            "--direct=1",
-            "--rw=randrw",
-            "--bsrange=4k-256k",
-            "--iodepth=8",
-            "--size=48M",
-            "--runtime=8",
-            "--time_based",
-            "--verify=crc32c",
-            "--verify_backlog=32",
-            "--verify_fatal=1",
-            "--verify_state_save=0",
-            "--output-format=json",
-        ])
-        .output()
-        .unwrap();
+    fio_verify(&mnt, "randrw", "4k-256k", "48M", 8);
     done.store(true, Ordering::Release);
     let (taps, drivers) = killer.join().unwrap();
-    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["jobs"][0]["error"], 0, "fio saw an I/O or verify error");
     assert!(taps >= 5 && drivers >= 5, "only {taps} tap and {drivers} driver kills landed");
     m.unmount();
     let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
@@ -126,15 +101,15 @@ fn three_filter_tap_under_fio_verify_survives_killing_the_tap_and_the_driver_dom
     eprintln!("{taps} tap and {drivers} driver kills; outage p99 {} ms", d["p99_outage_ms"]);
 }
 
-#[test]
-fn a_driver_domain_breaking_the_channel_below_the_tap_is_caught_and_both_restart() {
-    require_kernel!();
-    let tmp = TempDir::new("interpose-hostile");
+/// Writes 8 MiB through an interpose device whose `role` domain (`tap` or `driver`) turns hostile
+/// as `mode` says, reads it back and compares; returns serve's log once at least two restarts
+/// replaced the misbehaving generations.
+fn survive_hostile(role: &str, mode: &str) -> Option<String> {
+    let tmp = TempDir::new(&format!("interpose-hostile-{role}"));
     let cfg = interpose_config("h", "restart_limit = 100000\n", "[[device.filter]]\ntype = \"stats\"\n");
-    let env = [("BULKHEAD_TEST_FAULT", "hostile:unknown-id"), ("BULKHEAD_TEST_FAULT_ROLE", "driver")];
-    let Some(serve) = Serve::start_test_driver(&tmp.path().join("run"), Some(&cfg), &["h"], &env) else {
-        return;
-    };
+    let fault = format!("hostile:{mode}");
+    let env = [("BULKHEAD_TEST_FAULT", fault.as_str()), ("BULKHEAD_TEST_FAULT_ROLE", role)];
+    let serve = Serve::start_test_driver(&tmp.path().join("run"), Some(&cfg), &["h"], &env)?;
     let file = serve.fuse_file("h");
     let data = pattern(0x1e7, 8 << 20);
     let src = tmp.path().join("src");
@@ -162,12 +137,27 @@ fn a_driver_domain_breaking_the_channel_below_the_tap_is_caught_and_both_restart
             "status=none",
         ],
     );
-    assert!(std::fs::read(&back).unwrap() == data, "data read back differs");
+    assert!(std::fs::read(&back).unwrap() == data, "{role} {mode}: data read back differs");
     let st = serve.status_json();
     assert!(st["devices"][0]["restarts"].as_u64().unwrap() >= 2, "{st}");
     let log = serve.log_text();
+    assert!(log.contains(&format!("hostile test mode {mode}: misbehaving")), "{log}");
+    Some(log)
+}
+
+#[test]
+fn a_driver_domain_breaking_the_channel_below_the_tap_is_caught_and_both_restart() {
+    require_kernel!();
+    let Some(log) = survive_hostile("driver", "unknown-id") else { return };
     assert!(log.contains("lost the driver domain below it"), "{log}");
     assert!(log.contains("unknown or duplicate id"), "the tap domain says why: {log}");
+}
+
+#[test]
+fn a_hostile_tap_domain_is_caught_by_the_frontend_and_both_domains_replaced() {
+    require_kernel!();
+    let Some(log) = survive_hostile("tap", "duplicate-id") else { return };
+    assert!(log.contains("tap domain (pid") && log.contains("broke the channel protocol"), "{log}");
 }
 
 fn cli(run_dir: &std::path::Path, args: &[&str]) -> Result<String, String> {
@@ -203,15 +193,7 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
     let m = MountGuard::mount(&lo.dev, &mnt);
     let fio = {
         let dir = mnt.clone();
-        std::thread::spawn(move || {
-            Command::new("timeout")
-                .args(["--kill-after=10", "120", "fio", "--name=switch", &format!("--directory={}", dir.display())])
-                .args(["--ioengine=libaio", "--direct=1", "--rw=randrw", "--bsrange=4k-128k", "--iodepth=8", "--size=32M"])
-                .args(["--runtime=8", "--time_based", "--verify=crc32c", "--verify_backlog=16", "--verify_fatal=1"])
-                .args(["--verify_state_save=0", "--output-format=json"])
-                .output()
-                .unwrap()
-        })
+        std::thread::spawn(move || fio_verify(&dir, "randrw", "4k-128k", "32M", 8))
     };
     let pause = || std::thread::sleep(Duration::from_millis(700));
     pause();
@@ -233,10 +215,7 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
     pause();
     cli(&run_dir, &["filter", "w", "remove", "0"]).unwrap();
     assert_eq!(chain(&serve), ("passthrough".into(), vec!["stats".into(), "throttle".into()]));
-    let out = fio.join().unwrap();
-    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["jobs"][0]["error"], 0, "fio saw an I/O or verify error");
+    fio.join().expect("fio verified every block");
     m.unmount();
     let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
     assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
@@ -252,48 +231,4 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
     {
         assert!(log.contains(what), "{what}: {log}");
     }
-}
-
-#[test]
-fn a_hostile_tap_domain_is_caught_by_the_frontend_and_both_domains_replaced() {
-    require_kernel!();
-    let tmp = TempDir::new("interpose-hostile-tap");
-    let cfg = interpose_config("t", "restart_limit = 100000\n", "[[device.filter]]\ntype = \"stats\"\n");
-    let env = [("BULKHEAD_TEST_FAULT", "hostile:duplicate-id"), ("BULKHEAD_TEST_FAULT_ROLE", "tap")];
-    let Some(serve) = Serve::start_test_driver(&tmp.path().join("run"), Some(&cfg), &["t"], &env) else {
-        return;
-    };
-    let file = serve.fuse_file("t");
-    let data = pattern(0x7a9, 8 << 20);
-    let src = tmp.path().join("src");
-    let back = tmp.path().join("back");
-    std::fs::write(&src, &data).unwrap();
-    run(
-        "dd",
-        &[
-            &format!("if={}", src.display()),
-            &format!("of={}", file.display()),
-            "bs=64k",
-            "oflag=direct",
-            "conv=notrunc",
-            "status=none",
-        ],
-    );
-    run(
-        "dd",
-        &[
-            &format!("if={}", file.display()),
-            &format!("of={}", back.display()),
-            "bs=64k",
-            "count=128",
-            "iflag=direct",
-            "status=none",
-        ],
-    );
-    assert!(std::fs::read(&back).unwrap() == data, "data read back differs");
-    let st = serve.status_json();
-    assert!(st["devices"][0]["restarts"].as_u64().unwrap() >= 2, "{st}");
-    let log = serve.log_text();
-    assert!(log.contains("hostile test mode duplicate-id: misbehaving"), "{log}");
-    assert!(log.contains("tap domain (pid") && log.contains("broke the channel protocol"), "{log}");
 }

@@ -178,3 +178,22 @@ pub fn tools(names: &[&str]) -> bool {
     }
     true
 }
+
+/// fio with crc32c verification on a directory (ext4 over the device): `rw` and `bsrange` as
+/// fio takes them, `size` per job, for `seconds`. Fails the test on any I/O or verify error and
+/// returns fio's JSON report.
+pub fn fio_verify(dir: &Path, rw: &str, bsrange: &str, size: &str, seconds: u32) -> serde_json::Value {
+    let out = Command::new("timeout")
+        // A hung request fails the test instead of stalling the suite.
+        .args(["--kill-after=10", "180", "fio", "--name=verify", &format!("--directory={}", dir.display())])
+        .args(["--ioengine=libaio", "--direct=1", &format!("--rw={rw}"), &format!("--bsrange={bsrange}"), "--iodepth=8"])
+        .args([&format!("--size={size}"), &format!("--runtime={seconds}"), "--time_based", "--verify=crc32c"])
+        .args(["--verify_backlog=32", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["jobs"][0]["error"], 0, "fio saw an I/O or verify error");
+    assert!(v["jobs"][0]["write"]["io_bytes"].as_u64().unwrap() > 0, "fio wrote nothing");
+    v
+}
