@@ -94,13 +94,13 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         mib(fe["rss"]["shmem_kib"].as_u64())
     );
     for d in report["devices"].as_array().into_iter().flatten() {
+        let name = d["name"].as_str().unwrap_or("?");
+        if let Some(pid) = d["tap_pid"].as_u64() {
+            println!("{name}: tap domain pid {pid} (interpose), rss {}", mib(d["tap_memory"]["total_kib"].as_u64()));
+        }
         let filters = d["filters"].as_array().map(Vec::as_slice).unwrap_or_default();
         if !filters.is_empty() {
-            println!(
-                "{}: filters ({}), frontend side first:",
-                d["name"].as_str().unwrap_or("?"),
-                d["tap"].as_str().unwrap_or("?")
-            );
+            println!("{name}: filters ({}), frontend side first:", d["tap"].as_str().unwrap_or("?"));
             for f in filters {
                 println!("  {:<9} {}", f["type"].as_str().unwrap_or("?"), f["summary"].as_str().unwrap_or(""));
             }
