@@ -58,28 +58,6 @@ impl std::fmt::Debug for FileBackend {
     }
 }
 
-/// Size of a regular file or block device.
-pub fn probe_size(fd: RawFd) -> std::io::Result<(u64, bool)> {
-    // SAFETY: `st` is plain data for fstat to fill.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: valid out pointer.
-    if unsafe { libc::fstat(fd, &mut st) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    if st.st_mode & libc::S_IFMT == libc::S_IFBLK {
-        let mut size: u64 = 0;
-        // BLKGETSIZE64 = _IOR(0x12, 114, size_t)
-        const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
-        // SAFETY: the ioctl writes one u64 into `size`.
-        if unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut size) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok((size, true))
-    } else {
-        Ok((st.st_size as u64, false))
-    }
-}
-
 /// An io_uring that can only read, write and fsync: io_uring operations do not pass through
 /// seccomp, so the ring is created disabled, restricted to the three operations the engine
 /// uses, then enabled.
@@ -103,7 +81,8 @@ fn restricted_ring() -> std::io::Result<IoUring> {
 impl FileBackend {
     /// A backend over `fd` (opened `O_DIRECT` when `buffered` is given for the unaligned path).
     pub fn new(fd: OwnedFd, buffered: Option<OwnedFd>, read_only: bool, engine: Engine) -> Result<Self, BackendError> {
-        let (size, block_device) = probe_size(fd.as_raw_fd()).map_err(|source| BackendError::Sys { op: "probe size", source })?;
+        let (size, block_device) = bulkhead_sys::storage_size(std::os::fd::AsFd::as_fd(&fd))
+            .map_err(|source| BackendError::Sys { op: "probe size", source })?;
         let engine = match engine {
             Engine::Sync => EngineState::Sync,
             Engine::IoUring => EngineState::Uring {

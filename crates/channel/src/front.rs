@@ -499,8 +499,7 @@ impl FrontQueue {
             std::hint::spin_loop();
             i = i.wrapping_add(1);
             if self.yield_after != 0 && i >= self.yield_after {
-                // SAFETY: sched_yield has no preconditions.
-                unsafe { libc::sched_yield() };
+                std::thread::yield_now();
             }
             if i.is_multiple_of(64) {
                 let now = now_ns();

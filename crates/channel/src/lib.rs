@@ -5,6 +5,7 @@
 //! [`BackQueue`]. The write arena reaches the driver only as a read-only descriptor of a file
 //! sealed against new writable mappings; every file is sealed against shrinking, so a hostile
 //! driver cannot make the frontend fault.
+#![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 mod back;

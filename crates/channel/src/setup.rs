@@ -1,6 +1,6 @@
 //! Creation of a queue's shared files on the trusted side.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use bulkhead_doorbell::{BudgetPolicy, EventFd, NotifyMode};
 use bulkhead_ring::{ArenaSizes, FrontRing, RingLayout};
@@ -133,14 +133,9 @@ fn setup_err(e: impl std::fmt::Display) -> ChannelError {
     ChannelError::Setup(e.to_string())
 }
 
-fn dup(fd: &impl AsRawFd) -> Result<OwnedFd, ChannelError> {
-    // SAFETY: dup of a descriptor we hold; F_DUPFD_CLOEXEC returns a new owned descriptor.
-    let n = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
-    if n < 0 {
-        return Err(setup_err(std::io::Error::last_os_error()));
-    }
-    // SAFETY: fresh descriptor from fcntl.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(n) })
+/// A close-on-exec duplicate (numbered 3 or above).
+fn dup(fd: &impl AsFd) -> Result<OwnedFd, ChannelError> {
+    fd.as_fd().try_clone_to_owned().map_err(setup_err)
 }
 
 impl QueueSetup {

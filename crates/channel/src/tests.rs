@@ -226,10 +226,7 @@ fn irq_mode_wakes_sleeping_frontend() {
 }
 
 fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: writes one timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    bulkhead_sys::thread_cpu_ns()
 }
 
 #[test]

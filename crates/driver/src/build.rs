@@ -2,7 +2,7 @@
 
 use bulkhead_filters::FilterFds;
 use bulkhead_spec::{BackendSpec, DomainSpec};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -21,12 +21,9 @@ const YIELD_AFTER_SPINS: u32 = 64;
 /// # Safety
 /// `fd` must be open, inherited for this purpose, and claimed only once.
 unsafe fn claim(fd: i32) -> Result<OwnedFd, DriverError> {
-    // SAFETY: F_GETFD only checks that the descriptor is open.
-    if fd < 3 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        return Err(DriverError::Setup(format!("descriptor {fd} named in the spec is not open")));
-    }
-    // SAFETY: the caller guarantees the descriptor is ours alone.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    // SAFETY: forwarded from this function's contract.
+    unsafe { bulkhead_sys::claim_inherited(fd) }
+        .map_err(|_| DriverError::Setup(format!("descriptor {fd} named in the spec is not open")))
 }
 
 /// Builds the domain `spec` describes from descriptors inherited at exec.

@@ -48,7 +48,6 @@ const HEADROOM: u64 = 256 << 20;
 /// nothing more.
 pub fn confine_and_report(spec: &bulkhead_spec::DomainSpec) -> Result<bulkhead_sandbox::Layers, DriverError> {
     use std::io::Write;
-    use std::os::fd::FromRawFd;
     let opts = bulkhead_sandbox::confine::Options {
         policy: spec.sandbox.policy,
         role: spec.seccomp_role(),
@@ -57,8 +56,9 @@ pub fn confine_and_report(spec: &bulkhead_spec::DomainSpec) -> Result<bulkhead_s
     };
     let confined = bulkhead_sandbox::confine::confine(&opts);
     if let Some(fd) = spec.report_fd {
-        // SAFETY: the report pipe named in the spec is this process's alone; File closes it.
-        let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
+        // SAFETY: the report pipe named in the spec is this process's alone, claimed once here.
+        let mut f =
+            std::fs::File::from(unsafe { bulkhead_sys::claim_inherited(fd) }.map_err(|e| DriverError::Setup(e.to_string()))?);
         let report = match &confined {
             Ok(layers) => bulkhead_sandbox::Report::Confined(layers.clone()),
             Err(e) => bulkhead_sandbox::Report::Refused { refused: e.to_string() },

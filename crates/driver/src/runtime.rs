@@ -354,8 +354,7 @@ impl Domain {
                 // driver) for two CPUs here, and the one that must act next may be waiting for
                 // this one's slice to end. Alone on its CPU, the call returns at once.
                 if self.yield_when_idle && spins >= IDLE_SPINS_BEFORE_YIELD {
-                    // SAFETY: sched_yield has no preconditions.
-                    unsafe { libc::sched_yield() };
+                    std::thread::yield_now();
                 }
                 continue;
             }

@@ -124,13 +124,7 @@ struct CloneArgs {
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut p = [0; 2];
-    // SAFETY: `p` is a valid array of two ints.
-    if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fresh descriptors from pipe2.
-    Ok(unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) })
+    bulkhead_sys::pipe()
 }
 
 fn cstr(s: &OsStr) -> io::Result<CString> {

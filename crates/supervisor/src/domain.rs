@@ -1,6 +1,6 @@
 //! One device's runtime: its channel, backend descriptors and driver-domain process.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -218,39 +218,17 @@ fn notify_mode(n: Notify) -> NotifyMode {
 }
 
 fn open_backing(path: &Path, read_only: bool, direct: bool) -> Result<OwnedFd, std::io::Error> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    let mut flags = libc::O_CLOEXEC | if read_only { libc::O_RDONLY } else { libc::O_RDWR };
-    if direct {
-        flags |= libc::O_DIRECT;
-    }
-    // SAFETY: valid NUL-terminated path.
-    let fd = unsafe { libc::open(c.as_ptr(), flags) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fresh descriptor.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .custom_flags(libc::O_CLOEXEC | if direct { libc::O_DIRECT } else { 0 })
+        .open(path)?;
+    Ok(OwnedFd::from(f))
 }
 
-fn backing_size(fd: RawFd) -> std::io::Result<u64> {
-    // SAFETY: plain data for fstat.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: valid out pointer.
-    if unsafe { libc::fstat(fd, &mut st) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    if st.st_mode & libc::S_IFMT == libc::S_IFBLK {
-        let mut size: u64 = 0;
-        // SAFETY: BLKGETSIZE64 writes one u64.
-        if unsafe { libc::ioctl(fd, 0x8008_1272, &mut size) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        return Ok(size);
-    }
-    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file or block device"));
-    }
-    Ok(st.st_size as u64)
+fn backing_size(fd: &OwnedFd) -> std::io::Result<u64> {
+    bulkhead_sys::storage_size(fd.as_fd()).map(|(size, _)| size)
 }
 
 /// A launched generation: its frontend queues, the domain they reach (the driver domain, or
@@ -305,7 +283,7 @@ impl DeviceRuntime {
             Backend::File { path, direct, engine, read_only } => {
                 let main = open_backing(path, *read_only, *direct)
                     .map_err(|e| err(format!("cannot open backing file {}: {e}", path.display())))?;
-                let file_size = backing_size(main.as_raw_fd()).map_err(|e| err(format!("{}: {e}", path.display())))?;
+                let file_size = backing_size(&main).map_err(|e| err(format!("{}: {e}", path.display())))?;
                 let size = match &cfg.size {
                     Some(s) if s.get_ref().0 > file_size => {
                         return Err(err(format!("size {} exceeds the {} bytes of {}", s.get_ref().0, file_size, path.display())))
@@ -542,7 +520,7 @@ impl Launcher {
             state_fd = Some(pass.add(&self.state_fd));
         }
         let interpose = chain.is_none_or(|c| c.tap == Tap::Interpose);
-        let (report_r, report_w) = report_pipe().map_err(|e| format!("report pipe: {e}"))?;
+        let (report_r, report_w) = bulkhead_sys::pipe().map_err(|e| format!("report pipe: {e}"))?;
         let report_fd = pass.add_owned(report_w);
         let spec = DomainSpec {
             device: self.name.clone(),
@@ -626,35 +604,25 @@ pub(crate) struct Spawned {
     pub layers: Option<Layers>,
 }
 
-fn report_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut p = [0; 2];
-    // SAFETY: valid array of two ints.
-    if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fresh descriptors.
-    Ok(unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) })
-}
-
 /// Reads the domain's sandbox report: one JSON line, written once it is confined. `None` if it
 /// exits or stays silent for 5 s.
 fn read_report(fd: &OwnedFd) -> Option<Report> {
+    use std::io::Read;
+    let mut f = std::fs::File::from(fd.try_clone().ok()?);
     let mut buf = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let left = deadline.saturating_duration_since(Instant::now()).as_millis() as i32;
-        let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        if left <= 0 || unsafe { libc::poll(&mut pfd, 1, left) } <= 0 {
+        let mut pfd = [libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        if left <= 0 || bulkhead_sys::poll(&mut pfd, left).ok()? == 0 {
             return None;
         }
         let mut chunk = [0u8; 1024];
-        // SAFETY: reads into a local buffer.
-        let n = unsafe { libc::read(fd.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
-        if n <= 0 {
+        let n = f.read(&mut chunk).ok()?;
+        if n == 0 {
             break;
         }
-        buf.extend_from_slice(&chunk[..n as usize]);
+        buf.extend_from_slice(&chunk[..n]);
         if buf.contains(&b'\n') || buf.len() > 64 * 1024 {
             break;
         }
@@ -662,16 +630,7 @@ fn read_report(fd: &OwnedFd) -> Option<Report> {
     serde_json::from_slice(buf.split(|&b| b == b'\n').next()?).ok()
 }
 
-/// `pidfd_open(2)`.
-pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
-    // SAFETY: plain syscall with integer arguments.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fresh descriptor.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
+pub use bulkhead_sys::pidfd_open;
 
 /// Execs `exe driver --spec JSON` as a sandboxed domain (see [`bulkhead_sandbox::spawn`]):
 /// `fds` at 3, 4, …, everything else closed at exec, new namespaces when `namespaces`.

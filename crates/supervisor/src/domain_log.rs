@@ -15,7 +15,7 @@
 //! supervisor's memory or its log beyond those bounds.
 
 use std::io::{self, Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -30,13 +30,7 @@ pub const PER_SEC: f64 = 10.0;
 /// A pipe for a domain's output: the read end stays here, the write end becomes the domain's
 /// descriptors 1 and 2. Both ends are close-on-exec (the spawn places the write end itself).
 pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut p = [0; 2];
-    // SAFETY: `p` is a valid array of two ints.
-    if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fresh descriptors from pipe2, owned from here on.
-    Ok(unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) })
+    bulkhead_sys::pipe()
 }
 
 /// Relays what domain `pid` of `device` prints to serve's standard error until it closes its

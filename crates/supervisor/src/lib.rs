@@ -6,6 +6,7 @@
 //! the exports as a [`bulkhead_client::Device`]. A watcher thread learns of a domain's death
 //! through its pidfd. The control socket answers `status`. What a domain prints reaches the
 //! log through [`domain_log`], prefixed, sanitised and rate-limited.
+#![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 mod chain;

@@ -420,8 +420,8 @@ fn watch(inner: Arc<Inner>) {
             pfds.push(libc::pollfd { fd: rt.device.alarm_fd(), events: libc::POLLIN, revents: 0 });
         }
         pfds.push(libc::pollfd { fd: inner.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-        // SAFETY: `pfds` is a valid array of pollfds for the call.
-        unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 10) };
+        // A failed wait is a short one: the loop looks again.
+        let _ = bulkhead_sys::poll(&mut pfds, 10);
         if inner.shutting_down.load(Ordering::Acquire) {
             break;
         }

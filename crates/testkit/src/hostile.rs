@@ -8,7 +8,7 @@
 //! its [`Hostility`] says. The test driver (`bulkhead-test-driver`) runs it when
 //! `BULKHEAD_TEST_FAULT=hostile:<name>` is set.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bulkhead_backends::{ChannelBackend, RamBackend};
@@ -161,12 +161,8 @@ struct RawQueue {
 /// # Safety
 /// `fd` must be inherited for this domain and claimed once.
 unsafe fn claim(fd: i32) -> Result<OwnedFd, String> {
-    // SAFETY: F_GETFD only checks the descriptor is open.
-    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        return Err(format!("descriptor {fd} is not open"));
-    }
     // SAFETY: the caller's guarantee.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    unsafe { bulkhead_sys::claim_inherited(fd) }.map_err(|e| e.to_string())
 }
 
 impl RawQueue {
