@@ -54,11 +54,15 @@ pub fn confine_and_report(spec: &bulkhead_spec::DomainSpec) -> Result<bulkhead_s
         namespaces: bulkhead_sandbox::spawn::namespaces_layer(spec.sandbox.policy),
         address_space_headroom: HEADROOM,
     };
-    let confined = bulkhead_sandbox::confine::confine(&opts);
-    if let Some(fd) = spec.report_fd {
+    // Claimed before confinement: the seccomp allowlist has no fcntl to check it with after.
+    let report_pipe = match spec.report_fd {
         // SAFETY: the report pipe named in the spec is this process's alone, claimed once here.
-        let mut f =
-            std::fs::File::from(unsafe { bulkhead_sys::claim_inherited(fd) }.map_err(|e| DriverError::Setup(e.to_string()))?);
+        Some(fd) => Some(unsafe { bulkhead_sys::claim_inherited(fd) }.map_err(|e| DriverError::Setup(e.to_string()))?),
+        None => None,
+    };
+    let confined = bulkhead_sandbox::confine::confine(&opts);
+    if let Some(fd) = report_pipe {
+        let mut f = std::fs::File::from(fd);
         let report = match &confined {
             Ok(layers) => bulkhead_sandbox::Report::Confined(layers.clone()),
             Err(e) => bulkhead_sandbox::Report::Refused { refused: e.to_string() },
