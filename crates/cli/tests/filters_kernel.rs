@@ -6,8 +6,6 @@
 mod common;
 
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_testkit::require_kernel;
@@ -172,30 +170,9 @@ fn domain_kills_while_filters_hold_requests_lose_no_acknowledged_write() {
     run("mkfs.ext4", &["-q", "-F", &lo.dev]);
     let mnt = tmp.path().join("mnt");
     let m = MountGuard::mount(&lo.dev, &mnt);
-    let done = Arc::new(AtomicBool::new(false));
-    let killer = {
-        let done = done.clone();
-        let run_dir = serve.run_dir.clone();
-        std::thread::spawn(move || {
-            let mut kills = 0u32;
-            let mut last = 0u32;
-            while !done.load(Ordering::Acquire) {
-                std::thread::sleep(Duration::from_millis(300));
-                let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(&run_dir).output().unwrap();
-                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-                let pid = v["devices"][0]["driver_pid"].as_u64().unwrap_or(0) as u32;
-                // SAFETY: signalling a driver domain of our serve by pid.
-                if pid != 0 && pid != last && unsafe { libc::kill(pid as i32, libc::SIGKILL) } == 0 {
-                    kills += 1;
-                    last = pid;
-                }
-            }
-            kills
-        })
-    };
+    let killer = DomainKiller::start(serve.run_dir.clone(), || Duration::from_millis(300), driver_domain);
     fio_verify(&mnt, "randrw", "4k-256k", "48M", 8);
-    done.store(true, Ordering::Release);
-    let kills = killer.join().unwrap();
+    let kills = killer.stop().first().copied().unwrap_or(0);
     assert!(kills >= 10, "only {kills} kills landed");
     m.unmount();
     let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();

@@ -6,8 +6,6 @@
 mod common;
 
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use bulkhead_testkit::require_kernel;
@@ -55,39 +53,20 @@ fn three_filter_tap_under_fio_verify_survives_killing_the_tap_and_the_driver_dom
     run("mkfs.ext4", &["-q", "-F", &lo.dev]);
     let mnt = tmp.path().join("mnt");
     let m = MountGuard::mount(&lo.dev, &mnt);
-    let done = Arc::new(AtomicBool::new(false));
-    let killer = {
-        let done = done.clone();
-        let run_dir = serve.run_dir.clone();
-        std::thread::spawn(move || {
-            let (mut taps, mut drivers) = (0u32, 0u32);
-            let mut last = 0u64;
-            let mut turn = 0u32;
-            while !done.load(Ordering::Acquire) {
-                std::thread::sleep(Duration::from_millis(250));
-                let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(&run_dir).output().unwrap();
-                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-                let d = &v["devices"][0];
-                let (tap, driver) = (d["tap_pid"].as_u64().unwrap_or(0), d["driver_pid"].as_u64().unwrap_or(0));
-                // One kill per generation, the tap domain and the driver domain in turn.
-                let victim = if turn.is_multiple_of(2) { tap } else { driver };
-                // SAFETY: signalling a domain of our serve by pid.
-                if victim != 0 && tap != last && unsafe { libc::kill(victim as i32, libc::SIGKILL) } == 0 {
-                    if turn.is_multiple_of(2) {
-                        taps += 1;
-                    } else {
-                        drivers += 1;
-                    }
-                    turn += 1;
-                    last = tap;
-                }
-            }
-            (taps, drivers)
-        })
-    };
+    // One kill per generation, the tap domain and the driver domain in turn.
+    let killer = DomainKiller::start(
+        serve.run_dir.clone(),
+        || Duration::from_millis(250),
+        |d, kills| {
+            let tap = d["tap_pid"].as_u64().unwrap_or(0);
+            let kind = (kills % 2) as usize;
+            let victim = if kind == 0 { tap } else { d["driver_pid"].as_u64().unwrap_or(0) };
+            (kind, if tap == 0 { 0 } else { victim as u32 }, tap)
+        },
+    );
     fio_verify(&mnt, "randrw", "4k-256k", "48M", 8);
-    done.store(true, Ordering::Release);
-    let (taps, drivers) = killer.join().unwrap();
+    let kills = killer.stop();
+    let (taps, drivers) = (kills.first().copied().unwrap_or(0), kills.get(1).copied().unwrap_or(0));
     assert!(taps >= 5 && drivers >= 5, "only {taps} tap and {drivers} driver kills landed");
     m.unmount();
     let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();

@@ -4,8 +4,6 @@
 mod common;
 
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_testkit::require_kernel;
@@ -42,34 +40,9 @@ fn sigkill_fifty_times_under_fio_verify_loses_nothing() {
     let mnt = tmp.path().join("mnt");
     let m = MountGuard::mount(&lo.dev, &mnt);
 
-    let done = Arc::new(AtomicBool::new(false));
-    let killer = {
-        let done = done.clone();
-        let run_dir = serve.run_dir.clone();
-        std::thread::spawn(move || {
-            let status = |run_dir: &std::path::Path| -> u32 {
-                let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(run_dir).output().unwrap();
-                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-                v["devices"][0]["driver_pid"].as_u64().unwrap_or(0) as u32
-            };
-            let mut x = 0x2545_f491_4f6c_dd1d_u64;
-            let mut kills = 0u32;
-            let mut last = 0u32;
-            while !done.load(Ordering::Acquire) {
-                std::thread::sleep(Duration::from_millis(40 + next(&mut x) % 160));
-                let pid = status(&run_dir);
-                // Kill each generation once, and only a running one.
-                if pid != 0 && pid != last {
-                    // SAFETY: signalling a driver domain of our serve by pid.
-                    if unsafe { libc::kill(pid as i32, libc::SIGKILL) } == 0 {
-                        kills += 1;
-                        last = pid;
-                    }
-                }
-            }
-            kills
-        })
-    };
+    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    let killer =
+        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(40 + next(&mut x) % 160), driver_domain);
     let out = Command::new("timeout")
         .args([
             // A hung request fails the test instead of stalling the suite.
@@ -94,8 +67,7 @@ fn sigkill_fifty_times_under_fio_verify_loses_nothing() {
         ])
         .output()
         .unwrap();
-    done.store(true, Ordering::Release);
-    let kills = killer.join().unwrap();
+    let kills = killer.stop().first().copied().unwrap_or(0);
     assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let job = &v["jobs"][0];

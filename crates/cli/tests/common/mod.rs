@@ -197,3 +197,57 @@ pub fn fio_verify(dir: &Path, rw: &str, bsrange: &str, size: &str, seconds: u32)
     assert!(v["jobs"][0]["write"]["io_bytes"].as_u64().unwrap() > 0, "fio wrote nothing");
     v
 }
+
+/// A thread that SIGKILLs a serve's domains while a workload runs. Every `pause()` it reads the
+/// first device's status and asks `pick` which domain to kill, given that device and the kills
+/// so far: `(kind, pid, generation)`, where `kind` indexes the counts returned by
+/// [`stop`](Self::stop) and `generation` names the generation (each is killed once).
+pub struct DomainKiller {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<u32>>,
+}
+
+impl DomainKiller {
+    pub fn start(
+        run_dir: PathBuf,
+        mut pause: impl FnMut() -> Duration + Send + 'static,
+        mut pick: impl FnMut(&serde_json::Value, u32) -> (usize, u32, u64) + Send + 'static,
+    ) -> Self {
+        use std::sync::atomic::Ordering;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = done.clone();
+        let thread = std::thread::spawn(move || {
+            let mut counts: Vec<u32> = Vec::new();
+            let mut last = 0u64;
+            while !stop.load(Ordering::Acquire) {
+                std::thread::sleep(pause());
+                let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(&run_dir).output().unwrap();
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+                let (kind, pid, generation) = pick(&v["devices"][0], counts.iter().sum());
+                // Kill each generation once, and only a running one.
+                // SAFETY: signalling a domain of our own serve by pid.
+                if pid != 0 && generation != last && unsafe { libc::kill(pid as i32, libc::SIGKILL) } == 0 {
+                    if counts.len() <= kind {
+                        counts.resize(kind + 1, 0);
+                    }
+                    counts[kind] += 1;
+                    last = generation;
+                }
+            }
+            counts
+        });
+        DomainKiller { done, thread }
+    }
+
+    /// Stops killing; the kills that landed, by kind.
+    pub fn stop(self) -> Vec<u32> {
+        self.done.store(true, std::sync::atomic::Ordering::Release);
+        self.thread.join().unwrap()
+    }
+}
+
+/// The driver pid of a device's status, as [`DomainKiller`]'s `pick` for killing driver domains.
+pub fn driver_domain(d: &serde_json::Value, _kills: u32) -> (usize, u32, u64) {
+    let pid = d["driver_pid"].as_u64().unwrap_or(0);
+    (0, pid as u32, pid)
+}
