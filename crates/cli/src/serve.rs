@@ -85,24 +85,6 @@ fn human(bytes: u64) -> String {
     format!("{v:.1} {}", UNITS[u]).replace(".0 ", " ")
 }
 
-/// Test hook (`BULKHEAD_TEST_CANARY=<marker>`): fills heap blocks with `marker`, frees half of
-/// them so the allocator hands their stale bytes to whatever the frontend allocates next (I/O
-/// buffers included), and keeps the other half alive for the test to find. The test then
-/// checks the marker never reaches a channel arena, ring or backend.
-fn plant_canaries(marker: &[u8]) -> Vec<Vec<u8>> {
-    // Below malloc's mmap threshold, so freed blocks stay in the heap for reuse.
-    const BLOCK: usize = 64 << 10;
-    let fill = |_| -> Vec<u8> { marker.iter().copied().cycle().take(BLOCK).collect() };
-    let blocks: Vec<Vec<u8>> = (0..64).map(fill).collect();
-    let mut kept = Vec::new();
-    for (i, b) in blocks.into_iter().enumerate() {
-        if i % 2 == 0 {
-            kept.push(b);
-        }
-    }
-    kept
-}
-
 /// The change a control request asks for: `restart`; `tap` with `mode`; `filter` with `op`
 /// `add` (`table`, optional `at`) or `remove` (`at`).
 fn device_change(cmd: &str, req: &serde_json::Value) -> Result<DeviceChange, String> {
@@ -142,7 +124,6 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run dir {}", run_dir.display()))?;
     let run_dir = run_dir.canonicalize().with_context(|| format!("run dir {}", run_dir.display()))?;
     let lock = RunLock::acquire(&run_dir)?;
-    let _canaries = std::env::var("BULKHEAD_TEST_CANARY").ok().map(|m| plant_canaries(m.as_bytes()));
     let fuse_dir = run_dir.join("fuse");
     clear_stale_mount(&fuse_dir);
 

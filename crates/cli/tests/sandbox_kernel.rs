@@ -148,19 +148,32 @@ fn in_private_memory(pid: u32, needle: &[u8]) -> bool {
     false
 }
 
+/// Fills heap blocks with `marker`, frees half of them so the allocator hands their stale bytes
+/// to whatever is allocated next (the frontend's I/O buffers included), and keeps the other
+/// half alive for the probe to find.
+fn plant_canaries(marker: &[u8]) -> Vec<Vec<u8>> {
+    // Below malloc's mmap threshold, so freed blocks stay in the heap for reuse.
+    const BLOCK: usize = 64 << 10;
+    let blocks: Vec<Vec<u8>> = (0..64).map(|_| marker.iter().copied().cycle().take(BLOCK).collect()).collect();
+    blocks.into_iter().step_by(2).collect()
+}
+
+/// The frontend of this test is this process: the supervisor and the FUSE export run here, as
+/// in `bulkhead serve`, so the test can plant canaries in the frontend's own heap.
 #[test]
 fn frontend_heap_canaries_never_reach_an_arena_ring_or_backend() {
     require_kernel!();
     let tmp = TempDir::new("canary");
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
     let marker = format!("<frontend-canary-{nanos:x}>");
-    let serve = Serve::start_with_env(
-        &tmp.path().join("run"),
-        Some(&small_ram_config("c", "32M", "adaptive")),
-        &["c"],
-        &[("BULKHEAD_TEST_CANARY", &marker)],
-    );
-    let file = serve.fuse_file("c");
+    let _canaries = plant_canaries(marker.as_bytes());
+    let config = bulkhead_config::Config::parse(&small_ram_config("c", "32M", "adaptive"), "canary test").unwrap();
+    let sup = bulkhead_supervisor::Supervisor::start(&config, Some(std::path::Path::new(exe()))).unwrap();
+    let mnt = tmp.path().join("fuse");
+    std::fs::create_dir_all(&mnt).unwrap();
+    // Unmounts (and the supervisor ends its domain) on every way out of the test.
+    let fuse = bulkhead_fuse_export::FuseExport::mount(&mnt, sup.devices(), 2).unwrap();
+    let file = mnt.join("c");
     let src = tmp.path().join("src");
     std::fs::write(&src, pattern(77, 4 << 20)).unwrap();
     let of = format!("of={}", file.display());
@@ -177,13 +190,16 @@ fn frontend_heap_canaries_never_reach_an_arena_ring_or_backend() {
     run("dd", &[&format!("if={}", file.display()), "of=/dev/null", "bs=7777", "count=500", "skip=13", "status=none"]);
 
     let needle = marker.as_bytes();
+    let me = std::process::id();
     // The probe finds the marker where it is: the frontend's heap.
-    assert!(in_private_memory(serve.pid(), needle), "canary not planted in the frontend's heap");
-    let driver = serve.driver_pid(0);
+    assert!(in_private_memory(me, needle), "canary not planted in the frontend's heap");
+    let driver = sup.status().devices[0].driver_pid;
     let mut files = std::collections::BTreeMap::new();
-    for pid in [serve.pid(), driver] {
+    for pid in [me, driver] {
         shared_files(pid, &mut files);
     }
+    drop(fuse);
+    sup.shutdown();
     for (name, bytes) in files.values() {
         assert!(!contains(bytes, needle), "frontend heap bytes reached {name}");
     }
@@ -195,10 +211,18 @@ fn frontend_heap_canaries_never_reach_an_arena_ring_or_backend() {
 #[test]
 fn unavailable_layer_warns_under_best_effort_and_refuses_under_required() {
     require_kernel!();
+    // The test driver confines as on a host without Landlock.
     let missing = [("BULKHEAD_TEST_UNAVAILABLE_LAYERS", "landlock")];
+    let Some(driver) = Serve::test_driver() else {
+        return;
+    };
     // best_effort: the domain starts, says so, and status shows the layer missing.
     let tmp = TempDir::new("layer-missing");
-    let serve = Serve::start_with_env(&tmp.path().join("run"), Some(&small_ram_config("w", "16M", "adaptive")), &["w"], &missing);
+    let Some(serve) =
+        Serve::start_test_driver(&tmp.path().join("run"), Some(&small_ram_config("w", "16M", "adaptive")), &["w"], &missing)
+    else {
+        return;
+    };
     let s = serve.status_json()["devices"][0]["sandbox"].clone();
     assert!(s["landlock"]["unavailable"].as_str().unwrap().contains("not available"), "{s}");
     assert_eq!(s["seccomp"], "applied", "{s}");
@@ -229,6 +253,8 @@ fn unavailable_layer_warns_under_best_effort_and_refuses_under_required() {
         .arg(&cfg_path)
         .arg("--run-dir")
         .arg(tmp.path().join("run"))
+        .arg("--driver-exe")
+        .arg(driver)
         .envs(missing)
         .output()
         .unwrap();

@@ -47,12 +47,22 @@ const HEADROOM: u64 = 256 << 20;
 /// Call it once every descriptor and mapping the domain needs exists: afterwards it can open
 /// nothing more.
 pub fn confine_and_report(spec: &bulkhead_spec::DomainSpec) -> Result<bulkhead_sandbox::Layers, DriverError> {
+    confine_and_report_withholding(spec, Vec::new())
+}
+
+/// [`confine_and_report`], with the named layers treated as unavailable on this host (see
+/// [`bulkhead_sandbox::confine::Options::withhold`]).
+pub fn confine_and_report_withholding(
+    spec: &bulkhead_spec::DomainSpec,
+    withhold: Vec<String>,
+) -> Result<bulkhead_sandbox::Layers, DriverError> {
     use std::io::Write;
     let opts = bulkhead_sandbox::confine::Options {
         policy: spec.sandbox.policy,
         role: spec.seccomp_role(),
         namespaces: bulkhead_sandbox::spawn::namespaces_layer(spec.sandbox.policy),
         address_space_headroom: HEADROOM,
+        withhold,
     };
     // Claimed before confinement: the seccomp allowlist has no fcntl to check it with after.
     let report_pipe = match spec.report_fd {

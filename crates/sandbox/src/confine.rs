@@ -14,6 +14,10 @@ pub struct Options {
     pub namespaces: Layer,
     /// Address space allowed beyond what is mapped now (bytes).
     pub address_space_headroom: u64,
+    /// Layers treated as unavailable, as on a host without them, so the best-effort warning
+    /// and the required refusal can be rehearsed on a host that has every layer. Empty in
+    /// `bulkhead driver`.
+    pub withhold: Vec<String>,
 }
 
 fn setrlimit(res: libc::__rlimit_resource_t, cur: u64, max: u64) -> Result<(), String> {
@@ -96,13 +100,9 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
         return Ok(layers);
     }
     let required = opts.policy == Policy::Required;
-    // Test hook: `BULKHEAD_TEST_UNAVAILABLE_LAYERS=landlock,seccomp` makes those layers behave
-    // as on a host without them, so the warning and the refusal paths can be tested here.
-    let simulated = std::env::var("BULKHEAD_TEST_UNAVAILABLE_LAYERS").unwrap_or_default();
-    let unavailable = |layer: &str| simulated.split(',').any(|l| l == layer);
     let apply = |layer: &'static str, f: &dyn Fn() -> Result<(), String>| -> Result<(), String> {
-        if unavailable(layer) {
-            return Err("not available on this host (simulated by BULKHEAD_TEST_UNAVAILABLE_LAYERS)".into());
+        if opts.withhold.iter().any(|l| l == layer) {
+            return Err("not available on this host (withheld)".into());
         }
         f()
     };

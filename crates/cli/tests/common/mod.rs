@@ -57,6 +57,13 @@ impl Serve {
     /// in `env`). `None` (the test skips) when the test driver was not built, which fails
     /// the test where the kernel tests are required.
     pub fn start_test_driver(run_dir: &Path, config: Option<&str>, devices: &[&str], env: &[(&str, &str)]) -> Option<Serve> {
+        let driver = Self::test_driver()?;
+        Some(Self::spawn(run_dir, config, devices, env, Some(driver)))
+    }
+
+    /// The test driver's path, or `None` (the test skips) as for
+    /// [`start_test_driver`](Self::start_test_driver).
+    pub fn test_driver() -> Option<&'static Path> {
         let Some(driver) = option_env!("CARGO_BIN_EXE_bulkhead-test-driver") else {
             assert!(
                 std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"),
@@ -65,7 +72,7 @@ impl Serve {
             eprintln!("SKIP: bulkhead-test-driver not built (--features bulkhead/test-driver)");
             return None;
         };
-        Some(Self::spawn(run_dir, config, devices, env, Some(Path::new(driver))))
+        Some(Path::new(driver))
     }
 
     fn spawn(run_dir: &Path, config: Option<&str>, devices: &[&str], env: &[(&str, &str)], driver: Option<&Path>) -> Serve {

@@ -8,6 +8,9 @@
 //!   [`Hostility`](bulkhead_testkit::hostile::Hostility) names;
 //! - unset: runs the real driver runtime, like `bulkhead driver`.
 //!
+//! `BULKHEAD_TEST_UNAVAILABLE_LAYERS=landlock,seccomp` confines as on a host without those
+//! layers.
+//!
 //! `BULKHEAD_TEST_FAULT_ROLE=tap|driver` limits the fault to that domain of an `interpose`
 //! device.
 //!
@@ -76,7 +79,9 @@ fn main() -> ExitCode {
                 Ok(d) => d,
                 Err(e) => return fail(e.to_string()),
             };
-            if let Err(e) = bulkhead_driver::confine_and_report(&spec) {
+            let withhold = std::env::var("BULKHEAD_TEST_UNAVAILABLE_LAYERS").unwrap_or_default();
+            let withhold = withhold.split(',').filter(|l| !l.is_empty()).map(String::from).collect();
+            if let Err(e) = bulkhead_driver::confine_and_report_withholding(&spec, withhold) {
                 return fail(e.to_string());
             }
             match domain.run() {
