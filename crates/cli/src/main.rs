@@ -49,13 +49,13 @@ enum Cmd {
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
     },
-    /// Move a running device's filters: `passthrough` (in its driver domain) or `interpose` (in
-    /// a tap domain of their own). Requests in flight are reissued to the new domains; nothing
-    /// fails.
+    /// Move a running device's filters: `passthrough` (in its driver domain), `interpose` (in
+    /// a tap domain of their own) or `intercept` (in a tap domain that ends in the soft device,
+    /// no driver domain). Requests in flight are reissued to the new domains; nothing fails.
     Tap {
         /// Device name.
         device: String,
-        /// passthrough | interpose.
+        /// passthrough | interpose | intercept.
         mode: String,
         /// Run directory of the `serve` to ask.
         #[arg(long, default_value = "./bulkhead-run")]

@@ -94,7 +94,7 @@ fn device_change(cmd: &str, req: &serde_json::Value) -> Result<DeviceChange, Str
             Some("passthrough") => Ok(DeviceChange::Tap(Tap::Passthrough)),
             Some("interpose") => Ok(DeviceChange::Tap(Tap::Interpose)),
             Some("intercept") => Ok(DeviceChange::Tap(Tap::Intercept)),
-            Some(other) => Err(format!("unknown tap mode `{other}` (passthrough, interpose)")),
+            Some(other) => Err(format!("unknown tap mode `{other}` (passthrough, interpose, intercept)")),
             None => Err("tap needs `mode`".into()),
         },
         _ => {

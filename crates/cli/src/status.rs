@@ -96,7 +96,8 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     for d in report["devices"].as_array().into_iter().flatten() {
         let name = d["name"].as_str().unwrap_or("?");
         if let Some(pid) = d["tap_pid"].as_u64() {
-            println!("{name}: tap domain pid {pid} (interpose), rss {}", mib(d["tap_memory"]["total_kib"].as_u64()));
+            let tap = d["tap"].as_str().unwrap_or("?");
+            println!("{name}: tap domain pid {pid} ({tap}), rss {}", mib(d["tap_memory"]["total_kib"].as_u64()));
         }
         let filters = d["filters"].as_array().map(Vec::as_slice).unwrap_or_default();
         if !filters.is_empty() {

@@ -1,7 +1,9 @@
-//! `tap = "interpose"`: the filters run in a tap domain of their own between the frontend and
-//! the driver domain. Through the real kernel: a three-filter chain under ext4 and fio verify
-//! while the tap domain and the driver domain are each killed again and again; a driver domain
-//! breaking the channel below the tap domain; status naming both domains.
+//! Tap domains. `tap = "interpose"`: the filters run in a tap domain of their own between the
+//! frontend and the driver domain. Through the real kernel: a three-filter chain under ext4 and
+//! fio verify while the tap domain and the driver domain are each killed again and again; a
+//! driver domain breaking the channel below the tap domain; status naming both domains.
+//! `tap = "intercept"`: one tap domain terminates every request in a soft device, and refuses a
+//! device node. Mode switches among all three under load.
 
 mod common;
 
@@ -182,6 +184,16 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
     cli(&run_dir, &["filter", "w", "add", "--at", "0", "type = \"delay\"", "write_us = 100"]).unwrap();
     cli(&run_dir, &["filter", "w", "add", "type = \"throttle\"", "iops = 50000"]).unwrap();
     assert_eq!(chain(&serve).1, ["delay", "stats", "throttle"]);
+    pause();
+    // Intercept: one tap domain, which is the driver domain too.
+    cli(&run_dir, &["tap", "w", "intercept"]).unwrap();
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    assert_eq!(d["tap"], "intercept");
+    assert_eq!(d["tap_pid"], d["driver_pid"], "{d}");
+    assert_eq!(d["tap_sandbox"]["seccomp_role"], "memory", "{d}");
+    pause();
+    cli(&run_dir, &["tap", "w", "interpose"]).unwrap();
     // A bad table is refused, naming the key and its line, and the device runs on unchanged.
     let e = cli(&run_dir, &["filter", "w", "add", "type = \"delay\"", "flush_us = 99999999"]).unwrap_err();
     assert!(e.contains("flush_us") && e.contains("line 2"), "{e}");
@@ -206,8 +218,104 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
     let writes = d["filters"][0]["ops"].as_array().unwrap().iter().find(|o| o["op"] == "write").unwrap()["requests"].as_u64();
     assert!(writes.unwrap() > 200, "{writes:?}");
     let log = serve.log_text();
-    for what in ["tap mode passthrough → interpose", "filter delay inserted at position 0", "filter delay at position 0 removed"]
-    {
+    for what in [
+        "tap mode passthrough → interpose",
+        "filter delay inserted at position 0",
+        "tap mode interpose → intercept",
+        "tap mode intercept → interpose",
+        "filter delay at position 0 removed",
+    ] {
         assert!(log.contains(what), "{what}: {log}");
     }
+}
+
+/// The pids of `serve`'s children: its domains.
+fn domains_of(serve: &Serve) -> Vec<u32> {
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", serve.pid())).unwrap_or_default();
+    let mut pids: Vec<u32> = children.split_whitespace().filter_map(|p| p.parse().ok()).collect();
+    // Domains spawned from the supervisor's other threads are listed under those threads.
+    for t in std::fs::read_dir(format!("/proc/{}/task", serve.pid())).unwrap().flatten() {
+        let tid = t.file_name().to_string_lossy().to_string();
+        if tid != serve.pid().to_string() {
+            let c = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            pids.extend(c.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
+        }
+    }
+    pids.sort_unstable();
+    pids.dedup();
+    pids
+}
+
+#[test]
+fn intercept_terminates_every_request_in_one_tap_domain_through_kills_and_refuses_a_device_node() {
+    require_kernel!();
+    if !tools(&["fio"]) {
+        return;
+    }
+    let tmp = TempDir::new("intercept");
+    let image = tmp.path().join("disk.img");
+    std::fs::File::create(&image).unwrap().set_len(256 << 20).unwrap();
+    let trace = tmp.path().join("i.trace");
+    let cfg = format!(
+        "[[device]]\nname = \"i\"\ntap = \"intercept\"\nrestart_limit = 100000\n[device.backend]\ntype = \"file\"\n\
+         path = \"{}\"\n[[device.filter]]\ntype = \"stats\"\n[[device.filter]]\ntype = \"trace\"\npath = \"{}\"\n",
+        image.display(),
+        trace.display()
+    );
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["i"]);
+    let d = serve.status_json()["devices"][0].clone();
+    assert_eq!(d["tap"], "intercept");
+    assert_eq!(d["tap_pid"], d["driver_pid"], "{d}");
+    assert!(d["tap_sandbox"]["seccomp_role"].as_str().unwrap().starts_with("file"), "{d}");
+    // No domain below the tap domain: serve has exactly one.
+    assert_eq!(domains_of(&serve), [d["tap_pid"].as_u64().unwrap() as u32]);
+
+    let lo = LoopGuard::attach_direct(&serve.fuse_file("i"));
+    run("mkfs.ext4", &["-q", "-F", &lo.dev]);
+    let mnt = tmp.path().join("mnt");
+    let m = MountGuard::mount(&lo.dev, &mnt);
+    let killer = DomainKiller::start(
+        serve.run_dir.clone(),
+        || Duration::from_millis(300),
+        |d, _| {
+            let tap = d["tap_pid"].as_u64().unwrap_or(0) as u32;
+            (0, tap, tap as u64)
+        },
+    );
+    fio_verify(&mnt, "randrw", "4k-256k", "48M", 6);
+    let kills = killer.stop();
+    assert!(kills.first().copied().unwrap_or(0) >= 5, "only {kills:?} kills landed");
+    m.unmount();
+    let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
+    assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+    drop(lo);
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    assert_eq!((d["state"].as_str(), d["requests_failed"].as_u64()), (Some("running"), Some(0)), "{d}");
+    // Every request went through the tap domain's chain: the trace holds them.
+    assert!(std::fs::metadata(&trace).unwrap().len() > 1000 * 64);
+    assert_eq!(domains_of(&serve).len(), 1);
+    drop(serve);
+
+    // A device node is no soft device: refused at start, and by `bulkhead tap` on a running
+    // device, which runs on unchanged.
+    let node = LoopGuard::attach_direct(&image);
+    let cfg = format!("[[device]]\nname = \"n\"\n[device.backend]\ntype = \"file\"\npath = \"{}\"\n", node.dev);
+    let serve = Serve::start(&tmp.path().join("run2"), Some(&cfg), &["n"]);
+    let e = cli(&serve.run_dir, &["tap", "n", "intercept"]).unwrap_err();
+    assert!(e.contains("device node") && e.contains(&node.dev), "{e}");
+    assert_eq!(chain(&serve).0, "passthrough");
+    drop(serve);
+    let cfg_path = tmp.path().join("n.toml");
+    std::fs::write(&cfg_path, cfg.replace("name = \"n\"\n", "name = \"n\"\ntap = \"intercept\"\n")).unwrap();
+    let out = Command::new("timeout")
+        .args(["30", exe(), "serve", "--config"])
+        .arg(&cfg_path)
+        .arg("--run-dir")
+        .arg(tmp.path().join("run3"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("intercept") && err.contains("device node"), "{err}");
 }

@@ -833,16 +833,6 @@ impl Config {
             for (i, f) in d.filters.iter().enumerate() {
                 f.resolve(name, i, d.watchdog_ms(), &err)?;
             }
-            if d.tap == Tap::Intercept {
-                let span = d.filters.first().map_or(d.name.span(), |f| f.kind.span());
-                return Err(err(
-                    span,
-                    format!(
-                        "device `{name}`: key `tap`: \"intercept\" is not available in this version; \"passthrough\" runs the \
-                         filters in the backend's domain, \"interpose\" in a tap domain of their own"
-                    ),
-                ));
-            }
             if let Some(s) = &d.size {
                 if s.get_ref().0 == 0 || s.get_ref().0 % 512 != 0 {
                     return Err(err(
@@ -1078,13 +1068,13 @@ mod tests {
     }
 
     #[test]
-    fn tap_modes_parse_and_intercept_is_refused_by_name() {
+    fn tap_modes_parse_and_unknown_ones_are_refused_by_line() {
         let c = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"passthrough\"")).unwrap();
         assert_eq!(c.devices[0].tap, Tap::Passthrough);
         let c = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"interpose\"")).unwrap();
         assert_eq!(c.devices[0].tap, Tap::Interpose);
-        let e = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"intercept\"")).unwrap_err().to_string();
-        assert!(e.contains("`tap`") && e.contains("intercept"), "{e}");
+        let c = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"intercept\"")).unwrap();
+        assert_eq!(c.devices[0].tap, Tap::Intercept);
         let e = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"sideways\"")).unwrap_err().to_string();
         assert!(e.contains("sideways") && e.contains("line 4"), "{e}");
     }

@@ -29,6 +29,8 @@ pub(crate) struct DomainProc {
     pub pidfd: Option<OwnedFd>,
     pub pid: u32,
     pub lower: Option<Spawned>,
+    /// Whether the domain at `pid` is a tap domain (interpose or intercept).
+    pub tap: bool,
     /// State, restart history and the watchdog's view.
     pub life: Lifecycle,
     /// Killed domains that had not finished exiting when they were replaced; reaped later.
@@ -47,6 +49,7 @@ impl DomainProc {
             child: Some(top.child),
             layers: top.layers,
             pidfd: Some(top.pidfd),
+            tap: top.tap,
             lower,
             life,
             lingering: Vec::new(),
@@ -59,6 +62,7 @@ impl DomainProc {
         self.child = Some(top.child);
         self.layers = top.layers;
         self.pidfd = Some(top.pidfd);
+        self.tap = top.tap;
         self.lower = lower;
     }
 
@@ -372,10 +376,10 @@ impl DeviceRuntime {
         let mut chain = self.launcher.chain.lock().unwrap_or_else(|e| e.into_inner());
         match change {
             DeviceChange::Restart => Ok("restart requested".into()),
-            DeviceChange::Tap(Tap::Intercept) => {
-                Err("tap mode \"intercept\" is not available in this version (passthrough or interpose)".into())
-            }
             DeviceChange::Tap(t) => {
+                if *t == Tap::Intercept {
+                    self.launcher.soft_terminal()?;
+                }
                 let was = chain.tap;
                 chain.tap = *t;
                 Ok(format!("tap mode {} → {}", was.as_str(), t.as_str()))
@@ -404,6 +408,24 @@ impl DeviceRuntime {
 }
 
 impl Launcher {
+    /// Refuses a terminal that is not a soft device: `intercept` ends the chain in memory, a
+    /// file on a mounted file system or a remote server, never in a device node (that is what
+    /// a driver domain is for).
+    pub(crate) fn soft_terminal(&self) -> Result<(), String> {
+        use std::os::unix::fs::FileTypeExt;
+        let Backend::File { path, .. } = &self.backend else { return Ok(()) };
+        let dup = self.backend_fds[0].try_clone().map_err(|e| format!("{}: {e}", path.display()))?;
+        let kind = std::fs::File::from(dup).metadata().map_err(|e| format!("{}: {e}", path.display()))?.file_type();
+        if kind.is_block_device() || kind.is_char_device() {
+            return Err(format!(
+                "tap = \"intercept\" terminates in a soft device (memory, a file on a mounted file system, a remote \
+                 server), and {} is a device node: use \"passthrough\" or \"interpose\"",
+                path.display()
+            ));
+        }
+        Ok(())
+    }
+
     /// How long to keep reconnecting to a lost remote server; `None` for local backends.
     pub(crate) fn reconnect_timeout(&self) -> Option<Duration> {
         match &self.backend {
@@ -426,6 +448,9 @@ impl Launcher {
         let arena = |f: &FrontQueue| f.arena_bytes() as u64;
         let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
         let interpose = chain.tap == Tap::Interpose;
+        if chain.tap == Tap::Intercept {
+            self.soft_terminal()?;
+        }
         let mut upper = Pass::default();
         let mut fronts = Vec::new();
         let mut queue_specs = Vec::new();
@@ -448,8 +473,11 @@ impl Launcher {
                 f.set_yield_after(FRONTEND_YIELD_AFTER_SPINS);
             }
         } else {
+            // One domain: the backend's own (passthrough), or a tap domain whose chain ends in
+            // the soft device itself (intercept).
+            let role = if chain.tap == Tap::Intercept { "tap" } else { "driver" };
             let backend = self.backend_spec(&mut upper, conn);
-            let top = self.spawn("driver", upper, queue_specs, backend, Some(&chain))?;
+            let top = self.spawn(role, upper, queue_specs, backend, Some(&chain))?;
             return Ok(Launched { fronts, top, lower: None });
         }
         let mut below = Vec::new();
@@ -564,7 +592,7 @@ impl Launcher {
             None => None,
         };
         let pidfd = pidfd_open(child.id()).map_err(|e| format!("pidfd_open: {e}"))?;
-        Ok(Spawned { child, pidfd, layers })
+        Ok(Spawned { child, pidfd, layers, tap: role == "tap" })
     }
 }
 
@@ -602,6 +630,8 @@ pub(crate) struct Spawned {
     pub child: DomainChild,
     pub pidfd: OwnedFd,
     pub layers: Option<Layers>,
+    /// A tap domain (it runs the filters: interpose or intercept).
+    pub tap: bool,
 }
 
 /// Reads the domain's sandbox report: one JSON line, written once it is confined. `None` if it

@@ -71,7 +71,8 @@ pub struct DeviceStatus {
     pub state: DeviceState,
     /// Pid of the driver domain, the one running the backend (0 if none).
     pub driver_pid: u32,
-    /// Pid of the tap domain in `interpose` mode.
+    /// Pid of the tap domain in `interpose` and `intercept` mode (in `intercept` it is the
+    /// driver domain too: it terminates every request).
     pub tap_pid: Option<u32>,
     /// The tap domain's resident memory.
     pub tap_memory: Option<Rss>,
@@ -99,7 +100,7 @@ pub struct DeviceStatus {
     pub failure: Option<String>,
     /// The sandbox layers in force in the driver domain, as it reported them.
     pub sandbox: Option<bulkhead_sandbox::Layers>,
-    /// The same for the tap domain in `interpose` mode.
+    /// The same for the tap domain in `interpose` and `intercept` mode.
     pub tap_sandbox: Option<bulkhead_sandbox::Layers>,
     /// Where the filters run.
     pub tap: String,
@@ -227,8 +228,8 @@ impl Supervisor {
                     name: rt.name.clone(),
                     state: p.life.state(),
                     driver_pid: if running { p.driver_pid() } else { 0 },
-                    tap_pid: (running && p.lower.is_some()).then_some(p.pid),
-                    tap_memory: if running && p.lower.is_some() { proc_info::rss(p.pid) } else { None },
+                    tap_pid: (running && p.tap).then_some(p.pid),
+                    tap_memory: if running && p.tap { proc_info::rss(p.pid) } else { None },
                     mode: rt.mode.as_str().to_string(),
                     backend: rt.backend_desc.clone(),
                     size_bytes: rt.device.size(),
@@ -245,7 +246,7 @@ impl Supervisor {
                         (Some(l), true) => l.layers.clone(),
                         (None, true) => p.layers.clone(),
                     },
-                    tap_sandbox: if running && p.lower.is_some() { p.layers.clone() } else { None },
+                    tap_sandbox: if running && p.tap { p.layers.clone() } else { None },
                     tap: chain.tap.as_str().to_string(),
                     filters: chain
                         .filters
