@@ -9,13 +9,17 @@
 //! breaks the protocol makes the channel [`lost`](Backend::lost): this domain then ends without
 //! answering the batch, and the supervisor restarts both domains, the frontend reissuing every
 //! unanswered request.
+//!
+//! When the domain below dies, the supervisor replaces it alone ([`BelowControl`]): this domain
+//! starts its queues below over as the new generation, sends again every request of the batch
+//! in hand that had no answer, and carries on; the frontend above sees a pause.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 use bulkhead_block::{Backend, BlockError, Caps, Io, Request};
-use bulkhead_channel::{ArenaWindows, FrontQueue, Op, Segment, SubmitError, ARENA_READ, ARENA_WRITE};
+use bulkhead_channel::{ArenaWindows, BelowControl, FrontQueue, Op, Segment, SubmitError, ARENA_READ, ARENA_WRITE};
 
 /// Longest one wait for the domain below, ms; the supervisor's watchdog decides before this.
 const WAIT_SLICE_MS: i32 = 100;
@@ -35,6 +39,18 @@ pub struct ChannelBackend {
     stop: Arc<AtomicBool>,
     /// Scratch: the queue below each request of a batch goes to.
     route: Vec<usize>,
+    /// The supervisor's line about replacing the domain below, and the generation below now.
+    control: Option<BelowControl>,
+    generation: u32,
+}
+
+/// How sending one queue's part of a batch ended.
+enum Sent {
+    /// Every request has its answer.
+    Answered,
+    /// The domain below was replaced meanwhile and the queues started over: send again what
+    /// has no answer.
+    StartedOver,
 }
 
 /// Where one request goes below: its queue, operation and windows.
@@ -48,9 +64,33 @@ impl ChannelBackend {
     /// Over the forwarding frontend ends `queues` (queue `i` sharing the arenas the upper
     /// queue `i` maps at `windows[i]`), for a device of `size` bytes; `stop` (the domain's stop
     /// flag) ends a wait.
-    pub fn new(queues: Vec<FrontQueue>, windows: Vec<ArenaWindows>, size: u64, stop: Arc<AtomicBool>) -> Self {
+    /// flag) ends a wait. With `control`, a domain below that dies is replaced alone.
+    pub fn new(
+        queues: Vec<FrontQueue>,
+        windows: Vec<ArenaWindows>,
+        size: u64,
+        stop: Arc<AtomicBool>,
+        control: Option<BelowControl>,
+    ) -> Self {
         assert!(!queues.is_empty() && queues.len() == windows.len(), "one upper arena pair per queue below");
-        ChannelBackend { queues, windows, size, next: 0, lost: None, stop, route: Vec::new() }
+        let generation = queues[0].generation();
+        ChannelBackend { queues, windows, size, next: 0, lost: None, stop, route: Vec::new(), control, generation }
+    }
+
+    /// Starts the queues below over if the supervisor has replaced the domain below; returns
+    /// whether it did.
+    fn start_over_if_asked(&mut self) -> Result<bool, String> {
+        let Some(g) = self.control.as_ref().and_then(|c| c.wanted(self.generation)) else {
+            return Ok(false);
+        };
+        for q in &mut self.queues {
+            q.restart(g).map_err(|e| format!("starting the channel below over: {e}"))?;
+        }
+        self.generation = g;
+        if let Some(c) = &self.control {
+            c.report_ready(g);
+        }
+        Ok(true)
     }
 
     /// The queue and windows of a request, or why it cannot go down.
@@ -88,13 +128,24 @@ impl ChannelBackend {
         q.push_forward(route.op, offset, len, &route.segs, fua, user)
     }
 
-    /// Sends the requests of `ios` routed to queue `qi` and waits for all of them.
+    /// Sends the requests of `ios` routed to queue `qi` and waits for all of them, sending
+    /// again those without an answer whenever the domain below is replaced meanwhile.
     fn run_queue(&mut self, qi: usize, ios: &mut [Io<'_>], routes: &[Option<Route>]) -> Result<(), String> {
-        let q = &mut self.queues[qi];
-        let mine: ArrayVec<usize, 64> =
-            routes.iter().enumerate().filter(|(_, r)| r.as_ref().is_some_and(|r| r.queue == qi)).map(|(i, _)| i).collect();
+        while let Sent::StartedOver = self.send_queue(qi, ios, routes)? {}
+        Ok(())
+    }
+
+    /// One try of [`run_queue`](Self::run_queue): sends what has no answer yet.
+    fn send_queue(&mut self, qi: usize, ios: &mut [Io<'_>], routes: &[Option<Route>]) -> Result<Sent, String> {
+        let mine: ArrayVec<usize, 64> = routes
+            .iter()
+            .enumerate()
+            .filter(|(i, r)| r.as_ref().is_some_and(|r| r.queue == qi) && ios[*i].result == Err(BlockError::NotDone))
+            .map(|(i, _)| i)
+            .collect();
         let (mut sent, mut pending) = (0, 0usize);
         while sent < mine.len() || pending > 0 {
+            let q = &mut self.queues[qi];
             while sent < mine.len() {
                 let i = mine[sent];
                 let route = routes[i].as_ref().expect("routed");
@@ -112,10 +163,17 @@ impl ChannelBackend {
             if pending == 0 {
                 break;
             }
-            q.wait_or(WAIT_SLICE_MS, &self.stop).map_err(|e| format!("channel to the domain below: {e}"))?;
+            let waited = q.wait_or(WAIT_SLICE_MS, &self.stop);
             if self.stop.load(Ordering::Relaxed) {
                 return Err("stopping".into());
             }
+            // A domain below that died leaves its requests unanswered: once the supervisor has
+            // replaced it, they go again to the new one.
+            if self.start_over_if_asked()? {
+                return Ok(Sent::StartedOver);
+            }
+            waited.map_err(|e| format!("channel to the domain below: {e}"))?;
+            let q = &mut self.queues[qi];
             let reaped = q.reap(|c| {
                 let io = &mut ios[c.user as usize];
                 io.result = c.result.map_err(|status| BlockError::Os {
@@ -126,7 +184,7 @@ impl ChannelBackend {
             });
             pending -= reaped.map_err(|e| format!("channel to the domain below: {e}"))?;
         }
-        Ok(())
+        Ok(Sent::Answered)
     }
 }
 
@@ -148,6 +206,21 @@ impl Backend for ChannelBackend {
 
     fn lost(&self) -> Option<&str> {
         self.lost.as_deref()
+    }
+
+    fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.control.as_ref().map(BelowControl::wake_fd)
+    }
+
+    fn tend(&mut self) {
+        if let Some(c) = &self.control {
+            c.drain();
+        }
+        if self.lost.is_none() {
+            if let Err(e) = self.start_over_if_asked() {
+                self.lost = Some(e);
+            }
+        }
     }
 }
 

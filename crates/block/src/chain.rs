@@ -86,6 +86,16 @@ impl Chain {
         self.backend.lost()
     }
 
+    /// The backend's doorbell for work of its own (see [`Backend::wake_fd`]).
+    pub fn backend_wake_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.backend.wake_fd()
+    }
+
+    /// Lets the backend do work of its own (see [`Backend::tend`]).
+    pub fn tend(&mut self) {
+        self.backend.tend();
+    }
+
     /// Lets layers write out what they buffer (see [`Layer::idle`]).
     pub fn idle(&mut self) {
         for l in &mut self.layers {

@@ -233,6 +233,15 @@ pub trait Backend: Send {
     fn lost(&self) -> Option<&str> {
         None
     }
+    /// A doorbell that says the backend has work of its own (see [`tend`](Self::tend)): the
+    /// domain's loop wakes on it as on a request.
+    fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+    /// Called between batches, whenever the domain's loop wakes or has spun idle a while: a
+    /// backend with work of its own does it here (a channel below whose domain was replaced
+    /// starts over). It must cost next to nothing when there is none.
+    fn tend(&mut self) {}
 }
 
 mod chain;

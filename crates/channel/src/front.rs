@@ -220,6 +220,28 @@ impl FrontQueue {
         Ok(Self::assemble(ring, None, cfg.arena_bytes, kick, irq, cfg))
     }
 
+    /// Starts a forwarding end over as a fresh queue of `generation`, for a new domain below
+    /// (the old one has exited and nothing of it is attached any more): the ring's header is
+    /// rewritten and every request outstanding is forgotten, so the caller reissues those it
+    /// still wants answered. Only a forwarding end restarts in place: a queue with arenas of its
+    /// own gets new ones with each generation.
+    pub fn restart(&mut self, generation: u32) -> Result<(), ChannelError> {
+        if self.arenas.is_some() {
+            return Err(ChannelError::Setup("only a forwarding end restarts in place".into()));
+        }
+        self.ring.restart(generation).map_err(|e| ChannelError::Setup(e.to_string()))?;
+        self.generation = generation;
+        let n = self.table.len();
+        self.table = vec![Entry::default(); n];
+        self.free = (0..n as u32).rev().collect();
+        self.broken = None;
+        self.spurious = 0;
+        self.damped_until = 0;
+        // A doorbell rung to wake this end for the restart carries no response.
+        self.irq.drain();
+        Ok(())
+    }
+
     /// Makes waits yield the CPU between looks once they have spun `spins` times (0: never):
     /// for a frontend that is itself a domain (a tap domain), one of three spinners for two
     /// CPUs, whose peer may be runnable on its CPU.

@@ -9,12 +9,14 @@
 #![deny(missing_docs)]
 
 mod back;
+mod below;
 mod front;
 mod setup;
 #[cfg(test)]
 mod tests;
 
 pub use back::{ArenaWindows, BackQueue, Popped};
+pub use below::BelowControl;
 pub use bulkhead_shmem::{SharedSlice, SliceList};
 pub use front::{Completion, FrontQueue, FrontRequest, QueueStats, STORM_DAMP_MS, STORM_WAKES};
 pub use setup::{pair, BackQueueFds, ForwardQueueFds, LowerQueue, QueueConfig, QueueSetup};

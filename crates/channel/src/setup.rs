@@ -113,6 +113,14 @@ impl LowerQueue {
         Ok(ForwardQueueFds { ring: dup(&self.ring)?, kick: dup(&self.kick)?, irq: dup(&self.irq)? })
     }
 
+    /// Wakes the tap domain if it waits on this queue (rings the doorbell the domain below
+    /// rings): for a supervisor replacing the domain below.
+    pub fn interrupt_front(&self) {
+        if let Ok(irq) = self.irq.try_clone().and_then(EventFd::from_owned) {
+            irq.ring();
+        }
+    }
+
     /// Descriptors for the domain below. Call once the tap domain has written the header.
     pub fn back_fds(&self) -> Result<BackQueueFds, ChannelError> {
         Ok(BackQueueFds {

@@ -282,6 +282,12 @@ impl Device {
         }
     }
 
+    /// Records an outage the frontend did not see as one: a domain below a tap domain was
+    /// replaced while the tap domain held the requests (`took`: detection to the new domain).
+    pub fn note_outage(&self, took: Duration) {
+        lock(&self.gens).outages_ms.push(took.as_secs_f64() * 1e3);
+    }
+
     /// Outages measured so far, ms: from detection to the first completion after the restart,
     /// or to the new domain's installation when no request was waiting.
     pub fn outages_ms(&self) -> Vec<f64> {

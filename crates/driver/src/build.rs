@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use bulkhead_backends::{ChannelBackend, Engine, FileBackend, NbdBackend, NullBackend, RamBackend};
 use bulkhead_block::{Backend, Chain};
-use bulkhead_channel::{BackQueue, BackQueueFds, ForwardQueueFds, FrontQueue, QueueConfig};
+use bulkhead_channel::{BackQueue, BackQueueFds, BelowControl, ForwardQueueFds, FrontQueue, QueueConfig};
 use bulkhead_ring::ArenaSizes;
 
 use crate::{Domain, DriverError};
@@ -68,7 +68,7 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
             Box::new(NbdBackend::new(sock, export, this.size, std::time::Duration::from_millis(*timeout_ms)))
         }
         BackendSpec::Null => Box::new(NullBackend::new(this.size)),
-        BackendSpec::Channel { queues: lower, generation } => {
+        BackendSpec::Channel { queues: lower, generation, control_fds } => {
             if lower.len() != queues.len() {
                 return Err(DriverError::Setup("the channel below needs one queue per queue above".into()));
             }
@@ -89,7 +89,16 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
                 fronts.push(front);
             }
             let windows = queues.iter().map(BackQueue::arena_windows).collect();
-            Box::new(ChannelBackend::new(fronts, windows, this.size, lower_stop))
+            let control = match control_fds {
+                Some(fds) => {
+                    // SAFETY: forwarded from this function's contract.
+                    let [page, wake] = fds.map(|fd| unsafe { claim(fd) });
+                    let c = BelowControl::attach(page?, wake?).map_err(|e| DriverError::Setup(e.to_string()))?;
+                    Some(c)
+                }
+                None => None,
+            };
+            Box::new(ChannelBackend::new(fronts, windows, this.size, lower_stop, control))
         }
     };
     let mut layers = Vec::with_capacity(this.filters.len());

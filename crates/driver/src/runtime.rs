@@ -133,6 +133,9 @@ impl Domain {
             q.set_peer_polls(mode == NotifyMode::Poll);
             poller.add(q.kick_fd(), i as u64).map_err(|e| DriverError::Setup(e.to_string()))?;
         }
+        if let Some(fd) = chain.backend_wake_fd() {
+            poller.add(fd, u64::MAX).map_err(|e| DriverError::Setup(e.to_string()))?;
+        }
         let tags = Tags::new(&queues);
         let per_queue = queues.first().map_or(0, BackQueue::nslots);
         if queues.iter().any(|q| q.nslots() != per_queue) {
@@ -341,6 +344,7 @@ impl Domain {
             let sleep = sleep && self.chain.next_poll().is_none_or(|t| t > now_ns() + 1_000_000);
             if !sleep {
                 if spins.is_multiple_of(1024) {
+                    self.chain.tend();
                     self.idle_layers(false);
                 }
                 for _ in 0..8 {
@@ -359,6 +363,7 @@ impl Domain {
                 continue;
             }
             self.sleep()?;
+            self.chain.tend();
             self.idle_layers(false);
             slept = true;
         }

@@ -36,6 +36,11 @@ impl FrontRing {
         if map.len() < layout.file_size() {
             return Err(RingError::BadHeader("queue file smaller than its layout"));
         }
+        Self::write_header(&map, layout, generation)?;
+        Ok(FrontRing { map, layout, req_prod: 0, req_published: 0, rsp_cons: 0, rsp_prod_seen: 0, peer_polls: false })
+    }
+
+    fn write_header(map: &Mapping, layout: RingLayout, generation: u32) -> Result<(), RingError> {
         map.write_obj(H::MAGIC, &MAGIC)?;
         map.write_obj(H::VERSION, &VERSION)?;
         map.write_obj(H::NSLOTS, &layout.nslots)?;
@@ -43,11 +48,21 @@ impl FrontRing {
         map.write_obj(H::RSP_SLOT, &(RSP_SLOT_SIZE as u32))?;
         for off in [H::REQ_PROD, H::REQ_CONS, H::REQ_EVENT, H::BACK_STATE, H::RSP_PROD, H::RSP_CONS, H::RSP_EVENT, H::FRONT_STATE]
         {
-            cell(&map, off).store(0, Ordering::Relaxed);
+            cell(map, off).store(0, Ordering::Relaxed);
         }
         map.atomic_u64(H::PROGRESS)?.store(0, Ordering::Relaxed);
-        cell(&map, H::GENERATION).store(generation, Ordering::Release);
-        Ok(FrontRing { map, layout, req_prod: 0, req_published: 0, rsp_cons: 0, rsp_prod_seen: 0, peer_polls: false })
+        cell(map, H::GENERATION).store(generation, Ordering::Release);
+        Ok(())
+    }
+
+    /// Starts the queue over as a fresh one of `generation`, for a new driver end: the header
+    /// is rewritten whatever the old driver left in it, and every request outstanding is
+    /// forgotten. Call only once no driver end is attached any more (the old driver domain has
+    /// exited) and before the new one attaches.
+    pub fn restart(&mut self, generation: u32) -> Result<(), RingError> {
+        Self::write_header(&self.map, self.layout, generation)?;
+        (self.req_prod, self.req_published, self.rsp_cons, self.rsp_prod_seen) = (0, 0, 0, 0);
+        Ok(())
     }
 
     /// Ring geometry.
@@ -316,13 +331,18 @@ mod tests {
     use std::os::fd::AsRawFd;
 
     fn pair(nslots: u32) -> (FrontRing, BackRing) {
+        let (front, back, _fd) = pair_with_file(nslots);
+        (front, back)
+    }
+
+    fn pair_with_file(nslots: u32) -> (FrontRing, BackRing, std::os::fd::OwnedFd) {
         let layout = RingLayout::new(nslots).unwrap();
         let fd = memfd::create("q", layout.file_size() as u64).unwrap();
         let fm = Mapping::new(fd.as_raw_fd(), layout.file_size(), Protection::ReadWrite).unwrap();
         let bm = Mapping::new(fd.as_raw_fd(), layout.file_size(), Protection::ReadWrite).unwrap();
         let front = FrontRing::create(fm, layout, 5).unwrap();
         let back = BackRing::attach(bm, layout).unwrap();
-        (front, back)
+        (front, back, fd)
     }
 
     fn req(id: u64) -> RequestSlot {
@@ -343,6 +363,31 @@ mod tests {
         b.publish();
         assert_eq!(f.pop_response().unwrap().unwrap().id, 1);
         assert_eq!(f.outstanding(), 0);
+    }
+
+    #[test]
+    fn a_restarted_ring_serves_a_new_driver_end_from_scratch() {
+        let (mut f, mut b, fd) = pair_with_file(4);
+        for i in 0..3 {
+            f.push(&req(i)).unwrap();
+        }
+        f.publish();
+        b.pop_request().unwrap().unwrap();
+        // The old driver dies leaving a scribbled header; the ring starts over as generation 6.
+        cell(b.mapping(), H::RSP_PROD).store(77, Ordering::Release);
+        drop(b);
+        f.restart(6).unwrap();
+        assert_eq!(f.outstanding(), 0);
+        let bm = Mapping::new(fd.as_raw_fd(), f.layout.file_size(), Protection::ReadWrite).unwrap();
+        let mut b = BackRing::attach(bm, f.layout).unwrap();
+        assert_eq!(b.generation(), 6);
+        assert_eq!(b.pop_request().unwrap(), None, "nothing of the old generation is left");
+        f.push(&RequestSlot { id: 9, generation: 6, op: Op::Flush as u8, ..Default::default() }).unwrap();
+        f.publish();
+        assert_eq!(b.pop_request().unwrap().unwrap().id, 9);
+        b.push(&ResponseSlot { id: 9, generation: 6, ..Default::default() }).unwrap();
+        b.publish();
+        assert_eq!(f.pop_response().unwrap().unwrap().id, 9);
     }
 
     #[test]

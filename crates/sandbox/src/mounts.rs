@@ -9,7 +9,13 @@
 //!
 //! So a domain in its own mount namespace replaces its root with an empty, read-only tmpfs and
 //! detaches the whole copied tree (the `pivot_root(".", ".")` sequence of pivot_root(2)).
-//! Afterwards the namespace holds exactly one mount and pins no host filesystem.
+//! Afterwards the namespace holds exactly one mount, and nothing in the domain can reach a host
+//! filesystem. It may still *pin* one: the copied mounts are locked (they came from a more
+//! privileged namespace), and a lazily detached locked mount stays connected to its detached
+//! parent, the copied root, which the domain's own executable and libraries keep alive until
+//! it exits. The supervisor therefore treats a domain whose memory is released as dead without
+//! waiting for its exit to end (`proc_info::memory_released`), so the sync above runs through
+//! the domain's successor instead of waiting for it forever.
 
 use std::ffi::CStr;
 use std::io;

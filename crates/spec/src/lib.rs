@@ -133,6 +133,9 @@ pub enum BackendSpec {
         queues: Vec<LowerQueueSpec>,
         /// Its generation.
         generation: u32,
+        /// The supervisor's line about replacing the domain below
+        /// (`bulkhead_channel::BelowControl`): its page and doorbell.
+        control_fds: Option<[i32; 2]>,
     },
 }
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bulkhead_channel::{BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup};
+use bulkhead_channel::{BelowControl, BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup};
 use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget, Tap};
 use bulkhead_filters::state::StatePage;
@@ -20,8 +20,9 @@ use crate::lifecycle::Lifecycle;
 use crate::supervisor::SupervisorError;
 
 /// A device's running domains — the one its frontend reaches (`child`: the driver domain, or
-/// in `interpose` mode the tap domain) and the driver domain below a tap domain (`lower`) —
-/// and its restart history. A generation's domains start and end together.
+/// in `interpose` mode the tap domain) and the driver domain below a tap domain (`lower`, on
+/// the queues of `below`) — and its restart history. A generation starts its domains
+/// together; the domain below a tap domain may then be replaced alone.
 #[derive(Debug)]
 pub(crate) struct DomainProc {
     pub child: Option<DomainChild>,
@@ -29,6 +30,8 @@ pub(crate) struct DomainProc {
     pub pidfd: Option<OwnedFd>,
     pub pid: u32,
     pub lower: Option<Spawned>,
+    /// The channel between a tap domain and the domain below it.
+    pub below: Option<Below>,
     /// Whether the domain at `pid` is a tap domain (interpose or intercept).
     pub tap: bool,
     /// State, restart history and the watchdog's view.
@@ -43,7 +46,7 @@ pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
 
 impl DomainProc {
     /// A device's first generation.
-    pub fn new(top: Spawned, lower: Option<Spawned>, life: Lifecycle) -> Self {
+    pub fn new(top: Spawned, lower: Option<Spawned>, below: Option<Below>, life: Lifecycle) -> Self {
         DomainProc {
             pid: top.child.id(),
             child: Some(top.child),
@@ -51,19 +54,21 @@ impl DomainProc {
             pidfd: Some(top.pidfd),
             tap: top.tap,
             lower,
+            below,
             life,
             lingering: Vec::new(),
         }
     }
 
     /// Takes the domains of a new generation.
-    pub fn install(&mut self, top: Spawned, lower: Option<Spawned>) {
+    pub fn install(&mut self, top: Spawned, lower: Option<Spawned>, below: Option<Below>) {
         self.pid = top.child.id();
         self.child = Some(top.child);
         self.layers = top.layers;
         self.pidfd = Some(top.pidfd);
         self.tap = top.tap;
         self.lower = lower;
+        self.below = below;
     }
 
     /// The pid of the domain that runs the backend (the one below a tap domain, if any).
@@ -71,19 +76,24 @@ impl DomainProc {
         self.lower.as_ref().map_or(self.pid, |l| l.child.id())
     }
 
-    /// Kills the current domains and reaps each that exits within [`EXIT_WAIT`]; otherwise
-    /// keeps it in `lingering` and says so.
+    /// Kills the current domains and reaps each that exits within [`EXIT_WAIT`]. One that has
+    /// released its memory but not finished exiting (the kernel is syncing a filesystem its
+    /// mount namespace kept alive, maybe through this very device) can touch nothing any more:
+    /// it is kept in `lingering`, to be reaped once the next generation lets that sync end.
+    /// One still running after the wait is kept there too, and said so.
     pub fn kill_current(&mut self, device: &str) {
         let lower = self.lower.take().map(|l| l.child);
         for mut c in self.child.take().into_iter().chain(lower) {
             let _ = c.kill();
-            if let Ok(None) = c.wait_timeout(EXIT_WAIT) {
+            if !finish_or_release(&mut c) {
                 eprintln!(
                     "bulkhead: device {device}: killed driver domain (pid {}) has not finished exiting after {} ms; \
                      carrying on without it",
                     c.id(),
                     EXIT_WAIT.as_millis()
                 );
+            }
+            if c.try_wait().ok().flatten().is_none() {
                 self.lingering.push(c);
             }
         }
@@ -93,6 +103,20 @@ impl DomainProc {
     /// Reaps lingering domains that have exited since.
     pub fn reap_lingering(&mut self) {
         self.lingering.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_)) | Err(_)));
+    }
+}
+
+/// Waits up to [`EXIT_WAIT`] for a killed domain to exit or to release its memory; returns
+/// whether it did either.
+pub(crate) fn finish_or_release(c: &mut DomainChild) -> bool {
+    let deadline = Instant::now() + EXIT_WAIT;
+    loop {
+        if matches!(c.wait_timeout(Duration::from_millis(2)), Ok(Some(_)) | Err(_)) || crate::proc_info::memory_released(c.id()) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
     }
 }
 
@@ -236,11 +260,33 @@ fn backing_size(fd: &OwnedFd) -> std::io::Result<u64> {
 }
 
 /// A launched generation: its frontend queues, the domain they reach (the driver domain, or
-/// in `interpose` mode the tap domain) and the domain below it, if any.
+/// in `interpose` mode the tap domain) and the domain below it, if any, with their channel.
 pub(crate) struct Launched {
     pub fronts: Vec<FrontQueue>,
     pub top: Spawned,
     pub lower: Option<Spawned>,
+    pub below: Option<Below>,
+}
+
+/// The channel between a tap domain and the driver domain below it: its queues (which a new
+/// domain below attaches to when the old one dies), the line to the tap domain about that, and
+/// the generation of the domain below.
+#[derive(Debug)]
+pub(crate) struct Below {
+    pub queues: Vec<LowerQueue>,
+    pub control: BelowControl,
+    pub generation: u32,
+    nslots: u32,
+    arena_bytes: u64,
+}
+
+impl Below {
+    /// Wakes the tap domain wherever it waits (its loop, or a response from below).
+    pub fn wake_tap(&self) {
+        for q in &self.queues {
+            q.interrupt_front();
+        }
+    }
 }
 
 impl DeviceRuntime {
@@ -352,7 +398,7 @@ impl DeviceRuntime {
                 bulkhead_config::Sandbox::Off => Policy::Off,
             },
         };
-        let Launched { fronts, top, lower } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
+        let Launched { fronts, top, lower, below } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
         Ok(DeviceRuntime {
             name: name.clone(),
             device: Arc::new(Device::new(&name, size, fronts, None)),
@@ -361,7 +407,7 @@ impl DeviceRuntime {
             queues: nqueues,
             policy,
             state,
-            proc_: Mutex::new(DomainProc::new(top, lower, Lifecycle::new(&name, policy, Instant::now()))),
+            proc_: Mutex::new(DomainProc::new(top, lower, below, Lifecycle::new(&name, policy, Instant::now()))),
             launcher,
             restart_lock: Mutex::new(()),
         })
@@ -434,16 +480,20 @@ impl Launcher {
         }
     }
 
-    /// Creates the queues of `generation` and execs a domain holding them and the backend.
-    pub(crate) fn launch(&self, generation: u32) -> Result<Launched, LaunchError> {
-        // A remote backend gets a fresh connection each generation.
-        let conn = match &self.backend {
-            Backend::Nbd { uri, target, connect_timeout_ms, .. } => Some(
+    /// A fresh connection for a remote backend (each generation of its domain gets one).
+    fn connect(&self) -> Result<Option<OwnedFd>, LaunchError> {
+        match &self.backend {
+            Backend::Nbd { uri, target, connect_timeout_ms, .. } => Ok(Some(
                 connect_nbd(target, Duration::from_millis(*connect_timeout_ms))
                     .map_err(|e| LaunchError::Connect(format!("{uri}: {e}")))?,
-            ),
-            _ => None,
-        };
+            )),
+            _ => Ok(None),
+        }
+    }
+
+    /// Creates the queues of `generation` and execs a domain holding them and the backend.
+    pub(crate) fn launch(&self, generation: u32) -> Result<Launched, LaunchError> {
+        let conn = self.connect()?;
         let qcfg = QueueConfig { generation, ..self.qcfg };
         let arena = |f: &FrontQueue| f.arena_bytes() as u64;
         let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
@@ -478,32 +528,46 @@ impl Launcher {
             let role = if chain.tap == Tap::Intercept { "tap" } else { "driver" };
             let backend = self.backend_spec(&mut upper, conn);
             let top = self.spawn(role, upper, queue_specs, backend, Some(&chain))?;
-            return Ok(Launched { fronts, top, lower: None });
+            return Ok(Launched { fronts, top, lower: None, below: None });
         }
-        let mut below = Vec::new();
+        let mut below_specs = Vec::new();
         for l in &lowers {
             let bulkhead_channel::ForwardQueueFds { ring, kick, irq } = l.front_fds().map_err(|e| e.to_string())?;
-            below.push(LowerQueueSpec { nslots: qcfg.nslots, fds: [ring, kick, irq].map(|fd| upper.add_owned(fd)) });
+            below_specs.push(LowerQueueSpec { nslots: qcfg.nslots, fds: [ring, kick, irq].map(|fd| upper.add_owned(fd)) });
         }
-        let backend = BackendSpec::Channel { queues: below, generation };
+        let control = BelowControl::create(&self.name).map_err(|e| e.to_string())?;
+        let control_fds = Some(control.fds().map_err(|e| e.to_string())?.map(|fd| upper.add_owned(fd)));
+        let backend = BackendSpec::Channel { queues: below_specs, generation, control_fds };
         let top = self.spawn("tap", upper, queue_specs, backend, Some(&chain))?;
         // The tap domain has written the lower queues' headers (it reports once confined):
         // start the domain below.
-        let mut lower = Pass::default();
-        let mut lower_specs = Vec::new();
-        for l in &lowers {
-            let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } =
-                l.back_fds().map_err(|e| e.to_string())?;
-            lower_specs.push(lower.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena(&fronts[0])));
-        }
-        let backend = self.backend_spec(&mut lower, conn);
-        match self.spawn("driver", lower, lower_specs, backend, None) {
-            Ok(below) => Ok(Launched { fronts, top, lower: Some(below) }),
+        let below = Below { queues: lowers, control, generation, nslots: qcfg.nslots, arena_bytes: arena(&fronts[0]) };
+        match self.spawn_below(&below, conn) {
+            Ok(lower) => Ok(Launched { fronts, top, lower: Some(lower), below: Some(below) }),
             Err(e) => {
                 discard(top.child);
                 Err(e)
             }
         }
+    }
+
+    /// Execs a driver domain below a tap domain, on the queues of `below` (whose headers the
+    /// tap domain has written for `below.generation`). `conn`: a remote backend's connection;
+    /// made here if `None` and needed.
+    pub(crate) fn spawn_below(&self, below: &Below, conn: Option<OwnedFd>) -> Result<Spawned, LaunchError> {
+        let conn = match conn {
+            Some(c) => Some(c),
+            None => self.connect()?,
+        };
+        let mut pass = Pass::default();
+        let mut specs = Vec::new();
+        for l in &below.queues {
+            let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } =
+                l.back_fds().map_err(|e| e.to_string())?;
+            specs.push(pass.queue([ring, write_arena, read_arena, kick, irq], below.nslots, below.arena_bytes));
+        }
+        let backend = self.backend_spec(&mut pass, conn);
+        self.spawn("driver", pass, specs, backend, None)
     }
 
     /// The backend's part of a spec, its descriptors added to `pass`.

@@ -1,4 +1,4 @@
-//! Reading a process's resident memory from /proc.
+//! Reading a process's resident memory and exit progress from /proc.
 
 use serde::Serialize;
 
@@ -31,8 +31,44 @@ pub fn rss(pid: u32) -> Option<Rss> {
     Some(r)
 }
 
+/// `PF_EXITING` in the flags of /proc/PID/stat.
+const PF_EXITING: u64 = 0x4;
+
+/// Whether every thread of `pid` is exiting and has released its memory: it can no longer
+/// read or write anything it shared, though it has not finished exiting. A domain stays so
+/// while the kernel finishes a filesystem its mount namespace kept alive, which may sync
+/// through the very device the domain served: only a new domain lets that exit end. `false`
+/// once it is gone.
+pub fn memory_released(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    let mut any = false;
+    for t in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else { return false };
+        // Fields after the command (which may hold spaces and parentheses): state is the
+        // first, flags the seventh, the virtual memory size the twenty-first.
+        let Some((_, rest)) = stat.rsplit_once(')') else { return false };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let flags: u64 = f.get(6).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let vsize: u64 = f.get(20).and_then(|v| v.parse().ok()).unwrap_or(1);
+        if flags & PF_EXITING == 0 || vsize != 0 {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_running_process_has_not_released_its_memory_and_a_gone_one_is_not_exiting() {
+        assert!(!super::memory_released(std::process::id()));
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        assert!(!super::memory_released(pid));
+    }
+
     #[test]
     fn own_rss_is_readable_and_nonzero() {
         let r = super::rss(std::process::id()).unwrap();

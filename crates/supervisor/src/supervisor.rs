@@ -473,32 +473,60 @@ fn watch(inner: Arc<Inner>) {
                 if p.pid != polled_pids[i] {
                     return None;
                 }
-                let role = if p.lower.is_some() { "tap" } else { "driver" };
+                let role = if p.tap { "tap" } else { "driver" };
                 if let Some(status) = p.child.as_mut()?.try_wait().ok().flatten() {
                     p.child = None;
                     p.pidfd = None;
                     if status.code() == Some(crate::LOST_EXIT as i32) {
-                        let what = if role == "tap" { "the driver domain below it" } else { "its remote server" };
-                        return Some(format!("{role} domain (pid {}) lost {what}", p.pid));
+                        let what = if p.lower.is_some() { "the driver domain below it" } else { "its remote server" };
+                        return Some((format!("{role} domain (pid {}) lost {what}", p.pid), false));
                     }
-                    return Some(format!("{role} domain (pid {}) exited: {status}", p.pid));
+                    return Some((format!("{role} domain (pid {}) exited: {status}", p.pid), false));
                 }
                 let lower = p.lower.as_mut()?;
                 let status = lower.child.try_wait().ok()??;
-                Some(format!("driver domain (pid {}) below the tap domain exited: {status}", lower.child.id()))
+                let pid = lower.child.id();
+                p.lower = None;
+                Some((format!("driver domain (pid {pid}) below the tap domain exited: {status}"), true))
             });
-            if let Some(Some(e)) = exited {
+            if let Some(Some((e, below))) = exited {
+                if below && !inner.shutting_down.load(Ordering::Acquire) {
+                    // The tap domain lives on: replace the domain below alone.
+                    restart_below(rt, &e, now, &inner.shutting_down);
+                    progress_seen(rt);
+                    continue;
+                }
                 why = Some(e);
             } else if broken {
                 let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-                let role = if p.lower.is_some() { "tap" } else { "driver" };
+                let role = if p.tap { "tap" } else { "driver" };
                 why = Some(format!("{role} domain (pid {}) broke the channel protocol", p.pid));
             } else {
                 let obs = observe(rt);
                 let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-                if p.life.state() == DeviceState::Running {
+                // A domain that is exiting has released its memory before its pidfd says so: it
+                // is as good as dead. It may never finish on its own: the kernel may be syncing
+                // a filesystem its mount namespace kept alive, through this very device, and
+                // only its successor lets that end.
+                if obs.pending > 0 && p.life.state() == DeviceState::Running {
+                    let below = p.lower.as_ref().map(|l| l.child.id()).filter(|&pid| proc_info::memory_released(pid));
+                    if let Some(pid) = below {
+                        let child = p.lower.take().map(|l| l.child);
+                        p.lingering.extend(child);
+                        drop(p);
+                        let e = format!("driver domain (pid {pid}) below the tap domain is exiting (its memory released)");
+                        restart_below(rt, &e, now, &inner.shutting_down);
+                        progress_seen(rt);
+                        continue;
+                    }
+                    if p.child.is_some() && proc_info::memory_released(p.pid) {
+                        let role = if p.tap { "tap" } else { "driver" };
+                        why = Some(format!("{role} domain (pid {}) is exiting (its memory released)", p.pid));
+                    }
+                }
+                if why.is_none() && p.life.state() == DeviceState::Running {
                     if let Some(wedged) = p.life.watch(now, obs) {
-                        let role = if p.lower.is_some() { "tap" } else { "driver" };
+                        let role = if p.tap { "tap" } else { "driver" };
                         why = Some(format!("{role} domain (pid {}) {wedged}", p.pid));
                     }
                 }
@@ -546,6 +574,86 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
     relaunch(rt, why, shutting_down);
 }
 
+/// How long a tap domain has to start its channel below over when the domain below is
+/// replaced; one that takes longer is restarted with it.
+const TAP_START_OVER: Duration = Duration::from_secs(1);
+
+/// Replaces the driver domain below a tap domain, which has exited, leaving the tap domain
+/// running: the tap domain starts the channel below over as the next generation and sends
+/// again what had no answer, and a new driver domain attaches to the same queues. The frontend
+/// above sees a pause, not a reissue. Counts against the restart limit like any restart; if
+/// the tap domain does not take the new generation, or the new domain cannot start, both are
+/// restarted together.
+fn restart_below(rt: &DeviceRuntime, why: &str, detected: Instant, shutting_down: &AtomicBool) {
+    let fallback = {
+        let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
+        match replace_below(rt, why, detected) {
+            Ok(()) => return,
+            Err(fallback) => fallback,
+        }
+    };
+    if let Some(fallback) = fallback {
+        restart(rt, &fallback, detected, shutting_down);
+    }
+}
+
+/// [`restart_below`]'s work, under the device's restart lock. `Err(Some(why))`: restart the
+/// whole device for `why`; `Err(None)`: the device failed (restart limit) or stops.
+fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), Option<String>> {
+    let answered = rt.device.answered();
+    let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+    if p.below.is_none() || p.life.state() != DeviceState::Running {
+        return Err(Some(why.to_string()));
+    }
+    match p.life.on_failure(why, detected, answered) {
+        Decision::Restart { delay } => {
+            rt.device.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
+            if !delay.is_zero() {
+                drop(p);
+                std::thread::sleep(delay);
+                p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        Decision::Fail { reason } => {
+            p.kill_current(&rt.name);
+            drop(p);
+            eprintln!("bulkhead: device {}: {reason}", rt.name);
+            rt.device.fail(&reason);
+            return Err(None);
+        }
+    }
+    let tap_pidfd = p.pidfd.as_ref().map(|fd| fd.as_raw_fd());
+    let below = p.below.as_mut().expect("checked above");
+    let generation = below.generation.wrapping_add(1).max(1);
+    below.control.request_restart(generation);
+    below.wake_tap();
+    // The tap domain starts its queues below over and says so; if it dies meanwhile, or says
+    // nothing in time, both domains are replaced.
+    let deadline = Instant::now() + TAP_START_OVER;
+    while below.control.ready() != u64::from(generation) {
+        let tap_dead = tap_pidfd.is_none_or(|fd| {
+            let mut pfd = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }];
+            bulkhead_sys::poll(&mut pfd, 0).is_ok_and(|n| n > 0)
+        });
+        if tap_dead || Instant::now() >= deadline {
+            let what = if tap_dead { "died" } else { "did not start the channel below over in time" };
+            return Err(Some(format!("{why}; the tap domain (pid {}) {what}", p.pid)));
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    below.generation = generation;
+    match rt.launcher.spawn_below(below, None) {
+        Ok(lower) => {
+            p.lower = Some(lower);
+            p.life.on_launched(Instant::now(), answered);
+            drop(p);
+            rt.device.note_outage(detected.elapsed());
+            Ok(())
+        }
+        Err(e) => Err(Some(format!("{why}; a new driver domain below could not start: {e}"))),
+    }
+}
+
 /// Launches the next generation of a device's domain (the caller holds its restart lock). A
 /// remote server that cannot be reached is retried with backoff, the device `reconnecting`,
 /// until its reconnect timeout; any other failure turns the device failed.
@@ -561,7 +669,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
             if let Some(down) = p.life.on_launched(Instant::now(), answered) {
                 eprintln!("bulkhead: device {}: reconnected after {} ms", rt.name, down.as_millis());
             }
-            p.install(l.top, l.lower);
+            p.install(l.top, l.lower, l.below);
             drop(p);
             rt.device.install_generation(l.fronts);
             return;

@@ -210,7 +210,7 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
     let mut ram: Box<dyn Backend> = match &spec.backend {
         // SAFETY: as above.
         BackendSpec::Ram { fd } => Box::new(RamBackend::new(unsafe { claim(*fd) }?, spec.size).map_err(|e| e.to_string())?),
-        BackendSpec::Channel { queues: lower, generation } => {
+        BackendSpec::Channel { queues: lower, generation, control_fds: _ } => {
             let mut fronts = Vec::new();
             for (q, above) in lower.iter().zip(&spec.queues) {
                 // SAFETY: as above.
@@ -232,7 +232,7 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
                     read: (q.rarena.base_ptr() as usize, q.rarena.len()),
                 })
                 .collect();
-            Box::new(ChannelBackend::new(fronts, windows, spec.size, std::sync::Arc::new(AtomicBool::new(false))))
+            Box::new(ChannelBackend::new(fronts, windows, spec.size, std::sync::Arc::new(AtomicBool::new(false)), None))
         }
         _ => return Err("the hostile test driver serves ram devices, or the channel below a tap domain".into()),
     };
