@@ -107,7 +107,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         x ^= x << 17;
         std::thread::sleep(Duration::from_millis(10 + x % 40));
         // One outage at a time: the previous restart must have served a request first.
-        if dev.outages_ms().len() < kills {
+        if sup.outages_ms("r").len() < kills {
             continue;
         }
         let st = sup.status();
@@ -126,7 +126,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     }
     // Let the last restart complete and be measured.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while dev.outages_ms().len() < kills && Instant::now() < deadline {
+    while sup.outages_ms("r").len() < kills && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
     stop.store(true, Ordering::Relaxed);
@@ -135,7 +135,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     }
     let seconds = start.elapsed().as_secs_f64();
     let restarts = sup.status().devices[0].restarts;
-    let outages = dev.outages_ms();
+    let outages = sup.outages_ms("r");
     sup.shutdown();
     Ok(Report {
         mode: opts.mode.clone(),

@@ -89,14 +89,16 @@ struct Entry {
     id: u64,
     user: u64,
     op: Op,
+    offset: u64,
     len: u64,
+    fua: bool,
     arena_off: usize,
     arena_len: usize,
 }
 
 impl Default for Entry {
     fn default() -> Self {
-        Entry { live: false, id: 0, user: 0, op: Op::Flush, len: 0, arena_off: 0, arena_len: 0 }
+        Entry { live: false, id: 0, user: 0, op: Op::Flush, offset: 0, len: 0, fua: false, arena_off: 0, arena_len: 0 }
     }
 }
 
@@ -259,6 +261,11 @@ impl FrontQueue {
         (self.arena_bytes as u64).min(MAX_REQUEST_BYTES)
     }
 
+    /// Requests this queue holds in flight at most (its ring's slots).
+    pub fn capacity(&self) -> usize {
+        self.table.len()
+    }
+
     /// Requests submitted and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.table.len() - self.free.len()
@@ -390,7 +397,7 @@ impl FrontQueue {
         slot.op = op as u8;
         slot.offset = offset;
         slot.len = len;
-        self.table[index as usize] = Entry { live: true, id, user, op, len, arena_off, arena_len };
+        self.table[index as usize] = Entry { live: true, id, user, op, offset, len, fua, arena_off, arena_len };
         self.ring.push(&slot).expect("space checked above");
         Ok(())
     }
@@ -480,6 +487,61 @@ impl FrontQueue {
             self.ring.finish_responses();
         }
         Ok(n)
+    }
+
+    /// Places every request this queue has without a response into `newer` (the same queue of
+    /// the next generation, of the same geometry), in the order they were first submitted, with
+    /// the same user tokens; a write's data is copied from this queue's write arena, which only
+    /// this end ever wrote. Publishes them; returns how many. This queue is left as it was: drop
+    /// it afterwards. Requests of a forwarding end cannot move (their windows belong to the
+    /// channel above): an error.
+    pub fn reissue_onto(&self, newer: &mut FrontQueue) -> Result<usize, SubmitError> {
+        let mut live: Vec<Entry> = self.table.iter().filter(|e| e.live).copied().collect();
+        live.sort_unstable_by_key(|e| e.id >> INDEX_BITS);
+        let mut data = Vec::new();
+        for e in &live {
+            let req = match e.op {
+                Op::Read => FrontRequest::Read { offset: e.offset, len: e.len },
+                Op::Write => {
+                    let arenas = self.arenas.as_ref().ok_or_else(|| {
+                        SubmitError::Broken(ChannelError::Setup("a forwarding queue's requests cannot move".into()))
+                    })?;
+                    data.resize(e.arena_len, 0);
+                    arenas.w.slice(e.arena_off, e.arena_len).expect("allocator stays inside the arena").copy_to(&mut data);
+                    FrontRequest::Write { offset: e.offset, data: &data, fua: e.fua }
+                }
+                Op::Flush => FrontRequest::Flush,
+                Op::Discard => FrontRequest::Discard { offset: e.offset, len: e.len },
+                Op::WriteZeroes => FrontRequest::WriteZeroes { offset: e.offset, len: e.len },
+            };
+            newer.push(req, e.user)?;
+        }
+        if !live.is_empty() {
+            newer.publish();
+        }
+        Ok(live.len())
+    }
+
+    /// Gives up every request without a response (the device failed), calling `f` with each
+    /// one's user token, and frees their arena space. The ring still counts them: the queue
+    /// takes no more requests and is replaced when the device is revived.
+    pub fn abandon(&mut self, mut f: impl FnMut(u64)) {
+        for index in 0..self.table.len() {
+            let e = self.table[index];
+            if !e.live {
+                continue;
+            }
+            f(e.user);
+            if let (Some(a), true) = (&mut self.arenas, e.arena_len > 0) {
+                match e.op {
+                    Op::Read => a.ralloc.free(e.arena_off, e.arena_len),
+                    Op::Write => a.walloc.free(e.arena_off, e.arena_len),
+                    Op::Flush | Op::Discard | Op::WriteZeroes => {}
+                }
+            }
+            self.table[index].live = false;
+            self.free.push(index as u32);
+        }
     }
 
     /// Waits until a response is published or the doorbell rings, following the queue's

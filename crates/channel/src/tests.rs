@@ -319,3 +319,68 @@ fn lower_queue_forwards_requests_without_copying_through_the_upper_arenas() {
     // A forwarding end has no arenas of its own to carry data in.
     assert!(matches!(fwd.push(FrontRequest::Read { offset: 0, len: 4096 }, 3), Err(SubmitError::Broken(_))));
 }
+
+#[test]
+fn unanswered_requests_move_to_the_next_generation_in_order_with_their_data() {
+    let (mut old, mut old_back) = pair(&cfg(), 1 << 20).unwrap();
+    let mut disk = vec![0u8; 1 << 20];
+    let a: Vec<u8> = (0..4096u32).map(|i| i as u8).collect();
+    let b: Vec<u8> = (0..8192u32).map(|i| (i * 3) as u8).collect();
+    old.submit(FrontRequest::Write { offset: 0, data: &a, fua: false }, 10).unwrap();
+    serve(&mut old_back, &mut disk);
+    old.reap(|_| {}).unwrap();
+    // Four requests the old driver never answers.
+    old.submit(FrontRequest::Write { offset: 8192, data: &b, fua: true }, 11).unwrap();
+    old.submit(FrontRequest::Flush, 12).unwrap();
+    old.submit(FrontRequest::Read { offset: 0, len: 4096 }, 13).unwrap();
+    old.submit(FrontRequest::Discard { offset: 65536, len: 4096 }, 14).unwrap();
+    let next = QueueConfig { generation: 2, ..cfg() };
+    let (mut new, mut new_back) = pair(&next, 1 << 20).unwrap();
+    assert_eq!(old.reissue_onto(&mut new).unwrap(), 4);
+    let mut order = vec![];
+    while let Some(Popped::Valid(r)) = new_back.pop().unwrap() {
+        order.push((r.op(), r.offset(), r.generation(), r.fua()));
+        let bufs = new_back.buffers(&r);
+        let mut off = r.offset() as usize;
+        for w in bufs.iter() {
+            match r.op() {
+                Op::Write => w.copy_to(&mut disk[off..off + w.len()]),
+                Op::Read => w.copy_from(&disk[off..off + w.len()]).unwrap(),
+                _ => {}
+            }
+            off += w.len();
+        }
+        let len = if matches!(r.op(), Op::Read | Op::Write) { r.len() } else { 0 };
+        new_back.complete(r.id(), r.generation(), Status::Ok, len);
+    }
+    new_back.publish();
+    assert_eq!(
+        order,
+        [(Op::Write, 8192, 2, true), (Op::Flush, 0, 2, false), (Op::Read, 0, 2, false), (Op::Discard, 65536, 2, false)]
+    );
+    assert_eq!(&disk[8192..8192 + 8192], &b[..], "the write's data moved with it");
+    let mut got = vec![];
+    let mut read = vec![0u8; 4096];
+    new.reap(|c| {
+        if let Some(d) = c.data {
+            d.copy_to(&mut read);
+        }
+        got.push(c.user);
+    })
+    .unwrap();
+    assert_eq!(got, [11, 12, 13, 14], "the same tokens come back");
+    assert_eq!(read, a);
+}
+
+#[test]
+fn abandoned_requests_are_reported_once_and_free_their_space() {
+    let (mut f, _b) = pair(&cfg(), 1 << 20).unwrap();
+    f.submit(FrontRequest::Write { offset: 0, data: &[1u8; 4096], fua: false }, 7).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 8).unwrap();
+    let mut gone = vec![];
+    f.abandon(|u| gone.push(u));
+    gone.sort_unstable();
+    assert_eq!(gone, [7, 8]);
+    assert_eq!(f.in_flight(), 0);
+    f.abandon(|u| panic!("{u} reported twice"));
+}

@@ -86,7 +86,8 @@ fn ext4_and_fio_verify_through_four_filters_and_blkparse_reads_the_trace() {
     let ours_w = queued("write") + queued("flush") + queued("discard") + queued("write_zeroes");
     assert_eq!((ours_w, queued("read")), (wq, rq), "bulkhead trace and blkparse disagree");
     assert_eq!((s["unpaired_completions"].as_u64(), s["in_flight_at_end"].as_u64()), (Some(0), Some(0)));
-    let btt = Command::new("btt").arg("-i").arg(&trace).output().unwrap();
+    // btt writes per-device data files into its working directory: the test's own.
+    let btt = Command::new("btt").arg("-i").arg(&trace).current_dir(tmp.path()).output().unwrap();
     let btt_out = String::from_utf8_lossy(&btt.stdout);
     assert!(btt.status.success() && btt_out.contains("Q2C"), "btt: {btt_out}{}", String::from_utf8_lossy(&btt.stderr));
 }

@@ -1,16 +1,32 @@
 //! A block device served by a driver domain, as the application side sees it.
 //!
-//! [`Device`] owns the frontend end of every queue of one device channel. It is shared by the
-//! exports (FUSE, NBD) and by Rust callers: each caller passes a *slot* (its worker index) that
-//! picks its queue, so with as many queues as workers no two threads contend. A request that
-//! does not fit one queue's arena is split.
+//! [`Device`] owns the frontend end of every queue of one device channel. Each user of a queue
+//! holds a [`QueueHandle`] to it (SPDK's I/O channel): its own queue, as many requests in
+//! flight as the ring has slots, completions reaped when it asks. The synchronous calls
+//! ([`Device::read`], [`Device::write`], …) take the queue of a *slot* (a worker index) for one
+//! request, so exports with as many workers as queues never contend; a request that does not
+//! fit one queue's arena is split. When the domain is restarted, the requests a handle has
+//! without an answer move to the new generation with their data; the caller sees a pause.
+//!
+//! The supervisor drives the device through a [`DeviceControl`], its own face, made with the
+//! device: restarts, outages, failure.
 //!
 //! ```no_run
 //! # fn demo(dev: &bulkhead_client::Device) -> Result<(), bulkhead_client::IoError> {
+//! use bulkhead_client::Request;
 //! let mut buf = vec![0u8; 4096];
 //! dev.write(0, 0, &buf, false)?;
 //! dev.flush(0)?;
 //! dev.read_into(0, 0, &mut buf)?;
+//! // Several requests in flight on one queue.
+//! let mut q = dev.queue(1);
+//! for i in 0..8u64 {
+//!     q.submit(Request::Read { offset: i * 4096, len: 4096 }, i)?;
+//! }
+//! let mut done = 0;
+//! while done < 8 {
+//!     done += q.wait(|_token, result, _data| assert!(result.is_ok()));
+//! }
 //! # Ok(()) }
 //! ```
 #![forbid(unsafe_code)]
@@ -18,18 +34,16 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+pub use bulkhead_channel::FrontRequest as Request;
 pub use bulkhead_channel::Status;
-use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode, SharedSlice, SubmitError};
+use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode, SharedSlice};
 use bulkhead_doorbell::EventFd;
 
-enum Answer {
-    Done(Result<u64, Status>),
-    Failed(IoError),
-    Reissue,
-}
+mod queue;
+pub use queue::QueueHandle;
 
 /// Why an I/O failed, with the errno an export sends.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -43,6 +57,9 @@ pub enum IoError {
     /// The driver domain is unavailable (broken channel, dead or wedged domain, shutdown).
     #[error("device unavailable: {0}")]
     Unavailable(String),
+    /// The queue has as many requests in flight as it holds: reap some first.
+    #[error("queue full")]
+    QueueFull,
 }
 
 impl IoError {
@@ -52,6 +69,7 @@ impl IoError {
             IoError::Device(s) => s.errno(),
             IoError::Invalid(_) => libc::EINVAL,
             IoError::Unavailable(_) => libc::EIO,
+            IoError::QueueFull => libc::EAGAIN,
         }
     }
 }
@@ -68,9 +86,6 @@ pub struct DeviceCounters {
     /// Bytes written.
     pub bytes_written: AtomicU64,
 }
-
-/// How long one wait slice lasts before the device re-checks its generation and state.
-const WAIT_SLICE_MS: i32 = 50;
 
 /// Log lines a device may write in a burst; after that one per second, counting what it held
 /// back: a hostile driver must not be able to flood the log.
@@ -102,13 +117,23 @@ struct Generations {
     outages_ms: Vec<f64>,
 }
 
-/// A device served by a driver domain.
+/// One queue of a device as its users share it.
+#[derive(Debug)]
+pub(crate) struct QueueState {
+    /// The current generation's frontend end (or the newest this queue has taken).
+    pub(crate) q: FrontQueue,
+    /// A queue of an older generation whose unanswered requests have not moved yet: the
+    /// generation after it broke before they could. They move to the next one.
+    pub(crate) carry: Option<FrontQueue>,
+}
+
+/// A device served by a driver domain, as applications and exports use it.
 #[derive(Debug)]
 pub struct Device {
     name: String,
     size: u64,
     mode: NotifyMode,
-    queues: Vec<Mutex<FrontQueue>>,
+    queues: Vec<Mutex<QueueState>>,
     generation: AtomicU32,
     gens: Mutex<Generations>,
     changed: Condvar,
@@ -125,31 +150,42 @@ pub struct Device {
     outage_timed: AtomicBool,
     /// Largest request one queue carries (all queues share one geometry).
     max_request: u64,
+    /// Slots of each queue's ring.
+    depth: usize,
     timeout_ms: Option<u64>,
     /// Counters.
     pub counters: DeviceCounters,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+/// The supervisor's face of a [`Device`], made with it: installs the queues of each new
+/// generation, marks outages and failure, and reads what the watchdog needs. Applications
+/// hold the device alone and cannot reach these.
+#[derive(Debug)]
+pub struct DeviceControl {
+    dev: Arc<Device>,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Device {
-    /// A device over `queues` (at least one, all of one generation). With `timeout_ms`, a
-    /// request with no answer for that long fails with `Unavailable`; without, it waits for the
-    /// supervisor to restart or fail the domain.
-    pub fn new(name: &str, size: u64, queues: Vec<FrontQueue>, timeout_ms: Option<u64>) -> Self {
+    /// A device over `queues` (at least one, all of one generation), and its control face.
+    /// With `timeout_ms`, a wait with requests in flight and no answer for that long fails them
+    /// with `Unavailable`; without, it waits for the supervisor to restart or fail the domain.
+    pub fn new(name: &str, size: u64, queues: Vec<FrontQueue>, timeout_ms: Option<u64>) -> (Arc<Device>, DeviceControl) {
         assert!(!queues.is_empty(), "a device has at least one queue");
         let mode = queues[0].mode();
         let generation = queues[0].generation();
         let max_request = queues[0].max_request();
+        let depth = queues[0].capacity();
         let wakers = queues.iter().map(|q| q.irq_waker().ok().and_then(|fd| EventFd::from_owned(fd).ok())).collect();
         let n = queues.len();
-        Device {
+        let dev = Arc::new(Device {
             name: name.to_string(),
             size,
             mode,
-            queues: queues.into_iter().map(Mutex::new).collect(),
+            queues: queues.into_iter().map(|q| Mutex::new(QueueState { q, carry: None })).collect(),
             generation: AtomicU32::new(generation),
             gens: Mutex::new(Generations { staged: (0..n).map(|_| None).collect(), wakers, ..Default::default() }),
             changed: Condvar::new(),
@@ -162,9 +198,11 @@ impl Device {
             outage: AtomicBool::new(false),
             outage_timed: AtomicBool::new(false),
             max_request,
+            depth,
             timeout_ms,
             counters: DeviceCounters::default(),
-        }
+        });
+        (dev.clone(), DeviceControl { dev })
     }
 
     /// Device name.
@@ -187,6 +225,11 @@ impl Device {
         self.queues.len()
     }
 
+    /// Requests one queue holds in flight at most.
+    pub fn queue_depth(&self) -> usize {
+        self.depth
+    }
+
     /// The current channel generation.
     pub fn generation(&self) -> u32 {
         self.generation.load(Ordering::Acquire)
@@ -197,26 +240,29 @@ impl Device {
         self.in_flight.load(Ordering::Acquire)
     }
 
-    /// Requests answered so far (any status): the supervisor's progress measure.
-    pub fn answered(&self) -> u64 {
-        self.counters.completed.load(Ordering::Relaxed) + self.counters.failed.load(Ordering::Relaxed)
+    /// Why the device failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.fail_reason).clone()
     }
 
-    /// A doorbell rung when a queue reports its channel broken (for the supervisor to poll).
-    pub fn alarm_fd(&self) -> RawFd {
-        self.alarm.as_raw_fd()
+    /// Largest request one queue carries without splitting.
+    pub fn max_request(&self) -> u64 {
+        self.max_request
     }
 
-    /// Whether a queue reported a broken channel since the last restart; clears the report.
-    pub fn take_broken_report(&self) -> bool {
-        self.alarm.drain();
-        self.broken_reported.swap(false, Ordering::AcqRel)
+    /// The queue of `slot` (modulo the queue count), held until the handle is dropped: its
+    /// user alone submits on it and reaps from it. Blocks while another holds it.
+    pub fn queue(&self, slot: usize) -> QueueHandle<'_> {
+        QueueHandle::new(self, slot % self.queues.len())
     }
 
     /// Logs `line` (prefixed with the device) within a budget of a few lines in a burst and
     /// one a second after that; the next line logged says how many were held back. For
     /// everything a misbehaving driver can cause at a high rate.
-    pub fn log_limited(&self, line: impl FnOnce() -> String) {
+    fn log_limited(&self, line: impl FnOnce() -> String) {
         let mut l = lock(&self.log_limit);
         let now = Instant::now();
         l.tokens = (l.tokens + now.duration_since(l.refilled).as_secs_f64()).min(LOG_BURST);
@@ -235,113 +281,67 @@ impl Device {
         }
     }
 
-    fn report_broken(&self, e: &ChannelError) {
+    pub(crate) fn report_broken(&self, e: &ChannelError) {
         if !self.broken_reported.swap(true, Ordering::AcqRel) {
             self.log_limited(|| format!("channel broken: {e}"));
         }
         self.alarm.ring();
     }
 
-    /// Marks the start of an outage (the supervisor detected a dead, wedged or broken domain).
-    pub fn outage_started(&self, at: Instant) {
-        let mut g = lock(&self.gens);
-        g.outage_since.get_or_insert(at);
-        self.outage_timed.store(true, Ordering::Release);
-        self.outage.store(true, Ordering::Release);
-        for w in g.wakers.iter().flatten() {
-            w.ring();
-        }
-    }
-
-    /// Installs the queues of a new generation (a restarted domain). Each is taken by the next
-    /// thread to use its queue; threads waiting on an old queue are woken and reissue their
-    /// request on the new one. The requests they reissue are exactly those without a response.
-    pub fn install_generation(&self, queues: Vec<FrontQueue>) {
-        assert_eq!(queues.len(), self.queues.len(), "a restart keeps the queue count");
-        let generation = queues[0].generation();
-        let mut g = lock(&self.gens);
-        let old_wakers = std::mem::take(&mut g.wakers);
-        g.wakers = queues.iter().map(|q| q.irq_waker().ok().and_then(|fd| EventFd::from_owned(fd).ok())).collect();
-        g.staged = queues.into_iter().map(Some).collect();
-        self.broken_reported.store(false, Ordering::Release);
-        // With nothing in flight, no caller waits on the outage: it ends with the new domain.
-        if self.in_flight() == 0 {
-            if let Some(t) = g.outage_since.take() {
-                g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
-                self.outage_timed.store(false, Ordering::Release);
-            }
-        }
-        self.generation.store(generation, Ordering::Release);
-        self.outage.store(false, Ordering::Release);
-        self.failed.store(false, Ordering::Release);
-        *lock(&self.fail_reason) = None;
-        drop(g);
-        self.changed.notify_all();
-        for w in old_wakers.into_iter().flatten() {
-            w.ring();
-        }
-    }
-
-    /// Records an outage the frontend did not see as one: a domain below a tap domain was
-    /// replaced while the tap domain held the requests (`took`: detection to the new domain).
-    pub fn note_outage(&self, took: Duration) {
-        lock(&self.gens).outages_ms.push(took.as_secs_f64() * 1e3);
-    }
-
-    /// Outages measured so far, ms: from detection to the first completion after the restart,
-    /// or to the new domain's installation when no request was waiting.
-    pub fn outages_ms(&self) -> Vec<f64> {
-        lock(&self.gens).outages_ms.clone()
-    }
-
-    /// Marks the device failed: waiting and future requests return `Unavailable` promptly.
-    pub fn fail(&self, reason: &str) {
-        *lock(&self.fail_reason) = Some(reason.to_string());
-        self.failed.store(true, Ordering::Release);
-        let g = lock(&self.gens);
-        for w in g.wakers.iter().flatten() {
-            w.ring();
-        }
-        drop(g);
-        self.changed.notify_all();
-    }
-
-    /// Why the device failed, if it did.
-    pub fn failure(&self) -> Option<String> {
-        if !self.failed.load(Ordering::Acquire) {
-            return None;
-        }
-        lock(&self.fail_reason).clone()
-    }
-
-    fn check_range(&self, offset: u64, len: u64) -> Result<(), IoError> {
+    pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<(), IoError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.size => Ok(()),
             _ => Err(IoError::Invalid("range beyond the end of the device")),
         }
     }
 
-    fn unavailable(&self) -> IoError {
+    pub(crate) fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn in_outage(&self) -> bool {
+        self.outage.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn outage_flag(&self) -> &AtomicBool {
+        &self.outage
+    }
+
+    pub(crate) fn timeout(&self) -> Option<Duration> {
+        self.timeout_ms.map(Duration::from_millis)
+    }
+
+    pub(crate) fn unavailable(&self) -> IoError {
         IoError::Unavailable(self.failure().unwrap_or_else(|| "device failed".into()))
     }
 
-    /// Brings queue `idx` (locked by the caller) to the current generation.
-    fn refresh(&self, idx: usize, q: &mut FrontQueue) {
-        if q.generation() == self.generation() {
-            return;
-        }
-        if let Some(newer) = lock(&self.gens).staged[idx].take() {
-            *q = newer;
-        }
+    pub(crate) fn queue_state(&self, idx: usize) -> MutexGuard<'_, QueueState> {
+        lock(&self.queues[idx])
+    }
+
+    /// The newest generation's queue `idx`, if it has not been taken yet.
+    pub(crate) fn take_staged(&self, idx: usize) -> Option<FrontQueue> {
+        lock(&self.gens).staged[idx].take()
     }
 
     /// Blocks until the generation moves past `gen`, the device fails, or `slice` passes.
-    fn wait_for_generation(&self, gen: u32, slice: Duration) {
+    pub(crate) fn wait_for_generation(&self, gen: u32, slice: Duration) {
         let g = lock(&self.gens);
         let _ = self.changed.wait_timeout_while(g, slice, |_| self.generation() == gen && !self.failed.load(Ordering::Acquire));
     }
 
-    fn note_completion(&self) {
+    pub(crate) fn started(&self) {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// One request answered (`ok`: successfully) or given up.
+    pub(crate) fn finished(&self, ok: Option<bool>) {
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        match ok {
+            Some(true) => self.counters.completed.fetch_add(1, Ordering::Relaxed),
+            Some(false) => self.counters.failed.fetch_add(1, Ordering::Relaxed),
+            None => return,
+        };
         // Hot path: only an open outage takes the lock.
         if !self.outage_timed.load(Ordering::Acquire) {
             return;
@@ -353,130 +353,32 @@ impl Device {
         self.outage_timed.store(false, Ordering::Release);
     }
 
-    /// Runs one request on the queue of `slot` until it is answered. If the domain dies, wedges
-    /// or breaks the channel meanwhile, the request is reissued on the next generation once the
-    /// supervisor has restarted the domain.
+    pub(crate) fn log_storm(&self) {
+        self.log_limited(|| {
+            format!(
+                "driver rings its doorbell with no response ({} wake-ups in a row): ignoring it for {} ms",
+                bulkhead_channel::STORM_WAKES,
+                bulkhead_channel::STORM_DAMP_MS
+            )
+        });
+    }
+
+    /// Runs one request on the queue of `slot` until it is answered. If the domain dies,
+    /// wedges or breaks the channel meanwhile, the request moves to the next generation once
+    /// the supervisor has restarted the domain.
     fn run(&self, slot: usize, req: FrontRequest<'_>, mut on_data: impl FnMut(SharedSlice<'_>)) -> Result<u64, IoError> {
-        let idx = slot % self.queues.len();
-        let started = Instant::now();
-        loop {
-            if self.failed.load(Ordering::Acquire) {
-                return Err(self.unavailable());
-            }
-            let mut q = lock(&self.queues[idx]);
-            self.refresh(idx, &mut q);
-            let gen = q.generation();
-            if q.broken().is_some() || self.outage.load(Ordering::Acquire) {
-                // This generation is finished (or being replaced, which may take a while when
-                // a remote server must be reconnected): wait for the next one rather than
-                // piling reissues into a queue nobody serves.
-                drop(q);
-                self.wait_for_generation(gen, Duration::from_millis(WAIT_SLICE_MS as u64));
-                self.check_timeout(started)?;
-                continue;
-            }
-            const TOKEN: u64 = 0;
-            match q.submit(req, TOKEN) {
-                Ok(()) => {}
-                Err(SubmitError::Full) => {
-                    // Only the holder of the lock uses this queue and it waits for each
-                    // request, so a full queue means a driver that stopped answering.
-                    let e = ChannelError::Protocol("queue full with no request of ours outstanding".into());
-                    self.report_broken(&e);
-                    drop(q);
-                    self.wait_for_generation(gen, Duration::from_millis(WAIT_SLICE_MS as u64));
-                    self.check_timeout(started)?;
-                    continue;
-                }
-                Err(SubmitError::TooLarge(_)) => return Err(IoError::Invalid("request larger than the queue's arena")),
-                Err(SubmitError::Broken(e)) => {
-                    self.report_broken(&e);
-                    continue;
-                }
-            }
-            self.in_flight.fetch_add(1, Ordering::AcqRel);
-            let outcome = self.await_answer(&mut q, gen, started, &mut on_data);
-            self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            match outcome {
-                Answer::Done(Ok(n)) => {
-                    self.counters.completed.fetch_add(1, Ordering::Relaxed);
-                    self.note_completion();
-                    return Ok(n);
-                }
-                Answer::Done(Err(s)) => {
-                    self.counters.failed.fetch_add(1, Ordering::Relaxed);
-                    self.note_completion();
-                    return Err(IoError::Device(s));
-                }
-                Answer::Failed(e) => return Err(e),
-                Answer::Reissue => {
-                    drop(q);
-                    self.wait_for_generation(gen, Duration::from_millis(WAIT_SLICE_MS as u64));
-                    self.check_timeout(started)?;
-                }
-            }
-        }
-    }
-
-    fn check_timeout(&self, started: Instant) -> Result<(), IoError> {
-        match self.timeout_ms {
-            Some(ms) if started.elapsed() >= Duration::from_millis(ms) => {
-                Err(IoError::Unavailable(format!("no response within {ms} ms")))
-            }
-            _ => Ok(()),
-        }
-    }
-
-    fn await_answer(&self, q: &mut FrontQueue, gen: u32, started: Instant, on_data: &mut impl FnMut(SharedSlice<'_>)) -> Answer {
-        loop {
-            let mut out = None;
-            let r = q.reap(|c| {
-                if let Some(d) = c.data {
+        let mut q = self.queue(slot);
+        q.submit(req, 0)?;
+        let mut out = None;
+        while out.is_none() {
+            q.wait(|_, result, data| {
+                if let (Ok(_), Some(d)) = (&result, data) {
                     on_data(d);
                 }
-                out = Some(c.result);
+                out = Some(result);
             });
-            if let Err(e) = r {
-                self.report_broken(&e);
-                return Answer::Reissue;
-            }
-            if let Some(res) = out {
-                return Answer::Done(res);
-            }
-            if self.failed.load(Ordering::Acquire) {
-                return Answer::Failed(self.unavailable());
-            }
-            if self.generation() != gen {
-                // The domain was replaced while we waited: reissue on the new generation.
-                return Answer::Reissue;
-            }
-            if let Err(e) = self.check_timeout(started) {
-                return Answer::Failed(e);
-            }
-            if self.outage.load(Ordering::Acquire) {
-                // The domain is being replaced: block until the next generation, then reissue.
-                return Answer::Reissue;
-            }
-            let storms = q.stats().storms;
-            if let Err(e) = q.wait_or(WAIT_SLICE_MS, &self.outage) {
-                self.report_broken(&e);
-                return Answer::Reissue;
-            }
-            if q.stats().storms != storms {
-                self.log_limited(|| {
-                    format!(
-                        "driver rings its doorbell with no response ({} wake-ups in a row): ignoring it for {} ms",
-                        bulkhead_channel::STORM_WAKES,
-                        bulkhead_channel::STORM_DAMP_MS
-                    )
-                });
-            }
         }
-    }
-
-    /// Largest request one queue carries without splitting.
-    pub fn max_request(&self) -> u64 {
-        self.max_request
+        out.expect("answered")
     }
 
     /// Reads `len` bytes at `offset`, handing the data to `f` as `(offset within the request,
@@ -534,5 +436,231 @@ impl Device {
             return Ok(());
         }
         self.run(slot, FrontRequest::WriteZeroes { offset, len }, |_| {}).map(|_| ())
+    }
+}
+
+impl DeviceControl {
+    /// The device, as the exports get it.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// Requests answered so far (any status): the watchdog's progress measure.
+    pub fn answered(&self) -> u64 {
+        self.dev.counters.completed.load(Ordering::Relaxed) + self.dev.counters.failed.load(Ordering::Relaxed)
+    }
+
+    /// Requests submitted and not yet answered.
+    pub fn in_flight(&self) -> usize {
+        self.dev.in_flight()
+    }
+
+    /// A doorbell rung when a queue reports its channel broken (for the supervisor to poll).
+    pub fn alarm_fd(&self) -> RawFd {
+        self.dev.alarm.as_raw_fd()
+    }
+
+    /// Whether a queue reported a broken channel since the last restart; clears the report.
+    pub fn take_broken_report(&self) -> bool {
+        self.dev.alarm.drain();
+        self.dev.broken_reported.swap(false, Ordering::AcqRel)
+    }
+
+    /// Logs `line` for the device, rate-limited (see the device's log budget).
+    pub fn log_limited(&self, line: impl FnOnce() -> String) {
+        self.dev.log_limited(line);
+    }
+
+    /// Marks the start of an outage (the supervisor detected a dead, wedged or broken domain).
+    pub fn outage_started(&self, at: Instant) {
+        let d = &self.dev;
+        let mut g = lock(&d.gens);
+        g.outage_since.get_or_insert(at);
+        d.outage_timed.store(true, Ordering::Release);
+        d.outage.store(true, Ordering::Release);
+        for w in g.wakers.iter().flatten() {
+            w.ring();
+        }
+    }
+
+    /// Records an outage the frontend did not see as one: a domain below a tap domain was
+    /// replaced while the tap domain held the requests (`took`: detection to the new domain).
+    pub fn note_outage(&self, took: Duration) {
+        lock(&self.dev.gens).outages_ms.push(took.as_secs_f64() * 1e3);
+    }
+
+    /// Installs the queues of a new generation (a restarted domain). Each is taken by the next
+    /// user of its queue, and the requests the old one had without a response move to it;
+    /// users waiting on an old queue are woken.
+    pub fn install_generation(&self, queues: Vec<FrontQueue>) {
+        let d = &self.dev;
+        assert_eq!(queues.len(), d.queues.len(), "a restart keeps the queue count");
+        let generation = queues[0].generation();
+        let mut g = lock(&d.gens);
+        let old_wakers = std::mem::take(&mut g.wakers);
+        g.wakers = queues.iter().map(|q| q.irq_waker().ok().and_then(|fd| EventFd::from_owned(fd).ok())).collect();
+        g.staged = queues.into_iter().map(Some).collect();
+        d.broken_reported.store(false, Ordering::Release);
+        // With nothing in flight, no caller waits on the outage: it ends with the new domain.
+        if d.in_flight() == 0 {
+            if let Some(t) = g.outage_since.take() {
+                g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                d.outage_timed.store(false, Ordering::Release);
+            }
+        }
+        d.generation.store(generation, Ordering::Release);
+        d.outage.store(false, Ordering::Release);
+        d.failed.store(false, Ordering::Release);
+        *lock(&d.fail_reason) = None;
+        drop(g);
+        d.changed.notify_all();
+        for w in old_wakers.into_iter().flatten() {
+            w.ring();
+        }
+    }
+
+    /// Outages measured so far, ms: from detection to the first completion after the restart,
+    /// or to the new domain's installation when no request was waiting.
+    pub fn outages_ms(&self) -> Vec<f64> {
+        lock(&self.dev.gens).outages_ms.clone()
+    }
+
+    /// Marks the device failed: waiting and future requests return `Unavailable` promptly.
+    pub fn fail(&self, reason: &str) {
+        let d = &self.dev;
+        *lock(&d.fail_reason) = Some(reason.to_string());
+        d.failed.store(true, Ordering::Release);
+        let g = lock(&d.gens);
+        for w in g.wakers.iter().flatten() {
+            w.ring();
+        }
+        drop(g);
+        d.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bulkhead_channel::{pair, BackQueue, Op, Popped, QueueConfig};
+
+    fn cfg(generation: u32) -> QueueConfig {
+        QueueConfig { nslots: 8, arena_bytes: 1 << 20, mode: NotifyMode::Poll, generation, ..Default::default() }
+    }
+
+    /// Serves what is pending honestly against `disk`; returns how many.
+    fn serve(back: &mut BackQueue, disk: &mut [u8]) -> usize {
+        let mut n = 0;
+        while let Some(Popped::Valid(r)) = back.pop().unwrap() {
+            let mut off = r.offset() as usize;
+            for w in back.buffers(&r).iter() {
+                match r.op() {
+                    Op::Write => w.copy_to(&mut disk[off..off + w.len()]),
+                    Op::Read => w.copy_from(&disk[off..off + w.len()]).unwrap(),
+                    _ => {}
+                }
+                off += w.len();
+            }
+            let len = if matches!(r.op(), Op::Read | Op::Write) { r.len() } else { 0 };
+            back.complete(r.id(), r.generation(), Status::Ok, len);
+            n += 1;
+        }
+        back.publish();
+        n
+    }
+
+    #[test]
+    fn one_handle_keeps_a_queue_full_and_gets_every_token_back() {
+        let (front, mut back) = pair(&cfg(1), 1 << 20).unwrap();
+        let (dev, _control) = Device::new("t", 1 << 20, vec![front], None);
+        let mut disk = vec![0u8; 1 << 20];
+        let mut q = dev.queue(0);
+        assert_eq!(q.capacity(), 8);
+        for i in 0..8u64 {
+            q.submit(Request::Write { offset: i * 4096, data: &[i as u8 + 1; 4096], fua: false }, i).unwrap();
+        }
+        assert_eq!(q.submit(Request::Flush, 99), Err(IoError::QueueFull));
+        assert_eq!((q.in_flight(), dev.in_flight()), (8, 8));
+        assert_eq!(serve(&mut back, &mut disk), 8);
+        let mut tokens = vec![];
+        while tokens.len() < 8 {
+            q.wait(|t, r, _| {
+                assert_eq!(r, Ok(4096));
+                tokens.push(t);
+            });
+        }
+        tokens.sort_unstable();
+        assert_eq!(tokens, (0..8).collect::<Vec<_>>());
+        assert_eq!(disk[7 * 4096], 8);
+        assert_eq!(dev.in_flight(), 0);
+        assert_eq!(q.wait(|_, _, _| panic!("nothing in flight")), 0);
+    }
+
+    #[test]
+    fn requests_in_flight_move_to_the_next_generation_with_their_data() {
+        let (front, _dead) = pair(&cfg(1), 1 << 20).unwrap();
+        let (dev, control) = Device::new("t", 1 << 20, vec![front], None);
+        let mut q = dev.queue(0);
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 5) as u8).collect();
+        q.submit(Request::Write { offset: 4096, data: &data, fua: true }, 1).unwrap();
+        q.submit(Request::Flush, 2).unwrap();
+        q.submit(Request::Read { offset: 4096, len: 8192 }, 3).unwrap();
+        // The domain dies unanswering; the supervisor installs generation 2 from another thread.
+        let (front2, mut back2) = pair(&cfg(2), 1 << 20).unwrap();
+        let server = std::thread::spawn(move || {
+            control.outage_started(Instant::now());
+            std::thread::sleep(Duration::from_millis(20));
+            control.install_generation(vec![front2]);
+            let mut disk = vec![0u8; 1 << 20];
+            let mut served = 0;
+            while served < 3 {
+                served += serve(&mut back2, &mut disk);
+            }
+            (disk, control)
+        });
+        let mut got = vec![];
+        let mut read = vec![0u8; 8192];
+        while got.len() < 3 {
+            q.wait(|t, r, d| {
+                if let Some(d) = d {
+                    d.copy_to(&mut read);
+                }
+                got.push((t, r));
+            });
+        }
+        let (disk, control) = server.join().unwrap();
+        assert_eq!(got, [(1, Ok(8192)), (2, Ok(0)), (3, Ok(8192))], "in submission order, same tokens");
+        assert_eq!(&disk[4096..4096 + 8192], &data[..]);
+        assert_eq!(read, data);
+        assert_eq!(dev.generation(), 2);
+        assert_eq!(control.outages_ms().len(), 1);
+    }
+
+    #[test]
+    fn a_failed_device_answers_every_request_in_flight_unavailable() {
+        let (front, _dead) = pair(&cfg(1), 1 << 20).unwrap();
+        let (dev, control) = Device::new("t", 1 << 20, vec![front], None);
+        let mut q = dev.queue(0);
+        q.submit(Request::Read { offset: 0, len: 4096 }, 5).unwrap();
+        q.submit(Request::Flush, 6).unwrap();
+        control.fail("restart limit");
+        let mut got = vec![];
+        while got.len() < 2 {
+            q.wait(|t, r, _| got.push((t, r)));
+        }
+        got.sort_by_key(|g| g.0);
+        let e = IoError::Unavailable("restart limit".into());
+        assert_eq!(got, [(5, Err(e.clone())), (6, Err(e.clone()))]);
+        assert_eq!(q.submit(Request::Flush, 7), Err(e));
+        assert_eq!(dev.in_flight(), 0);
+    }
+
+    #[test]
+    fn the_application_face_checks_ranges_and_the_timeout_gives_up() {
+        let (front, _dead) = pair(&cfg(1), 1 << 20).unwrap();
+        let (dev, _control) = Device::new("t", 1 << 20, vec![front], Some(50));
+        assert!(matches!(dev.read_into(0, (1 << 20) - 100, &mut [0u8; 4096]), Err(IoError::Invalid(_))));
+        let e = dev.flush(0).unwrap_err();
+        assert!(e.to_string().contains("no response within 50 ms"), "{e}");
     }
 }

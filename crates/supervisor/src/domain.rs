@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bulkhead_channel::{BelowControl, BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup};
-use bulkhead_client::Device;
+use bulkhead_client::{Device, DeviceControl};
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget, Tap};
 use bulkhead_filters::state::StatePage;
 use bulkhead_sandbox::spawn::DomainChild;
@@ -138,6 +138,8 @@ pub struct DeviceRuntime {
     pub name: String,
     /// The frontend, shared with the exports.
     pub device: Arc<Device>,
+    /// The supervisor's face of it.
+    pub(crate) control: DeviceControl,
     /// Notification mode.
     pub mode: NotifyMode,
     /// Backend, described for status.
@@ -399,9 +401,11 @@ impl DeviceRuntime {
             },
         };
         let Launched { fronts, top, lower, below } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
+        let (device, control) = Device::new(&name, size, fronts, None);
         Ok(DeviceRuntime {
             name: name.clone(),
-            device: Arc::new(Device::new(&name, size, fronts, None)),
+            device,
+            control,
             mode,
             backend_desc,
             queues: nqueues,

@@ -212,6 +212,11 @@ impl Supervisor {
         self.inner.devices.iter().map(|d| d.device.clone()).collect()
     }
 
+    /// Every outage of device `name` measured so far, ms (empty for an unknown device).
+    pub fn outages_ms(&self, name: &str) -> Vec<f64> {
+        self.inner.devices.iter().find(|d| d.name == name).map(|d| d.control.outages_ms()).unwrap_or_default()
+    }
+
     /// The current status.
     pub fn status(&self) -> StatusReport {
         let me = std::process::id();
@@ -220,7 +225,7 @@ impl Supervisor {
             .devices
             .iter()
             .map(|rt| {
-                let outages = rt.device.outages_ms();
+                let outages = rt.control.outages_ms();
                 let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
                 let chain = rt.launcher.chain.lock().unwrap_or_else(|e| e.into_inner());
                 let running = p.life.state() == DeviceState::Running;
@@ -325,7 +330,7 @@ impl Supervisor {
         }
         for rt in &self.inner.devices {
             // Releases any caller still waiting (their requests fail with EIO).
-            rt.device.fail("shutting down");
+            rt.control.fail("shutting down");
         }
         for rt in &self.inner.devices {
             let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
@@ -386,7 +391,7 @@ fn p99(v: &[f64]) -> Option<f64> {
 /// What the watcher sees of a device now.
 fn observe(rt: &DeviceRuntime) -> Observation {
     Observation {
-        answered: rt.device.answered(),
+        answered: rt.control.answered(),
         pending: rt.device.in_flight(),
         heartbeat: rt.state.get(bulkhead_spec::state_slots::HEARTBEAT),
         held: rt.state.get(bulkhead_spec::state_slots::HELD),
@@ -418,7 +423,7 @@ fn watch(inner: Arc<Inner>) {
             pidfd(p.pidfd.as_ref());
             pidfd(p.lower.as_ref().map(|l| &l.pidfd));
             polled_pids.push(if running && p.pidfd.is_some() { p.pid } else { 0 });
-            pfds.push(libc::pollfd { fd: rt.device.alarm_fd(), events: libc::POLLIN, revents: 0 });
+            pfds.push(libc::pollfd { fd: rt.control.alarm_fd(), events: libc::POLLIN, revents: 0 });
         }
         pfds.push(libc::pollfd { fd: inner.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
         // A failed wait is a short one: the loop looks again.
@@ -464,7 +469,7 @@ fn watch(inner: Arc<Inner>) {
                 continue;
             }
             let died = pfds[3 * i].revents != 0 || pfds[3 * i + 1].revents != 0;
-            let broken = rt.device.take_broken_report();
+            let broken = rt.control.take_broken_report();
             let mut why = None;
             // The pidfd polled may belong to a domain a concurrent restart already replaced:
             // act only if the process polled is still the device's, and has really exited.
@@ -548,23 +553,23 @@ fn watch(inner: Arc<Inner>) {
 /// the device turns failed.
 pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting_down: &AtomicBool) {
     let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
-    rt.device.outage_started(detected);
+    rt.control.outage_started(detected);
     let delay = {
         let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
         p.kill_current(&rt.name);
         p.pidfd = None;
-        match p.life.on_failure(why, detected, rt.device.answered()) {
+        match p.life.on_failure(why, detected, rt.control.answered()) {
             Decision::Restart { delay } => delay,
             Decision::Fail { reason } => {
                 drop(p);
                 eprintln!("bulkhead: device {}: {reason}", rt.name);
-                rt.device.fail(&reason);
+                rt.control.fail(&reason);
                 return;
             }
         }
     };
     // A driver that breaks every generation restarts many times a second: rate-limited.
-    rt.device.log_limited(|| format!("{why}; restarting"));
+    rt.control.log_limited(|| format!("{why}; restarting"));
     if !delay.is_zero() {
         std::thread::sleep(delay);
     }
@@ -600,14 +605,14 @@ fn restart_below(rt: &DeviceRuntime, why: &str, detected: Instant, shutting_down
 /// [`restart_below`]'s work, under the device's restart lock. `Err(Some(why))`: restart the
 /// whole device for `why`; `Err(None)`: the device failed (restart limit) or stops.
 fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), Option<String>> {
-    let answered = rt.device.answered();
+    let answered = rt.control.answered();
     let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
     if p.below.is_none() || p.life.state() != DeviceState::Running {
         return Err(Some(why.to_string()));
     }
     match p.life.on_failure(why, detected, answered) {
         Decision::Restart { delay } => {
-            rt.device.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
+            rt.control.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
             if !delay.is_zero() {
                 drop(p);
                 std::thread::sleep(delay);
@@ -618,7 +623,7 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
             p.kill_current(&rt.name);
             drop(p);
             eprintln!("bulkhead: device {}: {reason}", rt.name);
-            rt.device.fail(&reason);
+            rt.control.fail(&reason);
             return Err(None);
         }
     }
@@ -647,7 +652,7 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
             p.lower = Some(lower);
             p.life.on_launched(Instant::now(), answered);
             drop(p);
-            rt.device.note_outage(detected.elapsed());
+            rt.control.note_outage(detected.elapsed());
             Ok(())
         }
         Err(e) => Err(Some(format!("{why}; a new driver domain below could not start: {e}"))),
@@ -662,7 +667,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
         return;
     }
     let generation = rt.device.generation().wrapping_add(1);
-    let answered = rt.device.answered();
+    let answered = rt.control.answered();
     let outcome = match rt.launcher.launch(generation) {
         Ok(l) => {
             let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
@@ -671,7 +676,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
             }
             p.install(l.top, l.lower, l.below);
             drop(p);
-            rt.device.install_generation(l.fronts);
+            rt.control.install_generation(l.fronts);
             return;
         }
         Err(LaunchError::Connect(e)) if rt.launcher.reconnect_timeout().is_some() => {
@@ -686,10 +691,10 @@ fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
         }
     };
     match outcome {
-        (Retry::After(delay), e) => rt.device.log_limited(|| format!("{e}; trying again in {} ms", delay.as_millis())),
+        (Retry::After(delay), e) => rt.control.log_limited(|| format!("{e}; trying again in {} ms", delay.as_millis())),
         (Retry::Fail { reason }, _) => {
             eprintln!("bulkhead: device {}: {reason}", rt.name);
-            rt.device.fail(&reason);
+            rt.control.fail(&reason);
         }
     }
 }

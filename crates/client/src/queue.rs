@@ -1,0 +1,220 @@
+//! A queue held by one user: several requests in flight, completions reaped when it asks, and
+//! its unanswered requests carried over every restart of the domain.
+
+use std::sync::MutexGuard;
+use std::time::{Duration, Instant};
+
+use bulkhead_channel::{FrontRequest, SharedSlice, SubmitError};
+
+use crate::{Device, IoError, QueueState};
+
+/// How long one wait slice lasts before the handle re-checks the generation and the device.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
+
+/// One queue of a [`Device`], held by one user until dropped (SPDK's I/O channel): requests go
+/// in with [`submit`](Self::submit) under a token of the caller's, and come back with that
+/// token from [`poll`](Self::poll) or [`wait`](Self::wait), in any order. A restart of the
+/// domain is invisible but for the pause: requests without an answer move to the next
+/// generation with their data. Dropping the handle waits for the requests still in flight.
+#[derive(Debug)]
+pub struct QueueHandle<'a> {
+    dev: &'a Device,
+    idx: usize,
+    st: MutexGuard<'a, QueueState>,
+}
+
+impl<'a> QueueHandle<'a> {
+    pub(crate) fn new(dev: &'a Device, idx: usize) -> Self {
+        let st = dev.queue_state(idx);
+        let mut h = QueueHandle { dev, idx, st };
+        h.refresh();
+        h
+    }
+
+    /// Which of the device's queues this is.
+    pub fn index(&self) -> usize {
+        self.idx
+    }
+
+    /// Requests it holds in flight at most.
+    pub fn capacity(&self) -> usize {
+        self.st.q.capacity()
+    }
+
+    /// Requests submitted and not yet answered.
+    pub fn in_flight(&self) -> usize {
+        let carried = self.st.carry.as_ref().map_or(0, |c| c.in_flight());
+        if carried > 0 {
+            carried
+        } else {
+            self.st.q.in_flight()
+        }
+    }
+
+    /// Brings the queue to the device's newest generation, moving every request without an
+    /// answer onto it. If the new generation is broken before they all move, they stay with
+    /// the old queue and move to the next one.
+    fn refresh(&mut self) {
+        if self.st.q.generation() == self.dev.generation() {
+            return;
+        }
+        let Some(newer) = self.dev.take_staged(self.idx) else { return };
+        let st = &mut *self.st;
+        let old = std::mem::replace(&mut st.q, newer);
+        // A carried queue holds the requests; the one just replaced has at most a partial copy.
+        let source = st.carry.take().unwrap_or(old);
+        if source.in_flight() == 0 {
+            return;
+        }
+        if source.reissue_onto(&mut st.q).is_err() {
+            st.carry = Some(source);
+        }
+    }
+
+    /// Whether the current generation cannot take requests: broken, being replaced, or
+    /// still owing the requests of an older one.
+    fn stalled(&self) -> bool {
+        self.st.q.broken().is_some() || self.st.carry.is_some() || self.dev.in_outage()
+    }
+
+    /// Submits `req` under `token`. Blocks only while the domain is being replaced. `QueueFull`
+    /// when the queue holds as many requests as it can: reap some first.
+    pub fn submit(&mut self, req: FrontRequest<'_>, token: u64) -> Result<(), IoError> {
+        match req {
+            FrontRequest::Read { offset, len }
+            | FrontRequest::Discard { offset, len }
+            | FrontRequest::WriteZeroes { offset, len } => self.dev.check_range(offset, len)?,
+            FrontRequest::Write { offset, data, .. } => self.dev.check_range(offset, data.len() as u64)?,
+            FrontRequest::Flush => {}
+        }
+        let started = Instant::now();
+        loop {
+            if self.dev.is_failed() {
+                return Err(self.dev.unavailable());
+            }
+            self.refresh();
+            if self.stalled() {
+                // Wait for the next generation rather than pile requests into a queue nobody
+                // serves (a remote server may take a while to reconnect).
+                self.dev.wait_for_generation(self.st.q.generation(), WAIT_SLICE);
+                self.check_timeout(started)?;
+                continue;
+            }
+            match self.st.q.submit(req, token) {
+                Ok(()) => {
+                    self.dev.started();
+                    return Ok(());
+                }
+                Err(SubmitError::Full) if self.st.q.in_flight() > 0 => return Err(IoError::QueueFull),
+                Err(SubmitError::Full) => {
+                    // Nothing of ours is in flight, yet the ring is full: the driver stopped
+                    // answering requests it was given.
+                    let e = bulkhead_channel::ChannelError::Protocol("queue full with no request outstanding".into());
+                    self.dev.report_broken(&e);
+                    self.dev.wait_for_generation(self.st.q.generation(), WAIT_SLICE);
+                    self.check_timeout(started)?;
+                }
+                Err(SubmitError::TooLarge(_)) => return Err(IoError::Invalid("request larger than the queue's arena")),
+                Err(SubmitError::Broken(e)) => self.dev.report_broken(&e),
+            }
+        }
+    }
+
+    fn check_timeout(&self, started: Instant) -> Result<(), IoError> {
+        match self.dev.timeout() {
+            Some(t) if started.elapsed() >= t => Err(IoError::Unavailable(format!("no response within {} ms", t.as_millis()))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Delivers every answer that has arrived, without waiting: `f(token, result, data)`, with
+    /// a successful read's data (copy it out inside `f`: the space is reused). Returns how
+    /// many.
+    pub fn poll(&mut self, mut f: impl FnMut(u64, Result<u64, IoError>, Option<SharedSlice<'_>>)) -> usize {
+        self.refresh();
+        if self.st.carry.is_some() {
+            return 0;
+        }
+        let dev = self.dev;
+        let mut n = 0;
+        let reaped = self.st.q.reap(|c| {
+            n += 1;
+            dev.finished(Some(c.result.is_ok()));
+            f(c.user, c.result.map_err(IoError::Device), c.data);
+        });
+        if let Err(e) = reaped {
+            dev.report_broken(&e);
+        }
+        n
+    }
+
+    /// Gives up every request in flight with `err`.
+    fn give_up(&mut self, err: &IoError, f: &mut impl FnMut(u64, Result<u64, IoError>, Option<SharedSlice<'_>>)) -> usize {
+        let dev = self.dev;
+        let mut n = 0;
+        let st = &mut *self.st;
+        let mut each = |token| {
+            n += 1;
+            dev.finished(Some(false));
+            f(token, Err(err.clone()), None);
+        };
+        match st.carry.take() {
+            Some(mut c) => {
+                c.abandon(&mut each);
+                // The current queue holds at most copies of some of them.
+                st.q.abandon(|_| {});
+            }
+            None => st.q.abandon(&mut each),
+        }
+        n
+    }
+
+    /// Waits for at least one answer and delivers every one that has arrived, as
+    /// [`poll`](Self::poll); returns how many (0 at once if nothing is in flight). Across a
+    /// restart it waits for the next generation. If the device fails, or (with a timeout) no
+    /// answer comes for that long, every request in flight is answered with `Unavailable`.
+    pub fn wait(&mut self, mut f: impl FnMut(u64, Result<u64, IoError>, Option<SharedSlice<'_>>)) -> usize {
+        let started = Instant::now();
+        loop {
+            if self.in_flight() == 0 {
+                return 0;
+            }
+            if self.dev.is_failed() {
+                let e = self.dev.unavailable();
+                return self.give_up(&e, &mut f);
+            }
+            let n = self.poll(&mut f);
+            if n > 0 {
+                return n;
+            }
+            if let Err(e) = self.check_timeout(started) {
+                return self.give_up(&e, &mut f);
+            }
+            let gen = self.st.q.generation();
+            if self.stalled() {
+                // This generation is finished or being replaced: wait for the next one.
+                self.dev.wait_for_generation(gen, WAIT_SLICE);
+                continue;
+            }
+            if self.dev.generation() != gen {
+                continue;
+            }
+            let storms = self.st.q.stats().storms;
+            let waited = self.st.q.wait_or(WAIT_SLICE.as_millis() as i32, self.dev.outage_flag());
+            if let Err(e) = waited {
+                self.dev.report_broken(&e);
+            } else if self.st.q.stats().storms != storms {
+                self.dev.log_storm();
+            }
+        }
+    }
+}
+
+impl Drop for QueueHandle<'_> {
+    fn drop(&mut self) {
+        // The next user of this queue must not get answers meant for this one.
+        while self.in_flight() > 0 {
+            self.wait(|_, _, _| {});
+        }
+    }
+}
