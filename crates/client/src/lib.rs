@@ -483,10 +483,12 @@ impl DeviceControl {
         }
     }
 
-    /// Records an outage the frontend did not see as one: a domain below a tap domain was
-    /// replaced while the tap domain held the requests (`took`: detection to the new domain).
-    pub fn note_outage(&self, took: Duration) {
-        lock(&self.dev.gens).outages_ms.push(took.as_secs_f64() * 1e3);
+    /// Times an outage the frontend does not see as one (a domain below a tap domain is being
+    /// replaced while the tap domain holds the requests): from `at` to the next answer.
+    pub fn time_outage(&self, at: Instant) {
+        let d = &self.dev;
+        lock(&d.gens).outage_since.get_or_insert(at);
+        d.outage_timed.store(true, Ordering::Release);
     }
 
     /// Installs the queues of a new generation (a restarted domain). Each is taken by the next

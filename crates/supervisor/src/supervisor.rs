@@ -612,6 +612,7 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
     }
     match p.life.on_failure(why, detected, answered) {
         Decision::Restart { delay } => {
+            rt.control.time_outage(detected);
             rt.control.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
             if !delay.is_zero() {
                 drop(p);
@@ -652,7 +653,6 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
             p.lower = Some(lower);
             p.life.on_launched(Instant::now(), answered);
             drop(p);
-            rt.control.note_outage(detected.elapsed());
             Ok(())
         }
         Err(e) => Err(Some(format!("{why}; a new driver domain below could not start: {e}"))),
