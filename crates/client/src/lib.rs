@@ -491,6 +491,19 @@ impl DeviceControl {
         d.outage_timed.store(true, Ordering::Release);
     }
 
+    /// Ends the outage being timed now if no request waits on it (the replaced domain is up
+    /// and nothing was in flight): it must not run on until the next request comes.
+    pub fn outage_over_if_idle(&self) {
+        let d = &self.dev;
+        let mut g = lock(&d.gens);
+        if d.in_flight() == 0 {
+            if let Some(t) = g.outage_since.take() {
+                g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                d.outage_timed.store(false, Ordering::Release);
+            }
+        }
+    }
+
     /// Installs the queues of a new generation (a restarted domain). Each is taken by the next
     /// user of its queue, and the requests the old one had without a response move to it;
     /// users waiting on an old queue are woken.

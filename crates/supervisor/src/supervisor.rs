@@ -653,6 +653,7 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
             p.lower = Some(lower);
             p.life.on_launched(Instant::now(), answered);
             drop(p);
+            rt.control.outage_over_if_idle();
             Ok(())
         }
         Err(e) => Err(Some(format!("{why}; a new driver domain below could not start: {e}"))),
