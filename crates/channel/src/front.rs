@@ -471,15 +471,7 @@ impl FrontQueue {
                 _ => None,
             };
             f(Completion { user: e.user, result, data });
-            if let (Some(a), true) = (&mut self.arenas, e.arena_len > 0) {
-                match e.op {
-                    Op::Read => a.ralloc.free(e.arena_off, e.arena_len),
-                    Op::Write => a.walloc.free(e.arena_off, e.arena_len),
-                    Op::Flush | Op::Discard | Op::WriteZeroes => {}
-                }
-            }
-            self.table[index].live = false;
-            self.free.push(index as u32);
+            self.retire(index);
             self.stats.completed += 1;
             n += 1;
         }
@@ -522,6 +514,20 @@ impl FrontQueue {
         Ok(live.len())
     }
 
+    /// Frees the shadow-table entry at `index` and its arena space.
+    fn retire(&mut self, index: usize) {
+        let e = self.table[index];
+        if let (Some(a), true) = (&mut self.arenas, e.arena_len > 0) {
+            match e.op {
+                Op::Read => a.ralloc.free(e.arena_off, e.arena_len),
+                Op::Write => a.walloc.free(e.arena_off, e.arena_len),
+                Op::Flush | Op::Discard | Op::WriteZeroes => {}
+            }
+        }
+        self.table[index].live = false;
+        self.free.push(index as u32);
+    }
+
     /// Gives up every request without a response (the device failed), calling `f` with each
     /// one's user token, and frees their arena space. The ring still counts them: the queue
     /// takes no more requests and is replaced when the device is revived.
@@ -532,15 +538,7 @@ impl FrontQueue {
                 continue;
             }
             f(e.user);
-            if let (Some(a), true) = (&mut self.arenas, e.arena_len > 0) {
-                match e.op {
-                    Op::Read => a.ralloc.free(e.arena_off, e.arena_len),
-                    Op::Write => a.walloc.free(e.arena_off, e.arena_len),
-                    Op::Flush | Op::Discard | Op::WriteZeroes => {}
-                }
-            }
-            self.table[index].live = false;
-            self.free.push(index as u32);
+            self.retire(index);
         }
     }
 

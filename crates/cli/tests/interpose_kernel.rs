@@ -51,10 +51,8 @@ fn three_filter_tap_under_fio_verify_survives_killing_the_tap_and_the_driver_dom
     let tmp = TempDir::new("interpose-kill");
     let cfg = interpose_config("k", "restart_limit = 100000\n", THREE);
     let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["k"]);
-    let lo = LoopGuard::attach_direct(&serve.fuse_file("k"));
-    run("mkfs.ext4", &["-q", "-F", &lo.dev]);
-    let mnt = tmp.path().join("mnt");
-    let m = MountGuard::mount(&lo.dev, &mnt);
+    let mut fs = Ext4::make(&serve.fuse_file("k"), &tmp.path().join("mnt"));
+    let mnt = fs.mnt.clone();
     // The tap domain and the driver domain in turn, each process once. A driver domain killed
     // below a running tap domain is replaced alone: the tap domain it was under is then killed
     // next, so every tap domain killed has seen its driver domain replaced at least once.
@@ -73,9 +71,7 @@ fn three_filter_tap_under_fio_verify_survives_killing_the_tap_and_the_driver_dom
     let kills = killer.stop();
     let (drivers, taps) = (kills.first().copied().unwrap_or(0), kills.get(1).copied().unwrap_or(0));
     assert!(taps >= 5 && drivers >= 5, "only {taps} tap and {drivers} driver kills landed");
-    m.unmount();
-    let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
-    assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+    fs.unmount_and_check();
     let st = serve.status_json();
     let d = &st["devices"][0];
     assert_eq!(d["state"], "running");
@@ -100,10 +96,8 @@ fn a_driver_domain_killed_below_a_tap_domain_is_replaced_alone_under_fio_verify(
     let cfg = interpose_config("b", "restart_limit = 100000\n", THREE);
     let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["b"]);
     let tap = serve.status_json()["devices"][0]["tap_pid"].as_u64().unwrap();
-    let lo = LoopGuard::attach_direct(&serve.fuse_file("b"));
-    run("mkfs.ext4", &["-q", "-F", &lo.dev]);
-    let mnt = tmp.path().join("mnt");
-    let m = MountGuard::mount(&lo.dev, &mnt);
+    let mut fs = Ext4::make(&serve.fuse_file("b"), &tmp.path().join("mnt"));
+    let mnt = fs.mnt.clone();
     let killer = DomainKiller::start(
         serve.run_dir.clone(),
         || Duration::from_millis(200),
@@ -115,9 +109,7 @@ fn a_driver_domain_killed_below_a_tap_domain_is_replaced_alone_under_fio_verify(
     fio_verify(&mnt, "randrw", "4k-256k", "48M", 6);
     let kills = killer.stop()[0];
     assert!(kills >= 8, "only {kills} driver kills landed");
-    m.unmount();
-    let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
-    assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+    fs.unmount_and_check();
     let st = serve.status_json();
     let d = &st["devices"][0];
     // The same tap domain throughout, its filters' state in hand; a new driver domain each time.
@@ -212,10 +204,8 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
         "[[device]]\nname = \"w\"\nsize = \"256M\"\n[device.backend]\ntype = \"ram\"\n[[device.filter]]\ntype = \"stats\"\n";
     let serve = Serve::start(&tmp.path().join("run"), Some(cfg), &["w"]);
     let run_dir = serve.run_dir.clone();
-    let lo = LoopGuard::attach_direct(&serve.fuse_file("w"));
-    run("mkfs.ext4", &["-q", "-F", &lo.dev]);
-    let mnt = tmp.path().join("mnt");
-    let m = MountGuard::mount(&lo.dev, &mnt);
+    let mut fs = Ext4::make(&serve.fuse_file("w"), &tmp.path().join("mnt"));
+    let mnt = fs.mnt.clone();
     let fio = {
         let dir = mnt.clone();
         std::thread::spawn(move || fio_verify(&dir, "randrw", "4k-128k", "32M", 8))
@@ -251,9 +241,7 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
     cli(&run_dir, &["filter", "w", "remove", "0"]).unwrap();
     assert_eq!(chain(&serve), ("passthrough".into(), vec!["stats".into(), "throttle".into()]));
     fio.join().expect("fio verified every block");
-    m.unmount();
-    let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
-    assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+    fs.unmount_and_check();
     let st = serve.status_json();
     let d = &st["devices"][0];
     assert_eq!(d["state"], "running");
@@ -314,10 +302,8 @@ fn intercept_terminates_every_request_in_one_tap_domain_through_kills_and_refuse
     // No domain below the tap domain: serve has exactly one.
     assert_eq!(domains_of(&serve), [d["tap_pid"].as_u64().unwrap() as u32]);
 
-    let lo = LoopGuard::attach_direct(&serve.fuse_file("i"));
-    run("mkfs.ext4", &["-q", "-F", &lo.dev]);
-    let mnt = tmp.path().join("mnt");
-    let m = MountGuard::mount(&lo.dev, &mnt);
+    let mut fs = Ext4::make(&serve.fuse_file("i"), &tmp.path().join("mnt"));
+    let mnt = fs.mnt.clone();
     let killer = DomainKiller::start(
         serve.run_dir.clone(),
         || Duration::from_millis(300),
@@ -329,10 +315,8 @@ fn intercept_terminates_every_request_in_one_tap_domain_through_kills_and_refuse
     fio_verify(&mnt, "randrw", "4k-256k", "48M", 6);
     let kills = killer.stop();
     assert!(kills.first().copied().unwrap_or(0) >= 5, "only {kills:?} kills landed");
-    m.unmount();
-    let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
-    assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
-    drop(lo);
+    fs.unmount_and_check();
+    drop(fs);
     let st = serve.status_json();
     let d = &st["devices"][0];
     assert_eq!((d["state"].as_str(), d["requests_failed"].as_u64()), (Some("running"), Some(0)), "{d}");

@@ -258,3 +258,30 @@ pub fn driver_domain(d: &serde_json::Value, _kills: u32) -> (usize, u32, u64) {
     let pid = d["driver_pid"].as_u64().unwrap_or(0);
     (0, pid as u32, pid)
 }
+
+/// An ext4 file system made on a loop device over a device's FUSE file and mounted; every guard
+/// undone on drop.
+pub struct Ext4 {
+    pub mnt: PathBuf,
+    pub lo: LoopGuard,
+    mount: Option<MountGuard>,
+}
+
+impl Ext4 {
+    /// mkfs.ext4 on a direct-I/O loop device over `file`, mounted at `mnt`.
+    pub fn make(file: &Path, mnt: &Path) -> Ext4 {
+        let lo = LoopGuard::attach_direct(file);
+        run("mkfs.ext4", &["-q", "-F", &lo.dev]);
+        let mount = Some(MountGuard::mount(&lo.dev, mnt));
+        Ext4 { mnt: mnt.to_path_buf(), lo, mount }
+    }
+
+    /// Unmounts and asserts that `e2fsck -fn` finds the file system clean.
+    pub fn unmount_and_check(&mut self) {
+        if let Some(m) = self.mount.take() {
+            m.unmount();
+        }
+        let fsck = Command::new("e2fsck").args(["-fn", &self.lo.dev]).output().unwrap();
+        assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+    }
+}
