@@ -11,10 +11,16 @@ fn cfg() -> QueueConfig {
 
 /// Serves every pending request honestly: writes land in `disk`, reads come from it.
 fn serve(back: &mut BackQueue, disk: &mut [u8]) -> usize {
+    serve_seeing(back, disk, |_| {})
+}
+
+/// As [`serve`], showing `seen` each valid request before it is served.
+fn serve_seeing(back: &mut BackQueue, disk: &mut [u8], mut seen: impl FnMut(&bulkhead_ring::ValidRequest)) -> usize {
     let mut n = 0;
     while let Some(p) = back.pop().unwrap() {
         match p {
             Popped::Valid(r) => {
+                seen(&r);
                 let bufs = back.buffers(&r);
                 let mut off = r.offset() as usize;
                 for b in bufs.iter() {
@@ -338,22 +344,7 @@ fn unanswered_requests_move_to_the_next_generation_in_order_with_their_data() {
     let (mut new, mut new_back) = pair(&next, 1 << 20).unwrap();
     assert_eq!(old.reissue_onto(&mut new).unwrap(), 4);
     let mut order = vec![];
-    while let Some(Popped::Valid(r)) = new_back.pop().unwrap() {
-        order.push((r.op(), r.offset(), r.generation(), r.fua()));
-        let bufs = new_back.buffers(&r);
-        let mut off = r.offset() as usize;
-        for w in bufs.iter() {
-            match r.op() {
-                Op::Write => w.copy_to(&mut disk[off..off + w.len()]),
-                Op::Read => w.copy_from(&disk[off..off + w.len()]).unwrap(),
-                _ => {}
-            }
-            off += w.len();
-        }
-        let len = if matches!(r.op(), Op::Read | Op::Write) { r.len() } else { 0 };
-        new_back.complete(r.id(), r.generation(), Status::Ok, len);
-    }
-    new_back.publish();
+    serve_seeing(&mut new_back, &mut disk, |r| order.push((r.op(), r.offset(), r.generation(), r.fua())));
     assert_eq!(
         order,
         [(Op::Write, 8192, 2, true), (Op::Flush, 0, 2, false), (Op::Read, 0, 2, false), (Op::Discard, 65536, 2, false)]

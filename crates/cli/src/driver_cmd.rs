@@ -18,8 +18,8 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
     // alone, and nothing else here uses them.
-    let mut domain =
-        unsafe { bulkhead_driver::build_inherited(&spec, stop) }.with_context(|| format!("device {}", spec.device))?;
+    let built = unsafe { bulkhead_driver::build_inherited(&spec, stop) };
+    let mut domain = built.with_context(|| format!("device {}", spec.device))?;
     bulkhead_driver::confine_and_report(&spec).with_context(|| format!("device {}", spec.device))?;
     match domain.run() {
         Ok(()) => Ok(ExitCode::SUCCESS),

@@ -122,6 +122,11 @@ impl Lifecycle {
         self.progress = (obs.answered, now, obs.heartbeat);
     }
 
+    /// How long the watchdog has seen no progress, as of its last look.
+    pub fn quiet_for(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.progress.1)
+    }
+
     /// The watchdog: why the running domain is wedged, if it is — requests pending and none
     /// answered for the policy's time, while its layers hold nothing or its loop has stopped
     /// beating.
@@ -238,6 +243,7 @@ mod tests {
         assert_eq!(l.watch(ms(6999), obs(3, 2)), None);
         let why = l.watch(ms(7000), obs(3, 2)).expect("wedged after 1000 ms");
         assert!(why.contains("answered nothing for 1000 ms with 2 requests pending"), "{why}");
+        assert_eq!(l.quiet_for(ms(7500)), Duration::from_millis(1500), "quiet since the answers at 6000 ms");
     }
 
     #[test]

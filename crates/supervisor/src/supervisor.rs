@@ -512,8 +512,9 @@ fn watch(inner: Arc<Inner>) {
                 // A domain that is exiting has released its memory before its pidfd says so: it
                 // is as good as dead. It may never finish on its own: the kernel may be syncing
                 // a filesystem its mount namespace kept alive, through this very device, and
-                // only its successor lets that end.
-                if obs.pending > 0 && p.life.state() == DeviceState::Running {
+                // only its successor lets that end. Looked for only once answers have stopped.
+                let quiet = p.life.quiet_for(now) >= EXIT_CHECK_AFTER;
+                if obs.pending > 0 && quiet && p.life.state() == DeviceState::Running {
                     let below = p.lower.as_ref().map(|l| l.child.id()).filter(|&pid| proc_info::memory_released(pid));
                     if let Some(pid) = below {
                         let child = p.lower.take().map(|l| l.child);
@@ -578,6 +579,10 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
     }
     relaunch(rt, why, shutting_down);
 }
+
+/// How long a device with requests pending must have answered nothing before the watcher
+/// looks whether its domains are exiting (a look reads /proc for each of their threads).
+const EXIT_CHECK_AFTER: Duration = Duration::from_millis(5);
 
 /// How long a tap domain has to start its channel below over when the domain below is
 /// replaced; one that takes longer is restarted with it.
