@@ -5,8 +5,9 @@
 //! byte; the driver is SIGKILLed at random moments. The outage of each kill runs from the
 //! supervisor noticing the death to the first request completed after it (the seed paper
 //! measured ~275 ms per driver restart). With `--tap interpose` the device has a tap domain
-//! (running a `stats` filter) and the driver domain below it is the one killed: it is replaced
-//! alone, the tap domain sending again what it had passed down.
+//! (running a `stats` filter) over a driver domain, and one of them is killed each time
+//! (`--kill driver`, the default, or `--kill tap`): it is replaced alone while the other runs
+//! on, the tap domain sending again what it had passed down, or the frontend what it had sent.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -30,6 +31,8 @@ pub struct Options {
     pub threads: usize,
     /// `passthrough` (the driver domain alone) or `interpose` (a tap domain above it).
     pub tap: String,
+    /// The domain killed with `interpose`: `driver` or `tap`.
+    pub kill: String,
 }
 
 /// Results.
@@ -39,6 +42,8 @@ pub struct Report {
     pub mode: String,
     /// Tap mode.
     pub tap: String,
+    /// The domain killed: `driver` or `tap`.
+    pub killed: String,
     /// Kills performed.
     pub kills: usize,
     /// Restarts the supervisor made.
@@ -70,6 +75,12 @@ fn pct(v: &[f64], q: f64) -> f64 {
 
 /// Runs the benchmark, execing `exe` for the domains.
 pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+    let kill_tap = match (opts.kill.as_str(), opts.tap.as_str()) {
+        ("driver", _) => false,
+        ("tap", "interpose") => true,
+        ("tap", _) => return Err("--kill tap needs --tap interpose (only then is there a tap domain of its own)".into()),
+        (other, _) => return Err(format!("--kill must be driver or tap, not `{other}`")),
+    };
     let filters = if opts.tap == "interpose" { "[[device.filter]]\ntype = \"stats\"\n" } else { "" };
     let text = format!(
         "[fuse]\nenabled = false\n[[device]]\nname = \"r\"\nsize = \"256M\"\nqueues = {}\nnotify = \"{}\"\ntap = \"{}\"\n\
@@ -120,13 +131,14 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         }
         let st = sup.status();
         let d = &st.devices[0];
-        if d.driver_pid == 0 || d.driver_pid == last_pid {
+        let victim = if kill_tap { d.tap_pid.unwrap_or(0) } else { d.driver_pid };
+        if victim == 0 || victim == last_pid {
             continue;
         }
         // SAFETY: signalling a domain of our own supervisor by pid.
-        if unsafe { libc::kill(d.driver_pid as i32, libc::SIGKILL) } == 0 {
+        if unsafe { libc::kill(victim as i32, libc::SIGKILL) } == 0 {
             kills += 1;
-            last_pid = d.driver_pid;
+            last_pid = victim;
             if kills % 10 == 0 {
                 progress(&format!("{kills}/{} kills", opts.kills));
             }
@@ -148,6 +160,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     Ok(Report {
         mode: opts.mode.clone(),
         tap: opts.tap.clone(),
+        killed: opts.kill.clone(),
         kills,
         restarts,
         outages: outages.len(),
@@ -165,6 +178,7 @@ pub fn render(r: &Report) -> String {
     let mut t = Table::new(&[
         "mode",
         "tap",
+        "killed",
         "kills",
         "restarts",
         "outage p50 ms",
@@ -177,6 +191,7 @@ pub fn render(r: &Report) -> String {
     t.row(vec![
         r.mode.clone(),
         r.tap.clone(),
+        r.killed.clone(),
         r.kills.to_string(),
         r.restarts.to_string(),
         format!("{:.2}", r.outage_p50_ms),

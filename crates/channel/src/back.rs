@@ -90,6 +90,23 @@ impl BackQueue {
         })
     }
 
+    /// Attaches again to this queue's ring, which a new frontend end (a replacement for the
+    /// tap domain above) has started over as `generation`: nothing of the old frontend's is
+    /// left, and this end's arenas stay as they are (they are the frontend's, kept across the
+    /// switch). Call only once this end has stopped using the ring. A header that is not of
+    /// this geometry and generation is an error, and the queue must not be used.
+    pub fn reattach(&mut self, generation: u32) -> Result<(), ChannelError> {
+        self.ring.reattach().map_err(|e| ChannelError::Protocol(format!("ring started over: {e}")))?;
+        if self.ring.generation() != generation {
+            return Err(ChannelError::Protocol(format!(
+                "ring started over as generation {}, expected {generation}",
+                self.ring.generation()
+            )));
+        }
+        self.kick.drain();
+        Ok(())
+    }
+
     /// Takes and validates the next request. A ring-index violation is fatal for the queue.
     pub fn pop(&mut self) -> Result<Option<Popped>, ChannelError> {
         let slot = match self.ring.pop_request() {

@@ -244,6 +244,48 @@ impl FrontQueue {
         Ok(())
     }
 
+    /// Starts a queue with arenas of its own over in place as `generation`, for a new domain
+    /// attached to the same files (a tap domain replaced while the domain below it stays, and
+    /// with it the arenas both map): the ring's header is rewritten, and every request without
+    /// a response is placed again, in the order first submitted, with its user token and over
+    /// the same arena windows. A write's data is still where it was: only this end writes the
+    /// write arena. Publishes them; returns how many. Call only once the old domain is gone
+    /// and before the new one attaches.
+    pub fn start_over(&mut self, generation: u32) -> Result<usize, ChannelError> {
+        if self.arenas.is_none() {
+            return Err(ChannelError::Setup("a forwarding end restarts with `restart` and reissues itself".into()));
+        }
+        self.ring.restart(generation).map_err(|e| ChannelError::Setup(e.to_string()))?;
+        self.generation = generation;
+        self.broken = None;
+        self.spurious = 0;
+        self.damped_until = 0;
+        self.irq.drain();
+        let mut live: Vec<usize> = (0..self.table.len()).filter(|&i| self.table[i].live).collect();
+        live.sort_unstable_by_key(|&i| self.table[i].id >> INDEX_BITS);
+        for &index in &live {
+            let e = self.table[index];
+            let mut slot = RequestSlot { generation, op: e.op as u8, offset: e.offset, len: e.len, ..Default::default() };
+            if e.fua {
+                slot.flags = FLAG_FUA;
+            }
+            if e.arena_len > 0 {
+                let which = if e.op == Op::Write { ARENA_WRITE } else { ARENA_READ };
+                slot.nsegs = 1;
+                slot.segs[0] = Segment { arena: which, len: e.arena_len as u32, offset: e.arena_off as u64 };
+            }
+            self.seq += 1;
+            slot.id = (self.seq << INDEX_BITS) | index as u64;
+            self.table[index].id = slot.id;
+            // As many live entries as the table has slots, and the ring as many: it fits.
+            self.ring.push(&slot).expect("a fresh ring holds every slot of the table");
+        }
+        if !live.is_empty() {
+            self.publish();
+        }
+        Ok(live.len())
+    }
+
     /// Makes waits yield the CPU between looks once they have spun `spins` times (0: never):
     /// for a frontend that is itself a domain (a tap domain), one of three spinners for two
     /// CPUs, whose peer may be runnable on its CPU.

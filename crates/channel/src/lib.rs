@@ -8,13 +8,16 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod above;
 mod back;
 mod below;
 mod front;
+mod line;
 mod setup;
 #[cfg(test)]
 mod tests;
 
+pub use above::AboveControl;
 pub use back::{ArenaWindows, BackQueue, Popped};
 pub use below::BelowControl;
 pub use bulkhead_shmem::{SharedSlice, SliceList};
@@ -22,7 +25,7 @@ pub use front::{Completion, FrontQueue, FrontRequest, QueueStats, STORM_DAMP_MS,
 pub use setup::{pair, BackQueueFds, ForwardQueueFds, LowerQueue, QueueConfig, QueueSetup};
 
 pub use bulkhead_doorbell::{BudgetPolicy, NotifyMode};
-pub use bulkhead_ring::{Op, Segment, Status, ARENA_READ, ARENA_WRITE};
+pub use bulkhead_ring::{ArenaSizes, Op, Segment, Status, ARENA_READ, ARENA_WRITE};
 
 /// Why a channel stopped being usable. The frontend marks the channel broken on any of these;
 /// the supervisor restarts the domain and has the frontend reissue what had no response.

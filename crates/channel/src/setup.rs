@@ -51,6 +51,17 @@ pub struct BackQueueFds {
 }
 
 impl BackQueueFds {
+    /// Close-on-exec duplicates of every descriptor (for another domain on the same queue).
+    pub fn try_clone(&self) -> Result<Self, ChannelError> {
+        Ok(BackQueueFds {
+            ring: dup(&self.ring)?,
+            write_arena: dup(&self.write_arena)?,
+            read_arena: dup(&self.read_arena)?,
+            kick: dup(&self.kick)?,
+            irq: dup(&self.irq)?,
+        })
+    }
+
     /// The descriptors in passing order: ring, write arena, read arena, kick, irq.
     pub fn as_array(&self) -> [&OwnedFd; 5] {
         [&self.ring, &self.write_arena, &self.read_arena, &self.kick, &self.irq]
@@ -123,12 +134,13 @@ impl LowerQueue {
 
     /// Descriptors for the domain below. Call once the tap domain has written the header.
     pub fn back_fds(&self) -> Result<BackQueueFds, ChannelError> {
+        let LowerQueue { ring, kick, irq, write_arena, read_arena } = self;
         Ok(BackQueueFds {
-            ring: dup(&self.ring)?,
-            write_arena: dup(&self.write_arena)?,
-            read_arena: dup(&self.read_arena)?,
-            kick: dup(&self.kick)?,
-            irq: dup(&self.irq)?,
+            ring: dup(ring)?,
+            write_arena: dup(write_arena)?,
+            read_arena: dup(read_arena)?,
+            kick: dup(kick)?,
+            irq: dup(irq)?,
         })
     }
 }

@@ -375,3 +375,59 @@ fn abandoned_requests_are_reported_once_and_free_their_space() {
     assert_eq!(f.in_flight(), 0);
     f.abandon(|u| panic!("{u} reported twice"));
 }
+
+#[test]
+fn a_tap_replaced_alone_gets_every_unanswered_request_again_and_the_driver_below_reattaches() {
+    let cfg = cfg();
+    let arenas = bulkhead_ring::ArenaSizes { write: 1 << 20, read: 1 << 20 };
+    let (mut front, upper) = QueueSetup::create("upper", &cfg).unwrap();
+    let lower = LowerQueue::create("lower", &cfg, &upper).unwrap();
+    let mut tap = BackQueue::from_fds(upper.try_clone().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
+    let mut fwd = FrontQueue::forwarding(lower.front_fds().unwrap(), &cfg).unwrap();
+    let mut below = BackQueue::from_fds(lower.back_fds().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
+    let mut disk = vec![0u8; 1 << 20];
+    let a: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    let b: Vec<u8> = (0..8192u32).map(|i| (i * 5) as u8).collect();
+    front.submit(FrontRequest::Write { offset: 0, data: &a, fua: false }, 1).unwrap();
+    assert_eq!(forward_all(&mut tap, &mut fwd, &mut below, &mut disk), 1);
+    front.reap(|_| {}).unwrap();
+    // The old tap takes three requests and forwards one below, then dies answering nothing.
+    front.submit(FrontRequest::Write { offset: 16384, data: &b, fua: true }, 2).unwrap();
+    front.submit(FrontRequest::Read { offset: 0, len: 4096 }, 3).unwrap();
+    front.submit(FrontRequest::Flush, 4).unwrap();
+    let Some(Popped::Valid(r)) = tap.pop().unwrap() else { panic!("a request") };
+    let windows = tap.arena_windows();
+    let segs: Vec<Segment> =
+        tap.buffers(&r).iter().map(|w| windows.segment(ARENA_WRITE, w.as_ptr() as usize, w.len()).unwrap()).collect();
+    fwd.push_forward(r.op(), r.offset(), r.len(), &segs, r.fua(), 0).unwrap();
+    fwd.publish();
+    tap.pop().unwrap().unwrap();
+    drop((tap, fwd));
+    // The driver below finishes what it took (its answer goes nowhere) and lets go.
+    assert_eq!(serve(&mut below, &mut disk), 1);
+    // The frontend starts its queue over in place; the new tap attaches to the same files and
+    // writes the header of the queue below; the driver below attaches again.
+    assert_eq!(front.start_over(2).unwrap(), 3);
+    let mut tap = BackQueue::from_fds(upper.try_clone().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
+    assert_eq!(tap.generation(), 2);
+    let mut fwd = FrontQueue::forwarding(lower.front_fds().unwrap(), &QueueConfig { generation: 5, ..cfg }).unwrap();
+    below.reattach(5).unwrap();
+    assert_eq!(forward_all(&mut tap, &mut fwd, &mut below, &mut disk), 3);
+    let mut got = vec![];
+    let mut read = vec![0u8; 4096];
+    front
+        .reap(|c| {
+            if let Some(d) = c.data {
+                d.copy_to(&mut read);
+            }
+            got.push((c.user, c.result));
+        })
+        .unwrap();
+    assert_eq!(got, [(2, Ok(8192)), (3, Ok(4096)), (4, Ok(0))], "the same tokens, in the order first sent");
+    assert_eq!(&disk[16384..16384 + 8192], &b[..], "the write's data was still in its window");
+    assert_eq!(read, a);
+    // A driver below told the wrong generation refuses the ring.
+    assert!(matches!(below.reattach(6), Err(ChannelError::Protocol(_))));
+    // A forwarding end does not start over this way.
+    assert!(fwd.start_over(3).is_err());
+}

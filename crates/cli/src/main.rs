@@ -211,10 +211,13 @@ enum BenchCmd {
         /// Load threads (and queues).
         #[arg(long, default_value_t = 2)]
         threads: usize,
-        /// `passthrough`: kill the device's only domain; `interpose`: kill the driver domain
-        /// below a tap domain, which is replaced alone.
+        /// `passthrough`: kill the device's only domain; `interpose`: a tap domain over a
+        /// driver domain, the one `--kill` names being killed and replaced alone.
         #[arg(long, default_value = "passthrough")]
         tap: String,
+        /// With `--tap interpose`, the domain to kill: `driver` (below the tap domain) or `tap`.
+        #[arg(long, default_value = "driver")]
+        kill: String,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -241,8 +244,8 @@ fn main() -> ExitCode {
         Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples, no_pin } } => {
             bench_channel(mode, json, seconds, samples, !no_pin)
         }
-        Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, tap, json } } => {
-            bench_restart(kills, mode, threads, &tap, json)
+        Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, tap, kill, json } } => {
+            bench_restart(kills, mode, threads, &tap, &kill, json)
         }
         Cmd::Bench { which: BenchCmd::Tap { mode, bytes, requests, no_nbdkit, scratch, json } } => {
             bench_tap(mode, &bytes, requests, !no_nbdkit, scratch, json)
@@ -371,9 +374,14 @@ fn bench_fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
     Ok(if report.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
 }
 
-fn bench_restart(kills: usize, mode: ModeArg, threads: usize, tap: &str, json: bool) -> anyhow::Result<ExitCode> {
+fn bench_restart(kills: usize, mode: ModeArg, threads: usize, tap: &str, kill: &str, json: bool) -> anyhow::Result<ExitCode> {
     if !matches!(tap, "passthrough" | "interpose") {
         anyhow::bail!("--tap must be passthrough or interpose, not `{tap}`");
+    }
+    match (kill, tap) {
+        ("driver", _) | ("tap", "interpose") => {}
+        ("tap", _) => anyhow::bail!("--kill tap needs --tap interpose (only then is there a tap domain of its own)"),
+        _ => anyhow::bail!("--kill must be driver or tap, not `{kill}`"),
     }
     if kills == 0 || kills > 100_000 {
         anyhow::bail!("--kills must be between 1 and 100000");
@@ -388,7 +396,7 @@ fn bench_restart(kills: usize, mode: ModeArg, threads: usize, tap: &str, json: b
         ModeArg::All => anyhow::bail!("bench restart takes one mode"),
     };
     let exe = std::env::current_exe()?;
-    let opts = bulkhead_bench::restart::Options { kills, mode: mode.into(), threads, tap: tap.into() };
+    let opts = bulkhead_bench::restart::Options { kills, mode: mode.into(), threads, tap: tap.into(), kill: kill.into() };
     let r = bulkhead_bench::restart::run(&exe, &opts, |p| eprintln!("bench restart: {p}")).map_err(anyhow::Error::msg)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);

@@ -58,6 +58,11 @@ fn unknown_subcommand_and_bad_bench_mode_are_usage_errors() {
     assert!(!ok && err.contains("frobnicate"), "{err}");
     let (ok, err) = bulkhead(&["bench", "channel", "--mode", "turbo"]);
     assert!(!ok && err.contains("turbo"), "{err}");
+    // Killing the tap domain needs one of its own.
+    let (ok, err) = bulkhead(&["bench", "restart", "--kill", "tap"]);
+    assert!(!ok && err.contains("--kill tap needs --tap interpose"), "{err}");
+    let (ok, err) = bulkhead(&["bench", "restart", "--tap", "interpose", "--kill", "both"]);
+    assert!(!ok && err.contains("`both`"), "{err}");
 }
 
 #[test]

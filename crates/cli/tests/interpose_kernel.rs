@@ -1,7 +1,8 @@
 //! Tap domains. `tap = "interpose"`: the filters run in a tap domain of their own between the
 //! frontend and the driver domain. Through the real kernel: a three-filter chain under ext4 and
-//! fio verify while the tap domain and the driver domain are each killed again and again; a
-//! driver domain breaking the channel below the tap domain; status naming both domains.
+//! fio verify while the tap domain and the driver domain are each killed again and again, and
+//! each replaced alone while the other runs on; a driver domain breaking the channel below the
+//! tap domain; a hostile tap domain; status naming both domains.
 //! `tap = "intercept"`: one tap domain terminates every request in a soft device, and refuses a
 //! device node. Mode switches among all three under load.
 
@@ -78,8 +79,12 @@ fn three_filter_tap_under_fio_verify_survives_killing_the_tap_and_the_driver_dom
     assert!(d["restarts"].as_u64().unwrap() >= (taps + drivers) as u64, "{d}");
     let log = serve.log_text();
     assert!(log.contains("tap domain (pid") && log.contains("below the tap domain exited"), "{log}");
-    // Driver domains were replaced under a tap domain that ran on.
+    // Driver domains were replaced under a tap domain that ran on, and tap domains over a
+    // driver domain that ran on.
     assert!(log.contains("replacing it (the tap domain runs on)"), "{log}");
+    assert!(log.contains("replacing it (the driver domain below runs on)"), "{log}");
+    // Each new domain was told only what was meant for it.
+    assert!(!log.contains("protocol violation"), "{log}");
     eprintln!("{taps} tap and {drivers} driver kills; outage p99 {} ms", d["p99_outage_ms"]);
 }
 
@@ -121,9 +126,54 @@ fn a_driver_domain_killed_below_a_tap_domain_is_replaced_alone_under_fio_verify(
     eprintln!("{kills} driver kills below one tap domain; outage p99 {} ms", d["p99_outage_ms"]);
 }
 
+#[test]
+fn a_tap_domain_killed_over_a_driver_domain_is_replaced_alone_under_fio_verify() {
+    require_kernel!();
+    if !tools(&["fio"]) {
+        return;
+    }
+    let tmp = TempDir::new("interpose-above");
+    let cfg = interpose_config("a", "restart_limit = 100000\n", THREE);
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["a"]);
+    let driver = serve.status_json()["devices"][0]["driver_pid"].as_u64().unwrap();
+    let mut fs = Ext4::make(&serve.fuse_file("a"), &tmp.path().join("mnt"));
+    let mnt = fs.mnt.clone();
+    let killer = DomainKiller::start(
+        serve.run_dir.clone(),
+        || Duration::from_millis(200),
+        |d, _| {
+            let tap = d["tap_pid"].as_u64().unwrap_or(0) as u32;
+            (0, tap, tap as u64)
+        },
+    );
+    fio_verify(&mnt, "randrw", "4k-256k", "48M", 6);
+    let kills = killer.stop()[0];
+    assert!(kills >= 8, "only {kills} tap kills landed");
+    fs.unmount_and_check();
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    // The same driver domain throughout; a new tap domain each time, its filters' figures
+    // carried on in their state pages.
+    assert_eq!(d["driver_pid"].as_u64(), Some(driver), "{}", serve.log_text());
+    assert_eq!((d["state"].as_str(), d["requests_failed"].as_u64()), (Some("running"), Some(0)), "{d}");
+    assert!(d["restarts"].as_u64().unwrap() >= kills as u64, "{d}");
+    let writes = d["filters"][0]["ops"].as_array().unwrap().iter().find(|o| o["op"] == "write").unwrap()["requests"].as_u64();
+    assert!(writes.unwrap() > 200, "{writes:?}");
+    let log = serve.log_text();
+    assert!(log.contains("replacing it (the driver domain below runs on)"), "{log}");
+    assert!(!log.contains("restarting") && !log.contains("protocol violation"), "the pair was restarted: {log}");
+    eprintln!("{kills} tap kills over one driver domain; outage p99 {} ms", d["p99_outage_ms"]);
+}
+
 fn survive_hostile(role: &str, mode: &str) -> Option<String> {
+    survive_hostile_with(role, mode, "")
+}
+
+/// [`survive_hostile`] with more device keys (`extra`, one per line).
+fn survive_hostile_with(role: &str, mode: &str, extra: &str) -> Option<String> {
     let tmp = TempDir::new(&format!("interpose-hostile-{role}"));
-    let cfg = interpose_config("h", "restart_limit = 100000\n", "[[device.filter]]\ntype = \"stats\"\n");
+    let keys = format!("restart_limit = 100000\n{extra}");
+    let cfg = interpose_config("h", &keys, "[[device.filter]]\ntype = \"stats\"\n");
     let fault = format!("hostile:{mode}");
     let env = [("BULKHEAD_TEST_FAULT", fault.as_str()), ("BULKHEAD_TEST_FAULT_ROLE", role)];
     let serve = Serve::start_test_driver(&tmp.path().join("run"), Some(&cfg), &["h"], &env)?;
@@ -171,10 +221,21 @@ fn a_driver_domain_breaking_the_channel_below_the_tap_is_caught_and_both_restart
 }
 
 #[test]
-fn a_hostile_tap_domain_is_caught_by_the_frontend_and_both_domains_replaced() {
+fn a_driver_domain_wedged_below_the_tap_does_not_let_go_and_both_are_replaced() {
+    require_kernel!();
+    // The tap domain waits on the wedged domain below and answers nothing: the watchdog blames
+    // it, and its replacement alone is tried first; the driver domain below cannot let go of
+    // its queues, so both go.
+    let Some(log) = survive_hostile_with("driver", "stop-answering", "watchdog_ms = 300\n") else { return };
+    assert!(log.contains("tap domain (pid") && log.contains("did not follow in time; restarting"), "{log}");
+}
+
+#[test]
+fn a_hostile_tap_domain_is_caught_by_the_frontend_and_replaced_alone() {
     require_kernel!();
     let Some(log) = survive_hostile("tap", "duplicate-id") else { return };
     assert!(log.contains("tap domain (pid") && log.contains("broke the channel protocol"), "{log}");
+    assert!(log.contains("replacing it (the driver domain below runs on)"), "{log}");
 }
 
 fn cli(run_dir: &std::path::Path, args: &[&str]) -> Result<String, String> {
@@ -215,9 +276,12 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
     cli(&run_dir, &["tap", "w", "interpose"]).unwrap();
     assert_eq!(chain(&serve), ("interpose".into(), vec!["stats".into()]));
     pause();
+    let driver = serve.status_json()["devices"][0]["driver_pid"].clone();
     cli(&run_dir, &["filter", "w", "add", "--at", "0", "type = \"delay\"", "write_us = 100"]).unwrap();
     cli(&run_dir, &["filter", "w", "add", "type = \"throttle\"", "iops = 50000"]).unwrap();
     assert_eq!(chain(&serve).1, ["delay", "stats", "throttle"]);
+    // Filters in a tap domain of their own change that domain alone.
+    assert_eq!(serve.status_json()["devices"][0]["driver_pid"], driver);
     pause();
     // Intercept: one tap domain, which is the driver domain too.
     cli(&run_dir, &["tap", "w", "intercept"]).unwrap();

@@ -107,14 +107,25 @@ impl Default for LogLimit {
 /// Restart bookkeeping shared with the supervisor.
 #[derive(Debug, Default)]
 struct Generations {
-    /// Replacement queues of the newest generation, taken by the next user of each queue.
-    staged: Vec<Option<FrontQueue>>,
+    /// What each queue must do to reach the newest generation, done by its next user.
+    staged: Vec<Option<Staged>>,
+    /// Queues still to start over in place (see [`DeviceControl::start_over_in_place`]).
+    in_place_left: usize,
     /// Duplicates of each current queue's irq doorbell, to wake sleepers on a restart.
     wakers: Vec<Option<EventFd>>,
     /// When the outage being repaired was detected.
     outage_since: Option<Instant>,
     /// Outages measured (detection to first completion after restart), ms.
     outages_ms: Vec<f64>,
+}
+
+/// How a queue reaches the newest generation.
+#[derive(Debug)]
+pub(crate) enum Staged {
+    /// A new queue to move to: a new domain on new files.
+    Queue(Box<FrontQueue>),
+    /// Start this queue over in place as this generation: a new domain on the same files.
+    InPlace(u32),
 }
 
 /// One queue of a device as its users share it.
@@ -320,8 +331,16 @@ impl Device {
     }
 
     /// The newest generation's queue `idx`, if it has not been taken yet.
-    pub(crate) fn take_staged(&self, idx: usize) -> Option<FrontQueue> {
+    pub(crate) fn take_staged(&self, idx: usize) -> Option<Staged> {
         lock(&self.gens).staged[idx].take()
+    }
+
+    /// One queue has started over in place.
+    pub(crate) fn started_over(&self) {
+        let mut g = lock(&self.gens);
+        g.in_place_left = g.in_place_left.saturating_sub(1);
+        drop(g);
+        self.changed.notify_all();
     }
 
     /// Blocks until the generation moves past `gen`, the device fails, or `slice` passes.
@@ -514,7 +533,8 @@ impl DeviceControl {
         let mut g = lock(&d.gens);
         let old_wakers = std::mem::take(&mut g.wakers);
         g.wakers = queues.iter().map(|q| q.irq_waker().ok().and_then(|fd| EventFd::from_owned(fd).ok())).collect();
-        g.staged = queues.into_iter().map(Some).collect();
+        g.staged = queues.into_iter().map(|q| Some(Staged::Queue(Box::new(q)))).collect();
+        g.in_place_left = 0;
         d.broken_reported.store(false, Ordering::Release);
         // With nothing in flight, no caller waits on the outage: it ends with the new domain.
         if d.in_flight() == 0 {
@@ -531,6 +551,45 @@ impl DeviceControl {
         d.changed.notify_all();
         for w in old_wakers.into_iter().flatten() {
             w.ring();
+        }
+    }
+
+    /// Starts every queue over in place as `generation`, for a new domain attached to the same
+    /// files (a tap domain replaced while the driver domain below it, which maps the same
+    /// arenas, stays): each queue's ring header is rewritten and its requests without a
+    /// response are placed again over the same windows. A queue nobody holds is started over
+    /// here; one a user holds, by that user as it next looks (a waiting user is woken). Returns
+    /// once every queue has, or `Err` after `timeout` (a user holding a queue and not using it):
+    /// the caller then installs a new generation instead, which supersedes this one. Call
+    /// only once the old domain is gone and before the new one attaches.
+    pub fn start_over_in_place(&self, generation: u32, timeout: Duration) -> Result<(), String> {
+        let d = &self.dev;
+        let mut g = lock(&d.gens);
+        g.staged = (0..d.queues.len()).map(|_| Some(Staged::InPlace(generation))).collect();
+        g.in_place_left = d.queues.len();
+        d.broken_reported.store(false, Ordering::Release);
+        d.generation.store(generation, Ordering::Release);
+        d.outage.store(false, Ordering::Release);
+        for w in g.wakers.iter().flatten() {
+            w.ring();
+        }
+        drop(g);
+        d.changed.notify_all();
+        for (idx, m) in d.queues.iter().enumerate() {
+            let mut st = match m.try_lock() {
+                Ok(st) => st,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => continue,
+            };
+            if let Some(staged) = d.take_staged(idx) {
+                st.catch_up(d, staged);
+            }
+        }
+        let g = lock(&d.gens);
+        let (g, _) = d.changed.wait_timeout_while(g, timeout, |g| g.in_place_left > 0).unwrap_or_else(|e| e.into_inner());
+        match g.in_place_left {
+            0 => Ok(()),
+            n => Err(format!("{n} queue(s) held by a user that did not look within {} ms", timeout.as_millis())),
         }
     }
 
@@ -584,6 +643,25 @@ mod tests {
         n
     }
 
+    /// Tokens and results, in the order they came.
+    type Answers = Vec<(u64, Result<u64, IoError>)>;
+
+    /// Waits on `q` for `n` answers; returns them in the order they came, with the data of the
+    /// last read (`len` bytes).
+    fn wait_for(q: &mut QueueHandle<'_>, n: usize, len: usize) -> (Answers, Vec<u8>) {
+        let mut got = vec![];
+        let mut read = vec![0u8; len];
+        while got.len() < n {
+            q.wait(|t, r, d| {
+                if let Some(d) = d {
+                    d.copy_to(&mut read);
+                }
+                got.push((t, r));
+            });
+        }
+        (got, read)
+    }
+
     #[test]
     fn one_handle_keeps_a_queue_full_and_gets_every_token_back() {
         let (front, mut back) = pair(&cfg(1), 1 << 20).unwrap();
@@ -633,22 +711,71 @@ mod tests {
             }
             (disk, control)
         });
-        let mut got = vec![];
-        let mut read = vec![0u8; 8192];
-        while got.len() < 3 {
-            q.wait(|t, r, d| {
-                if let Some(d) = d {
-                    d.copy_to(&mut read);
-                }
-                got.push((t, r));
-            });
-        }
+        let (got, read) = wait_for(&mut q, 3, 8192);
         let (disk, control) = server.join().unwrap();
         assert_eq!(got, [(1, Ok(8192)), (2, Ok(0)), (3, Ok(8192))], "in submission order, same tokens");
         assert_eq!(&disk[4096..4096 + 8192], &data[..]);
         assert_eq!(read, data);
         assert_eq!(dev.generation(), 2);
         assert_eq!(control.outages_ms().len(), 1);
+    }
+
+    /// A queue and two driver ends over the same files (the old domain's and its successor's).
+    fn queue_on_files(generation: u32) -> (FrontQueue, bulkhead_channel::BackQueueFds) {
+        bulkhead_channel::QueueSetup::create("t", &cfg(generation)).unwrap()
+    }
+
+    fn back_end(fds: &bulkhead_channel::BackQueueFds) -> BackQueue {
+        let arenas = bulkhead_channel::ArenaSizes { write: 1 << 20, read: 1 << 20 };
+        BackQueue::from_fds(fds.try_clone().unwrap(), 8, arenas, 1 << 20).unwrap()
+    }
+
+    #[test]
+    fn queues_start_over_in_place_whether_a_user_holds_them_or_not() {
+        let (f0, fds0) = queue_on_files(1);
+        let (f1, fds1) = queue_on_files(1);
+        let (dev, control) = Device::new("t", 1 << 20, vec![f0, f1], None);
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 3) as u8).collect();
+        // Queue 1: a request the old domain takes and never answers; nobody holds the queue.
+        let mut old1 = back_end(&fds1);
+        let dev1 = dev.clone();
+        let idle = std::thread::spawn(move || dev1.write(1, 0, &[9u8; 4096], false));
+        while old1.pop().unwrap().is_none() {
+            std::thread::yield_now();
+        }
+        // Queue 0: a user holds it, waiting on three requests the old domain never answers.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dev0 = dev.clone();
+        let held = std::thread::spawn(move || {
+            let mut q = dev0.queue(0);
+            q.submit(
+                Request::Write { offset: 4096, data: &(0..8192u32).map(|i| (i * 3) as u8).collect::<Vec<_>>(), fua: false },
+                1,
+            )
+            .unwrap();
+            q.submit(Request::Flush, 2).unwrap();
+            q.submit(Request::Read { offset: 4096, len: 8192 }, 3).unwrap();
+            tx.send(()).unwrap();
+            wait_for(&mut q, 3, 8192)
+        });
+        rx.recv().unwrap();
+        // The domain dies: both queues start over in place, the held one by its user.
+        drop(old1);
+        control.outage_started(Instant::now());
+        control.start_over_in_place(2, Duration::from_secs(5)).unwrap();
+        assert_eq!(dev.generation(), 2);
+        let (mut new0, mut new1) = (back_end(&fds0), back_end(&fds1));
+        let mut disk = vec![0u8; 1 << 20];
+        let mut served = 0;
+        while served < 4 {
+            served += serve(&mut new0, &mut disk) + serve(&mut new1, &mut disk);
+        }
+        let (got, read) = held.join().unwrap();
+        assert_eq!(got, [(1, Ok(8192)), (2, Ok(0)), (3, Ok(8192))], "in submission order, same tokens");
+        assert_eq!(read, data);
+        assert_eq!(idle.join().unwrap(), Ok(()));
+        assert_eq!(&disk[..4096], &[9u8; 4096][..]);
+        assert_eq!(dev.in_flight(), 0);
     }
 
     #[test]

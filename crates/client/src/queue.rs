@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bulkhead_channel::{FrontRequest, SharedSlice, SubmitError};
 
-use crate::{Device, IoError, QueueState};
+use crate::{Device, IoError, QueueState, Staged};
 
 /// How long one wait slice lasts before the handle re-checks the generation and the device.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
@@ -58,17 +58,8 @@ impl<'a> QueueHandle<'a> {
         if self.st.q.generation() == self.dev.generation() {
             return;
         }
-        let Some(newer) = self.dev.take_staged(self.idx) else { return };
-        let st = &mut *self.st;
-        let old = std::mem::replace(&mut st.q, newer);
-        // A carried queue holds the requests; the one just replaced has at most a partial copy.
-        let source = st.carry.take().unwrap_or(old);
-        if source.in_flight() == 0 {
-            return;
-        }
-        if source.reissue_onto(&mut st.q).is_err() {
-            st.carry = Some(source);
-        }
+        let Some(staged) = self.dev.take_staged(self.idx) else { return };
+        self.st.catch_up(self.dev, staged);
     }
 
     /// Whether the current generation cannot take requests: broken, being replaced, or
@@ -215,6 +206,43 @@ impl Drop for QueueHandle<'_> {
         // The next user of this queue must not get answers meant for this one.
         while self.in_flight() > 0 {
             self.wait(|_, _, _| {});
+        }
+    }
+}
+
+impl QueueState {
+    /// Brings this queue to the generation `staged` leads to, moving its unanswered requests.
+    pub(crate) fn catch_up(&mut self, dev: &Device, staged: Staged) {
+        match staged {
+            Staged::Queue(newer) => {
+                let old = std::mem::replace(&mut self.q, *newer);
+                // A carried queue holds the requests; the one just replaced has at most a
+                // partial copy.
+                let source = self.carry.take().unwrap_or(old);
+                if source.in_flight() == 0 {
+                    return;
+                }
+                if source.reissue_onto(&mut self.q).is_err() {
+                    self.carry = Some(source);
+                }
+            }
+            Staged::InPlace(generation) => {
+                if let Some(carried) = self.carry.take() {
+                    // The current queue holds at most partial copies of the carried requests:
+                    // forget them, start over empty, and move the carried ones on.
+                    self.q.abandon(|_| {});
+                    let started = self.q.start_over(generation);
+                    if started.is_err() || carried.reissue_onto(&mut self.q).is_err() {
+                        self.carry = Some(carried);
+                    }
+                } else if let Err(e) = self.q.start_over(generation) {
+                    // Left behind: the supervisor's wait for this queue runs out and it starts
+                    // a new generation instead.
+                    dev.report_broken(&e);
+                    return;
+                }
+                dev.started_over();
+            }
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use bulkhead_backends::{ChannelBackend, Engine, FileBackend, NbdBackend, NullBackend, RamBackend};
 use bulkhead_block::{Backend, Chain};
-use bulkhead_channel::{BackQueue, BackQueueFds, BelowControl, ForwardQueueFds, FrontQueue, QueueConfig};
+use bulkhead_channel::{AboveControl, BackQueue, BackQueueFds, BelowControl, ForwardQueueFds, FrontQueue, QueueConfig};
 use bulkhead_ring::ArenaSizes;
 
 use crate::{Domain, DriverError};
@@ -125,6 +125,12 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
     };
     let mut domain = Domain::new(queues, chain, mode, this.budget(), stop)?;
     domain.set_yield_when_idle(this.yield_when_idle);
+    if let Some(fds) = this.above_control_fds {
+        // SAFETY: forwarded from this function's contract.
+        let [page, wake] = fds.map(|fd| unsafe { claim(fd) });
+        let line = AboveControl::attach(page?, wake?).map_err(|e| DriverError::Setup(e.to_string()))?;
+        domain.set_above_control(line)?;
+    }
     if let Some(fd) = state {
         let page = bulkhead_filters::state::StatePage::map(std::os::fd::AsRawFd::as_raw_fd(&fd), true)
             .map_err(|e| DriverError::Setup(format!("state page: {e}")))?;
@@ -151,6 +157,7 @@ mod tests {
             state_fd: None,
             heartbeat_ms: 100,
             yield_when_idle: false,
+            above_control_fds: None,
             sandbox: SandboxSpec::default(),
             report_fd: None,
         };

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 use bulkhead_block::{BlockError, Chain, Request, Tag, TagSpace};
-use bulkhead_channel::{BackQueue, Popped};
+use bulkhead_channel::{AboveControl, BackQueue, Popped};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::{Op, Status, ValidRequest};
@@ -111,7 +111,16 @@ pub struct Domain {
     beat_at: u64,
     /// Yield the CPU while spinning idle (a domain with a tap domain above or below it).
     yield_when_idle: bool,
+    /// A driver domain below a tap domain: the supervisor's line about replacing the tap
+    /// domain, and with it the frontend end of every queue.
+    above: Option<AboveControl>,
 }
+
+/// Poller token of the line about the domain above.
+const ABOVE_TOKEN: u64 = u64::MAX - 1;
+
+/// Turns of the loop, busy or idle, between looks at the line about the domain above.
+const ABOVE_LOOK_EVERY: u32 = 1024;
 
 impl std::fmt::Debug for Domain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -158,6 +167,7 @@ impl Domain {
             heartbeat_ns: 100_000_000,
             beat_at: 0,
             yield_when_idle: false,
+            above: None,
         })
     }
 
@@ -167,6 +177,73 @@ impl Domain {
     pub fn set_state_page(&mut self, page: StatePage, heartbeat_ms: u64) {
         self.state = Some(page);
         self.heartbeat_ns = heartbeat_ms.max(2) * 1_000_000;
+    }
+
+    /// Gives a driver domain below a tap domain its line to the supervisor about the tap
+    /// domain: when the tap domain is replaced, this domain lets go of its queues and attaches
+    /// to them again as the new one starts them over (see [`AboveControl`]).
+    pub fn set_above_control(&mut self, line: AboveControl) -> Result<(), DriverError> {
+        self.poller.add(line.wake_fd(), ABOVE_TOKEN).map_err(|e| DriverError::Setup(e.to_string()))?;
+        self.above = Some(line);
+        Ok(())
+    }
+
+    /// Follows the supervisor's line about the domain above, if it asks for something: lets
+    /// go of every queue (finishing what the chain holds, answering none of it: the frontend
+    /// sends it all again), waits to be told the new tap domain has started them over, and
+    /// attaches to them again. Returns at once if nothing is asked, or when stopped.
+    fn tend_above(&mut self) -> Result<(), DriverError> {
+        let Some(line) = &self.above else { return Ok(()) };
+        let current = self.queues.first().map_or(0, BackQueue::generation);
+        let Some(mut generation) = line.detach_wanted(current) else { return Ok(()) };
+        line.drain();
+        self.finish_unanswered()?;
+        let line = self.above.as_ref().expect("checked above");
+        line.report_detached(generation);
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            // The supervisor may give up on one replacement and ask for the next.
+            if let Some(newer) = line.detach_wanted(current).filter(|&g| g != generation) {
+                generation = newer;
+                line.report_detached(generation);
+            }
+            if line.attach_allowed(generation) {
+                break;
+            }
+            self.poller.wait(100, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
+            line.drain();
+        }
+        for (queue, q) in self.queues.iter_mut().enumerate() {
+            q.reattach(generation).map_err(|source| DriverError::Channel { queue, source })?;
+        }
+        self.dirty.iter_mut().for_each(|d| *d = false);
+        line.report_attached(generation);
+        Ok(())
+    }
+
+    /// Runs the chain until it holds no request, dropping every result: the queues they came
+    /// on are being started over, and the frontend sends each again.
+    fn finish_unanswered(&mut self) -> Result<(), DriverError> {
+        while self.tags.in_flight() > 0 && !self.stop.load(Ordering::Relaxed) {
+            let Domain { queues, chain, tags, done, .. } = self;
+            let lookup = |t: Tag| request(queues, tags.slots[t.index()].as_ref().expect("tag in flight"));
+            chain.run(&[], &now_ns, &lookup, &mut |t, r| done.push((t, r)));
+            if let Some(why) = self.chain.lost() {
+                return Err(DriverError::BackendLost(why.to_string()));
+            }
+            for (tag, _) in self.done.drain(..) {
+                let f = self.tags.slots[tag.index()].take().expect("completed tag was in flight");
+                self.tags.free[f.queue].push(tag);
+            }
+            if self.tags.in_flight() > 0 {
+                let ms = self.chain.next_poll().map_or(1, |t| t.saturating_sub(now_ns()).div_ceil(1_000_000).clamp(1, 100));
+                self.poller.wait(ms as i32, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
+                self.idle_layers(false);
+            }
+        }
+        Ok(())
     }
 
     /// Counters.
@@ -311,7 +388,12 @@ impl Domain {
         let mut spins = 0u32;
         let mut slept = false;
         let tunes = self.mode == NotifyMode::Adaptive && self.budget.tunes();
+        let mut turns = 0u32;
         while !self.stop.load(Ordering::Relaxed) {
+            turns = turns.wrapping_add(1);
+            if self.above.is_some() && turns.is_multiple_of(ABOVE_LOOK_EVERY) {
+                self.tend_above()?;
+            }
             if self.poll_once()? > 0 {
                 if let Some(t) = idle_since.take() {
                     // Gaps that layers made by holding requests say nothing of the frontend.
@@ -364,6 +446,7 @@ impl Domain {
             }
             self.sleep()?;
             self.chain.tend();
+            self.tend_above()?;
             self.idle_layers(false);
             slept = true;
         }

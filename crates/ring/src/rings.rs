@@ -193,6 +193,37 @@ impl BackRing {
     /// Attaches to a queue file initialised by the frontend, checking its header against the
     /// geometry the driver was told to expect.
     pub fn attach(map: Mapping, layout: RingLayout) -> Result<Self, RingError> {
+        let (generation, req_cons, rsp_prod) = Self::read_header(&map, layout)?;
+        Ok(BackRing {
+            map,
+            layout,
+            generation,
+            req_cons,
+            req_prod_seen: req_cons,
+            rsp_prod,
+            rsp_published: rsp_prod,
+            progress: 0,
+            peer_polls: false,
+        })
+    }
+
+    /// Attaches again to the same queue file, which a new frontend end has started over (a
+    /// tap domain above this driver was replaced while this end stayed): the header is checked
+    /// as at [`attach`](Self::attach) and every index taken from it afresh. Call only once this
+    /// end has stopped using the ring and the new frontend has written the header. On an error
+    /// this end is left as it was, and must not be used.
+    pub fn reattach(&mut self) -> Result<(), RingError> {
+        let (generation, req_cons, rsp_prod) = Self::read_header(&self.map, self.layout)?;
+        self.generation = generation;
+        (self.req_cons, self.req_prod_seen) = (req_cons, req_cons);
+        (self.rsp_prod, self.rsp_published) = (rsp_prod, rsp_prod);
+        self.progress = 0;
+        Ok(())
+    }
+
+    /// Checks the header against `layout`; returns its generation, request consumer index and
+    /// response producer index.
+    fn read_header(map: &Mapping, layout: RingLayout) -> Result<(u32, u32, u32), RingError> {
         if map.len() < layout.file_size() {
             return Err(RingError::BadHeader("queue file smaller than its layout"));
         }
@@ -208,20 +239,10 @@ impl BackRing {
         {
             return Err(RingError::BadHeader("geometry differs from the one expected"));
         }
-        let generation = cell(&map, H::GENERATION).load_acquire();
-        let req_cons = cell(&map, H::REQ_CONS).load_relaxed();
-        let rsp_prod = cell(&map, H::RSP_PROD).load_relaxed();
-        Ok(BackRing {
-            map,
-            layout,
-            generation,
-            req_cons,
-            req_prod_seen: req_cons,
-            rsp_prod,
-            rsp_published: rsp_prod,
-            progress: 0,
-            peer_polls: false,
-        })
+        let generation = cell(map, H::GENERATION).load_acquire();
+        let req_cons = cell(map, H::REQ_CONS).load_relaxed();
+        let rsp_prod = cell(map, H::RSP_PROD).load_relaxed();
+        Ok((generation, req_cons, rsp_prod))
     }
 
     /// Slots in each ring.
@@ -388,6 +409,35 @@ mod tests {
         b.push(&ResponseSlot { id: 9, generation: 6, ..Default::default() }).unwrap();
         b.publish();
         assert_eq!(f.pop_response().unwrap().unwrap().id, 9);
+    }
+
+    #[test]
+    fn a_driver_end_reattaches_to_a_ring_a_new_frontend_started_over() {
+        let (mut f, mut b, fd) = pair_with_file(4);
+        for i in 0..3 {
+            f.push(&req(i)).unwrap();
+        }
+        f.publish();
+        b.pop_request().unwrap().unwrap();
+        b.push(&ResponseSlot { id: 0, generation: 5, ..Default::default() }).unwrap();
+        b.publish();
+        // The frontend end is replaced (a new tap domain above): the file is the same, the
+        // header written afresh as generation 7; the driver end stays and attaches again.
+        drop(f);
+        let fm = Mapping::new(fd.as_raw_fd(), b.layout.file_size(), Protection::ReadWrite).unwrap();
+        let mut f = FrontRing::create(fm, b.layout, 7).unwrap();
+        b.reattach().unwrap();
+        assert_eq!((b.generation(), b.completed()), (7, 0));
+        assert_eq!(b.pop_request().unwrap(), None, "nothing of the old frontend is left");
+        f.push(&RequestSlot { id: 3, generation: 7, op: Op::Flush as u8, ..Default::default() }).unwrap();
+        f.publish();
+        assert_eq!(b.pop_request().unwrap().unwrap().id, 3);
+        b.push(&ResponseSlot { id: 3, generation: 7, ..Default::default() }).unwrap();
+        b.publish();
+        assert_eq!(f.pop_response().unwrap().unwrap().id, 3);
+        // A header that is not a ring any more is refused.
+        cell(b.mapping(), H::NSLOTS).store(8, Ordering::Release);
+        assert!(matches!(b.reattach(), Err(RingError::BadHeader(_))));
     }
 
     #[test]

@@ -37,6 +37,10 @@ pub struct DomainSpec {
     /// Yield the CPU when spinning idle (the two domains of an `interpose` device).
     #[serde(default)]
     pub yield_when_idle: bool,
+    /// A driver domain below a tap domain: the supervisor's line about replacing the tap
+    /// domain while this one stays (`bulkhead_channel::AboveControl`): its page and doorbell.
+    #[serde(default)]
+    pub above_control_fds: Option<[i32; 2]>,
     /// Sandbox policy.
     pub sandbox: SandboxSpec,
     /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
@@ -193,6 +197,7 @@ mod tests {
             state_fd: Some(14),
             heartbeat_ms: 250,
             yield_when_idle: true,
+            above_control_fds: None,
             sandbox: SandboxSpec::default(),
             report_fd: Some(10),
         };

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bulkhead_channel::{BelowControl, BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup};
+use bulkhead_channel::{
+    AboveControl, BackQueueFds, BelowControl, BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup,
+};
 use bulkhead_client::{Device, DeviceControl};
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget, Tap};
 use bulkhead_filters::state::StatePage;
@@ -62,11 +64,7 @@ impl DomainProc {
 
     /// Takes the domains of a new generation.
     pub fn install(&mut self, top: Spawned, lower: Option<Spawned>, below: Option<Below>) {
-        self.pid = top.child.id();
-        self.child = Some(top.child);
-        self.layers = top.layers;
-        self.pidfd = Some(top.pidfd);
-        self.tap = top.tap;
+        self.install_top(top);
         self.lower = lower;
         self.below = below;
     }
@@ -82,22 +80,51 @@ impl DomainProc {
     /// it is kept in `lingering`, to be reaped once the next generation lets that sync end.
     /// One still running after the wait is kept there too, and said so.
     pub fn kill_current(&mut self, device: &str) {
-        let lower = self.lower.take().map(|l| l.child);
-        for mut c in self.child.take().into_iter().chain(lower) {
-            let _ = c.kill();
-            if !finish_or_release(&mut c) {
-                eprintln!(
-                    "bulkhead: device {device}: killed driver domain (pid {}) has not finished exiting after {} ms; \
-                     carrying on without it",
-                    c.id(),
-                    EXIT_WAIT.as_millis()
-                );
-            }
-            if c.try_wait().ok().flatten().is_none() {
-                self.lingering.push(c);
-            }
+        self.kill_top(device);
+        if let Some(l) = self.lower.take() {
+            self.kill_one(device, l.child);
         }
         self.reap_lingering();
+    }
+
+    /// Kills the domain the frontend reaches (the tap domain, in `interpose` mode) and leaves
+    /// the one below it running, as [`kill_current`](Self::kill_current) does for both.
+    pub fn kill_top(&mut self, device: &str) {
+        self.pidfd = None;
+        if let Some(c) = self.child.take() {
+            self.kill_one(device, c);
+        }
+        self.reap_lingering();
+    }
+
+    fn kill_one(&mut self, device: &str, mut c: DomainChild) {
+        let _ = c.kill();
+        if !finish_or_release(&mut c) {
+            eprintln!(
+                "bulkhead: device {device}: killed domain (pid {}) has not finished exiting after {} ms; \
+                 carrying on without it",
+                c.id(),
+                EXIT_WAIT.as_millis()
+            );
+        }
+        if c.try_wait().ok().flatten().is_none() {
+            self.lingering.push(c);
+        }
+    }
+
+    /// Takes a new tap domain over the driver domain that stays below.
+    pub fn install_top(&mut self, top: Spawned) {
+        self.pid = top.child.id();
+        self.child = Some(top.child);
+        self.layers = top.layers;
+        self.pidfd = Some(top.pidfd);
+        self.tap = top.tap;
+    }
+
+    /// Whether a tap domain runs over a driver domain of its own (`interpose`): each can then
+    /// be replaced alone.
+    pub fn interposed(&self) -> bool {
+        self.below.is_some() && self.lower.is_some()
     }
 
     /// Reaps lingering domains that have exited since.
@@ -272,12 +299,18 @@ pub(crate) struct Launched {
 
 /// The channel between a tap domain and the driver domain below it: its queues (which a new
 /// domain below attaches to when the old one dies), the line to the tap domain about that, and
-/// the generation of the domain below.
+/// the generation of the domain below; and what a new tap domain over the same driver domain
+/// needs: the tap domain's descriptors of the channel above, and the line to the driver domain
+/// about the switch.
 #[derive(Debug)]
 pub(crate) struct Below {
     pub queues: Vec<LowerQueue>,
     pub control: BelowControl,
     pub generation: u32,
+    /// The tap domain's end of each queue of the channel above.
+    pub tap_fds: Vec<BackQueueFds>,
+    /// The line to the driver domain about replacing the tap domain above it.
+    pub driver_line: AboveControl,
     nslots: u32,
     arena_bytes: u64,
 }
@@ -511,41 +544,43 @@ impl Launcher {
         // With a tap domain, the channel below it shares the arenas of the channel above, queue
         // for queue: only its queue files and doorbells are new.
         let mut lowers = Vec::new();
+        let mut tap_fds = Vec::new();
         for q in 0..self.queues {
             let (front, fds) = QueueSetup::create(&format!("{}-q{q}", self.name), &qcfg).map_err(|e| e.to_string())?;
             if interpose {
                 lowers.push(LowerQueue::create(&format!("{}-lower-q{q}", self.name), &qcfg, &fds).map_err(|e| e.to_string())?);
+                tap_fds.push(fds);
+            } else {
+                let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } = fds;
+                queue_specs.push(upper.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena(&front)));
             }
-            let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } = fds;
-            queue_specs.push(upper.queue([ring, write_arena, read_arena, kick, irq], qcfg.nslots, arena(&front)));
             fronts.push(front);
         }
-        if interpose {
-            // Three spinners (this frontend, the tap domain, the driver domain) may share two
-            // CPUs: a wait that has spun a while lets a thread runnable on its CPU go first.
-            for f in &mut fronts {
-                f.set_yield_after(FRONTEND_YIELD_AFTER_SPINS);
-            }
-        } else {
+        if !interpose {
             // One domain: the backend's own (passthrough), or a tap domain whose chain ends in
             // the soft device itself (intercept).
             let role = if chain.tap == Tap::Intercept { "tap" } else { "driver" };
             let backend = self.backend_spec(&mut upper, conn);
-            let top = self.spawn(role, upper, queue_specs, backend, Some(&chain))?;
+            let top = self.spawn(role, upper, queue_specs, backend, Some(&chain), None)?;
             return Ok(Launched { fronts, top, lower: None, below: None });
         }
-        let mut below_specs = Vec::new();
-        for l in &lowers {
-            let bulkhead_channel::ForwardQueueFds { ring, kick, irq } = l.front_fds().map_err(|e| e.to_string())?;
-            below_specs.push(LowerQueueSpec { nslots: qcfg.nslots, fds: [ring, kick, irq].map(|fd| upper.add_owned(fd)) });
+        // Three spinners (this frontend, the tap domain, the driver domain) may share two
+        // CPUs: a wait that has spun a while lets a thread runnable on its CPU go first.
+        for f in &mut fronts {
+            f.set_yield_after(FRONTEND_YIELD_AFTER_SPINS);
         }
-        let control = BelowControl::create(&self.name).map_err(|e| e.to_string())?;
-        let control_fds = Some(control.fds().map_err(|e| e.to_string())?.map(|fd| upper.add_owned(fd)));
-        let backend = BackendSpec::Channel { queues: below_specs, generation, control_fds };
-        let top = self.spawn("tap", upper, queue_specs, backend, Some(&chain))?;
+        let below = Below {
+            queues: lowers,
+            control: self.tap_line()?,
+            generation,
+            tap_fds,
+            driver_line: self.driver_line()?,
+            nslots: qcfg.nslots,
+            arena_bytes: arena(&fronts[0]),
+        };
+        let top = self.spawn_tap(&below, &chain)?;
         // The tap domain has written the lower queues' headers (it reports once confined):
         // start the domain below.
-        let below = Below { queues: lowers, control, generation, nslots: qcfg.nslots, arena_bytes: arena(&fronts[0]) };
         match self.spawn_below(&below, conn) {
             Ok(lower) => Ok(Launched { fronts, top, lower: Some(lower), below: Some(below) }),
             Err(e) => {
@@ -553,6 +588,37 @@ impl Launcher {
                 Err(e)
             }
         }
+    }
+
+    /// A new line to a tap domain about the domain below it (one for each tap domain).
+    pub(crate) fn tap_line(&self) -> Result<BelowControl, String> {
+        BelowControl::create(&self.name).map_err(|e| e.to_string())
+    }
+
+    /// A new line to a driver domain about the tap domain above it (one for each driver domain).
+    pub(crate) fn driver_line(&self) -> Result<AboveControl, String> {
+        AboveControl::create(&self.name).map_err(|e| e.to_string())
+    }
+
+    /// Execs a tap domain in `interpose` mode over the channels of `below`: the channel above
+    /// (its queues' files, as the frontend last wrote their headers) and the channel below,
+    /// whose headers it writes as `below.generation` before it reports.
+    pub(crate) fn spawn_tap(&self, below: &Below, chain: &ChainSetup) -> Result<Spawned, LaunchError> {
+        let mut pass = Pass::default();
+        let mut queue_specs = Vec::new();
+        for fds in &below.tap_fds {
+            let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } =
+                fds.try_clone().map_err(|e| e.to_string())?;
+            queue_specs.push(pass.queue([ring, write_arena, read_arena, kick, irq], below.nslots, below.arena_bytes));
+        }
+        let mut below_specs = Vec::new();
+        for l in &below.queues {
+            let bulkhead_channel::ForwardQueueFds { ring, kick, irq } = l.front_fds().map_err(|e| e.to_string())?;
+            below_specs.push(LowerQueueSpec { nslots: below.nslots, fds: [ring, kick, irq].map(|fd| pass.add_owned(fd)) });
+        }
+        let control_fds = Some(below.control.fds().map_err(|e| e.to_string())?.map(|fd| pass.add_owned(fd)));
+        let backend = BackendSpec::Channel { queues: below_specs, generation: below.generation, control_fds };
+        self.spawn("tap", pass, queue_specs, backend, Some(chain), None)
     }
 
     /// Execs a driver domain below a tap domain, on the queues of `below` (whose headers the
@@ -571,7 +637,8 @@ impl Launcher {
             specs.push(pass.queue([ring, write_arena, read_arena, kick, irq], below.nslots, below.arena_bytes));
         }
         let backend = self.backend_spec(&mut pass, conn);
-        self.spawn("driver", pass, specs, backend, None)
+        let line = below.driver_line.fds().map_err(|e| e.to_string())?.map(|fd| pass.add_owned(fd));
+        self.spawn("driver", pass, specs, backend, None, Some(line))
     }
 
     /// The backend's part of a spec, its descriptors added to `pass`.
@@ -595,7 +662,8 @@ impl Launcher {
 
     /// Execs one domain (`role` names it in messages): its queues and backend are in `pass`
     /// already; the upper domain of a device also gets `chain`'s filters, their descriptors and
-    /// the domain state page. Waits for its sandbox report.
+    /// the domain state page; a driver domain below a tap domain, its line about the tap domain
+    /// (`above_line`, in `pass` too). Waits for its sandbox report.
     fn spawn(
         &self,
         role: &str,
@@ -603,6 +671,7 @@ impl Launcher {
         queues: Vec<QueueSpec>,
         backend: BackendSpec,
         chain: Option<&ChainSetup>,
+        above_line: Option<[i32; 2]>,
     ) -> Result<Spawned, LaunchError> {
         let mut filters = Vec::new();
         let mut state_fd = None;
@@ -633,6 +702,7 @@ impl Launcher {
             // Four beats within the watchdog's time.
             heartbeat_ms: (self.io_timeout_ms / 4).max(2),
             yield_when_idle: interpose,
+            above_control_fds: above_line,
             sandbox: SandboxSpec { policy: self.policy },
             report_fd: Some(report_fd),
         };

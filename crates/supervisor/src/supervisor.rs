@@ -1,16 +1,16 @@
 //! Starting, watching and stopping every device's domain; the status report.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bulkhead_config::Config;
 use serde::Serialize;
 
-use crate::domain::{current_exe, DeviceRuntime, LaunchError};
+use crate::domain::{current_exe, DeviceRuntime, DomainProc, LaunchError};
 use crate::lifecycle::{Decision, Observation, Retry};
 use crate::proc_info::{self, Rss};
 
@@ -444,8 +444,19 @@ fn watch(inner: Arc<Inner>) {
                     continue;
                 }
             };
-            rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).life.reset();
-            restart(rt, &why, Instant::now(), &inner.shutting_down);
+            let tap_alone = {
+                let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+                p.life.reset();
+                // A filter inserted or removed in a tap domain of its own changes that domain
+                // alone: the driver domain below runs on.
+                let filters = matches!(change, DeviceChange::AddFilter { .. } | DeviceChange::RemoveFilter(_));
+                filters && p.interposed() && p.life.state() == DeviceState::Running
+            };
+            if tap_alone {
+                replace_alone(rt, Domain::Top, &why, Instant::now(), &inner.shutting_down);
+            } else {
+                restart(rt, &why, Instant::now(), &inner.shutting_down);
+            }
             progress_seen(rt);
             let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
             let _ = reply.send(match p.life.state() {
@@ -471,6 +482,9 @@ fn watch(inner: Arc<Inner>) {
             let died = pfds[3 * i].revents != 0 || pfds[3 * i + 1].revents != 0;
             let broken = rt.control.take_broken_report();
             let mut why = None;
+            // Whether what happened concerns the tap domain of an `interpose` device alone: it
+            // is then replaced alone, over the driver domain that stays.
+            let tap_alone;
             // The pidfd polled may belong to a domain a concurrent restart already replaced:
             // act only if the process polled is still the device's, and has really exited.
             let exited = died.then(|| {
@@ -483,29 +497,32 @@ fn watch(inner: Arc<Inner>) {
                     p.child = None;
                     p.pidfd = None;
                     if status.code() == Some(crate::LOST_EXIT as i32) {
+                        // The domain below broke the channel or vanished: both go.
                         let what = if p.lower.is_some() { "the driver domain below it" } else { "its remote server" };
-                        return Some((format!("{role} domain (pid {}) lost {what}", p.pid), false));
+                        return Some((format!("{role} domain (pid {}) lost {what}", p.pid), Some(Domain::Both)));
                     }
-                    return Some((format!("{role} domain (pid {}) exited: {status}", p.pid), false));
+                    return Some((format!("{role} domain (pid {}) exited: {status}", p.pid), Some(Domain::Top)));
                 }
                 let lower = p.lower.as_mut()?;
                 let status = lower.child.try_wait().ok()??;
                 let pid = lower.child.id();
                 p.lower = None;
-                Some((format!("driver domain (pid {pid}) below the tap domain exited: {status}"), true))
+                Some((format!("driver domain (pid {pid}) below the tap domain exited: {status}"), Some(Domain::Below)))
             });
-            if let Some(Some((e, below))) = exited {
-                if below && !inner.shutting_down.load(Ordering::Acquire) {
+            if let Some(Some((e, which))) = exited {
+                if which == Some(Domain::Below) && !inner.shutting_down.load(Ordering::Acquire) {
                     // The tap domain lives on: replace the domain below alone.
-                    restart_below(rt, &e, now, &inner.shutting_down);
+                    replace_alone(rt, Domain::Below, &e, now, &inner.shutting_down);
                     progress_seen(rt);
                     continue;
                 }
+                tap_alone = which == Some(Domain::Top);
                 why = Some(e);
             } else if broken {
                 let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
                 let role = if p.tap { "tap" } else { "driver" };
                 why = Some(format!("{role} domain (pid {}) broke the channel protocol", p.pid));
+                tap_alone = true;
             } else {
                 let obs = observe(rt);
                 let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
@@ -521,7 +538,7 @@ fn watch(inner: Arc<Inner>) {
                         p.lingering.extend(child);
                         drop(p);
                         let e = format!("driver domain (pid {pid}) below the tap domain is exiting (its memory released)");
-                        restart_below(rt, &e, now, &inner.shutting_down);
+                        replace_alone(rt, Domain::Below, &e, now, &inner.shutting_down);
                         progress_seen(rt);
                         continue;
                     }
@@ -532,16 +549,27 @@ fn watch(inner: Arc<Inner>) {
                 }
                 if why.is_none() && p.life.state() == DeviceState::Running {
                     if let Some(wedged) = p.life.watch(now, obs) {
+                        // A tap domain waiting on a wedged domain below is silent too: replaced
+                        // alone first, the one below must let go of its queues in time, or both
+                        // are replaced.
                         let role = if p.tap { "tap" } else { "driver" };
                         why = Some(format!("{role} domain (pid {}) {wedged}", p.pid));
                     }
                 }
+                tap_alone = why.is_some();
             }
             if let Some(why) = why {
-                if rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).life.state() != DeviceState::Running {
+                let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+                if p.life.state() != DeviceState::Running {
                     continue;
                 }
-                restart(rt, &why, now, &inner.shutting_down);
+                let tap_alone = tap_alone && p.interposed();
+                drop(p);
+                if tap_alone && !inner.shutting_down.load(Ordering::Acquire) {
+                    replace_alone(rt, Domain::Top, &why, now, &inner.shutting_down);
+                } else {
+                    restart(rt, &why, now, &inner.shutting_down);
+                }
                 progress_seen(rt);
             }
         }
@@ -584,20 +612,35 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
 /// looks whether its domains are exiting (a look reads /proc for each of their threads).
 const EXIT_CHECK_AFTER: Duration = Duration::from_millis(5);
 
-/// How long a tap domain has to start its channel below over when the domain below is
-/// replaced; one that takes longer is restarted with it.
-const TAP_START_OVER: Duration = Duration::from_secs(1);
+/// How long each step of replacing one domain of an `interpose` device alone may take: the tap
+/// domain starting its channel below over, or the driver domain below letting go of its queues
+/// and attaching again, and the frontend's users starting theirs over. Past it, both domains
+/// are replaced.
+const SWITCH_STEP: Duration = Duration::from_secs(1);
 
-/// Replaces the driver domain below a tap domain, which has exited, leaving the tap domain
-/// running: the tap domain starts the channel below over as the next generation and sends
-/// again what had no answer, and a new driver domain attaches to the same queues. The frontend
-/// above sees a pause, not a reissue. Counts against the restart limit like any restart; if
-/// the tap domain does not take the new generation, or the new domain cannot start, both are
-/// restarted together.
-fn restart_below(rt: &DeviceRuntime, why: &str, detected: Instant, shutting_down: &AtomicBool) {
+/// Which of an `interpose` device's domains an event concerns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Domain {
+    /// The domain the frontend reaches (the tap domain).
+    Top,
+    /// The driver domain below the tap domain.
+    Below,
+    /// Both: what happened says nothing about which is at fault.
+    Both,
+}
+
+/// Replaces one domain of an `interpose` device alone, the other running on (see
+/// [`replace_below`] and [`replace_tap`]). Counts against the restart limit like any restart;
+/// if the other domain does not follow, or a step fails, both are replaced together.
+fn replace_alone(rt: &DeviceRuntime, which: Domain, why: &str, detected: Instant, shutting_down: &AtomicBool) {
     let fallback = {
         let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
-        match replace_below(rt, why, detected) {
+        let done = match which {
+            Domain::Top => replace_tap(rt, why, detected),
+            Domain::Below => replace_below(rt, why, detected),
+            Domain::Both => Err(Some(why.to_string())),
+        };
+        match done {
             Ok(()) => return,
             Err(fallback) => fallback,
         }
@@ -607,62 +650,134 @@ fn restart_below(rt: &DeviceRuntime, why: &str, detected: Instant, shutting_down
     }
 }
 
-/// [`restart_below`]'s work, under the device's restart lock. `Err(Some(why))`: restart the
-/// whole device for `why`; `Err(None)`: the device failed (restart limit) or stops.
-fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), Option<String>> {
-    let answered = rt.control.answered();
-    let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
-    if p.below.is_none() || p.life.state() != DeviceState::Running {
-        return Err(Some(why.to_string()));
-    }
+/// Counts a restart of one domain of an `interpose` device against the restart limit, logging
+/// `why` with what happens to the other; waits out the crash-loop backoff. `Err(None)`: past
+/// the limit, both domains were killed and the device failed.
+fn count_restart<'a>(
+    rt: &'a DeviceRuntime,
+    mut p: MutexGuard<'a, DomainProc>,
+    why: &str,
+    detected: Instant,
+    answered: u64,
+    other: &str,
+) -> Result<MutexGuard<'a, DomainProc>, Option<String>> {
     match p.life.on_failure(why, detected, answered) {
         Decision::Restart { delay } => {
-            rt.control.time_outage(detected);
-            rt.control.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
+            rt.control.log_limited(|| format!("{why}; replacing it ({other} runs on)"));
             if !delay.is_zero() {
                 drop(p);
                 std::thread::sleep(delay);
                 p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
             }
+            Ok(p)
         }
         Decision::Fail { reason } => {
             p.kill_current(&rt.name);
             drop(p);
             eprintln!("bulkhead: device {}: {reason}", rt.name);
             rt.control.fail(&reason);
-            return Err(None);
+            Err(None)
         }
     }
-    let tap_pidfd = p.pidfd.as_ref().map(|fd| fd.as_raw_fd());
+}
+
+/// Waits up to [`SWITCH_STEP`] for `done`, while the process behind `pidfd` lives; says what
+/// went wrong otherwise.
+fn await_domain(pidfd: Option<RawFd>, mut done: impl FnMut() -> bool) -> Result<(), &'static str> {
+    let deadline = Instant::now() + SWITCH_STEP;
+    while !done() {
+        let dead = pidfd.is_none_or(|fd| {
+            let mut pfd = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }];
+            bulkhead_sys::poll(&mut pfd, 0).is_ok_and(|n| n > 0)
+        });
+        if dead {
+            return Err("died");
+        }
+        if Instant::now() >= deadline {
+            return Err("did not follow in time");
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    Ok(())
+}
+
+/// Replaces the driver domain below a tap domain, which has exited, leaving the tap domain
+/// running: the tap domain starts the channel below over as the next generation and sends
+/// again what had no answer, and a new driver domain attaches to the same queues. The frontend
+/// above sees a pause, not a reissue. Runs under the device's restart lock. `Err(Some(why))`:
+/// restart the whole device for `why`; `Err(None)`: the device failed (restart limit).
+fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), Option<String>> {
+    let answered = rt.control.answered();
+    let p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+    if p.below.is_none() || p.life.state() != DeviceState::Running {
+        return Err(Some(why.to_string()));
+    }
+    rt.control.time_outage(detected);
+    let mut p = count_restart(rt, p, why, detected, answered, "the tap domain")?;
+    let (tap_pid, tap_pidfd) = (p.pid, p.pidfd.as_ref().map(|fd| fd.as_raw_fd()));
     let below = p.below.as_mut().expect("checked above");
     let generation = below.generation.wrapping_add(1).max(1);
     below.control.request_restart(generation);
     below.wake_tap();
     // The tap domain starts its queues below over and says so; if it dies meanwhile, or says
     // nothing in time, both domains are replaced.
-    let deadline = Instant::now() + TAP_START_OVER;
-    while below.control.ready() != u64::from(generation) {
-        let tap_dead = tap_pidfd.is_none_or(|fd| {
-            let mut pfd = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }];
-            bulkhead_sys::poll(&mut pfd, 0).is_ok_and(|n| n > 0)
-        });
-        if tap_dead || Instant::now() >= deadline {
-            let what = if tap_dead { "died" } else { "did not start the channel below over in time" };
-            return Err(Some(format!("{why}; the tap domain (pid {}) {what}", p.pid)));
-        }
-        std::thread::sleep(Duration::from_micros(100));
-    }
+    await_domain(tap_pidfd, || below.control.ready() == u64::from(generation))
+        .map_err(|e| Some(format!("{why}; the tap domain (pid {tap_pid}) {e}")))?;
     below.generation = generation;
-    match rt.launcher.spawn_below(below, None) {
-        Ok(lower) => {
-            p.lower = Some(lower);
-            p.life.on_launched(Instant::now(), answered);
-            drop(p);
-            rt.control.outage_over_if_idle();
-            Ok(())
-        }
-        Err(e) => Err(Some(format!("{why}; a new driver domain below could not start: {e}"))),
+    // A fresh line for the new domain below: nothing the old one wrote there can mislead it.
+    below.driver_line = rt.launcher.driver_line().map_err(|e| Some(format!("{why}; {e}")))?;
+    let lower = rt
+        .launcher
+        .spawn_below(below, None)
+        .map_err(|e| Some(format!("{why}; a new driver domain below could not start: {e}")))?;
+    p.lower = Some(lower);
+    p.life.on_launched(Instant::now(), answered);
+    drop(p);
+    rt.control.outage_over_if_idle();
+    Ok(())
+}
+
+/// Replaces the tap domain of an `interpose` device, which has exited, wedged or broken the
+/// channel (or whose filters changed), leaving the driver domain below it running: the driver
+/// domain lets go of the channel between them, the frontend starts its queues over in place
+/// and sends again what had no answer, a new tap domain attaches to both channels, and the
+/// driver domain attaches again. The backend's state (a remote connection, a file's cache)
+/// stays. Runs under the device's restart lock; errors as [`replace_below`]'s.
+fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), Option<String>> {
+    rt.control.outage_started(detected);
+    let answered = rt.control.answered();
+    let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
+    if !p.interposed() || p.life.state() != DeviceState::Running {
+        return Err(Some(why.to_string()));
     }
+    p.kill_top(&rt.name);
+    let mut p = count_restart(rt, p, why, detected, answered, "the driver domain below")?;
+    let driver = p.lower.as_ref().map(|l| (l.child.id(), l.pidfd.as_raw_fd())).expect("interposed");
+    let failed = |what: &str| Some(format!("{why}; the driver domain below (pid {}) {what}", driver.0));
+    let below = p.below.as_mut().expect("interposed");
+    let generation = below.generation.wrapping_add(1).max(1);
+    // The driver domain lets go of the channel between the two, finishing what it holds.
+    below.driver_line.request_detach(generation);
+    await_domain(Some(driver.1), || below.driver_line.detached(generation)).map_err(&failed)?;
+    below.generation = generation;
+    // The frontend's queues start over on the same files: the driver domain maps their arenas.
+    let above = rt.device.generation().wrapping_add(1).max(1);
+    rt.control.start_over_in_place(above, SWITCH_STEP).map_err(|e| Some(format!("{why}; {e}")))?;
+    // A fresh line for the new tap domain: nothing the old one wrote there can mislead it.
+    below.control = rt.launcher.tap_line().map_err(|e| Some(format!("{why}; {e}")))?;
+    let top = {
+        let chain = rt.launcher.chain.lock().unwrap_or_else(|e| e.into_inner());
+        rt.launcher.spawn_tap(below, &chain).map_err(|e| Some(format!("{why}; a new tap domain could not start: {e}")))?
+    };
+    // It has attached above and written the headers below: the driver domain attaches again.
+    p.install_top(top);
+    let below = p.below.as_ref().expect("interposed");
+    below.driver_line.request_attach(generation);
+    await_domain(Some(driver.1), || below.driver_line.attached(generation)).map_err(&failed)?;
+    p.life.on_launched(Instant::now(), answered);
+    drop(p);
+    rt.control.outage_over_if_idle();
+    Ok(())
 }
 
 /// Launches the next generation of a device's domain (the caller holds its restart lock). A
