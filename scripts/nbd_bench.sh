@@ -49,17 +49,7 @@ path = \"$work/disk.img\""; fi
 
 stop_servers() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=(); }
 
-job() { # rw bs depth -> "iops p50us p99us MiBs"
-  fio --name=j --ioengine=nbd --uri="$uri" --rw="$1" --bs="$2" --iodepth="$3" --size=512M \
-      --time_based --runtime="$secs" --output-format=json 2>/dev/null |
-    python3 -c '
-import json, sys
-text = sys.stdin.read()
-j = json.loads(text[text.index("{"):])["jobs"][0]  # fio may print a line before the JSON
-d = j["read"] if j["read"]["io_bytes"] > 0 else j["write"]
-p = d["clat_ns"].get("percentile", {})
-print("%.0f %.1f %.1f %.0f" % (d["iops"], p.get("50.000000", 0) / 1e3, p.get("99.000000", 0) / 1e3, d["bw_bytes"] / 2**20))'
-}
+job() { scripts/fio_job.sh "$uri" "$1" "$2" "$3" 512M "$secs"; } # rw bs depth -> "iops p50us p99us MiBs"
 
 truncate -s "$size" "$work/disk.img"
 truncate -s "$size" /dev/shm/bulkhead-nbd-bench.img

@@ -1,14 +1,16 @@
 //! A regular file or block device (for instance a loop device) as backend.
 //!
-//! Two engines: `sync` (`preadv`/`pwritev2`, one request at a time) and `io_uring` (a whole
-//! batch of reads and writes in flight at once). With `direct = true` the supervisor passes a
+//! Two engines: `sync` (`preadv`/`pwritev2`, one request at a time) and `io_uring`
+//! (asynchronous: reads, writes and flushes started as they arrive and answered as they
+//! complete, so the domain's loop never waits on the disk while other requests are ready). With `direct = true` the supervisor passes a
 //! descriptor opened with `O_DIRECT` plus a buffered one: requests aligned to 4 KiB go direct,
 //! any other falls back to the buffered descriptor (the kernel keeps the two coherent).
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
-use bulkhead_block::{Backend, BlockError, Caps, Io, Request, SliceList};
-use io_uring::{opcode, types, IoUring};
+use bulkhead_block::{Backend, BlockError, Caps, Io, Request, SliceList, Tag, TagSpace};
+use bulkhead_doorbell::EventFd;
+use io_uring::{opcode, squeue, types, IoUring};
 
 use crate::{errno, BackendError};
 
@@ -27,19 +29,62 @@ pub enum Engine {
     IoUring,
 }
 
-/// Scratch iovecs of the batch in flight. They point into grant windows only between
-/// submission and reaping inside one `execute` call.
-struct IovecScratch(Vec<[libc::iovec; bulkhead_shmem::MAX_SLICES]>);
+/// What a request in flight in the io_uring engine is, kept by tag from its submission to its
+/// completion: enough to check its result, and to finish it synchronously if the kernel
+/// transferred only part of it.
+#[derive(Clone, Copy)]
+struct Slot {
+    iov: [libc::iovec; bulkhead_shmem::MAX_SLICES],
+    niov: usize,
+    op: SlotOp,
+    offset: u64,
+    want: u64,
+    fua: bool,
+    fd: RawFd,
+}
 
-// SAFETY: the pointers are used only inside one `execute` call on the owning thread; between
-// calls the vector holds stale values that are never dereferenced (it is cleared first).
-unsafe impl Send for IovecScratch {}
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SlotOp {
+    Read,
+    Write,
+    Flush,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        let iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; bulkhead_shmem::MAX_SLICES];
+        Slot { iov, niov: 0, op: SlotOp::Flush, offset: 0, want: 0, fua: false, fd: -1 }
+    }
+}
+
+/// The io_uring engine's state.
+struct Uring {
+    ring: IoUring,
+    /// Requests in flight, by tag. Their iovecs point into grant windows, which the frontend
+    /// keeps for a request until it is answered; the table is never resized while one is in
+    /// flight, so the kernel's pointers to the iovecs stay valid.
+    slots: Vec<Slot>,
+    /// Submitted and not yet reaped.
+    in_flight: usize,
+    /// Placed in the submission queue and not yet handed to the kernel.
+    unsubmitted: usize,
+    /// Completions collected while waiting (for a barrier), handed out by the next reap.
+    ready: Vec<(Tag, Result<u64, BlockError>)>,
+    /// Rung by the kernel on each completion.
+    wake: EventFd,
+    /// Why the ring stopped working, if it did: requests in flight on it will never complete.
+    failed: Option<String>,
+}
+
+// SAFETY: the raw pointers in `slots` are only dereferenced by the kernel and by this engine
+// on the thread that owns the backend; moving the backend to another thread moves them along.
+unsafe impl Send for Uring {}
 
 // One per backend, built once and never moved on the data path: the size difference costs nothing.
 #[allow(clippy::large_enum_variant)]
 enum EngineState {
     Sync,
-    Uring { ring: IoUring, iovecs: IovecScratch },
+    Uring(Uring),
 }
 
 /// A file or block device backend.
@@ -60,18 +105,20 @@ impl std::fmt::Debug for FileBackend {
 
 /// An io_uring that can only read, write and fsync: io_uring operations do not pass through
 /// seccomp, so the ring is created disabled, restricted to the three operations the engine
-/// uses, then enabled.
-fn restricted_ring() -> std::io::Result<IoUring> {
+/// uses (and the drain flag a flush carries), then enabled. `wake` is rung on every completion.
+fn restricted_ring(wake: &EventFd) -> std::io::Result<IoUring> {
     use io_uring::register::Restriction;
     let ring = IoUring::builder().setup_r_disabled().build(URING_DEPTH)?;
     // Operations the kernel cannot finish inline go to io-wq worker threads; bound them, as
     // the sandbox allows a domain only a few tasks (RLIMIT_NPROC).
     let mut workers = [IOWQ_WORKERS, IOWQ_WORKERS];
     ring.submitter().register_iowq_max_workers(&mut workers)?;
+    ring.submitter().register_eventfd(wake.as_raw_fd())?;
     let mut allowed = [
         Restriction::sqe_op(opcode::Readv::CODE),
         Restriction::sqe_op(opcode::Writev::CODE),
         Restriction::sqe_op(opcode::Fsync::CODE),
+        Restriction::sqe_flags_allowed(squeue::Flags::IO_DRAIN.bits()),
     ];
     ring.submitter().register_restrictions(&mut allowed)?;
     ring.submitter().register_enable_rings()?;
@@ -85,10 +132,19 @@ impl FileBackend {
             .map_err(|source| BackendError::Sys { op: "probe size", source })?;
         let engine = match engine {
             Engine::Sync => EngineState::Sync,
-            Engine::IoUring => EngineState::Uring {
-                ring: restricted_ring().map_err(|source| BackendError::Sys { op: "io_uring_setup", source })?,
-                iovecs: IovecScratch(Vec::with_capacity(URING_DEPTH as usize)),
-            },
+            Engine::IoUring => {
+                let wake = EventFd::new().map_err(|source| BackendError::Sys { op: "eventfd", source })?;
+                let ring = restricted_ring(&wake).map_err(|source| BackendError::Sys { op: "io_uring_setup", source })?;
+                EngineState::Uring(Uring {
+                    ring,
+                    slots: Vec::new(),
+                    in_flight: 0,
+                    unsubmitted: 0,
+                    ready: Vec::new(),
+                    wake,
+                    failed: None,
+                })
+            }
         };
         Ok(FileBackend { fd, buffered, size, block_device, read_only, engine })
     }
@@ -119,24 +175,31 @@ impl FileBackend {
     }
 
     fn rw_sync(&self, write: bool, offset: u64, bufs: &SliceList<'_>, fua: bool) -> Result<u64, BlockError> {
-        let want = bufs.total_len();
-        let fd = self.fd_for(offset, bufs);
+        let (iov, n) = Self::iovecs(bufs);
+        Self::rw_iov_sync(self.fd_for(offset, bufs), write, offset, &iov[..n], fua)
+    }
+
+    /// Transfers `iov` at `offset` with plain system calls, segment by segment, so a short
+    /// transfer resumes exactly where it stopped.
+    fn rw_iov_sync(fd: RawFd, write: bool, offset: u64, iov: &[libc::iovec], fua: bool) -> Result<u64, BlockError> {
+        let want: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
+        let op = if write { "write" } else { "read" };
         let mut done = 0u64;
-        // Transfer segment by segment so a short transfer can resume exactly where it stopped.
-        for s in bufs.iter() {
+        for v in iov {
             let mut seg_done = 0usize;
-            while seg_done < s.len() {
+            while seg_done < v.iov_len {
                 let off = (offset + done) as libc::off_t;
-                // SAFETY: the window is valid for its length while the mapping lives (for the
-                // whole call); for reads it is a writable window (validated by the channel).
+                // SAFETY: each iovec names a grant window, valid for its length while the
+                // request is in flight (the whole call); a read's window is writable
+                // (validated by the channel).
                 let n = unsafe {
-                    let p = s.as_ptr().add(seg_done);
-                    let len = s.len() - seg_done;
+                    let p = v.iov_base.cast::<u8>().add(seg_done);
+                    let len = v.iov_len - seg_done;
                     if write {
-                        let iov = libc::iovec { iov_base: p as *mut _, iov_len: len };
-                        libc::pwritev2(fd, &iov, 1, off, if fua { libc::RWF_DSYNC } else { 0 })
+                        let one = libc::iovec { iov_base: p.cast(), iov_len: len };
+                        libc::pwritev2(fd, &one, 1, off, if fua { libc::RWF_DSYNC } else { 0 })
                     } else {
-                        libc::pread(fd, p as *mut _, len, off)
+                        libc::pread(fd, p.cast(), len, off)
                     }
                 };
                 if n < 0 {
@@ -144,10 +207,10 @@ impl FileBackend {
                     if e == libc::EINTR {
                         continue;
                     }
-                    return Err(BlockError::Os { op: if write { "write" } else { "read" }, offset: offset + done, errno: e });
+                    return Err(BlockError::Os { op, offset: offset + done, errno: e });
                 }
                 if n == 0 {
-                    return Err(BlockError::Short { op: if write { "write" } else { "read" }, offset, done, want });
+                    return Err(BlockError::Short { op, offset, done, want });
                 }
                 seg_done += n as usize;
                 done += n as u64;
@@ -181,13 +244,7 @@ impl FileBackend {
             Request::Read { offset, bufs } => self.rw_sync(false, offset, &bufs, false),
             Request::Write { .. } if self.read_only => Err(BlockError::ReadOnly),
             Request::Write { offset, bufs, fua } => self.rw_sync(true, offset, &bufs, fua),
-            Request::Flush => {
-                // SAFETY: plain syscall.
-                if unsafe { libc::fdatasync(self.fd.as_raw_fd()) } < 0 {
-                    return Err(BlockError::Os { op: "fdatasync", offset: 0, errno: errno() });
-                }
-                Ok(0)
-            }
+            Request::Flush => self.fdatasync(),
             Request::Discard { .. } | Request::WriteZeroes { .. } if self.read_only => Err(BlockError::ReadOnly),
             Request::Discard { offset, len } if self.block_device => self.blk_range(BLKDISCARD, offset, len, "discard"),
             Request::Discard { offset, len } => {
@@ -200,79 +257,146 @@ impl FileBackend {
         }
     }
 
-    fn uring_rw(&mut self, ios: &mut [Io<'_>]) {
-        let mut chosen = [0 as RawFd; URING_DEPTH as usize];
-        for (i, io) in ios.iter().enumerate() {
-            if let Request::Read { offset, bufs } | Request::Write { offset, bufs, .. } = io.req {
-                chosen[i] = self.fd_for(offset, &bufs);
+    fn fdatasync(&self) -> Result<u64, BlockError> {
+        // SAFETY: plain syscall.
+        if unsafe { libc::fdatasync(self.fd.as_raw_fd()) } < 0 {
+            return Err(BlockError::Os { op: "fdatasync", offset: 0, errno: errno() });
+        }
+        Ok(0)
+    }
+
+    fn uring(&mut self) -> &mut Uring {
+        match &mut self.engine {
+            EngineState::Uring(u) => u,
+            EngineState::Sync => unreachable!("the io_uring engine's path"),
+        }
+    }
+
+    /// Starts a read, write or flush on the ring under `tag`; anything else (discard, write
+    /// zeroes) waits for what is in flight and runs at once.
+    fn uring_submit(&mut self, tag: Tag, req: &Request<'_>) -> Option<Result<u64, BlockError>> {
+        let mut slot = Slot::default();
+        match *req {
+            Request::Write { .. } if self.read_only => return Some(Err(BlockError::ReadOnly)),
+            Request::Read { offset, bufs } | Request::Write { offset, bufs, .. } => {
+                (slot.iov, slot.niov) = Self::iovecs(&bufs);
+                slot.op = if matches!(req, Request::Read { .. }) { SlotOp::Read } else { SlotOp::Write };
+                slot.fua = matches!(req, Request::Write { fua: true, .. });
+                (slot.offset, slot.want, slot.fd) = (offset, bufs.total_len(), self.fd_for(offset, &bufs));
+            }
+            Request::Flush => slot.fd = self.fd.as_raw_fd(),
+            Request::Discard { .. } | Request::WriteZeroes { .. } => {
+                // A barrier, as the synchronous engine is: what came before it is done first.
+                self.uring_wait_all();
+                return Some(self.sync_one(req));
             }
         }
-        let EngineState::Uring { ring, iovecs } = &mut self.engine else { unreachable!("uring engine") };
-        let iovecs = &mut iovecs.0;
-        iovecs.clear();
-        for io in ios.iter() {
-            if let Request::Read { bufs, .. } | Request::Write { bufs, .. } = io.req {
-                iovecs.push(Self::iovecs(&bufs).0);
-            }
+        let u = self.uring();
+        let Some(entry) = u.slots.get_mut(tag.index()) else {
+            return Some(Err(BlockError::Invalid("tag beyond the io_uring engine's table")));
+        };
+        *entry = slot;
+        let fd = types::Fd(slot.fd);
+        let sqe = match slot.op {
+            SlotOp::Read => opcode::Readv::new(fd, entry.iov.as_ptr(), slot.niov as u32).offset(slot.offset).build(),
+            SlotOp::Write => opcode::Writev::new(fd, entry.iov.as_ptr(), slot.niov as u32)
+                .offset(slot.offset)
+                .rw_flags(if slot.fua { libc::RWF_DSYNC } else { 0 })
+                .build(),
+            // A flush covers every write started before it: the drain flag holds it until
+            // they have completed.
+            SlotOp::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build().flags(squeue::Flags::IO_DRAIN),
         }
-        {
-            let mut sq = ring.submission();
-            for (i, io) in ios.iter().enumerate() {
-                let fd = types::Fd(chosen[i]);
-                let entry = match io.req {
-                    Request::Read { offset, bufs } => {
-                        opcode::Readv::new(fd, iovecs[i].as_ptr(), bufs.len() as u32).offset(offset).build()
-                    }
-                    Request::Write { offset, bufs, fua } => opcode::Writev::new(fd, iovecs[i].as_ptr(), bufs.len() as u32)
-                        .offset(offset)
-                        .rw_flags(if fua { libc::RWF_DSYNC } else { 0 })
-                        .build(),
-                    _ => unreachable!("only reads and writes are batched"),
-                };
-                // SAFETY: the iovecs and the windows they point to live until the completions
-                // are reaped below, before this function returns.
-                unsafe { sq.push(&entry.user_data(i as u64)).expect("batch no deeper than the ring") };
-            }
-        }
-        let mut left = ios.len();
-        let mut redo = [false; URING_DEPTH as usize];
-        while left > 0 {
-            if let Err(e) = ring.submit_and_wait(left) {
-                if e.raw_os_error() == Some(libc::EINTR) {
-                    continue;
-                }
-                // The ring failed as a whole: finish the batch synchronously.
-                for r in redo.iter_mut().take(ios.len()) {
-                    *r = true;
-                }
+        .user_data(tag.index() as u64);
+        loop {
+            // SAFETY: the iovecs live in `slots`, which is not resized while a request is in
+            // flight, and the windows they name stay valid until the request is answered.
+            if unsafe { u.ring.submission().push(&sqe) }.is_ok() {
                 break;
             }
-            for cqe in ring.completion() {
-                let i = cqe.user_data() as usize;
-                let want = ios[i].req.transfer_len();
-                let res = cqe.result();
-                ios[i].result = if res < 0 {
-                    let op = if matches!(ios[i].req, Request::Write { .. }) { "write" } else { "read" };
-                    let offset = match ios[i].req {
-                        Request::Read { offset, .. } | Request::Write { offset, .. } => offset,
-                        _ => 0,
-                    };
-                    Err(BlockError::Os { op, offset, errno: -res })
-                } else if res as u64 != want {
-                    redo[i] = true;
-                    Err(BlockError::NotDone)
-                } else {
-                    Ok(want)
-                };
-                left -= 1;
+            // The submission queue is full: hand it to the kernel and try again.
+            Self::uring_commit(u);
+        }
+        u.unsubmitted += 1;
+        u.in_flight += 1;
+        None
+    }
+
+    /// Hands what is in the submission queue to the kernel.
+    fn uring_commit(u: &mut Uring) {
+        while u.unsubmitted > 0 {
+            match u.ring.submit() {
+                Ok(n) => u.unsubmitted = u.unsubmitted.saturating_sub(n),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                // The completion queue is full: collect completions, then try again.
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Self::uring_collect(u),
+                Err(e) => {
+                    u.failed.get_or_insert_with(|| format!("io_uring submission failed: {e}"));
+                    break;
+                }
             }
         }
-        // Short transfers (rare: signals, EOF races) are finished synchronously.
+    }
+
+    /// Moves every completion the kernel has posted into `ready`.
+    fn uring_collect(u: &mut Uring) {
+        for cqe in u.ring.completion() {
+            let tag = Tag::new(cqe.user_data() as u32);
+            let res = cqe.result();
+            let Some(slot) = u.slots.get(tag.index()).copied() else { continue };
+            u.in_flight -= 1;
+            let op = match slot.op {
+                SlotOp::Read => "read",
+                SlotOp::Write => "write",
+                SlotOp::Flush => "fdatasync",
+            };
+            let result = if res < 0 {
+                Err(BlockError::Os { op, offset: slot.offset, errno: -res })
+            } else if slot.op != SlotOp::Flush && res as u64 != slot.want {
+                // Short (rare: a signal, an EOF race): finished with plain system calls.
+                Self::rw_iov_sync(slot.fd, slot.op == SlotOp::Write, slot.offset, &slot.iov[..slot.niov], slot.fua)
+            } else {
+                Ok(if slot.op == SlotOp::Flush { 0 } else { slot.want })
+            };
+            u.ready.push((tag, result));
+        }
+    }
+
+    /// Waits until nothing is in flight; completions go to `ready`.
+    fn uring_wait_all(&mut self) {
+        let u = self.uring();
+        Self::uring_commit(u);
+        while u.in_flight > 0 {
+            match u.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => {}
+                Err(e) => {
+                    // Nothing more will complete on this ring: the domain must end (see `lost`).
+                    u.failed.get_or_insert_with(|| format!("io_uring wait failed: {e}"));
+                    break;
+                }
+            }
+            u.unsubmitted = 0;
+            Self::uring_collect(u);
+        }
+    }
+
+    /// A batch on the io_uring engine, waited for (the chain's path is `submit`/`reap`).
+    fn uring_execute(&mut self, ios: &mut [Io<'_>]) {
+        let u = self.uring();
+        if u.in_flight == 0 && u.slots.len() < ios.len() {
+            u.slots.resize(ios.len(), Slot::default());
+        }
         for (i, io) in ios.iter_mut().enumerate() {
-            if redo[i] {
-                io.result = self.sync_one(&io.req);
+            if let Some(r) = self.uring_submit(Tag::new(i as u32), &io.req) {
+                io.result = r;
             }
         }
+        self.uring_wait_all();
+        for (tag, r) in self.uring().ready.drain(..) {
+            ios[tag.index()].result = r;
+        }
+        // Requests a failed ring never completed keep `NotDone`, an I/O error.
     }
 }
 
@@ -284,33 +408,65 @@ impl Backend for FileBackend {
         Caps { flush: true, fua: true, discard: true, write_zeroes: true, read_only: self.read_only }
     }
     fn execute(&mut self, ios: &mut [Io<'_>]) {
-        if matches!(self.engine, EngineState::Sync) {
-            for io in ios {
-                io.result = self.sync_one(&io.req);
-            }
-            return;
+        if matches!(self.engine, EngineState::Uring(_)) {
+            return self.uring_execute(ios);
         }
-        // Batch runs of reads and writes through io_uring; other operations act as barriers
-        // (a flush covers every write before it in the batch).
-        let mut i = 0;
-        while i < ios.len() {
-            let start = i;
-            while i < ios.len()
-                && i - start < URING_DEPTH as usize
-                && match ios[i].req {
-                    Request::Read { .. } => true,
-                    Request::Write { .. } => !self.read_only,
-                    _ => false,
-                }
-            {
-                i += 1;
+        for io in ios {
+            io.result = self.sync_one(&io.req);
+        }
+    }
+    fn asynchronous(&self) -> bool {
+        matches!(self.engine, EngineState::Uring(_))
+    }
+    fn lost(&self) -> Option<&str> {
+        match &self.engine {
+            // A ring that fails leaves its requests unanswered for good: the next generation
+            // of the domain, on a new ring, gets them again.
+            EngineState::Uring(u) => u.failed.as_deref(),
+            EngineState::Sync => None,
+        }
+    }
+    fn attach(&mut self, tags: TagSpace) {
+        if let EngineState::Uring(u) = &mut self.engine {
+            u.slots = vec![Slot::default(); tags.capacity()];
+        }
+    }
+    fn submit(&mut self, tag: Tag, req: &Request<'_>) -> Option<Result<u64, BlockError>> {
+        match self.engine {
+            EngineState::Uring(_) => self.uring_submit(tag, req),
+            EngineState::Sync => Some(self.sync_one(req)),
+        }
+    }
+    fn commit(&mut self) {
+        if let EngineState::Uring(u) = &mut self.engine {
+            Self::uring_commit(u);
+        }
+    }
+    fn reap(&mut self, done: &mut dyn FnMut(Tag, Result<u64, BlockError>)) {
+        if let EngineState::Uring(u) = &mut self.engine {
+            Self::uring_collect(u);
+            for (tag, r) in u.ready.drain(..) {
+                done(tag, r);
             }
-            if i > start {
-                self.uring_rw(&mut ios[start..i]);
-            } else {
-                ios[i].result = self.sync_one(&ios[i].req);
-                i += 1;
-            }
+        }
+    }
+    fn in_flight(&self) -> usize {
+        match &self.engine {
+            EngineState::Uring(u) => u.in_flight + u.ready.len(),
+            EngineState::Sync => 0,
+        }
+    }
+    fn wake_fd(&self) -> Option<RawFd> {
+        match &self.engine {
+            EngineState::Uring(u) => Some(u.wake.as_raw_fd()),
+            EngineState::Sync => None,
+        }
+    }
+    fn tend(&mut self) {
+        if let EngineState::Uring(u) = &self.engine {
+            // Cleared after a wake-up and before the next look at the completion queue: a
+            // completion posted after this rings again.
+            u.wake.drain();
         }
     }
 }
@@ -378,8 +534,65 @@ mod tests {
     }
 
     #[test]
+    fn io_uring_engine_answers_each_request_as_it_completes_under_its_tag() {
+        let (path, fd) = temp_file(1 << 20);
+        let mut b = FileBackend::new(fd, None, false, Engine::IoUring).unwrap();
+        assert!(b.asynchronous());
+        b.attach(TagSpace { queues: 2, per_queue: 4 });
+        let mfd = memfd::create("buf", 1 << 16).unwrap();
+        let m = Mapping::new(mfd.as_raw_fd(), 1 << 16, Protection::ReadWrite).unwrap();
+        let w = m.slice(0, 8192).unwrap();
+        let pattern: Vec<u8> = (0..8192u32).map(|i| (i % 241) as u8).collect();
+        w.copy_from(&pattern).unwrap();
+        let r = m.slice(16384, 8192).unwrap();
+        // Writes on two tags and a flush that must wait for them, started together.
+        assert_eq!(b.submit(Tag::new(5), &Request::Write { offset: 0, bufs: SliceList::one(w), fua: false }), None);
+        assert_eq!(b.submit(Tag::new(1), &Request::Write { offset: 65536, bufs: SliceList::one(w), fua: true }), None);
+        assert_eq!(b.submit(Tag::new(6), &Request::Flush), None);
+        b.commit();
+        let mut got = Vec::new();
+        let wait = |b: &mut FileBackend, got: &mut Vec<(usize, Result<u64, BlockError>)>, n: usize| {
+            while got.len() < n {
+                let mut pfd = [libc::pollfd { fd: b.wake_fd().unwrap(), events: libc::POLLIN, revents: 0 }];
+                bulkhead_sys::poll(&mut pfd, 1000).unwrap();
+                b.tend();
+                b.reap(&mut |t, r| got.push((t.index(), r)));
+            }
+        };
+        wait(&mut b, &mut got, 3);
+        got.sort_by_key(|g| g.0);
+        assert_eq!(got, vec![(1, Ok(8192)), (5, Ok(8192)), (6, Ok(0))]);
+        assert_eq!(b.in_flight(), 0);
+        // A read on a tag just freed sees the write; write zeroes waits for it and runs at once.
+        assert_eq!(b.submit(Tag::new(5), &Request::Read { offset: 65536, bufs: SliceList::one(r) }), None);
+        assert_eq!(b.submit(Tag::new(2), &Request::WriteZeroes { offset: 0, len: 4096 }), Some(Ok(0)));
+        b.commit();
+        got.clear();
+        wait(&mut b, &mut got, 1);
+        assert_eq!(got, vec![(5, Ok(8192))]);
+        let mut out = vec![0u8; 8192];
+        r.copy_to(&mut out);
+        assert_eq!(out, pattern);
+        assert_eq!(b.lost(), None);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn io_uring_engine_refuses_writes_to_a_read_only_file_at_once() {
+        let (path, fd) = temp_file(1 << 16);
+        let mut b = FileBackend::new(fd, None, true, Engine::IoUring).unwrap();
+        b.attach(TagSpace { queues: 1, per_queue: 2 });
+        let mfd = memfd::create("buf", 4096).unwrap();
+        let m = Mapping::new(mfd.as_raw_fd(), 4096, Protection::ReadWrite).unwrap();
+        let req = Request::Write { offset: 0, bufs: SliceList::one(m.slice(0, 4096).unwrap()), fua: false };
+        assert_eq!(b.submit(Tag::new(0), &req), Some(Err(BlockError::ReadOnly)));
+        assert_eq!(b.in_flight(), 0);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
     fn io_uring_ring_refuses_operations_outside_its_restrictions() {
-        let mut ring = restricted_ring().unwrap();
+        let mut ring = restricted_ring(&EventFd::new().unwrap()).unwrap();
         let nop = opcode::Nop::new().build().user_data(7);
         // SAFETY: a NOP carries no buffers.
         unsafe { ring.submission().push(&nop).unwrap() };

@@ -21,6 +21,9 @@ pub struct Chain {
     /// Scratch of `run`, kept to avoid allocating per turn.
     released: Vec<(usize, Tag, Verdict)>,
     to_backend: Vec<Tag>,
+    reaped: Vec<(Tag, Result<u64, BlockError>)>,
+    /// The backend completes requests later (see [`Backend::asynchronous`]).
+    asynchronous: bool,
 }
 
 impl std::fmt::Debug for Chain {
@@ -32,7 +35,17 @@ impl std::fmt::Debug for Chain {
 impl Chain {
     /// `layers[0]` is nearest the frontend.
     pub fn new(layers: Vec<Box<dyn Layer>>, backend: Box<dyn Backend>) -> Self {
-        Chain { layers, backend, held: 0, next_poll: None, released: Vec::new(), to_backend: Vec::new() }
+        let asynchronous = backend.asynchronous();
+        Chain {
+            layers,
+            backend,
+            held: 0,
+            next_poll: None,
+            released: Vec::new(),
+            to_backend: Vec::new(),
+            reaped: Vec::new(),
+            asynchronous,
+        }
     }
 
     /// Names of the layers, top first.
@@ -51,8 +64,10 @@ impl Chain {
         for l in &mut self.layers {
             l.attach(tags);
         }
+        self.backend.attach(tags);
         self.released.reserve(capacity);
         self.to_backend.reserve(capacity);
+        self.reaped.reserve(capacity);
     }
 
     /// Device size seen from the top.
@@ -68,6 +83,13 @@ impl Chain {
     /// Requests some layer holds now.
     pub fn held(&self) -> usize {
         self.held
+    }
+
+    /// Requests an asynchronous backend has started and not yet answered: the chain needs a
+    /// [`run`](Self::run) to collect them even if no request arrives (the backend's
+    /// [`wake_fd`](Self::backend_wake_fd) rings when one completes).
+    pub fn at_backend(&self) -> usize {
+        self.backend.in_flight()
     }
 
     /// When the chain next needs a [`run`](Self::run) even if no request arrives (a held
@@ -104,8 +126,9 @@ impl Chain {
     }
 
     /// One turn: releases what layers let go of by now, walks each of `new` down, runs the
-    /// backend on what reached it, walks results up, and calls `done` once for every request
-    /// that completed. `clock` is the monotonic clock in ns, read only when there are layers
+    /// backend on what reached it (an asynchronous backend: starts it, and collects what has
+    /// completed since the last turn), walks results up, and calls `done` once for every
+    /// request that completed. `clock` is the monotonic clock in ns, read only when there are layers
     /// (before the walk down and after the backend, so layers time the backend's work);
     /// `req` gives the request a tag stands for; tags in `new` must not be in flight already.
     pub fn run<'q>(
@@ -137,13 +160,33 @@ impl Chain {
         for &tag in new {
             self.descend(tag, 0, now_ns, req, done, &mut to_backend);
         }
-        for chunk in to_backend.chunks(BACKEND_BATCH) {
-            let mut ios: ArrayVec<Io<'q>, BACKEND_BATCH> = chunk.iter().map(|&t| Io::new(req(t))).collect();
-            self.backend.execute(&mut ios);
-            let now_ns = if timed { clock() } else { 0 };
-            let below = self.layers.len();
-            for (&tag, io) in chunk.iter().zip(ios) {
-                self.ascend(tag, below, io.result, now_ns, req, done);
+        let below = self.layers.len();
+        if self.asynchronous {
+            let mut reaped = std::mem::take(&mut self.reaped);
+            for &tag in &to_backend {
+                if let Some(result) = self.backend.submit(tag, &req(tag)) {
+                    reaped.push((tag, result));
+                }
+            }
+            if !to_backend.is_empty() {
+                self.backend.commit();
+            }
+            if self.backend.in_flight() > 0 {
+                self.backend.reap(&mut |tag, result| reaped.push((tag, result)));
+            }
+            let now_ns = if timed && !reaped.is_empty() { clock() } else { 0 };
+            for (tag, result) in reaped.drain(..) {
+                self.ascend(tag, below, result, now_ns, req, done);
+            }
+            self.reaped = reaped;
+        } else {
+            for chunk in to_backend.chunks(BACKEND_BATCH) {
+                let mut ios: ArrayVec<Io<'q>, BACKEND_BATCH> = chunk.iter().map(|&t| Io::new(req(t))).collect();
+                self.backend.execute(&mut ios);
+                let now_ns = if timed { clock() } else { 0 };
+                for (&tag, io) in chunk.iter().zip(ios) {
+                    self.ascend(tag, below, io.result, now_ns, req, done);
+                }
             }
         }
         to_backend.clear();
@@ -310,6 +353,62 @@ mod tests {
 
     fn flush(_: Tag) -> Request<'static> {
         Request::Flush
+    }
+
+    /// An asynchronous backend whose requests complete only when the test says so.
+    #[derive(Clone, Default)]
+    struct Later(std::sync::Arc<std::sync::Mutex<(Vec<Tag>, Vec<Tag>)>>);
+    impl Later {
+        fn finish(&self, tag: Tag) {
+            let mut s = self.0.lock().unwrap();
+            s.0.retain(|&t| t != tag);
+            s.1.push(tag);
+        }
+    }
+    impl Backend for Later {
+        fn size(&self) -> u64 {
+            1 << 20
+        }
+        fn caps(&self) -> Caps {
+            Caps { flush: true, fua: false, discard: true, write_zeroes: true, read_only: false }
+        }
+        fn execute(&mut self, _: &mut [Io<'_>]) {
+            unreachable!("an asynchronous backend is driven by submit and reap")
+        }
+        fn asynchronous(&self) -> bool {
+            true
+        }
+        fn submit(&mut self, tag: Tag, _: &Request<'_>) -> Option<Result<u64, BlockError>> {
+            self.0.lock().unwrap().0.push(tag);
+            None
+        }
+        fn reap(&mut self, done: &mut dyn FnMut(Tag, Result<u64, BlockError>)) {
+            for t in std::mem::take(&mut self.0.lock().unwrap().1) {
+                done(t, Ok(7));
+            }
+        }
+        fn in_flight(&self) -> usize {
+            let s = self.0.lock().unwrap();
+            s.0.len() + s.1.len()
+        }
+    }
+
+    #[test]
+    fn an_asynchronous_backend_answers_each_request_on_a_later_turn_through_the_layers() {
+        let later = Later::default();
+        let mut chain = Chain::new(vec![Box::new(HideDiscard::default())], Box::new(later.clone()));
+        chain.attach(TagSpace { queues: 1, per_queue: 4 });
+        let mut out = Vec::new();
+        chain.run(&[Tag::new(0), Tag::new(1)], &|| 0, &flush, &mut |t, r| out.push((t.index(), r)));
+        assert!(out.is_empty(), "nothing has completed yet");
+        assert_eq!(chain.at_backend(), 2);
+        later.finish(Tag::new(1));
+        chain.run(&[], &|| 0, &flush, &mut |t, r| out.push((t.index(), r)));
+        assert_eq!(out, vec![(1, Ok(7))], "the later one first, as it completed");
+        later.finish(Tag::new(0));
+        chain.run(&[Tag::new(2)], &|| 0, &flush, &mut |t, r| out.push((t.index(), r)));
+        assert_eq!(out, vec![(1, Ok(7)), (0, Ok(7))]);
+        assert_eq!(chain.at_backend(), 1, "the new one is still at the backend");
     }
 
     #[test]

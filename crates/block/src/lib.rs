@@ -242,6 +242,33 @@ pub trait Backend: Send {
     /// backend with work of its own does it here (a channel below whose domain was replaced
     /// starts over). It must cost next to nothing when there is none.
     fn tend(&mut self) {}
+    /// Whether requests complete after the call that starts them (an asynchronous engine).
+    /// The chain then starts each with [`submit`](Self::submit), all of a turn's at once with
+    /// [`commit`](Self::commit), and collects results with [`reap`](Self::reap) on later turns,
+    /// so one slow request holds up no other queue; [`wake_fd`](Self::wake_fd) rings when one
+    /// completes. [`execute`](Self::execute) must still work: it waits for its batch.
+    fn asynchronous(&self) -> bool {
+        false
+    }
+    /// Called once before the first request with the tags there will be (as
+    /// [`Layer::attach`]): an asynchronous backend allocates its per-request state here.
+    fn attach(&mut self, _tags: TagSpace) {}
+    /// Starts `req` under `tag` (an asynchronous backend). Its windows stay valid, and the
+    /// tag unused, until its completion is reaped. `Some(result)` if it finished at once.
+    fn submit(&mut self, _tag: Tag, req: &Request<'_>) -> Option<Result<u64, BlockError>> {
+        let mut io = [Io::new(*req)];
+        self.execute(&mut io);
+        let [io] = io;
+        Some(io.result)
+    }
+    /// Lets the requests submitted since the last call start (one system call for them all).
+    fn commit(&mut self) {}
+    /// Hands each request that has completed since the last call to `done`.
+    fn reap(&mut self, _done: &mut dyn FnMut(Tag, Result<u64, BlockError>)) {}
+    /// Requests submitted and not yet reaped.
+    fn in_flight(&self) -> usize {
+        0
+    }
 }
 
 mod chain;

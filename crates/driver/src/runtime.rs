@@ -282,7 +282,9 @@ impl Domain {
                 }
             }
         }
-        let due = self.chain.next_poll().is_some_and(|t| t <= now_ns());
+        // Held requests whose time has come, or requests an asynchronous backend has started,
+        // need a turn of the chain even with nothing new.
+        let due = self.chain.next_poll().is_some_and(|t| t <= now_ns()) || self.chain.at_backend() > 0;
         if new.is_empty() && refused == 0 && !due {
             return Ok(0);
         }
@@ -389,6 +391,7 @@ impl Domain {
         let mut slept = false;
         let tunes = self.mode == NotifyMode::Adaptive && self.budget.tunes();
         let mut turns = 0u32;
+        let mut backend_gap = false;
         while !self.stop.load(Ordering::Relaxed) {
             turns = turns.wrapping_add(1);
             if self.above.is_some() && turns.is_multiple_of(ABOVE_LOOK_EVERY) {
@@ -396,8 +399,9 @@ impl Domain {
             }
             if self.poll_once()? > 0 {
                 if let Some(t) = idle_since.take() {
-                    // Gaps that layers made by holding requests say nothing of the frontend.
-                    if tunes && self.chain.held() == 0 {
+                    // Gaps that layers made by holding requests, or the backend by working on
+                    // them, say nothing of the frontend.
+                    if tunes && self.chain.held() == 0 && !std::mem::take(&mut backend_gap) {
                         if std::mem::take(&mut slept) {
                             self.budget.record_after_sleep(now_ns() - t);
                         } else {
@@ -416,9 +420,13 @@ impl Domain {
                 NotifyMode::Irq => true,
                 NotifyMode::Adaptive => {
                     // Only this mode times the idle gap: poll and irq read no clock per request.
+                    let at_backend = self.chain.at_backend() > 0;
+                    backend_gap |= at_backend;
                     let since = *idle_since.get_or_insert_with(now_ns);
                     spins = spins.wrapping_add(1);
-                    spins.is_multiple_of(32) && now_ns() - since >= self.budget.budget_ns()
+                    // A disk takes longer than a wake-up: waiting on one, spinning only takes
+                    // the CPU from the threads that make the next request.
+                    spins.is_multiple_of(32) && (at_backend || now_ns() - since >= self.budget.budget_ns())
                 }
             };
             // A held request due within a millisecond is waited for spinning: a sleep has

@@ -498,7 +498,13 @@ fn watch(inner: Arc<Inner>) {
                     p.pidfd = None;
                     if status.code() == Some(crate::LOST_EXIT as i32) {
                         // The domain below broke the channel or vanished: both go.
-                        let what = if p.lower.is_some() { "the driver domain below it" } else { "its remote server" };
+                        let what = if p.lower.is_some() {
+                            "the driver domain below it"
+                        } else if rt.launcher.reconnect_timeout().is_some() {
+                            "its remote server"
+                        } else {
+                            "its backend (it said why above)"
+                        };
                         return Some((format!("{role} domain (pid {}) lost {what}", p.pid), Some(Domain::Both)));
                     }
                     return Some((format!("{role} domain (pid {}) exited: {status}", p.pid), Some(Domain::Top)));
