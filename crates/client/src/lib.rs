@@ -335,6 +335,16 @@ impl Device {
         lock(&self.gens).staged[idx].take()
     }
 
+    /// Makes `generation`, staged in `g`, the device's current one: the outage ends for
+    /// submitters, and users waiting for a generation look again.
+    fn announce(&self, g: MutexGuard<'_, Generations>, generation: u32) {
+        self.broken_reported.store(false, Ordering::Release);
+        self.generation.store(generation, Ordering::Release);
+        self.outage.store(false, Ordering::Release);
+        drop(g);
+        self.changed.notify_all();
+    }
+
     /// One queue has started over in place.
     pub(crate) fn started_over(&self) {
         let mut g = lock(&self.gens);
@@ -535,7 +545,6 @@ impl DeviceControl {
         g.wakers = queues.iter().map(|q| q.irq_waker().ok().and_then(|fd| EventFd::from_owned(fd).ok())).collect();
         g.staged = queues.into_iter().map(|q| Some(Staged::Queue(Box::new(q)))).collect();
         g.in_place_left = 0;
-        d.broken_reported.store(false, Ordering::Release);
         // With nothing in flight, no caller waits on the outage: it ends with the new domain.
         if d.in_flight() == 0 {
             if let Some(t) = g.outage_since.take() {
@@ -543,12 +552,9 @@ impl DeviceControl {
                 d.outage_timed.store(false, Ordering::Release);
             }
         }
-        d.generation.store(generation, Ordering::Release);
-        d.outage.store(false, Ordering::Release);
         d.failed.store(false, Ordering::Release);
         *lock(&d.fail_reason) = None;
-        drop(g);
-        d.changed.notify_all();
+        d.announce(g, generation);
         for w in old_wakers.into_iter().flatten() {
             w.ring();
         }
@@ -567,14 +573,10 @@ impl DeviceControl {
         let mut g = lock(&d.gens);
         g.staged = (0..d.queues.len()).map(|_| Some(Staged::InPlace(generation))).collect();
         g.in_place_left = d.queues.len();
-        d.broken_reported.store(false, Ordering::Release);
-        d.generation.store(generation, Ordering::Release);
-        d.outage.store(false, Ordering::Release);
-        for w in g.wakers.iter().flatten() {
+        d.announce(g, generation);
+        for w in lock(&d.gens).wakers.iter().flatten() {
             w.ring();
         }
-        drop(g);
-        d.changed.notify_all();
         for (idx, m) in d.queues.iter().enumerate() {
             let mut st = match m.try_lock() {
                 Ok(st) => st,
