@@ -1,11 +1,118 @@
 //! A chain of layers over a backend, driven by tag.
 
-use arrayvec::ArrayVec;
+use std::time::{Duration, Instant};
 
+use arrayvec::ArrayVec;
+use bulkhead_shmem::{Mapping, SharedSlice, SliceList};
+
+use crate::layer::{After, Data, ReadBelow, Sub};
 use crate::{Backend, BlockError, Caps, Io, Layer, Request, Tag, TagSpace, Verdict};
 
 /// Requests handed to the backend in one call at most.
 const BACKEND_BATCH: usize = 64;
+
+/// Bytes one read of a layer's [`open`](Layer::open) moves through the layers below at once.
+const OPEN_CHUNK: usize = 256 << 10;
+
+/// How long a layer's reads while it opens may take in all before the domain gives up.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a chain could not start.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StartError {
+    /// The backend lost what it depends on (see [`Backend::start`]): the next domain may
+    /// succeed.
+    #[error("{0}")]
+    Lost(String),
+    /// A layer could not open (see [`Layer::open`]): a bad header, a wrong key. Starting over
+    /// will not help.
+    #[error("filter {layer}: {message}")]
+    Open {
+        /// The layer's name.
+        layer: &'static str,
+        /// What it said.
+        message: String,
+    },
+}
+
+/// The scratch memory of every layer: for layer `i`, `per_tag[i]` bytes for each tag from
+/// `base[i]`, in one private mapping made at attach.
+#[derive(Default)]
+struct Scratch {
+    map: Option<Mapping>,
+    base: Vec<usize>,
+    per_tag: Vec<usize>,
+}
+
+impl Scratch {
+    fn new(sizes: &[usize], capacity: usize) -> Result<Self, String> {
+        let page = 4096;
+        let per_tag: Vec<usize> = sizes.iter().map(|&b| b.div_ceil(page) * page).collect();
+        let mut base = Vec::with_capacity(sizes.len());
+        let mut total = 0usize;
+        for &p in &per_tag {
+            base.push(total);
+            total = p
+                .checked_mul(capacity)
+                .and_then(|b| total.checked_add(b))
+                .ok_or_else(|| "the layers' scratch memory does not fit the address space".to_string())?;
+        }
+        let map = match total {
+            0 => None,
+            n => Some(Mapping::private(n).map_err(|e| format!("scratch memory of {n} bytes: {e}"))?),
+        };
+        Ok(Scratch { map, base, per_tag })
+    }
+
+    /// Layer `layer`'s scratch for `tag` (empty if it has none).
+    fn of(&self, layer: usize, tag: Tag) -> SharedSlice<'_> {
+        let per = self.per_tag.get(layer).copied().unwrap_or(0);
+        match &self.map {
+            Some(m) if per > 0 => m.slice(self.base[layer] + tag.index() * per, per).unwrap_or(SharedSlice::empty()),
+            _ => SharedSlice::empty(),
+        }
+    }
+}
+
+/// The request a layer's [`Sub`] stands for, given the request the layer was handed and its
+/// scratch for the tag; `Invalid` if its data lies outside them.
+fn resolve<'a>(sub: &Sub, handed: &Request<'a>, scratch: SharedSlice<'a>) -> Result<Request<'a>, BlockError> {
+    let data = |d: Data| -> Result<SliceList<'a>, BlockError> {
+        match d {
+            Data::Handed { at, len } => match handed {
+                Request::Read { bufs, .. } | Request::Write { bufs, .. } => {
+                    bufs.range(at, len).ok_or(BlockError::Invalid("a layer sent data outside the request's buffers"))
+                }
+                Request::Flush | Request::Discard { .. } | Request::WriteZeroes { .. } => {
+                    Err(BlockError::Invalid("a layer sent data of a request that has none"))
+                }
+            },
+            Data::Scratch { at, len } => {
+                let (at, len) = (usize::try_from(at), usize::try_from(len));
+                match (at, len) {
+                    (Ok(at), Ok(len)) => scratch
+                        .sub(at, len)
+                        .map(SliceList::one)
+                        .map_err(|_| BlockError::Invalid("a layer sent data outside its scratch memory")),
+                    _ => Err(BlockError::Invalid("a layer sent data outside its scratch memory")),
+                }
+            }
+        }
+    };
+    Ok(match *sub {
+        Sub::Read { offset, into } => {
+            let bufs = data(into)?;
+            if bufs.iter().any(|s| !s.is_writable()) {
+                return Err(BlockError::Invalid("a layer read into a write's buffers"));
+            }
+            Request::Read { offset, bufs }
+        }
+        Sub::Write { offset, from, fua } => Request::Write { offset, bufs: data(from)?, fua },
+        Sub::Flush => Request::Flush,
+        Sub::Discard { offset, len } => Request::Discard { offset, len },
+        Sub::WriteZeroes { offset, len } => Request::WriteZeroes { offset, len },
+    })
+}
 
 /// Layers over a backend. The domain's runtime hands it new requests by tag
 /// ([`run`](Self::run)); the chain walks each down through the layers' verdicts, gives the
@@ -14,6 +121,9 @@ const BACKEND_BATCH: usize = 64;
 pub struct Chain {
     layers: Vec<Box<dyn Layer>>,
     backend: Box<dyn Backend>,
+    /// What each layer sent below in place of each request in flight (`None`: the request as
+    /// handed), by layer, then tag.
+    sent: Vec<Vec<Option<Sub>>>,
     /// Requests held by a layer now.
     held: usize,
     /// When some layer next needs a poll (monotonic ns).
@@ -21,9 +131,12 @@ pub struct Chain {
     /// Scratch of `run`, kept to avoid allocating per turn.
     released: Vec<(usize, Tag, Verdict)>,
     to_backend: Vec<Tag>,
+    batch: Vec<Tag>,
     reaped: Vec<(Tag, Result<u64, BlockError>)>,
     /// The backend completes requests later (see [`Backend::asynchronous`]).
     asynchronous: bool,
+    /// Last, so that it is unmapped after the backend, which may hold its windows, is gone.
+    scratch: Scratch,
 }
 
 impl std::fmt::Debug for Chain {
@@ -37,14 +150,17 @@ impl Chain {
     pub fn new(layers: Vec<Box<dyn Layer>>, backend: Box<dyn Backend>) -> Self {
         let asynchronous = backend.asynchronous();
         Chain {
+            sent: layers.iter().map(|_| Vec::new()).collect(),
             layers,
             backend,
             held: 0,
             next_poll: None,
             released: Vec::new(),
             to_backend: Vec::new(),
+            batch: Vec::new(),
             reaped: Vec::new(),
             asynchronous,
+            scratch: Scratch::default(),
         }
     }
 
@@ -58,21 +174,32 @@ impl Chain {
         self.layers.len()
     }
 
-    /// Tells every layer how many tags there can be; call once before [`run`](Self::run).
-    pub fn attach(&mut self, tags: TagSpace) {
+    /// Tells every layer how many tags there can be and makes their scratch memory; call
+    /// once before [`run`](Self::run).
+    pub fn attach(&mut self, tags: TagSpace) -> Result<(), String> {
         let capacity = tags.capacity();
-        for l in &mut self.layers {
+        let sizes: Vec<usize> = self.layers.iter().map(|l| l.scratch_bytes()).collect();
+        self.scratch = Scratch::new(&sizes, capacity)?;
+        for (l, sent) in self.layers.iter_mut().zip(&mut self.sent) {
             l.attach(tags);
+            *sent = vec![None; capacity];
         }
         self.backend.attach(tags);
         self.released.reserve(capacity);
         self.to_backend.reserve(capacity);
+        self.batch.reserve(capacity);
         self.reaped.reserve(capacity);
+        Ok(())
     }
 
     /// Device size seen from the top.
     pub fn size(&self) -> u64 {
-        self.layers.iter().rev().fold(self.backend.size(), |s, l| l.size(s))
+        self.size_below(0)
+    }
+
+    /// Size seen from above layer `from`.
+    fn size_below(&self, from: usize) -> u64 {
+        self.layers[from..].iter().rev().fold(self.backend.size(), |s, l| l.size(s))
     }
 
     /// Capabilities seen from the top.
@@ -98,9 +225,28 @@ impl Chain {
         self.next_poll
     }
 
-    /// Starts the backend (see [`Backend::start`]).
-    pub fn start(&mut self) -> Result<(), String> {
-        self.backend.start()
+    /// Starts the backend (see [`Backend::start`]), then opens the layers from the bottom up
+    /// (see [`Layer::open`]), each reading through those below it. `clock` is the monotonic
+    /// clock in ns. Call after [`attach`](Self::attach).
+    pub fn start(&mut self, clock: &dyn Fn() -> u64) -> Result<(), StartError> {
+        self.backend.start().map_err(StartError::Lost)?;
+        for at in (0..self.layers.len()).rev() {
+            let size = self.size_below(at + 1);
+            let Chain { layers, backend, sent, scratch, .. } = self;
+            let (upper, lower) = layers.split_at_mut(at + 1);
+            let mut below = OpenRead {
+                walk: Walk::new(lower, &mut sent[at + 1..], scratch, at + 1, backend.as_mut()),
+                size,
+                clock,
+                buf: None,
+            };
+            let layer = &mut upper[at];
+            layer.open(&mut below).map_err(|message| StartError::Open { layer: layer.name(), message })?;
+            if let Some(why) = self.backend.lost() {
+                return Err(StartError::Lost(why.to_string()));
+            }
+        }
+        Ok(())
     }
 
     /// The backend lost what it depends on (see [`Backend::lost`]).
@@ -127,11 +273,98 @@ impl Chain {
 
     /// One turn: releases what layers let go of by now, walks each of `new` down, runs the
     /// backend on what reached it (an asynchronous backend: starts it, and collects what has
-    /// completed since the last turn), walks results up, and calls `done` once for every
-    /// request that completed. `clock` is the monotonic clock in ns, read only when there are layers
-    /// (before the walk down and after the backend, so layers time the backend's work);
-    /// `req` gives the request a tag stands for; tags in `new` must not be in flight already.
+    /// completed since the last turn), walks results up — sending below what layers send
+    /// next — and calls `done` once for every request that completed. `clock` is the
+    /// monotonic clock in ns, read only when there are layers (before the walk down and after
+    /// the backend, so layers time the backend's work); `req` gives the request a tag stands
+    /// for; tags in `new` must not be in flight already.
     pub fn run<'q>(
+        &mut self,
+        new: &[Tag],
+        clock: &dyn Fn() -> u64,
+        req: &dyn Fn(Tag) -> Request<'q>,
+        done: &mut dyn FnMut(Tag, Result<u64, BlockError>),
+    ) {
+        let Chain { layers, backend, sent, held, next_poll, released, to_backend, batch, reaped, asynchronous, scratch } = self;
+        let mut walk = Walk {
+            layers,
+            sent,
+            scratch,
+            first: 0,
+            backend: backend.as_mut(),
+            held: std::mem::take(held),
+            next_poll: next_poll.take(),
+            released: std::mem::take(released),
+            to_backend: std::mem::take(to_backend),
+            batch: std::mem::take(batch),
+            reaped: std::mem::take(reaped),
+            asynchronous: *asynchronous,
+        };
+        walk.turn(new, clock, req, done);
+        *held = walk.held;
+        *next_poll = walk.next_poll;
+        *released = walk.released;
+        *to_backend = walk.to_backend;
+        *batch = walk.batch;
+        *reaped = walk.reaped;
+    }
+}
+
+/// Where a request goes next on its walk.
+enum Step {
+    /// Hand it to the layers from this one down.
+    Down(usize),
+    /// This layer gave this verdict on it.
+    Verdict(usize, Verdict),
+    /// Hand this result up through the layers above this one.
+    Up(usize, Result<u64, BlockError>),
+}
+
+/// A run of layers over the backend, borrowed from a [`Chain`]: all of it for requests, or
+/// the part below one layer while that layer opens. Layer `i` of the walk is layer
+/// `first + i` of the chain.
+struct Walk<'c> {
+    layers: &'c mut [Box<dyn Layer>],
+    sent: &'c mut [Vec<Option<Sub>>],
+    scratch: &'c Scratch,
+    first: usize,
+    backend: &'c mut dyn Backend,
+    held: usize,
+    next_poll: Option<u64>,
+    released: Vec<(usize, Tag, Verdict)>,
+    to_backend: Vec<Tag>,
+    /// What goes to a synchronous backend in this round, while layers queue the next.
+    batch: Vec<Tag>,
+    reaped: Vec<(Tag, Result<u64, BlockError>)>,
+    asynchronous: bool,
+}
+
+impl<'c> Walk<'c> {
+    fn new(
+        layers: &'c mut [Box<dyn Layer>],
+        sent: &'c mut [Vec<Option<Sub>>],
+        scratch: &'c Scratch,
+        first: usize,
+        backend: &'c mut dyn Backend,
+    ) -> Self {
+        let asynchronous = backend.asynchronous();
+        Walk {
+            layers,
+            sent,
+            scratch,
+            first,
+            backend,
+            held: 0,
+            next_poll: None,
+            released: Vec::new(),
+            to_backend: Vec::new(),
+            batch: Vec::new(),
+            reaped: Vec::new(),
+            asynchronous,
+        }
+    }
+
+    fn turn<'q>(
         &mut self,
         new: &[Tag],
         clock: &dyn Fn() -> u64,
@@ -140,57 +373,92 @@ impl Chain {
     ) {
         let timed = !self.layers.is_empty();
         let now_ns = if timed { clock() } else { 0 };
-        let mut released = std::mem::take(&mut self.released);
-        let mut to_backend = std::mem::take(&mut self.to_backend);
         if self.held > 0 && self.next_poll.is_some_and(|t| t <= now_ns) {
+            let mut released = std::mem::take(&mut self.released);
             self.poll_layers(now_ns, &mut released);
             for (at, tag, verdict) in released.drain(..) {
                 self.held -= 1;
-                match verdict {
-                    Verdict::Forward => self.descend(tag, at + 1, now_ns, req, done, &mut to_backend),
-                    Verdict::Complete(r) => self.ascend(tag, at, r, now_ns, req, done),
-                    Verdict::Hold => {
-                        // A layer may not hold twice what it releases: treat it as a bug of
-                        // that layer, answered rather than lost.
-                        self.ascend(tag, at, Err(BlockError::Invalid("layer released a request to hold")), now_ns, req, done)
-                    }
-                }
+                let verdict = match verdict {
+                    // A layer may not hold twice what it releases: treat it as a bug of that
+                    // layer, answered rather than lost.
+                    Verdict::Hold => Verdict::Complete(Err(BlockError::Invalid("layer released a request to hold"))),
+                    v => v,
+                };
+                self.walk(tag, Step::Verdict(at, verdict), now_ns, req, done);
             }
+            self.released = released;
         }
         for &tag in new {
-            self.descend(tag, 0, now_ns, req, done, &mut to_backend);
+            self.walk(tag, Step::Down(0), now_ns, req, done);
         }
         let below = self.layers.len();
+        let mut to_backend = std::mem::take(&mut self.to_backend);
         if self.asynchronous {
             let mut reaped = std::mem::take(&mut self.reaped);
-            for &tag in &to_backend {
-                if let Some(result) = self.backend.submit(tag, &req(tag)) {
-                    reaped.push((tag, result));
+            loop {
+                for &tag in &to_backend {
+                    match self.request_at(below, tag, req) {
+                        Ok(r) => {
+                            if let Some(result) = self.backend.submit(tag, &r) {
+                                reaped.push((tag, result));
+                            }
+                        }
+                        Err(e) => reaped.push((tag, Err(e))),
+                    }
                 }
-            }
-            if !to_backend.is_empty() {
-                self.backend.commit();
-            }
-            if self.backend.in_flight() > 0 {
-                self.backend.reap(&mut |tag, result| reaped.push((tag, result)));
-            }
-            let now_ns = if timed && !reaped.is_empty() { clock() } else { 0 };
-            for (tag, result) in reaped.drain(..) {
-                self.ascend(tag, below, result, now_ns, req, done);
+                if !to_backend.is_empty() {
+                    self.backend.commit();
+                    to_backend.clear();
+                }
+                if self.backend.in_flight() > 0 {
+                    self.backend.reap(&mut |tag, result| reaped.push((tag, result)));
+                }
+                let now_ns = if timed && !reaped.is_empty() { clock() } else { 0 };
+                // What layers send next goes to the backend in this turn too.
+                self.to_backend = std::mem::take(&mut to_backend);
+                for (tag, result) in reaped.drain(..) {
+                    self.walk(tag, Step::Up(below, result), now_ns, req, done);
+                }
+                to_backend = std::mem::take(&mut self.to_backend);
+                if to_backend.is_empty() {
+                    break;
+                }
             }
             self.reaped = reaped;
         } else {
-            for chunk in to_backend.chunks(BACKEND_BATCH) {
-                let mut ios: ArrayVec<Io<'q>, BACKEND_BATCH> = chunk.iter().map(|&t| Io::new(req(t))).collect();
-                self.backend.execute(&mut ios);
-                let now_ns = if timed { clock() } else { 0 };
-                for (&tag, io) in chunk.iter().zip(ios) {
-                    self.ascend(tag, below, io.result, now_ns, req, done);
+            let mut batch = std::mem::take(&mut self.batch);
+            while !to_backend.is_empty() {
+                std::mem::swap(&mut batch, &mut to_backend);
+                self.to_backend = std::mem::take(&mut to_backend);
+                for chunk in batch.chunks(BACKEND_BATCH) {
+                    let mut ios: ArrayVec<Io<'_>, BACKEND_BATCH> = ArrayVec::new();
+                    let mut failed: ArrayVec<(Tag, BlockError), BACKEND_BATCH> = ArrayVec::new();
+                    let mut tags: ArrayVec<Tag, BACKEND_BATCH> = ArrayVec::new();
+                    for &t in chunk {
+                        match self.request_at(below, t, req) {
+                            Ok(r) => {
+                                ios.push(Io::new(r));
+                                tags.push(t);
+                            }
+                            Err(e) => failed.push((t, e)),
+                        }
+                    }
+                    self.backend.execute(&mut ios);
+                    let results: ArrayVec<Result<u64, BlockError>, BACKEND_BATCH> = ios.into_iter().map(|io| io.result).collect();
+                    let now_ns = if timed { clock() } else { 0 };
+                    for (tag, result) in tags.into_iter().zip(results) {
+                        self.walk(tag, Step::Up(below, result), now_ns, req, done);
+                    }
+                    for (tag, e) in failed {
+                        self.walk(tag, Step::Up(below, Err(e)), now_ns, req, done);
+                    }
                 }
+                batch.clear();
+                to_backend = std::mem::take(&mut self.to_backend);
             }
+            self.batch = batch;
         }
         to_backend.clear();
-        self.released = released;
         self.to_backend = to_backend;
         if self.held == 0 {
             self.next_poll = None;
@@ -207,57 +475,205 @@ impl Chain {
         self.next_poll = next;
     }
 
-    /// Hands `tag` to layers `from..`, down to the backend queue unless a layer answers or
-    /// holds it.
-    fn descend<'q>(
-        &mut self,
-        tag: Tag,
-        from: usize,
-        now_ns: u64,
-        req: &dyn Fn(Tag) -> Request<'q>,
-        done: &mut dyn FnMut(Tag, Result<u64, BlockError>),
-        to_backend: &mut Vec<Tag>,
-    ) {
-        let r = req(tag);
-        for at in from..self.layers.len() {
-            match self.layers[at].submit(tag, &r, now_ns) {
-                Verdict::Forward => {}
-                Verdict::Complete(result) => return self.ascend(tag, at, result, now_ns, req, done),
-                Verdict::Hold => {
-                    self.held += 1;
-                    // The holder's next poll time is learnt at the next poll; until then ask
-                    // for one at once.
-                    self.next_poll = Some(self.next_poll.map_or(now_ns, |n| n.min(now_ns)));
-                    return;
-                }
+    /// The request layer `level` is handed for `tag` (`level` = the number of layers: what
+    /// the backend gets): the tag's request with what each layer above sent in its place.
+    /// It borrows the scratch memory and the request, not the walk.
+    fn request_at<'x, 'q: 'x>(&self, level: usize, tag: Tag, req: &dyn Fn(Tag) -> Request<'q>) -> Result<Request<'x>, BlockError>
+    where
+        'c: 'x,
+    {
+        let scratch: &'c Scratch = self.scratch;
+        let mut r: Request<'x> = req(tag);
+        for (i, sent) in self.sent[..level].iter().enumerate() {
+            if let Some(sub) = sent[tag.index()] {
+                r = resolve(&sub, &r, scratch.of(self.first + i, tag))?;
             }
         }
-        to_backend.push(tag);
+        Ok(r)
     }
 
-    /// Hands the result of `tag` up through layers `..below`, then to `done`.
-    fn ascend<'q>(
+    fn scratch_of(scratch: &'c Scratch, layer: usize, tag: Tag) -> SharedSlice<'c> {
+        scratch.of(layer, tag)
+    }
+
+    /// Takes `tag` from `step` until it reaches the backend's queue, a layer holds it, or it
+    /// completes (then `done` hears of it). A loop rather than calls within calls: a layer
+    /// may send one sub-request after another, each answered at once below.
+    fn walk<'q>(
         &mut self,
         tag: Tag,
-        below: usize,
-        mut result: Result<u64, BlockError>,
+        mut step: Step,
         now_ns: u64,
         req: &dyn Fn(Tag) -> Request<'q>,
         done: &mut dyn FnMut(Tag, Result<u64, BlockError>),
     ) {
-        if below > 0 {
-            let r = req(tag);
-            for l in self.layers[..below].iter_mut().rev() {
-                l.complete(tag, &r, &mut result, now_ns);
+        let t = tag.index();
+        loop {
+            step = match step {
+                Step::Down(from) => {
+                    if from == self.layers.len() {
+                        self.to_backend.push(tag);
+                        return;
+                    }
+                    let r = match self.request_at(from, tag, req) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            step = Step::Up(from, Err(e));
+                            continue;
+                        }
+                    };
+                    let scratch = Self::scratch_of(self.scratch, self.first + from, tag);
+                    let verdict = self.layers[from].submit(tag, &r, scratch, now_ns);
+                    Step::Verdict(from, verdict)
+                }
+                Step::Verdict(at, verdict) => match verdict {
+                    Verdict::Forward => {
+                        self.sent[at][t] = None;
+                        Step::Down(at + 1)
+                    }
+                    Verdict::Send(sub) => self.send(at, tag, sub, req),
+                    Verdict::Complete(result) => Step::Up(at, result),
+                    Verdict::Hold => {
+                        self.held += 1;
+                        // The holder's next poll time is learnt at the next poll; until then
+                        // ask for one at once.
+                        self.next_poll = Some(self.next_poll.map_or(now_ns, |n| n.min(now_ns)));
+                        return;
+                    }
+                },
+                Step::Up(mut below, mut result) => {
+                    let mut next = None;
+                    while below > 0 {
+                        below -= 1;
+                        let r = match self.request_at(below, tag, req) {
+                            Ok(r) => r,
+                            Err(e) => {
+                                result = Err(e);
+                                continue;
+                            }
+                        };
+                        let scratch = Self::scratch_of(self.scratch, self.first + below, tag);
+                        match self.layers[below].complete(tag, &r, scratch, &mut result, now_ns) {
+                            After::Up => self.sent[below][t] = None,
+                            After::Send(sub) => {
+                                next = Some(self.send(below, tag, sub, req));
+                                break;
+                            }
+                        }
+                    }
+                    match next {
+                        Some(step) => step,
+                        None => {
+                            done(tag, result);
+                            return;
+                        }
+                    }
+                }
+            };
+        }
+    }
+
+    /// Layer `at` sends `sub` below for `tag`. A sub-request outside the handed request's
+    /// buffers or the layer's scratch answers the handed request with `Invalid` from that
+    /// layer up; the layer is not asked again about it.
+    fn send<'q>(&mut self, at: usize, tag: Tag, sub: Sub, req: &dyn Fn(Tag) -> Request<'q>) -> Step {
+        let scratch: &'c Scratch = self.scratch;
+        let checked = self.request_at(at, tag, req).and_then(|r| resolve(&sub, &r, scratch.of(self.first + at, tag)).map(|_| ()));
+        match checked {
+            Ok(()) => {
+                self.sent[at][tag.index()] = Some(sub);
+                Step::Down(at + 1)
+            }
+            Err(e) => {
+                self.sent[at][tag.index()] = None;
+                Step::Up(at, Err(e))
             }
         }
-        done(tag, result);
     }
 }
+
+/// A layer's reads below while it opens: each runs through the layers below it and the
+/// backend as a request of tag 0 (no request is in flight yet) into private memory, until it
+/// completes.
+struct OpenRead<'c, 'k> {
+    walk: Walk<'c>,
+    size: u64,
+    clock: &'k dyn Fn() -> u64,
+    buf: Option<Mapping>,
+}
+
+impl ReadBelow for OpenRead<'_, '_> {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), BlockError> {
+        let invalid = BlockError::Invalid("a read while opening runs past the end of the device below");
+        let end = offset.checked_add(buf.len() as u64).ok_or(invalid.clone())?;
+        if end > self.size {
+            return Err(invalid);
+        }
+        if self.buf.is_none() {
+            let m = Mapping::private(OPEN_CHUNK).map_err(|_| BlockError::Os { op: "read", offset, errno: ENOMEM })?;
+            self.buf = Some(m);
+        }
+        let map = self.buf.take().expect("made above");
+        let mut r = Ok(());
+        let deadline = Instant::now() + OPEN_TIMEOUT;
+        for (i, chunk) in buf.chunks_mut(OPEN_CHUNK).enumerate() {
+            let at = offset + (i * OPEN_CHUNK) as u64;
+            let window = map.slice(0, chunk.len()).expect("a chunk fits the buffer");
+            r = self.read_one(at, window, deadline);
+            if r.is_err() {
+                if self.walk.backend.in_flight() > 0 {
+                    // The backend may still fill the buffer: never unmap it under it.
+                    std::mem::forget(map);
+                    return r;
+                }
+                break;
+            }
+            window.copy_to(chunk);
+        }
+        self.buf = Some(map);
+        r
+    }
+}
+
+impl OpenRead<'_, '_> {
+    fn read_one(&mut self, offset: u64, window: SharedSlice<'_>, deadline: Instant) -> Result<(), BlockError> {
+        let want = window.len() as u64;
+        let req = move |_: Tag| Request::Read { offset, bufs: SliceList::one(window) };
+        let tag = Tag::new(0);
+        let mut result = None;
+        let mut first = true;
+        while result.is_none() {
+            if !first {
+                if Instant::now() > deadline {
+                    return Err(BlockError::Invalid("the device below did not answer a read while opening"));
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            let new: &[Tag] = if first { &[tag] } else { &[] };
+            first = false;
+            // Borrowing `req` for this turn only: the walk keeps nothing of it after.
+            let walk: &mut Walk<'_> = &mut self.walk;
+            walk.turn(new, self.clock, &req, &mut |_, r| result = Some(r));
+        }
+        match result.expect("loop ends with a result") {
+            Ok(n) if n == want => Ok(()),
+            Ok(n) => Err(BlockError::Short { op: "read", offset, done: n, want }),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Out of memory (errno).
+const ENOMEM: i32 = 12;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::OpKind;
     use std::collections::VecDeque;
 
     struct Counting(u64);
@@ -292,15 +708,16 @@ mod tests {
             lower / 2
         }
         fn attach(&mut self, _: TagSpace) {}
-        fn submit(&mut self, tag: Tag, req: &Request<'_>, _: u64) -> Verdict {
+        fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
             self.log.push(format!("down {}", tag.index()));
             match req {
                 Request::Discard { .. } => Verdict::Complete(Err(BlockError::NotSupported("discard"))),
                 Request::Read { .. } | Request::Write { .. } | Request::Flush | Request::WriteZeroes { .. } => Verdict::Forward,
             }
         }
-        fn complete(&mut self, tag: Tag, _: &Request<'_>, _: &mut Result<u64, BlockError>, _: u64) {
+        fn complete(&mut self, tag: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
             self.log.push(format!("up {}", tag.index()));
+            After::Up
         }
         fn poll(&mut self, _: u64, _: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
             None
@@ -311,6 +728,8 @@ mod tests {
     struct HoldUntil {
         until: u64,
         q: VecDeque<Tag>,
+        /// Added to every byte count on the way up.
+        bump: u64,
     }
     impl Layer for HoldUntil {
         fn name(&self) -> &'static str {
@@ -323,7 +742,7 @@ mod tests {
             lower
         }
         fn attach(&mut self, _: TagSpace) {}
-        fn submit(&mut self, tag: Tag, req: &Request<'_>, _: u64) -> Verdict {
+        fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
             match req {
                 Request::Read { .. }
                 | Request::Write { .. }
@@ -335,10 +754,11 @@ mod tests {
                 }
             }
         }
-        fn complete(&mut self, _: Tag, _: &Request<'_>, r: &mut Result<u64, BlockError>, _: u64) {
+        fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, r: &mut Result<u64, BlockError>, _: u64) -> After {
             if let Ok(n) = r {
-                *n += 1000;
+                *n += self.bump;
             }
+            After::Up
         }
         fn poll(&mut self, now: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
             if now < self.until {
@@ -393,11 +813,338 @@ mod tests {
         }
     }
 
+    /// What a [`Mem`] backend looks like to the test: its data, and each request it saw.
+    type View = std::sync::Arc<std::sync::Mutex<(Vec<u8>, Vec<(OpKind, u64, u64)>)>>;
+
+    /// Memory, answering at once or (asynchronous) on the next reap.
+    struct Mem {
+        data: Vec<u8>,
+        later: Option<Vec<(Tag, Result<u64, BlockError>)>>,
+        seen: Vec<(OpKind, u64, u64)>,
+        /// What the test inspects: the data and what was seen, copied after each request.
+        view: View,
+    }
+    impl Mem {
+        fn new(len: usize, asynchronous: bool) -> Self {
+            Mem { data: vec![0; len], later: asynchronous.then(Vec::new), seen: Vec::new(), view: Default::default() }
+        }
+        fn apply(&mut self, req: &Request<'_>) -> Result<u64, BlockError> {
+            let r = self.apply_inner(req);
+            *self.view.lock().unwrap() = (self.data.clone(), self.seen.clone());
+            r
+        }
+        fn apply_inner(&mut self, req: &Request<'_>) -> Result<u64, BlockError> {
+            let (offset, len) = req.range();
+            self.seen.push((req.kind(), offset, len));
+            let (o, n) = (offset as usize, len as usize);
+            if o + n > self.data.len() {
+                return Err(BlockError::Invalid("past the end"));
+            }
+            match req {
+                Request::Read { bufs, .. } => {
+                    let mut at = o;
+                    for b in bufs.iter() {
+                        b.copy_from(&self.data[at..at + b.len()]).unwrap();
+                        at += b.len();
+                    }
+                }
+                Request::Write { bufs, .. } => {
+                    let mut at = o;
+                    for b in bufs.iter() {
+                        b.copy_to(&mut self.data[at..at + b.len()]);
+                        at += b.len();
+                    }
+                }
+                Request::WriteZeroes { .. } | Request::Discard { .. } => self.data[o..o + n].fill(0),
+                Request::Flush => {}
+            }
+            Ok(req.transfer_len())
+        }
+    }
+    impl Backend for Mem {
+        fn size(&self) -> u64 {
+            self.data.len() as u64
+        }
+        fn caps(&self) -> Caps {
+            Caps { flush: true, fua: false, discard: true, write_zeroes: true, read_only: false }
+        }
+        fn execute(&mut self, ios: &mut [Io<'_>]) {
+            for io in ios {
+                io.result = self.apply(&io.req);
+            }
+        }
+        fn asynchronous(&self) -> bool {
+            self.later.is_some()
+        }
+        fn submit(&mut self, tag: Tag, req: &Request<'_>) -> Option<Result<u64, BlockError>> {
+            let r = self.apply(req);
+            self.later.as_mut().expect("asynchronous").push((tag, r));
+            None
+        }
+        fn reap(&mut self, done: &mut dyn FnMut(Tag, Result<u64, BlockError>)) {
+            for (t, r) in self.later.as_mut().expect("asynchronous").drain(..) {
+                done(t, r);
+            }
+        }
+        fn in_flight(&self) -> usize {
+            self.later.as_ref().map_or(0, Vec::len)
+        }
+    }
+
+    /// A model of an encrypting layer: a header on the device below (read at open) names a
+    /// key byte and where the data starts; writes go below XORed with the key from scratch
+    /// memory, `CHUNK` bytes at a time; reads are XORed back in place; write-zeroes is
+    /// written as the key's zeroes, chunk by chunk.
+    struct Xor {
+        key: u8,
+        start: u64,
+        /// Bytes of the handed request sent so far, per tag.
+        done: Vec<u64>,
+    }
+    const CHUNK: u64 = 4096;
+    impl Xor {
+        fn new() -> Self {
+            Xor { key: 0, start: 0, done: Vec::new() }
+        }
+        /// The next chunk of a write or write-zeroes, from `done` bytes in.
+        fn next(&self, req: &Request<'_>, scratch: SharedSlice<'_>, done: u64) -> Option<Sub> {
+            let (offset, len) = req.range();
+            if done >= len {
+                return None;
+            }
+            let n = CHUNK.min(len - done);
+            let mut buf = vec![0u8; n as usize];
+            if let Request::Write { bufs, .. } = req {
+                let mut at = 0usize;
+                for part in bufs.range(done, n).unwrap().iter() {
+                    part.copy_to(&mut buf[at..at + part.len()]);
+                    at += part.len();
+                }
+            }
+            buf.iter_mut().for_each(|b| *b ^= self.key);
+            scratch.sub(0, n as usize).unwrap().copy_from(&buf).unwrap();
+            let fua = matches!(req, Request::Write { fua: true, .. });
+            Some(Sub::Write { offset: self.start + offset + done, from: Data::Scratch { at: 0, len: n }, fua })
+        }
+    }
+    impl Layer for Xor {
+        fn name(&self) -> &'static str {
+            "xor"
+        }
+        fn caps(&self, lower: Caps) -> Caps {
+            lower
+        }
+        fn size(&self, lower: u64) -> u64 {
+            lower.saturating_sub(self.start)
+        }
+        fn scratch_bytes(&self) -> usize {
+            CHUNK as usize
+        }
+        fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
+            let mut header = [0u8; 9];
+            below.read(0, &mut header).map_err(|e| e.to_string())?;
+            if &header[..4] != b"XOR!" {
+                return Err("no header".into());
+            }
+            self.key = header[4];
+            self.start = u32::from_le_bytes(header[5..9].try_into().unwrap()) as u64;
+            Ok(())
+        }
+        fn attach(&mut self, tags: TagSpace) {
+            self.done = vec![0; tags.capacity()];
+        }
+        fn submit(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, _: u64) -> Verdict {
+            self.done[tag.index()] = 0;
+            match *req {
+                Request::Read { offset, bufs } => {
+                    Verdict::Send(Sub::Read { offset: self.start + offset, into: Data::Handed { at: 0, len: bufs.total_len() } })
+                }
+                Request::Write { .. } | Request::WriteZeroes { .. } => match self.next(req, scratch, 0) {
+                    Some(sub) => Verdict::Send(sub),
+                    None => Verdict::Complete(Ok(0)),
+                },
+                Request::Discard { offset, len } => Verdict::Send(Sub::Discard { offset: self.start + offset, len }),
+                Request::Flush => Verdict::Forward,
+            }
+        }
+        fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Result<u64, BlockError>, _: u64) -> After {
+            match req {
+                Request::Read { bufs, .. } => {
+                    if result.is_ok() {
+                        for b in bufs.iter() {
+                            let mut v = vec![0; b.len()];
+                            b.copy_to(&mut v);
+                            v.iter_mut().for_each(|x| *x ^= self.key);
+                            b.copy_from(&v).unwrap();
+                        }
+                    }
+                    After::Up
+                }
+                Request::Write { .. } | Request::WriteZeroes { .. } => {
+                    let Ok(n) = *result else { return After::Up };
+                    let done = self.done[tag.index()] + n;
+                    self.done[tag.index()] = done;
+                    match self.next(req, scratch, done) {
+                        Some(sub) => After::Send(sub),
+                        None => {
+                            *result = Ok(req.transfer_len());
+                            After::Up
+                        }
+                    }
+                }
+                Request::Discard { .. } | Request::Flush => After::Up,
+            }
+        }
+        fn poll(&mut self, _: u64, _: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
+            None
+        }
+    }
+
+    /// Application memory: one shared file the test reads and writes as the frontend would.
+    fn arena(len: usize) -> Mapping {
+        let fd = bulkhead_shmem::memfd::create("arena", len as u64).unwrap();
+        Mapping::new(std::os::fd::AsRawFd::as_raw_fd(&fd), len, bulkhead_shmem::Protection::ReadWrite).unwrap()
+    }
+
+    fn xor_chain(asynchronous: bool, with_hold: bool) -> (Chain, View) {
+        let mut mem = Mem::new(1 << 20, asynchronous);
+        mem.data[..4].copy_from_slice(b"XOR!");
+        mem.data[4] = 0x5a;
+        mem.data[5..9].copy_from_slice(&8192u32.to_le_bytes());
+        let view = mem.view.clone();
+        let mem = Box::new(mem);
+        let mut layers: Vec<Box<dyn Layer>> = vec![Box::new(Xor::new())];
+        if with_hold {
+            // Below the xor layer: its reads while opening wait on this layer too.
+            layers.push(Box::new(HoldUntil { until: 0, q: VecDeque::new(), bump: 0 }));
+        }
+        let mut chain = Chain::new(layers, mem);
+        chain.attach(TagSpace { queues: 2, per_queue: 4 }).unwrap();
+        chain.start(&|| 1).unwrap();
+        (chain, view)
+    }
+
+    /// Runs turns until every one of `tags` has completed.
+    fn drive<'q>(chain: &mut Chain, tags: &[Tag], req: &dyn Fn(Tag) -> Request<'q>) -> Vec<(usize, Result<u64, BlockError>)> {
+        let mut out = Vec::new();
+        chain.run(tags, &|| 1, req, &mut |t, r| out.push((t.index(), r)));
+        for _ in 0..1000 {
+            if out.len() == tags.len() {
+                break;
+            }
+            chain.run(&[], &|| 1, req, &mut |t, r| out.push((t.index(), r)));
+        }
+        out.sort_by_key(|x| x.0);
+        out
+    }
+
+    #[test]
+    fn a_layer_sends_its_own_data_below_in_chunks_and_reads_back_through_its_header() {
+        for (asynchronous, with_hold) in [(false, false), (true, false), (false, true), (true, true)] {
+            let what = format!("asynchronous {asynchronous}, holding layer below {with_hold}");
+            let (mut chain, mem) = xor_chain(asynchronous, with_hold);
+            assert_eq!(chain.size(), (1 << 20) - 8192, "{what}");
+            let app = arena(64 << 10);
+            let plain: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + 3) as u8).collect();
+            // The data in three windows, as a frontend may send it.
+            let w = [app.slice(0, 5000).unwrap(), app.slice(8192, 10_000).unwrap(), app.slice(20_480, 5000).unwrap()];
+            let mut at = 0;
+            for s in &w {
+                s.copy_from(&plain[at..at + s.len()]).unwrap();
+                at += s.len();
+            }
+            let mut wl = SliceList::new();
+            w.iter().for_each(|s| wl.push(*s));
+            let rd = app.slice(32 << 10, 20_000).unwrap();
+            let req = |t: Tag| match t.index() {
+                0 => Request::Write { offset: 1000, bufs: wl, fua: true },
+                1 => Request::WriteZeroes { offset: 100_000, len: 9000 },
+                4 => Request::Read { offset: 1000, bufs: SliceList::one(rd) },
+                _ => Request::Flush,
+            };
+            let out = drive(&mut chain, &[Tag::new(0), Tag::new(1), Tag::new(2)], &req);
+            assert_eq!(out, vec![(0, Ok(20_000)), (1, Ok(0)), (2, Ok(0))], "{what}");
+            {
+                let below = mem.lock().unwrap();
+                let (data, seen) = &*below;
+                let stored = &data[8192 + 1000..8192 + 21_000];
+                assert!(stored.iter().zip(&plain).all(|(s, p)| *s == p ^ 0x5a), "{what}: stored as the layer sent it");
+                assert!(data[8192 + 100_000..8192 + 109_000].iter().all(|&b| b == 0x5a), "{what}");
+                let writes = seen.iter().filter(|s| s.0 == OpKind::Write).count();
+                assert_eq!(writes, 5 + 3, "{what}: 20,000 bytes and 9,000 bytes in chunks of 4 KiB");
+                assert!(seen.iter().all(|s| s.0 != OpKind::WriteZeroes), "{what}");
+            }
+            let out = drive(&mut chain, &[Tag::new(4)], &req);
+            assert_eq!(out, vec![(4, Ok(20_000))], "{what}");
+            let mut back = vec![0; 20_000];
+            rd.copy_to(&mut back);
+            assert!(back == plain, "{what}: read back through the layer");
+        }
+    }
+
+    /// Sends data it has no room for.
+    struct Overreach;
+    impl Layer for Overreach {
+        fn name(&self) -> &'static str {
+            "overreach"
+        }
+        fn caps(&self, lower: Caps) -> Caps {
+            lower
+        }
+        fn size(&self, lower: u64) -> u64 {
+            lower
+        }
+        fn scratch_bytes(&self) -> usize {
+            100
+        }
+        fn attach(&mut self, _: TagSpace) {}
+        fn submit(&mut self, _: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
+            match req {
+                Request::Read { .. } => Verdict::Send(Sub::Read { offset: 0, into: Data::Handed { at: 1, len: 4096 } }),
+                Request::Write { .. } => Verdict::Send(Sub::Write { offset: 0, from: Data::Scratch { at: 0, len: 8192 }, fua: false }),
+                Request::Flush => Verdict::Send(Sub::Write { offset: 0, from: Data::Handed { at: 0, len: 1 }, fua: false }),
+                Request::Discard { .. } | Request::WriteZeroes { .. } => Verdict::Forward,
+            }
+        }
+        fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
+            panic!("never called: nothing it sent was valid")
+        }
+        fn poll(&mut self, _: u64, _: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
+            None
+        }
+    }
+
+    #[test]
+    fn a_sub_request_outside_the_buffers_it_may_use_is_answered_invalid_and_reaches_nothing() {
+        let mut chain = Chain::new(vec![Box::new(Overreach)], Box::new(Counting(0)));
+        chain.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
+        let app = arena(8192);
+        let w = app.slice(0, 4096).unwrap();
+        let req = |t: Tag| match t.index() {
+            0 => Request::Read { offset: 0, bufs: SliceList::one(w) },
+            1 => Request::Write { offset: 0, bufs: SliceList::one(w), fua: false },
+            _ => Request::Flush,
+        };
+        let out = drive(&mut chain, &[Tag::new(0), Tag::new(1), Tag::new(2)], &req);
+        for (t, r) in out {
+            assert!(matches!(r, Err(BlockError::Invalid(_))), "tag {t}: {r:?}");
+        }
+    }
+
+    #[test]
+    fn a_layer_that_cannot_open_stops_the_start_naming_itself() {
+        let mut chain = Chain::new(vec![Box::new(Xor::new())], Box::new(Mem::new(1 << 16, false)));
+        chain.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
+        let e = chain.start(&|| 0).unwrap_err();
+        assert_eq!(e, StartError::Open { layer: "xor", message: "no header".into() });
+        assert_eq!(e.to_string(), "filter xor: no header");
+    }
+
     #[test]
     fn an_asynchronous_backend_answers_each_request_on_a_later_turn_through_the_layers() {
         let later = Later::default();
         let mut chain = Chain::new(vec![Box::new(HideDiscard::default())], Box::new(later.clone()));
-        chain.attach(TagSpace { queues: 1, per_queue: 4 });
+        chain.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
         let mut out = Vec::new();
         chain.run(&[Tag::new(0), Tag::new(1)], &|| 0, &flush, &mut |t, r| out.push((t.index(), r)));
         assert!(out.is_empty(), "nothing has completed yet");
@@ -423,7 +1170,7 @@ mod tests {
     #[test]
     fn answered_request_never_reaches_lower_layers_and_others_pass_both_ways() {
         let mut chain = Chain::new(vec![Box::new(HideDiscard::default())], Box::new(Counting(0)));
-        chain.attach(TagSpace { queues: 1, per_queue: 4 });
+        chain.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
         let req = |t: Tag| if t.index() == 1 { Request::Discard { offset: 0, len: 4096 } } else { Request::Flush };
         let mut out = Vec::new();
         chain.run(&[Tag::new(0), Tag::new(1)], &|| 0, &req, &mut |t, r| out.push((t.index(), r)));
@@ -433,8 +1180,8 @@ mod tests {
 
     #[test]
     fn held_request_completes_on_a_later_turn_after_its_time() {
-        let mut chain = Chain::new(vec![Box::new(HoldUntil { until: 500, q: VecDeque::new() })], Box::new(Counting(0)));
-        chain.attach(TagSpace { queues: 1, per_queue: 4 });
+        let mut chain = Chain::new(vec![Box::new(HoldUntil { until: 500, q: VecDeque::new(), bump: 1000 })], Box::new(Counting(0)));
+        chain.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
         let mut out = Vec::new();
         chain.run(&[Tag::new(2), Tag::new(3)], &|| 100, &flush, &mut |t, r| out.push((t.index(), r)));
         assert!(out.is_empty());

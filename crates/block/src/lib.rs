@@ -4,8 +4,11 @@
 //! [`Backend`]. Each request in flight carries a [`Tag`]; a layer sees it on the way down
 //! ([`Layer::submit`]) and decides with a [`Verdict`] to pass it on, answer it itself, or hold
 //! it (a delay, a throttle) until its [`Layer::poll`] releases it, and sees its result on the
-//! way up ([`Layer::complete`]). What reaches the backend goes down in batches of [`Io`]s, so
-//! an engine such as io_uring keeps a whole batch in flight.
+//! way up ([`Layer::complete`]). A layer that must change what goes below sends a [`Sub`] in
+//! the request's place — moved, cut to a part, or with data from its own scratch memory (a
+//! bounce buffer, private to the domain) — and may send another when that one completes. What
+//! reaches the backend goes down in batches of [`Io`]s, or one by one to an asynchronous
+//! engine that answers later, so one slow request holds up no other.
 //!
 //! Every layer matches [`Request`] in full: there is no default pass-through, because a filter
 //! that forwards an operation it does not understand corrupts data.
@@ -274,8 +277,8 @@ pub trait Backend: Send {
 mod chain;
 mod layer;
 
-pub use chain::Chain;
-pub use layer::{Layer, Tag, TagSpace, Verdict};
+pub use chain::{Chain, StartError};
+pub use layer::{After, Data, Layer, ReadBelow, Sub, Tag, TagSpace, Verdict};
 
 #[cfg(test)]
 mod tests {

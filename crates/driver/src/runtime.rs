@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrayvec::ArrayVec;
-use bulkhead_block::{BlockError, Chain, Request, Tag, TagSpace};
+use bulkhead_block::{BlockError, Chain, Request, StartError, Tag, TagSpace};
 use bulkhead_channel::{AboveControl, BackQueue, Popped};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
@@ -150,7 +150,7 @@ impl Domain {
         if queues.iter().any(|q| q.nslots() != per_queue) {
             return Err(DriverError::Setup("every queue of a device has the same depth".into()));
         }
-        chain.attach(TagSpace { queues: queues.len() as u32, per_queue });
+        chain.attach(TagSpace { queues: queues.len() as u32, per_queue }).map_err(DriverError::Setup)?;
         Ok(Domain {
             done: Vec::with_capacity(tags.capacity()),
             dirty: vec![false; queues.len()],
@@ -385,7 +385,10 @@ impl Domain {
     }
 
     fn serve(&mut self) -> Result<(), DriverError> {
-        self.chain.start().map_err(DriverError::BackendLost)?;
+        self.chain.start(&now_ns).map_err(|e| match e {
+            StartError::Lost(why) => DriverError::BackendLost(why),
+            e @ StartError::Open { .. } => DriverError::Setup(e.to_string()),
+        })?;
         let mut idle_since: Option<u64> = None;
         let mut spins = 0u32;
         let mut slept = false;

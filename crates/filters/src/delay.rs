@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use bulkhead_block::{BlockError, Caps, Layer, OpKind, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, OpKind, Request, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -62,7 +62,7 @@ impl Layer for Delay {
             q.reserve(tags.capacity());
         }
     }
-    fn submit(&mut self, tag: Tag, req: &Request<'_>, now_ns: u64) -> Verdict {
+    fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, now_ns: u64) -> Verdict {
         match req {
             Request::Read { .. } => self.hold(tag, OpKind::Read, now_ns),
             Request::Write { .. } => self.hold(tag, OpKind::Write, now_ns),
@@ -71,7 +71,9 @@ impl Layer for Delay {
             Request::WriteZeroes { .. } => self.hold(tag, OpKind::WriteZeroes, now_ns),
         }
     }
-    fn complete(&mut self, _: Tag, _: &Request<'_>, _: &mut Result<u64, BlockError>, _: u64) {}
+    fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
+        After::Up
+    }
     fn poll(&mut self, now_ns: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
         let mut next: Option<u64> = None;
         for q in &mut self.held {
@@ -100,10 +102,10 @@ mod tests {
         // read 100 µs, write 0, flush 50 µs, discard 0, write-zeroes 10 µs.
         let mut d = Delay::new([100, 0, 50, 0, 10], page);
         d.attach(TagSpace { queues: 1, per_queue: 8 });
-        assert_eq!(d.submit(Tag::new(0), &Request::Flush, 0), Verdict::Hold);
-        assert_eq!(d.submit(Tag::new(1), &Request::Discard { offset: 0, len: 4096 }, 0), Verdict::Forward);
-        assert_eq!(d.submit(Tag::new(2), &Request::WriteZeroes { offset: 0, len: 4096 }, 5_000), Verdict::Hold);
-        assert_eq!(d.submit(Tag::new(3), &Request::Flush, 20_000), Verdict::Hold);
+        assert_eq!(d.submit(Tag::new(0), &Request::Flush, SharedSlice::empty(), 0), Verdict::Hold);
+        assert_eq!(d.submit(Tag::new(1), &Request::Discard { offset: 0, len: 4096 }, SharedSlice::empty(), 0), Verdict::Forward);
+        assert_eq!(d.submit(Tag::new(2), &Request::WriteZeroes { offset: 0, len: 4096 }, SharedSlice::empty(), 5_000), Verdict::Hold);
+        assert_eq!(d.submit(Tag::new(3), &Request::Flush, SharedSlice::empty(), 20_000), Verdict::Hold);
         let mut out = Vec::new();
         assert_eq!(d.poll(14_999, &mut |t, v| out.push((t, v))), Some(15_000));
         assert!(out.is_empty());

@@ -6,7 +6,7 @@
 //! of the device, not one per domain generation; the random generator's state lives there too,
 //! so a restart does not replay the same choices.
 
-use bulkhead_block::{BlockError, Caps, Layer, OpKind, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, OpKind, Request, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -123,7 +123,7 @@ impl Layer for ErrorFilter {
         lower
     }
     fn attach(&mut self, _: TagSpace) {}
-    fn submit(&mut self, _: Tag, req: &Request<'_>, _: u64) -> Verdict {
+    fn submit(&mut self, _: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
         match req {
             Request::Read { .. } => self.decide(OpKind::Read, req),
             Request::Write { .. } => self.decide(OpKind::Write, req),
@@ -132,7 +132,9 @@ impl Layer for ErrorFilter {
             Request::WriteZeroes { .. } => self.decide(OpKind::WriteZeroes, req),
         }
     }
-    fn complete(&mut self, _: Tag, _: &Request<'_>, _: &mut Result<u64, BlockError>, _: u64) {}
+    fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
+        After::Up
+    }
     fn poll(&mut self, _: u64, _: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
         None
     }
@@ -149,7 +151,7 @@ mod tests {
     }
 
     fn fails(f: &mut ErrorFilter, req: &Request<'_>) -> Option<Status> {
-        match f.submit(Tag::new(0), req, 0) {
+        match f.submit(Tag::new(0), req, SharedSlice::empty(), 0) {
             Verdict::Forward => None,
             Verdict::Complete(Err(e)) => Some(e.status()),
             other => panic!("unexpected verdict {other:?}"),

@@ -5,7 +5,7 @@
 //! bucket 0 holds everything under 2 µs, bucket `i` latencies in `[2^i, 2^(i+1))` µs, the last
 //! everything longer.
 
-use bulkhead_block::{BlockError, Caps, Layer, OpKind, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, OpKind, Request, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -120,7 +120,7 @@ impl Layer for Stats {
     fn attach(&mut self, tags: TagSpace) {
         self.started = vec![0; tags.capacity()];
     }
-    fn submit(&mut self, tag: Tag, req: &Request<'_>, now_ns: u64) -> Verdict {
+    fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, now_ns: u64) -> Verdict {
         match req {
             Request::Read { .. }
             | Request::Write { .. }
@@ -132,7 +132,14 @@ impl Layer for Stats {
             }
         }
     }
-    fn complete(&mut self, tag: Tag, req: &Request<'_>, result: &mut Result<u64, BlockError>, now_ns: u64) {
+    fn complete(
+        &mut self,
+        tag: Tag,
+        req: &Request<'_>,
+        _: SharedSlice<'_>,
+        result: &mut Result<u64, BlockError>,
+        now_ns: u64,
+    ) -> After {
         let op = req.kind();
         let ns = now_ns.saturating_sub(self.started[tag.index()]);
         self.page.add(slot(op, 0), 1);
@@ -142,6 +149,7 @@ impl Layer for Stats {
         }
         self.page.add(slot(op, 3), ns);
         self.page.add(slot(op, 4 + bucket(ns)), 1);
+        After::Up
     }
     fn poll(&mut self, _: u64, _: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
         None
@@ -188,11 +196,11 @@ mod tests {
         ];
         for (i, r) in reqs.iter().enumerate() {
             let t = Tag::new(i as u32);
-            assert_eq!(s.submit(t, r, 1_000), Verdict::Forward);
+            assert_eq!(s.submit(t, r, SharedSlice::empty(), 1_000), Verdict::Forward);
         }
         for (i, r) in reqs.iter().enumerate() {
             let mut res = if i == 3 { Err(BlockError::NotSupported("discard")) } else { Ok(0) };
-            s.complete(Tag::new(i as u32), r, &mut res, 1_000 + 5_000 * (i as u64 + 1));
+            s.complete(Tag::new(i as u32), r, SharedSlice::empty(), &mut res, 1_000 + 5_000 * (i as u64 + 1));
         }
         let back = read(&StatePage::map(std::os::fd::AsRawFd::as_raw_fd(&fd), false).unwrap());
         let names: Vec<_> = back.iter().map(|o| o.op).collect();

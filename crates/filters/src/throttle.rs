@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 
-use bulkhead_block::{BlockError, Caps, Layer, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, Request, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -210,7 +210,7 @@ impl Layer for Throttle {
             q.reserve(tags.capacity());
         }
     }
-    fn submit(&mut self, tag: Tag, req: &Request<'_>, now_ns: u64) -> Verdict {
+    fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, now_ns: u64) -> Verdict {
         match req {
             Request::Read { bufs, .. } => self.admit(tag, 0, bufs.total_len(), now_ns),
             Request::Write { bufs, .. } => self.admit(tag, 1, bufs.total_len(), now_ns),
@@ -218,7 +218,9 @@ impl Layer for Throttle {
             Request::Flush => Verdict::Forward,
         }
     }
-    fn complete(&mut self, _: Tag, _: &Request<'_>, _: &mut Result<u64, BlockError>, _: u64) {}
+    fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
+        After::Up
+    }
     fn poll(&mut self, now_ns: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
         self.leak(now_ns);
         let mut next: Option<u64> = None;
@@ -256,7 +258,7 @@ mod tests {
     fn release_times(t: &mut Throttle, n: u32) -> Vec<u64> {
         let mut at = vec![None; n as usize];
         for i in 0..n {
-            if t.submit(Tag::new(i), &Request::Discard { offset: 0, len: 4096 }, 0) == Verdict::Forward {
+            if t.submit(Tag::new(i), &Request::Discard { offset: 0, len: 4096 }, SharedSlice::empty(), 0) == Verdict::Forward {
                 at[i as usize] = Some(0);
             }
         }
@@ -308,16 +310,16 @@ mod tests {
         let mut t = Throttle::new(Limits { bps_write: limit(1.0), ..Limits::default() }, page);
         t.attach(TagSpace { queues: 1, per_queue: 8 });
         // Fill the write bucket, then queue a write behind it.
-        assert_eq!(t.submit(Tag::new(0), &Request::WriteZeroes { offset: 0, len: 1 }, 0), Verdict::Forward);
+        assert_eq!(t.submit(Tag::new(0), &Request::WriteZeroes { offset: 0, len: 1 }, SharedSlice::empty(), 0), Verdict::Forward);
         t.account(1, 1000);
-        assert_eq!(t.submit(Tag::new(1), &Request::Discard { offset: 0, len: 1 }, 0), Verdict::Hold);
-        assert_eq!(t.submit(Tag::new(2), &Request::Flush, 0), Verdict::Forward);
+        assert_eq!(t.submit(Tag::new(1), &Request::Discard { offset: 0, len: 1 }, SharedSlice::empty(), 0), Verdict::Hold);
+        assert_eq!(t.submit(Tag::new(2), &Request::Flush, SharedSlice::empty(), 0), Verdict::Forward);
         let fd = bulkhead_shmem::memfd::create("buf", 4096).unwrap();
         let map = bulkhead_shmem::Mapping::new(std::os::fd::AsRawFd::as_raw_fd(&fd), 4096, bulkhead_shmem::Protection::ReadWrite)
             .unwrap();
         let bufs = bulkhead_block::SliceList::one(map.slice(0, 4096).unwrap());
-        assert_eq!(t.submit(Tag::new(3), &Request::Read { offset: 0, bufs }, 0), Verdict::Forward);
-        assert_eq!(t.submit(Tag::new(4), &Request::Write { offset: 0, bufs, fua: false }, 0), Verdict::Hold);
+        assert_eq!(t.submit(Tag::new(3), &Request::Read { offset: 0, bufs }, SharedSlice::empty(), 0), Verdict::Forward);
+        assert_eq!(t.submit(Tag::new(4), &Request::Write { offset: 0, bufs, fua: false }, SharedSlice::empty(), 0), Verdict::Hold);
         assert_eq!(read(&t.page), (2, 2, 0));
     }
 }

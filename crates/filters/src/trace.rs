@@ -11,7 +11,7 @@
 
 use std::io::Write;
 
-use bulkhead_block::{BlockError, Caps, Layer, OpKind, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, OpKind, Request, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -264,7 +264,7 @@ impl Layer for Trace {
         self.tags = tags;
         self.sequence = vec![0; tags.queues as usize];
     }
-    fn submit(&mut self, tag: Tag, req: &Request<'_>, now_ns: u64) -> Verdict {
+    fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, now_ns: u64) -> Verdict {
         match req {
             Request::Read { .. }
             | Request::Write { .. }
@@ -277,13 +277,21 @@ impl Layer for Trace {
             }
         }
     }
-    fn complete(&mut self, tag: Tag, req: &Request<'_>, result: &mut Result<u64, BlockError>, now_ns: u64) {
+    fn complete(
+        &mut self,
+        tag: Tag,
+        req: &Request<'_>,
+        _: SharedSlice<'_>,
+        result: &mut Result<u64, BlockError>,
+        now_ns: u64,
+    ) -> After {
         let action = act::COMPLETE | ((category(req) | act::TC_COMPLETE) << act::TC_SHIFT);
         let error = match result {
             Ok(_) => 0,
             Err(e) => e.status().errno() as u16,
         };
         self.record(tag, req, action, error, now_ns);
+        After::Up
     }
     fn poll(&mut self, _: u64, _: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
         None
@@ -351,12 +359,12 @@ mod tests {
         t.attach(TagSpace { queues: 2, per_queue: 4 });
         let reqs = [Request::Flush, Request::Discard { offset: 4096, len: 8192 }, Request::WriteZeroes { offset: 0, len: 512 }];
         for (i, r) in reqs.iter().enumerate() {
-            assert_eq!(t.submit(Tag::new(i as u32 * 3), r, 100 + i as u64), Verdict::Forward);
+            assert_eq!(t.submit(Tag::new(i as u32 * 3), r, SharedSlice::empty(), 100 + i as u64), Verdict::Forward);
         }
         let mut failed = Err(BlockError::Os { op: "discard", offset: 4096, errno: 28 });
-        t.complete(Tag::new(3), &reqs[1], &mut failed, 500);
-        t.complete(Tag::new(0), &reqs[0], &mut Ok(0), 600);
-        t.complete(Tag::new(6), &reqs[2], &mut Ok(0), 700);
+        t.complete(Tag::new(3), &reqs[1], SharedSlice::empty(), &mut failed, 500);
+        t.complete(Tag::new(0), &reqs[0], SharedSlice::empty(), &mut Ok(0), 600);
+        t.complete(Tag::new(6), &reqs[2], SharedSlice::empty(), &mut Ok(0), 700);
         t.idle();
         let recs = read_all(file);
         assert_eq!(recs.len(), 6);

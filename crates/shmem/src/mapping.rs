@@ -19,7 +19,7 @@ pub enum Protection {
 }
 
 /// A `MAP_SHARED` mapping of a file another process may also map (and write, unless it received
-/// it read-only). Every access is bounds-checked and goes through a copy, an atomic, or a raw
+/// it read-only), or private memory ([`private`](Self::private)). Every access is bounds-checked and goes through a copy, an atomic, or a raw
 /// pointer handed to a system call: no Rust reference to shared bytes is ever formed.
 #[derive(Debug)]
 pub struct Mapping {
@@ -51,6 +51,25 @@ impl Mapping {
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| ShmError::last("mmap"))?;
         Ok(Mapping { ptr, len, prot })
+    }
+
+    /// `len` bytes of private anonymous memory, zero-filled and backed only where touched: a
+    /// layer's bounce buffers (data it encrypts or merges before sending it on), which no other
+    /// process sees. Windows of it are [`SharedSlice`]s like those of a shared file, so the
+    /// layers below cannot tell the two apart.
+    pub fn private(len: usize) -> Result<Self, ShmError> {
+        if len == 0 {
+            return Err(ShmError::OutOfBounds { offset: 0, len: 0, size: 0 });
+        }
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        // SAFETY: a fresh anonymous mapping at an address the kernel chooses; it aliases no
+        // Rust object.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(ShmError::last("mmap"));
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| ShmError::last("mmap"))?;
+        Ok(Mapping { ptr, len, prot: Protection::ReadWrite })
     }
 
     /// Length of the mapping in bytes.
@@ -218,6 +237,11 @@ unsafe impl Send for SharedSlice<'_> {}
 unsafe impl Sync for SharedSlice<'_> {}
 
 impl<'a> SharedSlice<'a> {
+    /// A window of no bytes, of no mapping.
+    pub const fn empty() -> SharedSlice<'static> {
+        SharedSlice { ptr: NonNull::dangling().as_ptr(), len: 0, writable: false, _map: PhantomData }
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
@@ -356,6 +380,28 @@ impl<'a> SliceList<'a> {
     pub fn total_len(&self) -> u64 {
         self.iter().map(|s| s.len() as u64).sum()
     }
+
+    /// The `len` bytes starting `at` bytes into the list, as a list of (sub-)windows; `None`
+    /// if they run past its end.
+    pub fn range(&self, at: u64, len: u64) -> Option<SliceList<'a>> {
+        let end = at.checked_add(len)?;
+        if end > self.total_len() {
+            return None;
+        }
+        let mut out = SliceList::new();
+        let mut start = 0u64;
+        for s in self.iter() {
+            let (lo, hi) = (start, start + s.len() as u64);
+            start = hi;
+            if hi <= at || lo >= end {
+                continue;
+            }
+            let from = at.max(lo) - lo;
+            let to = end.min(hi) - lo;
+            out.push(s.sub(from as usize, (to - from) as usize).ok()?);
+        }
+        Some(out)
+    }
 }
 
 impl Default for SliceList<'_> {
@@ -401,6 +447,36 @@ mod tests {
         let s = m.slice(0, 16).unwrap();
         assert!(matches!(s.copy_from(&[0; 16]), Err(ShmError::ReadOnly)));
         assert!(s.as_mut_ptr().is_err());
+    }
+
+    #[test]
+    fn a_range_of_a_list_cuts_its_windows_where_it_starts_and_ends() {
+        let fd = memfd::create("t", 4096).unwrap();
+        let m = Mapping::new(fd.as_raw_fd(), 4096, Protection::ReadWrite).unwrap();
+        let mut l = SliceList::new();
+        l.push(m.slice(0, 100).unwrap());
+        l.push(m.slice(1000, 50).unwrap());
+        l.push(m.slice(2000, 200).unwrap());
+        let r = l.range(90, 80).unwrap();
+        let parts: Vec<(usize, usize)> = r.iter().map(|s| (s.as_ptr() as usize - m.base_ptr() as usize, s.len())).collect();
+        assert_eq!(parts, vec![(90, 10), (1000, 50), (2000, 20)]);
+        assert_eq!(l.range(0, 350).unwrap().total_len(), 350);
+        assert!(l.range(0, 351).is_none());
+        assert!(l.range(u64::MAX, 2).is_none());
+        assert!(l.range(350, 0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn private_memory_is_zeroed_writable_and_windowed_like_a_shared_file() {
+        let m = Mapping::private(8192).unwrap();
+        let s = m.slice(4096, 16).unwrap();
+        let mut out = [1u8; 16];
+        s.copy_to(&mut out);
+        assert_eq!(out, [0; 16]);
+        s.copy_from(&[7; 16]).unwrap();
+        s.copy_to(&mut out);
+        assert_eq!(out, [7; 16]);
+        assert!(Mapping::private(0).is_err());
     }
 
     #[test]
