@@ -179,6 +179,7 @@ pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(Fro
     let spec = DomainSpec {
         device: "peer".into(),
         size,
+        backend_size: size,
         mode: cfg.mode.as_str().into(),
         budget_ns: match cfg.budget {
             BudgetPolicy::Fixed(ns) => Some(ns),

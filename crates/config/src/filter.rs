@@ -25,6 +25,8 @@ pub enum FilterKind {
     Error,
     /// Bytes and operations per second.
     Throttle,
+    /// A LUKS volume on the device below, opened with a key file.
+    Crypt,
 }
 
 impl FilterKind {
@@ -36,6 +38,7 @@ impl FilterKind {
             FilterKind::Delay => "delay",
             FilterKind::Error => "error",
             FilterKind::Throttle => "throttle",
+            FilterKind::Crypt => "crypt",
         }
     }
 }
@@ -105,6 +108,8 @@ pub struct FilterTable {
     pub max_length: Option<Spanned<f64>>,
     /// `iops_size` (throttle): larger requests count as several operations.
     pub iops_size: Option<Spanned<Size>>,
+    /// `key_file` (crypt): the file whose whole contents are the passphrase of a key slot.
+    pub key_file: Option<Spanned<PathBuf>>,
 }
 
 /// A resolved filter: what the domain gets, plus the trace file the supervisor opens for it.
@@ -114,6 +119,8 @@ pub struct Filter {
     pub spec: FilterSpec,
     /// The trace file.
     pub path: Option<PathBuf>,
+    /// The key file (crypt), read by the supervisor when the device starts.
+    pub key_file: Option<PathBuf>,
 }
 
 type Err<'a> = &'a dyn Fn(Range<usize>, String) -> crate::ConfigError;
@@ -165,6 +172,7 @@ impl FilterTable {
         }
         k("max_length", self.max_length.as_ref().map(Spanned::span), Throttle);
         k("iops_size", self.iops_size.as_ref().map(Spanned::span), Throttle);
+        k("key_file", self.key_file.as_ref().map(Spanned::span), Crypt);
         v
     }
 
@@ -194,7 +202,7 @@ impl FilterTable {
                 if !parent.is_dir() {
                     return Err(err(path.span(), format!("{}: directory {} does not exist", at("path"), parent.display())));
                 }
-                return Ok(Filter { spec: FilterSpec::Trace { device_number: 0 }, path: Some(path.get_ref().clone()) });
+                return Ok(Filter { spec: FilterSpec::Trace { device_number: 0 }, path: Some(path.get_ref().clone()), key_file: None });
             }
             FilterKind::Stats => FilterSpec::Stats {},
             FilterKind::Delay => {
@@ -239,8 +247,20 @@ impl FilterTable {
             }
             FilterKind::Error => FilterSpec::Error { rule: self.error_rule(&at, err)? },
             FilterKind::Throttle => FilterSpec::Throttle { limits: self.limits(&at, err)? },
+            FilterKind::Crypt => {
+                let Some(key) = &self.key_file else {
+                    return Err(err(self.kind.span(), format!("{} is required for type = \"crypt\"", at("key_file"))));
+                };
+                if !key.get_ref().is_file() {
+                    return Err(err(key.span(), format!("{}: {} is not a file", at("key_file"), key.get_ref().display())));
+                }
+                // Where the volume's data starts and how much there is: read from its header
+                // by the supervisor when the device starts.
+                let spec = FilterSpec::Crypt { payload_offset: 0, data_size: 0, sector_size: 512 };
+                return Ok(Filter { spec, path: None, key_file: Some(key.get_ref().clone()) });
+            }
         };
-        Ok(Filter { spec, path: None })
+        Ok(Filter { spec, path: None, key_file: None })
     }
 
     fn error_rule(&self, at: &dyn Fn(&str) -> String, err: Err<'_>) -> Result<ErrorRule, crate::ConfigError> {

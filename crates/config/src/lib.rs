@@ -1060,6 +1060,9 @@ mod tests {
             ("type = \"throttle\"\niops = 0\n", "positive", 8),
             ("type = \"zip\"\n", "zip", 7),
             ("type = \"stats\"\nguard = \"dwc\"\n", "guard", 8),
+            ("type = \"crypt\"\n", "filter.key_file` is required", 7),
+            ("type = \"crypt\"\nkey_file = \"/nonexistent/key\"\n", "/nonexistent/key is not a file", 8),
+            ("type = \"stats\"\nkey_file = \"/etc/hostname\"\n", "only applies to type = \"crypt\"", 8),
         ];
         for (table, want, line) in cases {
             let e = parse(&format!("{RAM}[[device.filter]]\n{table}")).unwrap_err().to_string();

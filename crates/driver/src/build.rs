@@ -46,7 +46,7 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
     let setup = |e: bulkhead_backends::BackendError| DriverError::Setup(e.to_string());
     let backend: Box<dyn Backend> = match &this.backend {
         // SAFETY: forwarded from this function's contract.
-        BackendSpec::Ram { fd } => Box::new(RamBackend::new(unsafe { claim(*fd)? }, this.size).map_err(setup)?),
+        BackendSpec::Ram { fd } => Box::new(RamBackend::new(unsafe { claim(*fd)? }, this.backend_size).map_err(setup)?),
         BackendSpec::File { fd, buffered_fd, read_only, engine } => {
             let engine = match engine.as_str() {
                 "sync" => Engine::Sync,
@@ -65,9 +65,9 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         BackendSpec::Nbd { fd, export, timeout_ms } => {
             // SAFETY: forwarded from this function's contract.
             let sock = unsafe { claim(*fd)? };
-            Box::new(NbdBackend::new(sock, export, this.size, std::time::Duration::from_millis(*timeout_ms)))
+            Box::new(NbdBackend::new(sock, export, this.backend_size, std::time::Duration::from_millis(*timeout_ms)))
         }
-        BackendSpec::Null => Box::new(NullBackend::new(this.size)),
+        BackendSpec::Null => Box::new(NullBackend::new(this.backend_size)),
         BackendSpec::Channel { queues: lower, generation, control_fds } => {
             if lower.len() != queues.len() {
                 return Err(DriverError::Setup("the channel below needs one queue per queue above".into()));
@@ -98,7 +98,7 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
                 }
                 None => None,
             };
-            Box::new(ChannelBackend::new(fronts, windows, this.size, lower_stop, control))
+            Box::new(ChannelBackend::new(fronts, windows, this.backend_size, lower_stop, control))
         }
     };
     let mut layers = Vec::with_capacity(this.filters.len());
@@ -110,8 +110,14 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
             Some(fd) => Some(unsafe { claim(fd)? }),
             None => None,
         };
-        layers
-            .push(bulkhead_filters::build(&f.spec, FilterFds { state, output }).map_err(|e| DriverError::Setup(e.to_string()))?);
+        let secret = match f.secret_fd {
+            // SAFETY: as above.
+            Some(fd) => Some(unsafe { claim(fd)? }),
+            None => None,
+        };
+        layers.push(
+            bulkhead_filters::build(&f.spec, FilterFds { state, output, secret }).map_err(|e| DriverError::Setup(e.to_string()))?,
+        );
     }
     let chain = Chain::new(layers, backend);
     // The device may use a prefix of what the chain offers (a file longer than `size`).
@@ -149,6 +155,7 @@ mod tests {
         let spec = DomainSpec {
             device: "d".into(),
             size: 4096,
+            backend_size: 4096,
             mode: "poll".into(),
             budget_ns: None,
             queues: vec![QueueSpec { nslots: 8, arena_bytes: 4096, fds: [1000, 1001, 1002, 1003, 1004] }],

@@ -505,7 +505,7 @@ mod tests {
 
     fn filter(spec: FilterSpec) -> Box<dyn Layer> {
         let state = memfd::create("state", bulkhead_filters::state::STATE_BYTES as u64).unwrap();
-        bulkhead_filters::build(&spec, FilterFds { state, output: None }).unwrap()
+        bulkhead_filters::build(&spec, FilterFds { state, output: None, secret: None }).unwrap()
     }
 
     /// Refuses write-zeroes with EOPNOTSUPP, holds reads for `read_delay_us`.

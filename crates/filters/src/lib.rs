@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod crypt;
 pub mod delay;
 pub mod error;
 pub mod spec;

@@ -36,6 +36,16 @@ pub enum FilterSpec {
         /// The limits.
         limits: Limits,
     },
+    /// A LUKS volume below, as its header was when the device started; the passphrase comes
+    /// as a descriptor of its own, never in the spec.
+    Crypt {
+        /// Where the data starts below, bytes.
+        payload_offset: u64,
+        /// Bytes of data.
+        data_size: u64,
+        /// Bytes per sector.
+        sector_size: u32,
+    },
 }
 
 impl FilterSpec {
@@ -47,7 +57,19 @@ impl FilterSpec {
             FilterSpec::Delay { .. } => "delay",
             FilterSpec::Error { .. } => "error",
             FilterSpec::Throttle { .. } => "throttle",
+            FilterSpec::Crypt { .. } => "crypt",
         }
+    }
+
+    /// Whether it needs a secret (a passphrase) handed over as a descriptor.
+    pub fn needs_secret(&self) -> bool {
+        matches!(self, FilterSpec::Crypt { .. })
+    }
+
+    /// Whether it changes where data lies or what it holds below (so the device's size and
+    /// contents depend on it, and it cannot come or go while the device runs).
+    pub fn transforms(&self) -> bool {
+        matches!(self, FilterSpec::Crypt { .. })
     }
 
     /// Whether it writes to an output descriptor of its own.
@@ -63,6 +85,8 @@ pub struct FilterFds {
     pub state: OwnedFd,
     /// Its output (a trace file), when it has one.
     pub output: Option<OwnedFd>,
+    /// Its secret (a passphrase in a sealed memory file), when it has one.
+    pub secret: Option<OwnedFd>,
 }
 
 /// Builds the layer a spec describes over the descriptors given for it.
@@ -88,6 +112,11 @@ pub fn build(spec: &FilterSpec, fds: FilterFds) -> Result<Box<dyn Layer>, Filter
             Box::new(crate::error::ErrorFilter::new(*rule, page))
         }
         FilterSpec::Throttle { limits } => Box::new(crate::throttle::Throttle::new(*limits, page)),
+        FilterSpec::Crypt { payload_offset, data_size, sector_size } => {
+            let secret = fds.secret.ok_or(FilterError::MissingFd(name))?;
+            let layout = crate::crypt::Layout { payload_offset: *payload_offset, data_size: *data_size, sector_size: *sector_size };
+            Box::new(crate::crypt::Crypt::new(layout, crate::crypt::read_secret(secret)?, page))
+        }
     })
 }
 
@@ -130,6 +159,15 @@ pub enum FilterReport {
         /// Their total wait, ms.
         waited_ms: u64,
     },
+    /// `crypt`.
+    Crypt {
+        /// Times a domain opened the volume.
+        opened: u64,
+        /// Bytes encrypted on their way down.
+        encrypted: u64,
+        /// Bytes decrypted on their way up.
+        decrypted: u64,
+    },
 }
 
 impl FilterReport {
@@ -153,6 +191,10 @@ impl FilterReport {
                 let (throttled, waiting, waited_ms) = crate::throttle::read(page);
                 FilterReport::Throttle { throttled, waiting, waited_ms }
             }
+            FilterSpec::Crypt { .. } => {
+                let (opened, encrypted, decrypted) = crate::crypt::read(page);
+                FilterReport::Crypt { opened, encrypted, decrypted }
+            }
         }
     }
 
@@ -169,6 +211,9 @@ impl FilterReport {
             FilterReport::Error { matched, injected } => format!("{matched} matched, {injected} failed"),
             FilterReport::Throttle { throttled, waiting, waited_ms } => {
                 format!("{throttled} throttled, {waiting} waiting now, {waited_ms} ms waited")
+            }
+            FilterReport::Crypt { opened, encrypted, decrypted } => {
+                format!("opened {opened} times, {encrypted} bytes encrypted, {decrypted} decrypted")
             }
         }
     }
@@ -187,6 +232,7 @@ mod tests {
             FilterSpec::Delay { delay_us: [1, 2, 3, 4, 5] },
             FilterSpec::Error { rule },
             FilterSpec::Throttle { limits: Limits { iops_size: 4096, ..Limits::default() } },
+            FilterSpec::Crypt { payload_offset: 4096, data_size: 1 << 20, sector_size: 512 },
         ];
         let json = serde_json::to_string(&specs).unwrap();
         assert!(json.contains(r#"{"type":"stats"}"#), "{json}");
@@ -246,7 +292,7 @@ mod every_operation {
         for spec in specs {
             let state = memfd::create("state", crate::state::STATE_BYTES as u64).unwrap();
             let output = spec.needs_output().then(|| std::fs::File::create(&trace_path).unwrap().into());
-            let mut layer = build(&spec, FilterFds { state, output }).unwrap();
+            let mut layer = build(&spec, FilterFds { state, output, secret: None }).unwrap();
             layer.attach(TagSpace { queues: 1, per_queue: 8 });
             let mut passed = Vec::new();
             let mut answered = 0;

@@ -15,8 +15,11 @@ use serde::{Deserialize, Serialize};
 pub struct DomainSpec {
     /// Device name (for logs).
     pub device: String,
-    /// Device size in bytes.
+    /// Device size in bytes, as the queues above see it.
     pub size: u64,
+    /// Bytes of the backend (or the channel below), which filters that keep a header there
+    /// (`crypt`) make larger than `size`.
+    pub backend_size: u64,
     /// `irq`, `poll` or `adaptive`.
     pub mode: String,
     /// Fixed spin budget in ns; `None` tunes itself.
@@ -87,6 +90,9 @@ pub struct FilterSlot {
     pub state_fd: i32,
     /// Its output (trace file), if it has one.
     pub output_fd: Option<i32>,
+    /// Its secret (a passphrase in a sealed memory file), if it has one.
+    #[serde(default)]
+    pub secret_fd: Option<i32>,
 }
 
 /// One queue of the channel below a tap domain.
@@ -186,13 +192,14 @@ mod tests {
         let spec = DomainSpec {
             device: "disk0".into(),
             size: 1 << 30,
+            backend_size: 1 << 30,
             mode: "adaptive".into(),
             budget_ns: None,
             queues: vec![QueueSpec { nslots: 64, arena_bytes: 8 << 20, fds: [3, 4, 5, 6, 7] }],
             backend: BackendSpec::File { fd: 8, buffered_fd: Some(9), read_only: false, engine: "io_uring".into() },
             filters: vec![
-                FilterSlot { spec: FilterSpec::Trace { device_number: 3 }, state_fd: 11, output_fd: Some(12) },
-                FilterSlot { spec: FilterSpec::Stats {}, state_fd: 13, output_fd: None },
+                FilterSlot { spec: FilterSpec::Trace { device_number: 3 }, state_fd: 11, output_fd: Some(12), secret_fd: None },
+                FilterSlot { spec: FilterSpec::Stats {}, state_fd: 13, output_fd: None, secret_fd: Some(14) },
             ],
             state_fd: Some(14),
             heartbeat_ms: 250,

@@ -21,6 +21,62 @@ pub(crate) fn state_page(name: &str) -> Result<(OwnedFd, StatePage), String> {
     Ok((fd, page))
 }
 
+/// `key` in a sealed memory file of its own.
+fn secret_file(device: &str, key: &[u8]) -> Result<OwnedFd, String> {
+    use std::os::unix::fs::FileExt;
+    let fd = memfd::create(&format!("bulkhead-{device}-key"), key.len() as u64).map_err(|e| e.to_string())?;
+    let f = std::fs::File::from(fd);
+    f.write_all_at(key, 0).map_err(|e| e.to_string())?;
+    let fd = OwnedFd::from(f);
+    memfd::seal_size(fd.as_raw_fd()).map_err(|e| e.to_string())?;
+    memfd::seal_future_write(fd.as_raw_fd()).map_err(|e| e.to_string())?;
+    Ok(fd)
+}
+
+/// Reads the LUKS header of each `crypt` filter's volume from the device below it — the
+/// backend's storage, read by `read` — fills in where its data lies, opens it with the key
+/// file, and hands the filter the master key; returns the size the device has above the
+/// filters. A `crypt` filter must be the only one that moves data, and every filter below it
+/// must pass offsets unchanged (all others do). Opening here, once, gives a wrong key or a
+/// damaged header a clear error when the device starts, and spares every domain generation
+/// the key derivation (seconds and up to 4 GiB of memory, as the volume's key slots ask).
+pub(crate) fn open_volumes(
+    device: &str,
+    filters: &mut [FilterSetup],
+    backend_size: u64,
+    read: &mut bulkhead_crypt::ReadAt<'_>,
+) -> Result<u64, String> {
+    let mut size = backend_size;
+    let mut seen = false;
+    for (i, f) in filters.iter_mut().enumerate().rev() {
+        if let FilterSpec::Crypt { payload_offset, data_size, sector_size } = &mut f.spec {
+            if seen {
+                return Err(format!("filter {}: one crypt filter per device", i + 1));
+            }
+            seen = true;
+            let v = bulkhead_crypt::Volume::read(read).map_err(|e| format!("filter {} (crypt): {e}", i + 1))?;
+            let d = v.data_size(size).map_err(|e| format!("filter {} (crypt): {e}", i + 1))?;
+            if d == 0 {
+                return Err(format!("filter {} (crypt): the volume holds no data", i + 1));
+            }
+            (*payload_offset, *data_size, *sector_size) = (v.payload_offset, d, v.sector_size);
+            size = d;
+            let path = f.key_file.as_ref().ok_or_else(|| format!("filter {} (crypt): no key_file", i + 1))?;
+            let passphrase = zeroize::Zeroizing::new(
+                std::fs::read(path).map_err(|e| format!("filter {} (crypt): key_file {}: {e}", i + 1, path.display()))?,
+            );
+            let key = v.unlock(&passphrase, read).map_err(|e| match e {
+                bulkhead_crypt::CryptError::WrongKey => {
+                    format!("filter {} (crypt): no key slot of the volume opens with key_file {}", i + 1, path.display())
+                }
+                e => format!("filter {} (crypt): {e}", i + 1),
+            })?;
+            f.secret = Some(secret_file(device, key.bytes()).map_err(|e| format!("filter {} (crypt): key: {e}", i + 1))?);
+        }
+    }
+    Ok(size)
+}
+
 /// Opens a trace file for a domain to append to: created, or emptied if it exists.
 fn open_trace(path: &Path) -> std::io::Result<OwnedFd> {
     use std::os::unix::fs::OpenOptionsExt;
@@ -41,6 +97,12 @@ pub(crate) struct FilterSetup {
     pub spec: FilterSpec,
     pub state_fd: OwnedFd,
     pub output: Option<OwnedFd>,
+    /// Its secret (a `crypt` filter's master key, once the supervisor has opened the volume
+    /// with the key file) in a sealed memory file: each generation gets the descriptor; the
+    /// key never appears in a spec, a command line or a log.
+    pub secret: Option<OwnedFd>,
+    /// The key file it is opened with (`crypt`).
+    pub key_file: Option<std::path::PathBuf>,
     /// The state page as `status` reads it.
     pub page: StatePage,
 }
@@ -59,7 +121,7 @@ impl FilterSetup {
             Some(p) => Some(open_trace(p).map_err(|e| format!("{}: cannot open {}: {e}", spec.type_name(), p.display()))?),
             None => None,
         };
-        Ok(FilterSetup { spec, state_fd, output, page })
+        Ok(FilterSetup { spec, state_fd, output, secret: None, key_file: f.key_file, page })
     }
 
     /// Cuts a trace file back to whole records: a domain killed in the middle of a write may

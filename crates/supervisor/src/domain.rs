@@ -189,7 +189,10 @@ pub(crate) struct Launcher {
     mode: NotifyMode,
     queues: usize,
     qcfg: QueueConfig,
+    /// Bytes the frontend sees, above the filters.
     size: u64,
+    /// Bytes of the backend, below them (more than `size` under a `crypt` filter's header).
+    backend_size: u64,
     backend: Backend,
     exe: PathBuf,
     /// Descriptors kept for the life of the device (ramdisk memfd, backing files): every
@@ -400,6 +403,31 @@ impl DeviceRuntime {
         for (i, f) in cfg.filters().into_iter().enumerate() {
             filters.push(FilterSetup::new(&name, index, f).map_err(|e| err(format!("filter {}: {e}", i + 1)))?);
         }
+        let backend_size = size;
+        let size = if filters.iter().any(|f| f.spec.transforms()) {
+            check_transforming(cfg.tap, &filters).map_err(err)?;
+            let fd = match &backend {
+                Backend::Ram => backend_fds.first(),
+                // The buffered descriptor of a direct file: no alignment rules for a header read.
+                Backend::File { direct, .. } => backend_fds.get(usize::from(*direct)),
+                Backend::Null => None,
+                Backend::Nbd { uri, .. } => {
+                    return Err(err(format!("a crypt filter over an nbd backend ({uri}) is not supported yet")));
+                }
+            };
+            let mut read = |at: u64, buf: &mut [u8]| -> Result<(), String> {
+                use std::os::unix::fs::FileExt;
+                let Some(fd) = fd else {
+                    buf.fill(0);
+                    return Ok(());
+                };
+                let f = std::fs::File::from(fd.try_clone().map_err(|e| e.to_string())?);
+                f.read_exact_at(buf, at).map_err(|e| e.to_string())
+            };
+            crate::chain::open_volumes(&name, &mut filters, backend_size, &mut read).map_err(err)?
+        } else {
+            size
+        };
         let (state_fd, state) = state_page(&format!("bulkhead-{name}-domain")).map_err(err)?;
         let qcfg = QueueConfig {
             nslots: *cfg.queue_depth.get_ref(),
@@ -420,6 +448,7 @@ impl DeviceRuntime {
             queues: nqueues,
             qcfg,
             size,
+            backend_size,
             backend,
             exe: exe.to_path_buf(),
             backend_fds,
@@ -463,6 +492,7 @@ impl DeviceRuntime {
                 if *t == Tap::Intercept {
                     self.launcher.soft_terminal()?;
                 }
+                check_transforming(*t, &chain.filters)?;
                 let was = chain.tap;
                 chain.tap = *t;
                 Ok(format!("tap mode {} → {}", was.as_str(), t.as_str()))
@@ -474,6 +504,12 @@ impl DeviceRuntime {
                 }
                 let watchdog_ms = self.policy.watchdog.as_millis() as u64;
                 let f = bulkhead_config::parse_filter(table, &self.name, at, watchdog_ms).map_err(|e| e.to_string())?;
+                if f.spec.transforms() {
+                    return Err(format!(
+                        "a {} filter changes what the device holds; it cannot be added to a running device",
+                        f.spec.type_name()
+                    ));
+                }
                 let setup = FilterSetup::new(&self.name, self.launcher.index, f)?;
                 let what = setup.spec.type_name();
                 chain.filters.insert(at, setup);
@@ -483,10 +519,29 @@ impl DeviceRuntime {
                 if *at >= chain.filters.len() {
                     return Err(format!("no filter at position {at} ({} filters)", chain.filters.len()));
                 }
+                if chain.filters[*at].spec.transforms() {
+                    return Err(format!(
+                        "the {} filter at position {at} holds what the device holds; it cannot be removed from a running device",
+                        chain.filters[*at].spec.type_name()
+                    ));
+                }
                 let gone = chain.filters.remove(*at);
                 Ok(format!("filter {} at position {at} removed", gone.spec.type_name()))
             }
         }
+    }
+}
+
+/// Refuses a filter that sends data of its own below (`crypt`) in a tap domain: the driver
+/// domain below sees only the frontend's arenas, not the tap domain's scratch memory.
+fn check_transforming(tap: Tap, filters: &[FilterSetup]) -> Result<(), String> {
+    match filters.iter().find(|f| f.spec.transforms()) {
+        Some(f) if tap == Tap::Interpose => Err(format!(
+            "a {} filter cannot run in a tap domain yet (tap = \"interpose\"): the data it writes is in memory the \
+             driver domain below cannot see; use tap = \"passthrough\" or \"intercept\"",
+            f.spec.type_name()
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -680,7 +735,8 @@ impl Launcher {
                 f.trim_output();
                 let state_fd = pass.add(&f.state_fd);
                 let output_fd = f.output.as_ref().map(|o| pass.add(o));
-                filters.push(FilterSlot { spec: f.spec.clone(), state_fd, output_fd });
+                let secret_fd = f.secret.as_ref().map(|o| pass.add(o));
+                filters.push(FilterSlot { spec: f.spec.clone(), state_fd, output_fd, secret_fd });
             }
             state_fd = Some(pass.add(&self.state_fd));
         }
@@ -689,7 +745,9 @@ impl Launcher {
         let report_fd = pass.add_owned(report_w);
         let spec = DomainSpec {
             device: self.name.clone(),
-            size: self.size,
+            // The driver domain below a tap domain serves the backend's bytes as they are.
+            size: if chain.is_some() { self.size } else { self.backend_size },
+            backend_size: self.backend_size,
             mode: self.mode.as_str().to_string(),
             budget_ns: match self.qcfg.budget {
                 BudgetPolicy::Fixed(ns) => Some(ns),
