@@ -511,20 +511,39 @@ impl<'c> Walk<'c> {
         loop {
             step = match step {
                 Step::Down(from) => {
-                    if from == self.layers.len() {
-                        self.to_backend.push(tag);
-                        return;
-                    }
-                    let r = match self.request_at(from, tag, req) {
+                    let mut r = match self.request_at(from, tag, req) {
                         Ok(r) => r,
                         Err(e) => {
                             step = Step::Up(from, Err(e));
                             continue;
                         }
                     };
-                    let scratch = Self::scratch_of(self.scratch, self.first + from, tag);
-                    let verdict = self.layers[from].submit(tag, &r, scratch, now_ns);
-                    Step::Verdict(from, verdict)
+                    // Down through the layers that pass it on, carrying the request each hands
+                    // the next rather than working it out again.
+                    let mut at = from;
+                    let next = loop {
+                        if at == self.layers.len() {
+                            self.to_backend.push(tag);
+                            return;
+                        }
+                        let scratch = Self::scratch_of(self.scratch, self.first + at, tag);
+                        match self.layers[at].submit(tag, &r, scratch, now_ns) {
+                            Verdict::Forward => self.sent[at][t] = None,
+                            Verdict::Send(sub) => match resolve(&sub, &r, scratch) {
+                                Ok(below) => {
+                                    self.sent[at][t] = Some(sub);
+                                    r = below;
+                                }
+                                Err(e) => {
+                                    self.sent[at][t] = None;
+                                    break Step::Up(at, Err(e));
+                                }
+                            },
+                            verdict => break Step::Verdict(at, verdict),
+                        }
+                        at += 1;
+                    };
+                    next
                 }
                 Step::Verdict(at, verdict) => match verdict {
                     Verdict::Forward => {
@@ -543,9 +562,13 @@ impl<'c> Walk<'c> {
                 },
                 Step::Up(mut below, mut result) => {
                     let mut next = None;
+                    // Most requests pass every layer as they came: then each layer was handed
+                    // the same one.
+                    let unchanged = self.sent[..below].iter().all(|s| s[t].is_none());
+                    let handed = if unchanged { Some(req(tag)) } else { None };
                     while below > 0 {
                         below -= 1;
-                        let r = match self.request_at(below, tag, req) {
+                        let r = match handed.map_or_else(|| self.request_at(below, tag, req), Ok) {
                             Ok(r) => r,
                             Err(e) => {
                                 result = Err(e);
