@@ -26,6 +26,15 @@ unsafe fn claim(fd: i32) -> Result<OwnedFd, DriverError> {
         .map_err(|_| DriverError::Setup(format!("descriptor {fd} named in the spec is not open")))
 }
 
+/// [`claim`] for a descriptor the spec may leave out.
+///
+/// # Safety
+/// As for [`claim`], when `fd` is `Some`.
+unsafe fn claim_opt(fd: Option<i32>) -> Result<Option<OwnedFd>, DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    fd.map(|fd| unsafe { claim(fd) }).transpose()
+}
+
 /// Builds the domain `spec` describes from descriptors inherited at exec.
 ///
 /// # Safety
@@ -55,11 +64,8 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
             };
             // SAFETY: forwarded from this function's contract.
             let main = unsafe { claim(*fd)? };
-            let buffered = match buffered_fd {
-                // SAFETY: as above.
-                Some(b) => Some(unsafe { claim(*b)? }),
-                None => None,
-            };
+            // SAFETY: as above.
+            let buffered = unsafe { claim_opt(*buffered_fd)? };
             Box::new(FileBackend::new(main, buffered, *read_only, engine).map_err(setup)?)
         }
         BackendSpec::Nbd { fd, export, timeout_ms } => {
@@ -105,16 +111,10 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
     for f in &this.filters {
         // SAFETY: forwarded from this function's contract.
         let state = unsafe { claim(f.state_fd)? };
-        let output = match f.output_fd {
-            // SAFETY: as above.
-            Some(fd) => Some(unsafe { claim(fd)? }),
-            None => None,
-        };
-        let secret = match f.secret_fd {
-            // SAFETY: as above.
-            Some(fd) => Some(unsafe { claim(fd)? }),
-            None => None,
-        };
+        // SAFETY: as above.
+        let output = unsafe { claim_opt(f.output_fd)? };
+        // SAFETY: as above.
+        let secret = unsafe { claim_opt(f.secret_fd)? };
         layers.push(
             bulkhead_filters::build(&f.spec, FilterFds { state, output, secret }).map_err(|e| DriverError::Setup(e.to_string()))?,
         );
@@ -124,11 +124,8 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
     if chain.size() < this.size {
         return Err(DriverError::Setup(format!("the chain offers {} bytes, the device is {}", chain.size(), this.size)));
     }
-    let state = match this.state_fd {
-        // SAFETY: as above.
-        Some(fd) => Some(unsafe { claim(fd)? }),
-        None => None,
-    };
+    // SAFETY: as above.
+    let state = unsafe { claim_opt(this.state_fd)? };
     let mut domain = Domain::new(queues, chain, mode, this.budget(), stop)?;
     domain.set_yield_when_idle(this.yield_when_idle);
     if let Some(fds) = this.above_control_fds {
