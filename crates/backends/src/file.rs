@@ -181,7 +181,7 @@ impl FileBackend {
 
     /// Transfers `iov` at `offset` with plain system calls, segment by segment, so a short
     /// transfer resumes exactly where it stopped.
-    fn rw_iov_sync(fd: RawFd, write: bool, offset: u64, iov: &[libc::iovec], fua: bool) -> Result<u64, BlockError> {
+    pub(crate) fn rw_iov_sync(fd: RawFd, write: bool, offset: u64, iov: &[libc::iovec], fua: bool) -> Result<u64, BlockError> {
         let want: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
         let op = if write { "write" } else { "read" };
         let mut done = 0u64;

@@ -8,12 +8,14 @@ mod channel;
 mod file;
 mod nbd;
 mod null;
+mod qcow2;
 mod ram;
 
 pub use channel::ChannelBackend;
 pub use file::{Engine, FileBackend};
 pub use nbd::NbdBackend;
 pub use null::NullBackend;
+pub use qcow2::{FdStorage, ImageLayer, Qcow2Backend};
 pub use ram::RamBackend;
 
 /// Setup errors of a backend.
@@ -28,6 +30,9 @@ pub enum BackendError {
         #[source]
         source: std::io::Error,
     },
+    /// A disk image could not be opened: the message names the image and the field.
+    #[error("{0}")]
+    Image(String),
     /// Mapping the ramdisk failed.
     #[error("ramdisk mapping: {0}")]
     Map(#[from] bulkhead_shmem::ShmError),
