@@ -33,6 +33,7 @@
 //! # direct = false        # file: O_DIRECT
 //! # engine = "sync"       # file: sync | io_uring
 //! # read_only = false     # file
+//! # format = "raw"        # file: raw | qcow2 (backing files as the image names them)
 //! # uri = "nbd://host:10809/export"  # nbd: or nbd+unix:///export?socket=/path
 //! # connect_timeout_ms = 5000        # nbd: one connection attempt
 //! # reconnect_timeout_ms = 60000     # nbd: keep reconnecting this long, then `failed`
@@ -227,6 +228,26 @@ impl Engine {
     }
 }
 
+/// What a file backend's file holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImageFormat {
+    /// The device's bytes, as they are.
+    Raw,
+    /// A qcow2 (v2 or v3) image, possibly over a chain of backing files.
+    Qcow2,
+}
+
+impl ImageFormat {
+    /// The configuration spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ImageFormat::Raw => "raw",
+            ImageFormat::Qcow2 => "qcow2",
+        }
+    }
+}
+
 /// Kind of backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -256,6 +277,8 @@ pub struct BackendTable {
     pub engine: Option<Spanned<Engine>>,
     /// `read_only` (file).
     pub read_only: Option<Spanned<bool>>,
+    /// `format` (file).
+    pub format: Option<Spanned<ImageFormat>>,
     /// `uri` (nbd).
     pub uri: Option<Spanned<String>>,
     /// `connect_timeout_ms` (nbd).
@@ -360,6 +383,8 @@ pub enum Backend {
         engine: Engine,
         /// Refuse writes.
         read_only: bool,
+        /// What the file holds.
+        format: ImageFormat,
     },
     /// Reads zeroes, drops writes.
     Null,
@@ -389,6 +414,7 @@ impl BackendTable {
                 direct: self.direct.as_ref().map(|d| *d.get_ref()).unwrap_or(false),
                 engine: self.engine.as_ref().map(|e| *e.get_ref()).unwrap_or(Engine::Sync),
                 read_only: self.read_only.as_ref().map(|r| *r.get_ref()).unwrap_or(false),
+                format: self.format.as_ref().map(|f| *f.get_ref()).unwrap_or(ImageFormat::Raw),
             },
             BackendKind::Nbd => {
                 let uri = self.uri.as_ref().map(|u| u.get_ref().clone()).unwrap_or_default();
@@ -763,6 +789,7 @@ impl Config {
                 ("direct", b.direct.as_ref().map(|x| x.span())),
                 ("engine", b.engine.as_ref().map(|x| x.span())),
                 ("read_only", b.read_only.as_ref().map(|x| x.span())),
+                ("format", b.format.as_ref().map(|x| x.span())),
             ];
             let nbd_keys = [
                 ("uri", b.uri.as_ref().map(|x| x.span())),
@@ -798,6 +825,25 @@ impl Config {
                             path.span(),
                             format!("device `{name}`: key `backend.path`: {} does not exist", p.display()),
                         ));
+                    }
+                    if b.format.as_ref().is_some_and(|f| *f.get_ref() == ImageFormat::Qcow2) {
+                        // The image says its size, and its metadata is read and written by
+                        // plain system calls on the page cache.
+                        let clash = [
+                            ("direct", b.direct.as_ref().filter(|d| *d.get_ref()).map(|x| x.span())),
+                            ("engine", b.engine.as_ref().filter(|e| *e.get_ref() != Engine::Sync).map(|x| x.span())),
+                            ("size", d.size.as_ref().map(|x| x.span())),
+                        ];
+                        if let Some((key, Some(span))) = clash.into_iter().find(|(_, s)| s.is_some()) {
+                            return Err(err(
+                                span,
+                                format!(
+                                    "device `{name}`: key `{}{key}` cannot be used with format = \"qcow2\" (the image \
+                                     gives the size; its I/O is buffered and synchronous)",
+                                    if key == "size" { "" } else { "backend." }
+                                ),
+                            ));
+                        }
                     }
                 }
                 BackendKind::Nbd => {
@@ -955,6 +1001,25 @@ mod tests {
         assert!(e.to_string().contains("aio") && e.to_string().contains("line 6"), "{e}");
         let e = parse("[[device]]\nname = \"r\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\ndirect = true\n").unwrap_err();
         assert!(e.to_string().contains("backend.direct") && e.to_string().contains("line 6"), "{e}");
+    }
+
+    #[test]
+    fn a_file_backend_holds_a_qcow2_image_without_size_direct_or_io_uring() {
+        let head = "[[device]]\nname = \"q\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\nformat = \"qcow2\"\n";
+        match parse(head).unwrap().devices[0].backend.resolve() {
+            Backend::File { format, .. } => assert_eq!(format, ImageFormat::Qcow2),
+            other => panic!("{other:?}"),
+        }
+        for (extra, key, line) in [("direct = true\n", "backend.direct", 7), ("engine = \"io_uring\"\n", "backend.engine", 7)] {
+            let e = parse(&format!("{head}{extra}")).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains("qcow2") && e.contains(&format!("line {line}")), "{e}");
+        }
+        let e = parse(&head.replace("name = \"q\"\n", "name = \"q\"\nsize = \"1M\"\n")).unwrap_err().to_string();
+        assert!(e.contains("key `size`") && e.contains("line 3"), "{e}");
+        let e = parse(&head.replace("qcow2", "vmdk")).unwrap_err().to_string();
+        assert!(e.contains("vmdk") && e.contains("line 6"), "{e}");
+        let e = parse("[[device]]\nname = \"r\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\nformat = \"qcow2\"\n").unwrap_err();
+        assert!(e.to_string().contains("backend.format` only applies"), "{e}");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use bulkhead_backends::{ChannelBackend, Engine, FileBackend, NbdBackend, NullBackend, RamBackend};
+use bulkhead_backends::{ChannelBackend, Engine, FileBackend, ImageLayer, NbdBackend, NullBackend, Qcow2Backend, RamBackend};
 use bulkhead_block::{Backend, Chain};
 use bulkhead_channel::{AboveControl, BackQueue, BackQueueFds, BelowControl, ForwardQueueFds, FrontQueue, QueueConfig};
 use bulkhead_ring::ArenaSizes;
@@ -67,6 +67,16 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
             // SAFETY: as above.
             let buffered = unsafe { claim_opt(*buffered_fd)? };
             Box::new(FileBackend::new(main, buffered, *read_only, engine).map_err(setup)?)
+        }
+        BackendSpec::Qcow2 { layers, read_only } => {
+            let mut images = Vec::with_capacity(layers.len());
+            for (fd, format) in layers {
+                let format = bulkhead_image::Format::parse(format)
+                    .ok_or_else(|| DriverError::Setup(format!("unknown image format `{format}`")))?;
+                // SAFETY: forwarded from this function's contract.
+                images.push(ImageLayer { fd: unsafe { claim(*fd)? }, format });
+            }
+            Box::new(Qcow2Backend::open(images, *read_only).map_err(setup)?)
         }
         BackendSpec::Nbd { fd, export, timeout_ms } => {
             // SAFETY: forwarded from this function's contract.

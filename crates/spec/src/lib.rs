@@ -125,6 +125,14 @@ pub enum BackendSpec {
         /// `sync` or `io_uring`.
         engine: String,
     },
+    /// A qcow2 image over its backing files, each opened by the supervisor.
+    Qcow2 {
+        /// The image, then each backing file after the image that names it: descriptor and
+        /// format (`qcow2` or `raw`).
+        layers: Vec<(i32, String)>,
+        /// Refuse writes (every backing file is read-only anyway).
+        read_only: bool,
+    },
     /// A remote NBD export over a socket the supervisor connected.
     Nbd {
         /// The connected socket (negotiation not yet done).
@@ -171,7 +179,7 @@ impl DomainSpec {
         match &self.backend {
             BackendSpec::Ram { .. } | BackendSpec::Null => Role::Memory,
             BackendSpec::File { engine, .. } if engine == "io_uring" => Role::FileIoUring,
-            BackendSpec::File { .. } => Role::FileSync,
+            BackendSpec::File { .. } | BackendSpec::Qcow2 { .. } => Role::FileSync,
             BackendSpec::Nbd { .. } => Role::Network,
             BackendSpec::Channel { .. } => Role::Tap,
         }

@@ -9,7 +9,7 @@ use bulkhead_channel::{
     AboveControl, BackQueueFds, BelowControl, BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup,
 };
 use bulkhead_client::{Device, DeviceControl};
-use bulkhead_config::{Backend, Device as DeviceConfig, Engine, NbdTarget, Notify, SpinBudget, Tap};
+use bulkhead_config::{Backend, Device as DeviceConfig, Engine, ImageFormat, NbdTarget, Notify, SpinBudget, Tap};
 use bulkhead_filters::state::StatePage;
 use bulkhead_sandbox::spawn::DomainChild;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
@@ -198,6 +198,8 @@ pub(crate) struct Launcher {
     /// Descriptors kept for the life of the device (ramdisk memfd, backing files): every
     /// generation of the domain gets the same ones, so a restart keeps the contents.
     backend_fds: Vec<OwnedFd>,
+    /// The format of each of `backend_fds` for a disk image (the image, then its backing files).
+    image_formats: Vec<bulkhead_image::Format>,
     policy: Policy,
     /// The domain's bound on waiting for a remote server, ms.
     io_timeout_ms: u64,
@@ -340,6 +342,8 @@ impl DeviceRuntime {
 
         // Backend storage, opened here so the domain never opens a path.
         let mut backend_fds: Vec<OwnedFd> = Vec::new();
+        // The format of each of `backend_fds` when the backend is a disk image.
+        let mut image_formats = Vec::new();
         let backend = cfg.backend.resolve();
         let (size, backend_desc) = match &backend {
             Backend::Nbd { uri, target, export, connect_timeout_ms, .. } => {
@@ -368,7 +372,23 @@ impl DeviceRuntime {
                     (size, "null".to_string())
                 }
             }
-            Backend::File { path, direct, engine, read_only } => {
+            Backend::File { path, read_only, format: ImageFormat::Qcow2, .. } => {
+                let chain = crate::image::open_chain(path, *read_only).map_err(err)?;
+                let desc = format!(
+                    "qcow2:{}{}{}",
+                    path.display(),
+                    match chain.paths.len() - 1 {
+                        0 => String::new(),
+                        1 => format!(" over {}", chain.paths[1].display()),
+                        n => format!(" over {} and {} more", chain.paths[1].display(), n - 1),
+                    },
+                    if *read_only { ",ro" } else { "" }
+                );
+                image_formats = chain.formats;
+                backend_fds = chain.fds;
+                (chain.size, desc)
+            }
+            Backend::File { path, direct, engine, read_only, .. } => {
                 let main = open_backing(path, *read_only, *direct)
                     .map_err(|e| err(format!("cannot open backing file {}: {e}", path.display())))?;
                 let file_size = backing_size(&main).map_err(|e| err(format!("{}: {e}", path.display())))?;
@@ -409,6 +429,12 @@ impl DeviceRuntime {
             let fd = match &backend {
                 Backend::Ram => backend_fds.first(),
                 // The buffered descriptor of a direct file: no alignment rules for a header read.
+                Backend::File { format: ImageFormat::Qcow2, path, .. } => {
+                    return Err(err(format!(
+                        "a crypt filter over a qcow2 image ({}) is not supported yet",
+                        path.display()
+                    )));
+                }
                 Backend::File { direct, .. } => backend_fds.get(usize::from(*direct)),
                 Backend::Null => None,
                 Backend::Nbd { uri, .. } => {
@@ -452,6 +478,7 @@ impl DeviceRuntime {
             backend,
             exe: exe.to_path_buf(),
             backend_fds,
+            image_formats,
             io_timeout_ms: cfg.watchdog_ms(),
             chain: Mutex::new(ChainSetup { tap: cfg.tap, filters }),
             state_fd,
@@ -705,6 +732,15 @@ impl Launcher {
                 fd: pass.add_owned(conn.expect("an nbd backend connects before it launches")),
                 export: export.clone(),
                 timeout_ms: self.io_timeout_ms,
+            },
+            Backend::File { read_only, format: ImageFormat::Qcow2, .. } => BackendSpec::Qcow2 {
+                layers: self
+                    .backend_fds
+                    .iter()
+                    .zip(&self.image_formats)
+                    .map(|(fd, f)| (pass.add(fd), f.as_str().to_string()))
+                    .collect(),
+                read_only: *read_only,
             },
             Backend::File { direct, engine, read_only, .. } => BackendSpec::File {
                 fd: pass.add(&self.backend_fds[0]),

@@ -12,6 +12,7 @@
 mod chain;
 pub mod control;
 mod domain;
+mod image;
 pub mod domain_log;
 mod lifecycle;
 pub mod proc_info;
