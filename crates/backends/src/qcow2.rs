@@ -234,10 +234,7 @@ impl Qcow2Backend {
             }
             let writable = i == 0 && !read_only;
             let opened = match layer.format {
-                Format::Raw => Raw::builder(storage)
-                    .write(writable)
-                    .open(DenyImplicitOpenGate::default())
-                    .map(FormatAccess::new),
+                Format::Raw => Raw::builder(storage).write(writable).open(DenyImplicitOpenGate::default()).map(FormatAccess::new),
                 // Each backing file is the one the supervisor found named in the header above
                 // it: passed explicitly, so imago opens nothing by name.
                 Format::Qcow2 => Qcow2::<FdStorage>::builder(storage)
@@ -320,7 +317,7 @@ impl Qcow2Backend {
             }
             // A new cluster. Clusters the write covers whole need not keep what they held; a
             // partly written one does (imago copies the rest from below as it allocates).
-            let (want, overwrite) = if at % cluster == 0 && left >= cluster {
+            let (want, overwrite) = if at.is_multiple_of(cluster) && left >= cluster {
                 (left - left % cluster, true)
             } else {
                 (left.min(cluster - at % cluster), false)
@@ -474,7 +471,9 @@ mod tests {
         let mut model: Vec<u8> = (0..SIZE).map(|i| (i * 7 % 251) as u8).collect();
         std::fs::write(&base, &model).unwrap();
         let b = base.to_str().unwrap();
-        if qemu_img(&["create", "-q", "-f", "qcow2", "-o", "cluster_size=64k", "-b", b, "-F", "raw", top.to_str().unwrap()]).is_none() {
+        if qemu_img(&["create", "-q", "-f", "qcow2", "-o", "cluster_size=64k", "-b", b, "-F", "raw", top.to_str().unwrap()])
+            .is_none()
+        {
             eprintln!("skipped: qemu-img is not installed");
             return;
         }
@@ -578,5 +577,83 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("changed since"), "{e}");
+    }
+
+    /// An image is untrusted input: metadata clusters (header, L1, L2, refcount table and
+    /// blocks) with random bytes changed must open with an error or serve reads and writes
+    /// that fail cleanly, never panic or hang the domain.
+    #[test]
+    fn images_with_damaged_metadata_fail_cleanly_and_never_panic() {
+        const SIZE: u64 = 4 << 20;
+        let d = dir();
+        let good = d.0.join("good.qcow2");
+        if qemu_img(&["create", "-q", "-f", "qcow2", "-o", "cluster_size=4k", good.to_str().unwrap(), "4M"]).is_none() {
+            eprintln!("skipped: qemu-img is not installed");
+            return;
+        }
+        // Some data, so there are L2 tables and refcount blocks to damage.
+        {
+            let mut q = Qcow2Backend::open(vec![ImageLayer { fd: open_fd(&good, true), format: Format::Qcow2 }], false).unwrap();
+            let mfd = memfd::create("buf", 1 << 16).unwrap();
+            let m = ShMapping::new(mfd.as_raw_fd(), 1 << 16, Protection::ReadWrite).unwrap();
+            let w = m.slice(0, 1 << 16).unwrap();
+            w.copy_from(&[0xa5; 1 << 16]).unwrap();
+            for i in 0..16u64 {
+                let mut ios = [Io::new(Request::Write {
+                    offset: i * 257 * 1024 % (SIZE - (1 << 16)),
+                    bufs: SliceList::one(w),
+                    fua: false,
+                })];
+                q.execute(&mut ios);
+                assert!(ios[0].result.is_ok());
+            }
+        }
+        let pristine = std::fs::read(&good).unwrap();
+        // Metadata lives in the clusters before the first data cluster qemu-img and these
+        // writes allocated, in a fresh image: damage there.
+        let meta_end = pristine.len().min(64 << 10);
+        let mfd = memfd::create("buf", 1 << 20).unwrap();
+        let m = ShMapping::new(mfd.as_raw_fd(), 1 << 20, Protection::ReadWrite).unwrap();
+        let w = m.slice(0, 1 << 20).unwrap();
+        let mut rng = Rng(0x1234_5678_9abc_def1);
+        let (mut refused, mut served) = (0, 0);
+        for round in 0..1000 {
+            let mut bytes = pristine.clone();
+            for _ in 0..1 + rng.next() % 6 {
+                let at = rng.next() as usize % meta_end;
+                bytes[at] = if rng.next().is_multiple_of(2) { rng.next() as u8 } else { bytes[at] ^ (1 << (rng.next() % 8)) };
+            }
+            let path = d.0.join(format!("bad{round}.qcow2"));
+            std::fs::write(&path, &bytes).unwrap();
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let Ok(mut q) = Qcow2Backend::open(vec![ImageLayer { fd: open_fd(&path, true), format: Format::Qcow2 }], false)
+                else {
+                    return false;
+                };
+                let size = q.size();
+                let mut at = 0;
+                while at + (1 << 20) <= size.min(SIZE) {
+                    let mut ios = [Io::new(Request::Read { offset: at, bufs: SliceList::one(w) })];
+                    q.execute(&mut ios);
+                    at += 1 << 20;
+                }
+                if size >= 1 << 20 {
+                    let mut ios = [
+                        Io::new(Request::Write { offset: 0, bufs: SliceList::one(w), fua: false }),
+                        Io::new(Request::Discard { offset: 1 << 19, len: 1 << 16 }),
+                        Io::new(Request::Flush),
+                    ];
+                    q.execute(&mut ios);
+                }
+                true
+            }));
+            match outcome {
+                Ok(true) => served += 1,
+                Ok(false) => refused += 1,
+                Err(_) => panic!("round {round}: a damaged image made the backend panic (kept at {})", path.display()),
+            }
+            std::fs::remove_file(&path).unwrap();
+        }
+        assert!(refused > 0 && served > 0, "refused {refused}, served {served}");
     }
 }

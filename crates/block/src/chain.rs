@@ -990,7 +990,14 @@ mod tests {
                 Request::Flush => Verdict::Forward,
             }
         }
-        fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Result<u64, BlockError>, _: u64) -> After {
+        fn complete(
+            &mut self,
+            tag: Tag,
+            req: &Request<'_>,
+            scratch: SharedSlice<'_>,
+            result: &mut Result<u64, BlockError>,
+            _: u64,
+        ) -> After {
             match req {
                 Request::Read { bufs, .. } => {
                     if result.is_ok() {
@@ -1124,7 +1131,9 @@ mod tests {
         fn submit(&mut self, _: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
             match req {
                 Request::Read { .. } => Verdict::Send(Sub::Read { offset: 0, into: Data::Handed { at: 1, len: 4096 } }),
-                Request::Write { .. } => Verdict::Send(Sub::Write { offset: 0, from: Data::Scratch { at: 0, len: 8192 }, fua: false }),
+                Request::Write { .. } => {
+                    Verdict::Send(Sub::Write { offset: 0, from: Data::Scratch { at: 0, len: 8192 }, fua: false })
+                }
                 Request::Flush => Verdict::Send(Sub::Write { offset: 0, from: Data::Handed { at: 0, len: 1 }, fua: false }),
                 Request::Discard { .. } | Request::WriteZeroes { .. } => Verdict::Forward,
             }
@@ -1203,7 +1212,8 @@ mod tests {
 
     #[test]
     fn held_request_completes_on_a_later_turn_after_its_time() {
-        let mut chain = Chain::new(vec![Box::new(HoldUntil { until: 500, q: VecDeque::new(), bump: 1000 })], Box::new(Counting(0)));
+        let mut chain =
+            Chain::new(vec![Box::new(HoldUntil { until: 500, q: VecDeque::new(), bump: 1000 })], Box::new(Counting(0)));
         chain.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
         let mut out = Vec::new();
         chain.run(&[Tag::new(2), Tag::new(3)], &|| 100, &flush, &mut |t, r| out.push((t.index(), r)));

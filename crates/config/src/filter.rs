@@ -202,7 +202,11 @@ impl FilterTable {
                 if !parent.is_dir() {
                     return Err(err(path.span(), format!("{}: directory {} does not exist", at("path"), parent.display())));
                 }
-                return Ok(Filter { spec: FilterSpec::Trace { device_number: 0 }, path: Some(path.get_ref().clone()), key_file: None });
+                return Ok(Filter {
+                    spec: FilterSpec::Trace { device_number: 0 },
+                    path: Some(path.get_ref().clone()),
+                    key_file: None,
+                });
             }
             FilterKind::Stats => FilterSpec::Stats {},
             FilterKind::Delay => {

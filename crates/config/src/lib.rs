@@ -1018,7 +1018,8 @@ mod tests {
         assert!(e.contains("key `size`") && e.contains("line 3"), "{e}");
         let e = parse(&head.replace("qcow2", "vmdk")).unwrap_err().to_string();
         assert!(e.contains("vmdk") && e.contains("line 6"), "{e}");
-        let e = parse("[[device]]\nname = \"r\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\nformat = \"qcow2\"\n").unwrap_err();
+        let e =
+            parse("[[device]]\nname = \"r\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\nformat = \"qcow2\"\n").unwrap_err();
         assert!(e.to_string().contains("backend.format` only applies"), "{e}");
     }
 

@@ -181,7 +181,10 @@ impl Volume {
             let offset = u64::from(be32(h, k + 40)) * 512;
             let end = offset + key_bytes as u64 * stripes;
             if offset < LUKS1_HEADER as u64 || end > payload_offset {
-                return Err(field(name("key-material-offset"), format!("{offset}: its material would overlap the header or the data")));
+                return Err(field(
+                    name("key-material-offset"),
+                    format!("{offset}: its material would overlap the header or the data"),
+                ));
             }
             keyslots.push(Keyslot {
                 id: i as u32,
@@ -255,10 +258,7 @@ impl Volume {
         let segments = json.get("segments")?;
         let ids = segments.keys()?;
         if ids.len() != 1 {
-            return Err(CryptError::Unsupported(format!(
-                "{} segments (one is; a volume in re-encryption has more)",
-                ids.len()
-            )));
+            return Err(CryptError::Unsupported(format!("{} segments (one is; a volume in re-encryption has more)", ids.len())));
         }
         let seg_id = ids[0].clone();
         let seg = segments.get(&seg_id)?;
@@ -365,17 +365,29 @@ impl Volume {
             });
         }
         let key_bytes = key_bytes.ok_or_else(|| field(d.at("keyslots"), "names no LUKS2 key slot"))?;
-        Ok(Volume { version: 2, uuid, payload_offset, payload_size, sector_size: sector_size as u32, iv_tweak, key_bytes, keyslots, digest })
+        Ok(Volume {
+            version: 2,
+            uuid,
+            payload_offset,
+            payload_size,
+            sector_size: sector_size as u32,
+            iv_tweak,
+            key_bytes,
+            keyslots,
+            digest,
+        })
     }
 
     /// Bytes of encrypted data on a device of `device_size` bytes (whole sectors), or why the
     /// header does not fit it.
     pub fn data_size(&self, device_size: u64) -> Result<u64, CryptError> {
-        let room = device_size
-            .checked_sub(self.payload_offset)
-            .ok_or_else(|| field("payload offset", format!("{} lies past the device's {device_size} bytes", self.payload_offset)))?;
+        let room = device_size.checked_sub(self.payload_offset).ok_or_else(|| {
+            field("payload offset", format!("{} lies past the device's {device_size} bytes", self.payload_offset))
+        })?;
         let size = match self.payload_size {
-            Some(s) if s > room => return Err(field("segment size", format!("{s} bytes do not fit the {room} after the header"))),
+            Some(s) if s > room => {
+                return Err(field("segment size", format!("{s} bytes do not fit the {room} after the header")))
+            }
             Some(s) => s,
             None => room,
         };

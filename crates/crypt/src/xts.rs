@@ -2,7 +2,7 @@
 //! (IEEE 1619, as dm-crypt, cryptsetup and qemu use it for `aes-xts-plain64`).
 
 use aes::cipher::generic_array::GenericArray;
-use aes::cipher::{BlockEncrypt, BlockDecrypt, KeyInit};
+use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
 use aes::{Aes128, Aes256};
 
 use crate::CryptError;
@@ -140,10 +140,16 @@ mod tests {
         assert_eq!(first_32(&[0; 32], 0, &[0; 32]), hex("917cf69ebd68b2ec9b9fe9a3eadda692cd43d2f59598ed858c02c2652fbf922e"));
         let mut k = vec![0x11; 16];
         k.extend([0x22; 16]);
-        assert_eq!(first_32(&k, 0x33_3333_3333, &[0x44; 32]), hex("c454185e6a16936e39334038acef838bfb186fff7480adc4289382ecd6d394f0"));
+        assert_eq!(
+            first_32(&k, 0x33_3333_3333, &[0x44; 32]),
+            hex("c454185e6a16936e39334038acef838bfb186fff7480adc4289382ecd6d394f0")
+        );
         let mut k = hex("fffefdfcfbfaf9f8f7f6f5f4f3f2f1f0");
         k.extend([0x22; 16]);
-        assert_eq!(first_32(&k, 0x33_3333_3333, &[0x44; 32]), hex("af85336b597afc1a900b2eb21ec949d292df4c047e0b21532186a5971a227a89"));
+        assert_eq!(
+            first_32(&k, 0x33_3333_3333, &[0x44; 32]),
+            hex("af85336b597afc1a900b2eb21ec949d292df4c047e0b21532186a5971a227a89")
+        );
     }
 
     #[test]

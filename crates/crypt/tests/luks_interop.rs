@@ -82,7 +82,20 @@ fn cryptsetup_volumes_open_to_the_master_key_cryptsetup_sees() {
         ),
         (
             "luks2-argon2i-aes128-512",
-            &["--type", "luks2", "--pbkdf", "argon2i", "--pbkdf-memory", "16384", "--pbkdf-force-iterations", "4", "--key-size", "256", "--sector-size", "512"],
+            &[
+                "--type",
+                "luks2",
+                "--pbkdf",
+                "argon2i",
+                "--pbkdf-memory",
+                "16384",
+                "--pbkdf-force-iterations",
+                "4",
+                "--key-size",
+                "256",
+                "--sector-size",
+                "512",
+            ],
             2,
             512,
         ),
@@ -169,7 +182,22 @@ fn a_damaged_header_names_the_field_and_a_plain_device_is_not_luks() {
 
     let vol2 = dir.path("v2.img");
     File::create(&vol2).unwrap().set_len(32 << 20).unwrap();
-    run("cryptsetup", &["luksFormat", "-q", "--type", "luks2", "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000", "--key-file", &key, &vol2]);
+    run(
+        "cryptsetup",
+        &[
+            "luksFormat",
+            "-q",
+            "--type",
+            "luks2",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-file",
+            &key,
+            &vol2,
+        ],
+    );
     let w2 = std::fs::OpenOptions::new().read(true).write(true).open(&vol2).unwrap();
     // A byte of the primary JSON area: its checksum fails, and the secondary copy serves.
     w2.write_all_at(b"X", 4096 + 10).unwrap();
@@ -183,7 +211,10 @@ fn a_damaged_header_names_the_field_and_a_plain_device_is_not_luks() {
     let plain = dir.path("plain.img");
     File::create(&plain).unwrap().set_len(1 << 20).unwrap();
     let p = File::open(&plain).unwrap();
-    assert_eq!(Volume::read(&mut |at, buf| p.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap_err(), CryptError::NotLuks);
+    assert_eq!(
+        Volume::read(&mut |at, buf| p.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap_err(),
+        CryptError::NotLuks
+    );
 }
 
 #[test]
@@ -198,7 +229,10 @@ fn mangled_headers_are_refused_or_read_never_panic() {
     for t in ["luks1", "luks2"] {
         let vol = dir.path(&format!("{t}.img"));
         File::create(&vol).unwrap().set_len(20 << 20).unwrap();
-        run("cryptsetup", &["luksFormat", "-q", "--type", t, "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000", "--key-file", &key, &vol]);
+        run(
+            "cryptsetup",
+            &["luksFormat", "-q", "--type", t, "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000", "--key-file", &key, &vol],
+        );
         let mut img = std::fs::read(&vol).unwrap();
         img.truncate(1 << 20);
         images.push(img);

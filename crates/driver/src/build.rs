@@ -126,7 +126,8 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         // SAFETY: as above.
         let secret = unsafe { claim_opt(f.secret_fd)? };
         layers.push(
-            bulkhead_filters::build(&f.spec, FilterFds { state, output, secret }).map_err(|e| DriverError::Setup(e.to_string()))?,
+            bulkhead_filters::build(&f.spec, FilterFds { state, output, secret })
+                .map_err(|e| DriverError::Setup(e.to_string()))?,
         );
     }
     let chain = Chain::new(layers, backend);

@@ -123,7 +123,11 @@ impl Crypt {
         let window = scratch.sub(0, n).map_err(|_| BlockError::Invalid("crypt: scratch memory smaller than a chunk"))?;
         window.copy_from(&self.work[..n]).map_err(|_| BlockError::Invalid("crypt: scratch memory is read-only"))?;
         self.page.add(ENCRYPTED, n as u64);
-        Ok(Some(Sub::Write { offset: self.layout.payload_offset + offset + done, from: Data::Scratch { at: 0, len: n as u64 }, fua }))
+        Ok(Some(Sub::Write {
+            offset: self.layout.payload_offset + offset + done,
+            from: Data::Scratch { at: 0, len: n as u64 },
+            fua,
+        }))
     }
 
     /// Decrypts a completed read where it landed.
@@ -138,7 +142,8 @@ impl Crypt {
             let part = bufs.range(at, n as u64).ok_or(BlockError::Invalid("crypt: read buffers shorter than the read"))?;
             let mut from = 0;
             for w in part.iter() {
-                w.copy_from(&self.work[from..from + w.len()]).map_err(|_| BlockError::Invalid("crypt: read into read-only memory"))?;
+                w.copy_from(&self.work[from..from + w.len()])
+                    .map_err(|_| BlockError::Invalid("crypt: read into read-only memory"))?;
                 from += w.len();
             }
             at += n as u64;
@@ -186,7 +191,10 @@ impl Layer for Crypt {
         let volume = Volume::read(&mut read).map_err(|e| e.to_string())?;
         let data_size = volume.data_size(size).map_err(|e| e.to_string())?;
         let now = Layout { payload_offset: volume.payload_offset, data_size, sector_size: volume.sector_size };
-        if now.payload_offset != self.layout.payload_offset || now.sector_size != self.layout.sector_size || now.data_size < self.layout.data_size {
+        if now.payload_offset != self.layout.payload_offset
+            || now.sector_size != self.layout.sector_size
+            || now.data_size < self.layout.data_size
+        {
             return Err(format!(
                 "the LUKS header changed since the device started (data at {} in sectors of {} now, {} and {} then)",
                 now.payload_offset, now.sector_size, self.layout.payload_offset, self.layout.sector_size

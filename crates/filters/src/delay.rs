@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, OpKind, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, OpKind, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -104,7 +104,10 @@ mod tests {
         d.attach(TagSpace { queues: 1, per_queue: 8 });
         assert_eq!(d.submit(Tag::new(0), &Request::Flush, SharedSlice::empty(), 0), Verdict::Hold);
         assert_eq!(d.submit(Tag::new(1), &Request::Discard { offset: 0, len: 4096 }, SharedSlice::empty(), 0), Verdict::Forward);
-        assert_eq!(d.submit(Tag::new(2), &Request::WriteZeroes { offset: 0, len: 4096 }, SharedSlice::empty(), 5_000), Verdict::Hold);
+        assert_eq!(
+            d.submit(Tag::new(2), &Request::WriteZeroes { offset: 0, len: 4096 }, SharedSlice::empty(), 5_000),
+            Verdict::Hold
+        );
         assert_eq!(d.submit(Tag::new(3), &Request::Flush, SharedSlice::empty(), 20_000), Verdict::Hold);
         let mut out = Vec::new();
         assert_eq!(d.poll(14_999, &mut |t, v| out.push((t, v))), Some(15_000));

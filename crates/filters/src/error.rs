@@ -6,7 +6,7 @@
 //! of the device, not one per domain generation; the random generator's state lives there too,
 //! so a restart does not replay the same choices.
 
-use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, OpKind, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, OpKind, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 

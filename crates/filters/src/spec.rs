@@ -114,7 +114,8 @@ pub fn build(spec: &FilterSpec, fds: FilterFds) -> Result<Box<dyn Layer>, Filter
         FilterSpec::Throttle { limits } => Box::new(crate::throttle::Throttle::new(*limits, page)),
         FilterSpec::Crypt { payload_offset, data_size, sector_size } => {
             let secret = fds.secret.ok_or(FilterError::MissingFd(name))?;
-            let layout = crate::crypt::Layout { payload_offset: *payload_offset, data_size: *data_size, sector_size: *sector_size };
+            let layout =
+                crate::crypt::Layout { payload_offset: *payload_offset, data_size: *data_size, sector_size: *sector_size };
             Box::new(crate::crypt::Crypt::new(layout, crate::crypt::read_secret(secret)?, page))
         }
     })
@@ -303,7 +304,11 @@ mod every_operation {
                     Verdict::Complete(Err(_)) => answered += 1,
                     Verdict::Complete(Ok(_)) => panic!("{}: completed {:?} without the layers below", spec.type_name(), r.kind()),
                     Verdict::Hold => held += 1,
-                    Verdict::Send(sub) => panic!("{}: sent {sub:?} in place of {:?}: none of these filters changes a request", spec.type_name(), r.kind()),
+                    Verdict::Send(sub) => panic!(
+                        "{}: sent {sub:?} in place of {:?}: none of these filters changes a request",
+                        spec.type_name(),
+                        r.kind()
+                    ),
                 }
             }
             // Whatever it holds comes back, in time, exactly once.

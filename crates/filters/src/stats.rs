@@ -5,7 +5,7 @@
 //! bucket 0 holds everything under 2 µs, bucket `i` latencies in `[2^i, 2^(i+1))` µs, the last
 //! everything longer.
 
-use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, OpKind, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, OpKind, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 
-use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -319,7 +319,10 @@ mod tests {
             .unwrap();
         let bufs = bulkhead_block::SliceList::one(map.slice(0, 4096).unwrap());
         assert_eq!(t.submit(Tag::new(3), &Request::Read { offset: 0, bufs }, SharedSlice::empty(), 0), Verdict::Forward);
-        assert_eq!(t.submit(Tag::new(4), &Request::Write { offset: 0, bufs, fua: false }, SharedSlice::empty(), 0), Verdict::Hold);
+        assert_eq!(
+            t.submit(Tag::new(4), &Request::Write { offset: 0, bufs, fua: false }, SharedSlice::empty(), 0),
+            Verdict::Hold
+        );
         assert_eq!(read(&t.page), (2, 2, 0));
     }
 }

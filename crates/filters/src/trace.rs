@@ -11,7 +11,7 @@
 
 use std::io::Write;
 
-use bulkhead_block::{After, BlockError, Caps, Layer, SharedSlice, OpKind, Request, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, OpKind, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 

@@ -187,11 +187,11 @@ impl Qcow2Header {
         if l1_size > 32 << 20 {
             return Err(bad("l1_size", format!("{l1_size} entries exceeds qemu's limit of 32 Mi")));
         }
-        if l1_offset % cluster as u64 != 0 || l1_offset == 0 && l1_size != 0 {
+        if !l1_offset.is_multiple_of(cluster as u64) || l1_offset == 0 && l1_size != 0 {
             return Err(bad("l1_table_offset", format!("{l1_offset:#x} is not a cluster-aligned offset past the header")));
         }
         let rt_offset = be64(start, 48);
-        if rt_offset == 0 || rt_offset % cluster as u64 != 0 {
+        if rt_offset == 0 || !rt_offset.is_multiple_of(cluster as u64) {
             return Err(bad("refcount_table_offset", format!("{rt_offset:#x} is not a cluster-aligned offset past the header")));
         }
         let rt_clusters = be32(start, 56);
@@ -226,7 +226,7 @@ impl Qcow2Header {
                 return Err(bad("refcount_order", format!("{refcount_order} (0..=6 expected)")));
             }
             let header_length = be32(start, 100);
-            if header_length < 104 || header_length % 8 != 0 {
+            if header_length < 104 || !header_length.is_multiple_of(8) {
                 return Err(bad("header_length", format!("{header_length} (a multiple of 8, at least 104, expected)")));
             }
             if header_length as usize > first.len() {
@@ -259,18 +259,20 @@ impl Qcow2Header {
             }
             let data_end = at + 8 + len;
             if data_end > first.len() {
-                return Err(bad("header extensions", format!("extension {kind:#x} of {len} bytes reaches past the first cluster")));
+                return Err(bad(
+                    "header extensions",
+                    format!("extension {kind:#x} of {len} bytes reaches past the first cluster"),
+                ));
             }
             let data = &first[at + 8..data_end];
             match kind {
                 extension::BACKING_FORMAT => {
-                    let name = std::str::from_utf8(data)
-                        .map_err(|_| bad("backing file format", "not UTF-8"))?
-                        .trim_end_matches('\0');
-                    backing_format = Some(
-                        Format::parse(name)
-                            .ok_or_else(|| ImageError::Unsupported(format!("a backing file of format `{name}` (raw or qcow2)")))?,
-                    );
+                    let name =
+                        std::str::from_utf8(data).map_err(|_| bad("backing file format", "not UTF-8"))?.trim_end_matches('\0');
+                    backing_format =
+                        Some(Format::parse(name).ok_or_else(|| {
+                            ImageError::Unsupported(format!("a backing file of format `{name}` (raw or qcow2)"))
+                        })?);
                 }
                 extension::EXTERNAL_DATA_FILE => {
                     return Err(ImageError::Unsupported("an external data file".into()));

@@ -430,10 +430,7 @@ impl DeviceRuntime {
                 Backend::Ram => backend_fds.first(),
                 // The buffered descriptor of a direct file: no alignment rules for a header read.
                 Backend::File { format: ImageFormat::Qcow2, path, .. } => {
-                    return Err(err(format!(
-                        "a crypt filter over a qcow2 image ({}) is not supported yet",
-                        path.display()
-                    )));
+                    return Err(err(format!("a crypt filter over a qcow2 image ({}) is not supported yet", path.display())));
                 }
                 Backend::File { direct, .. } => backend_fds.get(usize::from(*direct)),
                 Backend::Null => None,

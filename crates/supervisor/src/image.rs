@@ -74,11 +74,7 @@ pub fn open_chain(path: &Path, read_only: bool) -> Result<ImageChain, String> {
             }
             if let Some(b) = header.backing {
                 let named = PathBuf::from(&b.name);
-                let resolved = if named.is_absolute() {
-                    named
-                } else {
-                    path.parent().unwrap_or(Path::new(".")).join(named)
-                };
+                let resolved = if named.is_absolute() { named } else { path.parent().unwrap_or(Path::new(".")).join(named) };
                 next = Some((resolved, b.format));
             }
         }

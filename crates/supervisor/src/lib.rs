@@ -12,8 +12,8 @@
 mod chain;
 pub mod control;
 mod domain;
-mod image;
 pub mod domain_log;
+mod image;
 mod lifecycle;
 pub mod proc_info;
 mod supervisor;

@@ -111,6 +111,18 @@ impl Serve {
         self.run_dir.join("fuse").join(dev)
     }
 
+    /// Waits for the NBD export's unix socket and returns the URI of `export` on it.
+    #[allow(dead_code)]
+    pub fn nbd_uri(&self, export: &str) -> String {
+        let sock = self.run_dir.join("nbd.sock");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sock.exists() {
+            assert!(Instant::now() < deadline, "no nbd.sock: {}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        format!("nbd+unix:///{export}?socket={}", sock.display())
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -284,4 +296,22 @@ impl Ext4 {
         let fsck = Command::new("e2fsck").args(["-fn", &self.lo.dev]).output().unwrap();
         assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
     }
+}
+
+/// Runs `qemu-io -f FORMAT [-r] -c CMD… TARGET` and returns what it printed; fails the test if
+/// it fails or a pattern does not verify.
+#[allow(dead_code)]
+pub fn qemu_io(format: &str, read_only: bool, target: &str, cmds: &[&str]) -> String {
+    let mut args = vec!["--kill-after=5", "120", "qemu-io", "-f", format];
+    if read_only {
+        args.push("-r");
+    }
+    for c in cmds {
+        args.extend(["-c", c]);
+    }
+    args.push(target);
+    let out = Command::new("timeout").args(&args).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && !text.contains("Pattern verification failed"), "qemu-io {cmds:?} {target}: {text}");
+    text
 }
