@@ -84,9 +84,10 @@ impl Storage for FdStorage {
         Ok(self.size.load(Ordering::Relaxed))
     }
 
-    // SAFETY (of the `unsafe fn`s below): imago's contract is about alignment and concurrent
-    // access; this storage has no alignment rules (a buffered descriptor) and is used by one
-    // thread, so each is an ordinary positioned transfer on memory imago lends.
+    // imago's contract for the `unsafe fn`s below is about alignment and concurrent access;
+    // this storage has no alignment rules (a buffered descriptor) and is used by one thread,
+    // so each is an ordinary positioned transfer on memory imago lends.
+    // SAFETY: reads into the slices imago lends, through safe `read_at`.
     unsafe fn pure_readv(&self, bufv: IoVectorMut<'_>, offset: u64) -> io::Result<()> {
         let mut at = offset;
         for mut b in bufv.into_inner() {
@@ -109,6 +110,7 @@ impl Storage for FdStorage {
         Ok(())
     }
 
+    // SAFETY: writes from the slices imago lends, through safe `write_all_at`.
     unsafe fn pure_writev(&self, bufv: IoVector<'_>, offset: u64) -> io::Result<()> {
         let mut at = offset;
         for b in bufv.into_inner() {
@@ -119,6 +121,7 @@ impl Storage for FdStorage {
         Ok(())
     }
 
+    // SAFETY: `fallocate` on our descriptor, or safe writes of zeroes.
     unsafe fn pure_write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         match self.fallocate(libc::FALLOC_FL_ZERO_RANGE, offset, length) {
             Ok(()) => {
@@ -139,11 +142,13 @@ impl Storage for FdStorage {
         }
     }
 
+    // SAFETY: the same as `pure_write_zeroes`.
     unsafe fn pure_write_allocated_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         // SAFETY: same contract, passed on.
         unsafe { self.pure_write_zeroes(offset, length) }
     }
 
+    // SAFETY: `fallocate` on our descriptor; no memory involved.
     unsafe fn pure_discard(&self, offset: u64, length: u64) -> io::Result<()> {
         // Discarded contents are unspecified: a file system without hole punching keeps them.
         match self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, length) {
@@ -161,6 +166,7 @@ impl Storage for FdStorage {
         self.file.sync_data()
     }
 
+    // SAFETY: nothing is cached here.
     unsafe fn invalidate_cache(&self) -> io::Result<()> {
         Ok(())
     }
