@@ -175,13 +175,18 @@ impl FileBackend {
     }
 
     fn rw_sync(&self, write: bool, offset: u64, bufs: &SliceList<'_>, fua: bool) -> Result<u64, BlockError> {
+        Self::rw_list_sync(self.fd_for(offset, bufs), write, offset, bufs, fua)
+    }
+
+    /// Transfers the windows of `bufs` at `offset` of `fd` with plain system calls.
+    pub(crate) fn rw_list_sync(fd: RawFd, write: bool, offset: u64, bufs: &SliceList<'_>, fua: bool) -> Result<u64, BlockError> {
         let (iov, n) = Self::iovecs(bufs);
-        Self::rw_iov_sync(self.fd_for(offset, bufs), write, offset, &iov[..n], fua)
+        Self::rw_iov_sync(fd, write, offset, &iov[..n], fua)
     }
 
     /// Transfers `iov` at `offset` with plain system calls, segment by segment, so a short
     /// transfer resumes exactly where it stopped.
-    pub(crate) fn rw_iov_sync(fd: RawFd, write: bool, offset: u64, iov: &[libc::iovec], fua: bool) -> Result<u64, BlockError> {
+    fn rw_iov_sync(fd: RawFd, write: bool, offset: u64, iov: &[libc::iovec], fua: bool) -> Result<u64, BlockError> {
         let want: u64 = iov.iter().map(|v| v.iov_len as u64).sum();
         let op = if write { "write" } else { "read" };
         let mut done = 0u64;

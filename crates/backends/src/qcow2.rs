@@ -267,10 +267,6 @@ impl Qcow2Backend {
         move |e| BlockError::Os { op, offset, errno: e.raw_os_error().unwrap_or(libc::EIO) }
     }
 
-    fn iovecs(bufs: &SliceList<'_>) -> Vec<libc::iovec> {
-        bufs.iter().map(|s| s.iovec()).collect()
-    }
-
     fn part<'a>(bufs: &SliceList<'a>, pos: u64, n: u64) -> Result<SliceList<'a>, BlockError> {
         bufs.range(pos, n).ok_or(BlockError::Invalid("mapping outside the request"))
     }
@@ -286,7 +282,7 @@ impl Qcow2Backend {
             match mapping {
                 Mapping::Raw { storage, offset: host, .. } if n > 0 => {
                     let part = Self::part(&bufs, pos, n)?;
-                    FileBackend::rw_iov_sync(storage.raw_fd(), false, host, &Self::iovecs(&part), false)?;
+                    FileBackend::rw_list_sync(storage.raw_fd(), false, host, &part, false)?;
                 }
                 Mapping::Zero { .. } if n > 0 => zero(&Self::part(&bufs, pos, n)?)?,
                 // Data imago must transform (a compressed cluster), or the end of the image
@@ -317,7 +313,7 @@ impl Qcow2Backend {
             let (mapping, n) = self.top.get_mapping(at, left).map_err(Self::os("write", at))?;
             if let Mapping::Raw { storage, offset: host, writable: true, .. } = mapping {
                 let n = n.min(left);
-                FileBackend::rw_iov_sync(storage.raw_fd(), true, host, &Self::iovecs(&Self::part(&bufs, pos, n)?), fua)?;
+                FileBackend::rw_list_sync(storage.raw_fd(), true, host, &Self::part(&bufs, pos, n)?, fua)?;
                 pos += n;
                 continue;
             }
@@ -331,7 +327,7 @@ impl Qcow2Backend {
             let prepared = self.top.prepare_data_mapping(at, want, overwrite).map_err(Self::os("write", at))?;
             let n = prepared.length().min(want);
             let part = Self::part(&bufs, pos, n)?;
-            FileBackend::rw_iov_sync(prepared.storage().raw_fd(), true, prepared.offset(), &Self::iovecs(&part), false)?;
+            FileBackend::rw_list_sync(prepared.storage().raw_fd(), true, prepared.offset(), &part, false)?;
             self.top.commit_data_mapping(prepared).map_err(Self::os("write", at))?;
             allocated = true;
             pos += n;
