@@ -66,11 +66,7 @@ fn ext4_and_fio_verify_on_a_qcow2_chain_over_a_raw_base_while_its_domain_is_kill
     assert!(head.iter().all(|&b| b == 0x3c), "the middle image reads through the top one");
     let mnt = tmp.path().join("mnt");
     let mut fs = Ext4::make(&serve.fuse_file("q"), &mnt);
-    let killer = DomainKiller::start(run_dir.clone(), || Duration::from_millis(700), driver_domain);
-    let fio = std::panic::catch_unwind(|| fio_verify(&fs.mnt, "randrw", "4k-256k", "48M", 8));
-    assert!(fio.is_ok(), "fio failed; serve's log:\n{}", serve.log_text());
-    let kills = killer.stop();
-    assert!(kills.first().copied().unwrap_or(0) >= 3, "killed {kills:?}: {}", serve.log_text());
+    fio_verify_while_killing_the_driver(&serve, &fs.mnt, "4k-256k", "48M", 8, Duration::from_millis(700), 3);
     fs.unmount_and_check();
     drop(fs);
     let st = serve.status_json();

@@ -315,3 +315,25 @@ pub fn qemu_io(format: &str, read_only: bool, target: &str, cmds: &[&str]) -> St
     assert!(out.status.success() && !text.contains("Pattern verification failed"), "qemu-io {cmds:?} {target}: {text}");
     text
 }
+
+/// fio verify (randrw over `bsrange`) in `mnt` while the driver domain of `serve`'s first
+/// device is killed every `every`; fails the test, with serve's log, if fio fails or fewer than
+/// `min_kills` kills landed. Returns the number of kills.
+#[allow(dead_code)]
+pub fn fio_verify_while_killing_the_driver(
+    serve: &Serve,
+    mnt: &Path,
+    bsrange: &str,
+    size: &str,
+    seconds: u32,
+    every: Duration,
+    min_kills: u32,
+) -> u32 {
+    let killer = DomainKiller::start(serve.run_dir.clone(), move || every, driver_domain);
+    let fio = std::panic::catch_unwind(|| fio_verify(mnt, "randrw", bsrange, size, seconds));
+    let kills = killer.stop();
+    assert!(fio.is_ok(), "fio failed; serve's log:\n{}", serve.log_text());
+    let n = kills.first().copied().unwrap_or(0);
+    assert!(n >= min_kills, "killed {kills:?}: {}", serve.log_text());
+    n
+}
