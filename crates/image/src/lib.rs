@@ -14,6 +14,11 @@
 
 use std::fmt;
 
+mod create;
+pub mod snapshot;
+
+pub use create::new_image;
+
 /// Bytes of the file start that [`Qcow2Header::parse`] needs at most: the largest cluster.
 pub const PROBE_BYTES: usize = 2 << 20;
 
