@@ -179,7 +179,7 @@ impl FileBackend {
     }
 
     /// Transfers the windows of `bufs` at `offset` of `fd` with plain system calls.
-    pub(crate) fn rw_list_sync(fd: RawFd, write: bool, offset: u64, bufs: &SliceList<'_>, fua: bool) -> Result<u64, BlockError> {
+    pub fn rw_list_sync(fd: RawFd, write: bool, offset: u64, bufs: &SliceList<'_>, fua: bool) -> Result<u64, BlockError> {
         let (iov, n) = Self::iovecs(bufs);
         Self::rw_iov_sync(fd, write, offset, &iov[..n], fua)
     }

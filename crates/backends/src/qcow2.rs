@@ -51,7 +51,8 @@ impl FdStorage {
         Ok(FdStorage { file, size: AtomicU64::new(size), helper: CommonStorageHelper::default() })
     }
 
-    fn raw_fd(&self) -> RawFd {
+    /// The descriptor, for data the caller moves itself.
+    pub fn raw_fd(&self) -> RawFd {
         self.file.as_raw_fd()
     }
 

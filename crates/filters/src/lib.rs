@@ -1,5 +1,5 @@
-//! Filters: layers that trace, count, delay, fail or throttle block requests on their way
-//! between the frontend and the backend (the block tap's soft devices).
+//! Filters: layers that trace, count, delay, fail, throttle, encrypt or copy-on-write block
+//! requests on their way between the frontend and the backend (the block tap's soft devices).
 //!
 //! Each filter implements [`bulkhead_block::Layer`] and matches every [`Request`] in full.
 //! A filter runs inside an untrusted domain, so it opens nothing itself: what it writes to —
@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod cow;
 pub mod crypt;
 pub mod delay;
 pub mod error;

@@ -46,6 +46,14 @@ pub enum FilterSpec {
         /// Bytes per sector.
         sector_size: u32,
     },
+    /// Copy-on-write into a qcow2 overlay, handed over as the output descriptor.
+    Cow {
+        /// log2 of the overlay's cluster size, as its header said when the device started.
+        cluster_bits: u32,
+        /// A snapshot operation to carry out on the overlay as the domain opens it.
+        #[serde(default)]
+        op: Option<crate::cow::SnapshotOp>,
+    },
 }
 
 impl FilterSpec {
@@ -58,6 +66,7 @@ impl FilterSpec {
             FilterSpec::Error { .. } => "error",
             FilterSpec::Throttle { .. } => "throttle",
             FilterSpec::Crypt { .. } => "crypt",
+            FilterSpec::Cow { .. } => "cow",
         }
     }
 
@@ -69,12 +78,12 @@ impl FilterSpec {
     /// Whether it changes where data lies or what it holds below (so the device's size and
     /// contents depend on it, and it cannot come or go while the device runs).
     pub fn transforms(&self) -> bool {
-        matches!(self, FilterSpec::Crypt { .. })
+        matches!(self, FilterSpec::Crypt { .. } | FilterSpec::Cow { .. })
     }
 
-    /// Whether it writes to an output descriptor of its own.
+    /// Whether it writes to an output descriptor of its own (a trace file, an overlay).
     pub fn needs_output(&self) -> bool {
-        matches!(self, FilterSpec::Trace { .. })
+        matches!(self, FilterSpec::Trace { .. } | FilterSpec::Cow { .. })
     }
 }
 
@@ -83,7 +92,7 @@ impl FilterSpec {
 pub struct FilterFds {
     /// Its state page.
     pub state: OwnedFd,
-    /// Its output (a trace file), when it has one.
+    /// Its output (a trace file, a cow overlay), when it has one.
     pub output: Option<OwnedFd>,
     /// Its secret (a passphrase in a sealed memory file), when it has one.
     pub secret: Option<OwnedFd>,
@@ -117,6 +126,13 @@ pub fn build(spec: &FilterSpec, fds: FilterFds) -> Result<Box<dyn Layer>, Filter
             let layout =
                 crate::crypt::Layout { payload_offset: *payload_offset, data_size: *data_size, sector_size: *sector_size };
             Box::new(crate::crypt::Crypt::new(layout, crate::crypt::read_secret(secret)?, page))
+        }
+        FilterSpec::Cow { cluster_bits, op } => {
+            if !(9..=21).contains(cluster_bits) {
+                return Err(FilterError::Invalid { filter: name, message: format!("cluster_bits {cluster_bits}") });
+            }
+            let overlay = fds.output.ok_or(FilterError::MissingFd(name))?;
+            Box::new(crate::cow::Cow::new(overlay, *cluster_bits, op.clone(), page))
         }
     })
 }
@@ -169,6 +185,17 @@ pub enum FilterReport {
         /// Bytes decrypted on their way up.
         decrypted: u64,
     },
+    /// `cow`.
+    Cow {
+        /// Times a domain opened the overlay.
+        opened: u64,
+        /// Bytes read from the device below.
+        read_below: u64,
+        /// Bytes written to the overlay.
+        written: u64,
+        /// Clusters allocated in the overlay.
+        allocated: u64,
+    },
 }
 
 impl FilterReport {
@@ -196,6 +223,10 @@ impl FilterReport {
                 let (opened, encrypted, decrypted) = crate::crypt::read(page);
                 FilterReport::Crypt { opened, encrypted, decrypted }
             }
+            FilterSpec::Cow { .. } => {
+                let (opened, read_below, written, allocated) = crate::cow::read(page);
+                FilterReport::Cow { opened, read_below, written, allocated }
+            }
         }
     }
 
@@ -216,6 +247,9 @@ impl FilterReport {
             FilterReport::Crypt { opened, encrypted, decrypted } => {
                 format!("opened {opened} times, {encrypted} bytes encrypted, {decrypted} decrypted")
             }
+            FilterReport::Cow { opened, read_below, written, allocated } => {
+                format!("opened {opened} times, {read_below} bytes read below, {written} written to the overlay, {allocated} clusters allocated")
+            }
         }
     }
 }
@@ -234,6 +268,15 @@ mod tests {
             FilterSpec::Error { rule },
             FilterSpec::Throttle { limits: Limits { iops_size: 4096, ..Limits::default() } },
             FilterSpec::Crypt { payload_offset: 4096, data_size: 1 << 20, sector_size: 512 },
+            FilterSpec::Cow {
+                cluster_bits: 16,
+                op: Some(crate::cow::SnapshotOp {
+                    seq: 3,
+                    action: crate::cow::SnapshotAction::Revert,
+                    name: "before".into(),
+                    date: (1, 2),
+                }),
+            },
         ];
         let json = serde_json::to_string(&specs).unwrap();
         assert!(json.contains(r#"{"type":"stats"}"#), "{json}");
