@@ -72,6 +72,25 @@ enum Cmd {
         #[arg(long, default_value = "./bulkhead-run", global = true)]
         run_dir: PathBuf,
     },
+    /// Snapshots of a device's `cow` overlay (qcow2 internal snapshots, which `qemu-img
+    /// snapshot -l` lists too): `create` takes one while I/O runs (every acknowledged write is
+    /// in it), `revert` makes the device's contents a snapshot's again (the device must be
+    /// idle: unmount its file system first), `delete` frees what only it held.
+    Snapshot {
+        /// Device name.
+        device: String,
+        /// create | list | revert | delete.
+        #[arg(value_enum)]
+        op: SnapshotOpArg,
+        /// The snapshot's name (not for `list`).
+        name: Option<String>,
+        /// Machine-readable output (`list`).
+        #[arg(long)]
+        json: bool,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run")]
+        run_dir: PathBuf,
+    },
     /// Summarise a trace written by a `trace` filter: requests, bytes, errors and latency per
     /// operation, requests per queue.
     Trace {
@@ -112,6 +131,14 @@ enum FilterOp {
         /// Position.
         at: usize,
     },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SnapshotOpArg {
+    Create,
+    List,
+    Revert,
+    Delete,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -232,6 +259,15 @@ fn main() -> ExitCode {
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Driver { spec } => driver_cmd::run(&spec),
         Cmd::Trace { file, json } => trace_cmd::run(&file, json),
+        Cmd::Snapshot { device, op, name, json, run_dir } => {
+            let op = match op {
+                SnapshotOpArg::Create => "create",
+                SnapshotOpArg::List => "list",
+                SnapshotOpArg::Revert => "revert",
+                SnapshotOpArg::Delete => "delete",
+            };
+            status::snapshot(&run_dir, &device, op, name.as_deref(), json)
+        }
         Cmd::Tap { device, mode, run_dir } => status::change(&run_dir, &device, serde_json::json!({"cmd": "tap", "mode": mode})),
         Cmd::Filter { device, op: FilterOp::Add { at, lines }, run_dir } => status::change(
             &run_dir,

@@ -114,6 +114,57 @@ fn device_change(cmd: &str, req: &serde_json::Value) -> Result<DeviceChange, Str
     }
 }
 
+/// Drops the kernel's cached pages of a device's FUSE file.
+type Invalidate = dyn Fn(&str) -> bool + Send + Sync;
+
+/// `{"cmd":"snapshot","device":D,"op":"list"|"create"|"revert"|"delete","name":N}`. After a
+/// revert, `invalidate` drops the kernel's cached pages of the device's FUSE file.
+fn snapshot_request(s: &Supervisor, req: &serde_json::Value, invalidate: Option<&Invalidate>) -> serde_json::Value {
+    use bulkhead_filters::cow::SnapshotAction;
+    let Some(device) = req["device"].as_str() else {
+        return serde_json::json!({ "error": "snapshot needs `device`" });
+    };
+    let action = match req["op"].as_str() {
+        Some("list") => {
+            return match s.snapshots(device) {
+                Ok(list) => serde_json::json!({
+                    "device": device,
+                    "snapshots": list.iter().map(|i| serde_json::json!({
+                        "id": i.id,
+                        "name": i.name,
+                        "date_sec": i.date_sec,
+                        "date_nsec": i.date_nsec,
+                        "disk_size": i.disk_size,
+                        "vm_state_size": i.vm_state_size,
+                    })).collect::<Vec<_>>(),
+                }),
+                Err(e) => serde_json::json!({ "error": format!("device `{device}`: {e}") }),
+            };
+        }
+        Some("create") => SnapshotAction::Create,
+        Some("revert") => SnapshotAction::Revert,
+        Some("delete") => SnapshotAction::Delete,
+        Some(other) => {
+            return serde_json::json!({ "error": format!("unknown snapshot operation `{other}` (create, list, revert, delete)") })
+        }
+        None => return serde_json::json!({ "error": "snapshot needs `op`: create, list, revert or delete" }),
+    };
+    let Some(name) = req["name"].as_str() else {
+        return serde_json::json!({ "error": format!("snapshot {} needs `name`", action.as_str()) });
+    };
+    match s.snapshot(device, action, name) {
+        Ok(pid) => {
+            if action == SnapshotAction::Revert {
+                if let Some(inval) = invalidate {
+                    inval(device);
+                }
+            }
+            serde_json::json!({ "device": device, "snapshot": name, "op": action.as_str(), "driver_pid": pid })
+        }
+        Err(e) => serde_json::json!({ "error": format!("device `{device}`: snapshot {} `{name}`: {e}", action.as_str()) }),
+    }
+}
+
 pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>) -> anyhow::Result<ExitCode> {
     let config = match config_path {
         Some(p) => Config::load(p)?,
@@ -164,6 +215,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         None
     };
     let s = sup.clone();
+    let invalidate: Option<Box<Invalidate>> = fuse.as_ref().map(|f| Box::new(f.invalidator()) as Box<Invalidate>);
     let control = ControlServer::start(
         &run_dir.join("control.sock"),
         Arc::new(move |req| match req["cmd"].as_str() {
@@ -181,6 +233,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
                     Err(e) => serde_json::json!({ "error": format!("device `{name}`: {e}") }),
                 }
             }
+            Some("snapshot") => snapshot_request(&s, req, invalidate.as_deref()),
             Some(other) => serde_json::json!({ "error": format!("unknown command `{other}`") }),
             None => serde_json::json!({ "error": "missing `cmd`" }),
         }),

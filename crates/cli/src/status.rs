@@ -50,6 +50,60 @@ pub fn change(run_dir: &Path, device: &str, mut req: serde_json::Value) -> anyho
     Ok(ExitCode::SUCCESS)
 }
 
+/// `bulkhead snapshot DEVICE OP [NAME]`.
+pub fn snapshot(run_dir: &Path, device: &str, op: &str, name: Option<&str>, json: bool) -> anyhow::Result<ExitCode> {
+    if op != "list" && name.is_none() {
+        anyhow::bail!("snapshot {op} needs a NAME");
+    }
+    let a = ask(run_dir, serde_json::json!({"cmd": "snapshot", "device": device, "op": op, "name": name}))?;
+    if op != "list" {
+        let done = match op {
+            "create" => "taken",
+            "revert" => "reverted to",
+            _ => "deleted",
+        };
+        println!("{device}: snapshot `{}` {done}; driver pid {}", name.unwrap_or_default(), a["driver_pid"]);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&a["snapshots"])?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let list = a["snapshots"].as_array().cloned().unwrap_or_default();
+    if list.is_empty() {
+        println!("{device}: no snapshots");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut t = Table::new(&["ID", "NAME", "TAKEN (UTC)", "DISK SIZE"]);
+    for s in &list {
+        let size = s["disk_size"].as_u64().map(|b| format!("{:.1} MiB", b as f64 / 1048576.0)).unwrap_or_else(|| "-".into());
+        t.row(vec![
+            s["id"].as_str().unwrap_or("?").to_string(),
+            s["name"].as_str().unwrap_or("?").to_string(),
+            utc(s["date_sec"].as_u64().unwrap_or(0)),
+            size,
+        ]);
+    }
+    print!("{}", t.render());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS` (UTC).
+fn utc(secs: u64) -> String {
+    let (days, rem) = (secs / 86400, secs % 86400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
 pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let report = ask(run_dir, serde_json::json!({"cmd": "status"}))?;
     if json {

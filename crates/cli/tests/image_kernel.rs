@@ -13,22 +13,11 @@ use std::time::Duration;
 use bulkhead_testkit::require_kernel;
 use common::*;
 
-fn sh(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new("timeout").args(["--kill-after=5", "300", cmd]).args(args).output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{cmd} {args:?}: {text}");
-    text
-}
-
 fn qcow2_device(name: &str, img: &Path, extra: &str) -> String {
     format!(
         "[[device]]\nname = \"{name}\"\nrestart_limit = 100000\n[device.backend]\ntype = \"file\"\nformat = \"qcow2\"\npath = \"{}\"\n{extra}",
         img.display()
     )
-}
-
-fn digest(path: &Path) -> String {
-    sh("sha256sum", &[path.to_str().unwrap()])
 }
 
 #[test]

@@ -27,6 +27,8 @@ pub enum FilterKind {
     Throttle,
     /// A LUKS volume on the device below, opened with a key file.
     Crypt,
+    /// Copy-on-write into a qcow2 overlay file, with snapshots.
+    Cow,
 }
 
 impl FilterKind {
@@ -39,6 +41,7 @@ impl FilterKind {
             FilterKind::Error => "error",
             FilterKind::Throttle => "throttle",
             FilterKind::Crypt => "crypt",
+            FilterKind::Cow => "cow",
         }
     }
 }
@@ -110,6 +113,10 @@ pub struct FilterTable {
     pub iops_size: Option<Spanned<Size>>,
     /// `key_file` (crypt): the file whose whole contents are the passphrase of a key slot.
     pub key_file: Option<Spanned<PathBuf>>,
+    /// `overlay` (cow): the qcow2 file writes go to, created empty if missing.
+    pub overlay: Option<Spanned<PathBuf>>,
+    /// `cluster_size` (cow): of a new overlay (default 64k; 4k to 2M, a power of two).
+    pub cluster_size: Option<Spanned<Size>>,
 }
 
 /// A resolved filter: what the domain gets, plus the trace file the supervisor opens for it.
@@ -117,7 +124,7 @@ pub struct FilterTable {
 pub struct Filter {
     /// The filter (a trace's device number is set by the supervisor).
     pub spec: FilterSpec,
-    /// The trace file.
+    /// The file the supervisor opens for it: a trace's output, a cow's overlay.
     pub path: Option<PathBuf>,
     /// The key file (crypt), read by the supervisor when the device starts.
     pub key_file: Option<PathBuf>,
@@ -173,6 +180,8 @@ impl FilterTable {
         k("max_length", self.max_length.as_ref().map(Spanned::span), Throttle);
         k("iops_size", self.iops_size.as_ref().map(Spanned::span), Throttle);
         k("key_file", self.key_file.as_ref().map(Spanned::span), Crypt);
+        k("overlay", self.overlay.as_ref().map(Spanned::span), Cow);
+        k("cluster_size", self.cluster_size.as_ref().map(Spanned::span), Cow);
         v
     }
 
@@ -262,6 +271,32 @@ impl FilterTable {
                 // by the supervisor when the device starts.
                 let spec = FilterSpec::Crypt { payload_offset: 0, data_size: 0, sector_size: 512 };
                 return Ok(Filter { spec, path: None, key_file: Some(key.get_ref().clone()) });
+            }
+            FilterKind::Cow => {
+                let Some(overlay) = &self.overlay else {
+                    return Err(err(self.kind.span(), format!("{} is required for type = \"cow\"", at("overlay"))));
+                };
+                let p = overlay.get_ref();
+                let parent = p.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+                if !parent.is_dir() {
+                    return Err(err(overlay.span(), format!("{}: directory {} does not exist", at("overlay"), parent.display())));
+                }
+                let cluster_bits = match &self.cluster_size {
+                    None => 16,
+                    Some(c) => {
+                        let v = c.get_ref().0;
+                        if !v.is_power_of_two() || !(4096..=2 << 20).contains(&v) {
+                            return Err(err(
+                                c.span(),
+                                format!("{}: {v} is not a power of two from 4k to 2M", at("cluster_size")),
+                            ));
+                        }
+                        v.trailing_zeros()
+                    }
+                };
+                // An overlay that exists keeps its own cluster size: the supervisor reads it.
+                let spec = FilterSpec::Cow { cluster_bits, op: None };
+                return Ok(Filter { spec, path: Some(p.clone()), key_file: None });
             }
         };
         Ok(Filter { spec, path: None, key_file: None })

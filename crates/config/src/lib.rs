@@ -1129,6 +1129,10 @@ mod tests {
             ("type = \"crypt\"\n", "filter.key_file` is required", 7),
             ("type = \"crypt\"\nkey_file = \"/nonexistent/key\"\n", "/nonexistent/key is not a file", 8),
             ("type = \"stats\"\nkey_file = \"/etc/hostname\"\n", "only applies to type = \"crypt\"", 8),
+            ("type = \"cow\"\n", "filter.overlay` is required", 7),
+            ("type = \"cow\"\noverlay = \"/nonexistent/o.qcow2\"\n", "directory /nonexistent does not exist", 8),
+            ("type = \"cow\"\noverlay = \"/tmp/o.qcow2\"\ncluster_size = \"3000\"\n", "filter.cluster_size`: 3000", 9),
+            ("type = \"stats\"\noverlay = \"/tmp/o.qcow2\"\n", "only applies to type = \"cow\"", 8),
         ];
         for (table, want, line) in cases {
             let e = parse(&format!("{RAM}[[device.filter]]\n{table}")).unwrap_err().to_string();

@@ -18,9 +18,9 @@
 //!
 //! Snapshots are the overlay's internal qcow2 snapshots ([`bulkhead_image::snapshot`]). The
 //! supervisor asks for one by starting a generation whose spec carries the operation: the
-//! filter carries it out on the closed overlay when it opens, before any request, and records
-//! the result in its state page under the operation's sequence number, so a generation that
-//! replaces this one does not repeat it.
+//! filter carries it out on the closed overlay as the domain is set up, before any request,
+//! and records the result in its state page under the operation's sequence number, so a
+//! generation that replaces this one does not repeat it.
 
 use std::os::fd::OwnedFd;
 
@@ -144,8 +144,6 @@ enum Below {
 
 /// The filter.
 pub struct Cow {
-    /// The overlay, until it is opened.
-    file: Option<OwnedFd>,
     image: Option<FormatAccess<FdStorage>>,
     /// The overlay again, for writing zeroes where imago mapped data.
     data: Option<std::fs::File>,
@@ -185,11 +183,13 @@ enum Step {
 }
 
 impl Cow {
-    /// A filter over the overlay `file`, whose clusters are `1 << cluster_bits` bytes, that
-    /// first carries out `op` unless the state page records it done.
-    pub fn new(file: OwnedFd, cluster_bits: u32, op: Option<SnapshotOp>, page: StatePage) -> Self {
-        Cow {
-            file: Some(file),
+    /// A filter over the overlay `file`, whose clusters are `1 << cluster_bits` bytes. It
+    /// first carries out `op` unless the state page records it done, then opens the overlay.
+    /// Called while the domain is set up, before it is confined: the overlay's length and
+    /// header are read here, with system calls the confined domain no longer has.
+    pub fn new(file: OwnedFd, cluster_bits: u32, op: Option<SnapshotOp>, page: StatePage) -> Result<Self, String> {
+        let file = std::fs::File::from(file);
+        let mut cow = Cow {
             image: None,
             data: None,
             cluster_bits,
@@ -201,7 +201,29 @@ impl Cow {
             dirty: false,
             bounce: Vec::new(),
             zeroes: Vec::new(),
+        };
+        cow.run_op(&file);
+        let len = file.metadata().map_err(|e| format!("overlay: {e}"))?.len();
+        let mut start = vec![0u8; bulkhead_image::PROBE_BYTES.min(len as usize)];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut start, 0).map_err(|e| format!("overlay: {e}"))?;
+        let h = Qcow2Header::parse(&start).map_err(|e| format!("overlay: {e}"))?;
+        if h.cluster_bits != cluster_bits {
+            return Err(format!("the overlay's clusters changed since the device started ({} bytes now)", h.cluster_size()));
         }
+        if h.dirty {
+            return Err("the overlay was not closed cleanly (dirty bit set); repair it with `qemu-img check -r all`".into());
+        }
+        cow.data = Some(file.try_clone().map_err(|e| format!("overlay: {e}"))?);
+        let storage = FdStorage::new(OwnedFd::from(file)).map_err(|e| format!("overlay: {e}"))?;
+        let image = Qcow2::<FdStorage>::builder(storage)
+            .backing(None::<FormatAccess<FdStorage>>)
+            .write(true)
+            .open(DenyImplicitOpenGate::default())
+            .map_err(|e| format!("overlay: {e}"))?;
+        cow.size = h.size;
+        cow.image = Some(FormatAccess::new(image));
+        cow.zeroes = vec![0u8; 1 << cluster_bits];
+        Ok(cow)
     }
 
     fn cluster(&self) -> u64 {
@@ -311,7 +333,8 @@ impl Cow {
                 let mut done = 0;
                 while done < n {
                     let k = chunk.min(n - done) as usize;
-                    std::os::unix::fs::FileExt::write_all_at(f, &self.zeroes[..k], host + done).map_err(os("write", host + done))?;
+                    std::os::unix::fs::FileExt::write_all_at(f, &self.zeroes[..k], host + done)
+                        .map_err(os("write", host + done))?;
                     done += k as u64;
                 }
             }
@@ -407,7 +430,15 @@ impl Cow {
     /// The whole cluster at `start` has arrived in scratch: merge the request's next `seg`
     /// bytes in and write it as a new cluster, unless another request allocated the cluster
     /// meanwhile (its data is then the overlay's, and the write goes there).
-    fn merge(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, start: u64, len: u64, seg: u64) -> Result<(), BlockError> {
+    fn merge(
+        &mut self,
+        tag: Tag,
+        req: &Request<'_>,
+        scratch: SharedSlice<'_>,
+        start: u64,
+        len: u64,
+        seg: u64,
+    ) -> Result<(), BlockError> {
         let pos = self.pos[tag.index()];
         let at = req.range().0 + pos;
         let image = self.image()?;
@@ -415,8 +446,10 @@ impl Cow {
         if !matches!(mapping, Mapping::Zero { explicit: false, .. }) {
             return Ok(());
         }
-        let window = scratch.sub(0, len as usize).map_err(|_| BlockError::Invalid("cow: scratch memory smaller than a cluster"))?;
-        let into = window.sub((at - start) as usize, seg as usize).map_err(|_| BlockError::Invalid("cow: merge outside the cluster"))?;
+        let window =
+            scratch.sub(0, len as usize).map_err(|_| BlockError::Invalid("cow: scratch memory smaller than a cluster"))?;
+        let into =
+            window.sub((at - start) as usize, seg as usize).map_err(|_| BlockError::Invalid("cow: merge outside the cluster"))?;
         match req {
             Request::Write { bufs, .. } => {
                 let mut to = 0usize;
@@ -482,32 +515,9 @@ impl Layer for Cow {
     }
 
     fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
-        let fd = self.file.take().ok_or("the overlay was opened already")?;
-        let file = std::fs::File::from(fd);
-        self.run_op(&file);
-        let len = file.metadata().map_err(|e| format!("overlay: {e}"))?.len();
-        let mut start = vec![0u8; bulkhead_image::PROBE_BYTES.min(len as usize)];
-        std::os::unix::fs::FileExt::read_exact_at(&file, &mut start, 0).map_err(|e| format!("overlay: {e}"))?;
-        let h = Qcow2Header::parse(&start).map_err(|e| format!("overlay: {e}"))?;
-        if h.size != below.size() {
-            return Err(format!("the overlay holds a device of {} bytes; the device below has {}", h.size, below.size()));
+        if self.size != below.size() {
+            return Err(format!("the overlay holds a device of {} bytes; the device below has {}", self.size, below.size()));
         }
-        if h.cluster_bits != self.cluster_bits {
-            return Err(format!("the overlay's clusters changed since the device started ({} bytes now)", h.cluster_size()));
-        }
-        if h.dirty {
-            return Err("the overlay was not closed cleanly (dirty bit set); repair it with `qemu-img check -r all`".into());
-        }
-        self.data = Some(file.try_clone().map_err(|e| format!("overlay: {e}"))?);
-        let storage = FdStorage::new(OwnedFd::from(file)).map_err(|e| format!("overlay: {e}"))?;
-        let image = Qcow2::<FdStorage>::builder(storage)
-            .backing(None::<FormatAccess<FdStorage>>)
-            .write(true)
-            .open(DenyImplicitOpenGate::default())
-            .map_err(|e| format!("overlay: {e}"))?;
-        self.size = h.size;
-        self.image = Some(FormatAccess::new(image));
-        self.zeroes = vec![0u8; self.cluster() as usize];
         self.page.add(OPENED, 1);
         Ok(())
     }
@@ -622,7 +632,7 @@ mod tests {
     fn chain(ram: &std::fs::File, path: &std::path::Path, op: Option<SnapshotOp>, page_fd: &OwnedFd) -> Chain {
         let overlay = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
         let page = StatePage::map(page_fd.as_raw_fd(), true).unwrap();
-        let cow = Cow::new(overlay.into(), CLUSTER_BITS, op, page);
+        let cow = Cow::new(overlay.into(), CLUSTER_BITS, op, page).unwrap();
         let backend = RamBackend::new(ram.try_clone().unwrap().into(), SIZE).unwrap();
         let mut c = Chain::new(vec![Box::new(cow)], Box::new(backend));
         c.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
@@ -740,7 +750,8 @@ mod tests {
         let _ = chain(&ram, &path, Some(last.clone()), &page_fd);
         let _ = chain(&ram, &path, Some(last), &page_fd);
         assert_eq!(op_result(&page, seq), Some(OpResult::Done));
-        let names: Vec<String> = snapshot::list(&std::fs::File::open(&path).unwrap()).unwrap().into_iter().map(|s| s.name).collect();
+        let names: Vec<String> =
+            snapshot::list(&std::fs::File::open(&path).unwrap()).unwrap().into_iter().map(|s| s.name).collect();
         assert_eq!(names.iter().filter(|n| *n == "again").count(), 1, "{names:?}");
     }
 
@@ -791,7 +802,7 @@ mod tests {
         let open = |path: &std::path::Path| {
             let overlay = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
             let page = StatePage::map(page_fd.as_raw_fd(), true).unwrap();
-            let cow = Cow::new(overlay.into(), CLUSTER_BITS, None, page);
+            let cow = Cow::new(overlay.into(), CLUSTER_BITS, None, page).map_err(|e| format!("filter cow: {e}"))?;
             let backend = RamBackend::new(ram.try_clone().unwrap().into(), SIZE).unwrap();
             let mut c = Chain::new(vec![Box::new(cow)], Box::new(backend));
             c.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();

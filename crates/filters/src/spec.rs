@@ -132,7 +132,9 @@ pub fn build(spec: &FilterSpec, fds: FilterFds) -> Result<Box<dyn Layer>, Filter
                 return Err(FilterError::Invalid { filter: name, message: format!("cluster_bits {cluster_bits}") });
             }
             let overlay = fds.output.ok_or(FilterError::MissingFd(name))?;
-            Box::new(crate::cow::Cow::new(overlay, *cluster_bits, op.clone(), page))
+            let cow = crate::cow::Cow::new(overlay, *cluster_bits, op.clone(), page)
+                .map_err(|message| FilterError::Invalid { filter: name, message })?;
+            Box::new(cow)
         }
     })
 }

@@ -44,6 +44,8 @@ pub enum FuseError {
 
 struct Shared {
     devices: Vec<Arc<Device>>,
+    /// The session, for notifications (a duplicate of the first worker's descriptor).
+    notify: OwnedFd,
     stop: AtomicBool,
     initialized: AtomicBool,
     start_time: u64,
@@ -124,8 +126,10 @@ impl FuseExport {
         }
         install_kick_handler();
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let notify = master.try_clone().map_err(|source| FuseError::Sys { op: "dup", path: "/dev/fuse".into(), source })?;
         let shared = Arc::new(Shared {
             devices,
+            notify,
             stop: AtomicBool::new(false),
             initialized: AtomicBool::new(false),
             start_time: now,
@@ -159,6 +163,21 @@ impl FuseExport {
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(export)
+    }
+
+    /// A handle that makes the kernel drop the cached pages of a device's file, by name:
+    /// after the device's contents changed under it (a snapshot revert), so files kept open
+    /// read the device again instead of their page cache.
+    pub fn invalidator(&self) -> impl Fn(&str) -> bool + Send + Sync + 'static {
+        let sh = self.shared.clone();
+        move |name: &str| {
+            let Some(i) = sh.devices.iter().position(|d| d.name() == name) else { return false };
+            // FUSE_NOTIFY_INVAL_INODE: the inode, offset 0, length 0 (everything).
+            let mut body = [0u8; 24];
+            body[..8].copy_from_slice(&(i as u64 + 2).to_ne_bytes());
+            reply_raw(sh.notify.as_raw_fd(), 0, -FUSE_NOTIFY_INVAL_INODE, &[&body]);
+            true
+        }
     }
 
     /// The mount point.

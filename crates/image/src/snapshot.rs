@@ -243,7 +243,9 @@ impl<'f> Image<'f> {
     /// Refuses what the writing operations do not handle.
     fn writable(&self) -> Result<(), SnapshotError> {
         if self.version < 3 {
-            return Err(SnapshotError::Unsupported("snapshots of a version 2 image (upgrade with `qemu-img amend -o compat=v3`)".into()));
+            return Err(SnapshotError::Unsupported(
+                "snapshots of a version 2 image (upgrade with `qemu-img amend -o compat=v3`)".into(),
+            ));
         }
         if self.dirty {
             return Err(SnapshotError::Unsupported(
@@ -291,9 +293,7 @@ impl<'f> Image<'f> {
         }
         let bi = (c / self.per_block()) as usize;
         if bi >= self.rt.len() {
-            return Err(SnapshotError::Unsupported(
-                "the image's refcount table is full (it grows only through qemu-img)".into(),
-            ));
+            return Err(SnapshotError::Unsupported("the image's refcount table is full (it grows only through qemu-img)".into()));
         }
         if self.rt[bi] == 0 {
             // A new refcount block, in the next free cluster; it counts itself if it covers
@@ -500,7 +500,10 @@ impl<'f> Image<'f> {
                 || info.l1_size > 32 << 20
                 || info.l1_offset + u64::from(info.l1_size) * 8 > self.file_len
             {
-                return Err(bad(format!("its L1 table ({} entries at {:#x}) does not lie in the file", info.l1_size, info.l1_offset)));
+                return Err(bad(format!(
+                    "its L1 table ({} entries at {:#x}) does not lie in the file",
+                    info.l1_size, info.l1_offset
+                )));
             }
             out.push(Entry { info, raw });
             at += len as u64;
@@ -662,8 +665,12 @@ pub fn delete(f: &dyn ImageFile, name: &str) -> Result<(), SnapshotError> {
     };
     let gone = old[pos].info.clone();
     let snap = img.read_l1(gone.l1_offset, gone.l1_size, "the snapshot's")?;
-    let keep: Vec<Entry> =
-        old.iter().enumerate().filter(|(i, _)| *i != pos).map(|(_, e)| Entry { info: e.info.clone(), raw: e.raw.clone() }).collect();
+    let keep: Vec<Entry> = old
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != pos)
+        .map(|(_, e)| Entry { info: e.info.clone(), raw: e.raw.clone() })
+        .collect();
     img.replace_table(&keep, &old)?;
     img.update_tree(&snap, -1)?;
     let first = gone.l1_offset >> img.cluster_bits;

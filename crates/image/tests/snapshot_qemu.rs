@@ -28,7 +28,12 @@ fn have_qemu() -> bool {
 
 fn run(cmd: &str, args: &[&str]) -> String {
     let out = Command::new(cmd).args(args).output().unwrap();
-    assert!(out.status.success(), "{cmd} {args:?}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 

@@ -19,6 +19,9 @@ pub enum Role {
     FileIoUring,
     /// `nbd`: a connected socket passed in, no way to make another.
     Network,
+    /// `nbd` under a filter that keeps a file of its own (a `cow` overlay): the socket and
+    /// positioned file I/O on descriptors passed in.
+    NetworkFile,
     /// A tap domain in `interpose` mode: the frontend of the domain below over a channel.
     Tap,
 }
@@ -31,6 +34,7 @@ impl Role {
             Role::FileSync => "file-sync",
             Role::FileIoUring => "file-io_uring",
             Role::Network => "network",
+            Role::NetworkFile => "network-file",
             Role::Tap => "tap",
         }
     }
@@ -100,10 +104,10 @@ fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCond
 /// The rules, as (syscall, reason, conditions) for documentation and for the filter.
 pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     let mut v: Vec<(i64, &'static str)> = COMMON.to_vec();
-    if matches!(role, Role::FileSync | Role::FileIoUring) {
+    if matches!(role, Role::FileSync | Role::FileIoUring | Role::NetworkFile) {
         v.extend_from_slice(FILE);
     }
-    if role == Role::Network {
+    if matches!(role, Role::Network | Role::NetworkFile) {
         v.extend_from_slice(NETWORK);
     }
     if role == Role::FileIoUring {
@@ -165,7 +169,7 @@ mod tests {
 
     #[test]
     fn every_role_compiles_and_lists_a_reason_per_syscall() {
-        for role in [Role::Memory, Role::FileSync, Role::FileIoUring, Role::Network, Role::Tap] {
+        for role in [Role::Memory, Role::FileSync, Role::FileIoUring, Role::Network, Role::NetworkFile, Role::Tap] {
             assert!(filter(role).is_ok(), "{role:?}");
             for (nr, why) in allowlist(role) {
                 assert!(!why.is_empty(), "syscall {nr} has no reason");

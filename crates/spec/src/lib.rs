@@ -176,13 +176,22 @@ impl DomainSpec {
     /// The seccomp role its backend needs.
     pub fn seccomp_role(&self) -> bulkhead_sandbox::seccomp::Role {
         use bulkhead_sandbox::seccomp::Role;
-        match &self.backend {
+        let role = match &self.backend {
             BackendSpec::Ram { .. } | BackendSpec::Null => Role::Memory,
             BackendSpec::File { engine, .. } if engine == "io_uring" => Role::FileIoUring,
             BackendSpec::File { .. } | BackendSpec::Qcow2 { .. } => Role::FileSync,
             BackendSpec::Nbd { .. } => Role::Network,
             BackendSpec::Channel { .. } => Role::Tap,
+        };
+        // A filter that keeps a file of its own (a cow overlay) reads and writes it.
+        if self.filters.iter().any(|f| matches!(f.spec, FilterSpec::Cow { .. })) {
+            return match role {
+                Role::Memory => Role::FileSync,
+                Role::Network => Role::NetworkFile,
+                r => r,
+            };
         }
+        role
     }
 
     /// The spin budget policy.

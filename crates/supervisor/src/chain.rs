@@ -77,6 +77,82 @@ pub(crate) fn open_volumes(
     Ok(size)
 }
 
+/// Opens the overlay of each `cow` filter, creating an empty one (a qcow2 image the size of
+/// the device below it) if the file does not exist, and checks that it fits: qcow2, not
+/// damaged, the size of the device below. The overlay is locked for this serve alone. A new
+/// overlay over a raw file backend with no filter between names that file as its raw backing
+/// file, so `qemu-img` reads the overlay as the device it stands for.
+pub(crate) fn open_overlays(filters: &mut [FilterSetup], backend_size: u64, backend_file: Option<&Path>) -> Result<(), String> {
+    let mut size = backend_size;
+    let last = filters.len().saturating_sub(1);
+    let mut seen = false;
+    for (i, f) in filters.iter_mut().enumerate().rev() {
+        let bad = |m: String| format!("filter {} (cow): {m}", i + 1);
+        match &mut f.spec {
+            FilterSpec::Crypt { data_size, .. } => size = *data_size,
+            FilterSpec::Cow { cluster_bits, .. } => {
+                if seen {
+                    return Err(bad("one cow filter per device".into()));
+                }
+                seen = true;
+                let path = f.overlay.clone().ok_or_else(|| bad("no overlay".into()))?;
+                let backing = match backend_file {
+                    Some(p) if i == last => p.canonicalize().ok().and_then(|p| p.to_str().map(String::from)),
+                    _ => None,
+                }
+                .map(|name| bulkhead_image::Backing { name, format: bulkhead_image::Format::Raw });
+                let (fd, bits) = open_overlay(&path, size, *cluster_bits, backing.as_ref())
+                    .map_err(|e| bad(format!("overlay {}: {e}", path.display())))?;
+                *cluster_bits = bits;
+                f.output = Some(fd);
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Opens (or creates) one overlay; returns it and its cluster size's log2.
+fn open_overlay(
+    path: &Path,
+    size: u64,
+    cluster_bits: u32,
+    backing: Option<&bulkhead_image::Backing>,
+) -> Result<(OwnedFd, u32), String> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    if !path.exists() {
+        let image = bulkhead_image::new_image(size, cluster_bits, backing).map_err(|e| e.to_string())?;
+        // Written whole under another name, then renamed: never a half-made overlay.
+        let tmp = path.with_extension(format!("new-{}", std::process::id()));
+        let made = (|| -> std::io::Result<()> {
+            let f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+            f.write_all_at(&image, 0)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if let Err(e) = made {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(format!("cannot create it: {e}"));
+        }
+    }
+    let f =
+        std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path).map_err(|e| e.to_string())?;
+    if f.try_lock().is_err() {
+        return Err("in use by another process (it is locked)".into());
+    }
+    let len = f.metadata().map_err(|e| e.to_string())?.len();
+    let mut start = vec![0u8; bulkhead_image::PROBE_BYTES.min(len as usize)];
+    f.read_exact_at(&mut start, 0).map_err(|e| e.to_string())?;
+    let h = bulkhead_image::Qcow2Header::parse(&start).map_err(|e| e.to_string())?;
+    if h.size != size {
+        return Err(format!("holds a device of {} bytes; the device below has {size}", h.size));
+    }
+    if h.dirty {
+        return Err("was not closed cleanly (dirty bit set); repair it with `qemu-img check -r all`".into());
+    }
+    Ok((OwnedFd::from(f), h.cluster_bits))
+}
+
 /// Opens a trace file for a domain to append to: created, or emptied if it exists.
 fn open_trace(path: &Path) -> std::io::Result<OwnedFd> {
     use std::os::unix::fs::OpenOptionsExt;
@@ -103,6 +179,8 @@ pub(crate) struct FilterSetup {
     pub secret: Option<OwnedFd>,
     /// The key file it is opened with (`crypt`).
     pub key_file: Option<std::path::PathBuf>,
+    /// Its overlay file (`cow`), opened by [`open_overlays`] into `output`.
+    pub overlay: Option<std::path::PathBuf>,
     /// The state page as `status` reads it.
     pub page: StatePage,
 }
@@ -117,11 +195,14 @@ impl FilterSetup {
         }
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
         let (state_fd, page) = state_page(&format!("bulkhead-{device}-{}-{nanos:x}", spec.type_name()))?;
-        let output = match &f.path {
-            Some(p) => Some(open_trace(p).map_err(|e| format!("{}: cannot open {}: {e}", spec.type_name(), p.display()))?),
-            None => None,
+        let (output, overlay) = match (&spec, &f.path) {
+            (FilterSpec::Cow { .. }, p) => (None, p.clone()),
+            (_, Some(p)) => {
+                (Some(open_trace(p).map_err(|e| format!("{}: cannot open {}: {e}", spec.type_name(), p.display()))?), None)
+            }
+            (_, None) => (None, None),
         };
-        Ok(FilterSetup { spec, state_fd, output, secret: None, key_file: f.key_file, page })
+        Ok(FilterSetup { spec, state_fd, output, secret: None, key_file: f.key_file, overlay, page })
     }
 
     /// Cuts a trace file back to whole records: a domain killed in the middle of a write may

@@ -3,7 +3,8 @@
 //! Requests: `{"cmd":"status"}`, `{"cmd":"restart","device":NAME}`,
 //! `{"cmd":"tap","device":NAME,"mode":"interpose"}`,
 //! `{"cmd":"filter","device":NAME,"op":"add","at":N|null,"table":"type = \"delay\"\n…"}`,
-//! `{"cmd":"filter","device":NAME,"op":"remove","at":N}`.
+//! `{"cmd":"filter","device":NAME,"op":"remove","at":N}`,
+//! `{"cmd":"snapshot","device":NAME,"op":"create"|"list"|"revert"|"delete","name":SNAP}`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -89,10 +90,11 @@ fn serve_conn(conn: UnixStream, handler: Handler) {
     }
 }
 
-/// Sends one request to the control socket at `path` and returns the answer.
+/// Sends one request to the control socket at `path` and returns the answer. A change may
+/// take a while (a snapshot of a large overlay): the answer is awaited for up to 90 s.
 pub fn request(path: &Path, req: &serde_json::Value) -> std::io::Result<serde_json::Value> {
     let mut s = UnixStream::connect(path)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.set_read_timeout(Some(Duration::from_secs(90)))?;
     writeln!(s, "{req}")?;
     let mut line = String::new();
     BufReader::new(s).read_line(&mut line)?;

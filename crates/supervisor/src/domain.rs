@@ -11,6 +11,7 @@ use bulkhead_channel::{
 use bulkhead_client::{Device, DeviceControl};
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, ImageFormat, NbdTarget, Notify, SpinBudget, Tap};
 use bulkhead_filters::state::StatePage;
+use bulkhead_filters::FilterSpec;
 use bulkhead_sandbox::spawn::DomainChild;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 use bulkhead_shmem::memfd;
@@ -424,8 +425,8 @@ impl DeviceRuntime {
             filters.push(FilterSetup::new(&name, index, f).map_err(|e| err(format!("filter {}: {e}", i + 1)))?);
         }
         let backend_size = size;
-        let size = if filters.iter().any(|f| f.spec.transforms()) {
-            check_transforming(cfg.tap, &filters).map_err(err)?;
+        check_transforming(cfg.tap, &filters).map_err(err)?;
+        let size = if filters.iter().any(|f| matches!(f.spec, FilterSpec::Crypt { .. })) {
             let fd = match &backend {
                 Backend::Ram => backend_fds.first(),
                 // The buffered descriptor of a direct file: no alignment rules for a header read.
@@ -451,6 +452,11 @@ impl DeviceRuntime {
         } else {
             size
         };
+        let raw_file = match &backend {
+            Backend::File { format: ImageFormat::Raw, path, .. } => Some(path.as_path()),
+            _ => None,
+        };
+        crate::chain::open_overlays(&mut filters, backend_size, raw_file).map_err(err)?;
         let (state_fd, state) = state_page(&format!("bulkhead-{name}-domain")).map_err(err)?;
         let qcfg = QueueConfig {
             nslots: *cfg.queue_depth.get_ref(),
@@ -538,6 +544,14 @@ impl DeviceRuntime {
                 let what = setup.spec.type_name();
                 chain.filters.insert(at, setup);
                 Ok(format!("filter {what} inserted at position {at}"))
+            }
+            DeviceChange::Snapshot(op) => {
+                let cow = chain.filters.iter_mut().find(|f| matches!(f.spec, FilterSpec::Cow { .. }));
+                let Some(FilterSpec::Cow { op: pending, .. }) = cow.map(|f| &mut f.spec) else {
+                    return Err("the device has no cow filter".into());
+                };
+                *pending = Some(op.clone());
+                Ok(format!("snapshot {} `{}`", op.action.as_str(), op.name))
             }
             DeviceChange::RemoveFilter(at) => {
                 if *at >= chain.filters.len() {

@@ -152,6 +152,10 @@ pub enum DeviceChange {
     },
     /// Remove the filter at a position (0: nearest the frontend).
     RemoveFilter(usize),
+    /// Take, revert to or delete a snapshot of the device's `cow` overlay: the next
+    /// generation carries it out as it opens, before any request (so everything acknowledged
+    /// before the change is in a snapshot it takes).
+    Snapshot(bulkhead_filters::cow::SnapshotOp),
 }
 
 struct Inner {
@@ -167,6 +171,8 @@ pub struct Supervisor {
     watcher: std::sync::Mutex<Option<JoinHandle<()>>>,
     started: Instant,
     stopping: AtomicBool,
+    /// Sequence numbers of snapshot operations.
+    snapshot_seq: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -190,6 +196,7 @@ impl Supervisor {
                         watcher: std::sync::Mutex::new(None),
                         started: Instant::now(),
                         stopping: AtomicBool::new(false),
+                        snapshot_seq: std::sync::atomic::AtomicU64::new(0),
                     };
                     partial.shutdown();
                     return Err(e);
@@ -204,6 +211,7 @@ impl Supervisor {
             watcher: std::sync::Mutex::new(Some(watcher)),
             started: Instant::now(),
             stopping: AtomicBool::new(false),
+            snapshot_seq: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -275,6 +283,76 @@ impl Supervisor {
     /// cleared). Returns the new driver pid.
     pub fn restart_device(&self, name: &str) -> Result<u32, String> {
         self.change_device(name, DeviceChange::Restart)
+    }
+
+    /// The snapshots of device `name`'s `cow` overlay, read from the overlay's snapshot table
+    /// (display only: the table is checked as untrusted input).
+    pub fn snapshots(&self, name: &str) -> Result<Vec<bulkhead_image::snapshot::SnapshotInfo>, String> {
+        let rt = self.inner.devices.iter().find(|d| d.name == name).ok_or_else(|| format!("no device `{name}`"))?;
+        let path = {
+            let chain = rt.launcher.chain.lock().unwrap_or_else(|e| e.into_inner());
+            let cow = chain.filters.iter().find(|f| matches!(f.spec, bulkhead_filters::FilterSpec::Cow { .. }));
+            cow.and_then(|f| f.overlay.clone()).ok_or("the device has no cow filter")?
+        };
+        let f = std::fs::File::open(&path).map_err(|e| format!("overlay {}: {e}", path.display()))?;
+        bulkhead_image::snapshot::list(&f).map_err(|e| format!("overlay {}: {e}", path.display()))
+    }
+
+    /// Takes, reverts to or deletes snapshot `snap` of device `name` (see
+    /// [`DeviceChange::Snapshot`]); waits until the new generation has carried it out. A revert
+    /// needs the device idle: it is refused while requests are in flight or completing.
+    pub fn snapshot(&self, name: &str, action: bulkhead_filters::cow::SnapshotAction, snap: &str) -> Result<u32, String> {
+        use bulkhead_filters::cow::{OpResult, SnapshotAction, SnapshotOp};
+        bulkhead_image::snapshot::check_name(snap).map_err(|e| e.to_string())?;
+        let existing = self.snapshots(name)?;
+        let exists = existing.iter().any(|s| s.name == snap);
+        match action {
+            SnapshotAction::Create if exists => return Err(format!("a snapshot named `{snap}` exists already")),
+            SnapshotAction::Revert | SnapshotAction::Delete if !exists => return Err(format!("no snapshot named `{snap}`")),
+            _ => {}
+        }
+        let rt = self.inner.devices.iter().find(|d| d.name == name).ok_or_else(|| format!("no device `{name}`"))?;
+        if action == SnapshotAction::Revert {
+            let before = rt.device.counters.completed.load(Ordering::Relaxed) + rt.device.counters.failed.load(Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(250));
+            let after = rt.device.counters.completed.load(Ordering::Relaxed) + rt.device.counters.failed.load(Ordering::Relaxed);
+            let in_flight = rt.device.in_flight();
+            if in_flight > 0 || after != before {
+                return Err(format!(
+                    "the device is busy ({in_flight} requests in flight, {} completed in the last 250 ms): a revert changes \
+                     everything under its users; stop its I/O (unmount its file system) and retry",
+                    after - before
+                ));
+            }
+        }
+        let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let date = (u32::try_from(now.as_secs()).unwrap_or(u32::MAX), now.subsec_nanos());
+        let op = SnapshotOp { seq, action, name: snap.to_string(), date };
+        let pid = self.change_device(name, DeviceChange::Snapshot(op))?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let result = {
+                let chain = rt.launcher.chain.lock().unwrap_or_else(|e| e.into_inner());
+                let cow = chain.filters.iter().find(|f| matches!(f.spec, bulkhead_filters::FilterSpec::Cow { .. }));
+                cow.and_then(|f| bulkhead_filters::cow::op_result(&f.page, seq))
+            };
+            match result {
+                Some(OpResult::Done) => return Ok(pid),
+                Some(OpResult::NotFound) => return Err(format!("no snapshot named `{snap}`")),
+                Some(OpResult::Exists) => return Err(format!("a snapshot named `{snap}` exists already")),
+                Some(OpResult::Failed) => {
+                    return Err(format!(
+                        "the driver domain could not {} snapshot `{snap}`; its log line (`cow: snapshot …`) says why",
+                        action.as_str()
+                    ))
+                }
+                None if Instant::now() > deadline => {
+                    return Err("the driver domain did not carry the snapshot out in 60 s".into())
+                }
+                None => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
     }
 
     /// Changes a running device (see [`DeviceChange`]) and starts its next generation;

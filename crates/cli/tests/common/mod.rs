@@ -337,3 +337,16 @@ pub fn fio_verify_while_killing_the_driver(
     assert!(n >= min_kills, "killed {kills:?}: {}", serve.log_text());
     n
 }
+
+/// Runs `cmd` (killed after 300 s) and returns what it printed; fails the test if it fails.
+pub fn sh(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new("timeout").args(["--kill-after=5", "300", cmd]).args(args).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{cmd} {args:?}: {text}");
+    text
+}
+
+/// The SHA-256 of a file, as `sha256sum` prints it.
+pub fn digest(path: &Path) -> String {
+    sh("sha256sum", &[path.to_str().unwrap()])
+}
