@@ -107,10 +107,24 @@ fn what_qemu_writes_to_a_luks1_image_reads_through_bulkhead_and_back() {
     let key = tmp.path().join("key");
     std::fs::write(&key, KEY).unwrap();
     let secret = format!("secret,id=sec0,file={}", key.display());
-    sh(
-        "qemu-img",
-        &["create", "-q", "-f", "luks", "--object", &secret, "-o", "key-secret=sec0,iter-time=10", &img.to_string_lossy(), "64M"],
-    );
+    // qemu-img times its key derivation with the thread's CPU clock first, and on a loaded
+    // machine that measurement can come out empty ("Unable to get accurate CPU usage"): the
+    // format is retried then, any other failure fails the test.
+    for attempt in 1..=5 {
+        let out = Command::new("timeout")
+            .args(["--kill-after=5", "120", "qemu-img", "create", "-q", "-f", "luks", "--object", &secret])
+            .args(["-o", "key-secret=sec0,iter-time=10"])
+            .arg(&img)
+            .arg("64M")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if out.status.success() {
+            break;
+        }
+        assert!(text.contains("accurate CPU usage") && attempt < 5, "qemu-img create -f luks: {text}");
+        let _ = std::fs::remove_file(&img);
+    }
     qemu_io_luks(&key, &img, &["write -P 0x5a 1M 256k"]);
     let run_dir = tmp.path().join("run");
     let config = format!("[fuse]\nenabled = false\n[nbd]\n{}", crypt_device("q", &img, &key, "intercept"));
