@@ -485,14 +485,9 @@ impl Cow {
                 Ok(Step::Done(r.map(|()| 0)))
             }
         };
-        match r {
-            Ok(s) => s,
-            Err(e) => {
-                // What this request changed must still reach the file before anything else
-                // is answered; a failure there is reported with the next request.
-                Step::Done(Err(e))
-            }
-        }
+        // Metadata a failed request changed stays marked dirty: the next request that
+        // completes writes it back before it is answered.
+        r.unwrap_or_else(|e| Step::Done(Err(e)))
     }
 }
 
