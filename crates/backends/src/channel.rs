@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 use bulkhead_block::{Backend, BlockError, Caps, Io, Request};
-use bulkhead_channel::{ArenaWindows, BelowControl, FrontQueue, Op, Segment, SubmitError, ARENA_READ, ARENA_WRITE};
+use bulkhead_channel::{ArenaWindows, BelowControl, FrontQueue, FrontRequest, Op, Segment, SubmitError, ARENA_READ, ARENA_WRITE};
 
 /// Longest one wait for the domain below, ms; the supervisor's watchdog decides before this.
 const WAIT_SLICE_MS: i32 = 100;
@@ -42,6 +42,10 @@ pub struct ChannelBackend {
     /// The supervisor's line about replacing the domain below, and the generation below now.
     control: Option<BelowControl>,
     generation: u32,
+    /// The queues below have arenas of their own (see [`bulkhead_channel::LowerQueue`]): each
+    /// request's data is copied into them and out, and the domain below never sees the
+    /// channel above.
+    private: bool,
 }
 
 /// How sending one queue's part of a batch ended.
@@ -74,7 +78,9 @@ impl ChannelBackend {
     ) -> Self {
         assert!(!queues.is_empty() && queues.len() == windows.len(), "one upper arena pair per queue below");
         let generation = queues[0].generation();
-        ChannelBackend { queues, windows, size, next: 0, lost: None, stop, route: Vec::new(), control, generation }
+        let private = queues[0].carries_data();
+        assert!(queues.iter().all(|q| q.carries_data() == private), "every queue below private, or none");
+        ChannelBackend { queues, windows, size, next: 0, lost: None, stop, route: Vec::new(), control, generation, private }
     }
 
     /// Starts the queues below over if the supervisor has replaced the domain below; returns
@@ -102,7 +108,8 @@ impl ChannelBackend {
             Request::Discard { .. } => (Op::Discard, 0, None),
             Request::WriteZeroes { .. } => (Op::WriteZeroes, 0, None),
         };
-        let Some(bufs) = bufs else {
+        // Queues with arenas of their own take any request: the data is copied.
+        let Some(bufs) = bufs.filter(|_| !self.private) else {
             self.next = (self.next + 1) % self.queues.len();
             return Ok(Route { queue: self.next, op, segs: ArrayVec::new() });
         };
@@ -125,7 +132,16 @@ impl ChannelBackend {
     fn push(q: &mut FrontQueue, req: &Request<'_>, route: &Route, user: u64) -> Result<(), SubmitError> {
         let (offset, len) = req.range();
         let fua = matches!(req, Request::Write { fua: true, .. });
-        q.push_forward(route.op, offset, len, &route.segs, fua, user)
+        if !q.carries_data() {
+            return q.push_forward(route.op, offset, len, &route.segs, fua, user);
+        }
+        match req {
+            Request::Read { .. } => q.push(FrontRequest::Read { offset, len }, user),
+            Request::Write { bufs, .. } => q.push_gather(offset, bufs, fua, user),
+            Request::Flush => q.push(FrontRequest::Flush, user),
+            Request::Discard { .. } => q.push(FrontRequest::Discard { offset, len }, user),
+            Request::WriteZeroes { .. } => q.push(FrontRequest::WriteZeroes { offset, len }, user),
+        }
     }
 
     /// Sends the requests of `ios` routed to queue `qi` and waits for all of them, sending
@@ -181,6 +197,17 @@ impl ChannelBackend {
                     offset: io.req.range().0,
                     errno: status.errno(),
                 });
+                // A private queue's read landed in its own arena: copy it up.
+                if let (Some(data), Request::Read { bufs, .. }) = (c.data, &io.req) {
+                    let mut at = 0;
+                    for w in bufs.iter() {
+                        let part = data.sub(at, w.len()).expect("the response is the read's length");
+                        if part.copy_to_shared(&w).is_err() {
+                            io.result = Err(BlockError::Invalid("read into read-only memory"));
+                        }
+                        at += w.len();
+                    }
+                }
             });
             pending -= reaped.map_err(|e| format!("channel to the domain below: {e}"))?;
         }

@@ -7,7 +7,7 @@ use bulkhead_doorbell::{now_ns, BudgetPolicy, EventFd, NotifyMode, SpinBudget};
 use bulkhead_ring::{
     FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES,
 };
-use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice};
+use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice, SliceList};
 
 use crate::{ChannelError, QueueConfig, SubmitError};
 
@@ -78,6 +78,8 @@ enum Payload<'d> {
     ReadSpace,
     /// Bytes of the caller's.
     Bytes(&'d [u8]),
+    /// Bytes of the caller's, in windows.
+    Gather(&'d SliceList<'d>),
     /// Windows the driver already has, named as they are.
     Forward(&'d [Segment]),
 }
@@ -134,6 +136,8 @@ pub struct FrontQueue {
     arenas: Option<Arenas>,
     /// Bytes in each arena (the forwarded-to arenas for a forwarding end).
     arena_bytes: usize,
+    /// A tap domain's end of the queue to the domain below: it restarts in place.
+    forwarding: bool,
     kick: EventFd,
     irq: EventFd,
     mode: NotifyMode,
@@ -189,6 +193,7 @@ impl FrontQueue {
         FrontQueue {
             arenas,
             arena_bytes,
+            forwarding: false,
             ring,
             kick,
             irq,
@@ -216,20 +221,48 @@ impl FrontQueue {
         let layout = bulkhead_ring::RingLayout::new(cfg.nslots).map_err(|e| err(&e))?;
         let prot = bulkhead_shmem::Protection::ReadWrite;
         let ring_map = Mapping::new(fds.ring.as_raw_fd(), layout.file_size(), prot).map_err(|e| err(&e))?;
+        let arenas = match &fds.arenas {
+            Some([w, r]) => {
+                let bytes = cfg.arena_bytes.div_ceil(bulkhead_shmem::PAGE_SIZE) * bulkhead_shmem::PAGE_SIZE;
+                for fd in [w, r] {
+                    let have = bulkhead_shmem::memfd::size_of(fd.as_raw_fd()).map_err(|e| err(&e))?;
+                    if have < bytes as u64 {
+                        return Err(ChannelError::Setup(format!("arena of {have} bytes, expected {bytes}")));
+                    }
+                }
+                let w = Mapping::new(w.as_raw_fd(), bytes, prot).map_err(|e| err(&e))?;
+                let r = Mapping::new(r.as_raw_fd(), bytes, prot).map_err(|e| err(&e))?;
+                Some(Arenas { walloc: PageAllocator::new(w.len()), ralloc: PageAllocator::new(r.len()), w, r })
+            }
+            None => None,
+        };
         let ring = FrontRing::create(ring_map, layout, cfg.generation).map_err(|e| err(&e))?;
         let kick = EventFd::from_owned(fds.kick).map_err(|e| err(&e))?;
         let irq = EventFd::from_owned(fds.irq).map_err(|e| err(&e))?;
-        Ok(Self::assemble(ring, None, cfg.arena_bytes, kick, irq, cfg))
+        let mut q = Self::assemble(ring, arenas, cfg.arena_bytes, kick, irq, cfg);
+        q.forwarding = true;
+        Ok(q)
+    }
+
+    /// Whether this end has arenas of its own to fill and read (see
+    /// [`LowerQueue`](crate::LowerQueue)): requests then carry data with
+    /// [`push`](Self::push) and [`push_gather`](Self::push_gather), not by naming windows.
+    pub fn carries_data(&self) -> bool {
+        self.arenas.is_some()
     }
 
     /// Starts a forwarding end over as a fresh queue of `generation`, for a new domain below
     /// (the old one has exited and nothing of it is attached any more): the ring's header is
     /// rewritten and every request outstanding is forgotten, so the caller reissues those it
-    /// still wants answered. Only a forwarding end restarts in place: a queue with arenas of its
-    /// own gets new ones with each generation.
+    /// still wants answered; arenas of its own are emptied. Only a forwarding end restarts in
+    /// place: a frontend's queue gets new arenas with each generation.
     pub fn restart(&mut self, generation: u32) -> Result<(), ChannelError> {
-        if self.arenas.is_some() {
+        if !self.forwarding {
             return Err(ChannelError::Setup("only a forwarding end restarts in place".into()));
+        }
+        if let Some(a) = &mut self.arenas {
+            a.walloc = PageAllocator::new(a.w.len());
+            a.ralloc = PageAllocator::new(a.r.len());
         }
         self.ring.restart(generation).map_err(|e| ChannelError::Setup(e.to_string()))?;
         self.generation = generation;
@@ -252,7 +285,7 @@ impl FrontQueue {
     /// write arena. Publishes them; returns how many. Call only once the old domain is gone
     /// and before the new one attaches.
     pub fn start_over(&mut self, generation: u32) -> Result<usize, ChannelError> {
-        if self.arenas.is_none() {
+        if self.arenas.is_none() || self.forwarding {
             return Err(ChannelError::Setup("a forwarding end restarts with `restart` and reissues itself".into()));
         }
         self.ring.restart(generation).map_err(|e| ChannelError::Setup(e.to_string()))?;
@@ -425,9 +458,20 @@ impl FrontQueue {
             let alloc = if which == ARENA_WRITE { &mut arenas.walloc } else { &mut arenas.ralloc };
             arena_off = alloc.alloc(n).ok_or(SubmitError::Full)?;
             arena_len = n;
-            if let Payload::Bytes(data) = payload {
-                let win = arenas.w.slice(arena_off, n).expect("allocator stays inside the arena");
-                win.copy_from(data).expect("frontend maps the write arena read-write");
+            match payload {
+                Payload::Bytes(data) => {
+                    let win = arenas.w.slice(arena_off, n).expect("allocator stays inside the arena");
+                    win.copy_from(data).expect("frontend maps the write arena read-write");
+                }
+                Payload::Gather(bufs) => {
+                    let mut at = arena_off;
+                    for b in bufs.iter() {
+                        let win = arenas.w.slice(at, b.len()).expect("allocator stays inside the arena");
+                        b.copy_to_shared(&win).expect("frontend maps the write arena read-write");
+                        at += b.len();
+                    }
+                }
+                Payload::None | Payload::ReadSpace | Payload::Forward(_) => {}
             }
             slot.nsegs = 1;
             slot.segs[0] = Segment { arena: which, len: n as u32, offset: arena_off as u64 };
@@ -442,6 +486,11 @@ impl FrontQueue {
         self.table[index as usize] = Entry { live: true, id, user, op, offset, len, fua, arena_off, arena_len };
         self.ring.push(&slot).expect("space checked above");
         Ok(())
+    }
+
+    /// Places a write of the data in `bufs` (copied into this end's write arena) at `offset`.
+    pub fn push_gather(&mut self, offset: u64, bufs: &SliceList<'_>, fua: bool, user: u64) -> Result<(), SubmitError> {
+        self.place(Op::Write, offset, bufs.total_len(), Payload::Gather(bufs), fua, user)
     }
 
     /// Makes pushed requests visible with one release store and rings the driver if it sleeps.

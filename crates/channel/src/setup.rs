@@ -69,7 +69,8 @@ impl BackQueueFds {
 }
 
 /// The descriptors of a forwarding frontend (a tap domain's end of the queue to the domain
-/// below it): the queue file and the doorbells; it has no arenas of its own.
+/// below it): the queue file and the doorbells, and the arenas of the queue's own when it
+/// does not share those of the channel above (see [`LowerQueue::create`]).
 #[derive(Debug)]
 pub struct ForwardQueueFds {
     /// Queue file (read-write).
@@ -78,6 +79,8 @@ pub struct ForwardQueueFds {
     pub kick: OwnedFd,
     /// Doorbell rung by the driver.
     pub irq: OwnedFd,
+    /// The queue's own write and read arenas (both read-write), if it has them.
+    pub arenas: Option<[OwnedFd; 2]>,
 }
 
 impl ForwardQueueFds {
@@ -88,10 +91,19 @@ impl ForwardQueueFds {
 }
 
 /// The queue between a tap domain and the domain below it, for one queue of the channel above.
-/// Its arenas are that queue's: the domain below gets the upper write arena as the same
-/// read-only, write-sealed descriptor the tap domain has, and the upper read arena, so the tap
-/// domain passes requests on by naming the windows they came in, and nothing is copied. Only
-/// the queue file and the doorbells are new.
+///
+/// Shared (the usual way), its arenas are that queue's: the domain below gets the upper write
+/// arena as the same read-only, write-sealed descriptor the tap domain has, and the upper read
+/// arena, so the tap domain passes requests on by naming the windows they came in, and nothing
+/// is copied. Only the queue file and the doorbells are new.
+///
+/// Private, it has arenas of its own, which the tap domain fills and reads and the domain
+/// below sees as it would a frontend's: what the application wrote and reads stays in the
+/// channel above, out of the domain below's reach, and only what the tap domain's filters
+/// send down (a `crypt` filter's ciphertext, a `cow` filter's merged clusters) crosses. The
+/// tap domain copies each request's data in and out. Its write arena is not sealed against
+/// writing, for the tap domain maps it writable after the supervisor made it; the domain below
+/// gets a read-only descriptor, as of every write arena.
 #[derive(Debug)]
 pub struct LowerQueue {
     ring: OwnedFd,
@@ -99,29 +111,47 @@ pub struct LowerQueue {
     irq: OwnedFd,
     write_arena: OwnedFd,
     read_arena: OwnedFd,
+    /// A private queue's arenas as the tap domain gets them: write (read-write), read.
+    own: Option<[OwnedFd; 2]>,
 }
 
 impl LowerQueue {
     /// The queue below the upper queue whose driver descriptors are `upper`, of `cfg`'s ring
-    /// geometry (the tap domain writes the header).
-    pub fn create(name: &str, cfg: &QueueConfig, upper: &BackQueueFds) -> Result<Self, ChannelError> {
+    /// geometry (the tap domain writes the header); `private`: with arenas of its own, of
+    /// `cfg.arena_bytes` each.
+    pub fn create(name: &str, cfg: &QueueConfig, upper: &BackQueueFds, private: bool) -> Result<Self, ChannelError> {
         let layout = RingLayout::new(cfg.nslots).map_err(setup_err)?;
         let ring = memfd::create(&format!("bulkhead-{name}-ring"), layout.file_size() as u64).map_err(setup_err)?;
         memfd::seal_size(ring.as_raw_fd()).map_err(setup_err)?;
         let kick = EventFd::new().map_err(setup_err)?;
         let irq = EventFd::new().map_err(setup_err)?;
-        Ok(LowerQueue {
-            ring,
-            kick: dup(&kick)?,
-            irq: dup(&irq)?,
-            write_arena: dup(&upper.write_arena)?,
-            read_arena: dup(&upper.read_arena)?,
-        })
+        let (write_arena, read_arena, own) = if private {
+            let arena = cfg.arena_bytes.div_ceil(bulkhead_shmem::PAGE_SIZE) * bulkhead_shmem::PAGE_SIZE;
+            let w = memfd::create(&format!("bulkhead-{name}-warena"), arena as u64).map_err(setup_err)?;
+            let r = memfd::create(&format!("bulkhead-{name}-rarena"), arena as u64).map_err(setup_err)?;
+            for fd in [&w, &r] {
+                memfd::seal_size(fd.as_raw_fd()).map_err(setup_err)?;
+            }
+            let w_ro = memfd::reopen_readonly(w.as_raw_fd()).map_err(setup_err)?;
+            (w_ro, dup(&r)?, Some([w, r]))
+        } else {
+            (dup(&upper.write_arena)?, dup(&upper.read_arena)?, None)
+        };
+        Ok(LowerQueue { ring, kick: dup(&kick)?, irq: dup(&irq)?, write_arena, read_arena, own })
+    }
+
+    /// Whether it has arenas of its own.
+    pub fn is_private(&self) -> bool {
+        self.own.is_some()
     }
 
     /// Descriptors for the tap domain, the forwarding frontend.
     pub fn front_fds(&self) -> Result<ForwardQueueFds, ChannelError> {
-        Ok(ForwardQueueFds { ring: dup(&self.ring)?, kick: dup(&self.kick)?, irq: dup(&self.irq)? })
+        let arenas = match &self.own {
+            Some([w, r]) => Some([dup(w)?, dup(r)?]),
+            None => None,
+        };
+        Ok(ForwardQueueFds { ring: dup(&self.ring)?, kick: dup(&self.kick)?, irq: dup(&self.irq)?, arenas })
     }
 
     /// Wakes the tap domain if it waits on this queue (rings the doorbell the domain below
@@ -134,7 +164,7 @@ impl LowerQueue {
 
     /// Descriptors for the domain below. Call once the tap domain has written the header.
     pub fn back_fds(&self) -> Result<BackQueueFds, ChannelError> {
-        let LowerQueue { ring, kick, irq, write_arena, read_arena } = self;
+        let LowerQueue { ring, kick, irq, write_arena, read_arena, .. } = self;
         Ok(BackQueueFds {
             ring: dup(ring)?,
             write_arena: dup(write_arena)?,

@@ -1,6 +1,9 @@
 //! Tests of a frontend and a driver end in one process; the driver end is driven by hand so each
 //! test can play an honest or a hostile peer.
 
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+
 use bulkhead_ring::{RequestSlot, ResponseSlot};
 
 use crate::*;
@@ -304,7 +307,7 @@ fn forward_all(tap: &mut BackQueue, fwd: &mut FrontQueue, below: &mut BackQueue,
 fn lower_queue_forwards_requests_without_copying_through_the_upper_arenas() {
     let cfg = cfg();
     let (mut front, upper) = QueueSetup::create("upper", &cfg).unwrap();
-    let lower = LowerQueue::create("lower", &cfg, &upper).unwrap();
+    let lower = LowerQueue::create("lower", &cfg, &upper, false).unwrap();
     let arenas = bulkhead_ring::ArenaSizes { write: 1 << 20, read: 1 << 20 };
     let mut tap = BackQueue::from_fds(upper, cfg.nslots, arenas, 1 << 20).unwrap();
     let mut fwd = FrontQueue::forwarding(lower.front_fds().unwrap(), &cfg).unwrap();
@@ -324,6 +327,55 @@ fn lower_queue_forwards_requests_without_copying_through_the_upper_arenas() {
     assert_eq!(back, data);
     // A forwarding end has no arenas of its own to carry data in.
     assert!(matches!(fwd.push(FrontRequest::Read { offset: 0, len: 4096 }, 3), Err(SubmitError::Broken(_))));
+}
+
+#[test]
+fn a_private_lower_queue_carries_copies_and_the_domain_below_never_maps_the_upper_arenas() {
+    let cfg = cfg();
+    let (mut front, upper) = QueueSetup::create("upper", &cfg).unwrap();
+    let lower = LowerQueue::create("lower", &cfg, &upper, true).unwrap();
+    assert!(lower.is_private());
+    let arenas = bulkhead_ring::ArenaSizes { write: 1 << 20, read: 1 << 20 };
+    let upper_w = bulkhead_shmem::memfd::size_of(upper.write_arena.as_raw_fd()).unwrap();
+    let mut tap = BackQueue::from_fds(upper, cfg.nslots, arenas, 1 << 20).unwrap();
+    let mut fwd = FrontQueue::forwarding(lower.front_fds().unwrap(), &cfg).unwrap();
+    assert!(fwd.carries_data());
+    let below_fds = lower.back_fds().unwrap();
+    // The domain below gets files of the lower queue alone: not the upper arenas' inodes.
+    let ino = |fd: &std::os::fd::OwnedFd| std::fs::File::from(fd.try_clone().unwrap()).metadata().unwrap().ino();
+    let up = tap.arena_windows();
+    assert_eq!(up.write.1 as u64, upper_w);
+    let mut below = BackQueue::from_fds(below_fds.try_clone().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
+    let own = lower.front_fds().unwrap().arenas.unwrap();
+    assert_eq!((ino(&below_fds.write_arena), ino(&below_fds.read_arena)), (ino(&own[0]), ino(&own[1])));
+
+    let mut disk = vec![0u8; 1 << 20];
+    let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    front.submit(FrontRequest::Write { offset: 12288, data: &data, fua: true }, 1).unwrap();
+    // The tap domain copies the write's windows into the queue below.
+    let Some(Popped::Valid(r)) = tap.pop().unwrap() else { panic!("no request") };
+    fwd.push_gather(r.offset(), &tap.buffers(&r), r.fua(), 7).unwrap();
+    fwd.publish();
+    let mut seen = Vec::new();
+    serve_seeing(&mut below, &mut disk, |v| seen.push((v.op(), v.fua(), v.segments()[0].arena)));
+    assert_eq!(seen, [(Op::Write, true, bulkhead_ring::ARENA_WRITE)]);
+    assert_eq!(&disk[12288..12288 + 8192], &data[..]);
+    let mut done = Vec::new();
+    fwd.reap(|c| done.push((c.user, c.result))).unwrap();
+    assert_eq!(done, [(7, Ok(8192))]);
+    // A read lands in the queue's own read arena, for the tap domain to copy up.
+    fwd.submit(FrontRequest::Read { offset: 12288, len: 8192 }, 8).unwrap();
+    serve(&mut below, &mut disk);
+    let mut back = vec![0u8; 8192];
+    fwd.reap(|c| c.data.unwrap().copy_to(&mut back)).unwrap();
+    assert_eq!(back, data);
+    // Restarted in place for a new domain below, it forgets what it held and frees its arenas.
+    fwd.submit(FrontRequest::Read { offset: 0, len: 1 << 20 }, 9).unwrap();
+    assert!(matches!(fwd.push(FrontRequest::Read { offset: 0, len: 4096 }, 10), Err(SubmitError::Full)));
+    fwd.restart(2).unwrap();
+    assert_eq!(fwd.in_flight(), 0);
+    fwd.submit(FrontRequest::Read { offset: 0, len: 1 << 20 }, 11).unwrap();
+    drop(tap);
 }
 
 #[test]
@@ -381,7 +433,7 @@ fn a_tap_replaced_alone_gets_every_unanswered_request_again_and_the_driver_below
     let cfg = cfg();
     let arenas = bulkhead_ring::ArenaSizes { write: 1 << 20, read: 1 << 20 };
     let (mut front, upper) = QueueSetup::create("upper", &cfg).unwrap();
-    let lower = LowerQueue::create("lower", &cfg, &upper).unwrap();
+    let lower = LowerQueue::create("lower", &cfg, &upper, false).unwrap();
     let mut tap = BackQueue::from_fds(upper.try_clone().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
     let mut fwd = FrontQueue::forwarding(lower.front_fds().unwrap(), &cfg).unwrap();
     let mut below = BackQueue::from_fds(lower.back_fds().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();

@@ -163,6 +163,9 @@ pub struct Device {
     max_request: u64,
     /// Slots of each queue's ring.
     depth: usize,
+    /// Bytes a request's offset and length must be multiples of (see
+    /// [`min_block`](Device::min_block)).
+    min_block: AtomicU32,
     timeout_ms: Option<u64>,
     /// Counters.
     pub counters: DeviceCounters,
@@ -210,6 +213,7 @@ impl Device {
             outage_timed: AtomicBool::new(false),
             max_request,
             depth,
+            min_block: AtomicU32::new(1),
             timeout_ms,
             counters: DeviceCounters::default(),
         });
@@ -262,6 +266,19 @@ impl Device {
     /// Largest request one queue carries without splitting.
     pub fn max_request(&self) -> u64 {
         self.max_request
+    }
+
+    /// The smallest block the device takes: a request's offset and length must be multiples
+    /// of it (1 unless a layer works in sectors, as `crypt` does in the volume's). Exports
+    /// advertise it; requests that break it fail with `Invalid`.
+    pub fn min_block(&self) -> u32 {
+        self.min_block.load(Ordering::Relaxed)
+    }
+
+    /// Sets [`min_block`](Self::min_block) (a power of two), before the device is exported.
+    pub fn set_min_block(&self, bytes: u32) {
+        debug_assert!(bytes.is_power_of_two());
+        self.min_block.store(bytes, Ordering::Relaxed);
     }
 
     /// The queue of `slot` (modulo the queue count), held until the handle is dropped: its

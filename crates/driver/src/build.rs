@@ -99,8 +99,14 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
                     budget: this.budget(),
                     generation: *generation,
                 };
-                let mut front = FrontQueue::forwarding(ForwardQueueFds { ring: ring?, kick: kick?, irq: irq? }, &cfg)
-                    .map_err(|e| DriverError::Setup(format!("channel below: {e}")))?;
+                // SAFETY: as above.
+                let arenas = match q.arena_fds.map(|fds| fds.map(|fd| unsafe { claim(fd) })) {
+                    Some([w, r]) => Some([w?, r?]),
+                    None => None,
+                };
+                let fds = ForwardQueueFds { ring: ring?, kick: kick?, irq: irq?, arenas };
+                let mut front =
+                    FrontQueue::forwarding(fds, &cfg).map_err(|e| DriverError::Setup(format!("channel below: {e}")))?;
                 front.set_yield_after(YIELD_AFTER_SPINS);
                 fronts.push(front);
             }

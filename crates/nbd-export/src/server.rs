@@ -504,8 +504,9 @@ fn negotiate(shared: &Shared, r: &mut SockReader, w: &mut std::fs::File) -> io::
                         INFO_NAME => p.extend_from_slice(device.name().as_bytes()),
                         INFO_DESCRIPTION => p.extend_from_slice(b"bulkhead device"),
                         INFO_BLOCK_SIZE => {
-                            p.extend_from_slice(&1u32.to_be_bytes());
-                            p.extend_from_slice(&4096u32.to_be_bytes());
+                            let min = device.min_block();
+                            p.extend_from_slice(&min.to_be_bytes());
+                            p.extend_from_slice(&min.max(4096).to_be_bytes());
                             p.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
                         }
                         _ => continue, // unknown information: ignored, as the protocol asks

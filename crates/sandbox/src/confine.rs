@@ -54,7 +54,7 @@ struct Footprint {
 fn nproc_limit(role: Role) -> u64 {
     match role {
         Role::FileIoUring => 12,
-        Role::Memory | Role::FileSync | Role::Network | Role::NetworkFile | Role::Tap => 0,
+        Role::Memory | Role::FileSync | Role::Network | Role::NetworkFile | Role::Tap | Role::TapFile => 0,
     }
 }
 

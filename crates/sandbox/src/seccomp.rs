@@ -24,6 +24,9 @@ pub enum Role {
     NetworkFile,
     /// A tap domain in `interpose` mode: the frontend of the domain below over a channel.
     Tap,
+    /// A tap domain whose filters keep a file of their own (a `cow` overlay): the channel below
+    /// and positioned file I/O on descriptors passed in.
+    TapFile,
 }
 
 impl Role {
@@ -36,6 +39,7 @@ impl Role {
             Role::Network => "network",
             Role::NetworkFile => "network-file",
             Role::Tap => "tap",
+            Role::TapFile => "tap-file",
         }
     }
 }
@@ -104,7 +108,7 @@ fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCond
 /// The rules, as (syscall, reason, conditions) for documentation and for the filter.
 pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     let mut v: Vec<(i64, &'static str)> = COMMON.to_vec();
-    if matches!(role, Role::FileSync | Role::FileIoUring | Role::NetworkFile) {
+    if matches!(role, Role::FileSync | Role::FileIoUring | Role::NetworkFile | Role::TapFile) {
         v.extend_from_slice(FILE);
     }
     if matches!(role, Role::Network | Role::NetworkFile) {
@@ -113,7 +117,7 @@ pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     if role == Role::FileIoUring {
         v.extend_from_slice(IO_URING);
     }
-    if role == Role::Tap {
+    if matches!(role, Role::Tap | Role::TapFile) {
         v.extend_from_slice(TAP);
     }
     v.push((libc::SYS_mmap, "the allocator: anonymous private memory only, never executable"));
@@ -169,7 +173,8 @@ mod tests {
 
     #[test]
     fn every_role_compiles_and_lists_a_reason_per_syscall() {
-        for role in [Role::Memory, Role::FileSync, Role::FileIoUring, Role::Network, Role::NetworkFile, Role::Tap] {
+        for role in [Role::Memory, Role::FileSync, Role::FileIoUring, Role::Network, Role::NetworkFile, Role::Tap, Role::TapFile]
+        {
             assert!(filter(role).is_ok(), "{role:?}");
             for (nr, why) in allowlist(role) {
                 assert!(!why.is_empty(), "syscall {nr} has no reason");

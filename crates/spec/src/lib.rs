@@ -103,6 +103,9 @@ pub struct LowerQueueSpec {
     pub nslots: u32,
     /// Descriptors: ring, kick, irq.
     pub fds: [i32; 3],
+    /// The queue's own arenas (write, read), when it does not share those of the channel above.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arena_fds: Option<[i32; 2]>,
 }
 
 /// The backend and its descriptors.
@@ -188,6 +191,7 @@ impl DomainSpec {
             return match role {
                 Role::Memory => Role::FileSync,
                 Role::Network => Role::NetworkFile,
+                Role::Tap => Role::TapFile,
                 r => r,
             };
         }

@@ -33,82 +33,63 @@ fn secret_file(device: &str, key: &[u8]) -> Result<OwnedFd, String> {
     Ok(fd)
 }
 
-/// Reads the LUKS header of each `crypt` filter's volume from the device below it — the
-/// backend's storage, read by `read` — fills in where its data lies, opens it with the key
-/// file, and hands the filter the master key; returns the size the device has above the
-/// filters. A `crypt` filter must be the only one that moves data, and every filter below it
-/// must pass offsets unchanged (all others do). Opening here, once, gives a wrong key or a
-/// damaged header a clear error when the device starts, and spares every domain generation
-/// the key derivation (seconds and up to 4 GiB of memory, as the volume's key slots ask).
-pub(crate) fn open_volumes(
+/// Opens the LUKS volume of `crypt` filter `f` (the `i`-th, from 0) on the device below it,
+/// `size_below` bytes read by `read`: fills in where its data lies, opens it with the key file
+/// and hands the filter the master key; returns the size of the device the filter makes.
+/// Opening here, once, gives a wrong key or a damaged header a clear error when the device
+/// starts, and spares every domain generation the key derivation (seconds and up to 4 GiB of
+/// memory, as the volume's key slots ask).
+pub(crate) fn open_volume(
     device: &str,
-    filters: &mut [FilterSetup],
-    backend_size: u64,
+    i: usize,
+    f: &mut FilterSetup,
+    size_below: u64,
     read: &mut bulkhead_crypt::ReadAt<'_>,
 ) -> Result<u64, String> {
-    let mut size = backend_size;
-    let mut seen = false;
-    for (i, f) in filters.iter_mut().enumerate().rev() {
-        if let FilterSpec::Crypt { payload_offset, data_size, sector_size } = &mut f.spec {
-            if seen {
-                return Err(format!("filter {}: one crypt filter per device", i + 1));
-            }
-            seen = true;
-            let v = bulkhead_crypt::Volume::read(read).map_err(|e| format!("filter {} (crypt): {e}", i + 1))?;
-            let d = v.data_size(size).map_err(|e| format!("filter {} (crypt): {e}", i + 1))?;
-            if d == 0 {
-                return Err(format!("filter {} (crypt): the volume holds no data", i + 1));
-            }
-            (*payload_offset, *data_size, *sector_size) = (v.payload_offset, d, v.sector_size);
-            size = d;
-            let path = f.key_file.as_ref().ok_or_else(|| format!("filter {} (crypt): no key_file", i + 1))?;
-            let passphrase = zeroize::Zeroizing::new(
-                std::fs::read(path).map_err(|e| format!("filter {} (crypt): key_file {}: {e}", i + 1, path.display()))?,
-            );
-            let key = v.unlock(&passphrase, read).map_err(|e| match e {
-                bulkhead_crypt::CryptError::WrongKey => {
-                    format!("filter {} (crypt): no key slot of the volume opens with key_file {}", i + 1, path.display())
-                }
-                e => format!("filter {} (crypt): {e}", i + 1),
-            })?;
-            f.secret = Some(secret_file(device, key.bytes()).map_err(|e| format!("filter {} (crypt): key: {e}", i + 1))?);
-        }
+    let bad = |m: String| format!("filter {} (crypt): {m}", i + 1);
+    let FilterSpec::Crypt { payload_offset, data_size, sector_size } = &mut f.spec else {
+        return Err(bad("not a crypt filter".into()));
+    };
+    let v = bulkhead_crypt::Volume::read(read).map_err(|e| bad(e.to_string()))?;
+    let d = v.data_size(size_below).map_err(|e| bad(e.to_string()))?;
+    if d == 0 {
+        return Err(bad("the volume holds no data".into()));
     }
-    Ok(size)
+    (*payload_offset, *data_size, *sector_size) = (v.payload_offset, d, v.sector_size);
+    let path = f.key_file.as_ref().ok_or_else(|| bad("no key_file".into()))?;
+    let passphrase = zeroize::Zeroizing::new(std::fs::read(path).map_err(|e| bad(format!("key_file {}: {e}", path.display())))?);
+    let key = v.unlock(&passphrase, read).map_err(|e| match e {
+        bulkhead_crypt::CryptError::WrongKey => bad(format!("no key slot of the volume opens with key_file {}", path.display())),
+        e => bad(e.to_string()),
+    })?;
+    f.secret = Some(secret_file(device, key.bytes()).map_err(|e| bad(format!("key: {e}")))?);
+    Ok(d)
 }
 
-/// Opens the overlay of each `cow` filter, creating an empty one (a qcow2 image the size of
-/// the device below it) if the file does not exist, and checks that it fits: qcow2, not
-/// damaged, the size of the device below. The overlay is locked for this serve alone. A new
-/// overlay over a raw file backend with no filter between names that file as its raw backing
-/// file, so `qemu-img` reads the overlay as the device it stands for.
-pub(crate) fn open_overlays(filters: &mut [FilterSetup], backend_size: u64, backend_file: Option<&Path>) -> Result<(), String> {
-    let mut size = backend_size;
-    let last = filters.len().saturating_sub(1);
-    let mut seen = false;
-    for (i, f) in filters.iter_mut().enumerate().rev() {
-        let bad = |m: String| format!("filter {} (cow): {m}", i + 1);
-        match &mut f.spec {
-            FilterSpec::Crypt { data_size, .. } => size = *data_size,
-            FilterSpec::Cow { cluster_bits, .. } => {
-                if seen {
-                    return Err(bad("one cow filter per device".into()));
-                }
-                seen = true;
-                let path = f.overlay.clone().ok_or_else(|| bad("no overlay".into()))?;
-                let backing = match backend_file {
-                    Some(p) if i == last => p.canonicalize().ok().and_then(|p| p.to_str().map(String::from)),
-                    _ => None,
-                }
-                .map(|name| bulkhead_image::Backing { name, format: bulkhead_image::Format::Raw });
-                let (fd, bits) = open_overlay(&path, size, *cluster_bits, backing.as_ref())
-                    .map_err(|e| bad(format!("overlay {}: {e}", path.display())))?;
-                *cluster_bits = bits;
-                f.output = Some(fd);
-            }
-            _ => {}
-        }
-    }
+/// Opens the overlay of `cow` filter `f` (the `i`-th, from 0), creating an empty one (a qcow2
+/// image the size of the device below it) if the file does not exist, and checks that it
+/// fits: qcow2, not damaged, `size_below` bytes. The overlay is locked for this serve alone.
+/// A new overlay names `backing_file` (the backend's file or image right below, if any, and its
+/// format) as its backing file, so `qemu-img` reads the overlay as the device it stands for.
+pub(crate) fn open_cow_overlay(
+    i: usize,
+    f: &mut FilterSetup,
+    size_below: u64,
+    backing_file: Option<(&Path, bulkhead_image::Format)>,
+) -> Result<(), String> {
+    let bad = |m: String| format!("filter {} (cow): {m}", i + 1);
+    let FilterSpec::Cow { cluster_bits, .. } = &mut f.spec else {
+        return Err(bad("not a cow filter".into()));
+    };
+    let path = f.overlay.clone().ok_or_else(|| bad("no overlay".into()))?;
+    let backing = backing_file.and_then(|(p, format)| {
+        let name = p.canonicalize().ok()?.to_str()?.to_string();
+        Some(bulkhead_image::Backing { name, format })
+    });
+    let (fd, bits) = open_overlay(&path, size_below, *cluster_bits, backing.as_ref())
+        .map_err(|e| bad(format!("overlay {}: {e}", path.display())))?;
+    *cluster_bits = bits;
+    f.output = Some(fd);
     Ok(())
 }
 
@@ -179,7 +160,7 @@ pub(crate) struct FilterSetup {
     pub secret: Option<OwnedFd>,
     /// The key file it is opened with (`crypt`).
     pub key_file: Option<std::path::PathBuf>,
-    /// Its overlay file (`cow`), opened by [`open_overlays`] into `output`.
+    /// Its overlay file (`cow`), opened by [`open_cow_overlay`] into `output`.
     pub overlay: Option<std::path::PathBuf>,
     /// The state page as `status` reads it.
     pub page: StatePage,

@@ -214,6 +214,9 @@ pub(crate) struct Launcher {
     pub(crate) index: u32,
 }
 
+/// How long a read through a domain started to read a LUKS header may take, at least, ms.
+const PROBE_TIMEOUT_MS: u64 = 10_000;
+
 /// Spins a frontend waiting on a tap domain makes before it yields between looks (about 10 µs).
 const FRONTEND_YIELD_AFTER_SPINS: u32 = 2048;
 
@@ -425,38 +428,6 @@ impl DeviceRuntime {
             filters.push(FilterSetup::new(&name, index, f).map_err(|e| err(format!("filter {}: {e}", i + 1)))?);
         }
         let backend_size = size;
-        check_transforming(cfg.tap, &filters).map_err(err)?;
-        let size = if filters.iter().any(|f| matches!(f.spec, FilterSpec::Crypt { .. })) {
-            let fd = match &backend {
-                Backend::Ram => backend_fds.first(),
-                // The buffered descriptor of a direct file: no alignment rules for a header read.
-                Backend::File { format: ImageFormat::Qcow2, path, .. } => {
-                    return Err(err(format!("a crypt filter over a qcow2 image ({}) is not supported yet", path.display())));
-                }
-                Backend::File { direct, .. } => backend_fds.get(usize::from(*direct)),
-                Backend::Null => None,
-                Backend::Nbd { uri, .. } => {
-                    return Err(err(format!("a crypt filter over an nbd backend ({uri}) is not supported yet")));
-                }
-            };
-            let mut read = |at: u64, buf: &mut [u8]| -> Result<(), String> {
-                use std::os::unix::fs::FileExt;
-                let Some(fd) = fd else {
-                    buf.fill(0);
-                    return Ok(());
-                };
-                let f = std::fs::File::from(fd.try_clone().map_err(|e| e.to_string())?);
-                f.read_exact_at(buf, at).map_err(|e| e.to_string())
-            };
-            crate::chain::open_volumes(&name, &mut filters, backend_size, &mut read).map_err(err)?
-        } else {
-            size
-        };
-        let raw_file = match &backend {
-            Backend::File { format: ImageFormat::Raw, path, .. } => Some(path.as_path()),
-            _ => None,
-        };
-        crate::chain::open_overlays(&mut filters, backend_size, raw_file).map_err(err)?;
         let (state_fd, state) = state_page(&format!("bulkhead-{name}-domain")).map_err(err)?;
         let qcfg = QueueConfig {
             nslots: *cfg.queue_depth.get_ref(),
@@ -476,14 +447,14 @@ impl DeviceRuntime {
             mode,
             queues: nqueues,
             qcfg,
-            size,
+            size: backend_size,
             backend_size,
             backend,
             exe: exe.to_path_buf(),
             backend_fds,
             image_formats,
             io_timeout_ms: cfg.watchdog_ms(),
-            chain: Mutex::new(ChainSetup { tap: cfg.tap, filters }),
+            chain: Mutex::new(ChainSetup { tap: Tap::Passthrough, filters: Vec::new() }),
             state_fd,
             index,
             policy: match cfg.sandbox {
@@ -492,8 +463,11 @@ impl DeviceRuntime {
                 bulkhead_config::Sandbox::Off => Policy::Off,
             },
         };
+        let mut launcher = launcher;
+        let size = launcher.prepare_filters(filters, cfg.tap).map_err(err)?;
         let Launched { fronts, top, lower, below } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
         let (device, control) = Device::new(&name, size, fronts, None);
+        device.set_min_block(launcher.min_block());
         Ok(DeviceRuntime {
             name: name.clone(),
             device,
@@ -522,7 +496,6 @@ impl DeviceRuntime {
                 if *t == Tap::Intercept {
                     self.launcher.soft_terminal()?;
                 }
-                check_transforming(*t, &chain.filters)?;
                 let was = chain.tap;
                 chain.tap = *t;
                 Ok(format!("tap mode {} → {}", was.as_str(), t.as_str()))
@@ -570,20 +543,129 @@ impl DeviceRuntime {
     }
 }
 
-/// Refuses a filter that sends data of its own below (`crypt`) in a tap domain: the driver
-/// domain below sees only the frontend's arenas, not the tap domain's scratch memory.
-fn check_transforming(tap: Tap, filters: &[FilterSetup]) -> Result<(), String> {
-    match filters.iter().find(|f| f.spec.transforms()) {
-        Some(f) if tap == Tap::Interpose => Err(format!(
-            "a {} filter cannot run in a tap domain yet (tap = \"interpose\"): the data it writes is in memory the \
-             driver domain below cannot see; use tap = \"passthrough\" or \"intercept\"",
-            f.spec.type_name()
-        )),
-        _ => Ok(()),
-    }
-}
-
 impl Launcher {
+    /// Opens what the filters need before their first generation, from the bottom of the
+    /// chain up, each over the device the filters below it make: a `cow` filter's overlay is
+    /// made the size of that device, and a `crypt` filter's LUKS header is read from it. Where
+    /// that device is the backend's own bytes (memory, a raw file, through filters that move
+    /// no data) the header is read from the storage directly; otherwise (a qcow2 image, a
+    /// remote server, a `cow` below) the filters below run in a domain of their own for the
+    /// read, so the header is read exactly as the filter will see it. Sets the chain to
+    /// `filters` under `tap`; returns the size of the device they make.
+    pub(crate) fn prepare_filters(&mut self, mut filters: Vec<FilterSetup>, tap: Tap) -> Result<u64, String> {
+        let mut size = self.backend_size;
+        let (mut crypt, mut cow) = (false, false);
+        while let Some(mut f) = filters.pop() {
+            let i = filters.len();
+            let below = &self.chain.get_mut().unwrap_or_else(|e| e.into_inner()).filters;
+            let direct = below.iter().all(|b| !b.spec.transforms());
+            match f.spec {
+                FilterSpec::Crypt { .. } => {
+                    if std::mem::replace(&mut crypt, true) {
+                        return Err(format!("filter {} (crypt): one crypt filter per device", i + 1));
+                    }
+                    size = if direct && self.reads_storage_directly() {
+                        let fd = self.header_fd();
+                        let mut read = |at: u64, buf: &mut [u8]| -> Result<(), String> {
+                            use std::os::unix::fs::FileExt;
+                            let Some(fd) = fd else {
+                                buf.fill(0);
+                                return Ok(());
+                            };
+                            let f = std::fs::File::from(fd.try_clone().map_err(|e| e.to_string())?);
+                            f.read_exact_at(buf, at).map_err(|e| e.to_string())
+                        };
+                        crate::chain::open_volume(&self.name, i, &mut f, size, &mut read)?
+                    } else {
+                        self.size = size;
+                        let name = self.name.clone();
+                        self.read_through(|read| crate::chain::open_volume(&name, i, &mut f, size, read))
+                            .map_err(|e| format!("filter {} (crypt): {e}", i + 1))?
+                    };
+                }
+                FilterSpec::Cow { .. } => {
+                    if std::mem::replace(&mut cow, true) {
+                        return Err(format!("filter {} (cow): one cow filter per device", i + 1));
+                    }
+                    let backing = match &self.backend {
+                        Backend::File { format, path, .. } if below.is_empty() => Some((
+                            path.clone(),
+                            match format {
+                                ImageFormat::Raw => bulkhead_image::Format::Raw,
+                                ImageFormat::Qcow2 => bulkhead_image::Format::Qcow2,
+                            },
+                        )),
+                        _ => None,
+                    };
+                    crate::chain::open_cow_overlay(i, &mut f, size, backing.as_ref().map(|(p, f)| (p.as_path(), *f)))?;
+                }
+                _ => {}
+            }
+            self.chain.get_mut().unwrap_or_else(|e| e.into_inner()).filters.insert(0, f);
+        }
+        self.chain.get_mut().unwrap_or_else(|e| e.into_inner()).tap = tap;
+        self.size = size;
+        Ok(size)
+    }
+
+    /// The smallest block the chain takes: a `crypt` filter's sector, or 1.
+    fn min_block(&self) -> u32 {
+        let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
+        chain
+            .filters
+            .iter()
+            .filter_map(|f| match f.spec {
+                FilterSpec::Crypt { sector_size, .. } => Some(sector_size),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// Whether the backend's bytes are in storage the supervisor holds (memory, a raw file).
+    fn reads_storage_directly(&self) -> bool {
+        matches!(self.backend, Backend::Ram | Backend::Null | Backend::File { format: ImageFormat::Raw, .. })
+    }
+
+    /// The descriptor to read the backend's storage through: a direct file's buffered one (no
+    /// alignment rules for a header read); `None` for the null backend (it reads as zeroes).
+    fn header_fd(&self) -> Option<&OwnedFd> {
+        match &self.backend {
+            Backend::File { direct, .. } => self.backend_fds.get(usize::from(*direct)),
+            Backend::Ram => self.backend_fds.first(),
+            _ => None,
+        }
+    }
+
+    /// Runs `f` with a reader of the device the current chain makes (`self.size` bytes): a
+    /// domain of its own serves it, in passthrough, and is ended afterwards.
+    fn read_through<T>(&self, f: impl FnOnce(&mut bulkhead_crypt::ReadAt<'_>) -> Result<T, String>) -> Result<T, String> {
+        let Launched { fronts, top, lower, .. } =
+            self.launch(1).map_err(|e| format!("cannot start a domain to read the device below: {e}"))?;
+        let timeout = self.io_timeout_ms.max(PROBE_TIMEOUT_MS);
+        let (dev, _control) = Device::new(&self.name, self.size, fronts, Some(timeout));
+        let size = self.size;
+        let mut read = |at: u64, buf: &mut [u8]| -> Result<(), String> {
+            // The device takes whole sectors.
+            let start = at / 512 * 512;
+            let end = (at + buf.len() as u64).div_ceil(512) * 512;
+            if end > size {
+                return Err(format!("{} bytes at {at} run past the end of the device below ({size} bytes)", buf.len()));
+            }
+            let mut whole = vec![0u8; (end - start) as usize];
+            dev.read_into(0, start, &mut whole).map_err(|e| format!("reading the device below: {e}"))?;
+            let from = (at - start) as usize;
+            buf.copy_from_slice(&whole[from..from + buf.len()]);
+            Ok(())
+        };
+        let out = f(&mut read);
+        discard(top.child);
+        if let Some(l) = lower {
+            discard(l.child);
+        }
+        out
+    }
+
     /// Refuses a terminal that is not a soft device: `intercept` ends the chain in memory, a
     /// file on a mounted file system or a remote server, never in a device node (that is what
     /// a driver domain is for).
@@ -628,6 +710,9 @@ impl Launcher {
         let arena = |f: &FrontQueue| f.arena_bytes() as u64;
         let chain = self.chain.lock().unwrap_or_else(|e| e.into_inner());
         let interpose = chain.tap == Tap::Interpose;
+        // A chain that changes what the device holds keeps the channel above from the domain
+        // below: the application's data is the tap domain's alone (see `LowerQueue`).
+        let private = chain.filters.iter().any(|f| f.spec.transforms());
         if chain.tap == Tap::Intercept {
             self.soft_terminal()?;
         }
@@ -641,7 +726,9 @@ impl Launcher {
         for q in 0..self.queues {
             let (front, fds) = QueueSetup::create(&format!("{}-q{q}", self.name), &qcfg).map_err(|e| e.to_string())?;
             if interpose {
-                lowers.push(LowerQueue::create(&format!("{}-lower-q{q}", self.name), &qcfg, &fds).map_err(|e| e.to_string())?);
+                lowers.push(
+                    LowerQueue::create(&format!("{}-lower-q{q}", self.name), &qcfg, &fds, private).map_err(|e| e.to_string())?,
+                );
                 tap_fds.push(fds);
             } else {
                 let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } = fds;
@@ -706,8 +793,12 @@ impl Launcher {
         }
         let mut below_specs = Vec::new();
         for l in &below.queues {
-            let bulkhead_channel::ForwardQueueFds { ring, kick, irq } = l.front_fds().map_err(|e| e.to_string())?;
-            below_specs.push(LowerQueueSpec { nslots: below.nslots, fds: [ring, kick, irq].map(|fd| pass.add_owned(fd)) });
+            let bulkhead_channel::ForwardQueueFds { ring, kick, irq, arenas } = l.front_fds().map_err(|e| e.to_string())?;
+            below_specs.push(LowerQueueSpec {
+                nslots: below.nslots,
+                fds: [ring, kick, irq].map(|fd| pass.add_owned(fd)),
+                arena_fds: arenas.map(|a| a.map(|fd| pass.add_owned(fd))),
+            });
         }
         let control_fds = Some(below.control.fds().map_err(|e| e.to_string())?.map(|fd| pass.add_owned(fd)));
         let backend = BackendSpec::Channel { queues: below_specs, generation: below.generation, control_fds };

@@ -222,7 +222,12 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
                     budget: spec.budget(),
                     generation: *generation,
                 };
-                let fds = ForwardQueueFds { ring: ring?, kick: kick?, irq: irq? };
+                // SAFETY: as above.
+                let arenas = match q.arena_fds.map(|fds| fds.map(|fd| unsafe { claim(fd) })) {
+                    Some([w, r]) => Some([w?, r?]),
+                    None => None,
+                };
+                let fds = ForwardQueueFds { ring: ring?, kick: kick?, irq: irq?, arenas };
                 fronts.push(FrontQueue::forwarding(fds, &cfg).map_err(|e| e.to_string())?);
             }
             let windows = queues
