@@ -171,11 +171,11 @@ pub struct Progress {
     pub eta: Duration,
 }
 
-fn which(tool: &str) -> bool {
+pub(crate) fn which(tool: &str) -> bool {
     std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())).unwrap_or(false)
 }
 
-fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
+pub(crate) fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
     let out = Command::new(cmd).args(args).output().map_err(|e| format!("{cmd}: {e}"))?;
     if !out.status.success() {
         return Err(format!("{cmd} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
@@ -184,10 +184,10 @@ fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
 }
 
 /// Processes started for a system; SIGTERM, then SIGKILL, on drop.
-struct Procs(Vec<Child>);
+pub(crate) struct Procs(pub(crate) Vec<Child>);
 
 impl Procs {
-    fn pids(&self) -> Vec<u32> {
+    pub(crate) fn pids(&self) -> Vec<u32> {
         self.0.iter().map(|c| c.id()).collect()
     }
 }
@@ -225,7 +225,7 @@ impl Drop for Undo {
     }
 }
 
-fn wait_for(path: &Path, what: &str, child: Option<&mut Child>) -> Result<(), String> {
+pub(crate) fn wait_for(path: &Path, what: &str, child: Option<&mut Child>) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut child = child;
     while !path.exists() {
@@ -380,7 +380,7 @@ fn host_jiffies() -> (u64, u64) {
 }
 
 /// utime + stime (jiffies) of `roots` and all their descendants.
-fn tree_jiffies(roots: &[u32]) -> u64 {
+pub(crate) fn tree_jiffies(roots: &[u32]) -> u64 {
     let mut parent: HashMap<u32, u32> = HashMap::new();
     let mut cpu: HashMap<u32, u64> = HashMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
@@ -413,7 +413,7 @@ fn tree_jiffies(roots: &[u32]) -> u64 {
     sum
 }
 
-fn clock_ticks() -> f64 {
+pub(crate) fn clock_ticks() -> f64 {
     // SAFETY: plain sysconf query.
     let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     if t > 0 {

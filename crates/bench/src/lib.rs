@@ -8,6 +8,7 @@
 
 pub mod channel;
 pub mod fileio;
+pub mod images;
 pub mod restart;
 mod table;
 pub mod tap;

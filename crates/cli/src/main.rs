@@ -191,6 +191,25 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Disk images, copy-on-write and encryption (raw, qcow2, cow, crypt, crypt over qcow2) next
+    /// to qemu-storage-daemon, both over NBD through fio's nbd engine.
+    Images {
+        /// Seconds per job.
+        #[arg(long, default_value_t = 5)]
+        seconds: u32,
+        /// Bytes of each device, e.g. 1G.
+        #[arg(long, default_value = "1G")]
+        size: String,
+        /// Scratch directory for the images (a tmpfs measures the formats, not a disk).
+        #[arg(long, default_value = "/dev/shm")]
+        scratch: PathBuf,
+        /// Skip qemu-storage-daemon.
+        #[arg(long)]
+        no_qsd: bool,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// The IDDR thesis' sysbench fileio experiment, bulkhead next to the peers (needs root).
     Fileio {
         /// The quick subset (about two minutes).
@@ -285,6 +304,9 @@ fn main() -> ExitCode {
         }
         Cmd::Bench { which: BenchCmd::Tap { mode, bytes, requests, no_nbdkit, scratch, json } } => {
             bench_tap(mode, &bytes, requests, !no_nbdkit, scratch, json)
+        }
+        Cmd::Bench { which: BenchCmd::Images { seconds, size, scratch, no_qsd, json } } => {
+            bench_images(seconds, &size, scratch, !no_qsd, json)
         }
         Cmd::Bench {
             which:
@@ -476,6 +498,32 @@ fn bench_tap(
         print!("{}", bulkhead_bench::tap::render(&r));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn bench_images(seconds: u32, size: &str, scratch: PathBuf, qsd: bool, json: bool) -> anyhow::Result<ExitCode> {
+    let size = bulkhead_config::parse_size(size).map_err(|e| anyhow::anyhow!("--size: {e}"))?;
+    if size < 64 << 20 || size % (1 << 20) != 0 {
+        anyhow::bail!("--size must be a whole number of MiB, at least 64M");
+    }
+    if !(1..=600).contains(&seconds) {
+        anyhow::bail!("--seconds must be between 1 and 600");
+    }
+    if !scratch.is_dir() {
+        anyhow::bail!("--scratch {}: not a directory", scratch.display());
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
+    let exe = std::env::current_exe()?;
+    let opts = bulkhead_bench::images::Options { seconds, size, scratch, qsd };
+    let r =
+        bulkhead_bench::images::run_bench(&exe, &opts, &stop, |p| eprintln!("bench images: {p}")).map_err(anyhow::Error::msg)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", bulkhead_bench::images::render(&r));
+    }
+    Ok(if r.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
 }
 
 fn bench_channel(mode: ModeArg, json: bool, seconds: f64, samples: usize, pin: bool) -> anyhow::Result<ExitCode> {
