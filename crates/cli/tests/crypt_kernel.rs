@@ -267,19 +267,7 @@ fn in_a_tap_domain_the_key_and_the_plaintext_never_reach_the_driver_domain_below
     std::fs::write(mnt.join("marker"), &marker).unwrap();
     sh("sync", &[]);
     // Kill the tap domain and the driver domain below it in turn while fio verifies.
-    let killer = DomainKiller::start(
-        run_dir.clone(),
-        || Duration::from_millis(600),
-        |d, kills| {
-            let kind = (kills % 2) as usize;
-            let pid = d[if kind == 0 { "tap_pid" } else { "driver_pid" }].as_u64().unwrap_or(0);
-            (kind, pid as u32, pid)
-        },
-    );
-    let fio = std::panic::catch_unwind(|| fio_verify(&fs.mnt, "randrw", "4k-64k", "24M", 6));
-    let kills = killer.stop();
-    assert!(fio.is_ok(), "fio failed; serve's log:\n{}", serve.log_text());
-    assert!(kills.len() == 2 && kills.iter().all(|&k| k >= 2), "kills by kind (tap, driver): {kills:?}");
+    fio_verify_killing_both_domains(&serve, &fs.mnt, Duration::from_millis(600), 6);
     // The marker read back through the device, not the page cache, lands in the application's
     // arena and nowhere below.
     std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
@@ -335,19 +323,7 @@ fn crypt_over_cow_over_qcow2_survives_both_domains_being_killed_and_qemu_reads_w
     assert_eq!(std::fs::metadata(serve.fuse_file("c")).unwrap().len(), (96 << 20) - (2 << 20));
     let mnt = tmp.path().join("mnt");
     let mut fs = Ext4::make(&serve.fuse_file("c"), &mnt);
-    let killer = DomainKiller::start(
-        run_dir.clone(),
-        || Duration::from_millis(700),
-        |d, kills| {
-            let kind = (kills % 2) as usize;
-            let pid = d[if kind == 0 { "tap_pid" } else { "driver_pid" }].as_u64().unwrap_or(0);
-            (kind, pid as u32, pid)
-        },
-    );
-    let fio = std::panic::catch_unwind(|| fio_verify(&fs.mnt, "randrw", "4k-64k", "24M", 8));
-    let kills = killer.stop();
-    assert!(fio.is_ok(), "fio failed; serve's log:\n{}", serve.log_text());
-    assert!(kills.len() == 2 && kills.iter().all(|&k| k >= 2), "kills by kind (tap, driver): {kills:?}");
+    fio_verify_killing_both_domains(&serve, &fs.mnt, Duration::from_millis(700), 8);
     fs.unmount_and_check();
     drop(fs);
     let st = serve.status_json();
@@ -373,4 +349,22 @@ fn crypt_over_cow_over_qcow2_survives_both_domains_being_killed_and_qemu_reads_w
     let served = digest(&serve.fuse_file("c"));
     assert_eq!(served.split_whitespace().next(), digest(&plain).split_whitespace().next(), "qemu and bulkhead disagree");
     drop(serve);
+}
+
+/// fio verify on `mnt` for `seconds` while the tap domain and the driver domain below it are
+/// killed in turn, one every `every`; fails unless fio passed and each was killed twice.
+fn fio_verify_killing_both_domains(serve: &Serve, mnt: &std::path::Path, every: Duration, seconds: u32) {
+    let killer = DomainKiller::start(
+        serve.run_dir.clone(),
+        move || every,
+        |d, kills| {
+            let kind = (kills % 2) as usize;
+            let pid = d[if kind == 0 { "tap_pid" } else { "driver_pid" }].as_u64().unwrap_or(0);
+            (kind, pid as u32, pid)
+        },
+    );
+    let fio = std::panic::catch_unwind(|| fio_verify(mnt, "randrw", "4k-64k", "24M", seconds));
+    let kills = killer.stop();
+    assert!(fio.is_ok(), "fio failed; serve's log:\n{}", serve.log_text());
+    assert!(kills.len() == 2 && kills.iter().all(|&k| k >= 2), "kills by kind (tap, driver): {kills:?}");
 }
