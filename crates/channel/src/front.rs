@@ -223,7 +223,7 @@ impl FrontQueue {
         let ring_map = Mapping::new(fds.ring.as_raw_fd(), layout.file_size(), prot).map_err(|e| err(&e))?;
         let arenas = match &fds.arenas {
             Some([w, r]) => {
-                let bytes = cfg.arena_bytes.div_ceil(bulkhead_shmem::PAGE_SIZE) * bulkhead_shmem::PAGE_SIZE;
+                let bytes = cfg.arena_len();
                 for fd in [w, r] {
                     let have = bulkhead_shmem::memfd::size_of(fd.as_raw_fd()).map_err(|e| err(&e))?;
                     if have < bytes as u64 {

@@ -23,6 +23,20 @@ pub struct QueueConfig {
     pub generation: u32,
 }
 
+impl QueueConfig {
+    /// Bytes of each arena file: `arena_bytes` rounded up to whole pages.
+    pub(crate) fn arena_len(&self) -> usize {
+        self.arena_bytes.div_ceil(bulkhead_shmem::PAGE_SIZE) * bulkhead_shmem::PAGE_SIZE
+    }
+}
+
+/// A new arena file of `bytes`, sealed against shrinking.
+fn new_arena(name: &str, bytes: usize) -> Result<OwnedFd, ChannelError> {
+    let fd = memfd::create(name, bytes as u64).map_err(setup_err)?;
+    memfd::seal_size(fd.as_raw_fd()).map_err(setup_err)?;
+    Ok(fd)
+}
+
 impl Default for QueueConfig {
     fn default() -> Self {
         QueueConfig {
@@ -126,12 +140,8 @@ impl LowerQueue {
         let kick = EventFd::new().map_err(setup_err)?;
         let irq = EventFd::new().map_err(setup_err)?;
         let (write_arena, read_arena, own) = if private {
-            let arena = cfg.arena_bytes.div_ceil(bulkhead_shmem::PAGE_SIZE) * bulkhead_shmem::PAGE_SIZE;
-            let w = memfd::create(&format!("bulkhead-{name}-warena"), arena as u64).map_err(setup_err)?;
-            let r = memfd::create(&format!("bulkhead-{name}-rarena"), arena as u64).map_err(setup_err)?;
-            for fd in [&w, &r] {
-                memfd::seal_size(fd.as_raw_fd()).map_err(setup_err)?;
-            }
+            let w = new_arena(&format!("bulkhead-{name}-warena"), cfg.arena_len())?;
+            let r = new_arena(&format!("bulkhead-{name}-rarena"), cfg.arena_len())?;
             let w_ro = memfd::reopen_readonly(w.as_raw_fd()).map_err(setup_err)?;
             (w_ro, dup(&r)?, Some([w, r]))
         } else {
@@ -192,13 +202,11 @@ impl QueueSetup {
     /// Creates ring, arenas and doorbells; returns the frontend end and the driver's descriptors.
     pub fn create(name: &str, cfg: &QueueConfig) -> Result<(FrontQueue, BackQueueFds), ChannelError> {
         let layout = RingLayout::new(cfg.nslots).map_err(setup_err)?;
-        let arena = cfg.arena_bytes.div_ceil(bulkhead_shmem::PAGE_SIZE) * bulkhead_shmem::PAGE_SIZE;
+        let arena = cfg.arena_len();
         let ring_fd = memfd::create(&format!("bulkhead-{name}-ring"), layout.file_size() as u64).map_err(setup_err)?;
-        let w_fd = memfd::create(&format!("bulkhead-{name}-warena"), arena as u64).map_err(setup_err)?;
-        let r_fd = memfd::create(&format!("bulkhead-{name}-rarena"), arena as u64).map_err(setup_err)?;
-        for fd in [&ring_fd, &w_fd, &r_fd] {
-            memfd::seal_size(fd.as_raw_fd()).map_err(setup_err)?;
-        }
+        memfd::seal_size(ring_fd.as_raw_fd()).map_err(setup_err)?;
+        let w_fd = new_arena(&format!("bulkhead-{name}-warena"), arena)?;
+        let r_fd = new_arena(&format!("bulkhead-{name}-rarena"), arena)?;
         let ring_map = Mapping::new(ring_fd.as_raw_fd(), layout.file_size(), Protection::ReadWrite).map_err(setup_err)?;
         let w_map = Mapping::new(w_fd.as_raw_fd(), arena, Protection::ReadWrite).map_err(setup_err)?;
         let r_map = Mapping::new(r_fd.as_raw_fd(), arena, Protection::ReadWrite).map_err(setup_err)?;

@@ -14,11 +14,20 @@ use common::*;
 
 const KEY: &[u8] = b"correct horse battery staple\n";
 
-fn sh(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new("timeout").args(["--kill-after=5", "120", cmd]).args(args).output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{cmd} {args:?}: {text}");
-    text
+/// A file of `bytes` in `tmp` named `name`, formatted by cryptsetup as a LUKS volume of `kind`
+/// (`luks1`, or `luks2` with 512-byte sectors) with a cheap key derivation; and the key file.
+fn luks_volume(tmp: &TempDir, name: &str, bytes: u64, kind: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let img = tmp.path().join(name);
+    std::fs::File::create(&img).unwrap().set_len(bytes).unwrap();
+    let key = tmp.path().join("key");
+    std::fs::write(&key, KEY).unwrap();
+    let mut args = vec!["luksFormat", "-q", "--type", kind, "--pbkdf-force-iterations", "1000"];
+    if kind == "luks2" {
+        args.extend(["--pbkdf", "pbkdf2", "--sector-size", "512"]);
+    }
+    args.extend(["--key-file", key.to_str().unwrap(), img.to_str().unwrap()]);
+    sh("cryptsetup", &args);
+    (img, key)
 }
 
 fn crypt_device(name: &str, img: &std::path::Path, key: &std::path::Path, tap: &str) -> String {
@@ -43,18 +52,7 @@ fn ext4_and_fio_verify_on_a_luks2_volume_while_its_domain_is_killed_and_no_plain
         return;
     }
     let tmp = TempDir::new("crypt-ext4");
-    let img = tmp.path().join("vol.img");
-    std::fs::File::create(&img).unwrap().set_len(176 << 20).unwrap();
-    let key = tmp.path().join("key");
-    std::fs::write(&key, KEY).unwrap();
-    let (i, k) = (img.to_string_lossy().into_owned(), key.to_string_lossy().into_owned());
-    sh(
-        "cryptsetup",
-        &["luksFormat", "-q", "--type", "luks2", "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"]
-            .into_iter()
-            .chain(["--sector-size", "512", "--key-file", &k, &i])
-            .collect::<Vec<_>>(),
-    );
+    let (img, key) = luks_volume(&tmp, "vol.img", 176 << 20, "luks2");
     let run_dir = tmp.path().join("run");
     let mut serve = Serve::start(&run_dir, Some(&crypt_device("c", &img, &key, "passthrough")), &["c"]);
     // The volume's data area: the file less LUKS2's 16 MiB header.
@@ -165,17 +163,7 @@ fn a_wrong_key_and_a_plain_file_are_refused_naming_the_cause_and_a_running_crypt
         return;
     }
     let tmp = TempDir::new("crypt-refused");
-    let img = tmp.path().join("vol.img");
-    std::fs::File::create(&img).unwrap().set_len(20 << 20).unwrap();
-    let key = tmp.path().join("key");
-    std::fs::write(&key, KEY).unwrap();
-    sh(
-        "cryptsetup",
-        &["luksFormat", "-q", "--type", "luks1", "--pbkdf-force-iterations", "1000", "--key-file"]
-            .into_iter()
-            .chain([key.to_str().unwrap(), img.to_str().unwrap()])
-            .collect::<Vec<_>>(),
-    );
+    let (img, key) = luks_volume(&tmp, "vol.img", 20 << 20, "luks1");
     let wrong = tmp.path().join("wrong");
     std::fs::write(&wrong, b"tr0ub4dor&3").unwrap();
     let e = refused(&tmp, &crypt_device("c", &img, &wrong, "passthrough"));
@@ -245,17 +233,7 @@ fn in_a_tap_domain_the_key_and_the_plaintext_never_reach_the_driver_domain_below
         return;
     }
     let tmp = TempDir::new("crypt-interpose");
-    let img = tmp.path().join("vol.img");
-    std::fs::File::create(&img).unwrap().set_len(112 << 20).unwrap();
-    let key = tmp.path().join("key");
-    std::fs::write(&key, KEY).unwrap();
-    sh(
-        "cryptsetup",
-        &["luksFormat", "-q", "--type", "luks2", "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000", "--key-file"]
-            .into_iter()
-            .chain([key.to_str().unwrap(), "--sector-size", "512", img.to_str().unwrap()])
-            .collect::<Vec<_>>(),
-    );
+    let (img, key) = luks_volume(&tmp, "vol.img", 112 << 20, "luks2");
     let run_dir = tmp.path().join("run");
     let mut serve = Serve::start(&run_dir, Some(&crypt_device("c", &img, &key, "interpose")), &["c"]);
     let d = serve.status_json()["devices"][0].clone();
@@ -292,18 +270,9 @@ fn crypt_over_cow_over_qcow2_survives_both_domains_being_killed_and_qemu_reads_w
         return;
     }
     let tmp = TempDir::new("crypt-chain");
-    let (raw, base, overlay) = (tmp.path().join("vol.raw"), tmp.path().join("base.qcow2"), tmp.path().join("top.qcow2"));
-    std::fs::File::create(&raw).unwrap().set_len(96 << 20).unwrap();
-    let key = tmp.path().join("key");
-    std::fs::write(&key, KEY).unwrap();
+    let (base, overlay) = (tmp.path().join("base.qcow2"), tmp.path().join("top.qcow2"));
     // LUKS1, which qemu's luks driver reads too, converted into a qcow2 image.
-    sh(
-        "cryptsetup",
-        &["luksFormat", "-q", "--type", "luks1", "--pbkdf-force-iterations", "1000", "--key-file"]
-            .into_iter()
-            .chain([key.to_str().unwrap(), raw.to_str().unwrap()])
-            .collect::<Vec<_>>(),
-    );
+    let (raw, key) = luks_volume(&tmp, "vol.raw", 96 << 20, "luks1");
     sh("qemu-img", &["convert", "-q", "-f", "raw", "-O", "qcow2", raw.to_str().unwrap(), base.to_str().unwrap()]);
     std::fs::remove_file(&raw).unwrap();
     let base_digest = digest(&base);

@@ -565,15 +565,21 @@ impl Launcher {
                         return Err(format!("filter {} (crypt): one crypt filter per device", i + 1));
                     }
                     size = if direct && self.reads_storage_directly() {
-                        let fd = self.header_fd();
+                        let file = match self.header_fd() {
+                            Some(fd) => {
+                                Some(std::fs::File::from(fd.try_clone().map_err(|e| format!("filter {} (crypt): {e}", i + 1))?))
+                            }
+                            None => None,
+                        };
                         let mut read = |at: u64, buf: &mut [u8]| -> Result<(), String> {
                             use std::os::unix::fs::FileExt;
-                            let Some(fd) = fd else {
-                                buf.fill(0);
-                                return Ok(());
-                            };
-                            let f = std::fs::File::from(fd.try_clone().map_err(|e| e.to_string())?);
-                            f.read_exact_at(buf, at).map_err(|e| e.to_string())
+                            match &file {
+                                Some(f) => f.read_exact_at(buf, at).map_err(|e| e.to_string()),
+                                None => {
+                                    buf.fill(0);
+                                    Ok(())
+                                }
+                            }
                         };
                         crate::chain::open_volume(&self.name, i, &mut f, size, &mut read)?
                     } else {
