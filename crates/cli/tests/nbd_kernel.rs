@@ -314,6 +314,71 @@ impl Raw {
     }
 }
 
+/// Requests sent back to back are read in batches and served with many in flight at once:
+/// every one is answered exactly once, with its own data, whatever its kind — a refused one
+/// amid the batch, one larger than a queue carries, a flush — and a disconnect at the end of a
+/// burst still answers everything before it.
+#[test]
+fn a_pipelined_burst_is_answered_once_per_request_with_its_own_data() {
+    let (_tmp, serve) = start("nbd-burst", "");
+    let mut c = Raw::hello(&serve);
+    c.go("d0");
+    let pattern = |i: u64| vec![(i * 7 + 1) as u8; 4096];
+    let big = |i: usize| (i % 251) as u8;
+    // One burst: 200 writes of 4 KiB, a read past the end in the middle, a 12 MiB write (more
+    // than one queue's arena carries), a flush.
+    let mut burst = Vec::new();
+    let header = |typ: u16, cookie: u64, offset: u64, len: u32| {
+        let mut b = 0x2560_9513u32.to_be_bytes().to_vec();
+        b.extend_from_slice(&0u16.to_be_bytes());
+        b.extend_from_slice(&typ.to_be_bytes());
+        b.extend_from_slice(&cookie.to_be_bytes());
+        b.extend_from_slice(&offset.to_be_bytes());
+        b.extend_from_slice(&len.to_be_bytes());
+        b
+    };
+    for i in 0..200u64 {
+        burst.extend(header(1, i, i * 8192, 4096));
+        burst.extend(pattern(i));
+        if i == 100 {
+            burst.extend(header(0, 1000, 64 << 20, 4096));
+        }
+    }
+    burst.extend(header(1, 2000, 32 << 20, 12 << 20));
+    burst.extend((0..12 << 20).map(big));
+    burst.extend(header(3, 3000, 0, 0));
+    c.send(&burst);
+    let mut answered = std::collections::HashMap::new();
+    for _ in 0..203 {
+        let (err, cookie) = c.simple();
+        assert!(answered.insert(cookie, err).is_none(), "cookie {cookie} answered twice");
+    }
+    assert_eq!(answered.get(&1000), Some(&22), "the read past the end is refused: {answered:?}");
+    assert!(answered.iter().all(|(&k, &e)| k == 1000 || e == 0), "{answered:?}");
+    // A burst of reads, then a disconnect: all answered with their data, then closed.
+    let mut burst = Vec::new();
+    for i in 0..200u64 {
+        burst.extend(header(0, i, i * 8192, 4096));
+    }
+    burst.extend(header(0, 2000, 32 << 20, 12 << 20));
+    burst.extend(header(2, 9999, 0, 0));
+    c.send(&burst);
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..201 {
+        let (err, cookie) = c.simple();
+        assert_eq!(err, 0, "read {cookie}");
+        assert!(seen.insert(cookie), "cookie {cookie} answered twice");
+        if cookie == 2000 {
+            let data = c.exact(12 << 20);
+            assert!(data.iter().enumerate().all(|(i, &b)| b == big(i)), "the 12 MiB read");
+        } else {
+            assert_eq!(c.exact(4096), pattern(cookie), "read {cookie}");
+        }
+    }
+    assert!(c.closed(), "disconnect after the burst");
+    still_serves(&serve);
+}
+
 /// A well-behaved client still works: the server was not disturbed.
 fn still_serves(serve: &Serve) {
     let mut c = Raw::hello(serve);

@@ -38,8 +38,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub use bulkhead_channel::FrontRequest as Request;
+pub use bulkhead_channel::SharedSlice;
 pub use bulkhead_channel::Status;
-use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode, SharedSlice};
+use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode};
 use bulkhead_doorbell::EventFd;
 
 mod queue;

@@ -9,7 +9,7 @@
 //! enabled = true          # export every device on <run-dir>/nbd.sock (export name = device)
 //! # tcp = "0.0.0.0:10809" # also on TCP
 //! max_connections = 64    # more are closed at accept
-//! workers = 4             # requests of one connection run at once
+//! workers = 4             # threads of one connection, taking turns to read and serve
 //! handshake_timeout_ms = 10000 # negotiation must finish within this
 //! request_timeout_ms = 30000   # a request, once started, must arrive within this
 //!
@@ -596,7 +596,7 @@ pub struct Nbd {
     /// Connections served at once.
     #[serde(default = "default_max_connections")]
     pub max_connections: Spanned<u32>,
-    /// Requests of one connection run at once.
+    /// Threads of one connection: they take turns reading requests and serve the batch each read.
     #[serde(default = "default_nbd_workers")]
     pub workers: Spanned<u32>,
     /// Negotiation must finish within this, ms.

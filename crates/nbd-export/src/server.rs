@@ -1,9 +1,10 @@
 //! The NBD server: every device of `serve` as an export named after it, on a unix socket and,
 //! when configured, TCP.
 //!
-//! One thread accepts on each listener. Each connection gets a reader thread (negotiation,
-//! then requests) and a few workers that run requests on the device concurrently and write
-//! replies under a lock, so a client's pipelined requests use the device's queues. Clients are
+//! One thread accepts on each listener. Each connection gets a thread that negotiates and then
+//! `workers` threads in all, which take turns reading requests (leader/follower) and serve what
+//! they read themselves, several requests in flight at once on their queue; replies go out
+//! through a combining writer, so no thread waits on another's write (`Connection`). Clients are
 //! untrusted: negotiation has a deadline and bounded option sizes, requests are checked before
 //! anything is allocated for them, payload memory is bounded across all connections, and a
 //! client that breaks the protocol loses its connection and nothing else.
@@ -14,12 +15,11 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use bulkhead_client::{Device, IoError};
+use bulkhead_client::{Device, IoError, Request as FrontRequest, SharedSlice};
 
 use bulkhead_nbd::proto::*;
 
@@ -44,7 +44,8 @@ pub struct ServerConfig {
     pub tcp: Option<String>,
     /// Connections served at once; more are closed at accept.
     pub max_connections: usize,
-    /// Requests of one connection run at once.
+    /// Threads of one connection: they take turns reading requests and each serves the batch
+    /// it read.
     pub workers_per_connection: usize,
     /// Negotiation must finish within this.
     pub handshake_timeout: Duration,
@@ -81,6 +82,16 @@ impl Budget {
         }
         *free -= n;
         Held { budget: self.clone(), n }
+    }
+
+    /// Takes `n` bytes if they are free now.
+    fn try_take(self: &Arc<Self>, n: u64) -> Option<Held> {
+        let mut free = lock(&self.free);
+        if *free < n {
+            return None;
+        }
+        *free -= n;
+        Some(Held { budget: self.clone(), n })
     }
 }
 
@@ -541,41 +552,90 @@ fn negotiate(shared: &Shared, r: &mut SockReader, w: &mut std::fs::File) -> io::
     Err(violation(format!("more than {MAX_OPTIONS} options without choosing an export")))
 }
 
-/// One request handed to a worker.
-struct Job {
-    req: Request,
-    payload: Option<(Vec<u8>, Held)>,
+/// A reply on its way out: the bytes, and the payload grant its data holds until written.
+struct Reply {
+    bytes: Vec<u8>,
+    _held: Option<Held>,
 }
 
-/// Writes replies; shared by the workers of one connection.
+/// Writes replies for every thread of one connection without a lock convoy: a thread with a
+/// reply queues it, and whichever thread finds nobody writing becomes the writer and sends
+/// everything queued in as few `writev` calls as it takes (flat combining). No thread ever
+/// waits for another's write; a reply queued while a writer is busy goes out with its next
+/// batch.
 struct Replier {
-    w: Mutex<std::fs::File>,
+    sock: std::fs::File,
     structured: bool,
+    pending: Mutex<Vec<Reply>>,
+    writing: AtomicBool,
     broken: AtomicBool,
 }
 
 impl Replier {
-    fn send(&self, bufs: &[&[u8]]) {
-        let mut w = lock(&self.w);
-        for b in bufs {
-            if w.write_all(b).is_err() {
-                self.broken.store(true, Ordering::Release);
+    fn new(sock: std::fs::File, structured: bool) -> Self {
+        Replier {
+            sock,
+            structured,
+            pending: Mutex::new(Vec::new()),
+            writing: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+        }
+    }
+
+    fn send(&self, reply: Reply) {
+        lock(&self.pending).push(reply);
+        loop {
+            if self.writing.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                return; // the writer at work takes it
+            }
+            loop {
+                let batch = std::mem::take(&mut *lock(&self.pending));
+                if batch.is_empty() {
+                    break;
+                }
+                if !self.broken.load(Ordering::Acquire) && self.write_batch(&batch).is_err() {
+                    self.broken.store(true, Ordering::Release);
+                }
+            }
+            self.writing.store(false, Ordering::Release);
+            // A reply queued after the last look but before the flag dropped found the flag
+            // still up and left: look once more.
+            if lock(&self.pending).is_empty() {
                 return;
             }
         }
     }
 
+    fn write_batch(&self, batch: &[Reply]) -> io::Result<()> {
+        const MAX_IOV: usize = 1024;
+        for group in batch.chunks(MAX_IOV) {
+            let mut slices: Vec<io::IoSlice<'_>> = group.iter().map(|r| io::IoSlice::new(&r.bytes)).collect();
+            let mut rest = &mut slices[..];
+            while !rest.is_empty() {
+                match (&self.sock).write_vectored(rest) {
+                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                    Ok(n) => io::IoSlice::advance_slices(&mut rest, n),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// A reply without data: success or an error.
     fn done(&self, cookie: u64, error: u32) {
-        if !self.structured {
-            self.send(&[&simple_reply(error, cookie)]);
+        let bytes = if !self.structured {
+            simple_reply(error, cookie).to_vec()
         } else if error == 0 {
-            self.send(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0)]);
+            chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0).to_vec()
         } else {
-            let mut p = error.to_be_bytes().to_vec();
-            p.extend_from_slice(&0u16.to_be_bytes());
-            self.send(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, p.len() as u32), &p]);
-        }
+            let mut b = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6).to_vec();
+            b.extend_from_slice(&error.to_be_bytes());
+            b.extend_from_slice(&0u16.to_be_bytes());
+            b
+        };
+        self.send(Reply { bytes, _held: None });
     }
 }
 
@@ -615,129 +675,347 @@ fn check(req: &Request, size: u64, structured: bool) -> Result<(), u32> {
     }
 }
 
-fn transmit(shared: &Arc<Shared>, id: u64, raw: RawFd, mut r: SockReader, w: std::fs::File, neg: Negotiated) -> io::Result<()> {
-    let replier = Arc::new(Replier { w: Mutex::new(w), structured: neg.structured, broken: AtomicBool::new(false) });
-    let nworkers = shared.cfg.workers_per_connection.max(1);
-    let (tx, rx) = sync_channel::<Job>(nworkers * 2);
-    let rx = Arc::new(Mutex::new(rx));
-    let mut workers = Vec::with_capacity(nworkers);
-    for i in 0..nworkers {
-        let (s, rp, rx, dev) = (shared.clone(), replier.clone(), rx.clone(), neg.device.clone());
-        // Spread connections and their workers over the device's queues.
-        let slot = (id as usize).wrapping_mul(nworkers).wrapping_add(i);
-        workers.push(std::thread::Builder::new().name("nbd-worker".into()).spawn(move || work(&s, &dev, slot, &rp, &rx))?);
+/// One request read off the socket, served by the thread that read it.
+struct Job {
+    req: Request,
+    /// A write's data.
+    payload: Vec<u8>,
+    /// The payload budget its data takes: a write's payload, or a read's reply.
+    held: Option<Held>,
+}
+
+impl Job {
+    /// Whether it goes to the device as one queued request (anything else runs on its own
+    /// after the batch: a transfer larger than the queue carries, or a command of several
+    /// steps).
+    fn queued(&self, max_request: u64) -> bool {
+        match self.req.typ {
+            CMD_READ | CMD_WRITE => self.req.len as u64 <= max_request,
+            CMD_FLUSH => true,
+            CMD_TRIM => self.req.flags & CMD_FLAG_FUA == 0,
+            _ => false,
+        }
     }
-    let size = neg.device.size();
-    let result = (|| -> io::Result<()> {
+
+    fn front(&self) -> FrontRequest<'_> {
+        let (offset, len) = (self.req.offset, self.req.len as u64);
+        match self.req.typ {
+            CMD_READ => FrontRequest::Read { offset, len },
+            CMD_WRITE => FrontRequest::Write { offset, data: &self.payload, fua: self.req.flags & CMD_FLAG_FUA != 0 },
+            CMD_TRIM => FrontRequest::Discard { offset, len },
+            _ => FrontRequest::Flush,
+        }
+    }
+}
+
+/// The read side of a connection and how it ended; held by the connection's leader.
+struct Inbound {
+    r: SockReader,
+    ended: Option<io::Result<()>>,
+}
+
+/// What the leader found on the socket.
+enum Next {
+    Job(Job),
+    /// The client disconnected.
+    End,
+    /// Nothing more without waiting (or without payload budget): serve what is in hand.
+    NotNow,
+}
+
+/// Requests one leader takes in one turn at most, beyond the first.
+const MAX_BATCH: usize = 64;
+/// Payload bytes one turn takes at most, beyond the first request's.
+const MAX_BATCH_BYTES: u64 = 4 << 20;
+
+/// One connection in transmission. Its threads take turns as leader (leader/follower, as
+/// nbdkit's threads do): the leader holds the read side, reads the next request, and with it
+/// every further request already waiting on the socket; then it hands the read side on and
+/// serves its batch itself, all of it in flight at once on its own queue. At queue depth 1 a
+/// request meets no thread hand-off between the socket and the channel; at depth 16 the
+/// requests that arrive together go to the domain together.
+struct Connection<'a> {
+    shared: &'a Shared,
+    raw: RawFd,
+    device: Arc<Device>,
+    structured: bool,
+    inbound: Mutex<Inbound>,
+    replier: Replier,
+}
+
+fn transmit(shared: &Shared, id: u64, raw: RawFd, r: SockReader, w: std::fs::File, neg: Negotiated) -> io::Result<()> {
+    let conn = Connection {
+        shared,
+        raw,
+        structured: neg.structured,
+        device: neg.device,
+        inbound: Mutex::new(Inbound { r, ended: None }),
+        replier: Replier::new(w, neg.structured),
+    };
+    let threads = shared.cfg.workers_per_connection.max(1);
+    // Spread connections and their threads over the device's queues.
+    let slot = |i: usize| (id as usize).wrapping_mul(threads).wrapping_add(i);
+    std::thread::scope(|s| {
+        for i in 1..threads {
+            let c = &conn;
+            // A thread that cannot be started leaves fewer to share the work; this one serves.
+            let _ = std::thread::Builder::new().name("nbd-worker".into()).spawn_scoped(s, move || c.serve(slot(i)));
+        }
+        conn.serve(slot(0));
+    });
+    // Every thread has finished its batch and queued its replies; the last writer sent them.
+    let ended = lock(&conn.inbound).ended.take();
+    ended.unwrap_or(Ok(()))
+}
+
+impl Connection<'_> {
+    /// One thread's life: lead, read a batch, pass the lead on, serve the batch; until the
+    /// connection ends.
+    fn serve(&self, slot: usize) {
+        let mut batch = Vec::new();
         loop {
-            if replier.broken.load(Ordering::Acquire) {
+            {
+                let mut inb = lock(&self.inbound);
+                if inb.ended.is_some() {
+                    return;
+                }
+                let Inbound { r, ended } = &mut *inb;
+                let mut bytes = 0;
+                loop {
+                    let first = batch.is_empty();
+                    match self.next(r, first) {
+                        Ok(Next::Job(j)) => {
+                            bytes += j.req.len as u64;
+                            batch.push(j);
+                            if batch.len() > MAX_BATCH || bytes > MAX_BATCH_BYTES {
+                                break;
+                            }
+                        }
+                        Ok(Next::NotNow) => break,
+                        Ok(Next::End) => {
+                            *ended = Some(Ok(()));
+                            break;
+                        }
+                        Err(e) => {
+                            *ended = Some(Err(e));
+                            break;
+                        }
+                    }
+                }
+            }
+            if batch.is_empty() {
+                return;
+            }
+            self.run_batch(slot, &mut batch);
+        }
+    }
+
+    /// Whether another request is waiting, looking at the socket without blocking.
+    fn more_waiting(&self, r: &mut SockReader) -> io::Result<bool> {
+        if r.buffer().is_empty() {
+            let mut pfd = libc::pollfd { fd: self.raw, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd; a zero timeout never blocks.
+            if unsafe { libc::poll(&mut pfd, 1, 0) } <= 0 || pfd.revents & libc::POLLIN == 0 {
+                return Ok(false);
+            }
+            r.get_mut().deadline = None;
+            r.fill_buf()?;
+        }
+        Ok(r.buffer().len() >= Request::SIZE)
+    }
+
+    /// Reads the next request to serve, answering the ones refused on sight. The first of a
+    /// batch is waited for, as long as the client likes; after it, only requests whose header
+    /// is already here are taken, and only while the payload budget has room without waiting.
+    fn next(&self, r: &mut SockReader, first: bool) -> io::Result<Next> {
+        let shared = self.shared;
+        loop {
+            if self.replier.broken.load(Ordering::Acquire) {
                 return Err(io::Error::new(io::ErrorKind::BrokenPipe, "cannot write replies"));
             }
-            if r.buffer().is_empty() {
-                // Idle between requests is fine, for as long as the client likes.
-                let mut pfd = libc::pollfd { fd: raw, events: libc::POLLIN, revents: 0 };
-                // SAFETY: one valid pollfd.
-                if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
-                    let e = io::Error::last_os_error();
-                    if e.kind() == io::ErrorKind::Interrupted {
-                        continue;
+            let req = if first {
+                if r.buffer().is_empty() {
+                    // Idle between requests is fine, for as long as the client likes.
+                    let mut pfd = libc::pollfd { fd: self.raw, events: libc::POLLIN, revents: 0 };
+                    // SAFETY: one valid pollfd.
+                    if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
+                        let e = io::Error::last_os_error();
+                        if e.kind() == io::ErrorKind::Interrupted {
+                            continue;
+                        }
+                        return Err(e);
                     }
-                    return Err(e);
+                    r.get_mut().deadline = None;
+                    if r.fill_buf()?.is_empty() {
+                        return Ok(Next::End); // the client closed
+                    }
                 }
-                r.get_mut().deadline = None;
-                if r.fill_buf()?.is_empty() {
-                    return Ok(()); // the client closed
+                // From its first byte, a request (header and payload) must arrive in time.
+                r.get_mut().deadline = Some(std::time::Instant::now() + shared.cfg.request_timeout);
+                let mut hdr = [0u8; Request::SIZE];
+                r.read_exact(&mut hdr).map_err(|e| timeout_says(e, "request"))?;
+                Request::decode(&hdr).ok_or_else(|| violation("bad request magic"))?
+            } else {
+                if !self.more_waiting(r)? {
+                    return Ok(Next::NotNow);
                 }
-            }
-            // From its first byte, a request (header and payload) must arrive in time.
-            r.get_mut().deadline = Some(std::time::Instant::now() + shared.cfg.request_timeout);
-            let mut hdr = [0u8; Request::SIZE];
-            r.read_exact(&mut hdr).map_err(|e| timeout_says(e, "request"))?;
-            let req = Request::decode(&hdr).ok_or_else(|| violation("bad request magic"))?;
+                // Looked at, not taken: a request the budget cannot hold now stays for later.
+                Request::decode(r.buffer()[..Request::SIZE].try_into().expect("a whole header"))
+                    .ok_or_else(|| violation("bad request magic"))?
+            };
             if req.typ == CMD_DISC {
-                return Ok(());
+                if !first {
+                    r.consume(Request::SIZE);
+                }
+                return Ok(Next::End);
             }
-            if let Err(e) = check(&req, size, neg.structured) {
+            if let Err(e) = check(&req, self.device.size(), self.structured) {
+                if !first {
+                    r.consume(Request::SIZE);
+                    r.get_mut().deadline = Some(std::time::Instant::now() + shared.cfg.request_timeout);
+                }
                 if req.typ == CMD_WRITE {
                     if req.len > MAX_PAYLOAD {
                         // Cannot skip that much without reading it: refuse and close.
-                        replier.done(req.cookie, e);
+                        self.replier.done(req.cookie, e);
                         return Err(violation(format!("write of {} bytes (limit {MAX_PAYLOAD})", req.len)));
                     }
                     // Stay in step: consume the payload of the refused write.
-                    io::copy(&mut (&mut r).take(req.len as u64), &mut io::sink()).map_err(|e| timeout_says(e, "request"))?;
+                    io::copy(&mut r.take(req.len as u64), &mut io::sink()).map_err(|e| timeout_says(e, "request"))?;
                 }
-                replier.done(req.cookie, e);
+                self.replier.done(req.cookie, e);
                 shared.stats.requests.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            let payload = if req.typ == CMD_WRITE {
-                // The grant travels with the buffer to the worker.
-                let held = shared.budget.take(req.len as u64);
-                let mut data = vec![0u8; req.len as usize];
-                r.read_exact(&mut data).map_err(|e| timeout_says(e, "request"))?;
-                Some((data, held))
-            } else {
-                None
+            let bytes = if matches!(req.typ, CMD_READ | CMD_WRITE) { req.len as u64 } else { 0 };
+            let held = match (bytes, first) {
+                (0, _) => None,
+                (n, true) => Some(shared.budget.take(n)),
+                (n, false) => match shared.budget.try_take(n) {
+                    Some(h) => Some(h),
+                    None => return Ok(Next::NotNow),
+                },
             };
-            if tx.send(Job { req, payload }).is_err() {
-                return Err(io::Error::other("workers ended"));
+            if !first {
+                r.consume(Request::SIZE);
+                r.get_mut().deadline = Some(std::time::Instant::now() + shared.cfg.request_timeout);
+            }
+            let mut payload = Vec::new();
+            if req.typ == CMD_WRITE {
+                payload = vec![0u8; req.len as usize];
+                r.read_exact(&mut payload).map_err(|e| timeout_says(e, "request"))?;
+            }
+            return Ok(Next::Job(Job { req, payload, held }));
+        }
+    }
+
+    /// Serves a batch: every request that fits goes in flight on this thread's queue at once
+    /// and is answered as it completes; the rest run one by one after.
+    fn run_batch(&self, slot: usize, batch: &mut Vec<Job>) {
+        let dev = &*self.device;
+        let max = dev.max_request();
+        let mut jobs: Vec<Option<Job>> = Vec::with_capacity(batch.len());
+        let mut others = Vec::new();
+        for j in batch.drain(..) {
+            if j.queued(max) {
+                jobs.push(Some(j));
+            } else {
+                others.push(j);
             }
         }
-    })();
-    // Requests in hand finish and are answered before the connection closes.
-    drop(tx);
-    for wk in workers {
-        let _ = wk.join();
+        if !jobs.is_empty() {
+            let mut q = dev.queue(slot);
+            let mut next = 0;
+            while next < jobs.len() || q.in_flight() > 0 {
+                while next < jobs.len() {
+                    let submitted = q.submit(jobs[next].as_ref().expect("not yet submitted").front(), next as u64);
+                    match submitted {
+                        Ok(()) => next += 1,
+                        Err(IoError::QueueFull) => break,
+                        Err(e) => {
+                            let j = jobs[next].take().expect("not yet submitted");
+                            self.finish(j, Err(e), None);
+                            next += 1;
+                        }
+                    }
+                }
+                q.wait(|token, result, data| {
+                    let j = jobs[token as usize].take().expect("answered once");
+                    self.finish(j, result.map(|_| ()), data);
+                });
+            }
+        }
+        for j in others {
+            self.run_alone(slot, j);
+        }
     }
-    result
-}
 
-fn work(shared: &Shared, dev: &Device, slot: usize, rp: &Replier, rx: &Mutex<Receiver<Job>>) {
-    loop {
-        let job = match lock(rx).recv() {
-            Ok(j) => j,
-            Err(_) => return,
-        };
-        let req = job.req;
+    /// Answers a queued request with its outcome (and a read's data).
+    fn finish(&self, job: Job, result: Result<(), IoError>, data: Option<SharedSlice<'_>>) {
+        let req = &job.req;
+        self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+        let counters = &self.device.counters;
+        match (req.typ, result, data) {
+            (CMD_READ, Ok(()), Some(d)) if d.len() == req.len as usize => {
+                counters.bytes_read.fetch_add(req.len as u64, Ordering::Relaxed);
+                let hdr = if self.structured { 20 + 8 } else { 16 };
+                let mut buf = vec![0u8; hdr + req.len as usize];
+                d.copy_to(&mut buf[hdr..]);
+                self.reply_data(req, buf, job.held);
+            }
+            (CMD_READ, Ok(()), _) => self.replier.done(req.cookie, EIO),
+            (typ, r, _) => {
+                if typ == CMD_WRITE && r.is_ok() {
+                    counters.bytes_written.fetch_add(req.len as u64, Ordering::Relaxed);
+                }
+                drop(job.held);
+                self.replier.done(req.cookie, r.err().map_or(0, |e| io_error(&e)));
+            }
+        }
+    }
+
+    /// Sends a read's reply: `buf` holds room for the header, then the data.
+    fn reply_data(&self, req: &Request, mut buf: Vec<u8>, held: Option<Held>) {
+        if self.structured {
+            let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + req.len);
+            buf[..20].copy_from_slice(&h);
+            buf[20..28].copy_from_slice(&req.offset.to_be_bytes());
+        } else {
+            buf[..16].copy_from_slice(&simple_reply(0, req.cookie));
+        }
+        self.replier.send(Reply { bytes: buf, _held: held });
+    }
+
+    /// Runs one request by itself, in as many steps as it takes, and answers it.
+    fn run_alone(&self, slot: usize, job: Job) {
+        let (dev, req) = (&*self.device, &job.req);
         let fua = req.flags & CMD_FLAG_FUA != 0;
+        let status = |r: Result<(), IoError>| r.err().map_or(0, |e| io_error(&e));
+        self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
         match req.typ {
             CMD_READ => {
-                let _budget = shared.budget.take(req.len as u64);
-                let hdr = if rp.structured { 20 + 8 } else { 16 };
+                let hdr = if self.structured { 20 + 8 } else { 16 };
                 let mut buf = vec![0u8; hdr + req.len as usize];
                 match dev.read_into(slot, req.offset, &mut buf[hdr..]) {
-                    Ok(()) => {
-                        if rp.structured {
-                            let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + req.len);
-                            buf[..20].copy_from_slice(&h);
-                            buf[20..28].copy_from_slice(&req.offset.to_be_bytes());
-                        } else {
-                            buf[..16].copy_from_slice(&simple_reply(0, req.cookie));
-                        }
-                        rp.send(&[&buf]);
-                    }
-                    Err(e) => rp.done(req.cookie, io_error(&e)),
+                    Ok(()) => self.reply_data(req, buf, job.held),
+                    Err(e) => self.replier.done(req.cookie, io_error(&e)),
                 }
             }
             CMD_WRITE => {
-                let (data, held) = job.payload.expect("a write carries its payload");
-                let r = dev.write(slot, req.offset, &data, fua);
-                drop((data, held));
-                rp.done(req.cookie, r.err().map_or(0, |e| io_error(&e)));
+                let r = dev.write(slot, req.offset, &job.payload, fua);
+                self.replier.done(req.cookie, status(r));
             }
-            CMD_FLUSH => rp.done(req.cookie, dev.flush(slot).err().map_or(0, |e| io_error(&e))),
+            CMD_FLUSH => self.replier.done(req.cookie, status(dev.flush(slot))),
             CMD_TRIM => {
                 let r = dev.discard(slot, req.offset, req.len as u64).and_then(|_| if fua { dev.flush(slot) } else { Ok(()) });
-                rp.done(req.cookie, r.err().map_or(0, |e| io_error(&e)));
+                self.replier.done(req.cookie, status(r));
             }
             CMD_WRITE_ZEROES => {
                 let r = zero(dev, slot, req.offset, req.len as u64).and_then(|_| if fua { dev.flush(slot) } else { Ok(()) });
-                rp.done(req.cookie, r.err().map_or(0, |e| io_error(&e)));
+                self.replier.done(req.cookie, status(r));
             }
-            _ => rp.done(req.cookie, EINVAL),
+            _ => self.replier.done(req.cookie, EINVAL),
         }
-        shared.stats.requests.fetch_add(1, Ordering::Relaxed);
     }
 }
 
