@@ -3,7 +3,7 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 
-use bulkhead_doorbell::{now_ns, BudgetPolicy, EventFd, NotifyMode, SpinBudget};
+use bulkhead_doorbell::{now_ns, BudgetPolicy, CrowdWatch, EventFd, NotifyMode, SpinBudget};
 use bulkhead_ring::{
     FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES,
 };
@@ -113,6 +113,9 @@ pub struct QueueStats {
     pub kicks: u64,
     /// Times the frontend slept waiting for a response.
     pub sleeps: u64,
+    /// Of the sleeps, those that cut the spin short because threads were waiting for a CPU
+    /// (adaptive mode; see `bulkhead_doorbell::Crowd`).
+    pub crowded: u64,
     /// Doorbell storms seen: runs of [`STORM_WAKES`] wake-ups in a row with no response, after
     /// which waits stop listening to the doorbell for [`STORM_DAMP_MS`].
     pub storms: u64,
@@ -142,6 +145,8 @@ pub struct FrontQueue {
     irq: EventFd,
     mode: NotifyMode,
     budget: SpinBudget,
+    /// Whether threads wait for a CPU while this one spins.
+    crowd: CrowdWatch,
     generation: u32,
     table: Vec<Entry>,
     free: Vec<u32>,
@@ -199,6 +204,7 @@ impl FrontQueue {
             irq,
             mode: cfg.mode,
             budget: SpinBudget::new(frontend_policy(cfg.budget)),
+            crowd: CrowdWatch::default(),
             generation: cfg.generation,
             table: vec![Entry::default(); n as usize],
             free: (0..n).rev().collect(),
@@ -690,6 +696,12 @@ impl FrontQueue {
                     return Ok(false);
                 }
                 if now - start >= spin {
+                    break;
+                }
+                // Spinning while threads wait for a CPU delays the very thread whose work
+                // ends this wait: ask now and then, and sleep if so.
+                if self.mode == NotifyMode::Adaptive && self.crowd.should_sleep(start, now) {
+                    self.stats.crowded += 1;
                     break;
                 }
             }

@@ -6,12 +6,16 @@
 //!   (spin forever), `adaptive` (spin up to a budget, then sleep: the thesis' improved design).
 //! - [`SpinBudget`]: a fixed budget, or one that tunes itself from observed gaps (see
 //!   `docs/ring-protocol.md`, "Adaptive budget").
+//! - [`Crowd`]: whether runnable threads outnumber the CPUs, so an adaptive waiter stops
+//!   spinning when its CPU is wanted.
 #![deny(missing_docs)]
 
 mod budget;
+mod crowd;
 mod eventfd;
 
 pub use budget::{BudgetPolicy, SpinBudget};
+pub use crowd::{Crowd, CrowdWatch};
 pub use eventfd::{EventFd, Poller};
 
 use std::str::FromStr;

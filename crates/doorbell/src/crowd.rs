@@ -1,0 +1,178 @@
+//! Whether the CPUs are crowded: more runnable threads than CPUs to run them.
+//!
+//! A spinning waiter is worth its CPU only while nobody else wants that CPU. On a small machine
+//! the thread that makes the next request (the application, fio, the NBD client, the FUSE
+//! daemon's other half) is often runnable at the same moment as two spinners, and then the
+//! spinners take turns with it in scheduler slices: throughput falls and latency grows to
+//! milliseconds (docs/BENCHMARKS.md, "Spinning on busy CPUs"). So an adaptive waiter looks,
+//! every [`CHECK_EVERY_NS`] of spinning, at the kernel's count of runnable threads, and stops
+//! spinning — sleeps on its doorbell — when they outnumber the online CPUs.
+//!
+//! The count is the fourth field of `/proc/loadavg` (`running/total`): the sum of every run
+//! queue's length at the moment of the read, the reader included. It costs one `pread` of a
+//! descriptor opened once (about a microsecond here), answers "is a thread waiting for a CPU
+//! now", which is the question, and needs no privilege. The alternatives were measured or
+//! weighed against it: PSI's `/proc/pressure/cpu` is cumulative stall time, so it needs two
+//! reads a window apart and tells what happened, not what is; `/proc/stat` carries the same
+//! count among a page of per-CPU figures; steal time says nothing about this guest's own
+//! threads. The descriptor is opened at first use; a driver domain opens it before it is
+//! confined (`Crowd::get` in its setup), after which its filesystem view is empty. Where the
+//! file cannot be read the check answers "not crowded", and waiting is what it was before.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::OnceLock;
+
+/// How long a spinner spins before it first asks, ns.
+pub const FIRST_LOOK_NS: u64 = 4_000;
+/// How often it asks after that, ns.
+pub const CHECK_EVERY_NS: u64 = 8_000;
+/// A gap between two looks at the clock longer than this means the spinner lost its CPU.
+const PREEMPTED_NS: u64 = 20_000;
+
+/// The system's run-queue count, read on demand.
+#[derive(Debug)]
+pub struct Crowd {
+    loadavg: Option<File>,
+    cpus: u32,
+}
+
+static CROWD: OnceLock<Crowd> = OnceLock::new();
+
+impl Crowd {
+    /// The process's monitor, opened at first use.
+    pub fn get() -> &'static Crowd {
+        CROWD.get_or_init(|| Crowd { loadavg: File::open("/proc/loadavg").ok(), cpus: online_cpus() })
+    }
+
+    /// Whether the monitor can see the run queues (false where `/proc/loadavg` could not be
+    /// opened: then it never reports a crowd).
+    pub fn available(&self) -> bool {
+        self.loadavg.is_some()
+    }
+
+    /// The online CPUs it compares with.
+    pub fn cpus(&self) -> u32 {
+        self.cpus
+    }
+
+    /// Runnable threads now, the caller included; `None` if it cannot tell.
+    pub fn runnable(&self) -> Option<u32> {
+        let f = self.loadavg.as_ref()?;
+        let mut buf = [0u8; 128];
+        let n = f.read_at(&mut buf, 0).ok()?;
+        parse_running(&buf[..n])
+    }
+
+    /// Whether some runnable thread has no CPU now.
+    pub fn crowded(&self) -> bool {
+        self.runnable().is_some_and(|r| r > self.cpus)
+    }
+}
+
+/// One waiter's view of the crowd. A single look is often crowded for a moment — the thread
+/// that just sent a request is still finishing its own work before it sleeps — so a waiter
+/// stops spinning only when its look finds a crowd and most of its recent looks did too (an
+/// average that moves an eighth of the way with each look).
+#[derive(Debug, Default, Clone)]
+pub struct CrowdWatch {
+    /// Share of recent looks that found a crowd, in 1/256.
+    level: u32,
+    /// When to look next.
+    next: u64,
+    /// The last look at the clock.
+    last: u64,
+    /// Looks that said stop.
+    stops: u64,
+}
+
+impl CrowdWatch {
+    /// Whether a waiter that started spinning at `since` should sleep now (`now`); looks at the
+    /// run queues at most every [`CHECK_EVERY_NS`], and not before [`FIRST_LOOK_NS`] of spinning.
+    pub fn should_sleep(&mut self, since: u64, now: u64) -> bool {
+        // A spinner that lost its CPU between two looks at the clock was preempted: a thread
+        // wanted the CPU it was spinning on. That is the crowd seen from inside, and it costs
+        // no system call; the spinner seldom sees it in the run-queue count, because while
+        // it waits for a CPU it is not running to look.
+        let preempted = self.last > since && now.saturating_sub(self.last) > PREEMPTED_NS;
+        self.last = now;
+        if preempted {
+            self.level = (self.level + 64).min(256);
+            self.stops += 1;
+            return true;
+        }
+        if now < self.next.max(since + FIRST_LOOK_NS) {
+            return false;
+        }
+        self.next = now + CHECK_EVERY_NS;
+        let crowded = Crowd::get().crowded();
+        self.level = self.level - self.level / 8 + if crowded { 32 } else { 0 };
+        let stop = crowded && self.level >= 64;
+        self.stops += stop as u64;
+        stop
+    }
+
+    /// Times it said stop.
+    pub fn stops(&self) -> u64 {
+        self.stops
+    }
+}
+
+/// The `running` of `/proc/loadavg`'s `running/total` field.
+fn parse_running(text: &[u8]) -> Option<u32> {
+    let text = std::str::from_utf8(text).ok()?;
+    let field = text.split_ascii_whitespace().nth(3)?;
+    field.split_once('/')?.0.parse().ok()
+}
+
+fn online_cpus() -> u32 {
+    // SAFETY: sysconf reads a system value and touches no memory of ours.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    u32::try_from(n).ok().filter(|&n| n > 0).unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    #[test]
+    fn the_running_count_is_read_from_the_fourth_field() {
+        assert_eq!(parse_running(b"1.67 1.61 1.93 1/77 17438\n"), Some(1));
+        assert_eq!(parse_running(b"0.00 0.01 0.05 12/1024 99\n"), Some(12));
+        assert_eq!(parse_running(b"0.00 0.01 0.05\n"), None);
+        assert_eq!(parse_running(b"0.00 0.01 0.05 x/1 2\n"), None);
+        assert_eq!(parse_running(b"\xff\xfe"), None);
+    }
+
+    #[test]
+    fn busy_threads_beyond_the_cpus_make_a_crowd() {
+        let c = Crowd::get();
+        assert!(c.available(), "/proc/loadavg is readable on Linux");
+        assert!(c.runnable().is_some_and(|r| r >= 1), "the reader itself is running");
+        // Two more spinning threads than CPUs: some are always waiting for one.
+        let stop = Arc::new(AtomicBool::new(false));
+        let spinners: Vec<_> = (0..c.cpus() + 2)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        let started = std::time::Instant::now();
+        let mut seen = false;
+        while !seen && started.elapsed() < std::time::Duration::from_secs(10) {
+            seen = c.crowded();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        stop.store(true, Ordering::Relaxed);
+        for s in spinners {
+            s.join().unwrap();
+        }
+        assert!(seen, "never saw more runnable threads than {} CPUs", c.cpus());
+    }
+}
