@@ -4,9 +4,10 @@
 //! the thread that makes the next request (the application, fio, the NBD client, the FUSE
 //! daemon's other half) is often runnable at the same moment as two spinners, and then the
 //! spinners take turns with it in scheduler slices: throughput falls and latency grows to
-//! milliseconds (docs/BENCHMARKS.md, "Spinning on busy CPUs"). So an adaptive waiter looks,
+//! milliseconds (docs/BENCHMARKS.md, "NBD export"). So an adaptive frontend waiter looks,
 //! every [`CHECK_EVERY_NS`] of spinning, at the kernel's count of runnable threads, and stops
-//! spinning — sleeps on its doorbell — when they outnumber the online CPUs.
+//! spinning — sleeps on its doorbell — when they outnumber the online CPUs
+//! (docs/ring-protocol.md, "Adaptive budget", for why the driver does not).
 //!
 //! The count is the fourth field of `/proc/loadavg` (`running/total`): the sum of every run
 //! queue's length at the moment of the read, the reader included. It costs one `pread` of a
@@ -15,9 +16,8 @@
 //! weighed against it: PSI's `/proc/pressure/cpu` is cumulative stall time, so it needs two
 //! reads a window apart and tells what happened, not what is; `/proc/stat` carries the same
 //! count among a page of per-CPU figures; steal time says nothing about this guest's own
-//! threads. The descriptor is opened at first use; a driver domain opens it before it is
-//! confined (`Crowd::get` in its setup), after which its filesystem view is empty. Where the
-//! file cannot be read the check answers "not crowded", and waiting is what it was before.
+//! threads. The descriptor is opened at first use. Where the file cannot be read the check
+//! answers "not crowded", and waiting is what it was before.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -27,8 +27,6 @@ use std::sync::OnceLock;
 pub const FIRST_LOOK_NS: u64 = 4_000;
 /// How often it asks after that, ns.
 pub const CHECK_EVERY_NS: u64 = 8_000;
-/// A gap between two looks at the clock longer than this means the spinner lost its CPU.
-const PREEMPTED_NS: u64 = 20_000;
 
 /// The system's run-queue count, read on demand.
 #[derive(Debug)]
@@ -80,8 +78,6 @@ pub struct CrowdWatch {
     level: u32,
     /// When to look next.
     next: u64,
-    /// The last look at the clock.
-    last: u64,
     /// Looks that said stop.
     stops: u64,
 }
@@ -90,22 +86,15 @@ impl CrowdWatch {
     /// Whether a waiter that started spinning at `since` should sleep now (`now`); looks at the
     /// run queues at most every [`CHECK_EVERY_NS`], and not before [`FIRST_LOOK_NS`] of spinning.
     pub fn should_sleep(&mut self, since: u64, now: u64) -> bool {
-        // A spinner that lost its CPU between two looks at the clock was preempted: a thread
-        // wanted the CPU it was spinning on. That is the crowd seen from inside, and it costs
-        // no system call; the spinner seldom sees it in the run-queue count, because while
-        // it waits for a CPU it is not running to look.
-        let preempted = self.last > since && now.saturating_sub(self.last) > PREEMPTED_NS;
-        self.last = now;
-        if preempted {
-            self.level = (self.level + 64).min(256);
-            self.stops += 1;
-            return true;
-        }
         if now < self.next.max(since + FIRST_LOOK_NS) {
             return false;
         }
         self.next = now + CHECK_EVERY_NS;
-        let crowded = Crowd::get().crowded();
+        self.judge(Crowd::get().crowded())
+    }
+
+    /// Takes one look's answer into the average; whether to stop.
+    fn judge(&mut self, crowded: bool) -> bool {
         self.level = self.level - self.level / 8 + if crowded { 32 } else { 0 };
         let stop = crowded && self.level >= 64;
         self.stops += stop as u64;
@@ -144,6 +133,24 @@ mod tests {
         assert_eq!(parse_running(b"0.00 0.01 0.05\n"), None);
         assert_eq!(parse_running(b"0.00 0.01 0.05 x/1 2\n"), None);
         assert_eq!(parse_running(b"\xff\xfe"), None);
+    }
+
+    #[test]
+    fn a_waiter_stops_on_a_lasting_crowd_not_on_a_passing_one() {
+        let mut w = CrowdWatch::default();
+        assert!(!w.judge(true), "one crowded look alone");
+        assert!(!w.judge(false));
+        assert!(!w.judge(true), "crowded now and then");
+        assert!(w.judge(true), "crowded three looks of four");
+        for _ in 0..20 {
+            w.judge(false);
+        }
+        assert!(!w.judge(true), "a quiet spell is forgotten slowly, then a single look is not enough");
+        assert_eq!(w.stops(), 1);
+        // The first look waits for some spinning; later ones are spaced.
+        let mut w = CrowdWatch::default();
+        assert!(!w.should_sleep(1_000_000, 1_000_000 + FIRST_LOOK_NS - 1));
+        assert_eq!(w.level, 0, "no look before FIRST_LOOK_NS");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use arrayvec::ArrayVec;
 use bulkhead_block::{BlockError, Chain, Request, StartError, Tag, TagSpace};
 use bulkhead_channel::{AboveControl, BackQueue, Popped};
-use bulkhead_doorbell::{now_ns, BudgetPolicy, Crowd, CrowdWatch, NotifyMode, Poller, SpinBudget};
+use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::{Op, Status, ValidRequest};
 use bulkhead_spec::state_slots::{HEARTBEAT, HELD};
@@ -38,8 +38,6 @@ pub struct DomainStats {
     pub invalid: u64,
     /// Times the loop slept.
     pub sleeps: u64,
-    /// Of those, times it stopped spinning early because threads were waiting for a CPU.
-    pub crowded: u64,
 }
 
 /// A request in the chain: the queue it came from and its validated copy.
@@ -101,8 +99,6 @@ pub struct Domain {
     dirty: Vec<bool>,
     mode: NotifyMode,
     budget: SpinBudget,
-    /// Whether threads wait for a CPU while the loop spins idle.
-    crowd: CrowdWatch,
     poller: Poller,
     stop: Arc<AtomicBool>,
     stats: DomainStats,
@@ -142,10 +138,6 @@ impl Domain {
         stop: Arc<AtomicBool>,
     ) -> Result<Self, DriverError> {
         let poller = Poller::new().map_err(|e| DriverError::Setup(e.to_string()))?;
-        if mode == NotifyMode::Adaptive {
-            // Opened now: after confinement the domain sees no filesystem.
-            Crowd::get();
-        }
         for (i, q) in queues.iter_mut().enumerate() {
             q.set_peer_polls(mode == NotifyMode::Poll);
             poller.add(q.kick_fd(), i as u64).map_err(|e| DriverError::Setup(e.to_string()))?;
@@ -167,7 +159,6 @@ impl Domain {
             tags,
             mode,
             budget: SpinBudget::new(budget),
-            crowd: CrowdWatch::default(),
             poller,
             stop,
             stats: DomainStats::default(),
@@ -437,13 +428,8 @@ impl Domain {
                     let since = *idle_since.get_or_insert_with(now_ns);
                     spins = spins.wrapping_add(1);
                     // A disk takes longer than a wake-up: waiting on one, spinning only takes
-                    // the CPU from the threads that make the next request. So does spinning
-                    // while threads wait for a CPU (`Crowd`).
-                    spins.is_multiple_of(32) && {
-                        let now = now_ns();
-                        let sleep = at_backend || now - since >= self.budget.budget_ns();
-                        sleep || self.crowded(since, now)
-                    }
+                    // the CPU from the threads that make the next request.
+                    spins.is_multiple_of(32) && (at_backend || now_ns() - since >= self.budget.budget_ns())
                 }
             };
             // A held request due within a millisecond is waited for spinning: a sleep has
@@ -476,13 +462,6 @@ impl Domain {
             slept = true;
         }
         Ok(())
-    }
-
-    /// Whether threads wait for a CPU while this loop spins (counted as a sleep's cause).
-    fn crowded(&mut self, since: u64, now: u64) -> bool {
-        let crowded = self.crowd.should_sleep(since, now);
-        self.stats.crowded += crowded as u64;
-        crowded
     }
 
     fn sleep(&mut self) -> Result<(), DriverError> {
