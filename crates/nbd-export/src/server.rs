@@ -810,12 +810,22 @@ impl Connection<'_> {
         }
     }
 
+    /// Waits up to `timeout_ms` (-1: for ever) for the socket to have something to read (or to
+    /// be closed or broken, which the read that follows finds out).
+    fn readable(&self, timeout_ms: libc::c_int) -> io::Result<bool> {
+        let mut pfd = libc::pollfd { fd: self.raw, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, for the duration of the call.
+        match unsafe { libc::poll(&mut pfd, 1, timeout_ms) } {
+            n if n < 0 => Err(io::Error::last_os_error()),
+            0 => Ok(false),
+            _ => Ok(pfd.revents & libc::POLLIN != 0),
+        }
+    }
+
     /// Whether another request is waiting, looking at the socket without blocking.
     fn more_waiting(&self, r: &mut SockReader) -> io::Result<bool> {
         if r.buffer().is_empty() {
-            let mut pfd = libc::pollfd { fd: self.raw, events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd; a zero timeout never blocks.
-            if unsafe { libc::poll(&mut pfd, 1, 0) } <= 0 || pfd.revents & libc::POLLIN == 0 {
+            if !matches!(self.readable(0), Ok(true)) {
                 return Ok(false);
             }
             r.get_mut().deadline = None;
@@ -836,14 +846,10 @@ impl Connection<'_> {
             let req = if first {
                 if r.buffer().is_empty() {
                     // Idle between requests is fine, for as long as the client likes.
-                    let mut pfd = libc::pollfd { fd: self.raw, events: libc::POLLIN, revents: 0 };
-                    // SAFETY: one valid pollfd.
-                    if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
-                        let e = io::Error::last_os_error();
-                        if e.kind() == io::ErrorKind::Interrupted {
-                            continue;
-                        }
-                        return Err(e);
+                    match self.readable(-1) {
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(e) => return Err(e),
+                        Ok(_) => {}
                     }
                     r.get_mut().deadline = None;
                     if r.fill_buf()?.is_empty() {
