@@ -745,6 +745,29 @@ impl FrontQueue {
         Ok(rung || answered)
     }
 
+    /// For a caller that sleeps on more than this queue (an export waiting on its own ring as
+    /// well): says this side is about to sleep, so the driver rings [`irq_fd`](Self::irq_fd)
+    /// for the next response. `false` when a response is already there or the queue is
+    /// broken: nothing is armed, reap instead of sleeping. After an armed sleep, whether woken
+    /// by this queue or not, call [`disarm`](Self::disarm).
+    pub fn arm(&mut self) -> bool {
+        if self.broken.is_some() || self.ring.response_pending() {
+            return false;
+        }
+        if self.ring.prepare_sleep() {
+            self.ring.set_running();
+            return false;
+        }
+        self.stats.sleeps += 1;
+        true
+    }
+
+    /// Ends an armed sleep: the driver stops ringing, and a ring that came is consumed.
+    pub fn disarm(&mut self) {
+        self.ring.set_running();
+        self.irq.drain();
+    }
+
     /// Submits one request and waits for its completion, calling `on_data` with the read data.
     /// Other completions that arrive meanwhile are delivered to `others`.
     pub fn execute(

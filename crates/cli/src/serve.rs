@@ -8,8 +8,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use bulkhead_config::{Config, Tap};
-use bulkhead_fuse_export::FuseExport;
+use bulkhead_config::{Config, FuseUring, Tap};
+use bulkhead_fuse_export::{FuseExport, FuseOptions, Transport, UringMode};
 use bulkhead_nbd_export::{socket_path, NbdServer, ServerConfig};
 use bulkhead_supervisor::control::ControlServer;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
@@ -184,7 +184,16 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     };
     let sup = Arc::new(Supervisor::start(&config, driver_exe.as_deref())?);
     let fuse = if config.fuse.enabled {
-        match FuseExport::mount(&fuse_dir, sup.devices(), *config.fuse.threads.get_ref() as usize) {
+        let opts = FuseOptions {
+            threads: *config.fuse.threads.get_ref() as usize,
+            io_uring: match config.fuse.io_uring {
+                FuseUring::Auto => UringMode::Auto,
+                FuseUring::On => UringMode::On,
+                FuseUring::Off => UringMode::Off,
+            },
+            queue_depth: *config.fuse.queue_depth.get_ref() as usize,
+        };
+        match FuseExport::mount_with(&fuse_dir, sup.devices(), opts) {
             Ok(f) => Some(f),
             Err(e) => {
                 sup.shutdown();
@@ -215,11 +224,18 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         None
     };
     let s = sup.clone();
+    let fuse_status = fuse.as_ref().map(|f| fuse_status(f.transport()));
     let invalidate: Option<Box<Invalidate>> = fuse.as_ref().map(|f| Box::new(f.invalidator()) as Box<Invalidate>);
     let control = ControlServer::start(
         &run_dir.join("control.sock"),
         Arc::new(move |req| match req["cmd"].as_str() {
-            Some("status") => serde_json::to_value(s.status()).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()})),
+            Some("status") => match serde_json::to_value(s.status()) {
+                Ok(mut v) => {
+                    v["fuse"] = fuse_status.clone().unwrap_or(serde_json::Value::Null);
+                    v
+                }
+                Err(e) => serde_json::json!({"error": e.to_string()}),
+            },
             Some(cmd @ ("restart" | "tap" | "filter")) => {
                 let Some(name) = req["device"].as_str() else {
                     return serde_json::json!({ "error": format!("{cmd} needs `device`") });
@@ -260,6 +276,9 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
             d.driver_pid
         );
     }
+    if let Some(f) = &fuse {
+        eprintln!("bulkhead: FUSE export at {} over {}", fuse_dir.display(), f.transport());
+    }
     if nbd.is_some() {
         let tcp = config.nbd.tcp.as_ref().map(|t| format!(" and TCP {}", t.get_ref())).unwrap_or_default();
         eprintln!("bulkhead: NBD export on {}{tcp} (export name = device name)", socket_path(&run_dir).display());
@@ -279,4 +298,14 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     drop(lock);
     eprintln!("bulkhead: stopped{}", if clean { "" } else { " (the FUSE mount was busy and was detached lazily)" });
     Ok(ExitCode::SUCCESS)
+}
+
+/// The FUSE export's transport as `status --json` shows it.
+fn fuse_status(t: &Transport) -> serde_json::Value {
+    match t {
+        Transport::DevFuse { threads, why_not_uring } => {
+            serde_json::json!({ "transport": "dev_fuse", "threads": threads, "why_not_io_uring": why_not_uring })
+        }
+        Transport::IoUring { queues, depth } => serde_json::json!({ "transport": "io_uring", "queues": queues, "depth": depth }),
+    }
 }

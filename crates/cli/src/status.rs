@@ -147,6 +147,15 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         mib(fe["rss"]["anon_kib"].as_u64()),
         mib(fe["rss"]["shmem_kib"].as_u64())
     );
+    let fuse = &report["fuse"];
+    match fuse["transport"].as_str() {
+        Some("io_uring") => println!("fuse: io_uring, {} rings x {} requests", fuse["queues"], fuse["depth"]),
+        Some(_) => match fuse["why_not_io_uring"].as_str() {
+            Some(why) => println!("fuse: /dev/fuse, {} threads (not io_uring: {why})", fuse["threads"]),
+            None => println!("fuse: /dev/fuse, {} threads", fuse["threads"]),
+        },
+        None => {}
+    }
     for d in report["devices"].as_array().into_iter().flatten() {
         let name = d["name"].as_str().unwrap_or("?");
         if let Some(pid) = d["tap_pid"].as_u64() {

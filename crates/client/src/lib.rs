@@ -44,7 +44,7 @@ use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode};
 use bulkhead_doorbell::EventFd;
 
 mod queue;
-pub use queue::QueueHandle;
+pub use queue::{Armed, QueueHandle};
 
 /// Why an I/O failed, with the errno an export sends.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -286,6 +286,20 @@ impl Device {
     /// user alone submits on it and reaps from it. Blocks while another holds it.
     pub fn queue(&self, slot: usize) -> QueueHandle<'_> {
         QueueHandle::new(self, slot % self.queues.len())
+    }
+
+    /// The first queue from `slot` on (modulo the queue count) that nobody holds, without
+    /// waiting: for a user that already holds queues and must not block on another.
+    pub fn try_queue(&self, slot: usize) -> Option<QueueHandle<'_>> {
+        let n = self.queues.len();
+        (0..n).map(|i| (slot + i) % n).find_map(|idx| {
+            let st = match self.queues[idx].try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return None,
+            };
+            Some(QueueHandle::holding(self, idx, st))
+        })
     }
 
     /// Logs `line` (prefixed with the device) within a budget of a few lines in a burst and

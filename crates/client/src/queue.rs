@@ -11,6 +11,20 @@ use crate::{Device, IoError, QueueState, Staged};
 /// How long one wait slice lasts before the handle re-checks the generation and the device.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
 
+/// What [`QueueHandle::arm`] says about sleeping on a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Armed {
+    /// Nothing in flight: no answer will come.
+    Idle,
+    /// An answer is there: poll instead of sleeping.
+    Now,
+    /// The queue is between generations or its device failed: sleep briefly, then poll and
+    /// expire.
+    Later,
+    /// Sleep until this descriptor is readable (or another source wakes the caller).
+    Fd(std::os::fd::RawFd),
+}
+
 /// One queue of a [`Device`], held by one user until dropped (SPDK's I/O channel): requests go
 /// in with [`submit`](Self::submit) under a token of the caller's, and come back with that
 /// token from [`poll`](Self::poll) or [`wait`](Self::wait), in any order. A restart of the
@@ -25,7 +39,10 @@ pub struct QueueHandle<'a> {
 
 impl<'a> QueueHandle<'a> {
     pub(crate) fn new(dev: &'a Device, idx: usize) -> Self {
-        let st = dev.queue_state(idx);
+        Self::holding(dev, idx, dev.queue_state(idx))
+    }
+
+    pub(crate) fn holding(dev: &'a Device, idx: usize, st: MutexGuard<'a, QueueState>) -> Self {
         let mut h = QueueHandle { dev, idx, st };
         h.refresh();
         h
@@ -158,6 +175,51 @@ impl<'a> QueueHandle<'a> {
             None => st.q.abandon(&mut each),
         }
         n
+    }
+
+    /// For a caller that sleeps on this queue and on sources of its own (an export's request
+    /// ring) in one `poll(2)`: arms the queue and says what to sleep on. After the sleep call
+    /// [`disarm`](Self::disarm), then [`poll`](Self::poll) and [`expire`](Self::expire).
+    pub fn arm(&mut self) -> Armed {
+        self.refresh();
+        if self.in_flight() == 0 {
+            return Armed::Idle;
+        }
+        if self.dev.is_failed() || self.stalled() || self.dev.generation() != self.st.q.generation() {
+            // Answers come from the next generation (or never): look again soon.
+            return Armed::Later;
+        }
+        if self.st.q.arm() {
+            Armed::Fd(self.st.q.irq_fd())
+        } else {
+            Armed::Now
+        }
+    }
+
+    /// Ends a sleep begun with [`arm`](Self::arm).
+    pub fn disarm(&mut self) {
+        self.st.q.disarm();
+    }
+
+    /// Gives up every request in flight with `Unavailable` if the device failed, or (with a
+    /// timeout) if nothing was answered since `last_answer`; returns how many. For callers
+    /// that wait with [`arm`](Self::arm) instead of [`wait`](Self::wait).
+    pub fn expire(
+        &mut self,
+        last_answer: Instant,
+        mut f: impl FnMut(u64, Result<u64, IoError>, Option<SharedSlice<'_>>),
+    ) -> usize {
+        if self.in_flight() == 0 {
+            return 0;
+        }
+        if self.dev.is_failed() {
+            let e = self.dev.unavailable();
+            return self.give_up(&e, &mut f);
+        }
+        match self.check_timeout(last_answer) {
+            Err(e) => self.give_up(&e, &mut f),
+            Ok(()) => 0,
+        }
     }
 
     /// Waits for at least one answer and delivers every one that has arrived, as

@@ -3,7 +3,9 @@
 //! ```toml
 //! [fuse]
 //! enabled = true          # export <run-dir>/fuse/<device>
-//! threads = 4             # FUSE worker threads
+//! threads = 4             # threads reading /dev/fuse
+//! io_uring = "auto"       # FUSE over io_uring: auto | on | off (a ring per CPU)
+//! queue_depth = 16        # requests each io_uring ring holds (1 MiB buffer each)
 //!
 //! [nbd]
 //! enabled = true          # export every device on <run-dir>/nbd.sock (export name = device)
@@ -565,9 +567,33 @@ pub struct Fuse {
     /// Export devices under `<run-dir>/fuse/`.
     #[serde(default = "yes")]
     pub enabled: bool,
-    /// Worker threads.
+    /// Threads reading `/dev/fuse`.
     #[serde(default = "default_threads")]
     pub threads: Spanned<u32>,
+    /// FUSE over io_uring.
+    #[serde(default)]
+    pub io_uring: FuseUring,
+    /// Requests each io_uring ring holds.
+    #[serde(default = "default_fuse_depth")]
+    pub queue_depth: Spanned<u32>,
+}
+
+/// Whether the FUSE export carries requests over io_uring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FuseUring {
+    /// Where the kernel has it (switching the `fuse` module's `enable_uring` on when it may),
+    /// else `/dev/fuse`.
+    #[default]
+    Auto,
+    /// Always: `serve` fails without it.
+    On,
+    /// Never.
+    Off,
+}
+
+fn default_fuse_depth() -> Spanned<u32> {
+    Spanned::new(0..0, 16)
 }
 
 fn yes() -> bool {
@@ -579,7 +605,7 @@ fn default_threads() -> Spanned<u32> {
 
 impl Default for Fuse {
     fn default() -> Self {
-        Fuse { enabled: true, threads: default_threads() }
+        Fuse { enabled: true, threads: default_threads(), io_uring: FuseUring::Auto, queue_depth: default_fuse_depth() }
     }
 }
 
@@ -701,6 +727,10 @@ impl Config {
         let t = &self.fuse.threads;
         if !(1..=64).contains(t.get_ref()) {
             return Err(err(t.span(), format!("key `fuse.threads`: {} is out of range 1..=64", t.get_ref())));
+        }
+        let q = &self.fuse.queue_depth;
+        if !(1..=256).contains(q.get_ref()) {
+            return Err(err(q.span(), format!("key `fuse.queue_depth`: {} is out of range 1..=256", q.get_ref())));
         }
         let m = &self.nbd.max_connections;
         if !(1..=4096).contains(m.get_ref()) {
@@ -980,6 +1010,16 @@ mod tests {
         let e =
             parse("[[device]]\nname = \"a\"\nsize = \"1M\"\nwatchdog_ms = 1\n[device.backend]\ntype = \"ram\"\n").unwrap_err();
         assert!(e.to_string().contains("watchdog_ms") && e.to_string().contains("line 4"), "{e}");
+        let e = parse("[fuse]\nio_uring = \"on\"\nqueue_depth = 300\n[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n")
+            .unwrap_err();
+        assert!(e.to_string().contains("fuse.queue_depth") && e.to_string().contains("line 3"), "{e}");
+        let e =
+            parse("[fuse]\nio_uring = \"maybe\"\n[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n")
+                .unwrap_err();
+        assert!(e.to_string().contains("io_uring") && e.to_string().contains("line 2"), "{e}");
+        let c = parse("[fuse]\nio_uring = \"off\"\nqueue_depth = 8\n[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n")
+            .unwrap();
+        assert_eq!((c.fuse.io_uring, *c.fuse.queue_depth.get_ref()), (FuseUring::Off, 8));
         let e = parse("[fuse]\nthreads = 0\n[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n")
             .unwrap_err();
         assert!(e.to_string().contains("fuse.threads") && e.to_string().contains("line 2"), "{e}");

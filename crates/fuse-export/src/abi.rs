@@ -18,8 +18,6 @@ pub const WRITE: u32 = 16;
 pub const STATFS: u32 = 17;
 pub const RELEASE: u32 = 18;
 pub const FSYNC: u32 = 20;
-pub const GETXATTR: u32 = 22;
-pub const LISTXATTR: u32 = 23;
 pub const FLUSH: u32 = 25;
 pub const INIT: u32 = 26;
 pub const OPENDIR: u32 = 27;
@@ -37,6 +35,10 @@ pub const FUSE_ATOMIC_O_TRUNC: u32 = 1 << 3;
 pub const FUSE_BIG_WRITES: u32 = 1 << 5;
 pub const FUSE_PARALLEL_DIROPS: u32 = 1 << 18;
 pub const FUSE_MAX_PAGES: u32 = 1 << 22;
+/// `flags2` is valid (the upper 32 bits of the flags).
+pub const FUSE_INIT_EXT: u32 = 1 << 30;
+/// FUSE over io_uring (bit 41 of the flags: bit 9 of `flags2`).
+pub const FUSE_OVER_IO_URING_FLAGS2: u32 = 1 << (41 - 32);
 
 pub const FATTR_SIZE: u32 = 1 << 3;
 
@@ -73,6 +75,8 @@ pub struct InitIn {
     pub minor: u32,
     pub max_readahead: u32,
     pub flags: u32,
+    /// Valid when `flags` has [`FUSE_INIT_EXT`] (a kernel of protocol 7.36 or later).
+    pub flags2: u32,
 }
 
 #[derive(Debug, Clone, Copy, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
@@ -243,4 +247,38 @@ mod tests {
         assert_eq!(std::mem::size_of::<FallocateIn>(), 32);
         assert_eq!(std::mem::size_of::<DirentHead>(), 24);
     }
+}
+
+/// Bytes of a ring entry's header area for the in/out header.
+pub const URING_IN_OUT_SZ: usize = 128;
+/// Bytes of a ring entry's header area for the operation's own header.
+pub const URING_OP_SZ: usize = 128;
+/// A ring entry's header buffer: `struct fuse_uring_req_header`.
+pub const URING_HEADER_SZ: usize = URING_IN_OUT_SZ + URING_OP_SZ + std::mem::size_of::<UringEntInOut>();
+/// Register an entry's buffers and fetch a request into them.
+pub const URING_CMD_REGISTER: u32 = 1;
+/// Commit the reply in an entry and fetch the next request into it.
+pub const URING_CMD_COMMIT_AND_FETCH: u32 = 2;
+
+/// `struct fuse_uring_ent_in_out`, at the end of an entry's header buffer.
+#[derive(Debug, Clone, Copy, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
+#[repr(C)]
+pub struct UringEntInOut {
+    pub flags: u64,
+    /// Names the request in the commit that answers it.
+    pub commit_id: u64,
+    /// Bytes of payload: the request's, then the reply's.
+    pub payload_sz: u32,
+    pub padding: u32,
+    pub reserved: u64,
+}
+
+/// `struct fuse_uring_cmd_req`, in the command area of a 128-byte SQE.
+#[derive(Debug, Clone, Copy, Default, FromBytes, IntoBytes, Immutable, KnownLayout)]
+#[repr(C)]
+pub struct UringCmdReq {
+    pub flags: u64,
+    pub commit_id: u64,
+    pub qid: u16,
+    pub padding: [u8; 6],
 }

@@ -18,6 +18,8 @@
 #![deny(missing_docs)]
 
 mod abi;
+mod ops;
 mod server;
+mod uring;
 
-pub use server::{FuseError, FuseExport};
+pub use server::{uring_ready, FuseError, FuseExport, FuseOptions, Transport, UringMode, ENABLE_URING};

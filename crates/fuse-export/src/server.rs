@@ -1,4 +1,4 @@
-//! Mounting, worker threads and request handling.
+//! Mounting, the choice of transport, and the `/dev/fuse` workers.
 
 use std::ffi::CString;
 use std::io;
@@ -6,22 +6,22 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::thread::JoinHandleExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bulkhead_client::{Device, IoError};
-use zerocopy::{FromBytes, Immutable, IntoBytes};
+use bulkhead_client::Device;
+use zerocopy::IntoBytes;
 
 use crate::abi::*;
+use crate::ops::{dispatch, Incoming, Io, IoKind, Shared, Sink, Step, MAX_WRITE};
+use crate::uring::{possible_cpus, Ended, RingQueue};
 
-/// Largest write the kernel may send (and read it may ask for).
-const MAX_WRITE: usize = 1 << 20;
-const MAX_PAGES: u16 = (MAX_WRITE / 4096) as u16;
 const BUF_SIZE: usize = MAX_WRITE + 64 * 1024;
-const ATTR_VALID_S: u64 = 3600;
 const FUSE_DEV_IOC_CLONE: libc::c_ulong = 0x8004_e500;
+/// The `fuse` module's switch for FUSE over io_uring.
+pub const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
 
 /// FUSE export errors.
 #[derive(Debug, thiserror::Error)]
@@ -40,29 +40,87 @@ pub enum FuseError {
     /// The kernel did not start the session in time.
     #[error("FUSE session at {0} did not initialise within 5 s")]
     InitTimeout(String),
+    /// FUSE over io_uring was required and is not available.
+    #[error("FUSE over io_uring (fuse.io_uring = \"on\"): {0}")]
+    Uring(String),
 }
 
-struct Shared {
-    devices: Vec<Arc<Device>>,
-    /// The session, for notifications (a duplicate of the first worker's descriptor).
-    notify: OwnedFd,
-    stop: AtomicBool,
-    initialized: AtomicBool,
-    start_time: u64,
-    errors_logged: AtomicUsize,
+/// Whether to carry requests over io_uring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UringMode {
+    /// Never: `/dev/fuse` reads and writes.
+    Off,
+    /// When the kernel has it (switching the `fuse` module's `enable_uring` on if it can),
+    /// else `/dev/fuse`.
+    #[default]
+    Auto,
+    /// Always; mounting fails without it.
+    On,
+}
+
+/// How the export is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FuseOptions {
+    /// Threads reading `/dev/fuse` (which also carries what the rings do not).
+    pub threads: usize,
+    /// FUSE over io_uring.
+    pub io_uring: UringMode,
+    /// Requests each per-CPU ring holds (each entry has a 1 MiB buffer).
+    pub queue_depth: usize,
+}
+
+impl Default for FuseOptions {
+    fn default() -> Self {
+        FuseOptions { threads: 4, io_uring: UringMode::Auto, queue_depth: 16 }
+    }
+}
+
+/// How requests reach the export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transport {
+    /// Worker threads read requests from `/dev/fuse` and write replies to it.
+    DevFuse {
+        /// Worker threads.
+        threads: usize,
+        /// Why not io_uring, when it was asked for.
+        why_not_uring: Option<String>,
+    },
+    /// FUSE over io_uring: a ring and a worker per CPU.
+    IoUring {
+        /// Rings (one per possible CPU).
+        queues: usize,
+        /// Requests each ring holds.
+        depth: usize,
+    },
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Transport::DevFuse { threads, why_not_uring: None } => write!(f, "/dev/fuse, {threads} threads"),
+            Transport::DevFuse { threads, why_not_uring: Some(w) } => {
+                write!(f, "/dev/fuse, {threads} threads (not io_uring: {w})")
+            }
+            Transport::IoUring { queues, depth } => write!(f, "io_uring, {queues} rings × {depth} requests"),
+        }
+    }
 }
 
 /// A mounted export and its workers. Dropping it unmounts (lazily if busy) and stops workers.
 pub struct FuseExport {
     mountpoint: PathBuf,
     shared: Arc<Shared>,
+    /// The session, for notifications (a duplicate of the first worker's descriptor).
+    notify: Arc<OwnedFd>,
     workers: Vec<JoinHandle<()>>,
+    rings: Vec<JoinHandle<Option<RingQueue>>>,
+    transport: Transport,
     mounted: bool,
 }
 
 impl std::fmt::Debug for FuseExport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FuseExport").field("mountpoint", &self.mountpoint).field("workers", &self.workers.len()).finish()
+        f.debug_struct("FuseExport").field("mountpoint", &self.mountpoint).field("transport", &self.transport).finish()
     }
 }
 
@@ -83,7 +141,7 @@ fn open_dev_fuse() -> io::Result<OwnedFd> {
 extern "C" fn on_kick(_: libc::c_int) {}
 
 /// Installs a no-op SIGUSR1 handler without SA_RESTART, so a kicked worker's blocking read of
-/// /dev/fuse returns EINTR and it can see the stop flag.
+/// /dev/fuse (or poll of its ring) returns EINTR and it can see the stop flag.
 fn install_kick_handler() {
     // SAFETY: a zeroed sigaction with a valid handler and empty mask is well-formed; the handler
     // is async-signal-safe (it does nothing).
@@ -96,21 +154,55 @@ fn install_kick_handler() {
     }
 }
 
+/// Whether this kernel carries FUSE over io_uring, switching the module's parameter on if it
+/// is off and this process may. `Err` says why not.
+pub fn uring_ready() -> Result<(), String> {
+    match std::fs::read_to_string(ENABLE_URING) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err("this kernel's fuse module has no io_uring support (no enable_uring parameter)".into())
+        }
+        Err(e) => Err(format!("cannot read {ENABLE_URING}: {e}")),
+        Ok(v) if v.trim() == "Y" || v.trim() == "1" => Ok(()),
+        Ok(_) => match std::fs::write(ENABLE_URING, "1") {
+            Ok(()) => {
+                eprintln!("bulkhead: switched FUSE over io_uring on ({ENABLE_URING})");
+                Ok(())
+            }
+            Err(e) => Err(format!("{ENABLE_URING} is off and cannot be switched on: {e}")),
+        },
+    }
+}
+
 impl FuseExport {
-    /// Mounts `mountpoint` (created if missing) and starts `threads` workers serving `devices`.
+    /// Mounts `mountpoint` (created if missing) and starts `threads` `/dev/fuse` workers serving
+    /// `devices`, with FUSE over io_uring where the kernel has it.
     pub fn mount(mountpoint: &Path, devices: Vec<Arc<Device>>, threads: usize) -> Result<Self, FuseError> {
+        Self::mount_with(mountpoint, devices, FuseOptions { threads, ..FuseOptions::default() })
+    }
+
+    /// Mounts `mountpoint` (created if missing) and serves `devices` as `opts` says.
+    pub fn mount_with(mountpoint: &Path, devices: Vec<Arc<Device>>, opts: FuseOptions) -> Result<Self, FuseError> {
+        let threads = opts.threads.max(1);
+        let why_not = match opts.io_uring {
+            UringMode::Off => Some("switched off (fuse.io_uring = \"off\")".to_string()),
+            UringMode::Auto => uring_ready().err(),
+            UringMode::On => {
+                uring_ready().map_err(FuseError::Uring)?;
+                None
+            }
+        };
         std::fs::create_dir_all(mountpoint).map_err(|source| FuseError::Sys {
             op: "create",
             path: mountpoint.display().to_string(),
             source,
         })?;
         let master = open_dev_fuse().map_err(|source| FuseError::Sys { op: "open", path: "/dev/fuse".into(), source })?;
-        let opts = format!(
+        let opts_s = format!(
             "fd={},rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions,max_read={MAX_WRITE}",
             master.as_raw_fd()
         );
         let target = CString::new(mountpoint.as_os_str().as_bytes()).expect("path without NUL");
-        let opts_c = CString::new(opts).expect("no NUL");
+        let opts_c = CString::new(opts_s).expect("no NUL");
         // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call.
         let rc = unsafe {
             libc::mount(
@@ -125,20 +217,21 @@ impl FuseExport {
             return Err(sys("mount FUSE at", mountpoint));
         }
         install_kick_handler();
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let notify = master.try_clone().map_err(|source| FuseError::Sys { op: "dup", path: "/dev/fuse".into(), source })?;
-        let shared = Arc::new(Shared {
-            devices,
-            notify,
-            stop: AtomicBool::new(false),
-            initialized: AtomicBool::new(false),
-            start_time: now,
-            errors_logged: AtomicUsize::new(0),
-        });
-        let mut export =
-            FuseExport { mountpoint: mountpoint.to_path_buf(), shared: shared.clone(), workers: vec![], mounted: true };
+        let dup = |fd: &OwnedFd| fd.try_clone().map_err(|source| FuseError::Sys { op: "dup", path: "/dev/fuse".into(), source });
+        let notify = Arc::new(dup(&master)?);
+        let shared = Arc::new(Shared::new(devices, why_not.is_none()));
+        let mut export = FuseExport {
+            mountpoint: mountpoint.to_path_buf(),
+            shared: shared.clone(),
+            notify: notify.clone(),
+            workers: vec![],
+            rings: vec![],
+            transport: Transport::DevFuse { threads, why_not_uring: why_not.clone() },
+            mounted: true,
+        };
+        let ring_fd = dup(&master)?;
         let mut fds = vec![master];
-        for _ in 1..threads.max(1) {
+        for _ in 1..threads {
             let clone = open_dev_fuse().map_err(|source| FuseError::Sys { op: "open", path: "/dev/fuse".into(), source })?;
             let mut master_fd: u32 = fds[0].as_raw_fd() as u32;
             // SAFETY: the ioctl reads one u32 (the session's descriptor) from `master_fd`.
@@ -162,7 +255,62 @@ impl FuseExport {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+        if why_not.is_none() {
+            let started = if shared.uring_granted.load(Ordering::Acquire) {
+                export.start_rings(ring_fd, opts.queue_depth.max(1))
+            } else {
+                Err("the kernel did not accept it at INIT".to_string())
+            };
+            match started {
+                Ok(t) => export.transport = t,
+                Err(e) if opts.io_uring == UringMode::On => return Err(FuseError::Uring(e)),
+                Err(e) => export.transport = Transport::DevFuse { threads, why_not_uring: Some(e) },
+            }
+        }
         Ok(export)
+    }
+
+    /// Starts a ring and its worker per possible CPU on the session `fuse`. Requests move to
+    /// the rings once every CPU has one; until then (and if this fails) `/dev/fuse` carries them.
+    fn start_rings(&mut self, fuse: OwnedFd, depth: usize) -> Result<Transport, String> {
+        let queues = possible_cpus();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for qid in 0..queues {
+            let fd = fuse.try_clone().map_err(|e| format!("dup /dev/fuse: {e}"))?;
+            let (sh, tx) = (self.shared.clone(), tx.clone());
+            let spawned = std::thread::Builder::new().name(format!("fuse-ring-{qid}")).spawn(move || {
+                let mut q = match RingQueue::new(qid as u16, depth, fd).and_then(|mut q| q.start().map(|()| q)) {
+                    Ok(q) => q,
+                    Err(e) => {
+                        let _ = tx.send(Err(format!("ring {qid}: {e}")));
+                        return None;
+                    }
+                };
+                let _ = tx.send(Ok(()));
+                match q.serve(&sh) {
+                    Ended::Stopped | Ended::Disconnected => {}
+                    Ended::Failed(e) => {
+                        eprintln!("bulkhead: fuse ring {qid} failed: {e}; requests issued on CPU {qid} stop being answered")
+                    }
+                }
+                Some(q)
+            });
+            self.rings.push(spawned.map_err(|e| format!("spawn ring worker: {e}"))?);
+        }
+        drop(tx);
+        for _ in 0..queues {
+            match rx.recv_timeout(Duration::from_secs(5)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err("a ring worker did not start within 5 s".into()),
+            }
+        }
+        Ok(Transport::IoUring { queues, depth })
+    }
+
+    /// How requests reach the export.
+    pub fn transport(&self) -> &Transport {
+        &self.transport
     }
 
     /// A handle that makes the kernel drop the cached pages of a device's file, by name:
@@ -170,12 +318,13 @@ impl FuseExport {
     /// read the device again instead of their page cache.
     pub fn invalidator(&self) -> impl Fn(&str) -> bool + Send + Sync + 'static {
         let sh = self.shared.clone();
+        let notify = self.notify.clone();
         move |name: &str| {
             let Some(i) = sh.devices.iter().position(|d| d.name() == name) else { return false };
             // FUSE_NOTIFY_INVAL_INODE: the inode, offset 0, length 0 (everything).
             let mut body = [0u8; 24];
             body[..8].copy_from_slice(&(i as u64 + 2).to_ne_bytes());
-            reply_raw(sh.notify.as_raw_fd(), 0, -FUSE_NOTIFY_INVAL_INODE, &[&body]);
+            DevSink(notify.as_raw_fd()).reply(0, -FUSE_NOTIFY_INVAL_INODE, &[&body]);
             true
         }
     }
@@ -210,31 +359,58 @@ impl FuseExport {
         self.shared.stop.store(true, Ordering::Release);
         // The mount point was ours to create; leave no empty directory behind.
         let _ = std::fs::remove_dir(&self.mountpoint);
-        let workers = std::mem::take(&mut self.workers);
-        for w in workers {
-            while !w.is_finished() {
-                // SAFETY: the thread is alive (not finished and not joined), so its pthread_t
-                // is valid; SIGUSR1 has a no-op handler.
-                unsafe { libc::pthread_kill(w.as_pthread_t(), libc::SIGUSR1) };
-                std::thread::sleep(Duration::from_millis(2));
-            }
+        for w in std::mem::take(&mut self.workers) {
+            kick_until_finished(&w);
             let _ = w.join();
+        }
+        for w in std::mem::take(&mut self.rings) {
+            kick_until_finished(&w);
+            // The ring and its buffers go only now, with the thread that the kernel copied
+            // requests for gone.
+            drop(w.join());
         }
         clean
     }
 }
 
+fn kick_until_finished<T>(w: &JoinHandle<T>) {
+    while !w.is_finished() {
+        // SAFETY: the thread is alive (not finished and not joined), so its pthread_t is
+        // valid; SIGUSR1 has a no-op handler.
+        unsafe { libc::pthread_kill(w.as_pthread_t(), libc::SIGUSR1) };
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 impl Drop for FuseExport {
     fn drop(&mut self) {
-        if self.mounted || !self.workers.is_empty() {
+        if self.mounted || !self.workers.is_empty() || !self.rings.is_empty() {
             self.stop();
         }
+    }
+}
+
+/// Replies written to `/dev/fuse`.
+struct DevSink(RawFd);
+
+impl Sink for DevSink {
+    fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]) {
+        let len = 16 + parts.iter().map(|p| p.len()).sum::<usize>();
+        let hdr = OutHeader { len: len as u32, error: -errno, unique };
+        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 4];
+        iov[0] = libc::iovec { iov_base: hdr.as_bytes().as_ptr() as *mut _, iov_len: 16 };
+        for (i, p) in parts.iter().enumerate() {
+            iov[i + 1] = libc::iovec { iov_base: p.as_ptr() as *mut _, iov_len: p.len() };
+        }
+        // SAFETY: every iovec points at memory valid for the call; the kernel copies it.
+        unsafe { libc::writev(self.0, iov.as_ptr(), 1 + parts.len() as i32) };
     }
 }
 
 fn worker(fd: OwnedFd, slot: usize, sh: Arc<Shared>) {
     let mut buf = vec![0u8; BUF_SIZE];
     let mut scratch = Vec::new();
+    let mut sink = DevSink(fd.as_raw_fd());
     while !sh.stop.load(Ordering::Acquire) {
         // SAFETY: reads into our own buffer of BUF_SIZE bytes.
         let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), BUF_SIZE) };
@@ -248,218 +424,39 @@ fn worker(fd: OwnedFd, slot: usize, sh: Arc<Shared>) {
                 }
             }
         }
-        let req = &buf[..n as usize];
-        if handle(fd.as_raw_fd(), slot, &sh, req, &mut scratch) == Flow::Stop {
-            break;
+        let Some(req) = Incoming::from_dev(&buf[..n as usize]) else { continue };
+        match dispatch(&sh, &req, &mut sink) {
+            Step::Done => {}
+            Step::Stop => break,
+            Step::Io(io) => run_io(&sh, slot, &io, req.payload, &mut sink, &mut scratch),
         }
     }
 }
 
-#[derive(PartialEq, Eq)]
-enum Flow {
-    Continue,
-    Stop,
-}
-
-fn reply_raw(fd: RawFd, unique: u64, error: i32, parts: &[&[u8]]) {
-    let len = 16 + parts.iter().map(|p| p.len()).sum::<usize>();
-    let hdr = OutHeader { len: len as u32, error: -error, unique };
-    let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 4];
-    iov[0] = libc::iovec { iov_base: hdr.as_bytes().as_ptr() as *mut _, iov_len: 16 };
-    for (i, p) in parts.iter().enumerate() {
-        iov[i + 1] = libc::iovec { iov_base: p.as_ptr() as *mut _, iov_len: p.len() };
-    }
-    // SAFETY: every iovec points at memory valid for the call; the kernel copies it.
-    unsafe { libc::writev(fd, iov.as_ptr(), 1 + parts.len() as i32) };
-}
-
-fn reply_err(fd: RawFd, unique: u64, errno: i32) {
-    reply_raw(fd, unique, errno, &[]);
-}
-
-fn reply<T: IntoBytes + Immutable>(fd: RawFd, unique: u64, v: &T) {
-    reply_raw(fd, unique, 0, &[v.as_bytes()]);
-}
-
-fn parse<T: FromBytes>(body: &[u8]) -> Option<T> {
-    T::read_from_prefix(body).ok().map(|(v, _)| v)
-}
-
-impl Shared {
-    fn device(&self, nodeid: u64) -> Option<&Arc<Device>> {
-        nodeid.checked_sub(2).and_then(|i| self.devices.get(i as usize))
-    }
-
-    fn attr(&self, nodeid: u64) -> Option<Attr> {
-        let t = self.start_time;
-        let base = Attr { ino: nodeid, atime: t, mtime: t, ctime: t, uid: 0, gid: 0, blksize: 4096, ..Default::default() };
-        if nodeid == FUSE_ROOT_ID {
-            return Some(Attr { mode: libc::S_IFDIR | 0o755, nlink: 2, ..base });
-        }
-        let d = self.device(nodeid)?;
-        Some(Attr { mode: libc::S_IFREG | 0o600, nlink: 1, size: d.size(), blocks: d.size() / 512, ..base })
-    }
-
-    fn log_error(&self, what: &str, e: &IoError) {
-        // Rate-limited: the first 10, then every 1000th.
-        let n = self.errors_logged.fetch_add(1, Ordering::Relaxed);
-        if n < 10 || n.is_multiple_of(1000) {
-            eprintln!("bulkhead: fuse {what}: {e} ({} errors so far)", n + 1);
-        }
-    }
-}
-
-fn handle(fd: RawFd, slot: usize, sh: &Shared, req: &[u8], scratch: &mut Vec<u8>) -> Flow {
-    let Some(h) = parse::<InHeader>(req) else {
-        return Flow::Continue;
+/// Runs one request to the end on the queue of `slot` and answers it.
+fn run_io(sh: &Shared, slot: usize, io: &Io, payload: &[u8], sink: &mut DevSink, scratch: &mut Vec<u8>) {
+    let d = &sh.devices[io.dev];
+    let result = match io.kind {
+        IoKind::Read { offset, len } => return read(sh, slot, io, (offset, len), sink.0, scratch),
+        IoKind::Write { offset, len, fua } => d.write(slot, offset, &payload[..len as usize], fua),
+        IoKind::Flush => d.flush(slot),
+        IoKind::Discard { offset, len } => d.discard(slot, offset, len),
+        IoKind::Zeroes { offset, len } => d.write_zeroes(slot, offset, len),
     };
-    let body = &req[std::mem::size_of::<InHeader>().min(req.len())..];
-    let u = h.unique;
-    match h.opcode {
-        INIT => {
-            let Some(i) = parse::<InitIn>(body) else {
-                reply_err(fd, u, libc::EINVAL);
-                return Flow::Continue;
-            };
-            if i.major != FUSE_KERNEL_VERSION {
-                reply_err(fd, u, libc::EPROTO);
-                return Flow::Stop;
-            }
-            let want = FUSE_ASYNC_READ | FUSE_ATOMIC_O_TRUNC | FUSE_BIG_WRITES | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES;
-            let out = InitOut {
-                major: FUSE_KERNEL_VERSION,
-                minor: FUSE_KERNEL_MINOR_VERSION.min(i.minor),
-                max_readahead: i.max_readahead,
-                flags: i.flags & want,
-                max_background: 64,
-                congestion_threshold: 48,
-                max_write: MAX_WRITE as u32,
-                time_gran: 1,
-                max_pages: MAX_PAGES,
-                ..Default::default()
-            };
-            reply(fd, u, &out);
-            sh.initialized.store(true, Ordering::Release);
-        }
-        DESTROY => {
-            reply_err(fd, u, 0);
-            return Flow::Stop;
-        }
-        FORGET | BATCH_FORGET | INTERRUPT => {} // no reply
-        LOOKUP => {
-            let name = body.split(|&b| b == 0).next().unwrap_or(&[]);
-            let found = (h.nodeid == FUSE_ROOT_ID).then(|| sh.devices.iter().position(|d| d.name().as_bytes() == name)).flatten();
-            match found {
-                Some(i) => {
-                    let nodeid = i as u64 + 2;
-                    let attr = sh.attr(nodeid).expect("device node");
-                    let out = EntryOut {
-                        nodeid,
-                        generation: 1,
-                        entry_valid: ATTR_VALID_S,
-                        attr_valid: ATTR_VALID_S,
-                        attr,
-                        ..Default::default()
-                    };
-                    reply(fd, u, &out);
-                }
-                None => reply_err(fd, u, libc::ENOENT),
-            }
-        }
-        GETATTR => match sh.attr(h.nodeid) {
-            Some(attr) => reply(fd, u, &AttrOut { attr_valid: ATTR_VALID_S, attr, ..Default::default() }),
-            None => reply_err(fd, u, libc::ENOENT),
-        },
-        SETATTR => {
-            let (Some(s), Some(attr)) = (parse::<SetattrIn>(body), sh.attr(h.nodeid)) else {
-                reply_err(fd, u, libc::ENOENT);
-                return Flow::Continue;
-            };
-            if s.valid & FATTR_SIZE != 0 && s.size != attr.size {
-                // A device has a fixed size.
-                reply_err(fd, u, libc::EPERM);
-            } else {
-                reply(fd, u, &AttrOut { attr_valid: ATTR_VALID_S, attr, ..Default::default() });
-            }
-        }
-        OPEN => match (sh.device(h.nodeid), parse::<OpenIn>(body)) {
-            (Some(_), Some(_)) => reply(fd, u, &OpenOut::default()),
-            (None, _) if h.nodeid == FUSE_ROOT_ID => reply_err(fd, u, libc::EISDIR),
-            _ => reply_err(fd, u, libc::ENOENT),
-        },
-        OPENDIR => {
-            if h.nodeid == FUSE_ROOT_ID {
-                reply(fd, u, &OpenOut::default())
-            } else {
-                reply_err(fd, u, libc::ENOTDIR)
-            }
-        }
-        READDIR => readdir(fd, sh, u, h.nodeid, body),
-        READ => read(fd, slot, sh, u, h.nodeid, body, scratch),
-        WRITE => write(fd, slot, sh, u, h.nodeid, body),
-        FSYNC => match sh.device(h.nodeid) {
-            Some(d) => match d.flush(slot) {
-                Ok(()) => reply_err(fd, u, 0),
-                Err(e) => {
-                    sh.log_error("fsync", &e);
-                    reply_err(fd, u, e.errno())
-                }
-            },
-            None => reply_err(fd, u, 0),
-        },
-        FALLOCATE => fallocate(fd, slot, sh, u, h.nodeid, body),
-        STATFS => reply(
-            fd,
-            u,
-            &StatfsOut { bsize: 4096, frsize: 4096, namelen: 255, files: sh.devices.len() as u64, ..Default::default() },
-        ),
-        FLUSH | RELEASE | RELEASEDIR | FSYNCDIR | ACCESS => reply_err(fd, u, 0),
-        GETXATTR | LISTXATTR => reply_err(fd, u, libc::ENOSYS),
-        _ => reply_err(fd, u, libc::ENOSYS),
+    if let (IoKind::Write { len, .. }, Ok(())) = (io.kind, &result) {
+        // `Device::write` counted the bytes already.
+        return sink.value(io.unique, &WriteOut { size: len, padding: 0 });
     }
-    Flow::Continue
+    io.reply(sh, sink, result);
 }
 
-fn readdir(fd: RawFd, sh: &Shared, u: u64, nodeid: u64, body: &[u8]) {
-    let Some(r) = parse::<ReadIn>(body) else {
-        return reply_err(fd, u, libc::EINVAL);
-    };
-    if nodeid != FUSE_ROOT_ID {
-        return reply_err(fd, u, libc::ENOTDIR);
-    }
-    let mut out = Vec::with_capacity(r.size as usize);
-    let entries = [(".", FUSE_ROOT_ID, 4u32), ("..", FUSE_ROOT_ID, 4)]
-        .into_iter()
-        .map(|(n, i, t)| (n.to_string(), i, t))
-        .chain(sh.devices.iter().enumerate().map(|(i, d)| (d.name().to_string(), i as u64 + 2, 8)));
-    for (idx, (name, ino, typ)) in entries.enumerate().skip(r.offset as usize) {
-        let head = DirentHead { ino, off: idx as u64 + 1, namelen: name.len() as u32, typ };
-        let rec = (24 + name.len()).div_ceil(8) * 8;
-        if out.len() + rec > r.size as usize {
-            break;
-        }
-        out.extend_from_slice(head.as_bytes());
-        out.extend_from_slice(name.as_bytes());
-        out.resize(out.len().div_ceil(8) * 8, 0);
-    }
-    reply_raw(fd, u, 0, &[&out]);
-}
-
-fn read(fd: RawFd, slot: usize, sh: &Shared, u: u64, nodeid: u64, body: &[u8], scratch: &mut Vec<u8>) {
-    let Some(r) = parse::<ReadIn>(body) else {
-        return reply_err(fd, u, libc::EINVAL);
-    };
-    let Some(d) = sh.device(nodeid) else {
-        return reply_err(fd, u, libc::EISDIR);
-    };
-    let len = (r.size as u64).min(d.size().saturating_sub(r.offset));
-    if len == 0 {
-        return reply_raw(fd, u, 0, &[]);
-    }
-    // The common case: the reply goes from the grant window to the kernel in one writev.
+/// A read answered straight from the grant window with one `writev` when it comes in one
+/// piece; split reads are gathered first.
+fn read(sh: &Shared, slot: usize, io: &Io, (offset, len): (u64, u64), fd: RawFd, scratch: &mut Vec<u8>) {
+    let (d, u) = (&sh.devices[io.dev], io.unique);
     let mut replied = false;
     scratch.clear();
-    let res = d.read(slot, r.offset, len, |at, w| {
+    let res = d.read(slot, offset, len, |at, w| {
         if at == 0 && w.len() as u64 == len {
             let hdr = OutHeader { len: 16 + len as u32, error: 0, unique: u };
             let iov = [libc::iovec { iov_base: hdr.as_bytes().as_ptr() as *mut _, iov_len: 16 }, w.iovec()];
@@ -475,62 +472,10 @@ fn read(fd: RawFd, slot: usize, sh: &Shared, u: u64, nodeid: u64, body: &[u8], s
     });
     match res {
         Ok(()) if replied => {}
-        Ok(()) => reply_raw(fd, u, 0, &[scratch]),
+        Ok(()) => DevSink(fd).reply(u, 0, &[scratch]),
         Err(e) => {
             sh.log_error("read", &e);
-            reply_err(fd, u, e.errno());
-        }
-    }
-}
-
-fn write(fd: RawFd, slot: usize, sh: &Shared, u: u64, nodeid: u64, body: &[u8]) {
-    let Some(w) = parse::<WriteIn>(body) else {
-        return reply_err(fd, u, libc::EINVAL);
-    };
-    let Some(d) = sh.device(nodeid) else {
-        return reply_err(fd, u, libc::EISDIR);
-    };
-    let data = &body[std::mem::size_of::<WriteIn>()..];
-    if data.len() != w.size as usize {
-        return reply_err(fd, u, libc::EINVAL);
-    }
-    if w.offset.checked_add(data.len() as u64).is_none_or(|end| end > d.size()) {
-        return reply_err(fd, u, libc::ENOSPC);
-    }
-    let fua = w.flags as i32 & libc::O_DSYNC != 0;
-    match d.write(slot, w.offset, data, fua) {
-        Ok(()) => reply(fd, u, &WriteOut { size: w.size, padding: 0 }),
-        Err(e) => {
-            sh.log_error("write", &e);
-            reply_err(fd, u, e.errno());
-        }
-    }
-}
-
-fn fallocate(fd: RawFd, slot: usize, sh: &Shared, u: u64, nodeid: u64, body: &[u8]) {
-    let Some(f) = parse::<FallocateIn>(body) else {
-        return reply_err(fd, u, libc::EINVAL);
-    };
-    let Some(d) = sh.device(nodeid) else {
-        return reply_err(fd, u, libc::EISDIR);
-    };
-    if f.offset.checked_add(f.length).is_none_or(|end| end > d.size()) {
-        return reply_err(fd, u, if f.mode & FALLOC_FL_KEEP_SIZE != 0 { libc::EINVAL } else { libc::ENOSPC });
-    }
-    let r = if f.mode == 0 || f.mode == FALLOC_FL_KEEP_SIZE {
-        Ok(()) // allocation within a fixed-size device: nothing to do
-    } else if f.mode & FALLOC_FL_PUNCH_HOLE != 0 && f.mode & FALLOC_FL_KEEP_SIZE != 0 {
-        d.discard(slot, f.offset, f.length)
-    } else if f.mode & FALLOC_FL_ZERO_RANGE != 0 {
-        d.write_zeroes(slot, f.offset, f.length)
-    } else {
-        return reply_err(fd, u, libc::EOPNOTSUPP);
-    };
-    match r {
-        Ok(()) => reply_err(fd, u, 0),
-        Err(e) => {
-            sh.log_error("fallocate", &e);
-            reply_err(fd, u, e.errno())
+            DevSink(fd).error(u, e.errno());
         }
     }
 }

@@ -1,0 +1,462 @@
+//! What each FUSE request means, whichever transport brought it: metadata is answered here,
+//! I/O comes back as an [`Io`] for the transport to run (synchronously on `/dev/fuse`,
+//! several in flight on a ring).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bulkhead_client::{Device, IoError, Request};
+use zerocopy::{FromBytes, Immutable, IntoBytes};
+
+use crate::abi::*;
+
+/// Largest write the kernel may send (and read it may ask for).
+pub(crate) const MAX_WRITE: usize = 1 << 20;
+const MAX_PAGES: u16 = (MAX_WRITE / 4096) as u16;
+const ATTR_VALID_S: u64 = 3600;
+
+/// What the export serves, shared by every worker of either transport.
+pub(crate) struct Shared {
+    pub(crate) devices: Vec<Arc<Device>>,
+    pub(crate) stop: AtomicBool,
+    pub(crate) initialized: AtomicBool,
+    /// Whether to offer FUSE over io_uring at INIT.
+    pub(crate) offer_uring: bool,
+    /// Whether the kernel took the offer.
+    pub(crate) uring_granted: AtomicBool,
+    pub(crate) start_time: u64,
+    errors_logged: AtomicUsize,
+}
+
+impl Shared {
+    pub(crate) fn new(devices: Vec<Arc<Device>>, offer_uring: bool) -> Self {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        Shared {
+            devices,
+            stop: AtomicBool::new(false),
+            initialized: AtomicBool::new(false),
+            offer_uring,
+            uring_granted: AtomicBool::new(false),
+            start_time: now,
+            errors_logged: AtomicUsize::new(0),
+        }
+    }
+
+    pub(crate) fn device(&self, nodeid: u64) -> Option<&Arc<Device>> {
+        nodeid.checked_sub(2).and_then(|i| self.devices.get(i as usize))
+    }
+
+    fn attr(&self, nodeid: u64) -> Option<Attr> {
+        let t = self.start_time;
+        let base = Attr { ino: nodeid, atime: t, mtime: t, ctime: t, uid: 0, gid: 0, blksize: 4096, ..Default::default() };
+        if nodeid == FUSE_ROOT_ID {
+            return Some(Attr { mode: libc::S_IFDIR | 0o755, nlink: 2, ..base });
+        }
+        let d = self.device(nodeid)?;
+        Some(Attr { mode: libc::S_IFREG | 0o600, nlink: 1, size: d.size(), blocks: d.size() / 512, ..base })
+    }
+
+    pub(crate) fn log_error(&self, what: &str, e: &IoError) {
+        // Rate-limited: the first 10, then every 1000th.
+        let n = self.errors_logged.fetch_add(1, Ordering::Relaxed);
+        if n < 10 || n.is_multiple_of(1000) {
+            eprintln!("bulkhead: fuse {what}: {e} ({} errors so far)", n + 1);
+        }
+    }
+}
+
+/// Where a transport sends replies.
+pub(crate) trait Sink {
+    /// Answers request `unique`: `errno` (0 for success) and the reply's parts, in order.
+    fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]);
+
+    fn error(&mut self, unique: u64, errno: i32) {
+        self.reply(unique, errno, &[]);
+    }
+
+    fn value<T: IntoBytes + Immutable>(&mut self, unique: u64, v: &T) {
+        self.reply(unique, 0, &[v.as_bytes()]);
+    }
+}
+
+/// One request as it arrived: the header, the operation's own header, and the payload
+/// after it (a write's data, a lookup's name).
+pub(crate) struct Incoming<'a> {
+    pub(crate) h: InHeader,
+    pub(crate) op: &'a [u8],
+    pub(crate) payload: &'a [u8],
+}
+
+impl<'a> Incoming<'a> {
+    /// Splits a request read from `/dev/fuse`, where the parts follow each other.
+    pub(crate) fn from_dev(req: &'a [u8]) -> Option<Self> {
+        let h = parse::<InHeader>(req)?;
+        let body = &req[std::mem::size_of::<InHeader>()..];
+        let op_len = match h.opcode {
+            LOOKUP => 0,
+            WRITE => std::mem::size_of::<WriteIn>().min(body.len()),
+            _ => body.len(),
+        };
+        let (op, payload) = body.split_at(op_len);
+        Some(Incoming { h, op, payload })
+    }
+}
+
+/// A device request a transport runs, then answers with [`Io::reply`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Io {
+    pub(crate) unique: u64,
+    /// Index into the export's devices.
+    pub(crate) dev: usize,
+    pub(crate) kind: IoKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IoKind {
+    Read {
+        offset: u64,
+        len: u64,
+    },
+    /// The data is the request's payload.
+    Write {
+        offset: u64,
+        len: u32,
+        fua: bool,
+    },
+    Flush,
+    Discard {
+        offset: u64,
+        len: u64,
+    },
+    Zeroes {
+        offset: u64,
+        len: u64,
+    },
+}
+
+impl Io {
+    /// The device request; `payload` is the write's data.
+    pub(crate) fn request<'p>(&self, payload: &'p [u8]) -> Request<'p> {
+        match self.kind {
+            IoKind::Read { offset, len } => Request::Read { offset, len },
+            IoKind::Write { offset, len, fua } => Request::Write { offset, data: &payload[..len as usize], fua },
+            IoKind::Flush => Request::Flush,
+            IoKind::Discard { offset, len } => Request::Discard { offset, len },
+            IoKind::Zeroes { offset, len } => Request::WriteZeroes { offset, len },
+        }
+    }
+
+    /// Answers everything but a successful read, whose data the transport sends itself.
+    pub(crate) fn reply(&self, sh: &Shared, sink: &mut impl Sink, result: Result<(), IoError>) {
+        match result {
+            Ok(()) => {
+                let c = &sh.devices[self.dev].counters;
+                match self.kind {
+                    IoKind::Write { len, .. } => {
+                        c.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
+                        sink.value(self.unique, &WriteOut { size: len, padding: 0 })
+                    }
+                    IoKind::Read { .. } => unreachable!("a read's reply carries its data"),
+                    _ => sink.error(self.unique, 0),
+                }
+            }
+            Err(e) => {
+                let what = match self.kind {
+                    IoKind::Read { .. } => "read",
+                    IoKind::Write { .. } => "write",
+                    IoKind::Flush => "fsync",
+                    IoKind::Discard { .. } | IoKind::Zeroes { .. } => "fallocate",
+                };
+                sh.log_error(what, &e);
+                sink.error(self.unique, e.errno());
+            }
+        }
+    }
+}
+
+/// What became of a request.
+pub(crate) enum Step {
+    /// Answered (or needs no answer).
+    Done,
+    /// Device I/O to run and then answer.
+    Io(Io),
+    /// The session ends.
+    Stop,
+}
+
+pub(crate) fn parse<T: FromBytes>(body: &[u8]) -> Option<T> {
+    T::read_from_prefix(body).ok().map(|(v, _)| v)
+}
+
+/// Answers `req` or says what I/O it needs.
+pub(crate) fn dispatch(sh: &Shared, req: &Incoming<'_>, sink: &mut impl Sink) -> Step {
+    let h = &req.h;
+    let (u, op) = (h.unique, req.op);
+    match h.opcode {
+        INIT => return init(sh, u, op, sink),
+        DESTROY => {
+            sink.error(u, 0);
+            return Step::Stop;
+        }
+        FORGET | BATCH_FORGET | INTERRUPT => {} // no reply
+        LOOKUP => {
+            let name = req.payload.split(|&b| b == 0).next().unwrap_or(&[]);
+            let found = (h.nodeid == FUSE_ROOT_ID).then(|| sh.devices.iter().position(|d| d.name().as_bytes() == name)).flatten();
+            match found {
+                Some(i) => {
+                    let nodeid = i as u64 + 2;
+                    let attr = sh.attr(nodeid).expect("device node");
+                    let out = EntryOut {
+                        nodeid,
+                        generation: 1,
+                        entry_valid: ATTR_VALID_S,
+                        attr_valid: ATTR_VALID_S,
+                        attr,
+                        ..Default::default()
+                    };
+                    sink.value(u, &out);
+                }
+                None => sink.error(u, libc::ENOENT),
+            }
+        }
+        GETATTR => match sh.attr(h.nodeid) {
+            Some(attr) => sink.value(u, &AttrOut { attr_valid: ATTR_VALID_S, attr, ..Default::default() }),
+            None => sink.error(u, libc::ENOENT),
+        },
+        SETATTR => match (parse::<SetattrIn>(op), sh.attr(h.nodeid)) {
+            // A device has a fixed size.
+            (Some(s), Some(attr)) if s.valid & FATTR_SIZE != 0 && s.size != attr.size => sink.error(u, libc::EPERM),
+            (Some(_), Some(attr)) => sink.value(u, &AttrOut { attr_valid: ATTR_VALID_S, attr, ..Default::default() }),
+            _ => sink.error(u, libc::ENOENT),
+        },
+        OPEN => match (sh.device(h.nodeid), parse::<OpenIn>(op)) {
+            (Some(_), Some(_)) => sink.value(u, &OpenOut::default()),
+            (None, _) if h.nodeid == FUSE_ROOT_ID => sink.error(u, libc::EISDIR),
+            _ => sink.error(u, libc::ENOENT),
+        },
+        OPENDIR if h.nodeid == FUSE_ROOT_ID => sink.value(u, &OpenOut::default()),
+        OPENDIR => sink.error(u, libc::ENOTDIR),
+        READDIR => readdir(sh, u, h.nodeid, op, sink),
+        READ => return read(sh, u, h.nodeid, op, sink),
+        WRITE => return write(sh, u, h.nodeid, op, req.payload, sink),
+        FSYNC => match sh.device(h.nodeid) {
+            Some(_) => return io(h, IoKind::Flush),
+            None => sink.error(u, 0),
+        },
+        FALLOCATE => return fallocate(sh, u, h.nodeid, op, sink),
+        STATFS => sink.value(
+            u,
+            &StatfsOut { bsize: 4096, frsize: 4096, namelen: 255, files: sh.devices.len() as u64, ..Default::default() },
+        ),
+        FLUSH | RELEASE | RELEASEDIR | FSYNCDIR | ACCESS => sink.error(u, 0),
+        _ => sink.error(u, libc::ENOSYS),
+    }
+    Step::Done
+}
+
+fn io(h: &InHeader, kind: IoKind) -> Step {
+    Step::Io(Io { unique: h.unique, dev: (h.nodeid - 2) as usize, kind })
+}
+
+fn init(sh: &Shared, u: u64, op: &[u8], sink: &mut impl Sink) -> Step {
+    // Kernels before protocol 7.36 send 16 bytes, without `flags2`.
+    let mut raw = [0u8; std::mem::size_of::<InitIn>()];
+    let n = op.len().min(raw.len());
+    raw[..n].copy_from_slice(&op[..n]);
+    let Some(i) = parse::<InitIn>(&raw).filter(|_| n >= 16) else {
+        sink.error(u, libc::EINVAL);
+        return Step::Done;
+    };
+    if i.major != FUSE_KERNEL_VERSION {
+        sink.error(u, libc::EPROTO);
+        return Step::Stop;
+    }
+    let want = FUSE_ASYNC_READ | FUSE_ATOMIC_O_TRUNC | FUSE_BIG_WRITES | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES;
+    let mut flags = i.flags & want;
+    let mut flags2 = 0;
+    let uring = sh.offer_uring && i.flags & FUSE_INIT_EXT != 0 && i.flags2 & FUSE_OVER_IO_URING_FLAGS2 != 0;
+    if uring {
+        flags |= FUSE_INIT_EXT;
+        flags2 |= FUSE_OVER_IO_URING_FLAGS2;
+    }
+    let out = InitOut {
+        major: FUSE_KERNEL_VERSION,
+        minor: FUSE_KERNEL_MINOR_VERSION.min(i.minor),
+        max_readahead: i.max_readahead,
+        flags,
+        max_background: 64,
+        congestion_threshold: 48,
+        max_write: MAX_WRITE as u32,
+        time_gran: 1,
+        max_pages: MAX_PAGES,
+        flags2,
+        ..Default::default()
+    };
+    sink.value(u, &out);
+    sh.uring_granted.store(uring, Ordering::Release);
+    sh.initialized.store(true, Ordering::Release);
+    Step::Done
+}
+
+fn readdir(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) {
+    let Some(r) = parse::<ReadIn>(op) else {
+        return sink.error(u, libc::EINVAL);
+    };
+    if nodeid != FUSE_ROOT_ID {
+        return sink.error(u, libc::ENOTDIR);
+    }
+    let mut out = Vec::with_capacity(r.size as usize);
+    let entries = [(".", FUSE_ROOT_ID, 4u32), ("..", FUSE_ROOT_ID, 4)]
+        .into_iter()
+        .map(|(n, i, t)| (n.to_string(), i, t))
+        .chain(sh.devices.iter().enumerate().map(|(i, d)| (d.name().to_string(), i as u64 + 2, 8)));
+    for (idx, (name, ino, typ)) in entries.enumerate().skip(r.offset as usize) {
+        let head = DirentHead { ino, off: idx as u64 + 1, namelen: name.len() as u32, typ };
+        let rec = (24 + name.len()).div_ceil(8) * 8;
+        if out.len() + rec > r.size as usize {
+            break;
+        }
+        out.extend_from_slice(head.as_bytes());
+        out.extend_from_slice(name.as_bytes());
+        out.resize(out.len().div_ceil(8) * 8, 0);
+    }
+    sink.reply(u, 0, &[&out]);
+}
+
+fn read(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
+    let Some(r) = parse::<ReadIn>(op) else {
+        sink.error(u, libc::EINVAL);
+        return Step::Done;
+    };
+    let Some(d) = sh.device(nodeid) else {
+        sink.error(u, libc::EISDIR);
+        return Step::Done;
+    };
+    let len = (r.size as u64).min(d.size().saturating_sub(r.offset));
+    if len == 0 {
+        sink.reply(u, 0, &[]);
+        return Step::Done;
+    }
+    Step::Io(Io { unique: u, dev: (nodeid - 2) as usize, kind: IoKind::Read { offset: r.offset, len } })
+}
+
+fn write(sh: &Shared, u: u64, nodeid: u64, op: &[u8], data: &[u8], sink: &mut impl Sink) -> Step {
+    let Some(w) = parse::<WriteIn>(op) else {
+        sink.error(u, libc::EINVAL);
+        return Step::Done;
+    };
+    let Some(d) = sh.device(nodeid) else {
+        sink.error(u, libc::EISDIR);
+        return Step::Done;
+    };
+    if data.len() != w.size as usize {
+        sink.error(u, libc::EINVAL);
+        return Step::Done;
+    }
+    if w.offset.checked_add(data.len() as u64).is_none_or(|end| end > d.size()) {
+        sink.error(u, libc::ENOSPC);
+        return Step::Done;
+    }
+    let fua = w.flags as i32 & libc::O_DSYNC != 0;
+    Step::Io(Io { unique: u, dev: (nodeid - 2) as usize, kind: IoKind::Write { offset: w.offset, len: w.size, fua } })
+}
+
+fn fallocate(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
+    let Some(f) = parse::<FallocateIn>(op) else {
+        sink.error(u, libc::EINVAL);
+        return Step::Done;
+    };
+    let Some(d) = sh.device(nodeid) else {
+        sink.error(u, libc::EISDIR);
+        return Step::Done;
+    };
+    if f.offset.checked_add(f.length).is_none_or(|end| end > d.size()) {
+        sink.error(u, if f.mode & FALLOC_FL_KEEP_SIZE != 0 { libc::EINVAL } else { libc::ENOSPC });
+        return Step::Done;
+    }
+    let kind = if f.mode == 0 || f.mode == FALLOC_FL_KEEP_SIZE {
+        // Allocation within a fixed-size device: nothing to do.
+        sink.error(u, 0);
+        return Step::Done;
+    } else if f.mode & FALLOC_FL_PUNCH_HOLE != 0 && f.mode & FALLOC_FL_KEEP_SIZE != 0 {
+        IoKind::Discard { offset: f.offset, len: f.length }
+    } else if f.mode & FALLOC_FL_ZERO_RANGE != 0 {
+        IoKind::Zeroes { offset: f.offset, len: f.length }
+    } else {
+        sink.error(u, libc::EOPNOTSUPP);
+        return Step::Done;
+    };
+    Step::Io(Io { unique: u, dev: (nodeid - 2) as usize, kind })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Collect(Vec<(u64, i32, Vec<u8>)>);
+
+    impl Sink for Collect {
+        fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]) {
+            self.0.push((unique, errno, parts.concat()));
+        }
+    }
+
+    fn init_request(flags: u32, flags2: u32, len: usize) -> Vec<u8> {
+        let body = InitIn { major: 7, minor: 45, max_readahead: 1 << 17, flags, flags2 };
+        body.as_bytes()[..len].to_vec()
+    }
+
+    #[test]
+    fn init_offers_io_uring_only_when_asked_and_offered() {
+        for (offer, kernel_flags2, expect) in
+            [(true, FUSE_OVER_IO_URING_FLAGS2, true), (false, FUSE_OVER_IO_URING_FLAGS2, false), (true, 0, false)]
+        {
+            let sh = Shared::new(Vec::new(), offer);
+            let mut out = Collect(Vec::new());
+            let op = init_request(FUSE_INIT_EXT | FUSE_ASYNC_READ, kernel_flags2, 20);
+            let h = InHeader { opcode: INIT, unique: 7, ..Default::default() };
+            assert!(matches!(dispatch(&sh, &Incoming { h, op: &op, payload: &[] }, &mut out), Step::Done));
+            let (u, errno, reply) = &out.0[0];
+            assert_eq!((*u, *errno), (7, 0));
+            let reply = parse::<InitOut>(reply).unwrap();
+            assert_eq!(reply.flags2 & FUSE_OVER_IO_URING_FLAGS2 != 0, expect, "offer {offer}");
+            assert_eq!(reply.flags & FUSE_INIT_EXT != 0, expect);
+            assert_eq!(sh.uring_granted.load(Ordering::Relaxed), expect);
+            assert!(sh.initialized.load(Ordering::Relaxed));
+        }
+    }
+
+    #[test]
+    fn init_from_an_old_kernel_without_flags2_is_understood() {
+        let sh = Shared::new(Vec::new(), true);
+        let mut out = Collect(Vec::new());
+        let op = init_request(FUSE_ASYNC_READ, 0, 16);
+        let h = InHeader { opcode: INIT, unique: 1, ..Default::default() };
+        dispatch(&sh, &Incoming { h, op: &op, payload: &[] }, &mut out);
+        let reply = parse::<InitOut>(&out.0[0].2).unwrap();
+        assert_eq!(reply.flags & FUSE_ASYNC_READ, FUSE_ASYNC_READ);
+        assert!(!sh.uring_granted.load(Ordering::Relaxed));
+        // A truncated INIT is refused, not misread.
+        let mut out = Collect(Vec::new());
+        dispatch(&sh, &Incoming { h, op: &op[..12], payload: &[] }, &mut out);
+        assert_eq!(out.0[0].1, libc::EINVAL);
+    }
+
+    #[test]
+    fn a_dev_request_splits_into_op_header_and_payload() {
+        let h = InHeader { opcode: WRITE, unique: 3, nodeid: 2, ..Default::default() };
+        let w = WriteIn { offset: 4096, size: 5, ..Default::default() };
+        let mut req = h.as_bytes().to_vec();
+        req.extend_from_slice(w.as_bytes());
+        req.extend_from_slice(b"hello");
+        let inc = Incoming::from_dev(&req).unwrap();
+        assert_eq!(inc.op.len(), std::mem::size_of::<WriteIn>());
+        assert_eq!(inc.payload, b"hello");
+        let h = InHeader { opcode: LOOKUP, nodeid: 1, ..Default::default() };
+        let mut req = h.as_bytes().to_vec();
+        req.extend_from_slice(b"disk0\0");
+        let inc = Incoming::from_dev(&req).unwrap();
+        assert!(inc.op.is_empty());
+        assert_eq!(inc.payload, b"disk0\0");
+    }
+}
