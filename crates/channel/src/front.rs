@@ -747,11 +747,13 @@ impl FrontQueue {
 
     /// For a caller that sleeps on more than this queue (an export waiting on its own ring as
     /// well): says this side is about to sleep, so the driver rings [`irq_fd`](Self::irq_fd)
-    /// for the next response. `false` when a response is already there or the queue is
-    /// broken: nothing is armed, reap instead of sleeping. After an armed sleep, whether woken
-    /// by this queue or not, call [`disarm`](Self::disarm).
+    /// for the next response. `false` when a response is already there, the queue is broken,
+    /// or it runs in `poll` mode (the driver never rings): nothing is armed, reap instead of
+    /// sleeping. After an armed sleep, whether woken by this queue or not, call
+    /// [`disarm`](Self::disarm).
     pub fn arm(&mut self) -> bool {
-        if self.broken.is_some() || self.ring.response_pending() {
+        // In `poll` mode the driver never rings: its peer is taken to spin.
+        if self.mode == NotifyMode::Poll || self.broken.is_some() || self.ring.response_pending() {
             return false;
         }
         if self.ring.prepare_sleep() {

@@ -33,6 +33,9 @@ pub const FALLOCATE: u32 = 43;
 pub const FUSE_ASYNC_READ: u32 = 1 << 0;
 pub const FUSE_ATOMIC_O_TRUNC: u32 = 1 << 3;
 pub const FUSE_BIG_WRITES: u32 = 1 << 5;
+/// Asynchronous direct I/O: a loop device's requests are answered as they complete instead of
+/// one at a time.
+pub const FUSE_ASYNC_DIO: u32 = 1 << 15;
 pub const FUSE_PARALLEL_DIROPS: u32 = 1 << 18;
 pub const FUSE_MAX_PAGES: u32 = 1 << 22;
 /// `flags2` is valid (the upper 32 bits of the flags).

@@ -271,7 +271,7 @@ fn init(sh: &Shared, u: u64, op: &[u8], sink: &mut impl Sink) -> Step {
         sink.error(u, libc::EPROTO);
         return Step::Stop;
     }
-    let want = FUSE_ASYNC_READ | FUSE_ATOMIC_O_TRUNC | FUSE_BIG_WRITES | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES;
+    let want = FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_ATOMIC_O_TRUNC | FUSE_BIG_WRITES | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES;
     let mut flags = i.flags & want;
     let mut flags2 = 0;
     let uring = sh.offer_uring && i.flags & FUSE_INIT_EXT != 0 && i.flags2 & FUSE_OVER_IO_URING_FLAGS2 != 0;
