@@ -764,10 +764,29 @@ impl FrontQueue {
         true
     }
 
-    /// Ends an armed sleep: the driver stops ringing, and a ring that came is consumed.
+    /// Ends an armed sleep: the driver stops ringing, and a ring that came is consumed. Rings
+    /// that keep coming with no response are a storm, as in [`wait`](Self::wait): the queue is
+    /// then [`damped`](Self::damped) for a while and its stats count the storm.
     pub fn disarm(&mut self) {
         self.ring.set_running();
-        self.irq.drain();
+        let rung = self.irq.drain() > 0;
+        let answered = self.ring.response_pending();
+        if rung && !answered {
+            self.spurious += 1;
+            if self.spurious >= STORM_WAKES {
+                self.spurious = 0;
+                self.stats.storms += 1;
+                self.damped_until = now_ns() + STORM_DAMP_MS * 1_000_000;
+            }
+        } else if answered {
+            self.spurious = 0;
+        }
+    }
+
+    /// Whether the doorbell is being ignored after a storm: look at the ring on a timer
+    /// instead of arming it.
+    pub fn damped(&self) -> bool {
+        self.damped_until != 0 && now_ns() < self.damped_until
     }
 
     /// Submits one request and waits for its completion, calling `on_data` with the read data.

@@ -278,6 +278,37 @@ fn doorbell_storm_is_damped_and_the_answer_still_arrives() {
     assert!(share < 0.5, "waiter used {:.0}% of a core during the storm", share * 100.0);
 }
 
+#[test]
+fn an_armed_sleeper_counts_a_storm_and_is_damped() {
+    let cfg = QueueConfig { nslots: 8, arena_bytes: 1 << 16, mode: NotifyMode::Irq, ..Default::default() };
+    let (mut f, mut b) = pair(&cfg, 1 << 16).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 1).unwrap();
+    assert!(!f.damped());
+    for _ in 0..STORM_WAKES {
+        assert!(f.arm(), "nothing answered yet: the queue arms");
+        b.ring_peer();
+        f.disarm();
+    }
+    assert_eq!(f.stats().storms, 1, "{:?}", f.stats());
+    assert!(f.damped(), "a storm damps the doorbell");
+    // An honest answer is still delivered, and a queue with an answer waiting never arms.
+    let mut disk = vec![0u8; 1 << 16];
+    serve(&mut b, &mut disk);
+    assert!(!f.arm());
+    let mut got = 0;
+    f.reap(|c| {
+        assert_eq!((c.user, c.result), (1, Ok(4096)));
+        got += 1;
+    })
+    .unwrap();
+    assert_eq!(got, 1);
+    // A poll-mode queue never arms: its driver does not ring.
+    let cfg = QueueConfig { mode: NotifyMode::Poll, ..cfg };
+    let (mut f, _b) = pair(&cfg, 1 << 16).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 1).unwrap();
+    assert!(!f.arm());
+}
+
 /// Plays a tap domain for every pending request of `tap`: forwards it below naming the same
 /// windows, lets `below` serve it from `disk`, and answers above with the result from below.
 fn forward_all(tap: &mut BackQueue, fwd: &mut FrontQueue, below: &mut BackQueue, disk: &mut [u8]) -> usize {

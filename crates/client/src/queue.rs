@@ -185,8 +185,9 @@ impl<'a> QueueHandle<'a> {
         if self.in_flight() == 0 {
             return Armed::Idle;
         }
-        if self.dev.is_failed() || self.stalled() || self.dev.generation() != self.st.q.generation() {
-            // Answers come from the next generation (or never): look again soon.
+        if self.dev.is_failed() || self.stalled() || self.dev.generation() != self.st.q.generation() || self.st.q.damped() {
+            // Answers come from the next generation (or never), or the doorbell storms: look
+            // again soon.
             return Armed::Later;
         }
         if self.st.q.arm() {
@@ -198,7 +199,11 @@ impl<'a> QueueHandle<'a> {
 
     /// Ends a sleep begun with [`arm`](Self::arm).
     pub fn disarm(&mut self) {
+        let storms = self.st.q.stats().storms;
         self.st.q.disarm();
+        if self.st.q.stats().storms != storms {
+            self.dev.log_storm();
+        }
     }
 
     /// Gives up every request in flight with `Unavailable` if the device failed, or (with a

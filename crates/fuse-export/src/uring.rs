@@ -33,8 +33,9 @@ use crate::ops::{dispatch, Incoming, Io, IoKind, Shared, Sink, Step, MAX_WRITE};
 const HEADER_STRIDE: usize = 4096;
 /// Longest sleep while device requests are in flight: expiry is checked this often.
 const SLICE_MS: i32 = 50;
-/// Sleep while a device is between generations: it is looked at this often.
-const LATER_MS: i32 = 2;
+/// Sleep while a device is between generations or its doorbell storms: it is looked at this
+/// often.
+const LATER_MS: i32 = 1;
 
 /// The CPUs the kernel may route requests from: one queue each.
 pub(crate) fn possible_cpus() -> usize {
