@@ -730,16 +730,7 @@ impl FrontQueue {
         let rung = self.irq.wait(left).map_err(|e| ChannelError::Setup(e.to_string()))?;
         self.ring.set_running();
         let answered = self.ring.response_pending();
-        if rung && !answered {
-            self.spurious += 1;
-            if self.spurious >= STORM_WAKES {
-                self.spurious = 0;
-                self.stats.storms += 1;
-                self.damped_until = now_ns() + STORM_DAMP_MS * 1_000_000;
-            }
-        } else if answered {
-            self.spurious = 0;
-        }
+        self.note_wake(rung, answered);
         // A ring without a response is not ignored: the supervisor rings to say the channel was
         // replaced, and the caller must look at its state.
         Ok(rung || answered)
@@ -771,6 +762,12 @@ impl FrontQueue {
         self.ring.set_running();
         let rung = self.irq.drain() > 0;
         let answered = self.ring.response_pending();
+        self.note_wake(rung, answered);
+    }
+
+    /// Counts a wake-up: `STORM_WAKES` rings in a row with no response are a storm, and the
+    /// doorbell is ignored for `STORM_DAMP_MS`.
+    fn note_wake(&mut self, rung: bool, answered: bool) {
         if rung && !answered {
             self.spurious += 1;
             if self.spurious >= STORM_WAKES {
