@@ -146,20 +146,15 @@ impl Io {
         }
     }
 
-    /// Answers everything but a successful read, whose data the transport sends itself.
+    /// Answers everything but a successful read, whose data the transport sends itself. The
+    /// transport counts the bytes moved (the synchronous device calls count their own).
     pub(crate) fn reply(&self, sh: &Shared, sink: &mut impl Sink, result: Result<(), IoError>) {
         match result {
-            Ok(()) => {
-                let c = &sh.devices[self.dev].counters;
-                match self.kind {
-                    IoKind::Write { len, .. } => {
-                        c.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
-                        sink.value(self.unique, &WriteOut { size: len, padding: 0 })
-                    }
-                    IoKind::Read { .. } => unreachable!("a read's reply carries its data"),
-                    _ => sink.error(self.unique, 0),
-                }
-            }
+            Ok(()) => match self.kind {
+                IoKind::Write { len, .. } => sink.value(self.unique, &WriteOut { size: len, padding: 0 }),
+                IoKind::Read { .. } => unreachable!("a read's reply carries its data"),
+                _ => sink.error(self.unique, 0),
+            },
             Err(e) => {
                 let what = match self.kind {
                     IoKind::Read { .. } => "read",

@@ -443,10 +443,6 @@ fn run_io(sh: &Shared, slot: usize, io: &Io, payload: &[u8], sink: &mut DevSink,
         IoKind::Discard { offset, len } => d.discard(slot, offset, len),
         IoKind::Zeroes { offset, len } => d.write_zeroes(slot, offset, len),
     };
-    if let (IoKind::Write { len, .. }, Ok(())) = (io.kind, &result) {
-        // `Device::write` counted the bytes already.
-        return sink.value(io.unique, &WriteOut { size: len, padding: 0 });
-    }
     io.reply(sh, sink, result);
 }
 

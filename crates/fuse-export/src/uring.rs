@@ -504,10 +504,13 @@ impl RingQueue {
                 _ => self.commit(i, io.unique, libc::EIO, &[], 0),
             };
         }
-        let mut sink = Collected::default();
+        if let (IoKind::Write { len, .. }, Ok(())) = (io.kind, &result) {
+            sh.devices[io.dev].counters.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
+        }
+        // Nothing borrows the entry's buffers here: the reply goes straight into them.
+        let mut sink = EntrySink { q: self, i, done: Ok(()) };
         io.reply(sh, &mut sink, result);
-        let (errno, data) = sink.reply.unwrap_or((libc::EIO, Vec::new()));
-        self.commit(i, io.unique, errno, &[&data], 0)
+        sink.done
     }
 
     /// Sleeps until the kernel delivers a request or an armed device queue answers.
@@ -551,7 +554,21 @@ impl RingQueue {
     }
 }
 
-/// A reply kept until the request's entry can take it.
+/// Replies written straight into an entry and committed.
+struct EntrySink<'q> {
+    q: &'q mut RingQueue,
+    i: usize,
+    done: io::Result<()>,
+}
+
+impl Sink for EntrySink<'_> {
+    fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]) {
+        self.done = self.q.commit(self.i, unique, errno, parts, 0);
+    }
+}
+
+/// A reply kept until the request's entry can take it (while the request's payload is still
+/// borrowed).
 #[derive(Default)]
 struct Collected {
     reply: Option<(i32, Vec<u8>)>,
