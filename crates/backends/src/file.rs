@@ -2,31 +2,33 @@
 //!
 //! Two engines: `sync` (`preadv`/`pwritev2`, one request at a time) and `io_uring`
 //! (asynchronous: reads, writes and flushes started as they arrive and answered as they
-//! complete, so the domain's loop never waits on the disk while other requests are ready). With `direct = true` the supervisor passes a
-//! descriptor opened with `O_DIRECT` plus a buffered one: requests aligned to 4 KiB go direct,
-//! any other falls back to the buffered descriptor (the kernel keeps the two coherent).
+//! complete, so the domain's loop never waits on the disk while other requests are ready). The
+//! io_uring engine's ring is lent by the supervisor, which keeps it after a kill until every
+//! request the domain started has completed (`bulkhead_sys::uring`). With `direct = true` the
+//! supervisor passes a descriptor opened with `O_DIRECT` plus a buffered one: requests aligned
+//! to 4 KiB go direct, any other falls back to the buffered descriptor (the kernel keeps the
+//! two coherent).
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use bulkhead_block::{Backend, BlockError, Caps, Io, Request, SliceList, Tag, TagSpace};
 use bulkhead_doorbell::EventFd;
+use bulkhead_sys::uring::LentRing;
 use io_uring::{opcode, squeue, types, IoUring};
 
 use crate::{errno, BackendError};
 
 const DIRECT_ALIGN: u64 = 4096;
-const URING_DEPTH: u32 = 128;
-/// Most io-wq workers of each kind (bounded, unbounded) an io_uring engine may use (the
-/// sandbox's RLIMIT_NPROC for the io_uring role counts on this bound).
-pub const IOWQ_WORKERS: u32 = 4;
 
 /// Engine selection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Engine {
     /// Synchronous vectored system calls.
     Sync,
-    /// io_uring with the batch in flight.
-    IoUring,
+    /// io_uring with the batch in flight, on a ring the supervisor made and lent (see
+    /// [`bulkhead_sys::uring`]: it outlives a killed domain until every request it started has
+    /// completed).
+    IoUring(LentRing),
 }
 
 /// What a request in flight in the io_uring engine is, kept by tag from its submission to its
@@ -103,28 +105,6 @@ impl std::fmt::Debug for FileBackend {
     }
 }
 
-/// An io_uring that can only read, write and fsync: io_uring operations do not pass through
-/// seccomp, so the ring is created disabled, restricted to the three operations the engine
-/// uses (and the drain flag a flush carries), then enabled. `wake` is rung on every completion.
-fn restricted_ring(wake: &EventFd) -> std::io::Result<IoUring> {
-    use io_uring::register::Restriction;
-    let ring = IoUring::builder().setup_r_disabled().build(URING_DEPTH)?;
-    // Operations the kernel cannot finish inline go to io-wq worker threads; bound them, as
-    // the sandbox allows a domain only a few tasks (RLIMIT_NPROC).
-    let mut workers = [IOWQ_WORKERS, IOWQ_WORKERS];
-    ring.submitter().register_iowq_max_workers(&mut workers)?;
-    ring.submitter().register_eventfd(wake.as_raw_fd())?;
-    let mut allowed = [
-        Restriction::sqe_op(opcode::Readv::CODE),
-        Restriction::sqe_op(opcode::Writev::CODE),
-        Restriction::sqe_op(opcode::Fsync::CODE),
-        Restriction::sqe_flags_allowed(squeue::Flags::IO_DRAIN.bits()),
-    ];
-    ring.submitter().register_restrictions(&mut allowed)?;
-    ring.submitter().register_enable_rings()?;
-    Ok(ring)
-}
-
 impl FileBackend {
     /// A backend over `fd` (opened `O_DIRECT` when `buffered` is given for the unaligned path).
     pub fn new(fd: OwnedFd, buffered: Option<OwnedFd>, read_only: bool, engine: Engine) -> Result<Self, BackendError> {
@@ -132,9 +112,9 @@ impl FileBackend {
             .map_err(|source| BackendError::Sys { op: "probe size", source })?;
         let engine = match engine {
             Engine::Sync => EngineState::Sync,
-            Engine::IoUring => {
-                let wake = EventFd::new().map_err(|source| BackendError::Sys { op: "eventfd", source })?;
-                let ring = restricted_ring(&wake).map_err(|source| BackendError::Sys { op: "io_uring_setup", source })?;
+            Engine::IoUring(lent) => {
+                let (ring, wake) = lent.borrow().map_err(|source| BackendError::Sys { op: "io_uring mmap", source })?;
+                let wake = EventFd::from_owned(wake).map_err(|source| BackendError::Sys { op: "eventfd", source })?;
                 EngineState::Uring(Uring {
                     ring,
                     slots: Vec::new(),
@@ -493,6 +473,10 @@ mod tests {
         (path, f.into())
     }
 
+    fn lent() -> Engine {
+        Engine::IoUring(bulkhead_sys::uring::lend(bulkhead_sys::uring::FILE_ENGINE).unwrap().0)
+    }
+
     fn exercise(engine: Engine) {
         let (path, fd) = temp_file(1 << 20);
         let mut b = FileBackend::new(fd, None, false, engine).unwrap();
@@ -535,13 +519,13 @@ mod tests {
 
     #[test]
     fn io_uring_engine_reads_writes_flushes_and_zeroes() {
-        exercise(Engine::IoUring);
+        exercise(lent());
     }
 
     #[test]
     fn io_uring_engine_answers_each_request_as_it_completes_under_its_tag() {
         let (path, fd) = temp_file(1 << 20);
-        let mut b = FileBackend::new(fd, None, false, Engine::IoUring).unwrap();
+        let mut b = FileBackend::new(fd, None, false, lent()).unwrap();
         assert!(b.asynchronous());
         b.attach(TagSpace { queues: 2, per_queue: 4 });
         let mfd = memfd::create("buf", 1 << 16).unwrap();
@@ -585,7 +569,7 @@ mod tests {
     #[test]
     fn io_uring_engine_refuses_writes_to_a_read_only_file_at_once() {
         let (path, fd) = temp_file(1 << 16);
-        let mut b = FileBackend::new(fd, None, true, Engine::IoUring).unwrap();
+        let mut b = FileBackend::new(fd, None, true, lent()).unwrap();
         b.attach(TagSpace { queues: 1, per_queue: 2 });
         let mfd = memfd::create("buf", 4096).unwrap();
         let m = Mapping::new(mfd.as_raw_fd(), 4096, Protection::ReadWrite).unwrap();
@@ -593,17 +577,6 @@ mod tests {
         assert_eq!(b.submit(Tag::new(0), &req), Some(Err(BlockError::ReadOnly)));
         assert_eq!(b.in_flight(), 0);
         std::fs::remove_file(path).unwrap();
-    }
-
-    #[test]
-    fn io_uring_ring_refuses_operations_outside_its_restrictions() {
-        let mut ring = restricted_ring(&EventFd::new().unwrap()).unwrap();
-        let nop = opcode::Nop::new().build().user_data(7);
-        // SAFETY: a NOP carries no buffers.
-        unsafe { ring.submission().push(&nop).unwrap() };
-        ring.submit_and_wait(1).unwrap();
-        let cqe = ring.completion().next().unwrap();
-        assert_eq!(cqe.result(), -libc::EACCES, "a restricted ring refuses NOP (and openat, socket, …)");
     }
 
     #[test]

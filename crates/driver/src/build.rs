@@ -2,6 +2,7 @@
 
 use bulkhead_filters::FilterFds;
 use bulkhead_spec::{BackendSpec, DomainSpec};
+use bulkhead_sys::uring::{LentRing, PARAMS_BYTES};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -56,11 +57,23 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
     let backend: Box<dyn Backend> = match &this.backend {
         // SAFETY: forwarded from this function's contract.
         BackendSpec::Ram { fd } => Box::new(RamBackend::new(unsafe { claim(*fd)? }, this.backend_size).map_err(setup)?),
-        BackendSpec::File { fd, buffered_fd, read_only, engine } => {
-            let engine = match engine.as_str() {
-                "sync" => Engine::Sync,
-                "io_uring" => Engine::IoUring,
-                other => return Err(DriverError::Setup(format!("unknown engine `{other}`"))),
+        BackendSpec::File { fd, buffered_fd, read_only, engine, ring } => {
+            let engine = match (engine.as_str(), ring) {
+                ("sync", None) => Engine::Sync,
+                ("io_uring", Some(r)) => {
+                    let params = r.params.as_slice().try_into().map_err(|_| {
+                        DriverError::Setup(format!("the lent ring's parameters are {} bytes, not {PARAMS_BYTES}", r.params.len()))
+                    })?;
+                    // SAFETY: forwarded from this function's contract: the supervisor lent
+                    // the ring with these parameters and passed both descriptors for this
+                    // domain alone.
+                    let [ring_fd, wake] = r.fds.map(|fd| unsafe { claim(fd) });
+                    // SAFETY: as above.
+                    Engine::IoUring(unsafe { LentRing::from_parts(ring_fd?, wake?, params) })
+                }
+                ("io_uring", None) => return Err(DriverError::Setup("the io_uring engine needs a lent ring".into())),
+                ("sync", Some(_)) => return Err(DriverError::Setup("the sync engine takes no ring".into())),
+                (other, _) => return Err(DriverError::Setup(format!("unknown engine `{other}`"))),
             };
             // SAFETY: forwarded from this function's contract.
             let main = unsafe { claim(*fd)? };

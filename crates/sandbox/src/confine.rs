@@ -49,11 +49,12 @@ struct Footprint {
 }
 
 /// Tasks a domain may have. None of its own making (seccomp refuses clone), but an io_uring
-/// engine's io-wq workers are tasks of the domain too: the engine bounds them to 4 + 4
-/// (`IOWQ_WORKERS` of the backends crate), plus the domain's own thread and a margin.
+/// engine's io-wq workers are tasks of the domain too: its lent ring bounds them
+/// (`bulkhead_sys::uring::FILE_ENGINE`, bounded and unbounded), plus the domain's own thread
+/// and a margin.
 fn nproc_limit(role: Role) -> u64 {
     match role {
-        Role::FileIoUring => 12,
+        Role::FileIoUring => 2 * u64::from(bulkhead_sys::uring::FILE_ENGINE.max_workers) + 4,
         Role::Memory | Role::FileSync | Role::Network | Role::NetworkFile | Role::Tap | Role::TapFile => 0,
     }
 }

@@ -127,6 +127,9 @@ pub enum BackendSpec {
         read_only: bool,
         /// `sync` or `io_uring`.
         engine: String,
+        /// The io_uring engine's ring, lent by the supervisor.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ring: Option<RingSpec>,
     },
     /// A qcow2 image over its backing files, each opened by the supervisor.
     Qcow2 {
@@ -158,6 +161,16 @@ pub enum BackendSpec {
         /// (`bulkhead_channel::BelowControl`): its page and doorbell.
         control_fds: Option<[i32; 2]>,
     },
+}
+
+/// A ring the supervisor lent a domain (`bulkhead_sys::uring::LentRing`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RingSpec {
+    /// Descriptors: the ring, and the eventfd it rings on each completion.
+    pub fds: [i32; 2],
+    /// `struct io_uring_params` as the kernel filled it in.
+    pub params: Vec<u8>,
 }
 
 /// Slots of a domain's state page (its heartbeat for the supervisor's watchdog): a counter
@@ -217,7 +230,13 @@ mod tests {
             mode: "adaptive".into(),
             budget_ns: None,
             queues: vec![QueueSpec { nslots: 64, arena_bytes: 8 << 20, fds: [3, 4, 5, 6, 7] }],
-            backend: BackendSpec::File { fd: 8, buffered_fd: Some(9), read_only: false, engine: "io_uring".into() },
+            backend: BackendSpec::File {
+                fd: 8,
+                buffered_fd: Some(9),
+                read_only: false,
+                engine: "io_uring".into(),
+                ring: Some(RingSpec { fds: [15, 16], params: vec![1; 120] }),
+            },
             filters: vec![
                 FilterSlot { spec: FilterSpec::Trace { device_number: 3 }, state_fd: 11, output_fd: Some(12), secret_fd: None },
                 FilterSlot { spec: FilterSpec::Stats {}, state_fd: 13, output_fd: None, secret_fd: Some(14) },

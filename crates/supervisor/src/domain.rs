@@ -15,7 +15,8 @@ use bulkhead_filters::FilterSpec;
 use bulkhead_sandbox::spawn::DomainChild;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 use bulkhead_shmem::memfd;
-use bulkhead_spec::{BackendSpec, DomainSpec, FilterSlot, LowerQueueSpec, QueueSpec, SandboxSpec};
+use bulkhead_spec::{BackendSpec, DomainSpec, FilterSlot, LowerQueueSpec, QueueSpec, RingSpec, SandboxSpec};
+use bulkhead_sys::uring::{self, RingWatch};
 
 use crate::chain::{state_page, ChainSetup, FilterSetup};
 use crate::domain_log;
@@ -41,11 +42,20 @@ pub(crate) struct DomainProc {
     pub life: Lifecycle,
     /// Killed domains that had not finished exiting when they were replaced; reaped later.
     pub lingering: Vec<DomainChild>,
+    /// Rings the domain at `pid` borrowed for its backend.
+    pub rings: Vec<RingWatch>,
+    /// Rings of domains that have exited or been killed, kept until the requests those domains
+    /// left in the kernel have completed ([`drain_retired`](Self::drain_retired)).
+    pub retired: Vec<RingWatch>,
 }
 
 /// How long a restart waits for a killed domain to finish exiting before it starts the next
 /// generation anyway (the old one can no longer run code; it is reaped later).
 pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
+
+/// How long a restart waits for the reads and writes a dead domain left in the kernel (on a
+/// ring it borrowed) to complete before it starts the next generation anyway, and says so.
+pub(crate) const DRAIN_WAIT: Duration = Duration::from_secs(30);
 
 impl DomainProc {
     /// A device's first generation.
@@ -60,6 +70,8 @@ impl DomainProc {
             below,
             life,
             lingering: Vec::new(),
+            rings: top.rings,
+            retired: Vec::new(),
         }
     }
 
@@ -79,23 +91,83 @@ impl DomainProc {
     /// released its memory but not finished exiting (the kernel is syncing a filesystem its
     /// mount namespace kept alive, maybe through this very device) can touch nothing any more:
     /// it is kept in `lingering`, to be reaped once the next generation lets that sync end.
-    /// One still running after the wait is kept there too, and said so.
+    /// One still running after the wait is kept there too, and said so. Returns once the
+    /// requests they left in the kernel have completed ([`drain_retired`](Self::drain_retired)).
     pub fn kill_current(&mut self, device: &str) {
-        self.kill_top(device);
+        self.kill_top_only(device);
         if let Some(l) = self.lower.take() {
+            self.retired.extend(l.rings);
             self.kill_one(device, l.child);
         }
         self.reap_lingering();
+        self.drain_retired(device);
     }
 
     /// Kills the domain the frontend reaches (the tap domain, in `interpose` mode) and leaves
     /// the one below it running, as [`kill_current`](Self::kill_current) does for both.
     pub fn kill_top(&mut self, device: &str) {
+        self.kill_top_only(device);
+        self.reap_lingering();
+        self.drain_retired(device);
+    }
+
+    fn kill_top_only(&mut self, device: &str) {
         self.pidfd = None;
+        self.retired.append(&mut self.rings);
         if let Some(c) = self.child.take() {
             self.kill_one(device, c);
         }
-        self.reap_lingering();
+    }
+
+    /// Takes the driver domain below a tap domain, which has exited or is exiting, out of
+    /// service: its rings are retired, and the child returned to be reaped.
+    pub fn retire_lower(&mut self) -> Option<DomainChild> {
+        let l = self.lower.take()?;
+        self.retired.extend(l.rings);
+        Some(l.child)
+    }
+
+    /// Waits until every read and write that retired domains started on their borrowed rings
+    /// has completed, up to [`DRAIN_WAIT`]. A direct write the disk has not finished outlives
+    /// the process that issued it; landing after the next generation wrote newer data at the
+    /// same place, it would undo an acknowledged write (and a late read would fill a buffer
+    /// since reused). So no new generation starts while one is in flight. Killed domains still
+    /// running (stuck in the kernel) are waited for too: they may yet submit what they hold.
+    pub fn drain_retired(&mut self, device: &str) {
+        if self.retired.is_empty() {
+            return;
+        }
+        let start = Instant::now();
+        let mut said = start;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            self.reap_lingering();
+            let running = self.lingering.iter().filter(|c| !crate::proc_info::memory_released(c.id())).count();
+            let left: u32 = self.retired.iter().map(RingWatch::settle).sum();
+            if left == 0 && running == 0 {
+                break;
+            }
+            if start.elapsed() >= DRAIN_WAIT {
+                eprintln!(
+                    "bulkhead: device {device}: {left} reads or writes of a dead domain are still in the kernel \
+                     after {} s ({running} killed domain(s) still running); starting the next generation anyway: \
+                     a late write may land over a newer one",
+                    DRAIN_WAIT.as_secs()
+                );
+                break;
+            }
+            if said.elapsed() >= Duration::from_secs(2) {
+                eprintln!(
+                    "bulkhead: device {device}: waiting for {left} reads or writes a dead domain left in the kernel \
+                     ({} ms so far)",
+                    start.elapsed().as_millis()
+                );
+                said = Instant::now();
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+        self.retired.clear();
     }
 
     fn kill_one(&mut self, device: &str, mut c: DomainChild) {
@@ -115,6 +187,8 @@ impl DomainProc {
 
     /// Takes a new tap domain over the driver domain that stays below.
     pub fn install_top(&mut self, top: Spawned) {
+        debug_assert!(self.rings.is_empty(), "the domain replaced has been killed and its rings retired");
+        self.rings = top.rings;
         self.pid = top.child.id();
         self.child = Some(top.child);
         self.layers = top.layers;
@@ -746,8 +820,9 @@ impl Launcher {
             // One domain: the backend's own (passthrough), or a tap domain whose chain ends in
             // the soft device itself (intercept).
             let role = if chain.tap == Tap::Intercept { "tap" } else { "driver" };
-            let backend = self.backend_spec(&mut upper, conn);
-            let top = self.spawn(role, upper, queue_specs, backend, Some(&chain), None)?;
+            let (backend, ring) = self.backend_spec(&mut upper, conn)?;
+            let mut top = self.spawn(role, upper, queue_specs, backend, Some(&chain), None)?;
+            top.rings.extend(ring);
             return Ok(Launched { fronts, top, lower: None, below: None });
         }
         // Three spinners (this frontend, the tap domain, the driver domain) may share two
@@ -826,14 +901,17 @@ impl Launcher {
                 l.back_fds().map_err(|e| e.to_string())?;
             specs.push(pass.queue([ring, write_arena, read_arena, kick, irq], below.nslots, below.arena_bytes));
         }
-        let backend = self.backend_spec(&mut pass, conn);
+        let (backend, ring) = self.backend_spec(&mut pass, conn)?;
         let line = below.driver_line.fds().map_err(|e| e.to_string())?.map(|fd| pass.add_owned(fd));
-        self.spawn("driver", pass, specs, backend, None, Some(line))
+        let mut lower = self.spawn("driver", pass, specs, backend, None, Some(line))?;
+        lower.rings.extend(ring);
+        Ok(lower)
     }
 
-    /// The backend's part of a spec, its descriptors added to `pass`.
-    fn backend_spec(&self, pass: &mut Pass, conn: Option<OwnedFd>) -> BackendSpec {
-        match &self.backend {
+    /// The backend's part of a spec, its descriptors added to `pass`; and the watch on the
+    /// ring lent to an io_uring engine, which the supervisor keeps (see [`RingWatch`]).
+    fn backend_spec(&self, pass: &mut Pass, conn: Option<OwnedFd>) -> Result<(BackendSpec, Option<RingWatch>), LaunchError> {
+        let spec = match &self.backend {
             Backend::Ram => BackendSpec::Ram { fd: pass.add(&self.backend_fds[0]) },
             Backend::Null => BackendSpec::Null,
             Backend::Nbd { export, .. } => BackendSpec::Nbd {
@@ -850,13 +928,31 @@ impl Launcher {
                     .collect(),
                 read_only: *read_only,
             },
-            Backend::File { direct, engine, read_only, .. } => BackendSpec::File {
-                fd: pass.add(&self.backend_fds[0]),
-                buffered_fd: direct.then(|| pass.add(&self.backend_fds[1])),
-                read_only: *read_only,
-                engine: engine.as_str().to_string(),
-            },
-        }
+            Backend::File { direct, engine, read_only, .. } => {
+                let (ring, watch) = match engine {
+                    Engine::IoUring => {
+                        let (lent, watch) = uring::lend(uring::FILE_ENGINE)
+                            .map_err(|e| format!("cannot create the io_uring for the file backend: {e}"))?;
+                        let spec = RingSpec {
+                            fds: [pass.add(lent.ring_fd()), pass.add(lent.wake_fd())],
+                            params: lent.params().to_vec(),
+                        };
+                        pass.lent.push(lent);
+                        (Some(spec), Some(watch))
+                    }
+                    Engine::Sync => (None, None),
+                };
+                let spec = BackendSpec::File {
+                    fd: pass.add(&self.backend_fds[0]),
+                    buffered_fd: direct.then(|| pass.add(&self.backend_fds[1])),
+                    read_only: *read_only,
+                    engine: engine.as_str().to_string(),
+                    ring,
+                };
+                return Ok((spec, watch));
+            }
+        };
+        Ok((spec, None))
     }
 
     /// Execs one domain (`role` names it in messages): its queues and backend are in `pass`
@@ -932,7 +1028,7 @@ impl Launcher {
             None => None,
         };
         let pidfd = pidfd_open(child.id()).map_err(|e| format!("pidfd_open: {e}"))?;
-        Ok(Spawned { child, pidfd, layers, tap: role == "tap" })
+        Ok(Spawned { child, pidfd, layers, tap: role == "tap", rings: Vec::new() })
     }
 }
 
@@ -942,6 +1038,8 @@ struct Pass {
     raw: Vec<RawFd>,
     /// Descriptors made for this domain alone, closed here once it holds its copies.
     owned: Vec<OwnedFd>,
+    /// Rings lent to it, closed here once it holds its copies (the watch keeps each).
+    lent: Vec<uring::LentRing>,
 }
 
 impl Pass {
@@ -972,6 +1070,8 @@ pub(crate) struct Spawned {
     pub layers: Option<Layers>,
     /// A tap domain (it runs the filters: interpose or intercept).
     pub tap: bool,
+    /// Rings its backend borrowed from the supervisor.
+    pub rings: Vec<RingWatch>,
 }
 
 /// Reads the domain's sandbox report: one JSON line, written once it is confined. `None` if it

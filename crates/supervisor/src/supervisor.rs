@@ -590,7 +590,7 @@ fn watch(inner: Arc<Inner>) {
                 let lower = p.lower.as_mut()?;
                 let status = lower.child.try_wait().ok()??;
                 let pid = lower.child.id();
-                p.lower = None;
+                p.retire_lower();
                 Some((format!("driver domain (pid {pid}) below the tap domain exited: {status}"), Some(Domain::Below)))
             });
             if let Some(Some((e, which))) = exited {
@@ -618,7 +618,7 @@ fn watch(inner: Arc<Inner>) {
                 if obs.pending > 0 && quiet && p.life.state() == DeviceState::Running {
                     let below = p.lower.as_ref().map(|l| l.child.id()).filter(|&pid| proc_info::memory_released(pid));
                     if let Some(pid) = below {
-                        let child = p.lower.take().map(|l| l.child);
+                        let child = p.retire_lower();
                         p.lingering.extend(child);
                         drop(p);
                         let e = format!("driver domain (pid {pid}) below the tap domain is exiting (its memory released)");
@@ -810,6 +810,8 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
     below.generation = generation;
     // A fresh line for the new domain below: nothing the old one wrote there can mislead it.
     below.driver_line = rt.launcher.driver_line().map_err(|e| Some(format!("{why}; {e}")))?;
+    p.drain_retired(&rt.name);
+    let below = p.below.as_mut().expect("checked above");
     let lower = rt
         .launcher
         .spawn_below(below, None)

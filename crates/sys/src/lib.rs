@@ -3,6 +3,8 @@
 //! the model). Shared memory has its own crate (`bulkhead-shmem`), doorbells theirs.
 #![deny(missing_docs)]
 
+pub mod uring;
+
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
