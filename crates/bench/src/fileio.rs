@@ -290,7 +290,8 @@ fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path, budget_us: Option<
                 let img = dir.join("backing.img");
                 image(&img)?;
                 let lo = losetup(&img, &mut undo)?;
-                format!("type = \"file\"\npath = \"{lo}\"\ndirect = true\n")
+                // The sync engine, as in the runs recorded in docs/BENCHMARKS.md.
+                format!("type = \"file\"\npath = \"{lo}\"\ndirect = true\nengine = \"sync\"\n")
             } else {
                 "type = \"ram\"\n".to_string()
             };

@@ -214,6 +214,9 @@ impl<'de> Deserialize<'de> for SpinBudget {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Engine {
+    /// io_uring where the kernel allows it (the supervisor can make a ring), else sync: the
+    /// default.
+    Auto,
     /// Synchronous system calls.
     Sync,
     /// io_uring.
@@ -224,6 +227,7 @@ impl Engine {
     /// The configuration spelling.
     pub fn as_str(self) -> &'static str {
         match self {
+            Engine::Auto => "auto",
             Engine::Sync => "sync",
             Engine::IoUring => "io_uring",
         }
@@ -414,7 +418,7 @@ impl BackendTable {
             BackendKind::File => Backend::File {
                 path: self.path.as_ref().map(|p| p.get_ref().clone()).unwrap_or_default(),
                 direct: self.direct.as_ref().map(|d| *d.get_ref()).unwrap_or(false),
-                engine: self.engine.as_ref().map(|e| *e.get_ref()).unwrap_or(Engine::Sync),
+                engine: self.engine.as_ref().map(|e| *e.get_ref()).unwrap_or(Engine::Auto),
                 read_only: self.read_only.as_ref().map(|r| *r.get_ref()).unwrap_or(false),
                 format: self.format.as_ref().map(|f| *f.get_ref()).unwrap_or(ImageFormat::Raw),
             },
@@ -861,7 +865,7 @@ impl Config {
                         // plain system calls on the page cache.
                         let clash = [
                             ("direct", b.direct.as_ref().filter(|d| *d.get_ref()).map(|x| x.span())),
-                            ("engine", b.engine.as_ref().filter(|e| *e.get_ref() != Engine::Sync).map(|x| x.span())),
+                            ("engine", b.engine.as_ref().filter(|e| *e.get_ref() == Engine::IoUring).map(|x| x.span())),
                             ("size", d.size.as_ref().map(|x| x.span())),
                         ];
                         if let Some((key, Some(span))) = clash.into_iter().find(|(_, s)| s.is_some()) {
@@ -1036,6 +1040,8 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        let c = parse("[[device]]\nname = \"f\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\n").unwrap();
+        assert!(matches!(c.devices[0].backend.resolve(), Backend::File { engine: Engine::Auto, .. }), "auto by default");
         let e = parse("[[device]]\nname = \"f\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\nengine = \"aio\"\n")
             .unwrap_err();
         assert!(e.to_string().contains("aio") && e.to_string().contains("line 6"), "{e}");

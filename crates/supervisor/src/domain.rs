@@ -422,7 +422,10 @@ impl DeviceRuntime {
         let mut backend_fds: Vec<OwnedFd> = Vec::new();
         // The format of each of `backend_fds` when the backend is a disk image.
         let mut image_formats = Vec::new();
-        let backend = cfg.backend.resolve();
+        let mut backend = cfg.backend.resolve();
+        if let Backend::File { engine: engine @ Engine::Auto, format: ImageFormat::Raw, .. } = &mut backend {
+            *engine = auto_engine(&name);
+        }
         let (size, backend_desc) = match &backend {
             Backend::Nbd { uri, target, export, connect_timeout_ms, .. } => {
                 let export_size = probe_nbd(target, export, Duration::from_millis(*connect_timeout_ms))
@@ -940,7 +943,8 @@ impl Launcher {
                         pass.lent.push(lent);
                         (Some(spec), Some(watch))
                     }
-                    Engine::Sync => (None, None),
+                    // `auto` is resolved when the device starts (`auto_engine`).
+                    Engine::Sync | Engine::Auto => (None, None),
                 };
                 let spec = BackendSpec::File {
                     fd: pass.add(&self.backend_fds[0]),
@@ -1121,6 +1125,21 @@ pub(crate) fn spawn_domain_with_output(
 ) -> std::io::Result<(DomainChild, Layer)> {
     let args: [&std::ffi::OsStr; 3] = ["driver".as_ref(), "--spec".as_ref(), spec_json.as_ref()];
     bulkhead_sandbox::spawn::spawn(exe, &args, fds, output, namespaces)
+}
+
+/// The engine `engine = "auto"` (the default) picks for a raw file: io_uring if the supervisor
+/// can make a ring to lend (the kernel may have io_uring switched off:
+/// `kernel.io_uring_disabled`, or a seccomp policy around `serve`), else sync, and says why.
+/// io_uring is faster at every point measured (docs/BENCHMARKS.md, "The `file` backend's
+/// engines").
+fn auto_engine(device: &str) -> Engine {
+    match uring::lend(uring::FILE_ENGINE) {
+        Ok(_) => Engine::IoUring,
+        Err(e) => {
+            eprintln!("bulkhead: device {device}: io_uring is unavailable ({e}); the file backend uses the sync engine");
+            Engine::Sync
+        }
+    }
 }
 
 /// Ends a domain that will not be used: kills it and reaps it, on a thread of its own if it
