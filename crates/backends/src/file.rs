@@ -314,8 +314,9 @@ impl FileBackend {
     /// Places `sqe` (whose slot is filled) in the submission queue.
     fn uring_push(u: &mut Uring, sqe: &squeue::Entry) {
         loop {
-            // SAFETY: the iovecs live in `slots`, which is not resized while a request is in
-            // flight, and the windows they name stay valid until the request is answered.
+            // SAFETY: `sqe` points at iovecs in `slots` (filled by `uring_submit`), which is not
+            // resized while a request is in flight, and the windows they name stay valid until
+            // the request is answered.
             if unsafe { u.ring.submission().push(sqe) }.is_ok() {
                 break;
             }

@@ -66,6 +66,8 @@ impl LentRing {
     /// `ring`, `wake` and `params` must be those of one [`LentRing`] made by [`lend`], passed
     /// unaltered, and the descriptors owned by the caller alone.
     pub unsafe fn from_parts(ring: OwnedFd, wake: OwnedFd, params: [u8; PARAMS_BYTES]) -> Self {
+        // SAFETY: nothing unsafe happens here; the caller's promise travels with the value to
+        // `borrow`, which maps the ring by these parameters.
         LentRing { ring, wake, params }
     }
 
