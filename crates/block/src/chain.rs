@@ -126,6 +126,8 @@ pub struct Chain {
     sent: Vec<Vec<Option<Sub>>>,
     /// Requests held by a layer now.
     held: usize,
+    /// Tags whose request a layer holds after it completed below ([`After::Hold`]).
+    held_up: Vec<bool>,
     /// When some layer next needs a poll (monotonic ns).
     next_poll: Option<u64>,
     /// Scratch of `run`, kept to avoid allocating per turn.
@@ -154,6 +156,7 @@ impl Chain {
             layers,
             backend,
             held: 0,
+            held_up: Vec::new(),
             next_poll: None,
             released: Vec::new(),
             to_backend: Vec::new(),
@@ -185,6 +188,7 @@ impl Chain {
             *sent = vec![None; capacity];
         }
         self.backend.attach(tags);
+        self.held_up = vec![false; capacity];
         self.released.reserve(capacity);
         self.to_backend.reserve(capacity);
         self.batch.reserve(capacity);
@@ -232,10 +236,10 @@ impl Chain {
         self.backend.start().map_err(StartError::Lost)?;
         for at in (0..self.layers.len()).rev() {
             let size = self.size_below(at + 1);
-            let Chain { layers, backend, sent, scratch, .. } = self;
+            let Chain { layers, backend, sent, scratch, held_up, .. } = self;
             let (upper, lower) = layers.split_at_mut(at + 1);
             let mut below = OpenRead {
-                walk: Walk::new(lower, &mut sent[at + 1..], scratch, at + 1, backend.as_mut()),
+                walk: Walk::new(lower, &mut sent[at + 1..], held_up, scratch, at + 1, backend.as_mut()),
                 size,
                 clock,
                 buf: None,
@@ -285,10 +289,12 @@ impl Chain {
         req: &dyn Fn(Tag) -> Request<'q>,
         done: &mut dyn FnMut(Tag, Result<u64, BlockError>),
     ) {
-        let Chain { layers, backend, sent, held, next_poll, released, to_backend, batch, reaped, asynchronous, scratch } = self;
+        let Chain { layers, backend, sent, held, held_up, next_poll, released, to_backend, batch, reaped, asynchronous, scratch } =
+            self;
         let mut walk = Walk {
             layers,
             sent,
+            held_up,
             scratch,
             first: 0,
             backend: backend.as_mut(),
@@ -326,6 +332,7 @@ enum Step {
 struct Walk<'c> {
     layers: &'c mut [Box<dyn Layer>],
     sent: &'c mut [Vec<Option<Sub>>],
+    held_up: &'c mut [bool],
     scratch: &'c Scratch,
     first: usize,
     backend: &'c mut dyn Backend,
@@ -343,6 +350,7 @@ impl<'c> Walk<'c> {
     fn new(
         layers: &'c mut [Box<dyn Layer>],
         sent: &'c mut [Vec<Option<Sub>>],
+        held_up: &'c mut [bool],
         scratch: &'c Scratch,
         first: usize,
         backend: &'c mut dyn Backend,
@@ -351,6 +359,7 @@ impl<'c> Walk<'c> {
         Walk {
             layers,
             sent,
+            held_up,
             scratch,
             first,
             backend,
@@ -378,10 +387,15 @@ impl<'c> Walk<'c> {
             self.poll_layers(now_ns, &mut released);
             for (at, tag, verdict) in released.drain(..) {
                 self.held -= 1;
+                let up = self.held_up.get_mut(tag.index()).map(std::mem::take).unwrap_or(false);
                 let verdict = match verdict {
-                    // A layer may not hold twice what it releases: treat it as a bug of that
-                    // layer, answered rather than lost.
+                    // A layer may not hold twice what it releases, nor send down again what
+                    // already completed: treat it as a bug of that layer, answered rather
+                    // than lost.
                     Verdict::Hold => Verdict::Complete(Err(BlockError::Invalid("layer released a request to hold"))),
+                    Verdict::Forward | Verdict::Send(_) if up => {
+                        Verdict::Complete(Err(BlockError::Invalid("layer sent a completed request down again")))
+                    }
                     v => v,
                 };
                 self.walk(tag, Step::Verdict(at, verdict), now_ns, req, done);
@@ -561,6 +575,10 @@ impl<'c> Walk<'c> {
                     }
                 },
                 Step::Up(mut below, mut result) => {
+                    if self.held > 0 {
+                        // A layer holding requests may be waiting for this one to finish.
+                        self.next_poll = Some(self.next_poll.map_or(now_ns, |n| n.min(now_ns)));
+                    }
                     let mut next = None;
                     // Most requests pass every layer as they came: then each layer was handed
                     // the same one.
@@ -581,6 +599,15 @@ impl<'c> Walk<'c> {
                             After::Send(sub) => {
                                 next = Some(self.send(below, tag, sub, req));
                                 break;
+                            }
+                            After::Hold => {
+                                self.sent[below][t] = None;
+                                self.held += 1;
+                                if let Some(h) = self.held_up.get_mut(t) {
+                                    *h = true;
+                                }
+                                self.next_poll = Some(self.next_poll.map_or(now_ns, |n| n.min(now_ns)));
+                                return;
                             }
                         }
                     }
@@ -1227,5 +1254,78 @@ mod tests {
         assert_eq!(out, vec![(2, Ok(1000)), (3, Ok(1000))]);
         assert_eq!(chain.held(), 0);
         assert_eq!(chain.next_poll(), None);
+    }
+
+    /// Holds every completion until `until`, then hands it up (or, if `misbehave`, sends it
+    /// down again, which the chain must refuse). It counts the completions it saw.
+    struct HoldUp {
+        until: u64,
+        q: VecDeque<(Tag, Result<u64, BlockError>)>,
+        misbehave: bool,
+    }
+    impl Layer for HoldUp {
+        fn name(&self) -> &'static str {
+            "hold-up"
+        }
+        fn caps(&self, lower: Caps) -> Caps {
+            lower
+        }
+        fn size(&self, lower: u64) -> u64 {
+            lower
+        }
+        fn attach(&mut self, _: TagSpace) {}
+        fn submit(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
+            Verdict::Forward
+        }
+        fn complete(&mut self, tag: Tag, _: &Request<'_>, _: SharedSlice<'_>, r: &mut Result<u64, BlockError>, _: u64) -> After {
+            self.q.push_back((tag, r.clone()));
+            After::Hold
+        }
+        fn poll(&mut self, now: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
+            if now < self.until {
+                return (!self.q.is_empty()).then_some(self.until);
+            }
+            while let Some((t, r)) = self.q.pop_front() {
+                release(t, if self.misbehave { Verdict::Forward } else { Verdict::Complete(r) });
+            }
+            None
+        }
+    }
+
+    #[test]
+    fn a_completion_held_below_passes_the_layers_above_once_released() {
+        // The holder below a layer that adds 1000 on the way up: its completion comes back
+        // through that layer, once, at its time, and the backend sees each request once.
+        let mut chain = Chain::new(
+            vec![
+                Box::new(HoldUntil { until: 0, q: VecDeque::new(), bump: 1000 }),
+                Box::new(HoldUp { until: 700, q: VecDeque::new(), misbehave: false }),
+            ],
+            Box::new(Counting(0)),
+        );
+        chain.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
+        let mut out = Vec::new();
+        chain.run(&[Tag::new(1)], &|| 100, &flush, &mut |t, r| out.push((t.index(), r)));
+        // The first layer lets it go; the holder's time is learnt at the poll after.
+        chain.run(&[], &|| 200, &flush, &mut |t, r| out.push((t.index(), r)));
+        chain.run(&[], &|| 300, &flush, &mut |t, r| out.push((t.index(), r)));
+        assert!(out.is_empty(), "released before its time");
+        assert_eq!(chain.held(), 1);
+        assert_eq!(chain.next_poll(), Some(700));
+        chain.run(&[], &|| 700, &flush, &mut |t, r| out.push((t.index(), r)));
+        assert_eq!(out, vec![(1, Ok(1000))]);
+        assert_eq!((chain.held(), chain.next_poll()), (0, None));
+    }
+
+    #[test]
+    fn a_held_completion_sent_down_again_fails_as_the_layers_bug() {
+        let mut chain =
+            Chain::new(vec![Box::new(HoldUp { until: 0, q: VecDeque::new(), misbehave: true })], Box::new(Counting(0)));
+        chain.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
+        let mut out = Vec::new();
+        chain.run(&[Tag::new(0)], &|| 5, &flush, &mut |t, r| out.push((t.index(), r)));
+        chain.run(&[], &|| 6, &flush, &mut |t, r| out.push((t.index(), r)));
+        assert_eq!(out, vec![(0, Err(BlockError::Invalid("layer sent a completed request down again")))]);
+        assert_eq!(chain.held(), 0);
     }
 }

@@ -140,6 +140,11 @@ pub enum After {
     /// Send another request below for the same handed request, under the same tag (the next
     /// chunk of a large write, the write after a read that merges a cluster).
     Send(Sub),
+    /// Keep the completed request for now (a performance model delaying its completion): the
+    /// layer's [`poll`](Layer::poll) hands it up later, exactly once, with
+    /// `Verdict::Complete(result)`; any other verdict for it fails the request as the
+    /// layer's bug.
+    Hold,
 }
 
 /// Reads the device below a layer while it opens ([`Layer::open`]), through the layers below
@@ -201,7 +206,9 @@ pub trait Layer: Send {
         now_ns: u64,
     ) -> After;
     /// Releases held requests whose time has come, through `release`, and returns when it next
-    /// needs to be polled (monotonic ns), or `None` if it holds nothing.
+    /// needs to be polled (monotonic ns), or `None` if it holds nothing. While any layer holds
+    /// requests, the chain also polls soon after each completion passes through it, so a layer
+    /// that waits for what it sent below to finish (a disk scheduler) can send the next.
     fn poll(&mut self, now_ns: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64>;
     /// Called between turns of the domain (at least every half second while it runs, and once
     /// as it stops): a layer that buffers output (a trace) writes it out here.

@@ -186,3 +186,62 @@ fn domain_kills_while_filters_hold_requests_lose_no_acknowledged_write() {
         filter(&st, "stats")["ops"].as_array().unwrap().iter().find(|o| o["op"] == "write").unwrap()["requests"].as_u64();
     assert!(writes.unwrap() > 500, "{writes:?}");
 }
+
+#[test]
+fn ext4_and_fio_verify_through_a_cats_scheduler_over_a_vpt_with_domain_kills() {
+    require_kernel!();
+    if !tools(&["fio"]) {
+        return;
+    }
+    let tmp = TempDir::new("vpt");
+    // A small locked k keeps the modelled disk quick: about 0.1 ms a request.
+    let filters = "[[device.filter]]\ntype = \"scheduler\"\npolicy = \"cats\"\n\
+                   [[device.filter]]\ntype = \"vpt\"\nk = 0.03\nlock_k = true\n";
+    let cfg = ram_device("v", "128M", "restart_limit = 100000\n", filters);
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["v"]);
+    let lo = LoopGuard::attach_direct(&serve.fuse_file("v"));
+    run("mkfs.ext4", &["-q", "-F", &lo.dev]);
+    let mnt = tmp.path().join("mnt");
+    let m = MountGuard::mount(&lo.dev, &mnt);
+    let killer = DomainKiller::start(serve.run_dir.clone(), || Duration::from_millis(400), driver_domain);
+    fio_verify(&mnt, "randrw", "4k-64k", "16M", 4);
+    let kills = killer.stop().first().copied().unwrap_or(0);
+    m.unmount();
+    let fsck = Command::new("e2fsck").args(["-fn", &lo.dev]).output().unwrap();
+    assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+    drop(lo);
+    let st = serve.status_json();
+    assert!(kills >= 3, "only {kills} kills landed");
+    assert!(st["devices"][0]["restarts"].as_u64().unwrap() >= kills as u64);
+    let vpt = filter(&st, "vpt");
+    assert_eq!((vpt["k"].as_f64(), vpt["locked"].as_bool(), vpt["held"].as_u64()), (Some(0.03), Some(true), Some(0)), "{vpt}");
+    assert!(vpt["requests"].as_u64().unwrap() > 500, "{vpt}");
+    let sched = filter(&st, "scheduler");
+    assert_eq!(sched["policy"].as_str(), Some("cats"), "{sched}");
+    // A request may still be on its way as the status is read; it is served too, and
+    // nothing stays queued.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while filter(&serve.status_json(), "scheduler")["queued"] != 0 {
+        assert!(Instant::now() < deadline, "a request stays queued: {}", filter(&serve.status_json(), "scheduler"));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(sched["dispatched"].as_u64().unwrap() > 500, "{sched}");
+}
+
+#[test]
+fn a_vpt_read_completes_no_sooner_than_k_times_the_modelled_access() {
+    require_kernel!();
+    let tmp = TempDir::new("vptk");
+    // k = 4 with no cache: every read waits at least 4 × half a rotation (8 ms), plus its seek.
+    let filters = "[[device.filter]]\ntype = \"vpt\"\nk = 4.0\nlock_k = true\ncache = false\n";
+    let serve = Serve::start(&tmp.path().join("run"), Some(&ram_device("m", "64M", "", filters)), &["m"]);
+    for i in 0..5u64 {
+        let start = Instant::now();
+        dd_read(&serve.fuse_file("m"), i * (12 << 20)).unwrap();
+        let took = start.elapsed();
+        assert!(took >= Duration::from_millis(8), "read {i} took only {took:?}");
+    }
+    let st = serve.status_json();
+    let vpt = filter(&st, "vpt");
+    assert!(vpt["requests"].as_u64().unwrap() >= 5 && vpt["cache_hits"] == 0, "{vpt}");
+}

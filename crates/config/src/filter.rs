@@ -3,8 +3,11 @@
 use std::ops::Range;
 use std::path::PathBuf;
 
+use bulkhead_diskmodel::sched::{Policy, Tuning};
+use bulkhead_diskmodel::CacheGeometry;
 use bulkhead_filters::error::{ErrorRule, ERRNOS};
 use bulkhead_filters::throttle::{Limit, Limits};
+use bulkhead_filters::vpt::DriveSpec;
 use bulkhead_filters::FilterSpec;
 use serde::Deserialize;
 use toml::Spanned;
@@ -29,6 +32,10 @@ pub enum FilterKind {
     Crypt,
     /// Copy-on-write into a qcow2 overlay file, with snapshots.
     Cow,
+    /// Completions held to a modelled disk's time.
+    Vpt,
+    /// A disk scheduler.
+    Scheduler,
 }
 
 impl FilterKind {
@@ -42,6 +49,8 @@ impl FilterKind {
             FilterKind::Throttle => "throttle",
             FilterKind::Crypt => "crypt",
             FilterKind::Cow => "cow",
+            FilterKind::Vpt => "vpt",
+            FilterKind::Scheduler => "scheduler",
         }
     }
 }
@@ -117,6 +126,46 @@ pub struct FilterTable {
     pub overlay: Option<Spanned<PathBuf>>,
     /// `cluster_size` (cow): of a new overlay (default 64k; 4k to 2M, a power of two).
     pub cluster_size: Option<Spanned<Size>>,
+    /// `rpm` (vpt, scheduler): the modelled drive's rotation speed (default 15000).
+    pub rpm: Option<Spanned<u64>>,
+    /// `seek_ms` (vpt, scheduler): its full-stroke seek (default 7.5).
+    pub seek_ms: Option<Spanned<f64>>,
+    /// `transfer` (vpt, scheduler): its media rate, bytes/s (default 90M).
+    pub transfer: Option<Spanned<Size>>,
+    /// `cache` (vpt, scheduler): model the drive's read cache (default true).
+    pub cache: Option<Spanned<bool>>,
+    /// `cache_segments` (vpt, scheduler): default 64.
+    pub cache_segments: Option<Spanned<u64>>,
+    /// `cache_segment_sectors` (vpt, scheduler): default 221.
+    pub cache_segment_sectors: Option<Spanned<u64>>,
+    /// `cache_prefetch` (vpt, scheduler): sectors read ahead, default 64.
+    pub cache_prefetch: Option<Spanned<u64>>,
+    /// `cache_hit_us` (vpt, scheduler): service time of a hit, default 100.
+    pub cache_hit_us: Option<Spanned<u64>>,
+    /// `k` (vpt): scale of model time to real time to start with (default 1.0).
+    pub k: Option<Spanned<f64>>,
+    /// `lock_k` (vpt): keep `k` fixed (default false).
+    pub lock_k: Option<Spanned<bool>>,
+    /// `policy` (scheduler): fcfs, satf, opt, deadline or cats.
+    pub policy: Option<Spanned<String>>,
+    /// `depth` (scheduler): accesses in flight below at most (default 1).
+    pub depth: Option<Spanned<u64>>,
+    /// `expire_ms` (scheduler: satf, opt).
+    pub expire_ms: Option<Spanned<u64>>,
+    /// `read_expire_ms` (scheduler: deadline, cats).
+    pub read_expire_ms: Option<Spanned<u64>>,
+    /// `write_expire_ms` (scheduler: deadline).
+    pub write_expire_ms: Option<Spanned<u64>>,
+    /// `fifo_batch` (scheduler: deadline).
+    pub fifo_batch: Option<Spanned<u64>>,
+    /// `writes_starved` (scheduler: deadline).
+    pub writes_starved: Option<Spanned<u64>>,
+    /// `min_write_delay_ms` (scheduler: cats).
+    pub min_write_delay_ms: Option<Spanned<u64>>,
+    /// `max_write_delay_ms` (scheduler: cats).
+    pub max_write_delay_ms: Option<Spanned<u64>>,
+    /// `anticipate_ms` (scheduler: cats).
+    pub anticipate_ms: Option<Spanned<u64>>,
 }
 
 /// A resolved filter: what the domain gets, plus the trace file the supervisor opens for it.
@@ -132,14 +181,63 @@ pub struct Filter {
 
 type Err<'a> = &'a dyn Fn(Range<usize>, String) -> crate::ConfigError;
 
+/// A `'static` reference to a kind, for the table of which keys belong to which kinds.
+fn kind_ref(kind: FilterKind) -> &'static FilterKind {
+    use FilterKind::*;
+    match kind {
+        Trace => &Trace,
+        Stats => &Stats,
+        Delay => &Delay,
+        Error => &Error,
+        Throttle => &Throttle,
+        Crypt => &Crypt,
+        Cow => &Cow,
+        Vpt => &Vpt,
+        Scheduler => &Scheduler,
+    }
+}
+
 impl FilterTable {
     /// Keys present, with their spans and the filter types they belong to.
-    fn keys(&self) -> Vec<(&'static str, Range<usize>, FilterKind)> {
+    fn keys(&self) -> Vec<(&'static str, Range<usize>, &'static [FilterKind])> {
         use FilterKind::*;
         let mut v = Vec::new();
+        let mut owned = |name: &'static str, span: Option<Range<usize>>, kinds: &'static [FilterKind]| {
+            if let Some(s) = span {
+                v.push((name, s, kinds));
+            }
+        };
+        for (name, span) in [
+            ("rpm", self.rpm.as_ref().map(Spanned::span)),
+            ("seek_ms", self.seek_ms.as_ref().map(Spanned::span)),
+            ("transfer", self.transfer.as_ref().map(Spanned::span)),
+            ("cache", self.cache.as_ref().map(Spanned::span)),
+            ("cache_segments", self.cache_segments.as_ref().map(Spanned::span)),
+            ("cache_segment_sectors", self.cache_segment_sectors.as_ref().map(Spanned::span)),
+            ("cache_prefetch", self.cache_prefetch.as_ref().map(Spanned::span)),
+            ("cache_hit_us", self.cache_hit_us.as_ref().map(Spanned::span)),
+        ] {
+            owned(name, span, &[Vpt, Scheduler]);
+        }
+        owned("k", self.k.as_ref().map(Spanned::span), &[Vpt]);
+        owned("lock_k", self.lock_k.as_ref().map(Spanned::span), &[Vpt]);
+        for (name, span) in [
+            ("policy", self.policy.as_ref().map(Spanned::span)),
+            ("depth", self.depth.as_ref().map(Spanned::span)),
+            ("expire_ms", self.expire_ms.as_ref().map(Spanned::span)),
+            ("read_expire_ms", self.read_expire_ms.as_ref().map(Spanned::span)),
+            ("write_expire_ms", self.write_expire_ms.as_ref().map(Spanned::span)),
+            ("fifo_batch", self.fifo_batch.as_ref().map(Spanned::span)),
+            ("writes_starved", self.writes_starved.as_ref().map(Spanned::span)),
+            ("min_write_delay_ms", self.min_write_delay_ms.as_ref().map(Spanned::span)),
+            ("max_write_delay_ms", self.max_write_delay_ms.as_ref().map(Spanned::span)),
+            ("anticipate_ms", self.anticipate_ms.as_ref().map(Spanned::span)),
+        ] {
+            owned(name, span, &[Scheduler]);
+        }
         let mut k = |name: &'static str, span: Option<Range<usize>>, kind: FilterKind| {
             if let Some(s) = span {
-                v.push((name, s, kind));
+                v.push((name, s, std::slice::from_ref(kind_ref(kind))));
             }
         };
         k("path", self.path.as_ref().map(Spanned::span), Trace);
@@ -197,9 +295,10 @@ impl FilterTable {
     ) -> Result<Filter, crate::ConfigError> {
         let kind = *self.kind.get_ref();
         let at = |key: &str| format!("device `{device}`: filter {} ({}): key `filter.{key}`", index + 1, kind.as_str());
-        for (key, span, owner) in self.keys() {
-            if owner != kind {
-                return Err(err(span, format!("{} only applies to type = \"{}\"", at(key), owner.as_str())));
+        for (key, span, owners) in self.keys() {
+            if !owners.contains(&kind) {
+                let names: Vec<String> = owners.iter().map(|o| format!("type = \"{}\"", o.as_str())).collect();
+                return Err(err(span, format!("{} only applies to {}", at(key), names.join(" or "))));
             }
         }
         let spec = match kind {
@@ -260,6 +359,15 @@ impl FilterTable {
             }
             FilterKind::Error => FilterSpec::Error { rule: self.error_rule(&at, err)? },
             FilterKind::Throttle => FilterSpec::Throttle { limits: self.limits(&at, err)? },
+            FilterKind::Vpt => {
+                let k = match &self.k {
+                    None => 1.0,
+                    Some(k) if k.get_ref().is_finite() && (0.001..=10_000.0).contains(k.get_ref()) => *k.get_ref(),
+                    Some(k) => return Err(err(k.span(), format!("{}: {} is out of range 0.001..=10000", at("k"), k.get_ref()))),
+                };
+                FilterSpec::Vpt { drive: self.drive(&at, err)?, k, lock_k: self.lock_k.as_ref().is_some_and(|l| *l.get_ref()) }
+            }
+            FilterKind::Scheduler => self.scheduler(&at, err)?,
             FilterKind::Crypt => {
                 let Some(key) = &self.key_file else {
                     return Err(err(self.kind.span(), format!("{} is required for type = \"crypt\"", at("key_file"))));
@@ -300,6 +408,94 @@ impl FilterTable {
             }
         };
         Ok(Filter { spec, path: None, key_file: None })
+    }
+
+    /// The modelled drive of a vpt or scheduler.
+    fn drive(&self, at: &dyn Fn(&str) -> String, err: Err<'_>) -> Result<DriveSpec, crate::ConfigError> {
+        let seed = DriveSpec::seed();
+        let rotation_ns = match &self.rpm {
+            None => seed.rotation_ns,
+            Some(r) if (1_000..=100_000).contains(r.get_ref()) => 60_000_000_000 / *r.get_ref(),
+            Some(r) => return Err(err(r.span(), format!("{}: {} is out of range 1000..=100000", at("rpm"), r.get_ref()))),
+        };
+        let full_seek_ns = match &self.seek_ms {
+            None => seed.full_seek_ns,
+            Some(s) if s.get_ref().is_finite() && (0.0..=1000.0).contains(s.get_ref()) => (*s.get_ref() * 1e6) as u64,
+            Some(s) => return Err(err(s.span(), format!("{}: {} is out of range 0..=1000 ms", at("seek_ms"), s.get_ref()))),
+        };
+        let transfer_bps = match &self.transfer {
+            None => seed.transfer_bps,
+            Some(t) if t.get_ref().0 >= 1 << 20 => t.get_ref().0,
+            Some(t) => return Err(err(t.span(), format!("{}: {} bytes/s is below 1M", at("transfer"), t.get_ref().0))),
+        };
+        let geometry = seed.cache.expect("the seed's drive has a cache");
+        let num = |key: &str, v: &Option<Spanned<u64>>, default: u64, range: std::ops::RangeInclusive<u64>| match v {
+            None => Ok(default),
+            Some(x) if range.contains(x.get_ref()) => Ok(*x.get_ref()),
+            Some(x) => {
+                Err(err(x.span(), format!("{}: {} is out of range {}..={}", at(key), x.get_ref(), range.start(), range.end())))
+            }
+        };
+        let segments = num("cache_segments", &self.cache_segments, geometry.segments as u64, 1..=65_536)?;
+        let segment_sectors =
+            num("cache_segment_sectors", &self.cache_segment_sectors, geometry.segment_sectors as u64, 1..=1 << 20)?;
+        let prefetch = num("cache_prefetch", &self.cache_prefetch, geometry.prefetch_sectors as u64, 0..=1 << 20)?;
+        let hit_us = num("cache_hit_us", &self.cache_hit_us, geometry.hit_ns / 1000, 0..=1_000_000)?;
+        let cache = self.cache.as_ref().is_none_or(|c| *c.get_ref()).then_some(CacheGeometry {
+            segments: segments as u32,
+            segment_sectors: segment_sectors as u32,
+            prefetch_sectors: prefetch as u32,
+            hit_ns: hit_us * 1000,
+        });
+        Ok(DriveSpec { rotation_ns, full_seek_ns, transfer_bps, cache })
+    }
+
+    fn scheduler(&self, at: &dyn Fn(&str) -> String, err: Err<'_>) -> Result<FilterSpec, crate::ConfigError> {
+        let Some(p) = &self.policy else {
+            return Err(err(self.kind.span(), format!("{} is required for type = \"scheduler\"", at("policy"))));
+        };
+        let Some(policy) = Policy::parse(p.get_ref()) else {
+            return Err(err(
+                p.span(),
+                format!("{}: `{}` is not one of fcfs, satf, opt, deadline, cats", at("policy"), p.get_ref()),
+            ));
+        };
+        let d = Tuning::default();
+        let ms = |key: &str, v: &Option<Spanned<u64>>, default_ns: u64| match v {
+            None => Ok(default_ns),
+            Some(x) if (1..=600_000).contains(x.get_ref()) => Ok(*x.get_ref() * 1_000_000),
+            Some(x) => Err(err(x.span(), format!("{}: {} is out of range 1..=600000 ms", at(key), x.get_ref()))),
+        };
+        let count = |key: &str, v: &Option<Spanned<u64>>, default: u32| match v {
+            None => Ok(default),
+            Some(x) if (1..=1024).contains(x.get_ref()) => Ok(*x.get_ref() as u32),
+            Some(x) => Err(err(x.span(), format!("{}: {} is out of range 1..=1024", at(key), x.get_ref()))),
+        };
+        let anticipate_ns = match &self.anticipate_ms {
+            None => d.anticipate_ns,
+            Some(x) if *x.get_ref() <= 1000 => *x.get_ref() * 1_000_000,
+            Some(x) => {
+                return Err(err(x.span(), format!("{}: {} is out of range 0..=1000 ms", at("anticipate_ms"), x.get_ref())))
+            }
+        };
+        let tuning = Tuning {
+            expire_ns: ms("expire_ms", &self.expire_ms, d.expire_ns)?,
+            read_expire_ns: ms("read_expire_ms", &self.read_expire_ms, d.read_expire_ns)?,
+            write_expire_ns: ms("write_expire_ms", &self.write_expire_ms, d.write_expire_ns)?,
+            fifo_batch: count("fifo_batch", &self.fifo_batch, d.fifo_batch)?,
+            writes_starved: count("writes_starved", &self.writes_starved, d.writes_starved)?,
+            min_write_delay_ns: ms("min_write_delay_ms", &self.min_write_delay_ms, d.min_write_delay_ns)?,
+            max_write_delay_ns: ms("max_write_delay_ms", &self.max_write_delay_ms, d.max_write_delay_ns)?,
+            anticipate_ns,
+            ..d
+        };
+        if tuning.max_write_delay_ns < tuning.min_write_delay_ns {
+            let span =
+                self.max_write_delay_ms.as_ref().or(self.min_write_delay_ms.as_ref()).map_or(self.kind.span(), Spanned::span);
+            return Err(err(span, format!("{} is below min_write_delay_ms", at("max_write_delay_ms"))));
+        }
+        let depth = count("depth", &self.depth, 1)?;
+        Ok(FilterSpec::Scheduler { policy, depth, drive: self.drive(at, err)?, tuning })
     }
 
     fn error_rule(&self, at: &dyn Fn(&str) -> String, err: Err<'_>) -> Result<ErrorRule, crate::ConfigError> {

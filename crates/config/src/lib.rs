@@ -1187,6 +1187,50 @@ mod tests {
     }
 
     #[test]
+    fn vpt_and_scheduler_filters_share_the_drive_keys_and_refuse_bad_values_by_line() {
+        let c = parse(&format!(
+            "{RAM}[[device.filter]]\ntype = \"scheduler\"\npolicy = \"cats\"\nrpm = 7200\ncache = false\n\
+             anticipate_ms = 0\n[[device.filter]]\ntype = \"vpt\"\nk = 8.0\nlock_k = true\nseek_ms = 10.0\n\
+             cache_segments = 16\n"
+        ))
+        .unwrap();
+        let f = c.devices[0].filters();
+        match &f[0].spec {
+            bulkhead_filters::FilterSpec::Scheduler { policy, depth, drive, tuning } => {
+                assert_eq!((*policy, *depth), (bulkhead_diskmodel::sched::Policy::Cats, 1));
+                assert_eq!((drive.rotation_ns, drive.cache), (8_333_333, None));
+                assert_eq!(tuning.anticipate_ns, 0);
+            }
+            other => panic!("{other:?}"),
+        }
+        match &f[1].spec {
+            bulkhead_filters::FilterSpec::Vpt { drive, k, lock_k } => {
+                assert_eq!((*k, *lock_k, drive.full_seek_ns, drive.rotation_ns), (8.0, true, 10_000_000, 4_000_000));
+                assert_eq!(drive.cache.map(|c| (c.segments, c.segment_sectors)), Some((16, 221)));
+            }
+            other => panic!("{other:?}"),
+        }
+        let cases = [
+            ("type = \"scheduler\"\n", "filter.policy` is required", 7),
+            ("type = \"scheduler\"\npolicy = \"elevator\"\n", "`elevator` is not one of", 8),
+            ("type = \"scheduler\"\npolicy = \"cats\"\nk = 2.0\n", "only applies to type = \"vpt\"", 9),
+            (
+                "type = \"scheduler\"\npolicy = \"cats\"\nmin_write_delay_ms = 50\nmax_write_delay_ms = 20\n",
+                "below min_write_delay_ms",
+                10,
+            ),
+            ("type = \"vpt\"\nk = 0.0\n", "filter.k`: 0 is out of range", 8),
+            ("type = \"vpt\"\nrpm = 10\n", "filter.rpm`: 10 is out of range", 8),
+            ("type = \"vpt\"\ndepth = 2\n", "only applies to type = \"scheduler\"", 8),
+            ("type = \"stats\"\nseek_ms = 2.0\n", "type = \"vpt\" or type = \"scheduler\"", 8),
+        ];
+        for (table, want, line) in cases {
+            let e = parse(&format!("{RAM}[[device.filter]]\n{table}")).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains(&format!("line {line}")), "{table:?}: {e}");
+        }
+    }
+
+    #[test]
     fn tap_modes_parse_and_unknown_ones_are_refused_by_line() {
         let c = parse(&RAM.replace("size = \"1M\"", "size = \"1M\"\ntap = \"passthrough\"")).unwrap();
         assert_eq!(c.devices[0].tap, Tap::Passthrough);

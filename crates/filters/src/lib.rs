@@ -14,12 +14,14 @@ pub mod cow;
 pub mod crypt;
 pub mod delay;
 pub mod error;
+pub mod scheduler;
 pub mod spec;
 pub mod state;
 pub mod stats;
 pub mod throttle;
 pub mod trace;
 pub mod trace_summary;
+pub mod vpt;
 
 pub use spec::{build, FilterFds, FilterReport, FilterSpec};
 

@@ -46,6 +46,26 @@ pub enum FilterSpec {
         /// Bytes per sector.
         sector_size: u32,
     },
+    /// A virtual performance throttle: completions held to `k` times a modelled disk's time.
+    Vpt {
+        /// The modelled drive (its size is the device's).
+        drive: crate::vpt::DriveSpec,
+        /// The starting scale of model time to real time.
+        k: f64,
+        /// Keep `k` as given.
+        lock_k: bool,
+    },
+    /// A disk scheduler.
+    Scheduler {
+        /// Its policy.
+        policy: bulkhead_diskmodel::sched::Policy,
+        /// Accesses in flight below at most.
+        depth: u32,
+        /// The modelled drive it predicts access times with.
+        drive: crate::vpt::DriveSpec,
+        /// Its knobs.
+        tuning: bulkhead_diskmodel::sched::Tuning,
+    },
     /// Copy-on-write into a qcow2 overlay, handed over as the output descriptor.
     Cow {
         /// log2 of the overlay's cluster size, as its header said when the device started.
@@ -65,6 +85,8 @@ impl FilterSpec {
             FilterSpec::Delay { .. } => "delay",
             FilterSpec::Error { .. } => "error",
             FilterSpec::Throttle { .. } => "throttle",
+            FilterSpec::Vpt { .. } => "vpt",
+            FilterSpec::Scheduler { .. } => "scheduler",
             FilterSpec::Crypt { .. } => "crypt",
             FilterSpec::Cow { .. } => "cow",
         }
@@ -121,6 +143,15 @@ pub fn build(spec: &FilterSpec, fds: FilterFds) -> Result<Box<dyn Layer>, Filter
             Box::new(crate::error::ErrorFilter::new(*rule, page))
         }
         FilterSpec::Throttle { limits } => Box::new(crate::throttle::Throttle::new(*limits, page)),
+        FilterSpec::Vpt { drive, k, lock_k } => {
+            if !(k.is_finite() && *k > 0.0) {
+                return Err(FilterError::Invalid { filter: name, message: format!("k = {k}") });
+            }
+            Box::new(crate::vpt::Vpt::new(*drive, *k, *lock_k, page))
+        }
+        FilterSpec::Scheduler { policy, depth, drive, tuning } => {
+            Box::new(crate::scheduler::Scheduler::new(*policy, *depth, *drive, *tuning, page))
+        }
         FilterSpec::Crypt { payload_offset, data_size, sector_size } => {
             let secret = fds.secret.ok_or(FilterError::MissingFd(name))?;
             let layout =
@@ -178,6 +209,46 @@ pub enum FilterReport {
         /// Their total wait, ms.
         waited_ms: u64,
     },
+    /// `vpt`.
+    Vpt {
+        /// Scale of model time to real time now.
+        k: f64,
+        /// Whether `k` is locked.
+        locked: bool,
+        /// Requests timed.
+        requests: u64,
+        /// Of those, completed below after their target.
+        late: u64,
+        /// The late fraction of the last full window.
+        late_fraction: f64,
+        /// Predicted cache hits.
+        cache_hits: u64,
+        /// Completions held now.
+        held: u64,
+        /// The model: one revolution, ms.
+        rotation_ms: f64,
+        /// Full-stroke seek, ms.
+        full_seek_ms: f64,
+        /// Media rate, bytes/s.
+        transfer_bps: u64,
+        /// Cache segments × sectors, prefetch sectors (absent: no cache modelled).
+        cache: Option<(u32, u32, u32)>,
+    },
+    /// `scheduler`.
+    Scheduler {
+        /// Its policy.
+        policy: &'static str,
+        /// Requests queued now.
+        queued: u64,
+        /// Accesses sent below.
+        dispatched: u64,
+        /// Requests that joined another's access.
+        coalesced: u64,
+        /// Mean wait in the queue, µs.
+        mean_wait_us: u64,
+        /// Longest wait, µs.
+        max_wait_us: u64,
+    },
     /// `crypt`.
     Crypt {
         /// Times a domain opened the volume.
@@ -221,6 +292,34 @@ impl FilterReport {
                 let (throttled, waiting, waited_ms) = crate::throttle::read(page);
                 FilterReport::Throttle { throttled, waiting, waited_ms }
             }
+            FilterSpec::Vpt { drive, lock_k, .. } => {
+                let (k, requests, late, late_fraction, cache_hits, held) = crate::vpt::read(page);
+                FilterReport::Vpt {
+                    k,
+                    locked: *lock_k,
+                    requests,
+                    late,
+                    late_fraction,
+                    cache_hits,
+                    held,
+                    rotation_ms: drive.rotation_ns as f64 / 1e6,
+                    full_seek_ms: drive.full_seek_ns as f64 / 1e6,
+                    transfer_bps: drive.transfer_bps,
+                    cache: drive.cache.map(|c| (c.segments, c.segment_sectors, c.prefetch_sectors)),
+                }
+            }
+            FilterSpec::Scheduler { policy, .. } => {
+                let (queued, dispatched, coalesced, waited_us, max_wait_us) = crate::scheduler::read(page);
+                let requests = dispatched + coalesced;
+                FilterReport::Scheduler {
+                    policy: policy.as_str(),
+                    queued,
+                    dispatched,
+                    coalesced,
+                    mean_wait_us: waited_us.checked_div(requests).unwrap_or(0),
+                    max_wait_us,
+                }
+            }
             FilterSpec::Crypt { .. } => {
                 let (opened, encrypted, decrypted) = crate::crypt::read(page);
                 FilterReport::Crypt { opened, encrypted, decrypted }
@@ -246,6 +345,24 @@ impl FilterReport {
             FilterReport::Throttle { throttled, waiting, waited_ms } => {
                 format!("{throttled} throttled, {waiting} waiting now, {waited_ms} ms waited")
             }
+            FilterReport::Vpt {
+                k, locked, requests, late, late_fraction, cache_hits, held, rotation_ms, full_seek_ms, transfer_bps, cache,
+            } => {
+                let cache = match cache {
+                    Some((n, s, p)) => format!("cache {n}×{s} sectors, prefetch {p}"),
+                    None => "no cache".to_string(),
+                };
+                format!(
+                    "k {k:.3}{}, {requests} timed, {late} late ({:.2}% in the last window), {cache_hits} cache hits, {held} held now; \
+                     model R {rotation_ms} ms, S {full_seek_ms} ms, {:.0} MB/s, {cache}",
+                    if *locked { " (locked)" } else { "" },
+                    late_fraction * 100.0,
+                    *transfer_bps as f64 / 1e6
+                )
+            }
+            FilterReport::Scheduler { policy, queued, dispatched, coalesced, mean_wait_us, max_wait_us } => format!(
+                "{policy}: {queued} queued now, {dispatched} accesses sent, {coalesced} coalesced, wait mean {mean_wait_us} µs, max {max_wait_us} µs"
+            ),
             FilterReport::Crypt { opened, encrypted, decrypted } => {
                 format!("opened {opened} times, {encrypted} bytes encrypted, {decrypted} decrypted")
             }
