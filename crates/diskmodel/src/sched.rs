@@ -10,8 +10,8 @@
 //! - `cats`: cache-aware table scheduling, as the seed gives it: a predicted cache hit at
 //!   once; reads before writes, in algorithm T's order; writes held until the oldest has
 //!   waited a minimum delay (or a maximum, whatever reads are queued) and then served as a
-//!   burst in circular-scan order; 5 ms of anticipation after a read, against deceptive
-//!   idleness.
+//!   burst in circular-scan order; up to 5 ms of anticipation after a read, against deceptive
+//!   idleness, for a stream whose reads have come soon and close to each other.
 //!
 //! Every scheduler coalesces: after the request it picks, it takes the queued requests of the
 //! same direction that continue it, so that one access serves them all.
@@ -442,11 +442,33 @@ struct Cats {
     burst: Vec<u64>,
     /// The stream of the last completed read and when it completed.
     last_read: Option<(u32, u64)>,
+    /// What each stream's reads have been like, to tell whether waiting for one pays.
+    streams: Vec<StreamHabits>,
+}
+
+/// A stream's habits, as anticipation judges them: how long after its read completes it sends
+/// the next, and how far from the last that one lies (exponentially weighted means).
+#[derive(Debug, Clone, Copy)]
+struct StreamHabits {
+    stream: u32,
+    last_done: u64,
+    last_end: u64,
+    think_ns: f64,
+    distance: f64,
+    samples: u32,
+}
+
+impl StreamHabits {
+    /// Whether its next read is likely soon enough and close enough to wait for: Linux's
+    /// anticipatory scheduler asked the same of each process.
+    fn worth_waiting(&self, t: &Tuning) -> bool {
+        self.samples >= 2 && self.think_ns < t.anticipate_ns as f64 && self.distance <= t.near_sectors as f64
+    }
 }
 
 impl Cats {
     fn new(tuning: Tuning) -> Self {
-        Cats { q: Queue::default(), tuning, pick: Picker::default(), burst: Vec::new(), last_read: None }
+        Cats { q: Queue::default(), tuning, pick: Picker::default(), burst: Vec::new(), last_read: None, streams: Vec::new() }
     }
 
     /// The next write of the burst in circular-scan order: the lowest at or above the head,
@@ -473,11 +495,37 @@ impl Scheduler for Cats {
         Policy::Cats
     }
     fn add(&mut self, q: Queued) {
+        if !q.access.write {
+            if let Some(h) = self.streams.iter_mut().find(|h| h.stream == q.stream) {
+                let think = q.arrival_ns.saturating_sub(h.last_done) as f64;
+                let distance = q.access.start.abs_diff(h.last_end) as f64;
+                if h.samples == 0 {
+                    (h.think_ns, h.distance) = (think, distance);
+                } else {
+                    h.think_ns = 0.75 * h.think_ns + 0.25 * think;
+                    h.distance = 0.75 * h.distance + 0.25 * distance;
+                }
+                h.samples = h.samples.saturating_add(1);
+            }
+        }
         self.q.push(q);
     }
     fn completed(&mut self, first: &Queued, now: u64) {
-        if !first.access.write {
-            self.last_read = Some((first.stream, now));
+        if first.access.write {
+            return;
+        }
+        self.last_read = Some((first.stream, now));
+        let end = first.access.end();
+        match self.streams.iter_mut().find(|h| h.stream == first.stream) {
+            Some(h) => (h.last_done, h.last_end) = (now, end),
+            None => self.streams.push(StreamHabits {
+                stream: first.stream,
+                last_done: now,
+                last_end: end,
+                think_ns: 0.0,
+                distance: 0.0,
+                samples: 0,
+            }),
         }
     }
     fn next(&mut self, now: u64, model: &Model, batch: &mut Vec<Queued>) -> Next {
@@ -522,7 +570,8 @@ impl Scheduler for Cats {
             Some((stream, done)) if now < done + t.anticipate_ns => {
                 let queued = self.q.q.iter().any(|r| r.stream == stream && !r.access.write);
                 let near = best.is_some_and(|i| self.q.q[i].access.start.abs_diff(model.head()) <= t.near_sectors);
-                (!queued && !near).then_some(done + t.anticipate_ns)
+                let worth = self.streams.iter().any(|h| h.stream == stream && h.worth_waiting(&t));
+                (worth && !queued && !near).then_some(done + t.anticipate_ns)
             }
             _ => None,
         };
@@ -646,11 +695,27 @@ mod tests {
         let t = Tuning::default();
         let mut s = build(Policy::Cats, t);
         let mut model = Model::new(drive());
-        s.add(q(1, 1000, false, 0, 7));
         let mut batch = Vec::new();
-        assert_eq!(s.next(0, &model, &mut batch), Next::Dispatch);
-        model.serve(&batch_access(&batch));
+        // Stream 7 reads on and on, each read 1 ms after the last completed, close by.
+        let mut now = 0;
+        for (id, start) in [(10, 200), (11, 400), (12, 600), (1, 1000)] {
+            s.add(q(id, start, false, now, 7));
+            assert_eq!(s.next(now, &model, &mut batch), Next::Dispatch);
+            assert_eq!(ids(&batch), [id]);
+            model.serve(&batch_access(&batch));
+            s.completed(&batch[0], now + 1_000_000);
+            now += 2_000_000;
+        }
         s.completed(&batch[0], 2_000_000);
+        // A stream with no such habit is not waited for.
+        s.add(q(20, 100, false, 2_000_000, 5));
+        assert_eq!(s.next(2_000_000, &model, &mut batch), Next::Dispatch);
+        s.completed(&batch[0], 2_000_000);
+        s.add(q(21, 900_000, false, 2_000_000, 3));
+        assert_eq!(s.next(2_000_000, &model, &mut batch), Next::Dispatch, "stream 5 is not anticipated");
+        assert_eq!(ids(&batch), [21]);
+        model.set_head(1008);
+        s.completed(&Queued { stream: 7, ..batch[0] }, 2_000_000);
         // Another stream's read far away: wait for stream 7 rather than seek there at once.
         s.add(q(2, 900_000, false, 2_000_000, 3));
         assert_eq!(s.next(2_000_000, &model, &mut batch), Next::Wait(2_000_000 + t.anticipate_ns));

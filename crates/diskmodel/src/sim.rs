@@ -43,6 +43,77 @@ impl Workload for Trace {
     fn completed(&mut self, _: u64, _: u32, _: u64, _: &mut Vec<Arrival>) {}
 }
 
+/// A random open-loop workload: requests arriving as a Poisson process at uniform random
+/// positions, each of `sectors`, a fraction of them writes, from `streams` streams in turn.
+#[derive(Debug, Clone)]
+pub struct Uniform {
+    /// Requests.
+    pub requests: u64,
+    /// Mean time between arrivals, ns.
+    pub interval_ns: u64,
+    /// Sectors of the device they fall in.
+    pub device_sectors: u64,
+    /// Sectors of each.
+    pub sectors: u64,
+    /// Fraction that are writes, 0 to 1.
+    pub write_fraction: f64,
+    /// Streams.
+    pub streams: u32,
+    /// Seed of the generator.
+    pub seed: u64,
+}
+
+/// SplitMix64: small, fast and good enough to draw workloads from.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Uniform in `0..n` (0 if `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            ((self.next_u64() as u128 * n as u128) >> 64) as u64
+        }
+    }
+}
+
+impl Workload for Uniform {
+    fn start(&mut self, out: &mut Vec<Arrival>) {
+        let mut rng = Rng::new(self.seed);
+        let mut at = 0u64;
+        let span = self.device_sectors.saturating_sub(self.sectors).max(1);
+        for i in 0..self.requests {
+            // Exponential gaps: a Poisson process.
+            at += (-(1.0 - rng.unit()).ln() * self.interval_ns as f64) as u64;
+            let write = rng.unit() < self.write_fraction;
+            let start = rng.below(span);
+            out.push(Arrival {
+                at_ns: at,
+                access: Access { start, sectors: self.sectors, write },
+                stream: (i % self.streams.max(1) as u64) as u32,
+            });
+        }
+    }
+    fn completed(&mut self, _: u64, _: u32, _: u64, _: &mut Vec<Arrival>) {}
+}
+
 /// One request's story.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Record {
