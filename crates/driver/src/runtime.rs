@@ -472,9 +472,10 @@ impl Domain {
         if !pending {
             self.stats.sleeps += 1;
             // A bounded wait, so a stop request racing the sleep is seen within half a second,
-            // and no longer than until a held request is due.
+            // and no longer than until a held request is due: whole milliseconds short of it,
+            // the rest spun (a `vpt` completion is due to the microsecond).
             let mut ms = match self.chain.next_poll() {
-                Some(t) => t.saturating_sub(now_ns()).div_ceil(1_000_000).min(MAX_SLEEP_MS),
+                Some(t) => (t.saturating_sub(now_ns()) / 1_000_000).min(MAX_SLEEP_MS),
                 None => MAX_SLEEP_MS,
             };
             if self.chain.held() > 0 {
