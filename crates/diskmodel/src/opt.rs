@@ -156,20 +156,6 @@ mod tests {
         out
     }
 
-    /// A small xorshift generator: the tests need no crate for randomness.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
-
     #[test]
     fn the_seed_example_is_served_60_41_10_95() {
         let positions = [95, 10, 60, 41];
@@ -182,7 +168,7 @@ mod tests {
 
     #[test]
     fn algorithm_t_matches_brute_force_over_every_order_of_random_queues_up_to_eight() {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = crate::sim::Rng::new(0x9e37_79b9_7f4a_7c15);
         let perms: Vec<Vec<Vec<usize>>> = (0..=8).map(permutations).collect();
         let mut opt = Optimiser::new();
         for round in 0..600 {

@@ -154,18 +154,8 @@ impl Layer for Scheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::test_page;
+    use crate::state::{test_page, SizeBelow as Size};
     use bulkhead_shmem::SliceList;
-
-    struct Size(u64);
-    impl ReadBelow for Size {
-        fn read(&mut self, _: u64, _: &mut [u8]) -> Result<(), BlockError> {
-            Ok(())
-        }
-        fn size(&self) -> u64 {
-            self.0
-        }
-    }
 
     fn read_at(offset: u64) -> Request<'static> {
         Request::Read { offset, bufs: SliceList::new() }

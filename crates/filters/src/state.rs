@@ -58,3 +58,17 @@ pub(crate) fn test_page() -> (std::os::fd::OwnedFd, StatePage) {
     let page = StatePage::map(fd.as_raw_fd(), true).unwrap();
     (fd, page)
 }
+
+/// A device below of the given size whose reads succeed and fill nothing, for layers that only ask its size.
+#[cfg(test)]
+pub(crate) struct SizeBelow(pub u64);
+
+#[cfg(test)]
+impl bulkhead_block::ReadBelow for SizeBelow {
+    fn read(&mut self, _: u64, _: &mut [u8]) -> Result<(), bulkhead_block::BlockError> {
+        Ok(())
+    }
+    fn size(&self) -> u64 {
+        self.0
+    }
+}

@@ -242,18 +242,8 @@ impl Layer for Vpt {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::test_page;
+    use crate::state::{test_page, SizeBelow as Size};
     use bulkhead_shmem::SliceList;
-
-    struct Size(u64);
-    impl ReadBelow for Size {
-        fn read(&mut self, _: u64, _: &mut [u8]) -> Result<(), BlockError> {
-            Ok(())
-        }
-        fn size(&self) -> u64 {
-            self.0
-        }
-    }
 
     fn vpt(k: f64, lock: bool) -> (std::os::fd::OwnedFd, Vpt) {
         let (fd, page) = test_page();
