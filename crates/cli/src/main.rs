@@ -104,51 +104,7 @@ enum Cmd {
     /// Run a workload through disk schedulers on the modelled disk, with no device: per
     /// scheduler, each request's service, wait and response time and their means, mean
     /// service and response, the 99th percentile and throughput in sectors/ms.
-    Sim {
-        /// The seed's worked example: requests at 95, 10, 60, 41, the head at 50, one ms of
-        /// travel per unit of distance and nothing else; fcfs, satf and opt.
-        #[arg(long)]
-        example: bool,
-        /// A requests file: one per line, `arrival_ms position [sectors] [r|w] [stream]`.
-        #[arg(long)]
-        requests: Option<PathBuf>,
-        /// Generate this many requests: Poisson arrivals at uniform random positions.
-        #[arg(long)]
-        generate: Option<u64>,
-        /// Seed of the generated workload.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Mean time between generated arrivals, ms.
-        #[arg(long, default_value_t = 5.0)]
-        interval_ms: f64,
-        /// Fraction of generated requests that write.
-        #[arg(long, default_value_t = 0.3)]
-        write_fraction: f64,
-        /// Sectors of each generated request.
-        #[arg(long, default_value_t = 8)]
-        sectors: u64,
-        /// Streams the generated requests come from, in turn.
-        #[arg(long, default_value_t = 4)]
-        streams: u32,
-        /// Where the head starts, sector (default 0; 50 for --example).
-        #[arg(long)]
-        head: Option<u64>,
-        /// Size of the modelled device (default the seed's 73.4 GB drive).
-        #[arg(long)]
-        size: Option<String>,
-        /// Model travel time only, one ms per sector of distance.
-        #[arg(long)]
-        travel_only: bool,
-        /// Schedulers to run, comma-separated: fcfs, satf, opt, deadline, cats.
-        #[arg(long)]
-        schedulers: Option<String>,
-        /// Print every request (done anyway for up to 20).
-        #[arg(long)]
-        each: bool,
-        /// Machine-readable output.
-        #[arg(long)]
-        json: bool,
-    },
+    Sim(sim_cmd::SimArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -327,37 +283,7 @@ fn main() -> ExitCode {
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Driver { spec } => driver_cmd::run(&spec),
         Cmd::Trace { file, json } => trace_cmd::run(&file, json),
-        Cmd::Sim {
-            example,
-            requests,
-            generate,
-            seed,
-            interval_ms,
-            write_fraction,
-            sectors,
-            streams,
-            head,
-            size,
-            travel_only,
-            schedulers,
-            each,
-            json,
-        } => sim_cmd::run(sim_cmd::SimArgs {
-            example,
-            requests: requests.as_deref(),
-            generate,
-            seed,
-            interval_ms,
-            write_fraction,
-            sectors,
-            streams,
-            head,
-            size: size.as_deref(),
-            travel_only,
-            schedulers: schedulers.as_deref(),
-            each,
-            json,
-        }),
+        Cmd::Sim(args) => sim_cmd::run(args),
         Cmd::Snapshot { device, op, name, json, run_dir } => {
             let op = match op {
                 SnapshotOpArg::Create => "create",

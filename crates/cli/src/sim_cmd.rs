@@ -1,6 +1,6 @@
 //! `bulkhead sim`: a workload through disk schedulers on the modelled disk, with no device.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
@@ -10,21 +10,51 @@ use bulkhead_diskmodel::sim::{self, Arrival, Outcome, Trace, Uniform, Workload};
 use bulkhead_diskmodel::{Access, Drive};
 
 /// What `bulkhead sim` was asked.
-pub struct SimArgs<'a> {
-    pub example: bool,
-    pub requests: Option<&'a Path>,
-    pub generate: Option<u64>,
-    pub seed: u64,
-    pub interval_ms: f64,
-    pub write_fraction: f64,
-    pub sectors: u64,
-    pub streams: u32,
-    pub head: Option<u64>,
-    pub size: Option<&'a str>,
-    pub travel_only: bool,
-    pub schedulers: Option<&'a str>,
-    pub each: bool,
-    pub json: bool,
+#[derive(clap::Args)]
+pub struct SimArgs {
+    /// The seed's worked example: requests at 95, 10, 60, 41, the head at 50, one ms of
+    /// travel per unit of distance and nothing else; fcfs, satf and opt.
+    #[arg(long)]
+    example: bool,
+    /// A requests file: one per line, `arrival_ms position [sectors] [r|w] [stream]`.
+    #[arg(long)]
+    requests: Option<PathBuf>,
+    /// Generate this many requests: Poisson arrivals at uniform random positions.
+    #[arg(long)]
+    generate: Option<u64>,
+    /// Seed of the generated workload.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Mean time between generated arrivals, ms.
+    #[arg(long, default_value_t = 5.0)]
+    interval_ms: f64,
+    /// Fraction of generated requests that write.
+    #[arg(long, default_value_t = 0.3)]
+    write_fraction: f64,
+    /// Sectors of each generated request.
+    #[arg(long, default_value_t = 8)]
+    sectors: u64,
+    /// Streams the generated requests come from, in turn.
+    #[arg(long, default_value_t = 4)]
+    streams: u32,
+    /// Where the head starts, sector (default 0; 50 for --example).
+    #[arg(long)]
+    head: Option<u64>,
+    /// Size of the modelled device (default the seed's 73.4 GB drive).
+    #[arg(long)]
+    size: Option<String>,
+    /// Model travel time only, one ms per sector of distance.
+    #[arg(long)]
+    travel_only: bool,
+    /// Schedulers to run, comma-separated: fcfs, satf, opt, deadline, cats.
+    #[arg(long)]
+    schedulers: Option<String>,
+    /// Print every request (done anyway for up to 20).
+    #[arg(long)]
+    each: bool,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Reads a requests file: one request per line, `arrival_ms position [sectors] [r|w]
@@ -72,7 +102,7 @@ fn ms(ns: u64) -> String {
     format!("{:.2}", ns as f64 / 1e6)
 }
 
-pub fn run(a: SimArgs<'_>) -> anyhow::Result<ExitCode> {
+pub fn run(a: SimArgs) -> anyhow::Result<ExitCode> {
     let sources = [a.example, a.requests.is_some(), a.generate.is_some()].iter().filter(|&&x| x).count();
     if sources != 1 {
         bail!("give one of --example, --requests FILE and --generate N");
@@ -84,11 +114,11 @@ pub fn run(a: SimArgs<'_>) -> anyhow::Result<ExitCode> {
             .collect();
         (Some(t), Drive::travel_only(100), 50, "fcfs,satf,opt")
     } else {
-        let sectors = match a.size {
+        let sectors = match a.size.as_deref() {
             Some(s) => bulkhead_config::parse_size(s).map_err(|e| anyhow::anyhow!("--size: {e}"))? / 512,
             None => 73_400_000_000 / 512,
         };
-        let trace = a.requests.map(read_requests).transpose()?;
+        let trace = a.requests.as_deref().map(read_requests).transpose()?;
         (trace, Drive::seed(sectors), 0, "fcfs,satf,opt,deadline,cats")
     };
     if a.travel_only {
@@ -117,7 +147,7 @@ pub fn run(a: SimArgs<'_>) -> anyhow::Result<ExitCode> {
         }
     }
     let mut policies = Vec::new();
-    for name in a.schedulers.unwrap_or(default_policies).split(',').map(str::trim).filter(|s| !s.is_empty()) {
+    for name in a.schedulers.as_deref().unwrap_or(default_policies).split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let p = Policy::parse(name)
             .ok_or_else(|| anyhow::anyhow!("--schedulers: `{name}` is not one of fcfs, satf, opt, deadline, cats"))?;
         policies.push(p);

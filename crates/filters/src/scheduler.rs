@@ -81,9 +81,7 @@ impl Layer for Scheduler {
         lower
     }
     fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
-        let drive = self.spec.drive(below.size());
-        drive.validate()?;
-        self.model = Some(Model::new(drive));
+        self.model = Some(self.spec.model(below.size())?);
         Ok(())
     }
     fn attach(&mut self, tags: TagSpace) {

@@ -63,6 +63,14 @@ impl DriveSpec {
         }
     }
 
+    /// A model of the drive over a device of `bytes`, the head at sector 0 and the cache
+    /// empty; why not, if the parameters are unusable.
+    pub fn model(&self, bytes: u64) -> Result<Model, String> {
+        let drive = self.drive(bytes);
+        drive.validate()?;
+        Ok(Model::new(drive))
+    }
+
     /// The seed's drive.
     pub fn seed() -> Self {
         let d = bulkhead_diskmodel::Drive::seed(1);
@@ -177,9 +185,7 @@ impl Layer for Vpt {
         lower
     }
     fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
-        let drive = self.spec.drive(below.size());
-        drive.validate()?;
-        self.model = Some(Model::new(drive));
+        self.model = Some(self.spec.model(below.size())?);
         Ok(())
     }
     fn attach(&mut self, tags: TagSpace) {
