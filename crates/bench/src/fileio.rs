@@ -211,10 +211,10 @@ impl Drop for Procs {
 
 /// Mounts, loop devices and FUSE mounts to undo, last first.
 #[derive(Default)]
-struct Undo(Vec<(String, Vec<String>)>);
+pub(crate) struct Undo(Vec<(String, Vec<String>)>);
 
 impl Undo {
-    fn push(&mut self, cmd: &str, args: &[&str]) {
+    pub(crate) fn push(&mut self, cmd: &str, args: &[&str]) {
         self.0.push((cmd.to_string(), args.iter().map(|s| s.to_string()).collect()));
     }
 }
@@ -278,6 +278,33 @@ fn nbdfuse(cmd: Command, fuse: &Path, procs: &mut Procs, undo: &mut Undo) -> Res
     Ok(f)
 }
 
+/// Starts `bulkhead serve` with `cfg` under `dir` (its configuration, log and run directory),
+/// owned by `procs`; the path of the FUSE export of its device `disk0` once it is there.
+pub(crate) fn serve(exe: &Path, dir: &Path, cfg: &str, procs: &mut Procs) -> Result<PathBuf, String> {
+    let cfg_path = dir.join("serve.toml");
+    std::fs::write(&cfg_path, cfg).map_err(|e| e.to_string())?;
+    let run_dir = dir.join("run");
+    let log = std::fs::File::create(dir.join("serve.log")).map_err(|e| e.to_string())?;
+    let child = Command::new(exe)
+        .arg("serve")
+        .arg("--config")
+        .arg(&cfg_path)
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("cannot start bulkhead serve: {e}"))?;
+    procs.0.push(child);
+    let f = run_dir.join("fuse/disk0");
+    if let Err(e) = wait_for(&f, "bulkhead serve", procs.0.last_mut()) {
+        let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
+        return Err(format!("{e}: {}", log.lines().last().unwrap_or("")));
+    }
+    Ok(f)
+}
+
 /// Brings `sys` up under `dir` and mounts ext2 on it at `mnt`.
 fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path, budget_us: Option<u64>) -> Result<Mounted, String> {
     let mut undo = Undo::default();
@@ -300,28 +327,7 @@ fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path, budget_us: Option<
             let cfg = format!(
                 "[nbd]\nenabled = false\n[[device]]\nname = \"disk0\"\n{size}notify = \"{notify}\"\nspin_budget_us = {budget}\n[device.backend]\n{backend_toml}"
             );
-            let cfg_path = dir.join("serve.toml");
-            std::fs::write(&cfg_path, cfg).map_err(|e| e.to_string())?;
-            let run_dir = dir.join("run");
-            let log = std::fs::File::create(dir.join("serve.log")).map_err(|e| e.to_string())?;
-            let child = Command::new(exe)
-                .arg("serve")
-                .arg("--config")
-                .arg(&cfg_path)
-                .arg("--run-dir")
-                .arg(&run_dir)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .map_err(|e| format!("cannot start bulkhead serve: {e}"))?;
-            procs.0.push(child);
-            let f = run_dir.join("fuse/disk0");
-            if let Err(e) = wait_for(&f, "bulkhead serve", procs.0.last_mut()) {
-                let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
-                return Err(format!("{e}: {}", log.lines().last().unwrap_or("")));
-            }
-            f
+            serve(exe, dir, &cfg, &mut procs)?
         }
         System::Peer { name } if name == "native" => {
             let img = dir.join("native.img");

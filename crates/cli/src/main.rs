@@ -251,6 +251,9 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// The VPT case study: a SURGE-style workload on ext4 over a vpt device, per disk scheduler
+    /// (bulkhead's and the kernel's), with and without O_DIRECT, the simulator beside (needs root).
+    Surge(SurgeArgs),
     /// Outage per driver-domain restart: SIGKILL the driver under load, again and again.
     Restart {
         /// Kills to perform (at least 1).
@@ -273,6 +276,59 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(clap::Args)]
+struct SurgeArgs {
+    /// Page reads per scheduler and mode, all processes together.
+    #[arg(long, default_value_t = 50_000)]
+    reads: u64,
+    /// Processes reading at once.
+    #[arg(long, default_value_t = 64)]
+    processes: u32,
+    /// Files (the L of Zipf(L)).
+    #[arg(long, default_value_t = 2000)]
+    files: u32,
+    /// Files a process reads a round: Pareto(α1, k1), as "α1,k1".
+    #[arg(long, default_value = "2.43,1")]
+    count: String,
+    /// Think time after each page, ms: Pareto(α2, k2), as "α2,k2".
+    #[arg(long, default_value = "1.5,10")]
+    think: String,
+    /// Seed of every draw.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Schedulers (comma-separated): bulkhead's fcfs, satf, opt, deadline, cats; the kernel's
+    /// mq-deadline, bfq, none.
+    #[arg(long, value_delimiter = ',', default_value = "cats,deadline,fcfs,mq-deadline,bfq,none")]
+    schedulers: Vec<String>,
+    /// Modes (comma-separated): direct (O_DIRECT), cached.
+    #[arg(long, value_delimiter = ',', default_value = "direct,cached")]
+    modes: Vec<String>,
+    /// bulkhead policies the simulator runs (comma-separated; `none` for none).
+    #[arg(long, value_delimiter = ',', default_value = "cats,deadline,fcfs")]
+    sim: Vec<String>,
+    /// The vpt's k, locked for the run.
+    #[arg(long, default_value_t = 1.0)]
+    k: f64,
+    /// Bytes of the device (the model's D), e.g. 1G.
+    #[arg(long, default_value = "1G")]
+    size: String,
+    /// Accesses a bulkhead scheduler keeps in flight below.
+    #[arg(long, default_value_t = 1)]
+    depth: u32,
+    /// The loop device's read-ahead, KiB.
+    #[arg(long, default_value_t = 128)]
+    read_ahead_kb: u32,
+    /// Where to write report.json, surge.svg and report.txt.
+    #[arg(long, default_value = "bench-surge")]
+    out: PathBuf,
+    /// Scratch directory (a tmpfs).
+    #[arg(long, default_value = "/dev/shm")]
+    scratch: PathBuf,
+    /// Print the JSON report instead of the tables.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> ExitCode {
@@ -305,6 +361,7 @@ fn main() -> ExitCode {
         Cmd::Bench { which: BenchCmd::Channel { mode, json, seconds, samples, no_pin } } => {
             bench_channel(mode, json, seconds, samples, !no_pin)
         }
+        Cmd::Bench { which: BenchCmd::Surge(args) } => bench_surge(args),
         Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, tap, kill, json } } => {
             bench_restart(kills, mode, threads, &tap, &kill, json)
         }
@@ -329,6 +386,98 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+fn bench_surge(a: SurgeArgs) -> anyhow::Result<ExitCode> {
+    use bulkhead_bench::surge::{self, Column, Mode};
+    use bulkhead_diskmodel::sched::Policy;
+    use bulkhead_diskmodel::surge::Pareto;
+    let pareto = |key: &str, s: &str| -> anyhow::Result<Pareto> {
+        let v: Vec<f64> = s
+            .split(',')
+            .map(|x| x.trim().parse::<f64>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow::anyhow!("--{key}: `{s}`: {e} (expected \"alpha,k\")"))?;
+        match v[..] {
+            [alpha, k] if alpha > 0.0 && k > 0.0 && alpha.is_finite() && k.is_finite() => Ok(Pareto { alpha, k }),
+            _ => anyhow::bail!("--{key}: `{s}`: expected \"alpha,k\", both positive"),
+        }
+    };
+    let mut opts = surge::Options::default();
+    let p = &mut opts.params;
+    if !(1..=1024).contains(&a.processes) {
+        anyhow::bail!("--processes: {} is out of range 1..=1024", a.processes);
+    }
+    if !(1..=1_000_000).contains(&a.files) {
+        anyhow::bail!("--files: {} is out of range 1..=1000000", a.files);
+    }
+    if a.reads == 0 {
+        anyhow::bail!("--reads: must be at least 1");
+    }
+    (p.processes, p.files, p.reads, p.seed) = (a.processes, a.files, a.reads, a.seed);
+    p.count = pareto("count", &a.count)?;
+    p.think_ms = pareto("think", &a.think)?;
+    opts.columns = a
+        .schedulers
+        .iter()
+        .map(|s| Column::parse(s).map_err(|e| anyhow::anyhow!("--schedulers: {e}")))
+        .collect::<Result<_, _>>()?;
+    opts.modes = a
+        .modes
+        .iter()
+        .map(|m| match m.as_str() {
+            "direct" => Ok(Mode::Direct),
+            "cached" => Ok(Mode::Cached),
+            other => anyhow::bail!("--modes: unknown mode `{other}` (direct, cached)"),
+        })
+        .collect::<Result<_, _>>()?;
+    opts.sim = a
+        .sim
+        .iter()
+        .filter(|s| s.as_str() != "none")
+        .map(|s| Policy::parse(s).ok_or_else(|| anyhow::anyhow!("--sim: unknown policy `{s}` (fcfs, satf, opt, deadline, cats)")))
+        .collect::<Result<_, _>>()?;
+    if !(a.k.is_finite() && a.k > 0.0) {
+        anyhow::bail!("--k: {} must be a positive number", a.k);
+    }
+    opts.k = a.k;
+    opts.size = bulkhead_config::parse_size(&a.size).map_err(|e| anyhow::anyhow!("--size: {e}"))?;
+    if !(1..=256).contains(&a.depth) {
+        anyhow::bail!("--depth: {} is out of range 1..=256", a.depth);
+    }
+    opts.depth = a.depth;
+    opts.read_ahead_kb = a.read_ahead_kb;
+    opts.scratch = a.scratch;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
+    let exe = std::env::current_exe()?;
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut last = (String::new(), std::time::Instant::now());
+    let report = surge::run_bench(&exe, &opts, &stop, |p| {
+        let line = if p.total > 0 { format!("{}: {}/{} reads", p.what, p.done, p.total) } else { p.what.clone() };
+        if tty {
+            eprint!("\r\x1b[2Kbench surge: {line}");
+        } else if p.what != last.0 || last.1.elapsed().as_secs() >= 10 {
+            // Without a terminal: a line per part, and one every ten seconds within it.
+            eprintln!("bench surge: {line}");
+            last = (p.what.clone(), std::time::Instant::now());
+        }
+    })
+    .map_err(anyhow::Error::msg)?;
+    if tty {
+        eprintln!();
+    }
+    let files = surge::write_outputs(&report, &a.out).map_err(anyhow::Error::msg)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render());
+    }
+    for f in files {
+        eprintln!("bench surge: wrote {}", f.display());
+    }
+    Ok(if report.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
 }
 
 struct FileioArgs {

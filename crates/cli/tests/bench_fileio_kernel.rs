@@ -8,13 +8,6 @@ use std::process::Command;
 use bulkhead_testkit::require_kernel;
 use common::*;
 
-fn leftovers() -> (usize, usize) {
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let loops =
-        Command::new("losetup").arg("-a").output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
-    (mounts.matches("bh-fileio-").count(), loops.matches("bh-fileio-").count())
-}
-
 #[test]
 fn bench_fileio_measures_a_small_matrix_and_cleans_up() {
     require_kernel!();
@@ -23,7 +16,7 @@ fn bench_fileio_measures_a_small_matrix_and_cleans_up() {
     }
     let tmp = TempDir::new("bench-fileio");
     let out_dir = tmp.path().join("out");
-    let before = leftovers();
+    let before = leftovers("bh-fileio-");
     let out = Command::new("timeout")
         .args(["300", exe(), "bench", "fileio", "--modes", "rndrd,seqwr", "--threads", "1,2", "--backends", "ram"])
         .args(["--notify", "poll", "--peers", "native", "--seconds", "1", "--out"])
@@ -46,5 +39,5 @@ fn bench_fileio_measures_a_small_matrix_and_cleans_up() {
     assert!(bulkhead_cpu > 0.5, "a polling driver domain uses CPU, and it is counted: {bulkhead_cpu}");
     assert_eq!(std::fs::read_to_string(out_dir.join("points.csv")).unwrap().lines().count(), 9);
     assert_eq!(std::fs::read_to_string(out_dir.join("fileio.svg")).unwrap().matches("<polyline").count(), 4);
-    assert_eq!(leftovers(), before, "no mount or loop device left behind");
+    assert_eq!(leftovers("bh-fileio-"), before, "no mount or loop device left behind");
 }

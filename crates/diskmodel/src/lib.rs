@@ -22,6 +22,7 @@ mod model;
 pub mod opt;
 pub mod sched;
 pub mod sim;
+pub mod surge;
 
 pub use cache::{CacheGeometry, CacheShadow};
 pub use model::{Access, Drive, Model, Service};

@@ -23,13 +23,24 @@ pub struct Arrival {
     pub stream: u32,
 }
 
+/// What a workload makes in answer to an event: requests, and times at which one of its
+/// streams wants to be woken (a process that has thought long enough).
+#[derive(Debug, Default)]
+pub struct Make {
+    /// Requests, numbered in the order they are made, from 0 for the run.
+    pub arrivals: Vec<Arrival>,
+    /// `(when, stream)`: call [`Workload::woken`] then.
+    pub wakes: Vec<(u64, u32)>,
+}
+
 /// Where requests come from.
 pub trait Workload {
     /// The requests known at the start.
-    fn start(&mut self, out: &mut Vec<Arrival>);
-    /// Request `id` (numbered in arrival order from 0) of `stream` completed at `now_ns`: the
-    /// requests this makes follow.
-    fn completed(&mut self, id: u64, stream: u32, now_ns: u64, out: &mut Vec<Arrival>);
+    fn start(&mut self, out: &mut Make);
+    /// Request `id` of `stream` completed at `now_ns`: what this makes follows.
+    fn completed(&mut self, id: u64, stream: u32, now_ns: u64, out: &mut Make);
+    /// A wake-up `stream` asked for is due at `now_ns`.
+    fn woken(&mut self, _stream: u32, _now_ns: u64, _out: &mut Make) {}
 }
 
 /// A fixed list of requests, whatever completes.
@@ -37,10 +48,10 @@ pub trait Workload {
 pub struct Trace(pub Vec<Arrival>);
 
 impl Workload for Trace {
-    fn start(&mut self, out: &mut Vec<Arrival>) {
-        out.extend_from_slice(&self.0);
+    fn start(&mut self, out: &mut Make) {
+        out.arrivals.extend_from_slice(&self.0);
     }
-    fn completed(&mut self, _: u64, _: u32, _: u64, _: &mut Vec<Arrival>) {}
+    fn completed(&mut self, _: u64, _: u32, _: u64, _: &mut Make) {}
 }
 
 /// A random open-loop workload: requests arriving as a Poisson process at uniform random
@@ -95,7 +106,7 @@ impl Rng {
 }
 
 impl Workload for Uniform {
-    fn start(&mut self, out: &mut Vec<Arrival>) {
+    fn start(&mut self, out: &mut Make) {
         let mut rng = Rng::new(self.seed);
         let mut at = 0u64;
         let span = self.device_sectors.saturating_sub(self.sectors).max(1);
@@ -104,14 +115,14 @@ impl Workload for Uniform {
             at += (-(1.0 - rng.unit()).ln() * self.interval_ns as f64) as u64;
             let write = rng.unit() < self.write_fraction;
             let start = rng.below(span);
-            out.push(Arrival {
+            out.arrivals.push(Arrival {
                 at_ns: at,
                 access: Access { start, sectors: self.sectors, write },
                 stream: (i % self.streams.max(1) as u64) as u32,
             });
         }
     }
-    fn completed(&mut self, _: u64, _: u32, _: u64, _: &mut Vec<Arrival>) {}
+    fn completed(&mut self, _: u64, _: u32, _: u64, _: &mut Make) {}
 }
 
 /// One request's story.
@@ -211,24 +222,29 @@ impl Outcome {
 }
 
 /// Runs `workload` through a `policy` scheduler on `drive`, the head starting at `head`,
-/// until nothing more arrives or `limit` requests have arrived.
+/// until nothing more arrives (and no wake-up is due) or `limit` requests have arrived.
 pub fn run(drive: &Drive, head: u64, policy: Policy, tuning: Tuning, workload: &mut dyn Workload, limit: u64) -> Outcome {
     let mut model = Model::new(*drive);
     model.set_head(head);
     let mut sched = sched::build(policy, tuning);
     let mut pending: BinaryHeap<Reverse<(u64, u64, Arrival)>> = BinaryHeap::new();
-    let mut made = Vec::new();
-    let mut seq = 0u64;
-    let push = |made: &mut Vec<Arrival>, pending: &mut BinaryHeap<_>, seq: &mut u64| {
-        for a in made.drain(..) {
+    let mut wakes: BinaryHeap<Reverse<(u64, u64, u32)>> = BinaryHeap::new();
+    let mut made = Make::default();
+    let (mut seq, mut wake_seq) = (0u64, 0u64);
+    let push = |made: &mut Make, pending: &mut BinaryHeap<_>, wakes: &mut BinaryHeap<_>, seq: &mut u64, wake_seq: &mut u64| {
+        for a in made.arrivals.drain(..) {
             if *seq < limit {
                 pending.push(Reverse((a.at_ns, *seq, a)));
                 *seq += 1;
             }
         }
+        for (at, stream) in made.wakes.drain(..) {
+            wakes.push(Reverse((at, *wake_seq, stream)));
+            *wake_seq += 1;
+        }
     };
     workload.start(&mut made);
-    push(&mut made, &mut pending, &mut seq);
+    push(&mut made, &mut pending, &mut wakes, &mut seq, &mut wake_seq);
     let mut records: Vec<Option<Record>> = Vec::new();
     let mut served = Vec::new();
     let mut busy: Option<(u64, Vec<Queued>, bool)> = None;
@@ -236,6 +252,14 @@ pub fn run(drive: &Drive, head: u64, policy: Policy, tuning: Tuning, workload: &
     let mut wake: Option<u64> = None;
     let mut now = 0u64;
     loop {
+        while let Some(Reverse((at, _, stream))) = wakes.peek().copied() {
+            if at > now {
+                break;
+            }
+            wakes.pop();
+            workload.woken(stream, now, &mut made);
+            push(&mut made, &mut pending, &mut wakes, &mut seq, &mut wake_seq);
+        }
         while let Some(Reverse((at, id, a))) = pending.peek().copied() {
             if at > now {
                 break;
@@ -269,7 +293,7 @@ pub fn run(drive: &Drive, head: u64, policy: Policy, tuning: Tuning, workload: &
                     workload.completed(m.id, m.stream, done, &mut made);
                 }
                 sched.completed(&members[0], done);
-                push(&mut made, &mut pending, &mut seq);
+                push(&mut made, &mut pending, &mut wakes, &mut seq, &mut wake_seq);
                 wake = None;
                 continue;
             }
@@ -289,7 +313,15 @@ pub fn run(drive: &Drive, head: u64, policy: Policy, tuning: Tuning, workload: &
                 Next::Empty => {}
             }
         }
-        let next = [pending.peek().map(|Reverse((at, _, _))| *at), busy.as_ref().map(|b| b.0), wake].into_iter().flatten().min();
+        let next = [
+            pending.peek().map(|Reverse((at, _, _))| *at),
+            wakes.peek().map(|Reverse((at, _, _))| *at),
+            busy.as_ref().map(|b| b.0),
+            wake,
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         match next {
             Some(t) => now = now.max(t),
             None => break,

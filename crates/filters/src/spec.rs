@@ -225,6 +225,11 @@ pub enum FilterReport {
         cache_hits: u64,
         /// Completions held now.
         held: u64,
+        /// The modelled drive's busy time over every timed access, ms of model time (before
+        /// `k`): divided by `requests`, the mean service time the model gave.
+        model_ms: f64,
+        /// Sectors of every timed access.
+        sectors: u64,
         /// The model: one revolution, ms.
         rotation_ms: f64,
         /// Full-stroke seek, ms.
@@ -293,15 +298,17 @@ impl FilterReport {
                 FilterReport::Throttle { throttled, waiting, waited_ms }
             }
             FilterSpec::Vpt { drive, lock_k, .. } => {
-                let (k, requests, late, late_fraction, cache_hits, held) = crate::vpt::read(page);
+                let f = crate::vpt::read(page);
                 FilterReport::Vpt {
-                    k,
+                    k: f.k,
                     locked: *lock_k,
-                    requests,
-                    late,
-                    late_fraction,
-                    cache_hits,
-                    held,
+                    requests: f.requests,
+                    late: f.late,
+                    late_fraction: f.late_fraction,
+                    cache_hits: f.cache_hits,
+                    held: f.held,
+                    model_ms: f.model_ns as f64 / 1e6,
+                    sectors: f.sectors,
                     rotation_ms: drive.rotation_ns as f64 / 1e6,
                     full_seek_ms: drive.full_seek_ns as f64 / 1e6,
                     transfer_bps: drive.transfer_bps,
@@ -346,16 +353,29 @@ impl FilterReport {
                 format!("{throttled} throttled, {waiting} waiting now, {waited_ms} ms waited")
             }
             FilterReport::Vpt {
-                k, locked, requests, late, late_fraction, cache_hits, held, rotation_ms, full_seek_ms, transfer_bps, cache,
+                k,
+                locked,
+                requests,
+                late,
+                late_fraction,
+                cache_hits,
+                held,
+                model_ms,
+                rotation_ms,
+                full_seek_ms,
+                transfer_bps,
+                cache,
+                ..
             } => {
                 let cache = match cache {
                     Some((n, s, p)) => format!("cache {n}×{s} sectors, prefetch {p}"),
                     None => "no cache".to_string(),
                 };
                 format!(
-                    "k {k:.3}{}, {requests} timed, {late} late ({:.2}% in the last window), {cache_hits} cache hits, {held} held now; \
-                     model R {rotation_ms} ms, S {full_seek_ms} ms, {:.0} MB/s, {cache}",
+                    "k {k:.3}{}, {requests} timed (model service mean {:.2} ms), {late} late ({:.2}% in the last window), \
+                     {cache_hits} cache hits, {held} held now; model R {rotation_ms} ms, S {full_seek_ms} ms, {:.0} MB/s, {cache}",
                     if *locked { " (locked)" } else { "" },
+                    if *requests > 0 { model_ms / *requests as f64 } else { 0.0 },
                     late_fraction * 100.0,
                     *transfer_bps as f64 / 1e6
                 )

@@ -30,6 +30,8 @@ const LATE: usize = 3;
 const WINDOW_LATE_PPM: usize = 4;
 const HITS: usize = 5;
 const HELD: usize = 6;
+const MODEL_NS: usize = 7;
+const SECTORS: usize = 8;
 
 /// Completions per window over which `k` is tuned.
 const WINDOW: u64 = 1000;
@@ -161,17 +163,39 @@ impl Vpt {
     }
 }
 
-/// The figures of a vpt's state page: k, requests, late, the last window's late fraction,
-/// cache hits, held now.
-pub fn read(page: &StatePage) -> (f64, u64, u64, f64, u64, u64) {
-    (
-        page.get(K_MICRO) as f64 / 1e6,
-        page.get(REQUESTS),
-        page.get(LATE),
-        page.get(WINDOW_LATE_PPM) as f64 / 1e6,
-        page.get(HITS),
-        page.get(HELD),
-    )
+/// The figures of a vpt's state page.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Figures {
+    /// Scale of model time to real time now.
+    pub k: f64,
+    /// Requests timed.
+    pub requests: u64,
+    /// Of those, completed below after their target.
+    pub late: u64,
+    /// The late fraction of the last full window.
+    pub late_fraction: f64,
+    /// Predicted cache hits.
+    pub cache_hits: u64,
+    /// Completions held now.
+    pub held: u64,
+    /// The modelled drive's busy time over every timed access, model ns (before `k`).
+    pub model_ns: u64,
+    /// Sectors of every timed access.
+    pub sectors: u64,
+}
+
+/// Reads the figures of a vpt's state page.
+pub fn read(page: &StatePage) -> Figures {
+    Figures {
+        k: page.get(K_MICRO) as f64 / 1e6,
+        requests: page.get(REQUESTS),
+        late: page.get(LATE),
+        late_fraction: page.get(WINDOW_LATE_PPM) as f64 / 1e6,
+        cache_hits: page.get(HITS),
+        held: page.get(HELD),
+        model_ns: page.get(MODEL_NS),
+        sectors: page.get(SECTORS),
+    }
 }
 
 impl Layer for Vpt {
@@ -203,6 +227,8 @@ impl Layer for Vpt {
             if s.hit {
                 self.page.add(HITS, 1);
             }
+            self.page.add(MODEL_NS, s.ns);
+            self.page.add(SECTORS, a.sectors);
             let start = now_ns.max(self.free_at);
             self.free_at = start + (s.ns as f64 * self.k) as u64;
             *target = self.free_at;
@@ -301,8 +327,8 @@ mod tests {
             v.poll(u64::MAX - 1, &mut |_, _| {});
         }
         assert_eq!(v.k(), 1.25);
-        let (k, requests, late, window, ..) = read(&v.page);
-        assert_eq!((k, requests, late, window), (1.25, WINDOW, 20, 0.02));
+        let f = read(&v.page);
+        assert_eq!((f.k, f.requests, f.late, f.late_fraction), (1.25, WINDOW, 20, 0.02));
     }
 
     #[test]

@@ -300,7 +300,6 @@ impl Ext4 {
 
 /// Runs `qemu-io -f FORMAT [-r] -c CMD… TARGET` and returns what it printed; fails the test if
 /// it fails or a pattern does not verify.
-#[allow(dead_code)]
 pub fn qemu_io(format: &str, read_only: bool, target: &str, cmds: &[&str]) -> String {
     let mut args = vec!["--kill-after=5", "120", "qemu-io", "-f", format];
     if read_only {
@@ -349,4 +348,17 @@ pub fn sh(cmd: &str, args: &[&str]) -> String {
 /// The SHA-256 of a file, as `sha256sum` prints it.
 pub fn digest(path: &Path) -> String {
     sh("sha256sum", &[path.to_str().unwrap()])
+}
+
+/// Mounts and loop devices whose paths hold `tag` (a benchmark's scratch directory): `(mounts,
+/// loop devices)`.
+#[allow(dead_code)]
+pub fn leftovers(tag: &str) -> (usize, usize) {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let loops = std::process::Command::new("losetup")
+        .arg("-a")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    (mounts.matches(tag).count(), loops.matches(tag).count())
 }
