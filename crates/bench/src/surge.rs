@@ -248,18 +248,12 @@ fn sysfs_read(path: &str) -> Result<String, String> {
 fn vpt_figures(exe: &Path, run_dir: &Path) -> Result<(u64, f64, u64, u64, f64), String> {
     let out = run(&exe.display().to_string(), &["status", "--json", "--run-dir", &run_dir.display().to_string()])?;
     let v: serde_json::Value = serde_json::from_str(&out).map_err(|e| format!("status --json: {e}"))?;
-    let filters = v["devices"][0]["filters"].as_array().cloned().unwrap_or_default();
-    let vpt = filters
-        .iter()
-        .map(|f| if f.get("report").is_some() { &f["report"] } else { f })
-        .find(|r| r["type"] == "vpt")
-        .ok_or_else(|| format!("status shows no vpt: {out}"))?;
+    // Each filter's figures, flattened beside its `type`.
+    let filters = v["devices"][0]["filters"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let of = |kind: &str| filters.iter().find(|f| f["type"] == kind);
+    let vpt = of("vpt").ok_or_else(|| format!("status shows no vpt: {out}"))?;
     let n = |key: &str| vpt[key].as_u64().unwrap_or(0);
-    let wait_ms = filters
-        .iter()
-        .map(|f| if f.get("report").is_some() { &f["report"] } else { f })
-        .find(|r| r["type"] == "scheduler")
-        .map_or(0.0, |r| r["mean_wait_us"].as_u64().unwrap_or(0) as f64 / 1e3);
+    let wait_ms = of("scheduler").map_or(0.0, |r| r["mean_wait_us"].as_u64().unwrap_or(0) as f64 / 1e3);
     Ok((n("requests"), vpt["model_ms"].as_f64().unwrap_or(0.0), n("late"), n("cache_hits"), wait_ms))
 }
 
@@ -317,6 +311,14 @@ fn fiemap(file: &File) -> Result<Vec<Extent>, String> {
     }
 }
 
+/// What the first bytes of each page hold: its file and page number, checked on every read.
+fn page_tag(file: u32, page: u64) -> [u8; 16] {
+    let mut tag = [0; 16];
+    tag[..8].copy_from_slice(&(file as u64).to_le_bytes());
+    tag[8..].copy_from_slice(&page.to_le_bytes());
+    tag
+}
+
 fn file_path(mnt: &Path, f: u32) -> PathBuf {
     mnt.join(format!("d{:02}", f % 32)).join(format!("f{f}"))
 }
@@ -331,7 +333,7 @@ fn lay_out(mnt: &Path, cat: &Catalogue) -> Result<Vec<Vec<Extent>>, String> {
         let path = file_path(mnt, f as u32);
         let mut file = File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         for p in 0..pages {
-            page[..16].copy_from_slice(&[(f as u64).to_le_bytes(), p.to_le_bytes()].concat());
+            page[..16].copy_from_slice(&page_tag(f as u32, p));
             file.write_all(&page).map_err(|e| format!("{}: {e}", path.display()))?;
         }
     }
@@ -382,6 +384,10 @@ fn read_files(
                     let buf = &mut buf[skew..skew + PAGE as usize];
                     let mut open: Option<(u32, File)> = None;
                     let mut mine = Vec::new();
+                    let fail = |why: String| {
+                        *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+                        quit.store(true, Ordering::Relaxed);
+                    };
                     while !quit.load(Ordering::Relaxed) && issued.fetch_add(1, Ordering::Relaxed) < p.reads {
                         let step = proc.next(p, cat);
                         if open.as_ref().is_none_or(|(f, _)| *f != step.file) {
@@ -394,8 +400,7 @@ fn read_files(
                             match o.open(&path) {
                                 Ok(f) => open = Some((step.file, f)),
                                 Err(e) => {
-                                    *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{}: {e}", path.display()));
-                                    quit.store(true, Ordering::Relaxed);
+                                    fail(format!("{}: {e}", path.display()));
                                     break;
                                 }
                             }
@@ -403,16 +408,12 @@ fn read_files(
                         let file = &open.as_ref().expect("opened above").1;
                         let t0 = started.elapsed().as_nanos() as u64;
                         if let Err(e) = file.read_exact_at(buf, step.page * PAGE) {
-                            *failed.lock().unwrap_or_else(|e| e.into_inner()) =
-                                Some(format!("reading page {} of {}: {e}", step.page, file_path(mnt, step.file).display()));
-                            quit.store(true, Ordering::Relaxed);
+                            fail(format!("reading page {} of {}: {e}", step.page, file_path(mnt, step.file).display()));
                             break;
                         }
                         let t1 = started.elapsed().as_nanos() as u64;
-                        if buf[..16] != [(step.file as u64).to_le_bytes(), step.page.to_le_bytes()].concat()[..] {
-                            *failed.lock().unwrap_or_else(|e| e.into_inner()) =
-                                Some(format!("page {} of file {} read back wrong", step.page, step.file));
-                            quit.store(true, Ordering::Relaxed);
+                        if buf[..16] != page_tag(step.file, step.page) {
+                            fail(format!("page {} of file {} read back wrong", step.page, step.file));
                             break;
                         }
                         mine.push(PageRead { process: i, start_ns: t0, done_ns: t1 });
