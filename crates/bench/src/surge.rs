@@ -610,6 +610,12 @@ pub fn run_bench(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: im
         ],
     );
     sysfs_write(&format!("{q}/read_ahead_kb"), &opts.read_ahead_kb.to_string())?;
+    // The model is a spinning disk; a loop device over a file with no block device below
+    // (FUSE) calls itself non-rotational, and the kernel's schedulers then behave as for flash
+    // (bfq stops idling on a process's queue, for one).
+    let rotational = sysfs_read(&format!("{q}/rotational"))?;
+    undo.push("sh", &["-c", &format!("echo {rotational} > {q}/rotational")]);
+    sysfs_write(&format!("{q}/rotational"), "1")?;
     progress(&Progress { what: format!("mkfs.ext4 on {lo_dev}"), done: 0, total: 0 });
     run("mkfs.ext4", &["-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", &lo_dev])?;
     let mnt = work.join("mnt");
