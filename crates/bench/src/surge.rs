@@ -133,7 +133,7 @@ impl Default for Options {
             modes: vec![Mode::Direct, Mode::Cached],
             sim: BULKHEAD.to_vec(),
             k: 1.0,
-            size: 1 << 30,
+            size: 4 << 30,
             depth: 1,
             read_ahead_kb: 128,
             scratch: PathBuf::from("/dev/shm"),

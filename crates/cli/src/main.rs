@@ -287,7 +287,7 @@ struct SurgeArgs {
     #[arg(long, default_value_t = 64)]
     processes: u32,
     /// Files (the L of Zipf(L)).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 20000)]
     files: u32,
     /// Files a process reads a round: Pareto(α1, k1), as "α1,k1".
     #[arg(long, default_value = "2.43,1")]
@@ -311,8 +311,8 @@ struct SurgeArgs {
     /// The vpt's k, locked for the run.
     #[arg(long, default_value_t = 1.0)]
     k: f64,
-    /// Bytes of the device (the model's D), e.g. 1G.
-    #[arg(long, default_value = "1G")]
+    /// Bytes of the device (the model's D), e.g. 4G.
+    #[arg(long, default_value = "4G")]
     size: String,
     /// Accesses a bulkhead scheduler keeps in flight below.
     #[arg(long, default_value_t = 1)]

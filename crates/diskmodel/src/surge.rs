@@ -88,13 +88,13 @@ pub struct Params {
 }
 
 impl Default for Params {
-    /// 64 processes, 2000 files, Pareto(2.43, 1) files per round (SURGE's embedded references),
+    /// 64 processes, 20,000 files, Pareto(2.43, 1) files per round (SURGE's embedded references),
     /// Pareto(1.5, 10 ms) think time (mean 30 ms) capped at 2 s, files of at most 2 MiB,
     /// 50,000 page reads.
     fn default() -> Self {
         Params {
             processes: 64,
-            files: 2000,
+            files: 20_000,
             count: Pareto { alpha: 2.43, k: 1.0 },
             think_ms: Pareto { alpha: 1.5, k: 10.0 },
             max_think_ms: 2000.0,
