@@ -5,6 +5,7 @@ mod serve;
 mod sim_cmd;
 mod status;
 mod trace_cmd;
+mod vdev_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -105,6 +106,11 @@ enum Cmd {
     /// scheduler, each request's service, wait and response time and their means, mean
     /// service and response, the 99th percentile and throughput in sectors/ms.
     Sim(sim_cmd::SimArgs),
+    /// Virtual devices: generated storage controller cards (seed 002's VPCI).
+    Vdev {
+        #[command(subcommand)]
+        which: VdevCmd,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -116,6 +122,20 @@ enum Cmd {
         /// Domain description (JSON).
         #[arg(long)]
         spec: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum VdevCmd {
+    /// Write a card's spec (`card.json`) and datasheet (`datasheet.md`, `datasheet.html`):
+    /// every seed is a different card, and the same seed always the same one.
+    Generate {
+        /// The card's seed.
+        #[arg(long)]
+        seed: u64,
+        /// Directory to write to (created if missing).
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -340,6 +360,7 @@ fn main() -> ExitCode {
         Cmd::Driver { spec } => driver_cmd::run(&spec),
         Cmd::Trace { file, json } => trace_cmd::run(&file, json),
         Cmd::Sim(args) => sim_cmd::run(args),
+        Cmd::Vdev { which: VdevCmd::Generate { seed, out } } => vdev_cmd::generate(seed, &out),
         Cmd::Snapshot { device, op, name, json, run_dir } => {
             let op = match op {
                 SnapshotOpArg::Create => "create",

@@ -33,6 +33,11 @@ impl EventFd {
         Ok(EventFd { fd })
     }
 
+    /// Another descriptor for the same doorbell (one side rings it, the other waits on it).
+    pub fn try_clone(&self) -> io::Result<Self> {
+        Ok(EventFd { fd: self.fd.try_clone()? })
+    }
+
     /// Rings. Never blocks: a counter at its maximum already means "rung".
     pub fn ring(&self) {
         let one: u64 = 1;

@@ -6,8 +6,22 @@
 //!   survive, and [`probe`]: an escape probe run from inside a confined domain. The test driver
 //!   binary (`bulkhead-test-driver`, built with the `test-driver` feature of the `bulkhead`
 //!   package) runs them; the shipped driver has no such modes.
+//! - [`pattern`]: deterministic bytes to write and check.
 #![deny(missing_docs)]
 
 pub mod hostile;
 pub mod kernel;
 pub mod probe;
+
+/// Deterministic pseudo-random bytes: the same `seed` and `len`, the same bytes.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}

@@ -168,18 +168,8 @@ impl Drop for Serve {
     }
 }
 
-/// Deterministic pseudo-random bytes.
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
+#[allow(unused_imports)] // Not every test binary writes patterns.
+pub use bulkhead_testkit::pattern;
 
 pub fn small_ram_config(name: &str, size: &str, notify: &str) -> String {
     format!("[[device]]\nname = \"{name}\"\nsize = \"{size}\"\nnotify = \"{notify}\"\n[device.backend]\ntype = \"ram\"\n")
