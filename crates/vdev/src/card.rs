@@ -443,7 +443,7 @@ impl Card {
                     .into(),
             );
         }
-        if self.status_width_max() <= u64::from(*codes.iter().max().expect("six codes")) {
+        if width_max(d.status.width) <= u64::from(*codes.iter().max().expect("six codes")) {
             return Err("card spec: a status code does not fit its field, or is all ones (kept for \"not completed\")".into());
         }
         if self.max_blocks == 0 || u64::from(self.max_blocks) > width_max(d.blocks.width) {
@@ -456,10 +456,6 @@ impl Card {
             return Err("card spec: irq_coalesce must be at least 1".into());
         }
         Ok(())
-    }
-
-    fn status_width_max(&self) -> u64 {
-        width_max(self.descriptor.status.width)
     }
 }
 

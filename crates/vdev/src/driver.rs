@@ -228,10 +228,10 @@ impl Driver {
         let first = self.tail - group.len() as u64;
         for (j, p) in group.iter().enumerate() {
             let slot = self.ring_offset + ((first + j as u64) % ENTRIES) * u64::from(d.size);
-            let mut field = [0u8; 8];
-            let w = d.status.width as usize;
-            self.dma.read_into(slot as usize + d.status.offset as usize, &mut field[..w]).map_err(|e| e.to_string())?;
-            let status = u64::from_le_bytes(field) as u16;
+            let mut desc = [0u8; 64];
+            let desc = &mut desc[..d.size as usize];
+            self.dma.read_into(slot as usize, desc).map_err(|e| e.to_string())?;
+            let status = regs::get(desc, d.status) as u16;
             let io = &mut ios[p.io];
             if status != k.ok {
                 let why = if status == k.out_of_range {

@@ -255,10 +255,10 @@ impl Model {
         if status != self.card.codes.ok {
             self.stats.refused += 1;
         }
-        let mut field = [0u8; 2];
-        let w = d.status.width as usize;
-        field[..w].copy_from_slice(&u64::from(status).to_le_bytes()[..w]);
-        let _ = self.dma.write_from(at + d.status.offset as usize, &field[..w]);
+        // Only the status field goes back: the rest of the descriptor is the driver's.
+        regs::put(desc, d.status, u64::from(status));
+        let field = d.status.offset as usize..d.status.offset as usize + d.status.width as usize;
+        let _ = self.dma.write_from(at + field.start, &desc[field]);
         self.head += 1;
         self.completed += 1;
         self.stats.commands += 1;
