@@ -137,6 +137,14 @@ enum VdevCmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// The device-model domain of a `vdev` device (exec'd by the supervisor; not for direct
+    /// use).
+    #[command(hide = true)]
+    Model {
+        /// Domain description (JSON).
+        #[arg(long)]
+        spec: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -361,6 +369,7 @@ fn main() -> ExitCode {
         Cmd::Trace { file, json } => trace_cmd::run(&file, json),
         Cmd::Sim(args) => sim_cmd::run(args),
         Cmd::Vdev { which: VdevCmd::Generate { seed, out } } => vdev_cmd::generate(seed, &out),
+        Cmd::Vdev { which: VdevCmd::Model { spec } } => vdev_cmd::model(&spec),
         Cmd::Snapshot { device, op, name, json, run_dir } => {
             let op = match op {
                 SnapshotOpArg::Create => "create",

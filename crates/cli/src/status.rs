@@ -169,6 +169,26 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
                 println!("  {:<9} {}", f["type"].as_str().unwrap_or("?"), f["summary"].as_str().unwrap_or(""));
             }
         }
+        let card = &d["card"];
+        if let Some(card_name) = card["card"].as_str() {
+            let st = &card["stats"];
+            let model = match card["model_pid"].as_u64().filter(|&p| p != 0) {
+                Some(pid) => format!("model pid {pid}"),
+                None => "no model running".into(),
+            };
+            println!(
+                "{name}: card {card_name}, {model} (started {}x): {} commands ({} refused, {} stops), {} interrupts, \
+                 {} trapped writes from {} drivers, {} resets",
+                card["model_starts"],
+                st["commands"],
+                st["refused"],
+                st["stops"],
+                st["interrupts"],
+                st["trapped_writes"],
+                st["drivers"],
+                st["resets"]
+            );
+        }
         if let Some(f) = d["failure"].as_str() {
             println!("{}: {f}", d["name"].as_str().unwrap_or("?"));
         }

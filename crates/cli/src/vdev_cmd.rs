@@ -1,7 +1,10 @@
-//! `bulkhead vdev generate`: a card's spec and its datasheet.
+//! `bulkhead vdev generate`: a card's spec and its datasheet; `bulkhead vdev model`: the
+//! device-model domain of a `vdev` device.
 
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use anyhow::Context;
 use bulkhead_vdev::{datasheet, Card};
@@ -26,5 +29,22 @@ pub fn generate(seed: u64, out: &Path) -> anyhow::Result<ExitCode> {
         card.descriptor.size,
         card.dma_base
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The device-model domain: builds the card's model from the descriptors the supervisor
+/// passed, confines itself as a `vdev-model` domain, and serves the drivers' traps until told
+/// to stop or the supervisor goes.
+pub fn model(spec_json: &str) -> anyhow::Result<ExitCode> {
+    let spec: bulkhead_spec::ModelSpec = serde_json::from_str(spec_json).context("bad model spec")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
+    let device = || format!("device {} (device model)", spec.device);
+    // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
+    // alone, and nothing else here uses them.
+    let mut domain = unsafe { bulkhead_driver::build_model_inherited(&spec) }.with_context(device)?;
+    bulkhead_driver::confine_as(spec.sandbox.policy, spec.seccomp_role(), spec.report_fd, Vec::new()).with_context(device)?;
+    domain.run(&stop).map_err(anyhow::Error::msg).with_context(device)?;
     Ok(ExitCode::SUCCESS)
 }

@@ -30,7 +30,7 @@
 //! tap = "passthrough"     # where filters run: passthrough | interpose
 //!
 //! [device.backend]
-//! type = "ram"            # ram | file | nbd | null
+//! type = "ram"            # ram | file | nbd | null | vdev
 //! # path = "/var/lib/img" # file: a regular file or block device
 //! # direct = false        # file: O_DIRECT
 //! # engine = "sync"       # file: sync | io_uring
@@ -39,6 +39,9 @@
 //! # uri = "nbd://host:10809/export"  # nbd: or nbd+unix:///export?socket=/path
 //! # connect_timeout_ms = 5000        # nbd: one connection attempt
 //! # reconnect_timeout_ms = 60000     # nbd: keep reconnecting this long, then `failed`
+//! # card = "card7/card.json"         # vdev: a card spec (bulkhead vdev generate), or
+//! # seed = 7                         # vdev: the card of this seed
+//! # wait = "interrupt"               # vdev: interrupt | poll (the driver's wait for the card)
 //!
 //! [[device.filter]]       # zero or more, frontend side first (docs/filters/)
 //! type = "trace"          # trace | stats | delay | error | throttle
@@ -266,6 +269,38 @@ pub enum BackendKind {
     Null,
     /// A remote NBD server.
     Nbd,
+    /// A virtual device: a generated card's model in a device-model domain, its reference
+    /// driver in the driver domain.
+    Vdev,
+}
+
+/// How a `vdev` driver learns the card has completed its commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VdevWait {
+    /// The card's interrupt.
+    Interrupt,
+    /// Polling its completion counter (interrupts off).
+    Poll,
+}
+
+impl VdevWait {
+    /// The configuration spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VdevWait::Interrupt => "interrupt",
+            VdevWait::Poll => "poll",
+        }
+    }
+}
+
+/// Which card a `vdev` backend models.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VdevCard {
+    /// A card spec written by `bulkhead vdev generate` (or by hand).
+    File(PathBuf),
+    /// The card of this seed.
+    Seed(u64),
 }
 
 /// The `[device.backend]` table as written.
@@ -291,6 +326,12 @@ pub struct BackendTable {
     pub connect_timeout_ms: Option<Spanned<u64>>,
     /// `reconnect_timeout_ms` (nbd).
     pub reconnect_timeout_ms: Option<Spanned<u64>>,
+    /// `card` (vdev).
+    pub card: Option<Spanned<PathBuf>>,
+    /// `seed` (vdev).
+    pub seed: Option<Spanned<u64>>,
+    /// `wait` (vdev).
+    pub wait: Option<Spanned<VdevWait>>,
 }
 
 /// Where a remote NBD server listens.
@@ -407,6 +448,13 @@ pub enum Backend {
         /// After losing the server, keep reconnecting this long before the device fails, ms.
         reconnect_timeout_ms: u64,
     },
+    /// A virtual device.
+    Vdev {
+        /// The card.
+        card: VdevCard,
+        /// How the driver waits for the card.
+        wait: VdevWait,
+    },
 }
 
 impl BackendTable {
@@ -433,6 +481,13 @@ impl BackendTable {
                     reconnect_timeout_ms: self.reconnect_timeout_ms.as_ref().map(|t| *t.get_ref()).unwrap_or(60_000),
                 }
             }
+            BackendKind::Vdev => Backend::Vdev {
+                card: match (&self.card, &self.seed) {
+                    (Some(p), _) => VdevCard::File(p.get_ref().clone()),
+                    (None, s) => VdevCard::Seed(s.as_ref().map_or(0, |s| *s.get_ref())),
+                },
+                wait: self.wait.as_ref().map_or(VdevWait::Interrupt, |w| *w.get_ref()),
+            },
         }
     }
 }
@@ -845,6 +900,14 @@ impl Config {
             if b.kind != BackendKind::Nbd {
                 foreign(&nbd_keys, "nbd")?;
             }
+            let vdev_keys = [
+                ("card", b.card.as_ref().map(|x| x.span())),
+                ("seed", b.seed.as_ref().map(|x| x.span())),
+                ("wait", b.wait.as_ref().map(|x| x.span())),
+            ];
+            if b.kind != BackendKind::Vdev {
+                foreign(&vdev_keys, "vdev")?;
+            }
             match b.kind {
                 BackendKind::File => {
                     let Some(path) = &b.path else {
@@ -902,6 +965,38 @@ impl Config {
                                 ));
                             }
                         }
+                    }
+                }
+                BackendKind::Vdev => {
+                    match (&b.card, &b.seed) {
+                        (Some(_), Some(seed)) => {
+                            return Err(err(
+                                seed.span(),
+                                format!("device `{name}`: keys `backend.card` and `backend.seed` both name the card: give one"),
+                            ))
+                        }
+                        (None, None) => {
+                            return Err(err(
+                                d.name.span(),
+                                format!("device `{name}`: type = \"vdev\" needs `backend.card` (a card spec) or `backend.seed`"),
+                            ))
+                        }
+                        (Some(card), None) => {
+                            let p = card.get_ref();
+                            let text = std::fs::read_to_string(p).map_err(|e| {
+                                err(card.span(), format!("device `{name}`: key `backend.card`: cannot read {}: {e}", p.display()))
+                            })?;
+                            if let Err(e) = bulkhead_vdev::Card::from_json(&text) {
+                                return Err(err(
+                                    card.span(),
+                                    format!("device `{name}`: key `backend.card`: {}: {e}", p.display()),
+                                ));
+                            }
+                        }
+                        (None, Some(_)) => {}
+                    }
+                    if d.size.is_none() {
+                        return Err(err(d.name.span(), format!("device `{name}`: key `size` is required for this backend")));
                     }
                 }
                 BackendKind::Ram | BackendKind::Null => {
@@ -1094,6 +1189,45 @@ mod tests {
         let e =
             parse("[[device]]\nname = \"n\"\n[device.backend]\ntype = \"nbd\"\nuri = \"nbd://h/e\"\npath = \"/\"\n").unwrap_err();
         assert!(e.to_string().contains("backend.path` only applies to type = \"file\""), "{e}");
+    }
+
+    #[test]
+    fn vdev_backend_takes_a_card_file_or_a_seed_and_names_bad_ones() {
+        let dev = "[[device]]\nname = \"v\"\nsize = \"64M\"\n[device.backend]\ntype = \"vdev\"\n";
+        let c = parse(&format!("{dev}seed = 7\nwait = \"poll\"\n")).unwrap();
+        assert_eq!(c.devices[0].backend.resolve(), Backend::Vdev { card: VdevCard::Seed(7), wait: VdevWait::Poll });
+        let c = parse(&format!("{dev}seed = 3\n")).unwrap();
+        assert!(matches!(c.devices[0].backend.resolve(), Backend::Vdev { wait: VdevWait::Interrupt, .. }), "interrupts by default");
+
+        let dir = std::env::temp_dir().join(format!("bulkhead-config-vdev-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("card.json");
+        std::fs::write(&good, bulkhead_vdev::Card::generate(9).to_json()).unwrap();
+        let c = parse(&format!("{dev}card = \"{}\"\n", good.display())).unwrap();
+        assert!(matches!(c.devices[0].backend.resolve(), Backend::Vdev { card: VdevCard::File(p), .. } if p == good));
+        // A card whose registers overlap is refused at load, naming the file and the line.
+        let mut bad = bulkhead_vdev::Card::generate(9);
+        bad.registers.status.offset = bad.registers.control.offset;
+        let bad_path = dir.join("bad.json");
+        std::fs::write(&bad_path, bad.to_json()).unwrap();
+        let e = parse(&format!("{dev}card = \"{}\"\n", bad_path.display())).unwrap_err().to_string();
+        assert!(e.contains("backend.card") && e.contains("line 6") && e.contains("bad.json"), "{e}");
+        let e = parse(&format!("{dev}card = \"{}\"\n", dir.join("none.json").display())).unwrap_err().to_string();
+        assert!(e.contains("backend.card") && e.contains("cannot read"), "{e}");
+        let e = parse(&format!("{dev}card = \"{}\"\nseed = 1\n", good.display())).unwrap_err().to_string();
+        assert!(e.contains("both name the card") && e.contains("line 7"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let e = parse(dev).unwrap_err().to_string();
+        assert!(e.contains("needs `backend.card`"), "{e}");
+        let e = parse(&format!("{dev}seed = 1\nwait = \"sometimes\"\n")).unwrap_err().to_string();
+        assert!(e.contains("wait") && e.contains("line 7"), "{e}");
+        let e = parse("[[device]]\nname = \"v\"\n[device.backend]\ntype = \"vdev\"\nseed = 1\n").unwrap_err().to_string();
+        assert!(e.contains("key `size` is required"), "{e}");
+        let e = parse("[[device]]\nname = \"n\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\nseed = 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("backend.seed` only applies to type = \"vdev\""), "{e}");
     }
 
     #[test]

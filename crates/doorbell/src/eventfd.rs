@@ -38,6 +38,11 @@ impl EventFd {
         Ok(EventFd { fd: self.fd.try_clone()? })
     }
 
+    /// The descriptor, to pass to another process.
+    pub fn into_owned(self) -> OwnedFd {
+        self.fd
+    }
+
     /// Rings. Never blocks: a counter at its maximum already means "rung".
     pub fn ring(&self) {
         let one: u64 = 1;

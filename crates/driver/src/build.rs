@@ -97,6 +97,16 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
             Box::new(NbdBackend::new(sock, export, this.backend_size, std::time::Duration::from_millis(*timeout_ms)))
         }
         BackendSpec::Null => Box::new(NullBackend::new(this.backend_size)),
+        BackendSpec::Vdev { card, wait, fds } => {
+            let card = bulkhead_vdev::Card::from_json(card).map_err(|e| DriverError::Setup(format!("card: {e}")))?;
+            let wait = wait.parse::<bulkhead_vdev::Wait>().map_err(DriverError::Setup)?;
+            // SAFETY: forwarded from this function's contract.
+            let [regs, dma, irq, line] = fds.map(|fd| unsafe { claim(fd) });
+            let irq = bulkhead_doorbell::EventFd::from_owned(irq?).map_err(|e| DriverError::Setup(format!("interrupt: {e}")))?;
+            let driver =
+                bulkhead_vdev::domain::connect_driver(card, wait, regs?, dma?, irq, line?).map_err(DriverError::Setup)?;
+            Box::new(driver)
+        }
         BackendSpec::Channel { queues: lower, generation, control_fds } => {
             if lower.len() != queues.len() {
                 return Err(DriverError::Setup("the channel below needs one queue per queue above".into()));

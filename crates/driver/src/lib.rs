@@ -9,9 +9,11 @@
 #![deny(missing_docs)]
 
 mod build;
+mod model;
 mod runtime;
 
 pub use build::build_inherited;
+pub use model::build_model_inherited;
 pub use runtime::{Domain, DomainStats};
 
 /// Why a domain stopped.
@@ -56,16 +58,28 @@ pub fn confine_and_report_withholding(
     spec: &bulkhead_spec::DomainSpec,
     withhold: Vec<String>,
 ) -> Result<bulkhead_sandbox::Layers, DriverError> {
+    confine_as(spec.sandbox.policy, spec.seccomp_role(), spec.report_fd, withhold)
+}
+
+/// Confines this process as a domain of seccomp `role` under `policy`, and reports the layers
+/// in force, or why it refused, on the pipe `report_fd` (inherited, claimed here): what
+/// [`confine_and_report`] does for a driver or tap domain, for any domain (a device model's).
+pub fn confine_as(
+    policy: bulkhead_sandbox::Policy,
+    role: bulkhead_sandbox::seccomp::Role,
+    report_fd: Option<i32>,
+    withhold: Vec<String>,
+) -> Result<bulkhead_sandbox::Layers, DriverError> {
     use std::io::Write;
     let opts = bulkhead_sandbox::confine::Options {
-        policy: spec.sandbox.policy,
-        role: spec.seccomp_role(),
-        namespaces: bulkhead_sandbox::spawn::namespaces_layer(spec.sandbox.policy),
+        policy,
+        role,
+        namespaces: bulkhead_sandbox::spawn::namespaces_layer(policy),
         address_space_headroom: HEADROOM,
         withhold,
     };
     // Claimed before confinement: the seccomp allowlist has no fcntl to check it with after.
-    let report_pipe = match spec.report_fd {
+    let report_pipe = match report_fd {
         // SAFETY: the report pipe named in the spec is this process's alone, claimed once here.
         Some(fd) => Some(unsafe { bulkhead_sys::claim_inherited(fd) }.map_err(|e| DriverError::Setup(e.to_string()))?),
         None => None,

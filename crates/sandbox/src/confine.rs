@@ -55,7 +55,15 @@ struct Footprint {
 fn nproc_limit(role: Role) -> u64 {
     match role {
         Role::FileIoUring => 2 * u64::from(bulkhead_sys::uring::FILE_ENGINE.max_workers) + 4,
-        Role::Memory | Role::FileSync | Role::Network | Role::NetworkFile | Role::Tap | Role::TapFile => 0,
+        Role::Memory
+        | Role::FileSync
+        | Role::Network
+        | Role::NetworkFile
+        | Role::Tap
+        | Role::TapFile
+        | Role::Vdev
+        | Role::VdevFile
+        | Role::VdevModel => 0,
     }
 }
 

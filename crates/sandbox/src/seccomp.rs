@@ -27,6 +27,14 @@ pub enum Role {
     /// A tap domain whose filters keep a file of their own (a `cow` overlay): the channel below
     /// and positioned file I/O on descriptors passed in.
     TapFile,
+    /// `vdev`: a register-level driver over a card's memory (its trap was armed and sent
+    /// before confinement); it waits for the card's interrupt or polls its registers.
+    Vdev,
+    /// `vdev` under a filter that keeps a file of its own (a `cow` overlay).
+    VdevFile,
+    /// A device-model domain: a card's model over its memory, taking traps on the line from
+    /// the driver domains and serving them.
+    VdevModel,
 }
 
 impl Role {
@@ -40,6 +48,9 @@ impl Role {
             Role::NetworkFile => "network-file",
             Role::Tap => "tap",
             Role::TapFile => "tap-file",
+            Role::Vdev => "vdev",
+            Role::VdevFile => "vdev-file",
+            Role::VdevModel => "vdev-model",
         }
     }
 }
@@ -101,6 +112,21 @@ const NETWORK: &[(i64, &str)] = &[
     (libc::SYS_ppoll, "as poll (libc may use this form)"),
 ];
 
+/// Extra system calls of a `vdev` driver domain.
+const VDEV: &[(i64, &str)] = &[
+    (libc::SYS_poll, "wait for the card's interrupt (eventfd) with a deadline"),
+    (libc::SYS_ppoll, "as poll (libc may use this form)"),
+    (libc::SYS_clock_nanosleep, "pause between looks at a register while the card resets"),
+    (libc::SYS_nanosleep, "as clock_nanosleep (libc may use this form)"),
+];
+
+/// Extra system calls of a device-model domain.
+const VDEV_MODEL: &[(i64, &str)] = &[
+    (libc::SYS_poll, "wait on the trap line and the driver's trap"),
+    (libc::SYS_ppoll, "as poll (libc may use this form)"),
+    (libc::SYS_recvmsg, "take a driver's trap from the trap line (the socket was made by the supervisor)"),
+];
+
 fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCondition {
     SeccompCondition::new(arg, len, op, v).expect("valid seccomp condition")
 }
@@ -108,8 +134,14 @@ fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCond
 /// The rules, as (syscall, reason, conditions) for documentation and for the filter.
 pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     let mut v: Vec<(i64, &'static str)> = COMMON.to_vec();
-    if matches!(role, Role::FileSync | Role::FileIoUring | Role::NetworkFile | Role::TapFile) {
+    if matches!(role, Role::FileSync | Role::FileIoUring | Role::NetworkFile | Role::TapFile | Role::VdevFile) {
         v.extend_from_slice(FILE);
+    }
+    if matches!(role, Role::Vdev | Role::VdevFile) {
+        v.extend_from_slice(VDEV);
+    }
+    if role == Role::VdevModel {
+        v.extend_from_slice(VDEV_MODEL);
     }
     if matches!(role, Role::Network | Role::NetworkFile) {
         v.extend_from_slice(NETWORK);
@@ -124,6 +156,9 @@ pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     v.push((libc::SYS_mprotect, "the allocator: never executable"));
     if matches!(role, Role::FileSync | Role::FileIoUring) {
         v.push((libc::SYS_ioctl, "BLKDISCARD and BLKZEROOUT on a block-device backend only"));
+    }
+    if role == Role::VdevModel {
+        v.push((libc::SYS_ioctl, "UFFDIO_WRITEPROTECT only: open and protect the driver's register page"));
     }
     v
 }
@@ -156,6 +191,14 @@ pub fn filter(role: Role) -> Result<seccompiler::BpfProgram, String> {
             ],
         );
     }
+    if role == Role::VdevModel {
+        // _IOWR(0xAA, 0x06, struct uffdio_writeprotect), as `bulkhead_sys::uffd` issues it.
+        const UFFDIO_WRITEPROTECT: u64 = 0xC018_AA06;
+        rules.insert(
+            libc::SYS_ioctl,
+            vec![SeccompRule::new(vec![cond(1, Qword, Eq, UFFDIO_WRITEPROTECT)]).map_err(|e| e.to_string())?],
+        );
+    }
     let f = SeccompFilter::new(rules, SeccompAction::Errno(libc::EPERM as u32), SeccompAction::Allow, TargetArch::x86_64)
         .map_err(|e| e.to_string())?;
     f.try_into().map_err(|e: seccompiler::BackendError| e.to_string())
@@ -173,8 +216,18 @@ mod tests {
 
     #[test]
     fn every_role_compiles_and_lists_a_reason_per_syscall() {
-        for role in [Role::Memory, Role::FileSync, Role::FileIoUring, Role::Network, Role::NetworkFile, Role::Tap, Role::TapFile]
-        {
+        for role in [
+            Role::Memory,
+            Role::FileSync,
+            Role::FileIoUring,
+            Role::Network,
+            Role::NetworkFile,
+            Role::Tap,
+            Role::TapFile,
+            Role::Vdev,
+            Role::VdevFile,
+            Role::VdevModel,
+        ] {
             assert!(filter(role).is_ok(), "{role:?}");
             for (nr, why) in allowlist(role) {
                 assert!(!why.is_empty(), "syscall {nr} has no reason");
@@ -186,6 +239,12 @@ mod tests {
             [libc::SYS_openat, libc::SYS_socket, libc::SYS_clone, libc::SYS_execve, libc::SYS_ptrace, libc::SYS_setrlimit]
         {
             assert!(!allowlist(Role::FileIoUring).iter().any(|x| x.0 == banned), "{banned} must not be allowed");
+        }
+        for role in [Role::Vdev, Role::VdevModel] {
+            let l: Vec<i64> = allowlist(role).iter().map(|x| x.0).collect();
+            for banned in [libc::SYS_socket, libc::SYS_sendmsg, libc::SYS_openat, libc::SYS_pwrite64, libc::SYS_userfaultfd] {
+                assert!(!l.contains(&banned), "{role:?} must not make {banned}");
+            }
         }
         let net: Vec<i64> = allowlist(Role::Network).iter().map(|x| x.0).collect();
         assert!(!net.contains(&libc::SYS_pwrite64) && !net.contains(&libc::SYS_ioctl), "network role touches no file");

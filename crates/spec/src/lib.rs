@@ -150,6 +150,17 @@ pub enum BackendSpec {
     },
     /// Null device.
     Null,
+    /// A virtual device's reference driver, over the card the device-model domain models
+    /// (`bulkhead_vdev::domain`).
+    Vdev {
+        /// The card's spec (its JSON, checked by the domain).
+        card: String,
+        /// `interrupt` or `poll`.
+        wait: String,
+        /// Descriptors: the card's register page, its DMA memory, its interrupt (an eventfd),
+        /// and the trap line to the model's domain.
+        fds: [i32; 4],
+    },
     /// The channel to the domain below (a tap domain in `interpose` mode is its frontend). It
     /// shares the arenas of the channel above, queue for queue.
     Channel {
@@ -171,6 +182,34 @@ pub struct RingSpec {
     pub fds: [i32; 2],
     /// `struct io_uring_params` as the kernel filled it in.
     pub params: Vec<u8>,
+}
+
+/// What the supervisor tells a device-model domain (`bulkhead vdev model --spec JSON`): the
+/// card, and which inherited descriptor is which. The model's domain lives as long as its
+/// device; each driver generation sends it a new trap on the line.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Device name (for logs).
+    pub device: String,
+    /// The card's spec (its JSON, checked by the domain).
+    pub card: String,
+    /// Bytes of the card's storage.
+    pub media_size: u64,
+    /// Descriptors: the card's register page, its DMA memory, its storage (a memory file), its
+    /// interrupt (an eventfd), the model's end of the trap line, and the counter page.
+    pub fds: [i32; 6],
+    /// Sandbox policy.
+    pub sandbox: SandboxSpec,
+    /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
+    pub report_fd: Option<i32>,
+}
+
+impl ModelSpec {
+    /// The seccomp role of a device-model domain.
+    pub fn seccomp_role(&self) -> bulkhead_sandbox::seccomp::Role {
+        bulkhead_sandbox::seccomp::Role::VdevModel
+    }
 }
 
 /// Slots of a domain's state page (its heartbeat for the supervisor's watchdog): a counter
@@ -198,6 +237,7 @@ impl DomainSpec {
             BackendSpec::File { .. } | BackendSpec::Qcow2 { .. } => Role::FileSync,
             BackendSpec::Nbd { .. } => Role::Network,
             BackendSpec::Channel { .. } => Role::Tap,
+            BackendSpec::Vdev { .. } => Role::Vdev,
         };
         // A filter that keeps a file of its own (a cow overlay) reads and writes it.
         if self.filters.iter().any(|f| matches!(f.spec, FilterSpec::Cow { .. })) {
@@ -205,6 +245,7 @@ impl DomainSpec {
                 Role::Memory => Role::FileSync,
                 Role::Network => Role::NetworkFile,
                 Role::Tap => Role::TapFile,
+                Role::Vdev => Role::VdevFile,
                 r => r,
             };
         }

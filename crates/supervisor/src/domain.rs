@@ -286,6 +286,8 @@ pub(crate) struct Launcher {
     state_fd: OwnedFd,
     /// The device's place in the configuration (for trace device numbers).
     pub(crate) index: u32,
+    /// A `vdev` device's card and its model's domain.
+    pub(crate) card: Option<crate::vdev::CardDevice>,
 }
 
 /// How long a read through a domain started to read a LUKS header may take, at least, ms.
@@ -418,8 +420,14 @@ impl DeviceRuntime {
             SpinBudget::Micros(us) => BudgetPolicy::Fixed(us * 1000),
         };
 
+        let sandbox = match cfg.sandbox {
+            bulkhead_config::Sandbox::Required => Policy::Required,
+            bulkhead_config::Sandbox::BestEffort => Policy::BestEffort,
+            bulkhead_config::Sandbox::Off => Policy::Off,
+        };
         // Backend storage, opened here so the domain never opens a path.
         let mut backend_fds: Vec<OwnedFd> = Vec::new();
+        let mut card_device = None;
         // The format of each of `backend_fds` when the backend is a disk image.
         let mut image_formats = Vec::new();
         let mut backend = cfg.backend.resolve();
@@ -452,6 +460,13 @@ impl DeviceRuntime {
                 } else {
                     (size, "null".to_string())
                 }
+            }
+            Backend::Vdev { card, wait } => {
+                let size = cfg.size.as_ref().expect("validated: size required").get_ref().0;
+                let c = crate::vdev::CardDevice::start(&name, card, size, sandbox).map_err(err)?;
+                let desc = crate::vdev::describe(card, c.name(), *wait);
+                card_device = Some(c);
+                (size, desc)
             }
             Backend::File { path, read_only, format: ImageFormat::Qcow2, .. } => {
                 let chain = crate::image::open_chain(path, *read_only).map_err(err)?;
@@ -534,11 +549,8 @@ impl DeviceRuntime {
             chain: Mutex::new(ChainSetup { tap: Tap::Passthrough, filters: Vec::new() }),
             state_fd,
             index,
-            policy: match cfg.sandbox {
-                bulkhead_config::Sandbox::Required => Policy::Required,
-                bulkhead_config::Sandbox::BestEffort => Policy::BestEffort,
-                bulkhead_config::Sandbox::Off => Policy::Off,
-            },
+            policy: sandbox,
+            card: card_device,
         };
         let mut launcher = launcher;
         let size = launcher.prepare_filters(filters, cfg.tap).map_err(err)?;
@@ -707,7 +719,10 @@ impl Launcher {
 
     /// Whether the backend's bytes are in storage the supervisor holds (memory, a raw file).
     fn reads_storage_directly(&self) -> bool {
-        matches!(self.backend, Backend::Ram | Backend::Null | Backend::File { format: ImageFormat::Raw, .. })
+        matches!(
+            self.backend,
+            Backend::Ram | Backend::Null | Backend::Vdev { .. } | Backend::File { format: ImageFormat::Raw, .. }
+        )
     }
 
     /// The descriptor to read the backend's storage through: a direct file's buffered one (no
@@ -716,6 +731,8 @@ impl Launcher {
         match &self.backend {
             Backend::File { direct, .. } => self.backend_fds.get(usize::from(*direct)),
             Backend::Ram => self.backend_fds.first(),
+            // The card keeps the device's bytes as they are, in storage the supervisor made.
+            Backend::Vdev { .. } => self.card.as_ref().map(|c| c.media()),
             _ => None,
         }
     }
@@ -917,6 +934,15 @@ impl Launcher {
         let spec = match &self.backend {
             Backend::Ram => BackendSpec::Ram { fd: pass.add(&self.backend_fds[0]) },
             Backend::Null => BackendSpec::Null,
+            Backend::Vdev { wait, .. } => {
+                let card = self.card.as_ref().expect("a vdev device has a card");
+                let ([regs, dma, irq], line) = card.driver_fds()?;
+                BackendSpec::Vdev {
+                    card: card.card_json().to_string(),
+                    wait: wait.as_str().to_string(),
+                    fds: [pass.add(regs), pass.add(dma), pass.add(irq), pass.add_owned(line)],
+                }
+            }
             Backend::Nbd { export, .. } => BackendSpec::Nbd {
                 fd: pass.add_owned(conn.expect("an nbd backend connects before it launches")),
                 export: export.clone(),
@@ -1080,7 +1106,7 @@ pub(crate) struct Spawned {
 
 /// Reads the domain's sandbox report: one JSON line, written once it is confined. `None` if it
 /// exits or stays silent for 5 s.
-fn read_report(fd: &OwnedFd) -> Option<Report> {
+pub(crate) fn read_report(fd: &OwnedFd) -> Option<Report> {
     use std::io::Read;
     let mut f = std::fs::File::from(fd.try_clone().ok()?);
     let mut buf = Vec::new();
@@ -1144,7 +1170,7 @@ fn auto_engine(device: &str) -> Engine {
 
 /// Ends a domain that will not be used: kills it and reaps it, on a thread of its own if it
 /// does not finish exiting at once (a killed process can take a while; see [`EXIT_WAIT`]).
-fn discard(mut child: DomainChild) {
+pub(crate) fn discard(mut child: DomainChild) {
     let _ = child.kill();
     if let Ok(None) = child.wait_timeout(EXIT_WAIT) {
         let _ = std::thread::Builder::new().name("reap-domain".into()).spawn(move || {

@@ -17,6 +17,7 @@ mod image;
 mod lifecycle;
 pub mod proc_info;
 mod supervisor;
+mod vdev;
 
 /// Exit status of a domain whose backend lost its remote server (EX_TEMPFAIL): the supervisor
 /// reconnects and starts the next generation.
@@ -24,3 +25,4 @@ pub const LOST_EXIT: u8 = 75;
 
 pub use domain::{pidfd_open, spawn_domain, DeviceRuntime};
 pub use supervisor::{DeviceChange, DeviceState, DeviceStatus, ProcessMemory, StatusReport, Supervisor, SupervisorError};
+pub use vdev::CardStatus;

@@ -106,6 +106,9 @@ pub struct DeviceStatus {
     pub tap: String,
     /// The filters, frontend side first, with their figures (as the domain counted them).
     pub filters: Vec<FilterStatus>,
+    /// A `vdev` device's card: its model's domain and what the model has done.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub card: Option<crate::CardStatus>,
 }
 
 /// One filter in the status report.
@@ -269,6 +272,7 @@ impl Supervisor {
                             FilterStatus { summary: report.summary(), report }
                         })
                         .collect(),
+                    card: rt.launcher.card.as_ref().map(|c| c.status()),
                 }
             })
             .collect();
@@ -434,6 +438,11 @@ impl Supervisor {
             p.reap_lingering();
             p.pidfd = None;
             p.life.stopped();
+            drop(p);
+            // The card's model goes last: its driver is gone.
+            if let Some(card) = &rt.launcher.card {
+                card.stop_model(Duration::from_secs(3));
+            }
         }
         // The domains' last words reach the log before serve exits.
         crate::domain_log::finish_all(Duration::from_secs(1));
@@ -482,6 +491,10 @@ fn progress_seen(rt: &DeviceRuntime) {
     rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).life.progress_seen(Instant::now(), obs);
 }
 
+/// Descriptors the watcher polls for each device: its top domain's pidfd, the pidfd of the
+/// domain below it, its device model's pidfd (`vdev`), and its alarm.
+const PER_DEVICE: usize = 4;
+
 /// Watches every domain: death (pidfd), a broken channel (the device's alarm), and no progress
 /// with requests pending (the watchdog). Any of them restarts the domain.
 fn watch(inner: Arc<Inner>) {
@@ -500,6 +513,8 @@ fn watch(inner: Arc<Inner>) {
             };
             pidfd(p.pidfd.as_ref());
             pidfd(p.lower.as_ref().map(|l| &l.pidfd));
+            let model = rt.launcher.card.as_ref().and_then(|c| c.model_pidfd()).filter(|_| running);
+            pfds.push(libc::pollfd { fd: model.unwrap_or(-1), events: libc::POLLIN, revents: 0 });
             polled_pids.push(if running && p.pidfd.is_some() { p.pid } else { 0 });
             pfds.push(libc::pollfd { fd: rt.control.alarm_fd(), events: libc::POLLIN, revents: 0 });
         }
@@ -557,7 +572,20 @@ fn watch(inner: Arc<Inner>) {
                 progress_seen(rt);
                 continue;
             }
-            let died = pfds[3 * i].revents != 0 || pfds[3 * i + 1].revents != 0;
+            let model_died = pfds[PER_DEVICE * i + 2].revents != 0;
+            if model_died {
+                if let Some(why) = rt.launcher.card.as_ref().and_then(|c| c.model_exited()) {
+                    // The driver's card is gone: the device restarts, and its next launch
+                    // starts a new model over the same storage before the new driver.
+                    let running = rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).life.state() == DeviceState::Running;
+                    if running && !inner.shutting_down.load(Ordering::Acquire) {
+                        restart(rt, &why, now, &inner.shutting_down);
+                        progress_seen(rt);
+                        continue;
+                    }
+                }
+            }
+            let died = pfds[PER_DEVICE * i].revents != 0 || pfds[PER_DEVICE * i + 1].revents != 0;
             let broken = rt.control.take_broken_report();
             let mut why = None;
             // Whether what happened concerns the tap domain of an `interpose` device alone: it

@@ -85,6 +85,116 @@ pub unsafe fn claim_inherited(fd: RawFd) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// A connected pair of sequenced-packet unix sockets, both ends close-on-exec: each message
+/// arrives whole or not at all, with the descriptors sent along with it.
+pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut p = [0; 2];
+    // SAFETY: `p` is a valid array of two ints for socketpair to fill.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, p.as_mut_ptr()) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: socketpair returned two fresh descriptors, owned from here on.
+    Ok(unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) })
+}
+
+/// Room for one descriptor's control message.
+const CMSG_ONE_FD: usize = 24;
+
+/// Sends `data` as one message on the unix socket `sock`, with `fd` alongside it
+/// (`SCM_RIGHTS`): the receiver gets its own descriptor of the same open file. Never blocks
+/// and never raises SIGPIPE: a full socket is `WouldBlock`, a closed peer `BrokenPipe`.
+pub fn send_with_fd(sock: BorrowedFd<'_>, data: &[u8], fd: BorrowedFd<'_>) -> io::Result<()> {
+    #[repr(C, align(8))]
+    struct Control([u8; CMSG_ONE_FD]);
+    let mut control = Control([0; CMSG_ONE_FD]);
+    let mut iov = libc::iovec { iov_base: data.as_ptr().cast_mut().cast(), iov_len: data.len() };
+    // SAFETY: msghdr is plain data; every field the kernel reads is set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE only computes a length.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    debug_assert!(msg.msg_controllen <= CMSG_ONE_FD);
+    // SAFETY: the control buffer is aligned and large enough for one header and one int, so
+    // CMSG_FIRSTHDR is non-null and the writes through it and CMSG_DATA stay inside it.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
+    }
+    // SAFETY: `msg` points at `iov` (over `data`) and `control`, all of which outlive the call.
+    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n as usize != data.len() {
+        return Err(io::Error::new(io::ErrorKind::WriteZero, "message sent in part"));
+    }
+    Ok(())
+}
+
+/// Receives one message from the unix socket `sock` into `buf`, without blocking (`Ok(None)`
+/// when none waits): its length (0 when the peer has closed) and the first descriptor sent
+/// with it, close-on-exec. Any further descriptors are closed by the kernel; a message longer
+/// than `buf` is `InvalidData`, as is one whose descriptors did not fit.
+pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<(usize, Option<OwnedFd>)>> {
+    #[repr(C, align(8))]
+    struct Control([u8; CMSG_ONE_FD]);
+    let mut control = Control([0; CMSG_ONE_FD]);
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; every field the kernel reads is set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    msg.msg_controllen = CMSG_ONE_FD;
+    let n = loop {
+        // SAFETY: `msg` points at `iov` (over `buf`) and `control`, all of which outlive the call
+        // and are writable for the lengths given.
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(None),
+            _ => return Err(e),
+        }
+    };
+    let mut fd = None;
+    // SAFETY: the kernel set msg_controllen to what it wrote into `control`; CMSG_FIRSTHDR and
+    // CMSG_NXTHDR walk only within it, and a header of SCM_RIGHTS carries ints after it.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg);
+                let count = ((*cmsg).cmsg_len - (data as usize - cmsg as usize)) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    let raw = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    // Each received descriptor is this process's own from here on.
+                    let owned = OwnedFd::from_raw_fd(raw);
+                    if fd.is_none() {
+                        fd = Some(owned);
+                    }
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    if msg.msg_flags & libc::MSG_TRUNC != 0 {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "message longer than expected"));
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "more descriptors than expected"));
+    }
+    Ok(Some((n, fd)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,5 +229,28 @@ mod tests {
     fn claiming_a_closed_descriptor_fails() {
         // SAFETY: descriptor 1000 is not open here, which is what is tested.
         assert!(unsafe { claim_inherited(1000) }.is_err());
+    }
+
+    #[test]
+    fn a_descriptor_crosses_a_seqpacket_pair_with_its_message() {
+        use std::os::fd::AsFd;
+        let (a, b) = seqpacket_pair().unwrap();
+        let mut buf = [0u8; 16];
+        assert!(recv_with_fd(b.as_fd(), &mut buf).unwrap().is_none(), "nothing sent yet");
+        let (r, w) = pipe().unwrap();
+        send_with_fd(a.as_fd(), b"hello", w.as_fd()).unwrap();
+        drop(w);
+        let (n, fd) = recv_with_fd(b.as_fd(), &mut buf).unwrap().unwrap();
+        assert_eq!(&buf[..n], b"hello");
+        std::fs::File::from(fd.expect("the pipe's write end came along")).write_all(b"y").unwrap();
+        let mut got = [0u8; 1];
+        std::fs::File::from(r).read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"y");
+        let mut small = [0u8; 2];
+        let (_r2, w2) = pipe().unwrap();
+        send_with_fd(a.as_fd(), b"too long", w2.as_fd()).unwrap();
+        assert_eq!(recv_with_fd(b.as_fd(), &mut small).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        drop(a);
+        assert_eq!(recv_with_fd(b.as_fd(), &mut buf).unwrap().map(|(n, fd)| (n, fd.is_some())), Some((0, false)));
     }
 }

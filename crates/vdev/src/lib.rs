@@ -12,11 +12,14 @@
 //! - [`driver`]: the reference driver, a bulkhead backend at register level.
 //! - [`Server`]: the model's loop around a trap: serve the trapped writes, then let the model
 //!   look.
+//! - [`domain`]: the card across two domains: the driver's side sends its trap to the
+//!   device-model domain over a line the supervisor made, and the model's domain serves it.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod card;
 pub mod datasheet;
+pub mod domain;
 pub mod driver;
 pub mod model;
 pub mod regs;

@@ -16,7 +16,7 @@ use crate::card::{Card, BLOCK};
 use crate::regs::{self, RegisterPage};
 
 /// What the model has done, for status and tests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ModelStats {
     /// Descriptors completed (with any status).
     pub commands: u64,
