@@ -1197,7 +1197,10 @@ mod tests {
         let c = parse(&format!("{dev}seed = 7\nwait = \"poll\"\n")).unwrap();
         assert_eq!(c.devices[0].backend.resolve(), Backend::Vdev { card: VdevCard::Seed(7), wait: VdevWait::Poll });
         let c = parse(&format!("{dev}seed = 3\n")).unwrap();
-        assert!(matches!(c.devices[0].backend.resolve(), Backend::Vdev { wait: VdevWait::Interrupt, .. }), "interrupts by default");
+        assert!(
+            matches!(c.devices[0].backend.resolve(), Backend::Vdev { wait: VdevWait::Interrupt, .. }),
+            "interrupts by default"
+        );
 
         let dir = std::env::temp_dir().join(format!("bulkhead-config-vdev-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

@@ -125,6 +125,7 @@ const VDEV_MODEL: &[(i64, &str)] = &[
     (libc::SYS_poll, "wait on the trap line and the driver's trap"),
     (libc::SYS_ppoll, "as poll (libc may use this form)"),
     (libc::SYS_recvmsg, "take a driver's trap from the trap line (the socket was made by the supervisor)"),
+    (libc::SYS_close, "let go of a trap it refused or that a new driver's replaced (else each would hold a descriptor)"),
 ];
 
 fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCondition {

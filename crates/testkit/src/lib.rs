@@ -5,11 +5,13 @@
 //! - [`hostile`]: a driver domain that breaks the ring protocol in each way the frontend must
 //!   survive, and [`probe`]: an escape probe run from inside a confined domain. The test driver
 //!   binary (`bulkhead-test-driver`, built with the `test-driver` feature of the `bulkhead`
-//!   package) runs them; the shipped driver has no such modes.
+//!   package) runs them; the shipped driver has no such modes. [`hostile_vdev`]: a `vdev`
+//!   driver that abuses its card at register level, then wedges.
 //! - [`pattern`]: deterministic bytes to write and check.
 #![deny(missing_docs)]
 
 pub mod hostile;
+pub mod hostile_vdev;
 pub mod kernel;
 pub mod probe;
 

@@ -154,8 +154,8 @@ fn outline(card: &Card) -> Vec<Block> {
         )),
         Heading("Programming".into()),
         Steps(vec![
-            "Check ID, and read CAPACITY.".into(),
             "Write CONTROL with only RESET set; wait until RESET reads 0.".into(),
+            "Check ID, and read CAPACITY (after the reset: until then the registers hold whatever the last driver left).".into(),
             "Put the descriptor ring in DMA memory; write its bus address to QUEUE_BASE and its length to QUEUE_ENTRIES.".into(),
             "Write CONTROL with ENABLE (and IRQ_ENABLE to use the interrupt); wait for READY (or ERROR).".into(),
             "For each command, fill the next descriptor, then write the total number posted to SUBMIT_TAIL. Never post more than QUEUE_ENTRIES beyond COMPLETE_COUNT.".into(),

@@ -50,16 +50,21 @@ pub fn connect_driver(
     let page = RegisterPage::new(page).map_err(|e| format!("register page: {e}"))?;
     let dma = Mapping::new(dma.as_raw_fd(), DMA_BYTES as usize, Protection::ReadWrite)
         .map_err(|e| format!("DMA memory ({DMA_BYTES} bytes): {e}"))?;
-    let armed = trap::arm(&page).map_err(|e| format!("cannot trap the register page (userfaultfd): {e}"))?;
+    send_trap(&line, &page)?;
+    drop(line);
+    Driver::new(card, page, dma, irq, wait)
+}
+
+/// Arms a trap over `page` (the driver's mapping of the register page) and sends it to the
+/// model's domain on `line`, with the page's address: from then on the model is told of each
+/// write to the page. The driver keeps no copy of the trap.
+pub fn send_trap(line: &OwnedFd, page: &RegisterPage) -> Result<(), String> {
+    let armed = trap::arm(page).map_err(|e| format!("cannot trap the register page (userfaultfd): {e}"))?;
     let mut msg = [0u8; MESSAGE];
     msg[..8].copy_from_slice(&(page.mapping().base_ptr() as u64).to_le_bytes());
     msg[8..].copy_from_slice(&u64::from(PAGE).to_le_bytes());
     bulkhead_sys::send_with_fd(line.as_fd(), &msg, armed.fd())
-        .map_err(|e| format!("cannot send the trap to the device model: {e}"))?;
-    // The model holds the trap now; the driver needs none of it.
-    drop(armed);
-    drop(line);
-    Driver::new(card, page, dma, irq, wait)
+        .map_err(|e| format!("cannot send the trap to the device model: {e}"))
 }
 
 /// Slots of the model's counter page, each a u64 the model's domain writes and the supervisor

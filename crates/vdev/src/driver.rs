@@ -74,8 +74,10 @@ impl std::fmt::Debug for Driver {
 
 impl Driver {
     /// A driver for `card` over its register page (the driver's trapped mapping), its DMA
-    /// memory and its interrupt line. It only reads the card here (its capacity); it starts
-    /// writing registers in [`init`](Self::init).
+    /// memory and its interrupt line. It resets the card (its first register write, which
+    /// reaches the model only once the model holds this driver's trap, so what it reads after
+    /// is the card's and not what an earlier driver left) and reads what the card is and how
+    /// large; it starts the card in [`init`](Self::init).
     pub fn new(card: Card, regs: RegisterPage, dma: Mapping, irq: EventFd, wait: Wait) -> Result<Self, String> {
         let ring_bytes = ENTRIES * u64::from(card.descriptor.size);
         let data_offset = ring_bytes.next_multiple_of(u64::from(PAGE));
@@ -84,25 +86,34 @@ impl Driver {
         if chunk == 0 {
             return Err(format!("{} bytes of DMA memory is too little for a ring and {ENTRIES} buffers", dma.len()));
         }
-        let size = regs.read(card.registers.capacity).saturating_mul(u64::from(BLOCK));
-        if regs.read(card.registers.id) != card.id() {
+        let mut d = Driver { card, regs, dma, irq, wait, size: 0, ring_offset: 0, data_offset, chunk, tail: 0, ready: false };
+        d.reset()?;
+        let (r, card) = (&d.card.registers, &d.card);
+        if d.regs.read(r.id) != card.id() {
             return Err(format!(
                 "the card answers with id {:#x}, not {:#x} ({}): the spec is for another card",
-                regs.read(card.registers.id),
+                d.regs.read(r.id),
                 card.id(),
                 card.name
             ));
         }
-        Ok(Driver { card, regs, dma, irq, wait, size, ring_offset: 0, data_offset, chunk, tail: 0, ready: false })
+        d.size = d.regs.read(r.capacity).saturating_mul(u64::from(BLOCK));
+        Ok(d)
+    }
+
+    /// Resets the card and waits until it has.
+    fn reset(&mut self) -> Result<(), String> {
+        let (r, c) = (self.card.registers.control, self.card.control);
+        self.ready = false;
+        self.regs.write(r, 1 << c.reset);
+        self.until("the card to finish its reset", |d| d.regs.read(r) >> c.reset & 1 == 0)
     }
 
     /// Resets the card and starts it on the driver's ring.
     pub fn init(&mut self) -> Result<(), String> {
         let r = self.card.registers.clone();
         let (c, s) = (self.card.control, self.card.status);
-        self.ready = false;
-        self.regs.write(r.control, 1 << c.reset);
-        self.until("the card to finish its reset", |d| d.regs.read(r.control) >> c.reset & 1 == 0)?;
+        self.reset()?;
         self.tail = 0;
         self.regs.write(r.queue_base, self.card.dma_base + self.ring_offset);
         self.regs.write(r.queue_entries, ENTRIES);

@@ -50,9 +50,18 @@ impl Server {
     }
 
     /// A driver's trap: from now on its register writes reach the model (a driver that
-    /// replaces another, after a restart, brings its own).
+    /// replaces another, after a restart, brings its own). The model looks at the registers
+    /// first: whatever the last driver left there unseen is dealt with (read-only registers
+    /// put back) before the new one is served.
     pub fn attach(&mut self, trapped: Trapped) {
+        self.look();
         self.trapped = Some(trapped);
+    }
+
+    /// Lets the model act on the registers as they are now.
+    fn look(&mut self) {
+        self.model.step();
+        self.model.registers().snapshot(&mut self.before);
     }
 
     /// Readable when the driver's register write waits; `None` with no driver.
@@ -68,13 +77,15 @@ impl Server {
         let served = match t.serve(self.model.registers(), &self.before) {
             Ok(n) => n,
             Err(e) => {
+                // The driver went (exited, or unmapped its page) with its last writes perhaps
+                // landed and not looked at: the model looks now.
                 self.trapped = None;
+                self.look();
                 return Err(e);
             }
         };
         if served > 0 {
-            self.model.step();
-            self.model.registers().snapshot(&mut self.before);
+            self.look();
         }
         Ok(served)
     }

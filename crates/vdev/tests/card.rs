@@ -337,3 +337,42 @@ fn a_new_driver_takes_over_the_card_and_finds_the_data() {
     let (stats, _) = rig.finish();
     assert!(stats.resets >= 2, "{stats:?}");
 }
+
+/// A storm of random writes anywhere in the register page, from a driver that also armed a
+/// second trap of its own over another mapping: the model looks at all of it, puts the
+/// read-only registers back, and the next driver finds the card it expects.
+#[test]
+fn a_storm_of_random_register_writes_leaves_the_card_usable() {
+    let rig = Rig::new(11);
+    let card = rig.card.clone();
+    let page = rig.driver_page();
+    {
+        let other =
+            RegisterPage::new(Mapping::new(rig.regs_fd.as_raw_fd(), PAGE as usize, Protection::ReadWrite).unwrap()).unwrap();
+        let decoy = trap::arm(&other).unwrap();
+        drop((decoy, other));
+    }
+    let all = card.registers.all();
+    let mut x = 0x1234_5678_9abc_def1u64;
+    for _ in 0..5000 {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let y = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        let reg = if y & 1 == 0 {
+            all[(y >> 1) as usize % all.len()].1
+        } else {
+            bulkhead_vdev::card::Reg { offset: ((y >> 8) as u32 % PAGE) & !3, width: 4 }
+        };
+        page.write(reg, y.rotate_left(17));
+    }
+    // The storm's driver goes (its page unmapped); the next one takes over.
+    drop(page);
+    let mut d = rig.driver(Wait::Poll);
+    let data = pattern(21, 128 << 10);
+    write(&mut d, 4 << 20, &data).unwrap();
+    assert_eq!(read(&mut d, 4 << 20, 128 << 10).unwrap(), data);
+    drop(d);
+    let (stats, faults) = rig.finish();
+    assert!(stats.resets >= 2 && faults > 0, "{stats:?}");
+}

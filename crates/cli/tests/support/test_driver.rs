@@ -6,6 +6,9 @@
 //!   into the read-only write arena (which must kill it with SIGSEGV);
 //! - `hostile:<behaviour>`: serves honestly for a while, then misbehaves as
 //!   [`Hostility`](bulkhead_testkit::hostile::Hostility) names;
+//! - `vdev-hostile`: in a `vdev` device's first generation, abuses the card at register level
+//!   ([`bulkhead_testkit::hostile_vdev`]), says so, and wedges; later generations run the real
+//!   driver runtime;
 //! - unset: runs the real driver runtime, like `bulkhead driver`.
 //!
 //! `BULKHEAD_TEST_UNAVAILABLE_LAYERS=landlock,seccomp` confines as on a host without those
@@ -55,6 +58,29 @@ fn main() -> ExitCode {
         if (role == "tap") != is_tap {
             fault.clear();
         }
+    }
+    if fault == "vdev-hostile" {
+        if bulkhead_testkit::hostile_vdev::generation(&spec) == Some(1) {
+            // SAFETY: the supervisor placed exactly the descriptors the spec names, for this
+            // process alone.
+            return match unsafe { bulkhead_testkit::hostile_vdev::abuse(&spec) } {
+                Ok((o, wedged)) => {
+                    eprintln!(
+                        "hostile vdev: done: {} junk traps, {} bad commands refused, {} stops, {} garbage descriptors, \
+                         {} storm writes; wedging",
+                        o.junk_traps, o.refused, o.stops, o.garbage, o.storm
+                    );
+                    wedged.wait(&stop);
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("hostile vdev: FAILED: {e}");
+                    bulkhead_testkit::hostile_vdev::wedge(&stop);
+                    ExitCode::from(1)
+                }
+            };
+        }
+        fault.clear();
     }
     match fault.as_str() {
         "crash-on-start" => {
