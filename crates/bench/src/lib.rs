@@ -15,5 +15,6 @@ pub mod restart;
 pub mod surge;
 mod table;
 pub mod tap;
+pub mod vdev;
 
 pub use table::Table;

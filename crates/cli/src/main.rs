@@ -304,6 +304,28 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Virtual devices: 4 KiB QD1 latency and QD16 IOPS through a `vdev` card with the driver
+    /// taking interrupts and polling, `ram` beside; the cost of one trapped register write.
+    Vdev {
+        /// The card's seed.
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Bytes of each device, e.g. 256M.
+        #[arg(long, default_value = "256M")]
+        size: String,
+        /// Timed QD1 requests per direction and device.
+        #[arg(long, default_value_t = 20_000)]
+        requests: usize,
+        /// Seconds of each QD16 run.
+        #[arg(long, default_value_t = 5)]
+        seconds: u32,
+        /// Trapped register writes timed.
+        #[arg(long, default_value_t = 20_000)]
+        writes: usize,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(clap::Args)]
@@ -394,6 +416,9 @@ fn main() -> ExitCode {
         Cmd::Bench { which: BenchCmd::Surge(args) } => bench_surge(args),
         Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, tap, kill, json } } => {
             bench_restart(kills, mode, threads, &tap, &kill, json)
+        }
+        Cmd::Bench { which: BenchCmd::Vdev { seed, size, requests, seconds, writes, json } } => {
+            bench_vdev(seed, &size, requests, seconds, writes, json)
         }
         Cmd::Bench { which: BenchCmd::Tap { mode, bytes, requests, no_nbdkit, scratch, json } } => {
             bench_tap(mode, &bytes, requests, !no_nbdkit, scratch, json)
@@ -681,6 +706,28 @@ fn bench_tap(
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         print!("{}", bulkhead_bench::tap::render(&r));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn bench_vdev(seed: u64, size: &str, requests: usize, seconds: u32, writes: usize, json: bool) -> anyhow::Result<ExitCode> {
+    let size = bulkhead_config::parse_size(size).map_err(|e| anyhow::anyhow!("--size: {e}"))?;
+    if size < 16 << 20 || size % (1 << 20) != 0 {
+        anyhow::bail!("--size must be a whole number of MiB, at least 16M");
+    }
+    if !(1..=10_000_000).contains(&requests) || !(1..=10_000_000).contains(&writes) {
+        anyhow::bail!("--requests and --writes must be between 1 and 10000000");
+    }
+    if !(1..=600).contains(&seconds) {
+        anyhow::bail!("--seconds must be between 1 and 600");
+    }
+    let exe = std::env::current_exe()?;
+    let opts = bulkhead_bench::vdev::Options { seed, size, requests, seconds, writes };
+    let r = bulkhead_bench::vdev::run(&exe, &opts, |p| eprintln!("bench vdev: {p}")).map_err(anyhow::Error::msg)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", bulkhead_bench::vdev::render(&r));
     }
     Ok(ExitCode::SUCCESS)
 }

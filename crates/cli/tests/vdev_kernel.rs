@@ -218,3 +218,32 @@ impl std::ops::DerefMut for AlignedBuf {
         &mut self.raw[self.at..self.at + self.len]
     }
 }
+
+/// `bulkhead bench vdev` runs end to end and reports every figure it names (the figures
+/// themselves are recorded in docs/BENCHMARKS.md, not checked here).
+#[test]
+fn bench_vdev_reports_latency_iops_and_the_trap_cost() {
+    require_kernel!();
+    let out = Command::new(exe())
+        .args(["bench", "vdev", "--size", "16M", "--requests", "200", "--seconds", "1", "--writes", "200", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let systems: Vec<&str> = r["rows"].as_array().unwrap().iter().map(|x| x["system"].as_str().unwrap()).collect();
+    assert_eq!(systems, ["vdev-interrupt", "vdev-poll", "ram"]);
+    for row in r["rows"].as_array().unwrap() {
+        for key in ["read_mean_us", "read_p99_us", "write_mean_us", "qd16_read_iops", "qd16_write_iops"] {
+            assert!(row[key].as_f64().unwrap() > 0.0, "{key}: {row}");
+        }
+    }
+    for row in &r["rows"].as_array().unwrap()[..2] {
+        assert!(row["trapped_per_request"].as_f64().unwrap() > 0.0, "a vdev request rings the card's doorbell: {row}");
+    }
+    assert!(r["rows"][0]["commands_per_interrupt"].as_f64().unwrap() >= 1.0);
+    assert!(r["rows"][1]["commands_per_interrupt"].is_null(), "a polling driver takes no interrupts");
+    let t = &r["trap"];
+    assert_eq!(t["writes"], 200);
+    assert!(t["trapped_mean_us"].as_f64().unwrap() * 1000.0 > t["untrapped_mean_ns"].as_f64().unwrap());
+    assert!(t["round_trip_mean_us"].as_f64().unwrap() >= t["trapped_p50_us"].as_f64().unwrap() * 0.5);
+}
