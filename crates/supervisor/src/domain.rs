@@ -1035,30 +1035,52 @@ impl Launcher {
             report_fd: Some(report_fd),
         };
         let json = serde_json::to_string(&spec).expect("spec serialises");
-        let use_ns = self.policy != Policy::Off;
-        let (out_r, out_w) = domain_log::pipe().map_err(|e| format!("cannot make the domain's output pipe: {e}"))?;
-        let (mut child, ns) = spawn_domain_with_output(&self.exe, &json, &pass.raw, Some(out_w.as_raw_fd()), use_ns)
-            .map_err(|e| format!("cannot start {role} domain: {e}"))?;
-        // The domain holds its own copies now.
-        drop(pass);
-        drop(out_w);
-        domain_log::relay(&self.name, child.id(), out_r);
-        if let (Policy::Required, Layer::Unavailable(why)) = (self.policy, &ns) {
-            discard(child);
-            return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}").into());
-        }
-        let layers = match read_report(&report_r) {
-            Some(Report::Confined(layers)) => Some(layers),
-            Some(Report::Refused { refused }) => {
-                // It exits on its own after reporting; give it the time to say why.
-                let _ = child.wait_timeout(EXIT_WAIT);
-                discard(child);
-                return Err(format!("{role} domain refused to start: {refused} (sandbox = \"required\")").into());
-            }
-            None => None,
-        };
+        let args: [&std::ffi::OsStr; 3] = ["driver".as_ref(), "--spec".as_ref(), json.as_ref()];
+        let raw = std::mem::take(&mut pass.raw);
+        let what = format!("{role} domain");
+        let (child, layers) = exec_confined(&self.exe, &args, &raw, pass, &self.name, self.policy, &report_r, &what)?;
         let pidfd = pidfd_open(child.id()).map_err(|e| format!("pidfd_open: {e}"))?;
         Ok(Spawned { child, pidfd, layers, tap: role == "tap", rings: Vec::new() })
+    }
+}
+
+/// Execs `exe ARGS` as a sandboxed domain of `device` (`what` names it in messages) holding
+/// `fds` at 3, 4, …, its output relayed to the log; drops `handed` (the supervisor's copies of
+/// what it passed, the write end of the report pipe among them) once the domain holds its own;
+/// and waits for its sandbox report on `report`. Under `Policy::Required`, a domain without
+/// namespaces, or one that refused to confine itself, is ended and the launch fails. The
+/// layers are `None` if the domain said nothing (it failed before confinement, or is slow).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn exec_confined<T>(
+    exe: &Path,
+    args: &[&std::ffi::OsStr],
+    fds: &[RawFd],
+    handed: T,
+    device: &str,
+    policy: Policy,
+    report: &OwnedFd,
+    what: &str,
+) -> Result<(DomainChild, Option<Layers>), String> {
+    let (out_r, out_w) = domain_log::pipe().map_err(|e| format!("cannot make the domain's output pipe: {e}"))?;
+    let (mut child, ns) = bulkhead_sandbox::spawn::spawn(exe, args, fds, Some(out_w.as_raw_fd()), policy != Policy::Off)
+        .map_err(|e| format!("cannot start {what}: {e}"))?;
+    // The domain holds its own copies now.
+    drop(handed);
+    drop(out_w);
+    domain_log::relay(device, child.id(), out_r);
+    if let (Policy::Required, Layer::Unavailable(why)) = (policy, &ns) {
+        discard(child);
+        return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}"));
+    }
+    match read_report(report) {
+        Some(Report::Confined(layers)) => Ok((child, Some(layers))),
+        Some(Report::Refused { refused }) => {
+            // It exits on its own after reporting; give it the time to say why.
+            let _ = child.wait_timeout(EXIT_WAIT);
+            discard(child);
+            Err(format!("{what} refused to start: {refused} (sandbox = \"required\")"))
+        }
+        None => Ok((child, None)),
     }
 }
 
@@ -1138,19 +1160,8 @@ pub use bulkhead_sys::pidfd_open;
 /// The domain dies with the *thread* that calls this (PR_SET_PDEATHSIG): call it only from a
 /// thread that outlives the domain (the main thread or the supervisor's watcher).
 pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd], namespaces: bool) -> std::io::Result<(DomainChild, Layer)> {
-    spawn_domain_with_output(exe, spec_json, fds, None, namespaces)
-}
-
-/// As [`spawn_domain`], with `output` as the domain's descriptors 1 and 2.
-pub(crate) fn spawn_domain_with_output(
-    exe: &Path,
-    spec_json: &str,
-    fds: &[RawFd],
-    output: Option<RawFd>,
-    namespaces: bool,
-) -> std::io::Result<(DomainChild, Layer)> {
     let args: [&std::ffi::OsStr; 3] = ["driver".as_ref(), "--spec".as_ref(), spec_json.as_ref()];
-    bulkhead_sandbox::spawn::spawn(exe, &args, fds, output, namespaces)
+    bulkhead_sandbox::spawn::spawn(exe, &args, fds, None, namespaces)
 }
 
 /// The engine `engine = "auto"` (the default) picks for a raw file: io_uring if the supervisor

@@ -11,21 +11,20 @@
 //! new model over the same storage, on a new line, before the new driver.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use bulkhead_config::{VdevCard, VdevWait};
 use bulkhead_doorbell::EventFd;
 use bulkhead_sandbox::spawn::DomainChild;
-use bulkhead_sandbox::{Layer, Layers, Policy, Report};
+use bulkhead_sandbox::{Layers, Policy};
 use bulkhead_shmem::memfd;
 use bulkhead_spec::{ModelSpec, SandboxSpec};
 use bulkhead_vdev::card::PAGE;
 use bulkhead_vdev::domain::{CardStats, StatsPage, DMA_BYTES, STATS_BYTES};
 use bulkhead_vdev::Card;
 
-use crate::domain::{discard, read_report, EXIT_WAIT};
-use crate::domain_log;
+use crate::domain::{discard, exec_confined, EXIT_WAIT};
 
 /// A running device-model domain.
 #[derive(Debug)]
@@ -195,32 +194,15 @@ impl CardDevice {
             report_fd: Some(at(6)),
         };
         let json = serde_json::to_string(&spec).expect("spec serialises");
-        let (out_r, out_w) = domain_log::pipe().map_err(|e| format!("cannot make the model's output pipe: {e}"))?;
         let args: [&std::ffi::OsStr; 4] = ["vdev".as_ref(), "model".as_ref(), "--spec".as_ref(), json.as_ref()];
-        let use_ns = self.policy != Policy::Off;
-        let (mut child, ns) = bulkhead_sandbox::spawn::spawn(&self.exe, &args, &fds, Some(out_w.as_raw_fd()), use_ns)
-            .map_err(|e| format!("cannot start the device model: {e}"))?;
-        drop((model_end, report_w, out_w));
-        domain_log::relay(&self.device, child.id(), out_r);
-        if let (Policy::Required, Layer::Unavailable(why)) = (self.policy, &ns) {
-            discard(child);
-            return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}"));
+        let (mut child, layers) =
+            exec_confined(&self.exe, &args, &fds, (model_end, report_w), &self.device, self.policy, &report_r, "device model")?;
+        if layers.is_none() {
+            // Silent: it failed before confinement (it said why on its output) or hangs.
+            if let Ok(Some(status)) = child.wait_timeout(EXIT_WAIT) {
+                return Err(format!("the device model exited before it was confined: {status}"));
+            }
         }
-        let layers = match read_report(&report_r) {
-            Some(Report::Confined(layers)) => Some(layers),
-            Some(Report::Refused { refused }) => {
-                let _ = child.wait_timeout(EXIT_WAIT);
-                discard(child);
-                return Err(format!("the device model refused to start: {refused} (sandbox = \"required\")"));
-            }
-            None => {
-                // Silent: it failed before confinement (it said why on its output) or hangs.
-                if let Ok(Some(status)) = child.wait_timeout(EXIT_WAIT) {
-                    return Err(format!("the device model exited before it was confined: {status}"));
-                }
-                None
-            }
-        };
         let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
         m.0 = Some(ModelProc { child, driver_end, layers });
         m.1 += 1;
@@ -234,14 +216,10 @@ impl Drop for CardDevice {
     }
 }
 
-/// The path of a card spec for messages.
+/// A `vdev` backend as `bulkhead status` describes it.
 pub(crate) fn describe(card: &VdevCard, name: &str, wait: VdevWait) -> String {
     match card {
         VdevCard::Seed(seed) => format!("vdev:{name} (seed {seed}),{}", wait.as_str()),
-        VdevCard::File(p) => format!("vdev:{name} ({}),{}", display(p), wait.as_str()),
+        VdevCard::File(p) => format!("vdev:{name} ({}),{}", p.display(), wait.as_str()),
     }
-}
-
-fn display(p: &Path) -> String {
-    p.display().to_string()
 }
