@@ -107,8 +107,14 @@ fn summarize(mut lat: Vec<f64>) -> (f64, f64, f64) {
 
 /// Offsets of the small reads: spread over the device, deterministic.
 fn offsets(n: usize, size: u64) -> impl Iterator<Item = u64> {
+    small_offsets(n, size, 0x2545_f491_4f6c_dd1d)
+}
+
+/// `n` 4 KiB-aligned offsets inside `size`, spread by xorshift from `state` (non-zero): the
+/// same `state`, the same offsets.
+pub(crate) fn small_offsets(n: usize, size: u64, state: u64) -> impl Iterator<Item = u64> {
     let blocks = size / SMALL as u64;
-    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    let mut x = state;
     (0..n).map(move |_| {
         x ^= x << 13;
         x ^= x >> 7;

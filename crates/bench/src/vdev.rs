@@ -113,14 +113,7 @@ const DEPTH: usize = 16;
 
 /// Deterministic 4 KiB-aligned offsets inside `size`.
 fn offsets(n: usize, size: u64, seed: u64) -> impl Iterator<Item = u64> {
-    let blocks = size / SMALL as u64;
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n).map(move |_| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % blocks) * SMALL as u64
-    })
+    crate::tap::small_offsets(n, size, seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
 }
 
 fn summarize(mut v: Vec<f64>) -> (f64, f64, f64) {
