@@ -102,6 +102,39 @@ fn status_shows_every_sandbox_layer_applied() {
     assert!(fds <= 3 + 4 * 5 + 1 + 4, "{fds} descriptors open in the domain");
 }
 
+/// A domain started while a file system is mounted on its own device (a restart under a
+/// mount) holds no copy of the mount: the host's `umount` shuts the file system down, with
+/// nothing left to write back behind it.
+#[test]
+fn a_domain_started_under_a_mounted_file_system_lets_it_go_at_unmount() {
+    require_kernel!();
+    if !tools(&["mkfs.ext4", "e2fsck"]) {
+        return;
+    }
+    let tmp = TempDir::new("unpinned");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("u", "64M", "adaptive")), &["u"]);
+    let mut fs = Ext4::make(&serve.fuse_file("u"), &tmp.path().join("mnt"));
+    std::fs::write(fs.mnt.join("f"), vec![7u8; 1 << 20]).unwrap();
+    let first = serve.driver_pid(0);
+    // SAFETY: signalling a domain of our own serve by pid.
+    assert_eq!(unsafe { libc::kill(first as i32, libc::SIGKILL) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let d = serve.status_json()["devices"][0].clone();
+        if d["state"] == "running" && d["driver_pid"].as_u64().is_some_and(|p| p != 0 && p != u64::from(first)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no new driver domain: {d}\n{}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Dirty data for the new domain to carry at unmount.
+    std::fs::write(fs.mnt.join("g"), vec![9u8; 1 << 20]).unwrap();
+    fs.unmount_and_check();
+    let pid = serve.driver_pid(0);
+    let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    assert_eq!(mounts.lines().count(), 1, "{mounts}");
+}
+
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }

@@ -2,12 +2,12 @@
 //!
 //! Layers, outermost first:
 //!
-//! 1. [`spawn`]: the supervisor starts a domain with `clone3` into new user, pid, mount, network
-//!    and IPC namespaces (root inside maps to `nobody` outside), with exactly the descriptors it
+//! 1. [`spawn`]: the supervisor starts a domain with `clone3` into new user, pid, network and
+//!    IPC namespaces (root inside maps to `nobody` outside), with exactly the descriptors it
 //!    needs at 3, 4, … and everything else closed at exec;
 //! 2. [`confine`]: once the domain has mapped its channel and opened its engines, it drops what
-//!    it could still do: its copy of the host's mounts ([`mounts`]: an empty read-only root,
-//!    pinning no host filesystem), rlimits (no core dumps, no new processes, bounded address space and
+//!    it could still do: the host's mounts ([`mounts`]: a mount namespace of its own whose only
+//!    mount is an empty read-only root, pinning no host filesystem), rlimits (no core dumps, no new processes, bounded address space and
 //!    descriptors), no_new_privs, not dumpable, Landlock (no filesystem access at all, no TCP,
 //!    no signals or abstract sockets outside its domain), and a seccomp allowlist for its role
 //!    ([`seccomp::allowlist`], one line of reason per system call).

@@ -1,21 +1,25 @@
 //! An empty filesystem view for a domain.
 //!
-//! `clone3(CLONE_NEWNS)` gives a domain a *copy* of the host's mount tree. A copy holds a
-//! reference on every filesystem mounted at that moment, and mounts made later on shared host
-//! mounts propagate into it. That is more than an information leak: a filesystem mounted on
-//! the very device the domain serves stays alive in the domain's namespace after the host
-//! unmounts it, and when the domain exits the kernel shuts that filesystem down from the
-//! domain's exit path — syncing it through the domain that is exiting, which never returns.
+//! A mount namespace made by copying the host's holds a reference on every filesystem
+//! mounted at that moment. That is more than an information leak: a filesystem mounted on the
+//! very device the domain serves (ext4 on a loop device over the FUSE file) stays alive in the
+//! copy after the host unmounts it. The host's `umount` then returns without shutting it down;
+//! it goes on writing back behind the unmount, so a reader of the device sees its last
+//! metadata land seconds later, and when the domain exits the kernel shuts it down from the
+//! domain's exit path, syncing it through the domain that is exiting.
 //!
-//! So a domain in its own mount namespace replaces its root with an empty, read-only tmpfs and
-//! detaches the whole copied tree (the `pivot_root(".", ".")` sequence of pivot_root(2)).
-//! Afterwards the namespace holds exactly one mount, and nothing in the domain can reach a host
-//! filesystem. It may still *pin* one: the copied mounts are locked (they came from a more
-//! privileged namespace), and a lazily detached locked mount stays connected to its detached
-//! parent, the copied root, which the domain's own executable and libraries keep alive until
-//! it exits. The supervisor therefore treats a domain whose memory is released as dead without
-//! waiting for its exit to end (`proc_info::memory_released`), so the sync above runs through
-//! the domain's successor instead of waiting for it forever.
+//! Where the copy is made decides whether it can be let go. A copy made in a new *user*
+//! namespace (clone3 with `CLONE_NEWUSER | CLONE_NEWNS`) is locked: its mounts came from a
+//! more privileged namespace, and a lazily detached locked mount stays connected to its
+//! detached parent, the copied root, which the domain's executable and libraries (mapped from
+//! that copy at exec) keep alive until the domain exits. So the domain is spawned without
+//! `CLONE_NEWNS`: it execs in the host's mount namespace, its executable and libraries mapped
+//! from the host's mounts, and only here, confining itself, does it take a namespace of its
+//! own (`unshare(CLONE_NEWNS)`), replace its root with an empty read-only tmpfs and detach
+//! the whole copied tree (the `pivot_root(".", ".")` sequence of pivot_root(2)). Nothing in
+//! the domain refers to the copy any more, so the kernel frees it at once, locked mounts
+//! included, and the namespace holds exactly one mount. The copy lives for the few system
+//! calls between the `unshare` and the detach.
 
 use std::ffi::CStr;
 use std::io;
@@ -31,14 +35,20 @@ fn check(op: &str, rc: libc::c_int) -> Result<(), String> {
 /// works, it only has to exist in the copied tree.
 const MOUNT_POINTS: [&CStr; 4] = [c"/tmp", c"/mnt", c"/dev", c"/proc"];
 
-/// Replaces the root of this process's mount namespace with an empty read-only tmpfs and
-/// detaches every other mount. Call only in a mount namespace of the domain's own — in the
-/// host's namespace this would take the host's filesystems away from this process (and its
-/// threads) only, but is still never what is wanted, so callers check first.
+/// Moves this process into a mount namespace of its own whose only mount is an empty
+/// read-only tmpfs at its root. Call only in a user namespace of the domain's own (which gives
+/// it the right to make a mount namespace), single-threaded, before anything is opened by path
+/// that must stay reachable.
 pub fn isolate() -> Result<(), String> {
+    // A namespace is taken per thread: another thread would stay in the host's.
+    let threads = std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0);
+    if threads != 1 {
+        return Err(format!("{threads} threads: a mount namespace of its own would hold only one of them"));
+    }
     // SAFETY: plain mount-namespace system calls on NUL-terminated constant strings; none
     // touches this process's memory beyond reading those strings.
     unsafe {
+        check("a mount namespace of its own", libc::unshare(libc::CLONE_NEWNS))?;
         // Nothing done below may propagate back to the host.
         check(
             "make mounts private",

@@ -131,12 +131,14 @@ fn cstr(s: &OsStr) -> io::Result<CString> {
     CString::new(s.as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in argument"))
 }
 
-const NS_FLAGS: u64 =
-    (libc::CLONE_NEWUSER | libc::CLONE_NEWPID | libc::CLONE_NEWNS | libc::CLONE_NEWNET | libc::CLONE_NEWIPC) as u64;
+/// The namespaces a domain starts in. Not a mount namespace: the domain makes its own when it
+/// confines itself, so that no copy of the host's mounts outlives that moment
+/// ([`crate::mounts`]).
+const NS_FLAGS: u64 = (libc::CLONE_NEWUSER | libc::CLONE_NEWPID | libc::CLONE_NEWNET | libc::CLONE_NEWIPC) as u64;
 
 /// Starts `exe args…` with `fds` at descriptors 3, 4, … and every other descriptor closed at
-/// exec. With `namespaces`, the process starts in new user, pid, mount, network and IPC
-/// namespaces, root inside mapped to `nobody` outside (to our own uid when not root); if the
+/// exec. With `namespaces`, the process starts in new user, pid, network and IPC namespaces
+/// (it makes its mount namespace itself: [`crate::mounts::isolate`]), root inside mapped to `nobody` outside (to our own uid when not root); if the
 /// kernel refuses, it starts without them and the returned layer says why. `output`, when
 /// given, becomes the process's descriptors 1 and 2 (otherwise it shares the caller's).
 ///

@@ -88,9 +88,9 @@ impl DomainProc {
     }
 
     /// Kills the current domains and reaps each that exits within [`EXIT_WAIT`]. One that has
-    /// released its memory but not finished exiting (the kernel is syncing a filesystem its
-    /// mount namespace kept alive, maybe through this very device) can touch nothing any more:
-    /// it is kept in `lingering`, to be reaped once the next generation lets that sync end.
+    /// released its memory but not finished exiting (the kernel finishing work for it through
+    /// this very device: [`crate::proc_info::memory_released`]) can touch nothing any more: it
+    /// is kept in `lingering`, to be reaped once the next generation lets that work end.
     /// One still running after the wait is kept there too, and said so. Returns once the
     /// requests they left in the kernel have completed ([`drain_retired`](Self::drain_retired)).
     pub fn kill_current(&mut self, device: &str) {

@@ -36,9 +36,9 @@ const PF_EXITING: u64 = 0x4;
 
 /// Whether every thread of `pid` is exiting and has released its memory: it can no longer
 /// read or write anything it shared, though it has not finished exiting. A domain stays so
-/// while the kernel finishes a filesystem its mount namespace kept alive, which may sync
-/// through the very device the domain served: only a new domain lets that exit end. `false`
-/// once it is gone.
+/// while the kernel finishes work for it that goes through the very device the domain served
+/// (a filesystem its mount namespace kept alive did, before domains let go of their copy of
+/// the host's mounts): only a new domain lets that exit end. `false` once it is gone.
 pub fn memory_released(pid: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
     let mut any = false;

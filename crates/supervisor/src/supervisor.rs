@@ -639,9 +639,11 @@ fn watch(inner: Arc<Inner>) {
                 let obs = observe(rt);
                 let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
                 // A domain that is exiting has released its memory before its pidfd says so: it
-                // is as good as dead. It may never finish on its own: the kernel may be syncing
-                // a filesystem its mount namespace kept alive, through this very device, and
-                // only its successor lets that end. Looked for only once answers have stopped.
+                // is as good as dead. It may never finish on its own if what the kernel finishes
+                // for it goes through this very device (a filesystem its mount namespace held a
+                // copy of, which `bulkhead_sandbox::mounts` now lets go of when it confines
+                // itself), and only its successor lets that end. Looked for only once answers
+                // have stopped.
                 let quiet = p.life.quiet_for(now) >= EXIT_CHECK_AFTER;
                 if obs.pending > 0 && quiet && p.life.state() == DeviceState::Running {
                     let below = p.lower.as_ref().map(|l| l.child.id()).filter(|&pid| proc_info::memory_released(pid));

@@ -278,11 +278,17 @@ impl Ext4 {
         Ext4 { mnt: mnt.to_path_buf(), lo, mount }
     }
 
-    /// Unmounts and asserts that `e2fsck -fn` finds the file system clean.
+    /// Unmounts, asserts that the file system is gone from the kernel (no domain's mount
+    /// namespace kept a copy of the mount alive), and that `e2fsck -fn` finds it clean.
     pub fn unmount_and_check(&mut self) {
         if let Some(m) = self.mount.take() {
             m.unmount();
         }
+        // ext4 unregisters its /sys directory when the file system shuts down; a copy of the
+        // mount held elsewhere keeps it running, still writing back behind the unmount.
+        let name = Path::new(&self.lo.dev).file_name().unwrap().to_string_lossy().into_owned();
+        let sys = PathBuf::from(format!("/sys/fs/ext4/{name}"));
+        assert!(!sys.exists(), "the file system on {} is still alive after its unmount ({} exists)", self.lo.dev, sys.display());
         let fsck = Command::new("e2fsck").args(["-fn", &self.lo.dev]).output().unwrap();
         assert!(fsck.status.success(), "e2fsck: {}", String::from_utf8_lossy(&fsck.stdout));
     }
