@@ -10,6 +10,7 @@
 
 pub mod channel;
 pub mod fileio;
+pub mod guard;
 pub mod images;
 pub mod restart;
 pub mod surge;

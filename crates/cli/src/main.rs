@@ -304,6 +304,16 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Write capture: what one caught write costs for each mechanism (userfaultfd, mprotect)
+    /// and mode (DWC's single step, SCDWC's cache), beside an unguarded write.
+    Guard {
+        /// Writes timed per measurement.
+        #[arg(long, default_value_t = 200_000)]
+        writes: usize,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Virtual devices: 4 KiB QD1 latency and QD16 IOPS through a `vdev` card with the driver
     /// taking interrupts and polling, `ram` beside; the cost of one trapped register write.
     Vdev {
@@ -417,6 +427,7 @@ fn main() -> ExitCode {
         Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, tap, kill, json } } => {
             bench_restart(kills, mode, threads, &tap, &kill, json)
         }
+        Cmd::Bench { which: BenchCmd::Guard { writes, json } } => bench_guard(writes, json),
         Cmd::Bench { which: BenchCmd::Vdev { seed, size, requests, seconds, writes, json } } => {
             bench_vdev(seed, &size, requests, seconds, writes, json)
         }
@@ -728,6 +739,20 @@ fn bench_vdev(seed: u64, size: &str, requests: usize, seconds: u32, writes: usiz
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         print!("{}", bulkhead_bench::vdev::render(&r));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn bench_guard(writes: usize, json: bool) -> anyhow::Result<ExitCode> {
+    if !(bulkhead_bench::guard::PAGES_MIN..=100_000_000).contains(&writes) {
+        anyhow::bail!("--writes must be between {} and 100000000", bulkhead_bench::guard::PAGES_MIN);
+    }
+    let opts = bulkhead_bench::guard::Options { writes };
+    let r = bulkhead_bench::guard::run(&opts, |p| eprintln!("bench guard: {p}")).map_err(anyhow::Error::msg)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", bulkhead_bench::guard::render(&r));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -19,6 +19,11 @@ const USER_MODE_ONLY: libc::c_int = 1;
 const FEATURE_WP_SHMEM: u64 = 1 << 12;
 /// `UFFD_FEATURE_THREAD_ID`: the faulting thread's id in each message.
 const FEATURE_THREAD_ID: u64 = 1 << 8;
+/// `UFFD_FEATURE_SIGBUS`: the faulting thread gets SIGBUS instead of waiting for a reader.
+const FEATURE_SIGBUS: u64 = 1 << 7;
+/// `UFFD_FEATURE_WP_UNPOPULATED`: protecting a range also protects its pages never touched
+/// (anonymous memory), Linux 6.4.
+const FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 /// `UFFDIO_API = _IOWR(0xAA, 0x3F, struct uffdio_api)`.
 const UFFDIO_API: libc::c_ulong = 0xC018_AA3F;
 /// `UFFDIO_REGISTER = _IOWR(0xAA, 0x00, struct uffdio_register)`.
@@ -93,6 +98,18 @@ impl WriteTrap {
     /// A new descriptor for this process's memory (non-blocking, close-on-exec), with shared
     /// memory write protection. Fails where the kernel lacks it.
     pub fn new() -> io::Result<Self> {
+        Self::with_features(FEATURE_WP_SHMEM | FEATURE_THREAD_ID)
+    }
+
+    /// A descriptor whose faults are signals: a write to a protected page raises SIGBUS in
+    /// the writing thread (at the address written) instead of queueing a [`WriteFault`], so
+    /// the thread itself can decide and open the page ([`set_write_protect`]). Protection
+    /// covers shared memory and pages never touched. Fails where the kernel lacks any of it.
+    pub fn signalling() -> io::Result<Self> {
+        Self::with_features(FEATURE_WP_SHMEM | FEATURE_SIGBUS | FEATURE_WP_UNPOPULATED)
+    }
+
+    fn with_features(features: u64) -> io::Result<Self> {
         let flags = libc::O_CLOEXEC | libc::O_NONBLOCK | USER_MODE_ONLY;
         // SAFETY: a system call with integer arguments only.
         let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
@@ -101,7 +118,7 @@ impl WriteTrap {
         }
         // SAFETY: userfaultfd returned a fresh descriptor, owned from here on.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-        let mut api = UffdioApi { api: API, features: FEATURE_WP_SHMEM | FEATURE_THREAD_ID, ioctls: 0 };
+        let mut api = UffdioApi { api: API, features, ioctls: 0 };
         // SAFETY: UFFDIO_API reads and writes one uffdio_api, which outlives the call.
         if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api) } < 0 {
             return Err(io::Error::last_os_error());
@@ -147,13 +164,7 @@ impl WriteTrap {
     }
 
     fn writeprotect(&self, start: u64, len: u64, mode: u64) -> io::Result<()> {
-        let mut wp = UffdioWriteprotect { range: UffdioRange { start, len }, mode };
-        // SAFETY: UFFDIO_WRITEPROTECT reads one uffdio_writeprotect, which outlives the call;
-        // the kernel checks the range against the armed process's registrations.
-        if unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut wp) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        set_write_protect(self.fd.as_raw_fd(), start, len, mode == WRITEPROTECT_MODE_WP)
     }
 
     /// The next write fault waiting, if any (the descriptor never blocks). Other events, and
@@ -183,6 +194,20 @@ impl WriteTrap {
             }
         }
     }
+}
+
+/// Protects (`protect`) or opens `[start, start + len)` through the userfaultfd `fd`, waking
+/// any thread stopped on it when opening. Async-signal-safe: one ioctl, no allocation (the
+/// error is the errno), so a signal handler may call it.
+pub fn set_write_protect(fd: RawFd, start: u64, len: u64, protect: bool) -> io::Result<()> {
+    let mode = if protect { WRITEPROTECT_MODE_WP } else { 0 };
+    let mut wp = UffdioWriteprotect { range: UffdioRange { start, len }, mode };
+    // SAFETY: UFFDIO_WRITEPROTECT reads one uffdio_writeprotect, which outlives the call; the
+    // kernel checks the range against the descriptor's registrations.
+    if unsafe { libc::ioctl(fd, UFFDIO_WRITEPROTECT, &mut wp) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 impl AsRawFd for WriteTrap {

@@ -1,0 +1,471 @@
+//! The fault handlers and the state they share with the guarded thread.
+//!
+//! Signal handlers are process-wide, so the guard is too: one [`Guard`] per process, for the
+//! thread that installs it (a domain runs its filters on one thread). Its state is a static the
+//! handlers and that thread both use. They never use it at the same time: a handler runs only
+//! on a write fault or a single-step trap *of the guarded thread* (a fault in another thread,
+//! or outside every guarded region, is not the guard's and takes the default action), and the
+//! guarded thread touches the state only in [`Guard`]'s methods, which write no guarded page
+//! and so cannot be interrupted by the guard's own faults.
+
+use std::cell::UnsafeCell;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bulkhead_sys::uffd::{set_write_protect, WriteTrap};
+
+use crate::act::Act;
+use crate::shadow::{Evicted, Mode, Prepare, Shadow};
+
+/// Bytes of a page.
+pub const PAGE: u64 = 4096;
+/// Most regions one guard protects.
+pub const MAX_REGIONS: usize = 32;
+/// The exit status of a process whose guarded code was stopped.
+pub const VIOLATION_EXIT: i32 = 86;
+
+/// How writes to protected pages are caught.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mechanism {
+    /// userfaultfd write protection, its faults raised as SIGBUS in the writing thread; pages
+    /// are protected and opened in the page tables, without splitting the mapping.
+    Userfault,
+    /// `mprotect` and SIGSEGV; each page opened alone splits the mapping around it.
+    Mprotect,
+}
+
+impl Mechanism {
+    /// Its name, as options and reports spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mechanism::Userfault => "userfaultfd",
+            Mechanism::Mprotect => "mprotect",
+        }
+    }
+}
+
+/// What the guard has done since it was installed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Calls into guarded code.
+    pub calls: u64,
+    /// Writes caught while guarded code ran and allowed by the table.
+    pub allowed: u64,
+    /// Writes caught while it did not run (the runtime's own), let through.
+    pub outside: u64,
+    /// Single steps taken to protect a page again right after a write (DWC).
+    pub steps: u64,
+    /// Pages protected one at a time (evictions, single steps, the pool).
+    pub page_protects: u64,
+    /// Whole regions protected at once.
+    pub region_protects: u64,
+}
+
+/// A write guarded code was not allowed to make, as the handler reports it before the
+/// process exits with [`VIOLATION_EXIT`]. The write did not happen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Violation {
+    /// The address written.
+    pub address: u64,
+    /// The region it lies in, as [`Guard::add_region`] numbered it.
+    pub region: u32,
+    /// The guarded code that wrote, as the caller of [`Guard::enter`] named it.
+    pub filter: u32,
+}
+
+impl Violation {
+    /// Bytes of a report.
+    pub const BYTES: usize = 16;
+
+    fn encode(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[..8].copy_from_slice(&self.address.to_le_bytes());
+        b[8..12].copy_from_slice(&self.region.to_le_bytes());
+        b[12..].copy_from_slice(&self.filter.to_le_bytes());
+        b
+    }
+
+    /// A report as the handler wrote it.
+    pub fn decode(b: &[u8; Self::BYTES]) -> Self {
+        Violation {
+            address: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+            region: u32::from_le_bytes(b[8..12].try_into().expect("4 bytes")),
+            filter: u32::from_le_bytes(b[12..].try_into().expect("4 bytes")),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Region {
+    start: u64,
+    end: u64,
+}
+
+/// Pages a single step may have to protect again: one write may cross a page boundary.
+const MAX_STEPPING: usize = 4;
+
+struct State {
+    tid: i32,
+    mechanism: Mechanism,
+    uffd: RawFd,
+    report_fd: RawFd,
+    regions: [Region; MAX_REGIONS],
+    nregions: usize,
+    act: Act,
+    running: bool,
+    filter: u32,
+    shadow: Shadow,
+    stepping: [u64; MAX_STEPPING],
+    nstepping: usize,
+    stats: Stats,
+}
+
+impl State {
+    const EMPTY: State = State {
+        tid: 0,
+        mechanism: Mechanism::Userfault,
+        uffd: -1,
+        report_fd: -1,
+        regions: [Region { start: 0, end: 0 }; MAX_REGIONS],
+        nregions: 0,
+        act: Act::new(),
+        running: false,
+        filter: 0,
+        shadow: Shadow::new(Mode::Dwc),
+        stepping: [0; MAX_STEPPING],
+        nstepping: 0,
+        stats: Stats { calls: 0, allowed: 0, outside: 0, steps: 0, page_protects: 0, region_protects: 0 },
+    };
+
+    fn region_of(&self, addr: u64) -> Option<usize> {
+        self.regions[..self.nregions].iter().position(|r| addr >= r.start && addr < r.end)
+    }
+
+    /// Protects or opens a range; async-signal-safe.
+    fn set(&self, start: u64, len: u64, protect: bool) -> io::Result<()> {
+        set(self.mechanism, self.uffd, start, len, protect)
+    }
+}
+
+/// Protects or opens `[start, start + len)` of a guarded region with `mechanism` (`uffd`, the
+/// userfaultfd, for [`Mechanism::Userfault`]); async-signal-safe.
+fn set(mechanism: Mechanism, uffd: RawFd, start: u64, len: u64, protect: bool) -> io::Result<()> {
+    match mechanism {
+        Mechanism::Userfault => set_write_protect(uffd, start, len, protect),
+        Mechanism::Mprotect => {
+            let prot = if protect { libc::PROT_READ } else { libc::PROT_READ | libc::PROT_WRITE };
+            // SAFETY: changes the protection of pages of a region the guard was given, which
+            // is this process's memory and stays mapped while the guard lives.
+            if unsafe { libc::mprotect(start as *mut libc::c_void, len as usize, prot) } < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        }
+    }
+}
+
+struct Global(UnsafeCell<State>);
+
+// SAFETY: used by one thread only, the guarded one, and by the handlers running on it (see the
+// module's documentation); `INSTALLED` keeps a second guard out.
+unsafe impl Sync for Global {}
+
+static STATE: Global = Global(UnsafeCell::new(State::EMPTY));
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// The guard's state.
+///
+/// # Safety
+/// Only on the guarded thread, with no other reference to the state alive: in a handler (which
+/// runs on that thread between two of its instructions, and only where none of `Guard`'s
+/// methods runs, as they write no guarded page), or in a `Guard` method.
+#[allow(clippy::mut_from_ref)]
+unsafe fn state() -> &'static mut State {
+    // SAFETY: as the caller promises.
+    unsafe { &mut *STATE.0.get() }
+}
+
+fn gettid() -> i32 {
+    // SAFETY: a system call without arguments.
+    unsafe { libc::syscall(libc::SYS_gettid) as i32 }
+}
+
+/// Gives `sig` back its default action, so that the fault, repeated when the handler returns,
+/// ends the process as it would have without the guard.
+fn not_ours(sig: libc::c_int) {
+    // SAFETY: signal(2) with the default disposition is async-signal-safe.
+    unsafe { libc::signal(sig, libc::SIG_DFL) };
+}
+
+/// The x86 trap flag in RFLAGS: a trap after the next instruction.
+#[cfg(target_arch = "x86_64")]
+const TRAP_FLAG: i64 = 0x100;
+
+#[cfg(target_arch = "x86_64")]
+fn set_trap_flag(ctx: *mut libc::c_void, on: bool) -> bool {
+    let uc = ctx.cast::<libc::ucontext_t>();
+    // SAFETY: the kernel passes an SA_SIGINFO handler the interrupted context, which the
+    // handler may change and sigreturn restores.
+    unsafe {
+        let flags = &mut (*uc).uc_mcontext.gregs[libc::REG_EFL as usize];
+        if on {
+            *flags |= TRAP_FLAG;
+        } else {
+            *flags &= !TRAP_FLAG;
+        }
+    }
+    true
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn set_trap_flag(_ctx: *mut libc::c_void, _on: bool) -> bool {
+    false
+}
+
+extern "C" fn on_write_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes an SA_SIGINFO handler a valid siginfo.
+    let addr = unsafe { (*info).si_addr() } as u64;
+    // SAFETY: a handler on the guarded thread (checked first) — see `state`.
+    let st = unsafe { state() };
+    if st.tid != gettid() {
+        return not_ours(sig);
+    }
+    let Some(region) = st.region_of(addr) else { return not_ours(sig) };
+    let page = addr & !(PAGE - 1);
+    if st.running && !st.act.allows(addr) {
+        let v = Violation { address: addr, region: region as u32, filter: st.filter };
+        if st.report_fd >= 0 {
+            let b = v.encode();
+            // SAFETY: write(2) of a local buffer is async-signal-safe.
+            unsafe { libc::write(st.report_fd, b.as_ptr().cast(), b.len()) };
+        }
+        // SAFETY: _exit is async-signal-safe; the write never happened.
+        unsafe { libc::_exit(VIOLATION_EXIT) };
+    }
+    if st.set(page, PAGE, false).is_err() {
+        return not_ours(sig);
+    }
+    if !st.running {
+        st.stats.outside += 1;
+        st.shadow.opened(page, false);
+        return;
+    }
+    st.stats.allowed += 1;
+    match st.shadow.mode() {
+        Mode::Dwc => {
+            if st.nstepping < MAX_STEPPING && set_trap_flag(ctx, true) {
+                st.stepping[st.nstepping] = page;
+                st.nstepping += 1;
+            } else {
+                // No single step to be had: the page waits in the pool for the next call.
+                st.shadow.opened(page, false);
+            }
+        }
+        Mode::Scdwc { .. } => {
+            if let Some(Evicted::Protect(old)) = st.shadow.opened(page, true) {
+                let _ = st.set(old, PAGE, true);
+                st.stats.page_protects += 1;
+            }
+        }
+    }
+}
+
+extern "C" fn on_trap(sig: libc::c_int, _info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: a handler on the guarded thread (checked first) — see `state`.
+    let st = unsafe { state() };
+    if st.tid != gettid() || st.nstepping == 0 {
+        return not_ours(sig);
+    }
+    for i in 0..st.nstepping {
+        let _ = st.set(st.stepping[i], PAGE, true);
+    }
+    st.stats.page_protects += st.nstepping as u64;
+    st.stats.steps += 1;
+    st.nstepping = 0;
+    set_trap_flag(ctx, false);
+}
+
+/// Write capture for the calling thread. See the crate's documentation.
+#[derive(Debug)]
+pub struct Guard {
+    trap: Option<WriteTrap>,
+    old: [libc::sigaction; 2],
+    owners: Vec<String>,
+    /// Not Send: the guard belongs to the thread that installed it.
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+fn sigaction(sig: libc::c_int, handler: usize) -> io::Result<libc::sigaction> {
+    // SAFETY: zeroed sigaction is a valid "no flags, empty mask" value, then filled in.
+    let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+    sa.sa_sigaction = handler;
+    sa.sa_flags = libc::SA_SIGINFO;
+    // SAFETY: zeroed as above, for the old action.
+    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: both structs are valid and outlive the call; the handler is an extern "C"
+    // function with the SA_SIGINFO signature.
+    if unsafe { libc::sigaction(sig, &sa, &mut old) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(old)
+}
+
+impl Guard {
+    /// Installs the guard for the calling thread, catching writes with `mechanism` and letting
+    /// allowed ones through as `mode` says. A stopped write is reported on `report_fd` (a
+    /// [`Violation`] of [`Violation::BYTES`] bytes), if given, before the process exits with
+    /// [`VIOLATION_EXIT`]. One guard per process.
+    pub fn install(mechanism: Mechanism, mode: Mode, report_fd: Option<RawFd>) -> io::Result<Guard> {
+        if mode == Mode::Dwc && !cfg!(target_arch = "x86_64") {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, "dwc needs single steps, which only x86_64 has here"));
+        }
+        if INSTALLED.swap(true, Ordering::AcqRel) {
+            return Err(io::Error::new(io::ErrorKind::AlreadyExists, "a guard is installed already"));
+        }
+        let trap = match mechanism {
+            Mechanism::Userfault => match WriteTrap::signalling() {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    INSTALLED.store(false, Ordering::Release);
+                    return Err(e);
+                }
+            },
+            Mechanism::Mprotect => None,
+        };
+        {
+            // SAFETY: on the installing thread, no handler installed yet.
+            let st = unsafe { state() };
+            *st = State::EMPTY;
+            st.tid = gettid();
+            st.mechanism = mechanism;
+            st.uffd = trap.as_ref().map_or(-1, |t| t.as_raw_fd());
+            st.report_fd = report_fd.unwrap_or(-1);
+            st.shadow = Shadow::new(mode);
+        }
+        let fault_sig = if mechanism == Mechanism::Userfault { libc::SIGBUS } else { libc::SIGSEGV };
+        let fault = sigaction(fault_sig, on_write_fault as *const () as usize);
+        let trap_sig = fault.and_then(|f| Ok([f, sigaction(libc::SIGTRAP, on_trap as *const () as usize)?]));
+        match trap_sig {
+            Ok(old) => Ok(Guard { trap, old, owners: Vec::new(), _thread: std::marker::PhantomData }),
+            Err(e) => {
+                INSTALLED.store(false, Ordering::Release);
+                Err(e)
+            }
+        }
+    }
+
+    /// Adds `[start, start + len)`, page-aligned memory of this process that is mapped
+    /// read-write (anonymous or shared memory), to what guarded code may not write, under the
+    /// name `owner`. Protected from the next [`enter`](Self::enter). Returns its number, as
+    /// violations name it.
+    pub fn add_region(&mut self, start: u64, len: u64, owner: &str) -> io::Result<u32> {
+        let bad = |why: &str| Err(io::Error::new(io::ErrorKind::InvalidInput, format!("region {owner}: {why}")));
+        if !start.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) || len == 0 {
+            return bad("not whole pages");
+        }
+        let end = start.checked_add(len).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let own = STATE.0.get() as u64;
+        if own < end && own + std::mem::size_of::<State>() as u64 > start {
+            return bad("holds the guard's own state");
+        }
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        if st.nregions == MAX_REGIONS {
+            return bad("too many regions");
+        }
+        if st.regions[..st.nregions].iter().any(|r| r.start < end && start < r.end) {
+            return bad("overlaps another region");
+        }
+        if let Some(t) = &self.trap {
+            t.register(start, len).map_err(|e| io::Error::new(e.kind(), format!("region {owner}: userfaultfd: {e}")))?;
+        }
+        st.regions[st.nregions] = Region { start, end };
+        st.nregions += 1;
+        st.shadow.reset();
+        self.owners.push(owner.to_string());
+        Ok(st.nregions as u32 - 1)
+    }
+
+    /// The name a region was added under.
+    pub fn owner(&self, region: u32) -> Option<&str> {
+        self.owners.get(region as usize).map(String::as_str)
+    }
+
+    /// Guarded code named `filter` starts running, allowed to write what `act` allows: protects
+    /// what the mode says (every region under DWC and on SCDWC's first call; the pool
+    /// otherwise).
+    pub fn enter(&mut self, filter: u32, act: &Act) -> io::Result<()> {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        st.act = *act;
+        st.filter = filter;
+        st.stats.calls += 1;
+        let (mechanism, uffd) = (st.mechanism, st.uffd);
+        match st.shadow.prepare() {
+            Prepare::All => {
+                for r in &st.regions[..st.nregions] {
+                    set(mechanism, uffd, r.start, r.end - r.start, true)?;
+                }
+                st.stats.region_protects += st.nregions as u64;
+            }
+            Prepare::Pages(pages) => {
+                for &p in pages {
+                    set(mechanism, uffd, p, PAGE, true)?;
+                }
+                st.stats.page_protects += pages.len() as u64;
+            }
+        }
+        st.running = true;
+        Ok(())
+    }
+
+    /// The guarded code has returned: writes are the runtime's again, let through and
+    /// recorded for the next call.
+    pub fn exit(&mut self) {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        st.running = false;
+    }
+
+    /// Runs `f` as guarded code named `filter`, allowed to write what `act` allows.
+    pub fn call<R>(&mut self, filter: u32, act: &Act, f: impl FnOnce() -> R) -> io::Result<R> {
+        self.enter(filter, act)?;
+        let r = f();
+        self.exit();
+        Ok(r)
+    }
+
+    /// What the guard has done.
+    pub fn stats(&self) -> Stats {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        unsafe { state() }.stats
+    }
+
+    /// The mechanism.
+    pub fn mechanism(&self) -> Mechanism {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        unsafe { state() }.mechanism
+    }
+}
+
+impl Drop for Guard {
+    /// Opens every region and gives the signals back their earlier handlers.
+    fn drop(&mut self) {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        st.running = false;
+        for r in &st.regions[..st.nregions] {
+            let _ = st.set(r.start, r.end - r.start, false);
+        }
+        let fault_sig = if st.mechanism == Mechanism::Userfault { libc::SIGBUS } else { libc::SIGSEGV };
+        // SAFETY: restoring the actions sigaction returned at install.
+        unsafe {
+            libc::sigaction(fault_sig, &self.old[0], std::ptr::null_mut());
+            libc::sigaction(libc::SIGTRAP, &self.old[1], std::ptr::null_mut());
+        }
+        *st = State::EMPTY;
+        self.trap = None;
+        INSTALLED.store(false, Ordering::Release);
+    }
+}

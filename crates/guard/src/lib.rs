@@ -1,0 +1,34 @@
+//! Write capture inside a domain, after the seed's Chariot: while guarded code runs (a filter
+//! called by the domain's runtime), the memory it must not write is write-protected; each write
+//! to it is caught in the writing thread and checked against an access control table
+//! ([`Act`]). Allowed: the page is opened and the write happens. Not allowed: the write does not
+//! happen, the guard reports it ([`Violation`]) and ends the process, whose supervisor restarts
+//! it with the runtime's state intact.
+//!
+//! Two [`Mode`]s let allowed writes through. DWC protects the page again right after the
+//! write, by single-stepping the writing instruction (the x86 trap flag set in the signal
+//! context), and protects every page at every call. SCDWC keeps the C most recently opened
+//! pages open (the shadow page cache), protecting the oldest when a newer one pushes it out;
+//! writes the runtime makes between calls open pages too, and what they push out of the cache
+//! goes to a pool that the next call protects in one pass (the seed's Algorithm 2). The cache
+//! stays open across calls: a write of guarded code to one of its C pages is not caught, the
+//! price of not faulting on the pages both sides write all the time.
+//!
+//! Two [`Mechanism`]s catch writes: userfaultfd write protection with its faults raised as
+//! SIGBUS in the writing thread, and `mprotect` with SIGSEGV. `bulkhead bench guard` measures
+//! both; docs/guard.md says which is used and why.
+//!
+//! Limits: the guard sees writes made by the guarded thread's own instructions. A system call
+//! that writes into a protected page fails with EFAULT instead of faulting, so memory the
+//! kernel fills for guarded code belongs outside the guarded regions. Reads are not guarded,
+//! nor is time: a guarded filter can still read what the domain holds or loop forever, which
+//! the sandbox and the watchdog cover.
+#![deny(missing_docs)]
+
+pub mod act;
+pub mod capture;
+pub mod shadow;
+
+pub use act::{Act, ActFull};
+pub use capture::{Guard, Mechanism, Stats, Violation, PAGE, VIOLATION_EXIT};
+pub use shadow::Mode;

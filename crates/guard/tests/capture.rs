@@ -1,0 +1,231 @@
+//! The guard in real processes: each scenario runs in a child process of its own (the guard is
+//! process-wide and a stopped write ends the process), for both mechanisms.
+
+use std::process::Command;
+
+use bulkhead_guard::{Act, Guard, Mechanism, Mode, Violation, PAGE, VIOLATION_EXIT};
+
+const PAGES: usize = 16;
+/// What a scenario prints when every check in it held.
+const PASSED: &str = "scenario passed";
+
+/// Runs `scenario` under `mechanism` in a child process (this test binary again).
+fn child(scenario: &str, mechanism: &str, shm: &str) -> std::process::Output {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "scenario", "--nocapture", "--test-threads=1"])
+        .env("GUARD_SCENARIO", scenario)
+        .env("GUARD_MECHANISM", mechanism)
+        .env("GUARD_SHM", shm)
+        .output()
+        .unwrap()
+}
+
+fn mechanisms() -> [&'static str; 2] {
+    ["userfaultfd", "mprotect"]
+}
+
+/// A shared memory file of PAGES pages, mapped read-write.
+fn map_shm(path: &str) -> &'static mut [u8] {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).unwrap();
+    f.set_len(PAGES as u64 * PAGE).unwrap();
+    // SAFETY: a new shared mapping of a file of that length, never unmapped (the process ends).
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGES * PAGE as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: the mapping above, PAGES pages long, used by this process only through this slice.
+    unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), PAGES * PAGE as usize) }
+}
+
+fn write(mem: &mut [u8], page: usize, v: u8) {
+    // A volatile store: the compiler must make exactly this write.
+    // SAFETY: in bounds of the slice.
+    unsafe { std::ptr::write_volatile(mem.as_mut_ptr().add(page * PAGE as usize + 8), v) };
+}
+
+fn act_for(mem: &[u8], pages: &[usize]) -> Act {
+    let mut a = Act::new();
+    for &p in pages {
+        a.allow_slice(&mem[p * PAGE as usize..(p + 1) * PAGE as usize]).unwrap();
+    }
+    a
+}
+
+/// The scenarios; does nothing unless run by `child`.
+#[test]
+fn scenario() {
+    let Ok(which) = std::env::var("GUARD_SCENARIO") else { return };
+    let mechanism = match std::env::var("GUARD_MECHANISM").unwrap().as_str() {
+        "userfaultfd" => Mechanism::Userfault,
+        _ => Mechanism::Mprotect,
+    };
+    let mem = map_shm(&std::env::var("GUARD_SHM").unwrap());
+    let base = mem.as_ptr() as u64;
+    match which.as_str() {
+        "dwc" => {
+            let mut g = Guard::install(mechanism, Mode::Dwc, None).unwrap();
+            g.add_region(base, PAGES as u64 * PAGE, "runtime").unwrap();
+            let act = act_for(mem, &[3]);
+            g.call(7, &act, || {
+                write(mem, 3, 1);
+                // Protected again one instruction after the first write: caught again.
+                write(mem, 3, 2);
+            })
+            .unwrap();
+            let s = g.stats();
+            assert_eq!((s.allowed, s.steps), (2, 2), "{s:?}");
+            // The runtime's own write, between calls, is let through.
+            write(mem, 5, 5);
+            assert_eq!(g.stats().outside, 1);
+            g.call(7, &act, || write(mem, 3, 3)).unwrap();
+            assert_eq!(g.stats().allowed, 3);
+            assert_eq!(g.stats().region_protects, 2, "every call protects every region");
+            println!("{PASSED}");
+        }
+        "scdwc" => {
+            let mut g = Guard::install(mechanism, Mode::Scdwc { cache: 2 }, None).unwrap();
+            g.add_region(base, PAGES as u64 * PAGE, "runtime").unwrap();
+            let act = act_for(mem, &[1, 2, 3]);
+            g.call(1, &act, || {
+                write(mem, 1, 1);
+                write(mem, 1, 1);
+                write(mem, 2, 2);
+                // Pushes page 1 out, protected again.
+                write(mem, 3, 3);
+            })
+            .unwrap();
+            let s = g.stats();
+            assert_eq!((s.allowed, s.steps, s.page_protects), (3, 0, 1), "{s:?}");
+            // Runtime writes between calls: page 9 and 10 enter the cache, pushing 2 and 3 out
+            // to the pool; 9 goes to the pool when 11 comes.
+            write(mem, 9, 9);
+            write(mem, 10, 10);
+            write(mem, 11, 11);
+            assert_eq!(g.stats().outside, 3);
+            g.call(1, &act, || {
+                // Page 10 and 11 are still open (cached); 1, 2 and 3 fault again.
+                write(mem, 10, 1);
+                write(mem, 11, 1);
+                write(mem, 2, 1);
+            })
+            .unwrap();
+            let s = g.stats();
+            assert_eq!(s.allowed, 4, "{s:?}");
+            assert_eq!(s.page_protects, 1 + 3 + 1, "pool of 2, 3, 9, then 10 pushed out: {s:?}");
+            assert_eq!(s.region_protects, 1, "only the first call protects everything: {s:?}");
+            println!("{PASSED}");
+        }
+        "violation" => {
+            write(mem, 5, 0xaa);
+            let mut g = Guard::install(mechanism, Mode::Scdwc { cache: 8 }, Some(1)).unwrap();
+            g.add_region(base, PAGES as u64 * PAGE, "ring state").unwrap();
+            let act = act_for(mem, &[3]);
+            g.call(42, &act, || {
+                write(mem, 3, 3);
+                write(mem, 5, 0x55);
+            })
+            .unwrap();
+            unreachable!("the write to page 5 was let through");
+        }
+        "not-ours" => {
+            let mut g = Guard::install(mechanism, Mode::Dwc, None).unwrap();
+            g.add_region(base, 4 * PAGE, "runtime").unwrap();
+            // SAFETY: pages of this process's own mapping, outside the guarded region.
+            unsafe { libc::mprotect(mem.as_mut_ptr().add(8 * PAGE as usize).cast(), PAGE as usize, libc::PROT_READ) };
+            g.call(0, &Act::new(), || write(mem, 8, 1)).unwrap();
+            unreachable!("a write to read-only memory outside every region succeeded");
+        }
+        "anonymous" => {
+            // Private anonymous memory never touched: protection covers its pages too.
+            // SAFETY: a new private anonymous mapping, never unmapped (the process ends).
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    PAGES * PAGE as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            // SAFETY: the mapping above, used only through this slice.
+            let anon = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), PAGES * PAGE as usize) };
+            let mut g = Guard::install(mechanism, Mode::Dwc, None).unwrap();
+            g.add_region(anon.as_ptr() as u64, PAGES as u64 * PAGE, "heap").unwrap();
+            let act = act_for(anon, &[0, 1, 2, 3]);
+            g.call(0, &act, || (0..4).for_each(|i| write(anon, i, 1))).unwrap();
+            assert_eq!(g.stats().allowed, 4, "{:?}", g.stats());
+            println!("{PASSED}");
+        }
+        other => panic!("no scenario {other}"),
+    }
+}
+
+fn shm(tag: &str, mechanism: &str) -> String {
+    format!("/dev/shm/bulkhead-guard-test-{}-{tag}-{mechanism}", std::process::id())
+}
+
+/// Runs `scenario` under both mechanisms and asserts every check in it held.
+fn passes_under_both(scenario: &str) {
+    for m in mechanisms() {
+        let path = shm(scenario, m);
+        let out = child(scenario, m, &path);
+        let _ = std::fs::remove_file(&path);
+        assert!(out.status.success(), "{m}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains(PASSED), "{m}: {}", String::from_utf8_lossy(&out.stdout));
+    }
+}
+
+#[test]
+fn dwc_lets_allowed_writes_through_and_protects_the_page_again_after_each() {
+    passes_under_both("dwc");
+}
+
+#[test]
+fn scdwc_keeps_the_last_pages_open_and_protects_only_the_pool_at_the_next_call() {
+    passes_under_both("scdwc");
+}
+
+#[test]
+fn a_write_outside_the_table_does_not_happen_and_is_reported() {
+    for m in mechanisms() {
+        let path = shm("violation", m);
+        let out = child("violation", m, &path);
+        let bytes = std::fs::read(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{m}: {}", String::from_utf8_lossy(&out.stderr));
+        // The state, not the handler's word: the allowed write landed, the other did not.
+        let at = |p: usize| bytes[p * PAGE as usize + 8];
+        assert_eq!((at(3), at(5)), (3, 0xaa), "{m}");
+        // The report is the last thing on the child's output.
+        let report = &out.stdout[out.stdout.len() - Violation::BYTES..];
+        let v = Violation::decode(report.try_into().unwrap());
+        assert_eq!((v.region, v.filter), (0, 42), "{m}: {v:?}");
+        assert_eq!(v.address % PAGE, 8, "{m}: {v:?}");
+    }
+}
+
+#[test]
+fn a_fault_outside_every_region_is_not_swallowed() {
+    for m in mechanisms() {
+        let path = shm("not-ours", m);
+        let out = child("not-ours", m, &path);
+        let _ = std::fs::remove_file(&path);
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(libc::SIGSEGV), "{m}: {:?} {}", out.status, String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
+fn anonymous_memory_never_touched_is_guarded_too() {
+    passes_under_both("anonymous");
+}
