@@ -345,8 +345,8 @@ impl Guard {
         }
         let fault_sig = if mechanism == Mechanism::Userfault { libc::SIGBUS } else { libc::SIGSEGV };
         let fault = sigaction(fault_sig, on_write_fault as *const () as usize);
-        let trap_sig = fault.and_then(|f| Ok([f, sigaction(libc::SIGTRAP, on_trap as *const () as usize)?]));
-        match trap_sig {
+        let actions = fault.and_then(|f| Ok([f, sigaction(libc::SIGTRAP, on_trap as *const () as usize)?]));
+        match actions {
             Ok(old) => Ok(Guard { trap, old, owners: Vec::new(), _thread: std::marker::PhantomData }),
             Err(e) => {
                 INSTALLED.store(false, Ordering::Release);

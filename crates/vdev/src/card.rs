@@ -170,7 +170,37 @@ pub struct Descriptor {
     pub address: Field,
 }
 
+/// The fields a driver fills in for one command.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Command {
+    /// The command ([`Opcodes`]).
+    pub opcode: u8,
+    /// The driver's own tag.
+    pub tag: u64,
+    /// First block.
+    pub lba: u64,
+    /// Blocks.
+    pub blocks: u64,
+    /// Bus address of the data.
+    pub address: u64,
+    /// The status the descriptor holds until the card writes its own.
+    pub status: u64,
+}
+
 impl Descriptor {
+    /// Writes `c` into `desc` (at least [`size`](Self::size) bytes) in this layout, every
+    /// other byte of the descriptor zero.
+    pub fn encode(&self, c: &Command, desc: &mut [u8]) {
+        let desc = &mut desc[..self.size as usize];
+        desc.fill(0);
+        crate::regs::put(desc, self.opcode, c.opcode.into());
+        crate::regs::put(desc, self.tag, c.tag);
+        crate::regs::put(desc, self.lba, c.lba);
+        crate::regs::put(desc, self.blocks, c.blocks);
+        crate::regs::put(desc, self.address, c.address);
+        crate::regs::put(desc, self.status, c.status);
+    }
+
     /// Every field with its name, in datasheet order.
     pub fn all(&self) -> [(&'static str, Field); 6] {
         [

@@ -10,7 +10,7 @@ use bulkhead_block::{Backend, BlockError, Caps, Io, Request};
 use bulkhead_doorbell::EventFd;
 use bulkhead_shmem::Mapping;
 
-use crate::card::{Card, BLOCK, PAGE};
+use crate::card::{Card, Command, BLOCK, PAGE};
 use crate::regs::{self, RegisterPage};
 
 /// How the driver learns of completions.
@@ -196,16 +196,18 @@ impl Driver {
                 }
             }
             let mut desc = [0u8; 64];
-            let desc = &mut desc[..d.size as usize];
-            regs::put(desc, d.opcode, u64::from(p.opcode));
-            regs::put(desc, d.tag, j as u64);
-            regs::put(desc, d.lba, p.lba);
-            regs::put(desc, d.blocks, p.blocks);
-            regs::put(desc, d.address, self.card.dma_base + buf);
-            // A status the card never writes, so a descriptor it skipped cannot read as done.
-            regs::put(desc, d.status, regs::get(desc, d.status) ^ crate::card::width_max(d.status.width));
+            let command = Command {
+                opcode: p.opcode,
+                tag: j as u64,
+                lba: p.lba,
+                blocks: p.blocks,
+                address: self.card.dma_base + buf,
+                // A status the card never writes, so a descriptor it skipped cannot read as done.
+                status: crate::card::width_max(d.status.width),
+            };
+            d.encode(&command, &mut desc);
             let slot = self.ring_offset + (self.tail % ENTRIES) * u64::from(d.size);
-            self.dma.write_from(slot as usize, desc).map_err(|e| e.to_string())?;
+            self.dma.write_from(slot as usize, &desc[..d.size as usize]).map_err(|e| e.to_string())?;
             self.tail += 1;
         }
         // The acknowledgement of the last batch's completions rides with this doorbell.

@@ -11,7 +11,7 @@ use bulkhead_block::{Backend, BlockError, Io, Request, SliceList};
 use bulkhead_doorbell::EventFd;
 use bulkhead_shmem::{memfd, Mapping, Protection};
 use bulkhead_testkit::pattern;
-use bulkhead_vdev::card::{Card, BLOCK, PAGE};
+use bulkhead_vdev::card::{Card, Command, BLOCK, PAGE};
 use bulkhead_vdev::regs::{self, RegisterPage};
 use bulkhead_vdev::{trap, Driver, Model, ModelStats, Server, Trapped, Wait};
 
@@ -219,11 +219,7 @@ impl Raw {
     fn post(&self, n: u64, opcode: u8, lba: u64, blocks: u64, address: u64) {
         let d = &self.card.descriptor;
         let mut desc = vec![0u8; d.size as usize];
-        regs::put(&mut desc, d.opcode, opcode.into());
-        regs::put(&mut desc, d.lba, lba);
-        regs::put(&mut desc, d.blocks, blocks);
-        regs::put(&mut desc, d.address, address);
-        regs::put(&mut desc, d.status, 0x77);
+        d.encode(&Command { opcode, lba, blocks, address, status: 0x77, ..Command::default() }, &mut desc);
         self.dma.write_from(((n % 8) * u64::from(d.size)) as usize, &desc).unwrap();
     }
     fn status_of(&self, n: u64) -> u16 {
