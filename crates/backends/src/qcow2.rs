@@ -93,6 +93,9 @@ impl Storage for FdStorage {
         let mut at = offset;
         for mut b in bufv.into_inner() {
             let buf: &mut [u8] = &mut b;
+            // Under write capture the buffer may lie in protected pages, which the kernel's
+            // writes would fail on: open them first.
+            bulkhead_guard::kernel_fills(buf);
             let mut done = 0;
             while done < buf.len() {
                 match self.file.read_at(&mut buf[done..], at + done as u64) {

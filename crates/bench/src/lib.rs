@@ -11,6 +11,7 @@
 pub mod channel;
 pub mod fileio;
 pub mod guard;
+pub mod guard_filters;
 pub mod images;
 pub mod restart;
 pub mod surge;

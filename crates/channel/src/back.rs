@@ -213,4 +213,11 @@ impl BackQueue {
     pub(crate) fn ring_mapping(&self) -> &Mapping {
         self.ring.mapping()
     }
+
+    /// Where the ring lies in this process, as (start, bytes) in whole pages: memory that
+    /// write capture protects from a domain's filters.
+    pub fn ring_region(&self) -> (u64, u64) {
+        let m = self.ring.mapping();
+        (m.base_ptr() as u64, (m.len() as u64).next_multiple_of(4096))
+    }
 }

@@ -8,7 +8,7 @@ use bulkhead_diskmodel::CacheGeometry;
 use bulkhead_filters::error::{ErrorRule, ERRNOS};
 use bulkhead_filters::throttle::{Limit, Limits};
 use bulkhead_filters::vpt::DriveSpec;
-use bulkhead_filters::FilterSpec;
+use bulkhead_filters::{FilterSpec, GuardMode, GuardSpec, InjectSpec, InjectTarget};
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -166,6 +166,17 @@ pub struct FilterTable {
     pub max_write_delay_ms: Option<Spanned<u64>>,
     /// `anticipate_ms` (scheduler: cats).
     pub anticipate_ms: Option<Spanned<u64>>,
+    /// `guard` (any): `off`, `dwc` or `scdwc` write capture (default off).
+    pub guard: Option<Spanned<String>>,
+    /// `guard_cache` (with `guard = "scdwc"`): pages kept open, 0 to 256 (default 60).
+    pub guard_cache: Option<Spanned<u64>>,
+    /// `guard_inject` (any): make the filter write where it must not: `ring`, `filter`,
+    /// `heap`, `freed` or `random`.
+    pub guard_inject: Option<Spanned<String>>,
+    /// `guard_inject_every` (with `guard_inject`): one fault every this many calls (default 1000).
+    pub guard_inject_every: Option<Spanned<u64>>,
+    /// `guard_inject_seed` (with `guard_inject`): of the random choices (default 1).
+    pub guard_inject_seed: Option<Spanned<u64>>,
 }
 
 /// A resolved filter: what the domain gets, plus the trace file the supervisor opens for it.
@@ -177,6 +188,8 @@ pub struct Filter {
     pub path: Option<PathBuf>,
     /// The key file (crypt), read by the supervisor when the device starts.
     pub key_file: Option<PathBuf>,
+    /// Write capture for it.
+    pub guard: GuardSpec,
 }
 
 type Err<'a> = &'a dyn Fn(Range<usize>, String) -> crate::ConfigError;
@@ -293,6 +306,67 @@ impl FilterTable {
         watchdog_ms: u64,
         err: Err<'_>,
     ) -> Result<Filter, crate::ConfigError> {
+        let mut f = self.resolve_kind(device, index, watchdog_ms, err)?;
+        f.guard = self.guard_spec(device, index, err)?;
+        Ok(f)
+    }
+
+    /// `guard`, `guard_cache` and `guard_inject…`, which apply to every type.
+    fn guard_spec(&self, device: &str, index: usize, err: Err<'_>) -> Result<GuardSpec, crate::ConfigError> {
+        let kind = self.kind.get_ref().as_str();
+        let at = |key: &str| format!("device `{device}`: filter {} ({kind}): key `filter.{key}`", index + 1);
+        let mode = match self.guard.as_ref().map(|g| (g.get_ref().as_str(), g.span())) {
+            None | Some(("off", _)) => GuardMode::Off,
+            Some(("dwc", _)) => GuardMode::Dwc,
+            Some(("scdwc", _)) => {
+                let cache = match &self.guard_cache {
+                    None => 60,
+                    Some(c) if *c.get_ref() <= bulkhead_guard::shadow::MAX_CACHE as u64 => *c.get_ref() as u32,
+                    Some(c) => {
+                        let most = bulkhead_guard::shadow::MAX_CACHE;
+                        return Err(err(c.span(), format!("{}: {} is out of range 0..={most}", at("guard_cache"), c.get_ref())));
+                    }
+                };
+                GuardMode::Scdwc { cache }
+            }
+            Some((other, span)) => {
+                return Err(err(span, format!("{}: `{other}` is not one of off, dwc, scdwc", at("guard"))));
+            }
+        };
+        if let (Some(c), false) = (&self.guard_cache, matches!(mode, GuardMode::Scdwc { .. })) {
+            return Err(err(c.span(), format!("{} only applies with guard = \"scdwc\"", at("guard_cache"))));
+        }
+        let inject = match &self.guard_inject {
+            None => {
+                for (key, v) in [("guard_inject_every", &self.guard_inject_every), ("guard_inject_seed", &self.guard_inject_seed)]
+                {
+                    if let Some(v) = v {
+                        return Err(err(v.span(), format!("{} only applies with guard_inject", at(key))));
+                    }
+                }
+                None
+            }
+            Some(t) => {
+                let Some(&(_, target)) = InjectTarget::ALL.iter().find(|(n, _)| *n == t.get_ref().as_str()) else {
+                    let names: Vec<&str> = InjectTarget::ALL.iter().map(|(n, _)| *n).collect();
+                    return Err(err(
+                        t.span(),
+                        format!("{}: `{}` is not one of {}", at("guard_inject"), t.get_ref(), names.join(", ")),
+                    ));
+                };
+                let every = match &self.guard_inject_every {
+                    None => 1000,
+                    Some(e) if *e.get_ref() >= 1 => *e.get_ref(),
+                    Some(e) => return Err(err(e.span(), format!("{}: must be at least 1", at("guard_inject_every")))),
+                };
+                let seed = self.guard_inject_seed.as_ref().map_or(1, |s| *s.get_ref());
+                Some(InjectSpec { target, every, seed })
+            }
+        };
+        Ok(GuardSpec { mode, inject })
+    }
+
+    fn resolve_kind(&self, device: &str, index: usize, watchdog_ms: u64, err: Err<'_>) -> Result<Filter, crate::ConfigError> {
         let kind = *self.kind.get_ref();
         let at = |key: &str| format!("device `{device}`: filter {} ({}): key `filter.{key}`", index + 1, kind.as_str());
         for (key, span, owners) in self.keys() {
@@ -314,6 +388,7 @@ impl FilterTable {
                     spec: FilterSpec::Trace { device_number: 0 },
                     path: Some(path.get_ref().clone()),
                     key_file: None,
+                    guard: GuardSpec::default(),
                 });
             }
             FilterKind::Stats => FilterSpec::Stats {},
@@ -378,7 +453,7 @@ impl FilterTable {
                 // Where the volume's data starts and how much there is: read from its header
                 // by the supervisor when the device starts.
                 let spec = FilterSpec::Crypt { payload_offset: 0, data_size: 0, sector_size: 512 };
-                return Ok(Filter { spec, path: None, key_file: Some(key.get_ref().clone()) });
+                return Ok(Filter { spec, path: None, key_file: Some(key.get_ref().clone()), guard: GuardSpec::default() });
             }
             FilterKind::Cow => {
                 let Some(overlay) = &self.overlay else {
@@ -404,10 +479,10 @@ impl FilterTable {
                 };
                 // An overlay that exists keeps its own cluster size: the supervisor reads it.
                 let spec = FilterSpec::Cow { cluster_bits, op: None };
-                return Ok(Filter { spec, path: Some(p.clone()), key_file: None });
+                return Ok(Filter { spec, path: Some(p.clone()), key_file: None, guard: GuardSpec::default() });
             }
         };
-        Ok(Filter { spec, path: None, key_file: None })
+        Ok(Filter { spec, path: None, key_file: None, guard: GuardSpec::default() })
     }
 
     /// The modelled drive of a vpt or scheduler.

@@ -1308,7 +1308,12 @@ mod tests {
             ("type = \"throttle\"\niops = 50\niops_max = 5\n", "below the average", 9),
             ("type = \"throttle\"\niops = 0\n", "positive", 8),
             ("type = \"zip\"\n", "zip", 7),
-            ("type = \"stats\"\nguard = \"dwc\"\n", "guard", 8),
+            ("type = \"stats\"\nguard = \"always\"\n", "filter.guard`: `always` is not one of off, dwc, scdwc", 8),
+            ("type = \"stats\"\nguard = \"dwc\"\nguard_cache = 5\n", "guard_cache` only applies with guard = \"scdwc\"", 9),
+            ("type = \"stats\"\nguard = \"scdwc\"\nguard_cache = 300\n", "guard_cache`: 300 is out of range 0..=256", 9),
+            ("type = \"stats\"\nguard_inject = \"stack\"\n", "`stack` is not one of ring, filter, heap, freed, random", 8),
+            ("type = \"stats\"\nguard_inject_every = 5\n", "guard_inject_every` only applies with guard_inject", 8),
+            ("type = \"stats\"\nguard_inject = \"heap\"\nguard_inject_every = 0\n", "at least 1", 9),
             ("type = \"crypt\"\n", "filter.key_file` is required", 7),
             ("type = \"crypt\"\nkey_file = \"/nonexistent/key\"\n", "/nonexistent/key is not a file", 8),
             ("type = \"stats\"\nkey_file = \"/etc/hostname\"\n", "only applies to type = \"crypt\"", 8),
@@ -1321,6 +1326,18 @@ mod tests {
             let e = parse(&format!("{RAM}[[device.filter]]\n{table}")).unwrap_err().to_string();
             assert!(e.contains(want) && e.contains(&format!("line {line}")), "{table:?}: {e}");
         }
+    }
+
+    #[test]
+    fn guard_keys_resolve_for_any_filter_type() {
+        use bulkhead_filters::{GuardMode, InjectSpec, InjectTarget};
+        let f = parse_filter("type = \"stats\"\nguard = \"scdwc\"\n", "d", 0, 5000).unwrap();
+        assert_eq!(f.guard.mode, GuardMode::Scdwc { cache: 60 });
+        let f = parse_filter("type = \"stats\"\nguard = \"dwc\"\nguard_inject = \"ring\"\n", "d", 0, 5000).unwrap();
+        assert_eq!(f.guard.mode, GuardMode::Dwc);
+        assert_eq!(f.guard.inject, Some(InjectSpec { target: InjectTarget::Ring, every: 1000, seed: 1 }));
+        let f = parse_filter("type = \"stats\"\n", "d", 0, 5000).unwrap();
+        assert!(!f.guard.wanted());
     }
 
     #[test]

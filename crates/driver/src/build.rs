@@ -12,7 +12,7 @@ use bulkhead_block::{Backend, Chain};
 use bulkhead_channel::{AboveControl, BackQueue, BackQueueFds, BelowControl, ForwardQueueFds, FrontQueue, QueueConfig};
 use bulkhead_ring::ArenaSizes;
 
-use crate::{Domain, DriverError};
+use crate::{guarded, Domain, DriverError};
 
 /// Spins a tap domain's wait on the domain below makes before it starts yielding the CPU.
 const YIELD_AFTER_SPINS: u32 = 64;
@@ -44,6 +44,14 @@ unsafe fn claim_opt(fd: Option<i32>) -> Result<Option<OwnedFd>, DriverError> {
 pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Result<Domain, DriverError> {
     let this = spec;
     let lower_stop = stop.clone();
+    // Write capture: every allocation from here on comes from a heap space, the runtime's or
+    // a filter's, so each filter's state lies in pages of its own.
+    let guarded = this.filters.iter().any(|f| f.guard.wanted());
+    if guarded {
+        let r = bulkhead_guard::heap::Reservation::new(1 + this.filters.len())
+            .map_err(|e| DriverError::Setup(format!("write capture: heap: {e}")))?;
+        bulkhead_guard::heap::activate(r).map_err(|e| DriverError::Setup(format!("write capture: heap: {e}")))?;
+    }
     let mode = this.notify_mode().map_err(DriverError::Setup)?;
     let mut queues = Vec::with_capacity(this.queues.len());
     for q in &this.queues {
@@ -146,18 +154,31 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
             Box::new(ChannelBackend::new(fronts, windows, this.backend_size, lower_stop, control))
         }
     };
-    let mut layers = Vec::with_capacity(this.filters.len());
-    for f in &this.filters {
+    let rings: Vec<(u64, u64)> = queues.iter().map(BackQueue::ring_region).collect();
+    let mut layers: Vec<Box<dyn bulkhead_block::Layer>> = Vec::with_capacity(this.filters.len());
+    for (i, f) in this.filters.iter().enumerate() {
         // SAFETY: forwarded from this function's contract.
         let state = unsafe { claim(f.state_fd)? };
         // SAFETY: as above.
         let output = unsafe { claim_opt(f.output_fd)? };
         // SAFETY: as above.
         let secret = unsafe { claim_opt(f.secret_fd)? };
-        layers.push(
-            bulkhead_filters::build(&f.spec, FilterFds { state, output, secret })
-                .map_err(|e| DriverError::Setup(e.to_string()))?,
-        );
+        let make = || bulkhead_filters::build(&f.spec, FilterFds { state, output, secret });
+        let layer = if guarded { bulkhead_guard::heap::with_space(guarded::space_of(i), make) } else { make() }
+            .map_err(|e| DriverError::Setup(e.to_string()))?;
+        if !guarded {
+            layers.push(layer);
+            continue;
+        }
+        let others = (0..this.filters.len()).filter(|&j| j != i).map(guarded::space_of).collect();
+        let targets = guarded::Targets { rings: rings.clone(), others };
+        layers.push(Box::new(guarded::Guarded::new(layer, i, f.guard, targets, None, None)));
+    }
+    if guarded {
+        let names: Vec<String> = this.filters.iter().map(|f| f.spec.type_name().to_string()).collect();
+        let guard = guarded::install(&rings, &names, None).map_err(|e| DriverError::Setup(format!("write capture: {e}")))?;
+        // The guard lives as long as the domain's process; a stopped write ends it.
+        std::mem::forget(guard);
     }
     let chain = Chain::new(layers, backend);
     // The device may use a prefix of what the chain offers (a file longer than `size`).

@@ -9,6 +9,7 @@
 #![deny(missing_docs)]
 
 mod build;
+pub mod guarded;
 mod model;
 mod runtime;
 
@@ -58,7 +59,8 @@ pub fn confine_and_report_withholding(
     spec: &bulkhead_spec::DomainSpec,
     withhold: Vec<String>,
 ) -> Result<bulkhead_sandbox::Layers, DriverError> {
-    confine_as(spec.sandbox.policy, spec.seccomp_role(), spec.report_fd, withhold)
+    let guarded = spec.filters.iter().any(|f| f.guard.wanted());
+    confine_as(spec.sandbox.policy, spec.seccomp_role(), guarded, spec.report_fd, withhold)
 }
 
 /// Confines this process as a domain of seccomp `role` under `policy`, and reports the layers
@@ -67,6 +69,7 @@ pub fn confine_and_report_withholding(
 pub fn confine_as(
     policy: bulkhead_sandbox::Policy,
     role: bulkhead_sandbox::seccomp::Role,
+    guarded: bool,
     report_fd: Option<i32>,
     withhold: Vec<String>,
 ) -> Result<bulkhead_sandbox::Layers, DriverError> {
@@ -74,6 +77,7 @@ pub fn confine_as(
     let opts = bulkhead_sandbox::confine::Options {
         policy,
         role,
+        guarded,
         namespaces: bulkhead_sandbox::spawn::namespaces_layer(policy),
         address_space_headroom: HEADROOM,
         withhold,

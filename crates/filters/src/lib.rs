@@ -23,7 +23,7 @@ pub mod trace;
 pub mod trace_summary;
 pub mod vpt;
 
-pub use spec::{build, FilterFds, FilterReport, FilterSpec};
+pub use spec::{build, FilterFds, FilterReport, FilterSpec, GuardMode, GuardSpec, InjectSpec, InjectTarget};
 
 use bulkhead_block::Request;
 

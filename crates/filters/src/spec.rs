@@ -76,6 +76,97 @@ pub enum FilterSpec {
     },
 }
 
+/// Write capture for a filter (`guard`, `guard_cache`, `guard_inject…` in the configuration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuardSpec {
+    /// How its writes are captured.
+    pub mode: GuardMode,
+    /// Faults to inject into it, to measure what capture isolates.
+    #[serde(default)]
+    pub inject: Option<InjectSpec>,
+}
+
+impl GuardSpec {
+    /// Whether the filter needs a heap space of its own: it is guarded, or faults are
+    /// injected into it (whose targets, other filters' state, must then exist).
+    pub fn wanted(&self) -> bool {
+        self.mode != GuardMode::Off || self.inject.is_some()
+    }
+}
+
+/// `guard`: how a filter's writes are captured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GuardMode {
+    /// Not at all.
+    #[default]
+    Off,
+    /// Every write outside the filter's table caught, each allowed page protected again right
+    /// after the write.
+    Dwc,
+    /// With a shadow page cache of `cache` pages.
+    Scdwc {
+        /// C, the pages kept open.
+        cache: u32,
+    },
+}
+
+impl GuardMode {
+    /// As the configuration spells it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            GuardMode::Off => "off",
+            GuardMode::Dwc => "dwc",
+            GuardMode::Scdwc { .. } => "scdwc",
+        }
+    }
+}
+
+/// Where an injected fault writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InjectTarget {
+    /// The descriptor ring of a queue.
+    Ring,
+    /// Another filter's state.
+    Filter,
+    /// The runtime's heap.
+    Heap,
+    /// A block of the filter's own heap it has just freed.
+    Freed,
+    /// Anywhere in the guarded memory outside the filter's own.
+    Random,
+}
+
+impl InjectTarget {
+    /// Every target, as the configuration spells them.
+    pub const ALL: [(&'static str, InjectTarget); 5] = [
+        ("ring", InjectTarget::Ring),
+        ("filter", InjectTarget::Filter),
+        ("heap", InjectTarget::Heap),
+        ("freed", InjectTarget::Freed),
+        ("random", InjectTarget::Random),
+    ];
+
+    /// As the configuration spells it.
+    pub fn as_str(self) -> &'static str {
+        Self::ALL.iter().find(|(_, t)| *t == self).map_or("?", |(n, _)| n)
+    }
+}
+
+/// Fault injection into a filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InjectSpec {
+    /// Where the faults write.
+    pub target: InjectTarget,
+    /// One fault every this many calls into the filter, at a random call of each span.
+    pub every: u64,
+    /// Of the random choices.
+    pub seed: u64,
+}
+
 impl FilterSpec {
     /// The filter's type name, as in the configuration.
     pub fn type_name(&self) -> &'static str {

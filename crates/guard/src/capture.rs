@@ -11,7 +11,7 @@
 use std::cell::UnsafeCell;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, Ordering};
 
 use bulkhead_sys::uffd::{set_write_protect, WriteTrap};
 
@@ -24,6 +24,10 @@ pub const PAGE: u64 = 4096;
 pub const MAX_REGIONS: usize = 32;
 /// The exit status of a process whose guarded code was stopped.
 pub const VIOLATION_EXIT: i32 = 86;
+/// Guarded code named at most, for reports.
+pub const MAX_FILTERS: usize = 16;
+/// Bytes of a name in reports.
+const NAME: usize = 24;
 
 /// How writes to protected pages are caught.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +104,27 @@ impl Violation {
 struct Region {
     start: u64,
     end: u64,
+    /// Bytes from `start` in use, if the region grows (a heap space): protecting the region
+    /// protects that much; pages taken into use later are protected as they are.
+    extent: Option<&'static AtomicU64>,
+    name: [u8; NAME],
+}
+
+impl Region {
+    fn protected_len(&self) -> u64 {
+        match self.extent {
+            Some(e) => e.load(Ordering::Relaxed).min(self.end - self.start),
+            None => self.end - self.start,
+        }
+    }
+}
+
+fn name_of(s: &str) -> [u8; NAME] {
+    let mut n = [0u8; NAME];
+    let b = s.as_bytes();
+    let k = b.len().min(NAME);
+    n[..k].copy_from_slice(&b[..k]);
+    n
 }
 
 /// Pages a single step may have to protect again: one write may cross a page boundary.
@@ -115,6 +140,10 @@ struct State {
     act: Act,
     running: bool,
     filter: u32,
+    /// The filter that ran last: when another runs, the cache is flushed to the pool.
+    last_filter: u32,
+    filter_names: [[u8; NAME]; MAX_FILTERS],
+    text_fd: RawFd,
     shadow: Shadow,
     stepping: [u64; MAX_STEPPING],
     nstepping: usize,
@@ -127,11 +156,14 @@ impl State {
         mechanism: Mechanism::Userfault,
         uffd: -1,
         report_fd: -1,
-        regions: [Region { start: 0, end: 0 }; MAX_REGIONS],
+        regions: [Region { start: 0, end: 0, extent: None, name: [0; NAME] }; MAX_REGIONS],
         nregions: 0,
         act: Act::new(),
         running: false,
         filter: 0,
+        last_filter: u32::MAX,
+        filter_names: [[0; NAME]; MAX_FILTERS],
+        text_fd: -1,
         shadow: Shadow::new(Mode::Dwc),
         stepping: [0; MAX_STEPPING],
         nstepping: 0,
@@ -173,6 +205,26 @@ unsafe impl Sync for Global {}
 
 static STATE: Global = Global(UnsafeCell::new(State::EMPTY));
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+/// The guarded thread, the mechanism and the userfaultfd, for the functions other threads may
+/// call (the heap, protecting the pages it takes into use).
+static TID: AtomicI32 = AtomicI32::new(0);
+static MECH: AtomicU8 = AtomicU8::new(0);
+static UFFD: AtomicI32 = AtomicI32::new(-1);
+
+fn mechanism_now() -> Mechanism {
+    if MECH.load(Ordering::Relaxed) == 1 {
+        Mechanism::Mprotect
+    } else {
+        Mechanism::Userfault
+    }
+}
+
+/// Protects pages a heap space has just taken into use or freed whole; any thread.
+fn protect_heap_pages(start: u64, len: u64) {
+    if INSTALLED.load(Ordering::Acquire) {
+        let _ = set(mechanism_now(), UFFD.load(Ordering::Relaxed), start, len, true);
+    }
+}
 
 /// The guard's state.
 ///
@@ -233,15 +285,8 @@ extern "C" fn on_write_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: 
     }
     let Some(region) = st.region_of(addr) else { return not_ours(sig) };
     let page = addr & !(PAGE - 1);
-    if st.running && !st.act.allows(addr) {
-        let v = Violation { address: addr, region: region as u32, filter: st.filter };
-        if st.report_fd >= 0 {
-            let b = v.encode();
-            // SAFETY: write(2) of a local buffer is async-signal-safe.
-            unsafe { libc::write(st.report_fd, b.as_ptr().cast(), b.len()) };
-        }
-        // SAFETY: _exit is async-signal-safe; the write never happened.
-        unsafe { libc::_exit(VIOLATION_EXIT) };
+    if st.running && !allowed(st, addr) {
+        stop(st, addr, region);
     }
     if st.set(page, PAGE, false).is_err() {
         return not_ours(sig);
@@ -268,6 +313,68 @@ extern "C" fn on_write_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: 
                 st.stats.page_protects += 1;
             }
         }
+    }
+}
+
+/// Whether the running guarded code may write `addr`: its table allows it, and it is not a
+/// block of the heap freed whole (unless the allocator itself is writing its links there).
+fn allowed(st: &State, addr: u64) -> bool {
+    st.act.allows(addr) && (!crate::heap::is_freed(addr) || crate::heap::busy())
+}
+
+/// Reports a write guarded code may not make and ends the process; async-signal-safe.
+fn stop(st: &State, addr: u64, region: usize) -> ! {
+    let v = Violation { address: addr, region: region as u32, filter: st.filter };
+    if st.report_fd >= 0 {
+        let b = v.encode();
+        // SAFETY: write(2) of a local buffer is async-signal-safe.
+        unsafe { libc::write(st.report_fd, b.as_ptr().cast(), b.len()) };
+    }
+    if st.text_fd >= 0 {
+        let mut line = Line::new();
+        line.put(b"bulkhead guard: filter `");
+        line.put_name(st.filter_names.get(st.filter as usize).unwrap_or(&[0; NAME]));
+        line.put(b"` wrote at 0x");
+        line.put_hex(addr);
+        line.put(b" in `");
+        line.put_name(&st.regions[region].name);
+        line.put(b"`, which it may not write: stopped before the write\n");
+        // SAFETY: write(2) of a local buffer is async-signal-safe.
+        unsafe { libc::write(st.text_fd, line.buf.as_ptr().cast(), line.len) };
+    }
+    // SAFETY: _exit is async-signal-safe; the write never happened.
+    unsafe { libc::_exit(VIOLATION_EXIT) }
+}
+
+/// A report line built without allocating.
+struct Line {
+    buf: [u8; 256],
+    len: usize,
+}
+
+impl Line {
+    fn new() -> Line {
+        Line { buf: [0; 256], len: 0 }
+    }
+
+    fn put(&mut self, b: &[u8]) {
+        let k = b.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + k].copy_from_slice(&b[..k]);
+        self.len += k;
+    }
+
+    fn put_name(&mut self, n: &[u8; NAME]) {
+        let k = n.iter().position(|&c| c == 0).unwrap_or(NAME);
+        self.put(&n[..k]);
+    }
+
+    fn put_hex(&mut self, v: u64) {
+        let mut d = [0u8; 16];
+        for (i, c) in d.iter_mut().enumerate() {
+            *c = b"0123456789abcdef"[((v >> ((15 - i) * 4)) & 0xf) as usize];
+        }
+        let first = d.iter().position(|&c| c != b'0').unwrap_or(15);
+        self.put(&d[first..]);
     }
 }
 
@@ -342,6 +449,9 @@ impl Guard {
             st.uffd = trap.as_ref().map_or(-1, |t| t.as_raw_fd());
             st.report_fd = report_fd.unwrap_or(-1);
             st.shadow = Shadow::new(mode);
+            TID.store(st.tid, Ordering::Relaxed);
+            MECH.store(u8::from(mechanism == Mechanism::Mprotect), Ordering::Relaxed);
+            UFFD.store(st.uffd, Ordering::Relaxed);
         }
         let fault_sig = if mechanism == Mechanism::Userfault { libc::SIGBUS } else { libc::SIGSEGV };
         let fault = sigaction(fault_sig, on_write_fault as *const () as usize);
@@ -360,6 +470,20 @@ impl Guard {
     /// name `owner`. Protected from the next [`enter`](Self::enter). Returns its number, as
     /// violations name it.
     pub fn add_region(&mut self, start: u64, len: u64, owner: &str) -> io::Result<u32> {
+        self.add(start, len, owner, None)
+    }
+
+    /// Adds space `s` of the active heap as a region named `owner`: pages it takes into use
+    /// later, or frees whole, are protected as that happens.
+    pub fn add_heap_space(&mut self, s: crate::heap::Space, owner: &str) -> io::Result<u32> {
+        let (start, len) = crate::heap::space_range(s)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("region {owner}: no heap space {}", s.0)))?;
+        let n = self.add(start, len, owner, Some(crate::heap::extent(s)))?;
+        crate::heap::on_pages(Some(protect_heap_pages));
+        Ok(n)
+    }
+
+    fn add(&mut self, start: u64, len: u64, owner: &str, extent: Option<&'static AtomicU64>) -> io::Result<u32> {
         let bad = |why: &str| Err(io::Error::new(io::ErrorKind::InvalidInput, format!("region {owner}: {why}")));
         if !start.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) || len == 0 {
             return bad("not whole pages");
@@ -380,11 +504,31 @@ impl Guard {
         if let Some(t) = &self.trap {
             t.register(start, len).map_err(|e| io::Error::new(e.kind(), format!("region {owner}: userfaultfd: {e}")))?;
         }
-        st.regions[st.nregions] = Region { start, end };
+        st.regions[st.nregions] = Region { start, end, extent, name: name_of(owner) };
         st.nregions += 1;
         st.shadow.reset();
         self.owners.push(owner.to_string());
         Ok(st.nregions as u32 - 1)
+    }
+
+    /// Names guarded code `filter` (as [`enter`](Self::enter) numbers it) in reports.
+    pub fn name_filter(&mut self, filter: u32, name: &str) {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        if let Some(n) = st.filter_names.get_mut(filter as usize) {
+            *n = name_of(name);
+        }
+    }
+
+    /// Also reports a stopped write as a line of text on `fd` (the domain's standard error).
+    pub fn report_text(&mut self, fd: RawFd) {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        unsafe { state() }.text_fd = fd;
+    }
+
+    /// A handle for entering and leaving guarded code from other owners on this thread.
+    pub fn handle(&self) -> Handle {
+        Handle(std::marker::PhantomData)
     }
 
     /// The name a region was added under.
@@ -397,35 +541,14 @@ impl Guard {
     /// otherwise).
     pub fn enter(&mut self, filter: u32, act: &Act) -> io::Result<()> {
         // SAFETY: a `Guard` method on the guarded thread (not Send).
-        let st = unsafe { state() };
-        st.act = *act;
-        st.filter = filter;
-        st.stats.calls += 1;
-        let (mechanism, uffd) = (st.mechanism, st.uffd);
-        match st.shadow.prepare() {
-            Prepare::All => {
-                for r in &st.regions[..st.nregions] {
-                    set(mechanism, uffd, r.start, r.end - r.start, true)?;
-                }
-                st.stats.region_protects += st.nregions as u64;
-            }
-            Prepare::Pages(pages) => {
-                for &p in pages {
-                    set(mechanism, uffd, p, PAGE, true)?;
-                }
-                st.stats.page_protects += pages.len() as u64;
-            }
-        }
-        st.running = true;
-        Ok(())
+        let mode = unsafe { state() }.shadow.mode();
+        enter(filter, act, mode)
     }
 
     /// The guarded code has returned: writes are the runtime's again, let through and
     /// recorded for the next call.
     pub fn exit(&mut self) {
-        // SAFETY: a `Guard` method on the guarded thread (not Send).
-        let st = unsafe { state() };
-        st.running = false;
+        exit();
     }
 
     /// Runs `f` as guarded code named `filter`, allowed to write what `act` allows.
@@ -449,6 +572,125 @@ impl Guard {
     }
 }
 
+/// Enters guarded code on the guarded thread (checked by the callers).
+fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
+    {
+        // SAFETY: on the guarded thread, outside any handler, no other reference alive.
+        let st = unsafe { state() };
+        if st.shadow.mode() != mode {
+            st.shadow = Shadow::new(mode);
+        } else if st.last_filter != filter {
+            st.shadow.flush();
+        }
+        st.last_filter = filter;
+    }
+    {
+        // SAFETY: as above.
+        let st = unsafe { state() };
+        st.act = *act;
+        st.filter = filter;
+        st.stats.calls += 1;
+        let (mechanism, uffd) = (st.mechanism, st.uffd);
+        match st.shadow.prepare() {
+            Prepare::All => {
+                for r in &st.regions[..st.nregions] {
+                    set(mechanism, uffd, r.start, r.protected_len(), true)?;
+                }
+                st.stats.region_protects += st.nregions as u64;
+            }
+            Prepare::Pages(pages) => {
+                for &p in pages {
+                    set(mechanism, uffd, p, PAGE, true)?;
+                }
+                st.stats.page_protects += pages.len() as u64;
+            }
+        }
+        st.running = true;
+    }
+    Ok(())
+}
+
+fn exit() {
+    // SAFETY: on the guarded thread, outside any handler, no other reference alive.
+    unsafe { state() }.running = false;
+}
+
+/// Enters and leaves guarded code for its owners on the guarded thread (the layers a domain
+/// wraps its filters in); refused on any other thread.
+#[derive(Debug, Clone, Copy)]
+pub struct Handle(std::marker::PhantomData<()>);
+
+impl Default for Handle {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Handle {
+    /// A handle; it acts only on the guarded thread of an installed guard.
+    pub const fn new() -> Handle {
+        Handle(std::marker::PhantomData)
+    }
+
+    fn on_guarded_thread() -> io::Result<()> {
+        if !INSTALLED.load(Ordering::Acquire) || TID.load(Ordering::Relaxed) != gettid() {
+            return Err(io::Error::other("not the guarded thread"));
+        }
+        Ok(())
+    }
+
+    /// Guarded code named `filter` starts running, allowed to write what `act` allows, with
+    /// writes let through as `mode` says (a change of mode protects everything first).
+    pub fn enter(&self, filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
+        Self::on_guarded_thread()?;
+        enter(filter, act, mode)
+    }
+
+    /// The guarded code has returned.
+    pub fn exit(&self) {
+        if Self::on_guarded_thread().is_ok() {
+            exit();
+        }
+    }
+
+    /// What the guard has done.
+    pub fn stats(&self) -> Stats {
+        if Self::on_guarded_thread().is_err() {
+            return Stats::default();
+        }
+        // SAFETY: on the guarded thread, outside any handler, no other reference alive.
+        unsafe { state() }.stats
+    }
+}
+
+/// Opens the guarded pages of `buf` before a system call fills it: the kernel's writes into a
+/// protected page would fail with EFAULT rather than fault. Call on any thread before reading
+/// into memory that may lie in a guarded region. On the guarded thread while guarded code
+/// runs, a buffer outside its table is a write it may not make, stopped as any other; the
+/// pages opened wait in the pool for the next call, as writes between calls do.
+pub fn kernel_fills(buf: &mut [u8]) {
+    if !INSTALLED.load(Ordering::Acquire) || buf.is_empty() || TID.load(Ordering::Relaxed) != gettid() {
+        return;
+    }
+    let (start, end) = (buf.as_ptr() as u64, buf.as_ptr() as u64 + buf.len() as u64);
+    // SAFETY: on the guarded thread, outside any handler (this function writes no guarded
+    // page before it is done with the state), no other reference alive.
+    let st = unsafe { state() };
+    let mut page = start & !(PAGE - 1);
+    while page < end {
+        if let Some(region) = st.region_of(page) {
+            let at = page.max(start);
+            if st.running && !allowed(st, at) {
+                stop(st, at, region);
+            }
+            if st.set(page, PAGE, false).is_ok() {
+                st.shadow.pool(page);
+            }
+        }
+        page += PAGE;
+    }
+}
+
 impl Drop for Guard {
     /// Opens every region and gives the signals back their earlier handlers.
     fn drop(&mut self) {
@@ -456,7 +698,7 @@ impl Drop for Guard {
         let st = unsafe { state() };
         st.running = false;
         for r in &st.regions[..st.nregions] {
-            let _ = st.set(r.start, r.end - r.start, false);
+            let _ = st.set(r.start, r.protected_len(), false);
         }
         let fault_sig = if st.mechanism == Mechanism::Userfault { libc::SIGBUS } else { libc::SIGSEGV };
         // SAFETY: restoring the actions sigaction returned at install.
@@ -464,7 +706,9 @@ impl Drop for Guard {
             libc::sigaction(fault_sig, &self.old[0], std::ptr::null_mut());
             libc::sigaction(libc::SIGTRAP, &self.old[1], std::ptr::null_mut());
         }
+        crate::heap::on_pages(None);
         *st = State::EMPTY;
+        TID.store(0, Ordering::Relaxed);
         self.trap = None;
         INSTALLED.store(false, Ordering::Release);
     }

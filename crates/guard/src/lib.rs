@@ -27,8 +27,9 @@
 
 pub mod act;
 pub mod capture;
+pub mod heap;
 pub mod shadow;
 
 pub use act::{Act, ActFull};
-pub use capture::{Guard, Mechanism, Stats, Violation, PAGE, VIOLATION_EXIT};
+pub use capture::{kernel_fills, Guard, Handle, Mechanism, Stats, Violation, PAGE, VIOLATION_EXIT};
 pub use shadow::Mode;

@@ -150,6 +150,23 @@ impl Shadow {
         Prepare::Pages(&self.pool[..n])
     }
 
+    /// Moves the pages the cache holds open to the pool, so the next call protects them: a
+    /// different filter is about to run, and what the last one kept open is not its to write.
+    pub fn flush(&mut self) {
+        let cap = self.capacity();
+        for i in 0..self.held {
+            let page = self.cache[(self.next + cap - 1 - i) % cap];
+            self.pool_push(page);
+        }
+        self.held = 0;
+    }
+
+    /// Records `page`, opened for the kernel to fill, for the next call to protect, without
+    /// it entering the cache (whose evictions might protect it again while the kernel writes).
+    pub fn pool(&mut self, page: u64) {
+        self.pool_push(page);
+    }
+
     /// Forgets every opened page: the next call protects everything.
     pub fn reset(&mut self) {
         self.held = 0;
@@ -207,6 +224,20 @@ mod tests {
         assert_eq!(s.prepare(), Prepare::All);
         assert_eq!(s.cached(), 0);
         assert_eq!(s.prepare(), Prepare::Pages(&[]));
+    }
+
+    #[test]
+    fn a_flush_sends_the_open_pages_to_the_pool() {
+        let mut s = Shadow::new(Mode::Scdwc { cache: 2 });
+        assert_eq!(s.prepare(), Prepare::All);
+        s.opened(0x1000, true);
+        s.opened(0x2000, true);
+        s.flush();
+        assert_eq!(s.cached(), 0);
+        let Prepare::Pages(p) = s.prepare() else { panic!("expected the pool") };
+        let mut p = p.to_vec();
+        p.sort();
+        assert_eq!(p, [0x1000, 0x2000]);
     }
 
     #[test]

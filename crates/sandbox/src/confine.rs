@@ -10,6 +10,8 @@ pub struct Options {
     pub policy: Policy,
     /// Seccomp role.
     pub role: Role,
+    /// Its filters run under write capture: the seccomp allowlist adds what that needs.
+    pub guarded: bool,
     /// What the supervisor reported for the namespaces layer.
     pub namespaces: Layer,
     /// Address space allowed beyond what is mapped now (bytes).
@@ -128,10 +130,14 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
     // Memory faults must kill the domain at once. Rust's stack-overflow handler would try to
     // reinstall the default action with rt_sigaction, which seccomp refuses, and the fault
     // would repeat forever.
+    // A guarded domain keeps its SIGBUS handler: that is how write capture catches writes
+    // (and its allowlist has rt_sigaction, for the handler's own "not mine" case).
     // SAFETY: restoring default dispositions; no handler code is involved.
     unsafe {
         libc::signal(libc::SIGSEGV, libc::SIG_DFL);
-        libc::signal(libc::SIGBUS, libc::SIG_DFL);
+        if !opts.guarded {
+            libc::signal(libc::SIGBUS, libc::SIG_DFL);
+        }
     }
     if let Layer::Unavailable(reason) = &opts.namespaces {
         check("namespaces", Err(reason.clone()))?;
@@ -145,6 +151,6 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
     layers.rlimits = check("rlimits", apply("rlimits", &|| rlimits(&footprint, opts.role, opts.address_space_headroom)))?;
     layers.no_new_privs = check("no_new_privs", apply("no_new_privs", &no_new_privs))?;
     layers.landlock = check("landlock", apply("landlock", &|| landlock::deny_all().map(|_| ())))?;
-    layers.seccomp = check("seccomp", apply("seccomp", &|| seccomp::apply(opts.role)))?;
+    layers.seccomp = check("seccomp", apply("seccomp", &|| seccomp::apply(opts.role, opts.guarded)))?;
     Ok(layers)
 }

@@ -128,8 +128,25 @@ const VDEV_MODEL: &[(i64, &str)] = &[
     (libc::SYS_close, "let go of a trap it refused or that a new driver's replaced (else each would hold a descriptor)"),
 ];
 
+/// Extra system calls of a domain whose filters run under write capture (`guard`).
+const GUARD: &[(i64, &str)] = &[
+    (libc::SYS_ioctl, "UFFDIO_WRITEPROTECT only: protect and open pages around a guarded filter's writes"),
+    (libc::SYS_rt_sigaction, "give a fault that is not the guard's its default action"),
+];
+
 fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCondition {
     SeccompCondition::new(arg, len, op, v).expect("valid seccomp condition")
+}
+
+/// The rules, as (syscall, reason) for documentation and for the filter; `guarded` adds what
+/// write capture needs.
+pub fn allowlist_guarded(role: Role, guarded: bool) -> Vec<(i64, &'static str)> {
+    let mut v = allowlist(role);
+    if guarded {
+        v.retain(|(nr, _)| !GUARD.iter().any(|(g, _)| g == nr));
+        v.extend_from_slice(GUARD);
+    }
+    v
 }
 
 /// The rules, as (syscall, reason, conditions) for documentation and for the filter.
@@ -164,10 +181,11 @@ pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     v
 }
 
-/// Builds the BPF program for `role`: EPERM for anything not allowed.
-pub fn filter(role: Role) -> Result<seccompiler::BpfProgram, String> {
+/// Builds the BPF program for `role`, with what write capture needs if `guarded`: EPERM for
+/// anything not allowed.
+pub fn filter(role: Role, guarded: bool) -> Result<seccompiler::BpfProgram, String> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    for (nr, _) in allowlist(role) {
+    for (nr, _) in allowlist_guarded(role, guarded) {
         rules.insert(nr, vec![]);
     }
     use SeccompCmpArgLen::{Dword, Qword};
@@ -192,22 +210,21 @@ pub fn filter(role: Role) -> Result<seccompiler::BpfProgram, String> {
             ],
         );
     }
-    if role == Role::VdevModel {
-        // _IOWR(0xAA, 0x06, struct uffdio_writeprotect), as `bulkhead_sys::uffd` issues it.
-        const UFFDIO_WRITEPROTECT: u64 = 0xC018_AA06;
-        rules.insert(
-            libc::SYS_ioctl,
-            vec![SeccompRule::new(vec![cond(1, Qword, Eq, UFFDIO_WRITEPROTECT)]).map_err(|e| e.to_string())?],
-        );
+    // _IOWR(0xAA, 0x06, struct uffdio_writeprotect), as `bulkhead_sys::uffd` issues it.
+    const UFFDIO_WRITEPROTECT: u64 = 0xC018_AA06;
+    if role == Role::VdevModel || guarded {
+        let rule = SeccompRule::new(vec![cond(1, Qword, Eq, UFFDIO_WRITEPROTECT)]).map_err(|e| e.to_string())?;
+        rules.entry(libc::SYS_ioctl).or_default().push(rule);
     }
     let f = SeccompFilter::new(rules, SeccompAction::Errno(libc::EPERM as u32), SeccompAction::Allow, TargetArch::x86_64)
         .map_err(|e| e.to_string())?;
     f.try_into().map_err(|e: seccompiler::BackendError| e.to_string())
 }
 
-/// Installs the filter for `role` on the calling thread (the domain is single-threaded).
-pub fn apply(role: Role) -> Result<(), String> {
-    let prog = filter(role)?;
+/// Installs the filter for `role` (`guarded`: with write capture's calls) on the calling
+/// thread (the domain is single-threaded).
+pub fn apply(role: Role, guarded: bool) -> Result<(), String> {
+    let prog = filter(role, guarded)?;
     seccompiler::apply_filter(&prog).map_err(|e| e.to_string())
 }
 
@@ -229,7 +246,7 @@ mod tests {
             Role::VdevFile,
             Role::VdevModel,
         ] {
-            assert!(filter(role).is_ok(), "{role:?}");
+            assert!(filter(role, false).is_ok() && filter(role, true).is_ok(), "{role:?}");
             for (nr, why) in allowlist(role) {
                 assert!(!why.is_empty(), "syscall {nr} has no reason");
             }
@@ -261,7 +278,7 @@ mod tests {
         if pid == 0 {
             // SAFETY: plain prctl.
             unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-            let code = if apply(Role::Memory).is_err() {
+            let code = if apply(Role::Memory, false).is_err() {
                 3
             } else {
                 // SAFETY: constant path.

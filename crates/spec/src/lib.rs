@@ -93,6 +93,9 @@ pub struct FilterSlot {
     /// Its secret (a passphrase in a sealed memory file), if it has one.
     #[serde(default)]
     pub secret_fd: Option<i32>,
+    /// Write capture for it.
+    #[serde(default)]
+    pub guard: bulkhead_filters::GuardSpec,
 }
 
 /// One queue of the channel below a tap domain.
@@ -279,8 +282,20 @@ mod tests {
                 ring: Some(RingSpec { fds: [15, 16], params: vec![1; 120] }),
             },
             filters: vec![
-                FilterSlot { spec: FilterSpec::Trace { device_number: 3 }, state_fd: 11, output_fd: Some(12), secret_fd: None },
-                FilterSlot { spec: FilterSpec::Stats {}, state_fd: 13, output_fd: None, secret_fd: Some(14) },
+                FilterSlot {
+                    spec: FilterSpec::Trace { device_number: 3 },
+                    state_fd: 11,
+                    output_fd: Some(12),
+                    secret_fd: None,
+                    guard: Default::default(),
+                },
+                FilterSlot {
+                    spec: FilterSpec::Stats {},
+                    state_fd: 13,
+                    output_fd: None,
+                    secret_fd: Some(14),
+                    guard: Default::default(),
+                },
             ],
             state_fd: Some(14),
             heartbeat_ms: 250,

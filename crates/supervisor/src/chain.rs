@@ -164,6 +164,8 @@ pub(crate) struct FilterSetup {
     pub overlay: Option<std::path::PathBuf>,
     /// The state page as `status` reads it.
     pub page: StatePage,
+    /// Write capture for it.
+    pub guard: bulkhead_filters::GuardSpec,
 }
 
 impl FilterSetup {
@@ -183,7 +185,7 @@ impl FilterSetup {
             }
             (_, None) => (None, None),
         };
-        Ok(FilterSetup { spec, state_fd, output, secret: None, key_file: f.key_file, overlay, page })
+        Ok(FilterSetup { spec, state_fd, output, secret: None, key_file: f.key_file, overlay, page, guard: f.guard })
     }
 
     /// Cuts a trace file back to whole records: a domain killed in the middle of a write may

@@ -1006,7 +1006,7 @@ impl Launcher {
                 let state_fd = pass.add(&f.state_fd);
                 let output_fd = f.output.as_ref().map(|o| pass.add(o));
                 let secret_fd = f.secret.as_ref().map(|o| pass.add(o));
-                filters.push(FilterSlot { spec: f.spec.clone(), state_fd, output_fd, secret_fd });
+                filters.push(FilterSlot { spec: f.spec.clone(), state_fd, output_fd, secret_fd, guard: f.guard });
             }
             state_fd = Some(pass.add(&self.state_fd));
         }

@@ -22,6 +22,9 @@ mod vdev;
 /// Exit status of a domain whose backend lost its remote server (EX_TEMPFAIL): the supervisor
 /// reconnects and starts the next generation.
 pub const LOST_EXIT: u8 = 75;
+/// Exit status of a domain whose write capture stopped a filter's write
+/// (`bulkhead_guard::VIOLATION_EXIT`): restarted like a crash, with the reason in the log.
+pub const GUARD_EXIT: u8 = 86;
 
 pub use domain::{pidfd_open, spawn_domain, DeviceRuntime};
 pub use supervisor::{DeviceChange, DeviceState, DeviceStatus, ProcessMemory, StatusReport, Supervisor, SupervisorError};

@@ -613,6 +613,12 @@ fn watch(inner: Arc<Inner>) {
                         };
                         return Some((format!("{role} domain (pid {}) lost {what}", p.pid), Some(Domain::Both)));
                     }
+                    if status.code() == Some(crate::GUARD_EXIT as i32) {
+                        // Write capture stopped a filter's write before it landed; the domain
+                        // said which above. Its state is intact; it restarts like any other.
+                        let e = format!("{role} domain (pid {}) stopped a guarded filter's write (reported above)", p.pid);
+                        return Some((e, Some(Domain::Top)));
+                    }
                     return Some((format!("{role} domain (pid {}) exited: {status}", p.pid), Some(Domain::Top)));
                 }
                 let lower = p.lower.as_mut()?;

@@ -3,6 +3,7 @@
 //! the model). Shared memory has its own crate (`bulkhead-shmem`), doorbells theirs.
 #![deny(missing_docs)]
 
+pub mod memfd;
 pub mod uffd;
 pub mod uring;
 

@@ -1,0 +1,228 @@
+//! `bench guard --filters`: real filters under write capture, as the seed's figures 5 and 6.
+//! For each filter (trace, crypt, cow) and each setting (`off`, `dwc`, `scdwc` with C in
+//! {0, 5, 10, 20, 40, 60, 80, 100}), a supervisor in this process serves one device with that
+//! filter, exported over FUSE, and fio runs 4 KiB random reads and writes on it; the row is its
+//! throughput and the machine's CPU use meanwhile.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use bulkhead_config::Config;
+use bulkhead_supervisor::Supervisor;
+use serde::Serialize;
+
+use crate::Table;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Seconds of fio per setting.
+    pub seconds: u32,
+    /// Where the files go.
+    pub scratch: PathBuf,
+}
+
+/// The settings, as the seed's x axis: off, DWC, then SCDWC with these C.
+pub const CACHES: [u32; 8] = [0, 5, 10, 20, 40, 60, 80, 100];
+
+/// One filter at one setting.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// trace, crypt or cow.
+    pub filter: String,
+    /// off, dwc or scdwc.
+    pub guard: String,
+    /// C, for scdwc.
+    pub cache: Option<u32>,
+    /// Reads and writes per second together.
+    pub iops: f64,
+    /// MiB/s, reads and writes together.
+    pub mibs: f64,
+    /// Busy share of all CPUs during the run, percent.
+    pub cpu_pct: f64,
+    /// Throughput as a share of `off`, percent.
+    pub of_off_pct: f64,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Seconds of fio per row.
+    pub seconds: u32,
+    /// The rows.
+    pub rows: Vec<Row>,
+    /// Filters left out, and why.
+    pub skipped: Vec<String>,
+}
+
+const SIZE_MIB: u64 = 64;
+
+fn cpu_busy() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<u64> = s.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    (v.iter().sum::<u64>() - idle, v.iter().sum())
+}
+
+fn fio(file: &Path, seconds: u32) -> Result<(f64, f64), String> {
+    let out = Command::new("fio")
+        .args(["--name=guard", "--direct=1", "--rw=randrw", "--bs=4k", "--ioengine=psync", "--time_based"])
+        .arg(format!("--filename={}", file.display()))
+        .arg(format!("--size={}M", SIZE_MIB - 8))
+        .arg(format!("--runtime={seconds}"))
+        .arg("--output-format=json")
+        .output()
+        .map_err(|e| format!("fio: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let json = text
+        .find('{')
+        .map(|at| &text[at..])
+        .ok_or_else(|| format!("fio: no report ({})", String::from_utf8_lossy(&out.stderr)))?;
+    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("fio: {e}"))?;
+    let job = &v["jobs"][0];
+    if job["error"].as_i64().unwrap_or(0) != 0 {
+        return Err(format!("fio: error {} on {}", job["error"], file.display()));
+    }
+    let iops = job["read"]["iops"].as_f64().unwrap_or(0.0) + job["write"]["iops"].as_f64().unwrap_or(0.0);
+    let bw = job["read"]["bw"].as_f64().unwrap_or(0.0) + job["write"]["bw"].as_f64().unwrap_or(0.0);
+    Ok((iops, bw / 1024.0))
+}
+
+/// The device's configuration for `filter` with `guard` lines.
+fn device(filter: &str, files: &Files, guard: &str) -> String {
+    let head = "[nbd]\nenabled = false\n[fuse]\nenabled = false\n[[device]]\nname = \"g\"\n";
+    match filter {
+        "trace" => format!(
+            "{head}size = \"{SIZE_MIB}M\"\n[device.backend]\ntype = \"ram\"\n[[device.filter]]\ntype = \"trace\"\npath = \"{}\"\n{guard}",
+            files.trace.display()
+        ),
+        "crypt" => format!(
+            "{head}[device.backend]\ntype = \"file\"\npath = \"{}\"\n[[device.filter]]\ntype = \"crypt\"\nkey_file = \"{}\"\n{guard}",
+            files.luks.display(),
+            files.key.display()
+        ),
+        _ => format!(
+            "{head}size = \"{SIZE_MIB}M\"\n[device.backend]\ntype = \"ram\"\n[[device.filter]]\ntype = \"cow\"\noverlay = \"{}\"\n{guard}",
+            files.overlay.display()
+        ),
+    }
+}
+
+struct Files {
+    trace: PathBuf,
+    luks: PathBuf,
+    key: PathBuf,
+    overlay: PathBuf,
+}
+
+fn run_one(exe: &Path, filter: &str, files: &Files, guard: &str, opts: &Options) -> Result<(f64, f64, f64), String> {
+    let _ = std::fs::remove_file(&files.overlay);
+    let config = Config::parse(&device(filter, files, guard), "bench guard").map_err(|e| e.to_string())?;
+    let sup = Supervisor::start(&config, Some(exe)).map_err(|e| e.to_string())?;
+    let mnt = opts.scratch.join(format!("bench-guard-fuse-{}", std::process::id()));
+    let fuse = bulkhead_fuse_export::FuseExport::mount(&mnt, sup.devices(), 4).map_err(|e| e.to_string());
+    let r = fuse.and_then(|fuse| {
+        let before = cpu_busy();
+        let t = Instant::now();
+        let r = fio(&mnt.join("g"), opts.seconds);
+        let after = cpu_busy();
+        let _ = t.elapsed();
+        drop(fuse);
+        let cpu = 100.0 * (after.0 - before.0) as f64 / ((after.1 - before.1).max(1)) as f64;
+        r.map(|(iops, mibs)| (iops, mibs, cpu))
+    });
+    let _ = std::fs::remove_dir(&mnt);
+    sup.shutdown();
+    r
+}
+
+fn make_luks(scratch: &Path) -> Result<(PathBuf, PathBuf), String> {
+    let img = scratch.join("bench-guard.luks");
+    let key = scratch.join("bench-guard.key");
+    std::fs::write(&key, b"bench guard passphrase").map_err(|e| e.to_string())?;
+    std::fs::File::create(&img).and_then(|f| f.set_len((SIZE_MIB + 16) << 20)).map_err(|e| e.to_string())?;
+    let out = Command::new("cryptsetup")
+        .args(["luksFormat", "-q", "--type", "luks2", "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
+        .args(["--sector-size", "512", "--key-file"])
+        .arg(&key)
+        .arg(&img)
+        .output()
+        .map_err(|e| format!("cryptsetup: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("cryptsetup: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok((img, key))
+}
+
+/// Runs every filter at every setting.
+pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+    let mut skipped = Vec::new();
+    let mut filters = vec!["trace"];
+    let luks = match make_luks(&opts.scratch) {
+        Ok(l) => {
+            filters.push("crypt");
+            Some(l)
+        }
+        Err(e) => {
+            skipped.push(format!("crypt: no LUKS volume ({e})"));
+            None
+        }
+    };
+    filters.push("cow");
+    let files = Files {
+        trace: opts.scratch.join("bench-guard.blktrace"),
+        luks: luks.as_ref().map(|l| l.0.clone()).unwrap_or_default(),
+        key: luks.as_ref().map(|l| l.1.clone()).unwrap_or_default(),
+        overlay: opts.scratch.join("bench-guard-overlay.qcow2"),
+    };
+    let mut settings: Vec<(String, Option<u32>, String)> =
+        vec![("off".into(), None, String::new()), ("dwc".into(), None, "guard = \"dwc\"\n".into())];
+    for c in CACHES {
+        settings.push(("scdwc".into(), Some(c), format!("guard = \"scdwc\"\nguard_cache = {c}\n")));
+    }
+    let mut rows = Vec::new();
+    for f in &filters {
+        let mut off = 0.0;
+        for (name, cache, lines) in &settings {
+            let label = cache.map_or(name.clone(), |c| format!("{name} C={c}"));
+            progress(&format!("{f}, {label}"));
+            let (iops, mibs, cpu_pct) = run_one(exe, f, &files, lines, opts)?;
+            if name == "off" {
+                off = mibs;
+            }
+            let of_off_pct = if off > 0.0 { 100.0 * mibs / off } else { 0.0 };
+            rows.push(Row { filter: f.to_string(), guard: name.clone(), cache: *cache, iops, mibs, cpu_pct, of_off_pct });
+        }
+    }
+    for p in [&files.trace, &files.luks, &files.key, &files.overlay] {
+        let _ = std::fs::remove_file(p);
+    }
+    std::thread::sleep(Duration::from_millis(10));
+    Ok(Report { seconds: opts.seconds, rows, skipped })
+}
+
+/// The report as a table, with the goal (scdwc at C = 60 within 10% of off).
+pub fn render(r: &Report) -> String {
+    let mut t = Table::new(&["filter", "guard", "C", "IOPS", "MiB/s", "CPU %", "of off"]);
+    for row in &r.rows {
+        t.row(vec![
+            row.filter.clone(),
+            row.guard.clone(),
+            row.cache.map_or("-".into(), |c| c.to_string()),
+            format!("{:.0}", row.iops),
+            format!("{:.1}", row.mibs),
+            format!("{:.0}", row.cpu_pct),
+            format!("{:.0}%", row.of_off_pct),
+        ]);
+    }
+    let mut s = format!("fio 4 KiB randrw, psync, QD1, {} s per row, through FUSE\n{}", r.seconds, t.render());
+    for row in r.rows.iter().filter(|x| x.cache == Some(60)) {
+        let met = if row.of_off_pct >= 90.0 { "met" } else { "not met" };
+        s.push_str(&format!("goal: {} scdwc C=60 within 10% of off: {:.0}% ({met})\n", row.filter, row.of_off_pct));
+    }
+    for k in &r.skipped {
+        s.push_str(&format!("skipped: {k}\n"));
+    }
+    s
+}
