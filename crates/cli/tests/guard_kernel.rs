@@ -29,7 +29,7 @@ fn injected_faults_in_a_guarded_filter_are_stopped_and_no_acknowledged_write_is_
         .args(["--kill-after=10", "180", "fio", "--name=guard", "--direct=1", "--rw=randwrite", "--bs=4k"])
         .arg(format!("--filename={}", serve.fuse_file("g").display()))
         .args(["--size=24M", "--ioengine=psync", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1"])
-        .args(["--output-format=json"])
+        .args(["--verify_state_save=0", "--output-format=json"])
         .output()
         .unwrap();
     let log = serve.log_text();
