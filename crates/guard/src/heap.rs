@@ -396,6 +396,7 @@ impl Heap {
 // never handed out twice (free lists are under the space's lock), and released to the
 // allocator that owns their address.
 unsafe impl GlobalAlloc for Heap {
+    // SAFETY (for callers): GlobalAlloc's contract; this impl keeps it as said above.
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if !ACTIVE.load(Ordering::Relaxed) {
             // SAFETY: forwarded contract.
@@ -413,6 +414,7 @@ unsafe impl GlobalAlloc for Heap {
         }
     }
 
+    // SAFETY (for callers): GlobalAlloc's contract, as `alloc`.
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         // SAFETY: forwarded contract.
         let p = unsafe { self.alloc(layout) };
@@ -424,6 +426,7 @@ unsafe impl GlobalAlloc for Heap {
         p
     }
 
+    // SAFETY (for callers): GlobalAlloc's contract: `ptr` came from this allocator with `layout`.
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         match locate(ptr as u64) {
             Some((i, _)) => dealloc_in(i, ptr as u64, layout),
