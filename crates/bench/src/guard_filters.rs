@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use bulkhead_config::Config;
 use bulkhead_supervisor::Supervisor;
@@ -74,16 +73,11 @@ fn fio(file: &Path, seconds: u32) -> Result<(f64, f64), String> {
         .arg("--output-format=json")
         .output()
         .map_err(|e| format!("fio: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let json = text
-        .find('{')
-        .map(|at| &text[at..])
-        .ok_or_else(|| format!("fio: no report ({})", String::from_utf8_lossy(&out.stderr)))?;
-    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("fio: {e}"))?;
-    let job = &v["jobs"][0];
-    if job["error"].as_i64().unwrap_or(0) != 0 {
-        return Err(format!("fio: error {} on {}", job["error"], file.display()));
+    if !out.status.success() {
+        return Err(format!("fio on {}: {}", file.display(), String::from_utf8_lossy(&out.stderr).trim()));
     }
+    let v = crate::fio_report(&out.stdout, &file.display().to_string())?;
+    let job = &v["jobs"][0];
     let iops = job["read"]["iops"].as_f64().unwrap_or(0.0) + job["write"]["iops"].as_f64().unwrap_or(0.0);
     let bw = job["read"]["bw"].as_f64().unwrap_or(0.0) + job["write"]["bw"].as_f64().unwrap_or(0.0);
     Ok((iops, bw / 1024.0))
@@ -124,10 +118,8 @@ fn run_one(exe: &Path, filter: &str, files: &Files, guard: &str, opts: &Options)
     let fuse = bulkhead_fuse_export::FuseExport::mount(&mnt, sup.devices(), 4).map_err(|e| e.to_string());
     let r = fuse.and_then(|fuse| {
         let before = cpu_busy();
-        let t = Instant::now();
         let r = fio(&mnt.join("g"), opts.seconds);
         let after = cpu_busy();
-        let _ = t.elapsed();
         drop(fuse);
         let cpu = 100.0 * (after.0 - before.0) as f64 / ((after.1 - before.1).max(1)) as f64;
         r.map(|(iops, mibs)| (iops, mibs, cpu))
@@ -198,7 +190,6 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     for p in [&files.trace, &files.luks, &files.key, &files.overlay] {
         let _ = std::fs::remove_file(p);
     }
-    std::thread::sleep(Duration::from_millis(10));
     Ok(Report { seconds: opts.seconds, rows, skipped })
 }
 

@@ -281,18 +281,12 @@ fn point(system: &str, sock: &Path, device: &str, job: (&str, &str, u32), second
         .map_err(|e| format!("fio: {e}"))?;
     let wall = started.elapsed().as_secs_f64();
     let s1 = tree_jiffies(server);
-    let text = String::from_utf8_lossy(&out.stdout);
     let what = format!("{system} {device} {rw} {bs} QD{qd}");
     if !out.status.success() {
         return Err(format!("fio on {what}: {}", String::from_utf8_lossy(&out.stderr).trim()));
     }
-    // The engine says it connected before the report begins.
-    let json = text.find('{').map(|at| &text[at..]).ok_or_else(|| format!("fio on {what}: no report"))?;
-    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("fio on {what}: {e}"))?;
+    let v = crate::fio_report(&out.stdout, &what)?;
     let job = &v["jobs"][0];
-    if job["error"].as_i64() != Some(0) {
-        return Err(format!("fio on {what}: error {}", job["error"]));
-    }
     let side = if rw.contains("write") { "write" } else { "read" };
     Ok(Point {
         system: system.into(),

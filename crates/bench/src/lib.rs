@@ -20,3 +20,15 @@ pub mod tap;
 pub mod vdev;
 
 pub use table::Table;
+
+/// fio's JSON report from its standard output (an I/O engine may print before the report),
+/// refused if its first job saw an error; `what` names the run in errors.
+pub fn fio_report(stdout: &[u8], what: &str) -> Result<serde_json::Value, String> {
+    let text = String::from_utf8_lossy(stdout);
+    let json = text.find('{').map(|at| &text[at..]).ok_or_else(|| format!("fio on {what}: no report"))?;
+    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("fio on {what}: {e}"))?;
+    if v["jobs"][0]["error"].as_i64() != Some(0) {
+        return Err(format!("fio on {what}: error {}", v["jobs"][0]["error"]));
+    }
+    Ok(v)
+}

@@ -736,12 +736,7 @@ fn bench_tap(
     let exe = std::env::current_exe()?;
     let opts = bulkhead_bench::tap::Options { mode: mode.into(), bytes, requests, scratch, nbdkit };
     let r = bulkhead_bench::tap::run(&exe, &opts, |p| eprintln!("bench tap: {p}")).map_err(anyhow::Error::msg)?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
-    } else {
-        print!("{}", bulkhead_bench::tap::render(&r));
-    }
-    Ok(ExitCode::SUCCESS)
+    emit(&r, json, bulkhead_bench::tap::render)
 }
 
 fn bench_vdev(seed: u64, size: &str, requests: usize, seconds: u32, writes: usize, json: bool) -> anyhow::Result<ExitCode> {
@@ -752,18 +747,29 @@ fn bench_vdev(seed: u64, size: &str, requests: usize, seconds: u32, writes: usiz
     if !(1..=10_000_000).contains(&requests) || !(1..=10_000_000).contains(&writes) {
         anyhow::bail!("--requests and --writes must be between 1 and 10000000");
     }
-    if !(1..=600).contains(&seconds) {
-        anyhow::bail!("--seconds must be between 1 and 600");
-    }
+    check_seconds(seconds)?;
     let exe = std::env::current_exe()?;
     let opts = bulkhead_bench::vdev::Options { seed, size, requests, seconds, writes };
     let r = bulkhead_bench::vdev::run(&exe, &opts, |p| eprintln!("bench vdev: {p}")).map_err(anyhow::Error::msg)?;
+    emit(&r, json, bulkhead_bench::vdev::render)
+}
+
+/// Prints a benchmark's report as JSON or as its table.
+fn emit<R: serde::Serialize>(r: &R, json: bool, render: fn(&R) -> String) -> anyhow::Result<ExitCode> {
     if json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        println!("{}", serde_json::to_string_pretty(r)?);
     } else {
-        print!("{}", bulkhead_bench::vdev::render(&r));
+        print!("{}", render(r));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--seconds` of a timed benchmark.
+fn check_seconds(seconds: u32) -> anyhow::Result<()> {
+    if !(1..=600).contains(&seconds) {
+        anyhow::bail!("--seconds must be between 1 and 600");
+    }
+    Ok(())
 }
 
 fn bench_guard(writes: usize, json: bool) -> anyhow::Result<ExitCode> {
@@ -772,18 +778,11 @@ fn bench_guard(writes: usize, json: bool) -> anyhow::Result<ExitCode> {
     }
     let opts = bulkhead_bench::guard::Options { writes };
     let r = bulkhead_bench::guard::run(&opts, |p| eprintln!("bench guard: {p}")).map_err(anyhow::Error::msg)?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
-    } else {
-        print!("{}", bulkhead_bench::guard::render(&r));
-    }
-    Ok(ExitCode::SUCCESS)
+    emit(&r, json, bulkhead_bench::guard::render)
 }
 
 fn bench_guard_filters(seconds: u32, scratch: PathBuf, json: bool) -> anyhow::Result<ExitCode> {
-    if !(1..=600).contains(&seconds) {
-        anyhow::bail!("--seconds must be between 1 and 600");
-    }
+    check_seconds(seconds)?;
     if !scratch.is_dir() {
         anyhow::bail!("--scratch {}: not a directory", scratch.display());
     }
@@ -794,12 +793,7 @@ fn bench_guard_filters(seconds: u32, scratch: PathBuf, json: bool) -> anyhow::Re
     let exe = std::env::current_exe()?;
     let opts = bulkhead_bench::guard_filters::Options { seconds, scratch };
     let r = bulkhead_bench::guard_filters::run(&exe, &opts, |p| eprintln!("bench guard: {p}")).map_err(anyhow::Error::msg)?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
-    } else {
-        print!("{}", bulkhead_bench::guard_filters::render(&r));
-    }
-    Ok(ExitCode::SUCCESS)
+    emit(&r, json, bulkhead_bench::guard_filters::render)
 }
 
 fn bench_images(seconds: u32, size: &str, scratch: PathBuf, qsd: bool, json: bool) -> anyhow::Result<ExitCode> {
@@ -807,9 +801,7 @@ fn bench_images(seconds: u32, size: &str, scratch: PathBuf, qsd: bool, json: boo
     if size < 64 << 20 || size % (1 << 20) != 0 {
         anyhow::bail!("--size must be a whole number of MiB, at least 64M");
     }
-    if !(1..=600).contains(&seconds) {
-        anyhow::bail!("--seconds must be between 1 and 600");
-    }
+    check_seconds(seconds)?;
     if !scratch.is_dir() {
         anyhow::bail!("--scratch {}: not a directory", scratch.display());
     }
