@@ -155,31 +155,17 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         }
     };
     let rings: Vec<(u64, u64)> = queues.iter().map(BackQueue::ring_region).collect();
-    let mut layers: Vec<Box<dyn bulkhead_block::Layer>> = Vec::with_capacity(this.filters.len());
-    for (i, f) in this.filters.iter().enumerate() {
+    let mut filters = Vec::with_capacity(this.filters.len());
+    for f in &this.filters {
         // SAFETY: forwarded from this function's contract.
         let state = unsafe { claim(f.state_fd)? };
         // SAFETY: as above.
         let output = unsafe { claim_opt(f.output_fd)? };
         // SAFETY: as above.
         let secret = unsafe { claim_opt(f.secret_fd)? };
-        let make = || bulkhead_filters::build(&f.spec, FilterFds { state, output, secret });
-        let layer = if guarded { bulkhead_guard::heap::with_space(guarded::space_of(i), make) } else { make() }
-            .map_err(|e| DriverError::Setup(e.to_string()))?;
-        if !guarded {
-            layers.push(layer);
-            continue;
-        }
-        let others = (0..this.filters.len()).filter(|&j| j != i).map(guarded::space_of).collect();
-        let targets = guarded::Targets { rings: rings.clone(), others };
-        layers.push(Box::new(guarded::Guarded::new(layer, i, f.guard, targets, None, None)));
+        filters.push(guarded::FilterParts { spec: f.spec.clone(), fds: FilterFds { state, output, secret }, guard: f.guard });
     }
-    if guarded {
-        let names: Vec<String> = this.filters.iter().map(|f| f.spec.type_name().to_string()).collect();
-        let guard = guarded::install(&rings, &names, None).map_err(|e| DriverError::Setup(format!("write capture: {e}")))?;
-        // The guard lives as long as the domain's process; a stopped write ends it.
-        std::mem::forget(guard);
-    }
+    let layers = guarded::build_filters(filters, &rings, None).map_err(DriverError::Setup)?;
     let chain = Chain::new(layers, backend);
     // The device may use a prefix of what the chain offers (a file longer than `size`).
     if chain.size() < this.size {

@@ -17,7 +17,7 @@ use std::io::Write;
 use std::os::fd::OwnedFd;
 
 use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
-use bulkhead_filters::{GuardMode, GuardSpec, InjectSpec, InjectTarget};
+use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec, InjectSpec, InjectTarget};
 use bulkhead_guard::heap::{self, Space};
 use bulkhead_guard::{Act, Guard, Handle, Mechanism, Mode};
 
@@ -54,6 +54,56 @@ pub fn install(rings: &[(u64, u64)], names: &[String], report: Option<i32>) -> s
     Ok(g)
 }
 
+/// One filter of a domain, ready to build: what it is, its descriptors, and how it is guarded.
+pub struct FilterParts {
+    /// What it is.
+    pub spec: FilterSpec,
+    /// Its state page, output and secret.
+    pub fds: FilterFds,
+    /// Write capture and fault injection for it.
+    pub guard: GuardSpec,
+}
+
+/// Builds a domain's filters, frontend side first, over queues whose rings lie at `rings`.
+///
+/// When any filter is guarded or has faults injected, the heap must be active with a space
+/// for the runtime and one per filter ([`heap::activate`]): each filter is built in its own
+/// space and wrapped in [`Guarded`], and write capture is installed on the calling thread for
+/// the rest of the process's life (a stopped write ends the process). `probe` goes to the
+/// first filter that injects faults (see [`Guarded::new`]).
+pub fn build_filters(
+    filters: Vec<FilterParts>,
+    rings: &[(u64, u64)],
+    mut probe: Option<OwnedFd>,
+) -> Result<Vec<Box<dyn Layer>>, String> {
+    let guarded = filters.iter().any(|f| f.guard.wanted());
+    if guarded && heap::space_range(space_of(filters.len().saturating_sub(1))).is_none() {
+        return Err(format!("write capture: the heap has no space for each of {} filters", filters.len()));
+    }
+    let names: Vec<String> = filters.iter().map(|f| f.spec.type_name().to_string()).collect();
+    let mut layers: Vec<Box<dyn Layer>> = Vec::with_capacity(filters.len());
+    let n = filters.len();
+    for (i, f) in filters.into_iter().enumerate() {
+        let FilterParts { spec, fds, guard } = f;
+        let make = || bulkhead_filters::build(&spec, fds);
+        let layer = if guarded { heap::with_space(space_of(i), make) } else { make() }.map_err(|e| e.to_string())?;
+        if !guarded {
+            layers.push(layer);
+            continue;
+        }
+        let others = (0..n).filter(|&j| j != i).map(space_of).collect();
+        let targets = Targets { rings: rings.to_vec(), others };
+        let probe = if guard.inject.is_some() { probe.take() } else { None };
+        layers.push(Box::new(Guarded::new(layer, i, guard, targets, probe)));
+    }
+    if guarded {
+        let guard = install(rings, &names, None).map_err(|e| format!("write capture: {e}"))?;
+        // The guard lives as long as the process; a stopped write ends it.
+        std::mem::forget(guard);
+    }
+    Ok(layers)
+}
+
 /// Where injected faults may write, other than the filter's own memory.
 #[derive(Debug, Clone, Default)]
 pub struct Targets {
@@ -63,10 +113,19 @@ pub struct Targets {
     pub others: Vec<Space>,
 }
 
-/// One injected fault, as reported on an injector's report descriptor: 8-byte words, the
-/// address, the value written, then 1 if it landed (written after the write, so a fault that
-/// was stopped leaves only the first two).
+/// One injected fault, as a probe's descriptor receives it before the write: two 8-byte
+/// words, the address and the value to be written there (the old value with every bit of
+/// [`FAULT_FLIP`] flipped).
 pub const FAULT_RECORD: usize = 16;
+
+/// What an injected fault flips in the word it writes: the old value is the written one with
+/// these bits flipped back, so whoever checks the memory can tell "unchanged" from "written"
+/// from "changed by something else".
+pub const FAULT_FLIP: u64 = 0xA5A5_A5A5_5A5A_5A5A;
+
+/// The exit status of a probed process whose injected write was not stopped: it ends right
+/// after the write, so the memory holds what the write left (see [`Guarded::new`]).
+pub const PROBE_EXIT: i32 = 87;
 
 struct Injector {
     spec: InjectSpec,
@@ -76,10 +135,10 @@ struct Injector {
     targets: Targets,
     /// The filter's number and type, for reports.
     who: String,
-    /// Binary records of each fault (a benchmark), besides the lines on standard error.
-    report: Option<std::fs::File>,
-    /// Faults left to inject (`None`: no end).
-    left: Option<u64>,
+    /// A measurement's descriptor: one fault only, recorded here (see [`Guarded::new`]).
+    probe: Option<std::fs::File>,
+    /// Whether the probe's fault was made.
+    struck: bool,
 }
 
 /// A fault ready to strike: 8 bytes at `addr`, to become `value`.
@@ -145,7 +204,7 @@ impl Injector {
     /// Counts a call; the fault to strike in it, if one is due.
     fn due(&mut self, own: Space) -> Option<Fault> {
         self.calls += 1;
-        if self.calls < self.next_at || self.left == Some(0) {
+        if self.calls < self.next_at || (self.probe.is_some() && self.struck) {
             return None;
         }
         self.schedule();
@@ -154,34 +213,35 @@ impl Injector {
         // for as long as it runs (a ring, a heap space); reading it races with nothing, as the
         // domain is single-threaded.
         let old = unsafe { std::ptr::read_volatile(addr as *const u64) };
-        let value = old ^ 0xA5A5_A5A5_5A5A_5A5A;
-        if let Some(l) = &mut self.left {
-            *l -= 1;
-        }
+        let value = old ^ FAULT_FLIP;
         eprintln!(
             "bulkhead guard: injecting a fault from filter {}: 8 bytes at {addr:#x} ({})",
             self.who,
             self.spec.target.as_str()
         );
-        if let Some(r) = &mut self.report {
+        if let Some(r) = &mut self.probe {
             let mut rec = [0u8; FAULT_RECORD];
             rec[..8].copy_from_slice(&addr.to_le_bytes());
             rec[8..].copy_from_slice(&value.to_le_bytes());
-            let _ = r.write_all(&rec);
+            if r.write_all(&rec).is_err() {
+                // Nobody is left to check the memory: a fault nobody measures is not made.
+                return None;
+            }
+            self.struck = true;
         }
         Some(Fault { addr, value })
     }
 
-    /// After the strike: whether the write landed, read from the memory itself.
+    /// After a write that was not stopped: says so, read from the memory itself; a probe
+    /// ends the process here, leaving the memory as the write left it.
     fn landed(&mut self, f: &Fault) {
+        if self.probe.is_some() {
+            std::process::exit(PROBE_EXIT);
+        }
         // SAFETY: as in `due`.
         let now = unsafe { std::ptr::read_volatile(f.addr as *const u64) };
-        let landed = now == f.value;
-        if landed {
+        if now == f.value {
             eprintln!("bulkhead guard: the injected write at {:#x} landed: not isolated", f.addr);
-        }
-        if let Some(r) = &mut self.report {
-            let _ = r.write_all(&u64::from(landed).to_le_bytes());
         }
     }
 }
@@ -207,17 +267,15 @@ pub struct Guarded {
 }
 
 impl Guarded {
-    /// Wraps `inner`, the filter at `index` in the chain, of type `name`, whose state was
-    /// allocated in its space ([`space_of`]). `report` receives a binary record of each
-    /// injected fault ([`FAULT_RECORD`]); `limit` ends injection after that many faults.
-    pub fn new(
-        inner: Box<dyn Layer>,
-        index: usize,
-        guard: GuardSpec,
-        targets: Targets,
-        report: Option<OwnedFd>,
-        limit: Option<u64>,
-    ) -> Guarded {
+    /// Wraps `inner`, the filter at `index` in the chain, whose state was allocated in its
+    /// space ([`space_of`]).
+    ///
+    /// With a `probe` (a measurement of isolation), the filter injects one fault only: its
+    /// [`FAULT_RECORD`] goes to the probe before the write, and if the write is not stopped
+    /// the process ends at once with [`PROBE_EXIT`], so a process sharing the memory reads
+    /// whether the protected state changed. A stopped write ends it with
+    /// [`bulkhead_guard::VIOLATION_EXIT`], as always.
+    pub fn new(inner: Box<dyn Layer>, index: usize, guard: GuardSpec, targets: Targets, probe: Option<OwnedFd>) -> Guarded {
         let injector = guard.inject.map(|spec| {
             let mut i = Injector {
                 spec,
@@ -226,8 +284,8 @@ impl Guarded {
                 next_at: 0,
                 targets,
                 who: format!("{} ({})", index + 1, inner.name()),
-                report: report.map(std::fs::File::from),
-                left: limit,
+                probe: probe.map(std::fs::File::from),
+                struck: false,
             };
             i.schedule();
             i

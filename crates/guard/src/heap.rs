@@ -186,6 +186,15 @@ impl Reservation {
     }
 }
 
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is this reservation's own, `spaces` spaces long, and was never
+        // handed to the allocator (`activate` forgets the reservation it takes), so nothing
+        // of this process points into it; the descriptor closes with `fd`.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.spaces * SPACE_BYTES as usize) };
+    }
+}
+
 /// Makes the heap allocate from `r`'s spaces from now on, the runtime's first. One activation
 /// per process; the reservation stays mapped for the process's life.
 pub fn activate(r: Reservation) -> io::Result<()> {
