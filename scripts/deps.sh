@@ -13,7 +13,7 @@ case "${1:-serve}" in
         want blkparse blktrace; want btt blktrace; want cryptsetup cryptsetup-bin ;;
   bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
          want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3; want qemu-nbd qemu-utils
-         want bindfs bindfs ;;
+         want bindfs bindfs; want cryptsetup cryptsetup-bin ;;
 esac
 if ! command -v cargo >/dev/null 2>&1; then
   echo "cargo not found: install Rust (https://rustup.rs) first" >&2

@@ -129,11 +129,12 @@ fn run_one(exe: &Path, filter: &str, files: &Files, guard: &str, opts: &Options)
     r
 }
 
-fn make_luks(scratch: &Path) -> Result<(PathBuf, PathBuf), String> {
-    let img = scratch.join("bench-guard.luks");
-    let key = scratch.join("bench-guard.key");
+/// A LUKS2 volume holding `data_bytes` in `scratch` (`name`.luks), and its key file.
+pub(crate) fn make_luks(scratch: &Path, name: &str, data_bytes: u64) -> Result<(PathBuf, PathBuf), String> {
+    let img = scratch.join(format!("{name}.luks"));
+    let key = scratch.join(format!("{name}.key"));
     std::fs::write(&key, b"bench guard passphrase").map_err(|e| e.to_string())?;
-    std::fs::File::create(&img).and_then(|f| f.set_len((SIZE_MIB + 16) << 20)).map_err(|e| e.to_string())?;
+    std::fs::File::create(&img).and_then(|f| f.set_len(data_bytes + (16 << 20))).map_err(|e| e.to_string())?;
     let out = Command::new("cryptsetup")
         .args(["luksFormat", "-q", "--type", "luks2", "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"])
         .args(["--sector-size", "512", "--key-file"])
@@ -151,7 +152,7 @@ fn make_luks(scratch: &Path) -> Result<(PathBuf, PathBuf), String> {
 pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
     let mut skipped = Vec::new();
     let mut filters = vec!["trace"];
-    let luks = match make_luks(&opts.scratch) {
+    let luks = match make_luks(&opts.scratch, "bench-guard", SIZE_MIB << 20) {
         Ok(l) => {
             filters.push("crypt");
             Some(l)

@@ -11,7 +11,9 @@
 pub mod channel;
 pub mod fileio;
 pub mod guard;
+pub mod guard_figures;
 pub mod guard_filters;
+pub mod guard_isolation;
 pub mod images;
 pub mod restart;
 pub mod surge;

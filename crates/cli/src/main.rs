@@ -313,7 +313,9 @@ enum BenchCmd {
     /// and mode (DWC's single step, SCDWC's cache), beside an unguarded write.
     ///
     /// With `--filters`: throughput and CPU of the trace, crypt and cow filters under fio
-    /// through FUSE, for `guard` off, dwc, and scdwc with C from 0 to 100.
+    /// through FUSE, for `guard` off, dwc, and scdwc with C from 0 to 100. With
+    /// `--isolation`: the share of injected faults those filters make that is stopped before
+    /// the state it aims at changes, per setting. Either or both, with `--plot` for an SVG.
     Guard {
         /// Writes timed per measurement.
         #[arg(long, default_value_t = 200_000)]
@@ -321,6 +323,18 @@ enum BenchCmd {
         /// Measure real filters under fio instead.
         #[arg(long)]
         filters: bool,
+        /// Measure the isolation rate: faults injected into real filters, checked in memory.
+        #[arg(long)]
+        isolation: bool,
+        /// With --isolation: faults per setting, spread over the filters and the targets.
+        #[arg(long, default_value_t = 300)]
+        faults: u32,
+        /// With --isolation: only these C (comma-separated; `dwc` for DWC), not all.
+        #[arg(long, value_delimiter = ',')]
+        settings: Vec<String>,
+        /// With --filters or --isolation: write the figures as an SVG here.
+        #[arg(long)]
+        plot: Option<PathBuf>,
         /// With --filters: seconds of fio per setting.
         #[arg(long, default_value_t = 5)]
         seconds: u32,
@@ -444,9 +458,10 @@ fn main() -> ExitCode {
         Cmd::Bench { which: BenchCmd::Restart { kills, mode, threads, tap, kill, json } } => {
             bench_restart(kills, mode, threads, &tap, &kill, json)
         }
-        Cmd::Bench { which: BenchCmd::Guard { writes, filters, seconds, scratch, json } } => {
-            if filters {
-                bench_guard_filters(seconds, scratch, json)
+        Cmd::Bench { which: BenchCmd::Guard { writes, filters, isolation, faults, settings, plot, seconds, scratch, json } } => {
+            if filters || isolation {
+                let which = GuardFigures { filters, isolation, faults, settings, plot, seconds, scratch };
+                bench_guard_figures(which, json)
             } else {
                 bench_guard(writes, json)
             }
@@ -781,19 +796,64 @@ fn bench_guard(writes: usize, json: bool) -> anyhow::Result<ExitCode> {
     emit(&r, json, bulkhead_bench::guard::render)
 }
 
-fn bench_guard_filters(seconds: u32, scratch: PathBuf, json: bool) -> anyhow::Result<ExitCode> {
-    check_seconds(seconds)?;
-    if !scratch.is_dir() {
-        anyhow::bail!("--scratch {}: not a directory", scratch.display());
+/// What `bench guard --filters` and `--isolation` run.
+struct GuardFigures {
+    filters: bool,
+    isolation: bool,
+    faults: u32,
+    settings: Vec<String>,
+    plot: Option<PathBuf>,
+    seconds: u32,
+    scratch: PathBuf,
+}
+
+fn bench_guard_figures(w: GuardFigures, json: bool) -> anyhow::Result<ExitCode> {
+    check_seconds(w.seconds)?;
+    if !w.scratch.is_dir() {
+        anyhow::bail!("--scratch {}: not a directory", w.scratch.display());
     }
+    if !(1..=100_000).contains(&w.faults) {
+        anyhow::bail!("--faults must be between 1 and 100000");
+    }
+    let settings = if w.settings.is_empty() {
+        bulkhead_bench::guard_isolation::Options::all_settings()
+    } else {
+        let parse = |s: &String| match s.trim() {
+            "dwc" => Ok(None),
+            c => c
+                .parse::<u32>()
+                .ok()
+                .filter(|c| *c <= 256)
+                .map(Some)
+                .ok_or_else(|| anyhow::anyhow!("--settings: `{c}` is neither `dwc` nor a cache size from 0 to 256")),
+        };
+        w.settings.iter().map(parse).collect::<anyhow::Result<Vec<_>>>()?
+    };
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        anyhow::bail!("bench guard --filters mounts FUSE exports: run it as root");
+        anyhow::bail!("bench guard --filters and --isolation need root (FUSE exports, userfaultfd on shared memory)");
     }
-    let exe = std::env::current_exe()?;
-    let opts = bulkhead_bench::guard_filters::Options { seconds, scratch };
-    let r = bulkhead_bench::guard_filters::run(&exe, &opts, |p| eprintln!("bench guard: {p}")).map_err(anyhow::Error::msg)?;
-    emit(&r, json, bulkhead_bench::guard_filters::render)
+    let progress = |p: &str| eprintln!("bench guard: {p}");
+    let filters = if w.filters {
+        let exe = std::env::current_exe()?;
+        let opts = bulkhead_bench::guard_filters::Options { seconds: w.seconds, scratch: w.scratch.clone() };
+        Some(bulkhead_bench::guard_filters::run(&exe, &opts, progress).map_err(anyhow::Error::msg)?)
+    } else {
+        None
+    };
+    let isolation = if w.isolation {
+        let opts = bulkhead_bench::guard_isolation::Options { faults: w.faults, scratch: w.scratch, settings };
+        Some(bulkhead_bench::guard_isolation::run(&opts, progress).map_err(anyhow::Error::msg)?)
+    } else {
+        None
+    };
+    let figures = bulkhead_bench::guard_figures::Figures { filters, isolation };
+    if let Some(p) = &w.plot {
+        std::fs::write(p, bulkhead_bench::guard_figures::svg(&figures))
+            .map_err(|e| anyhow::anyhow!("--plot {}: {e}", p.display()))?;
+        eprintln!("bench guard: plot written to {}", p.display());
+    }
+    emit(&figures, json, bulkhead_bench::guard_figures::render)
 }
 
 fn bench_images(seconds: u32, size: &str, scratch: PathBuf, qsd: bool, json: bool) -> anyhow::Result<ExitCode> {

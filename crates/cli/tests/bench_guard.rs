@@ -38,3 +38,33 @@ fn bench_guard_refuses_fewer_writes_than_pages() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--writes"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `bench guard --isolation`, a few faults per setting: the memory check sees the faults DWC
+/// and SCDWC with no cache stop, and sees the ones a cache of 256 pages lets land (the pages
+/// the runtime keeps writing stay open), so it measures rather than echoes the handler.
+#[test]
+fn bench_guard_isolation_reads_what_each_fault_left() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root (userfaultfd on shared memory)");
+        return;
+    }
+    let out = Command::new(exe())
+        .args(["bench", "guard", "--isolation", "--json", "--faults", "12", "--settings", "dwc,0,256"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = r["isolation"]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{r}");
+    for row in rows {
+        let all = &row["all"];
+        let decided = all["isolated"].as_u64().unwrap() + all["landed"].as_u64().unwrap();
+        assert_eq!(row["lost"], 0, "{row}");
+        assert!(decided >= 10, "at most the ring's few words rewritten by the frontend: {row}");
+        assert_eq!(row["disagreed"], 0, "the exit status and the memory agree: {row}");
+    }
+    assert_eq!(rows[0]["all"]["landed"], 0, "DWC stops every fault: {}", rows[0]);
+    assert_eq!(rows[1]["all"]["landed"], 0, "SCDWC with no cache stops every fault: {}", rows[1]);
+    assert!(rows[2]["all"]["landed"].as_u64().unwrap() > 0, "a cache of 256 pages lets some land: {}", rows[2]);
+}

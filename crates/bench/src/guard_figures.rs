@@ -1,0 +1,208 @@
+//! Seed 004's figures 5 to 7 from `bench guard --filters` and `bench guard --isolation`
+//! together: one report, and one SVG with a panel per figure (throughput, CPU, isolation
+//! rate), each against the setting: off, DWC, then SCDWC with C from 0 to 100.
+
+use serde::Serialize;
+
+use crate::{guard_filters, guard_isolation};
+
+/// Either run, or both.
+#[derive(Debug, Clone, Serialize)]
+pub struct Figures {
+    /// Throughput and CPU under fio.
+    pub filters: Option<guard_filters::Report>,
+    /// Isolation rate.
+    pub isolation: Option<guard_isolation::Report>,
+}
+
+/// Both reports as text.
+pub fn render(f: &Figures) -> String {
+    let mut s = String::new();
+    if let Some(r) = &f.filters {
+        s.push_str(&guard_filters::render(r));
+    }
+    if let Some(r) = &f.isolation {
+        if !s.is_empty() {
+            s.push('\n');
+        }
+        s.push_str(&guard_isolation::render(r));
+    }
+    s
+}
+
+/// The x axis: every setting either run has, in the seed's order.
+fn settings() -> Vec<(String, Option<u32>)> {
+    let mut v = vec![("off".to_string(), None), ("dwc".to_string(), None)];
+    v.extend(guard_filters::CACHES.iter().map(|c| (c.to_string(), Some(*c))));
+    v
+}
+
+/// One line of a panel: a name and a value per setting.
+struct Series {
+    name: String,
+    values: Vec<Option<f64>>,
+}
+
+const COLOURS: [&str; 8] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf", "#7f7f7f"];
+
+/// One panel at (`ox`, `oy`): a line per series against the settings, y from 0 to `ymax`.
+fn panel(s: &mut String, (ox, oy): (f64, f64), title: &str, ymax: f64, series: &[Series]) {
+    let (pw, ph) = (420.0, 280.0);
+    let (l, r, t, b) = (ox + 50.0, ox + pw - 10.0, oy + 24.0, oy + ph - 40.0);
+    let xs = settings();
+    let x = |i: usize| l + (i as f64 + 0.5) / xs.len() as f64 * (r - l);
+    let y = |v: f64| b - (v / ymax).clamp(0.0, 1.0) * (b - t);
+    s.push_str(&format!("<text x=\"{l}\" y=\"{}\" font-size=\"13\" font-weight=\"bold\">{title}</text>\n", t - 8.0));
+    s.push_str(&format!("<rect x=\"{l}\" y=\"{t}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#888\"/>\n", r - l, b - t));
+    for k in 0..=4 {
+        let v = ymax * k as f64 / 4.0;
+        s.push_str(&format!(
+            "<line x1=\"{l}\" x2=\"{r}\" y1=\"{0:.1}\" y2=\"{0:.1}\" stroke=\"#eee\"/><text x=\"{1}\" y=\"{2:.1}\" text-anchor=\"end\">{3:.0}</text>\n",
+            y(v),
+            l - 4.0,
+            y(v) + 4.0,
+            v
+        ));
+    }
+    for (i, (label, _)) in xs.iter().enumerate() {
+        s.push_str(&format!("<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{label}</text>\n", x(i), b + 14.0));
+    }
+    s.push_str(&format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">setting (SCDWC: C)</text>\n", (l + r) / 2.0, b + 30.0));
+    for (si, line) in series.iter().enumerate() {
+        let c = COLOURS[si % COLOURS.len()];
+        let pts: Vec<String> =
+            line.values.iter().enumerate().filter_map(|(i, v)| v.map(|v| format!("{:.1},{:.1}", x(i), y(v)))).collect();
+        s.push_str(&format!("<polyline points=\"{}\" fill=\"none\" stroke=\"{c}\" stroke-width=\"2\"/>\n", pts.join(" ")));
+        for p in &pts {
+            let (px, py) = p.split_once(',').unwrap_or(("0", "0"));
+            s.push_str(&format!("<circle cx=\"{px}\" cy=\"{py}\" r=\"2.5\" fill=\"{c}\"/>\n"));
+        }
+        s.push_str(&format!(
+            "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{}</text>\n",
+            r - 80.0,
+            t + 14.0 + 14.0 * si as f64,
+            line.name
+        ));
+    }
+}
+
+/// The value of a filters row at each setting.
+fn filter_series(r: &guard_filters::Report, filter: &str, value: fn(&guard_filters::Row) -> f64) -> Series {
+    let values = settings()
+        .iter()
+        .map(|(label, cache)| {
+            r.rows
+                .iter()
+                .find(|row| {
+                    row.filter == filter
+                        && match cache {
+                            Some(c) => row.cache == Some(*c),
+                            None => row.guard == *label,
+                        }
+                })
+                .map(value)
+        })
+        .collect();
+    Series { name: filter.to_string(), values }
+}
+
+/// The isolation rate at each setting, of every fault (`None`) or of one target's.
+fn isolation_series(r: &guard_isolation::Report, target: Option<&str>) -> Series {
+    let values = settings()
+        .iter()
+        .map(|(label, cache)| {
+            let row = r.rows.iter().find(|row| match cache {
+                Some(c) => row.cache == Some(*c),
+                None => row.guard == *label,
+            })?;
+            let count = match target {
+                None => &row.all,
+                Some(t) => &row.by_target.iter().find(|(n, _)| n == t)?.1,
+            };
+            (count.isolated + count.landed > 0).then(|| count.rate_pct())
+        })
+        .collect();
+    Series { name: target.unwrap_or("all").to_string(), values }
+}
+
+/// The figures as an SVG: throughput (MiB/s) and CPU (%) per filter, and the isolation rate
+/// (%) of all faults and per target, each against the setting.
+pub fn svg(f: &Figures) -> String {
+    let mut body = String::new();
+    let mut ox = 10.0;
+    if let Some(r) = &f.filters {
+        let mut names: Vec<&str> = Vec::new();
+        for row in &r.rows {
+            if !names.contains(&row.filter.as_str()) {
+                names.push(&row.filter);
+            }
+        }
+        let tput: Vec<Series> = names.iter().map(|n| filter_series(r, n, |row| row.mibs)).collect();
+        let ymax = r.rows.iter().map(|row| row.mibs).fold(1.0, f64::max) * 1.1;
+        panel(&mut body, (ox, 30.0), "throughput, MiB/s (fio 4 KiB randrw)", ymax, &tput);
+        ox += 430.0;
+        let cpu: Vec<Series> = names.iter().map(|n| filter_series(r, n, |row| row.cpu_pct)).collect();
+        panel(&mut body, (ox, 30.0), "CPU busy, % of both CPUs", 100.0, &cpu);
+        ox += 430.0;
+    }
+    if let Some(r) = &f.isolation {
+        let mut lines = vec![isolation_series(r, None)];
+        lines.extend(guard_isolation::TARGETS.iter().map(|t| isolation_series(r, Some(t.as_str()))));
+        panel(&mut body, (ox, 30.0), &format!("isolation rate, % ({} faults per setting)", r.faults), 100.0, &lines);
+        ox += 430.0;
+    }
+    let (w, h) = ((ox + 10.0).max(560.0), 330.0);
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"10\" y=\"18\" font-size=\"14\">bulkhead bench guard: filters under write capture, against the setting</text>\n\
+         {body}</svg>\n"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guard_isolation::{Count, Row};
+
+    fn isolation() -> guard_isolation::Report {
+        let count = |isolated, landed| Count { isolated, landed, undecided: 0 };
+        let row = |cache: Option<u32>, landed| Row {
+            guard: if cache.is_some() { "scdwc" } else { "dwc" }.into(),
+            cache,
+            all: count(100 - landed, landed),
+            by_target: vec![("ring".into(), count(25 - landed.min(25), landed.min(25)))],
+            by_filter: vec![("trace".into(), count(100 - landed, landed))],
+            disagreed: 0,
+            lost: 0,
+            ms_per_fault: 5.0,
+        };
+        guard_isolation::Report {
+            faults: 100,
+            every: 200,
+            filters: vec!["trace".into()],
+            rows: vec![row(None, 0), row(Some(0), 0), row(Some(60), 10)],
+            drops_at: Some(60),
+            notes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_isolation_panel_has_a_line_for_all_faults_and_one_per_target() {
+        let svg = svg(&Figures { filters: None, isolation: Some(isolation()) });
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<polyline").count(), 1 + guard_isolation::TARGETS.len());
+        // dwc, C=0 and C=60 for "all": three points.
+        let all = svg.lines().find(|l| l.starts_with("<polyline")).unwrap();
+        assert_eq!(all.matches(',').count(), 3);
+    }
+
+    #[test]
+    fn rates_and_the_drop_are_rendered() {
+        let r = isolation();
+        assert_eq!(r.rows[2].all.rate_pct(), 90.0);
+        let text = render(&Figures { filters: None, isolation: Some(r) });
+        assert!(text.contains("first drops below dwc's at C=60"), "{text}");
+        assert!(text.contains("90.0% against 100.0% (not met)"), "{text}");
+    }
+}

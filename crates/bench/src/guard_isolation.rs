@@ -1,0 +1,561 @@
+//! `bench guard --isolation`: the share of injected faults write capture stops before they
+//! change the state they aim at, against C (seed 004's figure 7).
+//!
+//! Each fault is made by a domain of its own, in a child process forked from this one: the
+//! domain runs a chain of the filter measured (trace, crypt or cow, guarded as the setting
+//! says, injecting one fault) and a `stats` filter (whose state is one of the targets), over a
+//! `ram` backend or a LUKS2 file, behind one queue this process drives with 4 KiB random reads
+//! and writes. The fault strikes at a random call among the filter's first [`EVERY`], aimed at
+//! the ring, the runtime's heap, the other filter's state or a block the filter just freed,
+//! in turn.
+//!
+//! The child's heap spaces live in a memory file this process created and keeps mapped, and
+//! its ring is shared with this process, so after the child has ended this process reads the
+//! word the fault aimed at: still the old value, the fault was isolated; the written value, it
+//! landed. The child's own account (its exit status) is only compared with what the memory
+//! shows, never trusted in its place.
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bulkhead_backends::{Engine, FileBackend, RamBackend};
+use bulkhead_block::{Backend, Chain};
+use bulkhead_channel::{pair, BackQueue, BudgetPolicy, FrontQueue, FrontRequest, NotifyMode, QueueConfig};
+use bulkhead_driver::guarded::{self, FilterParts, FAULT_FLIP, FAULT_RECORD, PROBE_EXIT};
+use bulkhead_driver::Domain;
+use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec, InjectSpec, InjectTarget};
+use bulkhead_guard::heap::{self, Reservation};
+use bulkhead_guard::VIOLATION_EXIT;
+use bulkhead_shmem::memfd;
+use serde::Serialize;
+
+use crate::guard_filters::CACHES;
+use crate::Table;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Faults per setting, spread evenly over the filters and the targets.
+    pub faults: u32,
+    /// Where the LUKS volume goes.
+    pub scratch: PathBuf,
+    /// The settings: `None` for DWC, `Some(C)` for SCDWC with a cache of C pages.
+    pub settings: Vec<Option<u32>>,
+}
+
+impl Options {
+    /// Every setting of the seed's figure: DWC, then SCDWC with each C of [`CACHES`].
+    pub fn all_settings() -> Vec<Option<u32>> {
+        std::iter::once(None).chain(CACHES.iter().map(|&c| Some(c))).collect()
+    }
+}
+
+/// The fault strikes at a random call among this many calls into the filter (a request is
+/// two: its submit and its completion).
+pub const EVERY: u64 = 200;
+
+/// Where the faults aim, in turn.
+pub const TARGETS: [InjectTarget; 4] = [InjectTarget::Ring, InjectTarget::Heap, InjectTarget::Filter, InjectTarget::Freed];
+
+/// Device size for the filters over `ram`.
+const RAM_BYTES: u64 = 64 << 20;
+/// A child that has made no fault by then is stuck.
+const CHILD_LIMIT: Duration = Duration::from_secs(30);
+
+/// Faults counted by what the memory showed.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Count {
+    /// Still the old value: stopped before it changed the state.
+    pub isolated: u32,
+    /// The written value: the state changed.
+    pub landed: u32,
+    /// Neither (something else wrote the word since: the frontend, in the ring).
+    pub undecided: u32,
+}
+
+impl Count {
+    fn add(&mut self, o: Outcome) {
+        match o {
+            Outcome::Isolated => self.isolated += 1,
+            Outcome::Landed => self.landed += 1,
+            Outcome::Undecided => self.undecided += 1,
+        }
+    }
+
+    /// Isolated faults as a share of the decided ones, percent.
+    pub fn rate_pct(&self) -> f64 {
+        let decided = self.isolated + self.landed;
+        if decided == 0 {
+            return 0.0;
+        }
+        100.0 * self.isolated as f64 / decided as f64
+    }
+}
+
+/// One setting.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// `dwc` or `scdwc`.
+    pub guard: String,
+    /// C, for scdwc.
+    pub cache: Option<u32>,
+    /// Every fault.
+    pub all: Count,
+    /// Per target, in the order of [`TARGETS`].
+    pub by_target: Vec<(String, Count)>,
+    /// Per filter.
+    pub by_filter: Vec<(String, Count)>,
+    /// Faults whose child's exit status said otherwise than the memory (a stop reported for a
+    /// write that landed, or the reverse).
+    pub disagreed: u32,
+    /// Faults with no result: the child ended before making its fault, or in another way.
+    pub lost: u32,
+    /// Mean milliseconds per fault, child and all.
+    pub ms_per_fault: f64,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Faults per setting.
+    pub faults: u32,
+    /// The call window a fault strikes in.
+    pub every: u64,
+    /// The filters measured.
+    pub filters: Vec<String>,
+    /// The rows.
+    pub rows: Vec<Row>,
+    /// The first C whose isolation rate is below DWC's, if any.
+    pub drops_at: Option<u32>,
+    /// Filters left out, and why; why faults were lost.
+    pub notes: Vec<String>,
+}
+
+/// A filter to measure and what it runs over.
+struct Bed {
+    name: &'static str,
+    spec: FilterSpec,
+    below: Below,
+    size: u64,
+}
+
+enum Below {
+    Ram,
+    Luks { file: PathBuf, key: Vec<u8> },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Isolated,
+    Landed,
+    Undecided,
+}
+
+/// What one child showed.
+struct Result1 {
+    outcome: Outcome,
+    disagreed: bool,
+}
+
+fn beds(scratch: &Path, notes: &mut Vec<String>) -> Vec<Bed> {
+    let mut v = vec![Bed { name: "trace", spec: FilterSpec::Trace { device_number: 0 }, below: Below::Ram, size: RAM_BYTES }];
+    match crypt_bed(scratch) {
+        Ok(b) => v.push(b),
+        Err(e) => notes.push(format!("crypt left out: {e}")),
+    }
+    v.push(Bed { name: "cow", spec: FilterSpec::Cow { cluster_bits: 16, op: None }, below: Below::Ram, size: RAM_BYTES });
+    v
+}
+
+/// A LUKS2 volume opened as the supervisor opens one: the filter's layout and master key.
+fn crypt_bed(scratch: &Path) -> Result<Bed, String> {
+    let (file, keyfile) = crate::guard_filters::make_luks(scratch, "bench-guard-isolation", RAM_BYTES)?;
+    let f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let len = f.metadata().map_err(|e| e.to_string())?.len();
+    let mut read = |off: u64, buf: &mut [u8]| f.read_exact_at(buf, off).map_err(|e| e.to_string());
+    let v = bulkhead_crypt::Volume::read(&mut read).map_err(|e| e.to_string())?;
+    let data_size = v.data_size(len).map_err(|e| e.to_string())?;
+    let pass = std::fs::read(&keyfile).map_err(|e| e.to_string())?;
+    let key = v.unlock(&pass, &mut read).map_err(|e| e.to_string())?.bytes().to_vec();
+    let _ = std::fs::remove_file(&keyfile);
+    let spec = FilterSpec::Crypt { payload_offset: v.payload_offset, data_size, sector_size: v.sector_size };
+    Ok(Bed { name: "crypt", spec, below: Below::Luks { file, key }, size: data_size })
+}
+
+fn state_page(name: &str) -> Result<OwnedFd, String> {
+    memfd::create(name, bulkhead_filters::state::STATE_BYTES as u64).map_err(|e| format!("state page: {e}"))
+}
+
+/// A memory file holding `bytes`.
+fn memfd_with(name: &str, bytes: &[u8]) -> Result<OwnedFd, String> {
+    let fd = memfd::create(name, bytes.len() as u64).map_err(|e| format!("{name}: {e}"))?;
+    let f = std::fs::File::from(fd);
+    f.write_all_at(bytes, 0).map_err(|e| format!("{name}: {e}"))?;
+    Ok(OwnedFd::from(f))
+}
+
+/// The descriptors of the measured filter and the `stats` filter after it.
+fn filter_parts(bed: &Bed, guard: GuardSpec) -> Result<Vec<FilterParts>, String> {
+    let (output, secret) = match (&bed.spec, &bed.below) {
+        (FilterSpec::Trace { .. }, _) => (Some(memfd::create("bench-trace", 0).map_err(|e| e.to_string())?), None),
+        (FilterSpec::Cow { cluster_bits, .. }, _) => {
+            let image = bulkhead_image::new_image(bed.size, *cluster_bits, None).map_err(|e| e.to_string())?;
+            (Some(memfd_with("bench-overlay", &image)?), None)
+        }
+        (_, Below::Luks { key, .. }) => (None, Some(memfd_with("bench-key", key)?)),
+        _ => (None, None),
+    };
+    let measured =
+        FilterParts { spec: bed.spec.clone(), fds: FilterFds { state: state_page("bench-filter")?, output, secret }, guard };
+    let stats = FilterParts {
+        spec: FilterSpec::Stats {},
+        fds: FilterFds { state: state_page("bench-stats")?, output: None, secret: None },
+        guard: GuardSpec::default(),
+    };
+    Ok(vec![measured, stats])
+}
+
+/// What the child's domain runs over, opened before the fork.
+enum BelowFd {
+    Ram(OwnedFd),
+    File(OwnedFd),
+}
+
+fn below_fd(bed: &Bed) -> Result<BelowFd, String> {
+    match &bed.below {
+        Below::Ram => memfd::create("bench-ram", bed.size).map(BelowFd::Ram).map_err(|e| e.to_string()),
+        Below::Luks { file, .. } => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(file)
+            .map(|f| BelowFd::File(OwnedFd::from(f)))
+            .map_err(|e| format!("{}: {e}", file.display())),
+    }
+}
+
+/// The child: builds the domain in its heap spaces and serves until the fault ends it.
+fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<FilterParts>, probe: OwnedFd) -> String {
+    let run = || -> Result<(), String> {
+        heap::activate(res).map_err(|e| format!("heap: {e}"))?;
+        let backend: Box<dyn Backend> = match below {
+            BelowFd::Ram(fd) => {
+                let size = bulkhead_sys::storage_size(std::os::fd::AsFd::as_fd(&fd)).map_err(|e| e.to_string())?.0;
+                Box::new(RamBackend::new(fd, size).map_err(|e| e.to_string())?)
+            }
+            BelowFd::File(fd) => Box::new(FileBackend::new(fd, None, false, Engine::Sync).map_err(|e| e.to_string())?),
+        };
+        let rings = [back.ring_region()];
+        let layers = guarded::build_filters(parts, &rings, Some(probe))?;
+        let chain = Chain::new(layers, backend);
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut dom =
+            Domain::new(vec![back], chain, NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, stop).map_err(|e| e.to_string())?;
+        dom.run().map_err(|e| e.to_string())?;
+        Err("the domain stopped before its fault".into())
+    };
+    match run() {
+        Ok(()) => String::new(),
+        Err(e) => e,
+    }
+}
+
+/// A child process.
+struct Child {
+    pid: i32,
+}
+
+impl Child {
+    /// Its exit status if it has ended (reaped), `None` while it runs.
+    fn try_wait(&self) -> Result<Option<i32>, String> {
+        let mut status = 0;
+        // SAFETY: waits for this process's own child without blocking; `status` is a local.
+        let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
+        match r {
+            0 => Ok(None),
+            r if r == self.pid => Ok(Some(status)),
+            _ => Err(format!("waitpid: {}", std::io::Error::last_os_error())),
+        }
+    }
+
+    /// Ends it and reaps it.
+    fn kill(&self) {
+        // SAFETY: signals and reaps this process's own child, which has not been reaped yet.
+        unsafe {
+            libc::kill(self.pid, libc::SIGKILL);
+            libc::waitpid(self.pid, std::ptr::null_mut(), 0);
+        }
+    }
+}
+
+/// How the child ended, in words.
+fn describe(status: i32) -> String {
+    if libc::WIFEXITED(status) {
+        format!("exit status {}", libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        format!("signal {}", libc::WTERMSIG(status))
+    } else {
+        format!("wait status {status:#x}")
+    }
+}
+
+/// Whether this process runs one thread: forking a process with more would leave the child
+/// with locks held by threads that do not exist in it.
+fn single_threaded() -> bool {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["Threads:", "1"])
+}
+
+/// Drives `front` with 4 KiB random reads and writes until the child ends; its wait status.
+fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<i32, String> {
+    let data = vec![0x5Au8; 4096];
+    let mut rng = seed | 1;
+    let started = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait()? {
+            return Ok(st);
+        }
+        if started.elapsed() > CHILD_LIMIT {
+            child.kill();
+            return Err(format!("the domain made no fault in {} s", CHILD_LIMIT.as_secs()));
+        }
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let offset = (rng >> 1) % (size / 4096) * 4096;
+        let req = if rng & 1 == 0 {
+            FrontRequest::Read { offset, len: 4096 }
+        } else {
+            FrontRequest::Write { offset, data: &data, fua: false }
+        };
+        if front.submit(req, 1).is_err() {
+            // The child ended with the request slot taken, or the ring is broken: either way
+            // the child's end is what is left to see.
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
+        let mut done = false;
+        while !done {
+            if front.reap(|_| done = true).is_err() {
+                break;
+            }
+            if done {
+                break;
+            }
+            match front.wait(2) {
+                Ok(true) => {}
+                Ok(false) | Err(_) => {
+                    if let Some(st) = child.try_wait()? {
+                        return Ok(st);
+                    }
+                    if started.elapsed() > CHILD_LIMIT {
+                        child.kill();
+                        return Err(format!("the domain made no fault in {} s", CHILD_LIMIT.as_secs()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The last lines the child wrote to its standard error.
+fn tail(log: &OwnedFd) -> String {
+    let f = std::fs::File::from(log.try_clone().expect("a descriptor this process owns"));
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let from = len.saturating_sub(600);
+    let mut buf = vec![0u8; (len - from) as usize];
+    let _ = f.read_exact_at(&mut buf, from);
+    String::from_utf8_lossy(&buf).trim().replace('\n', " | ")
+}
+
+/// One fault, in a child of its own.
+fn one(bed: &Bed, mode: GuardMode, target: InjectTarget, seed: u64) -> Result<Result1, String> {
+    let inject = InjectSpec { target, every: EVERY, seed };
+    let parts = filter_parts(bed, GuardSpec { mode, inject: Some(inject) })?;
+    let below = below_fd(bed)?;
+    let res = Reservation::new(1 + parts.len()).map_err(|e| format!("heap: {e}"))?;
+    let cfg = QueueConfig { nslots: 32, arena_bytes: 1 << 20, mode: NotifyMode::Poll, ..Default::default() };
+    let (mut front, back) = pair(&cfg, bed.size).map_err(|e| format!("channel: {e}"))?;
+    let (mut probe_r, probe_w) = bulkhead_sys::pipe().map(|(r, w)| (std::fs::File::from(r), w)).map_err(|e| e.to_string())?;
+    let log = memfd::create("bench-guard-log", 0).map_err(|e| e.to_string())?;
+    if !single_threaded() {
+        return Err("bench guard --isolation forks a domain per fault, so it must run single-threaded".into());
+    }
+    // SAFETY: this process runs one thread (checked above), so the child starts with no lock
+    // held and no other thread's state half-changed; it never returns into this function's
+    // caller (it ends with `_exit`).
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(format!("fork: {}", std::io::Error::last_os_error()));
+    }
+    if pid == 0 {
+        // The child: its copy of the frontend stays untouched; its standard error goes to the
+        // log; it dies with this process.
+        std::mem::forget(front);
+        drop(probe_r);
+        // SAFETY: plain system calls on descriptors this process owns and on itself.
+        unsafe {
+            libc::dup2(log.as_raw_fd(), 2);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        }
+        let e = child_run(res, back, below, parts, probe_w);
+        eprintln!("{e}");
+        // SAFETY: ends the child without running anything of the parent's (no destructors,
+        // no exit handlers).
+        unsafe { libc::_exit(70) };
+    }
+    drop((parts, below, probe_w));
+    let child = Child { pid };
+    let status = drive(&mut front, &child, bed.size, seed);
+    let status = match status {
+        Ok(s) => s,
+        Err(e) => return Err(format!("{e} ({})", tail(&log))),
+    };
+    let mut rec = Vec::with_capacity(FAULT_RECORD);
+    let _ = probe_r.read_to_end(&mut rec);
+    if rec.len() != FAULT_RECORD {
+        return Err(format!("the domain ended ({}) before its fault: {}", describe(status), tail(&log)));
+    }
+    let addr = u64::from_le_bytes(rec[..8].try_into().expect("8 bytes"));
+    let value = u64::from_le_bytes(rec[8..].try_into().expect("8 bytes"));
+    let old = value ^ FAULT_FLIP;
+    let mut word = [0u8; 8];
+    let now = if res.read(addr, &mut word) {
+        u64::from_le_bytes(word)
+    } else {
+        back.ring_word(addr).ok_or_else(|| format!("the fault aimed at {addr:#x}, in neither the heap nor the ring"))?
+    };
+    let outcome = if now == value {
+        Outcome::Landed
+    } else if now == old {
+        Outcome::Isolated
+    } else {
+        Outcome::Undecided
+    };
+    let stopped = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == VIOLATION_EXIT;
+    let ended = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == PROBE_EXIT;
+    if !stopped && !ended {
+        return Err(format!("the domain ended with {} after its fault: {}", describe(status), tail(&log)));
+    }
+    let disagreed = (outcome == Outcome::Landed && stopped) || (outcome == Outcome::Isolated && ended);
+    drop(front);
+    Ok(Result1 { outcome, disagreed })
+}
+
+/// Runs every setting.
+pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+    let mut notes = Vec::new();
+    let beds = beds(&opts.scratch, &mut notes);
+    let mut rows = Vec::new();
+    for (si, setting) in opts.settings.iter().enumerate() {
+        let (guard, mode) = match setting {
+            None => ("dwc", GuardMode::Dwc),
+            Some(c) => ("scdwc", GuardMode::Scdwc { cache: *c }),
+        };
+        let label = setting.map_or("dwc".to_string(), |c| format!("scdwc C={c}"));
+        progress(&format!("{label}: {} faults", opts.faults));
+        let mut all = Count::default();
+        let mut by_target: Vec<(String, Count)> = TARGETS.iter().map(|t| (t.as_str().to_string(), Count::default())).collect();
+        let mut by_filter: Vec<(String, Count)> = beds.iter().map(|b| (b.name.to_string(), Count::default())).collect();
+        let (mut disagreed, mut lost) = (0, 0);
+        let started = Instant::now();
+        for k in 0..opts.faults {
+            let bi = k as usize % beds.len();
+            let ti = (k as usize / beds.len()) % TARGETS.len();
+            let seed = 1 + ((si as u64) << 32 | k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            match one(&beds[bi], mode, TARGETS[ti], seed) {
+                Ok(r) => {
+                    all.add(r.outcome);
+                    by_target[ti].1.add(r.outcome);
+                    by_filter[bi].1.add(r.outcome);
+                    disagreed += u32::from(r.disagreed);
+                }
+                Err(e) => {
+                    lost += 1;
+                    if notes.len() < 20 {
+                        notes.push(format!("{label}, {} → {}: {e}", beds[bi].name, TARGETS[ti].as_str()));
+                    }
+                }
+            }
+        }
+        let ms_per_fault = started.elapsed().as_secs_f64() * 1000.0 / opts.faults.max(1) as f64;
+        rows.push(Row { guard: guard.into(), cache: *setting, all, by_target, by_filter, disagreed, lost, ms_per_fault });
+    }
+    for b in &beds {
+        if let Below::Luks { file, .. } = &b.below {
+            let _ = std::fs::remove_file(file);
+        }
+    }
+    let dwc = rows.iter().find(|r| r.cache.is_none()).map(|r| r.all.rate_pct());
+    let drops_at = dwc.and_then(|d| rows.iter().filter(|r| r.all.rate_pct() < d).find_map(|r| r.cache));
+    Ok(Report {
+        faults: opts.faults,
+        every: EVERY,
+        filters: beds.iter().map(|b| b.name.to_string()).collect(),
+        rows,
+        drops_at,
+        notes,
+    })
+}
+
+/// The report as tables: every fault, then per target.
+pub fn render(r: &Report) -> String {
+    let mut t = Table::new(&["guard", "C", "faults", "isolated", "landed", "undecided", "lost", "rate", "ms/fault"]);
+    for row in &r.rows {
+        t.row(vec![
+            row.guard.clone(),
+            row.cache.map_or("-".into(), |c| c.to_string()),
+            (row.all.isolated + row.all.landed + row.all.undecided + row.lost).to_string(),
+            row.all.isolated.to_string(),
+            row.all.landed.to_string(),
+            row.all.undecided.to_string(),
+            row.lost.to_string(),
+            format!("{:.1}%", row.all.rate_pct()),
+            format!("{:.1}", row.ms_per_fault),
+        ]);
+    }
+    let mut s = format!(
+        "isolation: {} faults per setting over {}, each at a random call of the filter's first {}; state read after the domain ended\n{}",
+        r.faults,
+        r.filters.join(", "),
+        r.every,
+        t.render()
+    );
+    let mut names: Vec<&str> = vec!["guard", "C"];
+    names.extend(TARGETS.iter().map(|t| t.as_str()));
+    names.extend(r.filters.iter().map(String::as_str));
+    let mut t = Table::new(&names);
+    for row in &r.rows {
+        let mut cells = vec![row.guard.clone(), row.cache.map_or("-".into(), |c| c.to_string())];
+        for (_, c) in row.by_target.iter().chain(&row.by_filter) {
+            cells.push(format!("{:.0}% of {}", c.rate_pct(), c.isolated + c.landed));
+        }
+        t.row(cells);
+    }
+    s.push_str("isolation rate per target and per filter (of the decided faults)\n");
+    s.push_str(&t.render());
+    let dwc = r.rows.iter().find(|x| x.cache.is_none()).map(|x| x.all.rate_pct());
+    if let (Some(d), Some(c60)) = (dwc, r.rows.iter().find(|x| x.cache == Some(60))) {
+        let met = if c60.all.rate_pct() >= d { "met" } else { "not met" };
+        s.push_str(&format!("goal: scdwc C=60 isolates as many as dwc: {:.1}% against {d:.1}% ({met})\n", c60.all.rate_pct()));
+    }
+    match r.drops_at {
+        Some(c) => s.push_str(&format!("the isolation rate first drops below dwc's at C={c}\n")),
+        None if dwc.is_some() => s.push_str("the isolation rate stays at dwc's for every C measured\n"),
+        None => {}
+    }
+    let disagreed: u32 = r.rows.iter().map(|x| x.disagreed).sum();
+    if disagreed > 0 {
+        s.push_str(&format!(
+            "{disagreed} faults whose domain's exit status disagreed with the memory (counted as the memory says)\n"
+        ));
+    }
+    for n in &r.notes {
+        s.push_str(&format!("note: {n}\n"));
+    }
+    s
+}
