@@ -532,7 +532,8 @@ pub fn render(r: &Report) -> String {
     for row in &r.rows {
         let mut cells = vec![row.guard.clone(), row.cache.map_or("-".into(), |c| c.to_string())];
         for (_, c) in row.by_target.iter().chain(&row.by_filter) {
-            cells.push(format!("{:.0}% of {}", c.rate_pct(), c.isolated + c.landed));
+            let decided = c.isolated + c.landed;
+            cells.push(if decided == 0 { "-".into() } else { format!("{:.0}% of {decided}", c.rate_pct()) });
         }
         t.row(cells);
     }
