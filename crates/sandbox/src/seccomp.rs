@@ -99,6 +99,11 @@ const IO_URING: &[(i64, &str)] =
 const TAP: &[(i64, &str)] = &[
     (libc::SYS_poll, "wait on the doorbell of the channel to the domain below"),
     (libc::SYS_ppoll, "as poll (libc may use this form)"),
+    (
+        libc::SYS_clock_nanosleep,
+        "nap instead of sleeping on a doorbell the domain below storms (a domain below being replaced rings spuriously)",
+    ),
+    (libc::SYS_nanosleep, "as clock_nanosleep (libc may use this form)"),
 ];
 
 /// Extra system calls of the network role (the socket was connected by the supervisor;
