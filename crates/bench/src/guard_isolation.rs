@@ -282,6 +282,19 @@ impl Child {
         }
     }
 
+    /// Its exit status if it has ended; an error, once it is ended and reaped, if it has run
+    /// past [`CHILD_LIMIT`] since `started` without making its fault.
+    fn ended(&self, started: Instant) -> Result<Option<i32>, String> {
+        if let Some(st) = self.try_wait()? {
+            return Ok(Some(st));
+        }
+        if started.elapsed() > CHILD_LIMIT {
+            self.kill();
+            return Err(format!("the domain made no fault in {} s", CHILD_LIMIT.as_secs()));
+        }
+        Ok(None)
+    }
+
     /// Ends it and reaps it.
     fn kill(&self) {
         // SAFETY: signals and reaps this process's own child, which has not been reaped yet.
@@ -316,12 +329,8 @@ fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<
     let mut rng = seed | 1;
     let started = Instant::now();
     loop {
-        if let Some(st) = child.try_wait()? {
+        if let Some(st) = child.ended(started)? {
             return Ok(st);
-        }
-        if started.elapsed() > CHILD_LIMIT {
-            child.kill();
-            return Err(format!("the domain made no fault in {} s", CHILD_LIMIT.as_secs()));
         }
         rng ^= rng << 13;
         rng ^= rng >> 7;
@@ -349,12 +358,8 @@ fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<
             match front.wait(2) {
                 Ok(true) => {}
                 Ok(false) | Err(_) => {
-                    if let Some(st) = child.try_wait()? {
+                    if let Some(st) = child.ended(started)? {
                         return Ok(st);
-                    }
-                    if started.elapsed() > CHILD_LIMIT {
-                        child.kill();
-                        return Err(format!("the domain made no fault in {} s", CHILD_LIMIT.as_secs()));
                     }
                 }
             }
@@ -364,7 +369,8 @@ fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<
 
 /// The last lines the child wrote to its standard error.
 fn tail(log: &OwnedFd) -> String {
-    let f = std::fs::File::from(log.try_clone().expect("a descriptor this process owns"));
+    let Ok(dup) = log.try_clone() else { return String::new() };
+    let f = std::fs::File::from(dup);
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
     let from = len.saturating_sub(600);
     let mut buf = vec![0u8; (len - from) as usize];

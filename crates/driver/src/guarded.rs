@@ -135,10 +135,9 @@ struct Injector {
     targets: Targets,
     /// The filter's number and type, for reports.
     who: String,
-    /// A measurement's descriptor: one fault only, recorded here (see [`Guarded::new`]).
+    /// A measurement's descriptor: one fault only, recorded here (see [`Guarded::new`]); the
+    /// process ends with it, stopped or not.
     probe: Option<std::fs::File>,
-    /// Whether the probe's fault was made.
-    struck: bool,
 }
 
 /// A fault ready to strike: 8 bytes at `addr`, to become `value`.
@@ -204,7 +203,7 @@ impl Injector {
     /// Counts a call; the fault to strike in it, if one is due.
     fn due(&mut self, own: Space) -> Option<Fault> {
         self.calls += 1;
-        if self.calls < self.next_at || (self.probe.is_some() && self.struck) {
+        if self.calls < self.next_at {
             return None;
         }
         self.schedule();
@@ -227,7 +226,6 @@ impl Injector {
                 // Nobody is left to check the memory: a fault nobody measures is not made.
                 return None;
             }
-            self.struck = true;
         }
         Some(Fault { addr, value })
     }
@@ -285,7 +283,6 @@ impl Guarded {
                 targets,
                 who: format!("{} ({})", index + 1, inner.name()),
                 probe: probe.map(std::fs::File::from),
-                struck: false,
             };
             i.schedule();
             i
