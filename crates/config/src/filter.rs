@@ -170,6 +170,9 @@ pub struct FilterTable {
     pub guard: Option<Spanned<String>>,
     /// `guard_cache` (with `guard = "scdwc"`): pages kept open, 0 to 256 (default 60).
     pub guard_cache: Option<Spanned<u64>>,
+    /// `guard_keys` (with `guard`): also partition the domain's memory by x86 protection key,
+    /// where the processor has them (default true).
+    pub guard_keys: Option<Spanned<bool>>,
     /// `guard_inject` (any): make the filter write where it must not: `ring`, `filter`,
     /// `heap`, `freed` or `random`.
     pub guard_inject: Option<Spanned<String>>,
@@ -336,6 +339,13 @@ impl FilterTable {
         if let (Some(c), false) = (&self.guard_cache, matches!(mode, GuardMode::Scdwc { .. })) {
             return Err(err(c.span(), format!("{} only applies with guard = \"scdwc\"", at("guard_cache"))));
         }
+        let keys = match (&self.guard_keys, mode) {
+            (Some(k), GuardMode::Off) => {
+                return Err(err(k.span(), format!("{} only applies with guard = \"dwc\" or \"scdwc\"", at("guard_keys"))));
+            }
+            (Some(k), _) => *k.get_ref(),
+            (None, mode) => mode != GuardMode::Off,
+        };
         let inject = match &self.guard_inject {
             None => {
                 for (key, v) in [("guard_inject_every", &self.guard_inject_every), ("guard_inject_seed", &self.guard_inject_seed)]
@@ -363,7 +373,7 @@ impl FilterTable {
                 Some(InjectSpec { target, every, seed })
             }
         };
-        Ok(GuardSpec { mode, inject })
+        Ok(GuardSpec { mode, keys, inject })
     }
 
     fn resolve_kind(&self, device: &str, index: usize, watchdog_ms: u64, err: Err<'_>) -> Result<Filter, crate::ConfigError> {

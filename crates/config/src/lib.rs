@@ -1311,6 +1311,8 @@ mod tests {
             ("type = \"stats\"\nguard = \"always\"\n", "filter.guard`: `always` is not one of off, dwc, scdwc", 8),
             ("type = \"stats\"\nguard = \"dwc\"\nguard_cache = 5\n", "guard_cache` only applies with guard = \"scdwc\"", 9),
             ("type = \"stats\"\nguard = \"scdwc\"\nguard_cache = 300\n", "guard_cache`: 300 is out of range 0..=256", 9),
+            ("type = \"stats\"\nguard_keys = false\n", "guard_keys` only applies with guard = \"dwc\" or \"scdwc\"", 8),
+            ("type = \"stats\"\nguard = \"dwc\"\nguard_keys = \"yes\"\n", "guard_keys", 9),
             ("type = \"stats\"\nguard_inject = \"stack\"\n", "`stack` is not one of ring, filter, heap, freed, random", 8),
             ("type = \"stats\"\nguard_inject_every = 5\n", "guard_inject_every` only applies with guard_inject", 8),
             ("type = \"stats\"\nguard_inject = \"heap\"\nguard_inject_every = 0\n", "at least 1", 9),
@@ -1333,11 +1335,14 @@ mod tests {
         use bulkhead_filters::{GuardMode, InjectSpec, InjectTarget};
         let f = parse_filter("type = \"stats\"\nguard = \"scdwc\"\n", "d", 0, 5000).unwrap();
         assert_eq!(f.guard.mode, GuardMode::Scdwc { cache: 60 });
+        assert!(f.guard.keys, "keys are on wherever a filter is guarded, unless turned off");
+        let f = parse_filter("type = \"stats\"\nguard = \"scdwc\"\nguard_keys = false\n", "d", 0, 5000).unwrap();
+        assert!(!f.guard.keys);
         let f = parse_filter("type = \"stats\"\nguard = \"dwc\"\nguard_inject = \"ring\"\n", "d", 0, 5000).unwrap();
         assert_eq!(f.guard.mode, GuardMode::Dwc);
         assert_eq!(f.guard.inject, Some(InjectSpec { target: InjectTarget::Ring, every: 1000, seed: 1 }));
         let f = parse_filter("type = \"stats\"\n", "d", 0, 5000).unwrap();
-        assert!(!f.guard.wanted());
+        assert!(!f.guard.wanted() && !f.guard.keys);
     }
 
     #[test]

@@ -51,6 +51,10 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         let r = bulkhead_guard::heap::Reservation::new(1 + this.filters.len())
             .map_err(|e| DriverError::Setup(format!("write capture: heap: {e}")))?;
         bulkhead_guard::heap::activate(r).map_err(|e| DriverError::Setup(format!("write capture: heap: {e}")))?;
+        // Keys before any thread starts: a thread started earlier could not touch the heap.
+        if this.filters.iter().any(|f| f.guard.keys && f.guard.mode != bulkhead_filters::GuardMode::Off) {
+            guarded::assign_keys();
+        }
     }
     let mode = this.notify_mode().map_err(DriverError::Setup)?;
     let mut queues = Vec::with_capacity(this.queues.len());

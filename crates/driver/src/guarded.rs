@@ -35,21 +35,45 @@ pub fn space_of(index: usize) -> Space {
     Space(index as u8 + 1)
 }
 
+/// Gives each heap space a protection key, for [`install`] to gate guarded calls with. Where
+/// the processor or the kernel has none, says so on standard error: the filters are then
+/// guarded by page protection alone.
+pub fn assign_keys() {
+    if let Err(e) = heap::assign_keys() {
+        eprintln!("bulkhead guard: no protection keys ({e}); guarded filters rely on page protection alone");
+    }
+}
+
 /// Installs write capture for the calling thread of a domain whose filters (`names`, in
-/// chain order) have spaces of their own: the runtime's heap, each filter's space and each
-/// queue's ring are guarded regions; a stopped write is reported as a line on standard error
+/// chain order, each with whether it wants protection keys) have spaces of their own: the
+/// runtime's heap, each filter's space and each queue's ring are guarded regions; a stopped
+/// write is reported as a line on standard error
 /// before the domain exits with [`bulkhead_guard::VIOLATION_EXIT`], and as a binary
 /// [`bulkhead_guard::Violation`] on `report`, if given.
-pub fn install(rings: &[(u64, u64)], names: &[String], report: Option<i32>) -> std::io::Result<Guard> {
+pub fn install(rings: &[(u64, u64)], names: &[(String, bool)], report: Option<i32>) -> std::io::Result<Guard> {
     let mut g = Guard::install(Mechanism::Userfault, Mode::Scdwc { cache: 0 }, report)?;
     g.report_text(2);
     g.add_heap_space(heap::RUNTIME, "the runtime's heap")?;
-    for (i, n) in names.iter().enumerate() {
+    for (i, (n, _)) in names.iter().enumerate() {
         g.add_heap_space(space_of(i), &format!("filter {} ({n})", i + 1))?;
         g.name_filter(i as u32, &format!("{} ({n})", i + 1));
     }
+    let mut ring_regions = Vec::with_capacity(rings.len());
     for (i, &(start, len)) in rings.iter().enumerate() {
-        g.add_region(start, len, &format!("the ring of queue {i}"))?;
+        ring_regions.push(g.add_region(start, len, &format!("the ring of queue {i}"))?);
+    }
+    // With keys (`assign_keys`), the rings are the runtime's too, and each filter that wants
+    // keys may write only its own space's key while it runs.
+    if let Some(runtime) = heap::key_of(heap::RUNTIME) {
+        for r in ring_regions {
+            g.key_region(r, runtime)?;
+        }
+        let own: Vec<u32> = names
+            .iter()
+            .enumerate()
+            .map(|(i, (_, keys))| if *keys { heap::key_of(space_of(i)).unwrap_or(0) } else { 0 })
+            .collect();
+        g.gate_keys(&own)?;
     }
     Ok(g)
 }
@@ -80,7 +104,7 @@ pub fn build_filters(
     if guarded && heap::space_range(space_of(filters.len().saturating_sub(1))).is_none() {
         return Err(format!("write capture: the heap has no space for each of {} filters", filters.len()));
     }
-    let names: Vec<String> = filters.iter().map(|f| f.spec.type_name().to_string()).collect();
+    let names: Vec<(String, bool)> = filters.iter().map(|f| (f.spec.type_name().to_string(), f.guard.keys)).collect();
     let mut layers: Vec<Box<dyn Layer>> = Vec::with_capacity(filters.len());
     let n = filters.len();
     for (i, f) in filters.into_iter().enumerate() {

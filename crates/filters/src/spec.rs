@@ -82,6 +82,11 @@ pub enum FilterSpec {
 pub struct GuardSpec {
     /// How its writes are captured.
     pub mode: GuardMode,
+    /// Whether the domain's memory is also partitioned by protection key, where the
+    /// processor has them: while the filter runs, it may not write any other owner's memory,
+    /// whatever the page protection holds open.
+    #[serde(default)]
+    pub keys: bool,
     /// Faults to inject into it, to measure what capture isolates.
     #[serde(default)]
     pub inject: Option<InjectSpec>,

@@ -64,6 +64,8 @@ pub struct Stats {
     pub page_protects: u64,
     /// Whole regions protected at once.
     pub region_protects: u64,
+    /// Calls run with the other owners' protection keys write-disabled ([`Guard::gate_keys`]).
+    pub keyed: u64,
 }
 
 /// A write guarded code was not allowed to make, as the handler reports it before the
@@ -107,6 +109,8 @@ struct Region {
     /// Bytes from `start` in use, if the region grows (a heap space): protecting the region
     /// protects that much; pages taken into use later are protected as they are.
     extent: Option<&'static AtomicU64>,
+    /// Its protection key, 0 for none.
+    key: u32,
     name: [u8; NAME],
 }
 
@@ -148,6 +152,12 @@ struct State {
     stepping: [u64; MAX_STEPPING],
     nstepping: usize,
     stats: Stats,
+    /// Whether calls are gated by protection keys ([`Guard::gate_keys`]).
+    keys: bool,
+    /// The key each filter may write (its heap space's), 0 for none.
+    own_key: [u32; MAX_FILTERS],
+    /// The PKRU of the guarded thread before the running call was gated, if it was.
+    saved_pkru: Option<u32>,
 }
 
 impl State {
@@ -156,7 +166,7 @@ impl State {
         mechanism: Mechanism::Userfault,
         uffd: -1,
         report_fd: -1,
-        regions: [Region { start: 0, end: 0, extent: None, name: [0; NAME] }; MAX_REGIONS],
+        regions: [Region { start: 0, end: 0, extent: None, key: 0, name: [0; NAME] }; MAX_REGIONS],
         nregions: 0,
         act: Act::new(),
         running: false,
@@ -167,11 +177,39 @@ impl State {
         shadow: Shadow::new(Mode::Dwc),
         stepping: [0; MAX_STEPPING],
         nstepping: 0,
-        stats: Stats { calls: 0, allowed: 0, outside: 0, steps: 0, page_protects: 0, region_protects: 0 },
+        stats: Stats { calls: 0, allowed: 0, outside: 0, steps: 0, page_protects: 0, region_protects: 0, keyed: 0 },
+        keys: false,
+        own_key: [0; MAX_FILTERS],
+        saved_pkru: None,
     };
 
     fn region_of(&self, addr: u64) -> Option<usize> {
         self.regions[..self.nregions].iter().position(|r| addr >= r.start && addr < r.end)
+    }
+
+    /// The PKRU bits that take away `filter`'s right to write every keyed region but its
+    /// own; 0 when calls are not gated, the filter has no key of its own, or when the table allows a range in such a region
+    /// (a write the keys would stop though the table allows it: that call is left to the
+    /// page protection alone).
+    fn deny_for(&self, filter: u32, act: &Act) -> u32 {
+        if !self.keys {
+            return 0;
+        }
+        let own = self.own_key.get(filter as usize).copied().unwrap_or(0);
+        if own == 0 {
+            return 0;
+        }
+        let mut deny = 0;
+        for r in &self.regions[..self.nregions] {
+            if r.key == 0 || r.key == own {
+                continue;
+            }
+            if act.ranges().iter().any(|&(s, e)| s < r.end && r.start < e) {
+                return 0;
+            }
+            deny |= bulkhead_sys::pkey::write_disable(r.key);
+        }
+        deny
     }
 
     /// Protects or opens a range; async-signal-safe.
@@ -275,15 +313,28 @@ fn set_trap_flag(_ctx: *mut libc::c_void, _on: bool) -> bool {
     false
 }
 
+/// `SEGV_PKUERR`: a SIGSEGV raised by a page's protection key.
+const SEGV_PKUERR: libc::c_int = 4;
+
 extern "C" fn on_write_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes an SA_SIGINFO handler a valid siginfo.
-    let addr = unsafe { (*info).si_addr() } as u64;
+    let (addr, code) = unsafe { ((*info).si_addr() as u64, (*info).si_code) };
     // SAFETY: a handler on the guarded thread (checked first) — see `state`.
     let st = unsafe { state() };
     if st.tid != gettid() {
         return not_ours(sig);
     }
     let Some(region) = st.region_of(addr) else { return not_ours(sig) };
+    if sig == libc::SIGSEGV && code == SEGV_PKUERR {
+        // A key the running call was denied: never one its table allows (`deny_for`).
+        if st.running && st.saved_pkru.is_some() {
+            stop(st, addr, region);
+        }
+        return not_ours(sig);
+    }
+    if sig == libc::SIGSEGV && st.mechanism == Mechanism::Userfault {
+        return not_ours(sig);
+    }
     let page = addr & !(PAGE - 1);
     if st.running && !allowed(st, addr) {
         stop(st, addr, region);
@@ -398,6 +449,9 @@ extern "C" fn on_trap(sig: libc::c_int, _info: *mut libc::siginfo_t, ctx: *mut l
 pub struct Guard {
     trap: Option<WriteTrap>,
     old: [libc::sigaction; 2],
+    /// SIGSEGV's earlier action, when [`gate_keys`](Self::gate_keys) took it under
+    /// userfaultfd (whose faults come as SIGBUS).
+    old_segv: Option<libc::sigaction>,
     owners: Vec<String>,
     /// Not Send: the guard belongs to the thread that installed it.
     _thread: std::marker::PhantomData<*const ()>,
@@ -457,7 +511,7 @@ impl Guard {
         let fault = sigaction(fault_sig, on_write_fault as *const () as usize);
         let actions = fault.and_then(|f| Ok([f, sigaction(libc::SIGTRAP, on_trap as *const () as usize)?]));
         match actions {
-            Ok(old) => Ok(Guard { trap, old, owners: Vec::new(), _thread: std::marker::PhantomData }),
+            Ok(old) => Ok(Guard { trap, old, old_segv: None, owners: Vec::new(), _thread: std::marker::PhantomData }),
             Err(e) => {
                 INSTALLED.store(false, Ordering::Release);
                 Err(e)
@@ -480,7 +534,50 @@ impl Guard {
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("region {owner}: no heap space {}", s.0)))?;
         let n = self.add(start, len, owner, Some(crate::heap::extent(s)))?;
         crate::heap::on_pages(Some(protect_heap_pages));
+        if let Some(k) = crate::heap::key_of(s) {
+            // SAFETY: a `Guard` method on the guarded thread (not Send).
+            unsafe { state() }.regions[n as usize].key = k;
+        }
         Ok(n)
+    }
+
+    /// Gives region `region` protection key `key` (from [`bulkhead_sys::pkey::alloc`] on
+    /// this thread, or a heap space's, [`crate::heap::key_of`]): a call gated by keys may
+    /// not write it unless it is the caller's own key.
+    pub fn key_region(&mut self, region: u32, key: u32) -> io::Result<()> {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        let r = st.regions.get_mut(region as usize).filter(|_| (region as usize) < st.nregions);
+        let r = r.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("no region {region}")))?;
+        bulkhead_sys::pkey::assign(r.start, r.end - r.start, key)?;
+        r.key = key;
+        Ok(())
+    }
+
+    /// Gates each call with protection keys as well: while guarded code named `filter` runs,
+    /// the guarded thread's PKRU denies writes to every keyed region but those with
+    /// `own_keys[filter]` (its heap space's key; 0: that filter's calls are not gated), for
+    /// two register writes per call. A write
+    /// it is denied is stopped and reported as any other, whatever the page protection's
+    /// cache holds open. The keyed regions are the partition by owner; the page protection
+    /// still checks the table inside what a filter may reach (its blocks freed whole).
+    pub fn gate_keys(&mut self, own_keys: &[u32]) -> io::Result<()> {
+        if !bulkhead_sys::pkey::supported() {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, "the processor has no protection keys"));
+        }
+        if own_keys.len() > MAX_FILTERS {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("keys for {} filters", own_keys.len())));
+        }
+        let mechanism = self.mechanism();
+        if mechanism == Mechanism::Userfault && self.old_segv.is_none() {
+            self.old_segv = Some(sigaction(libc::SIGSEGV, on_write_fault as *const () as usize)?);
+        }
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        st.own_key = [0; MAX_FILTERS];
+        st.own_key[..own_keys.len()].copy_from_slice(own_keys);
+        st.keys = true;
+        Ok(())
     }
 
     fn add(&mut self, start: u64, len: u64, owner: &str, extent: Option<&'static AtomicU64>) -> io::Result<u32> {
@@ -504,7 +601,7 @@ impl Guard {
         if let Some(t) = &self.trap {
             t.register(start, len).map_err(|e| io::Error::new(e.kind(), format!("region {owner}: userfaultfd: {e}")))?;
         }
-        st.regions[st.nregions] = Region { start, end, extent, name: name_of(owner) };
+        st.regions[st.nregions] = Region { start, end, extent, key: 0, name: name_of(owner) };
         st.nregions += 1;
         st.shadow.reset();
         self.owners.push(owner.to_string());
@@ -606,13 +703,25 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
             }
         }
         st.running = true;
+        let deny = st.deny_for(filter, act);
+        if deny != 0 {
+            let pkru = bulkhead_sys::pkey::read();
+            st.saved_pkru = Some(pkru);
+            st.stats.keyed += 1;
+            // Last: the state above lies in key 0, which is never denied.
+            bulkhead_sys::pkey::write(pkru | deny);
+        }
     }
     Ok(())
 }
 
 fn exit() {
     // SAFETY: on the guarded thread, outside any handler, no other reference alive.
-    unsafe { state() }.running = false;
+    let st = unsafe { state() };
+    if let Some(pkru) = st.saved_pkru.take() {
+        bulkhead_sys::pkey::write(pkru);
+    }
+    st.running = false;
 }
 
 /// Enters and leaves guarded code for its owners on the guarded thread (the layers a domain
@@ -696,6 +805,9 @@ impl Drop for Guard {
     fn drop(&mut self) {
         // SAFETY: a `Guard` method on the guarded thread (not Send).
         let st = unsafe { state() };
+        if let Some(pkru) = st.saved_pkru.take() {
+            bulkhead_sys::pkey::write(pkru);
+        }
         st.running = false;
         for r in &st.regions[..st.nregions] {
             let _ = st.set(r.start, r.protected_len(), false);
@@ -705,6 +817,9 @@ impl Drop for Guard {
         unsafe {
             libc::sigaction(fault_sig, &self.old[0], std::ptr::null_mut());
             libc::sigaction(libc::SIGTRAP, &self.old[1], std::ptr::null_mut());
+            if let Some(old) = &self.old_segv {
+                libc::sigaction(libc::SIGSEGV, old, std::ptr::null_mut());
+            }
         }
         crate::heap::on_pages(None);
         *st = State::EMPTY;

@@ -22,7 +22,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::{Cell, UnsafeCell};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use crate::capture::PAGE;
 
@@ -207,6 +207,52 @@ pub fn activate(r: Reservation) -> io::Result<()> {
     std::mem::forget(r);
     ACTIVE.store(true, Ordering::Release);
     Ok(())
+}
+
+/// Each space's protection key, 0 for none ([`assign_keys`]).
+static KEYS: [AtomicU32; MAX_SPACES] = [const { AtomicU32::new(0) }; MAX_SPACES];
+
+/// Gives each space a protection key of its own (x86 PKU), so that a thread can take away
+/// its right to write whole spaces with one instruction ([`bulkhead_sys::pkey`]). The
+/// calling thread, and every thread it starts later, may write them all; a thread started
+/// earlier could touch none of the heap, so this is refused when the process has one.
+/// Call right after [`activate`], before any thread starts. Returns the keys, space by space.
+pub fn assign_keys() -> io::Result<Vec<u32>> {
+    if !active() {
+        return Err(io::Error::other("the heap is not active"));
+    }
+    if !bulkhead_sys::pkey::supported() {
+        return Err(io::Error::new(io::ErrorKind::Unsupported, "the processor has no protection keys"));
+    }
+    if KEYS[0].load(Ordering::Relaxed) != 0 {
+        return Err(io::Error::new(io::ErrorKind::AlreadyExists, "the spaces have keys already"));
+    }
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        let n = tasks.count();
+        if n > 1 {
+            return Err(io::Error::other(format!(
+                "the process runs {n} threads; those started before the keys could not touch the heap"
+            )));
+        }
+    }
+    let n = NSPACES.load(Ordering::Relaxed);
+    let mut keys = Vec::with_capacity(n);
+    for i in 0..n {
+        let k = bulkhead_sys::pkey::alloc().map_err(|e| io::Error::new(e.kind(), format!("pkey_alloc for space {i}: {e}")))?;
+        let start = BASE.load(Ordering::Relaxed) + i as u64 * SPACE_BYTES;
+        bulkhead_sys::pkey::assign(start, SPACE_BYTES, k)
+            .map_err(|e| io::Error::new(e.kind(), format!("pkey_mprotect of space {i}: {e}")))?;
+        keys.push(k);
+    }
+    for (i, &k) in keys.iter().enumerate() {
+        KEYS[i].store(k, Ordering::Relaxed);
+    }
+    Ok(keys)
+}
+
+/// Space `s`'s protection key, if [`assign_keys`] gave it one.
+pub fn key_of(s: Space) -> Option<u32> {
+    KEYS.get(s.0 as usize).map(|k| k.load(Ordering::Relaxed)).filter(|&k| k != 0)
 }
 
 /// Whether the heap allocates from spaces.

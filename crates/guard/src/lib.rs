@@ -14,6 +14,12 @@
 //! stays open across calls: a write of guarded code to one of its C pages is not caught, the
 //! price of not faulting on the pages both sides write all the time.
 //!
+//! Protection keys ([`Guard::gate_keys`]) close that gap where the processor has them: each
+//! owner's memory (the runtime's heap and rings, each filter's heap space) carries a key of
+//! its own ([`heap::assign_keys`]), and while a filter runs its thread's PKRU denies writes
+//! to every key but the filter's, whatever the cache holds open, for one register write each
+//! way.
+//!
 //! Two [`Mechanism`]s catch writes: userfaultfd write protection with its faults raised as
 //! SIGBUS in the writing thread, and `mprotect` with SIGSEGV. `bulkhead bench guard` measures
 //! both; docs/guard.md says which is used and why.

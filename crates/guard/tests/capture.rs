@@ -166,6 +166,36 @@ fn scenario() {
             assert_eq!(g.stats().allowed, 4, "{:?}", g.stats());
             println!("{PASSED}");
         }
+        "keys" | "keys-off" => {
+            // Pages 0..8 are the runtime's, 8..16 the filter's own; SCDWC keeps a runtime
+            // page the runtime wrote between calls open into the next call.
+            write(mem, 5, 0xaa);
+            let mut g = Guard::install(mechanism, Mode::Scdwc { cache: 8 }, Some(1)).unwrap();
+            let runtime = g.add_region(base, 8 * PAGE, "runtime").unwrap();
+            let own = g.add_region(base + 8 * PAGE, 8 * PAGE, "filter").unwrap();
+            if which == "keys" {
+                let (a, b) = (bulkhead_sys::pkey::alloc().unwrap(), bulkhead_sys::pkey::alloc().unwrap());
+                g.key_region(runtime, a).unwrap();
+                g.key_region(own, b).unwrap();
+                g.gate_keys(&[b]).unwrap();
+            }
+            let act = act_for(mem, &[8, 9, 10]);
+            g.call(0, &act, || write(mem, 9, 9)).unwrap();
+            write(mem, 5, 0x11);
+            // An allowed range in a denied key: that call is left to the page protection.
+            let wide = act_for(mem, &[4, 9]);
+            g.call(0, &wide, || write(mem, 4, 4)).unwrap();
+            let s = g.stats();
+            let keyed = if which == "keys" { 1 } else { 0 };
+            assert_eq!((s.calls, s.keyed), (2, keyed), "{s:?}");
+            g.call(0, &act, || {
+                write(mem, 9, 10);
+                // Page 5 is in the cache, open: only the key stops this.
+                write(mem, 5, 0x55);
+            })
+            .unwrap();
+            println!("{PASSED}");
+        }
         other => panic!("no scenario {other}"),
     }
 }
@@ -228,4 +258,34 @@ fn a_fault_outside_every_region_is_not_swallowed() {
 #[test]
 fn anonymous_memory_never_touched_is_guarded_too() {
     passes_under_both("anonymous");
+}
+
+#[test]
+fn protection_keys_stop_a_write_to_a_page_the_cache_holds_open() {
+    if !bulkhead_sys::pkey::supported() {
+        eprintln!("skipped: the processor has no protection keys");
+        return;
+    }
+    for m in mechanisms() {
+        for (which, stopped) in [("keys", true), ("keys-off", false)] {
+            let path = shm(which, m);
+            let out = child(which, m, &path);
+            let bytes = std::fs::read(&path).unwrap();
+            let _ = std::fs::remove_file(&path);
+            let at = |p: usize| bytes[p * PAGE as usize + 8];
+            let err = String::from_utf8_lossy(&out.stderr);
+            if stopped {
+                assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{m} {which}: {err}");
+                // The state: the filter's own writes landed, the one into the cached page not.
+                assert_eq!((at(9), at(4), at(5)), (10, 4, 0x11), "{m} {which}");
+                let report = &out.stdout[out.stdout.len() - Violation::BYTES..];
+                let v = Violation::decode(report.try_into().unwrap());
+                assert_eq!((v.region, v.filter, v.address % PAGE), (0, 0, 8), "{m}: {v:?}");
+            } else {
+                // Without keys the cache lets it through: what the keys add.
+                assert!(out.status.success(), "{m} {which}: {err}");
+                assert_eq!((at(9), at(5)), (10, 0x55), "{m} {which}");
+            }
+        }
+    }
 }

@@ -130,12 +130,13 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
     // Memory faults must kill the domain at once. Rust's stack-overflow handler would try to
     // reinstall the default action with rt_sigaction, which seccomp refuses, and the fault
     // would repeat forever.
-    // A guarded domain keeps its SIGBUS handler: that is how write capture catches writes
-    // (and its allowlist has rt_sigaction, for the handler's own "not mine" case).
-    // SAFETY: restoring default dispositions; no handler code is involved.
-    unsafe {
-        libc::signal(libc::SIGSEGV, libc::SIG_DFL);
-        if !opts.guarded {
+    // A guarded domain keeps its SIGBUS and SIGSEGV handlers: that is how write capture
+    // catches writes (userfaultfd raises SIGBUS; a protection key or mprotect, SIGSEGV), and
+    // its allowlist has rt_sigaction, for the handlers' own "not mine" case.
+    if !opts.guarded {
+        // SAFETY: restoring default dispositions; no handler code is involved.
+        unsafe {
+            libc::signal(libc::SIGSEGV, libc::SIG_DFL);
             libc::signal(libc::SIGBUS, libc::SIG_DFL);
         }
     }

@@ -137,6 +137,8 @@ const VDEV_MODEL: &[(i64, &str)] = &[
 const GUARD: &[(i64, &str)] = &[
     (libc::SYS_ioctl, "UFFDIO_WRITEPROTECT only: protect and open pages around a guarded filter's writes"),
     (libc::SYS_rt_sigaction, "give a fault that is not the guard's its default action"),
+    (libc::SYS_pkey_alloc, "a protection key per heap space, to gate a guarded filter's calls"),
+    (libc::SYS_pkey_mprotect, "give the heap spaces and the rings their keys: never executable"),
 ];
 
 fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCondition {
@@ -203,7 +205,11 @@ pub fn filter(role: Role, guarded: bool) -> Result<seccompiler::BpfProgram, Stri
         vec![SeccompRule::new(vec![no_exec.clone(), cond(3, Dword, MaskedEq(anon | libc::MAP_SHARED as u64), anon)])
             .map_err(|e| e.to_string())?],
     );
-    rules.insert(libc::SYS_mprotect, vec![SeccompRule::new(vec![no_exec]).map_err(|e| e.to_string())?]);
+    rules.insert(libc::SYS_mprotect, vec![SeccompRule::new(vec![no_exec.clone()]).map_err(|e| e.to_string())?]);
+    if guarded {
+        // pkey_mprotect(addr, len, prot, pkey): prot is the third argument, as for mprotect.
+        rules.insert(libc::SYS_pkey_mprotect, vec![SeccompRule::new(vec![no_exec]).map_err(|e| e.to_string())?]);
+    }
     if matches!(role, Role::FileSync | Role::FileIoUring) {
         const BLKDISCARD: u64 = 0x1277;
         const BLKZEROOUT: u64 = 0x127f;

@@ -4,6 +4,7 @@
 #![deny(missing_docs)]
 
 pub mod memfd;
+pub mod pkey;
 pub mod uffd;
 pub mod uring;
 
