@@ -1,6 +1,7 @@
 //! Seed 004's figures 5 to 7 from `bench guard --filters` and `bench guard --isolation`
 //! together: one report, and one SVG with a panel per figure (throughput, CPU, isolation
-//! rate), each against the setting: off, DWC, then SCDWC with C from 0 to 100.
+//! rate), each against the setting: off, DWC, then SCDWC with C from 0 to 100. Settings
+//! measured with protection keys as well are drawn as dashed lines beside the plain ones.
 
 use serde::Serialize;
 
@@ -41,6 +42,8 @@ fn settings() -> Vec<(String, Option<u32>)> {
 struct Series {
     name: String,
     values: Vec<Option<f64>>,
+    /// With protection keys: drawn dashed, in the colour of the plain line it pairs with.
+    keys: bool,
 }
 
 const COLOURS: [&str; 8] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf", "#7f7f7f"];
@@ -48,7 +51,8 @@ const COLOURS: [&str; 8] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd
 /// One panel at (`ox`, `oy`): a line per series against the settings, y from 0 to `ymax`.
 fn panel(s: &mut String, (ox, oy): (f64, f64), title: &str, ymax: f64, series: &[Series]) {
     let (pw, ph) = (420.0, 280.0);
-    let (l, r, t, b) = (ox + 50.0, ox + pw - 10.0, oy + 24.0, oy + ph - 40.0);
+    // The legend goes right of the plot, clear of the lines.
+    let (l, r, t, b) = (ox + 50.0, ox + pw - 110.0, oy + 24.0, oy + ph - 40.0);
     let xs = settings();
     let x = |i: usize| l + (i as f64 + 0.5) / xs.len() as f64 * (r - l);
     let y = |v: f64| b - (v / ymax).clamp(0.0, 1.0) * (b - t);
@@ -68,26 +72,26 @@ fn panel(s: &mut String, (ox, oy): (f64, f64), title: &str, ymax: f64, series: &
         s.push_str(&format!("<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{label}</text>\n", x(i), b + 14.0));
     }
     s.push_str(&format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">setting (SCDWC: C)</text>\n", (l + r) / 2.0, b + 30.0));
+    // A keyed line takes the colour of the plain line of the same name.
+    let base = |n: &str| n.split(' ').next().unwrap_or("").to_string();
+    let plain: Vec<String> = series.iter().filter(|x| !x.keys).map(|x| base(&x.name)).collect();
     for (si, line) in series.iter().enumerate() {
-        let c = COLOURS[si % COLOURS.len()];
+        let colour = plain.iter().position(|n| *n == base(&line.name)).unwrap_or(plain.len() + si);
+        let c = COLOURS[colour % COLOURS.len()];
+        let dash = if line.keys { " stroke-dasharray=\"5,3\"" } else { "" };
         let pts: Vec<String> =
             line.values.iter().enumerate().filter_map(|(i, v)| v.map(|v| format!("{:.1},{:.1}", x(i), y(v)))).collect();
-        s.push_str(&format!("<polyline points=\"{}\" fill=\"none\" stroke=\"{c}\" stroke-width=\"2\"/>\n", pts.join(" ")));
+        s.push_str(&format!("<polyline points=\"{}\" fill=\"none\" stroke=\"{c}\" stroke-width=\"2\"{dash}/>\n", pts.join(" ")));
         for p in &pts {
             let (px, py) = p.split_once(',').unwrap_or(("0", "0"));
             s.push_str(&format!("<circle cx=\"{px}\" cy=\"{py}\" r=\"2.5\" fill=\"{c}\"/>\n"));
         }
-        s.push_str(&format!(
-            "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{}</text>\n",
-            r - 80.0,
-            t + 14.0 + 14.0 * si as f64,
-            line.name
-        ));
+        s.push_str(&format!("<text x=\"{}\" y=\"{}\" fill=\"{c}\">{}</text>\n", r + 8.0, t + 14.0 + 14.0 * si as f64, line.name));
     }
 }
 
 /// The value of a filters row at each setting.
-fn filter_series(r: &guard_filters::Report, filter: &str, value: fn(&guard_filters::Row) -> f64) -> Series {
+fn filter_series(r: &guard_filters::Report, filter: &str, keys: bool, value: fn(&guard_filters::Row) -> f64) -> Series {
     let values = settings()
         .iter()
         .map(|(label, cache)| {
@@ -95,6 +99,8 @@ fn filter_series(r: &guard_filters::Report, filter: &str, value: fn(&guard_filte
                 .iter()
                 .find(|row| {
                     row.filter == filter
+                        // `off` has no keys setting: both lines start at it.
+                        && (row.keys == keys || row.guard == "off")
                         && match cache {
                             Some(c) => row.cache == Some(*c),
                             None => row.guard == *label,
@@ -103,17 +109,21 @@ fn filter_series(r: &guard_filters::Report, filter: &str, value: fn(&guard_filte
                 .map(value)
         })
         .collect();
-    Series { name: filter.to_string(), values }
+    let name = if keys { format!("{filter} +keys") } else { filter.to_string() };
+    Series { name, values, keys }
 }
 
 /// The isolation rate at each setting, of every fault (`None`) or of one target's.
-fn isolation_series(r: &guard_isolation::Report, target: Option<&str>) -> Series {
+fn isolation_series(r: &guard_isolation::Report, target: Option<&str>, keys: bool) -> Series {
     let values = settings()
         .iter()
         .map(|(label, cache)| {
-            let row = r.rows.iter().find(|row| match cache {
-                Some(c) => row.cache == Some(*c),
-                None => row.guard == *label,
+            let row = r.rows.iter().find(|row| {
+                row.keys == keys
+                    && match cache {
+                        Some(c) => row.cache == Some(*c),
+                        None => row.guard == *label,
+                    }
             })?;
             let count = match target {
                 None => &row.all,
@@ -122,7 +132,9 @@ fn isolation_series(r: &guard_isolation::Report, target: Option<&str>) -> Series
             (count.isolated + count.landed > 0).then(|| count.rate_pct())
         })
         .collect();
-    Series { name: target.unwrap_or("all").to_string(), values }
+    let name = target.unwrap_or("all");
+    let name = if keys { format!("{name} +keys") } else { name.to_string() };
+    Series { name, values, keys }
 }
 
 /// The figures as an SVG: throughput (MiB/s) and CPU (%) per filter, and the isolation rate
@@ -137,17 +149,32 @@ pub fn svg(f: &Figures) -> String {
                 names.push(&row.filter);
             }
         }
-        let tput: Vec<Series> = names.iter().map(|n| filter_series(r, n, |row| row.mibs)).collect();
+        let keyed = r.rows.iter().any(|row| row.keys);
+        let lines = |value: fn(&guard_filters::Row) -> f64| -> Vec<Series> {
+            let mut v = Vec::new();
+            for n in &names {
+                v.push(filter_series(r, n, false, value));
+                if keyed {
+                    v.push(filter_series(r, n, true, value));
+                }
+            }
+            v
+        };
+        let tput = lines(|row| row.mibs);
         let ymax = r.rows.iter().map(|row| row.mibs).fold(1.0, f64::max) * 1.1;
         panel(&mut body, (ox, 30.0), "throughput, MiB/s (fio 4 KiB randrw)", ymax, &tput);
         ox += 430.0;
-        let cpu: Vec<Series> = names.iter().map(|n| filter_series(r, n, |row| row.cpu_pct)).collect();
+        let cpu = lines(|row| row.cpu_pct);
         panel(&mut body, (ox, 30.0), "CPU busy, % of both CPUs", 100.0, &cpu);
         ox += 430.0;
     }
     if let Some(r) = &f.isolation {
-        let mut lines = vec![isolation_series(r, None)];
-        lines.extend(guard_isolation::TARGETS.iter().map(|t| isolation_series(r, Some(t.as_str()))));
+        let mut lines = vec![isolation_series(r, None, false)];
+        lines.extend(guard_isolation::TARGETS.iter().map(|t| isolation_series(r, Some(t.as_str()), false)));
+        // Last, so that it is drawn over the plain lines it meets at 100%.
+        if r.rows.iter().any(|row| row.keys) {
+            lines.push(isolation_series(r, None, true));
+        }
         panel(&mut body, (ox, 30.0), &format!("isolation rate, % ({} faults per setting)", r.faults), 100.0, &lines);
         ox += 430.0;
     }
@@ -170,6 +197,7 @@ mod tests {
         let row = |cache: Option<u32>, landed| Row {
             guard: if cache.is_some() { "scdwc" } else { "dwc" }.into(),
             cache,
+            keys: false,
             all: count(100 - landed, landed),
             by_target: vec![("ring".into(), count(25 - landed.min(25), landed.min(25)))],
             by_filter: vec![("trace".into(), count(100 - landed, landed))],
@@ -183,6 +211,7 @@ mod tests {
             filters: vec!["trace".into()],
             rows: vec![row(None, 0), row(Some(0), 0), row(Some(60), 10)],
             drops_at: Some(60),
+            drops_at_keys: None,
             notes: Vec::new(),
         }
     }
@@ -204,5 +233,18 @@ mod tests {
         let text = render(&Figures { filters: None, isolation: Some(r) });
         assert!(text.contains("first drops below dwc's at C=60"), "{text}");
         assert!(text.contains("90.0% against 100.0% (not met)"), "{text}");
+    }
+
+    #[test]
+    fn keyed_settings_get_a_dashed_line_and_a_goal_of_their_own() {
+        let mut r = isolation();
+        let mut keyed = r.rows[2].clone();
+        keyed.keys = true;
+        keyed.all = Count { isolated: 100, landed: 0, undecided: 0 };
+        r.rows.push(keyed);
+        let svg = svg(&Figures { filters: None, isolation: Some(r.clone()) });
+        assert_eq!(svg.matches("stroke-dasharray").count(), 1, "{svg}");
+        let text = render(&Figures { filters: None, isolation: Some(r) });
+        assert!(text.contains("goal: scdwc C=60 +keys isolates as many as dwc: 100.0% against 100.0% (met)"), "{text}");
     }
 }

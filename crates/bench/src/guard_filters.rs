@@ -1,6 +1,6 @@
 //! `bench guard --filters`: real filters under write capture, as the seed's figures 5 and 6.
 //! For each filter (trace, crypt, cow) and each setting (`off`, `dwc`, `scdwc` with C in
-//! {0, 5, 10, 20, 40, 60, 80, 100}), a supervisor in this process serves one device with that
+//! {0, 5, 10, 20, 40, 60, 80, 100}, each also with protection keys), a supervisor in this process serves one device with that
 //! filter, exported over FUSE, and fio runs 4 KiB random reads and writes on it; the row is its
 //! throughput and the machine's CPU use meanwhile.
 
@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use bulkhead_config::Config;
+use bulkhead_filters::GuardMode;
 use bulkhead_supervisor::Supervisor;
 use serde::Serialize;
 
@@ -20,10 +21,90 @@ pub struct Options {
     pub seconds: u32,
     /// Where the files go.
     pub scratch: PathBuf,
+    /// The settings (`off` is always measured first, as the rows' reference).
+    pub settings: Vec<Setting>,
 }
 
 /// The settings, as the seed's x axis: off, DWC, then SCDWC with these C.
 pub const CACHES: [u32; 8] = [0, 5, 10, 20, 40, 60, 80, 100];
+
+/// One setting of the guard: a mode, and whether protection keys gate the calls as well.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Setting {
+    /// off, dwc, or scdwc with C.
+    pub mode: GuardMode,
+    /// `guard_keys`.
+    pub keys: bool,
+}
+
+impl Setting {
+    /// The seed's settings (DWC, then SCDWC with each of [`CACHES`]), then the same with
+    /// protection keys; `off` first if `with_off`.
+    pub fn all(with_off: bool) -> Vec<Setting> {
+        let mut v = Vec::new();
+        if with_off {
+            v.push(Setting { mode: GuardMode::Off, keys: false });
+        }
+        for keys in [false, true] {
+            v.push(Setting { mode: GuardMode::Dwc, keys });
+            v.extend(CACHES.iter().map(|&cache| Setting { mode: GuardMode::Scdwc { cache }, keys }));
+        }
+        v
+    }
+
+    /// `off`, `dwc` or a cache size from 0 to 256, with `+keys` for protection keys.
+    pub fn parse(s: &str) -> Result<Setting, String> {
+        let s = s.trim();
+        let (base, keys) = match s.strip_suffix("+keys") {
+            Some(b) => (b, true),
+            None => (s, false),
+        };
+        let mode = match base {
+            "off" if !keys => GuardMode::Off,
+            "dwc" => GuardMode::Dwc,
+            c => match c.parse::<u32>() {
+                Ok(cache) if cache as usize <= bulkhead_guard::shadow::MAX_CACHE => GuardMode::Scdwc { cache },
+                _ => {
+                    return Err(format!(
+                        "`{s}` is not `off`, `dwc` or a cache size from 0 to {}, with `+keys` for protection keys (not with off)",
+                        bulkhead_guard::shadow::MAX_CACHE
+                    ))
+                }
+            },
+        };
+        Ok(Setting { mode, keys })
+    }
+
+    /// C, for scdwc.
+    pub fn cache(&self) -> Option<u32> {
+        match self.mode {
+            GuardMode::Scdwc { cache } => Some(cache),
+            _ => None,
+        }
+    }
+
+    /// As reports name it: `off`, `dwc`, `scdwc C=60`, with ` +keys`.
+    pub fn label(&self) -> String {
+        let base = match self.cache() {
+            Some(c) => format!("scdwc C={c}"),
+            None => self.mode.as_str().to_string(),
+        };
+        if self.keys {
+            format!("{base} +keys")
+        } else {
+            base
+        }
+    }
+
+    /// The filter table's guard keys for it.
+    fn config_lines(&self) -> String {
+        match self.mode {
+            GuardMode::Off => String::new(),
+            GuardMode::Dwc => format!("guard = \"dwc\"\nguard_keys = {}\n", self.keys),
+            GuardMode::Scdwc { cache } => format!("guard = \"scdwc\"\nguard_cache = {cache}\nguard_keys = {}\n", self.keys),
+        }
+    }
+}
 
 /// One filter at one setting.
 #[derive(Debug, Clone, Serialize)]
@@ -34,6 +115,8 @@ pub struct Row {
     pub guard: String,
     /// C, for scdwc.
     pub cache: Option<u32>,
+    /// Whether protection keys gated the calls too.
+    pub keys: bool,
     /// Reads and writes per second together.
     pub iops: f64,
     /// MiB/s, reads and writes together.
@@ -169,23 +252,28 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         key: luks.as_ref().map(|l| l.1.clone()).unwrap_or_default(),
         overlay: opts.scratch.join("bench-guard-overlay.qcow2"),
     };
-    let mut settings: Vec<(String, Option<u32>, String)> =
-        vec![("off".into(), None, String::new()), ("dwc".into(), None, "guard = \"dwc\"\n".into())];
-    for c in CACHES {
-        settings.push(("scdwc".into(), Some(c), format!("guard = \"scdwc\"\nguard_cache = {c}\n")));
-    }
+    let off = Setting { mode: GuardMode::Off, keys: false };
+    let settings: Vec<Setting> = std::iter::once(off).chain(opts.settings.iter().copied().filter(|s| *s != off)).collect();
     let mut rows = Vec::new();
     for f in &filters {
         let mut off = 0.0;
-        for (name, cache, lines) in &settings {
-            let label = cache.map_or(name.clone(), |c| format!("{name} C={c}"));
-            progress(&format!("{f}, {label}"));
-            let (iops, mibs, cpu_pct) = run_one(exe, f, &files, lines, opts)?;
-            if name == "off" {
+        for setting in &settings {
+            progress(&format!("{f}, {}", setting.label()));
+            let (iops, mibs, cpu_pct) = run_one(exe, f, &files, &setting.config_lines(), opts)?;
+            if setting.mode == GuardMode::Off {
                 off = mibs;
             }
             let of_off_pct = if off > 0.0 { 100.0 * mibs / off } else { 0.0 };
-            rows.push(Row { filter: f.to_string(), guard: name.clone(), cache: *cache, iops, mibs, cpu_pct, of_off_pct });
+            rows.push(Row {
+                filter: f.to_string(),
+                guard: setting.mode.as_str().to_string(),
+                cache: setting.cache(),
+                keys: setting.keys,
+                iops,
+                mibs,
+                cpu_pct,
+                of_off_pct,
+            });
         }
     }
     for p in [&files.trace, &files.luks, &files.key, &files.overlay] {
@@ -196,12 +284,13 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
 
 /// The report as a table, with the goal (scdwc at C = 60 within 10% of off).
 pub fn render(r: &Report) -> String {
-    let mut t = Table::new(&["filter", "guard", "C", "IOPS", "MiB/s", "CPU %", "of off"]);
+    let mut t = Table::new(&["filter", "guard", "C", "keys", "IOPS", "MiB/s", "CPU %", "of off"]);
     for row in &r.rows {
         t.row(vec![
             row.filter.clone(),
             row.guard.clone(),
             row.cache.map_or("-".into(), |c| c.to_string()),
+            if row.keys { "yes" } else { "-" }.into(),
             format!("{:.0}", row.iops),
             format!("{:.1}", row.mibs),
             format!("{:.0}", row.cpu_pct),
@@ -211,7 +300,8 @@ pub fn render(r: &Report) -> String {
     let mut s = format!("fio 4 KiB randrw, psync, QD1, {} s per row, through FUSE\n{}", r.seconds, t.render());
     for row in r.rows.iter().filter(|x| x.cache == Some(60)) {
         let met = if row.of_off_pct >= 90.0 { "met" } else { "not met" };
-        s.push_str(&format!("goal: {} scdwc C=60 within 10% of off: {:.0}% ({met})\n", row.filter, row.of_off_pct));
+        let keys = if row.keys { " +keys" } else { "" };
+        s.push_str(&format!("goal: {} scdwc C=60{keys} within 10% of off: {:.0}% ({met})\n", row.filter, row.of_off_pct));
     }
     for k in &r.skipped {
         s.push_str(&format!("skipped: {k}\n"));

@@ -34,7 +34,7 @@ use bulkhead_guard::VIOLATION_EXIT;
 use bulkhead_shmem::memfd;
 use serde::Serialize;
 
-use crate::guard_filters::CACHES;
+use crate::guard_filters::Setting;
 use crate::Table;
 
 /// What to run.
@@ -44,15 +44,8 @@ pub struct Options {
     pub faults: u32,
     /// Where the LUKS volume goes.
     pub scratch: PathBuf,
-    /// The settings: `None` for DWC, `Some(C)` for SCDWC with a cache of C pages.
-    pub settings: Vec<Option<u32>>,
-}
-
-impl Options {
-    /// Every setting of the seed's figure: DWC, then SCDWC with each C of [`CACHES`].
-    pub fn all_settings() -> Vec<Option<u32>> {
-        std::iter::once(None).chain(CACHES.iter().map(|&c| Some(c))).collect()
-    }
+    /// The settings (`off` isolates nothing and is left out).
+    pub settings: Vec<Setting>,
 }
 
 /// The fault strikes at a random call among this many calls into the filter (a request is
@@ -104,6 +97,8 @@ pub struct Row {
     pub guard: String,
     /// C, for scdwc.
     pub cache: Option<u32>,
+    /// Whether protection keys gated the calls too.
+    pub keys: bool,
     /// Every fault.
     pub all: Count,
     /// Per target, in the order of [`TARGETS`].
@@ -130,8 +125,10 @@ pub struct Report {
     pub filters: Vec<String>,
     /// The rows.
     pub rows: Vec<Row>,
-    /// The first C whose isolation rate is below DWC's, if any.
+    /// The first C whose isolation rate is below DWC's (of the same keys setting), if any.
     pub drops_at: Option<u32>,
+    /// The same, with protection keys.
+    pub drops_at_keys: Option<u32>,
     /// Filters left out, and why; why faults were lost.
     pub notes: Vec<String>,
 }
@@ -242,6 +239,9 @@ fn below_fd(bed: &Bed) -> Result<BelowFd, String> {
 fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<FilterParts>, probe: OwnedFd) -> String {
     let run = || -> Result<(), String> {
         heap::activate(res).map_err(|e| format!("heap: {e}"))?;
+        if parts.iter().any(|p| p.guard.keys) {
+            heap::assign_keys().map_err(|e| format!("protection keys: {e}"))?;
+        }
         let backend: Box<dyn Backend> = match below {
             BelowFd::Ram(fd) => {
                 let size = bulkhead_sys::storage_size(std::os::fd::AsFd::as_fd(&fd)).map_err(|e| e.to_string())?.0;
@@ -379,9 +379,9 @@ fn tail(log: &OwnedFd) -> String {
 }
 
 /// One fault, in a child of its own.
-fn one(bed: &Bed, mode: GuardMode, target: InjectTarget, seed: u64) -> Result<Result1, String> {
+fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, String> {
     let inject = InjectSpec { target, every: EVERY, seed };
-    let parts = filter_parts(bed, GuardSpec { mode, inject: Some(inject) })?;
+    let parts = filter_parts(bed, GuardSpec { mode: setting.mode, keys: setting.keys, inject: Some(inject) })?;
     let below = below_fd(bed)?;
     let res = Reservation::new(1 + parts.len()).map_err(|e| format!("heap: {e}"))?;
     let cfg = QueueConfig { nslots: 32, arena_bytes: 1 << 20, mode: NotifyMode::Poll, ..Default::default() };
@@ -457,12 +457,9 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Str
     let mut notes = Vec::new();
     let beds = beds(&opts.scratch, &mut notes);
     let mut rows = Vec::new();
-    for (si, setting) in opts.settings.iter().enumerate() {
-        let (guard, mode) = match setting {
-            None => ("dwc", GuardMode::Dwc),
-            Some(c) => ("scdwc", GuardMode::Scdwc { cache: *c }),
-        };
-        let label = setting.map_or("dwc".to_string(), |c| format!("scdwc C={c}"));
+    let settings = opts.settings.iter().filter(|s| s.mode != GuardMode::Off);
+    for (si, &setting) in settings.enumerate() {
+        let label = setting.label();
         progress(&format!("{label}: {} faults", opts.faults));
         let mut all = Count::default();
         let mut by_target: Vec<(String, Count)> = TARGETS.iter().map(|t| (t.as_str().to_string(), Count::default())).collect();
@@ -473,7 +470,7 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Str
             let bi = k as usize % beds.len();
             let ti = (k as usize / beds.len()) % TARGETS.len();
             let seed = 1 + ((si as u64) << 32 | k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            match one(&beds[bi], mode, TARGETS[ti], seed) {
+            match one(&beds[bi], setting, TARGETS[ti], seed) {
                 Ok(r) => {
                     all.add(r.outcome);
                     by_target[ti].1.add(r.outcome);
@@ -489,32 +486,48 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Str
             }
         }
         let ms_per_fault = started.elapsed().as_secs_f64() * 1000.0 / opts.faults.max(1) as f64;
-        rows.push(Row { guard: guard.into(), cache: *setting, all, by_target, by_filter, disagreed, lost, ms_per_fault });
+        rows.push(Row {
+            guard: setting.mode.as_str().into(),
+            cache: setting.cache(),
+            keys: setting.keys,
+            all,
+            by_target,
+            by_filter,
+            disagreed,
+            lost,
+            ms_per_fault,
+        });
     }
     for b in &beds {
         if let Below::Luks { file, .. } = &b.below {
             let _ = std::fs::remove_file(file);
         }
     }
-    let dwc = rows.iter().find(|r| r.cache.is_none()).map(|r| r.all.rate_pct());
-    let drops_at = dwc.and_then(|d| rows.iter().filter(|r| r.all.rate_pct() < d).find_map(|r| r.cache));
+    let drops = |keys: bool| {
+        let dwc = rows.iter().find(|r| r.cache.is_none() && r.keys == keys).map(|r| r.all.rate_pct())?;
+        rows.iter().filter(|r| r.keys == keys && r.all.rate_pct() < dwc).find_map(|r| r.cache)
+    };
+    let (drops_at, drops_at_keys) = (drops(false), drops(true));
     Ok(Report {
         faults: opts.faults,
         every: EVERY,
         filters: beds.iter().map(|b| b.name.to_string()).collect(),
         rows,
         drops_at,
+        drops_at_keys,
         notes,
     })
 }
 
 /// The report as tables: every fault, then per target.
 pub fn render(r: &Report) -> String {
-    let mut t = Table::new(&["guard", "C", "faults", "isolated", "landed", "undecided", "lost", "rate", "ms/fault"]);
+    let keys = |row: &Row| if row.keys { "yes" } else { "-" }.to_string();
+    let mut t = Table::new(&["guard", "C", "keys", "faults", "isolated", "landed", "undecided", "lost", "rate", "ms/fault"]);
     for row in &r.rows {
         t.row(vec![
             row.guard.clone(),
             row.cache.map_or("-".into(), |c| c.to_string()),
+            keys(row),
             (row.all.isolated + row.all.landed + row.all.undecided + row.lost).to_string(),
             row.all.isolated.to_string(),
             row.all.landed.to_string(),
@@ -531,12 +544,12 @@ pub fn render(r: &Report) -> String {
         r.every,
         t.render()
     );
-    let mut names: Vec<&str> = vec!["guard", "C"];
+    let mut names: Vec<&str> = vec!["guard", "C", "keys"];
     names.extend(TARGETS.iter().map(|t| t.as_str()));
     names.extend(r.filters.iter().map(String::as_str));
     let mut t = Table::new(&names);
     for row in &r.rows {
-        let mut cells = vec![row.guard.clone(), row.cache.map_or("-".into(), |c| c.to_string())];
+        let mut cells = vec![row.guard.clone(), row.cache.map_or("-".into(), |c| c.to_string()), keys(row)];
         for (_, c) in row.by_target.iter().chain(&row.by_filter) {
             let decided = c.isolated + c.landed;
             cells.push(if decided == 0 { "-".into() } else { format!("{:.0}% of {decided}", c.rate_pct()) });
@@ -545,15 +558,25 @@ pub fn render(r: &Report) -> String {
     }
     s.push_str("isolation rate per target and per filter (of the decided faults)\n");
     s.push_str(&t.render());
-    let dwc = r.rows.iter().find(|x| x.cache.is_none()).map(|x| x.all.rate_pct());
-    if let (Some(d), Some(c60)) = (dwc, r.rows.iter().find(|x| x.cache == Some(60))) {
-        let met = if c60.all.rate_pct() >= d { "met" } else { "not met" };
-        s.push_str(&format!("goal: scdwc C=60 isolates as many as dwc: {:.1}% against {d:.1}% ({met})\n", c60.all.rate_pct()));
+    // The reference is the seed's: DWC without keys, else with them.
+    let dwc_of = |k: bool| r.rows.iter().find(|x| x.cache.is_none() && x.keys == k).map(|x| x.all.rate_pct());
+    if let Some(d) = dwc_of(false).or_else(|| dwc_of(true)) {
+        for c60 in r.rows.iter().filter(|x| x.cache == Some(60)) {
+            let met = if c60.all.rate_pct() >= d { "met" } else { "not met" };
+            let k = if c60.keys { " +keys" } else { "" };
+            s.push_str(&format!(
+                "goal: scdwc C=60{k} isolates as many as dwc: {:.1}% against {d:.1}% ({met})\n",
+                c60.all.rate_pct()
+            ));
+        }
     }
-    match r.drops_at {
-        Some(c) => s.push_str(&format!("the isolation rate first drops below dwc's at C={c}\n")),
-        None if dwc.is_some() => s.push_str("the isolation rate stays at dwc's for every C measured\n"),
-        None => {}
+    for (keys, drops) in [(false, r.drops_at), (true, r.drops_at_keys)] {
+        let k = if keys { " with keys" } else { "" };
+        match drops {
+            Some(c) => s.push_str(&format!("the isolation rate{k} first drops below dwc's at C={c}\n")),
+            None if dwc_of(keys).is_some() => s.push_str(&format!("the isolation rate{k} stays at dwc's for every C measured\n")),
+            None => {}
+        }
     }
     let disagreed: u32 = r.rows.iter().map(|x| x.disagreed).sum();
     if disagreed > 0 {

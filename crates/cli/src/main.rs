@@ -329,7 +329,8 @@ enum BenchCmd {
         /// With --isolation: faults per setting, spread over the filters and the targets.
         #[arg(long, default_value_t = 300)]
         faults: u32,
-        /// With --isolation: only these C (comma-separated; `dwc` for DWC), not all.
+        /// With --filters or --isolation: only these settings (comma-separated: `off`, `dwc`
+        /// or a cache size C, each but `off` with `+keys` for protection keys), not all.
         #[arg(long, value_delimiter = ',')]
         settings: Vec<String>,
         /// With --filters or --isolation: write the figures as an SVG here.
@@ -815,20 +816,19 @@ fn bench_guard_figures(w: GuardFigures, json: bool) -> anyhow::Result<ExitCode> 
     if !(1..=100_000).contains(&w.faults) {
         anyhow::bail!("--faults must be between 1 and 100000");
     }
+    use bulkhead_bench::guard_filters::Setting;
     let settings = if w.settings.is_empty() {
-        bulkhead_bench::guard_isolation::Options::all_settings()
+        Setting::all(true)
     } else {
-        let parse = |s: &String| match s.trim() {
-            "dwc" => Ok(None),
-            c => c
-                .parse::<u32>()
-                .ok()
-                .filter(|c| *c <= 256)
-                .map(Some)
-                .ok_or_else(|| anyhow::anyhow!("--settings: `{c}` is neither `dwc` nor a cache size from 0 to 256")),
-        };
+        let parse = |s: &String| Setting::parse(s).map_err(|e| anyhow::anyhow!("--settings: {e}"));
         w.settings.iter().map(parse).collect::<anyhow::Result<Vec<_>>>()?
     };
+    if w.isolation && !settings.iter().any(|s| s.mode != bulkhead_filters::GuardMode::Off) {
+        anyhow::bail!("--settings: --isolation needs a setting other than `off`");
+    }
+    if (w.filters || w.isolation) && settings.iter().any(|s| s.keys) && !bulkhead_sys::pkey::supported() {
+        anyhow::bail!("--settings: `+keys` needs protection keys, which this processor does not have");
+    }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         anyhow::bail!("bench guard --filters and --isolation need root (FUSE exports, userfaultfd on shared memory)");
@@ -836,7 +836,8 @@ fn bench_guard_figures(w: GuardFigures, json: bool) -> anyhow::Result<ExitCode> 
     let progress = |p: &str| eprintln!("bench guard: {p}");
     let filters = if w.filters {
         let exe = std::env::current_exe()?;
-        let opts = bulkhead_bench::guard_filters::Options { seconds: w.seconds, scratch: w.scratch.clone() };
+        let opts =
+            bulkhead_bench::guard_filters::Options { seconds: w.seconds, scratch: w.scratch.clone(), settings: settings.clone() };
         Some(bulkhead_bench::guard_filters::run(&exe, &opts, progress).map_err(anyhow::Error::msg)?)
     } else {
         None

@@ -30,6 +30,14 @@ fn bench_guard_catches_what_each_mode_should_for_both_mechanisms() {
         assert!(row("scdwc: the runtime's write")["caught"].as_u64().unwrap() > 0, "{m}");
         assert!(row("scdwc: protecting one pooled page")["ns"].as_f64().unwrap() > 0.0, "{m}");
     }
+    if bulkhead_sys::pkey::supported() {
+        let gated = r["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["mechanism"] == "pkey" && x["operation"].as_str().unwrap().contains("gated"));
+        assert!(gated.is_some_and(|g| g["ns"].as_f64().unwrap() > 0.0), "{r}");
+    }
 }
 
 #[test]
@@ -41,7 +49,8 @@ fn bench_guard_refuses_fewer_writes_than_pages() {
 
 /// `bench guard --isolation`, a few faults per setting: the memory check sees the faults DWC
 /// and SCDWC with no cache stop, and sees the ones a cache of 256 pages lets land (the pages
-/// the runtime keeps writing stay open), so it measures rather than echoes the handler.
+/// the runtime keeps writing stay open), so it measures rather than echoes the handler. With
+/// protection keys, the same cache lets none land.
 #[test]
 fn bench_guard_isolation_reads_what_each_fault_left() {
     // SAFETY: geteuid has no preconditions.
@@ -49,14 +58,16 @@ fn bench_guard_isolation_reads_what_each_fault_left() {
         eprintln!("skipped: needs root (userfaultfd on shared memory)");
         return;
     }
+    let keys = bulkhead_sys::pkey::supported();
+    let settings = if keys { "dwc,0,256,256+keys" } else { "dwc,0,256" };
     let out = Command::new(exe())
-        .args(["bench", "guard", "--isolation", "--json", "--faults", "12", "--settings", "dwc,0,256"])
+        .args(["bench", "guard", "--isolation", "--json", "--faults", "12", "--settings", settings])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = r["isolation"]["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 3, "{r}");
+    assert_eq!(rows.len(), if keys { 4 } else { 3 }, "{r}");
     for row in rows {
         let all = &row["all"];
         let decided = all["isolated"].as_u64().unwrap() + all["landed"].as_u64().unwrap();
@@ -67,4 +78,10 @@ fn bench_guard_isolation_reads_what_each_fault_left() {
     assert_eq!(rows[0]["all"]["landed"], 0, "DWC stops every fault: {}", rows[0]);
     assert_eq!(rows[1]["all"]["landed"], 0, "SCDWC with no cache stops every fault: {}", rows[1]);
     assert!(rows[2]["all"]["landed"].as_u64().unwrap() > 0, "a cache of 256 pages lets some land: {}", rows[2]);
+    if keys {
+        assert_eq!(rows[3]["keys"], true, "{}", rows[3]);
+        assert_eq!(rows[3]["all"]["landed"], 0, "with keys, a cache of 256 pages lets none land: {}", rows[3]);
+    } else {
+        eprintln!("protection keys not checked: the processor has none");
+    }
 }
