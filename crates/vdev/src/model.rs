@@ -105,13 +105,24 @@ impl Model {
     }
 
     /// Every register to its reset value; the ring forgotten.
+    ///
+    /// A driver polls CONTROL's reset bit and then reads ID, so every register holds its
+    /// reset value (never a passing 0 in ID or CAPACITY) before CONTROL is cleared, last.
     fn reset(&mut self) {
         let r = &self.card.registers;
         for (_, reg) in r.all() {
-            self.regs.write(reg, 0);
+            let value = if reg == r.id {
+                self.card.id()
+            } else if reg == r.capacity {
+                self.capacity_blocks
+            } else {
+                0
+            };
+            if reg != r.control {
+                self.regs.write(reg, value);
+            }
         }
-        self.regs.write(r.id, self.card.id());
-        self.regs.write(r.capacity, self.capacity_blocks);
+        self.regs.write(r.control, 0);
         self.enabled = false;
         self.stopped = false;
         self.error_code = 0;

@@ -372,3 +372,47 @@ fn a_storm_of_random_register_writes_leaves_the_card_usable() {
     let (stats, faults) = rig.finish();
     assert!(stats.resets >= 2 && faults > 0, "{stats:?}");
 }
+
+/// A driver takes a clear reset bit to mean the card is back at its reset values and reads
+/// ID next. While the model resets over and over, an observer on another thread never sees
+/// the bit clear with anything but the card's ID and capacity beside it.
+#[test]
+fn a_reset_is_finished_before_its_bit_clears() {
+    let card = Card::generate(16);
+    let regs_fd = memfd::create("regs", u64::from(PAGE)).unwrap();
+    let dma_fd = memfd::create("dma", DMA).unwrap();
+    let media = RamBackend::new(memfd::create("media", MEDIA).unwrap(), MEDIA).unwrap();
+    let map = || Mapping::new(regs_fd.as_raw_fd(), PAGE as usize, Protection::ReadWrite).unwrap();
+    let dma = Mapping::new(dma_fd.as_raw_fd(), DMA as usize, Protection::ReadWrite).unwrap();
+    let mut model = Model::new(card.clone(), RegisterPage::new(map()).unwrap(), dma, Box::new(media), EventFd::new().unwrap());
+    let driver = RegisterPage::new(map()).unwrap();
+    let observer = RegisterPage::new(map()).unwrap();
+    let (r, reset) = (card.registers.clone(), 1u64 << card.control.reset);
+    let done = Arc::new(AtomicBool::new(false));
+    let watch = {
+        let (done, r, id, capacity) = (done.clone(), r.clone(), card.id(), MEDIA / u64::from(BLOCK));
+        std::thread::spawn(move || {
+            let (mut looks, mut wrong) = (0u64, Vec::new());
+            while !done.load(Ordering::Acquire) {
+                if observer.read(r.control) & reset == 0 {
+                    looks += 1;
+                    let seen = (observer.read(r.id), observer.read(r.capacity));
+                    if seen != (id, capacity) && wrong.len() < 8 {
+                        wrong.push(seen);
+                    }
+                }
+            }
+            (looks, wrong)
+        })
+    };
+    for _ in 0..200_000 {
+        driver.write(r.control, reset);
+        model.step();
+        assert_eq!(driver.read(r.control) & reset, 0);
+    }
+    done.store(true, Ordering::Release);
+    let (looks, wrong) = watch.join().unwrap();
+    assert!(looks > 0, "the observer never saw the reset bit clear");
+    assert!(wrong.is_empty(), "read with the reset bit clear (ID, CAPACITY): {wrong:x?}");
+    assert_eq!(model.stats().resets, 200_000);
+}
