@@ -654,6 +654,7 @@ impl FrontQueue {
             return Err(e.clone());
         }
         if self.ring.response_pending() {
+            self.spurious = 0;
             return Ok(true);
         }
         let spin = match self.mode {
@@ -673,6 +674,9 @@ impl FrontQueue {
                 if tunes {
                     self.budget.record(now_ns() - start);
                 }
+                // A response ends a run of empty wake-ups, however it was found: a ring
+                // left over from a sleep that found its response first is not a storm.
+                self.spurious = 0;
                 return Ok(true);
             }
             std::hint::spin_loop();
@@ -713,6 +717,7 @@ impl FrontQueue {
             if tunes {
                 self.budget.record(now_ns() - start);
             }
+            self.spurious = 0;
             return Ok(true);
         }
         self.stats.sleeps += 1;
