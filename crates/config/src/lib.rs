@@ -28,6 +28,7 @@
 //! restart_window_ms = 60000
 //! sandbox = "best_effort" # required | best_effort | off
 //! tap = "passthrough"     # where filters run: passthrough | interpose
+//! # nbd_allow = ["10.0.0.0/8", "::1"]  # TCP clients of its NBD export: only from these
 //!
 //! [device.backend]
 //! type = "ram"            # ram | file | nbd | null | vdev
@@ -46,6 +47,20 @@
 //! [[device.filter]]       # zero or more, frontend side first (docs/filters/)
 //! type = "trace"          # trace | stats | delay | error | throttle
 //! path = "/var/log/disk0.blktrace"
+//!
+//! [[device.view]]         # zero or more: parts exported under names of their own (docs/sharing.md)
+//! name = "vm1"            # FUSE file and NBD export name
+//! offset = "0"            # where it starts in the device
+//! size = "256M"           # default: the rest of the device
+//! read_only = false
+//! queues = 1              # channel queues of its own
+//! # credit_bytes = "512K" # QoS: credits of this many bytes …
+//! # credit_us = 10000     # … every this many µs
+//! # burst_bytes = "2M"    # most credit saved up (default: one period's)
+//! # iops = 5000           # requests per second
+//! # burst_ios = 500       # (default: a tenth of a second's)
+//! # weight = 1            # share among uncapped views (1..=1000)
+//! # nbd_allow = ["192.0.2.7"]  # TCP clients of its NBD export: only from these
 //! ```
 //!
 //! Unknown keys and bad values are errors naming the key and the line.
@@ -55,8 +70,10 @@
 use std::path::{Path, PathBuf};
 
 mod filter;
+mod view;
 
 pub use filter::{Filter, FilterKind, FilterTable};
+pub use view::View;
 
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
@@ -113,25 +130,7 @@ pub enum ConfigError {
 pub struct Size(pub u64);
 
 /// Parses "1G", "512M", "4096", "64k".
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (num, mul) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        None => (t, 1u64),
-        Some((i, _)) => {
-            let mul = match t[i..].to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
-                "" => 1,
-                "K" => 1 << 10,
-                "M" => 1 << 20,
-                "G" => 1 << 30,
-                "T" => 1 << 40,
-                _ => return Err(format!("invalid size `{s}` (use bytes or a K, M, G, T suffix)")),
-            };
-            (&t[..i], mul)
-        }
-    };
-    let n: u64 = num.parse().map_err(|_| format!("invalid size `{s}`"))?;
-    n.checked_mul(mul).ok_or_else(|| format!("size `{s}` is too large"))
-}
+pub use bulkhead_qos::parse_size;
 
 impl<'de> Deserialize<'de> for Size {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -536,6 +535,11 @@ pub struct Device {
     /// `[[device.filter]]` tables, frontend side first.
     #[serde(default, rename = "filter")]
     pub filters: Vec<FilterTable>,
+    /// `[[device.view]]` tables: parts of the device exported under names of their own.
+    #[serde(default, rename = "view")]
+    pub views: Vec<View>,
+    /// Address ranges TCP clients of its NBD export may come from (default: any).
+    pub nbd_allow: Option<Spanned<Vec<String>>>,
 }
 
 /// Where a device's filters run.
@@ -814,11 +818,7 @@ impl Config {
         let mut names = std::collections::HashSet::new();
         for d in &self.devices {
             let name = d.name.get_ref();
-            let valid = !name.is_empty()
-                && name.len() <= 64
-                && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-                && !name.starts_with('.');
-            if !valid {
+            if !valid_name(name) {
                 return Err(err(
                     d.name.span(),
                     format!("key `name`: `{name}` is not a valid device name (1-64 of A-Z a-z 0-9 - _ ., not starting with .)"),
@@ -1008,6 +1008,16 @@ impl Config {
             for (i, f) in d.filters.iter().enumerate() {
                 f.resolve(name, i, d.watchdog_ms(), &err)?;
             }
+            if d.views.len() > view::MAX_VIEWS {
+                return Err(err(
+                    d.views[view::MAX_VIEWS].name.span(),
+                    format!("device `{name}`: more than {} views", view::MAX_VIEWS),
+                ));
+            }
+            for v in &d.views {
+                v.check(name, d.size.as_ref().map(|s| s.get_ref().0), &err)?;
+            }
+            check_allow(&d.nbd_allow, &format!("device `{name}`"), &err)?;
             if let Some(s) = &d.size {
                 if s.get_ref().0 == 0 || s.get_ref().0 % 512 != 0 {
                     return Err(err(
@@ -1017,8 +1027,61 @@ impl Config {
                 }
             }
         }
+        // Views share the devices' namespace: each is an export of its own.
+        for d in &self.devices {
+            for v in &d.views {
+                let vname = v.name.get_ref();
+                if !valid_name(vname) {
+                    return Err(err(
+                        v.name.span(),
+                        format!(
+                            "device `{}`: key `name`: `{vname}` is not a valid view name (1-64 of A-Z a-z 0-9 - _ ., not starting with .)",
+                            d.name.get_ref()
+                        ),
+                    ));
+                }
+                if !names.insert(vname.clone()) {
+                    return Err(err(
+                        v.name.span(),
+                        format!(
+                            "device `{}`: key `name`: `{vname}` is defined twice (devices and views share one namespace)",
+                            d.name.get_ref()
+                        ),
+                    ));
+                }
+            }
+        }
         Ok(())
     }
+}
+
+/// Checks an `nbd_allow` list: each entry an address or an address/prefix.
+pub(crate) fn check_allow(
+    list: &Option<Spanned<Vec<String>>>,
+    what: &str,
+    err: &impl Fn(std::ops::Range<usize>, String) -> ConfigError,
+) -> Result<(), ConfigError> {
+    if let Some(l) = list {
+        for a in l.get_ref() {
+            if let Err(e) = bulkhead_nbd::allow::Cidr::parse(a) {
+                return Err(err(l.span(), format!("{what}: key `nbd_allow`: {e}")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The ranges of a checked `nbd_allow` list (`None`: no list, anyone).
+pub fn allow_list(list: &Option<Spanned<Vec<String>>>) -> Option<Vec<bulkhead_nbd::allow::Cidr>> {
+    list.as_ref().map(|l| l.get_ref().iter().filter_map(|a| bulkhead_nbd::allow::Cidr::parse(a).ok()).collect())
+}
+
+/// Whether `name` may name a device or a view (a file name and an export name).
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && !name.starts_with('.')
 }
 
 #[cfg(test)]

@@ -26,6 +26,9 @@ pub struct DomainSpec {
     pub budget_ns: Option<u64>,
     /// The queues.
     pub queues: Vec<QueueSpec>,
+    /// The views some queues serve (the others serve the whole device).
+    #[serde(default)]
+    pub views: Vec<ViewSpec>,
     /// The backend.
     pub backend: BackendSpec,
     /// Filters over the backend, frontend side first.
@@ -74,6 +77,25 @@ pub struct QueueSpec {
     pub arena_bytes: u64,
     /// Descriptors: ring, write arena (read-only), read arena, kick, irq.
     pub fds: [i32; 5],
+    /// The view the queue serves (an index into [`DomainSpec::views`]); `None`: the device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub view: Option<u32>,
+}
+
+/// A part of the device some queues serve: every request on them is checked against it and
+/// moved by its offset. Its caps are in the domain's state page (`bulkhead_qos::page`), under
+/// its index, where the supervisor may change them while the domain runs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ViewSpec {
+    /// Name (for logs).
+    pub name: String,
+    /// Where it starts in the device, bytes.
+    pub offset: u64,
+    /// Its size, bytes.
+    pub size: u64,
+    /// Writes, discards and write-zeroes are refused.
+    pub read_only: bool,
 }
 
 fn default_heartbeat_ms() -> u64 {
@@ -273,7 +295,8 @@ mod tests {
             backend_size: 1 << 30,
             mode: "adaptive".into(),
             budget_ns: None,
-            queues: vec![QueueSpec { nslots: 64, arena_bytes: 8 << 20, fds: [3, 4, 5, 6, 7] }],
+            queues: vec![QueueSpec { nslots: 64, arena_bytes: 8 << 20, fds: [3, 4, 5, 6, 7], view: None }],
+            views: Vec::new(),
             backend: BackendSpec::File {
                 fd: 8,
                 buffered_fd: Some(9),
