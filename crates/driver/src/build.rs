@@ -63,7 +63,17 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         let [ring, write_arena, read_arena, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
         let fds = BackQueueFds { ring: ring?, write_arena: write_arena?, read_arena: read_arena?, kick: kick?, irq: irq? };
         let arenas = ArenaSizes { write: q.arena_bytes, read: q.arena_bytes };
-        queues.push(BackQueue::from_fds(fds, q.nslots, arenas, this.size).map_err(|e| DriverError::Setup(e.to_string()))?);
+        // A queue of a view takes requests within the view only: its ring checks them
+        // against the view's size, and the domain moves them by its offset.
+        let size = match q.view {
+            None => this.size,
+            Some(v) => this
+                .views
+                .get(v as usize)
+                .map(|v| v.size)
+                .ok_or_else(|| DriverError::Setup(format!("a queue names view {v}; the spec gives {}", this.views.len())))?,
+        };
+        queues.push(BackQueue::from_fds(fds, q.nslots, arenas, size).map_err(|e| DriverError::Setup(e.to_string()))?);
     }
     let setup = |e: bulkhead_backends::BackendError| DriverError::Setup(e.to_string());
     let backend: Box<dyn Backend> = match &this.backend {
@@ -190,6 +200,8 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
             .map_err(|e| DriverError::Setup(format!("state page: {e}")))?;
         domain.set_state_page(page, this.heartbeat_ms);
     }
+    let lanes: Vec<Option<u32>> = this.queues.iter().map(|q| q.view).collect();
+    domain.set_views(&this.views, &lanes, this.size)?;
     Ok(domain)
 }
 
@@ -206,7 +218,8 @@ mod tests {
             backend_size: 4096,
             mode: "poll".into(),
             budget_ns: None,
-            queues: vec![QueueSpec { nslots: 8, arena_bytes: 4096, fds: [1000, 1001, 1002, 1003, 1004] }],
+            queues: vec![QueueSpec { nslots: 8, arena_bytes: 4096, fds: [1000, 1001, 1002, 1003, 1004], view: None }],
+            views: Vec::new(),
             backend: BackendSpec::Null,
             filters: Vec::new(),
             state_fd: None,

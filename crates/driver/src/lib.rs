@@ -5,13 +5,15 @@
 //! files. [`bulkhead_spec::DomainSpec`] says which descriptor is which ([`build_inherited`]
 //! claims them); [`Domain`] serves every queue of
 //! the device from one thread, round-robin, one batch per queue per turn, through a
-//! [`bulkhead_block::Chain`].
+//! [`bulkhead_block::Chain`]. Queues may serve views of the device, each with its credit and
+//! share of the turns (`sharing`).
 #![deny(missing_docs)]
 
 mod build;
 pub mod guarded;
 mod model;
 mod runtime;
+mod sharing;
 
 pub use build::build_inherited;
 pub use model::build_model_inherited;

@@ -17,7 +17,9 @@ use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::{Op, Status, ValidRequest};
 use bulkhead_spec::state_slots::{HEARTBEAT, HELD};
+use bulkhead_spec::ViewSpec;
 
+use crate::sharing::{Sharing, Turn};
 use crate::DriverError;
 
 /// Requests taken from one queue per turn.
@@ -45,6 +47,8 @@ pub struct DomainStats {
 struct InFlight {
     queue: usize,
     req: ValidRequest,
+    /// Where the queue's view starts in the device (0: the queue serves the device).
+    base: u64,
 }
 
 /// The tag table: every request between its pop and its response.
@@ -80,11 +84,11 @@ impl Tags {
 fn request<'q>(queues: &'q [BackQueue], f: &InFlight) -> Request<'q> {
     let r = &f.req;
     match r.op() {
-        Op::Read => Request::Read { offset: r.offset(), bufs: queues[f.queue].buffers(r) },
-        Op::Write => Request::Write { offset: r.offset(), bufs: queues[f.queue].buffers(r), fua: r.fua() },
+        Op::Read => Request::Read { offset: f.base + r.offset(), bufs: queues[f.queue].buffers(r) },
+        Op::Write => Request::Write { offset: f.base + r.offset(), bufs: queues[f.queue].buffers(r), fua: r.fua() },
         Op::Flush => Request::Flush,
-        Op::Discard => Request::Discard { offset: r.offset(), len: r.len() },
-        Op::WriteZeroes => Request::WriteZeroes { offset: r.offset(), len: r.len() },
+        Op::Discard => Request::Discard { offset: f.base + r.offset(), len: r.len() },
+        Op::WriteZeroes => Request::WriteZeroes { offset: f.base + r.offset(), len: r.len() },
     }
 }
 
@@ -114,7 +118,19 @@ pub struct Domain {
     /// A driver domain below a tap domain: the supervisor's line about replacing the tap
     /// domain, and with it the frontend end of every queue.
     above: Option<AboveControl>,
+    /// Queues that serve views: their offsets, and each view's share (`None`: every queue
+    /// serves the whole device, round-robin in batches).
+    sharing: Option<Sharing>,
+    /// When the views' credit was last written to the state page.
+    reported_at: u64,
+    /// Visits to a queue of a view (the report's clock when no view is capped).
+    visits: u64,
 }
+
+/// How often the views' credit is written to the state page, ns; with no view capped (no
+/// clock read), every so many visits to a queue.
+const REPORT_EVERY_NS: u64 = 50_000_000;
+const REPORT_EVERY_VISITS: u64 = 1 << 16;
 
 /// Poller token of the line about the domain above.
 const ABOVE_TOKEN: u64 = u64::MAX - 1;
@@ -168,6 +184,9 @@ impl Domain {
             beat_at: 0,
             yield_when_idle: false,
             above: None,
+            sharing: None,
+            reported_at: 0,
+            visits: 0,
         })
     }
 
@@ -177,6 +196,22 @@ impl Domain {
     pub fn set_state_page(&mut self, page: StatePage, heartbeat_ms: u64) {
         self.state = Some(page);
         self.heartbeat_ns = heartbeat_ms.max(2) * 1_000_000;
+    }
+
+    /// Makes queues serve views: `lanes` gives each queue's view (an index into `views`, or
+    /// `None` for the device), each queue's ring already bounded by its view's size. Call
+    /// after [`set_state_page`](Self::set_state_page): the views' caps are read from there.
+    pub fn set_views(&mut self, views: &[ViewSpec], lanes: &[Option<u32>], device_size: u64) -> Result<(), DriverError> {
+        if lanes.len() != self.queues.len() {
+            return Err(DriverError::Setup(format!("{} queue views for {} queues", lanes.len(), self.queues.len())));
+        }
+        if views.is_empty() {
+            self.sharing = None;
+            return Ok(());
+        }
+        let s = Sharing::new(views, lanes, device_size, self.state.as_ref(), now_ns()).map_err(DriverError::Setup)?;
+        self.sharing = Some(s);
+        Ok(())
     }
 
     /// Gives a driver domain below a tap domain its line to the supervisor about the tap
@@ -259,12 +294,57 @@ impl Domain {
         {
             let q = &mut self.queues[qi];
             let free = &mut self.tags.free[qi];
-            while new.len() + refused < BATCH && !free.is_empty() {
+            // With views: the queue's turn, by its view's credit and share.
+            // The clock only where a view has a cap: weights alone need none.
+            let now = match &self.sharing {
+                Some(s) if s.timed() => now_ns(),
+                _ => 0,
+            };
+            let open = match &mut self.sharing {
+                None => true,
+                Some(s) => {
+                    self.visits = self.visits.wrapping_add(1);
+                    let due = if now == 0 {
+                        self.visits.is_multiple_of(REPORT_EVERY_VISITS)
+                    } else {
+                        now.saturating_sub(self.reported_at) >= REPORT_EVERY_NS
+                    };
+                    if due {
+                        self.reported_at = now;
+                        if let Some(p) = &self.state {
+                            s.report(p);
+                        }
+                    }
+                    s.begin(qi, self.state.as_ref(), now) == Turn::Open
+                }
+            };
+            while open && new.len() + refused < BATCH && !free.is_empty() {
+                if let Some(s) = &mut self.sharing {
+                    if !s.may_start(qi, now) {
+                        break;
+                    }
+                }
                 match q.pop().map_err(|source| DriverError::Channel { queue: qi, source })? {
-                    None => break,
+                    None => {
+                        if let Some(s) = &mut self.sharing {
+                            s.emptied(qi);
+                        }
+                        break;
+                    }
                     Some(Popped::Valid(req)) => {
+                        let mut base = 0;
+                        if let Some(s) = &mut self.sharing {
+                            if s.read_only(qi) && matches!(req.op(), Op::Write | Op::Discard | Op::WriteZeroes) {
+                                q.complete(req.id(), req.generation(), Status::ReadOnly, 0);
+                                self.dirty[qi] = true;
+                                refused += 1;
+                                continue;
+                            }
+                            s.charge(qi, req.op(), req.len());
+                            base = s.base(qi);
+                        }
                         let tag = free.pop().expect("checked non-empty");
-                        self.tags.slots[tag.index()] = Some(InFlight { queue: qi, req });
+                        self.tags.slots[tag.index()] = Some(InFlight { queue: qi, req, base });
                         new.push(tag);
                     }
                     Some(Popped::Invalid { id, generation, error }) => {
@@ -348,6 +428,21 @@ impl Domain {
     /// domains of an `interpose` device, which spin three to a device.
     pub fn set_yield_when_idle(&mut self, on: bool) {
         self.yield_when_idle = on;
+    }
+
+    /// When the loop must turn next whatever the doorbells say: a held request comes due, or
+    /// a view with requests waiting gets credit again.
+    fn next_due(&mut self) -> Option<u64> {
+        let mut due = self.chain.next_poll();
+        if let Some(s) = &mut self.sharing {
+            let now = now_ns();
+            for (i, q) in self.queues.iter().enumerate() {
+                if let Some(t) = s.starved(i, now).filter(|_| q.pending()) {
+                    due = Some(due.map_or(t, |d| d.min(t)));
+                }
+            }
+        }
+        due
     }
 
     /// Requests between pop and response (held by a layer or at the backend).
@@ -434,7 +529,7 @@ impl Domain {
             };
             // A held request due within a millisecond is waited for spinning: a sleep has
             // millisecond granularity.
-            let sleep = sleep && self.chain.next_poll().is_none_or(|t| t > now_ns() + 1_000_000);
+            let sleep = sleep && self.next_due().is_none_or(|t| t > now_ns() + 1_000_000);
             if !sleep {
                 if spins.is_multiple_of(1024) {
                     self.chain.tend();
@@ -466,15 +561,28 @@ impl Domain {
 
     fn sleep(&mut self) -> Result<(), DriverError> {
         let mut pending = false;
-        for q in &self.queues {
+        let now = now_ns();
+        for (i, q) in self.queues.iter().enumerate() {
+            // A queue with requests waiting for its view's credit is not woken by its
+            // doorbell: the credit wakes it (see `next_due`).
+            if let Some(s) = &mut self.sharing {
+                if s.starved(i, now).is_some() && q.pending() {
+                    continue;
+                }
+            }
             pending |= q.prepare_sleep();
         }
         if !pending {
             self.stats.sleeps += 1;
+            // What the views were served is up to date in the page while the domain sleeps.
+            if let (Some(s), Some(p)) = (&self.sharing, &self.state) {
+                s.report(p);
+                self.reported_at = now;
+            }
             // A bounded wait, so a stop request racing the sleep is seen within half a second,
             // and no longer than until a held request is due: whole milliseconds short of it,
             // the rest spun (a `vpt` completion is due to the microsecond).
-            let mut ms = match self.chain.next_poll() {
+            let mut ms = match self.next_due() {
                 Some(t) => (t.saturating_sub(now_ns()) / 1_000_000).min(MAX_SLEEP_MS),
                 None => MAX_SLEEP_MS,
             };
@@ -625,5 +733,127 @@ mod tests {
         assert_eq!(r, Err(Status::Invalid));
         stop.store(true, Ordering::Relaxed);
         t.join().unwrap().unwrap();
+    }
+
+    fn view(name: &str, offset: u64, size: u64, read_only: bool) -> ViewSpec {
+        ViewSpec { name: name.into(), offset, size, read_only }
+    }
+
+    #[test]
+    fn a_view_reaches_its_range_only_and_a_read_only_view_never_writes() {
+        let cfg = QueueConfig { nslots: 8, arena_bytes: 1 << 16, mode: NotifyMode::Poll, ..Default::default() };
+        let (ram, probe) = ram(1 << 20);
+        let (mut whole, b0) = pair(&cfg, 1 << 20).unwrap();
+        let (mut vm1, b1) = pair(&cfg, 64 << 10).unwrap();
+        let (mut ro, b2) = pair(&cfg, 64 << 10).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let chain = Chain::new(Vec::new(), Box::new(ram));
+        let mut dom = Domain::new(vec![b0, b1, b2], chain, NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
+        let views = [view("vm1", 256 << 10, 64 << 10, false), view("ro", 512 << 10, 64 << 10, true)];
+        dom.set_views(&views, &[None, Some(0), Some(1)], 1 << 20).unwrap();
+        let t = std::thread::spawn(move || dom.run());
+        let bytes = |off: usize, len: usize| {
+            let mut v = vec![0u8; len];
+            probe.read_into(off, &mut v).unwrap();
+            v
+        };
+        let at = |off: usize| bytes(off, 1)[0];
+        // A write at the view's start lands at its offset in the device.
+        let w = vm1.execute(FrontRequest::Write { offset: 0, data: &[0xab; 4096], fua: false }, 5000, |_| {}).unwrap();
+        assert_eq!(w, Ok(4096));
+        assert_eq!((at(256 << 10), at((256 << 10) + 4095), at((256 << 10) - 1)), (0xab, 0xab, 0));
+        // Past the view's end: refused, and nothing after the view is touched.
+        for off in [64 << 10, (64 << 10) - 2048] {
+            let r = vm1.execute(FrontRequest::Write { offset: off, data: &[0xcd; 4096], fua: false }, 5000, |_| {}).unwrap();
+            assert_eq!(r, Err(Status::Invalid), "write at {off}");
+            let r = vm1.execute(FrontRequest::Read { offset: off, len: 4096 }, 5000, |_| {}).unwrap();
+            assert_eq!(r, Err(Status::Invalid), "read at {off}");
+        }
+        assert!(bytes((320 << 10) - 4096, 8192).iter().all(|&b| b != 0xcd));
+        // The read-only view reads its own range and refuses every kind of write.
+        whole.execute(FrontRequest::Write { offset: 512 << 10, data: &[0x5a; 4096], fua: false }, 5000, |_| {}).unwrap().unwrap();
+        let mut seen = vec![];
+        ro.execute(FrontRequest::Read { offset: 0, len: 4096 }, 5000, |d| {
+            let mut b = [0u8; 1];
+            d.sub(0, 1).unwrap().copy_to(&mut b);
+            seen.push(b[0]);
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(seen, vec![0x5a]);
+        let w = ro.execute(FrontRequest::Write { offset: 0, data: &[1; 4096], fua: false }, 5000, |_| {}).unwrap();
+        assert_eq!(w, Err(Status::ReadOnly));
+        let d = ro.execute(FrontRequest::Discard { offset: 0, len: 4096 }, 5000, |_| {}).unwrap();
+        assert_eq!(d, Err(Status::ReadOnly));
+        assert_eq!(at(512 << 10), 0x5a);
+        stop.store(true, Ordering::Relaxed);
+        t.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_capped_view_waits_for_credit_and_its_neighbour_does_not() {
+        use bulkhead_qos::{page, Caps};
+        let cfg = QueueConfig { nslots: 8, arena_bytes: 1 << 16, mode: NotifyMode::Adaptive, ..Default::default() };
+        let (mut slow, b0) = pair(&cfg, 1 << 20).unwrap();
+        let (mut free, b1) = pair(&cfg, 1 << 20).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let chain = Chain::new(Vec::new(), Box::new(bulkhead_backends::NullBackend::new(2 << 20)));
+        let mut dom = Domain::new(vec![b0, b1], chain, NotifyMode::Adaptive, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
+        // 100 requests a second, one at a time, for the first view; none for the second.
+        let state = memfd::create("state", bulkhead_filters::state::STATE_BYTES as u64).unwrap();
+        let sup = StatePage::map(state.as_raw_fd(), true).unwrap();
+        let caps = Caps { iops: 100, burst_ios: 1, ..Caps::default() };
+        for (i, v) in caps.to_slots().into_iter().enumerate() {
+            sup.set(page::slot(0, page::CAPS + i), v);
+        }
+        sup.set(page::slot(0, page::SEQ), 2);
+        dom.set_state_page(StatePage::map(state.as_raw_fd(), true).unwrap(), 100);
+        let views = [view("slow", 0, 1 << 20, false), view("free", 1 << 20, 1 << 20, false)];
+        dom.set_views(&views, &[Some(0), Some(1)], 2 << 20).unwrap();
+        let t = std::thread::spawn(move || dom.run());
+        let read = |q: &mut FrontQueue| q.execute(FrontRequest::Read { offset: 0, len: 4096 }, 5000, |_| {}).unwrap().unwrap();
+        let started = Instant::now();
+        for _ in 0..21 {
+            read(&mut slow);
+        }
+        // One at once, then one each 10 ms: at least 200 ms, however fast the machine.
+        assert!(started.elapsed() >= Duration::from_millis(195), "{:?}", started.elapsed());
+        // The uncapped view is not held to it.
+        let started = Instant::now();
+        for _ in 0..21 {
+            read(&mut free);
+        }
+        let free_took = started.elapsed();
+        std::thread::sleep(Duration::from_millis(120));
+        assert_eq!(sup.get(page::slot(0, page::SERVED_IOS)), 21);
+        assert_eq!(sup.get(page::slot(1, page::SERVED_IOS)), 21);
+        assert!(sup.get(page::slot(0, page::WAITS)) > 0);
+        // Lifting the cap on the running view takes effect at once.
+        let lifted = Caps::default();
+        sup.set(page::slot(0, page::SEQ), 3);
+        for (i, v) in lifted.to_slots().into_iter().enumerate() {
+            sup.set(page::slot(0, page::CAPS + i), v);
+        }
+        sup.set(page::slot(0, page::SEQ), 4);
+        let started = Instant::now();
+        for _ in 0..21 {
+            read(&mut slow);
+        }
+        assert!(started.elapsed() < Duration::from_millis(150) || started.elapsed() < free_took * 4, "{:?}", started.elapsed());
+        stop.store(true, Ordering::Relaxed);
+        t.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_view_outside_the_device_is_refused() {
+        let cfg = QueueConfig { nslots: 8, arena_bytes: 1 << 16, mode: NotifyMode::Poll, ..Default::default() };
+        let (_f, b) = pair(&cfg, 1 << 16).unwrap();
+        let null = Chain::new(Vec::new(), Box::new(bulkhead_backends::NullBackend::new(1 << 20)));
+        let mut dom =
+            Domain::new(vec![b], null, NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, Arc::new(AtomicBool::new(false))).unwrap();
+        let e = dom.set_views(&[view("v", 1 << 20, 1 << 16, false)], &[Some(0)], 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("view `v`"), "{e}");
+        let e = dom.set_views(&[view("v", 0, 1 << 16, false)], &[Some(3)], 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("view 3"), "{e}");
     }
 }
