@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use bulkhead_client::{Device, IoError, Request as FrontRequest, SharedSlice};
 
+use bulkhead_nbd::allow::Cidr;
 use bulkhead_nbd::proto::*;
 
 pub use bulkhead_nbd::proto::MAX_PAYLOAD;
@@ -51,6 +52,10 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// Once a request has started to arrive, the rest of it must arrive within this.
     pub request_timeout: Duration,
+    /// Exports TCP clients may reach only from these address ranges (by export name; an
+    /// export not named here: from anywhere). Clients of the unix socket are not asked:
+    /// the socket's file permissions guard it.
+    pub allow: HashMap<String, Vec<Cidr>>,
 }
 
 /// Counters of the server.
@@ -338,15 +343,31 @@ fn sock_file(fd: &Arc<OwnedFd>) -> io::Result<std::fs::File> {
     Ok(std::fs::File::from(fd.try_clone()?))
 }
 
+/// Where a client connects from: `Local` over the unix socket, its address over TCP.
+#[derive(Debug, Clone, Copy)]
+enum Peer {
+    Local,
+    Tcp(std::net::IpAddr),
+}
+
+/// The peer of `sock`; an error (a TCP peer whose address cannot be read) refuses it.
+fn peer_of(sock: &OwnedFd) -> io::Result<Peer> {
+    if std::os::unix::net::UnixStream::from(sock.try_clone()?).local_addr().is_ok() {
+        return Ok(Peer::Local);
+    }
+    Ok(Peer::Tcp(std::net::TcpStream::from(sock.try_clone()?).peer_addr()?.ip()))
+}
+
 fn serve_connection(shared: &Arc<Shared>, id: u64, sock: Arc<OwnedFd>) -> io::Result<()> {
     let raw = sock.as_raw_fd();
+    let peer = peer_of(&sock)?;
     let cfg = &shared.cfg;
     set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.handshake_timeout));
     set_timeout(raw, libc::SO_SNDTIMEO, Some(cfg.request_timeout));
     let deadline = std::time::Instant::now() + cfg.handshake_timeout;
     let mut reader = BufReader::with_capacity(64 << 10, DeadlineReader { file: sock_file(&sock)?, deadline: Some(deadline) });
     let mut writer = sock_file(&sock)?;
-    let neg = match negotiate(shared, &mut reader, &mut writer).map_err(|e| timeout_says(e, "negotiation"))? {
+    let neg = match negotiate(shared, peer, &mut reader, &mut writer).map_err(|e| timeout_says(e, "negotiation"))? {
         Some(n) => n,
         None => return Ok(()),
     };
@@ -375,6 +396,14 @@ fn read_u64(r: &mut impl Read) -> io::Result<u64> {
     Ok(u64::from_be_bytes(b))
 }
 
+/// Whether `peer` may reach `device`.
+fn allowed(shared: &Shared, peer: Peer, device: &Device) -> bool {
+    match (peer, shared.cfg.allow.get(device.name())) {
+        (Peer::Local, _) | (_, None) => true,
+        (Peer::Tcp(ip), Some(ranges)) => ranges.iter().any(|r| r.contains(ip)),
+    }
+}
+
 fn find_device(shared: &Shared, name: &[u8]) -> Option<Arc<Device>> {
     if name.is_empty() {
         // The default export: the first device.
@@ -383,11 +412,14 @@ fn find_device(shared: &Shared, name: &[u8]) -> Option<Arc<Device>> {
     shared.devices.iter().find(|d| d.name().as_bytes() == name).cloned()
 }
 
-fn transmission_flags(structured: bool) -> u16 {
+fn transmission_flags(structured: bool, read_only: bool) -> u16 {
     let mut f =
         TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES | TFLAG_CAN_MULTI_CONN;
     if structured {
         f |= TFLAG_SEND_DF;
+    }
+    if read_only {
+        f |= TFLAG_READ_ONLY;
     }
     f
 }
@@ -435,7 +467,7 @@ fn meta_request_valid(data: &[u8]) -> bool {
 }
 
 /// Fixed newstyle negotiation. `None`: the client aborted cleanly.
-fn negotiate(shared: &Shared, r: &mut SockReader, w: &mut std::fs::File) -> io::Result<Option<Negotiated>> {
+fn negotiate(shared: &Shared, peer: Peer, r: &mut SockReader, w: &mut std::fs::File) -> io::Result<Option<Negotiated>> {
     let mut hello = Vec::with_capacity(18);
     hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
     hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -471,9 +503,12 @@ fn negotiate(shared: &Shared, r: &mut SockReader, w: &mut std::fs::File) -> io::
                 }
                 // No error reply exists for this option: an unknown name closes the connection.
                 let device = find_device(shared, &data).ok_or_else(|| violation("unknown export name"))?;
+                if !allowed(shared, peer, &device) {
+                    return Err(violation(format!("export {} is not allowed from {peer:?}", device.name())));
+                }
                 let mut v = Vec::with_capacity(10 + 124);
                 v.extend_from_slice(&device.size().to_be_bytes());
-                v.extend_from_slice(&transmission_flags(structured).to_be_bytes());
+                v.extend_from_slice(&transmission_flags(structured, device.read_only()).to_be_bytes());
                 if !no_zeroes {
                     v.extend_from_slice(&[0u8; 124]);
                 }
@@ -489,7 +524,7 @@ fn negotiate(shared: &Shared, r: &mut SockReader, w: &mut std::fs::File) -> io::
                     reply(w, REP_ERR_INVALID, &[])?;
                     continue;
                 }
-                for d in &shared.devices {
+                for d in shared.devices.iter().filter(|d| allowed(shared, peer, d)) {
                     let mut p = (d.name().len() as u32).to_be_bytes().to_vec();
                     p.extend_from_slice(d.name().as_bytes());
                     reply(w, REP_SERVER, &p)?;
@@ -505,9 +540,13 @@ fn negotiate(shared: &Shared, r: &mut SockReader, w: &mut std::fs::File) -> io::
                     reply(w, REP_ERR_UNKNOWN, b"no such export")?;
                     continue;
                 };
+                if !allowed(shared, peer, &device) {
+                    reply(w, REP_ERR_POLICY, b"this export is not allowed from your address")?;
+                    continue;
+                }
                 let mut export = INFO_EXPORT.to_be_bytes().to_vec();
                 export.extend_from_slice(&device.size().to_be_bytes());
-                export.extend_from_slice(&transmission_flags(structured).to_be_bytes());
+                export.extend_from_slice(&transmission_flags(structured, device.read_only()).to_be_bytes());
                 reply(w, REP_INFO, &export)?;
                 for i in infos {
                     let mut p = i.to_be_bytes().to_vec();

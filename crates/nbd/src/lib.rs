@@ -2,5 +2,6 @@
 //! a remote server. The export that serves bulkhead's devices is `bulkhead-nbd-export`.
 #![deny(missing_docs)]
 
+pub mod allow;
 pub mod client;
 pub mod proto;
