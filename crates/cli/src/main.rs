@@ -79,6 +79,18 @@ enum Cmd {
         #[arg(long, default_value = "./bulkhead-run", global = true)]
         run_dir: PathBuf,
     },
+    /// Shows or changes the QoS of a running view (`[[device.view]]`): `KEY=VALUE` settings of
+    /// credit_bytes, credit_us, burst_bytes, iops, burst_ios, weight over its current caps
+    /// (`0` or `none` lifts a cap). The domain takes them at once, without a restart.
+    Qos {
+        /// View name.
+        view: String,
+        /// KEY=VALUE settings; none shows the caps in force.
+        settings: Vec<String>,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run")]
+        run_dir: PathBuf,
+    },
     /// Snapshots of a device's `cow` overlay (qcow2 internal snapshots, which `qemu-img
     /// snapshot -l` lists too): `create` takes one while I/O runs (every acknowledged write is
     /// in it), `revert` makes the device's contents a snapshot's again (the device must be
@@ -225,6 +237,29 @@ enum BenchCmd {
         /// Scratch directory for trace files and mount points (a tmpfs).
         #[arg(long, default_value = "/dev/shm")]
         scratch: PathBuf,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One driver domain shared by views: a QD1 reader beside a noisy neighbour (no QoS, a
+    /// cap, weights), four equal clients' fairness, one busy view against the device alone,
+    /// and a 50 MiB/s cap's accuracy.
+    Share {
+        /// Notification mode of the device.
+        #[arg(long, value_enum, default_value = "adaptive")]
+        mode: ModeArg,
+        /// Seconds per phase.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Seconds of the cap-accuracy phase.
+        #[arg(long, default_value_t = 10.0)]
+        cap_seconds: f64,
+        /// The noisy neighbour's caps, bytes per second, comma-separated, each a phase.
+        #[arg(long, default_value = "32M,4M")]
+        noisy_caps: String,
+        /// Skip the phases over NBD next to qemu-storage-daemon.
+        #[arg(long)]
+        no_nbd: bool,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -443,6 +478,7 @@ fn main() -> ExitCode {
             };
             status::snapshot(&run_dir, &device, op, name.as_deref(), json)
         }
+        Cmd::Qos { view, settings, run_dir } => status::qos(&run_dir, &view, &settings),
         Cmd::Tap { device, mode, run_dir } => status::change(&run_dir, &device, serde_json::json!({"cmd": "tap", "mode": mode})),
         Cmd::Filter { device, op: FilterOp::Add { at, lines }, run_dir } => status::change(
             &run_dir,
@@ -472,6 +508,9 @@ fn main() -> ExitCode {
         }
         Cmd::Bench { which: BenchCmd::Tap { mode, bytes, requests, no_nbdkit, scratch, json } } => {
             bench_tap(mode, &bytes, requests, !no_nbdkit, scratch, json)
+        }
+        Cmd::Bench { which: BenchCmd::Share { mode, seconds, cap_seconds, noisy_caps, no_nbd, json } } => {
+            bench_share(mode, seconds, cap_seconds, &noisy_caps, !no_nbd, json)
         }
         Cmd::Bench { which: BenchCmd::Images { seconds, size, scratch, no_qsd, json } } => {
             bench_images(seconds, &size, scratch, !no_qsd, json)
@@ -707,12 +746,7 @@ fn bench_restart(kills: usize, mode: ModeArg, threads: usize, tap: &str, kill: &
     if threads == 0 || threads > 64 {
         anyhow::bail!("--threads must be between 1 and 64");
     }
-    let mode = match mode {
-        ModeArg::Irq => "irq",
-        ModeArg::Poll => "poll",
-        ModeArg::Adaptive => "adaptive",
-        ModeArg::All => anyhow::bail!("bench restart takes one mode"),
-    };
+    let mode = one_mode(mode, "restart")?;
     let exe = std::env::current_exe()?;
     let opts = bulkhead_bench::restart::Options { kills, mode: mode.into(), threads, tap: tap.into(), kill: kill.into() };
     let r = bulkhead_bench::restart::run(&exe, &opts, |p| eprintln!("bench restart: {p}")).map_err(anyhow::Error::msg)?;
@@ -724,6 +758,42 @@ fn bench_restart(kills: usize, mode: ModeArg, threads: usize, tap: &str, kill: &
     Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
+/// The one notification mode a benchmark runs in (`all` is refused, naming the benchmark).
+fn one_mode(mode: ModeArg, bench: &str) -> anyhow::Result<&'static str> {
+    Ok(match mode {
+        ModeArg::Irq => "irq",
+        ModeArg::Poll => "poll",
+        ModeArg::Adaptive => "adaptive",
+        ModeArg::All => anyhow::bail!("bench {bench} takes one mode"),
+    })
+}
+
+fn bench_share(
+    mode: ModeArg,
+    seconds: f64,
+    cap_seconds: f64,
+    noisy_caps: &str,
+    nbd: bool,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let mode = one_mode(mode, "share")?;
+    if !(0.5..=600.0).contains(&seconds) || !(1.0..=600.0).contains(&cap_seconds) {
+        anyhow::bail!("--seconds must be in 0.5..=600 and --cap-seconds in 1..=600");
+    }
+    let mut caps = Vec::new();
+    for c in noisy_caps.split(',') {
+        let cap = bulkhead_config::parse_size(c).map_err(|e| anyhow::anyhow!("--noisy-caps: {e}"))?;
+        if cap < 1 << 20 {
+            anyhow::bail!("--noisy-caps: `{c}` is less than 1M (bytes per second)");
+        }
+        caps.push(cap);
+    }
+    let exe = std::env::current_exe()?;
+    let opts = bulkhead_bench::share::Options { mode: mode.into(), seconds, cap_seconds, noisy_caps: caps, nbd };
+    let r = bulkhead_bench::share::run(&exe, &opts, |p| eprintln!("bench share: {p}")).map_err(anyhow::Error::msg)?;
+    emit(&r, json, bulkhead_bench::share::render)
+}
+
 fn bench_tap(
     mode: ModeArg,
     bytes: &str,
@@ -732,12 +802,7 @@ fn bench_tap(
     scratch: PathBuf,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let mode = match mode {
-        ModeArg::Irq => "irq",
-        ModeArg::Poll => "poll",
-        ModeArg::Adaptive => "adaptive",
-        ModeArg::All => anyhow::bail!("bench tap takes one mode"),
-    };
+    let mode = one_mode(mode, "tap")?;
     let bytes = bulkhead_config::parse_size(bytes).map_err(anyhow::Error::msg)?;
     if bytes < 16 << 20 || bytes % (1 << 20) != 0 {
         anyhow::bail!("--bytes must be a whole number of MiB, at least 16M");

@@ -211,6 +211,18 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
             workers_per_connection: *config.nbd.workers.get_ref() as usize,
             handshake_timeout: std::time::Duration::from_millis(*config.nbd.handshake_timeout_ms.get_ref()),
             request_timeout: std::time::Duration::from_millis(*config.nbd.request_timeout_ms.get_ref()),
+            allow: config
+                .devices
+                .iter()
+                .flat_map(|d| {
+                    let own = bulkhead_config::allow_list(&d.nbd_allow).map(|a| (d.name.get_ref().clone(), a));
+                    let views = d
+                        .views
+                        .iter()
+                        .filter_map(|v| bulkhead_config::allow_list(&v.nbd_allow).map(|a| (v.name.get_ref().clone(), a)));
+                    own.into_iter().chain(views)
+                })
+                .collect(),
         };
         match NbdServer::start(sup.devices(), cfg) {
             Ok(n) => Some(n),
@@ -250,6 +262,21 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
                 }
             }
             Some("snapshot") => snapshot_request(&s, req, invalidate.as_deref()),
+            Some("qos") => {
+                let Some(view) = req["view"].as_str() else {
+                    return serde_json::json!({ "error": "qos needs `view`" });
+                };
+                let changes: Vec<(String, String)> = req["set"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k.clone(), v.as_str().map_or_else(|| v.to_string(), String::from)))
+                    .collect();
+                match s.set_qos(view, &changes) {
+                    Ok(caps) => serde_json::json!({ "view": view, "qos": caps, "summary": caps.to_string() }),
+                    Err(e) => serde_json::json!({ "error": format!("view `{view}`: {e}") }),
+                }
+            }
             Some(other) => serde_json::json!({ "error": format!("unknown command `{other}`") }),
             None => serde_json::json!({ "error": "missing `cmd`" }),
         }),

@@ -192,6 +192,38 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         if let Some(f) = d["failure"].as_str() {
             println!("{}: {f}", d["name"].as_str().unwrap_or("?"));
         }
+        let views = d["views"].as_array().map(Vec::as_slice).unwrap_or_default();
+        if !views.is_empty() {
+            println!("{name}: views:");
+            let mut t = Table::new(&["VIEW", "OFFSET", "SIZE", "ACCESS", "QOS", "CREDIT", "MiB/s", "IOPS", "COMPLETED"]);
+            for v in views {
+                t.row(vec![
+                    v["name"].as_str().unwrap_or("?").into(),
+                    v["offset"].to_string(),
+                    v["size_bytes"].to_string(),
+                    if v["read_only"].as_bool() == Some(true) { "ro".into() } else { "rw".into() },
+                    v["qos_summary"].as_str().unwrap_or("?").into(),
+                    format!("{} B, {} req", v["credit_bytes"], v["credit_ios"]),
+                    format!("{:.1}", v["throughput_mib_s"].as_f64().unwrap_or(0.0)),
+                    format!("{:.0}", v["iops"].as_f64().unwrap_or(0.0)),
+                    v["requests_completed"].to_string(),
+                ]);
+            }
+            print!("{}", t.render());
+        }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `bulkhead qos VIEW [KEY=VALUE …]`: shows or changes a running view's QoS.
+pub fn qos(run_dir: &Path, view: &str, settings: &[String]) -> anyhow::Result<ExitCode> {
+    let mut set = serde_json::Map::new();
+    for s in settings {
+        let (k, v) =
+            s.split_once('=').with_context(|| format!("`{s}` is not KEY=VALUE (keys: {})", bulkhead_qos::KEYS.join(", ")))?;
+        set.insert(k.trim().to_string(), serde_json::Value::from(v.trim()));
+    }
+    let a = ask(run_dir, serde_json::json!({"cmd": "qos", "view": view, "set": set}))?;
+    println!("{view}: {}", a["summary"].as_str().unwrap_or("?"));
     Ok(ExitCode::SUCCESS)
 }

@@ -214,6 +214,39 @@ fn tcp_export_serves_when_configured() {
     assert!(serve.log_text().contains(&format!("TCP 127.0.0.1:{port}")), "{}", serve.log_text());
 }
 
+/// An export with `nbd_allow` serves TCP clients from those ranges only: another address is
+/// refused at negotiation and does not see it listed; the unix socket is not asked.
+#[test]
+fn tcp_exports_serve_only_the_addresses_they_allow() {
+    if !tools(&["nbdinfo"]) {
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let cfg = format!(
+        "[fuse]\nenabled = false\n[nbd]\ntcp = \"127.0.0.1:{port}\"\n\
+         [[device]]\nname = \"d0\"\nsize = \"16M\"\nnbd_allow = [\"10.0.0.0/8\"]\n[device.backend]\ntype = \"ram\"\n\
+         [[device]]\nname = \"d1\"\nsize = \"16M\"\nnbd_allow = [\"192.0.2.0/24\", \"127.0.0.1\"]\n[device.backend]\ntype = \"ram\"\n\
+         [[device]]\nname = \"d2\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n"
+    );
+    let tmp = TempDir::new("nbd-allow");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !serve.run_dir.join("nbd.sock").exists() {
+        assert!(Instant::now() < deadline, "no nbd.sock: {}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let tcp = |e: &str| format!("nbd://127.0.0.1:{port}/{e}");
+    assert_eq!(sh("nbdinfo", &["--size", &tcp("d1")]).trim(), "16777216");
+    assert_eq!(sh("nbdinfo", &["--size", &tcp("d2")]).trim(), "16777216");
+    let refused = Command::new("nbdinfo").args(["--size", &tcp("d0")]).output().unwrap();
+    assert!(!refused.status.success(), "d0 served to 127.0.0.1: {refused:?}");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("policy"), "{refused:?}");
+    let list = sh("nbdinfo", &["--list", &tcp("")]);
+    assert!(list.contains("export=\"d1\"") && list.contains("export=\"d2\"") && !list.contains("export=\"d0\""), "{list}");
+    // The unix socket: every export.
+    assert_eq!(sh("nbdinfo", &["--size", &uri(&serve, "d0")]).trim(), "16777216");
+}
+
 // ---- hostile clients ------------------------------------------------------------------------
 
 /// A hand-rolled client that can send anything.

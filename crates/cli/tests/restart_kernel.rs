@@ -58,13 +58,8 @@ fn sigkill_fifty_times_under_fio_verify_loses_nothing() {
             "--iodepth=8",
             "--size=64M",
             "--runtime=20",
-            "--time_based",
-            "--verify=crc32c",
-            "--verify_backlog=32",
-            "--verify_fatal=1",
-            "--verify_state_save=0",
-            "--output-format=json",
         ])
+        .args(FIO_VERIFY)
         .output()
         .unwrap();
     let kills = killer.stop().first().copied().unwrap_or(0);

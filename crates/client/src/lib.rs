@@ -167,6 +167,8 @@ pub struct Device {
     /// Bytes a request's offset and length must be multiples of (see
     /// [`min_block`](Device::min_block)).
     min_block: AtomicU32,
+    /// Exports offer it read-only (its domain refuses writes on its queues either way).
+    read_only: AtomicBool,
     timeout_ms: Option<u64>,
     /// Counters.
     pub counters: DeviceCounters,
@@ -215,6 +217,7 @@ impl Device {
             max_request,
             depth,
             min_block: AtomicU32::new(1),
+            read_only: AtomicBool::new(false),
             timeout_ms,
             counters: DeviceCounters::default(),
         });
@@ -280,6 +283,17 @@ impl Device {
     pub fn set_min_block(&self, bytes: u32) {
         debug_assert!(bytes.is_power_of_two());
         self.min_block.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Whether the device takes no writes: a read-only view. Exports say so to their clients;
+    /// the domain refuses a write on its queues with `ReadOnly` whatever a client sends.
+    pub fn read_only(&self) -> bool {
+        self.read_only.load(Ordering::Relaxed)
+    }
+
+    /// Marks the device read-only, before it is exported.
+    pub fn set_read_only(&self, on: bool) {
+        self.read_only.store(on, Ordering::Relaxed);
     }
 
     /// The queue of `slot` (modulo the queue count), held until the handle is dropped: its

@@ -53,7 +53,8 @@ impl Shared {
             return Some(Attr { mode: libc::S_IFDIR | 0o755, nlink: 2, ..base });
         }
         let d = self.device(nodeid)?;
-        Some(Attr { mode: libc::S_IFREG | 0o600, nlink: 1, size: d.size(), blocks: d.size() / 512, ..base })
+        let perm = if d.read_only() { 0o400 } else { 0o600 };
+        Some(Attr { mode: libc::S_IFREG | perm, nlink: 1, size: d.size(), blocks: d.size() / 512, ..base })
     }
 
     pub(crate) fn log_error(&self, what: &str, e: &IoError) {
@@ -225,6 +226,10 @@ pub(crate) fn dispatch(sh: &Shared, req: &Incoming<'_>, sink: &mut impl Sink) ->
             _ => sink.error(u, libc::ENOENT),
         },
         OPEN => match (sh.device(h.nodeid), parse::<OpenIn>(op)) {
+            // A read-only view opens for reading only (`losetup -r`, `mount -o ro`).
+            (Some(d), Some(o)) if d.read_only() && o.flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32 => {
+                sink.error(u, libc::EROFS)
+            }
             (Some(_), Some(_)) => sink.value(u, &OpenOut::default()),
             (None, _) if h.nodeid == FUSE_ROOT_ID => sink.error(u, libc::EISDIR),
             _ => sink.error(u, libc::ENOENT),

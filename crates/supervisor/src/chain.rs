@@ -15,9 +15,15 @@ const TRACE_MAJOR: u32 = 240;
 
 /// A size-sealed state page for a filter or a domain, and the supervisor's read-only view.
 pub(crate) fn state_page(name: &str) -> Result<(OwnedFd, StatePage), String> {
+    shared_page(name, false)
+}
+
+/// A state page the supervisor writes too (`writable`): the domain's own, where it sets the
+/// views' caps.
+pub(crate) fn shared_page(name: &str, writable: bool) -> Result<(OwnedFd, StatePage), String> {
     let fd = memfd::create(name, STATE_BYTES as u64).map_err(|e| format!("state page: {e}"))?;
     memfd::seal_size(fd.as_raw_fd()).map_err(|e| format!("state page: {e}"))?;
-    let page = StatePage::map(fd.as_raw_fd(), false).map_err(|e| format!("state page: {e}"))?;
+    let page = StatePage::map(fd.as_raw_fd(), writable).map_err(|e| format!("state page: {e}"))?;
     Ok((fd, page))
 }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bulkhead_channel::{
     AboveControl, BackQueueFds, BelowControl, BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup,
 };
-use bulkhead_client::{Device, DeviceControl};
+use bulkhead_client::Device;
 use bulkhead_config::{Backend, Device as DeviceConfig, Engine, ImageFormat, NbdTarget, Notify, SpinBudget, Tap};
 use bulkhead_filters::state::StatePage;
 use bulkhead_filters::FilterSpec;
@@ -18,10 +18,11 @@ use bulkhead_shmem::memfd;
 use bulkhead_spec::{BackendSpec, DomainSpec, FilterSlot, LowerQueueSpec, QueueSpec, RingSpec, SandboxSpec};
 use bulkhead_sys::uring::{self, RingWatch};
 
-use crate::chain::{state_page, ChainSetup, FilterSetup};
+use crate::chain::{shared_page, ChainSetup, FilterSetup};
 use crate::domain_log;
 use crate::lifecycle::Lifecycle;
 use crate::supervisor::SupervisorError;
+use crate::views::{Controls, ViewRuntime, ViewSetup};
 
 /// A device's running domains — the one its frontend reaches (`child`: the driver domain, or
 /// in `interpose` mode the tap domain) and the driver domain below a tap domain (`lower`, on
@@ -240,8 +241,10 @@ pub struct DeviceRuntime {
     pub name: String,
     /// The frontend, shared with the exports.
     pub device: Arc<Device>,
-    /// The supervisor's face of it.
-    pub(crate) control: DeviceControl,
+    /// The supervisor's face of it and of its views.
+    pub(crate) control: Controls,
+    /// Its views, each exported as a device of its own.
+    pub views: Vec<ViewRuntime>,
     /// Notification mode.
     pub mode: NotifyMode,
     /// Backend, described for status.
@@ -262,7 +265,11 @@ pub struct DeviceRuntime {
 pub(crate) struct Launcher {
     name: String,
     mode: NotifyMode,
+    /// Queues of each generation: the device's own, then each view's.
     queues: usize,
+    /// The views, and the view each queue serves (`None`: the device's own).
+    views: Vec<ViewSetup>,
+    lanes: Vec<Option<u32>>,
     qcfg: QueueConfig,
     /// Bytes the frontend sees, above the filters.
     size: u64,
@@ -520,7 +527,8 @@ impl DeviceRuntime {
             filters.push(FilterSetup::new(&name, index, f).map_err(|e| err(format!("filter {}: {e}", i + 1)))?);
         }
         let backend_size = size;
-        let (state_fd, state) = state_page(&format!("bulkhead-{name}-domain")).map_err(err)?;
+        // Writable here too: the views' caps are set in it.
+        let (state_fd, state) = shared_page(&format!("bulkhead-{name}-domain"), true).map_err(err)?;
         let qcfg = QueueConfig {
             nslots: *cfg.queue_depth.get_ref(),
             arena_bytes: cfg.arena.get_ref().0 as usize,
@@ -538,6 +546,8 @@ impl DeviceRuntime {
             name: name.clone(),
             mode,
             queues: nqueues,
+            views: Vec::new(),
+            lanes: vec![None; nqueues],
             qcfg,
             size: backend_size,
             backend_size,
@@ -554,13 +564,30 @@ impl DeviceRuntime {
         };
         let mut launcher = launcher;
         let size = launcher.prepare_filters(filters, cfg.tap).map_err(err)?;
-        let Launched { fronts, top, lower, below } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
+        // Views, against the size the filters leave: each adds queues of its own.
+        launcher.views = ViewSetup::resolve(&name, &cfg.views, size).map_err(err)?;
+        for (i, v) in launcher.views.iter().enumerate() {
+            launcher.lanes.extend(std::iter::repeat_n(Some(i as u32), v.queues));
+        }
+        launcher.queues = launcher.lanes.len();
+        let Launched { mut fronts, top, lower, below } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
+        let mut view_fronts = fronts.split_off(nqueues);
         let (device, control) = Device::new(&name, size, fronts, None);
         device.set_min_block(launcher.min_block());
+        let mut controls = Controls::new(control, nqueues);
+        let mut views = Vec::with_capacity(launcher.views.len());
+        for (i, v) in launcher.views.iter().enumerate() {
+            let rest = view_fronts.split_off(v.queues);
+            let (view, control) = ViewRuntime::new(v, i, std::mem::replace(&mut view_fronts, rest), &state);
+            view.device.set_min_block(launcher.min_block());
+            controls.push(control, v.queues);
+            views.push(view);
+        }
         Ok(DeviceRuntime {
             name: name.clone(),
             device,
-            control,
+            control: controls,
+            views,
             mode,
             backend_desc,
             queues: nqueues,
@@ -993,14 +1020,22 @@ impl Launcher {
         &self,
         role: &str,
         mut pass: Pass,
-        queues: Vec<QueueSpec>,
+        mut queues: Vec<QueueSpec>,
         backend: BackendSpec,
         chain: Option<&ChainSetup>,
         above_line: Option<[i32; 2]>,
     ) -> Result<Spawned, LaunchError> {
         let mut filters = Vec::new();
         let mut state_fd = None;
+        let mut views = Vec::new();
         if let Some(chain) = chain {
+            // The upper domain serves the views: the queues come in the launch's order.
+            if queues.len() == self.lanes.len() {
+                for (q, lane) in queues.iter_mut().zip(&self.lanes) {
+                    q.view = *lane;
+                }
+                views = self.views.iter().map(ViewSetup::spec).collect();
+            }
             for f in &chain.filters {
                 f.trim_output();
                 let state_fd = pass.add(&f.state_fd);
@@ -1024,6 +1059,7 @@ impl Launcher {
                 BudgetPolicy::Auto { .. } => None,
             },
             queues,
+            views,
             backend,
             filters,
             state_fd,
@@ -1110,7 +1146,7 @@ impl Pass {
 
     /// Passes one queue's five descriptors.
     fn queue(&mut self, fds: [OwnedFd; 5], nslots: u32, arena_bytes: u64) -> QueueSpec {
-        QueueSpec { nslots, arena_bytes, fds: fds.map(|fd| self.add_owned(fd)) }
+        QueueSpec { nslots, arena_bytes, fds: fds.map(|fd| self.add_owned(fd)), view: None }
     }
 }
 

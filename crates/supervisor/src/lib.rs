@@ -18,6 +18,7 @@ mod lifecycle;
 pub mod proc_info;
 mod supervisor;
 mod vdev;
+mod views;
 
 /// Exit status of a domain whose backend lost its remote server (EX_TEMPFAIL): the supervisor
 /// reconnects and starts the next generation.
@@ -29,3 +30,4 @@ pub const GUARD_EXIT: u8 = 86;
 pub use domain::{pidfd_open, spawn_domain, DeviceRuntime};
 pub use supervisor::{DeviceChange, DeviceState, DeviceStatus, ProcessMemory, StatusReport, Supervisor, SupervisorError};
 pub use vdev::CardStatus;
+pub use views::{Controls, ViewRuntime, ViewStatus};

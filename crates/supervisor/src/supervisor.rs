@@ -109,6 +109,9 @@ pub struct DeviceStatus {
     /// A `vdev` device's card: its model's domain and what the model has done.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub card: Option<crate::CardStatus>,
+    /// Its views (`[[device.view]]`), each exported under its own name.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub views: Vec<crate::ViewStatus>,
 }
 
 /// One filter in the status report.
@@ -220,7 +223,31 @@ impl Supervisor {
 
     /// The devices, for the exports.
     pub fn devices(&self) -> Vec<Arc<bulkhead_client::Device>> {
-        self.inner.devices.iter().map(|d| d.device.clone()).collect()
+        self.inner
+            .devices
+            .iter()
+            .flat_map(|d| std::iter::once(d.device.clone()).chain(d.views.iter().map(|v| v.device.clone())))
+            .collect()
+    }
+
+    /// Changes the QoS of the running view `view`: `changes` are `key=value` settings of
+    /// [`bulkhead_qos::KEYS`] applied over its current caps. The domain takes them on its
+    /// next look at the view; a restarted domain keeps them. Returns the caps now in force.
+    pub fn set_qos(&self, view: &str, changes: &[(String, String)]) -> Result<bulkhead_qos::Caps, String> {
+        let (rt, v) = self
+            .inner
+            .devices
+            .iter()
+            .find_map(|d| d.views.iter().find(|v| v.name == view).map(|v| (d, v)))
+            .ok_or_else(|| format!("no view `{view}`"))?;
+        let mut caps = v.caps();
+        for (k, val) in changes {
+            caps.set(k, val)?;
+        }
+        let caps = caps.with_default_bursts();
+        v.set_caps(caps, &rt.state)?;
+        eprintln!("bulkhead: view {view}: QoS now {caps}");
+        Ok(caps)
     }
 
     /// Every outage of device `name` measured so far, ms (empty for an unknown device).
@@ -273,6 +300,7 @@ impl Supervisor {
                         })
                         .collect(),
                     card: rt.launcher.card.as_ref().map(|c| c.status()),
+                    views: rt.views.iter().map(|v| v.status(&rt.state)).collect(),
                 }
             })
             .collect();
@@ -479,7 +507,7 @@ fn p99(v: &[f64]) -> Option<f64> {
 fn observe(rt: &DeviceRuntime) -> Observation {
     Observation {
         answered: rt.control.answered(),
-        pending: rt.device.in_flight(),
+        pending: rt.control.in_flight(),
         heartbeat: rt.state.get(bulkhead_spec::state_slots::HEARTBEAT),
         held: rt.state.get(bulkhead_spec::state_slots::HELD),
     }
@@ -517,6 +545,9 @@ fn watch(inner: Arc<Inner>) {
             pfds.push(libc::pollfd { fd: model.unwrap_or(-1), events: libc::POLLIN, revents: 0 });
             polled_pids.push(if running && p.pidfd.is_some() { p.pid } else { 0 });
             pfds.push(libc::pollfd { fd: rt.control.alarm_fd(), events: libc::POLLIN, revents: 0 });
+            for v in &rt.views {
+                v.sample();
+            }
         }
         pfds.push(libc::pollfd { fd: inner.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
         // A failed wait is a short one: the loop looks again.

@@ -188,6 +188,18 @@ pub fn tools(names: &[&str]) -> bool {
     true
 }
 
+/// fio's verification options every verifying job here uses: crc32c, checked as it goes (32
+/// blocks behind), the first mismatch fatal, no state file left behind, a JSON report.
+#[allow(dead_code)]
+pub const FIO_VERIFY: [&str; 6] = [
+    "--verify=crc32c",
+    "--verify_backlog=32",
+    "--verify_fatal=1",
+    "--verify_state_save=0",
+    "--output-format=json",
+    "--time_based",
+];
+
 /// fio with crc32c verification on a directory (ext4 over the device): `rw` and `bsrange` as
 /// fio takes them, `size` per job, for `seconds`. Fails the test on any I/O or verify error and
 /// returns fio's JSON report.
@@ -196,8 +208,8 @@ pub fn fio_verify(dir: &Path, rw: &str, bsrange: &str, size: &str, seconds: u32)
         // A hung request fails the test instead of stalling the suite.
         .args(["--kill-after=10", "180", "fio", "--name=verify", &format!("--directory={}", dir.display())])
         .args(["--ioengine=libaio", "--direct=1", &format!("--rw={rw}"), &format!("--bsrange={bsrange}"), "--iodepth=8"])
-        .args([&format!("--size={size}"), &format!("--runtime={seconds}"), "--time_based", "--verify=crc32c"])
-        .args(["--verify_backlog=32", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"])
+        .args([&format!("--size={size}"), &format!("--runtime={seconds}")])
+        .args(FIO_VERIFY)
         .output()
         .unwrap();
     assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));

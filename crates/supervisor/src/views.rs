@@ -1,0 +1,323 @@
+//! Views: parts of a device, each exported under a name of its own over channels of its own,
+//! served by the device's domain (seed 001 §5.4).
+//!
+//! A view is a [`Device`] of its own to the exports — its own queues, its own generations —
+//! while the domain behind it is the device's: a restart starts every view's queues over with
+//! the device's. [`Controls`] is the supervisor's face of all of them at once. A view's caps
+//! live in the device's state page ([`bulkhead_qos::page`]), where the domain reads them when
+//! they change and writes back its credit.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bulkhead_channel::FrontQueue;
+use bulkhead_client::{Device, DeviceControl};
+use bulkhead_filters::state::StatePage;
+use bulkhead_qos::{page, Caps};
+use serde::Serialize;
+
+/// A view of a running device.
+#[derive(Debug)]
+pub struct ViewRuntime {
+    /// Its name (its FUSE file and NBD export name).
+    pub name: String,
+    /// Where it starts in the device.
+    pub offset: u64,
+    /// Its size.
+    pub size: u64,
+    /// Writes are refused.
+    pub read_only: bool,
+    /// Its queues.
+    pub queues: usize,
+    /// Its frontend, shared with the exports.
+    pub device: Arc<Device>,
+    /// Its index in the domain's spec and state page.
+    pub(crate) index: usize,
+    /// Its caps, as last set.
+    caps: Mutex<Caps>,
+    /// Bytes it had moved when its throughput was last sampled, and when.
+    sample: Mutex<Sample>,
+}
+
+#[derive(Debug)]
+struct Sample {
+    at: Instant,
+    bytes: u64,
+    ops: u64,
+    /// Throughput over the last sampling interval: bytes/s and requests/s.
+    rate: (f64, f64),
+}
+
+/// How often a view's throughput is sampled.
+const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+
+/// A view in `status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ViewStatus {
+    /// Name.
+    pub name: String,
+    /// Where it starts in the device.
+    pub offset: u64,
+    /// Its size.
+    pub size_bytes: u64,
+    /// Writes are refused.
+    pub read_only: bool,
+    /// Its queues.
+    pub queues: usize,
+    /// Its caps.
+    pub qos: Caps,
+    /// The caps in words.
+    pub qos_summary: String,
+    /// Byte credit the domain reports (negative: a debt being paid back). Untrusted.
+    pub credit_bytes: i64,
+    /// Request credit the domain reports. Untrusted.
+    pub credit_ios: i64,
+    /// Requests that waited for credit, as the domain reports. Untrusted.
+    pub credit_waits: u64,
+    /// Requests answered (frontend count).
+    pub requests_completed: u64,
+    /// Requests failed (frontend count).
+    pub requests_failed: u64,
+    /// Throughput over the last second, MiB/s (frontend count).
+    pub throughput_mib_s: f64,
+    /// Requests per second over the last second (frontend count).
+    pub iops: f64,
+}
+
+impl ViewRuntime {
+    /// A view over `fronts`, its caps written to `state` for the domain to read.
+    pub(crate) fn new(
+        setup: &ViewSetup,
+        index: usize,
+        fronts: Vec<FrontQueue>,
+        state: &StatePage,
+    ) -> (ViewRuntime, DeviceControl) {
+        let (device, control) = Device::new(&setup.name, setup.size, fronts, None);
+        device.set_read_only(setup.read_only);
+        write_caps(state, index, &setup.caps);
+        let v = ViewRuntime {
+            name: setup.name.clone(),
+            offset: setup.offset,
+            size: setup.size,
+            read_only: setup.read_only,
+            queues: setup.queues,
+            device,
+            index,
+            caps: Mutex::new(setup.caps),
+            sample: Mutex::new(Sample { at: Instant::now(), bytes: 0, ops: 0, rate: (0.0, 0.0) }),
+        };
+        (v, control)
+    }
+
+    /// Its caps.
+    pub fn caps(&self) -> Caps {
+        *self.caps.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Changes its caps; the domain takes them on its next look at the view, and a restarted
+    /// domain finds them in the page.
+    pub(crate) fn set_caps(&self, caps: Caps, state: &StatePage) -> Result<(), String> {
+        caps.check()?;
+        let mut c = self.caps.lock().unwrap_or_else(|e| e.into_inner());
+        write_caps(state, self.index, &caps);
+        *c = caps;
+        Ok(())
+    }
+
+    fn moved(&self) -> (u64, u64) {
+        let c = &self.device.counters;
+        (
+            c.bytes_read.load(Ordering::Relaxed) + c.bytes_written.load(Ordering::Relaxed),
+            c.completed.load(Ordering::Relaxed) + c.failed.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Samples its throughput if a second has passed (called by the watcher's loop).
+    pub(crate) fn sample(&self) {
+        let mut s = self.sample.lock().unwrap_or_else(|e| e.into_inner());
+        let dt = s.at.elapsed();
+        if dt < SAMPLE_EVERY {
+            return;
+        }
+        let (bytes, ops) = self.moved();
+        let secs = dt.as_secs_f64();
+        s.rate = ((bytes - s.bytes) as f64 / secs, (ops - s.ops) as f64 / secs);
+        s.at = Instant::now();
+        s.bytes = bytes;
+        s.ops = ops;
+    }
+
+    /// Its status.
+    pub(crate) fn status(&self, state: &StatePage) -> ViewStatus {
+        let caps = self.caps();
+        let rate = self.sample.lock().unwrap_or_else(|e| e.into_inner()).rate;
+        let slot = |f| state.get(page::slot(self.index, f));
+        ViewStatus {
+            name: self.name.clone(),
+            offset: self.offset,
+            size_bytes: self.size,
+            read_only: self.read_only,
+            queues: self.queues,
+            qos: caps,
+            qos_summary: caps.to_string(),
+            credit_bytes: slot(page::CREDIT_BYTES) as i64,
+            credit_ios: slot(page::CREDIT_IOS) as i64,
+            credit_waits: slot(page::WAITS),
+            requests_completed: self.device.counters.completed.load(Ordering::Relaxed),
+            requests_failed: self.device.counters.failed.load(Ordering::Relaxed),
+            throughput_mib_s: rate.0 / (1 << 20) as f64,
+            iops: rate.1,
+        }
+    }
+}
+
+/// Writes view `index`'s caps to the page: the sequence number odd while they are written.
+fn write_caps(state: &StatePage, index: usize, caps: &Caps) {
+    let seq = page::slot(index, page::SEQ);
+    let s = state.get(seq);
+    let writing = if s.is_multiple_of(2) { s + 1 } else { s + 2 };
+    state.set(seq, writing);
+    std::sync::atomic::fence(Ordering::Release);
+    for (i, v) in caps.to_slots().into_iter().enumerate() {
+        state.set(page::slot(index, page::CAPS + i), v);
+    }
+    std::sync::atomic::fence(Ordering::Release);
+    state.set(seq, writing + 1);
+}
+
+/// A view as configured, resolved against its device's size.
+#[derive(Debug, Clone)]
+pub(crate) struct ViewSetup {
+    pub name: String,
+    pub offset: u64,
+    pub size: u64,
+    pub read_only: bool,
+    pub queues: usize,
+    pub caps: Caps,
+}
+
+impl ViewSetup {
+    /// Resolves the `[[device.view]]` tables of `device` against its size `size`.
+    pub(crate) fn resolve(device: &str, views: &[bulkhead_config::View], size: u64) -> Result<Vec<ViewSetup>, String> {
+        let mut out = Vec::with_capacity(views.len());
+        for v in views {
+            let name = v.name.get_ref().clone();
+            let (offset, len) = (v.offset(), v.size_in(size));
+            if len == 0 || offset.checked_add(len).is_none_or(|end| end > size) {
+                return Err(format!(
+                    "device `{device}`: view `{name}`: {len} bytes at offset {offset} do not lie within the device ({size} bytes)"
+                ));
+            }
+            out.push(ViewSetup {
+                name,
+                offset,
+                size: len,
+                read_only: v.read_only,
+                queues: v.queue_count() as usize,
+                caps: v.caps(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// What the domain is told of it.
+    pub(crate) fn spec(&self) -> bulkhead_spec::ViewSpec {
+        bulkhead_spec::ViewSpec { name: self.name.clone(), offset: self.offset, size: self.size, read_only: self.read_only }
+    }
+}
+
+/// The supervisor's face of a device and its views at once: the device's control first, then
+/// each view's, each with its number of queues (a new generation's queues come in that order).
+#[derive(Debug)]
+pub struct Controls {
+    parts: Vec<(DeviceControl, usize)>,
+}
+
+impl Controls {
+    /// The device's control over its own `queues` queues.
+    pub(crate) fn new(device: DeviceControl, queues: usize) -> Controls {
+        Controls { parts: vec![(device, queues)] }
+    }
+
+    /// Adds a view's control over its `queues` queues.
+    pub(crate) fn push(&mut self, view: DeviceControl, queues: usize) {
+        self.parts.push((view, queues));
+    }
+
+    fn each(&self) -> impl Iterator<Item = &DeviceControl> {
+        self.parts.iter().map(|(c, _)| c)
+    }
+
+    fn main(&self) -> &DeviceControl {
+        &self.parts[0].0
+    }
+
+    /// Requests answered on the device and its views (the watchdog's progress measure).
+    pub fn answered(&self) -> u64 {
+        self.each().map(DeviceControl::answered).sum()
+    }
+
+    /// Requests in flight on the device and its views.
+    pub fn in_flight(&self) -> usize {
+        self.each().map(DeviceControl::in_flight).sum()
+    }
+
+    /// The device's alarm doorbell (a view's broken report is seen on the watcher's next
+    /// turn, within its 10 ms poll).
+    pub fn alarm_fd(&self) -> std::os::fd::RawFd {
+        self.main().alarm_fd()
+    }
+
+    /// Whether any queue reported a broken channel; clears every report.
+    pub fn take_broken_report(&self) -> bool {
+        self.each().fold(false, |any, c| c.take_broken_report() | any)
+    }
+
+    /// Logs for the device, rate-limited.
+    pub fn log_limited(&self, line: impl FnOnce() -> String) {
+        self.main().log_limited(line);
+    }
+
+    /// Marks the start of an outage everywhere.
+    pub fn outage_started(&self, at: Instant) {
+        self.each().for_each(|c| c.outage_started(at));
+    }
+
+    /// Times an outage the frontends do not see as one.
+    pub fn time_outage(&self, at: Instant) {
+        self.each().for_each(|c| c.time_outage(at));
+    }
+
+    /// Ends the outages being timed where nothing waits.
+    pub fn outage_over_if_idle(&self) {
+        self.each().for_each(DeviceControl::outage_over_if_idle);
+    }
+
+    /// Installs a new generation: `queues` in the order the launch made them.
+    pub fn install_generation(&self, mut queues: Vec<FrontQueue>) {
+        for (c, n) in &self.parts {
+            let rest = queues.split_off((*n).min(queues.len()));
+            c.install_generation(std::mem::replace(&mut queues, rest));
+        }
+    }
+
+    /// Starts every queue of the device and its views over in place as `generation`.
+    pub fn start_over_in_place(&self, generation: u32, timeout: Duration) -> Result<(), String> {
+        let until = Instant::now() + timeout;
+        for c in self.each() {
+            c.start_over_in_place(generation, until.saturating_duration_since(Instant::now()))?;
+        }
+        Ok(())
+    }
+
+    /// The device's outages, ms (its views see the same ones).
+    pub fn outages_ms(&self) -> Vec<f64> {
+        self.main().outages_ms()
+    }
+
+    /// Fails the device and its views.
+    pub fn fail(&self, reason: &str) {
+        self.each().for_each(|c| c.fail(reason));
+    }
+}
