@@ -16,6 +16,8 @@ pub mod guard_filters;
 pub mod guard_isolation;
 pub mod images;
 pub mod restart;
+pub mod share;
+pub mod share_nbd;
 pub mod surge;
 mod table;
 pub mod tap;

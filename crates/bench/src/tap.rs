@@ -114,12 +114,16 @@ fn offsets(n: usize, size: u64) -> impl Iterator<Item = u64> {
 /// same `state`, the same offsets.
 pub(crate) fn small_offsets(n: usize, size: u64, state: u64) -> impl Iterator<Item = u64> {
     let blocks = size / SMALL as u64;
-    let mut x = state;
-    (0..n).map(move |_| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % blocks) * SMALL as u64
+    xorshift(state).take(n).map(move |x| (x % blocks) * SMALL as u64)
+}
+
+/// An endless xorshift sequence from `state` (non-zero): the same `state`, the same numbers.
+pub(crate) fn xorshift(mut state: u64) -> impl Iterator<Item = u64> {
+    std::iter::repeat_with(move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
     })
 }
 
