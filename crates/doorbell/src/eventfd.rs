@@ -118,6 +118,17 @@ impl Poller {
         Ok(())
     }
 
+    /// Stops watching `fd` (closing the descriptor would do it too, unless another copy of it
+    /// stays open).
+    pub fn remove(&self, fd: RawFd) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: `ev` is a valid epoll_event for the call (ignored by DEL on this kernel).
+        if unsafe { libc::epoll_ctl(self.ep.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut ev) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Waits up to `timeout_ms` (-1: forever) and calls `f` with each ready token.
     pub fn wait(&self, timeout_ms: i32, mut f: impl FnMut(u64)) -> io::Result<usize> {
         let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 16];

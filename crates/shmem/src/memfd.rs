@@ -37,6 +37,17 @@ pub fn seal_future_write(fd: RawFd) -> Result<(), ShmError> {
     add_seals(fd, libc::F_SEAL_FUTURE_WRITE)
 }
 
+/// The file's seals (`F_SEAL_*` bits). Only memory files carry seals: anything else is an
+/// error.
+pub fn seals(fd: RawFd) -> Result<libc::c_int, ShmError> {
+    // SAFETY: plain fcntl on a descriptor the caller owns.
+    let s = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+    if s < 0 {
+        return Err(ShmError::last("fcntl(F_GET_SEALS)"));
+    }
+    Ok(s)
+}
+
 fn add_seals(fd: RawFd, seals: libc::c_int) -> Result<(), ShmError> {
     // SAFETY: plain fcntl on a descriptor the caller owns.
     if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } < 0 {
@@ -86,6 +97,7 @@ mod tests {
     fn sealed_size_refuses_truncate() {
         let fd = create("t", 8192).unwrap();
         seal_size(fd.as_raw_fd()).unwrap();
+        assert_eq!(seals(fd.as_raw_fd()).unwrap() & libc::F_SEAL_SHRINK, libc::F_SEAL_SHRINK);
         // SAFETY: plain syscall on our descriptor.
         let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), 0) };
         assert_eq!(rc, -1);

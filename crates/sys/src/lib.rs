@@ -99,40 +99,85 @@ pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) })
 }
 
-/// Room for one descriptor's control message.
-const CMSG_ONE_FD: usize = 24;
+/// The process and user at the other end of a connected unix socket (`SO_PEERCRED`, as of
+/// when it connected).
+pub fn peer_credentials(sock: BorrowedFd<'_>) -> io::Result<(i32, u32)> {
+    // SAFETY: ucred is plain data filled in by getsockopt.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid out pointers of the sizes given for the call.
+    let rc = unsafe {
+        libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((cred.pid, cred.uid))
+}
+
+/// Most descriptors one message carries.
+pub const MAX_FDS: usize = 64;
+
+/// Room for the control message of [`MAX_FDS`] descriptors (a 16-byte header, then the ints).
+const CMSG_ROOM: usize = 16 + MAX_FDS * std::mem::size_of::<RawFd>();
+
+#[repr(C, align(8))]
+struct Control([u8; CMSG_ROOM]);
 
 /// Sends `data` as one message on the unix socket `sock`, with `fd` alongside it
 /// (`SCM_RIGHTS`): the receiver gets its own descriptor of the same open file. Never blocks
 /// and never raises SIGPIPE: a full socket is `WouldBlock`, a closed peer `BrokenPipe`.
 pub fn send_with_fd(sock: BorrowedFd<'_>, data: &[u8], fd: BorrowedFd<'_>) -> io::Result<()> {
-    #[repr(C, align(8))]
-    struct Control([u8; CMSG_ONE_FD]);
-    let mut control = Control([0; CMSG_ONE_FD]);
+    send_with_fds(sock, data, &[fd], false)
+}
+
+/// Sends `data` on the unix socket `sock` with `fds` alongside it (`SCM_RIGHTS`, at most
+/// [`MAX_FDS`]): the receiver gets its own descriptors of the same open files, with the
+/// first byte of `data`. Never raises SIGPIPE (a closed peer is `BrokenPipe`); `wait`: block
+/// while the socket is full, else that is `WouldBlock`. A part sent is `WriteZero`.
+pub fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>], wait: bool) -> io::Result<()> {
+    if fds.len() > MAX_FDS || data.is_empty() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "no data, or more descriptors than one message carries"));
+    }
+    let mut control = Control([0; CMSG_ROOM]);
     let mut iov = libc::iovec { iov_base: data.as_ptr().cast_mut().cast(), iov_len: data.len() };
     // SAFETY: msghdr is plain data; every field the kernel reads is set below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    msg.msg_control = control.0.as_mut_ptr().cast();
-    // SAFETY: CMSG_SPACE only computes a length.
-    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    debug_assert!(msg.msg_controllen <= CMSG_ONE_FD);
-    // SAFETY: the control buffer is aligned and large enough for one header and one int, so
-    // CMSG_FIRSTHDR is non-null and the writes through it and CMSG_DATA stay inside it.
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
+    if !fds.is_empty() {
+        let ints = std::mem::size_of_val(fds) as u32;
+        msg.msg_control = control.0.as_mut_ptr().cast();
+        // SAFETY: CMSG_SPACE only computes a length.
+        msg.msg_controllen = unsafe { libc::CMSG_SPACE(ints) } as usize;
+        debug_assert!(msg.msg_controllen <= CMSG_ROOM);
+        // SAFETY: the control buffer is aligned and large enough for one header and
+        // `fds.len()` ints (at most MAX_FDS), so CMSG_FIRSTHDR is non-null and the writes
+        // through it and CMSG_DATA stay inside it.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(ints) as usize;
+            let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+            for (i, fd) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+            }
+        }
     }
-    // SAFETY: `msg` points at `iov` (over `data`) and `control`, all of which outlive the call.
-    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if n as usize != data.len() {
+    let flags = libc::MSG_NOSIGNAL | if wait { 0 } else { libc::MSG_DONTWAIT };
+    let n = loop {
+        // SAFETY: `msg` points at `iov` (over `data`) and `control`, all of which outlive the call.
+        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, flags) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    if n != data.len() {
         return Err(io::Error::new(io::ErrorKind::WriteZero, "message sent in part"));
     }
     Ok(())
@@ -140,34 +185,43 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, data: &[u8], fd: BorrowedFd<'_>) -> io
 
 /// Receives one message from the unix socket `sock` into `buf`, without blocking (`Ok(None)`
 /// when none waits): its length (0 when the peer has closed) and the first descriptor sent
-/// with it, close-on-exec. Any further descriptors are closed by the kernel; a message longer
-/// than `buf` is `InvalidData`, as is one whose descriptors did not fit.
+/// with it, close-on-exec. Any further descriptors are closed; a message longer than `buf` is
+/// `InvalidData`, as is one whose descriptors did not fit.
 pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<(usize, Option<OwnedFd>)>> {
-    #[repr(C, align(8))]
-    struct Control([u8; CMSG_ONE_FD]);
-    let mut control = Control([0; CMSG_ONE_FD]);
+    Ok(recv_with_fds(sock, buf, false)?.map(|(n, fds)| (n, fds.into_iter().next())))
+}
+
+/// Receives from the unix socket `sock` into `buf` (one message on a datagram or seqpacket
+/// socket; what has arrived, up to `buf`, on a stream) and the descriptors sent with it
+/// (close-on-exec, at most [`MAX_FDS`]). `wait`: block until something comes, else `Ok(None)`
+/// when nothing waits. A length of 0 means the peer has closed. A message longer than `buf`
+/// (datagram, seqpacket) is `InvalidData`, as is one whose descriptors did not fit (those
+/// that did are closed).
+pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], wait: bool) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
+    let mut control = Control([0; CMSG_ROOM]);
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // SAFETY: msghdr is plain data; every field the kernel reads is set below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control.0.as_mut_ptr().cast();
-    msg.msg_controllen = CMSG_ONE_FD;
+    msg.msg_controllen = CMSG_ROOM;
+    let flags = libc::MSG_CMSG_CLOEXEC | if wait { 0 } else { libc::MSG_DONTWAIT };
     let n = loop {
         // SAFETY: `msg` points at `iov` (over `buf`) and `control`, all of which outlive the call
         // and are writable for the lengths given.
-        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, flags) };
         if n >= 0 {
             break n as usize;
         }
         let e = io::Error::last_os_error();
         match e.kind() {
             io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => return Ok(None),
+            io::ErrorKind::WouldBlock if !wait => return Ok(None),
             _ => return Err(e),
         }
     };
-    let mut fd = None;
+    let mut fds = Vec::new();
     // SAFETY: the kernel set msg_controllen to what it wrote into `control`; CMSG_FIRSTHDR and
     // CMSG_NXTHDR walk only within it, and a header of SCM_RIGHTS carries ints after it.
     unsafe {
@@ -179,10 +233,7 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<(
                 for i in 0..count {
                     let raw = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
                     // Each received descriptor is this process's own from here on.
-                    let owned = OwnedFd::from_raw_fd(raw);
-                    if fd.is_none() {
-                        fd = Some(owned);
-                    }
+                    fds.push(OwnedFd::from_raw_fd(raw));
                 }
             }
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
@@ -194,7 +245,7 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<(
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "more descriptors than expected"));
     }
-    Ok(Some((n, fd)))
+    Ok(Some((n, fds)))
 }
 
 #[cfg(test)]
@@ -254,5 +305,33 @@ mod tests {
         assert_eq!(recv_with_fd(b.as_fd(), &mut small).unwrap_err().kind(), io::ErrorKind::InvalidData);
         drop(a);
         assert_eq!(recv_with_fd(b.as_fd(), &mut buf).unwrap().map(|(n, fd)| (n, fd.is_some())), Some((0, false)));
+    }
+
+    #[test]
+    fn a_socket_pair_names_this_process_at_the_other_end() {
+        use std::os::fd::AsFd;
+        let (a, _b) = seqpacket_pair().unwrap();
+        // SAFETY: getuid cannot fail.
+        assert_eq!(peer_credentials(a.as_fd()).unwrap(), (std::process::id() as i32, unsafe { libc::getuid() }));
+    }
+
+    #[test]
+    fn several_descriptors_cross_with_one_message_and_too_many_are_refused() {
+        use std::os::fd::AsFd;
+        let (a, b) = seqpacket_pair().unwrap();
+        let pipes: Vec<_> = (0..5).map(|_| pipe().unwrap()).collect();
+        let ends: Vec<BorrowedFd<'_>> = pipes.iter().map(|(_, w)| w.as_fd()).collect();
+        send_with_fds(a.as_fd(), b"five", &ends, true).unwrap();
+        let mut buf = [0u8; 8];
+        let (n, fds) = recv_with_fds(b.as_fd(), &mut buf, true).unwrap().unwrap();
+        assert_eq!((&buf[..n], fds.len()), (&b"five"[..], 5));
+        for ((r, _), w) in pipes.into_iter().zip(fds) {
+            std::fs::File::from(w).write_all(b"z").unwrap();
+            let mut got = [0u8; 1];
+            std::fs::File::from(r).read_exact(&mut got).unwrap();
+            assert_eq!(&got, b"z");
+        }
+        let many: Vec<BorrowedFd<'_>> = (0..=MAX_FDS).map(|_| a.as_fd()).collect();
+        assert_eq!(send_with_fds(a.as_fd(), b"x", &many, true).unwrap_err().kind(), io::ErrorKind::InvalidInput);
     }
 }
