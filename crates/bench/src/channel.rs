@@ -193,6 +193,7 @@ pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(Fro
         heartbeat_ms: 100,
         yield_when_idle: false,
         above_control_fds: None,
+        attach: None,
         sandbox: Default::default(),
         report_fd: None,
     };

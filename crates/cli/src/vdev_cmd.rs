@@ -44,7 +44,7 @@ pub fn model(spec_json: &str) -> anyhow::Result<ExitCode> {
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
     // alone, and nothing else here uses them.
     let mut domain = unsafe { bulkhead_driver::build_model_inherited(&spec) }.with_context(device)?;
-    bulkhead_driver::confine_as(spec.sandbox.policy, spec.seccomp_role(), false, spec.report_fd, Vec::new())
+    bulkhead_driver::confine_as(spec.sandbox.policy, spec.seccomp_role(), false, spec.report_fd, Vec::new(), (0, 0))
         .with_context(device)?;
     domain.run(&stop).map_err(anyhow::Error::msg).with_context(device)?;
     Ok(ExitCode::SUCCESS)

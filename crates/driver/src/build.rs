@@ -57,6 +57,14 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         }
     }
     let mode = this.notify_mode().map_err(DriverError::Setup)?;
+    let view_size = |view: Option<u32>| match view {
+        None => Ok(this.size),
+        Some(v) => this
+            .views
+            .get(v as usize)
+            .map(|v| v.size)
+            .ok_or_else(|| DriverError::Setup(format!("a queue names view {v}; the spec gives {}", this.views.len()))),
+    };
     let mut queues = Vec::with_capacity(this.queues.len());
     for q in &this.queues {
         // SAFETY: forwarded from this function's contract.
@@ -65,14 +73,7 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         let arenas = ArenaSizes { write: q.arena_bytes, read: q.arena_bytes };
         // A queue of a view takes requests within the view only: its ring checks them
         // against the view's size, and the domain moves them by its offset.
-        let size = match q.view {
-            None => this.size,
-            Some(v) => this
-                .views
-                .get(v as usize)
-                .map(|v| v.size)
-                .ok_or_else(|| DriverError::Setup(format!("a queue names view {v}; the spec gives {}", this.views.len())))?,
-        };
+        let size = view_size(q.view)?;
         queues.push(BackQueue::from_fds(fds, q.nslots, arenas, size).map_err(|e| DriverError::Setup(e.to_string()))?);
     }
     let setup = |e: bulkhead_backends::BackendError| DriverError::Setup(e.to_string());
@@ -187,7 +188,15 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
     }
     // SAFETY: as above.
     let state = unsafe { claim_opt(this.state_fd)? };
-    let mut domain = Domain::new(queues, chain, mode, this.budget(), stop)?;
+    let first = this.queues.first().ok_or_else(|| DriverError::Setup("a domain has at least one queue".into()))?;
+    let slots = this.attach.as_ref().map_or(0, |a| a.slots.len());
+    let mut domain = Domain::with_slots(queues, slots, first.nslots, chain, mode, this.budget(), stop)?;
+    if let Some(a) = &this.attach {
+        // SAFETY: forwarded from this function's contract.
+        let line = unsafe { claim(a.fd)? };
+        let sizes = a.slots.iter().map(|&v| view_size(v)).collect::<Result<Vec<_>, _>>()?;
+        domain.set_attach_line(line, sizes, first.arena_bytes)?;
+    }
     domain.set_yield_when_idle(this.yield_when_idle);
     if let Some(fds) = this.above_control_fds {
         // SAFETY: forwarded from this function's contract.
@@ -200,7 +209,8 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
             .map_err(|e| DriverError::Setup(format!("state page: {e}")))?;
         domain.set_state_page(page, this.heartbeat_ms);
     }
-    let lanes: Vec<Option<u32>> = this.queues.iter().map(|q| q.view).collect();
+    let slots = this.attach.iter().flat_map(|a| a.slots.iter().copied());
+    let lanes: Vec<Option<u32>> = this.queues.iter().map(|q| q.view).chain(slots).collect();
     domain.set_views(&this.views, &lanes, this.size)?;
     Ok(domain)
 }
@@ -226,6 +236,7 @@ mod tests {
             heartbeat_ms: 100,
             yield_when_idle: false,
             above_control_fds: None,
+            attach: None,
             sandbox: SandboxSpec::default(),
             report_fd: None,
         };

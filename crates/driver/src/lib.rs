@@ -9,6 +9,7 @@
 //! share of the turns (`sharing`).
 #![deny(missing_docs)]
 
+mod attach;
 mod build;
 pub mod guarded;
 mod model;
@@ -62,10 +63,17 @@ pub fn confine_and_report_withholding(
     withhold: Vec<String>,
 ) -> Result<bulkhead_sandbox::Layers, DriverError> {
     let guarded = spec.filters.iter().any(|f| f.guard.wanted());
-    confine_as(spec.sandbox.policy, spec.seccomp_role(), guarded, spec.report_fd, withhold)
+    // Each attached queue maps its ring and two arenas of the geometry of the others.
+    let slots = spec.attach.as_ref().map_or(0, |a| a.slots.len());
+    let per_slot = spec.queues.first().map_or(0, |q| {
+        let ring = bulkhead_ring::RingLayout::new(q.nslots).map_or(0, |l| l.file_size() as u64);
+        ring + 2 * q.arena_bytes.next_multiple_of(bulkhead_shmem::PAGE_SIZE as u64)
+    });
+    confine_as(spec.sandbox.policy, spec.seccomp_role(), guarded, spec.report_fd, withhold, (slots, per_slot))
 }
 
-/// Confines this process as a domain of seccomp `role` under `policy`, and reports the layers
+/// Confines this process as a domain of seccomp `role` under `policy` (with room for
+/// `attach_slots` attached queues of `per_slot` mapped bytes each), and reports the layers
 /// in force, or why it refused, on the pipe `report_fd` (inherited, claimed here): what
 /// [`confine_and_report`] does for a driver or tap domain, for any domain (a device model's).
 pub fn confine_as(
@@ -74,14 +82,16 @@ pub fn confine_as(
     guarded: bool,
     report_fd: Option<i32>,
     withhold: Vec<String>,
+    (attach_slots, per_slot): (usize, u64),
 ) -> Result<bulkhead_sandbox::Layers, DriverError> {
     use std::io::Write;
     let opts = bulkhead_sandbox::confine::Options {
         policy,
         role,
         guarded,
+        attach_slots,
         namespaces: bulkhead_sandbox::spawn::namespaces_layer(policy),
-        address_space_headroom: HEADROOM,
+        address_space_headroom: HEADROOM + attach_slots as u64 * per_slot,
         withhold,
     };
     // Claimed before confinement: the seccomp allowlist has no fcntl to check it with after.

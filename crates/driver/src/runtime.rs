@@ -16,9 +16,11 @@ use bulkhead_channel::{AboveControl, BackQueue, Popped};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::{Op, Status, ValidRequest};
+use bulkhead_spec::attach_line::FromDomain;
 use bulkhead_spec::state_slots::{HEARTBEAT, HELD};
 use bulkhead_spec::ViewSpec;
 
+use crate::attach::{Asked, AttachLine};
 use crate::sharing::{Sharing, Turn};
 use crate::DriverError;
 
@@ -60,15 +62,20 @@ struct Tags {
 }
 
 impl Tags {
-    fn new(queues: &[BackQueue]) -> Self {
-        let mut free = Vec::with_capacity(queues.len());
+    /// A table for `queues` queues of `per_queue` slots each.
+    fn new(queues: usize, per_queue: u32) -> Self {
+        let mut free = Vec::with_capacity(queues);
         let mut next = 0u32;
-        for q in queues {
-            let n = q.nslots();
-            free.push((next..next + n).rev().map(Tag::new).collect());
-            next += n;
+        for _ in 0..queues {
+            free.push((next..next + per_queue).rev().map(Tag::new).collect());
+            next += per_queue;
         }
         Tags { slots: vec![None; next as usize], free }
+    }
+
+    /// Whether every tag of queue `qi` is free (none of its requests is in the chain).
+    fn idle(&self, qi: usize, per_queue: u32) -> bool {
+        self.free[qi].len() == per_queue as usize
     }
 
     fn capacity(&self) -> usize {
@@ -81,11 +88,13 @@ impl Tags {
 }
 
 /// The block request a validated ring request stands for, over its arena windows.
-fn request<'q>(queues: &'q [BackQueue], f: &InFlight) -> Request<'q> {
+fn request<'q>(queues: &'q [Option<BackQueue>], f: &InFlight) -> Request<'q> {
     let r = &f.req;
+    // A queue leaves only once none of its requests is in the chain.
+    let q = || queues[f.queue].as_ref().expect("a queue with requests in flight is served");
     match r.op() {
-        Op::Read => Request::Read { offset: f.base + r.offset(), bufs: queues[f.queue].buffers(r) },
-        Op::Write => Request::Write { offset: f.base + r.offset(), bufs: queues[f.queue].buffers(r), fua: r.fua() },
+        Op::Read => Request::Read { offset: f.base + r.offset(), bufs: q().buffers(r) },
+        Op::Write => Request::Write { offset: f.base + r.offset(), bufs: q().buffers(r), fua: r.fua() },
         Op::Flush => Request::Flush,
         Op::Discard => Request::Discard { offset: f.base + r.offset(), len: r.len() },
         Op::WriteZeroes => Request::WriteZeroes { offset: f.base + r.offset(), len: r.len() },
@@ -94,7 +103,14 @@ fn request<'q>(queues: &'q [BackQueue], f: &InFlight) -> Request<'q> {
 
 /// A driver domain's queues and chain.
 pub struct Domain {
-    queues: Vec<BackQueue>,
+    /// The queues: those the domain started with, then the slots of attached applications
+    /// (`None` while empty).
+    queues: Vec<Option<BackQueue>>,
+    /// Slots per ring, the same for every queue.
+    per_queue: u32,
+    /// Attached queues being let go of: no request is taken from them, and what the chain
+    /// returns of theirs is dropped; each leaves once the chain holds none of its requests.
+    leaving: Vec<bool>,
     chain: Chain,
     tags: Tags,
     /// Results of the current turn, by tag (scratch, kept to avoid allocating).
@@ -125,6 +141,8 @@ pub struct Domain {
     reported_at: u64,
     /// Visits to a queue of a view (the report's clock when no view is capped).
     visits: u64,
+    /// The supervisor's line about attached applications' queues.
+    attach: Option<AttachLine>,
 }
 
 /// How often the views' credit is written to the state page, ns; with no view capped (no
@@ -135,41 +153,63 @@ const REPORT_EVERY_VISITS: u64 = 1 << 16;
 /// Poller token of the line about the domain above.
 const ABOVE_TOKEN: u64 = u64::MAX - 1;
 
+/// Poller token of the attach line.
+const ATTACH_TOKEN: u64 = u64::MAX - 2;
+
 /// Turns of the loop, busy or idle, between looks at the line about the domain above.
 const ABOVE_LOOK_EVERY: u32 = 1024;
 
 impl std::fmt::Debug for Domain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Domain").field("queues", &self.queues.len()).field("mode", &self.mode).finish()
+        f.debug_struct("Domain").field("queues", &self.queues.len()).field("mode", &self.mode).finish_non_exhaustive()
     }
 }
 
 impl Domain {
     /// A domain serving `queues` through `chain`; `stop` ends [`run`](Self::run).
     pub fn new(
-        mut queues: Vec<BackQueue>,
+        queues: Vec<BackQueue>,
+        chain: Chain,
+        mode: NotifyMode,
+        budget: BudgetPolicy,
+        stop: Arc<AtomicBool>,
+    ) -> Result<Self, DriverError> {
+        let per_queue = queues.first().map_or(0, BackQueue::nslots);
+        Self::with_slots(queues, 0, per_queue, chain, mode, budget, stop)
+    }
+
+    /// [`new`](Self::new), with `slots` empty slots after `queues` for queues of attached
+    /// applications, each of `per_queue` ring slots (see [`set_attach_line`](Self::set_attach_line)).
+    pub fn with_slots(
+        queues: Vec<BackQueue>,
+        slots: usize,
+        per_queue: u32,
         mut chain: Chain,
         mode: NotifyMode,
         budget: BudgetPolicy,
         stop: Arc<AtomicBool>,
     ) -> Result<Self, DriverError> {
         let poller = Poller::new().map_err(|e| DriverError::Setup(e.to_string()))?;
+        if queues.iter().any(|q| q.nslots() != per_queue) {
+            return Err(DriverError::Setup("every queue of a device has the same depth".into()));
+        }
+        let mut queues: Vec<Option<BackQueue>> = queues.into_iter().map(Some).chain((0..slots).map(|_| None)).collect();
         for (i, q) in queues.iter_mut().enumerate() {
-            q.set_peer_polls(mode == NotifyMode::Poll);
-            poller.add(q.kick_fd(), i as u64).map_err(|e| DriverError::Setup(e.to_string()))?;
+            if let Some(q) = q {
+                q.set_peer_polls(mode == NotifyMode::Poll);
+                poller.add(q.kick_fd(), i as u64).map_err(|e| DriverError::Setup(e.to_string()))?;
+            }
         }
         if let Some(fd) = chain.backend_wake_fd() {
             poller.add(fd, u64::MAX).map_err(|e| DriverError::Setup(e.to_string()))?;
         }
-        let tags = Tags::new(&queues);
-        let per_queue = queues.first().map_or(0, BackQueue::nslots);
-        if queues.iter().any(|q| q.nslots() != per_queue) {
-            return Err(DriverError::Setup("every queue of a device has the same depth".into()));
-        }
+        let tags = Tags::new(queues.len(), per_queue);
         chain.attach(TagSpace { queues: queues.len() as u32, per_queue }).map_err(DriverError::Setup)?;
         Ok(Domain {
             done: Vec::with_capacity(tags.capacity()),
             dirty: vec![false; queues.len()],
+            leaving: vec![false; queues.len()],
+            per_queue,
             queues,
             chain,
             tags,
@@ -187,7 +227,86 @@ impl Domain {
             sharing: None,
             reported_at: 0,
             visits: 0,
+            attach: None,
         })
+    }
+
+    /// Gives the domain its attach line: the supervisor adds attached applications' queues to
+    /// the empty slots (from the first after the queues the domain started with) and removes
+    /// them. `sizes`: each slot's bound on request ranges (its view's size, or the device's).
+    pub fn set_attach_line(&mut self, sock: std::os::fd::OwnedFd, sizes: Vec<u64>, arena_bytes: u64) -> Result<(), DriverError> {
+        let first = self.queues.iter().take_while(|q| q.is_some()).count();
+        if first + sizes.len() != self.queues.len() {
+            return Err(DriverError::Setup(format!("{} attach slots for {} empty", sizes.len(), self.queues.len() - first)));
+        }
+        let line = AttachLine::new(sock, first, sizes, self.per_queue, arena_bytes);
+        self.poller.add(line.fd(), ATTACH_TOKEN).map_err(|e| DriverError::Setup(e.to_string()))?;
+        self.attach = Some(line);
+        Ok(())
+    }
+
+    /// Follows the attach line: adds the queues it brings, starts letting go of those it
+    /// asks, and lets go of every leaving queue the chain no longer holds requests of.
+    fn tend_attached(&mut self) {
+        let Some(line) = &mut self.attach else { return };
+        let first = line.first;
+        let mut answers = Vec::new();
+        while let Some(asked) = line.next() {
+            match asked {
+                Asked::Add { slot, mut queue } => {
+                    let qi = first + slot;
+                    if self.queues[qi].is_some() || self.leaving[qi] {
+                        answers.push(FromDomain::Refused { slot: slot as u32, why: "the slot holds a queue".into() });
+                        continue;
+                    }
+                    queue.set_peer_polls(self.mode == NotifyMode::Poll);
+                    if let Err(e) = self.poller.add(queue.kick_fd(), qi as u64) {
+                        answers.push(FromDomain::Refused { slot: slot as u32, why: format!("cannot watch its doorbell: {e}") });
+                        continue;
+                    }
+                    self.queues[qi] = Some(queue);
+                    answers.push(FromDomain::Added { slot: slot as u32 });
+                }
+                Asked::Remove { slot } => {
+                    let qi = first + slot;
+                    if self.queues[qi].is_none() {
+                        answers.push(FromDomain::Removed { slot: slot as u32 });
+                    } else {
+                        self.leaving[qi] = true;
+                    }
+                }
+                Asked::Refused { slot, why } => answers.push(FromDomain::Refused { slot, why }),
+            }
+        }
+        for qi in first..self.queues.len() {
+            if self.leaving[qi] && self.tags.idle(qi, self.per_queue) {
+                self.leaving[qi] = false;
+                self.dirty[qi] = false;
+                if let Some(q) = self.queues[qi].take() {
+                    let _ = self.poller.remove(q.kick_fd());
+                }
+                if let Some(s) = &mut self.sharing {
+                    s.emptied(qi);
+                }
+                answers.push(FromDomain::Removed { slot: (qi - first) as u32 });
+            }
+        }
+        if let Some(line) = &self.attach {
+            for a in &answers {
+                line.answer(a);
+            }
+        }
+    }
+
+    /// An attached queue whose frontend broke the protocol: it is let go of (the application
+    /// that holds it is told through the supervisor), and the domain serves on.
+    fn evict(&mut self, qi: usize, why: &str) {
+        let Some(line) = &self.attach else { return };
+        if !self.leaving[qi] {
+            eprintln!("bulkhead driver: attached queue {}: {why}; letting it go", qi - line.first);
+            line.answer(&FromDomain::Refused { slot: (qi - line.first) as u32, why: why.to_string() });
+            self.leaving[qi] = true;
+        }
     }
 
     /// Gives the domain its state page: while layers hold requests (a delay, a throttle) and
@@ -229,7 +348,7 @@ impl Domain {
     /// attaches to them again. Returns at once if nothing is asked, or when stopped.
     fn tend_above(&mut self) -> Result<(), DriverError> {
         let Some(line) = &self.above else { return Ok(()) };
-        let current = self.queues.first().map_or(0, BackQueue::generation);
+        let current = self.queues.first().and_then(Option::as_ref).map_or(0, BackQueue::generation);
         let Some(mut generation) = line.detach_wanted(current) else { return Ok(()) };
         line.drain();
         self.finish_unanswered()?;
@@ -251,7 +370,9 @@ impl Domain {
             line.drain();
         }
         for (queue, q) in self.queues.iter_mut().enumerate() {
-            q.reattach(generation).map_err(|source| DriverError::Channel { queue, source })?;
+            if let Some(q) = q {
+                q.reattach(generation).map_err(|source| DriverError::Channel { queue, source })?;
+            }
         }
         self.dirty.iter_mut().for_each(|d| *d = false);
         line.report_attached(generation);
@@ -291,8 +412,13 @@ impl Domain {
     fn serve_queue(&mut self, qi: usize) -> Result<usize, DriverError> {
         let mut new: ArrayVec<Tag, BATCH> = ArrayVec::new();
         let mut refused = 0;
+        let mut broken = None;
         {
-            let q = &mut self.queues[qi];
+            // An empty slot, or an attached queue being let go of: nothing is taken from it.
+            let mut q = match &mut self.queues[qi] {
+                Some(q) if !self.leaving[qi] => Some(q),
+                _ => None,
+            };
             let free = &mut self.tags.free[qi];
             // With views: the queue's turn, by its view's credit and share.
             // The clock only where a view has a cap: weights alone need none.
@@ -301,6 +427,7 @@ impl Domain {
                 _ => 0,
             };
             let open = match &mut self.sharing {
+                _ if q.is_none() => false,
                 None => true,
                 Some(s) => {
                     self.visits = self.visits.wrapping_add(1);
@@ -318,13 +445,23 @@ impl Domain {
                     s.begin(qi, self.state.as_ref(), now) == Turn::Open
                 }
             };
-            while open && new.len() + refused < BATCH && !free.is_empty() {
+            while let (true, Some(q)) = (open && new.len() + refused < BATCH && !free.is_empty(), q.as_deref_mut()) {
                 if let Some(s) = &mut self.sharing {
                     if !s.may_start(qi, now) {
                         break;
                     }
                 }
-                match q.pop().map_err(|source| DriverError::Channel { queue: qi, source })? {
+                let popped = match q.pop() {
+                    Ok(p) => p,
+                    // An attached application's broken ring costs it its queue, not the
+                    // domain its life.
+                    Err(source) if self.attach.as_ref().is_some_and(|l| qi >= l.first) => {
+                        broken = Some(source.to_string());
+                        break;
+                    }
+                    Err(source) => return Err(DriverError::Channel { queue: qi, source }),
+                };
+                match popped {
                     None => {
                         if let Some(s) = &mut self.sharing {
                             s.emptied(qi);
@@ -362,6 +499,9 @@ impl Domain {
                 }
             }
         }
+        if let Some(why) = broken {
+            self.evict(qi, &why);
+        }
         // Held requests whose time has come, or requests an asynchronous backend has started,
         // need a turn of the chain even with nothing new.
         let due = self.chain.next_poll().is_some_and(|t| t <= now_ns()) || self.chain.at_backend() > 0;
@@ -388,13 +528,16 @@ impl Domain {
                     (e.status(), 0)
                 }
             };
-            self.queues[f.queue].complete(f.req.id(), f.req.generation(), status, len);
-            self.dirty[f.queue] = true;
+            // What a leaving queue's requests return is dropped: its application is gone.
+            if let (Some(q), false) = (&mut self.queues[f.queue], self.leaving[f.queue]) {
+                q.complete(f.req.id(), f.req.generation(), status, len);
+                self.dirty[f.queue] = true;
+            }
             n += 1;
         }
         self.done = finished;
         for (i, q) in self.queues.iter_mut().enumerate() {
-            if std::mem::take(&mut self.dirty[i]) {
+            if let (true, Some(q)) = (std::mem::take(&mut self.dirty[i]), q) {
                 q.publish();
             }
         }
@@ -421,7 +564,7 @@ impl Domain {
     }
 
     fn any_pending(&self) -> bool {
-        self.queues.iter().any(|q| q.pending())
+        self.queues.iter().flatten().any(BackQueue::pending)
     }
 
     /// Makes the loop yield the CPU after spinning idle for a while (see the run loop): for the
@@ -437,6 +580,7 @@ impl Domain {
         if let Some(s) = &mut self.sharing {
             let now = now_ns();
             for (i, q) in self.queues.iter().enumerate() {
+                let Some(q) = q else { continue };
                 if let Some(t) = s.starved(i, now).filter(|_| q.pending()) {
                     due = Some(due.map_or(t, |d| d.min(t)));
                 }
@@ -492,8 +636,11 @@ impl Domain {
         let mut backend_gap = false;
         while !self.stop.load(Ordering::Relaxed) {
             turns = turns.wrapping_add(1);
-            if self.above.is_some() && turns.is_multiple_of(ABOVE_LOOK_EVERY) {
-                self.tend_above()?;
+            if turns.is_multiple_of(ABOVE_LOOK_EVERY) {
+                if self.above.is_some() {
+                    self.tend_above()?;
+                }
+                self.tend_attached();
             }
             if self.poll_once()? > 0 {
                 if let Some(t) = idle_since.take() {
@@ -553,6 +700,7 @@ impl Domain {
             self.sleep()?;
             self.chain.tend();
             self.tend_above()?;
+            self.tend_attached();
             self.idle_layers(false);
             slept = true;
         }
@@ -563,6 +711,7 @@ impl Domain {
         let mut pending = false;
         let now = now_ns();
         for (i, q) in self.queues.iter().enumerate() {
+            let Some(q) = q else { continue };
             // A queue with requests waiting for its view's credit is not woken by its
             // doorbell: the credit wakes it (see `next_due`).
             if let Some(s) = &mut self.sharing {
@@ -593,7 +742,7 @@ impl Domain {
                 self.poller.wait(ms as i32, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
             }
         }
-        for q in &self.queues {
+        for q in self.queues.iter().flatten() {
             q.set_running();
         }
         Ok(())
@@ -855,5 +1004,79 @@ mod tests {
         assert!(e.to_string().contains("view `v`"), "{e}");
         let e = dom.set_views(&[view("v", 0, 1 << 16, false)], &[Some(3)], 1 << 20).unwrap_err();
         assert!(e.to_string().contains("view 3"), "{e}");
+    }
+
+    /// Sends `msg` on the supervisor's end of an attach line, with `fds`, and returns the
+    /// domain's answer (waiting up to 5 s).
+    fn on_line(line: &std::os::fd::OwnedFd, msg: ToDomainMsg, fds: &[std::os::fd::BorrowedFd<'_>]) -> FromDomain {
+        use std::os::fd::AsFd;
+        let bytes = serde_json::to_vec(&msg).unwrap();
+        bulkhead_sys::send_with_fds(line.as_fd(), &bytes, fds, true).unwrap();
+        let mut pfd = [libc::pollfd { fd: line.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        assert_eq!(bulkhead_sys::poll(&mut pfd, 5000).unwrap(), 1, "the domain answers");
+        let mut buf = [0u8; 256];
+        let (n, _) = bulkhead_sys::recv_with_fds(line.as_fd(), &mut buf, false).unwrap().unwrap();
+        serde_json::from_slice(&buf[..n]).unwrap()
+    }
+
+    use bulkhead_spec::attach_line::ToDomain as ToDomainMsg;
+
+    #[test]
+    fn attached_queues_join_a_running_domain_leave_it_and_a_broken_one_is_let_go() {
+        use std::os::fd::AsFd;
+        let size = 4 << 20;
+        let cfg = QueueConfig { nslots: 16, arena_bytes: 1 << 20, mode: NotifyMode::Irq, ..Default::default() };
+        let (mut own, back) = pair(&cfg, size).unwrap();
+        let (ram, probe) = ram(size);
+        let stop = Arc::new(AtomicBool::new(false));
+        let chain = Chain::new(Vec::new(), Box::new(ram));
+        let mut dom =
+            Domain::with_slots(vec![back], 2, 16, chain, NotifyMode::Irq, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
+        let (ours, theirs) = bulkhead_sys::seqpacket_pair().unwrap();
+        // Slot 0 serves the whole device, slot 1 a 1 MiB view at 2 MiB.
+        dom.set_attach_line(theirs, vec![size, 1 << 20], 1 << 20).unwrap();
+        dom.set_views(&[view("v", 2 << 20, 1 << 20, false)], &[None, None, Some(0)], size).unwrap();
+        let t = std::thread::spawn(move || dom.run().unwrap());
+
+        let (mut app, fds) = bulkhead_channel::QueueSetup::create("app", &cfg).unwrap();
+        let added = on_line(&ours, ToDomainMsg::Add { slot: 1 }, &fds.as_array().map(|f| f.as_fd()));
+        assert_eq!(added, FromDomain::Added { slot: 1 });
+        let again = on_line(&ours, ToDomainMsg::Add { slot: 1 }, &fds.as_array().map(|f| f.as_fd()));
+        assert!(matches!(again, FromDomain::Refused { slot: 1, .. }), "{again:?}");
+        drop(fds);
+        let data = vec![0xa5u8; 8192];
+        let r = app.execute(FrontRequest::Write { offset: 4096, data: &data, fua: false }, 5000, |_| {}).unwrap();
+        assert_eq!(r, Ok(8192));
+        let mut stored = vec![0u8; 8192];
+        probe.slice((2 << 20) + 4096, 8192).unwrap().copy_to(&mut stored);
+        assert_eq!(stored, data, "the view's slot writes at the view's offset");
+        // Past the view's end: refused by the ring, nothing written.
+        let r = app.execute(FrontRequest::Write { offset: 1 << 20, data: &data, fua: false }, 5000, |_| {});
+        assert!(!matches!(r, Ok(Ok(_))), "{r:?}");
+        // The domain's own queue is served meanwhile.
+        assert_eq!(own.execute(FrontRequest::Flush, 5000, |_| {}).unwrap(), Ok(0));
+        assert_eq!(on_line(&ours, ToDomainMsg::Remove { slot: 1 }, &[]), FromDomain::Removed { slot: 1 });
+
+        // A queue whose ring turns to garbage is let go of, and the domain serves on.
+        let (_breaker, fds) = bulkhead_channel::QueueSetup::create("breaker", &cfg).unwrap();
+        assert_eq!(
+            on_line(&ours, ToDomainMsg::Add { slot: 0 }, &fds.as_array().map(|f| f.as_fd())),
+            FromDomain::Added { slot: 0 }
+        );
+        let ring = Mapping::new(fds.ring.as_raw_fd(), 4096, Protection::ReadWrite).unwrap();
+        for off in (0..4096).step_by(8) {
+            let _ = ring.atomic_u64(off).map(|a| a.store(u64::MAX / 3, Ordering::Release));
+        }
+        bulkhead_doorbell::EventFd::from_owned(fds.kick.try_clone().unwrap()).unwrap().ring();
+        let mut pfd = [libc::pollfd { fd: ours.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        assert_eq!(bulkhead_sys::poll(&mut pfd, 5000).unwrap(), 1, "the domain reports the eviction");
+        let mut buf = [0u8; 256];
+        let (n, _) = bulkhead_sys::recv_with_fds(ours.as_fd(), &mut buf, false).unwrap().unwrap();
+        let told: FromDomain = serde_json::from_slice(&buf[..n]).unwrap();
+        assert!(matches!(told, FromDomain::Refused { slot: 0, .. }), "{told:?}");
+        assert_eq!(on_line(&ours, ToDomainMsg::Remove { slot: 0 }, &[]), FromDomain::Removed { slot: 0 });
+        assert_eq!(own.execute(FrontRequest::Flush, 5000, |_| {}).unwrap(), Ok(0));
+        stop.store(true, Ordering::Relaxed);
+        t.join().unwrap();
     }
 }

@@ -12,6 +12,8 @@ pub struct Options {
     pub role: Role,
     /// Its filters run under write capture: the seccomp allowlist adds what that needs.
     pub guarded: bool,
+    /// Slots for attached applications' queues: descriptors and system calls to take them.
+    pub attach_slots: usize,
     /// What the supervisor reported for the namespaces layer.
     pub namespaces: Layer,
     /// Address space allowed beyond what is mapped now (bytes).
@@ -69,13 +71,15 @@ fn nproc_limit(role: Role) -> u64 {
     }
 }
 
-fn rlimits(now: &Footprint, role: Role, headroom: u64) -> Result<(), String> {
+fn rlimits(now: &Footprint, role: Role, headroom: u64, attach_slots: usize) -> Result<(), String> {
     setrlimit(libc::RLIMIT_CORE, 0, 0)?;
     let nproc = nproc_limit(role);
     setrlimit(libc::RLIMIT_NPROC, nproc, nproc)?;
     setrlimit(libc::RLIMIT_MEMLOCK, 0, 0)?;
-    // No descriptor beyond those it holds (one spare for the kernel's own needs).
-    let fds = now.highest_fd as u64 + 2;
+    // No descriptor beyond those it holds (one spare for the kernel's own needs) and those of
+    // the attached queues it may take.
+    // Each attached queue comes with five descriptors.
+    let fds = now.highest_fd as u64 + 2 + 5 * attach_slots as u64;
     setrlimit(libc::RLIMIT_NOFILE, fds, fds)?;
     // Address space: what is mapped now (channel, arenas, ramdisk) plus the headroom.
     let limit = now.mapped + headroom;
@@ -149,9 +153,10 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
         Layer::Applied => check("mounts", apply("mounts", &mounts::isolate))?,
         _ => check("mounts", Err("no mount namespace of the domain's own".into()))?,
     };
-    layers.rlimits = check("rlimits", apply("rlimits", &|| rlimits(&footprint, opts.role, opts.address_space_headroom)))?;
+    layers.rlimits =
+        check("rlimits", apply("rlimits", &|| rlimits(&footprint, opts.role, opts.address_space_headroom, opts.attach_slots)))?;
     layers.no_new_privs = check("no_new_privs", apply("no_new_privs", &no_new_privs))?;
     layers.landlock = check("landlock", apply("landlock", &|| landlock::deny_all().map(|_| ())))?;
-    layers.seccomp = check("seccomp", apply("seccomp", &|| seccomp::apply(opts.role, opts.guarded)))?;
+    layers.seccomp = check("seccomp", apply("seccomp", &|| seccomp::apply(opts.role, opts.guarded, opts.attach_slots > 0)))?;
     Ok(layers)
 }

@@ -141,6 +141,17 @@ const GUARD: &[(i64, &str)] = &[
     (libc::SYS_pkey_mprotect, "give the heap spaces and the rings their keys: never executable"),
 ];
 
+/// Extra system calls of a domain that takes attached applications' queues while it runs.
+const ATTACH: &[(i64, &str)] = &[
+    (libc::SYS_recvmsg, "take an attached queue's descriptors from the attach line (the socket was made by the supervisor)"),
+    (libc::SYS_sendmsg, "answer on the attach line"),
+    (libc::SYS_close, "let go of a detached queue's descriptors"),
+    (libc::SYS_epoll_ctl, "watch an attached queue's doorbell, and stop when it leaves"),
+    (libc::SYS_fstat, "check an attached queue's arena sizes"),
+    (libc::SYS_newfstatat, "as fstat (libc may use this form)"),
+    (libc::SYS_fcntl, "make an attached queue's doorbells non-blocking"),
+];
+
 fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCondition {
     SeccompCondition::new(arg, len, op, v).expect("valid seccomp condition")
 }
@@ -148,10 +159,19 @@ fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCond
 /// The rules, as (syscall, reason) for documentation and for the filter; `guarded` adds what
 /// write capture needs.
 pub fn allowlist_guarded(role: Role, guarded: bool) -> Vec<(i64, &'static str)> {
+    allowlist_with(role, guarded, false)
+}
+
+/// The rules, as (syscall, reason): `role`'s, with what write capture needs if `guarded`,
+/// and what taking attached queues needs if `attach` (shared mappings of the memory files
+/// that come on the attach line are then allowed too, never executable).
+pub fn allowlist_with(role: Role, guarded: bool, attach: bool) -> Vec<(i64, &'static str)> {
     let mut v = allowlist(role);
-    if guarded {
-        v.retain(|(nr, _)| !GUARD.iter().any(|(g, _)| g == nr));
-        v.extend_from_slice(GUARD);
+    for (on, extra) in [(guarded, GUARD), (attach, ATTACH)] {
+        if on {
+            v.retain(|(nr, _)| !extra.iter().any(|(g, _)| g == nr));
+            v.extend_from_slice(extra);
+        }
     }
     v
 }
@@ -191,8 +211,13 @@ pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
 /// Builds the BPF program for `role`, with what write capture needs if `guarded`: EPERM for
 /// anything not allowed.
 pub fn filter(role: Role, guarded: bool) -> Result<seccompiler::BpfProgram, String> {
+    filter_with(role, guarded, false)
+}
+
+/// [`filter`], with what taking attached queues needs if `attach` (see [`allowlist_with`]).
+pub fn filter_with(role: Role, guarded: bool, attach: bool) -> Result<seccompiler::BpfProgram, String> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    for (nr, _) in allowlist_guarded(role, guarded) {
+    for (nr, _) in allowlist_with(role, guarded, attach) {
         rules.insert(nr, vec![]);
     }
     use SeccompCmpArgLen::{Dword, Qword};
@@ -200,11 +225,17 @@ pub fn filter(role: Role, guarded: bool) -> Result<seccompiler::BpfProgram, Stri
     let no_exec = cond(2, Dword, MaskedEq(libc::PROT_EXEC as u64), 0);
     // mmap(addr, len, prot, flags, fd, off): anonymous, private, not executable.
     let anon = libc::MAP_ANONYMOUS as u64 | libc::MAP_PRIVATE as u64;
-    rules.insert(
-        libc::SYS_mmap,
-        vec![SeccompRule::new(vec![no_exec.clone(), cond(3, Dword, MaskedEq(anon | libc::MAP_SHARED as u64), anon)])
-            .map_err(|e| e.to_string())?],
-    );
+    let mut mmap = vec![SeccompRule::new(vec![no_exec.clone(), cond(3, Dword, MaskedEq(anon | libc::MAP_SHARED as u64), anon)])
+        .map_err(|e| e.to_string())?];
+    if attach {
+        // An attached queue's ring and arenas: shared mappings of files, never executable.
+        let shared = libc::MAP_ANONYMOUS as u64 | libc::MAP_SHARED as u64 | libc::MAP_PRIVATE as u64;
+        mmap.push(
+            SeccompRule::new(vec![no_exec.clone(), cond(3, Dword, MaskedEq(shared), libc::MAP_SHARED as u64)])
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    rules.insert(libc::SYS_mmap, mmap);
     rules.insert(libc::SYS_mprotect, vec![SeccompRule::new(vec![no_exec.clone()]).map_err(|e| e.to_string())?]);
     if guarded {
         // pkey_mprotect(addr, len, prot, pkey): prot is the third argument, as for mprotect.
@@ -234,8 +265,8 @@ pub fn filter(role: Role, guarded: bool) -> Result<seccompiler::BpfProgram, Stri
 
 /// Installs the filter for `role` (`guarded`: with write capture's calls) on the calling
 /// thread (the domain is single-threaded).
-pub fn apply(role: Role, guarded: bool) -> Result<(), String> {
-    let prog = filter(role, guarded)?;
+pub fn apply(role: Role, guarded: bool, attach: bool) -> Result<(), String> {
+    let prog = filter_with(role, guarded, attach)?;
     seccompiler::apply_filter(&prog).map_err(|e| e.to_string())
 }
 
@@ -289,7 +320,7 @@ mod tests {
         if pid == 0 {
             // SAFETY: plain prctl.
             unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-            let code = if apply(Role::Memory, false).is_err() {
+            let code = if apply(Role::Memory, false, false).is_err() {
                 3
             } else {
                 // SAFETY: constant path.
@@ -310,5 +341,60 @@ mod tests {
         // SAFETY: waiting for our child.
         unsafe { libc::waitpid(pid, &mut st, 0) };
         assert_eq!(libc::WEXITSTATUS(st), 0);
+    }
+
+    /// Maps `fd` shared with `prot`; whether the kernel allowed it.
+    fn maps_shared(fd: i32, prot: i32) -> bool {
+        // SAFETY: a fresh mapping of a memory file this process owns, unmapped at once.
+        unsafe {
+            let p = libc::mmap(std::ptr::null_mut(), 4096, prot, libc::MAP_SHARED, fd, 0);
+            if p == libc::MAP_FAILED {
+                return false;
+            }
+            libc::munmap(p, 4096);
+        }
+        true
+    }
+
+    #[test]
+    fn attach_extras_map_received_memory_shared_but_never_executable() {
+        let l: Vec<i64> = allowlist_with(Role::Memory, false, true).iter().map(|x| x.0).collect();
+        for needed in [libc::SYS_recvmsg, libc::SYS_close, libc::SYS_epoll_ctl, libc::SYS_fstat] {
+            assert!(l.contains(&needed), "attach needs {needed}");
+        }
+        for banned in [libc::SYS_socket, libc::SYS_connect, libc::SYS_openat, libc::SYS_memfd_create] {
+            assert!(!l.contains(&banned), "attach must not allow {banned}");
+        }
+        // SAFETY: plain memfd_create with a constant name.
+        let fd = unsafe { libc::memfd_create(c"seccomp-attach".as_ptr(), 0) };
+        // SAFETY: sizing the file just made.
+        assert!(fd >= 0 && unsafe { libc::ftruncate(fd, 4096) } == 0);
+        for attach in [false, true] {
+            // SAFETY: the child only makes plain system calls and exits.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: plain prctl.
+                unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+                let code = if apply(Role::Memory, false, attach).is_err() {
+                    3
+                } else {
+                    let rw = maps_shared(fd, libc::PROT_READ | libc::PROT_WRITE);
+                    let exec = maps_shared(fd, libc::PROT_READ | libc::PROT_EXEC);
+                    i32::from(rw != attach) + 2 * i32::from(exec)
+                };
+                // SAFETY: leave the child without the parent's destructors.
+                unsafe { libc::_exit(code) };
+            }
+            let mut st = 0;
+            // SAFETY: waiting for our child.
+            unsafe { libc::waitpid(pid, &mut st, 0) };
+            assert_eq!(
+                libc::WEXITSTATUS(st),
+                0,
+                "attach {attach}: 1 = shared mapping allowed wrongly or refused, 2 = executable"
+            );
+        }
+        // SAFETY: closing the file made above.
+        unsafe { libc::close(fd) };
     }
 }

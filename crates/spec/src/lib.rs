@@ -47,6 +47,9 @@ pub struct DomainSpec {
     /// domain while this one stays (`bulkhead_channel::AboveControl`): its page and doorbell.
     #[serde(default)]
     pub above_control_fds: Option<[i32; 2]>,
+    /// Room for attached applications' queues, added and removed while the domain runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attach: Option<AttachSpec>,
     /// Sandbox policy.
     pub sandbox: SandboxSpec,
     /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
@@ -96,6 +99,68 @@ pub struct ViewSpec {
     pub size: u64,
     /// Writes, discards and write-zeroes are refused.
     pub read_only: bool,
+}
+
+/// Slots for queues of applications attached while the domain runs (`bulkhead_client::attach`),
+/// each of the geometry of the spec's queues, and the line on which the supervisor adds and
+/// removes them ([`attach_line`]).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AttachSpec {
+    /// The domain's end of the line (a seqpacket socket).
+    pub fd: i32,
+    /// The view each slot's queue serves (`None`: the device).
+    pub slots: Vec<Option<u32>>,
+}
+
+/// The supervisor's line to a domain about attached queues: one message each way per change,
+/// a queue's five descriptors (ring, write arena read-only, read arena, kick, irq) sent with
+/// its [`Add`](attach_line::ToDomain::Add).
+pub mod attach_line {
+    use serde::{Deserialize, Serialize};
+
+    /// Longest message either way, bytes.
+    pub const MAX_MESSAGE: usize = 256;
+
+    /// What the supervisor asks.
+    #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+    #[serde(deny_unknown_fields, rename_all = "snake_case")]
+    pub enum ToDomain {
+        /// Serve the queue whose descriptors come with this message in `slot`.
+        Add {
+            /// The slot (an index into [`AttachSpec::slots`](super::AttachSpec::slots)).
+            slot: u32,
+        },
+        /// Let go of the queue in `slot`: finish what it holds of it, answering nothing, and
+        /// close its descriptors.
+        Remove {
+            /// The slot.
+            slot: u32,
+        },
+    }
+
+    /// What the domain answers.
+    #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+    #[serde(deny_unknown_fields, rename_all = "snake_case")]
+    pub enum FromDomain {
+        /// The queue is served.
+        Added {
+            /// The slot.
+            slot: u32,
+        },
+        /// The slot is empty.
+        Removed {
+            /// The slot.
+            slot: u32,
+        },
+        /// The request was refused.
+        Refused {
+            /// The slot.
+            slot: u32,
+            /// Why.
+            why: String,
+        },
+    }
 }
 
 fn default_heartbeat_ms() -> u64 {
@@ -324,6 +389,7 @@ mod tests {
             heartbeat_ms: 250,
             yield_when_idle: true,
             above_control_fds: None,
+            attach: None,
             sandbox: SandboxSpec::default(),
             report_fd: Some(10),
         };
