@@ -238,7 +238,8 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     let s = sup.clone();
     let fuse_status = fuse.as_ref().map(|f| fuse_status(f.transport()));
     let invalidate: Option<Box<Invalidate>> = fuse.as_ref().map(|f| Box::new(f.invalidator()) as Box<Invalidate>);
-    let control = ControlServer::start(
+    let attacher = sup.clone();
+    let control = ControlServer::start_with_attach(
         &run_dir.join("control.sock"),
         Arc::new(move |req| match req["cmd"].as_str() {
             Some("status") => match serde_json::to_value(s.status()) {
@@ -280,6 +281,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
             Some(other) => serde_json::json!({ "error": format!("unknown command `{other}`") }),
             None => serde_json::json!({ "error": "missing `cmd`" }),
         }),
+        Some(Arc::new(move |conn, req| attacher.attach_session(conn, req))),
     )
     .with_context(|| format!("cannot bind {}", run_dir.join("control.sock").display()));
     let mut control = match control {

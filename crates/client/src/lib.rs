@@ -43,7 +43,9 @@ pub use bulkhead_channel::Status;
 use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode};
 use bulkhead_doorbell::EventFd;
 
+pub mod attach;
 mod queue;
+pub use attach::{attach, attach_with, AttachError, AttachOptions, Attached};
 pub use queue::{Armed, QueueHandle};
 
 /// Why an I/O failed, with the errno an export sends.

@@ -29,6 +29,7 @@
 //! sandbox = "best_effort" # required | best_effort | off
 //! tap = "passthrough"     # where filters run: passthrough | interpose
 //! # nbd_allow = ["10.0.0.0/8", "::1"]  # TCP clients of its NBD export: only from these
+//! # attach = 4            # queues applications may attach (bulkhead_client::attach); 0: none
 //!
 //! [device.backend]
 //! type = "ram"            # ram | file | nbd | null | vdev
@@ -61,6 +62,7 @@
 //! # burst_ios = 500       # (default: a tenth of a second's)
 //! # weight = 1            # share among uncapped views (1..=1000)
 //! # nbd_allow = ["192.0.2.7"]  # TCP clients of its NBD export: only from these
+//! # attach = 4            # queues applications may attach to the view; 0: none
 //! ```
 //!
 //! Unknown keys and bad values are errors naming the key and the line.
@@ -540,6 +542,28 @@ pub struct Device {
     pub views: Vec<View>,
     /// Address ranges TCP clients of its NBD export may come from (default: any).
     pub nbd_allow: Option<Spanned<Vec<String>>>,
+    /// Queues applications may attach to the device ([`DEFAULT_ATTACH`] unless given; 0: none).
+    pub attach: Option<Spanned<u32>>,
+}
+
+/// Queues applications may attach to a device or a view unless its `attach` says otherwise.
+pub const DEFAULT_ATTACH: u32 = 4;
+
+/// Most queues `attach` may give a device or a view.
+pub const MAX_ATTACH: u32 = 64;
+
+/// Checks an `attach` key; errors name `what`, the key and (through `err`) the line.
+pub(crate) fn check_attach(
+    attach: &Option<Spanned<u32>>,
+    what: &str,
+    err: &impl Fn(std::ops::Range<usize>, String) -> ConfigError,
+) -> Result<(), ConfigError> {
+    match attach {
+        Some(a) if *a.get_ref() > MAX_ATTACH => {
+            Err(err(a.span(), format!("{what}: key `attach`: {} is more than {MAX_ATTACH}", a.get_ref())))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Where a device's filters run.
@@ -582,6 +606,11 @@ impl Device {
         let name = self.name.get_ref();
         let err = |_: std::ops::Range<usize>, m: String| ConfigError::Parse { origin: String::new(), message: m };
         self.filters.iter().enumerate().filter_map(|(i, f)| f.resolve(name, i, watchdog, &err).ok()).collect()
+    }
+
+    /// Queues applications may attach to the device itself.
+    pub fn attach_slots(&self) -> u32 {
+        self.attach.as_ref().map_or(DEFAULT_ATTACH, |a| *a.get_ref())
     }
 
     /// The watchdog in ms: as configured, else 1000 (10000 for an `nbd` backend).
@@ -1018,6 +1047,7 @@ impl Config {
                 v.check(name, d.size.as_ref().map(|s| s.get_ref().0), &err)?;
             }
             check_allow(&d.nbd_allow, &format!("device `{name}`"), &err)?;
+            check_attach(&d.attach, &format!("device `{name}`"), &err)?;
             if let Some(s) = &d.size {
                 if s.get_ref().0 == 0 || s.get_ref().0 % 512 != 0 {
                     return Err(err(

@@ -35,6 +35,8 @@ pub struct View {
     pub weight: Option<Spanned<u32>>,
     /// Address ranges TCP clients of its NBD export may come from (default: any).
     pub nbd_allow: Option<Spanned<Vec<String>>>,
+    /// Queues applications may attach to the view (default [`crate::DEFAULT_ATTACH`]; 0: none).
+    pub attach: Option<Spanned<u32>>,
 }
 
 /// Views one device may have.
@@ -44,6 +46,11 @@ impl View {
     /// Its queue count.
     pub fn queue_count(&self) -> u32 {
         self.queues.as_ref().map_or(1, |q| *q.get_ref())
+    }
+
+    /// Queues applications may attach to it.
+    pub fn attach_slots(&self) -> u32 {
+        self.attach.as_ref().map_or(crate::DEFAULT_ATTACH, |a| *a.get_ref())
     }
 
     /// Its offset in the device.
@@ -90,6 +97,7 @@ impl View {
                 return Err(err(s.span(), at("size", format!("{} is not a positive multiple of 512", s.get_ref().0))));
             }
         }
+        crate::check_attach(&self.attach, &format!("device `{device}`: view `{name}`"), err)?;
         if let Some(q) = &self.queues {
             if !(1..=64).contains(q.get_ref()) {
                 return Err(err(q.span(), at("queues", format!("{} is out of range 1..=64", q.get_ref()))));
@@ -176,5 +184,16 @@ mod tests {
         assert!(e.contains("speed"), "{e}");
         let e = error("[[device.view]]\nname = \"vm1\"\nnbd_allow = [\"10.0.0.0/8\", \"10.0.0.0/40\"]\n");
         assert!(e.contains("line 8") && e.contains("key `nbd_allow`") && e.contains("0..=32"), "{e}");
+        let e = error("[[device.view]]\nname = \"vm1\"\nattach = 65\n");
+        assert!(e.contains("line 8") && e.contains("view `vm1`: key `attach`: 65 is more than 64"), "{e}");
+    }
+
+    #[test]
+    fn attach_slots_default_to_four_and_may_be_none() {
+        let src = "[[device]]\nname = \"disk0\"\nsize = \"1G\"\nattach = 0\n[device.backend]\ntype = \"ram\"\n\
+                   [[device.view]]\nname = \"vm1\"\n[[device.view]]\nname = \"vm2\"\nattach = 2\n";
+        let c = Config::parse(src, "test.toml").unwrap();
+        let d = &c.devices[0];
+        assert_eq!((d.attach_slots(), d.views[0].attach_slots(), d.views[1].attach_slots()), (0, 4, 2));
     }
 }

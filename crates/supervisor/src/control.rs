@@ -5,6 +5,12 @@
 //! `{"cmd":"filter","device":NAME,"op":"add","at":N|null,"table":"type = \"delay\"\n…"}`,
 //! `{"cmd":"filter","device":NAME,"op":"remove","at":N}`,
 //! `{"cmd":"snapshot","device":NAME,"op":"create"|"list"|"revert"|"delete","name":SNAP}`.
+//!
+//! `{"cmd":"attach",…}` as a connection's first line hands the connection to the attach
+//! handler, which keeps it for as long as the application stays attached
+//! (`bulkhead_client::attach`).
+//!
+//! The socket is made `0660`: its owner and group may use it, nobody else.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -16,6 +22,9 @@ use std::time::Duration;
 
 /// Handles one request, returning the answer.
 pub type Handler = Arc<dyn Fn(&serde_json::Value) -> serde_json::Value + Send + Sync>;
+
+/// Takes over a connection whose first request is `attach`.
+pub type AttachHandler = Arc<dyn Fn(UnixStream, &serde_json::Value) + Send + Sync>;
 
 /// A running control socket; removed on drop.
 pub struct ControlServer {
@@ -33,8 +42,15 @@ impl std::fmt::Debug for ControlServer {
 impl ControlServer {
     /// Binds `path` (replacing a stale socket) and serves `handler`.
     pub fn start(path: &Path, handler: Handler) -> std::io::Result<Self> {
+        Self::start_with_attach(path, handler, None)
+    }
+
+    /// [`start`](Self::start), handing connections that ask to attach to `attach`.
+    pub fn start_with_attach(path: &Path, handler: Handler, attach: Option<AttachHandler>) -> std::io::Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::remove_file(path);
         let listener = UnixListener::bind(path)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
@@ -42,8 +58,8 @@ impl ControlServer {
             while !s.load(Ordering::Acquire) {
                 match listener.accept() {
                     Ok((conn, _)) => {
-                        let h = handler.clone();
-                        std::thread::spawn(move || serve_conn(conn, h));
+                        let (h, a) = (handler.clone(), attach.clone());
+                        std::thread::spawn(move || serve_conn(conn, h, a));
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(50)),
                     Err(_) => std::thread::sleep(Duration::from_millis(50)),
@@ -69,19 +85,42 @@ impl Drop for ControlServer {
     }
 }
 
-fn serve_conn(conn: UnixStream, handler: Handler) {
+fn serve_conn(mut conn: UnixStream, handler: Handler, attach: Option<AttachHandler>) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
     let mut w = match conn.try_clone() {
         Ok(w) => w,
         Err(_) => return,
     };
+    // The first line is read a byte at a time: an attach conversation goes on with
+    // descriptors, which a buffered reader would leave behind.
+    let Ok(Some(first)) = bulkhead_client::attach::read_line(&mut conn) else { return };
+    let answer = |line: &str| match serde_json::from_str::<serde_json::Value>(line) {
+        Ok(v) => Ok(v),
+        Err(e) => Err(serde_json::json!({ "error": format!("bad request: {e}") })),
+    };
+    let first = match answer(&first) {
+        Ok(v) if v["cmd"] == "attach" => {
+            match attach {
+                Some(a) => a(conn, &v),
+                None => {
+                    let _ = writeln!(w, "{}", serde_json::json!({ "error": "this control socket takes no attach" }));
+                }
+            }
+            return;
+        }
+        Ok(v) => handler(&v),
+        Err(e) => e,
+    };
+    if writeln!(w, "{first}").is_err() {
+        return;
+    }
     let mut line = String::new();
     // Bound what an untrusted local client can make us buffer.
     let mut r = BufReader::new(conn.take(64 * 1024));
     while matches!(r.read_line(&mut line), Ok(n) if n > 0) {
-        let answer = match serde_json::from_str::<serde_json::Value>(&line) {
+        let answer = match answer(&line) {
             Ok(v) => handler(&v),
-            Err(e) => serde_json::json!({ "error": format!("bad request: {e}") }),
+            Err(e) => e,
         };
         if writeln!(w, "{answer}").is_err() {
             return;

@@ -243,6 +243,8 @@ pub struct DeviceRuntime {
     pub device: Arc<Device>,
     /// The supervisor's face of it and of its views.
     pub(crate) control: Controls,
+    /// Applications attached to it and its views.
+    pub(crate) attach: crate::attach::AttachPoint,
     /// Its views, each exported as a device of its own.
     pub views: Vec<ViewRuntime>,
     /// Notification mode.
@@ -295,6 +297,8 @@ pub(crate) struct Launcher {
     pub(crate) index: u32,
     /// A `vdev` device's card and its model's domain.
     pub(crate) card: Option<crate::vdev::CardDevice>,
+    /// The view of each slot for attached applications' queues (`None`: the device).
+    attach_slots: Vec<Option<u32>>,
 }
 
 /// How long a read through a domain started to read a LUKS header may take, at least, ms.
@@ -561,6 +565,7 @@ impl DeviceRuntime {
             index,
             policy: sandbox,
             card: card_device,
+            attach_slots: Vec::new(),
         };
         let mut launcher = launcher;
         let size = launcher.prepare_filters(filters, cfg.tap).map_err(err)?;
@@ -570,7 +575,13 @@ impl DeviceRuntime {
             launcher.lanes.extend(std::iter::repeat_n(Some(i as u32), v.queues));
         }
         launcher.queues = launcher.lanes.len();
-        let Launched { mut fronts, top, lower, below } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
+        // Slots for attached applications: the device's, then each view's.
+        launcher.attach_slots = std::iter::repeat_n(None, cfg.attach_slots() as usize)
+            .chain(cfg.views.iter().enumerate().flat_map(|(i, v)| std::iter::repeat_n(Some(i as u32), v.attach_slots() as usize)))
+            .collect();
+        let attach = crate::attach::AttachPoint::new(&name, launcher.attach_slots.clone());
+        let Launched { mut fronts, mut top, lower, below } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
+        attach.rejoin(top.attach_line.take());
         let mut view_fronts = fronts.split_off(nqueues);
         let (device, control) = Device::new(&name, size, fronts, None);
         device.set_min_block(launcher.min_block());
@@ -587,6 +598,7 @@ impl DeviceRuntime {
             name: name.clone(),
             device,
             control: controls,
+            attach,
             views,
             mode,
             backend_desc,
@@ -898,6 +910,11 @@ impl Launcher {
         }
     }
 
+    /// The geometry and policy of the device's queues.
+    pub(crate) fn queue_config(&self) -> QueueConfig {
+        self.qcfg
+    }
+
     /// A new line to a tap domain about the domain below it (one for each tap domain).
     pub(crate) fn tap_line(&self) -> Result<BelowControl, String> {
         BelowControl::create(&self.name).map_err(|e| e.to_string())
@@ -1046,6 +1063,15 @@ impl Launcher {
             state_fd = Some(pass.add(&self.state_fd));
         }
         let interpose = chain.is_none_or(|c| c.tap == Tap::Interpose);
+        // The domain the frontend reaches takes attached applications' queues, unless it is a
+        // tap domain over a domain below (whose channel has no room for them).
+        let mut attach = None;
+        let mut attach_line = None;
+        if chain.is_some_and(|c| c.tap != Tap::Interpose) && !self.attach_slots.is_empty() {
+            let (ours, theirs) = bulkhead_sys::seqpacket_pair().map_err(|e| format!("attach line: {e}"))?;
+            attach = Some(bulkhead_spec::AttachSpec { fd: pass.add_owned(theirs), slots: self.attach_slots.clone() });
+            attach_line = Some(ours);
+        }
         let (report_r, report_w) = bulkhead_sys::pipe().map_err(|e| format!("report pipe: {e}"))?;
         let report_fd = pass.add_owned(report_w);
         let spec = DomainSpec {
@@ -1067,6 +1093,7 @@ impl Launcher {
             heartbeat_ms: (self.io_timeout_ms / 4).max(2),
             yield_when_idle: interpose,
             above_control_fds: above_line,
+            attach,
             sandbox: SandboxSpec { policy: self.policy },
             report_fd: Some(report_fd),
         };
@@ -1076,7 +1103,7 @@ impl Launcher {
         let what = format!("{role} domain");
         let (child, layers) = exec_confined(&self.exe, &args, &raw, pass, &self.name, self.policy, &report_r, &what)?;
         let pidfd = pidfd_open(child.id()).map_err(|e| format!("pidfd_open: {e}"))?;
-        Ok(Spawned { child, pidfd, layers, tap: role == "tap", rings: Vec::new() })
+        Ok(Spawned { child, pidfd, layers, tap: role == "tap", rings: Vec::new(), attach_line })
     }
 }
 
@@ -1160,6 +1187,8 @@ pub(crate) struct Spawned {
     pub tap: bool,
     /// Rings its backend borrowed from the supervisor.
     pub rings: Vec<RingWatch>,
+    /// The supervisor's end of its attach line, until the attach point takes it.
+    pub attach_line: Option<OwnedFd>,
 }
 
 /// Reads the domain's sandbox report: one JSON line, written once it is confined. `None` if it

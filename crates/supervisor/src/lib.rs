@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod attach;
 mod chain;
 pub mod control;
 mod domain;
@@ -27,6 +28,7 @@ pub const LOST_EXIT: u8 = 75;
 /// (`bulkhead_guard::VIOLATION_EXIT`): restarted like a crash, with the reason in the log.
 pub const GUARD_EXIT: u8 = 86;
 
+pub use attach::AttachedStatus;
 pub use domain::{pidfd_open, spawn_domain, DeviceRuntime};
 pub use supervisor::{DeviceChange, DeviceState, DeviceStatus, ProcessMemory, StatusReport, Supervisor, SupervisorError};
 pub use vdev::CardStatus;

@@ -112,6 +112,9 @@ pub struct DeviceStatus {
     /// Its views (`[[device.view]]`), each exported under its own name.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub views: Vec<crate::ViewStatus>,
+    /// Applications attached to it or its views (`bulkhead_client::attach`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub attached: Vec<crate::AttachedStatus>,
 }
 
 /// One filter in the status report.
@@ -250,6 +253,96 @@ impl Supervisor {
         Ok(caps)
     }
 
+    /// Serves an application's request to attach (`bulkhead_client::attach`) on its control
+    /// connection `conn`: offers the geometry, checks the queues it sends, adds them to the
+    /// domain, and keeps them there across restarts until the application hangs up, then
+    /// takes them out. Returns when it has.
+    pub fn attach_session(&self, mut conn: std::os::unix::net::UnixStream, req: &serde_json::Value) {
+        use bulkhead_client::attach::wire::{AttachRequest, FromApp, FromServe};
+        let tell = |conn: &mut std::os::unix::net::UnixStream, msg: &FromServe| {
+            let mut line = serde_json::to_vec(msg).expect("message serialises");
+            line.push(b'\n');
+            std::io::Write::write_all(conn, &line)
+        };
+        let refuse = |conn: &mut std::os::unix::net::UnixStream, why: String| {
+            let _ = tell(conn, &FromServe::Error(why));
+        };
+        let ask: AttachRequest = match serde_json::from_value(req.clone()) {
+            Ok(a) => a,
+            Err(e) => return refuse(&mut conn, format!("bad attach request: {e}")),
+        };
+        let found = self.inner.devices.iter().find_map(|d| {
+            if d.name == ask.name {
+                return Some((d, None));
+            }
+            d.views.iter().position(|v| v.name == ask.name).map(|i| (d, Some(i as u32)))
+        });
+        let Some((rt, view)) = found else {
+            return refuse(&mut conn, format!("no device or view `{}`", ask.name));
+        };
+        if rt.proc_.lock().unwrap_or_else(|e| e.into_inner()).interposed() {
+            return refuse(
+                &mut conn,
+                format!("{}: attaching needs tap = \"passthrough\" or \"intercept\" (this device interposes)", ask.name),
+            );
+        }
+        if !(1..=bulkhead_config::MAX_ATTACH).contains(&ask.queues) {
+            return refuse(&mut conn, format!("{}: {} queues asked (1..={})", ask.name, ask.queues, bulkhead_config::MAX_ATTACH));
+        }
+        let free = rt.attach.free(view);
+        if free < ask.queues as usize {
+            return refuse(
+                &mut conn,
+                format!("{}: {free} attach slot(s) free, {} asked (its `attach` key sets how many)", ask.name, ask.queues),
+            );
+        }
+        let dev = match view {
+            None => &rt.device,
+            Some(i) => &rt.views[i as usize].device,
+        };
+        let qcfg = rt.launcher.queue_config();
+        let offer = crate::attach::offer(dev.size(), &qcfg, dev.read_only(), dev.min_block());
+        if tell(&mut conn, &FromServe::Offer(offer)).is_err() {
+            return;
+        }
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+        let mut buf = [0u8; 256];
+        let (n, fds) = match bulkhead_sys::recv_with_fds(std::os::fd::AsFd::as_fd(&conn), &mut buf, true) {
+            Ok(Some((n, fds))) if n > 0 => (n, fds),
+            _ => return,
+        };
+        let count = match serde_json::from_slice::<FromApp>(buf[..n].trim_ascii_end()) {
+            Ok(FromApp::Queues { count }) if count == ask.queues => count,
+            Ok(other) => return refuse(&mut conn, format!("expected the {} queue(s) asked, got {other:?}", ask.queues)),
+            Err(e) => return refuse(&mut conn, format!("bad message: {e}")),
+        };
+        let queues = match crate::attach::queues_from(fds, count) {
+            Ok(q) => q,
+            Err(e) => return refuse(&mut conn, e),
+        };
+        for (i, q) in queues.iter().enumerate() {
+            if let Err(e) = crate::attach::check_queue(q, qcfg.nslots, qcfg.arena_bytes as u64) {
+                return refuse(&mut conn, format!("queue {i}: {e}"));
+            }
+        }
+        let joined = {
+            let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
+            rt.attach.join(&ask.name, view, &conn, queues)
+        };
+        let (id, session) = match joined {
+            Ok(j) => j,
+            Err(e) => return refuse(&mut conn, e),
+        };
+        let slots = session.slots();
+        eprintln!("bulkhead: {}: attached pid {} ({} queue(s))", ask.name, session_pid(&conn), count);
+        if tell(&mut conn, &FromServe::Attached { slots }).is_ok() {
+            crate::attach::listen(conn, &session);
+        }
+        let _one_at_a_time = rt.restart_lock.lock().unwrap_or_else(|e| e.into_inner());
+        rt.attach.leave(id);
+        eprintln!("bulkhead: {}: detached", ask.name);
+    }
+
     /// Every outage of device `name` measured so far, ms (empty for an unknown device).
     pub fn outages_ms(&self, name: &str) -> Vec<f64> {
         self.inner.devices.iter().find(|d| d.name == name).map(|d| d.control.outages_ms()).unwrap_or_default()
@@ -301,6 +394,7 @@ impl Supervisor {
                         .collect(),
                     card: rt.launcher.card.as_ref().map(|c| c.status()),
                     views: rt.views.iter().map(|v| v.status(&rt.state)).collect(),
+                    attached: rt.attach.status(),
                 }
             })
             .collect();
@@ -727,6 +821,11 @@ fn watch(inner: Arc<Inner>) {
     }
 }
 
+/// The process at the other end of `conn` (0 if the socket cannot say).
+fn session_pid(conn: &std::os::unix::net::UnixStream) -> i32 {
+    bulkhead_sys::peer_credentials(std::os::fd::AsFd::as_fd(conn)).map_or(0, |(pid, _)| pid)
+}
+
 /// Replaces a device's domain: kills what is left of the old one, launches the next generation
 /// with the same backend descriptors and hands its queues to the frontend, which reissues every
 /// request that had no response. Crash loops back off exponentially; past the restart limit
@@ -744,6 +843,7 @@ pub(crate) fn restart(rt: &DeviceRuntime, why: &str, detected: Instant, shutting
                 drop(p);
                 eprintln!("bulkhead: device {}: {reason}", rt.name);
                 rt.control.fail(&reason);
+                rt.attach.fail(&reason);
                 return;
             }
         }
@@ -827,6 +927,7 @@ fn count_restart<'a>(
             drop(p);
             eprintln!("bulkhead: device {}: {reason}", rt.name);
             rt.control.fail(&reason);
+            rt.attach.fail(&reason);
             Err(None)
         }
     }
@@ -943,7 +1044,8 @@ fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
     let generation = rt.device.generation().wrapping_add(1);
     let answered = rt.control.answered();
     let outcome = match rt.launcher.launch(generation) {
-        Ok(l) => {
+        Ok(mut l) => {
+            let line = l.top.attach_line.take();
             let mut p = rt.proc_.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(down) = p.life.on_launched(Instant::now(), answered) {
                 eprintln!("bulkhead: device {}: reconnected after {} ms", rt.name, down.as_millis());
@@ -951,6 +1053,8 @@ fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
             p.install(l.top, l.lower, l.below);
             drop(p);
             rt.control.install_generation(l.fronts);
+            // Attached applications start their queues over, and the new domain takes them.
+            rt.attach.rejoin(line);
             return;
         }
         Err(LaunchError::Connect(e)) if rt.launcher.reconnect_timeout().is_some() => {
@@ -969,6 +1073,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str, shutting_down: &AtomicBool) {
         (Retry::Fail { reason }, _) => {
             eprintln!("bulkhead: device {}: {reason}", rt.name);
             rt.control.fail(&reason);
+            rt.attach.fail(&reason);
         }
     }
 }

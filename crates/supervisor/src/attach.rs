@@ -1,0 +1,418 @@
+//! Applications attached to a device or a view (`bulkhead_client::attach`): their queues in
+//! the slots the device's domain keeps for them, and the conversation with each.
+//!
+//! `serve` never maps an attached queue: it checks the descriptors the application sent (memory
+//! files sealed against shrinking, of the sizes the geometry needs; eventfds), hands them to
+//! the domain on its attach line, and keeps copies so that each new generation of the domain
+//! gets them again once the application has started its queues over.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use bulkhead_channel::BackQueueFds;
+use bulkhead_client::attach::wire::{FromApp, FromServe, Offer};
+use bulkhead_spec::attach_line::{FromDomain, ToDomain, MAX_MESSAGE};
+use serde::Serialize;
+
+/// How long the domain may take to answer on its attach line.
+const LINE_WAIT: Duration = Duration::from_secs(2);
+
+/// How long an application may take to start its queues over for a new domain.
+const RESTART_WAIT: Duration = Duration::from_secs(1);
+
+/// One attached application.
+#[derive(Debug)]
+pub(crate) struct Session {
+    /// The device or view it attached to.
+    target: String,
+    /// Its process and user, as the socket says.
+    pid: i32,
+    uid: u32,
+    /// Writes to it (events).
+    conn: Mutex<UnixStream>,
+    /// Its queues: slot and the domain's descriptors.
+    queues: Vec<(usize, BackQueueFds)>,
+    generation: Mutex<u32>,
+    /// Its answer to the last restart.
+    ack: Mutex<Option<Result<u32, String>>>,
+    acked: Condvar,
+    /// It was let go of (it broke a ring, or did not follow a restart): its slots are free.
+    dropped: AtomicBool,
+}
+
+impl Session {
+    fn tell(&self, msg: &FromServe) -> std::io::Result<()> {
+        let mut line = serde_json::to_vec(msg).expect("message serialises");
+        line.push(b'\n');
+        self.conn.lock().unwrap_or_else(|e| e.into_inner()).write_all(&line)
+    }
+
+    /// Ends the conversation: the application's follower sees it close.
+    fn hang_up(&self) {
+        let _ = self.conn.lock().unwrap_or_else(|e| e.into_inner()).shutdown(std::net::Shutdown::Both);
+    }
+
+    /// The slots its queues hold.
+    pub(crate) fn slots(&self) -> Vec<u32> {
+        self.queues.iter().map(|(slot, _)| *slot as u32).collect()
+    }
+
+    /// Records the application's answer to a restart (from the thread reading its connection).
+    pub(crate) fn answered(&self, a: Result<u32, String>) {
+        *self.ack.lock().unwrap_or_else(|e| e.into_inner()) = Some(a);
+        self.acked.notify_all();
+    }
+}
+
+/// An attached application as `bulkhead status` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttachedStatus {
+    /// The device or view.
+    pub name: String,
+    /// Its process.
+    pub pid: i32,
+    /// Its user.
+    pub uid: u32,
+    /// The slots its queues hold.
+    pub slots: Vec<u32>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// The supervisor's end of the current domain's line (`None` between generations).
+    line: Option<OwnedFd>,
+    /// Who holds each slot.
+    owners: Vec<Option<u64>>,
+    sessions: BTreeMap<u64, Arc<Session>>,
+    next: u64,
+}
+
+/// The attach slots of one device and its views.
+#[derive(Debug)]
+pub(crate) struct AttachPoint {
+    device: String,
+    /// The view each slot serves (`None`: the device).
+    slots: Vec<Option<u32>>,
+    inner: Mutex<Inner>,
+}
+
+/// Sends `msg` (with `fds`) on `line` and waits for the domain's answer about the same slot.
+/// Other slots' refusals that come meanwhile (queues the domain let go of because their
+/// application broke the ring) are added to `evicted`.
+fn ask(line: &OwnedFd, msg: ToDomain, fds: &[BorrowedFd<'_>], evicted: &mut Vec<u32>) -> Result<FromDomain, String> {
+    let slot = match msg {
+        ToDomain::Add { slot } | ToDomain::Remove { slot } => slot,
+    };
+    let bytes = serde_json::to_vec(&msg).expect("message serialises");
+    bulkhead_sys::send_with_fds(line.as_fd(), &bytes, fds, false).map_err(|e| format!("attach line: {e}"))?;
+    let deadline = Instant::now() + LINE_WAIT;
+    let mut buf = [0u8; MAX_MESSAGE];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err("the domain did not answer on its attach line".into());
+        }
+        let mut pfd = [libc::pollfd { fd: line.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        bulkhead_sys::poll(&mut pfd, left.as_millis().max(1) as i32).map_err(|e| format!("attach line: {e}"))?;
+        let (n, _) = match bulkhead_sys::recv_with_fds(line.as_fd(), &mut buf, false) {
+            Ok(Some((0, _))) => return Err("the domain hung up its attach line".into()),
+            Ok(Some(got)) => got,
+            Ok(None) => continue,
+            Err(e) => return Err(format!("attach line: {e}")),
+        };
+        let answer: FromDomain = serde_json::from_slice(&buf[..n]).map_err(|e| format!("attach line: {e}"))?;
+        let about = match &answer {
+            FromDomain::Added { slot } | FromDomain::Removed { slot } | FromDomain::Refused { slot, .. } => *slot,
+        };
+        if about == slot {
+            return Ok(answer);
+        }
+        if let FromDomain::Refused { slot, why } = answer {
+            eprintln!("bulkhead: attach slot {slot}: the domain let go of it: {why}");
+            evicted.push(slot);
+        }
+    }
+}
+
+impl AttachPoint {
+    /// Slots for `device`, each serving the view given (`None`: the device).
+    pub(crate) fn new(device: &str, slots: Vec<Option<u32>>) -> Self {
+        let owners = vec![None; slots.len()];
+        AttachPoint { device: device.to_string(), slots, inner: Mutex::new(Inner { owners, ..Default::default() }) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lets go of the sessions holding `evicted` slots: their applications are told by the
+    /// connection closing, and detach as any other.
+    fn drop_evicted(inner: &Inner, evicted: &[u32]) {
+        for &slot in evicted {
+            if let Some(s) = inner.owners.get(slot as usize).copied().flatten().and_then(|id| inner.sessions.get(&id)) {
+                s.hang_up();
+            }
+        }
+    }
+
+    /// Free slots for `view`.
+    pub(crate) fn free(&self, view: Option<u32>) -> usize {
+        let inner = self.lock();
+        self.slots.iter().zip(&inner.owners).filter(|(v, o)| **v == view && o.is_none()).count()
+    }
+
+    /// Adds `queues` (checked) to free slots of `view` in the running domain. The caller holds
+    /// the device's restart lock.
+    pub(crate) fn join(
+        &self,
+        target: &str,
+        view: Option<u32>,
+        conn: &UnixStream,
+        queues: Vec<BackQueueFds>,
+    ) -> Result<(u64, Arc<Session>), String> {
+        let mut inner = self.lock();
+        let Some(line) = inner.line.as_ref().map(|l| l.try_clone()).transpose().map_err(|e| e.to_string())? else {
+            return Err(format!("device {} has no running domain", self.device));
+        };
+        let free: Vec<usize> =
+            (0..self.slots.len()).filter(|&i| self.slots[i] == view && inner.owners[i].is_none()).take(queues.len()).collect();
+        if free.len() < queues.len() {
+            return Err(format!(
+                "{target}: {} attach slot(s) free, {} asked (its `attach` key sets how many)",
+                free.len(),
+                queues.len()
+            ));
+        }
+        let mut evicted = Vec::new();
+        let mut added = Vec::new();
+        let mut failed = None;
+        for (&slot, q) in free.iter().zip(&queues) {
+            let fds = q.as_array().map(|fd| fd.as_fd());
+            match ask(&line, ToDomain::Add { slot: slot as u32 }, &fds, &mut evicted) {
+                Ok(FromDomain::Added { .. }) => added.push(slot),
+                Ok(FromDomain::Refused { why, .. }) => {
+                    failed = Some(format!("the domain refused the queue: {why}"));
+                    break;
+                }
+                Ok(other) => {
+                    failed = Some(format!("the domain answered {other:?}"));
+                    break;
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(why) = failed {
+            for slot in added {
+                let _ = ask(&line, ToDomain::Remove { slot: slot as u32 }, &[], &mut evicted);
+            }
+            Self::drop_evicted(&inner, &evicted);
+            return Err(why);
+        }
+        let (pid, uid) = bulkhead_sys::peer_credentials(conn.as_fd()).unwrap_or((0, 0));
+        let id = inner.next;
+        inner.next += 1;
+        let session = Arc::new(Session {
+            target: target.to_string(),
+            pid,
+            uid,
+            conn: Mutex::new(conn.try_clone().map_err(|e| e.to_string())?),
+            queues: free.iter().copied().zip(queues).collect(),
+            generation: Mutex::new(1),
+            ack: Mutex::new(None),
+            acked: Condvar::new(),
+            dropped: AtomicBool::new(false),
+        });
+        for &slot in &free {
+            inner.owners[slot] = Some(id);
+        }
+        inner.sessions.insert(id, session.clone());
+        Self::drop_evicted(&inner, &evicted);
+        Ok((id, session))
+    }
+
+    /// Takes session `id`'s queues out of the domain and frees its slots. The caller holds the
+    /// device's restart lock.
+    pub(crate) fn leave(&self, id: u64) {
+        let mut inner = self.lock();
+        let Some(session) = inner.sessions.remove(&id) else { return };
+        let mut evicted = Vec::new();
+        if !session.dropped.load(Ordering::Acquire) {
+            if let Some(line) = inner.line.as_ref() {
+                for (slot, _) in &session.queues {
+                    if let Err(e) = ask(line, ToDomain::Remove { slot: *slot as u32 }, &[], &mut evicted) {
+                        // The domain is dying or wedged; its successor will not get the queue.
+                        eprintln!("bulkhead: device {}: detaching slot {slot}: {e}", self.device);
+                        break;
+                    }
+                }
+            }
+        }
+        for (slot, _) in &session.queues {
+            if inner.owners[*slot] == Some(id) {
+                inner.owners[*slot] = None;
+            }
+        }
+        Self::drop_evicted(&inner, &evicted);
+    }
+
+    /// A new generation of the domain runs with `line`: each application starts its queues
+    /// over in place, and the new domain takes them. An application that does not follow in
+    /// time is let go of. The caller holds the device's restart lock, and the old domain is
+    /// gone.
+    pub(crate) fn rejoin(&self, line: Option<OwnedFd>) {
+        let mut inner = self.lock();
+        inner.line = line;
+        let sessions: Vec<(u64, Arc<Session>)> = inner.sessions.iter().map(|(id, s)| (*id, s.clone())).collect();
+        let mut evicted = Vec::new();
+        for (id, s) in sessions {
+            if s.dropped.load(Ordering::Acquire) {
+                continue;
+            }
+            let result = self.restart_one(&inner, &s, &mut evicted);
+            if let Err(why) = result {
+                eprintln!("bulkhead: device {}: attached pid {} let go of: {why}", self.device, s.pid);
+                s.dropped.store(true, Ordering::Release);
+                s.hang_up();
+                for (slot, _) in &s.queues {
+                    if inner.owners[*slot] == Some(id) {
+                        inner.owners[*slot] = None;
+                    }
+                }
+            }
+        }
+        Self::drop_evicted(&inner, &evicted);
+    }
+
+    fn restart_one(&self, inner: &Inner, s: &Session, evicted: &mut Vec<u32>) -> Result<(), String> {
+        let line = inner.line.as_ref().ok_or("no domain runs")?;
+        let generation = {
+            let mut g = s.generation.lock().unwrap_or_else(|e| e.into_inner());
+            *g = g.wrapping_add(1).max(1);
+            *g
+        };
+        *s.ack.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        s.tell(&FromServe::Restart { generation }).map_err(|e| format!("cannot tell it of the restart: {e}"))?;
+        let ack = s.ack.lock().unwrap_or_else(|e| e.into_inner());
+        let (ack, _) = s.acked.wait_timeout_while(ack, RESTART_WAIT, |a| a.is_none()).unwrap_or_else(|e| e.into_inner());
+        match ack.clone() {
+            Some(Ok(g)) if g == generation => {}
+            Some(Ok(g)) => return Err(format!("it started over as generation {g}, not {generation}")),
+            Some(Err(why)) => return Err(format!("it could not start over: {why}")),
+            None => return Err(format!("it did not start over within {} ms", RESTART_WAIT.as_millis())),
+        }
+        drop(ack);
+        for (slot, q) in &s.queues {
+            let fds = q.as_array().map(|fd| fd.as_fd());
+            match ask(line, ToDomain::Add { slot: *slot as u32 }, &fds, evicted)? {
+                FromDomain::Added { .. } => {}
+                other => return Err(format!("the new domain answered {other:?}")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Tells every attached application that the device failed.
+    pub(crate) fn fail(&self, reason: &str) {
+        let inner = self.lock();
+        for s in inner.sessions.values() {
+            let _ = s.tell(&FromServe::Fail { reason: reason.to_string() });
+        }
+    }
+
+    /// The attached applications.
+    pub(crate) fn status(&self) -> Vec<AttachedStatus> {
+        let inner = self.lock();
+        inner
+            .sessions
+            .values()
+            .filter(|s| !s.dropped.load(Ordering::Acquire))
+            .map(|s| AttachedStatus { name: s.target.clone(), pid: s.pid, uid: s.uid, slots: s.slots() })
+            .collect()
+    }
+}
+
+/// What an application must be told before it makes its queues.
+pub(crate) fn offer(size: u64, qcfg: &bulkhead_channel::QueueConfig, read_only: bool, min_block: u32) -> Offer {
+    Offer {
+        size,
+        nslots: qcfg.nslots,
+        arena_bytes: qcfg.arena_bytes as u64,
+        mode: qcfg.mode.as_str().to_string(),
+        budget_ns: match qcfg.budget {
+            bulkhead_doorbell::BudgetPolicy::Fixed(ns) => Some(ns),
+            bulkhead_doorbell::BudgetPolicy::Auto { .. } => None,
+        },
+        read_only,
+        min_block,
+    }
+}
+
+/// Checks the five descriptors of one queue an application sent: the ring and arenas must be
+/// memory files that can no longer shrink (the domain maps them: a file cut short under it
+/// would kill it), of at least the sizes of the geometry; the doorbells eventfds.
+pub(crate) fn check_queue(fds: &BackQueueFds, nslots: u32, arena_bytes: u64) -> Result<(), String> {
+    let ring = bulkhead_ring::RingLayout::new(nslots).map_err(|e| e.to_string())?.file_size() as u64;
+    let arena = arena_bytes.next_multiple_of(bulkhead_shmem::PAGE_SIZE as u64);
+    for (what, fd, want) in
+        [("ring", &fds.ring, ring), ("write arena", &fds.write_arena, arena), ("read arena", &fds.read_arena, arena)]
+    {
+        let seals =
+            bulkhead_shmem::memfd::seals(fd.as_raw_fd()).map_err(|e| format!("{what}: not a sealed memory file ({e})"))?;
+        if seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(format!("{what}: not sealed against shrinking"));
+        }
+        let have = bulkhead_shmem::memfd::size_of(fd.as_raw_fd()).map_err(|e| format!("{what}: {e}"))?;
+        if have < want {
+            return Err(format!("{what}: {have} bytes, the geometry needs {want}"));
+        }
+    }
+    for (what, fd) in [("kick doorbell", &fds.kick), ("irq doorbell", &fds.irq)] {
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(|e| format!("{what}: {e}"))?;
+        if link.as_os_str() != "anon_inode:[eventfd]" {
+            return Err(format!("{what}: not an eventfd ({})", link.display()));
+        }
+    }
+    Ok(())
+}
+
+/// Takes five descriptors at a time as queues.
+pub(crate) fn queues_from(fds: Vec<OwnedFd>, count: u32) -> Result<Vec<BackQueueFds>, String> {
+    if fds.len() != count as usize * 5 {
+        return Err(format!("{} descriptors for {count} queue(s): five each", fds.len()));
+    }
+    let mut it = fds.into_iter();
+    let mut out = Vec::with_capacity(count as usize);
+    while let (Some(ring), Some(write_arena), Some(read_arena), Some(kick), Some(irq)) =
+        (it.next(), it.next(), it.next(), it.next(), it.next())
+    {
+        out.push(BackQueueFds { ring, write_arena, read_arena, kick, irq });
+    }
+    Ok(out)
+}
+
+/// Reads the application's answers to restarts until it hangs up.
+pub(crate) fn listen(mut conn: UnixStream, session: &Session) {
+    let _ = conn.set_read_timeout(None);
+    loop {
+        let line = match bulkhead_client::attach::read_line(&mut conn) {
+            Ok(Some(l)) => l,
+            Ok(None) | Err(_) => return,
+        };
+        match serde_json::from_str::<FromApp>(&line) {
+            Ok(FromApp::Restarted { generation }) => session.answered(Ok(generation)),
+            Ok(FromApp::Refused { why }) => session.answered(Err(why)),
+            Ok(FromApp::Queues { .. }) | Err(_) => {
+                session.answered(Err("unexpected message".into()));
+                return;
+            }
+        }
+    }
+}
