@@ -17,6 +17,7 @@ pub mod guard_isolation;
 pub mod images;
 pub mod restart;
 pub mod share;
+pub mod share_attach;
 pub mod share_nbd;
 pub mod surge;
 mod table;

@@ -84,6 +84,10 @@ pub struct Report {
     pub capped_mibs: f64,
     /// The same over NBD, next to qemu-storage-daemon.
     pub nbd: crate::share_nbd::NbdReport,
+    /// QD1 4 KiB read latency of an attached application, beside FUSE and NBD.
+    pub attach: Vec<crate::share_attach::AttachRow>,
+    /// Paths of the attach row not measured, and why.
+    pub attach_skipped: Vec<String>,
     /// Goals.
     pub goals: Vec<Goal>,
 }
@@ -308,6 +312,8 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
     } else {
         crate::share_nbd::NbdReport { skipped: vec!["over NBD: not asked for".into()], ..Default::default() }
     };
+    let modes: Vec<&str> = if opts.mode == "poll" { vec!["poll"] } else { vec!["poll", opts.mode.as_str()] };
+    let (attach, attach_skipped) = crate::share_attach::run(exe, &modes, s, &mut progress)?;
     let cap_mibs = 512.0 * 1024.0 / 0.01 / (1 << 20) as f64;
     let mut r = Report {
         mode: opts.mode.clone(),
@@ -320,6 +326,8 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
         cap_mibs,
         capped_mibs,
         nbd,
+        attach,
+        attach_skipped,
         goals: Vec::new(),
     };
     r.goals = goals(&r);
@@ -366,6 +374,14 @@ fn goals(r: &Report) -> Vec<Goal> {
     });
     let wc = r.busy_mibs / r.alone_mibs.max(1e-9);
     g.push(Goal { what: "one busy view / device alone".into(), measured: wc, bound: "≥ 0.95".into(), met: wc >= 0.95 });
+    for row in r.attach.iter().filter(|x| x.path == "attach" && x.mode == "poll") {
+        g.push(Goal {
+            what: "attached application, poll: QD1 4 KiB read p50, µs".into(),
+            measured: row.p50_us,
+            bound: "≤ 2".into(),
+            met: row.p50_us <= 2.0,
+        });
+    }
     let err = (r.capped_mibs - r.cap_mibs) / r.cap_mibs;
     g.push(Goal {
         what: format!("{:.0} MiB/s cap, measured error", r.cap_mibs),
@@ -404,6 +420,18 @@ pub fn render(r: &Report) -> String {
         100.0 * r.busy_mibs / r.alone_mibs.max(1e-9)
     );
     out += &format!("cap: {:.1} MiB/s set, {:.2} MiB/s measured under QD8 64 KiB writes\n\n", r.cap_mibs, r.capped_mibs);
+    if !r.attach.is_empty() {
+        out += "an attached application beside the exports (QD1 4 KiB random reads, one ram device):\n";
+        let mut t = Table::new(&["MODE", "PATH", "p50 µs", "p99 µs"]);
+        for row in &r.attach {
+            t.row(vec![row.mode.clone(), row.path.clone(), format!("{:.2}", row.p50_us), format!("{:.2}", row.p99_us)]);
+        }
+        out += &t.render();
+        out += "\n";
+    }
+    for why in &r.attach_skipped {
+        out += &format!("skipped: {why}\n");
+    }
     if !r.nbd.rows.is_empty() {
         out += "over NBD (fio's nbd engine; quiet QD1 4 KiB reads, neighbour QD32 4 KiB writes):\n";
         let mut t = Table::new(&["SYSTEM", "SETTING", "QUIET p50 µs", "QUIET p99 µs", "QUIET p99.9 µs", "NEIGHBOUR MiB/s"]);
