@@ -10,7 +10,7 @@ case "${1:-serve}" in
   test) want fio fio; want qemu-io qemu-utils; want qemu-img qemu-utils; want nbdinfo libnbd-bin
         want nbdcopy libnbd-bin; want nbdfuse libnbd-bin; want fusermount3 fuse3
         want nbdkit nbdkit; want qemu-nbd qemu-utils; want ip iproute2; want sysbench sysbench
-        want blkparse blktrace; want btt blktrace; want cryptsetup cryptsetup-bin ;;
+        want blkparse blktrace; want btt blktrace; want cryptsetup cryptsetup-bin; want openssl openssl ;;
   bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
          want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3; want qemu-nbd qemu-utils
          want bindfs bindfs; want cryptsetup cryptsetup-bin ;;

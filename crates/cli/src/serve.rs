@@ -204,6 +204,24 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         None
     };
     let nbd = if config.nbd.enabled {
+        let tls = match (config.nbd.tls.get_ref(), &config.nbd.tls_certificates) {
+            (bulkhead_config::NbdTls::Off, _) | (_, None) => None,
+            (mode, Some(dir)) => {
+                let mode = if *mode == bulkhead_config::NbdTls::Require {
+                    bulkhead_nbd_export::tls::TlsMode::Require
+                } else {
+                    bulkhead_nbd_export::tls::TlsMode::On
+                };
+                match bulkhead_nbd_export::tls::Tls::load(dir.get_ref(), mode, config.nbd.tls_verify_peer) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        drop(fuse);
+                        sup.shutdown();
+                        return Err(anyhow::anyhow!("NBD export: key `nbd.tls_certificates`: {e}"));
+                    }
+                }
+            }
+        };
         let cfg = ServerConfig {
             unix: Some(socket_path(&run_dir)),
             tcp: config.nbd.tcp.as_ref().map(|t| t.get_ref().clone()),
@@ -223,6 +241,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
                     own.into_iter().chain(views)
                 })
                 .collect(),
+            tls,
         };
         match NbdServer::start(sup.devices(), cfg) {
             Ok(n) => Some(n),

@@ -247,6 +247,158 @@ fn tcp_exports_serve_only_the_addresses_they_allow() {
     assert_eq!(sh("nbdinfo", &["--size", &uri(&serve, "d0")]).trim(), "16777216");
 }
 
+/// A CA, a server certificate for localhost and 127.0.0.1, and a client certificate, in the
+/// layout qemu, libnbd and the export read: `dir` gets ca-cert.pem, server-cert.pem,
+/// server-key.pem, client-cert.pem and client-key.pem.
+fn make_certificates(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let at = |f: &str| dir.join(f).display().to_string();
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl").args(args).output().unwrap();
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &["-keyout", &at("ca-key.pem"), "-out", &at("ca-cert.pem"), "-days", "2", "-subj", "/CN=test CA"],
+        ]
+        .concat(),
+    );
+    for (who, ext) in [
+        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n"),
+        ("client", "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n"),
+    ] {
+        let (key, csr, cert, extf) =
+            (at(&format!("{who}-key.pem")), at(&format!("{who}.csr")), at(&format!("{who}-cert.pem")), at(&format!("{who}.ext")));
+        std::fs::write(&extf, ext).unwrap();
+        openssl(&[&["req"][..], &ec, &["-keyout", &key, "-out", &csr, "-subj", &format!("/CN={who}")]].concat());
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &at("ca-cert.pem"),
+            "-CAkey",
+            &at("ca-key.pem"),
+            "-CAcreateserial",
+            "-out",
+            &cert,
+            "-days",
+            "2",
+            "-extfile",
+            &extf,
+        ]);
+    }
+}
+
+/// `serve` with one device on TCP, TLS as `tls_keys` say; its port.
+fn tls_serve(tmp: &TempDir, tls_keys: &str) -> (Serve, u16) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let cfg = format!(
+        "[fuse]\nenabled = false\n[nbd]\ntcp = \"127.0.0.1:{port}\"\n{tls_keys}\n\
+         [[device]]\nname = \"d0\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n"
+    );
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !serve.run_dir.join("nbd.sock").exists() {
+        assert!(Instant::now() < deadline, "no nbd.sock: {}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (serve, port)
+}
+
+#[test]
+fn tls_is_required_of_tcp_clients_and_speaks_with_libnbd_and_qemu() {
+    if !tools(&["nbdinfo", "nbdcopy", "qemu-io", "openssl"]) {
+        return;
+    }
+    let tmp = TempDir::new("nbd-tls");
+    let pki = tmp.path().join("pki");
+    make_certificates(&pki);
+    let keys = format!("tls = \"require\"\ntls_certificates = \"{}\"", pki.display());
+    let (serve, port) = tls_serve(&tmp, &keys);
+    let nbds = format!("nbds://localhost:{port}/d0?tls-certificates={}", pki.display());
+    // Without TLS over TCP: refused, saying why.
+    let plain = Command::new("nbdinfo").args(["--size", &format!("nbd://127.0.0.1:{port}/d0")]).output().unwrap();
+    assert!(!plain.status.success(), "served without TLS: {plain:?}");
+    let plain = Command::new("qemu-io")
+        .args(["--image-opts", &format!("driver=nbd,host=127.0.0.1,port={port},export=d0"), "-c", "read 0 4k"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&plain.stderr).contains("requires TLS"), "{plain:?}");
+    // With it: libnbd's tools both ways, the data compared.
+    assert_eq!(sh("nbdinfo", &["--size", &nbds]).trim(), "16777216");
+    let data = pattern(77, 4 << 20);
+    let (src, dst) = (tmp.path().join("in.bin"), tmp.path().join("out.bin"));
+    std::fs::write(&src, &data).unwrap();
+    sh("nbdcopy", &[src.to_str().unwrap(), &nbds]);
+    sh("nbdcopy", &[&nbds, dst.to_str().unwrap()]);
+    assert_eq!(&std::fs::read(&dst).unwrap()[..4 << 20], &data[..], "nbdcopy through TLS");
+    // qemu with its X.509 credentials.
+    let creds = format!("tls-creds-x509,id=tls0,dir={},endpoint=client", pki.display());
+    let opts = format!("driver=nbd,host=localhost,port={port},export=d0,tls-creds=tls0");
+    let out =
+        qemu_io_args(&["--object", &creds, "--image-opts", &opts, "-c", "write -P 0x5c 1M 64k", "-c", "read -P 0x5c 1M 64k"]);
+    assert!(out.contains("read 65536/65536 bytes"), "{out}");
+    // The unix socket, guarded by its permissions, is not asked for TLS.
+    assert_eq!(sh("nbdinfo", &["--size", &uri(&serve, "d0")]).trim(), "16777216");
+    drop(serve);
+
+    // Verifying peers: a client without a certificate the CA signed is refused.
+    let tmp2 = TempDir::new("nbd-tls-peer");
+    let keys = format!("tls = \"on\"\ntls_certificates = \"{}\"\ntls_verify_peer = true", pki.display());
+    let (serve, port) = tls_serve(&tmp2, &keys);
+    let with_cert = format!("nbds://localhost:{port}/d0?tls-certificates={}", pki.display());
+    assert_eq!(sh("nbdinfo", &["--size", &with_cert]).trim(), "16777216");
+    let ca_only = tmp2.path().join("ca-only");
+    std::fs::create_dir_all(&ca_only).unwrap();
+    std::fs::copy(pki.join("ca-cert.pem"), ca_only.join("ca-cert.pem")).unwrap();
+    let out = Command::new("nbdinfo")
+        .args(["--size", &format!("nbds://localhost:{port}/d0?tls-certificates={}", ca_only.display())])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "served a client with no certificate: {out:?}");
+    // With `on`, a plaintext client is still served.
+    assert_eq!(sh("nbdinfo", &["--size", &format!("nbd://127.0.0.1:{port}/d0")]).trim(), "16777216");
+    assert!(serve.log_text().contains("peer sent no certificates"), "{}", serve.log_text());
+}
+
+/// qemu-io with `args`, its output and errors.
+fn qemu_io_args(args: &[&str]) -> String {
+    let out = Command::new("qemu-io").args(args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "qemu-io {args:?}: {text}");
+    text
+}
+
+#[test]
+fn tls_settings_that_cannot_work_are_named() {
+    let tmp = TempDir::new("nbd-tls-bad");
+    let cfg = tmp.path().join("bad.toml");
+    std::fs::write(
+        &cfg,
+        "[nbd]\ntls = \"require\"\n[[device]]\nname = \"d0\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n",
+    )
+    .unwrap();
+    let out =
+        Command::new(exe()).args(["serve", "--config"]).arg(&cfg).arg("--run-dir").arg(tmp.path().join("run")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("line 2") && err.contains("nbd.tls_certificates"), "{err}");
+    let missing = tmp.path().join("nowhere");
+    std::fs::write(
+        &cfg,
+        format!("[fuse]\nenabled = false\n[nbd]\ntls = \"on\"\ntls_certificates = \"{}\"\n[[device]]\nname = \"d0\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n", missing.display()),
+    )
+    .unwrap();
+    let out =
+        Command::new(exe()).args(["serve", "--config"]).arg(&cfg).arg("--run-dir").arg(tmp.path().join("run")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("server-cert.pem"), "{err}");
+}
+
 // ---- hostile clients ------------------------------------------------------------------------
 
 /// A hand-rolled client that can send anything.

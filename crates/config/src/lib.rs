@@ -14,6 +14,9 @@
 //! workers = 4             # threads of one connection, taking turns to read and serve
 //! handshake_timeout_ms = 10000 # negotiation must finish within this
 //! request_timeout_ms = 30000   # a request, once started, must arrive within this
+//! # tls = "require"       # off | on (offered) | require (TCP clients must start TLS)
+//! # tls_certificates = "/etc/bulkhead/tls"  # server-cert.pem, server-key.pem[, ca-cert.pem]
+//! # tls_verify_peer = false  # clients must show a certificate ca-cert.pem signed
 //!
 //! [[device]]
 //! name = "disk0"
@@ -723,6 +726,32 @@ pub struct Nbd {
     /// A request that has started to arrive must arrive whole within this, ms.
     #[serde(default = "default_request_ms")]
     pub request_timeout_ms: Spanned<u64>,
+    /// TLS (`NBD_OPT_STARTTLS`): off, offered, or required of TCP clients.
+    #[serde(default = "default_nbd_tls")]
+    pub tls: Spanned<NbdTls>,
+    /// Directory of `server-cert.pem`, `server-key.pem` and (for `tls_verify_peer`) `ca-cert.pem`.
+    #[serde(default)]
+    pub tls_certificates: Option<Spanned<PathBuf>>,
+    /// Clients must show a certificate that `ca-cert.pem` signed.
+    #[serde(default)]
+    pub tls_verify_peer: bool,
+}
+
+/// When the NBD export uses TLS.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NbdTls {
+    /// Never (the default).
+    #[default]
+    Off,
+    /// Offered to clients that ask.
+    On,
+    /// Required of TCP clients before anything else.
+    Require,
+}
+
+fn default_nbd_tls() -> Spanned<NbdTls> {
+    Spanned::new(0..0, NbdTls::Off)
 }
 
 fn default_handshake_ms() -> Spanned<u64> {
@@ -748,6 +777,9 @@ impl Default for Nbd {
             workers: default_nbd_workers(),
             handshake_timeout_ms: default_handshake_ms(),
             request_timeout_ms: default_request_ms(),
+            tls: default_nbd_tls(),
+            tls_certificates: None,
+            tls_verify_peer: false,
         }
     }
 }
@@ -838,6 +870,12 @@ impl Config {
             if !(100..=3_600_000).contains(v.get_ref()) {
                 return Err(err(v.span(), format!("key `nbd.{key}`: {} is out of range 100..=3600000", v.get_ref())));
             }
+        }
+        if *self.nbd.tls.get_ref() != NbdTls::Off && self.nbd.tls_certificates.is_none() {
+            return Err(err(
+                self.nbd.tls.span(),
+                "key `nbd.tls`: TLS needs `nbd.tls_certificates`, the directory of server-cert.pem and server-key.pem".into(),
+            ));
         }
         if let Some(t) = &self.nbd.tcp {
             if t.get_ref().parse::<std::net::SocketAddr>().is_err() && !t.get_ref().contains(':') {

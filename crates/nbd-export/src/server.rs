@@ -56,6 +56,8 @@ pub struct ServerConfig {
     /// export not named here: from anywhere). Clients of the unix socket are not asked:
     /// the socket's file permissions guard it.
     pub allow: HashMap<String, Vec<Cidr>>,
+    /// TLS, if offered.
+    pub tls: Option<crate::tls::Tls>,
 }
 
 /// Counters of the server.
@@ -359,20 +361,79 @@ fn peer_of(sock: &OwnedFd) -> io::Result<Peer> {
 }
 
 fn serve_connection(shared: &Arc<Shared>, id: u64, sock: Arc<OwnedFd>) -> io::Result<()> {
-    let raw = sock.as_raw_fd();
     let peer = peer_of(&sock)?;
     let cfg = &shared.cfg;
-    set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.handshake_timeout));
-    set_timeout(raw, libc::SO_SNDTIMEO, Some(cfg.request_timeout));
     let deadline = std::time::Instant::now() + cfg.handshake_timeout;
-    let mut reader = BufReader::with_capacity(64 << 10, DeadlineReader { file: sock_file(&sock)?, deadline: Some(deadline) });
-    let mut writer = sock_file(&sock)?;
-    let neg = match negotiate(shared, peer, &mut reader, &mut writer).map_err(|e| timeout_says(e, "negotiation"))? {
-        Some(n) => n,
-        None => return Ok(()),
-    };
-    set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.request_timeout));
-    transmit(shared, id, raw, reader, writer, neg)
+    let mut sock = sock;
+    let mut haggle = Haggle { peer, tls: false, no_zeroes: false };
+    let mut greeted = false;
+    loop {
+        let raw = sock.as_raw_fd();
+        set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.handshake_timeout));
+        set_timeout(raw, libc::SO_SNDTIMEO, Some(cfg.request_timeout));
+        let mut reader = BufReader::with_capacity(64 << 10, DeadlineReader { file: sock_file(&sock)?, deadline: Some(deadline) });
+        let mut writer = sock_file(&sock)?;
+        if !greeted {
+            haggle.no_zeroes = greet(&mut reader, &mut writer).map_err(|e| timeout_says(e, "negotiation"))?;
+            greeted = true;
+        }
+        match negotiate(shared, &haggle, &mut reader, &mut writer).map_err(|e| timeout_says(e, "negotiation"))? {
+            Outcome::Abort => return Ok(()),
+            Outcome::Go(neg) => {
+                set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.request_timeout));
+                return transmit(shared, id, raw, reader, writer, neg);
+            }
+            Outcome::StartTls => {
+                // The client waits for the ACK before its first TLS record: anything already
+                // here came before it, outside TLS.
+                if !reader.buffer().is_empty() {
+                    return Err(violation("bytes sent between STARTTLS and the TLS handshake"));
+                }
+                let tls = cfg.tls.as_ref().ok_or_else(|| violation("TLS started without TLS configured"))?;
+                // Negotiation goes on, in plaintext on the relay's end; what was agreed
+                // before TLS is forgotten.
+                sock = Arc::new(crate::tls::relay(sock, tls)?);
+                haggle.tls = true;
+            }
+        }
+    }
+}
+
+/// Where option haggling stands.
+struct Haggle {
+    peer: Peer,
+    /// TLS is on.
+    tls: bool,
+    /// The client asked for no zeroes after `NBD_OPT_EXPORT_NAME`'s reply.
+    no_zeroes: bool,
+}
+
+/// How option haggling ended.
+enum Outcome {
+    /// The client aborted.
+    Abort,
+    /// Transmission on this export.
+    Go(Negotiated),
+    /// The client asked for TLS and was told yes: the handshake comes next.
+    StartTls,
+}
+
+/// Sends the server's greeting and reads the client's flags; returns whether the client
+/// asked for no zeroes.
+fn greet(r: &mut SockReader, w: &mut std::fs::File) -> io::Result<bool> {
+    let mut hello = Vec::with_capacity(18);
+    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    w.write_all(&hello)?;
+    let cflags = read_u32(r)?;
+    if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(violation(format!("unknown client flags {cflags:#x}")));
+    }
+    if cflags & FLAG_C_FIXED_NEWSTYLE == 0 {
+        return Err(violation("client does not speak fixed newstyle"));
+    }
+    Ok(cflags & FLAG_C_NO_ZEROES != 0)
 }
 
 fn timeout_says(e: io::Error, phase: &str) -> io::Error {
@@ -467,20 +528,12 @@ fn meta_request_valid(data: &[u8]) -> bool {
 }
 
 /// Fixed newstyle negotiation. `None`: the client aborted cleanly.
-fn negotiate(shared: &Shared, peer: Peer, r: &mut SockReader, w: &mut std::fs::File) -> io::Result<Option<Negotiated>> {
-    let mut hello = Vec::with_capacity(18);
-    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
-    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    w.write_all(&hello)?;
-    let cflags = read_u32(r)?;
-    if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
-        return Err(violation(format!("unknown client flags {cflags:#x}")));
-    }
-    if cflags & FLAG_C_FIXED_NEWSTYLE == 0 {
-        return Err(violation("client does not speak fixed newstyle"));
-    }
-    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+fn negotiate(shared: &Shared, haggle: &Haggle, r: &mut SockReader, w: &mut std::fs::File) -> io::Result<Outcome> {
+    let (peer, no_zeroes) = (haggle.peer, haggle.no_zeroes);
+    // TCP clients of an export that requires TLS may do nothing else before it.
+    let tls_required = !haggle.tls
+        && matches!(peer, Peer::Tcp(_))
+        && shared.cfg.tls.as_ref().is_some_and(|t| t.mode == crate::tls::TlsMode::Require);
     let mut structured = false;
     for _ in 0..MAX_OPTIONS {
         let magic = read_u64(r)?;
@@ -496,7 +549,27 @@ fn negotiate(shared: &Shared, peer: Peer, r: &mut SockReader, w: &mut std::fs::F
         let mut data = vec![0u8; len as usize];
         r.read_exact(&mut data)?;
         let reply = |w: &mut std::fs::File, typ: u32, payload: &[u8]| w.write_all(&option_reply(opt, typ, payload));
+        if tls_required && !matches!(opt, OPT_STARTTLS | OPT_ABORT) {
+            if opt == OPT_EXPORT_NAME {
+                // No error reply exists for this option.
+                return Err(violation("NBD_OPT_EXPORT_NAME before TLS, which this server requires"));
+            }
+            reply(w, REP_ERR_TLS_REQD, b"this server requires TLS")?;
+            continue;
+        }
         match opt {
+            OPT_STARTTLS => {
+                if !data.is_empty() || haggle.tls {
+                    reply(w, REP_ERR_INVALID, &[])?;
+                    continue;
+                }
+                if shared.cfg.tls.is_none() {
+                    reply(w, REP_ERR_UNSUP, b"this server has no TLS configured")?;
+                    continue;
+                }
+                reply(w, REP_ACK, &[])?;
+                return Ok(Outcome::StartTls);
+            }
             OPT_EXPORT_NAME => {
                 if data.len() > MAX_STRING as usize {
                     return Err(violation("export name too long"));
@@ -513,11 +586,11 @@ fn negotiate(shared: &Shared, peer: Peer, r: &mut SockReader, w: &mut std::fs::F
                     v.extend_from_slice(&[0u8; 124]);
                 }
                 w.write_all(&v)?;
-                return Ok(Some(Negotiated { device, structured }));
+                return Ok(Outcome::Go(Negotiated { device, structured }));
             }
             OPT_ABORT => {
                 let _ = reply(w, REP_ACK, &[]);
-                return Ok(None);
+                return Ok(Outcome::Abort);
             }
             OPT_LIST => {
                 if !data.is_empty() {
@@ -565,7 +638,7 @@ fn negotiate(shared: &Shared, peer: Peer, r: &mut SockReader, w: &mut std::fs::F
                 }
                 reply(w, REP_ACK, &[])?;
                 if opt == OPT_GO {
-                    return Ok(Some(Negotiated { device, structured }));
+                    return Ok(Outcome::Go(Negotiated { device, structured }));
                 }
             }
             OPT_STRUCTURED_REPLY => {
@@ -584,7 +657,7 @@ fn negotiate(shared: &Shared, peer: Peer, r: &mut SockReader, w: &mut std::fs::F
                 }
                 reply(w, REP_ACK, &[])?;
             }
-            // No TLS, no extended headers, nothing else: refused without changing any state.
+            // No extended headers, nothing else: refused without changing any state.
             _ => reply(w, REP_ERR_UNSUP, &[])?,
         }
     }

@@ -63,6 +63,8 @@ pub const REP_ERR_POLICY: u32 = (1 << 31) | 2;
 pub const REP_ERR_INVALID: u32 = (1 << 31) | 3;
 /// No such export.
 pub const REP_ERR_UNKNOWN: u32 = (1 << 31) | 6;
+/// The server requires TLS first.
+pub const REP_ERR_TLS_REQD: u32 = (1 << 31) | 5;
 /// Option too large.
 pub const REP_ERR_TOO_BIG: u32 = (1 << 31) | 9;
 
