@@ -255,6 +255,27 @@ fn bad_attaches_are_refused_by_name_and_hostile_descriptors_harm_nobody() {
         || serve.status_json()["devices"][0]["attached"].as_array().map_or(0, Vec::len),
         |n| *n == 1,
     );
+    // A breaker that hangs up itself before anything else reads the domain's notice: its
+    // slot is freed all the same, and every other slot can be taken and used after it.
+    let (_front2, fds2) = bulkhead_channel::QueueSetup::create("breaker2", &cfg).unwrap();
+    let (answer, held2) = hand_attach(&run_dir, "disk0", &fds2.as_array().map(|f| f.as_fd()));
+    assert!(answer.contains("attached"), "{answer}");
+    let ring2 = bulkhead_shmem::Mapping::new(fds2.ring.as_raw_fd(), 4096, bulkhead_shmem::Protection::ReadWrite).unwrap();
+    for off in (0..4096).step_by(8) {
+        let _ = ring2.atomic_u64(off).map(|a| a.store(u64::MAX / 3, Ordering::Release));
+    }
+    std::fs::File::from(fds2.kick.try_clone().unwrap()).write_all(&one).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(held2);
+    eventually(
+        "the second breaker detached",
+        || serve.status_json()["devices"][0]["attached"].as_array().map_or(0, Vec::len),
+        |n| *n == 1,
+    );
+    let rest = attach_with(&run_dir, "disk0", AttachOptions { queues: 3 }).unwrap();
+    for q in 0..3 {
+        rest.write(q, (q as u64 + 1) << 20, &[q as u8; 4096], false).unwrap();
+    }
     assert_eq!(serve.driver_pid(0), domain, "no request above restarted the domain:\n{}", serve.log_text());
     assert_eq!(serve.status_json()["devices"][0]["restarts"], 0);
 }

@@ -111,6 +111,9 @@ pub struct Domain {
     /// Attached queues being let go of: no request is taken from them, and what the chain
     /// returns of theirs is dropped; each leaves once the chain holds none of its requests.
     leaving: Vec<bool>,
+    /// Leaving queues whose removal the supervisor asked for: answered once they are gone
+    /// (a queue let go of for a broken ring is answered only when asked).
+    removal_asked: Vec<bool>,
     chain: Chain,
     tags: Tags,
     /// Results of the current turn, by tag (scratch, kept to avoid allocating).
@@ -209,6 +212,7 @@ impl Domain {
             done: Vec::with_capacity(tags.capacity()),
             dirty: vec![false; queues.len()],
             leaving: vec![false; queues.len()],
+            removal_asked: vec![false; queues.len()],
             per_queue,
             queues,
             chain,
@@ -273,6 +277,7 @@ impl Domain {
                         answers.push(FromDomain::Removed { slot: slot as u32 });
                     } else {
                         self.leaving[qi] = true;
+                        self.removal_asked[qi] = true;
                     }
                 }
                 Asked::Refused { slot, why } => answers.push(FromDomain::Refused { slot, why }),
@@ -288,7 +293,9 @@ impl Domain {
                 if let Some(s) = &mut self.sharing {
                     s.emptied(qi);
                 }
-                answers.push(FromDomain::Removed { slot: (qi - first) as u32 });
+                if std::mem::take(&mut self.removal_asked[qi]) {
+                    answers.push(FromDomain::Removed { slot: (qi - first) as u32 });
+                }
             }
         }
         if let Some(line) = &self.attach {

@@ -110,6 +110,12 @@ fn ask(line: &OwnedFd, msg: ToDomain, fds: &[BorrowedFd<'_>], evicted: &mut Vec<
     };
     let bytes = serde_json::to_vec(&msg).expect("message serialises");
     bulkhead_sys::send_with_fds(line.as_fd(), &bytes, fds, false).map_err(|e| format!("attach line: {e}"))?;
+    answer_about(line, slot, evicted)
+}
+
+/// Waits for the domain's next message about `slot` on `line` (others' refusals go to
+/// `evicted`, as in [`ask`]).
+fn answer_about(line: &OwnedFd, slot: u32, evicted: &mut Vec<u32>) -> Result<FromDomain, String> {
     let deadline = Instant::now() + LINE_WAIT;
     let mut buf = [0u8; MAX_MESSAGE];
     loop {
@@ -247,7 +253,14 @@ impl AttachPoint {
         if !session.dropped.load(Ordering::Acquire) {
             if let Some(line) = inner.line.as_ref() {
                 for (slot, _) in &session.queues {
-                    if let Err(e) = ask(line, ToDomain::Remove { slot: *slot as u32 }, &[], &mut evicted) {
+                    let slot = *slot as u32;
+                    // A refusal here is the domain's own earlier notice that it let the queue
+                    // go (a broken ring): the removal's answer comes after it.
+                    let answer = match ask(line, ToDomain::Remove { slot }, &[], &mut evicted) {
+                        Ok(FromDomain::Refused { .. }) => answer_about(line, slot, &mut evicted),
+                        other => other,
+                    };
+                    if let Err(e) = answer {
                         // The domain is dying or wedged; its successor will not get the queue.
                         eprintln!("bulkhead: device {}: detaching slot {slot}: {e}", self.device);
                         break;
@@ -281,6 +294,12 @@ impl AttachPoint {
                 eprintln!("bulkhead: device {}: attached pid {} let go of: {why}", self.device, s.pid);
                 s.dropped.store(true, Ordering::Release);
                 s.hang_up();
+                // Whatever of its queues the new domain took already, it lets go of.
+                if let Some(line) = inner.line.as_ref() {
+                    for (slot, _) in &s.queues {
+                        let _ = ask(line, ToDomain::Remove { slot: *slot as u32 }, &[], &mut evicted);
+                    }
+                }
                 for (slot, _) in &s.queues {
                     if inner.owners[*slot] == Some(id) {
                         inner.owners[*slot] = None;
