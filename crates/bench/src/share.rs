@@ -189,7 +189,8 @@ fn together(jobs: &[(Arc<Device>, Load)], seconds: f64) -> Result<Vec<Done>, Str
     handles.into_iter().map(|h| h.join().map_err(|_| "a client thread panicked".to_string())?).collect()
 }
 
-fn pct(v: &[f64], q: f64) -> f64 {
+/// The `q` quantile of `v` (0 when empty).
+pub(crate) fn pct(v: &[f64], q: f64) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     if s.is_empty() {

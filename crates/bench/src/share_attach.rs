@@ -59,11 +59,6 @@ fn serve(exe: &Path, dir: &Path, mode: &str) -> Result<Procs, String> {
     Ok(procs)
 }
 
-fn pct(v: &mut [f64], q: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(((v.len() as f64 * q).ceil() as usize).clamp(1, v.len().max(1)) - 1).copied().unwrap_or(0.0)
-}
-
 /// Reads through an attachment for `seconds`: (p50, p99) µs.
 fn attached(run: &Path, seconds: f64) -> Result<(f64, f64), String> {
     let dev = bulkhead_client::attach(run, "disk0").map_err(|e| format!("attach: {e}"))?;
@@ -78,7 +73,7 @@ fn attached(run: &Path, seconds: f64) -> Result<(f64, f64), String> {
         dev.read_into(0, off, &mut buf).map_err(|e| format!("attached read: {e}"))?;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    Ok((pct(&mut lat, 0.5), pct(&mut lat, 0.99)))
+    Ok((crate::share::pct(&lat, 0.5), crate::share::pct(&lat, 0.99)))
 }
 
 /// fio QD1 4 KiB random reads with `target` args: (p50, p99) µs.
