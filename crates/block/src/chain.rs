@@ -445,25 +445,33 @@ impl<'c> Walk<'c> {
                 std::mem::swap(&mut batch, &mut to_backend);
                 self.to_backend = std::mem::take(&mut to_backend);
                 for chunk in batch.chunks(BACKEND_BATCH) {
-                    let mut ios: ArrayVec<Io<'_>, BACKEND_BATCH> = ArrayVec::new();
+                    // These arrays are large (an `Io` is some 200 bytes): they are filled and
+                    // drained in place, never moved, since a move is a copy of the whole array
+                    // on every turn, which a polled 4 KiB read would feel.
+                    let mut results: ArrayVec<(Tag, Result<u64, BlockError>), BACKEND_BATCH> = ArrayVec::new();
                     let mut failed: ArrayVec<(Tag, BlockError), BACKEND_BATCH> = ArrayVec::new();
-                    let mut tags: ArrayVec<Tag, BACKEND_BATCH> = ArrayVec::new();
-                    for &t in chunk {
-                        match self.request_at(below, t, req) {
-                            Ok(r) => {
-                                ios.push(Io::new(r));
-                                tags.push(t);
+                    {
+                        let mut ios: ArrayVec<Io<'_>, BACKEND_BATCH> = ArrayVec::new();
+                        let mut tags: ArrayVec<Tag, BACKEND_BATCH> = ArrayVec::new();
+                        for &t in chunk {
+                            match self.request_at(below, t, req) {
+                                Ok(r) => {
+                                    ios.push(Io::new(r));
+                                    tags.push(t);
+                                }
+                                Err(e) => failed.push((t, e)),
                             }
-                            Err(e) => failed.push((t, e)),
+                        }
+                        self.backend.execute(&mut ios);
+                        for (&tag, io) in tags.iter().zip(ios.iter_mut()) {
+                            results.push((tag, std::mem::replace(&mut io.result, Err(BlockError::NotDone))));
                         }
                     }
-                    self.backend.execute(&mut ios);
-                    let results: ArrayVec<Result<u64, BlockError>, BACKEND_BATCH> = ios.into_iter().map(|io| io.result).collect();
                     let now_ns = if timed { clock() } else { 0 };
-                    for (tag, result) in tags.into_iter().zip(results) {
+                    for (tag, result) in results.drain(..) {
                         self.walk(tag, Step::Up(below, result), now_ns, req, done);
                     }
-                    for (tag, e) in failed {
+                    for (tag, e) in failed.drain(..) {
                         self.walk(tag, Step::Up(below, Err(e)), now_ns, req, done);
                     }
                 }
