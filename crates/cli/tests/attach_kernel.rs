@@ -178,6 +178,53 @@ fn sixty_four_attach_detach_cycles_leave_no_descriptor_or_mapping_behind() {
     assert_eq!(serve.driver_pid(0), domain, "the domain was never restarted");
 }
 
+#[test]
+fn a_domain_that_stops_with_only_an_attached_application_is_restarted_by_the_watchdog() {
+    require_kernel!();
+    let tmp = TempDir::new("attach-stop");
+    let run_dir = tmp.path().join("run");
+    // Interrupt notification: the idle domain sleeps, and must still show it is alive.
+    let cfg = "[[device]]\nname = \"solo\"\nsize = \"16M\"\nnotify = \"irq\"\nwatchdog_ms = 300\n\
+               [device.backend]\ntype = \"ram\"\n";
+    let serve = Serve::start(&run_dir, Some(cfg), &["solo"]);
+    let dev = attach(&run_dir, "solo").unwrap();
+    let first = block(0, 1, 64 << 10);
+    dev.write(0, 0, &first, false).unwrap();
+    // Attached and idle for five times the watchdog's time: a healthy sleeping domain is left be.
+    let old = serve.driver_pid(0);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(serve.status_json()["devices"][0]["restarts"], 0, "{}", serve.log_text());
+    assert_eq!(serve.driver_pid(0), old);
+
+    // Stopped while nothing is in flight: no export has a request to miss, only the
+    // application's next one would wait. The watchdog replaces the domain, and the request
+    // placed meanwhile is answered by the next one.
+    // SAFETY: stopping a domain process of this test's serve.
+    assert_eq!(unsafe { libc::kill(old as i32, libc::SIGSTOP) }, 0);
+    std::thread::sleep(Duration::from_millis(50));
+    let t0 = Instant::now();
+    let second = block(64 << 10, 2, 64 << 10);
+    dev.write(0, 64 << 10, &second, false).unwrap_or_else(|e| panic!("write: {e}\n{}", serve.log_text()));
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(300 + 3000), "the write waited {took:?}");
+    let new = serve.driver_pid(0);
+    assert_ne!(new, old, "a new domain serves");
+    for (off, want) in [(0u64, &first), (64 << 10, &second)] {
+        let mut back = vec![0u8; 64 << 10];
+        dev.read_into(0, off, &mut back).unwrap();
+        assert!(back == *want, "block at {off} after the restart");
+    }
+    let log = serve.log_text();
+    assert!(log.contains("showed no sign of life for"), "{log}");
+    assert_eq!(serve.status_json()["devices"][0]["restarts"], 1, "{log}");
+    // The stopped domain was killed, not left behind.
+    eventually(
+        "the stopped domain gone",
+        || std::fs::read_to_string(format!("/proc/{old}/stat")).unwrap_or_default(),
+        |s| s.is_empty() || s.contains(") Z "),
+    );
+}
+
 /// Sends the attach conversation by hand up to the queues, with `fds` as the queue's five;
 /// returns the answer and the connection (the attachment lasts as long as it).
 fn hand_attach(run_dir: &Path, name: &str, fds: &[BorrowedFd<'_>]) -> (String, UnixStream) {

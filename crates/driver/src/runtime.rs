@@ -17,7 +17,7 @@ use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::{Op, Status, ValidRequest};
 use bulkhead_spec::attach_line::FromDomain;
-use bulkhead_spec::state_slots::{HEARTBEAT, HELD};
+use bulkhead_spec::state_slots::{HEARTBEAT, HELD, LOOP};
 use bulkhead_spec::ViewSpec;
 
 use crate::attach::{Asked, AttachLine};
@@ -132,6 +132,8 @@ pub struct Domain {
     /// How often it must show it (under the supervisor's watchdog), and when it last did.
     heartbeat_ns: u64,
     beat_at: u64,
+    /// When the loop last showed it turns (`LOOP`).
+    loop_beat_at: u64,
     /// Yield the CPU while spinning idle (a domain with a tap domain above or below it).
     yield_when_idle: bool,
     /// A driver domain below a tap domain: the supervisor's line about replacing the tap
@@ -226,6 +228,7 @@ impl Domain {
             state: None,
             heartbeat_ns: 100_000_000,
             beat_at: 0,
+            loop_beat_at: 0,
             yield_when_idle: false,
             above: None,
             sharing: None,
@@ -623,6 +626,21 @@ impl Domain {
         }
     }
 
+    /// Shows the supervisor the loop still turns, at most every half heartbeat.
+    fn beat_loop(&mut self, now: u64) {
+        if let Some(p) = &self.state {
+            if now.saturating_sub(self.loop_beat_at) >= self.heartbeat_ns / 2 {
+                self.loop_beat_at = now;
+                p.add(LOOP, 1);
+            }
+        }
+    }
+
+    /// Whether an application's queue is attached.
+    fn has_attached(&self) -> bool {
+        self.attach.as_ref().is_some_and(|l| self.queues[l.first..].iter().any(Option::is_some))
+    }
+
     /// Serves until the stop flag is set, spinning and sleeping per the notification mode.
     pub fn run(&mut self) -> Result<(), DriverError> {
         let r = self.serve();
@@ -648,6 +666,7 @@ impl Domain {
                     self.tend_above()?;
                 }
                 self.tend_attached();
+                self.beat_loop(now_ns());
             }
             if self.poll_once()? > 0 {
                 if let Some(t) = idle_since.take() {
@@ -705,6 +724,7 @@ impl Domain {
                 continue;
             }
             self.sleep()?;
+            self.beat_loop(now_ns());
             self.chain.tend();
             self.tend_above()?;
             self.tend_attached();
@@ -742,7 +762,9 @@ impl Domain {
                 Some(t) => (t.saturating_sub(now_ns()) / 1_000_000).min(MAX_SLEEP_MS),
                 None => MAX_SLEEP_MS,
             };
-            if self.chain.held() > 0 {
+            // Held requests, and attached applications whose requests the supervisor cannot
+            // count, leave the watchdog only the beats to go by: wake for them.
+            if self.chain.held() > 0 || self.has_attached() {
                 ms = ms.min((self.heartbeat_ns / 2_000_000).max(1));
             }
             if ms > 0 {

@@ -3,7 +3,8 @@
 //! The supervisor creates one size-sealed memfd of [`STATE_BYTES`] per filter when the device
 //! starts and hands the same one to every generation of the domain, so counters survive a
 //! restart. The domain writes it; `bulkhead status` reads it. The domain is untrusted, so what
-//! the supervisor reads there is only ever displayed, never acted upon.
+//! the supervisor reads there is only displayed, or, for the domain's beats, can at most keep
+//! the watchdog from restarting that same domain.
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -310,6 +310,10 @@ pub mod state_slots {
     pub const HEARTBEAT: usize = 1;
     /// Requests layers hold.
     pub const HELD: usize = 2;
+    /// Bumped at least every half heartbeat while the loop turns, busy or idle; while
+    /// applications are attached the loop wakes for it. The watchdog's sign of life when the
+    /// requests in flight are an attached application's, which the supervisor cannot count.
+    pub const LOOP: usize = 3;
 }
 
 impl DomainSpec {

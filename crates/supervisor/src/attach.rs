@@ -346,6 +346,11 @@ impl AttachPoint {
         }
     }
 
+    /// How many applications are attached.
+    pub(crate) fn attached(&self) -> usize {
+        self.lock().sessions.values().filter(|s| !s.dropped.load(Ordering::Acquire)).count()
+    }
+
     /// The attached applications.
     pub(crate) fn status(&self) -> Vec<AttachedStatus> {
         let inner = self.lock();

@@ -20,6 +20,10 @@ pub(crate) struct Observation {
     pub heartbeat: u64,
     /// Requests the domain says its layers hold.
     pub held: u64,
+    /// The domain's loop beat (it beats while its loop turns).
+    pub beat: u64,
+    /// Applications attached to the device, whose requests `pending` does not count.
+    pub attached: usize,
 }
 
 /// What to do about a failed generation.
@@ -60,6 +64,8 @@ pub(crate) struct Lifecycle {
     retry_delay: Duration,
     /// The watchdog's last sight of progress.
     progress: (u64, Instant, u64),
+    /// The loop beat last seen, and since when (or since applications are attached).
+    beat: (u64, Instant),
 }
 
 impl Lifecycle {
@@ -79,6 +85,7 @@ impl Lifecycle {
             retry_at: None,
             retry_delay: Duration::ZERO,
             progress: (0, now, 0),
+            beat: (0, now),
         }
     }
 
@@ -120,6 +127,7 @@ impl Lifecycle {
     /// Restarts the watchdog's clock (after a launch or a restart).
     pub fn progress_seen(&mut self, now: Instant, obs: Observation) {
         self.progress = (obs.answered, now, obs.heartbeat);
+        self.beat = (obs.beat, now);
     }
 
     /// How long the watchdog has seen no progress, as of its last look.
@@ -129,8 +137,23 @@ impl Lifecycle {
 
     /// The watchdog: why the running domain is wedged, if it is — requests pending and none
     /// answered for the policy's time, while its layers hold nothing or its loop has stopped
-    /// beating.
+    /// beating; or, with applications attached (whose requests the supervisor cannot count),
+    /// a loop that has stopped beating for the policy's time.
+    ///
+    /// The beats are the domain's word, so a domain can only ever keep itself from being
+    /// restarted by them, which it could as well by answering; no application can touch them.
     pub fn watch(&mut self, now: Instant, obs: Observation) -> Option<String> {
+        if obs.attached == 0 || obs.beat != self.beat.0 {
+            self.beat = (obs.beat, now);
+        }
+        let still = now.duration_since(self.beat.1);
+        if still >= self.policy.watchdog {
+            return Some(format!(
+                "showed no sign of life for {} ms with {} application(s) attached",
+                still.as_millis(),
+                obs.attached
+            ));
+        }
         let (answered, since, heartbeat) = self.progress;
         let holding = obs.heartbeat != heartbeat && obs.held > 0;
         if obs.pending == 0 || obs.answered != answered || holding {
@@ -229,7 +252,7 @@ mod tests {
     }
 
     fn obs(answered: u64, pending: usize) -> Observation {
-        Observation { answered, pending, heartbeat: 0, held: 0 }
+        Observation { answered, pending, heartbeat: 0, held: 0, beat: 0, attached: 0 }
     }
 
     #[test]
@@ -251,7 +274,7 @@ mod tests {
         let t0 = Instant::now();
         let mut l = Lifecycle::new("d", policy(), t0);
         let at = |n| t0 + Duration::from_millis(n);
-        let beat = |hb, held| Observation { answered: 0, pending: 1, heartbeat: hb, held };
+        let beat = |hb, held| Observation { answered: 0, pending: 1, heartbeat: hb, held, beat: 0, attached: 0 };
         assert_eq!(l.watch(at(0), beat(0, 1)), None);
         for i in 1..10 {
             assert_eq!(l.watch(at(i * 600), beat(i, 1)), None, "beating while holding");
@@ -263,6 +286,33 @@ mod tests {
         let mut l = Lifecycle::new("d", policy(), t0);
         assert_eq!(l.watch(at(0), beat(5, 1)), None);
         assert!(l.watch(at(1000), beat(5, 1)).is_some());
+    }
+
+    #[test]
+    fn with_applications_attached_a_loop_that_stops_beating_is_a_wedge_even_with_nothing_pending() {
+        let t0 = Instant::now();
+        let mut l = Lifecycle::new("d", policy(), t0);
+        let at = |n| t0 + Duration::from_millis(n);
+        let o = |beat, attached| Observation { answered: 0, pending: 0, heartbeat: 0, held: 0, beat, attached };
+        // Nobody attached: a silent loop (an idle domain asleep) is no concern.
+        assert_eq!(l.watch(at(0), o(0, 0)), None);
+        assert_eq!(l.watch(at(5000), o(0, 0)), None);
+        // Attached: the clock starts when the application came, and beats reset it.
+        assert_eq!(l.watch(at(5100), o(0, 1)), None);
+        for i in 1..10 {
+            assert_eq!(l.watch(at(5100 + i * 400), o(i, 1)), None, "beating");
+        }
+        // The last beat was seen at 8700 ms.
+        assert_eq!(l.watch(at(9699), o(9, 1)), None);
+        let why = l.watch(at(9700), o(9, 1)).expect("no beat for the watchdog's time");
+        assert!(why.contains("showed no sign of life for 1000 ms with 1 application(s) attached"), "{why}");
+        // A new generation starts the clock again.
+        l.progress_seen(at(10_050), o(0, 1));
+        assert_eq!(l.watch(at(11_000), o(0, 1)), None);
+        assert!(l.watch(at(11_050), o(0, 1)).is_some());
+        // The application leaving ends the watch.
+        assert_eq!(l.watch(at(11_100), o(0, 0)), None);
+        assert_eq!(l.watch(at(20_000), o(0, 0)), None);
     }
 
     #[test]

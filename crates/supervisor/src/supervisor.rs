@@ -604,6 +604,8 @@ fn observe(rt: &DeviceRuntime) -> Observation {
         pending: rt.control.in_flight(),
         heartbeat: rt.state.get(bulkhead_spec::state_slots::HEARTBEAT),
         held: rt.state.get(bulkhead_spec::state_slots::HELD),
+        beat: rt.state.get(bulkhead_spec::state_slots::LOOP),
+        attached: rt.attach.attached(),
     }
 }
 
