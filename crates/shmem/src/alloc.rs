@@ -9,12 +9,12 @@ use crate::PAGE_SIZE;
 ///
 /// The cursor keeps moving on rather than handing back the run just freed, though a run
 /// reused at once would still be in both sides' caches (at queue depth 1 that was worth 1–2 µs
-/// at the 99th percentile). After a driver domain is killed, transfers it had started
-/// (io_uring, DMA into pinned pages) may still land in the windows of the requests it held.
-/// The reissued requests keep those windows, so a late transfer writes what they get anyway.
-/// But a window freed and at once given to another request would take the old transfer's
-/// bytes. With the run reused at once, a verify run under repeated kills read a block back
-/// wrong, most likely that way.
+/// at the 99th percentile). With the run reused at once, a fio verify run on a `crypt` device
+/// over an io_uring `file` backend, its domain killed repeatedly, read one block back wrong,
+/// once in seven runs. The cause is not established: the supervisor already waits for a dead
+/// domain's transfers before the next generation starts (`DomainProc::drain_retired`), so a
+/// window reused at once may expose one freed while something of the restart path still
+/// refers to it, which a rotating cursor leaves unused long enough to hide.
 #[derive(Debug, Clone)]
 pub struct PageAllocator {
     bits: Vec<u64>,
