@@ -11,7 +11,7 @@ use crate::PAGE_SIZE;
 /// reused at once would still be in both sides' caches (at queue depth 1 that was worth 1–2 µs
 /// at the 99th percentile). With the run reused at once, a fio verify run on a `crypt` device
 /// over an io_uring `file` backend, its domain killed repeatedly, read one block back wrong,
-/// once in nineteen runs. The cause is not established: the supervisor already waits for a dead
+/// once in forty-nine runs. The cause is not established: the supervisor already waits for a dead
 /// domain's transfers before the next generation starts (`DomainProc::drain_retired`), so a
 /// window reused at once may expose one freed while something of the restart path still
 /// refers to it, which a rotating cursor leaves unused long enough to hide.
