@@ -284,10 +284,12 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
     })();
     sup.shutdown();
     let noisy_rows = result?;
-    // Fairness, work conservation and the cap, on four equal views.
+    // Fairness and the cap, on four equal views.
     progress("fairness");
     let names = ["v0", "v1", "v2", "v3"];
-    let sup = start(exe, &opts.mode, &names.map(|n| (n, 256 * (n.as_bytes()[1] - b'0') as u64, 256, "")))?;
+    // Four views of 256 MiB each, one after the other.
+    let four = names.map(|n| (n, 256 * (n.as_bytes()[1] - b'0') as u64, 256, ""));
+    let sup = start(exe, &opts.mode, &four)?;
     let result = (|| {
         fill(&*device(&sup, "share")?)?;
         let devs: Vec<_> = names.iter().map(|n| device(&sup, n)).collect::<Result<_, _>>()?;
@@ -307,7 +309,7 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
     let turn = (s / CONSERVATION_ROUNDS as f64).max(1.0);
     for round in 1..=CONSERVATION_ROUNDS {
         progress(&format!("work conservation, round {round} of {CONSERVATION_ROUNDS}"));
-        let sup = start(exe, &opts.mode, &names.map(|n| (n, 256 * (n.as_bytes()[1] - b'0') as u64, 256, "")))?;
+        let sup = start(exe, &opts.mode, &four)?;
         let result = (|| {
             fill(&*device(&sup, "share")?)?;
             Ok::<_, String>(together(&[(device(&sup, "v0")?, SATURATE)], turn)?[0].mibs())
