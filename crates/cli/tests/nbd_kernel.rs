@@ -564,6 +564,44 @@ fn a_pipelined_burst_is_answered_once_per_request_with_its_own_data() {
     still_serves(&serve);
 }
 
+/// A request header that arrives in pieces, behind requests still being served, is read whole
+/// once the rest comes, and answered with the others.
+#[test]
+fn a_header_sent_in_pieces_behind_a_burst_is_read_whole() {
+    let (_tmp, serve) = start("nbd-split", "");
+    let mut c = Raw::hello(&serve);
+    c.go("d0");
+    let header = |cookie: u64, offset: u64| {
+        let mut b = 0x2560_9513u32.to_be_bytes().to_vec();
+        b.extend_from_slice(&0u16.to_be_bytes()); // flags
+        b.extend_from_slice(&0u16.to_be_bytes()); // read
+        b.extend_from_slice(&cookie.to_be_bytes());
+        b.extend_from_slice(&offset.to_be_bytes());
+        b.extend_from_slice(&4096u32.to_be_bytes());
+        b
+    };
+    c.request(1, 0, 1, 8192, 4096);
+    c.send(&[0x5a; 4096]);
+    assert_eq!(c.simple(), (0, 1));
+    let mut burst: Vec<u8> = (100..164).flat_map(|i| header(i, 0)).collect();
+    let split = header(7, 8192);
+    burst.extend_from_slice(&split[..11]);
+    c.send(&burst);
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    c.send(&split[11..20]);
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    c.send(&split[20..]);
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..65 {
+        let (err, cookie) = c.simple();
+        assert_eq!(err, 0, "read {cookie}");
+        assert!(seen.insert(cookie), "cookie {cookie} answered twice");
+        let want = if cookie == 7 { 0x5a } else { 0 };
+        assert_eq!(c.exact(4096), vec![want; 4096], "read {cookie}");
+    }
+    still_serves(&serve);
+}
+
 /// A well-behaved client still works: the server was not disturbed.
 fn still_serves(serve: &Serve) {
     let mut c = Raw::hello(serve);

@@ -81,6 +81,42 @@ fn sigkill_fifty_times_under_fio_verify_loses_nothing() {
     eprintln!("{kills} kills; outage last {} ms, p99 {} ms", d["last_outage_ms"], d["p99_outage_ms"]);
 }
 
+/// An NBD client keeps sixteen requests in flight, which the export's leader holds on its
+/// queue while the domain is killed again and again: every one is answered, and what was
+/// written reads back.
+#[test]
+fn nbd_requests_in_flight_carry_over_kills_and_verify() {
+    require_kernel!();
+    if !fio_available() {
+        return;
+    }
+    let tmp = TempDir::new("kill-nbd");
+    let cfg = "[fuse]\nenabled = false\n[[device]]\nname = \"k\"\nsize = \"256M\"\nrestart_limit = 100000\n\
+               [device.backend]\ntype = \"ram\"\n";
+    let serve = Serve::start(&tmp.path().join("run"), Some(cfg), &[]);
+    let uri = serve.nbd_uri("k");
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let killer =
+        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(40 + next(&mut x) % 160), driver_domain);
+    let out = Command::new("timeout")
+        .args(["--kill-after=10", "120", "fio", "--name=nbdkill", "--ioengine=nbd", &format!("--uri={uri}")])
+        .args(["--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", "--size=64M", "--runtime=8"])
+        .args(FIO_VERIFY)
+        .output()
+        .unwrap();
+    let kills = killer.stop().first().copied().unwrap_or(0);
+    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    // fio's nbd engine may print a line of its own before the JSON.
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&text[text.find('{').expect("fio's JSON")..]).unwrap();
+    let job = &v["jobs"][0];
+    assert_eq!(job["error"], 0, "fio saw an I/O or verify error");
+    assert!(job["read"]["io_bytes"].as_u64().unwrap() > 0, "verify_backlog read back data");
+    assert!(kills >= 10, "only {kills} kills landed");
+    let st = serve.status_json();
+    assert!(st["devices"][0]["restarts"].as_u64().unwrap() >= kills as u64, "{st}");
+}
+
 #[test]
 fn stopped_driver_is_restarted_by_the_watchdog_and_io_carries_on() {
     require_kernel!();

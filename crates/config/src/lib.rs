@@ -11,7 +11,7 @@
 //! enabled = true          # export every device on <run-dir>/nbd.sock (export name = device)
 //! # tcp = "0.0.0.0:10809" # also on TCP
 //! max_connections = 64    # more are closed at accept
-//! workers = 4             # threads of one connection, taking turns to read and serve
+//! workers = 4             # threads of one connection: one leads, the others take over while it serves a large request
 //! handshake_timeout_ms = 10000 # negotiation must finish within this
 //! request_timeout_ms = 30000   # a request, once started, must arrive within this
 //! # tls = "require"       # off | on (offered) | require (TCP clients must start TLS)
@@ -717,7 +717,8 @@ pub struct Nbd {
     /// Connections served at once.
     #[serde(default = "default_max_connections")]
     pub max_connections: Spanned<u32>,
-    /// Threads of one connection: they take turns reading requests and serve the batch each read.
+    /// Threads of one connection: one leads (reads requests and keeps them in flight); the
+    /// others take the lead while it serves a request too large to go in flight as one.
     #[serde(default = "default_nbd_workers")]
     pub workers: Spanned<u32>,
     /// Negotiation must finish within this, ms.

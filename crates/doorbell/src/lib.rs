@@ -13,10 +13,12 @@
 mod budget;
 mod crowd;
 mod eventfd;
+mod idle;
 
 pub use budget::{BudgetPolicy, SpinBudget};
 pub use crowd::{Crowd, CrowdWatch};
 pub use eventfd::{EventFd, Poller};
+pub use idle::IdleSpin;
 
 use std::str::FromStr;
 

@@ -10,9 +10,9 @@
 //! One worker thread serves a queue. It submits device I/O on queue handles and keeps as
 //! many requests in flight as the ring has entries (and the device queue has slots). It
 //! waits like the channel it talks to: it spins on both its ring's completions and the
-//! device's answers for an adaptive budget (a [`SpinBudget`] tuned from the gaps it sees,
-//! cut short by [`CrowdWatch`] when other threads wait for a CPU), then sleeps in one
-//! `poll(2)` on the ring and the armed device queues.
+//! device's answers for an adaptive budget ([`IdleSpin`]: tuned from the gaps it sees, cut
+//! short when other threads wait for a CPU), then sleeps in one `poll(2)` on the ring and the
+//! armed device queues.
 
 use std::alloc::Layout;
 use std::collections::VecDeque;
@@ -22,7 +22,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use bulkhead_client::{Armed, IoError, QueueHandle, SharedSlice};
-use bulkhead_doorbell::{now_ns, BudgetPolicy, CrowdWatch, NotifyMode, SpinBudget};
+use bulkhead_doorbell::{now_ns, BudgetPolicy, IdleSpin, NotifyMode};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use zerocopy::{FromBytes, IntoBytes};
 
@@ -287,10 +287,7 @@ impl RingQueue {
     fn run(&mut self, sh: &Shared) -> Result<Ended, Ended> {
         let mut handles: Vec<Option<QueueHandle<'_>>> = (0..sh.devices.len()).map(|_| None).collect();
         let policy = wait_policy(sh);
-        let mut budget = SpinBudget::new(policy);
-        let mut crowd = CrowdWatch::default();
-        let mut idle_since: Option<u64> = None;
-        let mut slept = false;
+        let mut idle = IdleSpin::new(policy);
         let mut last_answer = Instant::now();
         loop {
             if sh.stop.load(Ordering::Acquire) {
@@ -323,22 +320,13 @@ impl RingQueue {
             }
             let now = now_ns();
             if work > 0 {
-                if let Some(t0) = idle_since.take() {
-                    if slept {
-                        budget.record_after_sleep(now - t0);
-                    } else {
-                        budget.record(now - t0);
-                    }
-                }
-                slept = false;
+                idle.worked(now);
                 continue;
             }
-            let t0 = *idle_since.get_or_insert(now);
-            if !slept && now - t0 < budget.budget_ns() && !crowd.should_sleep(t0, now) {
+            if idle.spin(now, true) {
                 std::hint::spin_loop();
                 continue;
             }
-            slept = true;
             self.sleep(&mut handles)?;
         }
     }

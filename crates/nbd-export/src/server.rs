@@ -2,24 +2,27 @@
 //! when configured, TCP.
 //!
 //! One thread accepts on each listener. Each connection gets a thread that negotiates and then
-//! `workers` threads in all, which take turns reading requests (leader/follower) and serve what
-//! they read themselves, several requests in flight at once on their queue; replies go out
-//! through a combining writer, so no thread waits on another's write (`Connection`). Clients are
+//! `workers` threads in all. One of them leads: it reads requests as they arrive, keeps them
+//! in flight on its queue and answers each as the device does, waiting on the socket and the
+//! queue together; the others take the lead while it serves a request that cannot go in
+//! flight as one (`Connection`). Replies go out through a combining writer, so no thread waits
+//! on another's write. Clients are
 //! untrusted: negotiation has a deadline and bounded option sizes, requests are checked before
 //! anything is allocated for them, payload memory is bounded across all connections, and a
 //! client that breaks the protocol loses its connection and nothing else.
 
 use std::collections::HashMap;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use bulkhead_client::{Device, IoError, Request as FrontRequest, SharedSlice};
+use bulkhead_client::{Armed, Device, IoError, QueueHandle, Request as FrontRequest, SharedSlice};
+use bulkhead_doorbell::{now_ns, BudgetPolicy, IdleSpin, NotifyMode};
 
 use bulkhead_nbd::allow::Cidr;
 use bulkhead_nbd::proto::*;
@@ -45,8 +48,8 @@ pub struct ServerConfig {
     pub tcp: Option<String>,
     /// Connections served at once; more are closed at accept.
     pub max_connections: usize,
-    /// Threads of one connection: they take turns reading requests and each serves the batch
-    /// it read.
+    /// Threads of one connection: one leads (reads requests and keeps them in flight); the
+    /// others take the lead while it serves a request too large to go in flight as one.
     pub workers_per_connection: usize,
     /// Negotiation must finish within this.
     pub handshake_timeout: Duration,
@@ -76,28 +79,42 @@ pub struct ServerStats {
 /// A byte budget shared by every connection.
 #[derive(Debug)]
 struct Budget {
-    free: Mutex<u64>,
+    state: Mutex<BudgetState>,
     cv: Condvar,
 }
 
+#[derive(Debug)]
+struct BudgetState {
+    free: u64,
+    /// Threads waiting in [`Budget::take`]: a grant given back wakes them only if there are
+    /// any, so the common return costs no system call.
+    waiting: usize,
+}
+
 impl Budget {
+    fn new(bytes: u64) -> Self {
+        Budget { state: Mutex::new(BudgetState { free: bytes, waiting: 0 }), cv: Condvar::new() }
+    }
+
     /// Waits until `n` bytes are free and takes them; they return when the grant drops.
     fn take(self: &Arc<Self>, n: u64) -> Held {
-        let mut free = lock(&self.free);
-        while *free < n {
-            free = self.cv.wait(free).unwrap_or_else(|e| e.into_inner());
+        let mut st = lock(&self.state);
+        while st.free < n {
+            st.waiting += 1;
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.waiting -= 1;
         }
-        *free -= n;
+        st.free -= n;
         Held { budget: self.clone(), n }
     }
 
     /// Takes `n` bytes if they are free now.
     fn try_take(self: &Arc<Self>, n: u64) -> Option<Held> {
-        let mut free = lock(&self.free);
-        if *free < n {
+        let mut st = lock(&self.state);
+        if st.free < n {
             return None;
         }
-        *free -= n;
+        st.free -= n;
         Some(Held { budget: self.clone(), n })
     }
 }
@@ -110,8 +127,14 @@ struct Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        *lock(&self.budget.free) += self.n;
-        self.budget.cv.notify_all();
+        let waiting = {
+            let mut st = lock(&self.budget.state);
+            st.free += self.n;
+            st.waiting
+        };
+        if waiting > 0 {
+            self.budget.cv.notify_all();
+        }
     }
 }
 
@@ -177,7 +200,7 @@ impl NbdServer {
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
             active: AtomicUsize::new(0),
-            budget: Arc::new(Budget { free: Mutex::new(PAYLOAD_BUDGET), cv: Condvar::new() }),
+            budget: Arc::new(Budget::new(PAYLOAD_BUDGET)),
             stats: ServerStats::default(),
             threads: Mutex::new(Vec::new()),
         });
@@ -328,6 +351,8 @@ struct Negotiated {
 struct DeadlineReader {
     file: std::fs::File,
     deadline: Option<std::time::Instant>,
+    /// Reads take only what is already here: `WouldBlock` rather than a wait.
+    nonblocking: bool,
 }
 
 impl Read for DeadlineReader {
@@ -335,7 +360,16 @@ impl Read for DeadlineReader {
         if self.deadline.is_some_and(|d| std::time::Instant::now() > d) {
             return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
         }
-        self.file.read(buf)
+        if !self.nonblocking {
+            return self.file.read(buf);
+        }
+        // SAFETY: recv into a buffer we hold mutably, for its length, on our socket (the
+        // client's, or the TLS relay's socket pair).
+        let n = unsafe { libc::recv(self.file.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
     }
 }
 
@@ -371,7 +405,10 @@ fn serve_connection(shared: &Arc<Shared>, id: u64, sock: Arc<OwnedFd>) -> io::Re
         let raw = sock.as_raw_fd();
         set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.handshake_timeout));
         set_timeout(raw, libc::SO_SNDTIMEO, Some(cfg.request_timeout));
-        let mut reader = BufReader::with_capacity(64 << 10, DeadlineReader { file: sock_file(&sock)?, deadline: Some(deadline) });
+        let mut reader = BufReader::with_capacity(
+            64 << 10,
+            DeadlineReader { file: sock_file(&sock)?, deadline: Some(deadline), nonblocking: false },
+        );
         let mut writer = sock_file(&sock)?;
         if !greeted {
             haggle.no_zeroes = greet(&mut reader, &mut writer).map_err(|e| timeout_says(e, "negotiation"))?;
@@ -681,7 +718,25 @@ struct Replier {
     pending: Mutex<Vec<Reply>>,
     writing: AtomicBool,
     broken: AtomicBool,
+    /// Large reply buffers already sent, kept for the next replies: a 1 MiB read's reply in a
+    /// fresh allocation costs 256 page faults (the allocator maps it anew and unmaps it after).
+    spare: Mutex<Spare>,
 }
+
+/// Reply buffers kept for reuse.
+#[derive(Default)]
+struct Spare {
+    bufs: Vec<Vec<u8>>,
+    /// Their capacities together.
+    bytes: usize,
+}
+
+/// Reply buffers smaller than this come from the allocator each time.
+const SPARE_MIN: usize = 64 << 10;
+/// Spare write buffers one leader keeps at most.
+const SPARE_WRITES: usize = 4;
+/// Bytes of spare reply buffers one connection keeps at most.
+const SPARE_BYTES: usize = 8 << 20;
 
 impl Replier {
     fn new(sock: std::fs::File, structured: bool) -> Self {
@@ -691,11 +746,24 @@ impl Replier {
             pending: Mutex::new(Vec::new()),
             writing: AtomicBool::new(false),
             broken: AtomicBool::new(false),
+            spare: Mutex::new(Spare::default()),
         }
     }
 
+    /// Queues a reply and sends what is queued.
     fn send(&self, reply: Reply) {
+        self.push(reply);
+        self.flush();
+    }
+
+    /// Queues a reply, to go out with the next [`flush`](Self::flush) (this thread's or
+    /// another's): a thread answering several requests at once sends them in one `writev`.
+    fn push(&self, reply: Reply) {
         lock(&self.pending).push(reply);
+    }
+
+    /// Sends every queued reply, unless another thread is writing (which then sends them).
+    fn flush(&self) {
         loop {
             if self.writing.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err() {
                 return; // the writer at work takes it
@@ -708,12 +776,44 @@ impl Replier {
                 if !self.broken.load(Ordering::Acquire) && self.write_batch(&batch).is_err() {
                     self.broken.store(true, Ordering::Release);
                 }
+                self.recycle(batch);
             }
             self.writing.store(false, Ordering::Release);
             // A reply queued after the last look but before the flag dropped found the flag
             // still up and left: look once more.
             if lock(&self.pending).is_empty() {
                 return;
+            }
+        }
+    }
+
+    /// A buffer for a reply of `len` bytes, empty: a spare one if there is one large enough.
+    fn buffer(&self, len: usize) -> Vec<u8> {
+        if len >= SPARE_MIN {
+            let mut spare = lock(&self.spare);
+            if let Some(i) = spare.bufs.iter().position(|b| b.capacity() >= len) {
+                let b = spare.bufs.swap_remove(i);
+                spare.bytes -= b.capacity();
+                return b;
+            }
+        }
+        Vec::with_capacity(len)
+    }
+
+    /// Keeps the large buffers of replies sent, up to [`SPARE_BYTES`], for the next replies.
+    fn recycle(&self, batch: Vec<Reply>) {
+        let mut spare = None;
+        for r in batch {
+            let Reply { mut bytes, _held } = r;
+            drop(_held);
+            if bytes.capacity() < SPARE_MIN {
+                continue;
+            }
+            let spare = spare.get_or_insert_with(|| lock(&self.spare));
+            if spare.bytes + bytes.capacity() <= SPARE_BYTES {
+                bytes.clear();
+                spare.bytes += bytes.capacity();
+                spare.bufs.push(bytes);
             }
         }
     }
@@ -735,8 +835,13 @@ impl Replier {
         Ok(())
     }
 
-    /// A reply without data: success or an error.
+    /// A reply without data, sent: success or an error.
     fn done(&self, cookie: u64, error: u32) {
+        self.send(self.status(cookie, error));
+    }
+
+    /// A reply without data.
+    fn status(&self, cookie: u64, error: u32) -> Reply {
         let bytes = if !self.structured {
             simple_reply(error, cookie).to_vec()
         } else if error == 0 {
@@ -747,7 +852,7 @@ impl Replier {
             b.extend_from_slice(&0u16.to_be_bytes());
             b
         };
-        self.send(Reply { bytes, _held: None });
+        Reply { bytes, _held: None }
     }
 }
 
@@ -797,9 +902,8 @@ struct Job {
 }
 
 impl Job {
-    /// Whether it goes to the device as one queued request (anything else runs on its own
-    /// after the batch: a transfer larger than the queue carries, or a command of several
-    /// steps).
+    /// Whether it goes to the device as one queued request (anything else runs on its own,
+    /// off the lead: a transfer larger than the queue carries, or a command of several steps).
     fn queued(&self, max_request: u64) -> bool {
         match self.req.typ {
             CMD_READ | CMD_WRITE => self.req.len as u64 <= max_request,
@@ -820,9 +924,90 @@ impl Job {
     }
 }
 
+/// The socket's read side during transmission: a buffer that can also be filled without
+/// waiting, and topped up when a request's header arrived in pieces.
+struct SockBuf {
+    r: DeadlineReader,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl SockBuf {
+    const CAPACITY: usize = 64 << 10;
+
+    /// Takes over negotiation's reader, with what it had read ahead.
+    fn new(r: SockReader) -> Self {
+        let mut buf = vec![0u8; Self::CAPACITY].into_boxed_slice();
+        let ahead = r.buffer().len();
+        buf[..ahead].copy_from_slice(r.buffer());
+        SockBuf { r: r.into_inner(), buf, start: 0, end: ahead }
+    }
+
+    fn buffered(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start = (self.start + n).min(self.end);
+    }
+
+    /// Reads into the buffer's free space, after moving what is buffered to its front;
+    /// `Ok(0)`: the client closed (or the buffer is full).
+    fn fill(&mut self) -> io::Result<usize> {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        loop {
+            match self.r.read(&mut self.buf[self.end..]) {
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Adds what the socket holds now, without waiting: whether anything came (or the
+    /// client closed, which the next read finds out).
+    fn fill_now(&mut self) -> io::Result<bool> {
+        self.r.nonblocking = true;
+        let filled = match self.fill() {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) => Err(e),
+        };
+        self.r.nonblocking = false;
+        filled
+    }
+}
+
+impl Read for SockBuf {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if self.start == self.end {
+            if out.len() >= self.buf.len() {
+                return self.r.read(out);
+            }
+            self.start = 0;
+            self.end = 0;
+            if self.fill()? == 0 {
+                return Ok(0);
+            }
+        }
+        let n = out.len().min(self.end - self.start);
+        out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        Ok(n)
+    }
+}
+
 /// The read side of a connection and how it ended; held by the connection's leader.
 struct Inbound {
-    r: SockReader,
+    r: SockBuf,
     ended: Option<io::Result<()>>,
 }
 
@@ -831,21 +1016,54 @@ enum Next {
     Job(Job),
     /// The client disconnected.
     End,
-    /// Nothing more without waiting (or without payload budget): serve what is in hand.
+    /// Nothing more without waiting (or without payload budget).
     NotNow,
 }
 
-/// Requests one leader takes in one turn at most, beyond the first.
-const MAX_BATCH: usize = 64;
-/// Payload bytes one turn takes at most, beyond the first request's.
-const MAX_BATCH_BYTES: u64 = 4 << 20;
+/// The requests one leader has read and not yet answered, by the token each goes to the
+/// device under.
+#[derive(Default)]
+struct Jobs {
+    slots: Vec<Option<Job>>,
+    free: Vec<usize>,
+    /// Read, not yet taken by the device (its queue was full), oldest first.
+    waiting: std::collections::VecDeque<usize>,
+    /// Large write buffers whose data the device has (copied into its arena at submission),
+    /// kept for the next writes, as the replier keeps read replies' buffers.
+    spare: Vec<Vec<u8>>,
+}
 
-/// One connection in transmission. Its threads take turns as leader (leader/follower, as
-/// nbdkit's threads do): the leader holds the read side, reads the next request, and with it
-/// every further request already waiting on the socket; then it hands the read side on and
-/// serves its batch itself, all of it in flight at once on its own queue. At queue depth 1 a
-/// request meets no thread hand-off between the socket and the channel; at depth 16 the
-/// requests that arrive together go to the domain together.
+impl Jobs {
+    fn insert(&mut self, job: Job) -> usize {
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(job);
+                i
+            }
+            None => {
+                self.slots.push(Some(job));
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    fn take(&mut self, token: u64) -> Job {
+        let i = token as usize;
+        self.free.push(i);
+        self.slots[i].take().expect("a request is answered once")
+    }
+}
+
+/// One connection in transmission. Its leader runs the connection: it reads requests as they
+/// come, puts each in flight on its queue at once, answers each as the device does, and
+/// looks at the socket again whenever an answer went out, so a client that keeps sixteen
+/// requests in flight finds sixteen in flight on the device, with no thread between the
+/// socket and the channel. While requests are in flight it waits as the channel does: it
+/// spins on the queue for an adaptive budget (cut short when threads wait for a CPU), then
+/// sleeps on the socket and the queue's doorbell together. The other threads wait for the
+/// lead (leader/follower, as nbdkit's threads take turns): a request that cannot go in
+/// flight as one (larger than the queue carries, or of several steps) makes its leader pass
+/// the lead on and serve it alone, so it holds up no other request.
 struct Connection<'a> {
     shared: &'a Shared,
     raw: RawFd,
@@ -861,7 +1079,7 @@ fn transmit(shared: &Shared, id: u64, raw: RawFd, r: SockReader, w: std::fs::Fil
         raw,
         structured: neg.structured,
         device: neg.device,
-        inbound: Mutex::new(Inbound { r, ended: None }),
+        inbound: Mutex::new(Inbound { r: SockBuf::new(r), ended: None }),
         replier: Replier::new(w, neg.structured),
     };
     let threads = shared.cfg.workers_per_connection.max(1);
@@ -875,53 +1093,212 @@ fn transmit(shared: &Shared, id: u64, raw: RawFd, r: SockReader, w: std::fs::Fil
         }
         conn.serve(slot(0));
     });
-    // Every thread has finished its batch and queued its replies; the last writer sent them.
+    // Every thread has answered what it read and queued its replies; the last writer sent them.
     let ended = lock(&conn.inbound).ended.take();
     ended.unwrap_or(Ok(()))
 }
 
+/// Requests in flight up to which the leader spins for an answer. With more, answers come in
+/// groups and one wake-up serves several; a spinning leader would instead take the CPU from
+/// the driver it waits for (two CPUs here, and the client on one of them: QD16 made 75–81k
+/// IOPS with a p99 of 1.2 ms spinning at any depth, 80–90k with 0.35 ms spinning at 1–2).
+const SPIN_DEPTH: usize = 2;
+
+/// Turns of an idle spin between looks at the socket (each look is a system call).
+const LOOK_EVERY: u32 = 256;
+/// Requests one leader holds read but not yet in flight (its queue is full) at most.
+const MAX_WAITING: usize = 64;
+/// How soon a queue between generations (or whose doorbell storms) is looked at again.
+const LATER_MS: libc::c_int = 1;
+/// How long a sleep on the socket and a queue lasts at most before the queue is looked at
+/// again (its generation, its device's health, its timeout).
+const SLEEP_SLICE_MS: libc::c_int = 50;
+
 impl Connection<'_> {
-    /// One thread's life: lead, read a batch, pass the lead on, serve the batch; until the
-    /// connection ends.
+    /// One thread's life: take the lead, run the connection until the lead must pass, answer
+    /// what is still in flight and serve the requests that run alone; until the connection
+    /// ends.
     fn serve(&self, slot: usize) {
-        let mut batch = Vec::new();
+        let dev = &*self.device;
+        let policy = if dev.mode() == NotifyMode::Irq { BudgetPolicy::Fixed(0) } else { BudgetPolicy::DEFAULT_AUTO };
+        let mut idle = IdleSpin::new(policy);
+        let mut jobs = Jobs::default();
+        let mut alone = Vec::new();
         loop {
+            let mut q = None;
             {
                 let mut inb = lock(&self.inbound);
                 if inb.ended.is_some() {
                     return;
                 }
-                let Inbound { r, ended } = &mut *inb;
-                let mut bytes = 0;
+                self.lead(&mut inb, slot, &mut q, &mut jobs, &mut alone, &mut idle);
+            }
+            if let Some(q) = q.as_mut() {
                 loop {
-                    let first = batch.is_empty();
-                    match self.next(r, first) {
-                        Ok(Next::Job(j)) => {
-                            bytes += j.req.len as u64;
-                            batch.push(j);
-                            if batch.len() > MAX_BATCH || bytes > MAX_BATCH_BYTES {
-                                break;
-                            }
-                        }
-                        Ok(Next::NotNow) => break,
-                        Ok(Next::End) => {
-                            *ended = Some(Ok(()));
-                            break;
-                        }
-                        Err(e) => {
-                            *ended = Some(Err(e));
-                            break;
-                        }
+                    self.submit_waiting(q, &mut jobs);
+                    if q.in_flight() == 0 {
+                        break;
                     }
+                    q.wait(|token, result, data| self.finish(jobs.take(token), result.map(|_| ()), data));
+                    self.replier.flush();
                 }
+                self.replier.flush();
             }
-            if batch.is_empty() {
-                return;
+            drop(q);
+            for j in alone.drain(..) {
+                self.run_alone(slot, j);
             }
-            self.run_batch(slot, &mut batch);
         }
     }
 
+    /// Runs the connection while this thread leads: returns when the client has gone, or a
+    /// request must run alone (in `alone`), leaving what is in flight on `q` to the caller.
+    #[allow(clippy::too_many_arguments)]
+    fn lead<'d>(
+        &'d self,
+        inb: &mut Inbound,
+        slot: usize,
+        q: &mut Option<QueueHandle<'d>>,
+        jobs: &mut Jobs,
+        alone: &mut Vec<Job>,
+        idle: &mut IdleSpin,
+    ) {
+        let dev = &*self.device;
+        let max = dev.max_request();
+        let mut last_answer = Instant::now();
+        let mut look = true;
+        let mut spins = 0u32;
+        loop {
+            let in_flight = q.as_ref().map_or(0, |q| q.in_flight()) + jobs.waiting.len();
+            let mut work = 0;
+            // Requests: wait for one when nothing is in flight; otherwise take what is here.
+            if look || in_flight == 0 {
+                look = false;
+                let mut wait = in_flight == 0;
+                while jobs.waiting.len() < MAX_WAITING {
+                    match self.next(&mut inb.r, wait, &mut jobs.spare) {
+                        Ok(Next::Job(j)) if j.queued(max) => {
+                            let i = jobs.insert(j);
+                            jobs.waiting.push_back(i);
+                        }
+                        Ok(Next::Job(j)) => {
+                            alone.push(j);
+                            break;
+                        }
+                        Ok(Next::NotNow) => break,
+                        Ok(Next::End) => {
+                            inb.ended = Some(Ok(()));
+                            break;
+                        }
+                        Err(e) => {
+                            inb.ended = Some(Err(e));
+                            break;
+                        }
+                    }
+                    work += 1;
+                    wait = false;
+                }
+            }
+            // Into flight: every request read, while the queue has room.
+            if !jobs.waiting.is_empty() {
+                if in_flight == 0 {
+                    // The device's timeout counts from here, not from the last answer before
+                    // the client went quiet.
+                    last_answer = Instant::now();
+                }
+                // Take any queue nobody holds; wait for one only while holding none.
+                let h = q.get_or_insert_with(|| dev.try_queue(slot).unwrap_or_else(|| dev.queue(slot)));
+                work += self.submit_waiting(h, jobs);
+            }
+            // Answers.
+            if let Some(h) = q.as_mut() {
+                let n = h.poll(|token, result, data| self.finish(jobs.take(token), result.map(|_| ()), data));
+                if n > 0 {
+                    last_answer = Instant::now();
+                    // The client sends its next requests as answers reach it.
+                    look = true;
+                }
+                work += n;
+                work += h.expire(last_answer, |token, result, _| self.finish(jobs.take(token), result.map(|_| ()), None));
+                if work > 0 {
+                    self.replier.flush();
+                }
+                if h.in_flight() == 0 && jobs.waiting.is_empty() {
+                    *q = None;
+                }
+            }
+            if inb.ended.is_some() || !alone.is_empty() {
+                return;
+            }
+            let now = now_ns();
+            if work > 0 {
+                idle.worked(now);
+                spins = 0;
+                continue;
+            }
+            let Some(h) = q.as_mut() else { continue };
+            // In flight and nothing new: spin on the queue, looking at the socket now and
+            // then; then sleep on both.
+            if idle.spin(now, h.in_flight() <= SPIN_DEPTH) {
+                spins += 1;
+                look = spins.is_multiple_of(LOOK_EVERY);
+                std::hint::spin_loop();
+                continue;
+            }
+            look = self.sleep(h, &inb.r);
+        }
+    }
+
+    /// Puts the requests read and waiting in flight while `h` has room, oldest first; one
+    /// the device refuses on sight is answered (queued for the replier). Returns how many
+    /// were refused.
+    fn submit_waiting(&self, h: &mut QueueHandle<'_>, jobs: &mut Jobs) -> usize {
+        let mut refused = 0;
+        while let Some(&i) = jobs.waiting.front() {
+            let job = jobs.slots[i].as_ref().expect("a waiting request is held");
+            match h.submit(job.front(), i as u64) {
+                Ok(()) => {
+                    let job = jobs.slots[i].as_mut().expect("a waiting request is held");
+                    if job.payload.capacity() >= SPARE_MIN && jobs.spare.len() < SPARE_WRITES {
+                        jobs.spare.push(std::mem::take(&mut job.payload));
+                    }
+                }
+                Err(IoError::QueueFull) => break,
+                Err(e) => {
+                    let j = jobs.take(i as u64);
+                    self.finish(j, Err(e), None);
+                    refused += 1;
+                }
+            }
+            jobs.waiting.pop_front();
+        }
+        refused
+    }
+
+    /// Sleeps until the socket has something to read or the queue answers; returns whether
+    /// the socket is worth a look.
+    fn sleep(&self, h: &mut QueueHandle<'_>, r: &SockBuf) -> bool {
+        let mut fds = [
+            libc::pollfd { fd: self.raw, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: -1, events: libc::POLLIN, revents: 0 },
+        ];
+        let timeout = match h.arm() {
+            Armed::Idle | Armed::Now => return true,
+            Armed::Later => LATER_MS,
+            Armed::Fd(fd) => {
+                fds[1].fd = fd;
+                SLEEP_SLICE_MS
+            }
+        };
+        // A whole header not taken (its payload budget is short, or enough requests wait for
+        // the queue): the socket would say "readable" at once, for ever. Answers come first.
+        let watch_socket = r.buffered().len() < Request::SIZE;
+        let fds = if watch_socket { &mut fds[..] } else { &mut fds[1..] };
+        // SAFETY: `fds` is a valid array of pollfds for the call.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        h.disarm();
+        watch_socket && fds[0].revents != 0
+    }
     /// Waits up to `timeout_ms` (-1: for ever) for the socket to have something to read (or to
     /// be closed or broken, which the read that follows finds out).
     fn readable(&self, timeout_ms: libc::c_int) -> io::Result<bool> {
@@ -934,42 +1311,40 @@ impl Connection<'_> {
         }
     }
 
-    /// Whether another request is waiting, looking at the socket without blocking.
-    fn more_waiting(&self, r: &mut SockReader) -> io::Result<bool> {
-        if r.buffer().is_empty() {
-            if !matches!(self.readable(0), Ok(true)) {
-                return Ok(false);
-            }
-            r.get_mut().deadline = None;
-            r.fill_buf()?;
+    /// Whether a whole request header is here, adding what the socket holds without waiting.
+    fn more_waiting(&self, r: &mut SockBuf) -> io::Result<bool> {
+        if r.buffered().len() < Request::SIZE {
+            r.r.deadline = None;
+            r.fill_now()?;
         }
-        Ok(r.buffer().len() >= Request::SIZE)
+        Ok(r.buffered().len() >= Request::SIZE)
     }
 
-    /// Reads the next request to serve, answering the ones refused on sight. The first of a
-    /// batch is waited for, as long as the client likes; after it, only requests whose header
-    /// is already here are taken, and only while the payload budget has room without waiting.
-    fn next(&self, r: &mut SockReader, first: bool) -> io::Result<Next> {
+    /// Reads the next request to serve, answering the ones refused on sight. With `wait`
+    /// (nothing is in flight), the request is waited for, as long as the client likes;
+    /// otherwise only a request whose header is already here is taken, and only while the
+    /// payload budget has room without waiting.
+    fn next(&self, r: &mut SockBuf, wait: bool, spare: &mut Vec<Vec<u8>>) -> io::Result<Next> {
         let shared = self.shared;
         loop {
             if self.replier.broken.load(Ordering::Acquire) {
                 return Err(io::Error::new(io::ErrorKind::BrokenPipe, "cannot write replies"));
             }
-            let req = if first {
-                if r.buffer().is_empty() {
+            let req = if wait {
+                if r.buffered().is_empty() {
                     // Idle between requests is fine, for as long as the client likes.
                     match self.readable(-1) {
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                         Err(e) => return Err(e),
                         Ok(_) => {}
                     }
-                    r.get_mut().deadline = None;
-                    if r.fill_buf()?.is_empty() {
+                    r.r.deadline = None;
+                    if r.fill()? == 0 {
                         return Ok(Next::End); // the client closed
                     }
                 }
                 // From its first byte, a request (header and payload) must arrive in time.
-                r.get_mut().deadline = Some(std::time::Instant::now() + shared.cfg.request_timeout);
+                r.r.deadline = Some(Instant::now() + shared.cfg.request_timeout);
                 let mut hdr = [0u8; Request::SIZE];
                 r.read_exact(&mut hdr).map_err(|e| timeout_says(e, "request"))?;
                 Request::decode(&hdr).ok_or_else(|| violation("bad request magic"))?
@@ -978,19 +1353,19 @@ impl Connection<'_> {
                     return Ok(Next::NotNow);
                 }
                 // Looked at, not taken: a request the budget cannot hold now stays for later.
-                Request::decode(r.buffer()[..Request::SIZE].try_into().expect("a whole header"))
+                Request::decode(r.buffered()[..Request::SIZE].try_into().expect("a whole header"))
                     .ok_or_else(|| violation("bad request magic"))?
             };
             if req.typ == CMD_DISC {
-                if !first {
+                if !wait {
                     r.consume(Request::SIZE);
                 }
                 return Ok(Next::End);
             }
             if let Err(e) = check(&req, self.device.size(), self.structured) {
-                if !first {
+                if !wait {
                     r.consume(Request::SIZE);
-                    r.get_mut().deadline = Some(std::time::Instant::now() + shared.cfg.request_timeout);
+                    r.r.deadline = Some(Instant::now() + shared.cfg.request_timeout);
                 }
                 if req.typ == CMD_WRITE {
                     if req.len > MAX_PAYLOAD {
@@ -1006,7 +1381,7 @@ impl Connection<'_> {
                 continue;
             }
             let bytes = if matches!(req.typ, CMD_READ | CMD_WRITE) { req.len as u64 } else { 0 };
-            let held = match (bytes, first) {
+            let held = match (bytes, wait) {
                 (0, _) => None,
                 (n, true) => Some(shared.budget.take(n)),
                 (n, false) => match shared.budget.try_take(n) {
@@ -1014,86 +1389,53 @@ impl Connection<'_> {
                     None => return Ok(Next::NotNow),
                 },
             };
-            if !first {
+            if !wait {
                 r.consume(Request::SIZE);
-                r.get_mut().deadline = Some(std::time::Instant::now() + shared.cfg.request_timeout);
+                r.r.deadline = Some(Instant::now() + shared.cfg.request_timeout);
             }
             let mut payload = Vec::new();
             if req.typ == CMD_WRITE {
-                payload = vec![0u8; req.len as usize];
+                let len = req.len as usize;
+                payload = match spare.iter().position(|b| b.capacity() >= len) {
+                    Some(i) => spare.swap_remove(i),
+                    None => Vec::new(),
+                };
+                payload.resize(len, 0);
                 r.read_exact(&mut payload).map_err(|e| timeout_says(e, "request"))?;
             }
             return Ok(Next::Job(Job { req, payload, held }));
         }
     }
 
-    /// Serves a batch: every request that fits goes in flight on this thread's queue at once
-    /// and is answered as it completes; the rest run one by one after.
-    fn run_batch(&self, slot: usize, batch: &mut Vec<Job>) {
-        let dev = &*self.device;
-        let max = dev.max_request();
-        let mut jobs: Vec<Option<Job>> = Vec::with_capacity(batch.len());
-        let mut others = Vec::new();
-        for j in batch.drain(..) {
-            if j.queued(max) {
-                jobs.push(Some(j));
-            } else {
-                others.push(j);
-            }
-        }
-        if !jobs.is_empty() {
-            let mut q = dev.queue(slot);
-            let mut next = 0;
-            while next < jobs.len() || q.in_flight() > 0 {
-                while next < jobs.len() {
-                    let submitted = q.submit(jobs[next].as_ref().expect("not yet submitted").front(), next as u64);
-                    match submitted {
-                        Ok(()) => next += 1,
-                        Err(IoError::QueueFull) => break,
-                        Err(e) => {
-                            let j = jobs[next].take().expect("not yet submitted");
-                            self.finish(j, Err(e), None);
-                            next += 1;
-                        }
-                    }
-                }
-                q.wait(|token, result, data| {
-                    let j = jobs[token as usize].take().expect("answered once");
-                    self.finish(j, result.map(|_| ()), data);
-                });
-            }
-        }
-        for j in others {
-            self.run_alone(slot, j);
-        }
-    }
-
-    /// Answers a queued request with its outcome (and a read's data).
+    /// Answers a queued request with its outcome (and a read's data). The reply is queued:
+    /// the caller flushes the replier once it has answered what it holds.
     fn finish(&self, job: Job, result: Result<(), IoError>, data: Option<SharedSlice<'_>>) {
         let req = &job.req;
         self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
         let counters = &self.device.counters;
-        match (req.typ, result, data) {
+        let reply = match (req.typ, result, data) {
             (CMD_READ, Ok(()), Some(d)) if d.len() == req.len as usize => {
                 counters.bytes_read.fetch_add(req.len as u64, Ordering::Relaxed);
                 let hdr = if self.structured { 20 + 8 } else { 16 };
-                let mut buf = vec![0u8; hdr + req.len as usize];
-                d.copy_to(&mut buf[hdr..]);
-                self.reply_data(req, buf, job.held);
+                let mut buf = self.replier.buffer(hdr + req.len as usize);
+                buf.resize(hdr, 0);
+                d.append_to(&mut buf);
+                self.data_reply(req, buf, job.held)
             }
-            (CMD_READ, Ok(()), _) => self.replier.done(req.cookie, EIO),
+            (CMD_READ, Ok(()), _) => self.replier.status(req.cookie, EIO),
             (typ, r, _) => {
                 if typ == CMD_WRITE && r.is_ok() {
                     counters.bytes_written.fetch_add(req.len as u64, Ordering::Relaxed);
                 }
                 drop(job.held);
-                self.replier.done(req.cookie, r.err().map_or(0, |e| io_error(&e)));
+                self.replier.status(req.cookie, r.err().map_or(0, |e| io_error(&e)))
             }
-        }
+        };
+        self.replier.push(reply);
     }
 
-    /// Sends a read's reply: `buf` holds room for the header, then the data.
-    fn reply_data(&self, req: &Request, mut buf: Vec<u8>, held: Option<Held>) {
+    /// A read's reply: `buf` holds room for the header, then the data.
+    fn data_reply(&self, req: &Request, mut buf: Vec<u8>, held: Option<Held>) -> Reply {
         if self.structured {
             let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + req.len);
             buf[..20].copy_from_slice(&h);
@@ -1101,7 +1443,7 @@ impl Connection<'_> {
         } else {
             buf[..16].copy_from_slice(&simple_reply(0, req.cookie));
         }
-        self.replier.send(Reply { bytes: buf, _held: held });
+        Reply { bytes: buf, _held: held }
     }
 
     /// Runs one request by itself, in as many steps as it takes, and answers it.
@@ -1115,7 +1457,7 @@ impl Connection<'_> {
                 let hdr = if self.structured { 20 + 8 } else { 16 };
                 let mut buf = vec![0u8; hdr + req.len as usize];
                 match dev.read_into(slot, req.offset, &mut buf[hdr..]) {
-                    Ok(()) => self.reply_data(req, buf, job.held),
+                    Ok(()) => self.replier.send(self.data_reply(req, buf, job.held)),
                     Err(e) => self.replier.done(req.cookie, io_error(&e)),
                 }
             }
@@ -1193,7 +1535,7 @@ mod tests {
 
     #[test]
     fn payload_budget_waits_and_returns_on_drop() {
-        let b = Arc::new(Budget { free: Mutex::new(100), cv: Condvar::new() });
+        let b = Arc::new(Budget::new(100));
         let first = b.take(80);
         let (b2, t0) = (b.clone(), std::time::Instant::now());
         let waiter = std::thread::spawn(move || {
@@ -1203,7 +1545,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         drop(first);
         assert!(waiter.join().unwrap() >= Duration::from_millis(50), "took bytes that were not free");
-        assert_eq!(*lock(&b.free), 100, "every grant came back");
+        assert_eq!(lock(&b.state).free, 100, "every grant came back");
     }
 
     #[test]

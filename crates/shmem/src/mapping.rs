@@ -279,6 +279,19 @@ impl<'a> SharedSlice<'a> {
         unsafe { std::ptr::copy_nonoverlapping(self.ptr, dst.as_mut_ptr(), self.len) };
     }
 
+    /// Appends the window's bytes to `v`, without first zeroing the room they take.
+    pub fn append_to(&self, v: &mut Vec<u8>) {
+        v.reserve(self.len);
+        let at = v.len();
+        // SAFETY: `reserve` made room for `len` bytes past `at`; `self` is valid for `len`
+        // reads (bounds checked at creation) and `v` is a distinct local buffer. The bytes are
+        // written before `set_len` makes them part of `v`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr, v.as_mut_ptr().add(at), self.len);
+            v.set_len(at + self.len);
+        }
+    }
+
     /// Copies `src` (same length) into the window.
     pub fn copy_from(&self, src: &[u8]) -> Result<(), ShmError> {
         assert_eq!(src.len(), self.len, "copy_from length mismatch");
@@ -494,5 +507,11 @@ mod tests {
         t.zero().unwrap();
         t.copy_to(&mut out);
         assert!(out.iter().all(|&b| b == 0));
+        // Appended after what a vector holds, growing it.
+        let mut v = vec![9u8; 3];
+        s.append_to(&mut v);
+        assert_eq!((&v[..3], &v[3..]), (&[9u8; 3][..], &src[..]));
+        SharedSlice::empty().append_to(&mut v);
+        assert_eq!(v.len(), 3 + 4096);
     }
 }
