@@ -38,6 +38,10 @@ const MAX_OPTIONS: u32 = 64;
 /// or many smaller ones. With the FUSE workers' buffers this keeps the frontend's private
 /// memory under 64 MiB however many clients push at once.
 const PAYLOAD_BUDGET: u64 = MAX_PAYLOAD as u64;
+/// Payload bytes one connection takes ahead, beyond the request it waits for: a client that
+/// sends and never reads its answers holds this much (and one request more) of the budget,
+/// and the other connections keep the rest.
+const CONNECTION_SHARE: u64 = PAYLOAD_BUDGET / 4;
 
 /// Where and how to serve.
 #[derive(Debug, Clone)]
@@ -96,8 +100,9 @@ impl Budget {
         Budget { state: Mutex::new(BudgetState { free: bytes, waiting: 0 }), cv: Condvar::new() }
     }
 
-    /// Waits until `n` bytes are free and takes them; they return when the grant drops.
-    fn take(self: &Arc<Self>, n: u64) -> Held {
+    /// Waits until `n` bytes are free and takes them for connection `conn` (which counts what
+    /// it holds); they return when the grant drops.
+    fn take(self: &Arc<Self>, n: u64, conn: &Arc<AtomicU64>) -> Held {
         let mut st = lock(&self.state);
         while st.free < n {
             st.waiting += 1;
@@ -105,17 +110,21 @@ impl Budget {
             st.waiting -= 1;
         }
         st.free -= n;
-        Held { budget: self.clone(), n }
+        Held::new(self, n, conn)
     }
 
-    /// Takes `n` bytes if they are free now.
-    fn try_take(self: &Arc<Self>, n: u64) -> Option<Held> {
+    /// Takes `n` bytes for `conn` if they are free now and `conn` would hold no more than
+    /// `share` with them.
+    fn try_take(self: &Arc<Self>, n: u64, conn: &Arc<AtomicU64>, share: u64) -> Option<Held> {
+        if conn.load(Ordering::Acquire) + n > share {
+            return None;
+        }
         let mut st = lock(&self.state);
         if st.free < n {
             return None;
         }
         st.free -= n;
-        Some(Held { budget: self.clone(), n })
+        Some(Held::new(self, n, conn))
     }
 }
 
@@ -123,10 +132,20 @@ impl Budget {
 struct Held {
     budget: Arc<Budget>,
     n: u64,
+    /// What the connection that took them holds.
+    conn: Arc<AtomicU64>,
+}
+
+impl Held {
+    fn new(budget: &Arc<Budget>, n: u64, conn: &Arc<AtomicU64>) -> Held {
+        conn.fetch_add(n, Ordering::AcqRel);
+        Held { budget: budget.clone(), n, conn: conn.clone() }
+    }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
+        self.conn.fetch_sub(self.n, Ordering::AcqRel);
         let waiting = {
             let mut st = lock(&self.budget.state);
             st.free += self.n;
@@ -1071,6 +1090,9 @@ struct Connection<'a> {
     structured: bool,
     inbound: Mutex<Inbound>,
     replier: Replier,
+    /// Payload budget this connection holds: its writes' data and its reads' replies until
+    /// they are sent.
+    held: Arc<AtomicU64>,
 }
 
 fn transmit(shared: &Shared, id: u64, raw: RawFd, r: SockReader, w: std::fs::File, neg: Negotiated) -> io::Result<()> {
@@ -1081,6 +1103,7 @@ fn transmit(shared: &Shared, id: u64, raw: RawFd, r: SockReader, w: std::fs::Fil
         device: neg.device,
         inbound: Mutex::new(Inbound { r: SockBuf::new(r), ended: None }),
         replier: Replier::new(w, neg.structured),
+        held: Arc::new(AtomicU64::new(0)),
     };
     let threads = shared.cfg.workers_per_connection.max(1);
     // Spread connections and their threads over the device's queues.
@@ -1383,8 +1406,8 @@ impl Connection<'_> {
             let bytes = if matches!(req.typ, CMD_READ | CMD_WRITE) { req.len as u64 } else { 0 };
             let held = match (bytes, wait) {
                 (0, _) => None,
-                (n, true) => Some(shared.budget.take(n)),
-                (n, false) => match shared.budget.try_take(n) {
+                (n, true) => Some(shared.budget.take(n, &self.held)),
+                (n, false) => match shared.budget.try_take(n, &self.held, CONNECTION_SHARE) {
                     Some(h) => Some(h),
                     None => return Ok(Next::NotNow),
                 },
@@ -1536,16 +1559,19 @@ mod tests {
     #[test]
     fn payload_budget_waits_and_returns_on_drop() {
         let b = Arc::new(Budget::new(100));
-        let first = b.take(80);
-        let (b2, t0) = (b.clone(), std::time::Instant::now());
+        let conn = Arc::new(AtomicU64::new(0));
+        let first = b.take(80, &conn);
+        assert!(b.try_take(10, &conn, 85).is_none(), "beyond the connection's share");
+        let (b2, c2, t0) = (b.clone(), conn.clone(), std::time::Instant::now());
         let waiter = std::thread::spawn(move || {
-            let _second = b2.take(50);
+            let _second = b2.take(50, &c2);
             t0.elapsed()
         });
         std::thread::sleep(Duration::from_millis(50));
         drop(first);
         assert!(waiter.join().unwrap() >= Duration::from_millis(50), "took bytes that were not free");
         assert_eq!(lock(&b.state).free, 100, "every grant came back");
+        assert_eq!(conn.load(Ordering::Acquire), 0, "and the connection holds none");
     }
 
     #[test]
