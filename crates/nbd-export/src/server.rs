@@ -170,6 +170,8 @@ struct Shared {
     next_id: AtomicU64,
     active: AtomicUsize,
     budget: Arc<Budget>,
+    /// Large buffers kept for reuse by every connection.
+    spare: Arc<Mutex<Spare>>,
     stats: ServerStats,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -220,6 +222,7 @@ impl NbdServer {
             next_id: AtomicU64::new(0),
             active: AtomicUsize::new(0),
             budget: Arc::new(Budget::new(PAYLOAD_BUDGET)),
+            spare: Arc::default(),
             stats: ServerStats::default(),
             threads: Mutex::new(Vec::new()),
         });
@@ -737,12 +740,13 @@ struct Replier {
     pending: Mutex<Vec<Reply>>,
     writing: AtomicBool,
     broken: AtomicBool,
-    /// Large reply buffers already sent, kept for the next replies: a 1 MiB read's reply in a
-    /// fresh allocation costs 256 page faults (the allocator maps it anew and unmaps it after).
-    spare: Mutex<Spare>,
+    /// Where large reply buffers go once sent.
+    spare: Arc<Mutex<Spare>>,
 }
 
-/// Reply buffers kept for reuse.
+/// Large buffers of replies sent and of writes the device has, kept for the next ones,
+/// by the whole server: a 1 MiB buffer freshly allocated costs 256 page faults (the
+/// allocator maps it anew, and unmaps it once freed).
 #[derive(Default)]
 struct Spare {
     bufs: Vec<Vec<u8>>,
@@ -750,22 +754,44 @@ struct Spare {
     bytes: usize,
 }
 
-/// Reply buffers smaller than this come from the allocator each time.
+/// Buffers smaller than this come from the allocator each time.
 const SPARE_MIN: usize = 64 << 10;
-/// Spare write buffers one leader keeps at most.
-const SPARE_WRITES: usize = 4;
-/// Bytes of spare reply buffers one connection keeps at most.
+/// Bytes of spare buffers the server keeps at most.
 const SPARE_BYTES: usize = 8 << 20;
 
+impl Spare {
+    /// A buffer with room for `len` bytes: a spare one if one is large enough, still holding
+    /// its old bytes (a caller that resizes it zeroes only what it grows by), else a new one.
+    fn buffer(spare: &Mutex<Spare>, len: usize) -> Vec<u8> {
+        if len >= SPARE_MIN {
+            let mut sp = lock(spare);
+            if let Some(i) = sp.bufs.iter().position(|b| b.capacity() >= len) {
+                let b = sp.bufs.swap_remove(i);
+                sp.bytes -= b.capacity();
+                return b;
+            }
+        }
+        Vec::with_capacity(len)
+    }
+
+    /// Keeps `b` if it is large and there is room.
+    fn keep(&mut self, b: Vec<u8>) {
+        if b.capacity() >= SPARE_MIN && self.bytes + b.capacity() <= SPARE_BYTES {
+            self.bytes += b.capacity();
+            self.bufs.push(b);
+        }
+    }
+}
+
 impl Replier {
-    fn new(sock: std::fs::File, structured: bool) -> Self {
+    fn new(sock: std::fs::File, structured: bool, spare: Arc<Mutex<Spare>>) -> Self {
         Replier {
             sock,
             structured,
             pending: Mutex::new(Vec::new()),
             writing: AtomicBool::new(false),
             broken: AtomicBool::new(false),
-            spare: Mutex::new(Spare::default()),
+            spare,
         }
     }
 
@@ -806,33 +832,18 @@ impl Replier {
         }
     }
 
-    /// A buffer for a reply of `len` bytes, empty: a spare one if there is one large enough.
+    /// A buffer with room for a reply of `len` bytes ([`Spare::buffer`]).
     fn buffer(&self, len: usize) -> Vec<u8> {
-        if len >= SPARE_MIN {
-            let mut spare = lock(&self.spare);
-            if let Some(i) = spare.bufs.iter().position(|b| b.capacity() >= len) {
-                let b = spare.bufs.swap_remove(i);
-                spare.bytes -= b.capacity();
-                return b;
-            }
-        }
-        Vec::with_capacity(len)
+        Spare::buffer(&self.spare, len)
     }
 
-    /// Keeps the large buffers of replies sent, up to [`SPARE_BYTES`], for the next replies.
+    /// Gives the payload grants of replies sent back, and their large buffers to the spares.
     fn recycle(&self, batch: Vec<Reply>) {
         let mut spare = None;
-        for r in batch {
-            let Reply { mut bytes, _held } = r;
+        for Reply { bytes, _held } in batch {
             drop(_held);
-            if bytes.capacity() < SPARE_MIN {
-                continue;
-            }
-            let spare = spare.get_or_insert_with(|| lock(&self.spare));
-            if spare.bytes + bytes.capacity() <= SPARE_BYTES {
-                bytes.clear();
-                spare.bytes += bytes.capacity();
-                spare.bufs.push(bytes);
+            if bytes.capacity() >= SPARE_MIN {
+                spare.get_or_insert_with(|| lock(&self.spare)).keep(bytes);
             }
         }
     }
@@ -1047,9 +1058,6 @@ struct Jobs {
     free: Vec<usize>,
     /// Read, not yet taken by the device (its queue was full), oldest first.
     waiting: std::collections::VecDeque<usize>,
-    /// Large write buffers whose data the device has (copied into its arena at submission),
-    /// kept for the next writes, as the replier keeps read replies' buffers.
-    spare: Vec<Vec<u8>>,
 }
 
 impl Jobs {
@@ -1102,7 +1110,7 @@ fn transmit(shared: &Shared, id: u64, raw: RawFd, r: SockReader, w: std::fs::Fil
         structured: neg.structured,
         device: neg.device,
         inbound: Mutex::new(Inbound { r: SockBuf::new(r), ended: None }),
-        replier: Replier::new(w, neg.structured),
+        replier: Replier::new(w, neg.structured, shared.spare.clone()),
         held: Arc::new(AtomicU64::new(0)),
     };
     let threads = shared.cfg.workers_per_connection.max(1);
@@ -1199,7 +1207,7 @@ impl Connection<'_> {
                 look = false;
                 let mut wait = in_flight == 0;
                 while jobs.waiting.len() < MAX_WAITING {
-                    match self.next(&mut inb.r, wait, &mut jobs.spare) {
+                    match self.next(&mut inb.r, wait) {
                         Ok(Next::Job(j)) if j.queued(max) => {
                             let i = jobs.insert(j);
                             jobs.waiting.push_back(i);
@@ -1281,9 +1289,10 @@ impl Connection<'_> {
             let job = jobs.slots[i].as_ref().expect("a waiting request is held");
             match h.submit(job.front(), i as u64) {
                 Ok(()) => {
+                    // The device has the data (copied into its arena): the buffer can go.
                     let job = jobs.slots[i].as_mut().expect("a waiting request is held");
-                    if job.payload.capacity() >= SPARE_MIN && jobs.spare.len() < SPARE_WRITES {
-                        jobs.spare.push(std::mem::take(&mut job.payload));
+                    if job.payload.capacity() >= SPARE_MIN {
+                        lock(&self.shared.spare).keep(std::mem::take(&mut job.payload));
                     }
                 }
                 Err(IoError::QueueFull) => break,
@@ -1347,7 +1356,7 @@ impl Connection<'_> {
     /// (nothing is in flight), the request is waited for, as long as the client likes;
     /// otherwise only a request whose header is already here is taken, and only while the
     /// payload budget has room without waiting.
-    fn next(&self, r: &mut SockBuf, wait: bool, spare: &mut Vec<Vec<u8>>) -> io::Result<Next> {
+    fn next(&self, r: &mut SockBuf, wait: bool) -> io::Result<Next> {
         let shared = self.shared;
         loop {
             if self.replier.broken.load(Ordering::Acquire) {
@@ -1418,12 +1427,8 @@ impl Connection<'_> {
             }
             let mut payload = Vec::new();
             if req.typ == CMD_WRITE {
-                let len = req.len as usize;
-                payload = match spare.iter().position(|b| b.capacity() >= len) {
-                    Some(i) => spare.swap_remove(i),
-                    None => Vec::new(),
-                };
-                payload.resize(len, 0);
+                payload = Spare::buffer(&shared.spare, req.len as usize);
+                payload.resize(req.len as usize, 0);
                 r.read_exact(&mut payload).map_err(|e| timeout_says(e, "request"))?;
             }
             return Ok(Next::Job(Job { req, payload, held }));
