@@ -423,6 +423,12 @@ impl Domain {
         let mut new: ArrayVec<Tag, BATCH> = ArrayVec::new();
         let mut refused = 0;
         let mut broken = None;
+        // With views: the queue's turn, by its view's credit and share. The clock only where
+        // a view has a cap or the weights differ: equal weights need none.
+        let now = match &self.sharing {
+            Some(s) if s.timed() => now_ns(),
+            _ => 0,
+        };
         {
             // An empty slot, or an attached queue being let go of: nothing is taken from it.
             let mut q = match &mut self.queues[qi] {
@@ -430,12 +436,6 @@ impl Domain {
                 _ => None,
             };
             let free = &mut self.tags.free[qi];
-            // With views: the queue's turn, by its view's credit and share.
-            // The clock only where a view has a cap: weights alone need none.
-            let now = match &self.sharing {
-                Some(s) if s.timed() => now_ns(),
-                _ => 0,
-            };
             let open = match &mut self.sharing {
                 _ if q.is_none() => false,
                 None => true,
@@ -487,7 +487,7 @@ impl Domain {
                                 refused += 1;
                                 continue;
                             }
-                            s.charge(qi, req.op(), req.len());
+                            s.charge(qi, req.op(), req.len(), now);
                             base = s.base(qi);
                         }
                         let tag = free.pop().expect("checked non-empty");
@@ -531,6 +531,9 @@ impl Domain {
         for (tag, result) in finished.drain(..) {
             let f = self.tags.slots[tag.index()].take().expect("completed tag was in flight");
             self.tags.free[f.queue].push(tag);
+            if let Some(s) = &mut self.sharing {
+                s.finished(f.queue, now);
+            }
             let (status, len) = match result {
                 Ok(len) => (Status::Ok, len),
                 Err(e) => {
