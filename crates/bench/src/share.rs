@@ -10,8 +10,9 @@
 //! - **fairness**: four equal-weight views, each client QD16 4 KiB random reads: Jain's index
 //!   of their throughputs;
 //! - **work conservation**: one of the four busy and three idle, against the same client on a
-//!   device with no views, over as many bytes as a view holds; the two take three turns each,
-//!   each in a domain started afresh, and their means are compared;
+//!   device with no views, over as many bytes as a view holds; in each of three rounds both
+//!   are started afresh and take four short slices each, in turns (ABBA), and the means are
+//!   compared;
 //! - **cap accuracy**: a 50 MiB/s cap (512 KiB every 10 000 µs) under QD8 64 KiB writes;
 //! - the noisy-neighbour and cap phases again over NBD, next to qemu-storage-daemon with a
 //!   throttle group (`share_nbd`).
@@ -245,8 +246,11 @@ const CAPPED: Load = Load { write: true, bs: 64 << 10, qd: 8, span: 0 };
 /// Bytes of each of the four equal views: the device-alone run reads as many.
 const VIEW_SPAN: u64 = 256 << 20;
 
-/// Turns of the busy view and of the device alone in the work-conservation phase.
+/// Rounds of the work-conservation phase, each with a fresh busy view and device alone.
 const CONSERVATION_ROUNDS: usize = 3;
+
+/// Slices each of the two gets in a round, taken in turns.
+const CONSERVATION_SLICES: usize = 4;
 
 /// Runs every phase, execing `exe` for the domains.
 pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
@@ -302,29 +306,50 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
     })();
     sup.shutdown();
     let (fair_mibs, capped_mibs) = result?;
-    // Work conservation: the busy view and the device with no views take turns, each with a
-    // domain of its own started afresh, so that a machine whose speed drifts over a run (a
-    // shared VM's does, by a third) weighs on both alike.
+    // Work conservation: the busy view and the device with no views take turns. Each round
+    // starts both afresh (a fresh ramdisk lands on other pages), and within it they alternate
+    // in short slices, in the order ABBA, so that a machine whose speed drifts (a shared VM's
+    // does, by a third over a run, and by some points from one second to the next) weighs on
+    // both alike. The idle one's domain sleeps meanwhile.
     let (mut busy_mibs, mut alone_mibs) = (0.0, 0.0);
-    let turn = (s / CONSERVATION_ROUNDS as f64).max(1.0);
+    let slices = CONSERVATION_ROUNDS * CONSERVATION_SLICES;
+    let slice = (s / CONSERVATION_ROUNDS as f64).max(1.0) / CONSERVATION_SLICES as f64;
     for round in 1..=CONSERVATION_ROUNDS {
         progress(&format!("work conservation, round {round} of {CONSERVATION_ROUNDS}"));
-        let sup = start(exe, &opts.mode, &four)?;
+        let views = start(exe, &opts.mode, &four)?;
+        let alone = match start(exe, &opts.mode, &[]) {
+            Ok(a) => a,
+            Err(e) => {
+                views.shutdown();
+                return Err(e);
+            }
+        };
         let result = (|| {
-            fill(&*device(&sup, "share")?)?;
-            Ok::<_, String>(together(&[(device(&sup, "v0")?, SATURATE)], turn)?[0].mibs())
-        })();
-        sup.shutdown();
-        busy_mibs += result? / CONSERVATION_ROUNDS as f64;
-        let sup = start(exe, &opts.mode, &[])?;
-        let result = (|| {
-            let dev = device(&sup, "share")?;
+            fill(&*device(&views, "share")?)?;
+            let dev = device(&alone, "share")?;
             fill(&dev)?;
+            let busy = (device(&views, "v0")?, SATURATE);
             // Over as many bytes as a view holds: the same working set.
-            Ok::<_, String>(together(&[(dev, Load { span: VIEW_SPAN, ..SATURATE })], turn)?[0].mibs())
+            let lone = (dev, Load { span: VIEW_SPAN, ..SATURATE });
+            let (mut b, mut a) = (0.0, 0.0);
+            for k in 0..CONSERVATION_SLICES {
+                let order = if k % 2 == 0 { [&busy, &lone] } else { [&lone, &busy] };
+                for job in order {
+                    let mibs = together(std::slice::from_ref(job), slice)?[0].mibs();
+                    if std::ptr::eq(job, &busy) {
+                        b += mibs;
+                    } else {
+                        a += mibs;
+                    }
+                }
+            }
+            Ok::<_, String>((b, a))
         })();
-        sup.shutdown();
-        alone_mibs += result? / CONSERVATION_ROUNDS as f64;
+        views.shutdown();
+        alone.shutdown();
+        let (b, a) = result?;
+        busy_mibs += b / slices as f64;
+        alone_mibs += a / slices as f64;
     }
     let nbd = if opts.nbd {
         crate::share_nbd::run(exe, &opts.mode, s, opts.cap_seconds, &opts.noisy_caps, &mut progress)?

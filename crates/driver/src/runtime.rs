@@ -144,16 +144,18 @@ pub struct Domain {
     sharing: Option<Sharing>,
     /// When the views' credit was last written to the state page.
     reported_at: u64,
-    /// Visits to a queue of a view (the report's clock when no view is capped).
+    /// Rounds over the queues with views (the report's clock when the turns are not timed).
     visits: u64,
     /// The supervisor's line about attached applications' queues.
     attach: Option<AttachLine>,
 }
 
-/// How often the views' credit is written to the state page, ns; with no view capped (no
-/// clock read), every so many visits to a queue.
+/// How often the views' credit is written to the state page, ns; with the turns not timed
+/// (no clock read), every so many rounds. Timed, the clock is looked at every
+/// `REPORT_LOOK_ROUNDS` rounds.
 const REPORT_EVERY_NS: u64 = 50_000_000;
-const REPORT_EVERY_VISITS: u64 = 1 << 16;
+const REPORT_EVERY_VISITS: u64 = 1 << 14;
+const REPORT_LOOK_ROUNDS: u64 = 256;
 
 /// Poller token of the line about the domain above.
 const ABOVE_TOKEN: u64 = u64::MAX - 1;
@@ -439,21 +441,7 @@ impl Domain {
             let open = match &mut self.sharing {
                 _ if q.is_none() => false,
                 None => true,
-                Some(s) => {
-                    self.visits = self.visits.wrapping_add(1);
-                    let due = if now == 0 {
-                        self.visits.is_multiple_of(REPORT_EVERY_VISITS)
-                    } else {
-                        now.saturating_sub(self.reported_at) >= REPORT_EVERY_NS
-                    };
-                    if due {
-                        self.reported_at = now;
-                        if let Some(p) = &self.state {
-                            s.report(p);
-                        }
-                    }
-                    s.begin(qi, self.state.as_ref(), now) == Turn::Open
-                }
+                Some(s) => s.begin(qi, self.state.as_ref(), now) == Turn::Open,
             };
             while let (true, Some(q)) = (open && new.len() + refused < BATCH && !free.is_empty(), q.as_deref_mut()) {
                 if let Some(s) = &mut self.sharing {
@@ -570,10 +558,47 @@ impl Domain {
     /// One round over every queue.
     pub fn poll_once(&mut self) -> Result<usize, DriverError> {
         let mut n = 0;
+        let mut quiet = None;
         for qi in 0..self.queues.len() {
+            // A queue with nothing waiting (or none there) costs one look at its ring: most
+            // of a shared domain's queues are idle at any moment.
+            let waiting = match &self.queues[qi] {
+                Some(q) => !self.leaving[qi] && q.pending(),
+                None => false,
+            };
+            if !waiting {
+                if let (Some(s), Some(_)) = (&mut self.sharing, &self.queues[qi]) {
+                    s.emptied(qi);
+                }
+                quiet.get_or_insert(qi);
+                continue;
+            }
             n += self.serve_queue(qi)?;
         }
+        // Held requests whose time has come, or requests an asynchronous backend has started,
+        // need a turn of the chain even when no queue had anything new: one per round.
+        if let Some(qi) = quiet.filter(|_| n == 0) {
+            n += self.serve_queue(qi)?;
+        }
+        self.report_views();
         Ok(n)
+    }
+
+    /// Writes the views' credit and what they were served to the state page, if it is due.
+    fn report_views(&mut self) {
+        let (Some(s), Some(p)) = (&self.sharing, &self.state) else { return };
+        self.visits = self.visits.wrapping_add(1);
+        if s.timed() {
+            if self.visits.is_multiple_of(REPORT_LOOK_ROUNDS) {
+                let now = now_ns();
+                if now.saturating_sub(self.reported_at) >= REPORT_EVERY_NS {
+                    self.reported_at = now;
+                    s.report(p);
+                }
+            }
+        } else if self.visits.is_multiple_of(REPORT_EVERY_VISITS) {
+            s.report(p);
+        }
     }
 
     fn any_pending(&self) -> bool {
