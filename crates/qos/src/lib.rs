@@ -507,7 +507,7 @@ pub mod page {
     pub const SERVED_BYTES: usize = 10;
     /// Requests the domain served for the view.
     pub const SERVED_IOS: usize = 11;
-    /// Times a request of the view waited for credit.
+    /// Times a request of the view waited, for credit or behind a heavier view.
     pub const WAITS: usize = 12;
 
     /// The page slot of `field` for view `view`.
