@@ -352,8 +352,10 @@ impl Deficit {
     }
 }
 
-/// How long a view counts as active after its last answer, when weights differ ([`Shares`]).
-pub const ACTIVE_NS: u64 = 200_000;
+/// How long a view counts as active after its last answer, when weights differ ([`Shares`]):
+/// longer than a scheduler time slice, so a client whose thread waits for its CPU between
+/// two requests still counts.
+pub const ACTIVE_NS: u64 = 3_000_000;
 
 /// Proportional sharing across views whose weights differ, with anticipation.
 ///
@@ -365,7 +367,9 @@ pub const ACTIVE_NS: u64 = 200_000;
 /// most one quantum ahead of the least among the other *active* views; once held back, only
 /// when it is level with it again, so it goes on with a batch. A view is active while
 /// it has requests in flight, and for [`ACTIVE_NS`] after its last answer, long enough for
-/// its client to send the next request. A lighter view is so held back while a heavier one
+/// its client to send the next request even if its thread waits out another's time slice
+/// first: with a shorter window, a reader that lost its CPU to the neighbour's thread counted
+/// as idle, the neighbour went free, and its busier thread took the reader's CPU more. A lighter view is so held back while a heavier one
 /// is between requests, as BFQ idles for a synchronous queue; once the heavier view has been
 /// quiet for [`ACTIVE_NS`], the lighter one has the device to itself again (work-conserving
 /// beyond that window). A view coming back from idle starts at the least active virtual
