@@ -417,7 +417,14 @@ impl Shares {
         self.views[v].weight = weight.map(|w| w.clamp(1, MAX_WEIGHT));
         let mut ws = self.views.iter().filter_map(|s| s.weight);
         let first = ws.next();
-        self.on = ws.any(|w| Some(w) != first);
+        let was = std::mem::replace(&mut self.on, ws.any(|w| Some(w) != first));
+        if self.on && !was {
+            // Virtual time is not kept while weights are equal: all start level.
+            for s in &mut self.views {
+                s.vt = 0;
+                s.held = false;
+            }
+        }
     }
 
     /// Whether weights differ, so views may be held back (and the clock is needed).
@@ -464,7 +471,7 @@ impl Shares {
     /// View `v` started a request moving `bytes` of data at `now`.
     pub fn start(&mut self, v: usize, bytes: u64, now: u64) {
         let s = &mut self.views[v];
-        if let Some(w) = s.weight {
+        if let (true, Some(w)) = (self.on, s.weight) {
             s.vt = s.vt.saturating_add(bytes.max(MIN_COST) * u64::from(MAX_WEIGHT) / u64::from(w));
         }
         s.in_flight += 1;
