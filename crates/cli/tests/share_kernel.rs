@@ -167,7 +167,8 @@ fn four_clients_lose_nothing_when_their_shared_domain_is_killed() {
 }
 
 /// A cap set on a running view holds, and lifting it frees the view: `bulkhead qos` changes it
-/// without a restart, and `status --json` shows the caps and the credit.
+/// without a restart, and `status --json` shows the caps and the credit. A weight set on it
+/// instead leaves every view readable.
 #[test]
 fn a_running_views_caps_change_without_a_restart() {
     let (_tmp, serve) = start("share-qos", &config(""));
@@ -196,6 +197,23 @@ fn a_running_views_caps_change_without_a_restart() {
     // Lifted: the same reads go at once (no restart: the same domain).
     let (ok, text) = qos(&["vm0", "iops=none"]);
     assert!(ok, "{text}");
+    // A weight on the running view, and a cap refused beside it (naming the key).
+    let (ok, text) = qos(&["vm0", "weight=8"]);
+    assert!(ok && text.contains("weight 8"), "{text}");
+    assert_eq!(serve.status_json()["devices"][0]["views"][0]["qos"]["weight"], 8);
+    let (ok, text) = qos(&["vm0", "iops=5"]);
+    assert!(!ok && text.contains("key `weight`"), "{text}");
+    // The heavier view and a lighter one both read: the lighter is held back only while the
+    // heavier is active, never for good (a view held for good would leave dd stuck; `timeout`
+    // turns that into a failure).
+    for view in ["vm0", "vm1", "vm0"] {
+        let file = format!("if={}", serve.fuse_file(view).display());
+        let dd = Command::new("timeout")
+            .args(["60", "dd", &file, "of=/dev/null", "bs=4k", "count=256", "iflag=direct"])
+            .output()
+            .unwrap();
+        assert!(dd.status.success(), "{view}: {dd:?}");
+    }
     let (ok, text) = qos(&["vm0", "rate=5"]);
     assert!(!ok && text.contains("unknown key `rate`"), "{text}");
     let (ok, text) = qos(&["nosuch", "iops=5"]);
