@@ -6,9 +6,9 @@
 //! more); a group with caps starts requests only while it has credit
 //! ([`bulkhead_qos::Bucket`]), and every queue takes its turn by deficit round robin in bytes
 //! ([`bulkhead_qos::Deficit`]) by its group's weight. When the uncapped groups' weights differ,
-//! a lighter group is also held back while a heavier one is active ([`bulkhead_qos::Shares`]). The caps are read from the domain's
-//! state page when the supervisor changes them; the credit and what each view was served are
-//! written back there for `status`.
+//! a lighter group is also held back while a heavier one is active ([`bulkhead_qos::Shares`]).
+//! The caps are read from the domain's state page when the supervisor changes them; the
+//! credit and what each view was served are written back there for `status`.
 
 use bulkhead_filters::state::StatePage;
 use bulkhead_qos::{page, Bucket, Caps, Deficit, Shares};

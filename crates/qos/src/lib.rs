@@ -365,15 +365,17 @@ pub const ACTIVE_NS: u64 = 3_000_000;
 /// the weight protects nothing. Here each view has a virtual time, the bytes it was served
 /// divided by its weight, and a view may start a request only while its virtual time is at
 /// most one quantum ahead of the least among the other *active* views; once held back, only
-/// when it is level with it again, so it goes on with a batch. A view is active while
-/// it has requests in flight, and for [`ACTIVE_NS`] after its last answer, long enough for
-/// its client to send the next request even if its thread waits out another's time slice
-/// first: with a shorter window, a reader that lost its CPU to the neighbour's thread counted
-/// as idle, the neighbour went free, and its busier thread took the reader's CPU more. A lighter view is so held back while a heavier one
-/// is between requests, as BFQ idles for a synchronous queue; once the heavier view has been
-/// quiet for [`ACTIVE_NS`], the lighter one has the device to itself again (work-conserving
-/// beyond that window). A view coming back from idle starts at the least active virtual
-/// time, so idling earns it no credit.
+/// when it is level with it again, so it goes on with a batch.
+///
+/// A view is active while it has requests in flight, and for [`ACTIVE_NS`] after its last
+/// answer: long enough for its client to send the next request even if its thread first
+/// waits out another's time slice. (With a shorter window, a reader that lost its CPU to the
+/// neighbour's thread counted as idle, the neighbour went free, and its busier thread took
+/// the reader's CPU more.) A lighter view is so held back while a heavier one is between
+/// requests, as BFQ idles for a synchronous queue; once the heavier view has been quiet for
+/// [`ACTIVE_NS`], the lighter one has the device to itself again (work-conserving beyond
+/// that window). A view coming back from idle starts at the least active virtual time, so
+/// idling earns it no credit.
 ///
 /// With equal weights nothing is held: turns are shared round robin only. Capped views take
 /// no part (their buckets set their rate).
