@@ -191,7 +191,6 @@ pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(Fro
         filters: Vec::new(),
         state_fd: None,
         heartbeat_ms: 100,
-        yield_when_idle: false,
         above_control_fds: None,
         attach: None,
         sandbox: Default::default(),

@@ -197,7 +197,6 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         let sizes = a.slots.iter().map(|&v| view_size(v)).collect::<Result<Vec<_>, _>>()?;
         domain.set_attach_line(line, sizes, first.arena_bytes)?;
     }
-    domain.set_yield_when_idle(this.yield_when_idle);
     if let Some(fds) = this.above_control_fds {
         // SAFETY: forwarded from this function's contract.
         let [page, wake] = fds.map(|fd| unsafe { claim(fd) });
@@ -234,7 +233,6 @@ mod tests {
             filters: Vec::new(),
             state_fd: None,
             heartbeat_ms: 100,
-            yield_when_idle: false,
             above_control_fds: None,
             attach: None,
             sandbox: SandboxSpec::default(),

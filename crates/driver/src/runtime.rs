@@ -134,8 +134,6 @@ pub struct Domain {
     beat_at: u64,
     /// When the loop last showed it turns (`LOOP`).
     loop_beat_at: u64,
-    /// Yield the CPU while spinning idle (a domain with a tap domain above or below it).
-    yield_when_idle: bool,
     /// A driver domain below a tap domain: the supervisor's line about replacing the tap
     /// domain, and with it the frontend end of every queue.
     above: Option<AboveControl>,
@@ -231,7 +229,6 @@ impl Domain {
             heartbeat_ns: 100_000_000,
             beat_at: 0,
             loop_beat_at: 0,
-            yield_when_idle: false,
             above: None,
             sharing: None,
             reported_at: 0,
@@ -605,12 +602,6 @@ impl Domain {
         self.queues.iter().flatten().any(BackQueue::pending)
     }
 
-    /// Makes the loop yield the CPU after spinning idle for a while (see the run loop): for the
-    /// domains of an `interpose` device, which spin three to a device.
-    pub fn set_yield_when_idle(&mut self, on: bool) {
-        self.yield_when_idle = on;
-    }
-
     /// When the loop must turn next whatever the doorbells say: a held request comes due, or
     /// a view with requests waiting gets credit again.
     fn next_due(&mut self) -> Option<u64> {
@@ -743,10 +734,12 @@ impl Domain {
                     std::hint::spin_loop();
                 }
                 // A spinner that has found nothing for a while lets a thread runnable on its
-                // CPU go first: with a tap domain there are three spinners (frontend, tap,
-                // driver) for two CPUs here, and the one that must act next may be waiting for
-                // this one's slice to end. Alone on its CPU, the call returns at once.
-                if self.yield_when_idle && spins >= IDLE_SPINS_BEFORE_YIELD {
+                // CPU go first. That thread is most often one that makes the next request:
+                // the application, the export's leader, a FUSE worker, or with a tap domain the
+                // other spinner of three on two CPUs here, any of which may otherwise wait for
+                // this one's slice to end. Alone on its CPU, the call returns at once, so a
+                // domain with a CPU to itself spins as before (docs/ring-protocol.md).
+                if spins >= IDLE_SPINS_BEFORE_YIELD {
                     std::thread::yield_now();
                 }
                 continue;

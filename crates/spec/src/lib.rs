@@ -40,9 +40,6 @@ pub struct DomainSpec {
     /// How often the domain beats there while layers hold requests, ms.
     #[serde(default = "default_heartbeat_ms")]
     pub heartbeat_ms: u64,
-    /// Yield the CPU when spinning idle (the two domains of an `interpose` device).
-    #[serde(default)]
-    pub yield_when_idle: bool,
     /// A driver domain below a tap domain: the supervisor's line about replacing the tap
     /// domain while this one stays (`bulkhead_channel::AboveControl`): its page and doorbell.
     #[serde(default)]
@@ -391,7 +388,6 @@ mod tests {
             ],
             state_fd: Some(14),
             heartbeat_ms: 250,
-            yield_when_idle: true,
             above_control_fds: None,
             attach: None,
             sandbox: SandboxSpec::default(),

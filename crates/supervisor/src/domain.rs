@@ -1062,7 +1062,6 @@ impl Launcher {
             }
             state_fd = Some(pass.add(&self.state_fd));
         }
-        let interpose = chain.is_none_or(|c| c.tap == Tap::Interpose);
         // The domain the frontend reaches takes attached applications' queues, unless it is a
         // tap domain over a domain below (whose channel has no room for them).
         let mut attach = None;
@@ -1091,7 +1090,6 @@ impl Launcher {
             state_fd,
             // Four beats within the watchdog's time.
             heartbeat_ms: (self.io_timeout_ms / 4).max(2),
-            yield_when_idle: interpose,
             above_control_fds: above_line,
             attach,
             sandbox: SandboxSpec { policy: self.policy },
