@@ -331,19 +331,16 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
             let busy = (device(&views, "v0")?, SATURATE);
             // Over as many bytes as a view holds: the same working set.
             let lone = (dev, Load { span: VIEW_SPAN, ..SATURATE });
-            let (mut b, mut a) = (0.0, 0.0);
+            // Total MiB/s over the slices: [busy view, device alone].
+            let jobs = [busy, lone];
+            let mut sum = [0.0; 2];
             for k in 0..CONSERVATION_SLICES {
-                let order = if k % 2 == 0 { [&busy, &lone] } else { [&lone, &busy] };
-                for job in order {
-                    let mibs = together(std::slice::from_ref(job), slice)?[0].mibs();
-                    if std::ptr::eq(job, &busy) {
-                        b += mibs;
-                    } else {
-                        a += mibs;
-                    }
+                let order = if k % 2 == 0 { [0, 1] } else { [1, 0] };
+                for j in order {
+                    sum[j] += together(std::slice::from_ref(&jobs[j]), slice)?[0].mibs();
                 }
             }
-            Ok::<_, String>((b, a))
+            Ok::<_, String>((sum[0], sum[1]))
         })();
         views.shutdown();
         alone.shutdown();

@@ -74,15 +74,21 @@ fn new_lines(before: &[String], now: &[String]) -> Vec<String> {
     now.iter().filter(|l| !before.contains(l)).cloned().collect()
 }
 
-/// Waits until `f` holds (up to 10 s); says what it saw otherwise.
-fn eventually<T: std::fmt::Debug>(what: &str, mut look: impl FnMut() -> T, ok: impl Fn(&T) -> bool) -> T {
+/// Waits until `ok` holds (up to 10 s); says what it saw otherwise.
+fn eventually<T: std::fmt::Debug>(what: &str, look: impl FnMut() -> T, ok: impl Fn(&T) -> bool) -> T {
+    let v = settle(look, &ok);
+    assert!(ok(&v), "{what}: {v:?}");
+    v
+}
+
+/// What `look` sees once `ok` holds, or after 10 s whatever it last saw.
+fn settle<T>(mut look: impl FnMut() -> T, ok: impl Fn(&T) -> bool) -> T {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let v = look();
-        if ok(&v) {
+        if ok(&v) || Instant::now() >= deadline {
             return v;
         }
-        assert!(Instant::now() < deadline, "{what}: {v:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -201,12 +207,7 @@ fn sixty_four_attach_detach_cycles_leave_no_descriptor_or_mapping_behind() {
         drop(d);
     }
     eventually("every cycle detached", || settled(&serve), |s| *s);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut after = (footprint(serve.pid()), footprint(domain));
-    while after != before && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-        after = (footprint(serve.pid()), footprint(domain));
-    }
+    let after = settle(|| (footprint(serve.pid()), footprint(domain)), |a| *a == before);
     assert_eq!(
         after,
         before,
