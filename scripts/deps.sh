@@ -6,6 +6,8 @@ need=()
 want() { command -v "$1" >/dev/null 2>&1 || need+=("$2"); }
 want losetup util-linux
 want mkfs.ext4 e2fsprogs
+# The NBD export's pre-shared-key TLS links the system's OpenSSL: headers and pkg-config to build.
+pkg-config --exists openssl 2>/dev/null || need+=(libssl-dev pkg-config)
 case "${1:-serve}" in
   test) want fio fio; want qemu-io qemu-utils; want qemu-img qemu-utils; want nbdinfo libnbd-bin
         want nbdcopy libnbd-bin; want nbdfuse libnbd-bin; want fusermount3 fuse3

@@ -203,25 +203,34 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     } else {
         None
     };
+    let mut tls_note = String::new();
     let nbd = if config.nbd.enabled {
-        let tls = match (config.nbd.tls.get_ref(), &config.nbd.tls_certificates) {
-            (bulkhead_config::NbdTls::Off, _) | (_, None) => None,
-            (mode, Some(dir)) => {
-                let mode = if *mode == bulkhead_config::NbdTls::Require {
-                    bulkhead_nbd_export::tls::TlsMode::Require
-                } else {
-                    bulkhead_nbd_export::tls::TlsMode::On
-                };
-                match bulkhead_nbd_export::tls::Tls::load(dir.get_ref(), mode, config.nbd.tls_verify_peer) {
-                    Ok(t) => Some(t),
-                    Err(e) => {
-                        drop(fuse);
-                        sup.shutdown();
-                        return Err(anyhow::anyhow!("NBD export: key `nbd.tls_certificates`: {e}"));
-                    }
-                }
+        use bulkhead_nbd_export::tls::{Tls, TlsMode};
+        let mode = match config.nbd.tls.get_ref() {
+            bulkhead_config::NbdTls::Off => None,
+            bulkhead_config::NbdTls::On => Some(TlsMode::On),
+            bulkhead_config::NbdTls::Require => Some(TlsMode::Require),
+        };
+        // The configuration's check makes exactly one of the two present when TLS is on.
+        let loaded = match (mode, &config.nbd.tls_certificates, &config.nbd.tls_psk) {
+            (None, ..) | (_, None, None) => None,
+            (Some(mode), Some(dir), _) => {
+                Some(Tls::load(dir.get_ref(), mode, config.nbd.tls_verify_peer).map_err(|e| ("tls_certificates", e)))
+            }
+            (Some(mode), None, Some(file)) => Some(Tls::load_psk(file.get_ref(), mode).map_err(|e| ("tls_psk", e))),
+        };
+        let tls = match loaded.transpose() {
+            Ok(t) => t,
+            Err((key, e)) => {
+                drop(fuse);
+                sup.shutdown();
+                return Err(anyhow::anyhow!("NBD export: key `nbd.{key}`: {e}"));
             }
         };
+        if let Some(t) = &tls {
+            let when = if t.mode == TlsMode::Require { "required of TCP clients" } else { "offered" };
+            tls_note = format!("; TLS with {} {when}", t.kind());
+        }
         let cfg = ServerConfig {
             unix: Some(socket_path(&run_dir)),
             tcp: config.nbd.tcp.as_ref().map(|t| t.get_ref().clone()),
@@ -329,7 +338,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     }
     if nbd.is_some() {
         let tcp = config.nbd.tcp.as_ref().map(|t| format!(" and TCP {}", t.get_ref())).unwrap_or_default();
-        eprintln!("bulkhead: NBD export on {}{tcp} (export name = device name)", socket_path(&run_dir).display());
+        eprintln!("bulkhead: NBD export on {}{tcp} (export name = device name){tls_note}", socket_path(&run_dir).display());
     }
     eprintln!("bulkhead: control socket {}; stop with SIGINT or SIGTERM", run_dir.join("control.sock").display());
 

@@ -366,6 +366,50 @@ fn tls_is_required_of_tcp_clients_and_speaks_with_libnbd_and_qemu() {
     assert!(serve.log_text().contains("peer sent no certificates"), "{}", serve.log_text());
 }
 
+#[test]
+fn tls_with_pre_shared_keys_speaks_with_libnbd_and_qemu() {
+    if !tools(&["nbdinfo", "nbdcopy", "qemu-io"]) {
+        return;
+    }
+    let tmp = TempDir::new("nbd-tls-psk");
+    let hex = |seed: u64| pattern(seed, 32).iter().map(|b| format!("{b:02x}")).collect::<String>();
+    // qemu reads `keys.psk` in a directory, libnbd any file.
+    let dir = tmp.path().join("psk");
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys.psk");
+    std::fs::write(&keys, format!("alice:{}\ncarol:{}\n", hex(1), hex(2))).unwrap();
+    let cfg = format!("tls = \"require\"\ntls_psk = \"{}\"", keys.display());
+    let (serve, port) = tls_serve(&tmp, &cfg);
+    let nbds = |who: &str, file: &std::path::Path| format!("nbds://{who}@127.0.0.1:{port}/d0?tls-psk-file={}", file.display());
+    // Without TLS over TCP: refused.
+    let plain = Command::new("nbdinfo").args(["--size", &format!("nbd://127.0.0.1:{port}/d0")]).output().unwrap();
+    assert!(!plain.status.success(), "served without TLS: {plain:?}");
+    // With a key: libnbd's tools both ways, the data compared, for either identity.
+    assert_eq!(sh("nbdinfo", &["--size", &nbds("alice", &keys)]).trim(), "16777216");
+    assert_eq!(sh("nbdinfo", &["--size", &nbds("carol", &keys)]).trim(), "16777216");
+    let data = pattern(78, 4 << 20);
+    let (src, dst) = (tmp.path().join("in.bin"), tmp.path().join("out.bin"));
+    std::fs::write(&src, &data).unwrap();
+    sh("nbdcopy", &[src.to_str().unwrap(), &nbds("alice", &keys)]);
+    sh("nbdcopy", &[&nbds("carol", &keys), dst.to_str().unwrap()]);
+    assert_eq!(&std::fs::read(&dst).unwrap()[..4 << 20], &data[..], "nbdcopy through TLS with a pre-shared key");
+    // qemu with its PSK credentials.
+    let creds = format!("tls-creds-psk,id=tls0,dir={},username=alice,endpoint=client", dir.display());
+    let opts = format!("driver=nbd,host=127.0.0.1,port={port},export=d0,tls-creds=tls0");
+    let out =
+        qemu_io_args(&["--object", &creds, "--image-opts", &opts, "-c", "write -P 0x6d 1M 64k", "-c", "read -P 0x6d 1M 64k"]);
+    assert!(out.contains("read 65536/65536 bytes"), "{out}");
+    // A wrong key, and an identity the server does not know: refused.
+    let wrong = tmp.path().join("wrong.psk");
+    std::fs::write(&wrong, format!("alice:{}\nmallory:{}\n", hex(3), hex(1))).unwrap();
+    for who in ["alice", "mallory"] {
+        let out = Command::new("nbdinfo").args(["--size", &nbds(who, &wrong)]).output().unwrap();
+        assert!(!out.status.success(), "{who} served with a wrong key: {out:?}");
+    }
+    assert!(serve.log_text().contains("no pre-shared key for identity `mallory`"), "{}", serve.log_text());
+    assert!(serve.log_text().contains("TLS with PSK required of TCP clients"), "{}", serve.log_text());
+}
+
 /// qemu-io with `args`, its output and errors.
 fn qemu_io_args(args: &[&str]) -> String {
     let out = Command::new("qemu-io").args(args).output().unwrap();
@@ -397,6 +441,28 @@ fn tls_settings_that_cannot_work_are_named() {
         Command::new(exe()).args(["serve", "--config"]).arg(&cfg).arg("--run-dir").arg(tmp.path().join("run")).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("server-cert.pem"), "{err}");
+    // Pre-shared keys: a bad line is named, and so is asking for both kinds of credentials.
+    let psk = tmp.path().join("keys.psk");
+    std::fs::write(&psk, "alice:00ff\nbob:xyz\n").unwrap();
+    let bad = |keys: &str| {
+        let text = format!(
+            "[fuse]\nenabled = false\n[nbd]\ntls = \"on\"\n{keys}\n[[device]]\nname = \"d0\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n"
+        );
+        std::fs::write(&cfg, text).unwrap();
+        let out = Command::new(exe())
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .arg("--run-dir")
+            .arg(tmp.path().join("run"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "served: {out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = bad(&format!("tls_psk = \"{}\"", psk.display()));
+    assert!(err.contains("nbd.tls_psk") && err.contains("keys.psk") && err.contains("line 2"), "{err}");
+    let err = bad(&format!("tls_certificates = \"{}\"\ntls_psk = \"{}\"", missing.display(), psk.display()));
+    assert!(err.contains("line 6") && err.contains("not both"), "{err}");
 }
 
 // ---- hostile clients ------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 //! # tls = "require"       # off | on (offered) | require (TCP clients must start TLS)
 //! # tls_certificates = "/etc/bulkhead/tls"  # server-cert.pem, server-key.pem[, ca-cert.pem]
 //! # tls_verify_peer = false  # clients must show a certificate ca-cert.pem signed
+//! # tls_psk = "/etc/bulkhead/keys.psk"  # or pre-shared keys instead: `identity:hexkey` lines (psktool)
 //!
 //! [[device]]
 //! name = "disk0"
@@ -736,6 +737,10 @@ pub struct Nbd {
     /// Clients must show a certificate that `ca-cert.pem` signed.
     #[serde(default)]
     pub tls_verify_peer: bool,
+    /// Pre-shared keys instead of certificates: a file of `identity:hexkey` lines, as GnuTLS's
+    /// `psktool` writes them and qemu, nbdkit and libnbd read them.
+    #[serde(default)]
+    pub tls_psk: Option<Spanned<PathBuf>>,
 }
 
 /// When the NBD export uses TLS.
@@ -781,6 +786,7 @@ impl Default for Nbd {
             tls: default_nbd_tls(),
             tls_certificates: None,
             tls_verify_peer: false,
+            tls_psk: None,
         }
     }
 }
@@ -872,10 +878,24 @@ impl Config {
                 return Err(err(v.span(), format!("key `nbd.{key}`: {} is out of range 100..=3600000", v.get_ref())));
             }
         }
-        if *self.nbd.tls.get_ref() != NbdTls::Off && self.nbd.tls_certificates.is_none() {
+        if *self.nbd.tls.get_ref() != NbdTls::Off && self.nbd.tls_certificates.is_none() && self.nbd.tls_psk.is_none() {
             return Err(err(
                 self.nbd.tls.span(),
-                "key `nbd.tls`: TLS needs `nbd.tls_certificates`, the directory of server-cert.pem and server-key.pem".into(),
+                "key `nbd.tls`: TLS needs `nbd.tls_certificates`, the directory of server-cert.pem and server-key.pem, \
+                 or `nbd.tls_psk`, a file of pre-shared keys"
+                    .into(),
+            ));
+        }
+        if let (Some(_), Some(psk)) = (&self.nbd.tls_certificates, &self.nbd.tls_psk) {
+            return Err(err(
+                psk.span(),
+                "key `nbd.tls_psk`: choose certificates (`nbd.tls_certificates`) or pre-shared keys, not both".into(),
+            ));
+        }
+        if let (true, Some(psk)) = (self.nbd.tls_verify_peer, &self.nbd.tls_psk) {
+            return Err(err(
+                psk.span(),
+                "key `nbd.tls_psk`: `nbd.tls_verify_peer` asks clients for certificates; with pre-shared keys the key is the proof".into(),
             ));
         }
         if let Some(t) = &self.nbd.tcp {
@@ -1174,6 +1194,22 @@ mod tests {
         assert!(e.contains("nbd.tcp") && e.contains("line 3"), "{e}");
         let e = parse(&format!("[nbd]\nport = 1\n{dev}")).unwrap_err().to_string();
         assert!(e.contains("port"), "{e}");
+    }
+
+    #[test]
+    fn tls_takes_certificates_or_keys_and_names_the_conflict() {
+        let dev = "[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n";
+        let c = parse(&format!("[nbd]\ntls = \"require\"\ntls_psk = \"/k.psk\"\n{dev}")).unwrap();
+        assert_eq!(c.nbd.tls_psk.as_ref().map(|p| p.get_ref().clone()), Some(PathBuf::from("/k.psk")));
+        let e = parse(&format!("[nbd]\ntls = \"on\"\n{dev}")).unwrap_err().to_string();
+        assert!(e.contains("nbd.tls_certificates") && e.contains("nbd.tls_psk") && e.contains("line 2"), "{e}");
+        let e = parse(&format!("[nbd]\ntls = \"on\"\ntls_certificates = \"/d\"\ntls_psk = \"/k.psk\"\n{dev}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not both") && e.contains("line 4"), "{e}");
+        let e =
+            parse(&format!("[nbd]\ntls = \"on\"\ntls_verify_peer = true\ntls_psk = \"/k.psk\"\n{dev}")).unwrap_err().to_string();
+        assert!(e.contains("tls_verify_peer") && e.contains("line 4"), "{e}");
     }
 
     #[test]
