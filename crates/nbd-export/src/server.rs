@@ -1088,10 +1088,10 @@ impl Jobs {
 /// socket and the channel. While requests are in flight it waits as the channel does: it
 /// spins on the queue for an adaptive budget (cut short when threads wait for a CPU; with
 /// more than two in flight, a few `sched_yield` calls instead), then sleeps on the socket and
-/// the queue's doorbell together. The other threads wait for the
-/// lead (leader/follower, as nbdkit's threads take turns): a request that cannot go in
-/// flight as one (larger than the queue carries, or of several steps) makes its leader pass
-/// the lead on and serve it alone, so it holds up no other request.
+/// the queue's doorbell together. The other threads wait for the lead (leader/follower, as
+/// nbdkit's threads take turns): a request that cannot go in flight as one (larger than the
+/// queue carries, or of several steps) makes its leader pass the lead on and serve it alone,
+/// so it holds up no other request.
 struct Connection<'a> {
     shared: &'a Shared,
     raw: RawFd,
