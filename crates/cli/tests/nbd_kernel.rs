@@ -331,12 +331,7 @@ fn tls_is_required_of_tcp_clients_and_speaks_with_libnbd_and_qemu() {
     assert!(String::from_utf8_lossy(&plain.stderr).contains("requires TLS"), "{plain:?}");
     // With it: libnbd's tools both ways, the data compared.
     assert_eq!(sh("nbdinfo", &["--size", &nbds]).trim(), "16777216");
-    let data = pattern(77, 4 << 20);
-    let (src, dst) = (tmp.path().join("in.bin"), tmp.path().join("out.bin"));
-    std::fs::write(&src, &data).unwrap();
-    sh("nbdcopy", &[src.to_str().unwrap(), &nbds]);
-    sh("nbdcopy", &[&nbds, dst.to_str().unwrap()]);
-    assert_eq!(&std::fs::read(&dst).unwrap()[..4 << 20], &data[..], "nbdcopy through TLS");
+    copy_through(&tmp, &nbds, &nbds, 77);
     // qemu with its X.509 credentials.
     let creds = format!("tls-creds-x509,id=tls0,dir={},endpoint=client", pki.display());
     let opts = format!("driver=nbd,host=localhost,port={port},export=d0,tls-creds=tls0");
@@ -387,12 +382,7 @@ fn tls_with_pre_shared_keys_speaks_with_libnbd_and_qemu() {
     // With a key: libnbd's tools both ways, the data compared, for either identity.
     assert_eq!(sh("nbdinfo", &["--size", &nbds("alice", &keys)]).trim(), "16777216");
     assert_eq!(sh("nbdinfo", &["--size", &nbds("carol", &keys)]).trim(), "16777216");
-    let data = pattern(78, 4 << 20);
-    let (src, dst) = (tmp.path().join("in.bin"), tmp.path().join("out.bin"));
-    std::fs::write(&src, &data).unwrap();
-    sh("nbdcopy", &[src.to_str().unwrap(), &nbds("alice", &keys)]);
-    sh("nbdcopy", &[&nbds("carol", &keys), dst.to_str().unwrap()]);
-    assert_eq!(&std::fs::read(&dst).unwrap()[..4 << 20], &data[..], "nbdcopy through TLS with a pre-shared key");
+    copy_through(&tmp, &nbds("alice", &keys), &nbds("carol", &keys), 78);
     // qemu with its PSK credentials.
     let creds = format!("tls-creds-psk,id=tls0,dir={},username=alice,endpoint=client", dir.display());
     let opts = format!("driver=nbd,host=127.0.0.1,port={port},export=d0,tls-creds=tls0");
@@ -408,6 +398,17 @@ fn tls_with_pre_shared_keys_speaks_with_libnbd_and_qemu() {
     }
     assert!(serve.log_text().contains("no pre-shared key for identity `mallory`"), "{}", serve.log_text());
     assert!(serve.log_text().contains("TLS with PSK required of TCP clients"), "{}", serve.log_text());
+}
+
+/// 4 MiB of `seed`'s pattern copied up with `nbdcopy` to `up`, back down from `down`, and
+/// compared.
+fn copy_through(tmp: &TempDir, up: &str, down: &str, seed: u64) {
+    let data = pattern(seed, 4 << 20);
+    let (src, dst) = (tmp.path().join("in.bin"), tmp.path().join("out.bin"));
+    std::fs::write(&src, &data).unwrap();
+    sh("nbdcopy", &[src.to_str().unwrap(), up]);
+    sh("nbdcopy", &[down, dst.to_str().unwrap()]);
+    assert_eq!(&std::fs::read(&dst).unwrap()[..4 << 20], &data[..], "nbdcopy up to {up} and down from {down}");
 }
 
 /// qemu-io with `args`, its output and errors.
