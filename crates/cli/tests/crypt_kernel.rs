@@ -141,21 +141,6 @@ fn what_qemu_writes_to_a_luks1_image_reads_through_bulkhead_and_back() {
     qemu_io_luks(&key, &img, &["read -P 0xc3 4M 128k", "read -P 0 8M 64k", "read -P 0x5a 1M 256k"]);
 }
 
-/// Serve's output when it refuses to start with `config`.
-fn refused(tmp: &TempDir, config: &str) -> String {
-    let path = tmp.path().join("refused.toml");
-    std::fs::write(&path, config).unwrap();
-    let out = Command::new("timeout")
-        .args(["--kill-after=5", "60", exe(), "serve", "--config"])
-        .arg(&path)
-        .arg("--run-dir")
-        .arg(tmp.path().join("refused-run"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success(), "serve started");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 #[test]
 fn a_wrong_key_and_a_plain_file_are_refused_naming_the_cause_and_a_running_crypt_filter_stays() {
     require_kernel!();

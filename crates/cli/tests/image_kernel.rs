@@ -155,17 +155,7 @@ fn a_corrupt_header_is_refused_naming_the_device_and_the_field_and_the_file_is_u
     let mut bytes = std::fs::read(&img).unwrap();
     bytes[48..56].copy_from_slice(&12345u64.to_be_bytes()); // refcount_table_offset, unaligned
     std::fs::write(&img, &bytes).unwrap();
-    let cfg_path = tmp.path().join("bad.toml");
-    std::fs::write(&cfg_path, qcow2_device("b", &img, "")).unwrap();
-    let out = Command::new("timeout")
-        .args(["--kill-after=5", "60", exe(), "serve", "--config"])
-        .arg(&cfg_path)
-        .arg("--run-dir")
-        .arg(tmp.path().join("run"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success(), "serve started on a corrupt image");
-    let e = String::from_utf8_lossy(&out.stderr);
+    let e = refused(&tmp, &qcow2_device("b", &img, ""));
     assert!(e.contains("device b") || e.contains("`b`"), "{e}");
     assert!(e.contains("refcount_table_offset") && e.contains("bad.qcow2"), "{e}");
     assert!(std::fs::read(&img).unwrap() == bytes, "a refused image is not written");

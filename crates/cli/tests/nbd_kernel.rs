@@ -422,47 +422,21 @@ fn qemu_io_args(args: &[&str]) -> String {
 #[test]
 fn tls_settings_that_cannot_work_are_named() {
     let tmp = TempDir::new("nbd-tls-bad");
-    let cfg = tmp.path().join("bad.toml");
-    std::fs::write(
-        &cfg,
-        "[nbd]\ntls = \"require\"\n[[device]]\nname = \"d0\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n",
-    )
-    .unwrap();
-    let out =
-        Command::new(exe()).args(["serve", "--config"]).arg(&cfg).arg("--run-dir").arg(tmp.path().join("run")).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("line 2") && err.contains("nbd.tls_certificates"), "{err}");
+    let dev = "[[device]]\nname = \"d0\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n";
+    let err = refused(&tmp, &format!("[nbd]\ntls = \"require\"\n{dev}"));
+    assert!(err.contains("line 2") && err.contains("nbd.tls_certificates"), "{err}");
+    // Everything after `tls = "on"` (line 4) in the export's section.
+    let with = |keys: &str| format!("[fuse]\nenabled = false\n[nbd]\ntls = \"on\"\n{keys}\n{dev}");
     let missing = tmp.path().join("nowhere");
-    std::fs::write(
-        &cfg,
-        format!("[fuse]\nenabled = false\n[nbd]\ntls = \"on\"\ntls_certificates = \"{}\"\n[[device]]\nname = \"d0\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n", missing.display()),
-    )
-    .unwrap();
-    let out =
-        Command::new(exe()).args(["serve", "--config"]).arg(&cfg).arg("--run-dir").arg(tmp.path().join("run")).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("server-cert.pem"), "{err}");
+    let err = refused(&tmp, &with(&format!("tls_certificates = \"{}\"", missing.display())));
+    assert!(err.contains("server-cert.pem"), "{err}");
     // Pre-shared keys: a bad line is named, and so is asking for both kinds of credentials.
     let psk = tmp.path().join("keys.psk");
     std::fs::write(&psk, "alice:00ff\nbob:xyz\n").unwrap();
-    let bad = |keys: &str| {
-        let text = format!(
-            "[fuse]\nenabled = false\n[nbd]\ntls = \"on\"\n{keys}\n[[device]]\nname = \"d0\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n"
-        );
-        std::fs::write(&cfg, text).unwrap();
-        let out = Command::new(exe())
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .arg("--run-dir")
-            .arg(tmp.path().join("run"))
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "served: {out:?}");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
-    let err = bad(&format!("tls_psk = \"{}\"", psk.display()));
+    let err = refused(&tmp, &with(&format!("tls_psk = \"{}\"", psk.display())));
     assert!(err.contains("nbd.tls_psk") && err.contains("keys.psk") && err.contains("line 2"), "{err}");
-    let err = bad(&format!("tls_certificates = \"{}\"\ntls_psk = \"{}\"", missing.display(), psk.display()));
+    let both = format!("tls_certificates = \"{}\"\ntls_psk = \"{}\"", missing.display(), psk.display());
+    let err = refused(&tmp, &with(&both));
     assert!(err.contains("line 6") && err.contains("not both"), "{err}");
 }
 

@@ -177,6 +177,23 @@ pub fn small_ram_config(name: &str, size: &str, notify: &str) -> String {
 
 /// Whether every tool is installed; a missing one skips the test, or fails it when
 /// `BULKHEAD_REQUIRE_KERNEL=1` (as in CI).
+/// Serve's errors when it refuses to start with `config` (written under `tmp`); fails if it
+/// starts. A serve that hangs instead is killed after a minute.
+#[allow(dead_code)]
+pub fn refused(tmp: &TempDir, config: &str) -> String {
+    let path = tmp.path().join("refused.toml");
+    std::fs::write(&path, config).unwrap();
+    let out = Command::new("timeout")
+        .args(["--kill-after=5", "60", exe(), "serve", "--config"])
+        .arg(&path)
+        .arg("--run-dir")
+        .arg(tmp.path().join("refused-run"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "serve started with {config}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 pub fn tools(names: &[&str]) -> bool {
     for n in names {
         if bulkhead_testkit::kernel::which(n).is_none() {
