@@ -11,8 +11,9 @@
 //! many requests in flight as the ring has entries (and the device queue has slots). It
 //! waits like the channel it talks to: it spins on both its ring's completions and the
 //! device's answers for an adaptive budget ([`IdleSpin`]: tuned from the gaps it sees, cut
-//! short when other threads wait for a CPU), then sleeps in one `poll(2)` on the ring and the
-//! armed device queues.
+//! short when other threads wait for a CPU), yielding its CPU between looks once it has spun
+//! for [`YIELD_AFTER_NS`], then sleeps in one `poll(2)` on the ring and the armed device
+//! queues.
 
 use std::alloc::Layout;
 use std::collections::VecDeque;
@@ -36,6 +37,10 @@ const SLICE_MS: i32 = 50;
 /// Sleep while a device is between generations or its doorbell storms: it is looked at this
 /// often.
 const LATER_MS: i32 = 1;
+/// Spinning idle longer than this, a worker calls `sched_yield` between its looks, so a thread
+/// runnable on its CPU (the application, the loop device's worker, the driver domain, the
+/// other queue's worker) goes first instead of waiting for the end of this one's slice.
+const YIELD_AFTER_NS: u64 = 10_000;
 
 /// The CPUs the kernel may route requests from: one queue each.
 pub(crate) fn possible_cpus() -> usize {
@@ -289,6 +294,8 @@ impl RingQueue {
         let policy = wait_policy(sh);
         let mut idle = IdleSpin::new(policy);
         let mut last_answer = Instant::now();
+        // When the current idle stretch began, while spinning.
+        let mut idle_from = None;
         loop {
             if sh.stop.load(Ordering::Acquire) {
                 return Ok(Ended::Stopped);
@@ -321,12 +328,17 @@ impl RingQueue {
             let now = now_ns();
             if work > 0 {
                 idle.worked(now);
+                idle_from = None;
                 continue;
             }
             if idle.spin(now, true) {
                 std::hint::spin_loop();
+                if now - *idle_from.get_or_insert(now) >= YIELD_AFTER_NS {
+                    std::thread::yield_now();
+                }
                 continue;
             }
+            idle_from = None;
             self.sleep(&mut handles)?;
         }
     }
