@@ -34,6 +34,11 @@ impl IdleSpin {
         self.slept = false;
     }
 
+    /// How long the current idle stretch has lasted at `now` (0 while the loop is working).
+    pub fn idle_ns(&self, now: u64) -> u64 {
+        self.since.map_or(0, |t0| now.saturating_sub(t0))
+    }
+
     /// The loop found nothing at `now`: whether to spin on (`true`) or sleep (`false`, and the
     /// stretch counts as slept until work comes). It spins within the budget, while
     /// `may_spin`, and while threads are not waiting for a CPU.
@@ -60,6 +65,9 @@ mod tests {
         assert!(!w.spin(6_000, true), "once slept, the stretch sleeps until work comes");
         w.worked(7_000);
         assert!(w.spin(8_000, true), "a new stretch spins again");
+        assert_eq!(w.idle_ns(18_001), 10_001, "the stretch began at 8 µs");
         assert!(!w.spin(18_001, true), "past the 10 µs budget: sleep");
+        w.worked(19_000);
+        assert_eq!(w.idle_ns(20_000), 0, "working: not idle");
     }
 }

@@ -294,8 +294,6 @@ impl RingQueue {
         let policy = wait_policy(sh);
         let mut idle = IdleSpin::new(policy);
         let mut last_answer = Instant::now();
-        // When the current idle stretch began, while spinning.
-        let mut idle_from = None;
         loop {
             if sh.stop.load(Ordering::Acquire) {
                 return Ok(Ended::Stopped);
@@ -328,17 +326,15 @@ impl RingQueue {
             let now = now_ns();
             if work > 0 {
                 idle.worked(now);
-                idle_from = None;
                 continue;
             }
             if idle.spin(now, true) {
                 std::hint::spin_loop();
-                if now - *idle_from.get_or_insert(now) >= YIELD_AFTER_NS {
+                if idle.idle_ns(now) >= YIELD_AFTER_NS {
                     std::thread::yield_now();
                 }
                 continue;
             }
-            idle_from = None;
             self.sleep(&mut handles)?;
         }
     }
