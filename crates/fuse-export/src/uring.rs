@@ -11,9 +11,8 @@
 //! many requests in flight as the ring has entries (and the device queue has slots). It
 //! waits like the channel it talks to: it spins on both its ring's completions and the
 //! device's answers for an adaptive budget ([`IdleSpin`]: tuned from the gaps it sees, cut
-//! short when other threads wait for a CPU), yielding its CPU between looks once it has spun
-//! for [`YIELD_AFTER_NS`], then sleeps in one `poll(2)` on the ring and the armed device
-//! queues.
+//! short when other threads wait for a CPU), yielding its CPU between looks ([`yield_after`]),
+//! then sleeps in one `poll(2)` on the ring and the armed device queues.
 
 use std::alloc::Layout;
 use std::collections::VecDeque;
@@ -37,10 +36,6 @@ const SLICE_MS: i32 = 50;
 /// Sleep while a device is between generations or its doorbell storms: it is looked at this
 /// often.
 const LATER_MS: i32 = 1;
-/// Spinning idle longer than this, a worker calls `sched_yield` between its looks, so a thread
-/// runnable on its CPU (the application, the loop device's worker, the driver domain, the
-/// other queue's worker) goes first instead of waiting for the end of this one's slice.
-const YIELD_AFTER_NS: u64 = 10_000;
 
 /// The CPUs the kernel may route requests from: one queue each.
 pub(crate) fn possible_cpus() -> usize {
@@ -292,6 +287,7 @@ impl RingQueue {
     fn run(&mut self, sh: &Shared) -> Result<Ended, Ended> {
         let mut handles: Vec<Option<QueueHandle<'_>>> = (0..sh.devices.len()).map(|_| None).collect();
         let policy = wait_policy(sh);
+        let yield_after_ns = yield_after(sh);
         let mut idle = IdleSpin::new(policy);
         let mut last_answer = Instant::now();
         loop {
@@ -329,9 +325,10 @@ impl RingQueue {
                 continue;
             }
             if idle.spin(now, true) {
-                std::hint::spin_loop();
-                if idle.idle_ns(now) >= YIELD_AFTER_NS {
+                if idle.idle_ns(now) >= yield_after_ns {
                     std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
                 }
                 continue;
             }
@@ -584,6 +581,21 @@ fn wait_policy(sh: &Shared) -> BudgetPolicy {
         BudgetPolicy::Fixed(0)
     } else {
         BudgetPolicy::DEFAULT_AUTO
+    }
+}
+
+/// How long a worker spins idle before it calls `sched_yield` between its looks, ns. A thread
+/// runnable on its CPU (the application, the loop device's worker, the driver domain, the
+/// other queue's worker) makes the next request or answer, and then goes first rather than
+/// wait for the end of the worker's slice; alone on the CPU, the call returns at once. From
+/// the first idle look, unless a device is `poll`: its domain never sleeps, and with a
+/// worker yielding at every look one thread of reads lost about a tenth, where a 10 µs
+/// grace kept it (docs/BENCHMARKS.md, "Yielding from the first idle look").
+fn yield_after(sh: &Shared) -> u64 {
+    if sh.devices.iter().any(|d| d.mode() == NotifyMode::Poll) {
+        10_000
+    } else {
+        0
     }
 }
 
