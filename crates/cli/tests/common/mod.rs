@@ -175,8 +175,6 @@ pub fn small_ram_config(name: &str, size: &str, notify: &str) -> String {
     format!("[[device]]\nname = \"{name}\"\nsize = \"{size}\"\nnotify = \"{notify}\"\n[device.backend]\ntype = \"ram\"\n")
 }
 
-/// Whether every tool is installed; a missing one skips the test, or fails it when
-/// `BULKHEAD_REQUIRE_KERNEL=1` (as in CI).
 /// Serve's errors when it refuses to start with `config` (written under `tmp`); fails if it
 /// starts. A serve that hangs instead is killed after a minute.
 #[allow(dead_code)]
@@ -194,6 +192,8 @@ pub fn refused(tmp: &TempDir, config: &str) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Whether every tool is installed; a missing one skips the test, or fails it when
+/// `BULKHEAD_REQUIRE_KERNEL=1` (as in CI).
 pub fn tools(names: &[&str]) -> bool {
     for n in names {
         if bulkhead_testkit::kernel::which(n).is_none() {
