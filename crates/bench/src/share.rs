@@ -76,6 +76,11 @@ pub struct Report {
     pub fair_mibs: Vec<f64>,
     /// Jain's index of them.
     pub jain: f64,
+    /// Each of those clients' time on a CPU, and waiting in a run queue for one, s: a client
+    /// that got less of the CPUs than the others sends less.
+    pub fair_cpu_s: Vec<f64>,
+    /// See `fair_cpu_s`.
+    pub fair_waited_s: Vec<f64>,
     /// One busy client among idle views, MiB/s.
     pub busy_mibs: f64,
     /// The same client on a device with no views, MiB/s.
@@ -110,6 +115,9 @@ struct Done {
     bytes: u64,
     ops: u64,
     secs: f64,
+    /// The client's time on a CPU, and waiting in a run queue for one, s.
+    cpu_s: f64,
+    waited_s: f64,
     /// Per-request latency, µs (QD1 only).
     lat: Vec<f64>,
 }
@@ -129,6 +137,7 @@ fn client(dev: &Device, load: Load, seed: u64, stop: &AtomicBool) -> Result<Done
     let data = vec![0x5au8; load.bs];
     let mut done = Done::default();
     let started = Instant::now();
+    let (cpu0, waited0) = sched_times();
     if load.qd == 1 {
         let mut buf = vec![0u8; load.bs];
         while !stop.load(Ordering::Relaxed) {
@@ -172,7 +181,18 @@ fn client(dev: &Device, load: Load, seed: u64, stop: &AtomicBool) -> Result<Done
         }
     }
     done.secs = started.elapsed().as_secs_f64();
+    let (cpu1, waited1) = sched_times();
+    done.cpu_s = cpu1.saturating_sub(cpu0) as f64 / 1e9;
+    done.waited_s = waited1.saturating_sub(waited0) as f64 / 1e9;
     Ok(done)
+}
+
+/// The calling thread's time on a CPU and waiting in a run queue for one, ns (the first two
+/// fields of `/proc/thread-self/schedstat`); zeros where they cannot be read.
+fn sched_times() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let mut f = s.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
+    (f.next().unwrap_or(0), f.next().unwrap_or(0))
 }
 
 /// Runs each `(device, load)` in a thread of its own for `seconds`; what each did.
@@ -299,13 +319,14 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
         let devs: Vec<_> = names.iter().map(|n| device(&sup, n)).collect::<Result<_, _>>()?;
         let fair = together(&devs.iter().map(|d| (d.clone(), SATURATE)).collect::<Vec<_>>(), s)?;
         let fair_mibs: Vec<f64> = fair.iter().map(Done::mibs).collect();
+        let fair_cpu: (Vec<f64>, Vec<f64>) = fair.iter().map(|d| (d.cpu_s, d.waited_s)).unzip();
         progress("cap accuracy");
         sup.set_qos("v0", &[("credit_bytes".into(), "512K".into()), ("credit_us".into(), "10000".into())])?;
         let capped = together(&[(devs[0].clone(), CAPPED)], opts.cap_seconds)?[0].mibs();
-        Ok::<_, String>((fair_mibs, capped))
+        Ok::<_, String>((fair_mibs, fair_cpu, capped))
     })();
     sup.shutdown();
-    let (fair_mibs, capped_mibs) = result?;
+    let (fair_mibs, (fair_cpu_s, fair_waited_s), capped_mibs) = result?;
     // Work conservation: the busy view and the device with no views take turns. Each round
     // starts both afresh (a fresh ramdisk lands on other pages), and within it they alternate
     // in short slices, in the order ABBA, so that a machine whose speed drifts (a shared VM's
@@ -362,6 +383,8 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
         noisy: noisy_rows,
         jain: jain(&fair_mibs),
         fair_mibs,
+        fair_cpu_s,
+        fair_waited_s,
         busy_mibs,
         alone_mibs,
         cap_mibs,
@@ -454,6 +477,14 @@ pub fn render(r: &Report) -> String {
         r.fair_mibs.iter().map(|m| format!("{m:.1}")).collect::<Vec<_>>().join(" / "),
         r.jain
     );
+    if r.fair_cpu_s.iter().any(|&c| c > 0.0) {
+        let each = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" / ");
+        out += &format!(
+            "  the clients' threads: on a CPU {} s, waiting for one {} s\n",
+            each(&r.fair_cpu_s),
+            each(&r.fair_waited_s)
+        );
+    }
     out += &format!(
         "work conservation: one busy view {:.1} MiB/s, device with no views {:.1} MiB/s ({:.1}%)\n",
         r.busy_mibs,
