@@ -11,10 +11,19 @@ use crate::PAGE_SIZE;
 /// reused at once would still be in both sides' caches (at queue depth 1 that was worth 1–2 µs
 /// at the 99th percentile). With the run reused at once, a fio verify run on a `crypt` device
 /// over an io_uring `file` backend, its domain killed repeatedly, read one block back wrong,
-/// once in forty-nine runs. The cause is not established: the supervisor already waits for a dead
-/// domain's transfers before the next generation starts (`DomainProc::drain_retired`), so a
-/// window reused at once may expose one freed while something of the restart path still
-/// refers to it, which a rotating cursor leaves unused long enough to hide.
+/// once in forty-nine runs. With a cursor moved back to every run freed, the same test failed
+/// twice in 103 runs, both times on the same fio read (20 KiB at file offset 8445952), in one
+/// 4 KiB unit of it. In the unit that was dumped only the last 384 bytes were wrong, and read
+/// again afterwards it was right: the volume held the right bytes and the read delivered others.
+/// 384 bytes is a multiple of neither the 512-byte sector nor the file system's 1 KiB block, so
+/// this is two copies of memory racing (something writing a window or a buffer while another
+/// copies out of it), not a block landing in the wrong place. It is not a dead domain's late
+/// transfer: every generation gets arenas of its own (`QueueSetup::create` per launch), and the
+/// supervisor waits for a dead domain's transfers before the next one starts
+/// (`DomainProc::drain_retired`). A build whose FUSE workers copied each read's window twice and
+/// compared the copies ran the test 107 times with no failure and no window changing under a
+/// copy. The writer is not yet found; a rotating cursor leaves a freed window unused for long
+/// enough to hide it.
 #[derive(Debug, Clone)]
 pub struct PageAllocator {
     bits: Vec<u64>,
