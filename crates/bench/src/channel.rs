@@ -115,13 +115,6 @@ pub struct Report {
     pub modes: Vec<ModeReport>,
 }
 
-fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: valid out pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// CPU time of a process's threads, ns (from /proc/PID/task/*/schedstat).
 fn process_cpu_ns(pid: u32) -> u64 {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -219,7 +212,7 @@ fn rtt(front: &mut FrontQueue, n: usize, mut make: impl FnMut(u64) -> FrontReque
 }
 
 fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iops, String> {
-    let (c0, d0, t0) = (thread_cpu_ns(), process_cpu_ns(pid), Instant::now());
+    let (c0, d0, t0) = (bulkhead_sys::thread_cpu_ns(), process_cpu_ns(pid), Instant::now());
     let sleeps0 = front.stats().sleeps;
     let nblocks = DEVICE_SIZE / BLOCK;
     let mut seq = 0u64;
@@ -261,7 +254,7 @@ fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iop
         inflight -= front.reap(|_| {}).map_err(|e| e.to_string())?;
     }
     let el = t0.elapsed().as_secs_f64();
-    let (c1, d1) = (thread_cpu_ns(), process_cpu_ns(pid));
+    let (c1, d1) = (bulkhead_sys::thread_cpu_ns(), process_cpu_ns(pid));
     Ok(Iops {
         depth,
         iops: done as f64 / el,
@@ -304,12 +297,12 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         progress(&format!("{mode}: idle second"));
         // Let the spin budget run out first (it is at most 50 µs; wait well past it).
         std::thread::sleep(Duration::from_millis(100));
-        let (c0, d0, t0) = (thread_cpu_ns(), process_cpu_ns(pid), Instant::now());
+        let (c0, d0, t0) = (bulkhead_sys::thread_cpu_ns(), process_cpu_ns(pid), Instant::now());
         std::thread::sleep(Duration::from_secs(1));
         let el = t0.elapsed().as_secs_f64();
         let idle = Idle {
             seconds: el,
-            frontend_cpu_pct: (thread_cpu_ns() - c0) as f64 / (el * 1e7),
+            frontend_cpu_pct: (bulkhead_sys::thread_cpu_ns() - c0) as f64 / (el * 1e7),
             driver_cpu_pct: (process_cpu_ns(pid) - d0) as f64 / (el * 1e7),
         };
         let frontend_budget_ns = front.budget_ns();
