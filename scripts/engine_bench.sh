@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The `file` backend's engines side by side: 4 KiB random reads and writes at queue depth 1 and
 # 16 through the NBD export (fio's nbd engine, libnbd) on a 1 GiB file filled with random
-# data, served with `direct = true`.
+# data, served with `direct = true`. The file is made in DIR: a disk's directory, or /dev/shm
+# to see the engines on a file in memory.
 #
-#   scripts/engine_bench.sh [SECONDS_PER_JOB] [ENGINES]   (defaults: 5, "sync io_uring")
+#   scripts/engine_bench.sh [SECONDS_PER_JOB] [ENGINES] [DIR]   (defaults: 5, "sync io_uring", /var/tmp)
 #
 # Prints one line per job: engine, job, IOPS, p50 and p99 completion latency.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-5}"
 engines="${2:-sync io_uring}"
+dir="${3:-/var/tmp}"
 scripts/deps.sh bench >/dev/null
 cargo build --release --locked -q -p bulkhead
 bin="$PWD/target/release/bulkhead"
-work=$(mktemp -d /var/tmp/bulkhead-engine-bench.XXXXXX)
+work=$(mktemp -d "$dir/bulkhead-engine-bench.XXXXXX")
 pid=
 cleanup() {
   [ -n "$pid" ] && kill "$pid" 2>/dev/null || true

@@ -39,7 +39,7 @@
 //! type = "ram"            # ram | file | nbd | null | vdev
 //! # path = "/var/lib/img" # file: a regular file or block device
 //! # direct = false        # file: O_DIRECT
-//! # engine = "sync"       # file: sync | io_uring
+//! # engine = "auto"       # file: auto (sync in memory, else io_uring) | sync | io_uring
 //! # read_only = false     # file
 //! # format = "raw"        # file: raw | qcow2 (backing files as the image names them)
 //! # uri = "nbd://host:10809/export"  # nbd: or nbd+unix:///export?socket=/path
@@ -222,8 +222,9 @@ impl<'de> Deserialize<'de> for SpinBudget {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Engine {
-    /// io_uring where the kernel allows it (the supervisor can make a ring), else sync: the
-    /// default.
+    /// The default: sync for a regular file on a file system in memory (tmpfs, ramfs), where
+    /// a ring only adds a worker thread's hop; elsewhere io_uring where the kernel allows it
+    /// (the supervisor can make a ring), else sync.
     Auto,
     /// Synchronous system calls.
     Sync,

@@ -442,8 +442,8 @@ impl DeviceRuntime {
         // The format of each of `backend_fds` when the backend is a disk image.
         let mut image_formats = Vec::new();
         let mut backend = cfg.backend.resolve();
-        if let Backend::File { engine: engine @ Engine::Auto, format: ImageFormat::Raw, .. } = &mut backend {
-            *engine = auto_engine(&name);
+        if let Backend::File { engine: engine @ Engine::Auto, format: ImageFormat::Raw, path, .. } = &mut backend {
+            *engine = auto_engine(&name, path);
         }
         let (size, backend_desc) = match &backend {
             Backend::Nbd { uri, target, export, connect_timeout_ms, .. } => {
@@ -1227,12 +1227,21 @@ pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd], namespaces: bool
     bulkhead_sandbox::spawn::spawn(exe, &args, fds, None, namespaces)
 }
 
-/// The engine `engine = "auto"` (the default) picks for a raw file: io_uring if the supervisor
-/// can make a ring to lend (the kernel may have io_uring switched off:
-/// `kernel.io_uring_disabled`, or a seccomp policy around `serve`), else sync, and says why.
+/// The engine `engine = "auto"` (the default) picks for a raw file, and says why when it is
+/// not io_uring: sync for a regular file on a file system held in memory; else io_uring if
+/// the supervisor can make a ring to lend (the kernel may have io_uring switched off:
+/// `kernel.io_uring_disabled`, or a seccomp policy around `serve`), else sync. On a disk,
 /// io_uring is faster at every point measured (docs/BENCHMARKS.md, "The `file` backend's
 /// engines").
-fn auto_engine(device: &str) -> Engine {
+fn auto_engine(device: &str, path: &Path) -> Engine {
+    // A regular file in memory never waits for a device, and this kernel completes none of
+    // its requests from a ring on the spot: each goes to an io-wq worker thread and back, a
+    // hop the sync engine's plain copy does not take.
+    let regular = std::fs::metadata(path).is_ok_and(|m| m.is_file());
+    if let (true, Ok(Some(fs))) = (regular, bulkhead_sys::in_memory_fs(path)) {
+        eprintln!("bulkhead: device {device}: {} is on {fs}; the file backend uses the sync engine", path.display());
+        return Engine::Sync;
+    }
     match uring::lend(uring::FILE_ENGINE) {
         Ok(_) => Engine::IoUring,
         Err(e) => {
@@ -1256,4 +1265,29 @@ pub(crate) fn discard(mut child: DomainChild) {
 /// The `bulkhead` executable to exec for domains.
 pub(crate) fn current_exe() -> PathBuf {
     std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_takes_the_sync_engine_for_a_file_in_memory_and_io_uring_for_one_on_a_disk() {
+        let uring = if uring::lend(uring::FILE_ENGINE).is_ok() { Engine::IoUring } else { Engine::Sync };
+        let shm = Path::new("/dev/shm");
+        if bulkhead_sys::in_memory_fs(shm).is_ok_and(|fs| fs.is_some()) {
+            let f = shm.join(format!("bulkhead-auto-engine-{}", std::process::id()));
+            std::fs::write(&f, [0u8; 4096]).unwrap();
+            let picked = auto_engine("t", &f);
+            std::fs::remove_file(&f).unwrap();
+            assert_eq!(picked, Engine::Sync, "a file on {}", shm.display());
+        }
+        // The build's own directory: on a disk, unless this machine keeps it in memory too.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let f = dir.join("Cargo.toml");
+        let expect = if bulkhead_sys::in_memory_fs(dir).unwrap().is_some() { Engine::Sync } else { uring };
+        assert_eq!(auto_engine("t", &f), expect, "{}", f.display());
+        // A device is not judged by the file system its node is on (devtmpfs).
+        assert_eq!(auto_engine("t", Path::new("/dev/null")), uring, "a device node");
+    }
 }

@@ -53,6 +53,27 @@ pub fn storage_size(fd: BorrowedFd<'_>) -> io::Result<(u64, bool)> {
     Ok((meta.len(), false))
 }
 
+/// The file system of `path` holds its files in memory: tmpfs (`/dev/shm` and most `/tmp`s),
+/// ramfs or hugetlbfs. Their reads and writes are memory copies that never wait for a device.
+pub fn in_memory_fs(path: &std::path::Path) -> io::Result<Option<&'static str>> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path holds a NUL byte"))?;
+    // SAFETY: all-zero bytes are a valid `statfs`, which the call then fills.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a writable statfs, both outliving the call.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // The magic numbers of linux/magic.h.
+    Ok(match st.f_type as u64 {
+        0x0102_1994 => Some("tmpfs"),
+        0x8584_58f6 => Some("ramfs"),
+        0x9584_58f6 => Some("hugetlbfs"),
+        _ => None,
+    })
+}
+
 /// Waits until one of `fds` is ready or `timeout_ms` passes (negative: no limit); returns how
 /// many are ready (each entry's `revents` says which). An interrupted wait counts as none ready.
 pub fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> io::Result<usize> {
@@ -264,6 +285,19 @@ mod tests {
         let mut b = [0u8; 1];
         std::fs::File::from(r).read_exact(&mut b).unwrap();
         assert_eq!(&b, b"x");
+    }
+
+    #[test]
+    fn in_memory_fs_agrees_with_the_mount_table() {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        let fstype = |dir: &str| mounts.lines().map(|l| l.split(' ').collect::<Vec<_>>()).find(|f| f[1] == dir).map(|f| f[2]);
+        assert_eq!(in_memory_fs(std::path::Path::new("/proc")).unwrap(), None);
+        if let Some(t) = fstype("/dev/shm") {
+            let expect = ["tmpfs", "ramfs", "hugetlbfs"].into_iter().find(|m| *m == t);
+            assert_eq!(in_memory_fs(std::path::Path::new("/dev/shm/")).unwrap(), expect);
+        }
+        let gone = in_memory_fs(std::path::Path::new("/nonexistent/bulkhead")).unwrap_err();
+        assert_eq!(gone.kind(), io::ErrorKind::NotFound);
     }
 
     #[test]
