@@ -574,6 +574,11 @@ impl FrontQueue {
         }
         if n > 0 {
             self.ring.finish_responses();
+            // A response ends a run of empty wake-ups however it was found, as in `wait`: a
+            // ring left over from an arm that found its response already there wakes the next
+            // sleep with nothing new, and a waiter that reaps by polling must not count those
+            // into a storm.
+            self.spurious = 0;
         }
         Ok(n)
     }
