@@ -574,10 +574,10 @@ impl FrontQueue {
         }
         if n > 0 {
             self.ring.finish_responses();
-            // A response ends a run of empty wake-ups however it was found, as in `wait`: a
-            // ring left over from an arm that found its response already there wakes the next
-            // sleep with nothing new, and a waiter that reaps by polling must not count those
-            // into a storm.
+            // A response ends a run of empty wake-ups, however it was found: a ring left over
+            // from a sleep or an arm that found its response already there wakes the next
+            // sleep with nothing new, and a waiter that finds its answers by spinning or
+            // polling must not count those into a storm.
             self.spurious = 0;
         }
         Ok(n)
@@ -659,7 +659,6 @@ impl FrontQueue {
             return Err(e.clone());
         }
         if self.ring.response_pending() {
-            self.spurious = 0;
             return Ok(true);
         }
         let spin = match self.mode {
@@ -679,9 +678,6 @@ impl FrontQueue {
                 if tunes {
                     self.budget.record(now_ns() - start);
                 }
-                // A response ends a run of empty wake-ups, however it was found: a ring
-                // left over from a sleep that found its response first is not a storm.
-                self.spurious = 0;
                 return Ok(true);
             }
             std::hint::spin_loop();

@@ -1234,9 +1234,9 @@ pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd], namespaces: bool
 /// io_uring is faster at every point measured (docs/BENCHMARKS.md, "The `file` backend's
 /// engines").
 fn auto_engine(device: &str, path: &Path) -> Engine {
-    // A regular file in memory never waits for a device, and this kernel completes none of
-    // its requests from a ring on the spot: each goes to an io-wq worker thread and back, a
-    // hop the sync engine's plain copy does not take.
+    // A regular file in memory never waits for a device, and the kernel (6.18 here)
+    // completes none of its requests from a ring on the spot: each goes to an io-wq worker
+    // thread and back, a hop the sync engine's plain copy does not take.
     let regular = std::fs::metadata(path).is_ok_and(|m| m.is_file());
     if let (true, Ok(Some(fs))) = (regular, bulkhead_sys::in_memory_fs(path)) {
         eprintln!("bulkhead: device {device}: {} is on {fs}; the file backend uses the sync engine", path.display());

@@ -53,8 +53,9 @@ pub fn storage_size(fd: BorrowedFd<'_>) -> io::Result<(u64, bool)> {
     Ok((meta.len(), false))
 }
 
-/// The file system of `path` holds its files in memory: tmpfs (`/dev/shm` and most `/tmp`s),
-/// ramfs or hugetlbfs. Their reads and writes are memory copies that never wait for a device.
+/// The name of the file system holding `path` if it keeps its files in memory: tmpfs
+/// (`/dev/shm`, many `/tmp`s), ramfs or hugetlbfs, whose reads and writes are memory copies
+/// that never wait for a device; `None` for any other.
 pub fn in_memory_fs(path: &std::path::Path) -> io::Result<Option<&'static str>> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes())
