@@ -76,8 +76,9 @@ pub struct Report {
     pub fair_mibs: Vec<f64>,
     /// Jain's index of them.
     pub jain: f64,
-    /// Each of those clients' time on a CPU, and waiting in a run queue for one, s: a client
-    /// that got less of the CPUs than the others sends less.
+    /// Each of those clients' time on a CPU, and waiting in a run queue for one, s. The clients
+    /// spin while they wait, so this is not their useful work: a slow client has had as much
+    /// (docs/BENCHMARKS.md, the share section, on what its throughput does follow).
     pub fair_cpu_s: Vec<f64>,
     /// See `fair_cpu_s`.
     pub fair_waited_s: Vec<f64>,
