@@ -6,7 +6,7 @@
 use crate::PAGE_SIZE;
 
 /// First-fit allocator of contiguous page runs in an arena, with a bitmap and a rotating cursor
-/// that steps back over a run freed in the order it was allocated.
+/// that steps back when the run allocated last is the one freed.
 ///
 /// The step back is for latency: at queue depth 1 every request then reuses one window, still
 /// in the caches of both sides, rather than a cold one further on in the arena (an attached
