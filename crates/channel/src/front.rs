@@ -3,7 +3,7 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 
-use bulkhead_doorbell::{now_ns, BudgetPolicy, CrowdWatch, EventFd, NotifyMode, SpinBudget};
+use bulkhead_doorbell::{now_ns, BudgetPolicy, CrowdWatch, EventFd, Handoff, NotifyMode, SpinBudget};
 use bulkhead_ring::{
     FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES,
 };
@@ -119,6 +119,9 @@ pub struct QueueStats {
     /// Doorbell storms seen: runs of [`STORM_WAKES`] wake-ups in a row with no response, after
     /// which waits stop listening to the doorbell for [`STORM_DAMP_MS`].
     pub storms: u64,
+    /// Waits that yielded the CPU before spinning, having learned that the driver runs on this
+    /// queue's CPU (a queue that yields; see [`FrontQueue::set_yield_after`]).
+    pub yielded_first: u64,
 }
 
 /// Wake-ups in a row without a response that make a doorbell storm.
@@ -159,6 +162,8 @@ pub struct FrontQueue {
     damped_until: u64,
     /// Spins after which a wait yields the CPU between looks (0: never).
     yield_after: u32,
+    /// Where the driver runs, learned from the waits' yields (used when `yield_after` is set).
+    handoff: Handoff,
 }
 
 const INDEX_BITS: u32 = 16;
@@ -214,6 +219,7 @@ impl FrontQueue {
             spurious: 0,
             damped_until: 0,
             yield_after: 0,
+            handoff: Handoff::default(),
         }
     }
 
@@ -327,7 +333,9 @@ impl FrontQueue {
 
     /// Makes waits yield the CPU between looks once they have spun `spins` times (0: never):
     /// for a frontend that is itself a domain (a tap domain), one of three spinners for two
-    /// CPUs, whose peer may be runnable on its CPU.
+    /// CPUs, whose peer may be runnable on its CPU. When an answer comes just after a yield
+    /// that ran another thread, the driver is taken to share this CPU and the next wait
+    /// yields before spinning (see [`Handoff`]).
     pub fn set_yield_after(&mut self, spins: u32) {
         self.yield_after = spins;
     }
@@ -659,6 +667,9 @@ impl FrontQueue {
             return Err(e.clone());
         }
         if self.ring.response_pending() {
+            if self.yield_after != 0 {
+                self.handoff.arrived();
+            }
             return Ok(true);
         }
         let spin = match self.mode {
@@ -673,17 +684,27 @@ impl FrontQueue {
         let mut start = if tunes { now_ns() } else { 0 };
         let mut deadline = None;
         let mut i = 0u32;
+        let yields = self.yield_after != 0;
+        let mut first = yields && self.handoff.yield_first();
         loop {
             if self.ring.response_pending() {
                 if tunes {
                     self.budget.record(now_ns() - start);
                 }
+                if yields {
+                    self.handoff.arrived();
+                }
                 return Ok(true);
+            }
+            if std::mem::take(&mut first) {
+                self.stats.yielded_first += 1;
+                self.handoff.yield_now();
+                continue;
             }
             std::hint::spin_loop();
             i = i.wrapping_add(1);
-            if self.yield_after != 0 && i >= self.yield_after {
-                std::thread::yield_now();
+            if yields && i >= self.yield_after {
+                self.handoff.yield_now();
             }
             if i.is_multiple_of(64) {
                 let now = now_ns();
@@ -698,6 +719,7 @@ impl FrontQueue {
                     }
                 });
                 if now >= deadline || abort.load(std::sync::atomic::Ordering::Relaxed) {
+                    self.handoff.abandoned();
                     return Ok(false);
                 }
                 if now - start >= spin {
@@ -713,6 +735,7 @@ impl FrontQueue {
         }
         let deadline = deadline.expect("the spin reads the clock before it gives up");
         // Sleep: publish SLEEPING + event index, re-check, block.
+        self.handoff.abandoned();
         if self.ring.prepare_sleep() {
             self.ring.set_running();
             if tunes {

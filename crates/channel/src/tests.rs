@@ -239,6 +239,51 @@ fn thread_cpu_ns() -> u64 {
 }
 
 #[test]
+fn a_queue_that_yields_learns_to_yield_first_when_its_driver_shares_its_cpu() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    // Frontend and driver on one CPU: an answer can only come while the frontend is off it,
+    // so a yield that ran the driver precedes it.
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    f.set_yield_after(64);
+    bulkhead_sys::pin_thread(0).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let driver = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            bulkhead_sys::pin_thread(0).unwrap();
+            let mut disk = vec![0u8; 1 << 20];
+            while !stop.load(Ordering::Relaxed) {
+                if serve(&mut b, &mut disk) == 0 {
+                    std::thread::yield_now();
+                }
+            }
+        })
+    };
+    for i in 0..200u64 {
+        let r = f.execute(FrontRequest::Read { offset: (i % 64) * 4096, len: 4096 }, 5000, |_| {}).unwrap();
+        assert_eq!(r, Ok(4096));
+    }
+    stop.store(true, Ordering::Relaxed);
+    driver.join().unwrap();
+    let s = f.stats();
+    assert!(s.yielded_first > 0, "200 answers from a driver on the same CPU, no wait yielded first: {s:?}");
+}
+
+#[test]
+fn a_queue_that_never_yields_never_yields_first() {
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    let mut disk = vec![0u8; 1 << 20];
+    for i in 0..50u64 {
+        f.submit(FrontRequest::Read { offset: i * 4096, len: 4096 }, i).unwrap();
+        serve(&mut b, &mut disk);
+        assert!(f.wait(1000).unwrap());
+        f.reap(|_| {}).unwrap();
+    }
+    assert_eq!(f.stats().yielded_first, 0);
+}
+
+#[test]
 fn doorbell_storm_is_damped_and_the_answer_still_arrives() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;

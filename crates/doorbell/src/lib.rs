@@ -8,16 +8,20 @@
 //!   `docs/ring-protocol.md`, "Adaptive budget").
 //! - [`Crowd`]: whether runnable threads outnumber the CPUs, so an adaptive waiter stops
 //!   spinning when its CPU is wanted.
+//! - [`Handoff`]: whether a spinner's yields hand its CPU to the thread it waits for, so it
+//!   yields before spinning.
 #![deny(missing_docs)]
 
 mod budget;
 mod crowd;
 mod eventfd;
+mod handoff;
 mod idle;
 
 pub use budget::{BudgetPolicy, SpinBudget};
 pub use crowd::{Crowd, CrowdWatch};
 pub use eventfd::{EventFd, Poller};
+pub use handoff::Handoff;
 pub use idle::IdleSpin;
 
 use std::str::FromStr;

@@ -197,6 +197,8 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         let sizes = a.slots.iter().map(|&v| view_size(v)).collect::<Result<Vec<_>, _>>()?;
         domain.set_attach_line(line, sizes, first.arena_bytes)?;
     }
+    // The tap domain of an `interpose` device, and the driver domain below it.
+    domain.set_hands_off(matches!(this.backend, BackendSpec::Channel { .. }) || this.above_control_fds.is_some());
     if let Some(fds) = this.above_control_fds {
         // SAFETY: forwarded from this function's contract.
         let [page, wake] = fds.map(|fd| unsafe { claim(fd) });

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use arrayvec::ArrayVec;
 use bulkhead_block::{BlockError, Chain, Request, StartError, Tag, TagSpace};
 use bulkhead_channel::{AboveControl, BackQueue, Popped};
-use bulkhead_doorbell::{now_ns, BudgetPolicy, NotifyMode, Poller, SpinBudget};
+use bulkhead_doorbell::{now_ns, BudgetPolicy, Handoff, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::{Op, Status, ValidRequest};
 use bulkhead_spec::attach_line::FromDomain;
@@ -42,6 +42,9 @@ pub struct DomainStats {
     pub invalid: u64,
     /// Times the loop slept.
     pub sleeps: u64,
+    /// Idle turns that yielded the CPU before spinning, having learned that the thread that
+    /// makes the next request runs on this CPU (see `bulkhead_doorbell::Handoff`).
+    pub yielded_first: u64,
 }
 
 /// A request in the chain: the queue it came from and its validated copy.
@@ -125,6 +128,12 @@ pub struct Domain {
     poller: Poller,
     stop: Arc<AtomicBool>,
     stats: DomainStats,
+    /// Whether the thread making the next request shares this domain's CPU, learned from
+    /// the idle loop's yields (when `hands_off`).
+    handoff: Handoff,
+    /// The idle loop yields at once once the thread making the next request is seen to share
+    /// its CPU (see [`set_hands_off`](Self::set_hands_off)).
+    hands_off: bool,
     /// When layers last had their idle call.
     idled_at: u64,
     /// Where the domain shows the supervisor it is alive while layers hold requests.
@@ -224,6 +233,8 @@ impl Domain {
             poller,
             stop,
             stats: DomainStats::default(),
+            handoff: Handoff::default(),
+            hands_off: false,
             idled_at: now_ns(),
             state: None,
             heartbeat_ns: 100_000_000,
@@ -340,6 +351,17 @@ impl Domain {
         let s = Sharing::new(views, lanes, device_size, self.state.as_ref(), now_ns()).map_err(DriverError::Setup)?;
         self.sharing = Some(s);
         Ok(())
+    }
+
+    /// Lets the idle loop learn whether the thread making the next request shares this
+    /// domain's CPU, and then yield as soon as it finds nothing rather than after a few idle
+    /// turns: for the two domains of an `interpose` device, which with its frontend are
+    /// three spinners, so on two CPUs the tap domain and the driver domain below it often
+    /// take turns on one (docs/BENCHMARKS.md, "The tap hop's floor on two CPUs"). Elsewhere
+    /// the thread that makes the next request is a frontend whose own work takes longer than
+    /// the idle turns, and yielding at once measured slower (1-thread FUSE reads).
+    pub fn set_hands_off(&mut self, on: bool) {
+        self.hands_off = on;
     }
 
     /// Gives a driver domain below a tap domain its line to the supervisor about the tap
@@ -688,6 +710,7 @@ impl Domain {
                 self.beat_loop(now_ns());
             }
             if self.poll_once()? > 0 {
+                self.handoff.arrived();
                 if let Some(t) = idle_since.take() {
                     // Gaps that layers made by holding requests, or the backend by working on
                     // them, say nothing of the frontend.
@@ -727,23 +750,30 @@ impl Domain {
                     self.chain.tend();
                     self.idle_layers(false);
                 }
-                for _ in 0..8 {
-                    if self.any_pending() {
-                        break;
-                    }
-                    std::hint::spin_loop();
-                }
                 // A spinner that has found nothing for a while lets a thread runnable on its
                 // CPU go first. That thread is most often one that makes the next request:
                 // the application, the export's leader, a FUSE worker, or with a tap domain the
                 // other spinner of three on two CPUs here, any of which may otherwise wait for
                 // this one's slice to end. Alone on its CPU, the call returns at once, so a
-                // domain with a CPU to itself spins as before (docs/ring-protocol.md).
-                if spins >= IDLE_SPINS_BEFORE_YIELD {
-                    std::thread::yield_now();
+                // domain with a CPU to itself spins as before (docs/ring-protocol.md). Once a
+                // request has come just after a yield that ran another thread, that thread is
+                // taken to share this CPU, and the loop yields as soon as it finds nothing.
+                let first = self.hands_off && self.handoff.yield_first();
+                if !first {
+                    for _ in 0..8 {
+                        if self.any_pending() {
+                            break;
+                        }
+                        std::hint::spin_loop();
+                    }
+                }
+                if first || spins >= IDLE_SPINS_BEFORE_YIELD {
+                    self.stats.yielded_first += u64::from(first);
+                    self.handoff.yield_now();
                 }
                 continue;
             }
+            self.handoff.abandoned();
             self.sleep()?;
             self.beat_loop(now_ns());
             self.chain.tend();
@@ -932,6 +962,46 @@ mod tests {
         assert_eq!(r, Err(Status::Invalid));
         stop.store(true, Ordering::Relaxed);
         t.join().unwrap().unwrap();
+    }
+
+    /// A domain in `poll` mode and its frontend, both on CPU 0, for 200 reads; the domain's
+    /// stats.
+    fn on_one_cpu(hands_off: bool) -> DomainStats {
+        let cfg = QueueConfig { nslots: 8, arena_bytes: 1 << 16, mode: NotifyMode::Poll, ..Default::default() };
+        let (mut front, back) = pair(&cfg, 1 << 16).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let null = Chain::new(Vec::new(), Box::new(bulkhead_backends::NullBackend::new(1 << 16)));
+        let mut dom = Domain::new(vec![back], null, NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
+        dom.set_hands_off(hands_off);
+        bulkhead_sys::pin_thread(0).unwrap();
+        let t = std::thread::spawn(move || {
+            bulkhead_sys::pin_thread(0).unwrap();
+            dom.run().unwrap();
+            dom.stats()
+        });
+        for i in 0..200u64 {
+            let r = front.execute(FrontRequest::Read { offset: (i % 16) * 4096, len: 4096 }, 5000, |_| {}).unwrap();
+            assert_eq!(r, Ok(4096));
+            // The frontend makes its next request after a yield, as one that shares the
+            // domain's CPU would after its own work.
+            std::thread::yield_now();
+        }
+        stop.store(true, Ordering::Relaxed);
+        t.join().unwrap()
+    }
+
+    #[test]
+    fn a_domain_that_hands_off_yields_first_once_its_frontend_shares_its_cpu() {
+        let s = on_one_cpu(true);
+        assert_eq!(s.completed, 200);
+        assert!(s.yielded_first > 0, "200 requests from a frontend on the domain's CPU, no idle turn yielded first: {s:?}");
+    }
+
+    #[test]
+    fn a_domain_that_does_not_hand_off_spins_first_as_before() {
+        let s = on_one_cpu(false);
+        assert_eq!(s.completed, 200);
+        assert_eq!(s.yielded_first, 0);
     }
 
     fn view(name: &str, offset: u64, size: u64, read_only: bool) -> ViewSpec {

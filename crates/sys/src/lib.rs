@@ -95,6 +95,22 @@ pub fn thread_cpu_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Restricts the calling thread to CPU `cpu`.
+pub fn pin_thread(cpu: usize) -> io::Result<()> {
+    // SAFETY: cpu_set_t is plain bits; all zeros is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if cpu >= 8 * std::mem::size_of::<libc::cpu_set_t>() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("CPU {cpu} is beyond the affinity mask")));
+    }
+    // SAFETY: `cpu` is within the set, checked above.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: the set outlives the call, which reads it; pid 0 is the calling thread.
+    if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Takes ownership of descriptor `fd`, inherited at exec for this purpose; fails if it is not
 /// open.
 ///
