@@ -685,7 +685,9 @@ impl FrontQueue {
         let mut deadline = None;
         let mut i = 0u32;
         let yields = self.yield_after != 0;
-        let mut first = yields && self.handoff.yield_first();
+        // Once the driver is seen on this CPU every look yields: a look that spins only
+        // keeps the driver off the CPU.
+        let yield_from = if yields && self.handoff.yield_first() { 0 } else { self.yield_after };
         loop {
             if self.ring.response_pending() {
                 if tunes {
@@ -696,16 +698,13 @@ impl FrontQueue {
                 }
                 return Ok(true);
             }
-            if std::mem::take(&mut first) {
-                self.stats.yielded_first += 1;
+            if yields && i >= yield_from {
+                self.stats.yielded_first += u64::from(i == 0);
                 self.handoff.yield_now();
-                continue;
+            } else {
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
             i = i.wrapping_add(1);
-            if yields && i >= self.yield_after {
-                self.handoff.yield_now();
-            }
             if i.is_multiple_of(64) {
                 let now = now_ns();
                 let deadline = *deadline.get_or_insert_with(|| {
