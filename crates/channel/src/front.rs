@@ -365,6 +365,11 @@ impl FrontQueue {
         self.stats
     }
 
+    /// Whether a response waits to be reaped.
+    pub fn has_answer(&self) -> bool {
+        self.ring.response_pending()
+    }
+
     /// The notification mode.
     pub fn mode(&self) -> NotifyMode {
         self.mode

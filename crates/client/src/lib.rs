@@ -740,6 +740,28 @@ mod tests {
     }
 
     #[test]
+    fn arming_says_what_a_sleep_can_end_with() {
+        for (mode, unanswered) in [(NotifyMode::Poll, Armed::Spin), (NotifyMode::Irq, Armed::Fd(-1))] {
+            let c = QueueConfig { mode, ..cfg(1) };
+            let (front, mut back) = pair(&c, 1 << 20).unwrap();
+            let (dev, _control) = Device::new("t", 1 << 20, vec![front], None);
+            let mut q = dev.queue(0);
+            assert_eq!(q.arm(), Armed::Idle, "{mode:?}: nothing in flight");
+            q.submit(Request::Read { offset: 0, len: 4096 }, 1).unwrap();
+            match (q.arm(), unanswered) {
+                // A `poll` driver never rings: the caller must look again, yielding.
+                (Armed::Spin, Armed::Spin) => {}
+                (Armed::Fd(_), Armed::Fd(_)) => q.disarm(),
+                (got, _) => panic!("{mode:?}, unanswered: {got:?}"),
+            }
+            let mut disk = vec![0u8; 1 << 20];
+            assert_eq!(serve(&mut back, &mut disk), 1);
+            assert_eq!(q.arm(), Armed::Now, "{mode:?}: the answer is there");
+            assert_eq!(wait_for(&mut q, 1, 4096).0, [(1, Ok(4096))]);
+        }
+    }
+
+    #[test]
     fn requests_in_flight_move_to_the_next_generation_with_their_data() {
         let (front, _dead) = pair(&cfg(1), 1 << 20).unwrap();
         let (dev, control) = Device::new("t", 1 << 20, vec![front], None);

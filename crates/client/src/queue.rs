@@ -5,6 +5,7 @@ use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 use bulkhead_channel::{FrontRequest, SharedSlice, SubmitError};
+use bulkhead_doorbell::NotifyMode;
 
 use crate::{Device, IoError, QueueState, Staged};
 
@@ -18,6 +19,10 @@ pub enum Armed {
     Idle,
     /// An answer is there: poll instead of sleeping.
     Now,
+    /// The device is `poll`: its driver never rings, so no sleep can end with an answer.
+    /// Look again, letting a thread runnable on this CPU go first (`sched_yield`): the
+    /// driver's work, or the application's, may be waiting for this CPU.
+    Spin,
     /// The queue is between generations or its device failed: sleep briefly, then poll and
     /// expire.
     Later,
@@ -192,6 +197,8 @@ impl<'a> QueueHandle<'a> {
         }
         if self.st.q.arm() {
             Armed::Fd(self.st.q.irq_fd())
+        } else if self.st.q.mode() == NotifyMode::Poll && !self.st.q.has_answer() {
+            Armed::Spin
         } else {
             Armed::Now
         }

@@ -512,11 +512,13 @@ impl RingQueue {
         let mut armed = Vec::new();
         let mut timeout = -1;
         let mut now = false;
+        let mut spin = false;
         for (d, h) in handles.iter_mut().enumerate() {
             let Some(h) = h else { continue };
             match h.arm() {
                 Armed::Idle => {}
                 Armed::Now => now = true,
+                Armed::Spin => spin = true,
                 Armed::Later => timeout = LATER_MS,
                 Armed::Fd(fd) => {
                     armed.push(d);
@@ -526,6 +528,17 @@ impl RingQueue {
                     }
                 }
             }
+        }
+        if spin && !now {
+            // A `poll` device's driver never rings: look again, after any thread runnable
+            // on this CPU (the domain, the application) has had its turn.
+            for d in armed {
+                if let Some(h) = handles[d].as_mut() {
+                    h.disarm();
+                }
+            }
+            std::thread::yield_now();
+            return Ok(());
         }
         if !now && !self.waiting.is_empty() && armed.is_empty() {
             // Waiting for a queue another user holds: look again soon.

@@ -1337,6 +1337,12 @@ impl Connection<'_> {
         ];
         let timeout = match h.arm() {
             Armed::Idle | Armed::Now => return true,
+            Armed::Spin => {
+                // A `poll` device's driver never rings: look again, after any thread runnable
+                // on this CPU has had its turn.
+                std::thread::yield_now();
+                return true;
+            }
             Armed::Later => LATER_MS,
             Armed::Fd(fd) => {
                 fds[1].fd = fd;
