@@ -710,7 +710,9 @@ impl Domain {
                 self.beat_loop(now_ns());
             }
             if self.poll_once()? > 0 {
-                self.handoff.arrived();
+                if self.hands_off {
+                    self.handoff.arrived();
+                }
                 if let Some(t) = idle_since.take() {
                     // Gaps that layers made by holding requests, or the backend by working on
                     // them, say nothing of the frontend.
@@ -769,7 +771,12 @@ impl Domain {
                 }
                 if first || spins >= IDLE_SPINS_BEFORE_YIELD {
                     self.stats.yielded_first += u64::from(first);
-                    self.handoff.yield_now();
+                    if self.hands_off {
+                        // Timed, to learn from.
+                        self.handoff.yield_now();
+                    } else {
+                        std::thread::yield_now();
+                    }
                 }
                 continue;
             }

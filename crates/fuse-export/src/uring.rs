@@ -529,22 +529,12 @@ impl RingQueue {
                 }
             }
         }
-        if spin && !now {
-            // A `poll` device's driver never rings: look again, after any thread runnable
-            // on this CPU (the domain, the application) has had its turn.
-            for d in armed {
-                if let Some(h) = handles[d].as_mut() {
-                    h.disarm();
-                }
-            }
-            std::thread::yield_now();
-            return Ok(());
-        }
         if !now && !self.waiting.is_empty() && armed.is_empty() {
             // Waiting for a queue another user holds: look again soon.
             timeout = LATER_MS;
         }
-        if !now {
+        // A `poll` device's driver never rings (`spin`): no sleep, only a yield below.
+        if !now && !spin {
             // SAFETY: `fds` is a valid array of pollfds for the call.
             let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
             if rc < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
@@ -555,6 +545,11 @@ impl RingQueue {
             if let Some(h) = handles[d].as_mut() {
                 h.disarm();
             }
+        }
+        if spin && !now {
+            // Look again, after any thread runnable on this CPU (the domain, the
+            // application) has had its turn.
+            std::thread::yield_now();
         }
         Ok(())
     }
