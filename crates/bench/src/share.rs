@@ -420,8 +420,8 @@ fn goals(r: &Report) -> Vec<Goal> {
             g.push(Goal {
                 what: format!("{sys} over NBD: quiet p99, {} / alone", row.setting),
                 measured: ratio,
-                bound: "≤ 1.5".into(),
-                met: ratio <= 1.5,
+                bound: if row.goal { "≤ 1.5".into() } else { "(reported)".into() },
+                met: !row.goal || ratio <= 1.5,
             });
         }
     }

@@ -8,7 +8,8 @@ use crate::{BudgetPolicy, CrowdWatch, SpinBudget};
 #[derive(Debug)]
 pub struct IdleSpin {
     budget: SpinBudget,
-    crowd: CrowdWatch,
+    /// The run-queue check that cuts a spin short (`None`: the budget alone decides).
+    crowd: Option<CrowdWatch>,
     /// When the current idle stretch began (`None`: the loop is working).
     since: Option<u64>,
     /// The current stretch has slept.
@@ -16,9 +17,18 @@ pub struct IdleSpin {
 }
 
 impl IdleSpin {
-    /// A loop at work, spinning by `policy` when idle.
+    /// A loop at work, spinning by `policy` when idle, and not while threads wait for a CPU.
     pub fn new(policy: BudgetPolicy) -> Self {
-        IdleSpin { budget: SpinBudget::new(policy), crowd: CrowdWatch::default(), since: None, slept: false }
+        IdleSpin { budget: SpinBudget::new(policy), crowd: Some(CrowdWatch::default()), since: None, slept: false }
+    }
+
+    /// The same loop with no run-queue check: the budget and the caller's `may_spin` alone
+    /// decide. For a caller that already limits its spin to where an answer is due within a
+    /// request's time, where the threads the count finds are mostly other clients' and a sleep
+    /// costs a wake-up on every answer (the NBD leader, docs/ring-protocol.md).
+    pub fn without_crowd_check(mut self) -> Self {
+        self.crowd = None;
+        self
     }
 
     /// The loop found work at `now`: an idle stretch ends, and its length (less the wake-up,
@@ -41,10 +51,15 @@ impl IdleSpin {
 
     /// The loop found nothing at `now`: whether to spin on (`true`) or sleep (`false`, and the
     /// stretch counts as slept until work comes). It spins within the budget, while
-    /// `may_spin`, and while threads are not waiting for a CPU.
+    /// `may_spin`, and (unless built [`without_crowd_check`](Self::without_crowd_check)) while
+    /// threads are not waiting for a CPU.
     pub fn spin(&mut self, now: u64, may_spin: bool) -> bool {
         let t0 = *self.since.get_or_insert(now);
-        if !self.slept && may_spin && now - t0 < self.budget.budget_ns() && !self.crowd.should_sleep(t0, now) {
+        if !self.slept
+            && may_spin
+            && now - t0 < self.budget.budget_ns()
+            && !self.crowd.as_mut().is_some_and(|c| c.should_sleep(t0, now))
+        {
             return true;
         }
         self.slept = true;
@@ -69,5 +84,50 @@ mod tests {
         assert!(!w.spin(18_001, true), "past the 10 µs budget: sleep");
         w.worked(19_000);
         assert_eq!(w.idle_ns(20_000), 0, "working: not idle");
+    }
+
+    /// Looks every 8 µs of a fake clock over a 1 ms budget; the last look that spun, µs.
+    fn spun_until(mut w: IdleSpin) -> u64 {
+        let mut last = 0;
+        for t in (0..1_000).step_by(8) {
+            if !w.spin(t * 1_000, true) {
+                break;
+            }
+            last = t;
+        }
+        last
+    }
+
+    #[test]
+    fn on_crowded_cpus_only_the_crowd_check_cuts_the_spin_short() {
+        let crowd = crate::Crowd::get();
+        if !crowd.available() {
+            eprintln!("skipped: /proc/loadavg cannot be read here");
+            return;
+        }
+        // More busy threads than CPUs: the run queues count a crowd at every look.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let busy: Vec<_> = (0..crowd.cpus() + 2)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !crowd.crowded() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let crowded = crowd.crowded();
+        let checked = spun_until(IdleSpin::new(BudgetPolicy::Fixed(1_000_000)));
+        let unchecked = spun_until(IdleSpin::new(BudgetPolicy::Fixed(1_000_000)).without_crowd_check());
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        busy.into_iter().for_each(|t| t.join().unwrap());
+        assert!(crowded, "{} busy threads on {} CPUs, and no crowd seen", crowd.cpus() + 2, crowd.cpus());
+        assert!(checked < 100, "the crowd check let the spin run to {checked} µs of 1000");
+        assert!(unchecked >= 992, "without the check the budget alone ends the spin, not at {unchecked} µs");
     }
 }

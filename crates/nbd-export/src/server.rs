@@ -1086,8 +1086,8 @@ impl Jobs {
 /// looks at the socket again whenever an answer went out, so a client that keeps sixteen
 /// requests in flight finds sixteen in flight on the device, with no thread between the
 /// socket and the channel. While requests are in flight it waits as the channel does: it
-/// spins on the queue for an adaptive budget (cut short when threads wait for a CPU; with
-/// more than two in flight, a few `sched_yield` calls instead), then sleeps on the socket and
+/// spins on the queue for an adaptive budget (with more than two in flight, a few
+/// `sched_yield` calls instead), then sleeps on the socket and
 /// the queue's doorbell together. The other threads wait for the lead (leader/follower, as
 /// nbdkit's threads take turns): a request that cannot go in flight as one (larger than the
 /// queue carries, or of several steps) makes its leader pass the lead on and serve it alone,
@@ -1161,7 +1161,13 @@ impl Connection<'_> {
     fn serve(&self, slot: usize) {
         let dev = &*self.device;
         let policy = if dev.mode() == NotifyMode::Irq { BudgetPolicy::Fixed(0) } else { BudgetPolicy::DEFAULT_AUTO };
-        let mut idle = IdleSpin::new(policy);
+        // The leader spins only with one or two requests in flight (`SPIN_DEPTH`), or for the
+        // client's next request: an answer or a request is due within one request's time.
+        // There, a run-queue count mostly finds other clients' threads, and a sleep costs a
+        // doorbell wake-up on every answer: beside a capped neighbour's connection, a QD1
+        // reader's p99 was 124–136 µs with the check and 80–85 µs without it
+        // (docs/BENCHMARKS.md, "Over NBD: a leader that spins whatever the crowd").
+        let mut idle = IdleSpin::new(policy).without_crowd_check();
         let mut jobs = Jobs::default();
         let mut alone = Vec::new();
         loop {
