@@ -558,53 +558,56 @@ pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: i
     let total = per_system * runnable.len();
     let started = Instant::now();
     let mut done = 0;
-    for (si, sys) in runnable.iter().enumerate() {
-        if stop.load(Ordering::Relaxed) {
-            report.interrupted = true;
-            break;
-        }
-        let label = sys.label();
-        let dir = work.join(format!("s{si}"));
-        let mnt = dir.join("mnt");
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        progress(&Progress { done, total, what: format!("{label}: setting up"), eta: eta(started, done, total) });
-        let m = match bring_up(sys, exe, &dir, &mnt, opts.spin_budget_us) {
-            Ok(m) => m,
-            Err(reason) => {
-                report.skipped.push(Skipped { system: label.clone(), reason });
-                done += per_system;
-                continue;
-            }
-        };
-        report.systems.push(label.clone());
-        let server = m.procs.pids();
-        'modes: for (mi, mode) in opts.modes.iter().enumerate() {
-            // A time-limited seqwr rewrites the files from the start and leaves them as long as
-            // it got: the modes after it need them whole again.
-            if mi > 0 && opts.modes[mi - 1] == "seqwr" {
-                if let Err(e) = prepare(&mnt) {
-                    report.skipped.push(Skipped { system: label.clone(), reason: e });
-                }
-            }
-            for &t in &opts.threads {
+    // The systems take turns at each point, each brought up afresh for it (well under a second
+    // here, sysbench's files included), so that the points compared with one another are
+    // measured seconds apart rather than minutes: this machine's speed drifts by a third over
+    // minutes, which a system-by-system order turned into differences between the systems. A
+    // system is never up while another is measured (an idle `poll` device spins), and every
+    // point starts from whole files (a time-limited seqwr leaves them as long as it got).
+    let mut failed = vec![false; runnable.len()];
+    'points: for mode in &opts.modes {
+        for &t in &opts.threads {
+            for (si, sys) in runnable.iter().enumerate() {
                 if stop.load(Ordering::Relaxed) {
                     report.interrupted = true;
-                    break 'modes;
+                    break 'points;
                 }
+                if failed[si] {
+                    done += 1;
+                    continue;
+                }
+                let label = sys.label();
+                // A directory of its own per bring-up: nothing of the last one (a socket, an
+                // image) is taken for this one's.
+                let dir = work.join(format!("s{si}-{done}"));
+                let mnt = dir.join("mnt");
+                std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
                 progress(&Progress { done, total, what: format!("{label} {mode} threads={t}"), eta: eta(started, done, total) });
-                match point(&label, &mnt, mode, t, opts.seconds, &server) {
-                    Ok(p) => report.points.push(p),
-                    Err(e) => {
-                        report.skipped.push(Skipped { system: label.clone(), reason: e });
+                let m = match bring_up(sys, exe, &dir, &mnt, opts.spin_budget_us) {
+                    Ok(m) => m,
+                    Err(reason) => {
+                        let _ = std::fs::remove_dir_all(&dir);
+                        report.skipped.push(Skipped { system: label.clone(), reason });
+                        failed[si] = true;
                         done += 1;
                         continue;
                     }
+                };
+                if !report.systems.contains(&label) {
+                    report.systems.push(label.clone());
                 }
+                match point(&label, &mnt, mode, t, opts.seconds, &m.procs.pids()) {
+                    Ok(p) => report.points.push(p),
+                    Err(e) => report.skipped.push(Skipped { system: label.clone(), reason: e }),
+                }
+                drop(m);
+                let _ = std::fs::remove_dir_all(&dir);
                 done += 1;
             }
         }
-        drop(m);
     }
+    // Listed in the order asked for, whichever came up first.
+    report.systems.sort_by_key(|l| runnable.iter().position(|s| &s.label() == l));
     progress(&Progress { done: total, total, what: "done".into(), eta: Duration::ZERO });
     Ok(report)
 }
