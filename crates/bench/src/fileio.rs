@@ -606,8 +606,6 @@ pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: i
             }
         }
     }
-    // Listed in the order asked for, whichever came up first.
-    report.systems.sort_by_key(|l| runnable.iter().position(|s| &s.label() == l));
     progress(&Progress { done: total, total, what: "done".into(), eta: Duration::ZERO });
     Ok(report)
 }

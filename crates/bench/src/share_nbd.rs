@@ -187,9 +187,9 @@ fn capped(sock: &Path, seconds: f64) -> Result<f64, String> {
 /// together, and over NBD each then costs a reply, a client's next request and a read of it,
 /// on threads that share the two CPUs with the quiet reader: a 1 ms grant of a 32 MiB/s cap
 /// is eight 4 KiB answers at once, and the reader's p99 was 1.1–3.0× alone with it, 0.6–1.8×
-/// with a quarter of the grant four times as often (three runs). Through the library the answers cost
-/// nearly nothing and each wake-up of the neighbour a lot, so the library's rows keep 1 ms
-/// (docs/sharing.md, "Choosing the grain").
+/// with a quarter of the grant four times as often (three runs). Through the library the
+/// answers cost nearly nothing and each wake-up of the neighbour a lot, so the library's rows
+/// keep 1 ms (docs/sharing.md, "Choosing the grain").
 pub const NBD_GRAIN_US: u64 = 250;
 
 /// The library's credit period, µs, also run over NBD for comparison.

@@ -1087,8 +1087,8 @@ impl Jobs {
 /// requests in flight finds sixteen in flight on the device, with no thread between the
 /// socket and the channel. While requests are in flight it waits as the channel does: it
 /// spins on the queue for an adaptive budget (with more than two in flight, a few
-/// `sched_yield` calls instead), then sleeps on the socket and
-/// the queue's doorbell together. The other threads wait for the lead (leader/follower, as
+/// `sched_yield` calls instead), then sleeps on the socket and the queue's doorbell
+/// together. The other threads wait for the lead (leader/follower, as
 /// nbdkit's threads take turns): a request that cannot go in flight as one (larger than the
 /// queue carries, or of several steps) makes its leader pass the lead on and serve it alone,
 /// so it holds up no other request.
