@@ -70,6 +70,9 @@ pub struct Options {
     pub systems: Vec<System>,
     /// Seconds per point.
     pub seconds: u32,
+    /// How many times each point is measured (the systems in turns each time); the median
+    /// round is the point reported.
+    pub rounds: u32,
     /// Scratch directory (tmpfs is best: images live there).
     pub scratch: PathBuf,
     /// bulkhead's `spin_budget_us` (`None`: "auto").
@@ -92,6 +95,7 @@ impl Options {
             threads: THREADS.to_vec(),
             systems,
             seconds: 5,
+            rounds: 1,
             scratch: PathBuf::from("/dev/shm"),
             spin_budget_us: None,
         }
@@ -130,6 +134,32 @@ pub struct Point {
     pub host_cpu_cores: f64,
     /// Cores the serving processes used (0 for the native loop: its work is in the kernel).
     pub server_cpu_cores: f64,
+    /// Read plus write of every round of this point, MiB/s, in the order measured. The fields
+    /// above are those of the median round (the lower middle one for an even count).
+    pub rounds_mibs: Vec<f64>,
+}
+
+impl Point {
+    /// The median of `rounds` (by total throughput), carrying every round's total with it.
+    fn median_of(mut rounds: Vec<Point>) -> Option<Point> {
+        let totals: Vec<f64> = rounds.iter().map(|p| p.total_mibs).collect();
+        rounds.sort_by(|a, b| a.total_mibs.total_cmp(&b.total_mibs));
+        let mid = rounds.len().checked_sub(1)? / 2;
+        let mut p = rounds.swap_remove(mid);
+        p.rounds_mibs = totals;
+        Some(p)
+    }
+
+    /// Lowest and highest round, MiB/s.
+    fn range(&self) -> (f64, f64) {
+        let lo = self.rounds_mibs.iter().cloned().fold(f64::INFINITY, f64::min);
+        let hi = self.rounds_mibs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        if lo.is_finite() {
+            (lo, hi)
+        } else {
+            (self.total_mibs, self.total_mibs)
+        }
+    }
 }
 
 /// A system that could not be measured.
@@ -146,6 +176,8 @@ pub struct Skipped {
 pub struct Report {
     /// Seconds per point.
     pub seconds: u32,
+    /// Rounds per point (each point is the median round).
+    pub rounds: u32,
     /// Modes.
     pub modes: Vec<String>,
     /// Thread counts.
@@ -494,6 +526,7 @@ fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: 
         p95_ms: field(&text, "95th percentile:"),
         host_cpu_cores: host,
         server_cpu_cores: (s1.saturating_sub(s0)) as f64 / clock_ticks() / wall,
+        rounds_mibs: vec![read + write],
     })
 }
 
@@ -536,6 +569,7 @@ pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: i
 
     let mut report = Report {
         seconds: opts.seconds,
+        rounds: opts.rounds.max(1),
         modes: opts.modes.clone(),
         threads: opts.threads.clone(),
         systems: Vec::new(),
@@ -554,7 +588,8 @@ pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: i
             None => true,
         })
         .collect();
-    let per_system = opts.modes.len() * opts.threads.len();
+    let rounds = opts.rounds.max(1) as usize;
+    let per_system = opts.modes.len() * opts.threads.len() * rounds;
     let total = per_system * runnable.len();
     let started = Instant::now();
     let mut done = 0;
@@ -563,46 +598,60 @@ pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: i
     // measured seconds apart rather than minutes: this machine's speed drifts by a third over
     // minutes, which a system-by-system order turned into differences between the systems. A
     // system is never up while another is measured (an idle `poll` device spins), and every
-    // point starts from whole files (a time-limited seqwr leaves them as long as it got).
+    // point starts from whole files (a time-limited seqwr leaves them as long as it got). With
+    // more than one round, the turns repeat and each system's median round is its point.
     let mut failed = vec![false; runnable.len()];
     'points: for mode in &opts.modes {
         for &t in &opts.threads {
-            for (si, sys) in runnable.iter().enumerate() {
-                if stop.load(Ordering::Relaxed) {
-                    report.interrupted = true;
-                    break 'points;
-                }
-                if failed[si] {
-                    done += 1;
-                    continue;
-                }
-                let label = sys.label();
-                // A directory of its own per bring-up: nothing of the last one (a socket, an
-                // image) is taken for this one's.
-                let dir = work.join(format!("s{si}-{done}"));
-                let mnt = dir.join("mnt");
-                std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-                progress(&Progress { done, total, what: format!("{label} {mode} threads={t}"), eta: eta(started, done, total) });
-                let m = match bring_up(sys, exe, &dir, &mnt, opts.spin_budget_us) {
-                    Ok(m) => m,
-                    Err(reason) => {
-                        let _ = std::fs::remove_dir_all(&dir);
-                        report.skipped.push(Skipped { system: label.clone(), reason });
-                        failed[si] = true;
+            let mut measured: Vec<Vec<Point>> = vec![Vec::new(); runnable.len()];
+            'rounds: for round in 0..rounds {
+                for (si, sys) in runnable.iter().enumerate() {
+                    if stop.load(Ordering::Relaxed) {
+                        report.interrupted = true;
+                        break 'rounds;
+                    }
+                    if failed[si] {
                         done += 1;
                         continue;
                     }
-                };
-                if !report.systems.contains(&label) {
-                    report.systems.push(label.clone());
+                    let label = sys.label();
+                    // A directory of its own per bring-up: nothing of the last one (a socket,
+                    // an image) is taken for this one's.
+                    let dir = work.join(format!("s{si}-{done}"));
+                    let mnt = dir.join("mnt");
+                    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+                    let what = if rounds > 1 {
+                        format!("{label} {mode} threads={t} round {}/{rounds}", round + 1)
+                    } else {
+                        format!("{label} {mode} threads={t}")
+                    };
+                    progress(&Progress { done, total, what, eta: eta(started, done, total) });
+                    let m = match bring_up(sys, exe, &dir, &mnt, opts.spin_budget_us) {
+                        Ok(m) => m,
+                        Err(reason) => {
+                            let _ = std::fs::remove_dir_all(&dir);
+                            report.skipped.push(Skipped { system: label.clone(), reason });
+                            failed[si] = true;
+                            done += 1;
+                            continue;
+                        }
+                    };
+                    if !report.systems.contains(&label) {
+                        report.systems.push(label.clone());
+                    }
+                    match point(&label, &mnt, mode, t, opts.seconds, &m.procs.pids()) {
+                        Ok(p) => measured[si].push(p),
+                        Err(e) => report.skipped.push(Skipped { system: label.clone(), reason: e }),
+                    }
+                    drop(m);
+                    let _ = std::fs::remove_dir_all(&dir);
+                    done += 1;
                 }
-                match point(&label, &mnt, mode, t, opts.seconds, &m.procs.pids()) {
-                    Ok(p) => report.points.push(p),
-                    Err(e) => report.skipped.push(Skipped { system: label.clone(), reason: e }),
-                }
-                drop(m);
-                let _ = std::fs::remove_dir_all(&dir);
-                done += 1;
+            }
+            // Interrupted, a point keeps the rounds it has (the report says it is partial).
+            report.points.extend(measured.into_iter().filter_map(Point::median_of));
+            if report.interrupted {
+                break 'points;
             }
         }
     }
@@ -636,10 +685,13 @@ impl Report {
 
     /// CSV, one line per point.
     pub fn csv(&self) -> String {
-        let mut s = String::from("system,mode,threads,read_mibs,write_mibs,total_mibs,p95_ms,host_cpu_cores,server_cpu_cores\n");
+        let mut s = String::from(
+            "system,mode,threads,read_mibs,write_mibs,total_mibs,p95_ms,host_cpu_cores,server_cpu_cores,rounds_mibs\n",
+        );
         for p in &self.points {
+            let rounds: Vec<String> = p.rounds_mibs.iter().map(|r| format!("{r:.2}")).collect();
             s.push_str(&format!(
-                "{},{},{},{:.2},{:.2},{:.2},{:.2},{:.3},{:.3}\n",
+                "{},{},{},{:.2},{:.2},{:.2},{:.2},{:.3},{:.3},{}\n",
                 p.system,
                 p.mode,
                 p.threads,
@@ -648,7 +700,8 @@ impl Report {
                 p.total_mibs,
                 p.p95_ms,
                 p.host_cpu_cores,
-                p.server_cpu_cores
+                p.server_cpu_cores,
+                rounds.join(";")
             ));
         }
         s
@@ -659,7 +712,11 @@ impl Report {
         let mut out = String::new();
         let ths: Vec<String> = self.threads.iter().map(|t| format!("{t} thr")).collect();
         for mode in &self.modes {
-            out.push_str(&format!("\n{mode}: MiB/s (server CPU cores)\n"));
+            if self.rounds > 1 {
+                out.push_str(&format!("\n{mode}: MiB/s, median of {} rounds [lowest-highest] (server CPU cores)\n", self.rounds));
+            } else {
+                out.push_str(&format!("\n{mode}: MiB/s (server CPU cores)\n"));
+            }
             let mut header = vec!["system"];
             header.extend(ths.iter().map(|s| s.as_str()));
             let mut t = crate::Table::new(&header);
@@ -667,6 +724,10 @@ impl Report {
                 let mut row = vec![sys.clone()];
                 for &th in &self.threads {
                     row.push(match self.get(sys, mode, th) {
+                        Some(p) if self.rounds > 1 => {
+                            let (lo, hi) = p.range();
+                            format!("{:.0} [{lo:.0}-{hi:.0}] ({:.2})", p.total_mibs, p.server_cpu_cores)
+                        }
                         Some(p) => format!("{:.0} ({:.2})", p.total_mibs, p.server_cpu_cores),
                         None => "-".into(),
                     });
@@ -821,8 +882,9 @@ impl Report {
         let mut s = format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
              <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-             <text x=\"10\" y=\"20\" font-size=\"14\">sysbench fileio, 16 KiB O_DIRECT, ext2 on loop (--direct-io=on); MiB/s against threads; {} s per point</text>\n",
-            self.seconds
+             <text x=\"10\" y=\"20\" font-size=\"14\">sysbench fileio, 16 KiB O_DIRECT, ext2 on loop (--direct-io=on); MiB/s against threads; {} s per point{}</text>\n",
+            self.seconds,
+            if self.rounds > 1 { format!(", median of {} rounds", self.rounds) } else { String::new() }
         );
         let tmin = self.threads.iter().copied().min().unwrap_or(1).max(1) as f64;
         let tmax = self.threads.iter().copied().max().unwrap_or(1).max(2) as f64;
@@ -950,12 +1012,14 @@ mod tests {
                         p95_ms: 0.1,
                         host_cpu_cores: 1.5,
                         server_cpu_cores: 0.8,
+                        rounds_mibs: vec![v],
                     });
                 }
             }
         }
         Report {
             seconds: 3,
+            rounds: 1,
             modes: vec!["rndrd".into(), "seqwr".into()],
             threads: vec![1, 8],
             systems: ["bulkhead-ram-irq", "bulkhead-ram-poll", "bulkhead-ram-adaptive", "native", "nbdkit", "qsd", "bindfs"]
@@ -996,6 +1060,41 @@ mod tests {
         let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
         assert_eq!(back["points"].as_array().unwrap().len(), r.points.len());
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_point_of_several_rounds_is_its_median_round() {
+        let round = |total: f64, p95: f64| Point {
+            system: "native".into(),
+            mode: "rndrd".into(),
+            threads: 1,
+            read_mibs: total,
+            write_mibs: 0.0,
+            total_mibs: total,
+            p95_ms: p95,
+            host_cpu_cores: 1.0,
+            server_cpu_cores: 0.0,
+            rounds_mibs: vec![total],
+        };
+        let p = Point::median_of(vec![round(400.0, 0.1), round(300.0, 0.3), round(500.0, 0.2)]).unwrap();
+        // The whole median round is kept, with every round's total in the order measured.
+        assert_eq!((p.total_mibs, p.p95_ms), (400.0, 0.1));
+        assert_eq!(p.rounds_mibs, [400.0, 300.0, 500.0]);
+        assert_eq!(p.range(), (300.0, 500.0));
+        // An even count takes the lower middle round; none gives no point.
+        let p = Point::median_of(vec![round(400.0, 0.1), round(300.0, 0.3)]).unwrap();
+        assert_eq!(p.total_mibs, 300.0);
+        assert!(Point::median_of(Vec::new()).is_none());
+
+        let mut r = sample();
+        r.rounds = 3;
+        for p in r.points.iter_mut() {
+            p.rounds_mibs = vec![p.total_mibs * 0.9, p.total_mibs, p.total_mibs * 1.2];
+        }
+        let txt = r.render();
+        assert!(txt.contains("rndrd: MiB/s, median of 3 rounds [lowest-highest] (server CPU cores)"), "{txt}");
+        assert!(txt.contains("300 [270-360] (0.80)"), "{txt}");
+        assert!(r.csv().contains("native,rndrd,1,500.00,0.00,500.00,0.10,1.500,0.800,450.00;500.00;600.00"), "{}", r.csv());
     }
 
     #[test]

@@ -284,41 +284,7 @@ enum BenchCmd {
         json: bool,
     },
     /// The IDDR thesis' sysbench fileio experiment, bulkhead next to the peers (needs root).
-    Fileio {
-        /// The quick subset (about two minutes).
-        #[arg(long)]
-        quick: bool,
-        /// Modes (comma-separated): rndrd, rndwr, rndrw, seqrd, seqwr, seqrewr.
-        #[arg(long, value_delimiter = ',')]
-        modes: Option<Vec<String>>,
-        /// Thread counts (comma-separated).
-        #[arg(long, value_delimiter = ',')]
-        threads: Option<Vec<u32>>,
-        /// bulkhead backends (comma-separated): ram, file.
-        #[arg(long, value_delimiter = ',')]
-        backends: Option<Vec<String>>,
-        /// Notification modes (comma-separated): irq, poll, adaptive.
-        #[arg(long, value_delimiter = ',')]
-        notify: Option<Vec<String>>,
-        /// Peers (comma-separated): native, nbdkit, qsd; `none` for none.
-        #[arg(long, value_delimiter = ',')]
-        peers: Option<Vec<String>>,
-        /// Seconds per point.
-        #[arg(long)]
-        seconds: Option<u32>,
-        /// Where to write report.json, points.csv, fileio.svg and report.txt.
-        #[arg(long, default_value = "bench-fileio")]
-        out: PathBuf,
-        /// Scratch directory for images (tmpfs).
-        #[arg(long, default_value = "/dev/shm")]
-        scratch: PathBuf,
-        /// bulkhead's spin budget in µs (default: the self-tuning "auto").
-        #[arg(long)]
-        spin_budget_us: Option<u64>,
-        /// Print the JSON report instead of the tables.
-        #[arg(long)]
-        json: bool,
-    },
+    Fileio(FileioArgs),
     /// The VPT case study: a SURGE-style workload on ext4 over a vpt device, per disk scheduler
     /// (bulkhead's and the kernel's), with and without O_DIRECT, the simulator beside (needs root).
     Surge(SurgeArgs),
@@ -515,13 +481,7 @@ fn main() -> ExitCode {
         Cmd::Bench { which: BenchCmd::Images { seconds, size, scratch, no_qsd, json } } => {
             bench_images(seconds, &size, scratch, !no_qsd, json)
         }
-        Cmd::Bench {
-            which:
-                BenchCmd::Fileio { quick, modes, threads, backends, notify, peers, seconds, out, scratch, spin_budget_us, json },
-        } => {
-            let args = FileioArgs { quick, modes, threads, backends, notify, peers, seconds, out, scratch, spin_budget_us, json };
-            bench_fileio(args)
-        }
+        Cmd::Bench { which: BenchCmd::Fileio(args) } => bench_fileio(args),
     };
     match result {
         Ok(code) => code,
@@ -624,17 +584,45 @@ fn bench_surge(a: SurgeArgs) -> anyhow::Result<ExitCode> {
     Ok(if report.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
 }
 
+/// `bench fileio`'s options.
+#[derive(clap::Args)]
 struct FileioArgs {
+    /// The quick subset (about two minutes).
+    #[arg(long)]
     quick: bool,
+    /// Modes (comma-separated): rndrd, rndwr, rndrw, seqrd, seqwr, seqrewr.
+    #[arg(long, value_delimiter = ',')]
     modes: Option<Vec<String>>,
+    /// Thread counts (comma-separated).
+    #[arg(long, value_delimiter = ',')]
     threads: Option<Vec<u32>>,
+    /// bulkhead backends (comma-separated): ram, file.
+    #[arg(long, value_delimiter = ',')]
     backends: Option<Vec<String>>,
+    /// Notification modes (comma-separated): irq, poll, adaptive.
+    #[arg(long, value_delimiter = ',')]
     notify: Option<Vec<String>>,
+    /// Peers (comma-separated): native, nbdkit, qsd, bindfs; `none` for none.
+    #[arg(long, value_delimiter = ',')]
     peers: Option<Vec<String>>,
+    /// Seconds per point.
+    #[arg(long)]
     seconds: Option<u32>,
+    /// Measure each point this many times, the systems in turns each time, and report
+    /// each system's median round with the lowest and highest.
+    #[arg(long, default_value_t = 1)]
+    rounds: u32,
+    /// Where to write report.json, points.csv, fileio.svg and report.txt.
+    #[arg(long, default_value = "bench-fileio")]
     out: PathBuf,
+    /// Scratch directory for images (tmpfs).
+    #[arg(long, default_value = "/dev/shm")]
     scratch: PathBuf,
+    /// bulkhead's spin budget in µs (default: the self-tuning "auto").
+    #[arg(long)]
     spin_budget_us: Option<u64>,
+    /// Print the JSON report instead of the tables.
+    #[arg(long)]
     json: bool,
 }
 
@@ -663,6 +651,10 @@ fn bench_fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
         }
         opts.seconds = s;
     }
+    if !(1..=100).contains(&a.rounds) {
+        anyhow::bail!("--rounds: {} is out of range 1..=100", a.rounds);
+    }
+    opts.rounds = a.rounds;
     let (mut backends, mut notify): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
     let mut peers: Vec<String> = Vec::new();
     for s in &opts.systems {

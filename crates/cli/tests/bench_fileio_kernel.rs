@@ -1,5 +1,5 @@
 //! `bulkhead bench fileio` end to end on a small matrix: bulkhead and the native loop peer
-//! measured, outputs written, nothing left behind.
+//! measured in two rounds, outputs written, nothing left behind.
 
 mod common;
 
@@ -18,26 +18,31 @@ fn bench_fileio_measures_a_small_matrix_and_cleans_up() {
     let out_dir = tmp.path().join("out");
     let before = leftovers("bh-fileio-");
     let out = Command::new("timeout")
-        .args(["300", exe(), "bench", "fileio", "--modes", "rndrd,seqwr", "--threads", "1,2", "--backends", "ram"])
-        .args(["--notify", "poll", "--peers", "native", "--seconds", "1", "--out"])
+        .args(["300", exe(), "bench", "fileio", "--modes", "rndrd,seqwr", "--threads", "1", "--backends", "ram"])
+        .args(["--notify", "poll", "--peers", "native", "--seconds", "1", "--rounds", "2", "--out"])
         .arg(&out_dir)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stderr.contains("8/8"), "the progress reaches the end: {stderr}");
+    assert!(stderr.contains("8/8"), "the progress counts every round and reaches the end: {stderr}");
+    assert!(stdout.contains("median of 2 rounds"), "{stdout}");
     assert!(stdout.contains("bulkhead-ram-poll") && stdout.contains("native") && stdout.contains("goals"), "{stdout}");
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap()).unwrap();
     let points = report["points"].as_array().unwrap();
-    assert_eq!(points.len(), 8, "2 systems x 2 modes x 2 thread counts: {report}");
+    assert_eq!(points.len(), 4, "2 systems x 2 modes x 1 thread count: {report}");
     for p in points {
-        assert!(p["total_mibs"].as_f64().unwrap() > 1.0, "a real measurement: {p}");
+        let total = p["total_mibs"].as_f64().unwrap();
+        assert!(total > 1.0, "a real measurement: {p}");
+        let rounds: Vec<f64> = p["rounds_mibs"].as_array().unwrap().iter().map(|r| r.as_f64().unwrap()).collect();
+        assert_eq!(rounds.len(), 2, "both rounds kept: {p}");
+        assert_eq!(total, rounds.iter().cloned().fold(f64::INFINITY, f64::min), "the lower middle of two rounds: {p}");
     }
     let bulkhead_cpu: f64 =
         points.iter().filter(|p| p["system"] == "bulkhead-ram-poll").map(|p| p["server_cpu_cores"].as_f64().unwrap()).sum();
     assert!(bulkhead_cpu > 0.5, "a polling driver domain uses CPU, and it is counted: {bulkhead_cpu}");
-    assert_eq!(std::fs::read_to_string(out_dir.join("points.csv")).unwrap().lines().count(), 9);
+    assert_eq!(std::fs::read_to_string(out_dir.join("points.csv")).unwrap().lines().count(), 5);
     assert_eq!(std::fs::read_to_string(out_dir.join("fileio.svg")).unwrap().matches("<polyline").count(), 4);
     assert_eq!(leftovers("bh-fileio-"), before, "no mount or loop device left behind");
 }
