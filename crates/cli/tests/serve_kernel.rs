@@ -137,6 +137,19 @@ fn fio_crc32c_verify(io_uring: &str, expect: Option<&str>) {
     if let Some(t) = expect {
         assert_eq!(status["fuse"]["transport"], t, "fuse transport in status: {}", status["fuse"]);
     }
+    if status["fuse"]["transport"] == "io_uring" {
+        // Each ring's worker runs on the CPU whose requests the ring carries.
+        let mut workers = 0;
+        for task in std::fs::read_dir(format!("/proc/{}/task", serve.pid())).unwrap().flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            let Some(qid) = comm.trim().strip_prefix("fuse-ring-") else { continue };
+            let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+            let allowed = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(str::trim);
+            assert_eq!(allowed, Some(qid), "ring worker {qid} bound to its CPU");
+            workers += 1;
+        }
+        assert!(workers > 0, "no ring worker threads found in serve");
+    }
     let lo = LoopGuard::attach_direct(&serve.fuse_file("f"));
     for (name, rw) in [("randwrite-verify", "randwrite"), ("mixed-verify", "randrw")] {
         let out = Command::new("timeout")

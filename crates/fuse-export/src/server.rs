@@ -279,6 +279,19 @@ impl FuseExport {
             let fd = fuse.try_clone().map_err(|e| format!("dup /dev/fuse: {e}"))?;
             let (sh, tx) = (self.shared.clone(), tx.clone());
             let spawned = std::thread::Builder::new().name(format!("fuse-ring-{qid}")).spawn(move || {
+                // The kernel queues a request on the ring of the CPU it was issued from, so the
+                // worker runs there too: it serves the request where it was made and is woken
+                // there. Left free, a worker woken by the driver domain's doorbell was pulled
+                // onto the domain's CPU, and at one thread of writes the two then shared a CPU
+                // while the other idled (docs/BENCHMARKS.md, "Ring workers on their CPUs").
+                // A CPU this process may not run on (offline, or outside a container's cpuset:
+                // EINVAL) leaves its worker free; requests issued there are still served.
+                match bulkhead_sys::pin_thread(qid) {
+                    Err(e) if e.raw_os_error() != Some(libc::EINVAL) => {
+                        eprintln!("bulkhead: fuse ring {qid}: not bound to CPU {qid} ({e}); its worker runs anywhere")
+                    }
+                    _ => {}
+                }
                 let mut q = match RingQueue::new(qid as u16, depth, fd).and_then(|mut q| q.start().map(|()| q)) {
                     Ok(q) => q,
                     Err(e) => {
