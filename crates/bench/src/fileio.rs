@@ -620,11 +620,10 @@ pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: i
                     let dir = work.join(format!("s{si}-{done}"));
                     let mnt = dir.join("mnt");
                     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-                    let what = if rounds > 1 {
-                        format!("{label} {mode} threads={t} round {}/{rounds}", round + 1)
-                    } else {
-                        format!("{label} {mode} threads={t}")
-                    };
+                    let mut what = format!("{label} {mode} threads={t}");
+                    if rounds > 1 {
+                        what.push_str(&format!(" round {}/{rounds}", round + 1));
+                    }
                     progress(&Progress { done, total, what, eta: eta(started, done, total) });
                     let m = match bring_up(sys, exe, &dir, &mnt, opts.spin_budget_us) {
                         Ok(m) => m,
@@ -683,6 +682,15 @@ impl Report {
         self.systems.iter().filter(|s| !s.starts_with("bulkhead-")).collect()
     }
 
+    /// ", median of N rounds" when points are medians, else nothing.
+    fn of_rounds(&self) -> String {
+        if self.rounds > 1 {
+            format!(", median of {} rounds", self.rounds)
+        } else {
+            String::new()
+        }
+    }
+
     /// CSV, one line per point.
     pub fn csv(&self) -> String {
         let mut s = String::from(
@@ -712,11 +720,8 @@ impl Report {
         let mut out = String::new();
         let ths: Vec<String> = self.threads.iter().map(|t| format!("{t} thr")).collect();
         for mode in &self.modes {
-            if self.rounds > 1 {
-                out.push_str(&format!("\n{mode}: MiB/s, median of {} rounds [lowest-highest] (server CPU cores)\n", self.rounds));
-            } else {
-                out.push_str(&format!("\n{mode}: MiB/s (server CPU cores)\n"));
-            }
+            let range = if self.rounds > 1 { " [lowest-highest]" } else { "" };
+            out.push_str(&format!("\n{mode}: MiB/s{}{range} (server CPU cores)\n", self.of_rounds()));
             let mut header = vec!["system"];
             header.extend(ths.iter().map(|s| s.as_str()));
             let mut t = crate::Table::new(&header);
@@ -884,7 +889,7 @@ impl Report {
              <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
              <text x=\"10\" y=\"20\" font-size=\"14\">sysbench fileio, 16 KiB O_DIRECT, ext2 on loop (--direct-io=on); MiB/s against threads; {} s per point{}</text>\n",
             self.seconds,
-            if self.rounds > 1 { format!(", median of {} rounds", self.rounds) } else { String::new() }
+            self.of_rounds()
         );
         let tmin = self.threads.iter().copied().min().unwrap_or(1).max(1) as f64;
         let tmax = self.threads.iter().copied().max().unwrap_or(1).max(2) as f64;
