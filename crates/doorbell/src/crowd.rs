@@ -80,6 +80,8 @@ pub struct CrowdWatch {
     next: u64,
     /// Looks that said stop.
     stops: u64,
+    /// Whether the last look saw a crowd.
+    last: bool,
 }
 
 impl CrowdWatch {
@@ -93,9 +95,28 @@ impl CrowdWatch {
         self.judge(Crowd::get().crowded())
     }
 
+    /// Whether the CPUs were crowded at the latest look, for a waiter that started at `since`
+    /// and keeps waiting while they are: looks when [`should_sleep`](Self::should_sleep) would,
+    /// and between looks answers what the last one saw. One look is enough here, unlike there:
+    /// a crowd seen for a moment only keeps the waiter yielding until the next look, which
+    /// costs the crowd nothing, where a sleep taken on it costs a wake-up.
+    pub fn crowded_lately(&mut self, since: u64, now: u64) -> bool {
+        if now >= self.next.max(since + FIRST_LOOK_NS) {
+            self.next = now + CHECK_EVERY_NS;
+            self.last = Crowd::get().crowded();
+            self.weigh(self.last);
+        }
+        self.last
+    }
+
+    /// Takes one look's answer into the average.
+    fn weigh(&mut self, crowded: bool) {
+        self.level = self.level - self.level / 8 + if crowded { 32 } else { 0 };
+    }
+
     /// Takes one look's answer into the average; whether to stop.
     fn judge(&mut self, crowded: bool) -> bool {
-        self.level = self.level - self.level / 8 + if crowded { 32 } else { 0 };
+        self.weigh(crowded);
         let stop = crowded && self.level >= 64;
         self.stops += stop as u64;
         stop

@@ -65,6 +65,24 @@ impl IdleSpin {
         self.slept = true;
         false
     }
+
+    /// As [`spin`](Self::spin), for a loop that has requests in flight at a device and
+    /// yields its CPU between looks. Here a crowd makes it wait on, not sleep: what ends the
+    /// wait is an answer the driver domain owes, not a request a crowded thread has yet to
+    /// make, and the yields give the CPU to every thread runnable on it, so waiting takes
+    /// little from the threads that want it. A sleep there lets the CPU halt with the
+    /// answer microseconds away, and the answer then pays a doorbell and a wake-up. So it
+    /// spins within the budget, and past it while threads are waiting for a CPU (unless built
+    /// [`without_crowd_check`](Self::without_crowd_check)); on CPUs with room to spare the
+    /// budget ends it as in [`spin`](Self::spin) (docs/ring-protocol.md, "Crowded CPUs").
+    pub fn spin_for_answers(&mut self, now: u64) -> bool {
+        let t0 = *self.since.get_or_insert(now);
+        if !self.slept && (now - t0 < self.budget.budget_ns() || self.crowd.as_mut().is_some_and(|c| c.crowded_lately(t0, now))) {
+            return true;
+        }
+        self.slept = true;
+        false
+    }
 }
 
 #[cfg(test)]
@@ -98,6 +116,30 @@ mod tests {
         last
     }
 
+    /// As [`spun_until`], waiting for answers, in a stretch that begins `from` µs into the
+    /// waiter's clock; how far into the stretch it spun.
+    fn spun_for_answers_until(mut w: IdleSpin, from: u64) -> u64 {
+        let mut last = 0;
+        for t in (0..1_000).step_by(8) {
+            if !w.spin_for_answers((from + t) * 1_000) {
+                break;
+            }
+            last = t;
+        }
+        last
+    }
+
+    #[test]
+    fn a_wait_for_answers_on_idle_cpus_ends_with_the_budget() {
+        let mut w = IdleSpin::new(BudgetPolicy::Fixed(10_000)).without_crowd_check();
+        assert!(w.spin_for_answers(1_000));
+        assert!(w.spin_for_answers(10_999), "within the 10 µs budget from 1 µs");
+        assert!(!w.spin_for_answers(11_000), "past it: sleep");
+        assert!(!w.spin_for_answers(11_500), "and the stretch stays slept");
+        w.worked(12_000);
+        assert!(w.spin_for_answers(12_500), "a new stretch spins again");
+    }
+
     #[test]
     fn on_crowded_cpus_only_the_crowd_check_cuts_the_spin_short() {
         let crowd = crate::Crowd::get();
@@ -124,10 +166,19 @@ mod tests {
         let crowded = crowd.crowded();
         let checked = spun_until(IdleSpin::new(BudgetPolicy::Fixed(1_000_000)));
         let unchecked = spun_until(IdleSpin::new(BudgetPolicy::Fixed(1_000_000)).without_crowd_check());
+        // A wait for answers on a 10 µs budget, by a waiter whose earlier looks found the
+        // crowd too (one stretch of 100 µs before): the crowd keeps it waiting.
+        let mut waiter = IdleSpin::new(BudgetPolicy::Fixed(10_000));
+        for t in (0..100).step_by(8) {
+            waiter.spin_for_answers(t * 1_000);
+        }
+        waiter.worked(100_000);
+        let answers = spun_for_answers_until(waiter, 100);
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         busy.into_iter().for_each(|t| t.join().unwrap());
         assert!(crowded, "{} busy threads on {} CPUs, and no crowd seen", crowd.cpus() + 2, crowd.cpus());
         assert!(checked < 100, "the crowd check let the spin run to {checked} µs of 1000");
         assert!(unchecked >= 992, "without the check the budget alone ends the spin, not at {unchecked} µs");
+        assert!(answers >= 992, "a wait for answers outlasts its 10 µs budget on crowded CPUs, not {answers} µs");
     }
 }

@@ -10,9 +10,10 @@
 //! One worker thread serves a queue. It submits device I/O on queue handles and keeps as
 //! many requests in flight as the ring has entries (and the device queue has slots). It
 //! waits like the channel it talks to: it spins on both its ring's completions and the
-//! device's answers for an adaptive budget ([`IdleSpin`]: tuned from the gaps it sees, cut
-//! short when other threads wait for a CPU), yielding its CPU between looks ([`yield_after`]),
-//! then sleeps in one `poll(2)` on the ring and the armed device queues.
+//! device's answers for an adaptive budget ([`IdleSpin`]: tuned from the gaps it sees, and,
+//! while no device owes it an answer, cut short when other threads wait for a CPU), yielding
+//! its CPU between looks ([`yield_after`]), then sleeps in one `poll(2)` on the ring and the
+//! armed device queues.
 
 use std::alloc::Layout;
 use std::collections::VecDeque;
@@ -324,7 +325,11 @@ impl RingQueue {
                 idle.worked(now);
                 continue;
             }
-            if idle.spin(now, true) {
+            // With requests at a device the wait is for its answers, and the crowd check does
+            // not cut it short (`IdleSpin::spin_for_answers`).
+            let answers_due = handles.iter().flatten().any(|h| h.in_flight() > 0);
+            let spin = if answers_due { idle.spin_for_answers(now) } else { idle.spin(now, true) };
+            if spin {
                 if idle.idle_ns(now) >= yield_after_ns {
                     std::thread::yield_now();
                 } else {
