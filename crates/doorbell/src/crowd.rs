@@ -80,7 +80,7 @@ pub struct CrowdWatch {
     next: u64,
     /// Looks that said stop.
     stops: u64,
-    /// Whether the last look saw a crowd.
+    /// Whether the latest look [`crowded_lately`](Self::crowded_lately) took saw a crowd.
     last: bool,
 }
 
@@ -88,11 +88,7 @@ impl CrowdWatch {
     /// Whether a waiter that started spinning at `since` should sleep now (`now`); looks at the
     /// run queues at most every [`CHECK_EVERY_NS`], and not before [`FIRST_LOOK_NS`] of spinning.
     pub fn should_sleep(&mut self, since: u64, now: u64) -> bool {
-        if now < self.next.max(since + FIRST_LOOK_NS) {
-            return false;
-        }
-        self.next = now + CHECK_EVERY_NS;
-        self.judge(Crowd::get().crowded())
+        self.look(since, now).is_some_and(|crowded| self.judge(crowded))
     }
 
     /// Whether the CPUs were crowded at the latest look, for a waiter that started at `since`
@@ -101,12 +97,21 @@ impl CrowdWatch {
     /// a crowd seen for a moment only keeps the waiter yielding until the next look, which
     /// costs the crowd nothing, where a sleep taken on it costs a wake-up.
     pub fn crowded_lately(&mut self, since: u64, now: u64) -> bool {
-        if now >= self.next.max(since + FIRST_LOOK_NS) {
-            self.next = now + CHECK_EVERY_NS;
-            self.last = Crowd::get().crowded();
-            self.weigh(self.last);
+        if let Some(crowded) = self.look(since, now) {
+            self.last = crowded;
+            self.weigh(crowded);
         }
         self.last
+    }
+
+    /// Looks at the run queues if one is due at `now` for a waiter that started at `since`
+    /// (at most every [`CHECK_EVERY_NS`], and not before [`FIRST_LOOK_NS`]); what it saw.
+    fn look(&mut self, since: u64, now: u64) -> Option<bool> {
+        if now < self.next.max(since + FIRST_LOOK_NS) {
+            return None;
+        }
+        self.next = now + CHECK_EVERY_NS;
+        Some(Crowd::get().crowded())
     }
 
     /// Takes one look's answer into the average.

@@ -54,16 +54,9 @@ impl IdleSpin {
     /// `may_spin`, and (unless built [`without_crowd_check`](Self::without_crowd_check)) while
     /// threads are not waiting for a CPU.
     pub fn spin(&mut self, now: u64, may_spin: bool) -> bool {
-        let t0 = *self.since.get_or_insert(now);
-        if !self.slept
-            && may_spin
-            && now - t0 < self.budget.budget_ns()
-            && !self.crowd.as_mut().is_some_and(|c| c.should_sleep(t0, now))
-        {
-            return true;
-        }
-        self.slept = true;
-        false
+        self.spin_while(now, |w, t0| {
+            may_spin && now - t0 < w.budget.budget_ns() && !w.crowd.as_mut().is_some_and(|c| c.should_sleep(t0, now))
+        })
     }
 
     /// As [`spin`](Self::spin), for a loop that has requests in flight at a device and
@@ -76,8 +69,17 @@ impl IdleSpin {
     /// [`without_crowd_check`](Self::without_crowd_check)); on CPUs with room to spare the
     /// budget ends it as in [`spin`](Self::spin) (docs/ring-protocol.md, "Crowded CPUs").
     pub fn spin_for_answers(&mut self, now: u64) -> bool {
+        self.spin_while(now, |w, t0| {
+            now - t0 < w.budget.budget_ns() || w.crowd.as_mut().is_some_and(|c| c.crowded_lately(t0, now))
+        })
+    }
+
+    /// The stretch at `now` (begun at `now` if the loop was working) spins on while it has
+    /// not slept and `spin_on` says so, given when it began; once it stops, it counts as
+    /// slept until work comes.
+    fn spin_while(&mut self, now: u64, spin_on: impl FnOnce(&mut Self, u64) -> bool) -> bool {
         let t0 = *self.since.get_or_insert(now);
-        if !self.slept && (now - t0 < self.budget.budget_ns() || self.crowd.as_mut().is_some_and(|c| c.crowded_lately(t0, now))) {
+        if !self.slept && spin_on(self, t0) {
             return true;
         }
         self.slept = true;

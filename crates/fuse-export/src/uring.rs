@@ -326,8 +326,9 @@ impl RingQueue {
                 continue;
             }
             // With requests at a device the wait is for its answers, and the crowd check does
-            // not cut it short (`IdleSpin::spin_for_answers`).
-            let answers_due = handles.iter().flatten().any(|h| h.in_flight() > 0);
+            // not cut it short (`IdleSpin::spin_for_answers`). The handles still held are
+            // those with requests in flight: the others were just let go.
+            let answers_due = handles.iter().any(Option::is_some);
             let spin = if answers_due { idle.spin_for_answers(now) } else { idle.spin(now, true) };
             if spin {
                 if idle.idle_ns(now) >= yield_after_ns {
