@@ -20,7 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// sysbench fileio modes, in the thesis' order.
 pub const MODES: [&str; 6] = ["rndrd", "rndwr", "rndrw", "seqrd", "seqwr", "seqrewr"];
@@ -114,7 +114,7 @@ impl Options {
 }
 
 /// One measured point.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Point {
     /// System label.
     pub system: String,
@@ -135,7 +135,9 @@ pub struct Point {
     /// Cores the serving processes used (0 for the native loop: its work is in the kernel).
     pub server_cpu_cores: f64,
     /// Read plus write of every round of this point, MiB/s, in the order measured. The fields
-    /// above are those of the median round (the lower middle one for an even count).
+    /// above are those of the median round (the lower middle one for an even count). Empty in
+    /// results from before rounds were kept.
+    #[serde(default)]
     pub rounds_mibs: Vec<f64>,
 }
 
@@ -163,7 +165,7 @@ impl Point {
 }
 
 /// A system that could not be measured.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Skipped {
     /// System label.
     pub system: String,
@@ -172,11 +174,12 @@ pub struct Skipped {
 }
 
 /// The whole run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
-    /// Seconds per point.
+    /// Seconds per point (0 when not known: a report read back from `points.csv` alone).
     pub seconds: u32,
     /// Rounds per point (each point is the median round).
+    #[serde(default = "one_round")]
     pub rounds: u32,
     /// Modes.
     pub modes: Vec<String>,
@@ -190,6 +193,103 @@ pub struct Report {
     pub skipped: Vec<Skipped>,
     /// Whether the run was interrupted (SIGINT/SIGTERM) before the end.
     pub interrupted: bool,
+}
+
+fn one_round() -> u32 {
+    1
+}
+
+impl Report {
+    /// Reads back a stored run: `path` is its `report.json`, or the directory `--out` wrote
+    /// (its `report.json`, or for a run from before reports were kept whole, its `points.csv`).
+    /// The tables and goals rendered from it are this build's, so old runs can be read with
+    /// later goals.
+    pub fn load(path: &Path) -> Result<Report, String> {
+        let json = if path.is_dir() { path.join("report.json") } else { path.to_path_buf() };
+        if path.is_dir() && !json.exists() {
+            let csv = path.join("points.csv");
+            let text =
+                std::fs::read_to_string(&csv).map_err(|e| format!("{}: {e} (and no report.json beside it)", csv.display()))?;
+            return Report::from_csv(&text).map_err(|e| format!("{}: {e}", csv.display()));
+        }
+        let text = std::fs::read_to_string(&json).map_err(|e| format!("{}: {e}", json.display()))?;
+        serde_json::from_str(&text).map_err(|e| format!("{}: not a bench fileio report: {e}", json.display()))
+    }
+
+    /// A report from `points.csv` alone: the systems, modes and thread counts in the order
+    /// their rows first name them; seconds and skipped systems are not in it.
+    fn from_csv(text: &str) -> Result<Report, String> {
+        let mut lines = text.lines().enumerate();
+        let (_, header) = lines.next().ok_or("empty file")?;
+        let cols: Vec<&str> = header.split(',').collect();
+        const NEEDED: [&str; 9] = [
+            "system",
+            "mode",
+            "threads",
+            "read_mibs",
+            "write_mibs",
+            "total_mibs",
+            "p95_ms",
+            "host_cpu_cores",
+            "server_cpu_cores",
+        ];
+        if let Some(missing) = NEEDED.iter().find(|c| !cols.contains(c)) {
+            return Err(format!("line 1: no `{missing}` column"));
+        }
+        let mut r = Report {
+            seconds: 0,
+            rounds: 1,
+            modes: Vec::new(),
+            threads: Vec::new(),
+            systems: Vec::new(),
+            points: Vec::new(),
+            skipped: Vec::new(),
+            interrupted: false,
+        };
+        for (i, line) in lines.filter(|(_, l)| !l.trim().is_empty()) {
+            let at = |e: String| format!("line {}: {e}", i + 1);
+            let fields: Vec<&str> = line.split(',').collect();
+            if fields.len() != cols.len() {
+                return Err(at(format!("{} fields where the header has {}", fields.len(), cols.len())));
+            }
+            let get = |c: &str| cols.iter().position(|h| *h == c).map(|k| fields[k]);
+            let num = |c: &str| -> Result<f64, String> {
+                let v = get(c).unwrap_or_default();
+                v.parse().map_err(|_| at(format!("`{c}` is `{v}`, not a number")))
+            };
+            let rounds_mibs = match get("rounds_mibs").filter(|v| !v.is_empty()) {
+                Some(v) => v
+                    .split(';')
+                    .map(|x| x.parse().map_err(|_| at(format!("`rounds_mibs` holds `{x}`, not a number"))))
+                    .collect::<Result<Vec<f64>, _>>()?,
+                None => Vec::new(),
+            };
+            let threads = num("threads")? as u32;
+            let p = Point {
+                system: get("system").unwrap_or_default().to_string(),
+                mode: get("mode").unwrap_or_default().to_string(),
+                threads,
+                read_mibs: num("read_mibs")?,
+                write_mibs: num("write_mibs")?,
+                total_mibs: num("total_mibs")?,
+                p95_ms: num("p95_ms")?,
+                host_cpu_cores: num("host_cpu_cores")?,
+                server_cpu_cores: num("server_cpu_cores")?,
+                rounds_mibs,
+            };
+            r.rounds = r.rounds.max(p.rounds_mibs.len() as u32);
+            for (seen, v) in [(&mut r.systems, &p.system), (&mut r.modes, &p.mode)] {
+                if !seen.contains(v) {
+                    seen.push(v.clone());
+                }
+            }
+            if !r.threads.contains(&threads) {
+                r.threads.push(threads);
+            }
+            r.points.push(p);
+        }
+        Ok(r)
+    }
 }
 
 /// Progress of a run, for a progress bar.
@@ -843,32 +943,19 @@ impl Report {
                 ));
             }
             let (poll, irq) = (format!("{base}-poll"), format!("{base}-irq"));
-            let (mut within, mut paired) = ((0, 0), (0, 0));
+            let (mut within, mut paired) = (Within::default(), Within::default());
             for p in self.points.iter().filter(|p| &p.system == sys) {
                 let modes: Vec<&Point> = [&poll, &irq].iter().filter_map(|s| self.get(s, &p.mode, p.threads)).collect();
                 let better = modes.iter().map(|q| q.total_mibs).fold(0.0, f64::max);
                 if better > 0.0 {
-                    within.1 += 1;
-                    if p.total_mibs >= 0.9 * better {
-                        within.0 += 1;
-                    }
+                    within.count(p, p.total_mibs / better);
                 }
                 if let Some(r) = round_by_round(p, &modes) {
-                    paired.1 += 1;
-                    if r >= 0.9 {
-                        paired.0 += 1;
-                    }
+                    paired.count(p, r);
                 }
             }
-            if within.1 > 0 {
-                out.push_str(&format!("{sys} within 10% of the better of poll and irq: {} of {} points\n", within.0, within.1));
-            }
-            if paired.1 > 0 {
-                out.push_str(&format!(
-                    "{sys} within 10% of the better of poll and irq, round by round: {} of {} points\n",
-                    paired.0, paired.1
-                ));
-            }
+            out.push_str(&within.line(sys, ""));
+            out.push_str(&paired.line(sys, ", round by round"));
             let mut low = (0, 0);
             for p in self.points.iter().filter(|p| p.system == poll && p.threads <= 2) {
                 if let Some(i) = self.get(&irq, &p.mode, p.threads) {
@@ -964,6 +1051,34 @@ impl Report {
         }
         s.push_str("</svg>\n");
         s
+    }
+}
+
+/// A count of points within 10% of the better mode, and the points that were not.
+#[derive(Default)]
+struct Within {
+    met: usize,
+    points: usize,
+    misses: Vec<String>,
+}
+
+impl Within {
+    fn count(&mut self, p: &Point, ratio: f64) {
+        self.points += 1;
+        if ratio >= 0.9 {
+            self.met += 1;
+        } else {
+            self.misses.push(format!("{} {} thr {ratio:.3}", p.mode, p.threads));
+        }
+    }
+
+    /// The goal's line, or nothing when no point had both modes to compare with.
+    fn line(&self, sys: &str, how: &str) -> String {
+        if self.points == 0 {
+            return String::new();
+        }
+        let misses = if self.misses.is_empty() { String::new() } else { format!(" (misses: {})", self.misses.join(", ")) };
+        format!("{sys} within 10% of the better of poll and irq{how}: {} of {} points{misses}\n", self.met, self.points)
     }
 }
 
@@ -1100,6 +1215,55 @@ mod tests {
     }
 
     #[test]
+    fn a_stored_run_reads_back_from_its_report_or_its_points() {
+        let mut r = sample();
+        r.rounds = 3;
+        for p in r.points.iter_mut() {
+            p.rounds_mibs = vec![p.total_mibs * 0.8, p.total_mibs, p.total_mibs * 1.1];
+        }
+        let dir = std::env::temp_dir().join(format!("bulkhead-fileio-load-{}", std::process::id()));
+        write_outputs(&r, &dir).unwrap();
+        let from_json = Report::load(&dir).unwrap();
+        assert_eq!(from_json.render(), r.render());
+        assert_eq!(Report::load(&dir.join("report.json")).unwrap().render(), r.render());
+        // A run from before reports were kept whole has points.csv alone; seconds and skipped
+        // systems are lost, the tables and goals are not.
+        std::fs::remove_file(dir.join("report.json")).unwrap();
+        let mut from_csv = Report::load(&dir).unwrap();
+        assert_eq!((from_csv.rounds, &from_csv.modes, &from_csv.threads), (3, &r.modes, &r.threads));
+        // Systems come in the order the rows name them, which in a real run is the run's.
+        let mut sorted = r.systems.clone();
+        sorted.sort();
+        from_csv.systems.sort();
+        assert_eq!(from_csv.systems, sorted);
+        assert_eq!(from_csv.goals(), r.goals());
+        // Older still: no rounds column, one figure a point.
+        let old: String = r.csv().lines().map(|l| l.rsplit_once(',').unwrap().0.to_string() + "\n").collect();
+        std::fs::write(dir.join("points.csv"), old).unwrap();
+        let one = Report::load(&dir).unwrap();
+        assert_eq!(one.rounds, 1);
+        assert!(one.goals().contains("within 10% of the better of poll and irq: 4 of 4 points\n"));
+        assert!(!one.goals().contains("round by round"));
+        // Bad input names the file and the line.
+        std::fs::write(dir.join("points.csv"), "system,mode,threads\n").unwrap();
+        let e = Report::load(&dir).unwrap_err();
+        assert!(e.contains("points.csv") && e.contains("line 1: no `read_mibs` column"), "{e}");
+        std::fs::write(dir.join("points.csv"), r.csv().replace("nbdkit,seqwr,8,0.00", "nbdkit,seqwr,8,lots")).unwrap();
+        let e = Report::load(&dir).unwrap_err();
+        assert!(e.contains("`read_mibs` is `lots`, not a number") && e.contains("line "), "{e}");
+        std::fs::write(dir.join("report.json"), "{\"seconds\": 3}").unwrap();
+        let e = Report::load(&dir).unwrap_err();
+        assert!(e.contains("report.json: not a bench fileio report") && e.contains("line 1"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&dir).unwrap();
+        let e = Report::load(&dir).unwrap_err();
+        assert!(e.contains("points.csv") && e.contains("no report.json"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        let e = Report::load(&dir).unwrap_err();
+        assert!(e.contains(&dir.display().to_string()), "{e}");
+    }
+
+    #[test]
     fn a_point_of_several_rounds_is_its_median_round() {
         let round = |total: f64, p95: f64| Point {
             system: "native".into(),
@@ -1155,8 +1319,16 @@ mod tests {
             p.total_mibs = p.rounds_mibs[1];
         }
         let g = r.goals();
-        assert!(g.contains("within 10% of the better of poll and irq: 2 of 4 points\n"), "{g}");
-        assert!(g.contains("within 10% of the better of poll and irq, round by round: 3 of 4 points"), "{g}");
+        assert!(
+            g.contains(
+                "within 10% of the better of poll and irq: 2 of 4 points (misses: rndrd 1 thr 0.857, seqwr 8 thr 0.800)\n"
+            ),
+            "{g}"
+        );
+        assert!(
+            g.contains("within 10% of the better of poll and irq, round by round: 3 of 4 points (misses: seqwr 8 thr 0.800)\n"),
+            "{g}"
+        );
         // Rounds that do not line up (a system failed in one) are not paired.
         let poll = r.points.iter().find(|p| p.system == "bulkhead-ram-poll").unwrap().clone();
         let mut short = poll.clone();

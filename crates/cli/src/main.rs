@@ -624,10 +624,23 @@ struct FileioArgs {
     /// Print the JSON report instead of the tables.
     #[arg(long)]
     json: bool,
+    /// Measure nothing: read a stored run (the directory `--out` wrote, or its report.json)
+    /// and print its tables and goals as this build renders them.
+    #[arg(long, value_name = "RUN", conflicts_with_all = ["quick", "modes", "threads", "backends", "notify", "peers", "seconds", "rounds", "spin_budget_us"])]
+    from: Option<PathBuf>,
 }
 
 fn bench_fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
     use bulkhead_bench::fileio::{self, System};
+    if let Some(run) = &a.from {
+        let report = fileio::Report::load(run).map_err(anyhow::Error::msg)?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{}", report.render());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let mut opts = if a.quick { fileio::Options::quick() } else { fileio::Options::full() };
     let check = |key: &str, given: &[String], allowed: &[&str]| -> anyhow::Result<()> {
         match given.iter().find(|g| !allowed.contains(&g.as_str())) {

@@ -70,3 +70,20 @@ fn driver_role_refuses_a_bad_spec() {
     let (ok, err) = bulkhead(&["driver", "--spec", "{\"device\":1}"]);
     assert!(!ok && err.contains("bad domain spec"), "{err}");
 }
+
+#[test]
+fn a_stored_fileio_run_is_read_back_with_its_goals() {
+    let run = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/bench/fileio-ram-rounds5-paired");
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead")).args(["bench", "fileio", "--from", run]).output().unwrap();
+    let txt = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(txt.contains("rndrd: MiB/s, median of 5 rounds"), "{txt}");
+    assert!(
+        txt.contains("within 10% of the better of poll and irq: 34 of 36 points (misses: rndrd 2 thr 0.881, rndwr 1 thr 0.878)"),
+        "{txt}"
+    );
+    let (ok, err) = bulkhead(&["bench", "fileio", "--from", "/no/such/run"]);
+    assert!(!ok && err.contains("/no/such/run"), "{err}");
+    let (ok, err) = bulkhead(&["bench", "fileio", "--from", run, "--rounds", "3"]);
+    assert!(!ok && err.contains("--rounds"), "{err}");
+}
