@@ -257,6 +257,8 @@ impl Report {
                 let v = get(c).unwrap_or_default();
                 v.parse().map_err(|_| at(format!("`{c}` is `{v}`, not a number")))
             };
+            let t = get("threads").unwrap_or_default();
+            let threads: u32 = t.parse().map_err(|_| at(format!("`threads` is `{t}`, not a thread count")))?;
             let rounds_mibs = match get("rounds_mibs").filter(|v| !v.is_empty()) {
                 Some(v) => v
                     .split(';')
@@ -264,7 +266,6 @@ impl Report {
                     .collect::<Result<Vec<f64>, _>>()?,
                 None => Vec::new(),
             };
-            let threads = num("threads")? as u32;
             let p = Point {
                 system: get("system").unwrap_or_default().to_string(),
                 mode: get("mode").unwrap_or_default().to_string(),
@@ -1251,6 +1252,9 @@ mod tests {
         std::fs::write(dir.join("points.csv"), r.csv().replace("nbdkit,seqwr,8,0.00", "nbdkit,seqwr,8,lots")).unwrap();
         let e = Report::load(&dir).unwrap_err();
         assert!(e.contains("`read_mibs` is `lots`, not a number") && e.contains("line "), "{e}");
+        std::fs::write(dir.join("points.csv"), r.csv().replace("nbdkit,seqwr,8,", "nbdkit,seqwr,-8,")).unwrap();
+        let e = Report::load(&dir).unwrap_err();
+        assert!(e.contains("`threads` is `-8`, not a thread count"), "{e}");
         std::fs::write(dir.join("report.json"), "{\"seconds\": 3}").unwrap();
         let e = Report::load(&dir).unwrap_err();
         assert!(e.contains("report.json: not a bench fileio report") && e.contains("line 1"), "{e}");
