@@ -200,16 +200,22 @@ fn one_round() -> u32 {
 }
 
 impl Report {
-    /// Reads back a stored run: `path` is its `report.json`, or the directory `--out` wrote
-    /// (its `report.json`, or for a run from before reports were kept whole, its `points.csv`).
-    /// The tables and goals rendered from it are this build's, so old runs can be read with
-    /// later goals.
+    /// Reads back a stored run: `path` is its `report.json` or `points.csv`, or the directory
+    /// `--out` wrote (its `report.json`, or for a run from before reports were kept whole, its
+    /// `points.csv`). The tables and goals rendered from it are this build's, so old runs can
+    /// be read with later goals.
     pub fn load(path: &Path) -> Result<Report, String> {
         let json = if path.is_dir() { path.join("report.json") } else { path.to_path_buf() };
-        if path.is_dir() && !json.exists() {
-            let csv = path.join("points.csv");
-            let text =
-                std::fs::read_to_string(&csv).map_err(|e| format!("{}: {e} (and no report.json beside it)", csv.display()))?;
+        let csv = if path.is_dir() && !json.exists() {
+            Some(path.join("points.csv"))
+        } else {
+            path.extension().is_some_and(|e| e == "csv").then(|| path.to_path_buf())
+        };
+        if let Some(csv) = csv {
+            let text = std::fs::read_to_string(&csv).map_err(|e| {
+                let beside = if path.is_dir() { " (and no report.json beside it)" } else { "" };
+                format!("{}: {e}{beside}", csv.display())
+            })?;
             return Report::from_csv(&text).map_err(|e| format!("{}: {e}", csv.display()));
         }
         let text = std::fs::read_to_string(&json).map_err(|e| format!("{}: {e}", json.display()))?;
@@ -1231,6 +1237,7 @@ mod tests {
         // systems are lost, the tables and goals are not.
         std::fs::remove_file(dir.join("report.json")).unwrap();
         let mut from_csv = Report::load(&dir).unwrap();
+        assert_eq!(Report::load(&dir.join("points.csv")).unwrap().goals(), r.goals());
         assert_eq!((from_csv.rounds, &from_csv.modes, &from_csv.threads), (3, &r.modes, &r.threads));
         // Systems come in the order the rows name them, which in a real run is the run's.
         let mut sorted = r.systems.clone();

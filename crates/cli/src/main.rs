@@ -624,7 +624,7 @@ struct FileioArgs {
     /// Print the JSON report instead of the tables.
     #[arg(long)]
     json: bool,
-    /// Measure nothing: read a stored run (the directory `--out` wrote, or its report.json)
+    /// Measure nothing: read a stored run (the directory `--out` wrote, or its report.json or points.csv)
     /// and print its tables and goals as this build renders them.
     #[arg(long, value_name = "RUN", conflicts_with_all = ["quick", "modes", "threads", "backends", "notify", "peers", "seconds", "rounds", "spin_budget_us"])]
     from: Option<PathBuf>,
