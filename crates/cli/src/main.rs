@@ -632,13 +632,16 @@ struct FileioArgs {
 
 fn bench_fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
     use bulkhead_bench::fileio::{self, System};
-    if let Some(run) = &a.from {
-        let report = fileio::Report::load(run).map_err(anyhow::Error::msg)?;
+    let show = |report: &fileio::Report| -> anyhow::Result<()> {
         if a.json {
-            println!("{}", serde_json::to_string_pretty(&report)?);
+            println!("{}", serde_json::to_string_pretty(report)?);
         } else {
             print!("{}", report.render());
         }
+        Ok(())
+    };
+    if let Some(run) = &a.from {
+        show(&fileio::Report::load(run).map_err(anyhow::Error::msg)?)?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut opts = if a.quick { fileio::Options::quick() } else { fileio::Options::full() };
@@ -725,11 +728,7 @@ fn bench_fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
         eprintln!();
     }
     let files = fileio::write_outputs(&report, &a.out).map_err(anyhow::Error::msg)?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", report.render());
-    }
+    show(&report)?;
     for f in files {
         eprintln!("bench fileio: wrote {}", f.display());
     }
