@@ -195,6 +195,20 @@ pub struct Report {
     pub interrupted: bool,
 }
 
+/// The columns of `points.csv`, in order.
+const CSV_COLUMNS: [&str; 10] = [
+    "system",
+    "mode",
+    "threads",
+    "read_mibs",
+    "write_mibs",
+    "total_mibs",
+    "p95_ms",
+    "host_cpu_cores",
+    "server_cpu_cores",
+    "rounds_mibs",
+];
+
 fn one_round() -> u32 {
     1
 }
@@ -205,21 +219,20 @@ impl Report {
     /// `points.csv`). The tables and goals rendered from it are this build's, so old runs can
     /// be read with later goals.
     pub fn load(path: &Path) -> Result<Report, String> {
-        let json = if path.is_dir() { path.join("report.json") } else { path.to_path_buf() };
-        let csv = if path.is_dir() && !json.exists() {
-            Some(path.join("points.csv"))
-        } else {
-            path.extension().is_some_and(|e| e == "csv").then(|| path.to_path_buf())
+        let file = match (path.is_dir(), path.join("report.json")) {
+            (true, json) if !json.exists() => path.join("points.csv"),
+            (true, json) => json,
+            (false, _) => path.to_path_buf(),
         };
-        if let Some(csv) = csv {
-            let text = std::fs::read_to_string(&csv).map_err(|e| {
-                let beside = if path.is_dir() { " (and no report.json beside it)" } else { "" };
-                format!("{}: {e}{beside}", csv.display())
-            })?;
-            return Report::from_csv(&text).map_err(|e| format!("{}: {e}", csv.display()));
+        let text = std::fs::read_to_string(&file).map_err(|e| {
+            let beside = if path.is_dir() { " (and no report.json beside it)" } else { "" };
+            format!("{}: {e}{beside}", file.display())
+        })?;
+        if file.extension().is_some_and(|e| e == "csv") {
+            Report::from_csv(&text).map_err(|e| format!("{}: {e}", file.display()))
+        } else {
+            serde_json::from_str(&text).map_err(|e| format!("{}: not a bench fileio report: {e}", file.display()))
         }
-        let text = std::fs::read_to_string(&json).map_err(|e| format!("{}: {e}", json.display()))?;
-        serde_json::from_str(&text).map_err(|e| format!("{}: not a bench fileio report: {e}", json.display()))
     }
 
     /// A report from `points.csv` alone: the systems, modes and thread counts in the order
@@ -228,18 +241,9 @@ impl Report {
         let mut lines = text.lines().enumerate();
         let (_, header) = lines.next().ok_or("empty file")?;
         let cols: Vec<&str> = header.split(',').collect();
-        const NEEDED: [&str; 9] = [
-            "system",
-            "mode",
-            "threads",
-            "read_mibs",
-            "write_mibs",
-            "total_mibs",
-            "p95_ms",
-            "host_cpu_cores",
-            "server_cpu_cores",
-        ];
-        if let Some(missing) = NEEDED.iter().find(|c| !cols.contains(c)) {
+        // Every column but the last, `rounds_mibs`, which older runs did not write.
+        let needed = &CSV_COLUMNS[..CSV_COLUMNS.len() - 1];
+        if let Some(missing) = needed.iter().find(|c| !cols.contains(c)) {
             return Err(format!("line 1: no `{missing}` column"));
         }
         let mut r = Report {
@@ -800,9 +804,7 @@ impl Report {
 
     /// CSV, one line per point.
     pub fn csv(&self) -> String {
-        let mut s = String::from(
-            "system,mode,threads,read_mibs,write_mibs,total_mibs,p95_ms,host_cpu_cores,server_cpu_cores,rounds_mibs\n",
-        );
+        let mut s = CSV_COLUMNS.join(",") + "\n";
         for p in &self.points {
             let rounds: Vec<String> = p.rounds_mibs.iter().map(|r| format!("{r:.2}")).collect();
             s.push_str(&format!(
