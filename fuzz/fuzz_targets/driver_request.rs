@@ -1,7 +1,8 @@
 //! The driver domain's validation of a request slot written by a hostile frontend.
 #![no_main]
 
-use bulkhead_ring::{validate_request, ArenaSizes, Op, RequestSlot, ARENA_READ, ARENA_WRITE, MAX_REQUEST_BYTES};
+use bulkhead_block::Op;
+use bulkhead_ring::{validate_request, ArenaSizes, RequestSlot, ARENA_READ, ARENA_WRITE, MAX_REQUEST_BYTES};
 use libfuzzer_sys::fuzz_target;
 use zerocopy::FromBytes;
 

@@ -27,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
             0 => {
                 let len = 512 * (1 + (op.get(1).copied().unwrap_or(0) as u64 % 16));
                 let req = if op.get(2).copied().unwrap_or(0) % 2 == 0 {
-                    FrontRequest::Read { offset: 0, len }
+                    FrontRequest::Read { offset: 0, into: len }
                 } else {
                     FrontRequest::Flush
                 };

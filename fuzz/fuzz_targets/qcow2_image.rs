@@ -27,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
     let size = q.size().min(8 << 20);
     let mut at = 0;
     while at + (1 << 16) <= size {
-        let mut ios = [Io::new(Request::Read { offset: at, bufs: SliceList::one(w) })];
+        let mut ios = [Io::new(Request::Read { offset: at, into: SliceList::one(w) })];
         q.execute(&mut ios);
         at += 1 << 16;
     }

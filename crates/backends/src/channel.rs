@@ -102,8 +102,8 @@ impl ChannelBackend {
     /// The queue and windows of a request, or why it cannot go down.
     fn route(&mut self, req: &Request<'_>) -> Result<Route, BlockError> {
         let (op, arena, bufs) = match req {
-            Request::Read { bufs, .. } => (Op::Read, ARENA_READ, Some(bufs)),
-            Request::Write { bufs, .. } => (Op::Write, ARENA_WRITE, Some(bufs)),
+            Request::Read { into: bufs, .. } => (Op::Read, ARENA_READ, Some(bufs)),
+            Request::Write { from: bufs, .. } => (Op::Write, ARENA_WRITE, Some(bufs)),
             Request::Flush => (Op::Flush, 0, None),
             Request::Discard { .. } => (Op::Discard, 0, None),
             Request::WriteZeroes { .. } => (Op::WriteZeroes, 0, None),
@@ -136,8 +136,8 @@ impl ChannelBackend {
             return q.push_forward(route.op, offset, len, &route.segs, fua, user);
         }
         match req {
-            Request::Read { .. } => q.push(FrontRequest::Read { offset, len }, user),
-            Request::Write { bufs, .. } => q.push_gather(offset, bufs, fua, user),
+            Request::Read { .. } => q.push(FrontRequest::Read { offset, into: len }, user),
+            Request::Write { from: bufs, .. } => q.push_gather(offset, bufs, fua, user),
             Request::Flush => q.push(FrontRequest::Flush, user),
             Request::Discard { .. } => q.push(FrontRequest::Discard { offset, len }, user),
             Request::WriteZeroes { .. } => q.push(FrontRequest::WriteZeroes { offset, len }, user),
@@ -193,12 +193,12 @@ impl ChannelBackend {
             let reaped = q.reap(|c| {
                 let io = &mut ios[c.user as usize];
                 io.result = c.result.map_err(|status| BlockError::Os {
-                    op: io.req.kind().as_str(),
+                    op: io.req.op().as_str(),
                     offset: io.req.range().0,
                     errno: status.errno(),
                 });
                 // A private queue's read landed in its own arena: copy it up.
-                if let (Some(data), Request::Read { bufs, .. }) = (c.data, &io.req) {
+                if let (Some(data), Request::Read { into: bufs, .. }) = (c.data, &io.req) {
                     let mut at = 0;
                     for w in bufs.iter() {
                         let part = data.sub(at, w.len()).expect("the response is the read's length");

@@ -230,9 +230,9 @@ impl FileBackend {
         const BLKDISCARD: libc::c_ulong = 0x1277;
         const BLKZEROOUT: libc::c_ulong = 0x127f;
         match *req {
-            Request::Read { offset, bufs } => self.rw_sync(false, offset, &bufs, false),
+            Request::Read { offset, into: bufs } => self.rw_sync(false, offset, &bufs, false),
             Request::Write { .. } if self.read_only => Err(BlockError::ReadOnly),
-            Request::Write { offset, bufs, fua } => self.rw_sync(true, offset, &bufs, fua),
+            Request::Write { offset, from: bufs, fua } => self.rw_sync(true, offset, &bufs, fua),
             Request::Flush => self.fdatasync(),
             Request::Discard { .. } | Request::WriteZeroes { .. } if self.read_only => Err(BlockError::ReadOnly),
             Request::Discard { offset, len } if self.block_device => self.blk_range(BLKDISCARD, offset, len, "discard"),
@@ -267,7 +267,7 @@ impl FileBackend {
         let mut slot = Slot::default();
         match *req {
             Request::Write { .. } if self.read_only => return Some(Err(BlockError::ReadOnly)),
-            Request::Read { offset, bufs } | Request::Write { offset, bufs, .. } => {
+            Request::Read { offset, into: bufs } | Request::Write { offset, from: bufs, .. } => {
                 (slot.iov, slot.niov) = Self::iovecs(&bufs);
                 slot.op = if matches!(req, Request::Read { .. }) { SlotOp::Read } else { SlotOp::Write };
                 slot.fua = matches!(req, Request::Write { fua: true, .. });
@@ -517,9 +517,9 @@ mod tests {
         let mut rl = SliceList::one(r1);
         rl.push(r2);
         let mut ios = [
-            Io::new(Request::Write { offset: 4096, bufs: SliceList::one(w), fua: true }),
+            Io::new(Request::Write { offset: 4096, from: SliceList::one(w), fua: true }),
             Io::new(Request::Flush),
-            Io::new(Request::Read { offset: 4096, bufs: rl }),
+            Io::new(Request::Read { offset: 4096, into: rl }),
             Io::new(Request::WriteZeroes { offset: 4096, len: 4096 }),
         ];
         b.execute(&mut ios);
@@ -531,7 +531,7 @@ mod tests {
         assert_eq!(out, pattern[..4096]);
         r2.copy_to(&mut out);
         assert_eq!(out, pattern[4096..]);
-        let mut ios = [Io::new(Request::Read { offset: 4096, bufs: SliceList::one(r1) })];
+        let mut ios = [Io::new(Request::Read { offset: 4096, into: SliceList::one(r1) })];
         b.execute(&mut ios);
         r1.copy_to(&mut out);
         assert!(out.iter().all(|&x| x == 0), "write-zeroes zeroed the range");
@@ -561,8 +561,8 @@ mod tests {
         w.copy_from(&pattern).unwrap();
         let r = m.slice(16384, 8192).unwrap();
         // Writes on two tags and a flush that must wait for them, started together.
-        assert_eq!(b.submit(Tag::new(5), &Request::Write { offset: 0, bufs: SliceList::one(w), fua: false }), None);
-        assert_eq!(b.submit(Tag::new(1), &Request::Write { offset: 65536, bufs: SliceList::one(w), fua: true }), None);
+        assert_eq!(b.submit(Tag::new(5), &Request::Write { offset: 0, from: SliceList::one(w), fua: false }), None);
+        assert_eq!(b.submit(Tag::new(1), &Request::Write { offset: 65536, from: SliceList::one(w), fua: true }), None);
         assert_eq!(b.submit(Tag::new(6), &Request::Flush), None);
         b.commit();
         let mut got = Vec::new();
@@ -579,7 +579,7 @@ mod tests {
         assert_eq!(got, vec![(1, Ok(8192)), (5, Ok(8192)), (6, Ok(0))]);
         assert_eq!(b.in_flight(), 0);
         // A read on a tag just freed sees the write; write zeroes waits for it and runs at once.
-        assert_eq!(b.submit(Tag::new(5), &Request::Read { offset: 65536, bufs: SliceList::one(r) }), None);
+        assert_eq!(b.submit(Tag::new(5), &Request::Read { offset: 65536, into: SliceList::one(r) }), None);
         assert_eq!(b.submit(Tag::new(2), &Request::WriteZeroes { offset: 0, len: 4096 }), Some(Ok(0)));
         b.commit();
         got.clear();
@@ -601,7 +601,7 @@ mod tests {
         let m = Mapping::new(mfd.as_raw_fd(), 1 << 16, Protection::ReadWrite).unwrap();
         let w = m.slice(0, 4096).unwrap();
         w.copy_from(&[0x5a; 4096]).unwrap();
-        let write = |offset| Request::Write { offset, bufs: SliceList::one(w), fua: false };
+        let write = |offset| Request::Write { offset, from: SliceList::one(w), fua: false };
         let on_ring = |b: &mut FileBackend| b.uring().in_flight;
         // Alone: done by the commit, answered by the next reap without a wait.
         assert_eq!(b.submit(Tag::new(0), &write(0)), None);
@@ -613,7 +613,7 @@ mod tests {
         // With a read behind it in the same turn: both on the ring, in order.
         let r = m.slice(8192, 4096).unwrap();
         assert_eq!(b.submit(Tag::new(1), &write(4096)), None);
-        assert_eq!(b.submit(Tag::new(2), &Request::Read { offset: 4096, bufs: SliceList::one(r) }), None);
+        assert_eq!(b.submit(Tag::new(2), &Request::Read { offset: 4096, into: SliceList::one(r) }), None);
         b.commit();
         assert_eq!(on_ring(&mut b) + b.uring().ready.len(), 2);
         got.clear();
@@ -623,7 +623,7 @@ mod tests {
         got.sort_by_key(|g| g.0);
         assert_eq!(got, vec![(1, Ok(4096)), (2, Ok(4096))]);
         // A write behind another in flight goes on the ring too.
-        let read_first = b.submit(Tag::new(3), &Request::Read { offset: 0, bufs: SliceList::one(r) });
+        let read_first = b.submit(Tag::new(3), &Request::Read { offset: 0, into: SliceList::one(r) });
         assert_eq!(read_first, None);
         b.commit();
         assert_eq!(b.submit(Tag::new(0), &write(8192)), None);
@@ -646,7 +646,7 @@ mod tests {
         b.attach(TagSpace { queues: 1, per_queue: 2 });
         let mfd = memfd::create("buf", 4096).unwrap();
         let m = Mapping::new(mfd.as_raw_fd(), 4096, Protection::ReadWrite).unwrap();
-        let req = Request::Write { offset: 0, bufs: SliceList::one(m.slice(0, 4096).unwrap()), fua: false };
+        let req = Request::Write { offset: 0, from: SliceList::one(m.slice(0, 4096).unwrap()), fua: false };
         assert_eq!(b.submit(Tag::new(0), &req), Some(Err(BlockError::ReadOnly)));
         assert_eq!(b.in_flight(), 0);
         std::fs::remove_file(path).unwrap();
@@ -658,7 +658,7 @@ mod tests {
         let mut b = FileBackend::new(fd, None, true, Engine::Sync).unwrap();
         let mfd = memfd::create("buf", 4096).unwrap();
         let m = Mapping::new(mfd.as_raw_fd(), 4096, Protection::ReadWrite).unwrap();
-        let mut ios = [Io::new(Request::Write { offset: 0, bufs: SliceList::one(m.slice(0, 4096).unwrap()), fua: false })];
+        let mut ios = [Io::new(Request::Write { offset: 0, from: SliceList::one(m.slice(0, 4096).unwrap()), fua: false })];
         b.execute(&mut ios);
         assert_eq!(ios[0].result, Err(BlockError::ReadOnly));
         std::fs::remove_file(path).unwrap();

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use bulkhead_block::{Backend, BlockError, Caps, Io, Request, SliceList};
 use bulkhead_nbd::client::{self, ExportInfo};
 use bulkhead_nbd::proto::{self, *};
-use proto::Request as Wire;
+use proto::RequestHeader as Wire;
 
 /// Largest trim or write-zeroes range in one command (the length field is 32 bits).
 const MAX_RANGE: u64 = 1 << 30;
@@ -124,14 +124,14 @@ impl NbdBackend {
             }
         };
         match req {
-            Request::Read { offset, bufs } => {
+            Request::Read { offset, into: bufs } => {
                 let len = bufs.total_len();
                 if !in_range(*offset, len) {
                     return Some(Err(BlockError::Invalid("range beyond device")));
                 }
                 split(CMD_READ, 0, *offset, len, max, false);
             }
-            Request::Write { offset, bufs, fua } => {
+            Request::Write { offset, from: bufs, fua } => {
                 let len = bufs.total_len();
                 if !in_range(*offset, len) {
                     return Some(Err(BlockError::Invalid("range beyond device")));
@@ -334,7 +334,7 @@ fn op_name(typ: u16) -> &'static str {
 
 fn request_bufs<'r, 'a>(req: &'r Request<'a>) -> &'r SliceList<'a> {
     match req {
-        Request::Read { bufs, .. } | Request::Write { bufs, .. } => bufs,
+        Request::Read { into: bufs, .. } | Request::Write { from: bufs, .. } => bufs,
         _ => unreachable!("only reads and writes carry buffers"),
     }
 }
@@ -615,7 +615,7 @@ mod tests {
         bufs.push(m.slice(0, 100_000).unwrap());
         bufs.push(m.slice(100_000, 200_000).unwrap());
         let mut ios = [
-            Io::new(Request::Write { offset: 12345, bufs, fua: true }),
+            Io::new(Request::Write { offset: 12345, from: bufs, fua: true }),
             Io::new(Request::Flush),
             Io::new(Request::WriteZeroes { offset: 12345 + 1000, len: 1000 }),
         ];
@@ -624,7 +624,7 @@ mod tests {
         assert_eq!(ios[1].result, Ok(0));
         assert_eq!(ios[2].result, Ok(0));
         let out = m.slice(400_000, 300_000).unwrap();
-        let mut ios = [Io::new(Request::Read { offset: 12345, bufs: SliceList::one(out) })];
+        let mut ios = [Io::new(Request::Read { offset: 12345, into: SliceList::one(out) })];
         be.execute(&mut ios);
         assert_eq!(ios[0].result, Ok(300_000));
         let mut got = vec![0u8; 300_000];
@@ -644,8 +644,8 @@ mod tests {
         let mut be = NbdBackend::new(OwnedFd::from(a), "x", 1 << 20, Duration::from_secs(5));
         let (_f, m) = arena(1 << 16);
         let mut ios = [
-            Io::new(Request::Read { offset: 0, bufs: SliceList::one(m.slice(0, 4096).unwrap()) }),
-            Io::new(Request::Read { offset: 4096, bufs: SliceList::one(m.slice(4096, 4096).unwrap()) }),
+            Io::new(Request::Read { offset: 0, into: SliceList::one(m.slice(0, 4096).unwrap()) }),
+            Io::new(Request::Read { offset: 4096, into: SliceList::one(m.slice(4096, 4096).unwrap()) }),
         ];
         be.execute(&mut ios);
         assert!(be.lost().unwrap().contains("closed"), "{:?}", be.lost());

@@ -25,7 +25,7 @@ impl Backend for NullBackend {
     fn execute(&mut self, ios: &mut [Io<'_>]) {
         for io in ios {
             io.result = match io.req {
-                Request::Read { bufs, .. } => {
+                Request::Read { into: bufs, .. } => {
                     let mut r = Ok(bufs.total_len());
                     for b in bufs.iter() {
                         if b.zero().is_err() {
@@ -34,7 +34,7 @@ impl Backend for NullBackend {
                     }
                     r
                 }
-                Request::Write { bufs, .. } => Ok(bufs.total_len()),
+                Request::Write { from: bufs, .. } => Ok(bufs.total_len()),
                 Request::Flush | Request::Discard { .. } | Request::WriteZeroes { .. } => Ok(0),
             };
         }

@@ -360,8 +360,8 @@ impl Qcow2Backend {
             return Err(BlockError::ReadOnly);
         }
         match *req {
-            Request::Read { offset, bufs } => self.read(offset, bufs),
-            Request::Write { offset, bufs, fua } => self.write(offset, bufs, fua),
+            Request::Read { offset, into: bufs } => self.read(offset, bufs),
+            Request::Write { offset, from: bufs, fua } => self.write(offset, bufs, fua),
             Request::Flush => {
                 self.write_back()?;
                 self.top.sync().map_err(Self::os("flush", 0))?;
@@ -511,7 +511,7 @@ mod tests {
             bufs.push(w2);
             let (o, l) = (offset as usize, len as usize);
             let req = match rng.next() % 10 {
-                0..=3 => Request::Read { offset, bufs },
+                0..=3 => Request::Read { offset, into: bufs },
                 4..=6 => {
                     let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
                     if split > 0 {
@@ -519,7 +519,7 @@ mod tests {
                     }
                     w2.copy_from(&data[split as usize..]).unwrap();
                     model[o..o + l].copy_from_slice(&data);
-                    Request::Write { offset, bufs, fua: round % 50 == 0 }
+                    Request::Write { offset, from: bufs, fua: round % 50 == 0 }
                 }
                 7 => {
                     model[o..o + l].fill(0);
@@ -607,7 +607,7 @@ mod tests {
             for i in 0..16u64 {
                 let mut ios = [Io::new(Request::Write {
                     offset: i * 257 * 1024 % (SIZE - (1 << 16)),
-                    bufs: SliceList::one(w),
+                    from: SliceList::one(w),
                     fua: false,
                 })];
                 q.execute(&mut ios);
@@ -639,13 +639,13 @@ mod tests {
                 let size = q.size();
                 let mut at = 0;
                 while at + (1 << 20) <= size.min(SIZE) {
-                    let mut ios = [Io::new(Request::Read { offset: at, bufs: SliceList::one(w) })];
+                    let mut ios = [Io::new(Request::Read { offset: at, into: SliceList::one(w) })];
                     q.execute(&mut ios);
                     at += 1 << 20;
                 }
                 if size >= 1 << 20 {
                     let mut ios = [
-                        Io::new(Request::Write { offset: 0, bufs: SliceList::one(w), fua: false }),
+                        Io::new(Request::Write { offset: 0, from: SliceList::one(w), fua: false }),
                         Io::new(Request::Discard { offset: 1 << 19, len: 1 << 16 }),
                         Io::new(Request::Flush),
                     ];

@@ -43,7 +43,7 @@ impl RamBackend {
 
     fn one(&self, req: &Request<'_>) -> Result<u64, BlockError> {
         match *req {
-            Request::Read { offset, bufs } => {
+            Request::Read { offset, into: bufs } => {
                 let mut off = offset as usize;
                 for b in bufs.iter() {
                     let src = self.map.slice(off, b.len()).map_err(|_| BlockError::Invalid("read beyond device"))?;
@@ -52,7 +52,7 @@ impl RamBackend {
                 }
                 Ok(bufs.total_len())
             }
-            Request::Write { offset, bufs, fua: _ } => {
+            Request::Write { offset, from: bufs, fua: _ } => {
                 let mut off = offset as usize;
                 for b in bufs.iter() {
                     let dst = self.map.slice(off, b.len()).map_err(|_| BlockError::Invalid("write beyond device"))?;
@@ -112,14 +112,14 @@ mod tests {
         let m = Mapping::new(mfd.as_raw_fd(), 1 << 20, Protection::ReadWrite).unwrap();
         let w = m.slice(0, 1 << 20).unwrap();
         w.copy_from(&vec![0xab; 1 << 20]).unwrap();
-        let mut ios = [Io::new(Request::Write { offset: 512 << 20, bufs: SliceList::one(w), fua: false })];
+        let mut ios = [Io::new(Request::Write { offset: 512 << 20, from: SliceList::one(w), fua: false })];
         b.execute(&mut ios);
         assert_eq!(ios[0].result, Ok(1 << 20));
         assert_eq!(rss_of_fd(&probe), 1 << 20);
         let mut ios = [Io::new(Request::Discard { offset: 512 << 20, len: 1 << 20 })];
         b.execute(&mut ios);
         assert_eq!(rss_of_fd(&probe), 0, "discard gave the memory back");
-        let mut ios = [Io::new(Request::Read { offset: 512 << 20, bufs: SliceList::one(w) })];
+        let mut ios = [Io::new(Request::Read { offset: 512 << 20, into: SliceList::one(w) })];
         b.execute(&mut ios);
         let mut out = vec![1u8; 1 << 20];
         w.copy_to(&mut out);

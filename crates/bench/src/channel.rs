@@ -223,7 +223,7 @@ fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iop
     loop {
         while inflight < depth {
             let off = (seq.wrapping_mul(2_654_435_761) % nblocks) * BLOCK;
-            front.push(FrontRequest::Read { offset: off, len: BLOCK }, seq).map_err(|e| e.to_string())?;
+            front.push(FrontRequest::Read { offset: off, into: BLOCK }, seq).map_err(|e| e.to_string())?;
             seq += 1;
             inflight += 1;
         }
@@ -283,14 +283,14 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         // Warm up: touch the device so reads hit allocated pages, and let budgets settle.
         let zero = vec![0x5au8; BLOCK as usize];
         for i in 0..(DEVICE_SIZE / BLOCK).min(4096) {
-            let r = front.execute(FrontRequest::Write { offset: i * BLOCK, data: &zero, fua: false }, 10_000, |_| {});
+            let r = front.execute(FrontRequest::Write { offset: i * BLOCK, from: &zero, fua: false }, 10_000, |_| {});
             r.map_err(|e| e.to_string())?.map_err(|s| format!("{s:?}"))?;
         }
         progress(&format!("{mode}: round trips ({n} per kind)"));
         let rtt_nodata = rtt(front, n, |_| FrontRequest::Flush)?;
-        let rtt_read_4k = rtt(front, n, |i| FrontRequest::Read { offset: (i % 4096) * BLOCK, len: BLOCK })?;
+        let rtt_read_4k = rtt(front, n, |i| FrontRequest::Read { offset: (i % 4096) * BLOCK, into: BLOCK })?;
         static PAYLOAD: [u8; BLOCK as usize] = [0xa5; BLOCK as usize];
-        let rtt_write_4k = rtt(front, n, |i| FrontRequest::Write { offset: (i % 4096) * BLOCK, data: &PAYLOAD, fua: false })?;
+        let rtt_write_4k = rtt(front, n, |i| FrontRequest::Write { offset: (i % 4096) * BLOCK, from: &PAYLOAD, fua: false })?;
         progress(&format!("{mode}: IOPS at depth 1 and 32"));
         let qd1 = iops(front, pid, 1, opts.seconds)?;
         let qd32 = iops(front, pid, 32, opts.seconds)?;

@@ -337,9 +337,9 @@ fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<
         rng ^= rng << 17;
         let offset = (rng >> 1) % (size / 4096) * 4096;
         let req = if rng & 1 == 0 {
-            FrontRequest::Read { offset, len: 4096 }
+            FrontRequest::Read { offset, into: 4096 }
         } else {
-            FrontRequest::Write { offset, data: &data, fua: false }
+            FrontRequest::Write { offset, from: &data, fua: false }
         };
         if front.submit(req, 1).is_err() {
             // The child ended with the request slot taken, or the ring is broken: either way

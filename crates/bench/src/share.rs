@@ -160,9 +160,9 @@ fn client(dev: &Device, load: Load, seed: u64, stop: &AtomicBool) -> Result<Done
             while q.in_flight() < load.qd.min(q.capacity()) {
                 let off = rng.next().unwrap_or(1) % blocks * load.bs as u64;
                 let req = if load.write {
-                    FrontRequest::Write { offset: off, data: &data, fua: false }
+                    FrontRequest::Write { offset: off, from: &data, fua: false }
                 } else {
-                    FrontRequest::Read { offset: off, len: load.bs as u64 }
+                    FrontRequest::Read { offset: off, into: load.bs as u64 }
                 };
                 q.submit(req, 0).map_err(e)?;
             }

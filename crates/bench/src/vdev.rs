@@ -154,9 +154,9 @@ fn qd16(dev: &Device, opts: &Options, write: bool) -> Result<f64, String> {
     let mut submit = |q: &mut bulkhead_client::QueueHandle<'_>| -> Result<(), String> {
         let offset = next.next().expect("endless");
         let req = if write {
-            bulkhead_channel::FrontRequest::Write { offset, data: &buf, fua: false }
+            bulkhead_channel::FrontRequest::Write { offset, from: &buf, fua: false }
         } else {
-            bulkhead_channel::FrontRequest::Read { offset, len: SMALL as u64 }
+            bulkhead_channel::FrontRequest::Read { offset, into: SMALL as u64 }
         };
         q.submit(req, offset).map_err(|e| e.to_string())
     };

@@ -80,7 +80,7 @@ fn resolve<'a>(sub: &Sub, handed: &Request<'a>, scratch: SharedSlice<'a>) -> Res
     let data = |d: Data| -> Result<SliceList<'a>, BlockError> {
         match d {
             Data::Handed { at, len } => match handed {
-                Request::Read { bufs, .. } | Request::Write { bufs, .. } => {
+                Request::Read { into: bufs, .. } | Request::Write { from: bufs, .. } => {
                     bufs.range(at, len).ok_or(BlockError::Invalid("a layer sent data outside the request's buffers"))
                 }
                 Request::Flush | Request::Discard { .. } | Request::WriteZeroes { .. } => {
@@ -105,9 +105,9 @@ fn resolve<'a>(sub: &Sub, handed: &Request<'a>, scratch: SharedSlice<'a>) -> Res
             if bufs.iter().any(|s| !s.is_writable()) {
                 return Err(BlockError::Invalid("a layer read into a write's buffers"));
             }
-            Request::Read { offset, bufs }
+            Request::Read { offset, into: bufs }
         }
-        Sub::Write { offset, from, fua } => Request::Write { offset, bufs: data(from)?, fua },
+        Sub::Write { offset, from, fua } => Request::Write { offset, from: data(from)?, fua },
         Sub::Flush => Request::Flush,
         Sub::Discard { offset, len } => Request::Discard { offset, len },
         Sub::WriteZeroes { offset, len } => Request::WriteZeroes { offset, len },
@@ -700,7 +700,7 @@ impl ReadBelow for OpenRead<'_, '_> {
 impl OpenRead<'_, '_> {
     fn read_one(&mut self, offset: u64, window: SharedSlice<'_>, deadline: Instant) -> Result<(), BlockError> {
         let want = window.len() as u64;
-        let req = move |_: Tag| Request::Read { offset, bufs: SliceList::one(window) };
+        let req = move |_: Tag| Request::Read { offset, into: SliceList::one(window) };
         let tag = Tag::new(0);
         let mut result = None;
         let mut first = true;
@@ -731,7 +731,7 @@ const ENOMEM: i32 = 12;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::OpKind;
+    use crate::Op;
     use std::collections::VecDeque;
 
     struct Counting(u64);
@@ -872,13 +872,13 @@ mod tests {
     }
 
     /// What a [`Mem`] backend looks like to the test: its data, and each request it saw.
-    type View = std::sync::Arc<std::sync::Mutex<(Vec<u8>, Vec<(OpKind, u64, u64)>)>>;
+    type View = std::sync::Arc<std::sync::Mutex<(Vec<u8>, Vec<(Op, u64, u64)>)>>;
 
     /// Memory, answering at once or (asynchronous) on the next reap.
     struct Mem {
         data: Vec<u8>,
         later: Option<Vec<(Tag, Result<u64, BlockError>)>>,
-        seen: Vec<(OpKind, u64, u64)>,
+        seen: Vec<(Op, u64, u64)>,
         /// What the test inspects: the data and what was seen, copied after each request.
         view: View,
     }
@@ -893,20 +893,20 @@ mod tests {
         }
         fn apply_inner(&mut self, req: &Request<'_>) -> Result<u64, BlockError> {
             let (offset, len) = req.range();
-            self.seen.push((req.kind(), offset, len));
+            self.seen.push((req.op(), offset, len));
             let (o, n) = (offset as usize, len as usize);
             if o + n > self.data.len() {
                 return Err(BlockError::Invalid("past the end"));
             }
             match req {
-                Request::Read { bufs, .. } => {
+                Request::Read { into: bufs, .. } => {
                     let mut at = o;
                     for b in bufs.iter() {
                         b.copy_from(&self.data[at..at + b.len()]).unwrap();
                         at += b.len();
                     }
                 }
-                Request::Write { bufs, .. } => {
+                Request::Write { from: bufs, .. } => {
                     let mut at = o;
                     for b in bufs.iter() {
                         b.copy_to(&mut self.data[at..at + b.len()]);
@@ -972,7 +972,7 @@ mod tests {
             }
             let n = CHUNK.min(len - done);
             let mut buf = vec![0u8; n as usize];
-            if let Request::Write { bufs, .. } = req {
+            if let Request::Write { from: bufs, .. } = req {
                 let mut at = 0usize;
                 for part in bufs.range(done, n).unwrap().iter() {
                     part.copy_to(&mut buf[at..at + part.len()]);
@@ -1014,7 +1014,7 @@ mod tests {
         fn submit(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, _: u64) -> Verdict {
             self.done[tag.index()] = 0;
             match *req {
-                Request::Read { offset, bufs } => {
+                Request::Read { offset, into: bufs } => {
                     Verdict::Send(Sub::Read { offset: self.start + offset, into: Data::Handed { at: 0, len: bufs.total_len() } })
                 }
                 Request::Write { .. } | Request::WriteZeroes { .. } => match self.next(req, scratch, 0) {
@@ -1034,7 +1034,7 @@ mod tests {
             _: u64,
         ) -> After {
             match req {
-                Request::Read { bufs, .. } => {
+                Request::Read { into: bufs, .. } => {
                     if result.is_ok() {
                         for b in bufs.iter() {
                             let mut v = vec![0; b.len()];
@@ -1122,9 +1122,9 @@ mod tests {
             w.iter().for_each(|s| wl.push(*s));
             let rd = app.slice(32 << 10, 20_000).unwrap();
             let req = |t: Tag| match t.index() {
-                0 => Request::Write { offset: 1000, bufs: wl, fua: true },
+                0 => Request::Write { offset: 1000, from: wl, fua: true },
                 1 => Request::WriteZeroes { offset: 100_000, len: 9000 },
-                4 => Request::Read { offset: 1000, bufs: SliceList::one(rd) },
+                4 => Request::Read { offset: 1000, into: SliceList::one(rd) },
                 _ => Request::Flush,
             };
             let out = drive(&mut chain, &[Tag::new(0), Tag::new(1), Tag::new(2)], &req);
@@ -1135,9 +1135,9 @@ mod tests {
                 let stored = &data[8192 + 1000..8192 + 21_000];
                 assert!(stored.iter().zip(&plain).all(|(s, p)| *s == p ^ 0x5a), "{what}: stored as the layer sent it");
                 assert!(data[8192 + 100_000..8192 + 109_000].iter().all(|&b| b == 0x5a), "{what}");
-                let writes = seen.iter().filter(|s| s.0 == OpKind::Write).count();
+                let writes = seen.iter().filter(|s| s.0 == Op::Write).count();
                 assert_eq!(writes, 5 + 3, "{what}: 20,000 bytes and 9,000 bytes in chunks of 4 KiB");
-                assert!(seen.iter().all(|s| s.0 != OpKind::WriteZeroes), "{what}");
+                assert!(seen.iter().all(|s| s.0 != Op::WriteZeroes), "{what}");
             }
             let out = drive(&mut chain, &[Tag::new(4)], &req);
             assert_eq!(out, vec![(4, Ok(20_000))], "{what}");
@@ -1188,8 +1188,8 @@ mod tests {
         let app = arena(8192);
         let w = app.slice(0, 4096).unwrap();
         let req = |t: Tag| match t.index() {
-            0 => Request::Read { offset: 0, bufs: SliceList::one(w) },
-            1 => Request::Write { offset: 0, bufs: SliceList::one(w), fua: false },
+            0 => Request::Read { offset: 0, into: SliceList::one(w) },
+            1 => Request::Write { offset: 0, from: SliceList::one(w), fua: false },
             _ => Request::Flush,
         };
         let out = drive(&mut chain, &[Tag::new(0), Tag::new(1), Tag::new(2)], &req);

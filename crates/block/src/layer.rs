@@ -1,6 +1,6 @@
 //! The interface of a filter or soft device: tagged submission and completion.
 
-use crate::{BlockError, Caps, Request, SharedSlice};
+use crate::{BlockError, Caps, Command, Request, SharedSlice};
 
 /// A request in flight in one domain: a dense index below the capacity the chain was attached
 /// with ([`Layer::attach`]), so a layer keeps per-request state in a table allocated once
@@ -94,42 +94,9 @@ impl Data {
     }
 }
 
-/// A request a layer sends below in place of the one it was handed ([`Verdict::Send`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sub {
-    /// Read into `into` from `offset` below.
-    Read {
-        /// Byte offset below.
-        offset: u64,
-        /// Where the bytes go: a read's own windows, or scratch memory.
-        into: Data,
-    },
-    /// Write `from` at `offset` below.
-    Write {
-        /// Byte offset below.
-        offset: u64,
-        /// The bytes.
-        from: Data,
-        /// Durable before acknowledgement.
-        fua: bool,
-    },
-    /// Make every acknowledged write below durable.
-    Flush,
-    /// Deallocate a range below.
-    Discard {
-        /// Byte offset below.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Make a range below read back as zeroes.
-    WriteZeroes {
-        /// Byte offset below.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-}
+/// A request a layer sends below in place of the one it was handed ([`Verdict::Send`]): its
+/// data is in the handed request's windows or the layer's scratch memory.
+pub type Sub = Command<Data, Data>;
 
 /// What a layer does with the result of a request it passed on, once that has completed
 /// below ([`Layer::complete`]).

@@ -15,114 +15,27 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
-use bulkhead_ring::Status;
 pub use bulkhead_shmem::{SharedSlice, SliceList};
 
-/// One block request. Data buffers are grant windows in shared memory.
-#[derive(Debug, Clone, Copy)]
-pub enum Request<'a> {
-    /// Fill `bufs` from the device starting at `offset`.
-    Read {
-        /// Device byte offset.
-        offset: u64,
-        /// Destination windows (writable), in order.
-        bufs: SliceList<'a>,
-    },
-    /// Write `bufs` to the device at `offset`.
-    Write {
-        /// Device byte offset.
-        offset: u64,
-        /// Source windows (read-only to the driver), in order.
-        bufs: SliceList<'a>,
-        /// Durable before acknowledgement.
-        fua: bool,
-    },
-    /// Make every acknowledged write durable.
-    Flush,
-    /// Deallocate a range; its contents become unspecified.
-    Discard {
-        /// Device byte offset.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Make a range read back as zeroes.
-    WriteZeroes {
-        /// Device byte offset.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-}
-
-/// The kind of a [`Request`], for counting and configuration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum OpKind {
-    /// [`Request::Read`].
-    Read,
-    /// [`Request::Write`].
-    Write,
-    /// [`Request::Flush`].
-    Flush,
-    /// [`Request::Discard`].
-    Discard,
-    /// [`Request::WriteZeroes`].
-    WriteZeroes,
-}
-
-impl OpKind {
-    /// Every kind, in a fixed order (its [`index`](Self::index)).
-    pub const ALL: [OpKind; 5] = [OpKind::Read, OpKind::Write, OpKind::Flush, OpKind::Discard, OpKind::WriteZeroes];
-
-    /// Position in [`ALL`](Self::ALL).
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    /// Lower-case name as in configuration and status (`read`, `write`, `flush`, `discard`,
-    /// `write_zeroes`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OpKind::Read => "read",
-            OpKind::Write => "write",
-            OpKind::Flush => "flush",
-            OpKind::Discard => "discard",
-            OpKind::WriteZeroes => "write_zeroes",
-        }
-    }
-
-    /// Parses [`as_str`](Self::as_str).
-    pub fn parse(s: &str) -> Option<OpKind> {
-        Self::ALL.into_iter().find(|k| k.as_str() == s)
-    }
-}
+/// A request in a domain: its data buffers are grant windows in shared memory (writable for a
+/// read, read-only to the driver for a write).
+pub type Request<'a> = Command<SliceList<'a>, SliceList<'a>>;
 
 impl Request<'_> {
-    /// Its kind.
-    pub fn kind(&self) -> OpKind {
-        match self {
-            Request::Read { .. } => OpKind::Read,
-            Request::Write { .. } => OpKind::Write,
-            Request::Flush => OpKind::Flush,
-            Request::Discard { .. } => OpKind::Discard,
-            Request::WriteZeroes { .. } => OpKind::WriteZeroes,
-        }
-    }
-
     /// The device range it touches: offset and bytes (0, 0 for a flush).
     pub fn range(&self) -> (u64, u64) {
         match *self {
-            Request::Read { offset, bufs } | Request::Write { offset, bufs, .. } => (offset, bufs.total_len()),
-            Request::Discard { offset, len } | Request::WriteZeroes { offset, len } => (offset, len),
-            Request::Flush => (0, 0),
+            Command::Read { offset, into: bufs } | Command::Write { offset, from: bufs, .. } => (offset, bufs.total_len()),
+            Command::Discard { offset, len } | Command::WriteZeroes { offset, len } => (offset, len),
+            Command::Flush => (0, 0),
         }
     }
 
     /// Bytes a successful completion transfers (0 for operations without data).
     pub fn transfer_len(&self) -> u64 {
         match self {
-            Request::Read { bufs, .. } | Request::Write { bufs, .. } => bufs.total_len(),
-            Request::Flush | Request::Discard { .. } | Request::WriteZeroes { .. } => 0,
+            Command::Read { into: bufs, .. } | Command::Write { from: bufs, .. } => bufs.total_len(),
+            Command::Flush | Command::Discard { .. } | Command::WriteZeroes { .. } => 0,
         }
     }
 }
@@ -276,9 +189,11 @@ pub trait Backend: Send {
 
 mod chain;
 mod layer;
+mod op;
 
 pub use chain::{Chain, StartError};
 pub use layer::{After, Data, Layer, ReadBelow, Sub, Tag, TagSpace, Verdict};
+pub use op::{Command, Op, Status};
 
 #[cfg(test)]
 mod tests {

@@ -2,9 +2,11 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 
+use bulkhead_block::{Request, Status};
 use bulkhead_doorbell::EventFd;
 use bulkhead_ring::{
-    validate_request, ArenaSizes, BackRing, RequestError, ResponseSlot, RingError, RingLayout, Status, ValidRequest, ARENA_WRITE,
+    status_code, validate_request, ArenaSizes, BackRing, RequestError, ResponseSlot, RingError, RingLayout, ValidRequest,
+    ARENA_WRITE,
 };
 use bulkhead_shmem::{Mapping, Protection, SliceList};
 
@@ -131,9 +133,14 @@ impl BackQueue {
         list
     }
 
+    /// The block request a validated request stands for, over its data windows.
+    pub fn request(&self, req: &ValidRequest) -> Request<'_> {
+        req.command(|| self.buffers(req))
+    }
+
     /// Queues a response (visible after [`publish`](Self::publish)).
     pub fn complete(&mut self, id: u64, generation: u32, status: Status, len: u64) {
-        let rsp = ResponseSlot { id, generation, status: status as u32, len, reserved: 0 };
+        let rsp = ResponseSlot { id, generation, status: status_code(status), len, reserved: 0 };
         // The response ring is ours to write; a failure here means a broken mapping.
         let _ = self.ring.push(&rsp);
     }

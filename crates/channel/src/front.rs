@@ -3,50 +3,19 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 
+use bulkhead_block::{Command, Op, Status};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, CrowdWatch, EventFd, Handoff, NotifyMode, SpinBudget};
 use bulkhead_ring::{
-    FrontRing, Op, RequestSlot, ResponseSlot, RingError, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES,
+    op_code, status_of_code, FrontRing, RequestSlot, ResponseSlot, RingError, Segment, ARENA_READ, ARENA_WRITE, FLAG_FUA,
+    MAX_REQUEST_BYTES,
 };
 use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice, SliceList};
 
 use crate::{ChannelError, QueueConfig, SubmitError};
 
-/// What the frontend asks of the device.
-#[derive(Debug, Clone, Copy)]
-pub enum FrontRequest<'a> {
-    /// Read `len` bytes at `offset`.
-    Read {
-        /// Device offset.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Write `data` at `offset`; with `fua`, durable when acknowledged.
-    Write {
-        /// Device offset.
-        offset: u64,
-        /// Bytes to write (copied into the write arena).
-        data: &'a [u8],
-        /// Force unit access.
-        fua: bool,
-    },
-    /// Make acknowledged writes durable.
-    Flush,
-    /// Deallocate a range.
-    Discard {
-        /// Device offset.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Zero a range.
-    WriteZeroes {
-        /// Device offset.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-}
+/// What the frontend asks of the device: a read names how many bytes to read (the queue places
+/// them in its read arena), a write borrows the bytes to write (copied into its write arena).
+pub type FrontRequest<'a> = Command<u64, &'a [u8]>;
 
 /// A validated completion, handed to the caller of [`FrontQueue::reap`].
 #[derive(Debug)]
@@ -310,7 +279,7 @@ impl FrontQueue {
         live.sort_unstable_by_key(|&i| self.table[i].id >> INDEX_BITS);
         for &index in &live {
             let e = self.table[index];
-            let mut slot = RequestSlot { generation, op: e.op as u8, offset: e.offset, len: e.len, ..Default::default() };
+            let mut slot = RequestSlot { generation, op: op_code(e.op), offset: e.offset, len: e.len, ..Default::default() };
             if e.fua {
                 slot.flags = FLAG_FUA;
             }
@@ -418,8 +387,8 @@ impl FrontQueue {
     /// [`submit`](Self::submit)). `user` comes back in the completion.
     pub fn push(&mut self, req: FrontRequest<'_>, user: u64) -> Result<(), SubmitError> {
         let (op, offset, len, payload, fua) = match req {
-            FrontRequest::Read { offset, len } => (Op::Read, offset, len, Payload::ReadSpace, false),
-            FrontRequest::Write { offset, data, fua } => (Op::Write, offset, data.len() as u64, Payload::Bytes(data), fua),
+            FrontRequest::Read { offset, into: len } => (Op::Read, offset, len, Payload::ReadSpace, false),
+            FrontRequest::Write { offset, from: data, fua } => (Op::Write, offset, data.len() as u64, Payload::Bytes(data), fua),
             FrontRequest::Flush => (Op::Flush, 0, 0, Payload::None, false),
             FrontRequest::Discard { offset, len } => (Op::Discard, offset, len, Payload::None, false),
             FrontRequest::WriteZeroes { offset, len } => (Op::WriteZeroes, offset, len, Payload::None, false),
@@ -499,7 +468,7 @@ impl FrontQueue {
         self.seq += 1;
         let id = (self.seq << INDEX_BITS) | index as u64;
         slot.id = id;
-        slot.op = op as u8;
+        slot.op = op_code(op);
         slot.offset = offset;
         slot.len = len;
         self.table[index as usize] = Entry { live: true, id, user, op, offset, len, fua, arena_off, arena_len };
@@ -536,7 +505,7 @@ impl FrontQueue {
         if rsp.generation != self.generation {
             return Err(ChannelError::BadResponse { id: rsp.id, why: "stale generation" });
         }
-        let status = Status::from_u32(rsp.status).ok_or(ChannelError::BadResponse { id: rsp.id, why: "unknown status" })?;
+        let status = status_of_code(rsp.status).ok_or(ChannelError::BadResponse { id: rsp.id, why: "unknown status" })?;
         if rsp.len > e.len {
             return Err(ChannelError::BadResponse { id: rsp.id, why: "length beyond the request" });
         }
@@ -608,14 +577,14 @@ impl FrontQueue {
         let mut data = Vec::new();
         for e in &live {
             let req = match e.op {
-                Op::Read => FrontRequest::Read { offset: e.offset, len: e.len },
+                Op::Read => FrontRequest::Read { offset: e.offset, into: e.len },
                 Op::Write => {
                     let arenas = self.arenas.as_ref().ok_or_else(|| {
                         SubmitError::Broken(ChannelError::Setup("a forwarding queue's requests cannot move".into()))
                     })?;
                     data.resize(e.arena_len, 0);
                     arenas.w.slice(e.arena_off, e.arena_len).expect("allocator stays inside the arena").copy_to(&mut data);
-                    FrontRequest::Write { offset: e.offset, data: &data, fua: e.fua }
+                    FrontRequest::Write { offset: e.offset, from: &data, fua: e.fua }
                 }
                 Op::Flush => FrontRequest::Flush,
                 Op::Discard => FrontRequest::Discard { offset: e.offset, len: e.len },

@@ -24,8 +24,9 @@ pub use bulkhead_shmem::{SharedSlice, SliceList};
 pub use front::{Completion, FrontQueue, FrontRequest, QueueStats, STORM_DAMP_MS, STORM_WAKES};
 pub use setup::{pair, BackQueueFds, ForwardQueueFds, LowerQueue, QueueConfig, QueueSetup};
 
+pub use bulkhead_block::{Command, Op, Status};
 pub use bulkhead_doorbell::{BudgetPolicy, NotifyMode};
-pub use bulkhead_ring::{ArenaSizes, Op, Segment, Status, ARENA_READ, ARENA_WRITE};
+pub use bulkhead_ring::{ArenaSizes, Segment, ARENA_READ, ARENA_WRITE};
 
 /// Why a channel stopped being usable. The frontend marks the channel broken on any of these;
 /// the supervisor restarts the domain and has the frontend reissue what had no response.

@@ -4,7 +4,7 @@
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 
-use bulkhead_ring::{RequestSlot, ResponseSlot};
+use bulkhead_ring::{op_code, RequestSlot, ResponseSlot};
 
 use crate::*;
 
@@ -50,12 +50,12 @@ fn write_then_read_round_trips_data() {
     let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
     let mut disk = vec![0u8; 1 << 20];
     let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
-    f.submit(FrontRequest::Write { offset: 4096, data: &data, fua: true }, 1).unwrap();
+    f.submit(FrontRequest::Write { offset: 4096, from: &data, fua: true }, 1).unwrap();
     serve(&mut b, &mut disk);
     let mut got = vec![];
     f.reap(|c| got.push((c.user, c.result))).unwrap();
     assert_eq!(got, vec![(1, Ok(8192))]);
-    f.submit(FrontRequest::Read { offset: 4096, len: 8192 }, 2).unwrap();
+    f.submit(FrontRequest::Read { offset: 4096, into: 8192 }, 2).unwrap();
     serve(&mut b, &mut disk);
     let mut out = vec![0u8; 8192];
     f.reap(|c| c.data.unwrap().copy_to(&mut out)).unwrap();
@@ -78,9 +78,9 @@ fn full_queue_refuses_then_recovers() {
 #[test]
 fn arena_exhaustion_is_full_and_oversize_is_too_large() {
     let (mut f, _b) = pair(&cfg(), 1 << 30).unwrap();
-    f.submit(FrontRequest::Read { offset: 0, len: 1 << 20 }, 1).unwrap();
-    assert_eq!(f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 2), Err(SubmitError::Full));
-    assert_eq!(f.submit(FrontRequest::Read { offset: 0, len: 2 << 20 }, 3), Err(SubmitError::TooLarge(2 << 20)));
+    f.submit(FrontRequest::Read { offset: 0, into: 1 << 20 }, 1).unwrap();
+    assert_eq!(f.submit(FrontRequest::Read { offset: 0, into: 4096 }, 2), Err(SubmitError::Full));
+    assert_eq!(f.submit(FrontRequest::Read { offset: 0, into: 2 << 20 }, 3), Err(SubmitError::TooLarge(2 << 20)));
 }
 
 #[test]
@@ -89,7 +89,7 @@ fn four_mib_request_round_trips() {
     let (mut f, mut b) = pair(&c, 16 << 20).unwrap();
     let mut disk = vec![0u8; 16 << 20];
     let data: Vec<u8> = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
-    f.submit(FrontRequest::Write { offset: 1 << 20, data: &data, fua: false }, 1).unwrap();
+    f.submit(FrontRequest::Write { offset: 1 << 20, from: &data, fua: false }, 1).unwrap();
     serve(&mut b, &mut disk);
     f.reap(|c| assert_eq!(c.result, Ok(4 << 20))).unwrap();
     assert_eq!(&disk[1 << 20..5 << 20], &data[..]);
@@ -109,7 +109,7 @@ fn hostile_answer(b: &mut BackQueue, edit: impl Fn(&mut ResponseSlot, &bulkhead_
 
 fn expect_broken(edit: impl Fn(&mut ResponseSlot, &bulkhead_ring::ValidRequest), why: &str) {
     let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
-    f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 1).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, into: 4096 }, 1).unwrap();
     hostile_answer(&mut b, edit);
     let mut delivered = 0;
     let e = f.reap(|_| delivered += 1).unwrap_err();
@@ -177,7 +177,7 @@ fn out_of_order_completion_is_accepted() {
 #[test]
 fn short_read_reports_io_error_without_breaking() {
     let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
-    f.submit(FrontRequest::Read { offset: 0, len: 8192 }, 1).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, into: 8192 }, 1).unwrap();
     let Popped::Valid(r) = b.pop().unwrap().unwrap() else { panic!() };
     b.complete(r.id(), r.generation(), Status::Ok, 4096);
     b.publish();
@@ -194,7 +194,7 @@ fn driver_rejects_segment_outside_arena() {
     // A hostile frontend rewrites the slot to name bytes past the arena.
     let layout = bulkhead_ring::RingLayout::new(8).unwrap();
     let mut slot: RequestSlot = b.ring_mapping().read_obj(layout.req_slot(0)).unwrap();
-    slot.op = Op::Write as u8;
+    slot.op = op_code(Op::Write);
     slot.nsegs = 1;
     slot.len = 4096;
     slot.segs[0] = bulkhead_ring::Segment { arena: bulkhead_ring::ARENA_WRITE, len: 4096, offset: 1 << 20 };
@@ -261,7 +261,7 @@ fn a_queue_that_yields_learns_to_yield_first_when_its_driver_shares_its_cpu() {
         })
     };
     for i in 0..200u64 {
-        let r = f.execute(FrontRequest::Read { offset: (i % 64) * 4096, len: 4096 }, 5000, |_| {}).unwrap();
+        let r = f.execute(FrontRequest::Read { offset: (i % 64) * 4096, into: 4096 }, 5000, |_| {}).unwrap();
         assert_eq!(r, Ok(4096));
     }
     stop.store(true, Ordering::Relaxed);
@@ -275,7 +275,7 @@ fn a_queue_that_never_yields_never_yields_first() {
     let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
     let mut disk = vec![0u8; 1 << 20];
     for i in 0..50u64 {
-        f.submit(FrontRequest::Read { offset: i * 4096, len: 4096 }, i).unwrap();
+        f.submit(FrontRequest::Read { offset: i * 4096, into: 4096 }, i).unwrap();
         serve(&mut b, &mut disk);
         assert!(f.wait(1000).unwrap());
         f.reap(|_| {}).unwrap();
@@ -310,7 +310,7 @@ fn doorbell_storm_is_damped_and_the_answer_still_arrives() {
         })
     };
     let cpu0 = thread_cpu_ns();
-    let r = f.execute(FrontRequest::Read { offset: 0, len: 4096 }, 5000, |_| {}).unwrap();
+    let r = f.execute(FrontRequest::Read { offset: 0, into: 4096 }, 5000, |_| {}).unwrap();
     let wall = t0.elapsed();
     let cpu = thread_cpu_ns() - cpu0;
     stop.store(true, Ordering::Relaxed);
@@ -327,7 +327,7 @@ fn doorbell_storm_is_damped_and_the_answer_still_arrives() {
 fn an_armed_sleeper_counts_a_storm_and_is_damped() {
     let cfg = QueueConfig { nslots: 8, arena_bytes: 1 << 16, mode: NotifyMode::Irq, ..Default::default() };
     let (mut f, mut b) = pair(&cfg, 1 << 16).unwrap();
-    f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 1).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, into: 4096 }, 1).unwrap();
     assert!(!f.damped());
     for _ in 0..STORM_WAKES {
         assert!(f.arm(), "nothing answered yet: the queue arms");
@@ -350,7 +350,7 @@ fn an_armed_sleeper_counts_a_storm_and_is_damped() {
     // A poll-mode queue never arms: its driver does not ring.
     let cfg = QueueConfig { mode: NotifyMode::Poll, ..cfg };
     let (mut f, _b) = pair(&cfg, 1 << 16).unwrap();
-    f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 1).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, into: 4096 }, 1).unwrap();
     assert!(!f.arm());
 }
 
@@ -367,7 +367,7 @@ fn rings_left_over_from_answers_found_by_polling_are_no_storm() {
     let mut disk = vec![0u8; 1 << 16];
     let mut leftover = 0;
     for i in 0..4 * STORM_WAKES as u64 {
-        f.submit(FrontRequest::Read { offset: 0, len: 4096 }, i).unwrap();
+        f.submit(FrontRequest::Read { offset: 0, into: 4096 }, i).unwrap();
         assert_eq!(serve(&mut b, &mut disk), 1, "round {i}");
         assert_eq!(f.reap(|c| assert_eq!(c.result, Ok(4096))).unwrap(), 1, "round {i}: found by polling");
         // The sleep on the socket and the queue: woken at once by the ring left over.
@@ -417,19 +417,19 @@ fn lower_queue_forwards_requests_without_copying_through_the_upper_arenas() {
     let mut below = BackQueue::from_fds(lower.back_fds().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
     let mut disk = vec![0u8; 1 << 20];
     let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
-    front.submit(FrontRequest::Write { offset: 12288, data: &data, fua: false }, 1).unwrap();
+    front.submit(FrontRequest::Write { offset: 12288, from: &data, fua: false }, 1).unwrap();
     assert_eq!(forward_all(&mut tap, &mut fwd, &mut below, &mut disk), 1);
     assert_eq!(&disk[12288..12288 + 8192], &data[..]);
     let mut results = Vec::new();
     front.reap(|c| results.push((c.user, c.result))).unwrap();
     assert_eq!(results, vec![(1, Ok(8192))]);
-    front.submit(FrontRequest::Read { offset: 12288, len: 8192 }, 2).unwrap();
+    front.submit(FrontRequest::Read { offset: 12288, into: 8192 }, 2).unwrap();
     assert_eq!(forward_all(&mut tap, &mut fwd, &mut below, &mut disk), 1);
     let mut back = vec![0u8; 8192];
     front.reap(|c| c.data.unwrap().copy_to(&mut back)).unwrap();
     assert_eq!(back, data);
     // A forwarding end has no arenas of its own to carry data in.
-    assert!(matches!(fwd.push(FrontRequest::Read { offset: 0, len: 4096 }, 3), Err(SubmitError::Broken(_))));
+    assert!(matches!(fwd.push(FrontRequest::Read { offset: 0, into: 4096 }, 3), Err(SubmitError::Broken(_))));
 }
 
 #[test]
@@ -454,7 +454,7 @@ fn a_private_lower_queue_carries_copies_and_the_domain_below_never_maps_the_uppe
 
     let mut disk = vec![0u8; 1 << 20];
     let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
-    front.submit(FrontRequest::Write { offset: 12288, data: &data, fua: true }, 1).unwrap();
+    front.submit(FrontRequest::Write { offset: 12288, from: &data, fua: true }, 1).unwrap();
     // The tap domain copies the write's windows into the queue below.
     let Some(Popped::Valid(r)) = tap.pop().unwrap() else { panic!("no request") };
     fwd.push_gather(r.offset(), &tap.buffers(&r), r.fua(), 7).unwrap();
@@ -467,17 +467,17 @@ fn a_private_lower_queue_carries_copies_and_the_domain_below_never_maps_the_uppe
     fwd.reap(|c| done.push((c.user, c.result))).unwrap();
     assert_eq!(done, [(7, Ok(8192))]);
     // A read lands in the queue's own read arena, for the tap domain to copy up.
-    fwd.submit(FrontRequest::Read { offset: 12288, len: 8192 }, 8).unwrap();
+    fwd.submit(FrontRequest::Read { offset: 12288, into: 8192 }, 8).unwrap();
     serve(&mut below, &mut disk);
     let mut back = vec![0u8; 8192];
     fwd.reap(|c| c.data.unwrap().copy_to(&mut back)).unwrap();
     assert_eq!(back, data);
     // Restarted in place for a new domain below, it forgets what it held and frees its arenas.
-    fwd.submit(FrontRequest::Read { offset: 0, len: 1 << 20 }, 9).unwrap();
-    assert!(matches!(fwd.push(FrontRequest::Read { offset: 0, len: 4096 }, 10), Err(SubmitError::Full)));
+    fwd.submit(FrontRequest::Read { offset: 0, into: 1 << 20 }, 9).unwrap();
+    assert!(matches!(fwd.push(FrontRequest::Read { offset: 0, into: 4096 }, 10), Err(SubmitError::Full)));
     fwd.restart(2).unwrap();
     assert_eq!(fwd.in_flight(), 0);
-    fwd.submit(FrontRequest::Read { offset: 0, len: 1 << 20 }, 11).unwrap();
+    fwd.submit(FrontRequest::Read { offset: 0, into: 1 << 20 }, 11).unwrap();
     drop(tap);
 }
 
@@ -487,13 +487,13 @@ fn unanswered_requests_move_to_the_next_generation_in_order_with_their_data() {
     let mut disk = vec![0u8; 1 << 20];
     let a: Vec<u8> = (0..4096u32).map(|i| i as u8).collect();
     let b: Vec<u8> = (0..8192u32).map(|i| (i * 3) as u8).collect();
-    old.submit(FrontRequest::Write { offset: 0, data: &a, fua: false }, 10).unwrap();
+    old.submit(FrontRequest::Write { offset: 0, from: &a, fua: false }, 10).unwrap();
     serve(&mut old_back, &mut disk);
     old.reap(|_| {}).unwrap();
     // Four requests the old driver never answers.
-    old.submit(FrontRequest::Write { offset: 8192, data: &b, fua: true }, 11).unwrap();
+    old.submit(FrontRequest::Write { offset: 8192, from: &b, fua: true }, 11).unwrap();
     old.submit(FrontRequest::Flush, 12).unwrap();
-    old.submit(FrontRequest::Read { offset: 0, len: 4096 }, 13).unwrap();
+    old.submit(FrontRequest::Read { offset: 0, into: 4096 }, 13).unwrap();
     old.submit(FrontRequest::Discard { offset: 65536, len: 4096 }, 14).unwrap();
     let next = QueueConfig { generation: 2, ..cfg() };
     let (mut new, mut new_back) = pair(&next, 1 << 20).unwrap();
@@ -521,8 +521,8 @@ fn unanswered_requests_move_to_the_next_generation_in_order_with_their_data() {
 #[test]
 fn abandoned_requests_are_reported_once_and_free_their_space() {
     let (mut f, _b) = pair(&cfg(), 1 << 20).unwrap();
-    f.submit(FrontRequest::Write { offset: 0, data: &[1u8; 4096], fua: false }, 7).unwrap();
-    f.submit(FrontRequest::Read { offset: 0, len: 4096 }, 8).unwrap();
+    f.submit(FrontRequest::Write { offset: 0, from: &[1u8; 4096], fua: false }, 7).unwrap();
+    f.submit(FrontRequest::Read { offset: 0, into: 4096 }, 8).unwrap();
     let mut gone = vec![];
     f.abandon(|u| gone.push(u));
     gone.sort_unstable();
@@ -543,12 +543,12 @@ fn a_tap_replaced_alone_gets_every_unanswered_request_again_and_the_driver_below
     let mut disk = vec![0u8; 1 << 20];
     let a: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
     let b: Vec<u8> = (0..8192u32).map(|i| (i * 5) as u8).collect();
-    front.submit(FrontRequest::Write { offset: 0, data: &a, fua: false }, 1).unwrap();
+    front.submit(FrontRequest::Write { offset: 0, from: &a, fua: false }, 1).unwrap();
     assert_eq!(forward_all(&mut tap, &mut fwd, &mut below, &mut disk), 1);
     front.reap(|_| {}).unwrap();
     // The old tap takes three requests and forwards one below, then dies answering nothing.
-    front.submit(FrontRequest::Write { offset: 16384, data: &b, fua: true }, 2).unwrap();
-    front.submit(FrontRequest::Read { offset: 0, len: 4096 }, 3).unwrap();
+    front.submit(FrontRequest::Write { offset: 16384, from: &b, fua: true }, 2).unwrap();
+    front.submit(FrontRequest::Read { offset: 0, into: 4096 }, 3).unwrap();
     front.submit(FrontRequest::Flush, 4).unwrap();
     let Some(Popped::Valid(r)) = tap.pop().unwrap() else { panic!("a request") };
     let windows = tap.arena_windows();

@@ -39,9 +39,9 @@ fn run_mode(mode: NotifyMode) {
             let offset = b * BLOCK as u64;
             if r % 2 == 0 {
                 fill(&mut wbuf, b, r);
-                front.push(FrontRequest::Write { offset, data: &wbuf, fua: false }, next).unwrap();
+                front.push(FrontRequest::Write { offset, from: &wbuf, fua: false }, next).unwrap();
             } else {
-                front.push(FrontRequest::Read { offset, len: BLOCK as u64 }, next).unwrap();
+                front.push(FrontRequest::Read { offset, into: BLOCK as u64 }, next).unwrap();
                 reads += 1;
             }
             next += 1;

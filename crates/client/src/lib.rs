@@ -13,7 +13,7 @@
 //!
 //! ```no_run
 //! # fn demo(dev: &bulkhead_client::Device) -> Result<(), bulkhead_client::IoError> {
-//! use bulkhead_client::Request;
+//! use bulkhead_client::FrontRequest;
 //! let mut buf = vec![0u8; 4096];
 //! dev.write(0, 0, &buf, false)?;
 //! dev.flush(0)?;
@@ -21,7 +21,7 @@
 //! // Several requests in flight on one queue.
 //! let mut q = dev.queue(1);
 //! for i in 0..8u64 {
-//!     q.submit(Request::Read { offset: i * 4096, len: 4096 }, i)?;
+//!     q.submit(FrontRequest::Read { offset: i * 4096, into: 4096 }, i)?;
 //! }
 //! let mut done = 0;
 //! while done < 8 {
@@ -37,10 +37,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-pub use bulkhead_channel::FrontRequest as Request;
-pub use bulkhead_channel::SharedSlice;
-pub use bulkhead_channel::Status;
-use bulkhead_channel::{ChannelError, FrontQueue, FrontRequest, NotifyMode};
+use bulkhead_channel::{ChannelError, FrontQueue, NotifyMode};
+pub use bulkhead_channel::{Command, FrontRequest, Op, SharedSlice, Status};
 use bulkhead_doorbell::EventFd;
 
 pub mod attach;
@@ -466,7 +464,7 @@ impl Device {
         let mut done = 0;
         while done < len {
             let n = (len - done).min(chunk);
-            self.run(slot, FrontRequest::Read { offset: offset + done, len: n }, |w| f(done, w))?;
+            self.run(slot, FrontRequest::Read { offset: offset + done, into: n }, |w| f(done, w))?;
             done += n;
         }
         self.counters.bytes_read.fetch_add(len, Ordering::Relaxed);
@@ -484,7 +482,7 @@ impl Device {
         let chunk = self.max_request as usize;
         for (i, piece) in data.chunks(chunk.max(1)).enumerate() {
             let at = offset + (i * chunk) as u64;
-            self.run(slot, FrontRequest::Write { offset: at, data: piece, fua }, |_| {})?;
+            self.run(slot, FrontRequest::Write { offset: at, from: piece, fua }, |_| {})?;
         }
         self.counters.bytes_written.fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
@@ -720,9 +718,9 @@ mod tests {
         let mut q = dev.queue(0);
         assert_eq!(q.capacity(), 8);
         for i in 0..8u64 {
-            q.submit(Request::Write { offset: i * 4096, data: &[i as u8 + 1; 4096], fua: false }, i).unwrap();
+            q.submit(FrontRequest::Write { offset: i * 4096, from: &[i as u8 + 1; 4096], fua: false }, i).unwrap();
         }
-        assert_eq!(q.submit(Request::Flush, 99), Err(IoError::QueueFull));
+        assert_eq!(q.submit(FrontRequest::Flush, 99), Err(IoError::QueueFull));
         assert_eq!((q.in_flight(), dev.in_flight()), (8, 8));
         assert_eq!(serve(&mut back, &mut disk), 8);
         let mut tokens = vec![];
@@ -747,7 +745,7 @@ mod tests {
             let (dev, _control) = Device::new("t", 1 << 20, vec![front], None);
             let mut q = dev.queue(0);
             assert_eq!(q.arm(), Armed::Idle, "{mode:?}: nothing in flight");
-            q.submit(Request::Read { offset: 0, len: 4096 }, 1).unwrap();
+            q.submit(FrontRequest::Read { offset: 0, into: 4096 }, 1).unwrap();
             match (q.arm(), unanswered) {
                 // A `poll` driver never rings: the caller must look again, yielding.
                 (Armed::Spin, Armed::Spin) => {}
@@ -767,9 +765,9 @@ mod tests {
         let (dev, control) = Device::new("t", 1 << 20, vec![front], None);
         let mut q = dev.queue(0);
         let data: Vec<u8> = (0..8192u32).map(|i| (i * 5) as u8).collect();
-        q.submit(Request::Write { offset: 4096, data: &data, fua: true }, 1).unwrap();
-        q.submit(Request::Flush, 2).unwrap();
-        q.submit(Request::Read { offset: 4096, len: 8192 }, 3).unwrap();
+        q.submit(FrontRequest::Write { offset: 4096, from: &data, fua: true }, 1).unwrap();
+        q.submit(FrontRequest::Flush, 2).unwrap();
+        q.submit(FrontRequest::Read { offset: 4096, into: 8192 }, 3).unwrap();
         // The domain dies unanswering; the supervisor installs generation 2 from another thread.
         let (front2, mut back2) = pair(&cfg(2), 1 << 20).unwrap();
         let server = std::thread::spawn(move || {
@@ -821,12 +819,12 @@ mod tests {
         let held = std::thread::spawn(move || {
             let mut q = dev0.queue(0);
             q.submit(
-                Request::Write { offset: 4096, data: &(0..8192u32).map(|i| (i * 3) as u8).collect::<Vec<_>>(), fua: false },
+                FrontRequest::Write { offset: 4096, from: &(0..8192u32).map(|i| (i * 3) as u8).collect::<Vec<_>>(), fua: false },
                 1,
             )
             .unwrap();
-            q.submit(Request::Flush, 2).unwrap();
-            q.submit(Request::Read { offset: 4096, len: 8192 }, 3).unwrap();
+            q.submit(FrontRequest::Flush, 2).unwrap();
+            q.submit(FrontRequest::Read { offset: 4096, into: 8192 }, 3).unwrap();
             tx.send(()).unwrap();
             wait_for(&mut q, 3, 8192)
         });
@@ -855,8 +853,8 @@ mod tests {
         let (front, _dead) = pair(&cfg(1), 1 << 20).unwrap();
         let (dev, control) = Device::new("t", 1 << 20, vec![front], None);
         let mut q = dev.queue(0);
-        q.submit(Request::Read { offset: 0, len: 4096 }, 5).unwrap();
-        q.submit(Request::Flush, 6).unwrap();
+        q.submit(FrontRequest::Read { offset: 0, into: 4096 }, 5).unwrap();
+        q.submit(FrontRequest::Flush, 6).unwrap();
         control.fail("restart limit");
         let mut got = vec![];
         while got.len() < 2 {
@@ -865,7 +863,7 @@ mod tests {
         got.sort_by_key(|g| g.0);
         let e = IoError::Unavailable("restart limit".into());
         assert_eq!(got, [(5, Err(e.clone())), (6, Err(e.clone()))]);
-        assert_eq!(q.submit(Request::Flush, 7), Err(e));
+        assert_eq!(q.submit(FrontRequest::Flush, 7), Err(e));
         assert_eq!(dev.in_flight(), 0);
     }
 

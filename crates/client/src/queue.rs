@@ -94,10 +94,10 @@ impl<'a> QueueHandle<'a> {
     /// when the queue holds as many requests as it can: reap some first.
     pub fn submit(&mut self, req: FrontRequest<'_>, token: u64) -> Result<(), IoError> {
         match req {
-            FrontRequest::Read { offset, len }
+            FrontRequest::Read { offset, into: len }
             | FrontRequest::Discard { offset, len }
             | FrontRequest::WriteZeroes { offset, len } => self.dev.check_range(offset, len)?,
-            FrontRequest::Write { offset, data, .. } => self.dev.check_range(offset, data.len() as u64)?,
+            FrontRequest::Write { offset, from: data, .. } => self.dev.check_range(offset, data.len() as u64)?,
             FrontRequest::Flush => {}
         }
         let started = Instant::now();

@@ -589,7 +589,7 @@ impl FilterTable {
             Some(list) => {
                 let mut m = 0u8;
                 for name in list.get_ref() {
-                    let Some(op) = bulkhead_block::OpKind::parse(name) else {
+                    let Some(op) = bulkhead_block::Op::parse(name) else {
                         return Err(err(
                             list.span(),
                             format!("{}: unknown operation `{name}` (read, write, flush, discard, write_zeroes)", at("ops")),

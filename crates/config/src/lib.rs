@@ -423,7 +423,7 @@ pub fn parse_nbd_uri(uri: &str) -> Result<(NbdTarget, String), String> {
 
 /// A device's backend, resolved.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Backend {
+pub enum BackendConfig {
     /// A ramdisk.
     Ram,
     /// A file or block device.
@@ -465,11 +465,11 @@ pub enum Backend {
 
 impl BackendTable {
     /// The resolved backend (after validation).
-    pub fn resolve(&self) -> Backend {
+    pub fn resolve(&self) -> BackendConfig {
         match self.kind {
-            BackendKind::Ram => Backend::Ram,
-            BackendKind::Null => Backend::Null,
-            BackendKind::File => Backend::File {
+            BackendKind::Ram => BackendConfig::Ram,
+            BackendKind::Null => BackendConfig::Null,
+            BackendKind::File => BackendConfig::File {
                 path: self.path.as_ref().map(|p| p.get_ref().clone()).unwrap_or_default(),
                 direct: self.direct.as_ref().map(|d| *d.get_ref()).unwrap_or(false),
                 engine: self.engine.as_ref().map(|e| *e.get_ref()).unwrap_or(Engine::Auto),
@@ -479,7 +479,7 @@ impl BackendTable {
             BackendKind::Nbd => {
                 let uri = self.uri.as_ref().map(|u| u.get_ref().clone()).unwrap_or_default();
                 let (target, export) = parse_nbd_uri(&uri).unwrap_or((NbdTarget::Unix(PathBuf::new()), String::new()));
-                Backend::Nbd {
+                BackendConfig::Nbd {
                     uri,
                     target,
                     export,
@@ -487,7 +487,7 @@ impl BackendTable {
                     reconnect_timeout_ms: self.reconnect_timeout_ms.as_ref().map(|t| *t.get_ref()).unwrap_or(60_000),
                 }
             }
-            BackendKind::Vdev => Backend::Vdev {
+            BackendKind::Vdev => BackendConfig::Vdev {
                 card: match (&self.card, &self.seed) {
                     (Some(p), _) => VdevCard::File(p.get_ref().clone()),
                     (None, s) => VdevCard::Seed(s.as_ref().map_or(0, |s| *s.get_ref())),
@@ -501,7 +501,7 @@ impl BackendTable {
 /// One device.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Device {
+pub struct DeviceConfig {
     /// Name: the FUSE file and NBD export name.
     pub name: Spanned<String>,
     /// Size in bytes (defaults to the file size for `file`; required otherwise).
@@ -522,7 +522,7 @@ pub struct Device {
     #[serde(default = "default_budget")]
     pub spin_budget_us: SpinBudget,
     /// A domain with requests pending and no answer for this long is restarted (default 1000
-    /// ms; 10000 for `nbd`, whose requests cross a network). See [`Device::watchdog_ms`].
+    /// ms; 10000 for `nbd`, whose requests cross a network). See [`DeviceConfig::watchdog_ms`].
     pub watchdog_ms: Option<Spanned<u64>>,
     /// Restarts allowed within `restart_window_ms` before the device turns failed.
     #[serde(default = "default_restart_limit")]
@@ -537,7 +537,7 @@ pub struct Device {
     /// Where the filters run.
     #[serde(default)]
     pub tap: Tap,
-    /// Backend table.
+    /// The `[device.backend]` table..
     pub backend: BackendTable,
     /// `[[device.filter]]` tables, frontend side first.
     #[serde(default, rename = "filter")]
@@ -604,7 +604,7 @@ fn default_depth() -> Spanned<u32> {
 fn default_arena() -> Spanned<Size> {
     Spanned::new(0..0, Size(8 << 20))
 }
-impl Device {
+impl DeviceConfig {
     /// The filters, resolved (validated with the rest of the configuration).
     pub fn filters(&self) -> Vec<Filter> {
         let watchdog = self.watchdog_ms();
@@ -804,7 +804,7 @@ pub struct Config {
     pub nbd: Nbd,
     /// Devices.
     #[serde(default, rename = "device")]
-    pub devices: Vec<Device>,
+    pub devices: Vec<DeviceConfig>,
 }
 
 /// Parses and validates one filter given as the body of a `[[device.filter]]` table (`type =
@@ -1221,7 +1221,7 @@ mod tests {
         assert_eq!(d.name.get_ref(), "disk0");
         assert_eq!(d.size.as_ref().unwrap().get_ref().0, 1 << 30);
         assert_eq!(d.notify, Notify::Adaptive);
-        assert_eq!(d.backend.resolve(), Backend::Ram);
+        assert_eq!(d.backend.resolve(), BackendConfig::Ram);
         assert!(c.fuse.enabled);
     }
 
@@ -1297,7 +1297,7 @@ mod tests {
     fn file_backend_takes_its_options() {
         let c = parse("[[device]]\nname = \"f\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\ndirect = true\nengine = \"io_uring\"\n").unwrap();
         match c.devices[0].backend.resolve() {
-            Backend::File { direct, engine, read_only, .. } => {
+            BackendConfig::File { direct, engine, read_only, .. } => {
                 assert!(direct);
                 assert_eq!(engine, Engine::IoUring);
                 assert!(!read_only);
@@ -1305,7 +1305,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         let c = parse("[[device]]\nname = \"f\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\n").unwrap();
-        assert!(matches!(c.devices[0].backend.resolve(), Backend::File { engine: Engine::Auto, .. }), "auto by default");
+        assert!(matches!(c.devices[0].backend.resolve(), BackendConfig::File { engine: Engine::Auto, .. }), "auto by default");
         let e = parse("[[device]]\nname = \"f\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\nengine = \"aio\"\n")
             .unwrap_err();
         assert!(e.to_string().contains("aio") && e.to_string().contains("line 6"), "{e}");
@@ -1317,7 +1317,7 @@ mod tests {
     fn a_file_backend_holds_a_qcow2_image_without_size_direct_or_io_uring() {
         let head = "[[device]]\nname = \"q\"\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\nformat = \"qcow2\"\n";
         match parse(head).unwrap().devices[0].backend.resolve() {
-            Backend::File { format, .. } => assert_eq!(format, ImageFormat::Qcow2),
+            BackendConfig::File { format, .. } => assert_eq!(format, ImageFormat::Qcow2),
             other => panic!("{other:?}"),
         }
         for (extra, key, line) in [("direct = true\n", "backend.direct", 7), ("engine = \"io_uring\"\n", "backend.engine", 7)] {
@@ -1337,7 +1337,7 @@ mod tests {
     fn nbd_backend_takes_a_uri_and_names_bad_ones() {
         let c = parse("[[device]]\nname = \"n\"\n[device.backend]\ntype = \"nbd\"\nuri = \"nbd://10.0.0.2/disk0\"\n").unwrap();
         match c.devices[0].backend.resolve() {
-            Backend::Nbd { target, export, reconnect_timeout_ms, .. } => {
+            BackendConfig::Nbd { target, export, reconnect_timeout_ms, .. } => {
                 assert_eq!(target, NbdTarget::Tcp { host: "10.0.0.2".into(), port: NBD_DEFAULT_PORT });
                 assert_eq!(export, "disk0");
                 assert_eq!(reconnect_timeout_ms, 60_000);
@@ -1364,10 +1364,10 @@ mod tests {
     fn vdev_backend_takes_a_card_file_or_a_seed_and_names_bad_ones() {
         let dev = "[[device]]\nname = \"v\"\nsize = \"64M\"\n[device.backend]\ntype = \"vdev\"\n";
         let c = parse(&format!("{dev}seed = 7\nwait = \"poll\"\n")).unwrap();
-        assert_eq!(c.devices[0].backend.resolve(), Backend::Vdev { card: VdevCard::Seed(7), wait: VdevWait::Poll });
+        assert_eq!(c.devices[0].backend.resolve(), BackendConfig::Vdev { card: VdevCard::Seed(7), wait: VdevWait::Poll });
         let c = parse(&format!("{dev}seed = 3\n")).unwrap();
         assert!(
-            matches!(c.devices[0].backend.resolve(), Backend::Vdev { wait: VdevWait::Interrupt, .. }),
+            matches!(c.devices[0].backend.resolve(), BackendConfig::Vdev { wait: VdevWait::Interrupt, .. }),
             "interrupts by default"
         );
 
@@ -1376,7 +1376,7 @@ mod tests {
         let good = dir.join("card.json");
         std::fs::write(&good, bulkhead_vdev::Card::generate(9).to_json()).unwrap();
         let c = parse(&format!("{dev}card = \"{}\"\n", good.display())).unwrap();
-        assert!(matches!(c.devices[0].backend.resolve(), Backend::Vdev { card: VdevCard::File(p), .. } if p == good));
+        assert!(matches!(c.devices[0].backend.resolve(), BackendConfig::Vdev { card: VdevCard::File(p), .. } if p == good));
         // A card whose registers overlap is refused at load, naming the file and the line.
         let mut bad = bulkhead_vdev::Card::generate(9);
         bad.registers.status.offset = bad.registers.control.offset;

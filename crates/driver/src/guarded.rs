@@ -327,7 +327,7 @@ impl Guarded {
         if let Some((at, n)) = result {
             let _ = act.allow(at, n);
         }
-        if let Some(Request::Read { bufs, .. } | Request::Write { bufs, .. }) = req {
+        if let Some(Request::Read { into: bufs, .. } | Request::Write { from: bufs, .. }) = req {
             for b in bufs.iter() {
                 if act.allow(b.as_ptr() as u64, b.len() as u64).is_err() {
                     break;

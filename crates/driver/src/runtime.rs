@@ -12,10 +12,11 @@ use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 use bulkhead_block::{BlockError, Chain, Request, StartError, Tag, TagSpace};
+use bulkhead_block::{Op, Status};
 use bulkhead_channel::{AboveControl, BackQueue, Popped};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, Handoff, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
-use bulkhead_ring::{Op, Status, ValidRequest};
+use bulkhead_ring::ValidRequest;
 use bulkhead_spec::attach_line::FromDomain;
 use bulkhead_spec::state_slots::{HEARTBEAT, HELD, LOOP};
 use bulkhead_spec::ViewSpec;
@@ -95,13 +96,7 @@ fn request<'q>(queues: &'q [Option<BackQueue>], f: &InFlight) -> Request<'q> {
     let r = &f.req;
     // A queue leaves only once none of its requests is in the chain.
     let q = || queues[f.queue].as_ref().expect("a queue with requests in flight is served");
-    match r.op() {
-        Op::Read => Request::Read { offset: f.base + r.offset(), bufs: q().buffers(r) },
-        Op::Write => Request::Write { offset: f.base + r.offset(), bufs: q().buffers(r), fua: r.fua() },
-        Op::Flush => Request::Flush,
-        Op::Discard => Request::Discard { offset: f.base + r.offset(), len: r.len() },
-        Op::WriteZeroes => Request::WriteZeroes { offset: f.base + r.offset(), len: r.len() },
-    }
+    q().request(r).shifted(f.base)
 }
 
 /// A driver domain's queues and chain.
@@ -840,7 +835,7 @@ impl Domain {
 mod tests {
     use super::*;
     use bulkhead_backends::RamBackend;
-    use bulkhead_block::{Layer, OpKind};
+    use bulkhead_block::{Layer, Op};
     use bulkhead_channel::{pair, FrontQueue, FrontRequest, QueueConfig};
     use bulkhead_filters::error::ErrorRule;
     use bulkhead_filters::{FilterFds, FilterSpec};
@@ -856,7 +851,7 @@ mod tests {
     /// Refuses write-zeroes with EOPNOTSUPP, holds reads for `read_delay_us`.
     fn test_chain(ram: RamBackend, read_delay_us: u64) -> Chain {
         let rule = ErrorRule {
-            ops: 1 << OpKind::WriteZeroes.index(),
+            ops: 1 << Op::WriteZeroes.index(),
             offset: 0,
             len: u64::MAX,
             probability_ppm: 1_000_000,
@@ -888,7 +883,7 @@ mod tests {
         });
 
         let data: Vec<u8> = (0..65536u32).map(|i| (i * 31 % 256) as u8).collect();
-        let r = front.execute(FrontRequest::Write { offset: 8192, data: &data, fua: false }, 5000, |_| {}).unwrap();
+        let r = front.execute(FrontRequest::Write { offset: 8192, from: &data, fua: false }, 5000, |_| {}).unwrap();
         assert_eq!(r, Ok(65536));
         assert_eq!(front.execute(FrontRequest::Flush, 5000, |_| {}).unwrap(), Ok(0));
         let mut stored = vec![0u8; 65536];
@@ -897,7 +892,7 @@ mod tests {
         // The read is held by the delay layer for 2 ms and still comes back whole.
         let mut back_out = vec![0u8; 65536];
         let start = Instant::now();
-        let r = front.execute(FrontRequest::Read { offset: 8192, len: 65536 }, 5000, |w| w.copy_to(&mut back_out)).unwrap();
+        let r = front.execute(FrontRequest::Read { offset: 8192, into: 65536 }, 5000, |w| w.copy_to(&mut back_out)).unwrap();
         assert!(start.elapsed() >= Duration::from_millis(2), "the read was not held");
         assert_eq!(r, Ok(65536));
         assert_eq!(back_out, data);
@@ -939,14 +934,14 @@ mod tests {
         let reader = std::thread::spawn(move || {
             let mut front0: FrontQueue = front0;
             let start = Instant::now();
-            let r = front0.execute(FrontRequest::Read { offset: 0, len: 4096 }, 5000, |_| {}).unwrap();
+            let r = front0.execute(FrontRequest::Read { offset: 0, into: 4096 }, 5000, |_| {}).unwrap();
             (r, start.elapsed())
         });
         // While queue 0's read is held for 300 ms, queue 1 is served.
         std::thread::sleep(Duration::from_millis(20));
         let data = [7u8; 4096];
         for i in 0..50 {
-            let r = front1.execute(FrontRequest::Write { offset: i * 4096, data: &data, fua: false }, 5000, |_| {}).unwrap();
+            let r = front1.execute(FrontRequest::Write { offset: i * 4096, from: &data, fua: false }, 5000, |_| {}).unwrap();
             assert_eq!(r, Ok(4096));
         }
         assert!(!reader.is_finished(), "the read finished before its delay");
@@ -965,7 +960,7 @@ mod tests {
         let null = Chain::new(Vec::new(), Box::new(bulkhead_backends::NullBackend::new(1 << 16)));
         let mut dom = Domain::new(vec![back], null, NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, stop.clone()).unwrap();
         let t = std::thread::spawn(move || dom.run());
-        let r = front.execute(FrontRequest::Read { offset: 1 << 16, len: 4096 }, 5000, |_| {}).unwrap();
+        let r = front.execute(FrontRequest::Read { offset: 1 << 16, into: 4096 }, 5000, |_| {}).unwrap();
         assert_eq!(r, Err(Status::Invalid));
         stop.store(true, Ordering::Relaxed);
         t.join().unwrap().unwrap();
@@ -987,7 +982,7 @@ mod tests {
             dom.stats()
         });
         for i in 0..200u64 {
-            let r = front.execute(FrontRequest::Read { offset: (i % 16) * 4096, len: 4096 }, 5000, |_| {}).unwrap();
+            let r = front.execute(FrontRequest::Read { offset: (i % 16) * 4096, into: 4096 }, 5000, |_| {}).unwrap();
             assert_eq!(r, Ok(4096));
             // The frontend makes its next request after a yield, as one that shares the
             // domain's CPU would after its own work.
@@ -1035,21 +1030,21 @@ mod tests {
         };
         let at = |off: usize| bytes(off, 1)[0];
         // A write at the view's start lands at its offset in the device.
-        let w = vm1.execute(FrontRequest::Write { offset: 0, data: &[0xab; 4096], fua: false }, 5000, |_| {}).unwrap();
+        let w = vm1.execute(FrontRequest::Write { offset: 0, from: &[0xab; 4096], fua: false }, 5000, |_| {}).unwrap();
         assert_eq!(w, Ok(4096));
         assert_eq!((at(256 << 10), at((256 << 10) + 4095), at((256 << 10) - 1)), (0xab, 0xab, 0));
         // Past the view's end: refused, and nothing after the view is touched.
         for off in [64 << 10, (64 << 10) - 2048] {
-            let r = vm1.execute(FrontRequest::Write { offset: off, data: &[0xcd; 4096], fua: false }, 5000, |_| {}).unwrap();
+            let r = vm1.execute(FrontRequest::Write { offset: off, from: &[0xcd; 4096], fua: false }, 5000, |_| {}).unwrap();
             assert_eq!(r, Err(Status::Invalid), "write at {off}");
-            let r = vm1.execute(FrontRequest::Read { offset: off, len: 4096 }, 5000, |_| {}).unwrap();
+            let r = vm1.execute(FrontRequest::Read { offset: off, into: 4096 }, 5000, |_| {}).unwrap();
             assert_eq!(r, Err(Status::Invalid), "read at {off}");
         }
         assert!(bytes((320 << 10) - 4096, 8192).iter().all(|&b| b != 0xcd));
         // The read-only view reads its own range and refuses every kind of write.
-        whole.execute(FrontRequest::Write { offset: 512 << 10, data: &[0x5a; 4096], fua: false }, 5000, |_| {}).unwrap().unwrap();
+        whole.execute(FrontRequest::Write { offset: 512 << 10, from: &[0x5a; 4096], fua: false }, 5000, |_| {}).unwrap().unwrap();
         let mut seen = vec![];
-        ro.execute(FrontRequest::Read { offset: 0, len: 4096 }, 5000, |d| {
+        ro.execute(FrontRequest::Read { offset: 0, into: 4096 }, 5000, |d| {
             let mut b = [0u8; 1];
             d.sub(0, 1).unwrap().copy_to(&mut b);
             seen.push(b[0]);
@@ -1057,7 +1052,7 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(seen, vec![0x5a]);
-        let w = ro.execute(FrontRequest::Write { offset: 0, data: &[1; 4096], fua: false }, 5000, |_| {}).unwrap();
+        let w = ro.execute(FrontRequest::Write { offset: 0, from: &[1; 4096], fua: false }, 5000, |_| {}).unwrap();
         assert_eq!(w, Err(Status::ReadOnly));
         let d = ro.execute(FrontRequest::Discard { offset: 0, len: 4096 }, 5000, |_| {}).unwrap();
         assert_eq!(d, Err(Status::ReadOnly));
@@ -1087,7 +1082,7 @@ mod tests {
         let views = [view("slow", 0, 1 << 20, false), view("free", 1 << 20, 1 << 20, false)];
         dom.set_views(&views, &[Some(0), Some(1)], 2 << 20).unwrap();
         let t = std::thread::spawn(move || dom.run());
-        let read = |q: &mut FrontQueue| q.execute(FrontRequest::Read { offset: 0, len: 4096 }, 5000, |_| {}).unwrap().unwrap();
+        let read = |q: &mut FrontQueue| q.execute(FrontRequest::Read { offset: 0, into: 4096 }, 5000, |_| {}).unwrap().unwrap();
         let started = Instant::now();
         for _ in 0..21 {
             read(&mut slow);
@@ -1172,13 +1167,13 @@ mod tests {
         assert!(matches!(again, FromDomain::Refused { slot: 1, .. }), "{again:?}");
         drop(fds);
         let data = vec![0xa5u8; 8192];
-        let r = app.execute(FrontRequest::Write { offset: 4096, data: &data, fua: false }, 5000, |_| {}).unwrap();
+        let r = app.execute(FrontRequest::Write { offset: 4096, from: &data, fua: false }, 5000, |_| {}).unwrap();
         assert_eq!(r, Ok(8192));
         let mut stored = vec![0u8; 8192];
         probe.slice((2 << 20) + 4096, 8192).unwrap().copy_to(&mut stored);
         assert_eq!(stored, data, "the view's slot writes at the view's offset");
         // Past the view's end: refused by the ring, nothing written.
-        let r = app.execute(FrontRequest::Write { offset: 1 << 20, data: &data, fua: false }, 5000, |_| {});
+        let r = app.execute(FrontRequest::Write { offset: 1 << 20, from: &data, fua: false }, 5000, |_| {});
         assert!(!matches!(r, Ok(Ok(_))), "{r:?}");
         // The domain's own queue is served meanwhile.
         assert_eq!(own.execute(FrontRequest::Flush, 5000, |_| {}).unwrap(), Ok(0));

@@ -10,9 +10,9 @@
 //! The caps are read from the domain's state page when the supervisor changes them; the
 //! credit and what each view was served are written back there for `status`.
 
+use bulkhead_block::Op;
 use bulkhead_filters::state::StatePage;
 use bulkhead_qos::{page, Bucket, Caps, Deficit, Shares};
-use bulkhead_ring::Op;
 use bulkhead_spec::ViewSpec;
 
 /// What a queue serves.

@@ -348,7 +348,7 @@ impl Cow {
     fn write_step(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>) -> Result<Step, BlockError> {
         let (offset, len) = req.range();
         let data = match req {
-            Request::Write { bufs, .. } => Some(bufs),
+            Request::Write { from: bufs, .. } => Some(bufs),
             _ => None,
         };
         let cluster = self.cluster();
@@ -451,7 +451,7 @@ impl Cow {
         let into =
             window.sub((at - start) as usize, seg as usize).map_err(|_| BlockError::Invalid("cow: merge outside the cluster"))?;
         match req {
-            Request::Write { bufs, .. } => {
+            Request::Write { from: bufs, .. } => {
                 let mut to = 0usize;
                 for s in part(bufs, pos, seg)?.iter() {
                     let dst = into.sub(to, s.len()).map_err(|_| BlockError::Invalid("cow: merge outside the cluster"))?;
@@ -478,7 +478,7 @@ impl Cow {
 
     fn step(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>) -> Step {
         let r = match req {
-            Request::Read { offset, bufs } => self.read_step(tag, *offset, bufs),
+            Request::Read { offset, into: bufs } => self.read_step(tag, *offset, bufs),
             Request::Write { .. } | Request::WriteZeroes { .. } | Request::Discard { .. } => self.write_step(tag, req, scratch),
             Request::Flush => {
                 let r = self.write_back().and_then(|()| self.image()?.sync().map_err(os("flush", 0)));
@@ -695,8 +695,8 @@ mod tests {
                 let len = if rng.next().is_multiple_of(4) { len.min(4096) } else { len };
                 let w = app.slice(0, len as usize).unwrap();
                 let req = |_: Tag| match kind {
-                    0..=3 => Request::Read { offset, bufs: SliceList::one(w) },
-                    4..=6 => Request::Write { offset, bufs: SliceList::one(w), fua: kind == 6 },
+                    0..=3 => Request::Read { offset, into: SliceList::one(w) },
+                    4..=6 => Request::Write { offset, from: SliceList::one(w), fua: kind == 6 },
                     7 => Request::WriteZeroes { offset, len },
                     8 => Request::Discard { offset, len },
                     _ => Request::Flush,
@@ -763,9 +763,9 @@ mod tests {
         a.copy_from(&[0xaa; 4096]).unwrap();
         b.copy_from(&[0xbb; 65536]).unwrap();
         let req = |t: Tag| match t.index() {
-            0 => Request::Write { offset: 65536 + 8192, bufs: SliceList::one(a), fua: false },
-            1 => Request::Write { offset: 65536, bufs: SliceList::one(b), fua: false },
-            _ => Request::Read { offset: 65536, bufs: SliceList::one(rd) },
+            0 => Request::Write { offset: 65536 + 8192, from: SliceList::one(a), fua: false },
+            1 => Request::Write { offset: 65536, from: SliceList::one(b), fua: false },
+            _ => Request::Read { offset: 65536, into: SliceList::one(rd) },
         };
         assert_eq!(run(&mut c, &[Tag::new(0), Tag::new(1)], &req), vec![Ok(4096), Ok(65536)]);
         assert_eq!(run(&mut c, &[Tag::new(2)], &req), vec![Ok(65536)]);
@@ -776,8 +776,8 @@ mod tests {
         assert!(got == want, "the later write's bytes over the earlier one's cluster");
         // A partial write alone keeps the rest of its cluster from below.
         let req = |t: Tag| match t.index() {
-            0 => Request::Write { offset: 3 * 65536 + 512, bufs: SliceList::one(a), fua: true },
-            _ => Request::Read { offset: 3 * 65536, bufs: SliceList::one(rd) },
+            0 => Request::Write { offset: 3 * 65536 + 512, from: SliceList::one(a), fua: true },
+            _ => Request::Read { offset: 3 * 65536, into: SliceList::one(rd) },
         };
         assert_eq!(run(&mut c, &[Tag::new(0)], &req), vec![Ok(4096)]);
         assert_eq!(run(&mut c, &[Tag::new(2)], &req), vec![Ok(65536)]);

@@ -107,7 +107,7 @@ impl Crypt {
         }
         let n = (CHUNK as u64).min(len - done) as usize;
         let fua = match req {
-            Request::Write { bufs, fua, .. } => {
+            Request::Write { from: bufs, fua, .. } => {
                 gather(bufs, done, &mut self.work[..n])?;
                 *fua
             }
@@ -256,7 +256,7 @@ impl Layer for Crypt {
         _: u64,
     ) -> After {
         match req {
-            Request::Read { offset, bufs } => {
+            Request::Read { offset, into: bufs } => {
                 if result.is_ok() {
                     if let Err(e) = self.decrypt_in_place(*offset, bufs) {
                         *result = Err(e);

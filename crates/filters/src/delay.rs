@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use bulkhead_block::{After, BlockError, Caps, Layer, OpKind, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, Op, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -15,7 +15,7 @@ const HELD: usize = 2;
 /// The `delay` filter.
 #[derive(Debug)]
 pub struct Delay {
-    /// Delay per operation ([`OpKind::index`]), ns.
+    /// Delay per operation ([`Op::index`]), ns.
     delay_ns: [u64; 5],
     /// Held requests per operation with their release time; each queue is in time order, as
     /// every request of one operation waits equally long.
@@ -30,7 +30,7 @@ impl Delay {
         Delay { delay_ns: delay_us.map(|us| us.saturating_mul(1000)), held: Default::default(), page }
     }
 
-    fn hold(&mut self, tag: Tag, op: OpKind, now_ns: u64) -> Verdict {
+    fn hold(&mut self, tag: Tag, op: Op, now_ns: u64) -> Verdict {
         let d = self.delay_ns[op.index()];
         if d == 0 {
             return Verdict::Forward;
@@ -64,11 +64,11 @@ impl Layer for Delay {
     }
     fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, now_ns: u64) -> Verdict {
         match req {
-            Request::Read { .. } => self.hold(tag, OpKind::Read, now_ns),
-            Request::Write { .. } => self.hold(tag, OpKind::Write, now_ns),
-            Request::Flush => self.hold(tag, OpKind::Flush, now_ns),
-            Request::Discard { .. } => self.hold(tag, OpKind::Discard, now_ns),
-            Request::WriteZeroes { .. } => self.hold(tag, OpKind::WriteZeroes, now_ns),
+            Request::Read { .. } => self.hold(tag, Op::Read, now_ns),
+            Request::Write { .. } => self.hold(tag, Op::Write, now_ns),
+            Request::Flush => self.hold(tag, Op::Flush, now_ns),
+            Request::Discard { .. } => self.hold(tag, Op::Discard, now_ns),
+            Request::WriteZeroes { .. } => self.hold(tag, Op::WriteZeroes, now_ns),
         }
     }
     fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {

@@ -6,7 +6,7 @@
 //! of the device, not one per domain generation; the random generator's state lives there too,
 //! so a restart does not replay the same choices.
 
-use bulkhead_block::{After, BlockError, Caps, Layer, OpKind, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, Op, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -36,7 +36,7 @@ mod libc_errno {
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ErrorRule {
-    /// Operations it applies to, a bit per [`OpKind::index`].
+    /// Operations it applies to, a bit per [`Op::index`].
     pub ops: u8,
     /// Start of the device range it applies to (requests overlapping it match; a flush, which
     /// has no range, matches whatever the range).
@@ -86,12 +86,12 @@ impl ErrorFilter {
         (x % 1_000_000) as u32
     }
 
-    fn decide(&mut self, op: OpKind, req: &Request<'_>) -> Verdict {
+    fn decide(&mut self, op: Op, req: &Request<'_>) -> Verdict {
         let r = self.rule;
         if r.ops & (1 << op.index()) == 0 {
             return Verdict::Forward;
         }
-        if op != OpKind::Flush {
+        if op != Op::Flush {
             let (offset, len) = req.range();
             let end = offset.saturating_add(len.max(1));
             if end <= r.offset || offset >= r.offset.saturating_add(r.len) {
@@ -125,11 +125,11 @@ impl Layer for ErrorFilter {
     fn attach(&mut self, _: TagSpace) {}
     fn submit(&mut self, _: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
         match req {
-            Request::Read { .. } => self.decide(OpKind::Read, req),
-            Request::Write { .. } => self.decide(OpKind::Write, req),
-            Request::Flush => self.decide(OpKind::Flush, req),
-            Request::Discard { .. } => self.decide(OpKind::Discard, req),
-            Request::WriteZeroes { .. } => self.decide(OpKind::WriteZeroes, req),
+            Request::Read { .. } => self.decide(Op::Read, req),
+            Request::Write { .. } => self.decide(Op::Write, req),
+            Request::Flush => self.decide(Op::Flush, req),
+            Request::Discard { .. } => self.decide(Op::Discard, req),
+            Request::WriteZeroes { .. } => self.decide(Op::WriteZeroes, req),
         }
     }
     fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
@@ -144,7 +144,7 @@ impl Layer for ErrorFilter {
 mod tests {
     use super::*;
     use crate::state::test_page;
-    use bulkhead_ring::Status;
+    use bulkhead_block::Status;
 
     fn rule() -> ErrorRule {
         ErrorRule { ops: 0b11111, offset: 0, len: u64::MAX, probability_ppm: 1_000_000, after: 0, count: None, errno: 5, seed: 1 }
@@ -161,7 +161,7 @@ mod tests {
     #[test]
     fn only_the_configured_operations_and_range_fail_with_the_configured_errno() {
         let (_fd, page) = test_page();
-        let ops = 1 << OpKind::Discard.index() | 1 << OpKind::Flush.index();
+        let ops = 1 << Op::Discard.index() | 1 << Op::Flush.index();
         let mut f = ErrorFilter::new(ErrorRule { ops, offset: 8192, len: 4096, errno: 28, ..rule() }, page);
         assert_eq!(fails(&mut f, &Request::Discard { offset: 0, len: 8192 }), None, "ends where the range starts");
         assert_eq!(fails(&mut f, &Request::Discard { offset: 12288, len: 4096 }), None, "starts where it ends");

@@ -156,7 +156,7 @@ mod tests {
     use bulkhead_shmem::SliceList;
 
     fn read_at(offset: u64) -> Request<'static> {
-        Request::Read { offset, bufs: SliceList::new() }
+        Request::Read { offset, into: SliceList::new() }
     }
 
     #[test]

@@ -21,7 +21,7 @@ pub enum FilterSpec {
     },
     /// Counters and latency histograms in the state page.
     Stats {},
-    /// A delay per operation, µs, by [`bulkhead_block::OpKind::index`].
+    /// A delay per operation, µs, by [`bulkhead_block::Op::index`].
     Delay {
         /// The delays.
         delay_us: [u64; 5],
@@ -524,7 +524,7 @@ mod tests {
 #[cfg(test)]
 mod every_operation {
     use super::*;
-    use bulkhead_block::{BlockError, OpKind, Request, SliceList, Tag, TagSpace, Verdict};
+    use bulkhead_block::{BlockError, Op, Request, SliceList, Tag, TagSpace, Verdict};
     use bulkhead_shmem::{memfd, Mapping, Protection};
     use std::os::fd::AsRawFd;
 
@@ -537,13 +537,13 @@ mod every_operation {
         let map = Mapping::new(buf_fd.as_raw_fd(), 8192, Protection::ReadWrite).unwrap();
         let bufs = SliceList::one(map.slice(0, 8192).unwrap());
         let requests = [
-            Request::Read { offset: 4096, bufs },
-            Request::Write { offset: 4096, bufs, fua: true },
+            Request::Read { offset: 4096, into: bufs },
+            Request::Write { offset: 4096, from: bufs, fua: true },
             Request::Flush,
             Request::Discard { offset: 0, len: 65536 },
             Request::WriteZeroes { offset: 8192, len: 4096 },
         ];
-        assert_eq!(requests.map(|r| r.kind()), OpKind::ALL, "one request of each kind");
+        assert_eq!(requests.map(|r| r.op()), Op::ALL, "one request of each kind");
         let trace_path = std::env::temp_dir().join(format!("bulkhead-every-op-{}", std::process::id()));
         let specs = [
             FilterSpec::Trace { device_number: 1 },
@@ -580,12 +580,12 @@ mod every_operation {
                 match layer.submit(Tag::new(i as u32), r, bulkhead_block::SharedSlice::empty(), 1_000) {
                     Verdict::Forward => passed.push(i),
                     Verdict::Complete(Err(_)) => answered += 1,
-                    Verdict::Complete(Ok(_)) => panic!("{}: completed {:?} without the layers below", spec.type_name(), r.kind()),
+                    Verdict::Complete(Ok(_)) => panic!("{}: completed {:?} without the layers below", spec.type_name(), r.op()),
                     Verdict::Hold => held += 1,
                     Verdict::Send(sub) => panic!(
                         "{}: sent {sub:?} in place of {:?}: none of these filters changes a request",
                         spec.type_name(),
-                        r.kind()
+                        r.op()
                     ),
                 }
             }

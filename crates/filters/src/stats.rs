@@ -5,7 +5,7 @@
 //! bucket 0 holds everything under 2 µs, bucket `i` latencies in `[2^i, 2^(i+1))` µs, the last
 //! everything longer.
 
-use bulkhead_block::{After, BlockError, Caps, Layer, OpKind, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, Op, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -17,7 +17,7 @@ pub const BUCKETS: usize = 32;
 const PER_OP: usize = 4 + BUCKETS;
 
 /// Slot of counter `field` of operation `op` in the state page.
-fn slot(op: OpKind, field: usize) -> usize {
+fn slot(op: Op, field: usize) -> usize {
     1 + op.index() * PER_OP + field
 }
 
@@ -45,7 +45,7 @@ pub struct OpStats {
 /// Reads the figures of every operation with at least one request. The page is the domain's to
 /// write, so any value may be there: the arithmetic saturates rather than overflows.
 pub fn read(page: &StatePage) -> Vec<OpStats> {
-    OpKind::ALL
+    Op::ALL
         .into_iter()
         .filter_map(|op| {
             let requests = page.get(slot(op, 0));
@@ -140,7 +140,7 @@ impl Layer for Stats {
         result: &mut Result<u64, BlockError>,
         now_ns: u64,
     ) -> After {
-        let op = req.kind();
+        let op = req.op();
         let ns = now_ns.saturating_sub(self.started[tag.index()]);
         self.page.add(slot(op, 0), 1);
         match result {

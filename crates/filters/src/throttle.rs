@@ -212,8 +212,8 @@ impl Layer for Throttle {
     }
     fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, now_ns: u64) -> Verdict {
         match req {
-            Request::Read { bufs, .. } => self.admit(tag, 0, bufs.total_len(), now_ns),
-            Request::Write { bufs, .. } => self.admit(tag, 1, bufs.total_len(), now_ns),
+            Request::Read { into: bufs, .. } => self.admit(tag, 0, bufs.total_len(), now_ns),
+            Request::Write { from: bufs, .. } => self.admit(tag, 1, bufs.total_len(), now_ns),
             Request::Discard { .. } | Request::WriteZeroes { .. } => self.admit(tag, 1, 0, now_ns),
             Request::Flush => Verdict::Forward,
         }
@@ -318,9 +318,9 @@ mod tests {
         let map = bulkhead_shmem::Mapping::new(std::os::fd::AsRawFd::as_raw_fd(&fd), 4096, bulkhead_shmem::Protection::ReadWrite)
             .unwrap();
         let bufs = bulkhead_block::SliceList::one(map.slice(0, 4096).unwrap());
-        assert_eq!(t.submit(Tag::new(3), &Request::Read { offset: 0, bufs }, SharedSlice::empty(), 0), Verdict::Forward);
+        assert_eq!(t.submit(Tag::new(3), &Request::Read { offset: 0, into: bufs }, SharedSlice::empty(), 0), Verdict::Forward);
         assert_eq!(
-            t.submit(Tag::new(4), &Request::Write { offset: 0, bufs, fua: false }, SharedSlice::empty(), 0),
+            t.submit(Tag::new(4), &Request::Write { offset: 0, from: bufs, fua: false }, SharedSlice::empty(), 0),
             Verdict::Hold
         );
         assert_eq!(read(&t.page), (2, 2, 0));

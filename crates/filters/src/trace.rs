@@ -11,7 +11,7 @@
 
 use std::io::Write;
 
-use bulkhead_block::{After, BlockError, Caps, Layer, OpKind, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Caps, Layer, Op, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -156,16 +156,16 @@ impl Record {
 
     /// The operation a record's categories stand for. blktrace has no category for
     /// write-zeroes: it reads back as a write of its range.
-    pub fn op(&self) -> OpKind {
+    pub fn op(&self) -> Op {
         let cat = self.action >> act::TC_SHIFT;
         if cat & act::TC_DISCARD != 0 {
-            OpKind::Discard
+            Op::Discard
         } else if cat & act::TC_FLUSH != 0 {
-            OpKind::Flush
+            Op::Flush
         } else if cat & act::TC_WRITE != 0 {
-            OpKind::Write
+            Op::Write
         } else {
-            OpKind::Read
+            Op::Read
         }
     }
 }
@@ -372,12 +372,12 @@ mod tests {
         assert_eq!(
             ops,
             [
-                (true, OpKind::Flush, 0, 0),
-                (true, OpKind::Discard, 0, 3),
-                (true, OpKind::Write, 1, 6),
-                (false, OpKind::Discard, 0, 3),
-                (false, OpKind::Flush, 0, 0),
-                (false, OpKind::Write, 1, 6),
+                (true, Op::Flush, 0, 0),
+                (true, Op::Discard, 0, 3),
+                (true, Op::Write, 1, 6),
+                (false, Op::Discard, 0, 3),
+                (false, Op::Flush, 0, 0),
+                (false, Op::Write, 1, 6),
             ]
         );
         assert_eq!((recs[1].sector, recs[1].bytes), (8, 8192));

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::io::Read;
 
-use bulkhead_block::OpKind;
+use bulkhead_block::Op;
 
 use crate::trace::{Record, RECORD_BYTES};
 
@@ -44,7 +44,7 @@ pub struct Summary {
     pub records: u64,
     /// From the first record to the last, seconds.
     pub span_s: f64,
-    /// Per operation with at least one request, in [`OpKind::ALL`] order.
+    /// Per operation with at least one request, in [`Op::ALL`] order.
     pub ops: Vec<OpSummary>,
     /// Requests per queue (the records' `cpu`), by queue.
     pub per_queue: Vec<(u32, u64)>,
@@ -139,7 +139,7 @@ pub fn summarize(mut input: impl Read) -> Result<Summary, TraceError> {
     if s.records > 0 {
         s.span_s = last.saturating_sub(first) as f64 / 1e9;
     }
-    for k in OpKind::ALL {
+    for k in Op::ALL {
         let (queued, completed, errors, bytes) = counts[k.index()];
         if queued == 0 && completed == 0 {
             continue;

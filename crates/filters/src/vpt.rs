@@ -84,8 +84,10 @@ impl DriveSpec {
 pub(crate) fn access_of(req: &Request<'_>) -> Option<Access> {
     let sectors = |len: u64| len.div_ceil(512);
     match req {
-        Request::Read { offset, bufs } => Some(Access { start: offset / 512, sectors: sectors(bufs.total_len()), write: false }),
-        Request::Write { offset, bufs, .. } => {
+        Request::Read { offset, into: bufs } => {
+            Some(Access { start: offset / 512, sectors: sectors(bufs.total_len()), write: false })
+        }
+        Request::Write { offset, from: bufs, .. } => {
             Some(Access { start: offset / 512, sectors: sectors(bufs.total_len()), write: true })
         }
         Request::WriteZeroes { offset, len } => Some(Access { start: offset / 512, sectors: sectors(*len), write: true }),
@@ -287,7 +289,7 @@ mod tests {
     }
 
     fn read_at(offset: u64) -> Request<'static> {
-        Request::Read { offset, bufs: SliceList::new() }
+        Request::Read { offset, into: SliceList::new() }
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use bulkhead_client::{Device, IoError, Request};
+use bulkhead_client::{Command, Device, FrontRequest, IoError};
 use zerocopy::{FromBytes, Immutable, IntoBytes};
 
 use crate::abi::*;
@@ -112,39 +112,14 @@ pub(crate) struct Io {
     pub(crate) kind: IoKind,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum IoKind {
-    Read {
-        offset: u64,
-        len: u64,
-    },
-    /// The data is the request's payload.
-    Write {
-        offset: u64,
-        len: u32,
-        fua: bool,
-    },
-    Flush,
-    Discard {
-        offset: u64,
-        len: u64,
-    },
-    Zeroes {
-        offset: u64,
-        len: u64,
-    },
-}
+/// A FUSE request's device command: a read names its length, a write the length of the data
+/// in the request's payload.
+pub(crate) type IoKind = Command<u64, u32>;
 
 impl Io {
     /// The device request; `payload` is the write's data.
-    pub(crate) fn request<'p>(&self, payload: &'p [u8]) -> Request<'p> {
-        match self.kind {
-            IoKind::Read { offset, len } => Request::Read { offset, len },
-            IoKind::Write { offset, len, fua } => Request::Write { offset, data: &payload[..len as usize], fua },
-            IoKind::Flush => Request::Flush,
-            IoKind::Discard { offset, len } => Request::Discard { offset, len },
-            IoKind::Zeroes { offset, len } => Request::WriteZeroes { offset, len },
-        }
+    pub(crate) fn request<'p>(&self, payload: &'p [u8]) -> FrontRequest<'p> {
+        self.kind.map(|len| len, |len| &payload[..len as usize])
     }
 
     /// Answers everything but a successful read, whose data the transport sends itself. The
@@ -152,7 +127,7 @@ impl Io {
     pub(crate) fn reply(&self, sh: &Shared, sink: &mut impl Sink, result: Result<(), IoError>) {
         match result {
             Ok(()) => match self.kind {
-                IoKind::Write { len, .. } => sink.value(self.unique, &WriteOut { size: len, padding: 0 }),
+                IoKind::Write { from: len, .. } => sink.value(self.unique, &WriteOut { size: len, padding: 0 }),
                 IoKind::Read { .. } => unreachable!("a read's reply carries its data"),
                 _ => sink.error(self.unique, 0),
             },
@@ -161,7 +136,7 @@ impl Io {
                     IoKind::Read { .. } => "read",
                     IoKind::Write { .. } => "write",
                     IoKind::Flush => "fsync",
-                    IoKind::Discard { .. } | IoKind::Zeroes { .. } => "fallocate",
+                    IoKind::Discard { .. } | IoKind::WriteZeroes { .. } => "fallocate",
                 };
                 sh.log_error(what, &e);
                 sink.error(self.unique, e.errno());
@@ -337,7 +312,7 @@ fn read(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> St
         sink.reply(u, 0, &[]);
         return Step::Done;
     }
-    Step::Io(Io { unique: u, dev: (nodeid - 2) as usize, kind: IoKind::Read { offset: r.offset, len } })
+    Step::Io(Io { unique: u, dev: (nodeid - 2) as usize, kind: IoKind::Read { offset: r.offset, into: len } })
 }
 
 fn write(sh: &Shared, u: u64, nodeid: u64, op: &[u8], data: &[u8], sink: &mut impl Sink) -> Step {
@@ -358,7 +333,7 @@ fn write(sh: &Shared, u: u64, nodeid: u64, op: &[u8], data: &[u8], sink: &mut im
         return Step::Done;
     }
     let fua = w.flags as i32 & libc::O_DSYNC != 0;
-    Step::Io(Io { unique: u, dev: (nodeid - 2) as usize, kind: IoKind::Write { offset: w.offset, len: w.size, fua } })
+    Step::Io(Io { unique: u, dev: (nodeid - 2) as usize, kind: IoKind::Write { offset: w.offset, from: w.size, fua } })
 }
 
 fn fallocate(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
@@ -381,7 +356,7 @@ fn fallocate(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) 
     } else if f.mode & FALLOC_FL_PUNCH_HOLE != 0 && f.mode & FALLOC_FL_KEEP_SIZE != 0 {
         IoKind::Discard { offset: f.offset, len: f.length }
     } else if f.mode & FALLOC_FL_ZERO_RANGE != 0 {
-        IoKind::Zeroes { offset: f.offset, len: f.length }
+        IoKind::WriteZeroes { offset: f.offset, len: f.length }
     } else {
         sink.error(u, libc::EOPNOTSUPP);
         return Step::Done;

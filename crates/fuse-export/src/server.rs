@@ -450,11 +450,11 @@ fn worker(fd: OwnedFd, slot: usize, sh: Arc<Shared>) {
 fn run_io(sh: &Shared, slot: usize, io: &Io, payload: &[u8], sink: &mut DevSink, scratch: &mut Vec<u8>) {
     let d = &sh.devices[io.dev];
     let result = match io.kind {
-        IoKind::Read { offset, len } => return read(sh, slot, io, (offset, len), sink.0, scratch),
-        IoKind::Write { offset, len, fua } => d.write(slot, offset, &payload[..len as usize], fua),
+        IoKind::Read { offset, into: len } => return read(sh, slot, io, (offset, len), sink.0, scratch),
+        IoKind::Write { offset, from: len, fua } => d.write(slot, offset, &payload[..len as usize], fua),
         IoKind::Flush => d.flush(slot),
         IoKind::Discard { offset, len } => d.discard(slot, offset, len),
-        IoKind::Zeroes { offset, len } => d.write_zeroes(slot, offset, len),
+        IoKind::WriteZeroes { offset, len } => d.write_zeroes(slot, offset, len),
     };
     io.reply(sh, sink, result);
 }

@@ -447,7 +447,7 @@ impl RingQueue {
             };
             let payload = self.payload_ptr(i);
             let len = match io.kind {
-                IoKind::Write { len, .. } => len as usize,
+                IoKind::Write { from: len, .. } => len as usize,
                 _ => 0,
             };
             // SAFETY: the entry is held by this worker; its payload holds `len` bytes of the
@@ -492,7 +492,7 @@ impl RingQueue {
         let (Held::Device(io) | Held::Waiting(io)) = self.ents[i].held else {
             return Ok(());
         };
-        if let (IoKind::Read { len, .. }, Ok(())) = (io.kind, &result) {
+        if let (IoKind::Read { into: len, .. }, Ok(())) = (io.kind, &result) {
             let len = len as usize;
             return match data {
                 Some(d) if d.len() == len => {
@@ -503,7 +503,7 @@ impl RingQueue {
                 _ => self.commit(i, io.unique, libc::EIO, &[], 0),
             };
         }
-        if let (IoKind::Write { len, .. }, Ok(())) = (io.kind, &result) {
+        if let (IoKind::Write { from: len, .. }, Ok(())) = (io.kind, &result) {
             sh.devices[io.dev].counters.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
         }
         // Nothing borrows the entry's buffers here: the reply goes straight into them.

@@ -21,7 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bulkhead_client::{Armed, Device, IoError, QueueHandle, Request as FrontRequest, SharedSlice};
+use bulkhead_client::{Armed, Command, Device, FrontRequest, IoError, QueueHandle, SharedSlice};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, IdleSpin, NotifyMode};
 
 use bulkhead_nbd::allow::Cidr;
@@ -890,41 +890,12 @@ fn io_error(e: &IoError) -> u32 {
     error_of_errno(e.errno())
 }
 
-/// Checks a request before anything is allocated for it; the protocol error if it is bad.
-fn check(req: &Request, size: u64, structured: bool) -> Result<(), u32> {
-    let allowed = match req.typ {
-        CMD_READ => {
-            if structured {
-                CMD_FLAG_DF
-            } else {
-                0
-            }
-        }
-        CMD_WRITE | CMD_TRIM => CMD_FLAG_FUA,
-        CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
-        CMD_FLUSH => 0,
-        _ => return Err(EINVAL),
-    };
-    if req.flags & !allowed != 0 {
-        return Err(EINVAL);
-    }
-    if matches!(req.typ, CMD_READ | CMD_WRITE) && req.len > MAX_PAYLOAD {
-        return Err(EOVERFLOW);
-    }
-    if req.typ == CMD_FLUSH {
-        return if req.offset == 0 && req.len == 0 { Ok(()) } else { Err(EINVAL) };
-    }
-    match req.offset.checked_add(req.len as u64) {
-        Some(end) if end <= size => Ok(()),
-        // Writing past the end is "no space"; anything else past the end is invalid.
-        _ if matches!(req.typ, CMD_WRITE | CMD_WRITE_ZEROES) => Err(ENOSPC),
-        _ => Err(EINVAL),
-    }
-}
-
-/// One request read off the socket, served by the thread that read it.
+/// One request read off the socket and parsed, served by the thread that read it.
 struct Job {
-    req: Request,
+    cookie: u64,
+    cmd: Command<u32, u32>,
+    /// A trim or write-zeroes with FUA: a flush follows it before the reply.
+    flush_after: bool,
     /// A write's data.
     payload: Vec<u8>,
     /// The payload budget its data takes: a write's payload, or a read's reply.
@@ -935,22 +906,18 @@ impl Job {
     /// Whether it goes to the device as one queued request (anything else runs on its own,
     /// off the lead: a transfer larger than the queue carries, or a command of several steps).
     fn queued(&self, max_request: u64) -> bool {
-        match self.req.typ {
-            CMD_READ | CMD_WRITE => self.req.len as u64 <= max_request,
-            CMD_FLUSH => true,
-            CMD_TRIM => self.req.flags & CMD_FLAG_FUA == 0,
-            _ => false,
+        match self.cmd {
+            Command::Read { into: len, .. } | Command::Write { from: len, .. } => u64::from(len) <= max_request,
+            Command::Flush => true,
+            Command::Discard { .. } => !self.flush_after,
+            // It may fall back to writing zeroes, in several requests.
+            Command::WriteZeroes { .. } => false,
         }
     }
 
+    /// The device request it makes (a write's data is its payload).
     fn front(&self) -> FrontRequest<'_> {
-        let (offset, len) = (self.req.offset, self.req.len as u64);
-        match self.req.typ {
-            CMD_READ => FrontRequest::Read { offset, len },
-            CMD_WRITE => FrontRequest::Write { offset, data: &self.payload, fua: self.req.flags & CMD_FLAG_FUA != 0 },
-            CMD_TRIM => FrontRequest::Discard { offset, len },
-            _ => FrontRequest::Flush,
-        }
+        self.cmd.map(u64::from, |_| &self.payload[..])
     }
 }
 
@@ -1357,7 +1324,7 @@ impl Connection<'_> {
         };
         // A whole header not taken (its payload budget is short, or enough requests wait for
         // the queue): the socket would say "readable" at once, for ever. Answers come first.
-        let watch_socket = r.buffered().len() < Request::SIZE;
+        let watch_socket = r.buffered().len() < RequestHeader::SIZE;
         let fds = if watch_socket { &mut fds[..] } else { &mut fds[1..] };
         // SAFETY: `fds` is a valid array of pollfds for the call.
         unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
@@ -1378,11 +1345,11 @@ impl Connection<'_> {
 
     /// Whether a whole request header is here, adding what the socket holds without waiting.
     fn more_waiting(&self, r: &mut SockBuf) -> io::Result<bool> {
-        if r.buffered().len() < Request::SIZE {
+        if r.buffered().len() < RequestHeader::SIZE {
             r.r.deadline = None;
             r.fill_now()?;
         }
-        Ok(r.buffered().len() >= Request::SIZE)
+        Ok(r.buffered().len() >= RequestHeader::SIZE)
     }
 
     /// Reads the next request to serve, answering the ones refused on sight. With `wait`
@@ -1410,42 +1377,48 @@ impl Connection<'_> {
                 }
                 // From its first byte, a request (header and payload) must arrive in time.
                 r.r.deadline = Some(Instant::now() + shared.cfg.request_timeout);
-                let mut hdr = [0u8; Request::SIZE];
+                let mut hdr = [0u8; RequestHeader::SIZE];
                 r.read_exact(&mut hdr).map_err(|e| timeout_says(e, "request"))?;
-                Request::decode(&hdr).ok_or_else(|| violation("bad request magic"))?
+                RequestHeader::decode(&hdr).ok_or_else(|| violation("bad request magic"))?
             } else {
                 if !self.more_waiting(r)? {
                     return Ok(Next::NotNow);
                 }
                 // Looked at, not taken: a request the budget cannot hold now stays for later.
-                Request::decode(r.buffered()[..Request::SIZE].try_into().expect("a whole header"))
+                RequestHeader::decode(r.buffered()[..RequestHeader::SIZE].try_into().expect("a whole header"))
                     .ok_or_else(|| violation("bad request magic"))?
             };
-            if req.typ == CMD_DISC {
-                if !wait {
-                    r.consume(Request::SIZE);
-                }
-                return Ok(Next::End);
-            }
-            if let Err(e) = check(&req, self.device.size(), self.structured) {
-                if !wait {
-                    r.consume(Request::SIZE);
-                    r.r.deadline = Some(Instant::now() + shared.cfg.request_timeout);
-                }
-                if req.typ == CMD_WRITE {
-                    if req.len > MAX_PAYLOAD {
-                        // Cannot skip that much without reading it: refuse and close.
-                        self.replier.done(req.cookie, e);
-                        return Err(violation(format!("write of {} bytes (limit {MAX_PAYLOAD})", req.len)));
+            let (cookie, cmd, flush_after) = match req.parse(self.device.size(), self.structured) {
+                Ok(Transmission::Io { cookie, cmd, flush_after }) => (cookie, cmd, flush_after),
+                Ok(Transmission::Disconnect) => {
+                    if !wait {
+                        r.consume(RequestHeader::SIZE);
                     }
-                    // Stay in step: consume the payload of the refused write.
-                    io::copy(&mut r.take(req.len as u64), &mut io::sink()).map_err(|e| timeout_says(e, "request"))?;
+                    return Ok(Next::End);
                 }
-                self.replier.done(req.cookie, e);
-                shared.stats.requests.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            let bytes = if matches!(req.typ, CMD_READ | CMD_WRITE) { req.len as u64 } else { 0 };
+                Err(Refused { error, payload }) => {
+                    if !wait {
+                        r.consume(RequestHeader::SIZE);
+                        r.r.deadline = Some(Instant::now() + shared.cfg.request_timeout);
+                    }
+                    if let Some(len) = payload {
+                        if len > MAX_PAYLOAD {
+                            // Cannot skip that much without reading it: refuse and close.
+                            self.replier.done(req.cookie, error);
+                            return Err(violation(format!("write of {len} bytes (limit {MAX_PAYLOAD})")));
+                        }
+                        // Stay in step: consume the payload of the refused write.
+                        io::copy(&mut r.take(len.into()), &mut io::sink()).map_err(|e| timeout_says(e, "request"))?;
+                    }
+                    self.replier.done(req.cookie, error);
+                    shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            };
+            let bytes = match cmd {
+                Command::Read { into: n, .. } | Command::Write { from: n, .. } => u64::from(n),
+                Command::Flush | Command::Discard { .. } | Command::WriteZeroes { .. } => 0,
+            };
             let held = match (bytes, wait) {
                 (0, _) => None,
                 (n, true) => Some(shared.budget.take(n, &self.held)),
@@ -1455,87 +1428,88 @@ impl Connection<'_> {
                 },
             };
             if !wait {
-                r.consume(Request::SIZE);
+                r.consume(RequestHeader::SIZE);
                 r.r.deadline = Some(Instant::now() + shared.cfg.request_timeout);
             }
             let mut payload = Vec::new();
-            if req.typ == CMD_WRITE {
-                payload = Spare::buffer(&shared.spare, req.len as usize);
-                payload.resize(req.len as usize, 0);
+            if let Command::Write { from: len, .. } = cmd {
+                payload = Spare::buffer(&shared.spare, len as usize);
+                payload.resize(len as usize, 0);
                 r.read_exact(&mut payload).map_err(|e| timeout_says(e, "request"))?;
             }
-            return Ok(Next::Job(Job { req, payload, held }));
+            return Ok(Next::Job(Job { cookie, cmd, flush_after, payload, held }));
         }
     }
 
     /// Answers a queued request with its outcome (and a read's data). The reply is queued:
     /// the caller flushes the replier once it has answered what it holds.
     fn finish(&self, job: Job, result: Result<(), IoError>, data: Option<SharedSlice<'_>>) {
-        let req = &job.req;
         self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
         let counters = &self.device.counters;
-        let reply = match (req.typ, result, data) {
-            (CMD_READ, Ok(()), Some(d)) if d.len() == req.len as usize => {
-                counters.bytes_read.fetch_add(req.len as u64, Ordering::Relaxed);
-                let hdr = if self.structured { 20 + 8 } else { 16 };
-                let mut buf = self.replier.buffer(hdr + req.len as usize);
-                buf.resize(hdr, 0);
-                d.append_to(&mut buf);
-                self.data_reply(req, buf, job.held)
-            }
-            (CMD_READ, Ok(()), _) => self.replier.status(req.cookie, EIO),
-            (typ, r, _) => {
-                if typ == CMD_WRITE && r.is_ok() {
-                    counters.bytes_written.fetch_add(req.len as u64, Ordering::Relaxed);
+        let cookie = job.cookie;
+        let status = |r: Result<(), IoError>| r.err().map_or(0, |e| io_error(&e));
+        let reply = match job.cmd {
+            Command::Read { offset, into: len } => match (result, data) {
+                (Ok(()), Some(d)) if d.len() == len as usize => {
+                    counters.bytes_read.fetch_add(len.into(), Ordering::Relaxed);
+                    let hdr = if self.structured { 20 + 8 } else { 16 };
+                    let mut buf = self.replier.buffer(hdr + len as usize);
+                    buf.resize(hdr, 0);
+                    d.append_to(&mut buf);
+                    self.data_reply(cookie, offset, buf, job.held)
+                }
+                // An answer without the data asked for.
+                (Ok(()), _) => self.replier.status(cookie, EIO),
+                (Err(e), _) => self.replier.status(cookie, io_error(&e)),
+            },
+            Command::Write { from: len, .. } => {
+                if result.is_ok() {
+                    counters.bytes_written.fetch_add(len.into(), Ordering::Relaxed);
                 }
                 drop(job.held);
-                self.replier.status(req.cookie, r.err().map_or(0, |e| io_error(&e)))
+                self.replier.status(cookie, status(result))
             }
+            Command::Flush | Command::Discard { .. } | Command::WriteZeroes { .. } => self.replier.status(cookie, status(result)),
         };
         self.replier.push(reply);
     }
 
     /// A read's reply: `buf` holds room for the header, then the data.
-    fn data_reply(&self, req: &Request, mut buf: Vec<u8>, held: Option<Held>) -> Reply {
+    fn data_reply(&self, cookie: u64, offset: u64, mut buf: Vec<u8>, held: Option<Held>) -> Reply {
         if self.structured {
-            let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.cookie, 8 + req.len);
+            let len = buf.len() - (20 + 8);
+            let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, cookie, 8 + len as u32);
             buf[..20].copy_from_slice(&h);
-            buf[20..28].copy_from_slice(&req.offset.to_be_bytes());
+            buf[20..28].copy_from_slice(&offset.to_be_bytes());
         } else {
-            buf[..16].copy_from_slice(&simple_reply(0, req.cookie));
+            buf[..16].copy_from_slice(&simple_reply(0, cookie));
         }
         Reply { bytes: buf, _held: held }
     }
 
     /// Runs one request by itself, in as many steps as it takes, and answers it.
     fn run_alone(&self, slot: usize, job: Job) {
-        let (dev, req) = (&*self.device, &job.req);
-        let fua = req.flags & CMD_FLAG_FUA != 0;
+        let dev = &*self.device;
+        let cookie = job.cookie;
         let status = |r: Result<(), IoError>| r.err().map_or(0, |e| io_error(&e));
+        let then_flush = |r: Result<(), IoError>| r.and_then(|_| if job.flush_after { dev.flush(slot) } else { Ok(()) });
         self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
-        match req.typ {
-            CMD_READ => {
+        match job.cmd {
+            Command::Read { offset, into: len } => {
                 let hdr = if self.structured { 20 + 8 } else { 16 };
-                let mut buf = vec![0u8; hdr + req.len as usize];
-                match dev.read_into(slot, req.offset, &mut buf[hdr..]) {
-                    Ok(()) => self.replier.send(self.data_reply(req, buf, job.held)),
-                    Err(e) => self.replier.done(req.cookie, io_error(&e)),
+                let mut buf = vec![0u8; hdr + len as usize];
+                match dev.read_into(slot, offset, &mut buf[hdr..]) {
+                    Ok(()) => self.replier.send(self.data_reply(cookie, offset, buf, job.held)),
+                    Err(e) => self.replier.done(cookie, io_error(&e)),
                 }
             }
-            CMD_WRITE => {
-                let r = dev.write(slot, req.offset, &job.payload, fua);
-                self.replier.done(req.cookie, status(r));
+            Command::Write { offset, from: _, fua } => {
+                let r = dev.write(slot, offset, &job.payload, fua);
+                self.replier.done(cookie, status(r));
             }
-            CMD_FLUSH => self.replier.done(req.cookie, status(dev.flush(slot))),
-            CMD_TRIM => {
-                let r = dev.discard(slot, req.offset, req.len as u64).and_then(|_| if fua { dev.flush(slot) } else { Ok(()) });
-                self.replier.done(req.cookie, status(r));
-            }
-            CMD_WRITE_ZEROES => {
-                let r = zero(dev, slot, req.offset, req.len as u64).and_then(|_| if fua { dev.flush(slot) } else { Ok(()) });
-                self.replier.done(req.cookie, status(r));
-            }
-            _ => self.replier.done(req.cookie, EINVAL),
+            Command::Flush => self.replier.done(cookie, status(dev.flush(slot))),
+            Command::Discard { offset, len } => self.replier.done(cookie, status(then_flush(dev.discard(slot, offset, len)))),
+            Command::WriteZeroes { offset, len } => self.replier.done(cookie, status(then_flush(zero(dev, slot, offset, len)))),
         }
     }
 }
@@ -1565,34 +1539,6 @@ pub fn socket_path(run_dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn req(typ: u16, flags: u16, offset: u64, len: u32) -> Request {
-        Request { flags, typ, cookie: 7, offset, len }
-    }
-
-    #[test]
-    fn requests_are_checked_before_anything_is_allocated() {
-        let size = 1 << 20;
-        assert_eq!(check(&req(CMD_READ, 0, 0, 4096), size, false), Ok(()));
-        assert_eq!(check(&req(CMD_READ, 0, size - 1, 2), size, false), Err(EINVAL));
-        assert_eq!(check(&req(CMD_WRITE, 0, size, 1), size, false), Err(ENOSPC));
-        assert_eq!(check(&req(CMD_WRITE_ZEROES, 0, size - 4096, 8192), size, false), Err(ENOSPC));
-        // offset + length overflowing 64 bits
-        assert_eq!(check(&req(CMD_READ, 0, u64::MAX - 10, 4096), size, false), Err(EINVAL));
-        assert_eq!(check(&req(CMD_WRITE, 0, u64::MAX - 10, 4096), size, false), Err(ENOSPC));
-        assert_eq!(check(&req(CMD_READ, 0, 0, MAX_PAYLOAD + 1), u64::MAX, false), Err(EOVERFLOW));
-        // Flags: FUA only where it means something; DF only with structured replies.
-        assert_eq!(check(&req(CMD_READ, CMD_FLAG_FUA, 0, 512), size, false), Err(EINVAL));
-        assert_eq!(check(&req(CMD_READ, CMD_FLAG_DF, 0, 512), size, false), Err(EINVAL));
-        assert_eq!(check(&req(CMD_READ, CMD_FLAG_DF, 0, 512), size, true), Ok(()));
-        assert_eq!(check(&req(CMD_WRITE, CMD_FLAG_FUA, 0, 512), size, false), Ok(()));
-        assert_eq!(check(&req(CMD_WRITE, 1 << 9, 0, 512), size, false), Err(EINVAL));
-        assert_eq!(check(&req(CMD_FLUSH, 0, 0, 0), size, false), Ok(()));
-        assert_eq!(check(&req(CMD_FLUSH, 0, 0, 1), size, false), Err(EINVAL));
-        assert_eq!(check(&req(CMD_CACHE, 0, 0, 512), size, false), Err(EINVAL));
-        assert_eq!(check(&req(CMD_BLOCK_STATUS, 0, 0, 512), size, false), Err(EINVAL));
-        assert_eq!(check(&req(99, 0, 0, 512), size, false), Err(EINVAL));
-    }
 
     #[test]
     fn payload_budget_waits_and_returns_on_drop() {

@@ -258,7 +258,7 @@ fn finish(size: u64, flags: u16, blocks: Option<(u32, u32, u32)>) -> Result<Expo
 
 /// Sends `NBD_CMD_DISC`, best effort, before a connection is closed.
 pub fn disconnect(fd: RawFd) {
-    let r = Request { flags: 0, typ: CMD_DISC, cookie: 0, offset: 0, len: 0 }.encode();
+    let r = RequestHeader { flags: 0, typ: CMD_DISC, cookie: 0, offset: 0, len: 0 }.encode();
     let _ = write_full(fd, &r, Instant::now() + Duration::from_millis(100));
 }
 

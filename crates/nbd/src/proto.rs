@@ -2,6 +2,8 @@
 //! `doc/proto.md`): fixed newstyle negotiation, simple and structured replies. All integers
 //! are big-endian.
 
+use bulkhead_block::{Command, Op};
+
 /// Largest read or write payload bulkhead sends or accepts, and the maximum block size its
 /// export advertises.
 pub const MAX_PAYLOAD: u32 = 32 << 20;
@@ -172,9 +174,10 @@ pub fn errno_of_error(e: u32) -> i32 {
     }
 }
 
-/// A transmission request header (28 bytes on the wire).
+/// A transmission request header (28 bytes on the wire), as it arrived: nothing acts on one
+/// before [`parse`](Self::parse) has made a [`Transmission`] of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Request {
+pub struct RequestHeader {
     /// Command flags.
     pub flags: u16,
     /// Command.
@@ -187,16 +190,16 @@ pub struct Request {
     pub len: u32,
 }
 
-impl Request {
+impl RequestHeader {
     /// Wire size.
     pub const SIZE: usize = 28;
 
     /// Decodes a header; `None` if the magic is wrong.
-    pub fn decode(b: &[u8; Self::SIZE]) -> Option<Request> {
+    pub fn decode(b: &[u8; Self::SIZE]) -> Option<RequestHeader> {
         if be32(&b[0..4]) != REQUEST_MAGIC {
             return None;
         }
-        Some(Request {
+        Some(RequestHeader {
             flags: be16(&b[4..6]),
             typ: be16(&b[6..8]),
             cookie: be64(&b[8..16]),
@@ -215,6 +218,73 @@ impl Request {
         b[16..24].copy_from_slice(&self.offset.to_be_bytes());
         b[24..28].copy_from_slice(&self.len.to_be_bytes());
         b
+    }
+}
+
+/// A transmission request as a server acts on it: the NBD wire's one decoding into the shared
+/// vocabulary. A read's and a write's payload is their length in bytes (a write's data
+/// follows the header on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transmission {
+    /// A block request.
+    Io {
+        /// Echoed in the reply.
+        cookie: u64,
+        /// What it asks.
+        cmd: Command<u32, u32>,
+        /// A trim or write-zeroes with FUA: durable before the reply, so a flush follows it.
+        flush_after: bool,
+    },
+    /// `NBD_CMD_DISC`: the client is done.
+    Disconnect,
+}
+
+/// Why a request header was refused: the protocol error to reply with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refused {
+    /// The protocol error ([`EINVAL`], [`ENOSPC`], [`EOVERFLOW`]).
+    pub error: u32,
+    /// Whether a write's payload follows the header on the wire (the server must read past
+    /// it, or, past [`MAX_PAYLOAD`], close).
+    pub payload: Option<u32>,
+}
+
+impl RequestHeader {
+    /// Parses and checks the header of a request to an export of `size` bytes (`structured`:
+    /// structured replies were negotiated, which allows `DF` on reads). Unknown commands and
+    /// flags, ranges past the end and payloads past [`MAX_PAYLOAD`] are refused.
+    pub fn parse(&self, size: u64, structured: bool) -> Result<Transmission, Refused> {
+        let payload = (self.typ == CMD_WRITE).then_some(self.len);
+        let refuse = |error| Err(Refused { error, payload });
+        let fua = self.flags & CMD_FLAG_FUA != 0;
+        let (offset, len) = (self.offset, self.len);
+        let (cmd, allowed) = match self.typ {
+            CMD_READ => (Command::Read { offset, into: len }, if structured { CMD_FLAG_DF } else { 0 }),
+            CMD_WRITE => (Command::Write { offset, from: len, fua }, CMD_FLAG_FUA),
+            CMD_FLUSH => (Command::Flush, 0),
+            CMD_TRIM => (Command::Discard { offset, len: len.into() }, CMD_FLAG_FUA),
+            CMD_WRITE_ZEROES => (Command::WriteZeroes { offset, len: len.into() }, CMD_FLAG_FUA | CMD_FLAG_NO_HOLE),
+            CMD_DISC => return Ok(Transmission::Disconnect),
+            _ => return refuse(EINVAL),
+        };
+        if self.flags & !allowed != 0 {
+            return refuse(EINVAL);
+        }
+        let flush_after = fua && matches!(cmd.op(), Op::Discard | Op::WriteZeroes);
+        let ok = Ok(Transmission::Io { cookie: self.cookie, cmd, flush_after });
+        match cmd {
+            Command::Read { .. } | Command::Write { .. } if len > MAX_PAYLOAD => refuse(EOVERFLOW),
+            Command::Flush if offset == 0 && len == 0 => ok,
+            Command::Flush => refuse(EINVAL),
+            Command::Read { .. } | Command::Write { .. } | Command::Discard { .. } | Command::WriteZeroes { .. } => {
+                match offset.checked_add(len.into()) {
+                    Some(end) if end <= size => ok,
+                    // Writing past the end is "no space"; anything else past the end is invalid.
+                    _ if cmd.op().modifies() && cmd.op() != Op::Discard => refuse(ENOSPC),
+                    _ => refuse(EINVAL),
+                }
+            }
+        }
     }
 }
 
@@ -272,11 +342,55 @@ mod tests {
 
     #[test]
     fn request_round_trips_and_bad_magic_is_refused() {
-        let r = Request { flags: CMD_FLAG_FUA, typ: CMD_WRITE, cookie: 0x1122_3344_5566_7788, offset: 1 << 40, len: 4096 };
+        let r = RequestHeader { flags: CMD_FLAG_FUA, typ: CMD_WRITE, cookie: 0x1122_3344_5566_7788, offset: 1 << 40, len: 4096 };
         let mut b = r.encode();
-        assert_eq!(Request::decode(&b), Some(r));
+        assert_eq!(RequestHeader::decode(&b), Some(r));
         b[0] ^= 1;
-        assert_eq!(Request::decode(&b), None);
+        assert_eq!(RequestHeader::decode(&b), None);
+    }
+
+    fn hdr(typ: u16, flags: u16, offset: u64, len: u32) -> RequestHeader {
+        RequestHeader { flags, typ, cookie: 7, offset, len }
+    }
+
+    fn refused(h: RequestHeader, size: u64, structured: bool) -> u32 {
+        h.parse(size, structured).expect_err("refused").error
+    }
+
+    #[test]
+    fn headers_parse_into_commands_and_bad_ones_are_refused_with_their_error() {
+        let size = 1 << 20;
+        let io = |cmd, flush_after| Ok(Transmission::Io { cookie: 7, cmd, flush_after });
+        assert_eq!(hdr(CMD_READ, 0, 0, 4096).parse(size, false), io(Command::Read { offset: 0, into: 4096 }, false));
+        assert_eq!(
+            hdr(CMD_WRITE, CMD_FLAG_FUA, 512, 512).parse(size, false),
+            io(Command::Write { offset: 512, from: 512, fua: true }, false)
+        );
+        assert_eq!(hdr(CMD_TRIM, CMD_FLAG_FUA, 0, 4096).parse(size, false), io(Command::Discard { offset: 0, len: 4096 }, true));
+        assert_eq!(
+            hdr(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 0, 4096).parse(size, false),
+            io(Command::WriteZeroes { offset: 0, len: 4096 }, false)
+        );
+        assert_eq!(hdr(CMD_FLUSH, 0, 0, 0).parse(size, false), io(Command::Flush, false));
+        assert_eq!(hdr(CMD_DISC, 0, 0, 0).parse(size, false), Ok(Transmission::Disconnect));
+        assert_eq!(refused(hdr(CMD_READ, 0, size - 1, 2), size, false), EINVAL);
+        assert_eq!(refused(hdr(CMD_WRITE, 0, size, 1), size, false), ENOSPC);
+        assert_eq!(refused(hdr(CMD_WRITE_ZEROES, 0, size - 4096, 8192), size, false), ENOSPC);
+        assert_eq!(refused(hdr(CMD_TRIM, 0, size - 4096, 8192), size, false), EINVAL);
+        assert_eq!(refused(hdr(CMD_READ, 0, u64::MAX - 10, 4096), size, false), EINVAL);
+        assert_eq!(refused(hdr(CMD_WRITE, 0, u64::MAX - 10, 4096), size, false), ENOSPC);
+        assert_eq!(refused(hdr(CMD_READ, 0, 0, MAX_PAYLOAD + 1), u64::MAX, false), EOVERFLOW);
+        assert_eq!(refused(hdr(CMD_READ, CMD_FLAG_FUA, 0, 512), size, false), EINVAL);
+        assert_eq!(refused(hdr(CMD_READ, CMD_FLAG_DF, 0, 512), size, false), EINVAL);
+        assert!(hdr(CMD_READ, CMD_FLAG_DF, 0, 512).parse(size, true).is_ok());
+        assert_eq!(refused(hdr(CMD_WRITE, 1 << 9, 0, 512), size, false), EINVAL);
+        assert_eq!(refused(hdr(CMD_FLUSH, 0, 0, 1), size, false), EINVAL);
+        assert_eq!(refused(hdr(CMD_CACHE, 0, 0, 512), size, false), EINVAL);
+        assert_eq!(refused(hdr(CMD_BLOCK_STATUS, 0, 0, 512), size, false), EINVAL);
+        assert_eq!(refused(hdr(99, 0, 0, 512), size, false), EINVAL);
+        // A refused write says how much payload follows it; nothing else has one.
+        assert_eq!(hdr(CMD_WRITE, 1 << 9, 0, 512).parse(size, false).unwrap_err().payload, Some(512));
+        assert_eq!(hdr(CMD_READ, 0, size, 512).parse(size, false).unwrap_err().payload, None);
     }
 
     #[test]

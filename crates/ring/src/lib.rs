@@ -19,8 +19,8 @@ pub use notify::{IndexCell, PeerState};
 pub use rings::{BackRing, FrontRing};
 pub use validate::{validate_request, ArenaSizes, RequestError, ValidRequest};
 pub use wire::{
-    Op, RequestSlot, ResponseSlot, Segment, Status, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES, MAX_SEGMENTS,
-    REQ_SLOT_SIZE, RSP_SLOT_SIZE,
+    op_code, op_of_code, status_code, status_of_code, RequestSlot, ResponseSlot, Segment, ARENA_READ, ARENA_WRITE, FLAG_FUA,
+    MAX_REQUEST_BYTES, MAX_SEGMENTS, REQ_SLOT_SIZE, RSP_SLOT_SIZE,
 };
 
 /// A violation of the ring protocol by the peer. Any of these marks the channel broken: the

@@ -347,7 +347,8 @@ impl BackRing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::Op;
+    use crate::wire::op_code;
+    use bulkhead_block::Op;
     use bulkhead_shmem::{memfd, Protection};
     use std::os::fd::AsRawFd;
 
@@ -367,7 +368,7 @@ mod tests {
     }
 
     fn req(id: u64) -> RequestSlot {
-        RequestSlot { id, generation: 5, op: Op::Flush as u8, ..Default::default() }
+        RequestSlot { id, generation: 5, op: op_code(Op::Flush), ..Default::default() }
     }
 
     #[test]
@@ -403,7 +404,7 @@ mod tests {
         let mut b = BackRing::attach(bm, f.layout).unwrap();
         assert_eq!(b.generation(), 6);
         assert_eq!(b.pop_request().unwrap(), None, "nothing of the old generation is left");
-        f.push(&RequestSlot { id: 9, generation: 6, op: Op::Flush as u8, ..Default::default() }).unwrap();
+        f.push(&RequestSlot { id: 9, generation: 6, op: op_code(Op::Flush), ..Default::default() }).unwrap();
         f.publish();
         assert_eq!(b.pop_request().unwrap().unwrap().id, 9);
         b.push(&ResponseSlot { id: 9, generation: 6, ..Default::default() }).unwrap();
@@ -429,7 +430,7 @@ mod tests {
         b.reattach().unwrap();
         assert_eq!((b.generation(), b.completed()), (7, 0));
         assert_eq!(b.pop_request().unwrap(), None, "nothing of the old frontend is left");
-        f.push(&RequestSlot { id: 3, generation: 7, op: Op::Flush as u8, ..Default::default() }).unwrap();
+        f.push(&RequestSlot { id: 3, generation: 7, op: op_code(Op::Flush), ..Default::default() }).unwrap();
         f.publish();
         assert_eq!(b.pop_request().unwrap().unwrap().id, 3);
         b.push(&ResponseSlot { id: 3, generation: 7, ..Default::default() }).unwrap();

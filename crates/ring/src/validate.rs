@@ -1,6 +1,8 @@
 //! Validation of a request slot copied out of the ring by the driver domain.
 
-use crate::wire::{Op, RequestSlot, Segment, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES, MAX_SEGMENTS};
+use bulkhead_block::{Command, Op};
+
+use crate::wire::{op_of_code, RequestSlot, Segment, ARENA_READ, ARENA_WRITE, FLAG_FUA, MAX_REQUEST_BYTES, MAX_SEGMENTS};
 
 /// Sizes of the two grant arenas of a queue.
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +67,19 @@ impl ValidRequest {
     /// The valid segments.
     pub fn segments(&self) -> &[Segment] {
         &self.segs[..self.nsegs]
+    }
+
+    /// The request it stands for: the ring's one decoding of a slot into a [`Command`], its
+    /// data in what `bufs` makes of [`segments`](Self::segments) (asked only for a read or a
+    /// write).
+    pub fn command<B>(&self, bufs: impl FnOnce() -> B) -> Command<B, B> {
+        match self.op {
+            Op::Read => Command::Read { offset: self.offset, into: bufs() },
+            Op::Write => Command::Write { offset: self.offset, from: bufs(), fua: self.fua },
+            Op::Flush => Command::Flush,
+            Op::Discard => Command::Discard { offset: self.offset, len: self.len },
+            Op::WriteZeroes => Command::WriteZeroes { offset: self.offset, len: self.len },
+        }
     }
 }
 
@@ -135,7 +150,7 @@ pub fn validate_request(
     device_size: u64,
     generation: u32,
 ) -> Result<ValidRequest, RequestError> {
-    let op = Op::from_u8(slot.op).ok_or(RequestError::UnknownOp(slot.op))?;
+    let op = op_of_code(slot.op).ok_or(RequestError::UnknownOp(slot.op))?;
     if slot.flags & !FLAG_FUA != 0 || (slot.flags & FLAG_FUA != 0 && op != Op::Write) {
         return Err(RequestError::BadFlags(slot.flags));
     }
@@ -188,12 +203,13 @@ pub fn validate_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::op_code;
 
     const ARENAS: ArenaSizes = ArenaSizes { write: 1 << 20, read: 1 << 20 };
 
     fn write(offset: u64, len: u32) -> RequestSlot {
         let mut s =
-            RequestSlot { id: 7, generation: 3, op: Op::Write as u8, nsegs: 1, offset, len: len as u64, ..Default::default() };
+            RequestSlot { id: 7, generation: 3, op: op_code(Op::Write), nsegs: 1, offset, len: len as u64, ..Default::default() };
         s.segs[0] = Segment { arena: ARENA_WRITE, len, offset: 0 };
         s
     }
@@ -249,7 +265,7 @@ mod tests {
         let mut s = write(0, 4096);
         s.nsegs = 7;
         assert_eq!(validate_request(&s, ARENAS, 1 << 30, 3), Err(RequestError::BadSegmentCount(7)));
-        let s = RequestSlot { op: Op::Flush as u8, generation: 3, nsegs: 1, ..Default::default() };
+        let s = RequestSlot { op: op_code(Op::Flush), generation: 3, nsegs: 1, ..Default::default() };
         assert_eq!(validate_request(&s, ARENAS, 1 << 30, 3), Err(RequestError::BadSegmentCount(1)));
     }
 
@@ -257,7 +273,7 @@ mod tests {
     fn four_mib_request_in_several_segments_is_accepted() {
         let arenas = ArenaSizes { write: 8 << 20, read: 8 << 20 };
         let mut s =
-            RequestSlot { id: 1, generation: 0, op: Op::Read as u8, nsegs: 4, offset: 0, len: 4 << 20, ..Default::default() };
+            RequestSlot { id: 1, generation: 0, op: op_code(Op::Read), nsegs: 4, offset: 0, len: 4 << 20, ..Default::default() };
         for i in 0..4 {
             s.segs[i] = Segment { arena: ARENA_READ, len: 1 << 20, offset: (i as u64) << 21 };
         }

@@ -1,5 +1,6 @@
 //! Wire formats of ring slots. Little-endian, fixed size, `repr(C)` with explicit padding.
 
+use bulkhead_block::{Op, Status};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 /// Bytes in a request slot.
@@ -43,7 +44,7 @@ pub struct RequestSlot {
     pub id: u64,
     /// Channel generation the request was issued in.
     pub generation: u32,
-    /// Operation code ([`Op`]).
+    /// Operation code ([`op_code`]).
     pub op: u8,
     /// Flags ([`FLAG_FUA`]).
     pub flags: u8,
@@ -65,7 +66,7 @@ pub struct ResponseSlot {
     pub id: u64,
     /// Generation copied from the request.
     pub generation: u32,
-    /// [`Status`] code.
+    /// Status code ([`status_code`]).
     pub status: u32,
     /// Bytes transferred.
     pub len: u64,
@@ -73,79 +74,53 @@ pub struct ResponseSlot {
     pub reserved: u64,
 }
 
-/// Operations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Op {
-    /// Read into the read arena.
-    Read = 1,
-    /// Write from the write arena.
-    Write = 2,
-    /// Make every acknowledged write durable.
-    Flush = 3,
-    /// Deallocate a range (contents become unspecified).
-    Discard = 4,
-    /// Write zeroes to a range.
-    WriteZeroes = 5,
-}
-
-impl Op {
-    /// Decodes an operation code.
-    pub fn from_u8(v: u8) -> Option<Op> {
-        Some(match v {
-            1 => Op::Read,
-            2 => Op::Write,
-            3 => Op::Flush,
-            4 => Op::Discard,
-            5 => Op::WriteZeroes,
-            _ => return None,
-        })
+/// The operation code a request slot carries for `op`: the ring's one encoding of [`Op`].
+pub const fn op_code(op: Op) -> u8 {
+    match op {
+        Op::Read => 1,
+        Op::Write => 2,
+        Op::Flush => 3,
+        Op::Discard => 4,
+        Op::WriteZeroes => 5,
     }
 }
 
-/// Completion status on the wire: a small stable set, mapped to errnos by each export.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u32)]
-pub enum Status {
-    /// Success.
-    Ok = 0,
-    /// The backend failed (EIO).
-    IoError = 1,
-    /// The request was malformed or out of range (EINVAL).
-    Invalid = 2,
-    /// The operation is not supported by the device (EOPNOTSUPP).
-    NotSupported = 3,
-    /// No space left (ENOSPC).
-    NoSpace = 4,
-    /// The device is read-only (EROFS).
-    ReadOnly = 5,
+/// Decodes a request slot's operation code; `None` for a code no operation has.
+pub const fn op_of_code(code: u8) -> Option<Op> {
+    Some(match code {
+        1 => Op::Read,
+        2 => Op::Write,
+        3 => Op::Flush,
+        4 => Op::Discard,
+        5 => Op::WriteZeroes,
+        _ => return None,
+    })
 }
 
-impl Status {
-    /// Decodes a status code.
-    pub fn from_u32(v: u32) -> Option<Status> {
-        Some(match v {
-            0 => Status::Ok,
-            1 => Status::IoError,
-            2 => Status::Invalid,
-            3 => Status::NotSupported,
-            4 => Status::NoSpace,
-            5 => Status::ReadOnly,
-            _ => return None,
-        })
+/// The status code a response slot carries for `status`: the ring's one encoding of
+/// [`Status`].
+pub const fn status_code(status: Status) -> u32 {
+    match status {
+        Status::Ok => 0,
+        Status::IoError => 1,
+        Status::Invalid => 2,
+        Status::NotSupported => 3,
+        Status::NoSpace => 4,
+        Status::ReadOnly => 5,
     }
+}
 
-    /// The errno an export reports for this status.
-    pub fn errno(self) -> i32 {
-        match self {
-            Status::Ok => 0,
-            Status::IoError => 5,       // EIO
-            Status::Invalid => 22,      // EINVAL
-            Status::NotSupported => 95, // EOPNOTSUPP
-            Status::NoSpace => 28,      // ENOSPC
-            Status::ReadOnly => 30,     // EROFS
-        }
-    }
+/// Decodes a response slot's status code; `None` for a code no status has.
+pub const fn status_of_code(code: u32) -> Option<Status> {
+    Some(match code {
+        0 => Status::Ok,
+        1 => Status::IoError,
+        2 => Status::Invalid,
+        3 => Status::NotSupported,
+        4 => Status::NoSpace,
+        5 => Status::ReadOnly,
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -162,12 +137,15 @@ mod tests {
 
     #[test]
     fn codes_round_trip_and_unknown_codes_are_rejected() {
-        for op in [Op::Read, Op::Write, Op::Flush, Op::Discard, Op::WriteZeroes] {
-            assert_eq!(Op::from_u8(op as u8), Some(op));
+        for op in Op::ALL {
+            assert_eq!(op_of_code(op_code(op)), Some(op));
         }
-        assert_eq!(Op::from_u8(0), None);
-        assert_eq!(Op::from_u8(6), None);
-        assert_eq!(Status::from_u32(5), Some(Status::ReadOnly));
-        assert_eq!(Status::from_u32(6), None);
+        for status in Status::ALL {
+            assert_eq!(status_of_code(status_code(status)), Some(status));
+        }
+        assert_eq!(op_of_code(0), None);
+        assert_eq!(op_of_code(6), None);
+        assert_eq!(status_code(Status::ReadOnly), 5);
+        assert_eq!(status_of_code(6), None);
     }
 }

@@ -9,7 +9,7 @@ use bulkhead_channel::{
     AboveControl, BackQueueFds, BelowControl, BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup,
 };
 use bulkhead_client::Device;
-use bulkhead_config::{Backend, Device as DeviceConfig, Engine, ImageFormat, NbdTarget, Notify, SpinBudget, Tap};
+use bulkhead_config::{BackendConfig, DeviceConfig, Engine, ImageFormat, NbdTarget, Notify, SpinBudget, Tap};
 use bulkhead_filters::state::StatePage;
 use bulkhead_filters::FilterSpec;
 use bulkhead_sandbox::spawn::DomainChild;
@@ -277,7 +277,7 @@ pub(crate) struct Launcher {
     size: u64,
     /// Bytes of the backend, below them (more than `size` under a `crypt` filter's header).
     backend_size: u64,
-    backend: Backend,
+    backend: BackendConfig,
     exe: PathBuf,
     /// Descriptors kept for the life of the device (ramdisk memfd, backing files): every
     /// generation of the domain gets the same ones, so a restart keeps the contents.
@@ -442,11 +442,11 @@ impl DeviceRuntime {
         // The format of each of `backend_fds` when the backend is a disk image.
         let mut image_formats = Vec::new();
         let mut backend = cfg.backend.resolve();
-        if let Backend::File { engine: engine @ Engine::Auto, format: ImageFormat::Raw, path, .. } = &mut backend {
+        if let BackendConfig::File { engine: engine @ Engine::Auto, format: ImageFormat::Raw, path, .. } = &mut backend {
             *engine = auto_engine(&name, path);
         }
         let (size, backend_desc) = match &backend {
-            Backend::Nbd { uri, target, export, connect_timeout_ms, .. } => {
+            BackendConfig::Nbd { uri, target, export, connect_timeout_ms, .. } => {
                 let export_size = probe_nbd(target, export, Duration::from_millis(*connect_timeout_ms))
                     .map_err(|e| err(format!("backend {uri}: {e}")))?;
                 let size = match &cfg.size {
@@ -461,9 +461,9 @@ impl DeviceRuntime {
                 }
                 (size, format!("nbd:{uri}"))
             }
-            Backend::Ram | Backend::Null => {
+            BackendConfig::Ram | BackendConfig::Null => {
                 let size = cfg.size.as_ref().expect("validated: size required").get_ref().0;
-                if matches!(backend, Backend::Ram) {
+                if matches!(backend, BackendConfig::Ram) {
                     let fd = memfd::create(&format!("bulkhead-{name}-ram"), size).map_err(|e| err(format!("ramdisk: {e}")))?;
                     memfd::seal_size(fd.as_raw_fd()).map_err(|e| err(format!("ramdisk: {e}")))?;
                     backend_fds.push(fd);
@@ -472,14 +472,14 @@ impl DeviceRuntime {
                     (size, "null".to_string())
                 }
             }
-            Backend::Vdev { card, wait } => {
+            BackendConfig::Vdev { card, wait } => {
                 let size = cfg.size.as_ref().expect("validated: size required").get_ref().0;
                 let c = crate::vdev::CardDevice::start(&name, card, size, sandbox).map_err(err)?;
                 let desc = crate::vdev::describe(card, c.name(), *wait);
                 card_device = Some(c);
                 (size, desc)
             }
-            Backend::File { path, read_only, format: ImageFormat::Qcow2, .. } => {
+            BackendConfig::File { path, read_only, format: ImageFormat::Qcow2, .. } => {
                 let chain = crate::image::open_chain(path, *read_only).map_err(err)?;
                 let desc = format!(
                     "qcow2:{}{}{}",
@@ -495,7 +495,7 @@ impl DeviceRuntime {
                 backend_fds = chain.fds;
                 (chain.size, desc)
             }
-            Backend::File { path, direct, engine, read_only, .. } => {
+            BackendConfig::File { path, direct, engine, read_only, .. } => {
                 let main = open_backing(path, *read_only, *direct)
                     .map_err(|e| err(format!("cannot open backing file {}: {e}", path.display())))?;
                 let file_size = backing_size(&main).map_err(|e| err(format!("{}: {e}", path.display())))?;
@@ -722,7 +722,7 @@ impl Launcher {
                         return Err(format!("filter {} (cow): one cow filter per device", i + 1));
                     }
                     let backing = match &self.backend {
-                        Backend::File { format, path, .. } if below.is_empty() => Some((
+                        BackendConfig::File { format, path, .. } if below.is_empty() => Some((
                             path.clone(),
                             match format {
                                 ImageFormat::Raw => bulkhead_image::Format::Raw,
@@ -760,7 +760,10 @@ impl Launcher {
     fn reads_storage_directly(&self) -> bool {
         matches!(
             self.backend,
-            Backend::Ram | Backend::Null | Backend::Vdev { .. } | Backend::File { format: ImageFormat::Raw, .. }
+            BackendConfig::Ram
+                | BackendConfig::Null
+                | BackendConfig::Vdev { .. }
+                | BackendConfig::File { format: ImageFormat::Raw, .. }
         )
     }
 
@@ -768,10 +771,10 @@ impl Launcher {
     /// alignment rules for a header read); `None` for the null backend (it reads as zeroes).
     fn header_fd(&self) -> Option<&OwnedFd> {
         match &self.backend {
-            Backend::File { direct, .. } => self.backend_fds.get(usize::from(*direct)),
-            Backend::Ram => self.backend_fds.first(),
+            BackendConfig::File { direct, .. } => self.backend_fds.get(usize::from(*direct)),
+            BackendConfig::Ram => self.backend_fds.first(),
             // The card keeps the device's bytes as they are, in storage the supervisor made.
-            Backend::Vdev { .. } => self.card.as_ref().map(|c| c.media()),
+            BackendConfig::Vdev { .. } => self.card.as_ref().map(|c| c.media()),
             _ => None,
         }
     }
@@ -810,7 +813,7 @@ impl Launcher {
     /// a driver domain is for).
     pub(crate) fn soft_terminal(&self) -> Result<(), String> {
         use std::os::unix::fs::FileTypeExt;
-        let Backend::File { path, .. } = &self.backend else { return Ok(()) };
+        let BackendConfig::File { path, .. } = &self.backend else { return Ok(()) };
         let dup = self.backend_fds[0].try_clone().map_err(|e| format!("{}: {e}", path.display()))?;
         let kind = std::fs::File::from(dup).metadata().map_err(|e| format!("{}: {e}", path.display()))?.file_type();
         if kind.is_block_device() || kind.is_char_device() {
@@ -826,7 +829,7 @@ impl Launcher {
     /// How long to keep reconnecting to a lost remote server; `None` for local backends.
     pub(crate) fn reconnect_timeout(&self) -> Option<Duration> {
         match &self.backend {
-            Backend::Nbd { reconnect_timeout_ms, .. } => Some(Duration::from_millis(*reconnect_timeout_ms)),
+            BackendConfig::Nbd { reconnect_timeout_ms, .. } => Some(Duration::from_millis(*reconnect_timeout_ms)),
             _ => None,
         }
     }
@@ -834,7 +837,7 @@ impl Launcher {
     /// A fresh connection for a remote backend (each generation of its domain gets one).
     fn connect(&self) -> Result<Option<OwnedFd>, LaunchError> {
         match &self.backend {
-            Backend::Nbd { uri, target, connect_timeout_ms, .. } => Ok(Some(
+            BackendConfig::Nbd { uri, target, connect_timeout_ms, .. } => Ok(Some(
                 connect_nbd(target, Duration::from_millis(*connect_timeout_ms))
                     .map_err(|e| LaunchError::Connect(format!("{uri}: {e}")))?,
             )),
@@ -976,9 +979,9 @@ impl Launcher {
     /// ring lent to an io_uring engine, which the supervisor keeps (see [`RingWatch`]).
     fn backend_spec(&self, pass: &mut Pass, conn: Option<OwnedFd>) -> Result<(BackendSpec, Option<RingWatch>), LaunchError> {
         let spec = match &self.backend {
-            Backend::Ram => BackendSpec::Ram { fd: pass.add(&self.backend_fds[0]) },
-            Backend::Null => BackendSpec::Null,
-            Backend::Vdev { wait, .. } => {
+            BackendConfig::Ram => BackendSpec::Ram { fd: pass.add(&self.backend_fds[0]) },
+            BackendConfig::Null => BackendSpec::Null,
+            BackendConfig::Vdev { wait, .. } => {
                 let card = self.card.as_ref().expect("a vdev device has a card");
                 let ([regs, dma, irq], line) = card.driver_fds()?;
                 BackendSpec::Vdev {
@@ -987,12 +990,12 @@ impl Launcher {
                     fds: [pass.add(regs), pass.add(dma), pass.add(irq), pass.add_owned(line)],
                 }
             }
-            Backend::Nbd { export, .. } => BackendSpec::Nbd {
+            BackendConfig::Nbd { export, .. } => BackendSpec::Nbd {
                 fd: pass.add_owned(conn.expect("an nbd backend connects before it launches")),
                 export: export.clone(),
                 timeout_ms: self.io_timeout_ms,
             },
-            Backend::File { read_only, format: ImageFormat::Qcow2, .. } => BackendSpec::Qcow2 {
+            BackendConfig::File { read_only, format: ImageFormat::Qcow2, .. } => BackendSpec::Qcow2 {
                 layers: self
                     .backend_fds
                     .iter()
@@ -1001,7 +1004,7 @@ impl Launcher {
                     .collect(),
                 read_only: *read_only,
             },
-            Backend::File { direct, engine, read_only, .. } => {
+            BackendConfig::File { direct, engine, read_only, .. } => {
                 let (ring, watch) = match engine {
                     Engine::IoUring => {
                         let (lent, watch) = uring::lend(uring::FILE_ENGINE)

@@ -12,11 +12,11 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bulkhead_backends::{ChannelBackend, RamBackend};
-use bulkhead_block::{Backend, Io, Request, SliceList};
+use bulkhead_block::{Backend, Io, SliceList, Status};
 use bulkhead_channel::{ArenaWindows, ForwardQueueFds, FrontQueue, QueueConfig};
 use bulkhead_doorbell::{now_ns, EventFd, Poller};
 use bulkhead_ring::{
-    validate_request, ArenaSizes, BackRing, HeaderOffsets, Op, ResponseSlot, RingLayout, Status, ValidRequest, ARENA_WRITE,
+    status_code, validate_request, ArenaSizes, BackRing, HeaderOffsets, ResponseSlot, RingLayout, ValidRequest, ARENA_WRITE,
 };
 use bulkhead_shmem::{Mapping, Protection};
 use bulkhead_spec::{BackendSpec, DomainSpec, QueueSpec};
@@ -284,13 +284,7 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
                 let (status, len) = match validate_request(&slot, q.arenas, spec.size, q.ring.generation()) {
                     Err(_) => (Status::Invalid, 0),
                     Ok(v) => {
-                        let req = match v.op() {
-                            Op::Read => Request::Read { offset: v.offset(), bufs: q.buffers(&v) },
-                            Op::Write => Request::Write { offset: v.offset(), bufs: q.buffers(&v), fua: v.fua() },
-                            Op::Flush => Request::Flush,
-                            Op::Discard => Request::Discard { offset: v.offset(), len: v.len() },
-                            Op::WriteZeroes => Request::WriteZeroes { offset: v.offset(), len: v.len() },
-                        };
+                        let req = v.command(|| q.buffers(&v));
                         let mut io = [Io::new(req)];
                         ram.execute(&mut io);
                         match &io[0].result {
@@ -299,7 +293,13 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
                         }
                     }
                 };
-                results.push(ResponseSlot { id: slot.id, generation: slot.generation, status: status as u32, len, reserved: 0 });
+                results.push(ResponseSlot {
+                    id: slot.id,
+                    generation: slot.generation,
+                    status: status_code(status),
+                    len,
+                    reserved: 0,
+                });
             }
             if results.is_empty() {
                 continue;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use bulkhead_ring::HeaderOffsets;
 use bulkhead_shmem::{Mapping, Protection};
 use bulkhead_spec::{BackendSpec, DomainSpec};
-use bulkhead_vdev::card::{Card, Command, Reg, PAGE};
+use bulkhead_vdev::card::{Card, CardCommand, Reg, PAGE};
 use bulkhead_vdev::domain::DMA_BYTES;
 use bulkhead_vdev::regs::{self, RegisterPage};
 
@@ -98,7 +98,7 @@ impl Raw {
     fn post(&self, n: u64, opcode: u8, lba: u64, blocks: u64, address: u64) {
         let d = &self.card.descriptor;
         let mut desc = vec![0u8; d.size as usize];
-        d.encode(&Command { opcode, lba, blocks, address, status: 0x77, ..Command::default() }, &mut desc);
+        d.encode(&CardCommand { opcode, lba, blocks, address, status: 0x77, ..CardCommand::default() }, &mut desc);
         self.post_bytes(n, &desc);
     }
     fn status_of(&self, n: u64) -> u16 {

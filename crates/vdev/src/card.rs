@@ -172,7 +172,7 @@ pub struct Descriptor {
 
 /// The fields a driver fills in for one command.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Command {
+pub struct CardCommand {
     /// The command ([`Opcodes`]).
     pub opcode: u8,
     /// The driver's own tag.
@@ -190,7 +190,7 @@ pub struct Command {
 impl Descriptor {
     /// Writes `c` into `desc` (at least [`size`](Self::size) bytes) in this layout, every
     /// other byte of the descriptor zero.
-    pub fn encode(&self, c: &Command, desc: &mut [u8]) {
+    pub fn encode(&self, c: &CardCommand, desc: &mut [u8]) {
         let desc = &mut desc[..self.size as usize];
         desc.fill(0);
         crate::regs::put(desc, self.opcode, c.opcode.into());

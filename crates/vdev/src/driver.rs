@@ -10,7 +10,7 @@ use bulkhead_block::{Backend, BlockError, Caps, Io, Request};
 use bulkhead_doorbell::EventFd;
 use bulkhead_shmem::Mapping;
 
-use crate::card::{Card, Command, BLOCK, PAGE};
+use crate::card::{Card, CardCommand, BLOCK, PAGE};
 use crate::regs::{self, RegisterPage};
 
 /// How the driver learns of completions.
@@ -147,8 +147,8 @@ impl Driver {
         let mut pieces = Vec::new();
         for (i, io) in ios.iter_mut().enumerate() {
             let (opcode, offset, len, per) = match io.req {
-                Request::Read { offset, bufs } => (o.read, offset, bufs.total_len(), self.chunk),
-                Request::Write { offset, bufs, .. } => (o.write, offset, bufs.total_len(), self.chunk),
+                Request::Read { offset, into: bufs } => (o.read, offset, bufs.total_len(), self.chunk),
+                Request::Write { offset, from: bufs, .. } => (o.write, offset, bufs.total_len(), self.chunk),
                 Request::Flush => {
                     pieces.push(Piece { io: i, opcode: o.flush, lba: 0, blocks: 0, at: 0 });
                     io.result = Ok(0);
@@ -185,7 +185,7 @@ impl Driver {
             let buf = self.data_offset + j as u64 * self.chunk;
             let len = p.blocks * u64::from(BLOCK);
             if p.opcode == self.card.opcodes.write {
-                if let Request::Write { bufs, .. } = ios[p.io].req {
+                if let Request::Write { from: bufs, .. } = ios[p.io].req {
                     let mut pos = buf as usize;
                     let part = bufs.range(p.at, len).ok_or("a write's buffers are shorter than it")?;
                     for s in part.iter() {
@@ -196,7 +196,7 @@ impl Driver {
                 }
             }
             let mut desc = [0u8; 64];
-            let command = Command {
+            let command = CardCommand {
                 opcode: p.opcode,
                 tag: j as u64,
                 lba: p.lba,
@@ -260,7 +260,7 @@ impl Driver {
                 continue;
             }
             if p.opcode == self.card.opcodes.read && io.result.is_ok() {
-                if let Request::Read { bufs, .. } = io.req {
+                if let Request::Read { into: bufs, .. } = io.req {
                     let mut pos = (self.data_offset + j as u64 * self.chunk) as usize;
                     let len = p.blocks * u64::from(BLOCK);
                     let part = bufs.range(p.at, len).ok_or("a read's buffers are shorter than it")?;

@@ -311,7 +311,11 @@ impl Model {
             return k.bad_address;
         };
         let bufs = SliceList::one(buf);
-        let req = if opcode == o.read { Request::Read { offset, bufs } } else { Request::Write { offset, bufs, fua: false } };
+        let req = if opcode == o.read {
+            Request::Read { offset, into: bufs }
+        } else {
+            Request::Write { offset, from: bufs, fua: false }
+        };
         let mut io = [Io::new(req)];
         self.media.execute(&mut io);
         match io[0].result {

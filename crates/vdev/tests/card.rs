@@ -11,7 +11,7 @@ use bulkhead_block::{Backend, BlockError, Io, Request, SliceList};
 use bulkhead_doorbell::EventFd;
 use bulkhead_shmem::{memfd, Mapping, Protection};
 use bulkhead_testkit::pattern;
-use bulkhead_vdev::card::{Card, Command, BLOCK, PAGE};
+use bulkhead_vdev::card::{Card, CardCommand, BLOCK, PAGE};
 use bulkhead_vdev::regs::{self, RegisterPage};
 use bulkhead_vdev::{trap, Driver, Model, ModelStats, Server, Trapped, Wait};
 
@@ -108,7 +108,7 @@ fn write(d: &mut Driver, offset: u64, data: &[u8]) -> Result<u64, BlockError> {
     let m = buffer(data.len());
     let s = m.slice(0, data.len()).unwrap();
     s.copy_from(data).unwrap();
-    let mut io = [Io::new(Request::Write { offset, bufs: SliceList::one(s), fua: false })];
+    let mut io = [Io::new(Request::Write { offset, from: SliceList::one(s), fua: false })];
     d.execute(&mut io);
     io[0].result.clone()
 }
@@ -121,7 +121,7 @@ fn read(d: &mut Driver, offset: u64, len: usize) -> Result<Vec<u8>, BlockError> 
     if half > 0 {
         bufs.push(m.slice(half, len - half).unwrap());
     }
-    let mut io = [Io::new(Request::Read { offset, bufs })];
+    let mut io = [Io::new(Request::Read { offset, into: bufs })];
     d.execute(&mut io);
     io[0].result.clone()?;
     let mut out = vec![0u8; len];
@@ -149,8 +149,8 @@ fn fifty_generated_cards_store_and_return_data_through_the_reference_driver() {
         let a = buffer(8192);
         a.slice(0, 8192).unwrap().copy_from(&pattern(seed, 8192)).unwrap();
         let mut ios = [
-            Io::new(Request::Write { offset: 8 << 20, bufs: SliceList::one(a.slice(0, 4096).unwrap()), fua: false }),
-            Io::new(Request::Write { offset: 9 << 20, bufs: SliceList::one(a.slice(4096, 4096).unwrap()), fua: false }),
+            Io::new(Request::Write { offset: 8 << 20, from: SliceList::one(a.slice(0, 4096).unwrap()), fua: false }),
+            Io::new(Request::Write { offset: 9 << 20, from: SliceList::one(a.slice(4096, 4096).unwrap()), fua: false }),
             Io::new(Request::Flush),
             Io::new(Request::WriteZeroes { offset: 3 << 20, len: 4096 }),
             Io::new(Request::Discard { offset: 4096, len: 8192 }),
@@ -219,7 +219,7 @@ impl Raw {
     fn post(&self, n: u64, opcode: u8, lba: u64, blocks: u64, address: u64) {
         let d = &self.card.descriptor;
         let mut desc = vec![0u8; d.size as usize];
-        d.encode(&Command { opcode, lba, blocks, address, status: 0x77, ..Command::default() }, &mut desc);
+        d.encode(&CardCommand { opcode, lba, blocks, address, status: 0x77, ..CardCommand::default() }, &mut desc);
         self.dma.write_from(((n % 8) * u64::from(d.size)) as usize, &desc).unwrap();
     }
     fn status_of(&self, n: u64) -> u16 {
