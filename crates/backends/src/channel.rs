@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrayvec::ArrayVec;
-use bulkhead_block::{Backend, BlockError, Caps, Io, Request};
+use bulkhead_block::{Backend, BlockError, Caps, Io, Remote, Request, Upkeep};
 use bulkhead_channel::{ArenaWindows, BelowControl, FrontQueue, FrontRequest, Op, Segment, SubmitError, ARENA_READ, ARENA_WRITE};
 
 /// Longest one wait for the domain below, ms; the supervisor's watchdog decides before this.
@@ -231,12 +231,34 @@ impl Backend for ChannelBackend {
         }
     }
 
+    fn remote(&mut self) -> Option<&mut dyn Remote> {
+        Some(self)
+    }
+
+    fn upkeep(&mut self) -> Option<&mut dyn Upkeep> {
+        // Only a tap domain's channel below is started over by a line from the supervisor.
+        if self.control.is_some() {
+            Some(self)
+        } else {
+            None
+        }
+    }
+}
+
+/// The domain below is outside this one: it may break the channel or go away.
+impl Remote for ChannelBackend {
+    fn start(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+
     fn lost(&self) -> Option<&str> {
         self.lost.as_deref()
     }
+}
 
-    fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.control.as_ref().map(BelowControl::wake_fd)
+impl Upkeep for ChannelBackend {
+    fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.control.as_ref().map_or(-1, BelowControl::wake_fd)
     }
 
     fn tend(&mut self) {

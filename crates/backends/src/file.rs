@@ -11,7 +11,7 @@
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
-use bulkhead_block::{Backend, BlockError, Caps, Io, Request, SliceList, Tag, TagSpace};
+use bulkhead_block::{AsyncIo, Backend, BlockError, Caps, Io, Remote, Request, SliceList, Tag, TagSpace, Upkeep};
 use bulkhead_doorbell::EventFd;
 use bulkhead_sys::uring::LentRing;
 use io_uring::{opcode, squeue, types, IoUring};
@@ -426,8 +426,56 @@ impl Backend for FileBackend {
             io.result = self.sync_one(&io.req);
         }
     }
-    fn asynchronous(&self) -> bool {
-        matches!(self.engine, EngineState::Uring(_))
+    fn async_io(&mut self) -> Option<&mut dyn AsyncIo> {
+        match self.engine {
+            EngineState::Uring(_) => Some(self),
+            EngineState::Sync => None,
+        }
+    }
+    fn remote(&mut self) -> Option<&mut dyn Remote> {
+        match self.engine {
+            EngineState::Uring(_) => Some(self),
+            EngineState::Sync => None,
+        }
+    }
+    fn upkeep(&mut self) -> Option<&mut dyn Upkeep> {
+        match self.engine {
+            EngineState::Uring(_) => Some(self),
+            EngineState::Sync => None,
+        }
+    }
+}
+
+/// The io_uring engine (reached only while it runs).
+impl AsyncIo for FileBackend {
+    fn attach(&mut self, tags: TagSpace) {
+        self.uring().slots = vec![Slot::default(); tags.capacity()];
+    }
+    fn submit(&mut self, tag: Tag, req: &Request<'_>) -> Option<Result<u64, BlockError>> {
+        self.uring_submit(tag, req)
+    }
+    fn commit(&mut self) {
+        Self::uring_commit(self.uring());
+    }
+    fn reap(&mut self, done: &mut dyn FnMut(Tag, Result<u64, BlockError>)) {
+        let u = self.uring();
+        Self::uring_collect(u);
+        for (tag, r) in u.ready.drain(..) {
+            done(tag, r);
+        }
+    }
+    fn in_flight(&self) -> usize {
+        match &self.engine {
+            EngineState::Uring(u) => u.in_flight + u.ready.len(),
+            EngineState::Sync => 0,
+        }
+    }
+}
+
+/// The io_uring engine's ring is the supervisor's, lent.
+impl Remote for FileBackend {
+    fn start(&mut self) -> Result<(), String> {
+        Ok(())
     }
     fn lost(&self) -> Option<&str> {
         match &self.engine {
@@ -437,40 +485,14 @@ impl Backend for FileBackend {
             EngineState::Sync => None,
         }
     }
-    fn attach(&mut self, tags: TagSpace) {
-        if let EngineState::Uring(u) = &mut self.engine {
-            u.slots = vec![Slot::default(); tags.capacity()];
-        }
-    }
-    fn submit(&mut self, tag: Tag, req: &Request<'_>) -> Option<Result<u64, BlockError>> {
-        match self.engine {
-            EngineState::Uring(_) => self.uring_submit(tag, req),
-            EngineState::Sync => Some(self.sync_one(req)),
-        }
-    }
-    fn commit(&mut self) {
-        if let EngineState::Uring(u) = &mut self.engine {
-            Self::uring_commit(u);
-        }
-    }
-    fn reap(&mut self, done: &mut dyn FnMut(Tag, Result<u64, BlockError>)) {
-        if let EngineState::Uring(u) = &mut self.engine {
-            Self::uring_collect(u);
-            for (tag, r) in u.ready.drain(..) {
-                done(tag, r);
-            }
-        }
-    }
-    fn in_flight(&self) -> usize {
+}
+
+/// The io_uring engine's completions ring its eventfd.
+impl Upkeep for FileBackend {
+    fn wake_fd(&self) -> RawFd {
         match &self.engine {
-            EngineState::Uring(u) => u.in_flight + u.ready.len(),
-            EngineState::Sync => 0,
-        }
-    }
-    fn wake_fd(&self) -> Option<RawFd> {
-        match &self.engine {
-            EngineState::Uring(u) => Some(u.wake.as_raw_fd()),
-            EngineState::Sync => None,
+            EngineState::Uring(u) => u.wake.as_raw_fd(),
+            EngineState::Sync => -1,
         }
     }
     fn tend(&mut self) {
@@ -552,7 +574,7 @@ mod tests {
     fn io_uring_engine_answers_each_request_as_it_completes_under_its_tag() {
         let (path, fd) = temp_file(1 << 20);
         let mut b = FileBackend::new(fd, None, false, lent()).unwrap();
-        assert!(b.asynchronous());
+        assert!(b.async_io().is_some());
         b.attach(TagSpace { queues: 2, per_queue: 4 });
         let mfd = memfd::create("buf", 1 << 16).unwrap();
         let m = Mapping::new(mfd.as_raw_fd(), 1 << 16, Protection::ReadWrite).unwrap();
@@ -568,7 +590,7 @@ mod tests {
         let mut got = Vec::new();
         let wait = |b: &mut FileBackend, got: &mut Vec<(usize, Result<u64, BlockError>)>, n: usize| {
             while got.len() < n {
-                let mut pfd = [libc::pollfd { fd: b.wake_fd().unwrap(), events: libc::POLLIN, revents: 0 }];
+                let mut pfd = [libc::pollfd { fd: b.wake_fd(), events: libc::POLLIN, revents: 0 }];
                 bulkhead_sys::poll(&mut pfd, 1000).unwrap();
                 b.tend();
                 b.reap(&mut |t, r| got.push((t.index(), r)));

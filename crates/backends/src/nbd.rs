@@ -17,7 +17,7 @@
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
-use bulkhead_block::{Backend, BlockError, Caps, Io, Request, SliceList};
+use bulkhead_block::{Backend, BlockError, Caps, Io, Remote, Request, SliceList};
 use bulkhead_nbd::client::{self, ExportInfo};
 use bulkhead_nbd::proto::{self, *};
 use proto::RequestHeader as Wire;
@@ -427,6 +427,16 @@ impl Backend for NbdBackend {
         }
     }
 
+    fn execute(&mut self, ios: &mut [Io<'_>]) {
+        self.run(ios);
+    }
+
+    fn remote(&mut self) -> Option<&mut dyn Remote> {
+        Some(self)
+    }
+}
+
+impl Remote for NbdBackend {
     fn start(&mut self) -> Result<(), String> {
         if self.info.is_none() && self.lost.is_none() {
             if let Err(e) = self.negotiate() {
@@ -442,8 +452,11 @@ impl Backend for NbdBackend {
     fn lost(&self) -> Option<&str> {
         self.lost.as_deref()
     }
+}
 
-    fn execute(&mut self, ios: &mut [Io<'_>]) {
+impl NbdBackend {
+    /// Runs a batch on the connection (see [`Backend::execute`]).
+    fn run(&mut self, ios: &mut [Io<'_>]) {
         let info = match (self.start(), self.info) {
             (Ok(()), Some(info)) => info,
             _ => {

@@ -6,7 +6,7 @@ use arrayvec::ArrayVec;
 use bulkhead_shmem::{Mapping, SharedSlice, SliceList};
 
 use crate::layer::{After, Data, ReadBelow, Sub};
-use crate::{Backend, BlockError, Caps, Io, Layer, Request, Tag, TagSpace, Verdict};
+use crate::{AsyncIo, Backend, BlockError, Caps, Io, Layer, Request, Tag, TagSpace, Verdict};
 
 /// Requests handed to the backend in one call at most.
 const BACKEND_BATCH: usize = 64;
@@ -135,7 +135,7 @@ pub struct Chain {
     to_backend: Vec<Tag>,
     batch: Vec<Tag>,
     reaped: Vec<(Tag, Result<u64, BlockError>)>,
-    /// The backend completes requests later (see [`Backend::asynchronous`]).
+    /// The backend completes requests later (see [`Backend::async_io`]).
     asynchronous: bool,
     /// Last, so that it is unmapped after the backend, which may hold its windows, is gone.
     scratch: Scratch,
@@ -149,8 +149,8 @@ impl std::fmt::Debug for Chain {
 
 impl Chain {
     /// `layers[0]` is nearest the frontend.
-    pub fn new(layers: Vec<Box<dyn Layer>>, backend: Box<dyn Backend>) -> Self {
-        let asynchronous = backend.asynchronous();
+    pub fn new(layers: Vec<Box<dyn Layer>>, mut backend: Box<dyn Backend>) -> Self {
+        let asynchronous = backend.async_io().is_some();
         Chain {
             sent: layers.iter().map(|_| Vec::new()).collect(),
             layers,
@@ -187,7 +187,9 @@ impl Chain {
             l.attach(tags);
             *sent = vec![None; capacity];
         }
-        self.backend.attach(tags);
+        if let Some(io) = self.backend.async_io() {
+            io.attach(tags);
+        }
         self.held_up = vec![false; capacity];
         self.released.reserve(capacity);
         self.to_backend.reserve(capacity);
@@ -219,8 +221,8 @@ impl Chain {
     /// Requests an asynchronous backend has started and not yet answered: the chain needs a
     /// [`run`](Self::run) to collect them even if no request arrives (the backend's
     /// [`wake_fd`](Self::backend_wake_fd) rings when one completes).
-    pub fn at_backend(&self) -> usize {
-        self.backend.in_flight()
+    pub fn at_backend(&mut self) -> usize {
+        self.backend.async_io().map_or(0, |io| io.in_flight())
     }
 
     /// When the chain next needs a [`run`](Self::run) even if no request arrives (a held
@@ -229,11 +231,13 @@ impl Chain {
         self.next_poll
     }
 
-    /// Starts the backend (see [`Backend::start`]), then opens the layers from the bottom up
+    /// Starts the backend (see [`Remote::start`]), then opens the layers from the bottom up
     /// (see [`Layer::open`]), each reading through those below it. `clock` is the monotonic
     /// clock in ns. Call after [`attach`](Self::attach).
     pub fn start(&mut self, clock: &dyn Fn() -> u64) -> Result<(), StartError> {
-        self.backend.start().map_err(StartError::Lost)?;
+        if let Some(remote) = self.backend.remote() {
+            remote.start().map_err(StartError::Lost)?;
+        }
         for at in (0..self.layers.len()).rev() {
             let size = self.size_below(at + 1);
             let Chain { layers, backend, sent, scratch, held_up, .. } = self;
@@ -246,26 +250,28 @@ impl Chain {
             };
             let layer = &mut upper[at];
             layer.open(&mut below).map_err(|message| StartError::Open { layer: layer.name(), message })?;
-            if let Some(why) = self.backend.lost() {
+            if let Some(why) = self.lost() {
                 return Err(StartError::Lost(why.to_string()));
             }
         }
         Ok(())
     }
 
-    /// The backend lost what it depends on (see [`Backend::lost`]).
-    pub fn lost(&self) -> Option<&str> {
-        self.backend.lost()
+    /// The backend lost what it depends on (see [`Remote::lost`]).
+    pub fn lost(&mut self) -> Option<&str> {
+        self.backend.remote().and_then(|r| r.lost())
     }
 
-    /// The backend's doorbell for work of its own (see [`Backend::wake_fd`]).
-    pub fn backend_wake_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.backend.wake_fd()
+    /// The backend's doorbell for completions and work of its own (see [`Upkeep::wake_fd`]).
+    pub fn backend_wake_fd(&mut self) -> Option<std::os::fd::RawFd> {
+        self.backend.upkeep().map(|u| u.wake_fd())
     }
 
-    /// Lets the backend do work of its own (see [`Backend::tend`]).
+    /// Lets the backend do work of its own (see [`Upkeep::tend`]).
     pub fn tend(&mut self) {
-        self.backend.tend();
+        if let Some(u) = self.backend.upkeep() {
+            u.tend();
+        }
     }
 
     /// Lets layers write out what they buffer (see [`Layer::idle`]).
@@ -355,7 +361,7 @@ impl<'c> Walk<'c> {
         first: usize,
         backend: &'c mut dyn Backend,
     ) -> Self {
-        let asynchronous = backend.asynchronous();
+        let asynchronous = backend.async_io().is_some();
         Walk {
             layers,
             sent,
@@ -413,7 +419,7 @@ impl<'c> Walk<'c> {
                 for &tag in &to_backend {
                     match self.request_at(below, tag, req) {
                         Ok(r) => {
-                            if let Some(result) = self.backend.submit(tag, &r) {
+                            if let Some(result) = self.engine().submit(tag, &r) {
                                 reaped.push((tag, result));
                             }
                         }
@@ -421,11 +427,12 @@ impl<'c> Walk<'c> {
                     }
                 }
                 if !to_backend.is_empty() {
-                    self.backend.commit();
+                    self.engine().commit();
                     to_backend.clear();
                 }
-                if self.backend.in_flight() > 0 {
-                    self.backend.reap(&mut |tag, result| reaped.push((tag, result)));
+                let engine = self.engine();
+                if engine.in_flight() > 0 {
+                    engine.reap(&mut |tag, result| reaped.push((tag, result)));
                 }
                 let now_ns = if timed && !reaped.is_empty() { clock() } else { 0 };
                 // What layers send next goes to the backend in this turn too.
@@ -485,6 +492,16 @@ impl<'c> Walk<'c> {
         if self.held == 0 {
             self.next_poll = None;
         }
+    }
+
+    /// The backend's asynchronous engine (the walk is asynchronous only if it has one).
+    fn engine(&mut self) -> &mut dyn AsyncIo {
+        self.backend.async_io().expect("an asynchronous walk's backend keeps its engine")
+    }
+
+    /// Requests the backend has started and not answered.
+    fn at_backend(&mut self) -> usize {
+        self.backend.async_io().map_or(0, |io| io.in_flight())
     }
 
     fn poll_layers(&mut self, now_ns: u64, released: &mut Vec<(usize, Tag, Verdict)>) {
@@ -683,7 +700,7 @@ impl ReadBelow for OpenRead<'_, '_> {
             let window = map.slice(0, chunk.len()).expect("a chunk fits the buffer");
             r = self.read_one(at, window, deadline);
             if r.is_err() {
-                if self.walk.backend.in_flight() > 0 {
+                if self.walk.at_backend() > 0 {
                     // The backend may still fill the buffer: never unmap it under it.
                     std::mem::forget(map);
                     return r;
@@ -853,9 +870,13 @@ mod tests {
         fn execute(&mut self, _: &mut [Io<'_>]) {
             unreachable!("an asynchronous backend is driven by submit and reap")
         }
-        fn asynchronous(&self) -> bool {
-            true
+        fn async_io(&mut self) -> Option<&mut dyn AsyncIo> {
+            Some(self)
         }
+    }
+    impl AsyncIo for Later {
+        fn attach(&mut self, _: TagSpace) {}
+        fn commit(&mut self) {}
         fn submit(&mut self, tag: Tag, _: &Request<'_>) -> Option<Result<u64, BlockError>> {
             self.0.lock().unwrap().0.push(tag);
             None
@@ -931,9 +952,16 @@ mod tests {
                 io.result = self.apply(&io.req);
             }
         }
-        fn asynchronous(&self) -> bool {
-            self.later.is_some()
+        fn async_io(&mut self) -> Option<&mut dyn AsyncIo> {
+            match self.later {
+                Some(_) => Some(self),
+                None => None,
+            }
         }
+    }
+    impl AsyncIo for Mem {
+        fn attach(&mut self, _: TagSpace) {}
+        fn commit(&mut self) {}
         fn submit(&mut self, tag: Tag, req: &Request<'_>) -> Option<Result<u64, BlockError>> {
             let r = self.apply(req);
             self.later.as_mut().expect("asynchronous").push((tag, r));

@@ -127,70 +127,12 @@ impl BlockError {
     }
 }
 
-/// The end of a chain: owns the storage.
-pub trait Backend: Send {
-    /// Device size in bytes.
-    fn size(&self) -> u64;
-    /// What the backend can do.
-    fn caps(&self) -> Caps;
-    /// Executes every request of the batch, setting each `result`. Requests in one batch may
-    /// complete in any order, except that a `Flush` covers every write before it in the batch.
-    fn execute(&mut self, ios: &mut [Io<'_>]);
-    /// Called once the domain is confined, before the first request: a backend that talks to
-    /// something outside the domain (a remote server) connects here. An error is the same as
-    /// [`lost`](Self::lost).
-    fn start(&mut self) -> Result<(), String> {
-        Ok(())
-    }
-    /// Something the backend depends on outside the domain is gone (the remote server closed
-    /// the connection). The results of the last batch must then not be sent: the domain ends
-    /// and the supervisor starts the next generation on a fresh connection, to which the
-    /// frontend reissues every unanswered request.
-    fn lost(&self) -> Option<&str> {
-        None
-    }
-    /// A doorbell that says the backend has work of its own (see [`tend`](Self::tend)): the
-    /// domain's loop wakes on it as on a request.
-    fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
-        None
-    }
-    /// Called between batches, whenever the domain's loop wakes or has spun idle a while: a
-    /// backend with work of its own does it here (a channel below whose domain was replaced
-    /// starts over). It must cost next to nothing when there is none.
-    fn tend(&mut self) {}
-    /// Whether requests complete after the call that starts them (an asynchronous engine).
-    /// The chain then starts each with [`submit`](Self::submit), all of a turn's at once with
-    /// [`commit`](Self::commit), and collects results with [`reap`](Self::reap) on later turns,
-    /// so one slow request holds up no other queue; [`wake_fd`](Self::wake_fd) rings when one
-    /// completes. [`execute`](Self::execute) must still work: it waits for its batch.
-    fn asynchronous(&self) -> bool {
-        false
-    }
-    /// Called once before the first request with the tags there will be (as
-    /// [`Layer::attach`]): an asynchronous backend allocates its per-request state here.
-    fn attach(&mut self, _tags: TagSpace) {}
-    /// Starts `req` under `tag` (an asynchronous backend). Its windows stay valid, and the
-    /// tag unused, until its completion is reaped. `Some(result)` if it finished at once.
-    fn submit(&mut self, _tag: Tag, req: &Request<'_>) -> Option<Result<u64, BlockError>> {
-        let mut io = [Io::new(*req)];
-        self.execute(&mut io);
-        let [io] = io;
-        Some(io.result)
-    }
-    /// Lets the requests submitted since the last call start (one system call for them all).
-    fn commit(&mut self) {}
-    /// Hands each request that has completed since the last call to `done`.
-    fn reap(&mut self, _done: &mut dyn FnMut(Tag, Result<u64, BlockError>)) {}
-    /// Requests submitted and not yet reaped.
-    fn in_flight(&self) -> usize {
-        0
-    }
-}
-
+mod backend;
 mod chain;
 mod layer;
 mod op;
 
+pub use backend::{AsyncIo, Backend, Remote, Upkeep};
 pub use chain::{Chain, StartError};
 pub use layer::{After, Data, Layer, ReadBelow, Sub, Tag, TagSpace, Verdict};
 pub use op::{Command, Op, Status};

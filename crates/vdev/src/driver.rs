@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use bulkhead_block::{Backend, BlockError, Caps, Io, Request};
+use bulkhead_block::{Backend, BlockError, Caps, Io, Remote, Request};
 use bulkhead_doorbell::EventFd;
 use bulkhead_shmem::Mapping;
 
@@ -288,8 +288,8 @@ impl Backend for Driver {
         Caps { flush: true, fua: false, discard: true, write_zeroes: true, read_only: false }
     }
 
-    fn start(&mut self) -> Result<(), String> {
-        self.init()
+    fn remote(&mut self) -> Option<&mut dyn Remote> {
+        Some(self)
     }
 
     fn execute(&mut self, ios: &mut [Io<'_>]) {
@@ -316,5 +316,17 @@ impl Backend for Driver {
                 return;
             }
         }
+    }
+}
+
+/// The card is a device of its own, in the model's domain: it is reset before the first
+/// request, and a card that fails a command is reset before the next batch.
+impl Remote for Driver {
+    fn start(&mut self) -> Result<(), String> {
+        self.init()
+    }
+
+    fn lost(&self) -> Option<&str> {
+        None
     }
 }
