@@ -3,6 +3,7 @@
 //! the model). Shared memory has its own crate (`bulkhead-shmem`), doorbells theirs.
 #![deny(missing_docs)]
 
+pub mod epoll;
 pub mod memfd;
 pub mod pkey;
 pub mod uffd;
@@ -85,6 +86,72 @@ pub fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> io::Result<usize> {
         return if e.kind() == io::ErrorKind::Interrupted { Ok(0) } else { Err(e) };
     }
     Ok(n as usize)
+}
+
+/// Makes `fd`'s reads and writes return `WouldBlock` instead of waiting (`O_NONBLOCK`).
+pub fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: F_GETFL only reads the flags of an open descriptor (borrowed for the call).
+    let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: F_SETFL sets the status flags of the same descriptor.
+    if fl < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// How many clock ticks make a second, as /proc counts CPU time (`_SC_CLK_TCK`).
+pub fn clock_ticks_per_second() -> u64 {
+    // SAFETY: sysconf reads a system value and touches no memory of ours.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as u64
+    } else {
+        100
+    }
+}
+
+/// CPUs online (`_SC_NPROCESSORS_ONLN`), at least 1.
+pub fn cpus_online() -> usize {
+    // SAFETY: sysconf reads a system value and touches no memory of ours.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    n.max(1) as usize
+}
+
+/// Sends signal `sig` to process `pid` (`kill(2)`). A process that is gone is not an error.
+pub fn signal(pid: u32, sig: libc::c_int) -> io::Result<()> {
+    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid out of range"))?;
+    // SAFETY: a system call with integer arguments only.
+    if unsafe { libc::kill(pid, sig) } < 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ESRCH) {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// The caller's effective user id.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    unsafe { libc::geteuid() }
+}
+
+/// Raises this process's soft limit on open descriptors to its hard limit (a `serve` of many
+/// devices holds many); returns the limit now in force.
+pub fn raise_open_files_limit() -> io::Result<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit, which outlives the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: setrlimit reads one rlimit, which outlives the call.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(lim.rlim_cur)
 }
 
 /// CPU time the calling thread has used, ns.
