@@ -535,6 +535,11 @@ impl DeviceControl {
         self.dev.alarm.as_raw_fd()
     }
 
+    /// A copy of [`alarm_fd`](Self::alarm_fd), for a watcher to keep open while it watches it.
+    pub fn alarm(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        self.dev.alarm.try_clone().map(EventFd::into_owned)
+    }
+
     /// Whether a queue reported a broken channel since the last restart; clears the report.
     pub fn take_broken_report(&self) -> bool {
         self.dev.alarm.drain();

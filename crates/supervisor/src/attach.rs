@@ -85,14 +85,18 @@ pub struct AttachedStatus {
 #[derive(Debug, Default)]
 struct Inner {
     /// The supervisor's end of the current domain's line (`None` between generations).
-    line: Option<OwnedFd>,
-    /// Who holds each slot.
+    line: Option<Arc<OwnedFd>>,
+    /// Who holds each slot (a session, or one joining).
     owners: Vec<Option<u64>>,
     sessions: BTreeMap<u64, Arc<Session>>,
     next: u64,
 }
 
 /// The attach slots of one device and its views.
+///
+/// Joining, leaving and rejoining run one at a time, each under the device's claim; they talk
+/// to the domain and to applications with no lock held, so `status` and the watcher read the
+/// sessions while they wait.
 #[derive(Debug)]
 pub(crate) struct AttachPoint {
     device: String,
@@ -158,7 +162,11 @@ impl AttachPoint {
 
     /// Lets go of the sessions holding `evicted` slots: their applications are told by the
     /// connection closing, and detach as any other.
-    fn drop_evicted(inner: &Inner, evicted: &[u32]) {
+    fn drop_evicted(&self, evicted: &[u32]) {
+        if evicted.is_empty() {
+            return;
+        }
+        let inner = self.lock();
         for &slot in evicted {
             if let Some(s) = inner.owners.get(slot as usize).copied().flatten().and_then(|id| inner.sessions.get(&id)) {
                 s.hang_up();
@@ -173,7 +181,7 @@ impl AttachPoint {
     }
 
     /// Adds `queues` (checked) to free slots of `view` in the running domain. The caller holds
-    /// the device's restart lock.
+    /// the device's claim.
     pub(crate) fn join(
         &self,
         target: &str,
@@ -181,19 +189,30 @@ impl AttachPoint {
         conn: &UnixStream,
         queues: Vec<BackQueueFds>,
     ) -> Result<(u64, Arc<Session>), String> {
-        let mut inner = self.lock();
-        let Some(line) = inner.line.as_ref().map(|l| l.try_clone()).transpose().map_err(|e| e.to_string())? else {
-            return Err(format!("device {} has no running domain", self.device));
+        // Take the slots, then ask the domain with nothing locked.
+        let (id, line, free) = {
+            let mut inner = self.lock();
+            let Some(line) = inner.line.clone() else {
+                return Err(format!("device {} has no running domain", self.device));
+            };
+            let free: Vec<usize> = (0..self.slots.len())
+                .filter(|&i| self.slots[i] == view && inner.owners[i].is_none())
+                .take(queues.len())
+                .collect();
+            if free.len() < queues.len() {
+                return Err(format!(
+                    "{target}: {} attach slot(s) free, {} asked (its `attach` key sets how many)",
+                    free.len(),
+                    queues.len()
+                ));
+            }
+            let id = inner.next;
+            inner.next += 1;
+            for &slot in &free {
+                inner.owners[slot] = Some(id);
+            }
+            (id, line, free)
         };
-        let free: Vec<usize> =
-            (0..self.slots.len()).filter(|&i| self.slots[i] == view && inner.owners[i].is_none()).take(queues.len()).collect();
-        if free.len() < queues.len() {
-            return Err(format!(
-                "{target}: {} attach slot(s) free, {} asked (its `attach` key sets how many)",
-                free.len(),
-                queues.len()
-            ));
-        }
         let mut evicted = Vec::new();
         let mut added = Vec::new();
         let mut failed = None;
@@ -215,103 +234,117 @@ impl AttachPoint {
                 }
             }
         }
-        if let Some(why) = failed {
-            for slot in added {
-                let _ = ask(&line, ToDomain::Remove { slot: slot as u32 }, &[], &mut evicted);
+        let session = match failed {
+            Some(why) => Err(why),
+            None => {
+                let (pid, uid) = bulkhead_sys::peer_credentials(conn.as_fd()).unwrap_or((0, 0));
+                conn.try_clone().map_err(|e| e.to_string()).map(|conn| {
+                    Arc::new(Session {
+                        target: target.to_string(),
+                        pid,
+                        uid,
+                        conn: Mutex::new(conn),
+                        queues: free.iter().copied().zip(queues).collect(),
+                        generation: Mutex::new(1),
+                        ack: Mutex::new(None),
+                        acked: Condvar::new(),
+                        dropped: AtomicBool::new(false),
+                    })
+                })
             }
-            Self::drop_evicted(&inner, &evicted);
-            return Err(why);
+        };
+        match session {
+            Ok(session) => {
+                self.lock().sessions.insert(id, session.clone());
+                self.drop_evicted(&evicted);
+                Ok((id, session))
+            }
+            Err(why) => {
+                for slot in added {
+                    let _ = ask(&line, ToDomain::Remove { slot: slot as u32 }, &[], &mut evicted);
+                }
+                self.release(id, &free);
+                self.drop_evicted(&evicted);
+                Err(why)
+            }
         }
-        let (pid, uid) = bulkhead_sys::peer_credentials(conn.as_fd()).unwrap_or((0, 0));
-        let id = inner.next;
-        inner.next += 1;
-        let session = Arc::new(Session {
-            target: target.to_string(),
-            pid,
-            uid,
-            conn: Mutex::new(conn.try_clone().map_err(|e| e.to_string())?),
-            queues: free.iter().copied().zip(queues).collect(),
-            generation: Mutex::new(1),
-            ack: Mutex::new(None),
-            acked: Condvar::new(),
-            dropped: AtomicBool::new(false),
-        });
-        for &slot in &free {
-            inner.owners[slot] = Some(id);
-        }
-        inner.sessions.insert(id, session.clone());
-        Self::drop_evicted(&inner, &evicted);
-        Ok((id, session))
     }
 
-    /// Takes session `id`'s queues out of the domain and frees its slots. The caller holds the
-    /// device's restart lock.
-    pub(crate) fn leave(&self, id: u64) {
+    /// Frees the slots of `slots` that session `id` holds.
+    fn release(&self, id: u64, slots: &[usize]) {
         let mut inner = self.lock();
-        let Some(session) = inner.sessions.remove(&id) else { return };
+        for &slot in slots {
+            if inner.owners[slot] == Some(id) {
+                inner.owners[slot] = None;
+            }
+        }
+    }
+
+    /// Takes session `id`'s queues out of the domain and frees its slots; it is listed until
+    /// the domain has let them go. The caller holds the device's claim.
+    pub(crate) fn leave(&self, id: u64) {
+        let (session, line) = {
+            let inner = self.lock();
+            let Some(session) = inner.sessions.get(&id).cloned() else { return };
+            (session, inner.line.clone())
+        };
         let mut evicted = Vec::new();
-        if !session.dropped.load(Ordering::Acquire) {
-            if let Some(line) = inner.line.as_ref() {
-                for (slot, _) in &session.queues {
-                    let slot = *slot as u32;
-                    // A refusal here is the domain's own earlier notice that it let the queue
-                    // go (a broken ring): the removal's answer comes after it.
-                    let answer = match ask(line, ToDomain::Remove { slot }, &[], &mut evicted) {
-                        Ok(FromDomain::Refused { .. }) => answer_about(line, slot, &mut evicted),
-                        other => other,
-                    };
-                    if let Err(e) = answer {
-                        // The domain is dying or wedged; its successor will not get the queue.
-                        eprintln!("bulkhead: device {}: detaching slot {slot}: {e}", self.device);
-                        break;
-                    }
+        if let (false, Some(line)) = (session.dropped.load(Ordering::Acquire), line) {
+            for (slot, _) in &session.queues {
+                let slot = *slot as u32;
+                // A refusal here is the domain's own earlier notice that it let the queue go (a
+                // broken ring): the removal's answer comes after it.
+                let answer = match ask(&line, ToDomain::Remove { slot }, &[], &mut evicted) {
+                    Ok(FromDomain::Refused { .. }) => answer_about(&line, slot, &mut evicted),
+                    other => other,
+                };
+                if let Err(e) = answer {
+                    // The domain is dying or wedged; its successor will not get the queue.
+                    eprintln!("bulkhead: device {}: detaching slot {slot}: {e}", self.device);
+                    break;
                 }
             }
         }
-        for (slot, _) in &session.queues {
-            if inner.owners[*slot] == Some(id) {
-                inner.owners[*slot] = None;
-            }
-        }
-        Self::drop_evicted(&inner, &evicted);
+        self.lock().sessions.remove(&id);
+        let slots: Vec<usize> = session.queues.iter().map(|(slot, _)| *slot).collect();
+        self.release(id, &slots);
+        self.drop_evicted(&evicted);
     }
 
     /// A new generation of the domain runs with `line`: each application starts its queues
     /// over in place, and the new domain takes them. An application that does not follow in
-    /// time is let go of. The caller holds the device's restart lock, and the old domain is
-    /// gone.
+    /// time is let go of. The caller holds the device's claim, and the old domain is gone.
     pub(crate) fn rejoin(&self, line: Option<OwnedFd>) {
-        let mut inner = self.lock();
-        inner.line = line;
-        let sessions: Vec<(u64, Arc<Session>)> = inner.sessions.iter().map(|(id, s)| (*id, s.clone())).collect();
+        let line = line.map(Arc::new);
+        let sessions: Vec<(u64, Arc<Session>)> = {
+            let mut inner = self.lock();
+            inner.line = line.clone();
+            inner.sessions.iter().map(|(id, s)| (*id, s.clone())).collect()
+        };
         let mut evicted = Vec::new();
         for (id, s) in sessions {
             if s.dropped.load(Ordering::Acquire) {
                 continue;
             }
-            let result = self.restart_one(&inner, &s, &mut evicted);
-            if let Err(why) = result {
+            if let Err(why) = Self::restart_one(line.as_deref(), &s, &mut evicted) {
                 eprintln!("bulkhead: device {}: attached pid {} let go of: {why}", self.device, s.pid);
                 s.dropped.store(true, Ordering::Release);
                 s.hang_up();
                 // Whatever of its queues the new domain took already, it lets go of.
-                if let Some(line) = inner.line.as_ref() {
+                if let Some(line) = line.as_deref() {
                     for (slot, _) in &s.queues {
                         let _ = ask(line, ToDomain::Remove { slot: *slot as u32 }, &[], &mut evicted);
                     }
                 }
-                for (slot, _) in &s.queues {
-                    if inner.owners[*slot] == Some(id) {
-                        inner.owners[*slot] = None;
-                    }
-                }
+                let slots: Vec<usize> = s.queues.iter().map(|(slot, _)| *slot).collect();
+                self.release(id, &slots);
             }
         }
-        Self::drop_evicted(&inner, &evicted);
+        self.drop_evicted(&evicted);
     }
 
-    fn restart_one(&self, inner: &Inner, s: &Session, evicted: &mut Vec<u32>) -> Result<(), String> {
-        let line = inner.line.as_ref().ok_or("no domain runs")?;
+    fn restart_one(line: Option<&OwnedFd>, s: &Session, evicted: &mut Vec<u32>) -> Result<(), String> {
+        let line = line.ok_or("no domain runs")?;
         let generation = {
             let mut g = s.generation.lock().unwrap_or_else(|e| e.into_inner());
             *g = g.wrapping_add(1).max(1);
@@ -340,8 +373,8 @@ impl AttachPoint {
 
     /// Tells every attached application that the device failed.
     pub(crate) fn fail(&self, reason: &str) {
-        let inner = self.lock();
-        for s in inner.sessions.values() {
+        let sessions: Vec<Arc<Session>> = self.lock().sessions.values().cloned().collect();
+        for s in sessions {
             let _ = s.tell(&FromServe::Fail { reason: reason.to_string() });
         }
     }

@@ -5,7 +5,10 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
+use std::sync::Arc;
+
 use bulkhead_config::{Filter, Tap};
+use bulkhead_filters::cow::SnapshotOp;
 use bulkhead_filters::state::{StatePage, STATE_BYTES};
 use bulkhead_filters::FilterSpec;
 use bulkhead_shmem::memfd;
@@ -209,9 +212,30 @@ impl FilterSetup {
     }
 }
 
-/// Where a device's filters run, and the filters, frontend side first.
-#[derive(Debug)]
+/// Where a device's filters run, and the filters, frontend side first: a copy is cheap, so
+/// each launch takes one and nothing waits on the device's while a domain starts.
+#[derive(Debug, Clone)]
 pub(crate) struct ChainSetup {
     pub tap: Tap,
-    pub filters: Vec<FilterSetup>,
+    pub filters: Vec<Arc<FilterSetup>>,
+    /// The last snapshot operation asked of the `cow` filter: every generation from the next
+    /// on is told of it, and carries it out once (its sequence number says whether it has).
+    pub snapshot: Option<SnapshotOp>,
+}
+
+impl ChainSetup {
+    /// What filter `f` of this chain is told: its spec, with the snapshot operation for a
+    /// `cow` filter.
+    pub fn spec_of(&self, f: &FilterSetup) -> FilterSpec {
+        let mut spec = f.spec.clone();
+        if let (FilterSpec::Cow { op, .. }, Some(s)) = (&mut spec, &self.snapshot) {
+            *op = Some(s.clone());
+        }
+        spec
+    }
+
+    /// The `cow` filter, if the chain has one.
+    pub fn cow(&self) -> Option<&FilterSetup> {
+        self.filters.iter().map(|f| &**f).find(|f| matches!(f.spec, FilterSpec::Cow { .. }))
+    }
 }

@@ -13,12 +13,14 @@
 //! The socket is made `0660`: its owner and group may use it, nobody else.
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+use bulkhead_doorbell::EventFd;
 
 /// Handles one request, returning the answer.
 pub type Handler = Arc<dyn Fn(&serde_json::Value) -> serde_json::Value + Send + Sync>;
@@ -29,7 +31,7 @@ pub type AttachHandler = Arc<dyn Fn(UnixStream, &serde_json::Value) + Send + Syn
 /// A running control socket; removed on drop.
 pub struct ControlServer {
     path: PathBuf,
-    stop: Arc<AtomicBool>,
+    stop: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -52,17 +54,37 @@ impl ControlServer {
         let listener = UnixListener::bind(path)?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
         listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(EventFd::new()?);
         let s = stop.clone();
         let thread = std::thread::Builder::new().name("control".into()).spawn(move || {
-            while !s.load(Ordering::Acquire) {
-                match listener.accept() {
-                    Ok((conn, _)) => {
-                        let (h, a) = (handler.clone(), attach.clone());
-                        std::thread::spawn(move || serve_conn(conn, h, a));
+            // Asleep until a client connects or `stop` rings: nothing wakes an idle serve.
+            let mut fds = [
+                libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            ];
+            loop {
+                if bulkhead_sys::poll(&mut fds, -1).is_err() {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                if fds[1].revents != 0 {
+                    return;
+                }
+                loop {
+                    match listener.accept() {
+                        Ok((conn, _)) => {
+                            let _ = conn.set_nonblocking(false);
+                            let (h, a) = (handler.clone(), attach.clone());
+                            std::thread::spawn(move || serve_conn(conn, h, a));
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        // Nothing more to take now.
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        // Out of descriptors, say: looked at again in a moment, not at once.
+                        Err(_) => {
+                            std::thread::sleep(Duration::from_millis(50));
+                            break;
+                        }
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(50)),
-                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
                 }
             }
         })?;
@@ -71,7 +93,7 @@ impl ControlServer {
 
     /// Stops accepting and removes the socket.
     pub fn stop(&mut self) {
-        self.stop.store(true, Ordering::Release);
+        self.stop.ring();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

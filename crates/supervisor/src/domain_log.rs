@@ -1,8 +1,8 @@
 //! A driver domain's standard output and error.
 //!
 //! A domain is untrusted, and so is everything it prints. Its descriptors 1 and 2 are a pipe
-//! that the supervisor reads on a thread of its own (one per domain generation, ending when the
-//! domain does), and every line reaches serve's log:
+//! that the supervisor reads — one thread for every domain, waiting on all their pipes at once —
+//! and every line reaches serve's log:
 //!
 //! * prefixed with the device and the domain's pid, so it cannot pass for a line of serve's;
 //! * with control characters (terminal escapes, carriage returns) shown escaped, never raw;
@@ -10,15 +10,17 @@
 //! * at most [`BURST`] lines at once and [`PER_SEC`] a second after that; lines over the rate
 //!   are dropped and counted, and the count is logged when lines flow again.
 //!
-//! The thread drains the pipe however fast the domain writes, so a flooding domain spends its
+//! The thread drains each pipe however fast its domain writes, so a flooding domain spends its
 //! own CPU time, never blocks on a full pipe while holding requests, and never grows the
 //! supervisor's memory or its log beyond those bounds.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::os::fd::OwnedFd;
-use std::sync::Mutex;
-use std::thread::JoinHandle;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
+
+use bulkhead_sys::epoll::Epoll;
 
 /// Longest line kept, in characters.
 pub const LINE_MAX: usize = 1024;
@@ -33,54 +35,111 @@ pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     bulkhead_sys::pipe()
 }
 
+/// One domain's output being relayed.
+struct Stream {
+    src: std::fs::File,
+    lines: Lines,
+}
+
+/// The relay: its epoll and the pipes it reads.
+struct Relay {
+    epoll: Epoll,
+    streams: Mutex<HashMap<u64, Stream>>,
+    /// Rung when a pipe reaches its end.
+    ended: Condvar,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Relay {
+    fn streams(&self) -> MutexGuard<'_, HashMap<u64, Stream>> {
+        self.streams.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The relay, started with the first domain.
+fn relay_thread() -> io::Result<&'static Relay> {
+    static RELAY: OnceLock<Result<&'static Relay, String>> = OnceLock::new();
+    let r = RELAY.get_or_init(|| {
+        let relay: &'static Relay = Box::leak(Box::new(Relay {
+            epoll: Epoll::new().map_err(|e| e.to_string())?,
+            streams: Mutex::new(HashMap::new()),
+            ended: Condvar::new(),
+            next: std::sync::atomic::AtomicU64::new(0),
+        }));
+        std::thread::Builder::new().name("domain-log".into()).spawn(move || run(relay)).map_err(|e| e.to_string())?;
+        Ok(relay)
+    });
+    r.as_ref().copied().map_err(|e| io::Error::other(e.clone()))
+}
+
+fn emit(line: &str) {
+    let mut err = io::stderr().lock();
+    let _ = err.write_all(line.as_bytes());
+    let _ = err.write_all(b"\n");
+}
+
+fn run(relay: &'static Relay) {
+    let mut ready = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        ready.clear();
+        if relay.epoll.wait(None, &mut ready).is_err() {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        for &token in &ready {
+            let mut streams = relay.streams();
+            let Some(stream) = streams.get_mut(&token) else { continue };
+            // What is there now, without waiting: the pipe is non-blocking.
+            let ended = loop {
+                match stream.src.read(&mut buf) {
+                    Ok(0) => break true,
+                    Ok(n) => stream.lines.feed(&buf[..n], Instant::now(), emit),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break false,
+                    Err(_) => break true,
+                }
+            };
+            if ended {
+                let mut stream = streams.remove(&token).expect("looked up above");
+                let _ = relay.epoll.delete(stream.src.as_fd());
+                stream.lines.finish(emit);
+                relay.ended.notify_all();
+            }
+        }
+    }
+}
+
 /// Relays what domain `pid` of `device` prints to serve's standard error until it closes its
 /// end.
 pub(crate) fn relay(device: &str, pid: u32, read_end: OwnedFd) {
     let prefix = format!("bulkhead: device {device}: domain {pid}: ");
-    let spawned = std::thread::Builder::new().name(format!("log-{device}")).spawn(move || {
-        let mut lines = Lines::new(prefix);
-        let mut src = std::fs::File::from(read_end);
-        let mut buf = [0u8; 8192];
-        let emit = |line: &str| {
-            let mut err = io::stderr().lock();
-            let _ = err.write_all(line.as_bytes());
-            let _ = err.write_all(b"\n");
-        };
-        loop {
-            match src.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => lines.feed(&buf[..n], Instant::now(), emit),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => break,
-            }
-        }
-        lines.finish(emit);
+    let added = relay_thread().and_then(|relay| {
+        bulkhead_sys::set_nonblocking(read_end.as_fd())?;
+        let token = relay.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let src = std::fs::File::from(read_end);
+        let mut streams = relay.streams();
+        relay.epoll.add(src.as_fd(), token)?;
+        streams.insert(token, Stream { src, lines: Lines::new(prefix) });
+        Ok(())
     });
-    match spawned {
-        Ok(h) => {
-            let mut relays = RELAYS.lock().unwrap_or_else(|e| e.into_inner());
-            relays.retain(|h| !h.is_finished());
-            relays.push(h);
-        }
-        Err(e) => eprintln!("bulkhead: device {device}: cannot relay the output of domain {pid}: {e}"),
+    if let Err(e) = added {
+        eprintln!("bulkhead: device {device}: cannot relay the output of domain {pid}: {e}");
     }
 }
-
-/// Relay threads that may still be running.
-static RELAYS: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
 
 /// Waits up to `timeout` for every relay to reach the end of its domain's output (call once the
 /// domains have ended, so their last lines are logged before the process exits).
 pub(crate) fn finish_all(timeout: Duration) {
+    let Ok(relay) = relay_thread() else { return };
     let deadline = Instant::now() + timeout;
-    let handles = std::mem::take(&mut *RELAYS.lock().unwrap_or_else(|e| e.into_inner()));
-    for h in handles {
-        while !h.is_finished() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
+    let mut streams = relay.streams();
+    while !streams.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
         }
-        if h.is_finished() {
-            let _ = h.join();
-        }
+        streams = relay.ended.wait_timeout(streams, left).unwrap_or_else(|e| e.into_inner()).0;
     }
 }
 

@@ -1,35 +1,48 @@
 //! The supervisor (device manager) inside `bulkhead serve`.
 //!
-//! For each configured device it creates the channel (one [`bulkhead_channel::QueueSetup`]
-//! per queue), opens or creates the backend's storage, execs a driver domain
-//! (`bulkhead driver --spec …`) holding only those descriptors, and hands the frontend end to
-//! the exports as a [`bulkhead_client::Device`]. A watcher thread learns of a domain's death
-//! through its pidfd. The control socket answers `status`. What a domain prints reaches the
-//! log through [`domain_log`], prefixed, sanitised and rate-limited.
+//! For each configured device it opens or creates the backend's storage, creates the channel
+//! (one [`bulkhead_channel::QueueSetup`] per queue), execs the device's domains (`bulkhead
+//! driver --spec …`) holding only those descriptors, and hands the frontend end to the exports
+//! as a [`bulkhead_client::Device`]. The watcher learns of a domain's death through its pidfd,
+//! of a broken channel through the device's alarm, and of a wedged domain through the
+//! watchdog; the device's [`lifecycle`](crate::lifecycle) decides what to do, and a worker does
+//! it. The control socket answers `status`. What a domain prints reaches the log through
+//! [`domain_log`], prefixed, sanitised and rate-limited.
+//!
+//! Modules depend one way: `state` (shared types) and `lifecycle` (the rules) are leaves;
+//! `domains`, `launcher` and `device` hold processes and descriptors; `jobs` change them;
+//! `watcher` and `supervisor` drive it all.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 mod attach;
 mod chain;
 pub mod control;
-mod domain;
+mod device;
 pub mod domain_log;
+mod domains;
+mod hub;
 mod image;
+mod jobs;
+mod launcher;
 mod lifecycle;
+mod mailbox;
 pub mod proc_info;
+mod spawn;
+mod state;
+mod status;
 mod supervisor;
 mod vdev;
 mod views;
-
-/// Exit status of a domain whose backend lost its remote server (EX_TEMPFAIL): the supervisor
-/// reconnects and starts the next generation.
-pub const LOST_EXIT: u8 = 75;
-/// Exit status of a domain whose write capture stopped a filter's write
-/// (`bulkhead_guard::VIOLATION_EXIT`): restarted like a crash, with the reason in the log.
-pub const GUARD_EXIT: u8 = 86;
+mod watcher;
+mod workers;
 
 pub use attach::AttachedStatus;
-pub use domain::{pidfd_open, spawn_domain, DeviceRuntime};
-pub use supervisor::{DeviceChange, DeviceState, DeviceStatus, ProcessMemory, StatusReport, Supervisor, SupervisorError};
+pub use bulkhead_sys::pidfd_open;
+pub use device::DeviceRuntime;
+pub use spawn::spawn_domain;
+pub use state::{DeviceState, RestartPolicy, SupervisorError, GUARD_EXIT, LOST_EXIT};
+pub use status::{DeviceStatus, FilterStatus, ProcessMemory, StatusReport};
+pub use supervisor::{DeviceChange, Supervisor};
 pub use vdev::CardStatus;
 pub use views::{Controls, ViewRuntime, ViewStatus};

@@ -1,16 +1,19 @@
-//! A device's lifecycle as a state machine: what the watcher observes and what its launches
-//! come to go in, decisions come out, and the time is passed in. It owns no process, lock or
-//! clock, so every rule — the watchdog, crash-loop back-off, the restart limit, reconnecting
-//! with back-off — is tested here without starting anything.
+//! A device's lifecycle as a state machine: events in, dispositions out. The watcher tells it
+//! what it saw (a domain exited, broke its channel, stopped answering), and it says what to do
+//! about it — restart these domains, after this delay, or fail the device — by its rules: which
+//! domain an event concerns in each tap mode, the watchdog, crash-loop back-off, the restart
+//! limit within its window, reconnecting with back-off. It owns no process, lock or thread,
+//! and reads the time from the clock it is given, so every rule is tested here without
+//! starting anything.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::domain::RestartPolicy;
-use crate::supervisor::DeviceState;
+use crate::state::{Clock, DeviceState, RestartPolicy, Role, Shape, GUARD_EXIT, LOST_EXIT};
 
 /// What the watcher sees of a device at one look.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Observation {
     /// Requests answered so far (any status).
     pub answered: u64,
@@ -26,20 +29,54 @@ pub(crate) struct Observation {
     pub attached: usize,
 }
 
-/// What to do about a failed generation.
+/// Something that happened to a device's domains.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Decision {
-    /// Start the next generation after this delay (zero: at once).
-    Restart { delay: Duration },
+pub(crate) enum Event {
+    /// A domain exited: with this exit code (`None`: ended by a signal), `status` as the log
+    /// says it.
+    Exited { role: Role, pid: u32, code: Option<i32>, status: String },
+    /// A domain released its memory: it is exiting, and can touch nothing any more, but may
+    /// not finish until its successor answers what the kernel finishes for it.
+    Exiting { role: Role, pid: u32 },
+    /// The domain the frontend reaches broke the channel protocol.
+    BrokeChannel { pid: u32 },
+    /// A `vdev` device's model domain exited (`why` says how).
+    ModelExited { why: String },
+    /// Replacing one domain of an `interpose` device alone did not work (`why` says how).
+    ReplaceFailed { why: String },
+    /// The operator changed the device (`why` says how): a restart, another tap mode, a
+    /// filter added or removed (`filters_only`), a snapshot.
+    Changed { why: String, filters_only: bool },
+}
+
+/// Which domains a restart replaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Which {
+    /// Every domain of the device: the next generation.
+    All,
+    /// The tap domain of an `interpose` device alone, the driver domain below running on.
+    Tap,
+    /// The driver domain below an `interpose` device's tap domain alone.
+    Below,
+}
+
+/// What to do about an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Disposition {
+    /// Replace `which` after `delay` (zero: at once); `why` goes to the log.
+    Restart { which: Which, delay: Duration, why: String },
     /// Stop trying: the device is failed, for this reason.
     Fail { reason: String },
 }
 
-/// What to do about a launch that did not succeed.
+/// What a launch of the next generation came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Retry {
-    /// Try again after this delay; the device is `reconnecting`.
-    After(Duration),
+pub(crate) enum Launch {
+    /// It runs; the device had been reconnecting this long, if it had.
+    Up { was_down: Option<Duration> },
+    /// The remote server could not be reached: try again after this delay; the device is
+    /// `reconnecting`.
+    Retry { after: Duration },
     /// Stop trying: the device is failed, for this reason.
     Fail { reason: String },
 }
@@ -49,6 +86,9 @@ pub(crate) enum Retry {
 pub(crate) struct Lifecycle {
     device: String,
     policy: RestartPolicy,
+    clock: Arc<dyn Clock>,
+    /// The layout of the running generation.
+    shape: Shape,
     state: DeviceState,
     failure: Option<String>,
     restarts: u64,
@@ -62,18 +102,25 @@ pub(crate) struct Lifecycle {
     down_since: Option<Instant>,
     retry_at: Option<Instant>,
     retry_delay: Duration,
-    /// The watchdog's last sight of progress.
+    /// The watchdog's last sight of progress: requests answered, when, the heartbeat.
     progress: (u64, Instant, u64),
     /// The loop beat last seen, and since when (or since applications are attached).
     beat: (u64, Instant),
 }
 
+/// How long a device with requests pending must have answered nothing before the watcher
+/// looks whether its domains are exiting (a look reads /proc for each of their threads).
+pub(crate) const EXIT_CHECK_AFTER: Duration = Duration::from_millis(5);
+
 impl Lifecycle {
-    /// A device whose first generation started at `now`.
-    pub fn new(device: &str, policy: RestartPolicy, now: Instant) -> Self {
+    /// A device whose first generation, laid out as `shape`, starts now.
+    pub fn new(device: &str, policy: RestartPolicy, shape: Shape, clock: Arc<dyn Clock>) -> Self {
+        let now = clock.now();
         Lifecycle {
             device: device.to_string(),
             policy,
+            clock,
+            shape,
             state: DeviceState::Running,
             failure: None,
             restarts: 0,
@@ -94,12 +141,18 @@ impl Lifecycle {
         self.state
     }
 
+    /// The layout of the running generation.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
     /// Why it failed or is reconnecting.
     pub fn failure(&self) -> Option<&str> {
         self.failure.as_deref()
     }
 
-    /// Generations started after the first.
+    /// Restarts decided (the one under way included): generations after the first, and
+    /// domains replaced alone.
     pub fn restarts(&self) -> u64 {
         self.restarts
     }
@@ -109,66 +162,142 @@ impl Lifecycle {
         self.state = DeviceState::Stopped;
     }
 
-    /// Forgets the restart history (a restart or change asked for by the operator, which also
-    /// revives a failed device).
-    pub fn reset(&mut self) {
-        self.history.clear();
-        self.quick_deaths = 0;
-        self.down_since = None;
-        self.retry_at = None;
-        self.state = DeviceState::Running;
-    }
-
-    /// Whether a reconnect attempt is due.
-    pub fn retry_due(&self, now: Instant) -> bool {
-        self.state == DeviceState::Reconnecting && self.retry_at.is_some_and(|t| t <= now)
+    /// When the next reconnect attempt is due, while reconnecting.
+    pub fn retry_at(&self) -> Option<Instant> {
+        self.retry_at.filter(|_| self.state == DeviceState::Reconnecting)
     }
 
     /// Restarts the watchdog's clock (after a launch or a restart).
-    pub fn progress_seen(&mut self, now: Instant, obs: Observation) {
+    pub fn progress_seen(&mut self, obs: Observation) {
+        let now = self.clock.now();
         self.progress = (obs.answered, now, obs.heartbeat);
         self.beat = (obs.beat, now);
     }
 
-    /// How long the watchdog has seen no progress, as of its last look.
-    pub fn quiet_for(&self, now: Instant) -> Duration {
-        now.saturating_duration_since(self.progress.1)
+    /// Whether the watcher should look whether the domains are exiting: requests are pending
+    /// and none has been answered for [`EXIT_CHECK_AFTER`]. A domain that is exiting has
+    /// released its memory before its pidfd says so, and may never finish on its own if what
+    /// the kernel finishes for it goes through this very device.
+    pub fn worth_looking_for_exit(&self, obs: &Observation) -> bool {
+        self.state == DeviceState::Running
+            && obs.pending > 0
+            && self.clock.now().saturating_duration_since(self.progress.1) >= EXIT_CHECK_AFTER
     }
 
-    /// The watchdog: why the running domain is wedged, if it is — requests pending and none
-    /// answered for the policy's time, while its layers hold nothing or its loop has stopped
-    /// beating; or, with applications attached (whose requests the supervisor cannot count),
-    /// a loop that has stopped beating for the policy's time.
+    /// The watchdog, at one look at the device whose top domain is `pid`: a restart if the
+    /// domain is wedged — requests pending and none answered for the policy's time, while its
+    /// layers hold nothing or its loop has stopped beating; or, with applications attached
+    /// (whose requests the supervisor cannot count), a loop that has stopped beating for the
+    /// policy's time.
     ///
     /// The beats are the domain's word, so a domain can only ever keep itself from being
     /// restarted by them, which it could as well by answering; no application can touch them.
-    pub fn watch(&mut self, now: Instant, obs: Observation) -> Option<String> {
+    pub fn tick(&mut self, obs: Observation, pid: u32) -> Option<Disposition> {
+        if self.state != DeviceState::Running {
+            return None;
+        }
+        let now = self.clock.now();
         if obs.attached == 0 || obs.beat != self.beat.0 {
             self.beat = (obs.beat, now);
         }
-        let still = now.duration_since(self.beat.1);
-        if still >= self.policy.watchdog {
-            return Some(format!(
-                "showed no sign of life for {} ms with {} application(s) attached",
-                still.as_millis(),
-                obs.attached
-            ));
-        }
-        let (answered, since, heartbeat) = self.progress;
-        let holding = obs.heartbeat != heartbeat && obs.held > 0;
-        if obs.pending == 0 || obs.answered != answered || holding {
-            self.progress = (obs.answered, now, obs.heartbeat);
-            return None;
-        }
-        let quiet = now.duration_since(since);
-        (quiet >= self.policy.watchdog)
-            .then(|| format!("answered nothing for {} ms with {} requests pending", quiet.as_millis(), obs.pending))
+        let still = now.saturating_duration_since(self.beat.1);
+        let wedged = if still >= self.policy.watchdog {
+            format!("showed no sign of life for {} ms with {} application(s) attached", still.as_millis(), obs.attached)
+        } else {
+            let (seen, since, heartbeat) = self.progress;
+            let holding = obs.heartbeat != heartbeat && obs.held > 0;
+            if obs.pending == 0 || obs.answered != seen || holding {
+                self.progress = (obs.answered, now, obs.heartbeat);
+                return None;
+            }
+            let quiet = now.saturating_duration_since(since);
+            if quiet < self.policy.watchdog {
+                return None;
+            }
+            format!("answered nothing for {} ms with {} requests pending", quiet.as_millis(), obs.pending)
+        };
+        // A tap domain waiting on a wedged domain below is silent too: replaced alone first, the
+        // one below must let go of its queues in time, or both are replaced.
+        let why = format!("{} domain (pid {pid}) {wedged}", self.shape.top_role());
+        Some(self.count(why, self.top_alone(), now, obs.answered))
     }
 
-    /// A generation failed (`why`) at `detected`: restart it now or later, or give up once the
-    /// restart limit is reached within its window. `answered` is the device's count now.
-    pub fn on_failure(&mut self, why: &str, detected: Instant, answered: u64) -> Decision {
-        while self.history.front().is_some_and(|t| detected.duration_since(*t) > self.policy.window) {
+    /// What to do about `event`; `answered` is the device's count of answered requests now.
+    /// Counts the restart against the limit (an operator's change first clears the history and
+    /// revives a failed device).
+    pub fn on_event(&mut self, event: Event, answered: u64) -> Disposition {
+        let now = self.clock.now();
+        let (why, which) = match event {
+            Event::Changed { why, filters_only } => {
+                self.reset();
+                // A filter inserted or removed in a tap domain of its own changes that domain
+                // alone: the driver domain below runs on.
+                let which = if filters_only { self.top_alone() } else { Which::All };
+                (why, which)
+            }
+            other => self.classify(other),
+        };
+        self.count(why, which, now, answered)
+    }
+
+    /// What an event says, for the log, and which domains it concerns.
+    fn classify(&self, event: Event) -> (String, Which) {
+        let top = self.shape.top_role();
+        match event {
+            Event::Exited { role: Role::Top, pid, code: Some(c), .. } if c == i32::from(LOST_EXIT) => {
+                // The domain below broke the channel or vanished: both go.
+                let what = match (self.shape, self.policy.reconnect) {
+                    (Shape::Interpose, _) => "the driver domain below it",
+                    (_, Some(_)) => "its remote server",
+                    (_, None) => "its backend (it said why above)",
+                };
+                (format!("{top} domain (pid {pid}) lost {what}"), Which::All)
+            }
+            Event::Exited { role: Role::Top, pid, code: Some(c), .. } if c == i32::from(GUARD_EXIT) => {
+                // Write capture stopped a filter's write before it landed; the domain said which
+                // above. Its state is intact; it restarts like any other.
+                (format!("{top} domain (pid {pid}) stopped a guarded filter's write (reported above)"), self.top_alone())
+            }
+            Event::Exited { role: Role::Top, pid, status, .. } => {
+                (format!("{top} domain (pid {pid}) exited: {status}"), self.top_alone())
+            }
+            Event::Exited { role: Role::Below, pid, status, .. } => {
+                (format!("driver domain (pid {pid}) below the tap domain exited: {status}"), self.below_alone())
+            }
+            Event::Exiting { role: Role::Top, pid } => {
+                (format!("{top} domain (pid {pid}) is exiting (its memory released)"), self.top_alone())
+            }
+            Event::Exiting { role: Role::Below, pid } => {
+                (format!("driver domain (pid {pid}) below the tap domain is exiting (its memory released)"), self.below_alone())
+            }
+            Event::BrokeChannel { pid } => (format!("{top} domain (pid {pid}) broke the channel protocol"), self.top_alone()),
+            // The driver's card is gone: the device restarts, and its next launch starts a new
+            // model over the same storage before the new driver.
+            Event::ModelExited { why } | Event::ReplaceFailed { why } | Event::Changed { why, .. } => (why, Which::All),
+        }
+    }
+
+    /// What replaces the domain the frontend reaches: the tap domain alone over a driver
+    /// domain of its own, otherwise the whole generation.
+    fn top_alone(&self) -> Which {
+        match self.shape {
+            Shape::Interpose => Which::Tap,
+            Shape::Passthrough | Shape::Intercept => Which::All,
+        }
+    }
+
+    /// What replaces the driver domain below a tap domain: itself alone.
+    fn below_alone(&self) -> Which {
+        match self.shape {
+            Shape::Interpose => Which::Below,
+            Shape::Passthrough | Shape::Intercept => Which::All,
+        }
+    }
+
+    /// A restart of `which` for `why` at `now`: at once or after a back-off, or the device
+    /// fails once the restart limit is reached within its window.
+    fn count(&mut self, why: String, which: Which, now: Instant, answered: u64) -> Disposition {
+        while self.history.front().is_some_and(|t| now.saturating_duration_since(*t) > self.policy.window) {
             self.history.pop_front();
         }
         if self.history.len() as u32 >= self.policy.limit {
@@ -179,52 +308,70 @@ impl Lifecycle {
                 self.device
             );
             self.fail(&reason);
-            return Decision::Fail { reason };
+            return Disposition::Fail { reason };
         }
         // A domain that dies within a second of starting without answering anything is
         // crash-looping: back off. One that served requests restarts at once.
-        if detected.duration_since(self.started_at) < Duration::from_secs(1) && answered == self.answered_at_start {
+        if now.saturating_duration_since(self.started_at) < Duration::from_secs(1) && answered == self.answered_at_start {
             self.quick_deaths += 1;
         } else {
             self.quick_deaths = 0;
         }
-        self.history.push_back(detected);
+        self.history.push_back(now);
+        self.restarts += 1;
         let delay = match self.quick_deaths {
             0 => Duration::ZERO,
             n => Duration::from_millis(10u64 << (n - 1).min(7)).min(Duration::from_secs(1)),
         };
-        Decision::Restart { delay }
+        Disposition::Restart { which, delay, why }
     }
 
-    /// The next generation runs since `now`; returns how long the device had been reconnecting,
-    /// if it was.
-    pub fn on_launched(&mut self, now: Instant, answered: u64) -> Option<Duration> {
-        let was_down = self.down_since.take().map(|t| now.duration_since(t));
+    /// Forgets the restart history (a restart or change asked for by the operator, which also
+    /// revives a failed device).
+    fn reset(&mut self) {
+        self.history.clear();
+        self.quick_deaths = 0;
+        self.down_since = None;
+        self.retry_at = None;
+        self.state = DeviceState::Running;
+        self.failure = None;
+    }
+
+    /// The next generation, laid out as `shape`, runs from now (or one domain of it was
+    /// replaced alone); `answered` is the device's count now.
+    pub fn on_launched(&mut self, shape: Shape, answered: u64) -> Launch {
+        let now = self.clock.now();
+        let was_down = self.down_since.take().map(|t| now.saturating_duration_since(t));
+        self.shape = shape;
         self.retry_at = None;
         self.retry_delay = Duration::ZERO;
         self.state = DeviceState::Running;
         self.failure = None;
         self.started_at = now;
         self.answered_at_start = answered;
-        self.restarts += 1;
-        was_down
+        Launch::Up { was_down }
     }
 
-    /// A launch after `why` failed with `error`. `reconnect` is how long to keep trying when the
-    /// failure is a remote server that could not be reached; otherwise the device fails.
-    pub fn on_launch_failed(&mut self, why: &str, error: &str, reconnect: Option<Duration>, now: Instant) -> Retry {
-        let Some(timeout) = reconnect else {
-            let reason = format!("{why}; restart failed: {error}");
-            self.fail(&reason);
-            return Retry::Fail { reason };
+    /// A launch after `why` failed with `error`; `unreachable`: the failure is a remote server
+    /// that could not be reached, which is tried again for the policy's reconnect time, the
+    /// device `reconnecting` meanwhile. Any other failure fails the device.
+    pub fn on_launch_failed(&mut self, why: &str, error: &str, unreachable: bool) -> Launch {
+        let now = self.clock.now();
+        let timeout = match (unreachable, self.policy.reconnect) {
+            (true, Some(t)) => t,
+            _ => {
+                let reason = format!("{why}; restart failed: {error}");
+                self.fail(&reason);
+                return Launch::Fail { reason };
+            }
         };
         let since = *self.down_since.get_or_insert(now);
-        if now.duration_since(since) < timeout {
+        if now.saturating_duration_since(since) < timeout {
             self.retry_delay = (self.retry_delay * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
             self.retry_at = Some(now + self.retry_delay);
             self.state = DeviceState::Reconnecting;
             self.failure = Some(format!("{why}; reconnecting: {error}"));
-            return Retry::After(self.retry_delay);
+            return Launch::Retry { after: self.retry_delay };
         }
         let reason = format!(
             "{error}; no connection for {} ms: device failed (`bulkhead restart {}` tries again)",
@@ -234,7 +381,7 @@ impl Lifecycle {
         self.down_since = None;
         self.retry_at = None;
         self.fail(&reason);
-        Retry::Fail { reason }
+        Launch::Fail { reason }
     }
 
     fn fail(&mut self, reason: &str) {
@@ -246,155 +393,315 @@ impl Lifecycle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
+
+    /// A clock the test moves.
+    #[derive(Debug)]
+    struct Manual(Mutex<Instant>);
+
+    impl Clock for Manual {
+        fn now(&self) -> Instant {
+            *self.0.lock().unwrap()
+        }
+    }
+
+    impl Manual {
+        fn new() -> Arc<Manual> {
+            Arc::new(Manual(Mutex::new(Instant::now())))
+        }
+        fn advance(&self, ms: u64) {
+            *self.0.lock().unwrap() += Duration::from_millis(ms);
+        }
+    }
 
     fn policy() -> RestartPolicy {
-        RestartPolicy { watchdog: Duration::from_millis(1000), limit: 3, window: Duration::from_secs(60) }
+        RestartPolicy { watchdog: Duration::from_millis(1000), limit: 3, window: Duration::from_secs(60), reconnect: None }
+    }
+
+    fn life(shape: Shape) -> (Lifecycle, Arc<Manual>) {
+        let clock = Manual::new();
+        (Lifecycle::new("d", policy(), shape, clock.clone()), clock)
     }
 
     fn obs(answered: u64, pending: usize) -> Observation {
-        Observation { answered, pending, heartbeat: 0, held: 0, beat: 0, attached: 0 }
+        Observation { answered, pending, ..Default::default() }
+    }
+
+    fn exited(role: Role, code: Option<i32>) -> Event {
+        Event::Exited { role, pid: 42, code, status: format!("exit status: {}", code.unwrap_or(-1)) }
+    }
+
+    /// The domains a disposition restarts (panics on a failure).
+    fn which(d: Disposition) -> Which {
+        match d {
+            Disposition::Restart { which, .. } => which,
+            Disposition::Fail { reason } => panic!("failed: {reason}"),
+        }
+    }
+
+    #[test]
+    fn passthrough_restarts_the_whole_generation_whatever_happened() {
+        for event in [
+            exited(Role::Top, Some(1)),
+            exited(Role::Top, None),
+            exited(Role::Top, Some(GUARD_EXIT.into())),
+            exited(Role::Top, Some(LOST_EXIT.into())),
+            Event::Exiting { role: Role::Top, pid: 42 },
+            Event::BrokeChannel { pid: 42 },
+            Event::ModelExited { why: "device model (pid 9) exited".into() },
+            Event::Changed { why: "restart requested".into(), filters_only: false },
+            Event::Changed { why: "filter delay inserted at position 0".into(), filters_only: true },
+        ] {
+            let (mut l, clock) = life(Shape::Passthrough);
+            clock.advance(5000);
+            assert_eq!(which(l.on_event(event.clone(), 1)), Which::All, "{event:?}");
+        }
+    }
+
+    #[test]
+    fn intercept_has_one_domain_and_restarts_it_whole() {
+        for event in [exited(Role::Top, Some(1)), Event::BrokeChannel { pid: 42 }, Event::Exiting { role: Role::Top, pid: 42 }] {
+            let (mut l, _) = life(Shape::Intercept);
+            let Disposition::Restart { which, why, .. } = l.on_event(event, 0) else { panic!() };
+            assert_eq!(which, Which::All);
+            assert!(why.starts_with("tap domain (pid 42)"), "{why}");
+        }
+    }
+
+    #[test]
+    fn interpose_replaces_the_domain_at_fault_alone() {
+        let cases = [
+            (exited(Role::Top, Some(1)), Which::Tap, "tap domain (pid 42) exited"),
+            (exited(Role::Top, Some(GUARD_EXIT.into())), Which::Tap, "stopped a guarded filter's write"),
+            (Event::BrokeChannel { pid: 42 }, Which::Tap, "broke the channel protocol"),
+            (Event::Exiting { role: Role::Top, pid: 42 }, Which::Tap, "is exiting"),
+            (exited(Role::Below, None), Which::Below, "driver domain (pid 42) below the tap domain exited"),
+            (Event::Exiting { role: Role::Below, pid: 42 }, Which::Below, "below the tap domain is exiting"),
+            // The tap domain lost the one below: both go.
+            (exited(Role::Top, Some(LOST_EXIT.into())), Which::All, "lost the driver domain below it"),
+            (Event::ReplaceFailed { why: "the driver domain below did not follow".into() }, Which::All, "did not follow"),
+            (Event::Changed { why: "filter removed".into(), filters_only: true }, Which::Tap, "filter removed"),
+            (Event::Changed { why: "tap mode interpose → passthrough".into(), filters_only: false }, Which::All, "tap mode"),
+        ];
+        for (event, want, says) in cases {
+            let (mut l, _) = life(Shape::Interpose);
+            let Disposition::Restart { which, why, .. } = l.on_event(event.clone(), 0) else { panic!("{event:?}") };
+            assert_eq!(which, want, "{event:?}");
+            assert!(why.contains(says), "{event:?}: {why}");
+        }
+    }
+
+    #[test]
+    fn a_lost_backend_is_named_by_what_the_device_depends_on() {
+        let (mut l, _) = life(Shape::Passthrough);
+        let Disposition::Restart { why, .. } = l.on_event(exited(Role::Top, Some(LOST_EXIT.into())), 0) else { panic!() };
+        assert!(why.ends_with("lost its backend (it said why above)"), "{why}");
+        let clock = Manual::new();
+        let remote = RestartPolicy { reconnect: Some(Duration::from_secs(5)), ..policy() };
+        let mut l = Lifecycle::new("far", remote, Shape::Passthrough, clock);
+        let Disposition::Restart { why, .. } = l.on_event(exited(Role::Top, Some(LOST_EXIT.into())), 0) else { panic!() };
+        assert!(why.ends_with("lost its remote server"), "{why}");
     }
 
     #[test]
     fn watchdog_fires_only_with_requests_pending_and_no_progress_for_its_time() {
-        let t0 = Instant::now();
-        let mut l = Lifecycle::new("d", policy(), t0);
-        let ms = |n| t0 + Duration::from_millis(n);
-        assert_eq!(l.watch(ms(5000), obs(0, 0)), None, "nothing pending");
-        assert_eq!(l.watch(ms(5500), obs(0, 2)), None);
-        assert_eq!(l.watch(ms(6000), obs(3, 2)), None, "answers are progress");
-        assert_eq!(l.watch(ms(6999), obs(3, 2)), None);
-        let why = l.watch(ms(7000), obs(3, 2)).expect("wedged after 1000 ms");
-        assert!(why.contains("answered nothing for 1000 ms with 2 requests pending"), "{why}");
-        assert_eq!(l.quiet_for(ms(7500)), Duration::from_millis(1500), "quiet since the answers at 6000 ms");
+        let (mut l, clock) = life(Shape::Passthrough);
+        clock.advance(5000);
+        assert_eq!(l.tick(obs(0, 0), 7), None, "nothing pending");
+        clock.advance(500);
+        assert_eq!(l.tick(obs(0, 2), 7), None);
+        clock.advance(500);
+        assert_eq!(l.tick(obs(3, 2), 7), None, "answers are progress");
+        clock.advance(999);
+        assert_eq!(l.tick(obs(3, 2), 7), None);
+        clock.advance(1);
+        let Some(Disposition::Restart { which: Which::All, why, .. }) = l.tick(obs(3, 2), 7) else { panic!("wedged") };
+        assert_eq!(why, "driver domain (pid 7) answered nothing for 1000 ms with 2 requests pending");
+    }
+
+    #[test]
+    fn a_wedged_tap_domain_over_a_domain_of_its_own_is_replaced_alone() {
+        let (mut l, clock) = life(Shape::Interpose);
+        assert_eq!(l.tick(obs(0, 1), 7), None);
+        clock.advance(1000);
+        let Some(Disposition::Restart { which, why, .. }) = l.tick(obs(0, 1), 7) else { panic!("wedged") };
+        assert_eq!(which, Which::Tap);
+        assert!(why.starts_with("tap domain (pid 7) answered nothing"), "{why}");
+    }
+
+    #[test]
+    fn exiting_domains_are_looked_for_only_once_answers_have_stopped_for_a_moment() {
+        let (mut l, clock) = life(Shape::Passthrough);
+        assert!(!l.worth_looking_for_exit(&obs(0, 1)));
+        clock.advance(5);
+        assert!(l.worth_looking_for_exit(&obs(0, 1)));
+        assert!(!l.worth_looking_for_exit(&obs(0, 0)), "nothing pending: nothing for the kernel to finish");
+        l.progress_seen(obs(1, 1));
+        assert!(!l.worth_looking_for_exit(&obs(1, 1)), "answered just now");
     }
 
     #[test]
     fn a_heartbeat_keeps_the_watchdog_off_only_while_layers_hold_requests() {
-        let t0 = Instant::now();
-        let mut l = Lifecycle::new("d", policy(), t0);
-        let at = |n| t0 + Duration::from_millis(n);
-        let beat = |hb, held| Observation { answered: 0, pending: 1, heartbeat: hb, held, beat: 0, attached: 0 };
-        assert_eq!(l.watch(at(0), beat(0, 1)), None);
+        let (mut l, clock) = life(Shape::Passthrough);
+        let beat = |hb, held| Observation { pending: 1, heartbeat: hb, held, ..Default::default() };
+        assert_eq!(l.tick(beat(0, 1), 1), None);
         for i in 1..10 {
-            assert_eq!(l.watch(at(i * 600), beat(i, 1)), None, "beating while holding");
+            clock.advance(600);
+            assert_eq!(l.tick(beat(i, 1), 1), None, "beating while holding");
         }
         // A beat with nothing held says nothing: the loop turns, but nothing will be answered.
-        assert_eq!(l.watch(at(6000), beat(10, 0)), None);
-        assert!(l.watch(at(7100), beat(11, 0)).is_some());
+        assert_eq!(l.tick(beat(10, 0), 1), None);
+        clock.advance(1100);
+        assert!(l.tick(beat(11, 0), 1).is_some());
         // A stopped heartbeat with requests held is a wedge too.
-        let mut l = Lifecycle::new("d", policy(), t0);
-        assert_eq!(l.watch(at(0), beat(5, 1)), None);
-        assert!(l.watch(at(1000), beat(5, 1)).is_some());
+        let (mut l, clock) = life(Shape::Passthrough);
+        assert_eq!(l.tick(beat(5, 1), 1), None);
+        clock.advance(1000);
+        assert!(l.tick(beat(5, 1), 1).is_some());
     }
 
     #[test]
     fn with_applications_attached_a_loop_that_stops_beating_is_a_wedge_even_with_nothing_pending() {
-        let t0 = Instant::now();
-        let mut l = Lifecycle::new("d", policy(), t0);
-        let at = |n| t0 + Duration::from_millis(n);
-        let o = |beat, attached| Observation { answered: 0, pending: 0, heartbeat: 0, held: 0, beat, attached };
+        let (mut l, clock) = life(Shape::Passthrough);
+        let o = |beat, attached| Observation { beat, attached, ..Default::default() };
         // Nobody attached: a silent loop (an idle domain asleep) is no concern.
-        assert_eq!(l.watch(at(0), o(0, 0)), None);
-        assert_eq!(l.watch(at(5000), o(0, 0)), None);
+        assert_eq!(l.tick(o(0, 0), 1), None);
+        clock.advance(5000);
+        assert_eq!(l.tick(o(0, 0), 1), None);
         // Attached: the clock starts when the application came, and beats reset it.
-        assert_eq!(l.watch(at(5100), o(0, 1)), None);
+        clock.advance(100);
+        assert_eq!(l.tick(o(0, 1), 1), None);
         for i in 1..10 {
-            assert_eq!(l.watch(at(5100 + i * 400), o(i, 1)), None, "beating");
+            clock.advance(400);
+            assert_eq!(l.tick(o(i, 1), 1), None, "beating");
         }
-        // The last beat was seen at 8700 ms.
-        assert_eq!(l.watch(at(9699), o(9, 1)), None);
-        let why = l.watch(at(9700), o(9, 1)).expect("no beat for the watchdog's time");
+        // The last beat was seen 0 ms ago; 999 ms on, still alive.
+        clock.advance(999);
+        assert_eq!(l.tick(o(9, 1), 1), None);
+        clock.advance(1);
+        let Some(Disposition::Restart { why, .. }) = l.tick(o(9, 1), 1) else { panic!("no beat for the watchdog's time") };
         assert!(why.contains("showed no sign of life for 1000 ms with 1 application(s) attached"), "{why}");
         // A new generation starts the clock again.
-        l.progress_seen(at(10_050), o(0, 1));
-        assert_eq!(l.watch(at(11_000), o(0, 1)), None);
-        assert!(l.watch(at(11_050), o(0, 1)).is_some());
+        clock.advance(350);
+        l.on_launched(Shape::Passthrough, 0);
+        l.progress_seen(o(0, 1));
+        clock.advance(950);
+        assert_eq!(l.tick(o(0, 1), 1), None);
+        clock.advance(50);
+        assert!(l.tick(o(0, 1), 1).is_some());
         // The application leaving ends the watch.
-        assert_eq!(l.watch(at(11_100), o(0, 0)), None);
-        assert_eq!(l.watch(at(20_000), o(0, 0)), None);
+        assert_eq!(l.tick(o(0, 0), 1), None);
+        clock.advance(9000);
+        assert_eq!(l.tick(o(0, 0), 1), None);
     }
 
     #[test]
     fn crash_loops_back_off_doubling_to_a_second_and_serving_resets_the_back_off() {
-        let t0 = Instant::now();
-        let p = RestartPolicy { limit: 100, ..policy() };
-        let mut l = Lifecycle::new("d", p, t0);
-        let mut now = t0;
+        let clock = Manual::new();
+        let mut l = Lifecycle::new("d", RestartPolicy { limit: 100, ..policy() }, Shape::Passthrough, clock.clone());
         let mut delays = Vec::new();
         for _ in 0..10 {
-            now += Duration::from_millis(100);
-            match l.on_failure("exited", now, 0) {
-                Decision::Restart { delay } => delays.push(delay.as_millis()),
+            clock.advance(100);
+            match l.on_event(exited(Role::Top, Some(1)), 0) {
+                Disposition::Restart { delay, .. } => delays.push(delay.as_millis()),
                 other => panic!("{other:?}"),
             }
-            now += Duration::from_millis(5);
-            l.on_launched(now, 0);
+            clock.advance(5);
+            l.on_launched(Shape::Passthrough, 0);
         }
         assert_eq!(delays, [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000]);
         // A generation that answered something restarts at once.
-        now += Duration::from_millis(100);
-        assert_eq!(l.on_failure("exited", now, 5), Decision::Restart { delay: Duration::ZERO });
+        clock.advance(100);
+        let d = l.on_event(exited(Role::Top, Some(1)), 5);
+        assert!(matches!(d, Disposition::Restart { delay: Duration::ZERO, .. }), "{d:?}");
         // So does one that lived longer than a second.
-        l.on_launched(now, 5);
-        assert_eq!(l.on_failure("exited", now + Duration::from_secs(2), 5), Decision::Restart { delay: Duration::ZERO });
-        assert_eq!(l.restarts(), 11);
+        l.on_launched(Shape::Passthrough, 5);
+        clock.advance(2000);
+        let d = l.on_event(exited(Role::Top, Some(1)), 5);
+        assert!(matches!(d, Disposition::Restart { delay: Duration::ZERO, .. }), "{d:?}");
+        assert_eq!(l.restarts(), 12, "every restart decided counts");
     }
 
     #[test]
-    fn the_restart_limit_within_its_window_fails_the_device_until_a_reset() {
-        let t0 = Instant::now();
-        let mut l = Lifecycle::new("disk9", policy(), t0);
-        let s = |n| t0 + Duration::from_secs(n);
-        for i in 0..3 {
-            assert!(matches!(l.on_failure("exited", s(10 + 2 * i), 1), Decision::Restart { .. }));
-            l.on_launched(s(10 + 2 * i), 1);
+    fn the_restart_limit_within_its_window_fails_the_device_until_the_operator_changes_it() {
+        for shape in [Shape::Passthrough, Shape::Interpose, Shape::Intercept] {
+            let clock = Manual::new();
+            let mut l = Lifecycle::new("disk9", policy(), shape, clock.clone());
+            clock.advance(10_000);
+            for _ in 0..3 {
+                assert!(matches!(l.on_event(exited(Role::Top, Some(1)), 1), Disposition::Restart { .. }));
+                l.on_launched(shape, 1);
+                clock.advance(2000);
+            }
+            let Disposition::Fail { reason } = l.on_event(exited(Role::Top, Some(1)), 1) else { panic!("should fail") };
+            assert!(reason.contains("3 restarts within 60000 ms") && reason.contains("`bulkhead restart disk9`"), "{reason}");
+            assert_eq!(l.state(), DeviceState::Failed);
+            assert_eq!(l.failure(), Some(reason.as_str()));
+            // A failed device does not watch.
+            clock.advance(5000);
+            assert_eq!(l.tick(obs(0, 3), 1), None);
+            // An operator's change clears the history and revives the device.
+            let d = l.on_event(Event::Changed { why: "restart requested".into(), filters_only: false }, 1);
+            assert!(matches!(d, Disposition::Restart { which: Which::All, .. }), "{d:?}");
+            assert_eq!(l.state(), DeviceState::Running);
         }
-        let Decision::Fail { reason } = l.on_failure("exited", s(20), 1) else { panic!("should fail") };
-        assert!(reason.contains("3 restarts within 60000 ms") && reason.contains("`bulkhead restart disk9`"), "{reason}");
-        assert_eq!(l.state(), DeviceState::Failed);
-        assert_eq!(l.failure(), Some(reason.as_str()));
         // Past the window the old restarts no longer count.
-        let mut l2 = Lifecycle::new("d", policy(), t0);
-        for i in 0..3 {
-            assert!(matches!(l2.on_failure("exited", s(10 + 2 * i), 1), Decision::Restart { .. }));
+        let (mut l, clock) = life(Shape::Passthrough);
+        clock.advance(10_000);
+        for _ in 0..3 {
+            assert!(matches!(l.on_event(exited(Role::Below, Some(1)), 1), Disposition::Restart { .. }));
+            clock.advance(2000);
         }
-        assert!(matches!(l2.on_failure("exited", s(80), 1), Decision::Restart { .. }));
-        // An operator's restart clears the history and revives the device.
-        l.reset();
-        assert_eq!(l.state(), DeviceState::Running);
-        assert!(matches!(l.on_failure("exited", s(21), 1), Decision::Restart { .. }));
+        clock.advance(60_000);
+        assert!(matches!(l.on_event(exited(Role::Top, Some(1)), 1), Disposition::Restart { .. }));
+    }
+
+    #[test]
+    fn one_domain_replaced_alone_counts_against_the_limit_too() {
+        let (mut l, clock) = life(Shape::Interpose);
+        clock.advance(10_000);
+        for e in [exited(Role::Top, Some(1)), exited(Role::Below, Some(1)), Event::BrokeChannel { pid: 42 }] {
+            assert!(matches!(l.on_event(e, 1), Disposition::Restart { .. }));
+            l.on_launched(Shape::Interpose, 1);
+            clock.advance(2000);
+        }
+        assert!(matches!(l.on_event(exited(Role::Below, Some(1)), 1), Disposition::Fail { .. }));
     }
 
     #[test]
     fn an_unreachable_server_is_retried_with_back_off_until_the_reconnect_timeout() {
-        let t0 = Instant::now();
-        let mut l = Lifecycle::new("far", policy(), t0);
-        let timeout = Some(Duration::from_secs(5));
-        let mut now = t0;
+        let clock = Manual::new();
+        let remote = RestartPolicy { reconnect: Some(Duration::from_secs(5)), ..policy() };
+        let mut l = Lifecycle::new("far", remote, Shape::Passthrough, clock.clone());
         let mut delays = Vec::new();
         loop {
-            match l.on_launch_failed("lost its server", "connection refused", timeout, now) {
-                Retry::After(d) => {
+            match l.on_launch_failed("lost its server", "connection refused", true) {
+                Launch::Retry { after } => {
                     assert_eq!(l.state(), DeviceState::Reconnecting);
-                    assert!(!l.retry_due(now) && l.retry_due(now + d));
-                    delays.push(d.as_millis());
-                    now += d;
+                    assert_eq!(l.retry_at(), Some(clock.now() + after));
+                    delays.push(after.as_millis());
+                    clock.advance(after.as_millis() as u64);
                 }
-                Retry::Fail { reason } => {
+                Launch::Fail { reason } => {
                     assert!(reason.contains("no connection for 5000 ms"), "{reason}");
                     break;
                 }
+                Launch::Up { .. } => unreachable!(),
             }
         }
         assert_eq!(delays, [100, 200, 400, 800, 1600, 2000]);
         assert_eq!(l.state(), DeviceState::Failed);
+        assert_eq!(l.retry_at(), None);
         // Reconnecting then succeeding says how long it was down.
-        let mut l = Lifecycle::new("far", policy(), t0);
-        assert!(matches!(l.on_launch_failed("lost", "refused", timeout, t0), Retry::After(_)));
-        assert_eq!(l.on_launched(t0 + Duration::from_millis(300), 0), Some(Duration::from_millis(300)));
+        let clock = Manual::new();
+        let mut l = Lifecycle::new("far", remote, Shape::Passthrough, clock.clone());
+        assert!(matches!(l.on_launch_failed("lost", "refused", true), Launch::Retry { .. }));
+        clock.advance(300);
+        assert_eq!(l.on_launched(Shape::Passthrough, 0), Launch::Up { was_down: Some(Duration::from_millis(300)) });
         assert_eq!(l.state(), DeviceState::Running);
-        // Any other launch failure fails the device at once.
-        assert!(matches!(l.on_launch_failed("exited", "exec failed", None, t0), Retry::Fail { .. }));
+        // Any other launch failure fails the device at once, and a local backend's always.
+        assert!(matches!(l.on_launch_failed("exited", "exec failed", false), Launch::Fail { .. }));
+        let (mut local, _) = life(Shape::Passthrough);
+        assert!(matches!(local.on_launch_failed("exited", "refused", true), Launch::Fail { .. }));
     }
 }

@@ -10,7 +10,7 @@
 //! model. If the model's domain dies, the watcher restarts the device: the next launch starts a
 //! new model over the same storage, on a new line, before the new driver.
 
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -24,7 +24,7 @@ use bulkhead_vdev::card::PAGE;
 use bulkhead_vdev::domain::{CardStats, StatsPage, DMA_BYTES, STATS_BYTES};
 use bulkhead_vdev::Card;
 
-use crate::domain::{discard, exec_confined, EXIT_WAIT};
+use crate::spawn::{discard, exec_confined, EXIT_WAIT};
 
 /// A running device-model domain.
 #[derive(Debug)]
@@ -100,7 +100,7 @@ impl CardDevice {
             irq,
             stats_fd,
             stats,
-            exe: crate::domain::current_exe(),
+            exe: crate::spawn::current_exe(),
             policy,
             model: Mutex::new((None, 0)),
         };
@@ -142,9 +142,9 @@ impl CardDevice {
         Ok(([&self.regs, &self.dma, &self.irq], line))
     }
 
-    /// The model domain's pidfd, to watch (readable once it exits).
-    pub fn model_pidfd(&self) -> Option<RawFd> {
-        self.model.lock().unwrap_or_else(|e| e.into_inner()).0.as_ref().map(|m| m.child.pidfd().as_raw_fd())
+    /// A copy of the model domain's pidfd, to watch (readable once it exits).
+    pub fn model_pidfd(&self) -> Option<OwnedFd> {
+        self.model.lock().unwrap_or_else(|e| e.into_inner()).0.as_ref().and_then(|m| m.child.pidfd().try_clone().ok())
     }
 
     /// If the model's domain has exited: reaps it and says how.
@@ -179,7 +179,7 @@ impl CardDevice {
 
     /// Execs a device-model domain over the card's memory, on a new trap line, and waits for
     /// its sandbox report. The model domain dies with the thread that calls this (see
-    /// [`crate::domain::spawn_domain`]): the main thread or the watcher.
+    /// [`crate::spawn::exec_confined`]): one of the supervisor's workers.
     fn spawn_model(&self) -> Result<(), String> {
         let (model_end, driver_end) = bulkhead_sys::seqpacket_pair().map_err(|e| format!("trap line: {e}"))?;
         let (report_r, report_w) = bulkhead_sys::pipe().map_err(|e| format!("report pipe: {e}"))?;

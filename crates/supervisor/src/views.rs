@@ -263,10 +263,10 @@ impl Controls {
         self.each().map(DeviceControl::in_flight).sum()
     }
 
-    /// The device's alarm doorbell (a view's broken report is seen on the watcher's next
-    /// turn, within its 10 ms poll).
-    pub fn alarm_fd(&self) -> std::os::fd::RawFd {
-        self.main().alarm_fd()
+    /// The alarm doorbells of the device and each view, rung when a queue reports its channel
+    /// broken.
+    pub fn alarms(&self) -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
+        self.each().map(DeviceControl::alarm).collect()
     }
 
     /// Whether any queue reported a broken channel; clears every report.

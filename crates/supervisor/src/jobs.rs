@@ -1,0 +1,274 @@
+//! The jobs that change a device's domains: replace them all (the next generation), replace
+//! one domain of an `interpose` device alone, try a lost remote server again, fail the device.
+//! Each runs on one of the supervisor's workers while the device is claimed, takes the domains
+//! it works on out of the device's slot, and works with no lock held.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::device::DeviceRuntime;
+use crate::domains::{Below, Domain, Domains, Graveyard};
+use crate::launcher::Launched;
+use crate::lifecycle::{Disposition, Event, Launch, Which};
+use crate::mailbox::{Note, Reply};
+use crate::state::{DeviceState, Shape};
+
+/// How long each step of replacing one domain of an `interpose` device alone may take: the tap
+/// domain starting its channel below over, or the driver domain below letting go of its queues
+/// and attaching again, and the frontend's users starting theirs over. Past it, both domains
+/// are replaced.
+const SWITCH_STEP: Duration = Duration::from_secs(1);
+
+/// Carries out `disposition` on the claimed device `rt` (detected at `detected`), then lets
+/// go of the claim, or hands it on to the job the lifecycle wants next; answers `reply` with
+/// the new driver pid, or why the device failed, once nothing more follows.
+pub(crate) fn run(rt: &DeviceRuntime, disposition: Disposition, detected: Instant, reply: Option<Reply>, stopping: &AtomicBool) {
+    let replaced = match disposition {
+        Disposition::Fail { reason } => {
+            fail(rt, &reason);
+            Ok(())
+        }
+        Disposition::Restart { which: Which::All, why, .. } => {
+            restart_all(rt, &why, detected, stopping);
+            Ok(())
+        }
+        Disposition::Restart { which: Which::Tap, why, .. } => replace_tap(rt, &why, detected),
+        Disposition::Restart { which: Which::Below, why, .. } => replace_below(rt, &why, detected),
+    };
+    if let Err(why) = replaced {
+        // Both domains go, as the lifecycle says: at once, after a back-off, or not at all.
+        let disposition = rt.lock().life.on_event(Event::ReplaceFailed { why }, rt.control.answered());
+        rt.hand_on(Note::Then { device: rt.id, disposition, detected, reply });
+        return;
+    }
+    if let Some(reply) = reply {
+        let slot = rt.lock();
+        let _ = reply.send(match slot.life.state() {
+            DeviceState::Running => Ok(slot.faces.driver_pid),
+            _ => Err(slot.life.failure().unwrap_or("restart failed").to_string()),
+        });
+    }
+    rt.release();
+}
+
+/// Tries the launch of a `reconnecting` device's next generation again, then lets go of the
+/// claim.
+pub(crate) fn retry(rt: &DeviceRuntime, stopping: &AtomicBool) {
+    if !stopping.load(Ordering::Acquire) {
+        relaunch(rt, "remote server still unreachable");
+    }
+    rt.release();
+}
+
+/// Takes the domains and the graveyard out of the slot.
+fn take_all(rt: &DeviceRuntime) -> (Vec<Domain>, Option<Below>, Graveyard) {
+    let mut slot = rt.lock();
+    let (domains, below) = slot.domains.take_all();
+    (domains, below, std::mem::take(&mut slot.graveyard))
+}
+
+/// Kills `domains` and waits for what they left in the kernel; puts the graveyard back.
+fn bury_all(rt: &DeviceRuntime, domains: Vec<Domain>, below: Option<Below>, mut graveyard: Graveyard) {
+    for d in domains {
+        graveyard.bury(&rt.name, d);
+    }
+    drop(below);
+    graveyard.drain(&rt.name);
+    let mut slot = rt.lock();
+    slot.faces = Default::default();
+    slot.graveyard = graveyard;
+}
+
+/// Ends the device's domains and fails it: its requests fail at once, attached applications
+/// are told.
+fn fail(rt: &DeviceRuntime, reason: &str) {
+    let (domains, below, graveyard) = take_all(rt);
+    bury_all(rt, domains, below, graveyard);
+    eprintln!("bulkhead: device {}: {reason}", rt.name);
+    rt.control.fail(reason);
+    rt.attach.fail(reason);
+}
+
+/// Replaces every domain of the device: kills what is left of the old ones, launches the next
+/// generation with the same backend descriptors and hands its queues to the frontend, which
+/// reissues every request that had no response.
+fn restart_all(rt: &DeviceRuntime, why: &str, detected: Instant, stopping: &AtomicBool) {
+    rt.control.outage_started(detected);
+    let (domains, below, graveyard) = take_all(rt);
+    bury_all(rt, domains, below, graveyard);
+    // A driver that breaks every generation restarts many times a second: rate-limited.
+    rt.control.log_limited(|| format!("{why}; restarting"));
+    if stopping.load(Ordering::Acquire) {
+        return;
+    }
+    relaunch(rt, why);
+}
+
+/// Launches the next generation of the device's domains. A remote server that cannot be
+/// reached is tried again with back-off while the device is `reconnecting`, until its
+/// reconnect timeout; any other failure turns the device failed.
+fn relaunch(rt: &DeviceRuntime, why: &str) {
+    let generation = rt.device.generation().wrapping_add(1);
+    let answered = rt.control.answered();
+    match rt.launcher.launch(generation) {
+        Ok(Launched { fronts, domains, attach_line }) => {
+            let shape = domains.shape().unwrap_or(Shape::Passthrough);
+            let up = {
+                let mut slot = rt.lock();
+                slot.faces = domains.faces();
+                slot.domains = domains;
+                slot.life.on_launched(shape, answered)
+            };
+            if let Launch::Up { was_down: Some(down) } = up {
+                eprintln!("bulkhead: device {}: reconnected after {} ms", rt.name, down.as_millis());
+            }
+            rt.control.install_generation(fronts);
+            // Attached applications start their queues over, and the new domain takes them.
+            rt.attach.rejoin(attach_line);
+        }
+        Err(e) => {
+            let outcome = rt.lock().life.on_launch_failed(why, &e.to_string(), e.unreachable());
+            match outcome {
+                Launch::Retry { after } => rt.control.log_limited(|| format!("{e}; trying again in {} ms", after.as_millis())),
+                Launch::Fail { reason } => {
+                    eprintln!("bulkhead: device {}: {reason}", rt.name);
+                    rt.control.fail(&reason);
+                    rt.attach.fail(&reason);
+                }
+                Launch::Up { .. } => {}
+            }
+        }
+    }
+}
+
+/// Takes an `interpose` device's domains out of the slot (and the graveyard), or leaves the
+/// slot as it was if the device is not laid out so.
+fn take_interpose(rt: &DeviceRuntime) -> Option<(Domain, Domain, Below, Graveyard)> {
+    let mut slot = rt.lock();
+    match std::mem::take(&mut slot.domains) {
+        Domains::Interpose { tap, driver, below } => Some((tap, driver, below, std::mem::take(&mut slot.graveyard))),
+        other => {
+            slot.domains = other;
+            None
+        }
+    }
+}
+
+/// Puts an `interpose` device's domains back after one of them was replaced alone.
+fn install_interpose(rt: &DeviceRuntime, tap: Domain, driver: Domain, below: Below, graveyard: Graveyard, answered: u64) {
+    let mut slot = rt.lock();
+    let domains = Domains::Interpose { tap, driver, below };
+    slot.faces = domains.faces();
+    slot.domains = domains;
+    slot.graveyard = graveyard;
+    slot.life.on_launched(Shape::Interpose, answered);
+}
+
+/// Gives up replacing one domain alone: ends what is left, for a restart of both. `Err(why)`
+/// for the caller to return.
+fn give_up(rt: &DeviceRuntime, domains: Vec<Domain>, below: Below, graveyard: Graveyard, why: String) -> Result<(), String> {
+    bury_all(rt, domains, Some(below), graveyard);
+    Err(why)
+}
+
+/// Waits up to [`SWITCH_STEP`] for `done`, while the process behind `pidfd` lives; says what
+/// went wrong otherwise.
+fn await_domain(pidfd: std::os::fd::BorrowedFd<'_>, mut done: impl FnMut() -> bool) -> Result<(), &'static str> {
+    use std::os::fd::AsRawFd;
+    let deadline = Instant::now() + SWITCH_STEP;
+    while !done() {
+        let mut pfd = [libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        if bulkhead_sys::poll(&mut pfd, 0).is_ok_and(|n| n > 0) {
+            return Err("died");
+        }
+        if Instant::now() >= deadline {
+            return Err("did not follow in time");
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    Ok(())
+}
+
+/// Replaces the driver domain below a tap domain, which has exited, leaving the tap domain
+/// running: the tap domain starts the channel below over as the next generation and sends
+/// again what had no answer, and a new driver domain attaches to the same queues. The frontend
+/// above sees a pause, not a reissue. `Err(why)`: replace both for `why`.
+fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), String> {
+    let answered = rt.control.answered();
+    let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(why.to_string()) };
+    rt.control.time_outage(detected);
+    rt.control.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
+    graveyard.bury(&rt.name, driver);
+    let generation = below.generation.wrapping_add(1).max(1);
+    below.control.request_restart(generation);
+    below.wake_tap();
+    // The tap domain starts its queues below over and says so; if it dies meanwhile, or says
+    // nothing in time, both domains are replaced.
+    if let Err(e) = await_domain(tap.pidfd(), || below.control.ready() == u64::from(generation)) {
+        let why = format!("{why}; the tap domain (pid {}) {e}", tap.pid());
+        return give_up(rt, vec![tap], below, graveyard, why);
+    }
+    below.generation = generation;
+    // A fresh line for the new domain below: nothing the old one wrote there can mislead it.
+    below.driver_line = match rt.launcher.driver_line() {
+        Ok(l) => l,
+        Err(e) => return give_up(rt, vec![tap], below, graveyard, format!("{why}; {e}")),
+    };
+    graveyard.drain(&rt.name);
+    let driver = match rt.launcher.spawn_below(&below, None) {
+        Ok(d) => d,
+        Err(e) => {
+            return give_up(rt, vec![tap], below, graveyard, format!("{why}; a new driver domain below could not start: {e}"))
+        }
+    };
+    install_interpose(rt, tap, driver, below, graveyard, answered);
+    rt.control.outage_over_if_idle();
+    Ok(())
+}
+
+/// Replaces the tap domain of an `interpose` device, which has exited, wedged or broken the
+/// channel (or whose filters changed), leaving the driver domain below it running: the driver
+/// domain lets go of the channel between them, the frontend starts its queues over in place
+/// and sends again what had no answer, a new tap domain attaches to both channels, and the
+/// driver domain attaches again. The backend's state (a remote connection, a file's cache)
+/// stays. `Err(why)`: replace both for `why`.
+fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), String> {
+    let answered = rt.control.answered();
+    let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(why.to_string()) };
+    rt.control.outage_started(detected);
+    rt.control.log_limited(|| format!("{why}; replacing it (the driver domain below runs on)"));
+    graveyard.bury(&rt.name, tap);
+    graveyard.drain(&rt.name);
+    let failed = |what: &str| format!("{why}; the driver domain below (pid {}) {what}", driver.pid());
+    let generation = below.generation.wrapping_add(1).max(1);
+    // The driver domain lets go of the channel between the two, finishing what it holds.
+    below.driver_line.request_detach(generation);
+    if let Err(e) = await_domain(driver.pidfd(), || below.driver_line.detached(generation)) {
+        let why = failed(e);
+        return give_up(rt, vec![driver], below, graveyard, why);
+    }
+    below.generation = generation;
+    // The frontend's queues start over on the same files: the driver domain maps their arenas.
+    let above = rt.device.generation().wrapping_add(1).max(1);
+    if let Err(e) = rt.control.start_over_in_place(above, SWITCH_STEP) {
+        return give_up(rt, vec![driver], below, graveyard, format!("{why}; {e}"));
+    }
+    // A fresh line for the new tap domain: nothing the old one wrote there can mislead it.
+    below.control = match rt.launcher.tap_line() {
+        Ok(c) => c,
+        Err(e) => return give_up(rt, vec![driver], below, graveyard, format!("{why}; {e}")),
+    };
+    let tap = match rt.launcher.spawn_tap(&below, &rt.launcher.chain()) {
+        Ok(t) => t,
+        Err(e) => return give_up(rt, vec![driver], below, graveyard, format!("{why}; a new tap domain could not start: {e}")),
+    };
+    // It has attached above and written the headers below: the driver domain attaches again.
+    below.driver_line.request_attach(generation);
+    if let Err(e) = await_domain(driver.pidfd(), || below.driver_line.attached(generation)) {
+        let why = failed(e);
+        return give_up(rt, vec![tap, driver], below, graveyard, why);
+    }
+    install_interpose(rt, tap, driver, below, graveyard, answered);
+    rt.control.outage_over_if_idle();
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! Starting and ending one domain process: exec it confined, read its sandbox report, and
+//! end one that will not be used. Shared by the launcher (driver and tap domains) and the
+//! `vdev` card (its model's domain).
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bulkhead_sandbox::spawn::DomainChild;
+use bulkhead_sandbox::{Layer, Layers, Policy, Report};
+
+use crate::domain_log;
+
+/// How long a restart waits for a killed domain to finish exiting before it starts the next
+/// generation anyway (the old one can no longer run code; it is reaped later).
+pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
+
+/// Execs `exe ARGS` as a sandboxed domain of `device` (`what` names it in messages) holding
+/// `fds` at 3, 4, …, its output relayed to the log; drops `handed` (the supervisor's copies of
+/// what it passed, the write end of the report pipe among them) once the domain holds its own;
+/// and waits for its sandbox report on `report`. Under `Policy::Required`, a domain without
+/// namespaces, or one that refused to confine itself, is ended and the launch fails. The
+/// layers are `None` if the domain said nothing (it failed before confinement, or is slow).
+///
+/// The domain dies with the *thread* that calls this (PR_SET_PDEATHSIG): call it only from a
+/// thread that outlives the domain (the supervisor's workers).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn exec_confined<T>(
+    exe: &Path,
+    args: &[&std::ffi::OsStr],
+    fds: &[RawFd],
+    handed: T,
+    device: &str,
+    policy: Policy,
+    report: &OwnedFd,
+    what: &str,
+) -> Result<(DomainChild, Option<Layers>), String> {
+    let (out_r, out_w) = domain_log::pipe().map_err(|e| format!("cannot make the domain's output pipe: {e}"))?;
+    let (mut child, ns) = bulkhead_sandbox::spawn::spawn(exe, args, fds, Some(out_w.as_raw_fd()), policy != Policy::Off)
+        .map_err(|e| format!("cannot start {what}: {e}"))?;
+    // The domain holds its own copies now.
+    drop(handed);
+    drop(out_w);
+    domain_log::relay(device, child.id(), out_r);
+    if let (Policy::Required, Layer::Unavailable(why)) = (policy, &ns) {
+        discard(child);
+        return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}"));
+    }
+    match read_report(report) {
+        Some(Report::Confined(layers)) => Ok((child, Some(layers))),
+        Some(Report::Refused { refused }) => {
+            // It exits on its own after reporting; give it the time to say why.
+            let _ = child.wait_timeout(EXIT_WAIT);
+            discard(child);
+            Err(format!("{what} refused to start: {refused} (sandbox = \"required\")"))
+        }
+        None => Ok((child, None)),
+    }
+}
+
+/// Reads the domain's sandbox report: one JSON line, written once it is confined. `None` if it
+/// exits or stays silent for 5 s.
+fn read_report(fd: &OwnedFd) -> Option<Report> {
+    use std::io::Read;
+    let mut f = std::fs::File::from(fd.try_clone().ok()?);
+    let mut buf = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now()).as_millis() as i32;
+        let mut pfd = [libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        if left <= 0 || bulkhead_sys::poll(&mut pfd, left).ok()? == 0 {
+            return None;
+        }
+        let mut chunk = [0u8; 1024];
+        let n = f.read(&mut chunk).ok()?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.contains(&b'\n') || buf.len() > 64 * 1024 {
+            break;
+        }
+    }
+    serde_json::from_slice(buf.split(|&b| b == b'\n').next()?).ok()
+}
+
+/// Waits up to [`EXIT_WAIT`] for a killed domain to exit or to release its memory; returns
+/// whether it did either.
+pub(crate) fn finish_or_release(c: &mut DomainChild) -> bool {
+    let deadline = Instant::now() + EXIT_WAIT;
+    loop {
+        if matches!(c.wait_timeout(Duration::from_millis(2)), Ok(Some(_)) | Err(_)) || crate::proc_info::memory_released(c.id()) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+    }
+}
+
+/// Ends a domain that will not be used: kills it and reaps it, on a thread of its own if it
+/// does not finish exiting at once (a killed process can take a while; see [`EXIT_WAIT`]).
+pub(crate) fn discard(mut child: DomainChild) {
+    let _ = child.kill();
+    if let Ok(None) = child.wait_timeout(EXIT_WAIT) {
+        let _ = std::thread::Builder::new().name("reap-domain".into()).spawn(move || {
+            let _ = child.wait();
+        });
+    }
+}
+
+/// The `bulkhead` executable to exec for domains.
+pub(crate) fn current_exe() -> PathBuf {
+    std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"))
+}
+
+/// Execs `exe driver --spec JSON` as a sandboxed domain (see [`bulkhead_sandbox::spawn`]):
+/// `fds` at 3, 4, …, everything else closed at exec, new namespaces when `namespaces`.
+///
+/// The domain dies with the *thread* that calls this (PR_SET_PDEATHSIG): call it only from a
+/// thread that outlives the domain.
+pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd], namespaces: bool) -> std::io::Result<(DomainChild, Layer)> {
+    let args: [&std::ffi::OsStr; 3] = ["driver".as_ref(), "--spec".as_ref(), spec_json.as_ref()];
+    bulkhead_sandbox::spawn::spawn(exe, &args, fds, None, namespaces)
+}
