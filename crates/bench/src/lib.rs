@@ -14,6 +14,7 @@ pub mod guard;
 pub mod guard_figures;
 pub mod guard_filters;
 pub mod guard_isolation;
+pub mod idle;
 pub mod images;
 pub mod restart;
 pub mod share;
@@ -25,6 +26,40 @@ pub mod tap;
 pub mod vdev;
 
 pub use table::Table;
+
+use std::path::{Path, PathBuf};
+
+/// Why a benchmark could not run or finish.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// An option is out of its range, or options conflict.
+    #[error("{0}")]
+    Options(String),
+    /// A file or program could not be used.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or program.
+        path: PathBuf,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+    /// What was measured failed: a system under test, a workload, a check.
+    #[error("{0}")]
+    Run(String),
+}
+
+impl BenchError {
+    /// An I/O error on `path`.
+    pub fn io(path: &Path, source: std::io::Error) -> Self {
+        BenchError::Io { path: path.to_path_buf(), source }
+    }
+}
+
+impl From<String> for BenchError {
+    fn from(m: String) -> Self {
+        BenchError::Run(m)
+    }
+}
 
 /// fio's JSON report from its standard output (an I/O engine may print before the report),
 /// refused if its first job saw an error; `what` names the run in errors.

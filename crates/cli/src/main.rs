@@ -347,6 +347,22 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// What an idle `serve` costs as devices are added: CPU of serve and its domains, serve's
+    /// threads and memory, for each device count (runs `serve` itself; needs root for FUSE).
+    Idle {
+        /// Device counts (comma-separated), each measured with a `serve` of its own.
+        #[arg(long, value_delimiter = ',', default_value = "100,300,1000", value_parser = clap::value_parser!(u32).range(1..=5000))]
+        devices: Vec<u32>,
+        /// Seconds of quiet measured at each count.
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=600))]
+        seconds: u32,
+        /// Measure this build of `bulkhead` instead (a `serve` of another version).
+        #[arg(long)]
+        exe: Option<PathBuf>,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Virtual devices: 4 KiB QD1 latency and QD16 IOPS through a `vdev` card with the driver
     /// taking interrupts and polling, `ram` beside; the cost of one trapped register write.
     Vdev {
@@ -482,6 +498,7 @@ fn main() -> ExitCode {
             bench_images(seconds, &size, scratch, !no_qsd, json)
         }
         Cmd::Bench { which: BenchCmd::Fileio(args) } => bench_fileio(args),
+        Cmd::Bench { which: BenchCmd::Idle { devices, seconds, exe, json } } => bench_idle(devices, seconds, exe, json),
     };
     match result {
         Ok(code) => code,
@@ -973,4 +990,18 @@ fn bench_channel(mode: ModeArg, json: bool, seconds: f64, samples: usize, pin: b
         print!("{}", bulkhead_bench::channel::render(&report));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn bench_idle(devices: Vec<u32>, seconds: u32, exe: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
+    if bulkhead_sys::euid() != 0 {
+        anyhow::bail!("bench idle runs serve with its FUSE export: run it as root");
+    }
+    let exe = match exe {
+        Some(e) => e.canonicalize().map_err(|err| anyhow::anyhow!("--exe {}: {err}", e.display()))?,
+        None => std::env::current_exe()?,
+    };
+    let opts =
+        bulkhead_bench::idle::Options { devices: devices.into_iter().map(|d| d as usize).collect(), seconds: seconds.into() };
+    let r = bulkhead_bench::idle::run(&exe, &opts, |p| eprintln!("bench idle: {p}"))?;
+    emit(&r, json, bulkhead_bench::idle::render)
 }

@@ -170,6 +170,10 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         Some(p) => Config::load(p)?,
         None => Config::embedded_default(),
     };
+    // A serve of many devices holds many descriptors: allow as many as the hard limit does.
+    if let Err(e) = bulkhead_sys::raise_open_files_limit() {
+        eprintln!("bulkhead: cannot raise the limit on open files: {e}");
+    }
     // Signals first, so a SIGTERM during start-up is not lost.
     let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run dir {}", run_dir.display()))?;
