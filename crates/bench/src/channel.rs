@@ -8,6 +8,7 @@
 //! and the driver domain are pinned to CPUs 0 and 1 (as SPDK pins its reactors), so two
 //! spinning sides never share a core.
 
+use crate::BenchError;
 use bulkhead_sandbox::spawn::DomainChild;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
@@ -164,7 +165,7 @@ impl Drop for Peer {
 
 /// Execs `exe driver` as a one-queue domain over a `size`-byte ram backend, with the queue
 /// described by `cfg`; returns the frontend end and the domain process.
-pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(FrontQueue, DomainChild), String> {
+pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(FrontQueue, DomainChild), BenchError> {
     let (front, fds) = QueueSetup::create("peer", cfg).map_err(|e| e.to_string())?;
     let ram = memfd::create("peer-ram", size).map_err(|e| e.to_string())?;
     let owned: [&OwnedFd; 6] = [&fds.ring, &fds.write_arena, &fds.read_arena, &fds.kick, &fds.irq, &ram];
@@ -194,13 +195,13 @@ pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(Fro
     Ok((front, child))
 }
 
-fn start_peer(exe: &Path, mode: NotifyMode) -> Result<Peer, String> {
+fn start_peer(exe: &Path, mode: NotifyMode) -> Result<Peer, BenchError> {
     let cfg = QueueConfig { nslots: 64, arena_bytes: 8 << 20, mode, budget: BudgetPolicy::DEFAULT_AUTO, generation: 1 };
     let (front, child) = spawn_ram_domain(exe, &cfg, DEVICE_SIZE)?;
     Ok(Peer { front, child })
 }
 
-fn rtt(front: &mut FrontQueue, n: usize, mut make: impl FnMut(u64) -> FrontRequest<'static>) -> Result<Latency, String> {
+fn rtt(front: &mut FrontQueue, n: usize, mut make: impl FnMut(u64) -> FrontRequest<'static>) -> Result<Latency, BenchError> {
     let mut v = Vec::with_capacity(n);
     for i in 0..n as u64 {
         let t = now_ns();
@@ -211,7 +212,7 @@ fn rtt(front: &mut FrontQueue, n: usize, mut make: impl FnMut(u64) -> FrontReque
     Ok(percentiles(v))
 }
 
-fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iops, String> {
+fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iops, BenchError> {
     let (c0, d0, t0) = (bulkhead_sys::thread_cpu_ns(), process_cpu_ns(pid), Instant::now());
     let sleeps0 = front.stats().sleeps;
     let nblocks = DEVICE_SIZE / BLOCK;
@@ -237,7 +238,7 @@ fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iop
             })
             .map_err(|e| e.to_string())?;
         if let Some(b) = bad {
-            return Err(format!("read failed: {b:?}"));
+            return Err(BenchError::Run(format!("read failed: {b:?}")));
         }
         inflight -= n;
         done += n as u64;
@@ -266,7 +267,7 @@ fn iops(front: &mut FrontQueue, pid: u32, depth: usize, secs: f64) -> Result<Iop
 }
 
 /// Runs the benchmark for each mode, execing `exe` as the driver domain.
-pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut modes = Vec::new();
     // Read once: available_parallelism honours the affinity mask, which pinning narrows.
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);

@@ -13,6 +13,7 @@
 //! sysbench and the kernel included) and the cores used by the serving processes alone
 //! (`serve` and its driver domains; nbdkit, qemu-storage-daemon and nbdfuse).
 
+use crate::BenchError;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -218,7 +219,7 @@ impl Report {
     /// `--out` wrote (its `report.json`, or for a run from before reports were kept whole, its
     /// `points.csv`). The tables and goals rendered from it are this build's, so old runs can
     /// be read with later goals.
-    pub fn load(path: &Path) -> Result<Report, String> {
+    pub fn load(path: &Path) -> Result<Report, BenchError> {
         let file = match (path.is_dir(), path.join("report.json")) {
             (true, json) if !json.exists() => path.join("points.csv"),
             (true, json) => json,
@@ -229,22 +230,22 @@ impl Report {
             format!("{}: {e}{beside}", file.display())
         })?;
         if file.extension().is_some_and(|e| e == "csv") {
-            Report::from_csv(&text).map_err(|e| format!("{}: {e}", file.display()))
+            Report::from_csv(&text).map_err(|e| BenchError::Run(format!("{}: {e}", file.display())))
         } else {
-            serde_json::from_str(&text).map_err(|e| format!("{}: not a bench fileio report: {e}", file.display()))
+            serde_json::from_str(&text).map_err(|e| BenchError::Run(format!("{}: not a bench fileio report: {e}", file.display())))
         }
     }
 
     /// A report from `points.csv` alone: the systems, modes and thread counts in the order
     /// their rows first name them; seconds and skipped systems are not in it.
-    fn from_csv(text: &str) -> Result<Report, String> {
+    fn from_csv(text: &str) -> Result<Report, BenchError> {
         let mut lines = text.lines().enumerate();
         let (_, header) = lines.next().ok_or("empty file")?;
         let cols: Vec<&str> = header.split(',').collect();
         // Every column but the last, `rounds_mibs`, which older runs did not write.
         let needed = &CSV_COLUMNS[..CSV_COLUMNS.len() - 1];
         if let Some(missing) = needed.iter().find(|c| !cols.contains(c)) {
-            return Err(format!("line 1: no `{missing}` column"));
+            return Err(BenchError::Run(format!("line 1: no `{missing}` column")));
         }
         let mut r = Report {
             seconds: 0,
@@ -260,12 +261,12 @@ impl Report {
             let at = |e: String| format!("line {}: {e}", i + 1);
             let fields: Vec<&str> = line.split(',').collect();
             if fields.len() != cols.len() {
-                return Err(at(format!("{} fields where the header has {}", fields.len(), cols.len())));
+                return Err(BenchError::from(at(format!("{} fields where the header has {}", fields.len(), cols.len()))));
             }
             let get = |c: &str| cols.iter().position(|h| *h == c).map(|k| fields[k]);
-            let num = |c: &str| -> Result<f64, String> {
+            let num = |c: &str| -> Result<f64, BenchError> {
                 let v = get(c).unwrap_or_default();
-                v.parse().map_err(|_| at(format!("`{c}` is `{v}`, not a number")))
+                v.parse().map_err(|_| BenchError::Run(at(format!("`{c}` is `{v}`, not a number"))))
             };
             let t = get("threads").unwrap_or_default();
             let threads: u32 = t.parse().map_err(|_| at(format!("`threads` is `{t}`, not a thread count")))?;
@@ -320,10 +321,10 @@ pub(crate) fn which(tool: &str) -> bool {
     std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())).unwrap_or(false)
 }
 
-pub(crate) fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
+pub(crate) fn run(cmd: &str, args: &[&str]) -> Result<String, BenchError> {
     let out = Command::new(cmd).args(args).output().map_err(|e| format!("{cmd}: {e}"))?;
     if !out.status.success() {
-        return Err(format!("{cmd} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(BenchError::Run(format!("{cmd} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim())));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -370,24 +371,24 @@ impl Drop for Undo {
     }
 }
 
-pub(crate) fn wait_for(path: &Path, what: &str, child: Option<&mut Child>) -> Result<(), String> {
+pub(crate) fn wait_for(path: &Path, what: &str, child: Option<&mut Child>) -> Result<(), BenchError> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut child = child;
     while !path.exists() {
         if let Some(c) = child.as_deref_mut() {
             if let Ok(Some(st)) = c.try_wait() {
-                return Err(format!("{what} exited ({st}) before {} appeared", path.display()));
+                return Err(BenchError::Run(format!("{what} exited ({st}) before {} appeared", path.display())));
             }
         }
         if Instant::now() > deadline {
-            return Err(format!("{what}: {} did not appear within 30 s", path.display()));
+            return Err(BenchError::Run(format!("{what}: {} did not appear within 30 s", path.display())));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(())
 }
 
-fn losetup(file: &Path, undo: &mut Undo) -> Result<String, String> {
+fn losetup(file: &Path, undo: &mut Undo) -> Result<String, BenchError> {
     let dev = run("losetup", &["--direct-io=on", "-f", "--show", &file.display().to_string()])?.trim().to_string();
     undo.push("losetup", &["-d", &dev]);
     Ok(dev)
@@ -399,13 +400,13 @@ struct Mounted {
     _undo: Undo,
 }
 
-fn image(path: &Path) -> Result<(), String> {
+fn image(path: &Path) -> Result<(), BenchError> {
     let f = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    f.set_len(1 << 30).map_err(|e| format!("{}: {e}", path.display()))
+    f.set_len(1 << 30).map_err(|e| BenchError::Run(format!("{}: {e}", path.display())))
 }
 
 /// Starts `cmd` with no output, owned by `procs`.
-fn spawn_quiet(mut cmd: Command, what: &str, procs: &mut Procs) -> Result<(), String> {
+fn spawn_quiet(mut cmd: Command, what: &str, procs: &mut Procs) -> Result<(), BenchError> {
     let child =
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| format!("{what}: {e}"))?;
     procs.0.push(child);
@@ -413,7 +414,7 @@ fn spawn_quiet(mut cmd: Command, what: &str, procs: &mut Procs) -> Result<(), St
 }
 
 /// Starts an nbdfuse command mounting at `fuse`; its file once it is there.
-fn nbdfuse(cmd: Command, fuse: &Path, procs: &mut Procs, undo: &mut Undo) -> Result<PathBuf, String> {
+fn nbdfuse(cmd: Command, fuse: &Path, procs: &mut Procs, undo: &mut Undo) -> Result<PathBuf, BenchError> {
     spawn_quiet(cmd, "nbdfuse", procs)?;
     undo.push("fusermount3", &["-u", &fuse.display().to_string()]);
     let f = fuse.join("nbd");
@@ -423,7 +424,7 @@ fn nbdfuse(cmd: Command, fuse: &Path, procs: &mut Procs, undo: &mut Undo) -> Res
 
 /// Starts `bulkhead serve` with `cfg` under `dir` (its configuration, log and run directory),
 /// owned by `procs`; the path of the FUSE export of its device `disk0` once it is there.
-pub(crate) fn serve(exe: &Path, dir: &Path, cfg: &str, procs: &mut Procs) -> Result<PathBuf, String> {
+pub(crate) fn serve(exe: &Path, dir: &Path, cfg: &str, procs: &mut Procs) -> Result<PathBuf, BenchError> {
     let cfg_path = dir.join("serve.toml");
     std::fs::write(&cfg_path, cfg).map_err(|e| e.to_string())?;
     let run_dir = dir.join("run");
@@ -443,13 +444,13 @@ pub(crate) fn serve(exe: &Path, dir: &Path, cfg: &str, procs: &mut Procs) -> Res
     let f = run_dir.join("fuse/disk0");
     if let Err(e) = wait_for(&f, "bulkhead serve", procs.0.last_mut()) {
         let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
-        return Err(format!("{e}: {}", log.lines().last().unwrap_or("")));
+        return Err(BenchError::Run(format!("{e}: {}", log.lines().last().unwrap_or(""))));
     }
     Ok(f)
 }
 
 /// Brings `sys` up under `dir` and mounts ext2 on it at `mnt`.
-fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path, budget_us: Option<u64>) -> Result<Mounted, String> {
+fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path, budget_us: Option<u64>) -> Result<Mounted, BenchError> {
     let mut undo = Undo::default();
     let mut procs = Procs(Vec::new());
     let fuse = dir.join("fuse");
@@ -510,7 +511,7 @@ fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path, budget_us: Option<
             wait_for(&f, "bindfs", procs.0.last_mut())?;
             f
         }
-        System::Peer { name } => return Err(format!("unknown peer `{name}`")),
+        System::Peer { name } => return Err(BenchError::Run(format!("unknown peer `{name}`"))),
     };
     let lo = losetup(&device_file, &mut undo)?;
     run("mkfs.ext2", &["-q", "-F", &lo])?;
@@ -522,14 +523,14 @@ fn bring_up(sys: &System, exe: &Path, dir: &Path, mnt: &Path, budget_us: Option<
 }
 
 /// Creates (or brings back to full size) sysbench's 16 files of 16 MiB.
-fn prepare(mnt: &Path) -> Result<(), String> {
+fn prepare(mnt: &Path) -> Result<(), BenchError> {
     let out = Command::new("sysbench")
         .current_dir(mnt)
         .args(["fileio", "--file-total-size=256M", "--file-num=16", "prepare"])
         .output()
         .map_err(|e| format!("sysbench: {e}"))?;
     if !out.status.success() {
-        return Err(format!("sysbench prepare: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(BenchError::Run(format!("sysbench prepare: {}", String::from_utf8_lossy(&out.stderr).trim())));
     }
     Ok(())
 }
@@ -592,7 +593,7 @@ fn field(out: &str, key: &str) -> f64 {
 }
 
 /// Runs one sysbench point on the mounted filesystem.
-fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: &[u32]) -> Result<Point, String> {
+fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: &[u32]) -> Result<Point, BenchError> {
     let (b0, t0) = host_jiffies();
     let s0 = tree_jiffies(server);
     let started = Instant::now();
@@ -621,7 +622,7 @@ fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: 
         let why: Vec<&str> =
             text.lines().chain(err.lines()).filter(|l| l.contains("FATAL") || l.contains("rror")).map(str::trim).collect();
         let why = if why.is_empty() { format!("exit {}", out.status) } else { why.join("; ") };
-        return Err(format!("sysbench {mode} threads={threads}: {why}"));
+        return Err(BenchError::Run(format!("sysbench {mode} threads={threads}: {why}")));
     }
     let read = field(&text, "read, MiB/s:");
     let write = field(&text, "written, MiB/s:");
@@ -658,7 +659,12 @@ fn missing(sys: &System) -> Option<String> {
 }
 
 /// Runs the matrix. `stop` ends it early (between points; what was set up is torn down).
-pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: impl FnMut(&Progress)) -> Result<Report, String> {
+pub fn run_matrix(
+    exe: &Path,
+    opts: &Options,
+    stop: &AtomicBool,
+    mut progress: impl FnMut(&Progress),
+) -> Result<Report, BenchError> {
     if ["losetup", "mkfs.ext2", "mount"].iter().any(|t| !which(t)) {
         return Err("bench fileio needs losetup, mkfs.ext2 and mount (util-linux, e2fsprogs)".into());
     }
@@ -740,7 +746,7 @@ pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: i
                         Ok(m) => m,
                         Err(reason) => {
                             let _ = std::fs::remove_dir_all(&dir);
-                            report.skipped.push(Skipped { system: label.clone(), reason });
+                            report.skipped.push(Skipped { system: label.clone(), reason: reason.to_string() });
                             failed[si] = true;
                             done += 1;
                             continue;
@@ -751,7 +757,7 @@ pub fn run_matrix(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: i
                     }
                     match point(&label, &mnt, mode, t, opts.seconds, &m.procs.pids()) {
                         Ok(p) => measured[si].push(p),
-                        Err(e) => report.skipped.push(Skipped { system: label.clone(), reason: e }),
+                        Err(e) => report.skipped.push(Skipped { system: label.clone(), reason: e.to_string() }),
                     }
                     drop(m);
                     let _ = std::fs::remove_dir_all(&dir);
@@ -1127,7 +1133,7 @@ fn median(v: &[f64]) -> f64 {
 }
 
 /// Writes `report.json`, `points.csv`, `fileio.svg` and `report.txt` into `dir`.
-pub fn write_outputs(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, String> {
+pub fn write_outputs(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, BenchError> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let files = [
         ("report.json", serde_json::to_string_pretty(report).map_err(|e| e.to_string())? + "\n"),
@@ -1256,23 +1262,23 @@ mod tests {
         assert!(!one.goals().contains("round by round"));
         // Bad input names the file and the line.
         std::fs::write(dir.join("points.csv"), "system,mode,threads\n").unwrap();
-        let e = Report::load(&dir).unwrap_err();
+        let e = Report::load(&dir).unwrap_err().to_string();
         assert!(e.contains("points.csv") && e.contains("line 1: no `read_mibs` column"), "{e}");
         std::fs::write(dir.join("points.csv"), r.csv().replace("nbdkit,seqwr,8,0.00", "nbdkit,seqwr,8,lots")).unwrap();
-        let e = Report::load(&dir).unwrap_err();
+        let e = Report::load(&dir).unwrap_err().to_string();
         assert!(e.contains("`read_mibs` is `lots`, not a number") && e.contains("line "), "{e}");
         std::fs::write(dir.join("points.csv"), r.csv().replace("nbdkit,seqwr,8,", "nbdkit,seqwr,-8,")).unwrap();
-        let e = Report::load(&dir).unwrap_err();
+        let e = Report::load(&dir).unwrap_err().to_string();
         assert!(e.contains("`threads` is `-8`, not a thread count"), "{e}");
         std::fs::write(dir.join("report.json"), "{\"seconds\": 3}").unwrap();
-        let e = Report::load(&dir).unwrap_err();
+        let e = Report::load(&dir).unwrap_err().to_string();
         assert!(e.contains("report.json: not a bench fileio report") && e.contains("line 1"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
         std::fs::create_dir_all(&dir).unwrap();
-        let e = Report::load(&dir).unwrap_err();
+        let e = Report::load(&dir).unwrap_err().to_string();
         assert!(e.contains("points.csv") && e.contains("no report.json"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
-        let e = Report::load(&dir).unwrap_err();
+        let e = Report::load(&dir).unwrap_err().to_string();
         assert!(e.contains(&dir.display().to_string()), "{e}");
     }
 

@@ -3,6 +3,7 @@
 //! letting a write through (DWC's single step, SCDWC's cache), beside a write nobody guards;
 //! and what gating a call with protection keys adds to its entry and exit. Run in this process, on this thread, over page-aligned memory of its own.
 
+use crate::BenchError;
 use std::time::Instant;
 
 use bulkhead_guard::{Act, Guard, Mechanism, Mode, PAGE};
@@ -81,7 +82,7 @@ fn per(t: Instant, n: usize) -> f64 {
 }
 
 /// Writes `n` times, page after page, inside one call into guarded code.
-fn writes_in_a_call(g: &mut Guard, mem: &mut Pages, n: usize) -> Result<f64, String> {
+fn writes_in_a_call(g: &mut Guard, mem: &mut Pages, n: usize) -> Result<f64, BenchError> {
     let act = mem.act();
     g.enter(0, &act).map_err(|e| e.to_string())?;
     let t = Instant::now();
@@ -93,7 +94,7 @@ fn writes_in_a_call(g: &mut Guard, mem: &mut Pages, n: usize) -> Result<f64, Str
     Ok(ns)
 }
 
-fn measure(mechanism: Mechanism, opts: &Options, progress: &mut impl FnMut(&str)) -> Result<Vec<Row>, String> {
+fn measure(mechanism: Mechanism, opts: &Options, progress: &mut impl FnMut(&str)) -> Result<Vec<Row>, BenchError> {
     let name = mechanism.as_str();
     let mut rows = Vec::new();
     let mut row = |operation: &str, ns: f64, caught: u64| {
@@ -154,20 +155,20 @@ fn measure(mechanism: Mechanism, opts: &Options, progress: &mut impl FnMut(&str)
 /// What a call's entry and exit cost with and without protection keys gating it: an empty
 /// call, `n` times, under SCDWC with no page to protect. The region the keys deny is an
 /// anonymous mapping of its own, given a fresh key.
-fn gate(opts: &Options) -> Result<Vec<Row>, String> {
+fn gate(opts: &Options) -> Result<Vec<Row>, BenchError> {
     let len = PAGES * PAGE as usize;
     // SAFETY: a new private anonymous mapping, unmapped below, used only through the guard.
     let p = unsafe {
         libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
     };
     if p == libc::MAP_FAILED {
-        return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+        return Err(BenchError::Run(format!("mmap: {}", std::io::Error::last_os_error())));
     }
-    let result = (|| {
+    let result = (|| -> Result<_, BenchError> {
         let mut g = Guard::install(Mechanism::Userfault, Mode::Scdwc { cache: PAGES }, None).map_err(|e| e.to_string())?;
         let region = g.add_region(p as u64, len as u64, "other").map_err(|e| e.to_string())?;
         let act = Act::new();
-        let calls = |g: &mut Guard| -> Result<f64, String> {
+        let calls = |g: &mut Guard| -> Result<f64, BenchError> {
             g.call(0, &act, || ()).map_err(|e| e.to_string())?;
             let t = Instant::now();
             for _ in 0..opts.writes {
@@ -186,7 +187,7 @@ fn gate(opts: &Options) -> Result<Vec<Row>, String> {
         let gated = g.stats().keyed - before;
         drop(g);
         if gated != opts.writes as u64 + 1 {
-            return Err(format!("protection keys gated {gated} of {} calls", opts.writes + 1));
+            return Err(format!("protection keys gated {gated} of {} calls", opts.writes + 1).into());
         }
         let _ = bulkhead_sys::pkey::free(key);
         let _ = bulkhead_sys::pkey::free(own);
@@ -211,7 +212,7 @@ fn gate(opts: &Options) -> Result<Vec<Row>, String> {
 }
 
 /// Runs every measurement.
-pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut mem = Pages::new();
     let t = Instant::now();
     for i in 0..opts.writes {

@@ -4,6 +4,7 @@
 //! filter, exported over FUSE, and fio runs 4 KiB random reads and writes on it; the row is its
 //! throughput and the machine's CPU use meanwhile.
 
+use crate::BenchError;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -147,7 +148,7 @@ fn cpu_busy() -> (u64, u64) {
     (v.iter().sum::<u64>() - idle, v.iter().sum())
 }
 
-fn fio(file: &Path, seconds: u32) -> Result<(f64, f64), String> {
+fn fio(file: &Path, seconds: u32) -> Result<(f64, f64), BenchError> {
     let out = Command::new("fio")
         .args(["--name=guard", "--direct=1", "--rw=randrw", "--bs=4k", "--ioengine=psync", "--time_based"])
         .arg(format!("--filename={}", file.display()))
@@ -157,7 +158,7 @@ fn fio(file: &Path, seconds: u32) -> Result<(f64, f64), String> {
         .output()
         .map_err(|e| format!("fio: {e}"))?;
     if !out.status.success() {
-        return Err(format!("fio on {}: {}", file.display(), String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(BenchError::Run(format!("fio on {}: {}", file.display(), String::from_utf8_lossy(&out.stderr).trim())));
     }
     let v = crate::fio_report(&out.stdout, &file.display().to_string())?;
     let job = &v["jobs"][0];
@@ -193,12 +194,12 @@ struct Files {
     overlay: PathBuf,
 }
 
-fn run_one(exe: &Path, filter: &str, files: &Files, guard: &str, opts: &Options) -> Result<(f64, f64, f64), String> {
+fn run_one(exe: &Path, filter: &str, files: &Files, guard: &str, opts: &Options) -> Result<(f64, f64, f64), BenchError> {
     let _ = std::fs::remove_file(&files.overlay);
     let config = Config::parse(&device(filter, files, guard), "bench guard").map_err(|e| e.to_string())?;
     let sup = Supervisor::start(&config, Some(exe)).map_err(|e| e.to_string())?;
     let mnt = opts.scratch.join(format!("bench-guard-fuse-{}", std::process::id()));
-    let fuse = bulkhead_fuse_export::FuseExport::mount(&mnt, sup.devices(), 4).map_err(|e| e.to_string());
+    let fuse = bulkhead_fuse_export::FuseExport::mount(&mnt, sup.devices(), 4).map_err(|e| BenchError::Run(e.to_string()));
     let r = fuse.and_then(|fuse| {
         let before = cpu_busy();
         let r = fio(&mnt.join("g"), opts.seconds);
@@ -213,7 +214,7 @@ fn run_one(exe: &Path, filter: &str, files: &Files, guard: &str, opts: &Options)
 }
 
 /// A LUKS2 volume holding `data_bytes` in `scratch` (`name`.luks), and its key file.
-pub(crate) fn make_luks(scratch: &Path, name: &str, data_bytes: u64) -> Result<(PathBuf, PathBuf), String> {
+pub(crate) fn make_luks(scratch: &Path, name: &str, data_bytes: u64) -> Result<(PathBuf, PathBuf), BenchError> {
     let img = scratch.join(format!("{name}.luks"));
     let key = scratch.join(format!("{name}.key"));
     std::fs::write(&key, b"bench guard passphrase").map_err(|e| e.to_string())?;
@@ -226,13 +227,13 @@ pub(crate) fn make_luks(scratch: &Path, name: &str, data_bytes: u64) -> Result<(
         .output()
         .map_err(|e| format!("cryptsetup: {e}"))?;
     if !out.status.success() {
-        return Err(format!("cryptsetup: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(BenchError::Run(format!("cryptsetup: {}", String::from_utf8_lossy(&out.stderr).trim())));
     }
     Ok((img, key))
 }
 
 /// Runs every filter at every setting.
-pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut skipped = Vec::new();
     let mut filters = vec!["trace"];
     let luks = match make_luks(&opts.scratch, "bench-guard", SIZE_MIB << 20) {

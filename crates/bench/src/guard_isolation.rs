@@ -15,6 +15,7 @@
 //! landed. The child's own account (its exit status) is only compared with what the memory
 //! shows, never trusted in its place.
 
+use crate::BenchError;
 use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
@@ -170,7 +171,7 @@ fn beds(scratch: &Path, notes: &mut Vec<String>) -> Vec<Bed> {
 }
 
 /// A LUKS2 volume opened as the supervisor opens one: the filter's layout and master key.
-fn crypt_bed(scratch: &Path) -> Result<Bed, String> {
+fn crypt_bed(scratch: &Path) -> Result<Bed, BenchError> {
     let (file, keyfile) = crate::guard_filters::make_luks(scratch, "bench-guard-isolation", RAM_BYTES)?;
     let f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
     let len = f.metadata().map_err(|e| e.to_string())?.len();
@@ -184,12 +185,12 @@ fn crypt_bed(scratch: &Path) -> Result<Bed, String> {
     Ok(Bed { name: "crypt", spec, below: Below::Luks { file, key }, size: data_size })
 }
 
-fn state_page(name: &str) -> Result<OwnedFd, String> {
-    memfd::create(name, bulkhead_filters::state::STATE_BYTES as u64).map_err(|e| format!("state page: {e}"))
+fn state_page(name: &str) -> Result<OwnedFd, BenchError> {
+    memfd::create(name, bulkhead_filters::state::STATE_BYTES as u64).map_err(|e| BenchError::Run(format!("state page: {e}")))
 }
 
 /// A memory file holding `bytes`.
-fn memfd_with(name: &str, bytes: &[u8]) -> Result<OwnedFd, String> {
+fn memfd_with(name: &str, bytes: &[u8]) -> Result<OwnedFd, BenchError> {
     let fd = memfd::create(name, bytes.len() as u64).map_err(|e| format!("{name}: {e}"))?;
     let f = std::fs::File::from(fd);
     f.write_all_at(bytes, 0).map_err(|e| format!("{name}: {e}"))?;
@@ -197,7 +198,7 @@ fn memfd_with(name: &str, bytes: &[u8]) -> Result<OwnedFd, String> {
 }
 
 /// The descriptors of the measured filter and the `stats` filter after it.
-fn filter_parts(bed: &Bed, guard: GuardSpec) -> Result<Vec<FilterParts>, String> {
+fn filter_parts(bed: &Bed, guard: GuardSpec) -> Result<Vec<FilterParts>, BenchError> {
     let (output, secret) = match (&bed.spec, &bed.below) {
         (FilterSpec::Trace { .. }, _) => (Some(memfd::create("bench-trace", 0).map_err(|e| e.to_string())?), None),
         (FilterSpec::Cow { cluster_bits, .. }, _) => {
@@ -223,21 +224,21 @@ enum BelowFd {
     File(OwnedFd),
 }
 
-fn below_fd(bed: &Bed) -> Result<BelowFd, String> {
+fn below_fd(bed: &Bed) -> Result<BelowFd, BenchError> {
     match &bed.below {
-        Below::Ram => memfd::create("bench-ram", bed.size).map(BelowFd::Ram).map_err(|e| e.to_string()),
+        Below::Ram => Ok(memfd::create("bench-ram", bed.size).map(BelowFd::Ram).map_err(|e| e.to_string())?),
         Below::Luks { file, .. } => std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open(file)
             .map(|f| BelowFd::File(OwnedFd::from(f)))
-            .map_err(|e| format!("{}: {e}", file.display())),
+            .map_err(|e| BenchError::io(file, e)),
     }
 }
 
 /// The child: builds the domain in its heap spaces and serves until the fault ends it.
 fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<FilterParts>, probe: OwnedFd) -> String {
-    let run = || -> Result<(), String> {
+    let run = || -> Result<(), BenchError> {
         heap::activate(res).map_err(|e| format!("heap: {e}"))?;
         if parts.iter().any(|p| p.guard.keys) {
             heap::assign_keys().map_err(|e| format!("protection keys: {e}"))?;
@@ -260,7 +261,7 @@ fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<Filte
     };
     match run() {
         Ok(()) => String::new(),
-        Err(e) => e,
+        Err(e) => e.to_string(),
     }
 }
 
@@ -271,26 +272,26 @@ struct Child {
 
 impl Child {
     /// Its exit status if it has ended (reaped), `None` while it runs.
-    fn try_wait(&self) -> Result<Option<i32>, String> {
+    fn try_wait(&self) -> Result<Option<i32>, BenchError> {
         let mut status = 0;
         // SAFETY: waits for this process's own child without blocking; `status` is a local.
         let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
         match r {
             0 => Ok(None),
             r if r == self.pid => Ok(Some(status)),
-            _ => Err(format!("waitpid: {}", std::io::Error::last_os_error())),
+            _ => Err(BenchError::Run(format!("waitpid: {}", std::io::Error::last_os_error()))),
         }
     }
 
     /// Its exit status if it has ended; an error, once it is ended and reaped, if it has run
     /// past [`CHILD_LIMIT`] since `started` without making its fault.
-    fn ended(&self, started: Instant) -> Result<Option<i32>, String> {
+    fn ended(&self, started: Instant) -> Result<Option<i32>, BenchError> {
         if let Some(st) = self.try_wait()? {
             return Ok(Some(st));
         }
         if started.elapsed() > CHILD_LIMIT {
             self.kill();
-            return Err(format!("the domain made no fault in {} s", CHILD_LIMIT.as_secs()));
+            return Err(BenchError::Run(format!("the domain made no fault in {} s", CHILD_LIMIT.as_secs())));
         }
         Ok(None)
     }
@@ -324,7 +325,7 @@ fn single_threaded() -> bool {
 }
 
 /// Drives `front` with 4 KiB random reads and writes until the child ends; its wait status.
-fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<i32, String> {
+fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<i32, BenchError> {
     let data = vec![0x5Au8; 4096];
     let mut rng = seed | 1;
     let started = Instant::now();
@@ -379,7 +380,7 @@ fn tail(log: &OwnedFd) -> String {
 }
 
 /// One fault, in a child of its own.
-fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, String> {
+fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, BenchError> {
     let inject = InjectSpec { target, every: EVERY, seed };
     let parts = filter_parts(bed, GuardSpec { mode: setting.mode, keys: setting.keys, inject: Some(inject) })?;
     let below = below_fd(bed)?;
@@ -396,7 +397,7 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
     // caller (it ends with `_exit`).
     let pid = unsafe { libc::fork() };
     if pid < 0 {
-        return Err(format!("fork: {}", std::io::Error::last_os_error()));
+        return Err(BenchError::Run(format!("fork: {}", std::io::Error::last_os_error())));
     }
     if pid == 0 {
         // The child: its copy of the frontend stays untouched; its standard error goes to the
@@ -419,12 +420,12 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
     let status = drive(&mut front, &child, bed.size, seed);
     let status = match status {
         Ok(s) => s,
-        Err(e) => return Err(format!("{e} ({})", tail(&log))),
+        Err(e) => return Err(BenchError::Run(format!("{e} ({})", tail(&log)))),
     };
     let mut rec = Vec::with_capacity(FAULT_RECORD);
     let _ = probe_r.read_to_end(&mut rec);
     if rec.len() != FAULT_RECORD {
-        return Err(format!("the domain ended ({}) before its fault: {}", describe(status), tail(&log)));
+        return Err(BenchError::Run(format!("the domain ended ({}) before its fault: {}", describe(status), tail(&log))));
     }
     let addr = u64::from_le_bytes(rec[..8].try_into().expect("8 bytes"));
     let value = u64::from_le_bytes(rec[8..].try_into().expect("8 bytes"));
@@ -445,7 +446,7 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
     let stopped = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == VIOLATION_EXIT;
     let ended = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == PROBE_EXIT;
     if !stopped && !ended {
-        return Err(format!("the domain ended with {} after its fault: {}", describe(status), tail(&log)));
+        return Err(BenchError::Run(format!("the domain ended with {} after its fault: {}", describe(status), tail(&log))));
     }
     let disagreed = (outcome == Outcome::Landed && stopped) || (outcome == Outcome::Isolated && ended);
     drop(front);
@@ -453,7 +454,7 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
 }
 
 /// Runs every setting.
-pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut notes = Vec::new();
     let beds = beds(&opts.scratch, &mut notes);
     let mut rows = Vec::new();

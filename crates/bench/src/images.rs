@@ -20,6 +20,7 @@
 //! its processes) is reported next to each figure. Alongside, the speed of AES-XTS on one core
 //! as the `crypt` filter runs it.
 
+use crate::BenchError;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -132,7 +133,7 @@ pub fn xts_speed(seconds: f64) -> (f64, f64) {
 /// Makes a LUKS volume of `size` data bytes at `path` with qemu-img. qemu-img times its key
 /// derivation with the thread's CPU clock first, and on a loaded machine that can come out
 /// empty ("Unable to get accurate CPU usage"): the format is tried again then.
-fn make_luks(path: &Path, key: &Path, size: u64) -> Result<(), String> {
+fn make_luks(path: &Path, key: &Path, size: u64) -> Result<(), BenchError> {
     let secret = format!("secret,id=s0,file={}", key.display());
     let mut last = String::new();
     for _ in 0..5 {
@@ -151,11 +152,11 @@ fn make_luks(path: &Path, key: &Path, size: u64) -> Result<(), String> {
             break;
         }
     }
-    Err(format!("qemu-img create -f luks: {last}"))
+    Err(BenchError::Run(format!("qemu-img create -f luks: {last}")))
 }
 
 /// Makes the images of one system in `dir`.
-fn make_images(dir: &Path, size: u64) -> Result<(), String> {
+fn make_images(dir: &Path, size: u64) -> Result<(), BenchError> {
     let p = |n: &str| dir.join(n).to_string_lossy().into_owned();
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     std::fs::OpenOptions::new()
@@ -204,7 +205,7 @@ fn bulkhead_config(dir: &Path) -> String {
 
 /// qemu-storage-daemon's arguments for the devices in `dir`: buffered I/O, as bulkhead's file
 /// backend does.
-fn qsd_args(dir: &Path) -> Result<Vec<String>, String> {
+fn qsd_args(dir: &Path) -> Result<Vec<String>, BenchError> {
     let p = |n: &str| dir.join(n).display().to_string();
     run("qemu-img", &["create", "-q", "-f", "qcow2", "-b", &p("base.img"), "-F", "raw", &p("cow.qcow2")])?;
     let mut a = vec!["--object".to_string(), format!("secret,id=sec0,file={}", p("key"))];
@@ -237,7 +238,7 @@ fn socket(system: &str, dir: &Path) -> PathBuf {
 }
 
 /// Starts one system over the images in `dir`; its processes, stopped when dropped.
-fn bring_up(system: &str, exe: &Path, dir: &Path) -> Result<Procs, String> {
+fn bring_up(system: &str, exe: &Path, dir: &Path) -> Result<Procs, BenchError> {
     let log = std::fs::File::create(dir.join(format!("{system}.log"))).map_err(|e| e.to_string())?;
     let mut child = match system {
         "bulkhead" => {
@@ -268,7 +269,14 @@ fn bring_up(system: &str, exe: &Path, dir: &Path) -> Result<Procs, String> {
 }
 
 /// Runs one fio job on one export.
-fn point(system: &str, sock: &Path, device: &str, job: (&str, &str, u32), seconds: u32, server: &[u32]) -> Result<Point, String> {
+fn point(
+    system: &str,
+    sock: &Path,
+    device: &str,
+    job: (&str, &str, u32),
+    seconds: u32,
+    server: &[u32],
+) -> Result<Point, BenchError> {
     let (rw, bs, qd) = job;
     let s0 = tree_jiffies(server);
     let started = Instant::now();
@@ -283,7 +291,7 @@ fn point(system: &str, sock: &Path, device: &str, job: (&str, &str, u32), second
     let s1 = tree_jiffies(server);
     let what = format!("{system} {device} {rw} {bs} QD{qd}");
     if !out.status.success() {
-        return Err(format!("fio on {what}: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(BenchError::Run(format!("fio on {what}: {}", String::from_utf8_lossy(&out.stderr).trim())));
     }
     let v = crate::fio_report(&out.stdout, &what)?;
     let job = &v["jobs"][0];
@@ -302,10 +310,10 @@ fn point(system: &str, sock: &Path, device: &str, job: (&str, &str, u32), second
 
 /// Runs the benchmark; `progress` hears what runs now; `stop` ends it early (the report then
 /// says so).
-pub fn run_bench(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+pub fn run_bench(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     for tool in ["fio", "qemu-img", "fallocate"] {
         if !which(tool) {
-            return Err(format!("bench images needs `{tool}`"));
+            return Err(BenchError::Run(format!("bench images needs `{tool}`")));
         }
     }
     let fio_nbd = Command::new("fio").arg("--enghelp").output().map_err(|e| format!("fio: {e}"))?;
@@ -358,7 +366,10 @@ pub fn run_bench(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: im
             for img in ["full.qcow2", "fresh.qcow2", "cow.qcow2", "luks.qcow2"] {
                 let out = Command::new("qemu-img").arg("check").arg(dir.join(img)).output().map_err(|e| e.to_string())?;
                 if !matches!(out.status.code(), Some(0) | Some(3)) {
-                    return Err(format!("qemu-img check {img} after the run: {}", String::from_utf8_lossy(&out.stdout)));
+                    return Err(BenchError::Run(format!(
+                        "qemu-img check {img} after the run: {}",
+                        String::from_utf8_lossy(&out.stdout)
+                    )));
                 }
             }
         }

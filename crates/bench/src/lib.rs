@@ -61,14 +61,20 @@ impl From<String> for BenchError {
     }
 }
 
+impl From<&str> for BenchError {
+    fn from(m: &str) -> Self {
+        BenchError::Run(m.to_string())
+    }
+}
+
 /// fio's JSON report from its standard output (an I/O engine may print before the report),
 /// refused if its first job saw an error; `what` names the run in errors.
-pub fn fio_report(stdout: &[u8], what: &str) -> Result<serde_json::Value, String> {
+pub fn fio_report(stdout: &[u8], what: &str) -> Result<serde_json::Value, BenchError> {
     let text = String::from_utf8_lossy(stdout);
     let json = text.find('{').map(|at| &text[at..]).ok_or_else(|| format!("fio on {what}: no report"))?;
     let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("fio on {what}: {e}"))?;
     if v["jobs"][0]["error"].as_i64() != Some(0) {
-        return Err(format!("fio on {what}: error {}", v["jobs"][0]["error"]));
+        return Err(BenchError::Run(format!("fio on {what}: error {}", v["jobs"][0]["error"])));
     }
     Ok(v)
 }

@@ -9,6 +9,7 @@
 //! (`--kill driver`, the default, or `--kill tap`): it is replaced alone while the other runs
 //! on, the tap domain sending again what it had passed down, or the frontend what it had sent.
 
+use crate::BenchError;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -74,12 +75,12 @@ fn pct(v: &[f64], q: f64) -> f64 {
 }
 
 /// Runs the benchmark, execing `exe` for the domains.
-pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let kill_tap = match (opts.kill.as_str(), opts.tap.as_str()) {
         ("driver", _) => false,
         ("tap", "interpose") => true,
         ("tap", _) => return Err("--kill tap needs --tap interpose (only then is there a tap domain of its own)".into()),
-        (other, _) => return Err(format!("--kill must be driver or tap, not `{other}`")),
+        (other, _) => return Err(BenchError::Run(format!("--kill must be driver or tap, not `{other}`"))),
     };
     let filters = if opts.tap == "interpose" { "[[device.filter]]\ntype = \"stats\"\n" } else { "" };
     let text = format!(

@@ -17,6 +17,7 @@
 //! - the noisy-neighbour and cap phases again over NBD, next to qemu-storage-daemon with a
 //!   throttle group (`share_nbd`).
 
+use crate::BenchError;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -130,7 +131,7 @@ impl Done {
 }
 
 /// Runs `load` on `dev` until `stop` is set.
-fn client(dev: &Device, load: Load, seed: u64, stop: &AtomicBool) -> Result<Done, String> {
+fn client(dev: &Device, load: Load, seed: u64, stop: &AtomicBool) -> Result<Done, BenchError> {
     let e = |e: bulkhead_client::IoError| format!("{}: {e}", dev.name());
     let span = if load.span == 0 { dev.size() } else { load.span.min(dev.size()) };
     let blocks = span / load.bs as u64;
@@ -174,7 +175,7 @@ fn client(dev: &Device, load: Load, seed: u64, stop: &AtomicBool) -> Result<Done
                 Err(x) => failed = Some(x),
             });
             if let Some(x) = failed.take() {
-                return Err(e(x));
+                return Err(BenchError::from(e(x)));
             }
         }
         while q.in_flight() > 0 {
@@ -197,7 +198,7 @@ fn sched_times() -> (u64, u64) {
 }
 
 /// Runs each `(device, load)` in a thread of its own for `seconds`; what each did.
-fn together(jobs: &[(Arc<Device>, Load)], seconds: f64) -> Result<Vec<Done>, String> {
+fn together(jobs: &[(Arc<Device>, Load)], seconds: f64) -> Result<Vec<Done>, BenchError> {
     let stop = Arc::new(AtomicBool::new(false));
     let handles: Vec<_> = jobs
         .iter()
@@ -234,7 +235,7 @@ pub fn jain(x: &[f64]) -> f64 {
 
 /// A supervisor over a 1 GiB ramdisk `share` with `views` (each `(name, offset MiB, size MiB,
 /// extra keys)`).
-fn start(exe: &std::path::Path, mode: &str, views: &[(&str, u64, u64, &str)]) -> Result<Supervisor, String> {
+fn start(exe: &std::path::Path, mode: &str, views: &[(&str, u64, u64, &str)]) -> Result<Supervisor, BenchError> {
     let mut text = format!(
         "[fuse]\nenabled = false\n[nbd]\nenabled = false\n[[device]]\nname = \"share\"\nsize = \"1G\"\nqueues = 1\n\
          notify = \"{mode}\"\n[device.backend]\ntype = \"ram\"\n"
@@ -243,15 +244,15 @@ fn start(exe: &std::path::Path, mode: &str, views: &[(&str, u64, u64, &str)]) ->
         text += &format!("[[device.view]]\nname = \"{name}\"\noffset = \"{off}M\"\nsize = \"{size}M\"\n{extra}\n");
     }
     let config = Config::parse(&text, "bench share").map_err(|e| e.to_string())?;
-    Supervisor::start(&config, Some(exe)).map_err(|e| e.to_string())
+    Supervisor::start(&config, Some(exe)).map_err(|e| BenchError::Run(e.to_string()))
 }
 
-fn device(sup: &Supervisor, name: &str) -> Result<Arc<Device>, String> {
-    sup.devices().into_iter().find(|d| d.name() == name).ok_or_else(|| format!("no device `{name}`"))
+fn device(sup: &Supervisor, name: &str) -> Result<Arc<Device>, BenchError> {
+    sup.devices().into_iter().find(|d| d.name() == name).ok_or_else(|| BenchError::Run(format!("no device `{name}`")))
 }
 
 /// Writes every block of `dev` once, untimed: a fresh ramdisk's first touches are page faults.
-fn fill(dev: &Device) -> Result<(), String> {
+fn fill(dev: &Device) -> Result<(), BenchError> {
     let buf = vec![0x11u8; 1 << 20];
     for off in (0..dev.size()).step_by(1 << 20) {
         dev.write(0, off, &buf, false).map_err(|e| e.to_string())?;
@@ -274,13 +275,13 @@ const CONSERVATION_ROUNDS: usize = 3;
 const CONSERVATION_SLICES: usize = 4;
 
 /// Runs every phase, execing `exe` for the domains.
-pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let s = opts.seconds;
     // Noisy neighbour.
     progress("noisy neighbour");
     let sup = start(exe, &opts.mode, &[("quiet", 0, 512, ""), ("noisy", 512, 512, "")])?;
     let (quiet, noisy) = (device(&sup, "quiet")?, device(&sup, "noisy")?);
-    let result = (|| {
+    let result = (|| -> Result<_, BenchError> {
         fill(&*device(&sup, "share")?)?;
         let mut rows = Vec::new();
         let mut row = |setting: &str, d: &[Done]| {
@@ -305,7 +306,7 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
         sup.set_qos("noisy", &[("credit_bytes".into(), "none".into())])?;
         sup.set_qos("quiet", &[("weight".into(), "32".into())])?;
         row("neighbour, weights 32 : 1", &together(&both, s)?);
-        Ok::<_, String>(rows)
+        Ok::<_, BenchError>(rows)
     })();
     sup.shutdown();
     let noisy_rows = result?;
@@ -315,7 +316,7 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
     // Four views of 256 MiB each, one after the other.
     let four = names.map(|n| (n, 256 * (n.as_bytes()[1] - b'0') as u64, 256, ""));
     let sup = start(exe, &opts.mode, &four)?;
-    let result = (|| {
+    let result = (|| -> Result<_, BenchError> {
         fill(&*device(&sup, "share")?)?;
         let devs: Vec<_> = names.iter().map(|n| device(&sup, n)).collect::<Result<_, _>>()?;
         let fair = together(&devs.iter().map(|d| (d.clone(), SATURATE)).collect::<Vec<_>>(), s)?;
@@ -324,7 +325,7 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
         progress("cap accuracy");
         sup.set_qos("v0", &[("credit_bytes".into(), "512K".into()), ("credit_us".into(), "10000".into())])?;
         let capped = together(&[(devs[0].clone(), CAPPED)], opts.cap_seconds)?[0].mibs();
-        Ok::<_, String>((fair_mibs, fair_cpu, capped))
+        Ok::<_, BenchError>((fair_mibs, fair_cpu, capped))
     })();
     sup.shutdown();
     let (fair_mibs, (fair_cpu_s, fair_waited_s), capped_mibs) = result?;
@@ -346,7 +347,7 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
                 return Err(e);
             }
         };
-        let result = (|| {
+        let result = (|| -> Result<_, BenchError> {
             fill(&*device(&views, "share")?)?;
             let dev = device(&alone, "share")?;
             fill(&dev)?;
@@ -362,7 +363,7 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
                     sum[j] += together(std::slice::from_ref(&jobs[j]), slice)?[0].mibs();
                 }
             }
-            Ok::<_, String>((sum[0], sum[1]))
+            Ok::<_, BenchError>((sum[0], sum[1]))
         })();
         views.shutdown();
         alone.shutdown();

@@ -3,6 +3,7 @@
 //! the FUSE file (fio, O_DIRECT) and through the NBD export (fio's nbd engine), per
 //! notification mode.
 
+use crate::BenchError;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -35,7 +36,7 @@ impl Drop for Scratch {
     }
 }
 
-fn serve(exe: &Path, dir: &Path, mode: &str) -> Result<Procs, String> {
+fn serve(exe: &Path, dir: &Path, mode: &str) -> Result<Procs, BenchError> {
     let config = format!(
         "[[device]]\nname = \"disk0\"\nsize = \"{}M\"\nnotify = \"{mode}\"\n[device.backend]\ntype = \"ram\"\n",
         SIZE >> 20
@@ -60,7 +61,7 @@ fn serve(exe: &Path, dir: &Path, mode: &str) -> Result<Procs, String> {
 }
 
 /// Reads through an attachment for `seconds`: (p50, p99) µs.
-fn attached(run: &Path, seconds: f64) -> Result<(f64, f64), String> {
+fn attached(run: &Path, seconds: f64) -> Result<(f64, f64), BenchError> {
     let dev = bulkhead_client::attach(run, "disk0").map_err(|e| format!("attach: {e}"))?;
     let blocks = dev.size() / 4096;
     let mut buf = vec![0u8; 4096];
@@ -77,7 +78,7 @@ fn attached(run: &Path, seconds: f64) -> Result<(f64, f64), String> {
 }
 
 /// fio QD1 4 KiB random reads with `target` args: (p50, p99) µs.
-fn fio(target: &[String], seconds: f64) -> Result<(f64, f64), String> {
+fn fio(target: &[String], seconds: f64) -> Result<(f64, f64), BenchError> {
     let out = Command::new("timeout")
         .args(["--kill-after=10", &format!("{}", seconds as u64 + 60), "fio", "--name=qd1", "--time_based"])
         .args([&format!("--runtime={}", seconds.ceil() as u64), "--randrepeat=0", "--output-format=json"])
@@ -86,7 +87,7 @@ fn fio(target: &[String], seconds: f64) -> Result<(f64, f64), String> {
         .output()
         .map_err(|e| format!("fio: {e}"))?;
     if !out.status.success() {
-        return Err(format!("fio: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(BenchError::Run(format!("fio: {}", String::from_utf8_lossy(&out.stderr).trim())));
     }
     let v = crate::fio_report(&out.stdout, "bench share attach")?;
     let p = |k: &str| v["jobs"][0]["read"]["clat_ns"]["percentile"][k].as_f64().unwrap_or(0.0) / 1000.0;
@@ -99,7 +100,7 @@ pub fn run(
     modes: &[&str],
     seconds: f64,
     mut progress: impl FnMut(&str),
-) -> Result<(Vec<AttachRow>, Vec<String>), String> {
+) -> Result<(Vec<AttachRow>, Vec<String>), BenchError> {
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
     if !which("fio") {

@@ -3,6 +3,7 @@
 //! `bulkhead serve` (capped with `bulkhead qos` on the running view) and a `raw` node each in
 //! qemu-storage-daemon (capped with a throttle group, the daemon started anew per setting).
 
+use crate::BenchError;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -66,7 +67,7 @@ impl Drop for Scratch {
 
 /// `bulkhead serve` with the views `quiet` and `noisy` of a file in `dir`: its process, its
 /// NBD socket and its control socket.
-fn bulkhead(exe: &Path, dir: &Path, mode: &str) -> Result<(Procs, PathBuf, PathBuf), String> {
+fn bulkhead(exe: &Path, dir: &Path, mode: &str) -> Result<(Procs, PathBuf, PathBuf), BenchError> {
     let img = dir.join("bulkhead.img");
     let config = format!(
         "[fuse]\nenabled = false\n[[device]]\nname = \"share\"\nqueues = 1\nnotify = \"{mode}\"\n\
@@ -98,7 +99,7 @@ fn bulkhead(exe: &Path, dir: &Path, mode: &str) -> Result<(Procs, PathBuf, PathB
 
 /// qemu-storage-daemon with the neighbour behind a throttle group of `cap` bytes per second
 /// (none: no throttle).
-fn qsd(dir: &Path, cap: Option<u64>) -> Result<(Procs, PathBuf), String> {
+fn qsd(dir: &Path, cap: Option<u64>) -> Result<(Procs, PathBuf), BenchError> {
     let img = dir.join("qsd.img");
     let sock = dir.join("qsd.sock");
     let _ = std::fs::remove_file(&sock);
@@ -131,7 +132,7 @@ fn qsd(dir: &Path, cap: Option<u64>) -> Result<(Procs, PathBuf), String> {
 }
 
 /// Sets the neighbour's cap on a running bulkhead (`None` lifts it).
-fn bulkhead_cap(control: &Path, credit: Option<(&str, &str)>) -> Result<(), String> {
+fn bulkhead_cap(control: &Path, credit: Option<(&str, &str)>) -> Result<(), BenchError> {
     let set = match credit {
         Some((bytes, us)) => serde_json::json!({"credit_bytes": bytes, "credit_us": us}),
         None => serde_json::json!({"credit_bytes": "none"}),
@@ -139,13 +140,13 @@ fn bulkhead_cap(control: &Path, credit: Option<(&str, &str)>) -> Result<(), Stri
     let a = bulkhead_supervisor::control::request(control, &serde_json::json!({"cmd": "qos", "view": "noisy", "set": set}))
         .map_err(|e| format!("control socket: {e}"))?;
     match a.get("error").and_then(|e| e.as_str()) {
-        Some(e) => Err(e.to_string()),
+        Some(e) => Err(BenchError::from(e.to_string())),
         None => Ok(()),
     }
 }
 
 /// One fio run: the quiet reader, and with `noisy` the neighbour beside it.
-fn fio(sock: &Path, seconds: f64, noisy: bool) -> Result<(f64, f64, f64, f64), String> {
+fn fio(sock: &Path, seconds: f64, noisy: bool) -> Result<(f64, f64, f64, f64), BenchError> {
     let uri = |e: &str| format!("--uri=nbd+unix:///{e}?socket={}", sock.display());
     let mut cmd = Command::new("timeout");
     cmd.args(["--kill-after=10", &format!("{}", seconds as u64 + 60), "fio", "--ioengine=nbd", "--time_based"])
@@ -156,7 +157,7 @@ fn fio(sock: &Path, seconds: f64, noisy: bool) -> Result<(f64, f64, f64, f64), S
     }
     let out = cmd.output().map_err(|e| format!("fio: {e}"))?;
     if !out.status.success() {
-        return Err(format!("fio: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(BenchError::Run(format!("fio: {}", String::from_utf8_lossy(&out.stderr).trim())));
     }
     let v = crate::fio_report(&out.stdout, "bench share over NBD")?;
     let jobs = v["jobs"].as_array().ok_or("fio: no jobs")?;
@@ -168,7 +169,7 @@ fn fio(sock: &Path, seconds: f64, noisy: bool) -> Result<(f64, f64, f64, f64), S
 }
 
 /// QD8 64 KiB writes on the neighbour for `seconds`: MiB/s.
-fn capped(sock: &Path, seconds: f64) -> Result<f64, String> {
+fn capped(sock: &Path, seconds: f64) -> Result<f64, BenchError> {
     let out = Command::new("timeout")
         .args(["--kill-after=10", &format!("{}", seconds as u64 + 60), "fio", "--ioengine=nbd", "--time_based"])
         .args([&format!("--runtime={}", seconds.ceil() as u64), "--randrepeat=0", "--output-format=json", "--name=cap"])
@@ -177,7 +178,7 @@ fn capped(sock: &Path, seconds: f64) -> Result<f64, String> {
         .output()
         .map_err(|e| format!("fio: {e}"))?;
     if !out.status.success() {
-        return Err(format!("fio: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(BenchError::Run(format!("fio: {}", String::from_utf8_lossy(&out.stderr).trim())));
     }
     let v = crate::fio_report(&out.stdout, "bench share cap over NBD")?;
     Ok(v["jobs"][0]["write"]["bw"].as_f64().unwrap_or(0.0) / 1024.0)
@@ -207,7 +208,7 @@ pub fn run(
     cap_seconds: f64,
     caps: &[u64],
     mut progress: impl FnMut(&str),
-) -> Result<NbdReport, String> {
+) -> Result<NbdReport, BenchError> {
     let mut r = NbdReport::default();
     if !which("fio") {
         r.skipped.push("over NBD: fio is not installed".into());

@@ -17,6 +17,7 @@
 //! when a request entered the block layer until it completed), throughput in sectors per ms,
 //! and the distribution of each page read's time as the reading process saw it.
 
+use crate::BenchError;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -226,26 +227,26 @@ pub struct Progress {
 }
 
 /// The loop device's read statistics: requests, sectors, ms spent.
-fn loop_reads(name: &str) -> Result<(u64, u64, u64), String> {
+fn loop_reads(name: &str) -> Result<(u64, u64, u64), BenchError> {
     let s = std::fs::read_to_string(format!("/sys/block/{name}/stat")).map_err(|e| format!("{name} stat: {e}"))?;
     let v: Vec<u64> = s.split_whitespace().filter_map(|x| x.parse().ok()).collect();
     if v.len() < 4 {
-        return Err(format!("{name} stat: `{}`", s.trim()));
+        return Err(BenchError::Run(format!("{name} stat: `{}`", s.trim())));
     }
     Ok((v[0], v[2], v[3]))
 }
 
-fn sysfs_write(path: &str, value: &str) -> Result<(), String> {
-    std::fs::write(path, value).map_err(|e| format!("writing `{value}` to {path}: {e}"))
+fn sysfs_write(path: &str, value: &str) -> Result<(), BenchError> {
+    std::fs::write(path, value).map_err(|e| BenchError::Run(format!("writing `{value}` to {path}: {e}")))
 }
 
-fn sysfs_read(path: &str) -> Result<String, String> {
-    std::fs::read_to_string(path).map(|s| s.trim().to_string()).map_err(|e| format!("{path}: {e}"))
+fn sysfs_read(path: &str) -> Result<String, BenchError> {
+    std::fs::read_to_string(path).map(|s| s.trim().to_string()).map_err(|e| BenchError::Run(format!("{path}: {e}")))
 }
 
 /// The vpt's `(requests, model ms, late, cache hits)` and a bulkhead scheduler's mean wait in
 /// its queue (ms, since it was inserted) from `bulkhead status --json`.
-fn vpt_figures(exe: &Path, run_dir: &Path) -> Result<(u64, f64, u64, u64, f64), String> {
+fn vpt_figures(exe: &Path, run_dir: &Path) -> Result<(u64, f64, u64, u64, f64), BenchError> {
     let out = run(&exe.display().to_string(), &["status", "--json", "--run-dir", &run_dir.display().to_string()])?;
     let v: serde_json::Value = serde_json::from_str(&out).map_err(|e| format!("status --json: {e}"))?;
     // Each filter's figures, flattened beside its `type`.
@@ -258,7 +259,7 @@ fn vpt_figures(exe: &Path, run_dir: &Path) -> Result<(u64, f64, u64, u64, f64), 
 }
 
 /// Where each block of a file lies, from `FS_IOC_FIEMAP`.
-fn fiemap(file: &File) -> Result<Vec<Extent>, String> {
+fn fiemap(file: &File) -> Result<Vec<Extent>, BenchError> {
     const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
     const FIEMAP_FLAG_SYNC: u32 = 1;
     const FIEMAP_EXTENT_LAST: u32 = 1;
@@ -298,7 +299,7 @@ fn fiemap(file: &File) -> Result<Vec<Extent>, String> {
         // SAFETY: `m` is a `struct fiemap` followed by room for `count` extents, as the ioctl
         // expects; the kernel writes only within it.
         if unsafe { libc::ioctl(file.as_raw_fd(), FS_IOC_FIEMAP, &mut m as *mut Fiemap) } != 0 {
-            return Err(format!("FIEMAP: {}", std::io::Error::last_os_error()));
+            return Err(BenchError::Run(format!("FIEMAP: {}", std::io::Error::last_os_error())));
         }
         let mapped = (m.mapped as usize).min(COUNT);
         for e in &m.extents[..mapped] {
@@ -324,7 +325,7 @@ fn file_path(mnt: &Path, f: u32) -> PathBuf {
 }
 
 /// Writes every file of `cat` under `mnt` and returns where each lies.
-fn lay_out(mnt: &Path, cat: &Catalogue) -> Result<Vec<Vec<Extent>>, String> {
+fn lay_out(mnt: &Path, cat: &Catalogue) -> Result<Vec<Vec<Extent>>, BenchError> {
     for d in 0..32 {
         std::fs::create_dir_all(mnt.join(format!("d{d:02}"))).map_err(|e| format!("mkdir: {e}"))?;
     }
@@ -341,13 +342,13 @@ fn lay_out(mnt: &Path, cat: &Catalogue) -> Result<Vec<Vec<Extent>>, String> {
     (0..cat.pages.len() as u32)
         .map(|f| {
             let path = file_path(mnt, f);
-            File::open(&path).map_err(|e| format!("{}: {e}", path.display())).and_then(|file| fiemap(&file))
+            File::open(&path).map_err(|e| BenchError::io(&path, e)).and_then(|file| fiemap(&file))
         })
         .collect()
 }
 
 /// Drops the files' pages from the page cache, so each run starts cold.
-fn drop_pages(mnt: &Path, files: usize) -> Result<(), String> {
+fn drop_pages(mnt: &Path, files: usize) -> Result<(), BenchError> {
     for f in 0..files as u32 {
         let path = file_path(mnt, f);
         let file = File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -366,7 +367,7 @@ fn read_files(
     mode: Mode,
     stop: &AtomicBool,
     progress: &mut dyn FnMut(u64),
-) -> Result<(Vec<PageRead>, Duration), String> {
+) -> Result<(Vec<PageRead>, Duration), BenchError> {
     let p = &opts.params;
     let issued = AtomicU64::new(0);
     let done = AtomicU64::new(0);
@@ -435,7 +436,7 @@ fn read_files(
     });
     let wall = reads.iter().map(|r| r.done_ns).max().map(Duration::from_nanos).unwrap_or_default();
     match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        Some(e) => Err(e),
+        Some(e) => Err(BenchError::from(e)),
         None => Ok((reads, wall)),
     }
 }
@@ -458,16 +459,16 @@ fn read_stats(reads: &[PageRead]) -> (f64, f64, f64, Vec<(f64, f64)>) {
 /// that depth). The kernel keeps a shrunken depth across scheduler changes while
 /// `nr_requests` reads as the full one again, and takes writing the value it shows as nothing
 /// to do: a different value goes first.
-fn set_tag_depth(q: &str, depth: u32) -> Result<u32, String> {
+fn set_tag_depth(q: &str, depth: u32) -> Result<u32, BenchError> {
     let path = format!("{q}/nr_requests");
     let other = if depth > 4 { depth - 1 } else { depth + 1 };
     sysfs_write(&path, &other.to_string())?;
     sysfs_write(&path, &depth.to_string())?;
-    sysfs_read(&path)?.parse().map_err(|e| format!("{path}: {e}"))
+    sysfs_read(&path)?.parse().map_err(|e| BenchError::Run(format!("{path}: {e}")))
 }
 
 /// Puts `col` in place: the loop device's scheduler and depth, and bulkhead's filter.
-fn set_column(col: &Column, exe: &Path, run_dir: &Path, lo: &str, opts: &Options, full_depth: u32) -> Result<u32, String> {
+fn set_column(col: &Column, exe: &Path, run_dir: &Path, lo: &str, opts: &Options, full_depth: u32) -> Result<u32, BenchError> {
     let q = format!("/sys/block/{lo}/queue");
     sysfs_write(&format!("{q}/scheduler"), "none")?;
     match col {
@@ -492,7 +493,7 @@ fn set_column(col: &Column, exe: &Path, run_dir: &Path, lo: &str, opts: &Options
             {
                 let avail = sysfs_read(&format!("{q}/scheduler"))?;
                 if !avail.split_whitespace().any(|s| s.trim_matches(['[', ']']) == name) {
-                    return Err(format!("the kernel has no `{name}` scheduler (it offers: {avail})"));
+                    return Err(BenchError::Run(format!("the kernel has no `{name}` scheduler (it offers: {avail})")));
                 }
                 sysfs_write(&format!("{q}/scheduler"), name)?;
             }
@@ -501,7 +502,7 @@ fn set_column(col: &Column, exe: &Path, run_dir: &Path, lo: &str, opts: &Options
     }
 }
 
-fn unset_column(col: &Column, exe: &Path, run_dir: &Path) -> Result<(), String> {
+fn unset_column(col: &Column, exe: &Path, run_dir: &Path) -> Result<(), BenchError> {
     if let Column::Bulkhead { .. } = col {
         run(&exe.display().to_string(), &["filter", "disk0", "remove", "0", "--run-dir", &run_dir.display().to_string()])?;
     }
@@ -556,17 +557,22 @@ pub fn simulate(opts: &Options, cat: &Catalogue, layout: &[Vec<Extent>]) -> Vec<
 }
 
 /// Runs the benchmark. `stop` ends it early; everything set up is torn down.
-pub fn run_bench(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: impl FnMut(&Progress)) -> Result<Report, String> {
+pub fn run_bench(
+    exe: &Path,
+    opts: &Options,
+    stop: &AtomicBool,
+    mut progress: impl FnMut(&Progress),
+) -> Result<Report, BenchError> {
     if let Some(why) = missing() {
-        return Err(why);
+        return Err(BenchError::from(why));
     }
     let cat = opts.params.catalogue();
     if cat.bytes() > opts.size / 2 {
-        return Err(format!(
+        return Err(BenchError::Run(format!(
             "the files take {} MiB: more than half the {} MiB device; give --size more or --files fewer",
             cat.bytes() >> 20,
             opts.size >> 20
-        ));
+        )));
     }
     let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     let work = opts.scratch.join(format!("bh-surge-{}-{}", std::process::id(), nonce % 1_000_000));
@@ -647,11 +653,11 @@ pub fn run_bench(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: im
             let depth = match set_column(col, exe, &run_dir, &lo, opts, full_depth) {
                 Ok(d) => d,
                 Err(reason) => {
-                    report.skipped.push(Skipped { what, reason });
+                    report.skipped.push(Skipped { what, reason: reason.to_string() });
                     continue;
                 }
             };
-            let measured = (|| {
+            let measured = (|| -> Result<_, BenchError> {
                 drop_pages(&mnt, cat.pages.len())?;
                 run("sync", &[])?;
                 let (n0, s0, t0) = loop_reads(&lo)?;
@@ -661,14 +667,14 @@ pub fn run_bench(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: im
                 })?;
                 let (n1, s1, t1) = loop_reads(&lo)?;
                 let (v1, m1, l1, h1, wait_ms) = vpt_figures(exe, &run_dir)?;
-                Ok::<_, String>((reads, wall, n1 - n0, s1 - s0, t1 - t0, v1 - v0, m1 - m0, l1 - l0, h1 - h0, wait_ms))
+                Ok::<_, BenchError>((reads, wall, n1 - n0, s1 - s0, t1 - t0, v1 - v0, m1 - m0, l1 - l0, h1 - h0, wait_ms))
             })();
             let undone = unset_column(col, exe, &run_dir);
             let (reads, wall, requests, sectors, ticks_ms, timed, model_ms, late, hits, wait_ms) =
                 match measured.and_then(|m| undone.map(|()| m)) {
                     Ok(m) => m,
                     Err(reason) => {
-                        report.skipped.push(Skipped { what, reason });
+                        report.skipped.push(Skipped { what, reason: reason.to_string() });
                         continue;
                     }
                 };
@@ -885,7 +891,7 @@ impl Report {
 }
 
 /// Writes `report.json`, `surge.svg` and `report.txt` into `dir`.
-pub fn write_outputs(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, String> {
+pub fn write_outputs(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, BenchError> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let json = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
     let mut out = Vec::new();

@@ -7,6 +7,7 @@
 //! and the latency of synchronous 4 KiB reads one at a time. For the reader's comparison, nbdkit's memory plugin through nbdfuse, bare and with
 //! its `log` and `delay` filters (no delay), on the same FUSE measurements.
 
+use crate::BenchError;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -132,7 +133,7 @@ fn mibs(bytes: u64, d: Duration) -> f64 {
 }
 
 /// Through the client library, from one thread.
-fn client_row(system: &str, dev: &Device, opts: &Options) -> Result<Row, String> {
+fn client_row(system: &str, dev: &Device, opts: &Options) -> Result<Row, BenchError> {
     let e = |e: bulkhead_client::IoError| format!("{system}: {e}");
     let mut buf = vec![0u8; CHUNK];
     for (i, b) in buf.iter_mut().enumerate() {
@@ -196,7 +197,7 @@ impl Drop for Aligned {
 }
 
 /// Through a FUSE file opened with O_DIRECT, from one thread.
-fn fuse_row(system: &str, file: &Path, opts: &Options) -> Result<Row, String> {
+fn fuse_row(system: &str, file: &Path, opts: &Options) -> Result<Row, BenchError> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -235,7 +236,7 @@ fn fuse_row(system: &str, file: &Path, opts: &Options) -> Result<Row, String> {
 
 /// One bulkhead system: a supervisor in this process, measured through the library, then
 /// through a FUSE export of its device.
-fn bulkhead(exe: &Path, opts: &Options, system: &str, tap: &str, traced: bool) -> Result<Vec<Row>, String> {
+fn bulkhead(exe: &Path, opts: &Options, system: &str, tap: &str, traced: bool) -> Result<Vec<Row>, BenchError> {
     let trace = opts.scratch.join(format!("bench-tap-{system}.blktrace"));
     let filter =
         if traced { format!("[[device.filter]]\ntype = \"trace\"\npath = \"{}\"\n", trace.display()) } else { String::new() };
@@ -275,7 +276,7 @@ impl Drop for NbdFuse {
 }
 
 /// `filters` are nbdkit's `--filter=` options, `params` their parameters (after the plugin's).
-fn nbdkit(opts: &Options, system: &str, filters: &[&str], params: &[&str]) -> Result<Row, String> {
+fn nbdkit(opts: &Options, system: &str, filters: &[&str], params: &[&str]) -> Result<Row, BenchError> {
     let mnt = opts.scratch.join(format!("bench-tap-{system}-{}", std::process::id()));
     std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
     let mut cmd = Command::new("nbdfuse");
@@ -287,7 +288,7 @@ fn nbdkit(opts: &Options, system: &str, filters: &[&str], params: &[&str]) -> Re
     let deadline = Instant::now() + Duration::from_secs(20);
     while !file.exists() {
         if Instant::now() > deadline || matches!(n.child.try_wait(), Ok(Some(_))) {
-            return Err(format!("{system}: nbdfuse did not start"));
+            return Err(BenchError::Run(format!("{system}: nbdfuse did not start")));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -301,7 +302,7 @@ fn which(tool: &str) -> bool {
 }
 
 /// Runs every system, execing `exe` for the domains.
-pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
     for (system, tap, traced) in SYSTEMS {

@@ -12,6 +12,7 @@
 //! has protected the page again, so that every write is trapped. Beside it, the same write to
 //! an untrapped mapping.
 
+use crate::BenchError;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -126,7 +127,7 @@ fn summarize(mut v: Vec<f64>) -> (f64, f64, f64) {
     (mean, pct(0.5), pct(0.99))
 }
 
-fn qd1(dev: &Device, opts: &Options, write: bool) -> Result<(f64, f64, f64), String> {
+fn qd1(dev: &Device, opts: &Options, write: bool) -> Result<(f64, f64, f64), BenchError> {
     let e = |e: bulkhead_client::IoError| e.to_string();
     let mut buf = vec![0x5au8; SMALL];
     let mut lat = Vec::with_capacity(opts.requests);
@@ -147,18 +148,18 @@ fn qd1(dev: &Device, opts: &Options, write: bool) -> Result<(f64, f64, f64), Str
 
 /// Keeps [`DEPTH`] requests in flight on one queue from one thread for the run's time;
 /// returns the rate at which they complete.
-fn qd16(dev: &Device, opts: &Options, write: bool) -> Result<f64, String> {
+fn qd16(dev: &Device, opts: &Options, write: bool) -> Result<f64, BenchError> {
     let buf = vec![0xa5u8; SMALL];
     let mut q = dev.queue(0);
     let mut next = offsets(usize::MAX, opts.size, if write { 11 } else { 13 });
-    let mut submit = |q: &mut bulkhead_client::QueueHandle<'_>| -> Result<(), String> {
+    let mut submit = |q: &mut bulkhead_client::QueueHandle<'_>| -> Result<(), BenchError> {
         let offset = next.next().expect("endless");
         let req = if write {
             bulkhead_channel::FrontRequest::Write { offset, from: &buf, fua: false }
         } else {
             bulkhead_channel::FrontRequest::Read { offset, into: SMALL as u64 }
         };
-        q.submit(req, offset).map_err(|e| e.to_string())
+        q.submit(req, offset).map_err(|e| BenchError::Run(e.to_string()))
     };
     for _ in 0..DEPTH {
         submit(&mut q)?;
@@ -175,7 +176,7 @@ fn qd16(dev: &Device, opts: &Options, write: bool) -> Result<f64, String> {
             }
         });
         if let Some(e) = failed {
-            return Err(e);
+            return Err(BenchError::from(e));
         }
         done += answered;
         for _ in 0..answered {
@@ -190,7 +191,7 @@ fn qd16(dev: &Device, opts: &Options, write: bool) -> Result<f64, String> {
     Ok(rate)
 }
 
-fn device(exe: &Path, opts: &Options, system: &str) -> Result<Row, String> {
+fn device(exe: &Path, opts: &Options, system: &str) -> Result<Row, BenchError> {
     let backend = match system {
         "vdev-interrupt" => format!("type = \"vdev\"\nseed = {}\nwait = \"interrupt\"\n", opts.seed),
         "vdev-poll" => format!("type = \"vdev\"\nseed = {}\nwait = \"poll\"\n", opts.seed),
@@ -243,7 +244,7 @@ fn device(exe: &Path, opts: &Options, system: &str) -> Result<Row, String> {
 }
 
 /// One trapped register write, timed with a card's model serving in a thread of its own.
-fn trap_cost(opts: &Options) -> Result<TrapCost, String> {
+fn trap_cost(opts: &Options) -> Result<TrapCost, BenchError> {
     let e = |e: &dyn std::fmt::Display| e.to_string();
     let card = Card::generate(opts.seed);
     let regs = memfd::create("bench-vdev-regs", u64::from(PAGE)).map_err(|x| e(&x))?;
@@ -272,7 +273,7 @@ fn trap_cost(opts: &Options) -> Result<TrapCost, String> {
     let reg = card.registers.queue_entries;
     let mut trapped = Vec::with_capacity(opts.writes);
     let mut round = Vec::with_capacity(opts.writes);
-    let result = (|| {
+    let result = (|| -> Result<_, BenchError> {
         for i in 0..opts.writes + 100 {
             let before = stats.read().trapped_writes;
             let t = Instant::now();
@@ -282,7 +283,7 @@ fn trap_cost(opts: &Options) -> Result<TrapCost, String> {
             let deadline = Instant::now() + Duration::from_secs(5);
             while stats.read().trapped_writes == before {
                 if Instant::now() > deadline {
-                    return Err("the model did not serve a trapped write within 5 s".to_string());
+                    return Err("the model did not serve a trapped write within 5 s".into());
                 }
                 std::hint::spin_loop();
             }
@@ -311,7 +312,7 @@ fn trap_cost(opts: &Options) -> Result<TrapCost, String> {
 }
 
 /// Runs every device and the trap measurement, execing `exe` for the domains.
-pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut rows = Vec::new();
     for system in ["vdev-interrupt", "vdev-poll", "ram"] {
         progress(system);
