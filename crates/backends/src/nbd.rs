@@ -14,7 +14,7 @@
 //! the protocol) the backend reports itself [`lost`](Backend::lost): the domain exits without
 //! answering the batch, and the supervisor reconnects and reissues it.
 
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use bulkhead_block::{Backend, BlockError, Caps, Io, Remote, Request, SliceList};
@@ -91,7 +91,7 @@ impl NbdBackend {
     }
 
     fn negotiate(&mut self) -> Result<(), String> {
-        let info = client::handshake(self.sock.as_raw_fd(), &self.export, self.timeout).map_err(|e| e.to_string())?;
+        let info = client::handshake(self.sock.as_fd(), &self.export, self.timeout).map_err(|e| e.to_string())?;
         if info.size < self.size {
             return Err(format!("export `{}` is {} bytes, smaller than the device's {}", self.export, info.size, self.size));
         }
@@ -310,7 +310,7 @@ impl NbdBackend {
                 continue;
             }
             let events = libc::POLLIN | if next < cmds.len() { libc::POLLOUT } else { 0 };
-            client::wait_fd(fd, events, deadline)
+            client::wait_fd(self.sock.as_fd(), events, deadline)
                 .map_err(|_| format!("no progress on the connection for {} ms", self.timeout.as_millis()))?;
         }
         Ok(())

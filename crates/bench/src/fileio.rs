@@ -232,7 +232,8 @@ impl Report {
         if file.extension().is_some_and(|e| e == "csv") {
             Report::from_csv(&text).map_err(|e| BenchError::Run(format!("{}: {e}", file.display())))
         } else {
-            serde_json::from_str(&text).map_err(|e| BenchError::Run(format!("{}: not a bench fileio report: {e}", file.display())))
+            serde_json::from_str(&text)
+                .map_err(|e| BenchError::Run(format!("{}: not a bench fileio report: {e}", file.display())))
         }
     }
 
@@ -341,8 +342,7 @@ impl Procs {
 impl Drop for Procs {
     fn drop(&mut self) {
         for c in self.0.iter_mut().rev() {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let _ = bulkhead_sys::signal(c.id(), libc::SIGTERM);
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline && !matches!(c.try_wait(), Ok(Some(_))) {
                 std::thread::sleep(Duration::from_millis(20));
@@ -579,13 +579,7 @@ pub(crate) fn tree_jiffies(roots: &[u32]) -> u64 {
 }
 
 pub(crate) fn clock_ticks() -> f64 {
-    // SAFETY: plain sysconf query.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 {
-        t as f64
-    } else {
-        100.0
-    }
+    bulkhead_sys::clock_ticks_per_second() as f64
 }
 
 fn field(out: &str, key: &str) -> f64 {
@@ -668,8 +662,7 @@ pub fn run_matrix(
     if ["losetup", "mkfs.ext2", "mount"].iter().any(|t| !which(t)) {
         return Err("bench fileio needs losetup, mkfs.ext2 and mount (util-linux, e2fsprogs)".into());
     }
-    // SAFETY: plain getuid.
-    if unsafe { libc::geteuid() } != 0 {
+    if bulkhead_sys::euid() != 0 {
         return Err("bench fileio needs root (loop devices, mount, FUSE)".into());
     }
     let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);

@@ -38,6 +38,18 @@ pub struct Setting {
     pub keys: bool,
 }
 
+impl Options {
+    /// Refuses settings this machine cannot run: protection keys on a processor without them.
+    pub fn check(&self) -> Result<(), BenchError> {
+        if self.settings.iter().any(|s| s.keys) && !bulkhead_sys::pkey::supported() {
+            return Err(BenchError::Options(
+                "--settings: `+keys` needs protection keys, which this processor does not have".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Setting {
     /// The seed's settings (DWC, then SCDWC with each of [`CACHES`]), then the same with
     /// protection keys; `off` first if `with_off`.

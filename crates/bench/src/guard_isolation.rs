@@ -49,6 +49,21 @@ pub struct Options {
     pub settings: Vec<Setting>,
 }
 
+impl Options {
+    /// Refuses settings that measure nothing (only `off`) or that this machine cannot run.
+    pub fn check(&self) -> Result<(), BenchError> {
+        if !self.settings.iter().any(|s| s.mode != bulkhead_filters::GuardMode::Off) {
+            return Err(BenchError::Options("--settings: --isolation needs a setting other than `off`".into()));
+        }
+        if self.settings.iter().any(|s| s.keys) && !bulkhead_sys::pkey::supported() {
+            return Err(BenchError::Options(
+                "--settings: `+keys` needs protection keys, which this processor does not have".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The fault strikes at a random call among this many calls into the filter (a request is
 /// two: its submit and its completion).
 pub const EVERY: u64 = 200;

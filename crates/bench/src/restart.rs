@@ -36,6 +36,25 @@ pub struct Options {
     pub kill: String,
 }
 
+impl Options {
+    /// Refuses options that do not go together.
+    pub fn check(&self) -> Result<(), BenchError> {
+        let bad = |m: String| Err(BenchError::Options(m));
+        match (self.tap.as_str(), self.kill.as_str()) {
+            ("passthrough" | "interpose", "driver") | ("interpose", "tap") => {}
+            ("passthrough", "tap") => {
+                return bad("--kill tap needs --tap interpose (only then is there a tap domain of its own)".into())
+            }
+            ("passthrough" | "interpose", kill) => return bad(format!("--kill must be driver or tap, not `{kill}`")),
+            (tap, _) => return bad(format!("--tap must be passthrough or interpose, not `{tap}`")),
+        }
+        if !(1..=100_000).contains(&self.kills) || !(1..=64).contains(&self.threads) {
+            return bad(format!("{} kills and {} threads: kills are 1..=100000, threads 1..=64", self.kills, self.threads));
+        }
+        Ok(())
+    }
+}
+
 /// Results.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -76,12 +95,8 @@ fn pct(v: &[f64], q: f64) -> f64 {
 
 /// Runs the benchmark, execing `exe` for the domains.
 pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
-    let kill_tap = match (opts.kill.as_str(), opts.tap.as_str()) {
-        ("driver", _) => false,
-        ("tap", "interpose") => true,
-        ("tap", _) => return Err("--kill tap needs --tap interpose (only then is there a tap domain of its own)".into()),
-        (other, _) => return Err(BenchError::Run(format!("--kill must be driver or tap, not `{other}`"))),
-    };
+    opts.check()?;
+    let kill_tap = opts.kill == "tap";
     let filters = if opts.tap == "interpose" { "[[device.filter]]\ntype = \"stats\"\n" } else { "" };
     let text = format!(
         "[fuse]\nenabled = false\n[[device]]\nname = \"r\"\nsize = \"256M\"\nqueues = {}\nnotify = \"{}\"\ntap = \"{}\"\n\
@@ -136,8 +151,8 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         if victim == 0 || victim == last_pid {
             continue;
         }
-        // SAFETY: signalling a domain of our own supervisor by pid.
-        if unsafe { libc::kill(victim as i32, libc::SIGKILL) } == 0 {
+        // A domain of our own supervisor, by pid.
+        if bulkhead_sys::signal(victim, libc::SIGKILL).is_ok() {
             kills += 1;
             last_pid = victim;
             if kills % 10 == 0 {

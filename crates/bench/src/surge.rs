@@ -352,8 +352,8 @@ fn drop_pages(mnt: &Path, files: usize) -> Result<(), BenchError> {
     for f in 0..files as u32 {
         let path = file_path(mnt, f);
         let file = File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        // SAFETY: a valid descriptor; advice only.
-        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        // Advice only: a kernel that ignores it leaves the pages, and the run reads warmer.
+        let _ = bulkhead_sys::drop_cached_pages(std::os::fd::AsFd::as_fd(&file));
     }
     Ok(())
 }
@@ -511,8 +511,7 @@ fn unset_column(col: &Column, exe: &Path, run_dir: &Path) -> Result<(), BenchErr
 
 /// Why the benchmark cannot run here, if it cannot.
 fn missing() -> Option<String> {
-    // SAFETY: plain geteuid.
-    if unsafe { libc::geteuid() } != 0 {
+    if bulkhead_sys::euid() != 0 {
         return Some("bench surge needs root (loop devices, mount, FUSE)".into());
     }
     ["losetup", "mkfs.ext4", "mount", "umount", "sync"]

@@ -11,6 +11,7 @@ use bulkhead_spec::DomainSpec;
 /// reconnects and starts the next generation, which gets the unanswered requests again.
 pub const LOST_EXIT: u8 = bulkhead_supervisor::LOST_EXIT;
 
+#[allow(unsafe_code)] // claims the descriptors inherited at exec
 pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     let spec: DomainSpec = serde_json::from_str(spec_json).context("bad domain spec")?;
     let stop = Arc::new(AtomicBool::new(false));

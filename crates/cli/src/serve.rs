@@ -2,7 +2,7 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -32,8 +32,7 @@ impl RunLock {
             .truncate(false)
             .open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } < 0 {
+        if !bulkhead_sys::lock_exclusive(file.as_fd()).with_context(|| format!("cannot lock {}", path.display()))? {
             let mut pid = String::new();
             let _ = file.read_to_string(&mut pid);
             bail!(
@@ -68,9 +67,9 @@ fn is_mountpoint(p: &Path) -> bool {
 fn clear_stale_mount(dir: &Path) {
     if is_mountpoint(dir) {
         eprintln!("bulkhead: removing a stale FUSE mount at {} left by an earlier serve", dir.display());
-        let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).expect("path without NUL");
-        // SAFETY: valid path string.
-        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        if let Err(e) = bulkhead_sys::detach_mount(dir) {
+            eprintln!("bulkhead: cannot detach the stale mount at {}: {e}", dir.display());
+        }
     }
 }
 

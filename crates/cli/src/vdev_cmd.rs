@@ -35,6 +35,7 @@ pub fn generate(seed: u64, out: &Path) -> anyhow::Result<ExitCode> {
 /// The device-model domain: builds the card's model from the descriptors the supervisor
 /// passed, confines itself as a `vdev-model` domain, and serves the drivers' traps until told
 /// to stop or the supervisor goes.
+#[allow(unsafe_code)] // claims the descriptors inherited at exec
 pub fn model(spec_json: &str) -> anyhow::Result<ExitCode> {
     let spec: bulkhead_spec::ModelSpec = serde_json::from_str(spec_json).context("bad model spec")?;
     let stop = Arc::new(AtomicBool::new(false));

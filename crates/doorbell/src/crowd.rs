@@ -141,9 +141,7 @@ fn parse_running(text: &[u8]) -> Option<u32> {
 }
 
 fn online_cpus() -> u32 {
-    // SAFETY: sysconf reads a system value and touches no memory of ours.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    u32::try_from(n).ok().filter(|&n| n > 0).unwrap_or(1)
+    u32::try_from(bulkhead_sys::cpus_online()).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]

@@ -10,17 +10,17 @@
 //!   spinning when its CPU is wanted.
 //! - [`Handoff`]: whether a spinner's yields hand its CPU to the thread it waits for, so it
 //!   yields before spinning.
+#![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 mod budget;
 mod crowd;
-mod eventfd;
 mod handoff;
 mod idle;
 
 pub use budget::{BudgetPolicy, SpinBudget};
+pub use bulkhead_sys::eventfd::{EventFd, Poller};
 pub use crowd::{Crowd, CrowdWatch};
-pub use eventfd::{EventFd, Poller};
 pub use handoff::Handoff;
 pub use idle::IdleSpin;
 
@@ -68,8 +68,5 @@ impl std::fmt::Display for NotifyMode {
 
 /// Monotonic nanoseconds (CLOCK_MONOTONIC through the vDSO: ~20 ns).
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid out pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    bulkhead_sys::monotonic_ns()
 }

@@ -13,7 +13,9 @@
 
 use std::collections::HashMap;
 use std::io::{self, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+
+use bulkhead_sys::SocketTimeout;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -189,26 +191,10 @@ impl std::fmt::Debug for NbdServer {
     }
 }
 
-fn set_timeout(fd: RawFd, opt: libc::c_int, d: Option<Duration>) {
-    let tv = match d {
-        Some(d) => libc::timeval { tv_sec: d.as_secs() as libc::time_t, tv_usec: d.subsec_micros() as libc::suseconds_t },
-        None => libc::timeval { tv_sec: 0, tv_usec: 0 },
-    };
-    // SAFETY: setsockopt with a valid timeval on a socket we hold.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            opt,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as u32,
-        );
-    }
-}
-
-fn shutdown_fd(fd: RawFd) {
-    // SAFETY: shutdown on a socket we hold; wakes any thread blocked on it.
-    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+/// Sets a time limit of a client's socket (a failure leaves it without one: the deadlines of
+/// negotiation and of each request still hold).
+fn set_timeout(sock: &OwnedFd, which: SocketTimeout, limit: Option<Duration>) {
+    let _ = bulkhead_sys::set_socket_timeout(sock.as_fd(), which, limit);
 }
 
 impl NbdServer {
@@ -266,13 +252,13 @@ impl NbdServer {
     fn stop_all(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         for (fd, _) in &self.listeners {
-            shutdown_fd(fd.as_raw_fd());
+            let _ = bulkhead_sys::shutdown(fd.as_fd());
         }
         for (_, t) in self.listeners.drain(..) {
             let _ = t.join();
         }
         for fd in lock(&self.shared.conns).values() {
-            shutdown_fd(fd.as_raw_fd());
+            let _ = bulkhead_sys::shutdown(fd.as_fd());
         }
         let threads = std::mem::take(&mut *lock(&self.shared.threads));
         for t in threads {
@@ -292,18 +278,13 @@ impl Drop for NbdServer {
 
 fn accept_loop(shared: Arc<Shared>, listener: Arc<OwnedFd>) {
     loop {
-        // SAFETY: accept4 on our listening socket; the peer address is not wanted.
-        let fd = unsafe { libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
+        let accepted = bulkhead_sys::accept(listener.as_fd());
         if shared.stop.load(Ordering::Acquire) {
-            if fd >= 0 {
-                // SAFETY: closing the descriptor accept4 just returned.
-                unsafe { libc::close(fd) };
-            }
-            return;
+            return; // what was accepted is closed as it drops
         }
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            match e.raw_os_error() {
+        let sock = match accepted {
+            Ok(s) => s,
+            Err(e) => match e.raw_os_error() {
                 Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
                 Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS) | Some(libc::ENOMEM) => {
                     // Out of descriptors or memory: wait a little instead of spinning.
@@ -311,19 +292,14 @@ fn accept_loop(shared: Arc<Shared>, listener: Arc<OwnedFd>) {
                     continue;
                 }
                 _ => return,
-            }
-        }
-        // SAFETY: a fresh descriptor from accept4, owned from here on.
-        let sock: OwnedFd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) };
+            },
+        };
         if shared.active.load(Ordering::Acquire) >= shared.cfg.max_connections {
             shared.stats.refused.fetch_add(1, Ordering::Relaxed);
             continue; // dropped: closed at once
         }
-        let one: libc::c_int = 1;
-        // SAFETY: TCP_NODELAY on a socket we own; harmless failure on unix sockets.
-        unsafe {
-            libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, (&one as *const libc::c_int).cast(), 4);
-        }
+        // Unix sockets refuse it, harmlessly.
+        let _ = bulkhead_sys::set_nodelay(sock.as_fd());
         shared.stats.accepted.fetch_add(1, Ordering::Relaxed);
         shared.active.fetch_add(1, Ordering::AcqRel);
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
@@ -385,13 +361,8 @@ impl Read for DeadlineReader {
         if !self.nonblocking {
             return self.file.read(buf);
         }
-        // SAFETY: recv into a buffer we hold mutably, for its length, on our socket (the
-        // client's, or the TLS relay's socket pair).
-        let n = unsafe { libc::recv(self.file.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(n as usize)
+        // What the socket (the client's, or the TLS relay's pair) holds now.
+        bulkhead_sys::recv_now(self.file.as_fd(), buf)
     }
 }
 
@@ -425,8 +396,8 @@ fn serve_connection(shared: &Arc<Shared>, id: u64, sock: Arc<OwnedFd>) -> io::Re
     let mut greeted = false;
     loop {
         let raw = sock.as_raw_fd();
-        set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.handshake_timeout));
-        set_timeout(raw, libc::SO_SNDTIMEO, Some(cfg.request_timeout));
+        set_timeout(&sock, SocketTimeout::Read, Some(cfg.handshake_timeout));
+        set_timeout(&sock, SocketTimeout::Write, Some(cfg.request_timeout));
         let mut reader = BufReader::with_capacity(
             64 << 10,
             DeadlineReader { file: sock_file(&sock)?, deadline: Some(deadline), nonblocking: false },
@@ -439,7 +410,7 @@ fn serve_connection(shared: &Arc<Shared>, id: u64, sock: Arc<OwnedFd>) -> io::Re
         match negotiate(shared, &haggle, &mut reader, &mut writer).map_err(|e| timeout_says(e, "negotiation"))? {
             Outcome::Abort => return Ok(()),
             Outcome::Go(neg) => {
-                set_timeout(raw, libc::SO_RCVTIMEO, Some(cfg.request_timeout));
+                set_timeout(&sock, SocketTimeout::Read, Some(cfg.request_timeout));
                 return transmit(shared, id, raw, reader, writer, neg);
             }
             Outcome::StartTls => {
@@ -1326,20 +1297,20 @@ impl Connection<'_> {
         // the queue): the socket would say "readable" at once, for ever. Answers come first.
         let watch_socket = r.buffered().len() < RequestHeader::SIZE;
         let fds = if watch_socket { &mut fds[..] } else { &mut fds[1..] };
-        // SAFETY: `fds` is a valid array of pollfds for the call.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        // A failed wait is a short one: the caller looks again.
+        let _ = bulkhead_sys::poll(fds, timeout);
         h.disarm();
         watch_socket && fds[0].revents != 0
     }
     /// Waits up to `timeout_ms` (-1: for ever) for the socket to have something to read (or to
     /// be closed or broken, which the read that follows finds out).
     fn readable(&self, timeout_ms: libc::c_int) -> io::Result<bool> {
-        let mut pfd = libc::pollfd { fd: self.raw, events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd, for the duration of the call.
-        match unsafe { libc::poll(&mut pfd, 1, timeout_ms) } {
-            n if n < 0 => Err(io::Error::last_os_error()),
+        let mut pfd = [libc::pollfd { fd: self.raw, events: libc::POLLIN, revents: 0 }];
+        // An interrupted wait reports nothing ready, as a timeout would: the caller looks again.
+        match bulkhead_sys::poll(&mut pfd, timeout_ms)? {
+            0 if timeout_ms < 0 => Err(io::Error::from(io::ErrorKind::Interrupted)),
             0 => Ok(false),
-            _ => Ok(pfd.revents & libc::POLLIN != 0),
+            _ => Ok(pfd[0].revents & libc::POLLIN != 0),
         }
     }
 

@@ -12,7 +12,7 @@
 //! libraries sit behind one [`Session`] face, so the relay is the same for both.
 
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
@@ -181,14 +181,8 @@ fn psk_context(keys: HashMap<Vec<u8>, Vec<u8>>) -> Result<SslContext, openssl::e
 /// Decrypted bytes the relay holds for the server before it stops reading the client.
 const HOLD: usize = 1 << 20;
 
-fn set_nonblocking(fd: &impl AsRawFd) -> io::Result<()> {
-    // SAFETY: fcntl on a descriptor the caller holds open.
-    let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-    // SAFETY: as above.
-    if fl < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+fn set_nonblocking(fd: &impl AsFd) -> io::Result<()> {
+    bulkhead_sys::set_nonblocking(fd.as_fd())
 }
 
 /// Starts TLS on `sock` (the handshake is the relay's first work) and returns the plaintext
@@ -450,17 +444,9 @@ fn pump(sock: &OwnedFd, mut plain: UnixStream, mut conn: Box<dyn Session>) -> io
 
 /// Waits for either descriptor, retrying on EINTR.
 fn wait_either(pfd: &mut [libc::pollfd; 2]) -> io::Result<()> {
-    loop {
-        // SAFETY: two valid pollfds, for the duration of the call.
-        let n = unsafe { libc::poll(pfd.as_mut_ptr(), 2, -1) };
-        if n >= 0 {
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // Without a time limit, nothing ready means an interrupted wait: wait again.
+    while bulkhead_sys::poll(pfd, -1)? == 0 {}
+    Ok(())
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 //! anything is allocated, and every read and write has a deadline (`MSG_DONTWAIT` and `poll`,
 //! whether or not the socket is blocking). The descriptor must be a socket.
 
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use crate::proto::*;
@@ -58,62 +58,46 @@ pub enum ClientError {
 }
 
 /// Waits until `fd` is ready for `events` or the deadline passes.
-pub fn wait_fd(fd: RawFd, events: i16, deadline: Instant) -> Result<(), ClientError> {
+pub fn wait_fd(fd: BorrowedFd<'_>, events: i16, deadline: Instant) -> Result<(), ClientError> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = libc::pollfd { fd, events, revents: 0 };
-        // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
-        if n > 0 {
-            return Ok(());
-        }
-        if n == 0 {
+        if left.is_zero() {
             return Err(ClientError::Timeout(0));
         }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(e.into());
+        let mut pfd = [libc::pollfd { fd: fd.as_raw_fd(), events, revents: 0 }];
+        // An interrupted wait counts as nothing ready: the loop waits again.
+        if bulkhead_sys::poll(&mut pfd, left.as_millis().clamp(1, i32::MAX as u128) as i32)? > 0 {
+            return Ok(());
         }
     }
 }
 
 /// Reads exactly `buf.len()` bytes before `deadline`; end of stream is an error.
-pub fn read_full(fd: RawFd, buf: &mut [u8], deadline: Instant) -> Result<(), ClientError> {
+pub fn read_full(fd: BorrowedFd<'_>, buf: &mut [u8], deadline: Instant) -> Result<(), ClientError> {
     let mut got = 0;
     while got < buf.len() {
-        // SAFETY: receives into the unfilled tail of `buf`.
-        let n = unsafe { libc::recv(fd, buf[got..].as_mut_ptr().cast(), buf.len() - got, libc::MSG_DONTWAIT) };
-        if n > 0 {
-            got += n as usize;
-        } else if n == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the server closed the connection").into());
-        } else {
-            let e = std::io::Error::last_os_error();
-            match e.kind() {
-                std::io::ErrorKind::WouldBlock => wait_fd(fd, libc::POLLIN, deadline)?,
-                std::io::ErrorKind::Interrupted => {}
-                _ => return Err(e.into()),
+        match bulkhead_sys::recv_now(fd, &mut buf[got..]) {
+            Ok(0) => {
+                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the server closed the connection").into())
             }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait_fd(fd, libc::POLLIN, deadline)?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(())
 }
 
 /// Writes all of `buf` before `deadline`.
-pub fn write_full(fd: RawFd, buf: &[u8], deadline: Instant) -> Result<(), ClientError> {
+pub fn write_full(fd: BorrowedFd<'_>, buf: &[u8], deadline: Instant) -> Result<(), ClientError> {
     let mut done = 0;
     while done < buf.len() {
-        // SAFETY: sends from the unsent tail of `buf`; a closed peer gives EPIPE, not SIGPIPE.
-        let n = unsafe { libc::send(fd, buf[done..].as_ptr().cast(), buf.len() - done, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
-        if n >= 0 {
-            done += n as usize;
-        } else {
-            let e = std::io::Error::last_os_error();
-            match e.kind() {
-                std::io::ErrorKind::WouldBlock => wait_fd(fd, libc::POLLOUT, deadline)?,
-                std::io::ErrorKind::Interrupted => {}
-                _ => return Err(e.into()),
-            }
+        match bulkhead_sys::send_now(fd, &buf[done..]) {
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait_fd(fd, libc::POLLOUT, deadline)?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(())
@@ -130,7 +114,7 @@ fn option(opt: u32, data: &[u8]) -> Vec<u8> {
 
 /// Negotiates `export` on a connected socket, within `timeout`; on success the connection is
 /// in the transmission phase.
-pub fn handshake(fd: RawFd, export: &str, timeout: Duration) -> Result<ExportInfo, ClientError> {
+pub fn handshake(fd: BorrowedFd<'_>, export: &str, timeout: Duration) -> Result<ExportInfo, ClientError> {
     let deadline = Instant::now() + timeout;
     let timed = |e: ClientError| match e {
         ClientError::Timeout(_) => ClientError::Timeout(timeout.as_millis()),
@@ -139,7 +123,7 @@ pub fn handshake(fd: RawFd, export: &str, timeout: Duration) -> Result<ExportInf
     negotiate(fd, export, deadline).map_err(timed)
 }
 
-fn negotiate(fd: RawFd, export: &str, deadline: Instant) -> Result<ExportInfo, ClientError> {
+fn negotiate(fd: BorrowedFd<'_>, export: &str, deadline: Instant) -> Result<ExportInfo, ClientError> {
     if export.len() > 4096 {
         return Err(ClientError::Refused("export name longer than 4096 bytes".into()));
     }
@@ -222,7 +206,7 @@ fn negotiate(fd: RawFd, export: &str, deadline: Instant) -> Result<ExportInfo, C
 
 /// The pre-GO way in: the server answers with size and flags (then 124 zeroes unless agreed
 /// otherwise), or closes the connection if there is no such export.
-fn export_name(fd: RawFd, export: &str, no_zeroes: bool, deadline: Instant) -> Result<ExportInfo, ClientError> {
+fn export_name(fd: BorrowedFd<'_>, export: &str, no_zeroes: bool, deadline: Instant) -> Result<ExportInfo, ClientError> {
     write_full(fd, &option(OPT_EXPORT_NAME, export.as_bytes()), deadline)?;
     let mut b = [0u8; 10 + 124];
     let want = if no_zeroes { 10 } else { b.len() };
@@ -257,7 +241,7 @@ fn finish(size: u64, flags: u16, blocks: Option<(u32, u32, u32)>) -> Result<Expo
 }
 
 /// Sends `NBD_CMD_DISC`, best effort, before a connection is closed.
-pub fn disconnect(fd: RawFd) {
+pub fn disconnect(fd: BorrowedFd<'_>) {
     let r = RequestHeader { flags: 0, typ: CMD_DISC, cookie: 0, offset: 0, len: 0 }.encode();
     let _ = write_full(fd, &r, Instant::now() + Duration::from_millis(100));
 }
@@ -266,7 +250,7 @@ pub fn disconnect(fd: RawFd) {
 mod tests {
     use super::*;
     use std::io::{Read, Write};
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
 
     /// A scripted server: writes `script` and records what the client sent.
@@ -303,7 +287,7 @@ mod tests {
         s.extend_from_slice(&option_reply(OPT_GO, REP_INFO, &bs));
         s.extend_from_slice(&option_reply(OPT_GO, REP_ACK, &[]));
         let (c, t) = scripted(s);
-        let i = handshake(c.as_raw_fd(), "disk0", Duration::from_secs(2)).unwrap();
+        let i = handshake(c.as_fd(), "disk0", Duration::from_secs(2)).unwrap();
         assert_eq!(i.size, 64 << 20);
         assert!(i.has(TFLAG_SEND_FLUSH) && !i.has(TFLAG_SEND_FUA));
         assert_eq!((i.min_block, i.pref_block, i.max_payload), (512, 4096, 1 << 20));
@@ -319,7 +303,7 @@ mod tests {
         let mut s = greeting(FLAG_FIXED_NEWSTYLE);
         s.extend_from_slice(&option_reply(OPT_GO, REP_ERR_UNKNOWN, b"not here"));
         let (c, _t) = scripted(s);
-        let e = handshake(c.as_raw_fd(), "nope", Duration::from_secs(2)).unwrap_err();
+        let e = handshake(c.as_fd(), "nope", Duration::from_secs(2)).unwrap_err();
         assert!(e.to_string().contains("no export `nope`") && e.to_string().contains("not here"), "{e}");
     }
 
@@ -331,7 +315,7 @@ mod tests {
         s.extend_from_slice(&(TFLAG_HAS_FLAGS | TFLAG_READ_ONLY).to_be_bytes());
         s.extend_from_slice(&[0u8; 124]);
         let (c, _t) = scripted(s);
-        let i = handshake(c.as_raw_fd(), "", Duration::from_secs(2)).unwrap();
+        let i = handshake(c.as_fd(), "", Duration::from_secs(2)).unwrap();
         assert_eq!(i.size, 1 << 30);
         assert!(i.has(TFLAG_READ_ONLY));
         assert_eq!(i.max_payload, MAX_PAYLOAD);
@@ -341,12 +325,12 @@ mod tests {
     fn hostile_servers_get_errors_not_allocations_or_hangs() {
         // Not an NBD server.
         let (c, _t) = scripted(b"SSH-2.0-OpenSSH_9.2\r\n".to_vec());
-        assert!(matches!(handshake(c.as_raw_fd(), "x", Duration::from_secs(2)), Err(ClientError::Protocol(_))));
+        assert!(matches!(handshake(c.as_fd(), "x", Duration::from_secs(2)), Err(ClientError::Protocol(_))));
         // Oldstyle.
         let mut s = NBDMAGIC.to_be_bytes().to_vec();
         s.extend_from_slice(&OLDSTYLE_MAGIC.to_be_bytes());
         let (c, _t) = scripted(s);
-        let e = handshake(c.as_raw_fd(), "x", Duration::from_secs(2)).unwrap_err();
+        let e = handshake(c.as_fd(), "x", Duration::from_secs(2)).unwrap_err();
         assert!(e.to_string().contains("oldstyle"), "{e}");
         // A 4 GiB option reply is refused before anything is allocated.
         let mut s = greeting(FLAG_FIXED_NEWSTYLE);
@@ -355,21 +339,21 @@ mod tests {
         s.extend_from_slice(&REP_INFO.to_be_bytes());
         s.extend_from_slice(&u32::MAX.to_be_bytes());
         let (c, _t) = scripted(s);
-        let e = handshake(c.as_raw_fd(), "x", Duration::from_secs(2)).unwrap_err();
+        let e = handshake(c.as_fd(), "x", Duration::from_secs(2)).unwrap_err();
         assert!(e.to_string().contains("option reply of"), "{e}");
         // ACK without the size.
         let mut s = greeting(FLAG_FIXED_NEWSTYLE);
         s.extend_from_slice(&option_reply(OPT_GO, REP_ACK, &[]));
         let (c, _t) = scripted(s);
-        assert!(matches!(handshake(c.as_raw_fd(), "x", Duration::from_secs(2)), Err(ClientError::Protocol(_))));
+        assert!(matches!(handshake(c.as_fd(), "x", Duration::from_secs(2)), Err(ClientError::Protocol(_))));
         // A server that says nothing times out.
         let (c, _keep) = UnixStream::pair().unwrap();
         let t0 = Instant::now();
-        let e = handshake(c.as_raw_fd(), "x", Duration::from_millis(200)).unwrap_err();
+        let e = handshake(c.as_fd(), "x", Duration::from_millis(200)).unwrap_err();
         assert!(matches!(e, ClientError::Timeout(200)), "{e}");
         assert!(t0.elapsed() < Duration::from_secs(2));
         // Not fixed newstyle.
         let (c, _t) = scripted(greeting(0));
-        assert!(handshake(c.as_raw_fd(), "x", Duration::from_secs(2)).unwrap_err().to_string().contains("fixed newstyle"));
+        assert!(handshake(c.as_fd(), "x", Duration::from_secs(2)).unwrap_err().to_string().contains("fixed newstyle"));
     }
 }

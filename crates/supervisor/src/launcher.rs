@@ -767,8 +767,8 @@ pub(crate) fn connect_nbd(target: &NbdTarget, timeout: Duration) -> Result<Owned
 /// Reads a remote export's size at device start (the only negotiation outside a domain).
 fn probe_nbd(target: &NbdTarget, export: &str, timeout: Duration) -> Result<u64, String> {
     let sock = connect_nbd(target, timeout)?;
-    let info = bulkhead_nbd::client::handshake(sock.as_raw_fd(), export, timeout).map_err(|e| e.to_string())?;
-    bulkhead_nbd::client::disconnect(sock.as_raw_fd());
+    let info = bulkhead_nbd::client::handshake(sock.as_fd(), export, timeout).map_err(|e| e.to_string())?;
+    bulkhead_nbd::client::disconnect(sock.as_fd());
     Ok(info.size)
 }
 

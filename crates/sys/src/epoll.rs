@@ -61,10 +61,10 @@ impl Epoll {
         self.ctl(libc::EPOLL_CTL_DEL, fd, 0, 0)
     }
 
-    /// Waits until something is ready or `timeout` passes (`None`: no limit) and appends the
-    /// tokens of what is ready to `ready` (at most [`MAX_EVENTS`]). An interrupted wait
-    /// reports nothing.
-    pub fn wait(&self, timeout: Option<Duration>, ready: &mut Vec<u64>) -> io::Result<usize> {
+    /// Waits until something is ready or `timeout` passes (`None`: no limit) and calls `f`
+    /// with the token of each that is (at most [`MAX_EVENTS`]); returns how many. An
+    /// interrupted wait reports nothing.
+    pub fn wait_with(&self, timeout: Option<Duration>, mut f: impl FnMut(u64)) -> io::Result<usize> {
         let mut evs = [libc::epoll_event { events: 0, u64: 0 }; MAX_EVENTS];
         // Round up: a wait cut short by a millisecond would spin until the deadline.
         let ms = timeout.map_or(-1, |t| t.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as libc::c_int);
@@ -74,8 +74,13 @@ impl Epoll {
             let e = io::Error::last_os_error();
             return if e.kind() == io::ErrorKind::Interrupted { Ok(0) } else { Err(e) };
         }
-        ready.extend(evs[..n as usize].iter().map(|e| e.u64));
+        evs[..n as usize].iter().for_each(|e| f(e.u64));
         Ok(n as usize)
+    }
+
+    /// [`wait_with`](Self::wait_with), appending the tokens to `ready`.
+    pub fn wait(&self, timeout: Option<Duration>, ready: &mut Vec<u64>) -> io::Result<usize> {
+        self.wait_with(timeout, |t| ready.push(t))
     }
 }
 

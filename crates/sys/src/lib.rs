@@ -4,6 +4,7 @@
 #![deny(missing_docs)]
 
 pub mod epoll;
+pub mod eventfd;
 pub mod memfd;
 pub mod pkey;
 pub mod uffd;
@@ -97,6 +98,131 @@ pub fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Receives what `sock` holds now into `buf`, without waiting: `Ok(0)` is the end of the
+/// stream, `WouldBlock` nothing there yet.
+pub fn recv_now(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: receives into `buf`, which the caller lends mutably for its length.
+    let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Sends what `sock` takes now of `buf`, without waiting (`WouldBlock` when it takes none); a
+/// peer that has gone gives `BrokenPipe`, never SIGPIPE.
+pub fn send_now(sock: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
+    // SAFETY: sends from `buf`, which the caller lends for its length.
+    let n = unsafe { libc::send(sock.as_raw_fd(), buf.as_ptr().cast(), buf.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Which of a socket's time limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketTimeout {
+    /// `SO_RCVTIMEO`: a read that waits longer fails with `WouldBlock`.
+    Read,
+    /// `SO_SNDTIMEO`: likewise a write.
+    Write,
+}
+
+/// Sets a socket's time limit (`None`: none).
+pub fn set_socket_timeout(sock: BorrowedFd<'_>, which: SocketTimeout, limit: Option<std::time::Duration>) -> io::Result<()> {
+    let tv = match limit {
+        Some(d) => libc::timeval { tv_sec: d.as_secs() as libc::time_t, tv_usec: d.subsec_micros() as libc::suseconds_t },
+        None => libc::timeval { tv_sec: 0, tv_usec: 0 },
+    };
+    let opt = match which {
+        SocketTimeout::Read => libc::SO_RCVTIMEO,
+        SocketTimeout::Write => libc::SO_SNDTIMEO,
+    };
+    let len = std::mem::size_of::<libc::timeval>() as libc::socklen_t;
+    // SAFETY: setsockopt reads one timeval, which outlives the call.
+    if unsafe { libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, opt, (&tv as *const libc::timeval).cast(), len) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sends TCP segments at once (`TCP_NODELAY`); a unix socket refuses it harmlessly.
+pub fn set_nodelay(sock: BorrowedFd<'_>) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: setsockopt reads one int, which outlives the call.
+    if unsafe {
+        libc::setsockopt(sock.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_NODELAY, (&one as *const libc::c_int).cast(), len)
+    } < 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Shuts both directions of `sock` down: a thread blocked on it wakes.
+pub fn shutdown(sock: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: a system call with integer arguments only, on a socket the caller holds open.
+    if unsafe { libc::shutdown(sock.as_raw_fd(), libc::SHUT_RDWR) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Takes the next connection of a listening socket (close-on-exec); the peer's address is not
+/// wanted.
+pub fn accept(listener: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    // SAFETY: accept4 with no address buffer on a socket the caller holds open.
+    let fd = unsafe { libc::accept4(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: accept4 returned a fresh descriptor, owned from here on.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Takes an exclusive lock on `file` without waiting: `Ok(false)` if another holds it.
+pub fn lock_exclusive(file: BorrowedFd<'_>) -> io::Result<bool> {
+    // SAFETY: a system call with integer arguments only, on a descriptor the caller holds open.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } < 0 {
+        let e = io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::EWOULDBLOCK) { Ok(false) } else { Err(e) };
+    }
+    Ok(true)
+}
+
+/// Detaches the mount at `path` (`umount2(MNT_DETACH)`): it is gone from the tree at once, and
+/// released when its last user lets go.
+pub fn detach_mount(path: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path holds a NUL byte"))?;
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Tells the kernel the cached pages of `file` are not needed (`POSIX_FADV_DONTNEED`).
+pub fn drop_cached_pages(file: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: a system call with integer arguments only, on a descriptor the caller holds open.
+    let r = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    Ok(())
+}
+
+/// Monotonic nanoseconds (`CLOCK_MONOTONIC`, through the vDSO: ~20 ns).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec, which outlives the call.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// How many clock ticks make a second, as /proc counts CPU time (`_SC_CLK_TCK`).

@@ -1,7 +1,7 @@
-//! eventfd doorbells and an epoll-based poller.
+//! eventfd doorbells and an epoll-based poller of many (used by the doorbell crate and the driver domain's loop).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 /// A doorbell: a non-blocking eventfd. Rings coalesce into a counter, so a storm of rings costs
 /// the sleeper one wake-up.
@@ -90,59 +90,35 @@ impl AsRawFd for EventFd {
     }
 }
 
-/// Blocks on many descriptors at once (level-triggered epoll).
+/// Blocks on many descriptors at once (level-triggered epoll), each reported by a token.
 #[derive(Debug)]
 pub struct Poller {
-    ep: OwnedFd,
+    ep: crate::epoll::Epoll,
 }
 
 impl Poller {
     /// A new, empty poller.
     pub fn new() -> io::Result<Self> {
-        // SAFETY: plain syscall.
-        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fresh descriptor.
-        Ok(Poller { ep: unsafe { OwnedFd::from_raw_fd(fd) } })
+        Ok(Poller { ep: crate::epoll::Epoll::new()? })
     }
 
     /// Watches `fd` for readability, reporting `token`.
     pub fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
-        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: token };
-        // SAFETY: `ev` is a valid epoll_event for the call.
-        if unsafe { libc::epoll_ctl(self.ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        // SAFETY: borrowed for the call only; a descriptor that is not open fails with EBADF.
+        self.ep.add(unsafe { BorrowedFd::borrow_raw(fd) }, token)
     }
 
     /// Stops watching `fd` (closing the descriptor would do it too, unless another copy of it
     /// stays open).
     pub fn remove(&self, fd: RawFd) -> io::Result<()> {
-        let mut ev = libc::epoll_event { events: 0, u64: 0 };
-        // SAFETY: `ev` is a valid epoll_event for the call (ignored by DEL on this kernel).
-        if unsafe { libc::epoll_ctl(self.ep.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut ev) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        // SAFETY: as in `add`.
+        self.ep.delete(unsafe { BorrowedFd::borrow_raw(fd) })
     }
 
     /// Waits up to `timeout_ms` (-1: forever) and calls `f` with each ready token.
-    pub fn wait(&self, timeout_ms: i32, mut f: impl FnMut(u64)) -> io::Result<usize> {
-        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 16];
-        // SAFETY: `evs` is a valid buffer of 16 events.
-        let n = unsafe { libc::epoll_wait(self.ep.as_raw_fd(), evs.as_mut_ptr(), 16, timeout_ms) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            return if e.kind() == io::ErrorKind::Interrupted { Ok(0) } else { Err(e) };
-        }
-        for ev in &evs[..n as usize] {
-            let token = ev.u64;
-            f(token);
-        }
-        Ok(n as usize)
+    pub fn wait(&self, timeout_ms: i32, f: impl FnMut(u64)) -> io::Result<usize> {
+        let timeout = u64::try_from(timeout_ms).ok().map(std::time::Duration::from_millis);
+        self.ep.wait_with(timeout, f)
     }
 }
 

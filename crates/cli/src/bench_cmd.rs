@@ -1,0 +1,646 @@
+//! `bulkhead bench …`: each benchmark's arguments, parsed (ranges by clap's own parsers,
+//! combinations by the benchmark's `Options::check`), run from `bulkhead-bench`, printed.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::Context;
+use bulkhead_bench::BenchError;
+use clap::builder::{PossibleValuesParser, RangedU64ValueParser};
+use clap::{Subcommand, ValueEnum};
+
+/// Notification modes a benchmark runs in.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum ModeArg {
+    Irq,
+    Poll,
+    Adaptive,
+    All,
+}
+
+/// The one notification mode a benchmark runs in.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum OneMode {
+    Irq,
+    Poll,
+    Adaptive,
+}
+
+impl OneMode {
+    fn as_str(self) -> &'static str {
+        match self {
+            OneMode::Irq => "irq",
+            OneMode::Poll => "poll",
+            OneMode::Adaptive => "adaptive",
+        }
+    }
+}
+
+/// A count between `lo` and `hi`, for a `usize` option.
+fn count(lo: u64, hi: u64) -> RangedU64ValueParser<usize> {
+    RangedU64ValueParser::<usize>::new().range(lo..=hi)
+}
+
+/// Seconds as a decimal number between `lo` and `hi`.
+fn seconds_f64(lo: f64, hi: f64) -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync + 'static {
+    move |s: &str| match s.parse::<f64>() {
+        Ok(v) if (lo..=hi).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is not in {lo}..={hi}")),
+        Err(e) => Err(format!("`{s}`: {e}")),
+    }
+}
+
+/// A size (`64M`, `1G`) of whole MiB, at least `min` bytes.
+fn size_mib(min: u64) -> impl Fn(&str) -> Result<u64, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let v = bulkhead_config::parse_size(s)?;
+        if v < min || v % (1 << 20) != 0 {
+            return Err(format!("`{s}` is not a whole number of MiB of at least {}M", min >> 20));
+        }
+        Ok(v)
+    }
+}
+
+/// A bytes-per-second cap of at least 1 MiB/s.
+fn cap(s: &str) -> Result<u64, String> {
+    let v = bulkhead_config::parse_size(s)?;
+    if v < 1 << 20 {
+        return Err(format!("`{s}` is less than 1M (bytes per second)"));
+    }
+    Ok(v)
+}
+
+/// A directory that exists.
+fn dir(s: &str) -> Result<PathBuf, String> {
+    let p = PathBuf::from(s);
+    if !p.is_dir() {
+        return Err(format!("{s}: not a directory"));
+    }
+    Ok(p)
+}
+
+/// A Pareto distribution given as "alpha,k", both positive.
+fn pareto(s: &str) -> Result<bulkhead_diskmodel::surge::Pareto, String> {
+    let v: Vec<f64> = s
+        .split(',')
+        .map(|x| x.trim().parse::<f64>())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("`{s}`: {e} (expected \"alpha,k\")"))?;
+    match v[..] {
+        [alpha, k] if alpha > 0.0 && k > 0.0 && alpha.is_finite() && k.is_finite() => {
+            Ok(bulkhead_diskmodel::surge::Pareto { alpha, k })
+        }
+        _ => Err(format!("`{s}`: expected \"alpha,k\", both positive")),
+    }
+}
+
+/// A positive, finite number.
+fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a positive number")),
+    }
+}
+
+#[derive(Subcommand)]
+pub enum BenchCmd {
+    /// The device channel between two processes, per notification mode.
+    Channel {
+        /// Mode to measure.
+        #[arg(long, value_enum, default_value = "all")]
+        mode: ModeArg,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+        /// Seconds per IOPS phase.
+        #[arg(long, default_value_t = 2.0, value_parser = seconds_f64(0.1, 600.0))]
+        seconds: f64,
+        /// Round trips sampled per latency phase.
+        #[arg(long, default_value_t = 200_000, value_parser = count(1000, 100_000_000))]
+        samples: usize,
+        /// Do not pin the frontend and the driver domain to different CPUs.
+        #[arg(long)]
+        no_pin: bool,
+    },
+    /// The cost of the block tap: no filter, a trace filter in the driver domain (passthrough)
+    /// and in a tap domain (interpose), through the library and FUSE; nbdkit's filters beside.
+    Tap {
+        /// Notification mode of the devices.
+        #[arg(long, value_enum, default_value = "poll")]
+        mode: OneMode,
+        /// Bytes written and read sequentially (the device's size), e.g. 1G.
+        #[arg(long, default_value = "1G", value_parser = size_mib(16 << 20))]
+        bytes: u64,
+        /// Synchronous 4 KiB reads timed per system and path.
+        #[arg(long, default_value_t = 100_000, value_parser = count(1, 10_000_000))]
+        requests: usize,
+        /// Skip nbdkit.
+        #[arg(long)]
+        no_nbdkit: bool,
+        /// Scratch directory for trace files and mount points (a tmpfs).
+        #[arg(long, default_value = "/dev/shm", value_parser = dir)]
+        scratch: PathBuf,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One driver domain shared by views: a QD1 reader beside a noisy neighbour (no QoS, a
+    /// cap, weights), four equal clients' fairness, one busy view against the device alone,
+    /// and a 50 MiB/s cap's accuracy.
+    Share {
+        /// Notification mode of the device.
+        #[arg(long, value_enum, default_value = "adaptive")]
+        mode: OneMode,
+        /// Seconds per phase.
+        #[arg(long, default_value_t = 3.0, value_parser = seconds_f64(0.5, 600.0))]
+        seconds: f64,
+        /// Seconds of the cap-accuracy phase.
+        #[arg(long, default_value_t = 10.0, value_parser = seconds_f64(1.0, 600.0))]
+        cap_seconds: f64,
+        /// The noisy neighbour's caps, bytes per second, comma-separated, each a phase.
+        #[arg(long, default_value = "32M,4M", value_delimiter = ',', value_parser = cap)]
+        noisy_caps: Vec<u64>,
+        /// Skip the phases over NBD next to qemu-storage-daemon.
+        #[arg(long)]
+        no_nbd: bool,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Disk images, copy-on-write and encryption (raw, qcow2, cow, crypt, crypt over qcow2) next
+    /// to qemu-storage-daemon, both over NBD through fio's nbd engine.
+    Images {
+        /// Seconds per job.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=600))]
+        seconds: u32,
+        /// Bytes of each device, e.g. 1G.
+        #[arg(long, default_value = "1G", value_parser = size_mib(64 << 20))]
+        size: u64,
+        /// Scratch directory for the images (a tmpfs measures the formats, not a disk).
+        #[arg(long, default_value = "/dev/shm", value_parser = dir)]
+        scratch: PathBuf,
+        /// Skip qemu-storage-daemon.
+        #[arg(long)]
+        no_qsd: bool,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The IDDR thesis' sysbench fileio experiment, bulkhead next to the peers (needs root).
+    Fileio(FileioArgs),
+    /// The VPT case study: a SURGE-style workload on ext4 over a vpt device, per disk scheduler
+    /// (bulkhead's and the kernel's), with and without O_DIRECT, the simulator beside (needs root).
+    Surge(SurgeArgs),
+    /// Outage per driver-domain restart: SIGKILL the driver under load, again and again.
+    Restart {
+        /// Kills to perform.
+        #[arg(long, default_value_t = 100, value_parser = count(1, 100_000))]
+        kills: usize,
+        /// Notification mode of the device.
+        #[arg(long, value_enum, default_value = "adaptive")]
+        mode: OneMode,
+        /// Load threads (and queues).
+        #[arg(long, default_value_t = 2, value_parser = count(1, 64))]
+        threads: usize,
+        /// `passthrough`: kill the device's only domain; `interpose`: a tap domain over a
+        /// driver domain, the one `--kill` names being killed and replaced alone.
+        #[arg(long, default_value = "passthrough")]
+        tap: String,
+        /// With `--tap interpose`, the domain to kill: `driver` (below the tap domain) or `tap`.
+        #[arg(long, default_value = "driver")]
+        kill: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write capture: what one caught write costs for each mechanism (userfaultfd, mprotect)
+    /// and mode (DWC's single step, SCDWC's cache), beside an unguarded write.
+    ///
+    /// With `--filters`: throughput and CPU of the trace, crypt and cow filters under fio
+    /// through FUSE, for `guard` off, dwc, and scdwc with C from 0 to 100. With
+    /// `--isolation`: the share of injected faults those filters make that is stopped before
+    /// the state it aims at changes, per setting. Either or both, with `--plot` for an SVG.
+    Guard {
+        /// Writes timed per measurement.
+        #[arg(long, default_value_t = 200_000, value_parser = count(bulkhead_bench::guard::PAGES_MIN as u64, 100_000_000))]
+        writes: usize,
+        /// Measure real filters under fio instead.
+        #[arg(long)]
+        filters: bool,
+        /// Measure the isolation rate: faults injected into real filters, checked in memory.
+        #[arg(long)]
+        isolation: bool,
+        /// With --isolation: faults per setting, spread over the filters and the targets.
+        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        faults: u32,
+        /// With --filters or --isolation: only these settings (comma-separated: `off`, `dwc`
+        /// or a cache size C, each but `off` with `+keys` for protection keys), not all.
+        #[arg(long, value_delimiter = ',', value_parser = bulkhead_bench::guard_filters::Setting::parse)]
+        settings: Vec<bulkhead_bench::guard_filters::Setting>,
+        /// With --filters or --isolation: write the figures as an SVG here.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        /// With --filters: seconds of fio per setting.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=600))]
+        seconds: u32,
+        /// With --filters: where the trace, volume and overlay files go.
+        #[arg(long, default_value = "/tmp", value_parser = dir)]
+        scratch: PathBuf,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// What an idle `serve` costs as devices are added: CPU of serve and its domains, serve's
+    /// threads and memory, for each device count (runs `serve` itself; needs root for FUSE).
+    Idle {
+        /// Device counts (comma-separated), each measured with a `serve` of its own.
+        #[arg(long, value_delimiter = ',', default_value = "100,300,1000", value_parser = count(1, 5000))]
+        devices: Vec<usize>,
+        /// Seconds of quiet measured at each count.
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=600))]
+        seconds: u32,
+        /// Measure this build of `bulkhead` instead (a `serve` of another version).
+        #[arg(long)]
+        exe: Option<PathBuf>,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Virtual devices: 4 KiB QD1 latency and QD16 IOPS through a `vdev` card with the driver
+    /// taking interrupts and polling, `ram` beside; the cost of one trapped register write.
+    Vdev {
+        /// The card's seed.
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Bytes of each device, e.g. 256M.
+        #[arg(long, default_value = "256M", value_parser = size_mib(16 << 20))]
+        size: u64,
+        /// Timed QD1 requests per direction and device.
+        #[arg(long, default_value_t = 20_000, value_parser = count(1, 10_000_000))]
+        requests: usize,
+        /// Seconds of each QD16 run.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=600))]
+        seconds: u32,
+        /// Trapped register writes timed.
+        #[arg(long, default_value_t = 20_000, value_parser = count(1, 10_000_000))]
+        writes: usize,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct SurgeArgs {
+    /// Page reads per scheduler and mode, all processes together.
+    #[arg(long, default_value_t = 50_000, value_parser = clap::value_parser!(u64).range(1..))]
+    reads: u64,
+    /// Processes reading at once.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    processes: u32,
+    /// Files (the L of Zipf(L)).
+    #[arg(long, default_value_t = 20000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    files: u32,
+    /// Files a process reads a round: Pareto(α1, k1), as "α1,k1".
+    #[arg(long, default_value = "2.43,1", value_parser = pareto)]
+    count: bulkhead_diskmodel::surge::Pareto,
+    /// Think time after each page, ms: Pareto(α2, k2), as "α2,k2".
+    #[arg(long, default_value = "1.5,10", value_parser = pareto)]
+    think: bulkhead_diskmodel::surge::Pareto,
+    /// Seed of every draw.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Schedulers (comma-separated): bulkhead's fcfs, satf, opt, deadline, cats; the kernel's
+    /// mq-deadline, bfq, none.
+    #[arg(long, value_delimiter = ',', default_value = "cats,deadline,fcfs,mq-deadline,bfq,none",
+          value_parser = bulkhead_bench::surge::Column::parse)]
+    schedulers: Vec<bulkhead_bench::surge::Column>,
+    /// Modes (comma-separated): direct (O_DIRECT), cached.
+    #[arg(long, value_delimiter = ',', default_value = "direct,cached", value_parser = PossibleValuesParser::new(["direct", "cached"]))]
+    modes: Vec<String>,
+    /// bulkhead policies the simulator runs (comma-separated; `none` for none).
+    #[arg(long, value_delimiter = ',', default_value = "cats,deadline,fcfs",
+          value_parser = PossibleValuesParser::new(["fcfs", "satf", "opt", "deadline", "cats", "none"]))]
+    sim: Vec<String>,
+    /// The vpt's k, locked for the run.
+    #[arg(long, default_value_t = 1.0, value_parser = positive)]
+    k: f64,
+    /// Bytes of the device (the model's D), e.g. 4G.
+    #[arg(long, default_value = "4G", value_parser = bulkhead_config::parse_size)]
+    size: u64,
+    /// Accesses a bulkhead scheduler keeps in flight below.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    depth: u32,
+    /// The loop device's read-ahead, KiB.
+    #[arg(long, default_value_t = 128)]
+    read_ahead_kb: u32,
+    /// Where to write report.json, surge.svg and report.txt.
+    #[arg(long, default_value = "bench-surge")]
+    out: PathBuf,
+    /// Scratch directory (a tmpfs).
+    #[arg(long, default_value = "/dev/shm")]
+    scratch: PathBuf,
+    /// Print the JSON report instead of the tables.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `bench fileio`'s options.
+#[derive(clap::Args)]
+pub struct FileioArgs {
+    /// The quick subset (about two minutes).
+    #[arg(long)]
+    quick: bool,
+    /// Modes (comma-separated): rndrd, rndwr, rndrw, seqrd, seqwr, seqrewr.
+    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(bulkhead_bench::fileio::MODES))]
+    modes: Option<Vec<String>>,
+    /// Thread counts (comma-separated).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=256))]
+    threads: Option<Vec<u32>>,
+    /// bulkhead backends (comma-separated): ram, file.
+    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(["ram", "file"]))]
+    backends: Option<Vec<String>>,
+    /// Notification modes (comma-separated): irq, poll, adaptive.
+    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(["irq", "poll", "adaptive"]))]
+    notify: Option<Vec<String>>,
+    /// Peers (comma-separated): native, nbdkit, qsd, bindfs; `none` for none.
+    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(bulkhead_bench::fileio::PEERS.iter().copied().chain(["none"])))]
+    peers: Option<Vec<String>>,
+    /// Seconds per point.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=3600))]
+    seconds: Option<u32>,
+    /// Measure each point this many times, the systems in turns each time, and report
+    /// each system's median round with the lowest and highest.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    rounds: u32,
+    /// Where to write report.json, points.csv, fileio.svg and report.txt.
+    #[arg(long, default_value = "bench-fileio")]
+    out: PathBuf,
+    /// Scratch directory for images (tmpfs).
+    #[arg(long, default_value = "/dev/shm")]
+    scratch: PathBuf,
+    /// bulkhead's spin budget in µs (default: the self-tuning "auto").
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    spin_budget_us: Option<u64>,
+    /// Print the JSON report instead of the tables.
+    #[arg(long)]
+    json: bool,
+    /// Measure nothing: read a stored run (the directory `--out` wrote, or its report.json or points.csv)
+    /// and print its tables and goals as this build renders them.
+    #[arg(long, value_name = "RUN", conflicts_with_all = ["quick", "modes", "threads", "backends", "notify", "peers", "seconds", "rounds", "spin_budget_us"])]
+    from: Option<PathBuf>,
+}
+
+/// Runs `cmd`.
+pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        BenchCmd::Channel { mode, json, seconds, samples, no_pin } => channel(mode, json, seconds, samples, !no_pin),
+        BenchCmd::Tap { mode, bytes, requests, no_nbdkit, scratch, json } => {
+            need_root("bench tap mounts FUSE exports")?;
+            let opts = bulkhead_bench::tap::Options { mode: mode.as_str().into(), bytes, requests, scratch, nbdkit: !no_nbdkit };
+            let r = bulkhead_bench::tap::run(&exe()?, &opts, |p| eprintln!("bench tap: {p}"))?;
+            emit(&r, json, bulkhead_bench::tap::render)
+        }
+        BenchCmd::Share { mode, seconds, cap_seconds, noisy_caps, no_nbd, json } => {
+            let opts =
+                bulkhead_bench::share::Options { mode: mode.as_str().into(), seconds, cap_seconds, noisy_caps, nbd: !no_nbd };
+            let r = bulkhead_bench::share::run(&exe()?, &opts, |p| eprintln!("bench share: {p}"))?;
+            emit(&r, json, bulkhead_bench::share::render)
+        }
+        BenchCmd::Images { seconds, size, scratch, no_qsd, json } => {
+            let stop = stop_on_signals()?;
+            let opts = bulkhead_bench::images::Options { seconds, size, scratch, qsd: !no_qsd };
+            let r = bulkhead_bench::images::run_bench(&exe()?, &opts, &stop, |p| eprintln!("bench images: {p}"))?;
+            emit(&r, json, bulkhead_bench::images::render)?;
+            Ok(if r.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
+        }
+        BenchCmd::Fileio(args) => fileio(args),
+        BenchCmd::Surge(args) => surge(args),
+        BenchCmd::Restart { kills, mode, threads, tap, kill, json } => {
+            let opts = bulkhead_bench::restart::Options { kills, mode: mode.as_str().into(), threads, tap, kill };
+            opts.check()?;
+            let r = bulkhead_bench::restart::run(&exe()?, &opts, |p| eprintln!("bench restart: {p}"))?;
+            emit(&r, json, bulkhead_bench::restart::render)?;
+            Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        BenchCmd::Guard { writes, filters, isolation, faults, settings, plot, seconds, scratch, json } => {
+            if filters || isolation {
+                let which = GuardFigures { filters, isolation, faults, settings, plot, seconds, scratch };
+                guard_figures(which, json)
+            } else {
+                let r =
+                    bulkhead_bench::guard::run(&bulkhead_bench::guard::Options { writes }, |p| eprintln!("bench guard: {p}"))?;
+                emit(&r, json, bulkhead_bench::guard::render)
+            }
+        }
+        BenchCmd::Idle { devices, seconds, exe: other, json } => {
+            need_root("bench idle runs serve with its FUSE export")?;
+            let exe = match other {
+                Some(e) => e.canonicalize().with_context(|| format!("--exe {}", e.display()))?,
+                None => exe()?,
+            };
+            let opts = bulkhead_bench::idle::Options { devices, seconds: seconds.into() };
+            let r = bulkhead_bench::idle::run(&exe, &opts, |p| eprintln!("bench idle: {p}"))?;
+            emit(&r, json, bulkhead_bench::idle::render)
+        }
+        BenchCmd::Vdev { seed, size, requests, seconds, writes, json } => {
+            let opts = bulkhead_bench::vdev::Options { seed, size, requests, seconds, writes };
+            let r = bulkhead_bench::vdev::run(&exe()?, &opts, |p| eprintln!("bench vdev: {p}"))?;
+            emit(&r, json, bulkhead_bench::vdev::render)
+        }
+    }
+}
+
+fn exe() -> anyhow::Result<PathBuf> {
+    std::env::current_exe().context("cannot find this executable (the domains are exec'd from it)")
+}
+
+fn need_root(what: &str) -> anyhow::Result<()> {
+    if bulkhead_sys::euid() != 0 {
+        anyhow::bail!("{what}: run it as root");
+    }
+    Ok(())
+}
+
+/// A flag SIGINT and SIGTERM set: long benchmarks stop between measurements and keep what they
+/// measured.
+fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
+    Ok(stop)
+}
+
+/// Prints a benchmark's report as JSON or as its table.
+fn emit<R: serde::Serialize>(r: &R, json: bool, render: fn(&R) -> String) -> anyhow::Result<ExitCode> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(r)?);
+    } else {
+        print!("{}", render(r));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Progress on standard error: one line rewritten on a terminal, otherwise a line per part
+/// and one every ten seconds within it.
+struct Progress {
+    name: &'static str,
+    tty: bool,
+    last: (String, std::time::Instant),
+}
+
+impl Progress {
+    fn new(name: &'static str) -> Self {
+        Progress {
+            name,
+            tty: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            last: (String::new(), std::time::Instant::now()),
+        }
+    }
+
+    fn show(&mut self, part: &str, line: &str) {
+        if self.tty {
+            eprint!("\r\x1b[2K{}: {line}", self.name);
+        } else if part != self.last.0 || self.last.1.elapsed().as_secs() >= 10 {
+            eprintln!("{}: {line}", self.name);
+            self.last = (part.to_string(), std::time::Instant::now());
+        }
+    }
+
+    fn end(&self) {
+        if self.tty {
+            eprintln!();
+        }
+    }
+}
+
+fn surge(a: SurgeArgs) -> anyhow::Result<ExitCode> {
+    use bulkhead_bench::surge::{self, Mode};
+    use bulkhead_diskmodel::sched::Policy;
+    let mut opts = surge::Options::default();
+    let p = &mut opts.params;
+    (p.processes, p.files, p.reads, p.seed, p.count, p.think_ms) = (a.processes, a.files, a.reads, a.seed, a.count, a.think);
+    opts.columns = a.schedulers;
+    opts.modes = a.modes.iter().map(|m| if m == "direct" { Mode::Direct } else { Mode::Cached }).collect();
+    opts.sim = a.sim.iter().filter_map(|s| Policy::parse(s)).collect();
+    (opts.k, opts.size, opts.depth, opts.read_ahead_kb, opts.scratch) = (a.k, a.size, a.depth, a.read_ahead_kb, a.scratch);
+    let stop = stop_on_signals()?;
+    let mut progress = Progress::new("bench surge");
+    let report = surge::run_bench(&exe()?, &opts, &stop, |p| {
+        let line = if p.total > 0 { format!("{}: {}/{} reads", p.what, p.done, p.total) } else { p.what.clone() };
+        progress.show(&p.what, &line);
+    })?;
+    progress.end();
+    let files = surge::write_outputs(&report, &a.out)?;
+    emit(&report, a.json, surge::Report::render)?;
+    for f in files {
+        eprintln!("bench surge: wrote {}", f.display());
+    }
+    Ok(if report.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
+}
+
+fn fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
+    use bulkhead_bench::fileio::{self, System};
+    if let Some(run) = &a.from {
+        return emit(&fileio::Report::load(run)?, a.json, fileio::Report::render);
+    }
+    let mut opts = if a.quick { fileio::Options::quick() } else { fileio::Options::full() };
+    if let Some(m) = a.modes {
+        opts.modes = m;
+    }
+    if let Some(t) = a.threads {
+        opts.threads = t;
+    }
+    if let Some(s) = a.seconds {
+        opts.seconds = s;
+    }
+    opts.rounds = a.rounds;
+    let (mut backends, mut notify, mut peers) = (Vec::new(), Vec::new(), Vec::new());
+    for s in &opts.systems {
+        match s {
+            System::Bulkhead { backend, notify: n } => {
+                if !backends.contains(backend) {
+                    backends.push(backend.clone());
+                }
+                if !notify.contains(n) {
+                    notify.push(n.clone());
+                }
+            }
+            System::Peer { name } => peers.push(name.clone()),
+        }
+    }
+    backends = a.backends.unwrap_or(backends);
+    notify = a.notify.unwrap_or(notify);
+    if let Some(p) = a.peers {
+        peers = p.into_iter().filter(|x| x != "none").collect();
+    }
+    opts.systems = backends
+        .iter()
+        .flat_map(|b| notify.iter().map(move |n| System::Bulkhead { backend: b.clone(), notify: n.clone() }))
+        .chain(peers.into_iter().map(|name| System::Peer { name }))
+        .collect();
+    opts.scratch = a.scratch;
+    opts.spin_budget_us = a.spin_budget_us;
+    let stop = stop_on_signals()?;
+    let mut progress = Progress::new("bench fileio");
+    let report = fileio::run_matrix(&exe()?, &opts, &stop, |p| {
+        let line = fileio::progress_line(p);
+        // Every point is a part of its own: without a terminal, a line each.
+        progress.show(&line, &line);
+    })?;
+    progress.end();
+    let files = fileio::write_outputs(&report, &a.out)?;
+    emit(&report, a.json, fileio::Report::render)?;
+    for f in files {
+        eprintln!("bench fileio: wrote {}", f.display());
+    }
+    Ok(if report.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
+}
+
+/// What `bench guard --filters` and `--isolation` run.
+struct GuardFigures {
+    filters: bool,
+    isolation: bool,
+    faults: u32,
+    settings: Vec<bulkhead_bench::guard_filters::Setting>,
+    plot: Option<PathBuf>,
+    seconds: u32,
+    scratch: PathBuf,
+}
+
+fn guard_figures(w: GuardFigures, json: bool) -> anyhow::Result<ExitCode> {
+    use bulkhead_bench::guard_filters::Setting;
+    let settings = if w.settings.is_empty() { Setting::all(true) } else { w.settings };
+    let isolation = bulkhead_bench::guard_isolation::Options { faults: w.faults, scratch: w.scratch.clone(), settings };
+    if w.isolation {
+        isolation.check()?;
+    }
+    let filters_opts =
+        bulkhead_bench::guard_filters::Options { seconds: w.seconds, scratch: w.scratch, settings: isolation.settings.clone() };
+    filters_opts.check()?;
+    need_root("bench guard --filters and --isolation use FUSE exports and userfaultfd on shared memory")?;
+    let progress = |p: &str| eprintln!("bench guard: {p}");
+    let filters = if w.filters { Some(bulkhead_bench::guard_filters::run(&exe()?, &filters_opts, progress)?) } else { None };
+    let isolation = if w.isolation { Some(bulkhead_bench::guard_isolation::run(&isolation, progress)?) } else { None };
+    let figures = bulkhead_bench::guard_figures::Figures { filters, isolation };
+    if let Some(p) = &w.plot {
+        std::fs::write(p, bulkhead_bench::guard_figures::svg(&figures)).map_err(|e| BenchError::io(p, e))?;
+        eprintln!("bench guard: plot written to {}", p.display());
+    }
+    emit(&figures, json, bulkhead_bench::guard_figures::render)
+}
+
+fn channel(mode: ModeArg, json: bool, seconds: f64, samples: usize, pin: bool) -> anyhow::Result<ExitCode> {
+    use bulkhead_channel::NotifyMode;
+    let modes = match mode {
+        ModeArg::Irq => vec![NotifyMode::Irq],
+        ModeArg::Poll => vec![NotifyMode::Poll],
+        ModeArg::Adaptive => vec![NotifyMode::Adaptive],
+        ModeArg::All => vec![NotifyMode::Irq, NotifyMode::Poll, NotifyMode::Adaptive],
+    };
+    let opts = bulkhead_bench::channel::Options { modes, seconds, samples, pin };
+    let report = bulkhead_bench::channel::run(&exe()?, &opts, |p| eprintln!("bench channel: {p}"))?;
+    emit(&report, json, bulkhead_bench::channel::render)
+}
