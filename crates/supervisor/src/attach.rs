@@ -473,3 +473,64 @@ pub(crate) fn listen(mut conn: UnixStream, session: &Session) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bulkhead_channel::{QueueConfig, QueueSetup};
+
+    fn queue(cfg: &QueueConfig) -> BackQueueFds {
+        QueueSetup::create("attach-test", cfg).unwrap().1
+    }
+
+    #[test]
+    fn queues_come_five_descriptors_each() {
+        let q = queue(&QueueConfig::default());
+        let fds: Vec<OwnedFd> = q.as_array().iter().map(|fd| fd.try_clone().unwrap()).collect();
+        assert_eq!(queues_from(fds, 1).unwrap().len(), 1);
+        let four: Vec<OwnedFd> = q.as_array().iter().take(4).map(|fd| fd.try_clone().unwrap()).collect();
+        assert!(queues_from(four, 1).unwrap_err().contains("five each"));
+    }
+
+    #[test]
+    fn an_applications_queue_is_checked_against_the_geometry_and_the_kinds_of_its_descriptors() {
+        let cfg = QueueConfig::default();
+        let good = queue(&cfg);
+        check_queue(&good, cfg.nslots, cfg.arena_bytes as u64).unwrap();
+        // Arenas smaller than the geometry asks.
+        let e = check_queue(&good, cfg.nslots, 2 * cfg.arena_bytes as u64).unwrap_err();
+        assert!(e.contains("write arena") && e.contains("the geometry needs"), "{e}");
+        // A doorbell that is not an eventfd.
+        let (r, _w) = bulkhead_sys::pipe().unwrap();
+        let BackQueueFds { ring, write_arena, read_arena, irq, .. } = queue(&cfg);
+        let bad = BackQueueFds { ring, write_arena, read_arena, kick: r, irq };
+        assert!(check_queue(&bad, cfg.nslots, cfg.arena_bytes as u64).unwrap_err().contains("kick doorbell: not an eventfd"));
+        // A ring that is not a sealed memory file.
+        let f = std::fs::File::open("/dev/null").unwrap();
+        let BackQueueFds { write_arena, read_arena, kick, irq, .. } = queue(&cfg);
+        let bad = BackQueueFds { ring: f.into(), write_arena, read_arena, kick, irq };
+        assert!(check_queue(&bad, cfg.nslots, cfg.arena_bytes as u64).unwrap_err().starts_with("ring: not a sealed memory file"));
+    }
+
+    #[test]
+    fn joining_a_device_with_no_running_domain_is_refused_and_frees_nothing() {
+        let point = AttachPoint::new("d", vec![None, None, Some(0)]);
+        assert_eq!((point.free(None), point.free(Some(0))), (2, 1));
+        let (a, _b) = UnixStream::pair().unwrap();
+        let e = point.join("d", None, &a, vec![queue(&QueueConfig::default())]).unwrap_err();
+        assert!(e.contains("no running domain"), "{e}");
+        assert_eq!(point.free(None), 2);
+        assert_eq!((point.attached(), point.status().len()), (0, 0));
+    }
+
+    #[test]
+    fn the_offer_carries_the_geometry_and_the_modes() {
+        let cfg = QueueConfig::default();
+        let o = offer(1 << 30, &cfg, true, 4096);
+        assert_eq!(
+            (o.size, o.nslots, o.arena_bytes, o.read_only, o.min_block),
+            (1 << 30, cfg.nslots, cfg.arena_bytes as u64, true, 4096)
+        );
+        assert_eq!(o.mode, cfg.mode.as_str());
+    }
+}

@@ -239,3 +239,43 @@ impl ChainSetup {
         self.filters.iter().map(|f| &**f).find(|f| matches!(f.spec, FilterSpec::Cow { .. }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bulkhead_filters::cow::{SnapshotAction, SnapshotOp};
+
+    fn filter(spec: FilterSpec, path: Option<std::path::PathBuf>) -> Filter {
+        Filter { spec, path, key_file: None, guard: Default::default() }
+    }
+
+    #[test]
+    fn only_the_cow_filter_is_told_of_the_pending_snapshot() {
+        let stats = FilterSetup::new("d", 0, filter(FilterSpec::Stats {}, None)).unwrap();
+        let cow = FilterSetup::new("d", 0, filter(FilterSpec::Cow { cluster_bits: 16, op: None }, None)).unwrap();
+        let op = SnapshotOp { seq: 3, action: SnapshotAction::Create, name: "s1".into(), date: (1, 2) };
+        let chain =
+            ChainSetup { tap: Tap::Passthrough, filters: vec![Arc::new(stats), Arc::new(cow)], snapshot: Some(op.clone()) };
+        assert_eq!(chain.spec_of(&chain.filters[0]), FilterSpec::Stats {});
+        assert_eq!(chain.spec_of(&chain.filters[1]), FilterSpec::Cow { cluster_bits: 16, op: Some(op) });
+        assert!(chain.cow().is_some());
+        // A copy shares the filters' files: the next generation gets the same state pages.
+        let copy = chain.clone();
+        assert!(Arc::ptr_eq(&copy.filters[1], &chain.filters[1]));
+    }
+
+    #[test]
+    fn a_trace_is_stamped_with_the_device_number_and_cut_back_to_whole_records() {
+        let dir = std::env::temp_dir().join(format!("bulkhead-chain-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.blktrace");
+        let f = FilterSetup::new("d", 7, filter(FilterSpec::Trace { device_number: 0 }, Some(path.clone()))).unwrap();
+        assert_eq!(f.spec, FilterSpec::Trace { device_number: (TRACE_MAJOR << 20) | 7 });
+        // A domain killed in the middle of a record left part of one.
+        let record = bulkhead_filters::trace::RECORD_BYTES;
+        std::fs::write(&path, vec![1u8; 3 * record + 17]).unwrap();
+        f.trim_output();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 3 * record as u64);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -485,3 +485,21 @@ impl Drop for Supervisor {
 fn session_pid(conn: &std::os::unix::net::UnixStream) -> i32 {
     bulkhead_sys::peer_credentials(std::os::fd::AsFd::as_fd(conn)).map_or(0, |(pid, _)| pid)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_supervisor_of_no_devices_starts_answers_refuses_unknown_names_and_stops_twice() {
+        let config = Config { devices: Vec::new(), ..Config::embedded_default() };
+        let sup = Supervisor::start(&config, None).unwrap();
+        assert!(sup.status().devices.is_empty());
+        assert!(sup.devices().is_empty());
+        assert_eq!(sup.change_device("nope", DeviceChange::Restart).unwrap_err(), "no device `nope`");
+        assert_eq!(sup.set_qos("v", &[]).unwrap_err(), "no view `v`");
+        assert!(sup.outages_ms("nope").is_empty());
+        sup.shutdown();
+        sup.shutdown();
+    }
+}

@@ -223,3 +223,15 @@ pub(crate) fn describe(card: &VdevCard, name: &str, wait: VdevWait) -> String {
         VdevCard::File(p) => format!("vdev:{name} ({}),{}", p.display(), wait.as_str()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_card_is_described_by_its_name_where_it_came_from_and_how_its_driver_waits() {
+        assert_eq!(describe(&VdevCard::Seed(7), "LN-131", VdevWait::Poll), "vdev:LN-131 (seed 7),poll");
+        let file = VdevCard::File(PathBuf::from("/cards/x/card.json"));
+        assert_eq!(describe(&file, "X", VdevWait::Interrupt), "vdev:X (/cards/x/card.json),interrupt");
+    }
+}

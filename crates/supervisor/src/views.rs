@@ -321,3 +321,40 @@ impl Controls {
         self.each().for_each(|c| c.fail(reason));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(table: &str) -> bulkhead_config::View {
+        let cfg =
+            format!("[[device]]\nname = \"d\"\nsize = \"1G\"\n[device.backend]\ntype = \"ram\"\n[[device.view]]\n{table}\n");
+        bulkhead_config::Config::parse(&cfg, "test").unwrap().devices.remove(0).views.remove(0)
+    }
+
+    #[test]
+    fn views_resolve_against_the_size_the_filters_leave_and_refuse_to_reach_past_it() {
+        let v = view("name = \"a\"\noffset = \"512M\"");
+        let set = ViewSetup::resolve("d", std::slice::from_ref(&v), 1 << 30).unwrap();
+        assert_eq!((set[0].offset, set[0].size, set[0].queues), (512 << 20, 512 << 20, 1));
+        // The same view over a device the filters made smaller no longer fits.
+        let e = ViewSetup::resolve("d", &[v], 256 << 20).unwrap_err();
+        assert!(e.contains("view `a`") && e.contains("do not lie within the device"), "{e}");
+    }
+
+    #[test]
+    fn caps_are_written_to_the_state_page_whole_and_bad_caps_are_refused() {
+        let (_fd, page) = crate::chain::shared_page("bulkhead-views-test", true).unwrap();
+        let setup = &ViewSetup::resolve("d", &[view("name = \"a\"\niops = 100")], 1 << 30).unwrap()[0];
+        let front = bulkhead_channel::pair(&bulkhead_channel::QueueConfig::default(), 1 << 30).unwrap().0;
+        let (v, _control) = ViewRuntime::new(setup, 0, vec![front], &page);
+        assert_eq!(v.caps().iops, 100);
+        // The sequence number is even once the caps are whole.
+        assert_eq!(page.get(page::slot(0, page::SEQ)) % 2, 0);
+        let bad = Caps { burst_ios: 5, iops: 0, ..v.caps() };
+        assert!(v.set_caps(bad, &page).is_err(), "a burst without a rate is refused");
+        assert_eq!(v.caps().iops, 100, "and the caps in force stay");
+        let status = v.status(&page);
+        assert_eq!((status.name.as_str(), status.size_bytes), ("a", 1 << 30));
+    }
+}
