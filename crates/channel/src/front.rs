@@ -51,6 +51,9 @@ enum Payload<'d> {
     Gather(&'d SliceList<'d>),
     /// Windows the driver already has, named as they are.
     Forward(&'d [Segment]),
+    /// Bytes the caller writes into the write-arena window it is given (from memory it cannot
+    /// lend as a slice, such as a guest's).
+    Fill(&'d mut dyn FnMut(SharedSlice<'_>)),
 }
 
 /// One request in the shadow table: what the frontend sent, against which responses are checked.
@@ -459,6 +462,7 @@ impl FrontQueue {
                         at += b.len();
                     }
                 }
+                Payload::Fill(fill) => fill(arenas.w.slice(arena_off, n).expect("allocator stays inside the arena")),
                 Payload::None | Payload::ReadSpace | Payload::Forward(_) => {}
             }
             slot.nsegs = 1;
@@ -479,6 +483,19 @@ impl FrontQueue {
     /// Places a write of the data in `bufs` (copied into this end's write arena) at `offset`.
     pub fn push_gather(&mut self, offset: u64, bufs: &SliceList<'_>, fua: bool, user: u64) -> Result<(), SubmitError> {
         self.place(Op::Write, offset, bufs.total_len(), Payload::Gather(bufs), fua, user)
+    }
+
+    /// Places a write of `len` bytes at `offset` whose data `fill` writes into the write-arena
+    /// window it is given (exactly `len` bytes; called once, and only if the request is placed).
+    pub fn push_write_with(
+        &mut self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        user: u64,
+        fill: &mut dyn FnMut(SharedSlice<'_>),
+    ) -> Result<(), SubmitError> {
+        self.place(Op::Write, offset, len, Payload::Fill(fill), fua, user)
     }
 
     /// Makes pushed requests visible with one release store and rings the driver if it sleeps.

@@ -13,6 +13,7 @@ use bulkhead_fuse_export::{FuseExport, FuseOptions, Transport, UringMode};
 use bulkhead_nbd_export::{socket_path, NbdServer, ServerConfig};
 use bulkhead_supervisor::control::ControlServer;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
+use bulkhead_vhost_export::{socket_dir, VhostExport};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
@@ -266,7 +267,22 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     } else {
         None
     };
+    let vhost = if config.vhost_user.enabled {
+        let devices = sup.devices().into_iter().filter(|d| config.vhost_user_exports(d.name())).collect();
+        match VhostExport::start(&socket_dir(&run_dir), devices) {
+            Ok(v) => Some(Arc::new(v)),
+            Err(e) => {
+                drop(nbd);
+                drop(fuse);
+                sup.shutdown();
+                return Err(anyhow::Error::new(e).context("vhost-user export"));
+            }
+        }
+    } else {
+        None
+    };
     let s = sup.clone();
+    let vhost_status = vhost.clone();
     let fuse_status = fuse.as_ref().map(|f| fuse_status(f.transport()));
     let invalidate: Option<Box<Invalidate>> = fuse.as_ref().map(|f| Box::new(f.invalidator()) as Box<Invalidate>);
     let attacher = sup.clone();
@@ -276,6 +292,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
             Some("status") => match serde_json::to_value(s.status()) {
                 Ok(mut v) => {
                     v["fuse"] = fuse_status.clone().unwrap_or(serde_json::Value::Null);
+                    v["vhost_user"] = vhost_status.as_ref().map_or(serde_json::Value::Null, |x| vhost_json(x));
                     v
                 }
                 Err(e) => serde_json::json!({"error": e.to_string()}),
@@ -318,6 +335,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     let mut control = match control {
         Ok(c) => c,
         Err(e) => {
+            drop(vhost);
             drop(nbd);
             drop(fuse);
             sup.shutdown();
@@ -343,6 +361,14 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         let tcp = config.nbd.tcp.as_ref().map(|t| format!(" and TCP {}", t.get_ref())).unwrap_or_default();
         eprintln!("bulkhead: NBD export on {}{tcp} (export name = device name){tls_note}", socket_path(&run_dir).display());
     }
+    if let Some(v) = &vhost {
+        let n = v.status().len();
+        eprintln!(
+            "bulkhead: vhost-user-blk export of {n} device{} in {}",
+            if n == 1 { "" } else { "s" },
+            socket_dir(&run_dir).display()
+        );
+    }
     eprintln!("bulkhead: control socket {}; stop with SIGINT or SIGTERM", run_dir.join("control.sock").display());
 
     let sig = signals.forever().next().unwrap_or(SIGTERM);
@@ -352,12 +378,42 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     if let Some(n) = nbd {
         n.shutdown();
     }
+    // Each guest's queues are drained before its session ends: nothing taken is left unanswered.
+    if let Some(v) = &vhost {
+        v.shutdown();
+    }
     let clean = fuse.map(FuseExport::shutdown).unwrap_or(true);
     // Flush every device and end the domains.
     sup.shutdown();
     drop(lock);
     eprintln!("bulkhead: stopped{}", if clean { "" } else { " (the FUSE mount was busy and was detached lazily)" });
     Ok(ExitCode::SUCCESS)
+}
+
+/// The vhost-user export as `status --json` shows it.
+fn vhost_json(v: &VhostExport) -> serde_json::Value {
+    serde_json::Value::Array(
+        v.status()
+            .into_iter()
+            .map(|e| {
+                serde_json::json!({
+                    "device": e.name,
+                    "socket": e.socket,
+                    "connected": e.connected,
+                    "sessions": e.sessions,
+                    "queues": e.queues.iter().map(|q| serde_json::json!({
+                        "taken": q.taken,
+                        "returned": q.returned,
+                        "refused": q.refused,
+                        "failed": q.failed,
+                        "resubmitted": q.resubmitted,
+                        "max_in_flight": q.max_in_flight,
+                        "broken": q.broken,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect(),
+    )
 }
 
 /// The FUSE export's transport as `status --json` shows it.

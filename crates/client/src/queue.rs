@@ -4,7 +4,7 @@
 use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
-use bulkhead_channel::{FrontRequest, SharedSlice, SubmitError};
+use bulkhead_channel::{FrontQueue, FrontRequest, SharedSlice, SubmitError};
 use bulkhead_doorbell::NotifyMode;
 
 use crate::{Device, IoError, QueueState, Staged};
@@ -100,6 +100,31 @@ impl<'a> QueueHandle<'a> {
             FrontRequest::Write { offset, from: data, .. } => self.dev.check_range(offset, data.len() as u64)?,
             FrontRequest::Flush => {}
         }
+        self.place(|q| q.submit(req, token))
+    }
+
+    /// Submits under `token` a write of `len` bytes at `offset` whose data `fill` copies into
+    /// the channel window it is given (exactly `len` bytes), for data the caller cannot lend as
+    /// a slice, such as a guest's memory. `fill` runs once, when the request is placed. As
+    /// [`submit`](Self::submit) otherwise.
+    pub fn submit_write_with(
+        &mut self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        token: u64,
+        fill: &mut dyn FnMut(SharedSlice<'_>),
+    ) -> Result<(), IoError> {
+        self.dev.check_range(offset, len)?;
+        self.place(|q| {
+            q.push_write_with(offset, len, fua, token, fill)?;
+            q.publish();
+            Ok(())
+        })
+    }
+
+    /// Places a request with `put`, waiting out a generation being replaced.
+    fn place(&mut self, mut put: impl FnMut(&mut FrontQueue) -> Result<(), SubmitError>) -> Result<(), IoError> {
         let started = Instant::now();
         loop {
             if self.dev.is_failed() {
@@ -113,7 +138,7 @@ impl<'a> QueueHandle<'a> {
                 self.check_timeout(started)?;
                 continue;
             }
-            match self.st.q.submit(req, token) {
+            match put(&mut self.st.q) {
                 Ok(()) => {
                     self.dev.started();
                     return Ok(());

@@ -792,6 +792,18 @@ impl Default for Nbd {
     }
 }
 
+/// The vhost-user-blk export.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VhostUser {
+    /// Serve `<run-dir>/vhost/<name>.sock` for virtual machines.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Only these devices and views (all of them when absent).
+    #[serde(default)]
+    pub devices: Option<Spanned<Vec<String>>>,
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -802,6 +814,9 @@ pub struct Config {
     /// NBD export settings.
     #[serde(default)]
     pub nbd: Nbd,
+    /// vhost-user-blk export settings.
+    #[serde(default)]
+    pub vhost_user: VhostUser,
     /// Devices.
     #[serde(default, rename = "device")]
     pub devices: Vec<DeviceConfig>,
@@ -1141,7 +1156,17 @@ impl Config {
                 }
             }
         }
+        if let Some(list) = &self.vhost_user.devices {
+            if let Some(unknown) = list.get_ref().iter().find(|n| !names.contains(*n)) {
+                return Err(err(list.span(), format!("key `vhost_user.devices`: no device or view is named `{unknown}`")));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether the vhost-user export serves device or view `name`.
+    pub fn vhost_user_exports(&self, name: &str) -> bool {
+        self.vhost_user.enabled && self.vhost_user.devices.as_ref().is_none_or(|l| l.get_ref().iter().any(|n| n == name))
     }
 }
 
@@ -1180,6 +1205,21 @@ mod tests {
 
     fn parse(s: &str) -> Result<Config, ConfigError> {
         Config::parse(s, "test.toml")
+    }
+
+    #[test]
+    fn vhost_user_lists_only_known_devices_and_views() {
+        let base = "[[device]]\nname = \"a\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n[[device.view]]\nname = \"a-ro\"\nread_only = true\n";
+        let off = parse(base).unwrap();
+        assert!(!off.vhost_user_exports("a"));
+        let all = parse(&format!("[vhost_user]\nenabled = true\n{base}")).unwrap();
+        assert!(all.vhost_user_exports("a") && all.vhost_user_exports("a-ro"));
+        let some = parse(&format!("[vhost_user]\nenabled = true\ndevices = [\"a-ro\"]\n{base}")).unwrap();
+        assert!(!some.vhost_user_exports("a") && some.vhost_user_exports("a-ro"));
+        let e = parse(&format!("[vhost_user]\nenabled = true\ndevices = [\"b\"]\n{base}")).unwrap_err().to_string();
+        assert!(e.contains("line 3") && e.contains("vhost_user.devices") && e.contains("`b`"), "{e}");
+        let e = parse(&format!("[vhost_user]\nenable = true\n{base}")).unwrap_err().to_string();
+        assert!(e.contains("enable"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,268 @@
+//! The export: a vhost-user socket per device at `<run-dir>/vhost/<name>.sock`, one thread
+//! that accepts on all of them, and a thread per connected frontend that answers its
+//! messages. A device serves one frontend at a time; a second is refused while the first is
+//! connected.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use bulkhead_client::Device;
+use bulkhead_sys::epoll::Epoll;
+use bulkhead_sys::eventfd::EventFd;
+use vhost::vhost_user::{BackendReqHandler, Error as VuError};
+
+use crate::backend::{Session, SessionStats};
+
+/// The directory of a run directory's vhost-user sockets.
+pub fn socket_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("vhost")
+}
+
+/// The socket of device `name`.
+pub fn socket_path(run_dir: &Path, name: &str) -> PathBuf {
+    socket_dir(run_dir).join(format!("{name}.sock"))
+}
+
+/// The epoll token of the stop signal (devices are numbered from 0).
+const STOP: u64 = u64::MAX;
+
+/// A connected frontend.
+struct Connection {
+    sock: UnixStream,
+    thread: JoinHandle<()>,
+}
+
+/// One device's socket.
+struct Exported {
+    dev: Arc<Device>,
+    name: String,
+    path: PathBuf,
+    listener: UnixListener,
+    conn: Mutex<Option<Connection>>,
+    stats: Arc<SessionStats>,
+    sessions: AtomicU64,
+}
+
+/// One virtqueue as `status` shows it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QueueStatus {
+    /// Requests taken from the guest.
+    pub taken: u64,
+    /// Requests returned to it.
+    pub returned: u64,
+    /// Requests refused as malformed or unsupported.
+    pub refused: u64,
+    /// Requests the device failed.
+    pub failed: u64,
+    /// Requests served again after a restart of `serve`.
+    pub resubmitted: u64,
+    /// Most requests at the device at once.
+    pub max_in_flight: u64,
+    /// The queue stopped on a malformed ring.
+    pub broken: bool,
+}
+
+/// One device's export as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportStatus {
+    /// The device.
+    pub name: String,
+    /// Its socket.
+    pub socket: PathBuf,
+    /// A frontend is connected.
+    pub connected: bool,
+    /// Frontends served since start.
+    pub sessions: u64,
+    /// The connected frontend's virtqueues.
+    pub queues: Vec<QueueStatus>,
+}
+
+/// The vhost-user-blk export.
+pub struct VhostExport {
+    exports: Arc<Vec<Exported>>,
+    stop: Arc<EventFd>,
+    stopping: Arc<AtomicBool>,
+    acceptor: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl VhostExport {
+    /// Binds a socket for each of `devices` in `dir` (created if missing; stale sockets of an
+    /// earlier `serve` are replaced) and starts accepting.
+    pub fn start(dir: &Path, devices: Vec<Arc<Device>>) -> io::Result<VhostExport> {
+        std::fs::create_dir_all(dir)?;
+        let mut exports = Vec::with_capacity(devices.len());
+        for dev in devices {
+            let name = dev.name().to_string();
+            let path = dir.join(format!("{name}.sock"));
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io::Error::new(e.kind(), format!("cannot replace {}: {e}", path.display()))),
+            }
+            let listener = UnixListener::bind(&path)
+                .map_err(|e| io::Error::new(e.kind(), format!("cannot bind {}: {e}", path.display())))?;
+            listener.set_nonblocking(true)?;
+            exports.push(Exported {
+                dev,
+                name,
+                path,
+                listener,
+                conn: Mutex::new(None),
+                stats: Arc::new(SessionStats::default()),
+                sessions: AtomicU64::new(0),
+            });
+        }
+        let exports = Arc::new(exports);
+        let stop = Arc::new(EventFd::new()?);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let epoll = Epoll::new()?;
+        for (i, e) in exports.iter().enumerate() {
+            epoll.add(e.listener.as_fd(), i as u64)?;
+        }
+        epoll.add(stop.as_fd(), STOP)?;
+        let (ex, halt) = (exports.clone(), stopping.clone());
+        let acceptor = std::thread::Builder::new().name("vhost-accept".into()).spawn(move || accept_loop(&ex, &epoll, &halt))?;
+        Ok(VhostExport { exports, stop, stopping, acceptor: Mutex::new(Some(acceptor)) })
+    }
+
+    /// Each exported device's connection and counters.
+    pub fn status(&self) -> Vec<ExportStatus> {
+        self.exports
+            .iter()
+            .map(|e| {
+                let connected =
+                    e.conn.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|c| !c.thread.is_finished());
+                let queues = e
+                    .stats
+                    .queues
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .map(|q| QueueStatus {
+                        taken: q.taken.load(Ordering::Relaxed),
+                        returned: q.returned.load(Ordering::Relaxed),
+                        refused: q.refused.load(Ordering::Relaxed),
+                        failed: q.failed.load(Ordering::Relaxed),
+                        resubmitted: q.resubmitted.load(Ordering::Relaxed),
+                        max_in_flight: q.max_in_flight.load(Ordering::Relaxed),
+                        broken: q.broken.load(Ordering::Relaxed),
+                    })
+                    .collect();
+                ExportStatus {
+                    name: e.name.clone(),
+                    socket: e.path.clone(),
+                    connected,
+                    sessions: e.sessions.load(Ordering::Relaxed),
+                    queues,
+                }
+            })
+            .collect()
+    }
+
+    /// Stops accepting, ends every session (its queues drained first), and removes the
+    /// sockets. Later calls do nothing.
+    pub fn shutdown(&self) {
+        self.stopping.store(true, Ordering::Release);
+        self.stop.ring();
+        let acceptor = self.acceptor.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let Some(t) = acceptor else { return };
+        let _ = t.join();
+        for e in self.exports.iter() {
+            let conn = e.conn.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(c) = conn {
+                let _ = c.sock.shutdown(std::net::Shutdown::Both);
+                let _ = c.thread.join();
+            }
+            let _ = std::fs::remove_file(&e.path);
+        }
+    }
+}
+
+impl Drop for VhostExport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(exports: &Arc<Vec<Exported>>, epoll: &Epoll, stopping: &AtomicBool) {
+    let mut ready = Vec::new();
+    // Names refused lately, so a frontend retrying every second does not fill the log.
+    let mut refused: HashMap<usize, std::time::Instant> = HashMap::new();
+    loop {
+        ready.clear();
+        if let Err(e) = epoll.wait(None, &mut ready) {
+            if e.kind() != io::ErrorKind::Interrupted {
+                eprintln!("bulkhead: vhost-user export: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            continue;
+        }
+        if stopping.load(Ordering::Acquire) || ready.contains(&STOP) {
+            return;
+        }
+        for &i in &ready {
+            let Some(e) = exports.get(i as usize) else { continue };
+            loop {
+                let stream = match e.listener.accept() {
+                    Ok((s, _)) => s,
+                    Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(err) => {
+                        eprintln!("bulkhead: vhost-user {}: accept: {err}", e.name);
+                        break;
+                    }
+                };
+                let mut slot = e.conn.lock().unwrap_or_else(|p| p.into_inner());
+                if slot.as_ref().is_some_and(|c| !c.thread.is_finished()) {
+                    let now = std::time::Instant::now();
+                    if refused.get(&(i as usize)).is_none_or(|t| now.duration_since(*t).as_secs() >= 10) {
+                        eprintln!("bulkhead: vhost-user {}: refused a second frontend while one is connected", e.name);
+                        refused.insert(i as usize, now);
+                    }
+                    continue;
+                }
+                if let Some(old) = slot.take() {
+                    let _ = old.thread.join();
+                }
+                match start_session(exports.clone(), i as usize, stream) {
+                    Ok(c) => *slot = Some(c),
+                    Err(err) => eprintln!("bulkhead: vhost-user {}: {err}", e.name),
+                }
+            }
+        }
+    }
+}
+
+fn start_session(exports: Arc<Vec<Exported>>, i: usize, stream: UnixStream) -> io::Result<Connection> {
+    stream.set_nonblocking(false)?;
+    let sock = stream.try_clone()?;
+    let thread = std::thread::Builder::new().name("vhost-session".into()).spawn(move || {
+        let e = &exports[i];
+        e.sessions.fetch_add(1, Ordering::Relaxed);
+        eprintln!("bulkhead: vhost-user {}: frontend connected", e.name);
+        let session = Arc::new(Mutex::new(Session::new(e.dev.clone(), &e.name, e.stats.clone())));
+        let mut handler = BackendReqHandler::from_stream(stream, session.clone());
+        let why = loop {
+            match handler.handle_request() {
+                Ok(()) => {}
+                Err(VuError::Disconnected | VuError::PartialMessage) => break None,
+                Err(VuError::SocketBroken(err) | VuError::SocketError(err)) if err.kind() != io::ErrorKind::InvalidData => {
+                    break None
+                }
+                Err(err) => break Some(err),
+            }
+        };
+        drop(handler);
+        session.lock().unwrap_or_else(|p| p.into_inner()).stop_all();
+        match why {
+            None => eprintln!("bulkhead: vhost-user {}: frontend disconnected", e.name),
+            Some(err) => eprintln!("bulkhead: vhost-user {}: closed the connection: {err}", e.name),
+        }
+    })?;
+    Ok(Connection { sock, thread })
+}
