@@ -4,6 +4,8 @@
 set -euo pipefail
 need=()
 want() { command -v "$1" >/dev/null 2>&1 || need+=("$2"); }
+# The test guests' initramfs needs busybox linked statically (busybox-static, not busybox).
+static_busybox() { dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q "ok installed" || need+=(busybox-static); }
 want losetup util-linux
 want mkfs.ext4 e2fsprogs
 # The NBD export's pre-shared-key TLS links the system's OpenSSL: headers and pkg-config to build.
@@ -12,10 +14,11 @@ case "${1:-serve}" in
   test) want fio fio; want qemu-io qemu-utils; want qemu-img qemu-utils; want nbdinfo libnbd-bin
         want nbdcopy libnbd-bin; want nbdfuse libnbd-bin; want fusermount3 fuse3
         want nbdkit nbdkit; want qemu-nbd qemu-utils; want ip iproute2; want sysbench sysbench
-        want blkparse blktrace; want btt blktrace; want cryptsetup cryptsetup-bin; want openssl openssl ;;
+        want blkparse blktrace; want btt blktrace; want cryptsetup cryptsetup-bin; want openssl openssl
+        want qemu-system-x86_64 qemu-system-x86; want qemu-storage-daemon qemu-system-common; static_busybox ;;
   bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
          want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3; want qemu-nbd qemu-utils
-         want bindfs bindfs; want cryptsetup cryptsetup-bin ;;
+         want bindfs bindfs; want cryptsetup cryptsetup-bin; want qemu-system-x86_64 qemu-system-x86; static_busybox ;;
 esac
 if ! command -v cargo >/dev/null 2>&1; then
   echo "cargo not found: install Rust (https://rustup.rs) first" >&2
@@ -32,3 +35,7 @@ if [ ${#need[@]} -gt 0 ]; then
   # shellcheck disable=SC2046 # one word per package, duplicates removed
   apt-get install -y -qq $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
 fi
+case "${1:-serve}" in
+  # The guests' kit (a kernel and an initramfs from Debian packages), built once and cached.
+  test|bench) "$(dirname "$0")/guest-kit.sh" >/dev/null ;;
+esac

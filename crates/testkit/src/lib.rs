@@ -7,12 +7,16 @@
 //!   binary (`bulkhead-test-driver`, built with the `test-driver` feature of the `bulkhead`
 //!   package) runs them; the shipped driver has no such modes. [`hostile_vdev`]: a `vdev`
 //!   driver that abuses its card at register level, then wedges.
+//! - [`guest`]: real Linux guests under QEMU, from a kit made of Debian packages.
+//! - [`memsearch`]: a driver domain's search of its own memory for a guest's secrets.
 //! - [`pattern`]: deterministic bytes to write and check.
 #![deny(missing_docs)]
 
+pub mod guest;
 pub mod hostile;
 pub mod hostile_vdev;
 pub mod kernel;
+pub mod memsearch;
 pub mod probe;
 
 /// Deterministic pseudo-random bytes: the same `seed` and `len`, the same bytes.

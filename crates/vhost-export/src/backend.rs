@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -179,7 +179,10 @@ impl Session {
         };
         ring = Vring::new(ring.memory().clone(), q.size, addrs, at, event_idx, indirect).map_err(|e| refuse(e.to_string()))?;
         let kick = q.kick.as_ref().expect("checked above").try_clone().map_err(VuError::ReqHandlerError)?;
-        let kick = EventFd::from_owned(OwnedFd::from(kick)).map_err(VuError::ReqHandlerError)?;
+        let kick = OwnedFd::from(kick);
+        // A kick is drained only after poll says it rang; never block on one that did not.
+        bulkhead_sys::set_nonblocking(kick.as_fd()).map_err(VuError::ReqHandlerError)?;
+        let kick = EventFd::from_owned(kick).map_err(VuError::ReqHandlerError)?;
         let stop = Arc::new(Stop::new().map_err(VuError::ReqHandlerError)?);
         let work = QueueWork {
             dev: self.dev.clone(),

@@ -14,6 +14,9 @@
 //! `BULKHEAD_TEST_UNAVAILABLE_LAYERS=landlock,seccomp` confines as on a host without those
 //! layers.
 //!
+//! `BULKHEAD_TEST_SEARCH=<masked patterns>` searches the domain's own memory for them while it
+//! serves ([`bulkhead_testkit::memsearch`]).
+//!
 //! `BULKHEAD_TEST_FAULT_ROLE=tap|driver` limits the fault to that domain of an `interpose`
 //! device.
 //!
@@ -48,6 +51,11 @@ fn main() -> ExitCode {
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         if let Err(e) = signal_hook::flag::register(sig, stop.clone()) {
             return fail(format!("signal handler: {e}"));
+        }
+    }
+    if let Ok(search) = std::env::var("BULKHEAD_TEST_SEARCH") {
+        if let Err(e) = bulkhead_testkit::memsearch::spawn(&search) {
+            return fail(format!("memory search: {e}"));
         }
     }
     let mut fault = std::env::var("BULKHEAD_TEST_FAULT").unwrap_or_default();

@@ -1,0 +1,355 @@
+//! Real Linux guests under QEMU (TCG) for the vhost-user tests and `bulkhead bench vm`.
+//!
+//! The kit (a kernel and a busybox initramfs made from Debian packages by
+//! `scripts/guest-kit.sh`) is built once and cached. Each guest gets the kit's initramfs
+//! followed by a small archive of its own: its script as `/run.sh` and the static `guest-io`
+//! checker as `/bin/guest-io`. The guest's serial console (kernel messages, the script's
+//! output, and its `dmesg` at the end) is collected line by line; [`Vm`] kills QEMU when
+//! dropped, so a failing test leaves no guest behind.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// The workspace's root.
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("the workspace exists")
+}
+
+/// The cached kit.
+#[derive(Debug, Clone)]
+pub struct Kit {
+    /// The kernel, uncompressed (QEMU boots it through PVH).
+    pub vmlinux: PathBuf,
+    /// The base initramfs.
+    pub initrd: PathBuf,
+    /// The static `guest-io`.
+    pub guest_io: PathBuf,
+}
+
+impl Kit {
+    /// The kit, built first if it is not cached (`scripts/guest-kit.sh`), with `guest-io`
+    /// built static for it (`cargo build`, target directory `target/guest`).
+    pub fn ensure() -> Result<Kit, String> {
+        let root = workspace();
+        let out = Command::new(root.join("scripts/guest-kit.sh")).output().map_err(|e| format!("scripts/guest-kit.sh: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("scripts/guest-kit.sh failed: {}", String::from_utf8_lossy(&out.stderr)));
+        }
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        let guest_io = build_guest_io(&root)?;
+        Ok(Kit { vmlinux: dir.join("vmlinux"), initrd: dir.join("initrd.cpio.gz"), guest_io })
+    }
+}
+
+fn build_guest_io(root: &Path) -> Result<PathBuf, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target = "x86_64-unknown-linux-gnu";
+    let dir = root.join("target/guest");
+    let out = Command::new(cargo)
+        .current_dir(root)
+        .env("RUSTFLAGS", "-C target-feature=+crt-static -C strip=symbols")
+        .args(["build", "--release", "--locked", "-q", "-p", "bulkhead-guest-io", "--target", target, "--target-dir"])
+        .arg(&dir)
+        .output()
+        .map_err(|e| format!("cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("building guest-io failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(dir.join(target).join("release/guest-io"))
+}
+
+/// A file in a newc cpio archive.
+fn cpio_entry(out: &mut Vec<u8>, name: &str, mode: u32, data: &[u8], ino: u32) {
+    let namesize = name.len() + 1;
+    let header = format!(
+        "070701{ino:08x}{mode:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{namesize:08x}{:08x}",
+        0,
+        0,
+        1,
+        0,
+        data.len(),
+        0,
+        0,
+        0,
+        0,
+        0
+    );
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(name.as_bytes());
+    out.push(0);
+    while !out.len().is_multiple_of(4) {
+        out.push(0);
+    }
+    out.extend_from_slice(data);
+    while !out.len().is_multiple_of(4) {
+        out.push(0);
+    }
+}
+
+/// A newc archive of `files` (path, mode, contents), ended by its trailer.
+pub fn cpio(files: &[(&str, u32, &[u8])]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, (name, mode, data)) in files.iter().enumerate() {
+        cpio_entry(&mut out, name, *mode, data, i as u32 + 1);
+    }
+    cpio_entry(&mut out, "TRAILER!!!", 0, &[], 0);
+    out
+}
+
+/// A disk of the guest: a vhost-user-blk socket.
+#[derive(Debug, Clone)]
+pub struct Disk {
+    /// The socket.
+    pub socket: PathBuf,
+    /// Virtqueues.
+    pub queues: u16,
+}
+
+/// How to run a guest.
+#[derive(Debug, Clone)]
+pub struct VmOptions {
+    /// Its disks, `/dev/vda` onwards.
+    pub disks: Vec<Disk>,
+    /// The shell script it runs (`/run.sh`, busybox `sh`).
+    pub script: String,
+    /// Memory, MiB.
+    pub memory_mib: u32,
+    /// Virtual CPUs (the guest's virtio-blk uses as many queues as it has CPUs, at most).
+    pub cpus: u32,
+    /// Where the combined initramfs is written.
+    pub scratch: PathBuf,
+}
+
+/// The serial console's lines so far, and whether QEMU has ended.
+#[derive(Debug, Default)]
+struct Console {
+    lines: Vec<String>,
+    ended: bool,
+}
+
+/// A running guest.
+pub struct Vm {
+    child: Option<Child>,
+    console: Arc<(Mutex<Console>, Condvar)>,
+    reader: Option<std::thread::JoinHandle<()>>,
+    initrd: PathBuf,
+}
+
+/// What a guest printed, once it ended.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// Every console line.
+    pub lines: Vec<String>,
+    /// `/run.sh`'s exit status, if the guest got that far.
+    pub status: Option<i32>,
+}
+
+impl Outcome {
+    /// The lines that say a request failed in the guest: block-layer I/O errors, "not a
+    /// head" (a used ring naming a head the guest did not make available), failed inserts,
+    /// and failures `guest-io` reported.
+    pub fn errors(&self) -> Vec<&String> {
+        self.lines
+            .iter()
+            .filter(|l| {
+                l.contains("I/O error")
+                    || l.contains("not a head")
+                    || l.contains("GUESTIO FAIL")
+                    || l.contains("GUEST FAIL")
+                    || l.contains("blk_update_request")
+                    || l.contains("EXT4-fs error")
+            })
+            .collect()
+    }
+
+    /// Checks the guest ran its script to a zero status, printed its dmesg, and saw no error.
+    pub fn check(&self) -> Result<(), String> {
+        let errors = self.errors();
+        if !errors.is_empty() {
+            return Err(format!("guest errors: {errors:?}\n{}", self.script_output()));
+        }
+        if !self.lines.iter().any(|l| l.contains("GUEST DMESG END")) {
+            return Err(format!("the guest did not finish\n{}", self.tail(60)));
+        }
+        match self.status {
+            Some(0) => Ok(()),
+            s => Err(format!("the guest's script ended with {s:?}\n{}", self.script_output())),
+        }
+    }
+
+    /// What the script printed (between `GUEST UP` and `GUEST EXIT`), or everything if the
+    /// guest did not get that far.
+    pub fn script_output(&self) -> String {
+        let start = self.lines.iter().position(|l| l.starts_with("GUEST UP")).unwrap_or(0);
+        let end = self.lines.iter().position(|l| l.starts_with("GUEST EXIT")).map_or(self.lines.len(), |e| e + 1);
+        self.lines[start..end.max(start)].join("\n")
+    }
+
+    /// The last `n` lines.
+    pub fn tail(&self, n: usize) -> String {
+        self.lines[self.lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Lines starting with `prefix`.
+    pub fn with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a String> + 'a {
+        self.lines.iter().filter(move |l| l.starts_with(prefix))
+    }
+}
+
+impl Vm {
+    /// Boots a guest of `kit` as `opts` says.
+    pub fn boot(kit: &Kit, opts: &VmOptions) -> Result<Vm, String> {
+        let io_bin = std::fs::read(&kit.guest_io).map_err(|e| format!("{}: {e}", kit.guest_io.display()))?;
+        // Each command is echoed (`+ …`) so that a failing one shows in the console.
+        let script = format!("#!/bin/sh\nset -ex\n{}\n", opts.script);
+        let extra = cpio(&[("bin/guest-io", 0o100755, &io_bin), ("run.sh", 0o100755, script.as_bytes())]);
+        let mut initrd = std::fs::read(&kit.initrd).map_err(|e| format!("{}: {e}", kit.initrd.display()))?;
+        // The kernel finds a following archive only at a four-byte boundary.
+        while !initrd.len().is_multiple_of(4) {
+            initrd.push(0);
+        }
+        initrd.extend_from_slice(&extra);
+        std::fs::write(&opts.scratch, &initrd).map_err(|e| format!("{}: {e}", opts.scratch.display()))?;
+        let mem = opts.memory_mib;
+        let mut cmd = Command::new("qemu-system-x86_64");
+        cmd.args(["-accel", "tcg", "-m"])
+            .arg(format!("{mem}"))
+            .arg("-smp")
+            .arg(opts.cpus.max(1).to_string())
+            .args(["-nodefaults", "-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot"])
+            .arg("-kernel")
+            .arg(&kit.vmlinux)
+            .arg("-initrd")
+            .arg(&opts.scratch)
+            .args(["-append", "console=ttyS0 quiet panic=-1"])
+            .args(["-object", &format!("memory-backend-memfd,id=mem,size={mem}M,share=on"), "-numa", "node,memdev=mem"]);
+        for (i, d) in opts.disks.iter().enumerate() {
+            cmd.arg("-chardev").arg(format!("socket,id=disk{i},path={},reconnect=1", d.socket.display()));
+            cmd.arg("-device").arg(format!("vhost-user-blk-pci,chardev=disk{i},num-queues={}", d.queues));
+        }
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("qemu-system-x86_64: {e}"))?;
+        let console = Arc::new((Mutex::new(Console::default()), Condvar::new()));
+        let stdout = child.stdout.take().expect("piped");
+        let stderr = child.stderr.take().expect("piped");
+        let c = console.clone();
+        let reader = std::thread::spawn(move || {
+            let err_console = c.clone();
+            let errs = std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    let (m, cv) = &*err_console;
+                    m.lock().unwrap_or_else(|e| e.into_inner()).lines.push(format!("qemu: {line}"));
+                    cv.notify_all();
+                }
+            });
+            let mut r = BufReader::new(stdout);
+            let mut buf = Vec::new();
+            while r.read_until(b'\n', &mut buf).unwrap_or(0) > 0 {
+                let line = String::from_utf8_lossy(&buf).trim_end_matches(['\r', '\n']).to_string();
+                buf.clear();
+                let (m, cv) = &*c;
+                m.lock().unwrap_or_else(|e| e.into_inner()).lines.push(line);
+                cv.notify_all();
+            }
+            let _ = errs.join();
+            let (m, cv) = &*c;
+            m.lock().unwrap_or_else(|e| e.into_inner()).ended = true;
+            cv.notify_all();
+        });
+        Ok(Vm { child: Some(child), console, reader: Some(reader), initrd: opts.scratch.clone() })
+    }
+
+    /// QEMU's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Waits up to `timeout` for a console line containing `needle`; returns it.
+    pub fn wait_for(&self, needle: &str, timeout: Duration) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        let (m, cv) = &*self.console;
+        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(l) = g.lines.iter().find(|l| l.contains(needle)) {
+                return Some(l.clone());
+            }
+            let now = Instant::now();
+            if g.ended || now >= deadline {
+                return None;
+            }
+            g = cv.wait_timeout(g, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// The console so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.console.0.lock().unwrap_or_else(|e| e.into_inner()).lines.clone()
+    }
+
+    /// Waits up to `timeout` for the guest to power off (killing it after that), and returns
+    /// what it printed.
+    pub fn finish(mut self, timeout: Duration) -> Outcome {
+        let deadline = Instant::now() + timeout;
+        if let Some(c) = self.child.as_mut() {
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        self.kill();
+        let lines = self.lines();
+        let status = lines.iter().rev().find_map(|l| l.strip_prefix("GUEST EXIT ").and_then(|s| s.trim().parse().ok()));
+        Outcome { lines, status }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        let _ = std::fs::remove_file(&self.initrd);
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Writes `text` to the guest's console log file `path` (for a failing test's artifacts).
+pub fn save_console(path: &Path, lines: &[String]) {
+    if let Ok(mut f) = std::fs::File::create(path) {
+        for l in lines {
+            let _ = writeln!(f, "{l}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_newc_archive_is_aligned_and_ends_in_its_trailer() {
+        let a = cpio(&[("run.sh", 0o100755, b"echo hi\n")]);
+        assert_eq!(a.len() % 4, 0);
+        assert!(a.starts_with(b"070701"));
+        let text = String::from_utf8_lossy(&a);
+        assert!(text.contains("run.sh\0") && text.contains("echo hi") && text.contains("TRAILER!!!"));
+        // The header's file size field is the data's length.
+        assert_eq!(&a[54..62], b"00000008");
+    }
+}
