@@ -24,6 +24,7 @@ pub mod surge;
 mod table;
 pub mod tap;
 pub mod vdev;
+pub mod vm;
 
 pub use table::Table;
 

@@ -268,6 +268,36 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Virtual machines: bulkhead's vhost-user-blk export against qemu-storage-daemon's, from
+    /// a host-side frontend and from real guests (QEMU, TCG), and the pauses a guest sees
+    /// when a driver domain or `serve` is killed (runs `serve` and qemu-storage-daemon).
+    Vm {
+        /// Alternated rounds of each system.
+        #[arg(long, default_value_t = 5, value_parser = count(1, 100))]
+        rounds: usize,
+        /// Seconds per point with the host-side frontend.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=600))]
+        seconds: u32,
+        /// Seconds per point in a guest.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=600))]
+        guest_seconds: u64,
+        /// Kills of each kind in the restart part.
+        #[arg(long, default_value_t = 20, value_parser = count(1, 1000))]
+        kills: usize,
+        /// Parts to run (comma-separated): host, guest, restart.
+        #[arg(long, value_delimiter = ',', default_value = "host,guest,restart", value_parser = bulkhead_bench::vm::Part::parse)]
+        parts: Vec<bulkhead_bench::vm::Part>,
+        /// qemu-storage-daemon to compare with.
+        #[arg(long, default_value = "qemu-storage-daemon")]
+        qsd: PathBuf,
+        /// How the host-side frontend waits: `call` (sleeps until the device calls, as a
+        /// guest's driver whose vCPU halts) or `poll` (spins on the used ring).
+        #[arg(long, default_value = "call", value_parser = bulkhead_bench::vm::FrontendWait::parse)]
+        frontend: bulkhead_bench::vm::FrontendWait,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Virtual devices: 4 KiB QD1 latency and QD16 IOPS through a `vdev` card with the driver
     /// taking interrupts and polling, `ram` beside; the cost of one trapped register write.
     Vdev {
@@ -444,6 +474,13 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             let opts = bulkhead_bench::idle::Options { devices, seconds: seconds.into() };
             let r = bulkhead_bench::idle::run(&exe, &opts, |p| eprintln!("bench idle: {p}"))?;
             emit(&r, json, bulkhead_bench::idle::render)
+        }
+        BenchCmd::Vm { rounds, seconds, guest_seconds, kills, parts, qsd, frontend, json } => {
+            need_root("bench vm runs serve, qemu-storage-daemon and QEMU guests")?;
+            let opts =
+                bulkhead_bench::vm::Options { rounds, seconds: seconds.into(), guest_seconds, kills, parts, qsd, frontend };
+            let r = bulkhead_bench::vm::run(&exe()?, &opts, |p| eprintln!("bench vm: {p}"))?;
+            emit(&r, json, bulkhead_bench::vm::render)
         }
         BenchCmd::Vdev { seed, size, requests, seconds, writes, json } => {
             let opts = bulkhead_bench::vdev::Options { seed, size, requests, seconds, writes };

@@ -63,6 +63,9 @@ test "$(cat /sys/block/vda/ro)" = 0
 test "$(cat /sys/block/vda/queue/discard_max_bytes)" -gt 0
 test "$(cat /sys/block/vda/queue/write_zeroes_max_bytes)" -gt 0
 guest-io stress /dev/vda 5 16
+dd if=/dev/urandom of=/tmp/big bs=1M count=8 2>/dev/null
+dd if=/tmp/big of=/dev/vda bs=1M seek=64 oflag=direct
+test "$(dd if=/dev/vda bs=1M skip=64 count=8 iflag=direct 2>/dev/null | md5sum)" = "$(md5sum < /tmp/big)"
 mke2fs -q /dev/vda
 mount -t ext4 /dev/vda /mnt
 dd if=/dev/urandom of=/tmp/p bs=1M count=24 2>/dev/null

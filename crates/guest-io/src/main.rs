@@ -7,6 +7,9 @@
 //!   against the last generation acknowledged. THREADS requests are in flight at once.
 //! - `bench DEV MODE BS QD SECONDS`: MODE is `randread`, `randwrite`, `read` or `write`;
 //!   prints requests per second and MiB/s.
+//! - `pauses DEV SECONDS [TOP]`: 4 KiB random writes one at a time to the upper half of DEV
+//!   (`stress` may run on the lower), each timed; prints the TOP longest (the pauses a
+//!   restart causes) and the median.
 //! - `hold PATTERN MIB SECONDS DEV`: keeps MIB MiB of memory filled with PATTERN (which must
 //!   never reach a driver domain) while reading DEV.
 //!
@@ -215,6 +218,32 @@ fn bench(dev: &str, mode: &str, bs: usize, qd: u64, seconds: u64) -> Result<(), 
     Ok(())
 }
 
+/// QD1 4 KiB random writes for `seconds` to the upper half of the device, each timed; prints
+/// the `top` longest, ms, and the median.
+fn pauses(dev: &str, seconds: u64, top: usize) -> Result<(), String> {
+    let file = open(dev)?;
+    // The upper half of the device: `stress` may run beside, on the lower.
+    let total = blocks_of(&file)?;
+    let (base, blocks) = (total / 2, (total / 2).clamp(1, 16384));
+    let mut buf = Aligned::new(BLOCK);
+    buf.buf().fill(0x3c);
+    let mut rng = Rng::new(11);
+    let mut lat: Vec<f64> = Vec::new();
+    println!("GUESTIO started pauses on {dev}");
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    while Instant::now() < deadline {
+        let b = base + rng.next() % blocks;
+        let t = Instant::now();
+        file.write_all_at(buf.buf(), b * BLOCK as u64).map_err(|e| format!("write block {b}: {e}"))?;
+        lat.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    lat.sort_by(f64::total_cmp);
+    let median = lat.get(lat.len() / 2).copied().unwrap_or(0.0);
+    let longest: Vec<String> = lat.iter().rev().take(top).map(|l| format!("{l:.3}")).collect();
+    println!("GUESTIO pauses requests={} median_ms={median:.3} longest_ms={}", lat.len(), longest.join(","));
+    Ok(())
+}
+
 fn hold(pattern: &str, mib: usize, seconds: u64, dev: &str) -> Result<(), String> {
     let p = pattern.as_bytes();
     if p.is_empty() {
@@ -253,16 +282,16 @@ fn run(args: &[String]) -> Result<(), String> {
             num(4, "QD")?,
             num(5, "SECONDS")?,
         ),
+        Some("pauses") => pauses(args.get(1).ok_or("missing DEV")?, num(2, "SECONDS")?, num(3, "TOP").unwrap_or(64) as usize),
         Some("hold") => hold(
             args.get(1).ok_or("missing PATTERN")?,
             num(2, "MIB")? as usize,
             num(3, "SECONDS")?,
             args.get(4).ok_or("missing DEV")?,
         ),
-        _ => {
-            Err("usage: guest-io stress DEV SECONDS [THREADS] | bench DEV MODE BS QD SECONDS | hold PATTERN MIB SECONDS DEV"
-                .into())
-        }
+        _ => Err("usage: guest-io stress DEV SECONDS [THREADS] | bench DEV MODE BS QD SECONDS | pauses DEV SECONDS [TOP] | \
+                 hold PATTERN MIB SECONDS DEV"
+            .into()),
     }
 }
 

@@ -412,6 +412,21 @@ impl Queue {
         Ok(n)
     }
 
+    /// Sleeps, as a guest's driver does, until the device calls or `timeout_ms` passes: asks
+    /// for a call at the next used entry, and returns at once if one arrived meanwhile.
+    pub fn wait_used(&mut self, mem: &GuestMemoryMmap, timeout_ms: i32) -> Result<(), FrontendError> {
+        let used_event = self.avail.unchecked_add(4 + 2 * u64::from(self.size));
+        mem.store(self.last_used.0, used_event, Ordering::Release).map_err(mem_err)?;
+        fence(Ordering::SeqCst);
+        if self.used_idx(mem)? != self.last_used.0 {
+            return Ok(());
+        }
+        let mut fds = [libc::pollfd { fd: self.call.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        let _ = bulkhead_sys::poll(&mut fds, timeout_ms);
+        let _ = self.call.read();
+        Ok(())
+    }
+
     /// The used index as the device left it.
     pub fn used_idx(&self, mem: &GuestMemoryMmap) -> Result<u16, FrontendError> {
         mem.load(self.used.unchecked_add(2), Ordering::Acquire).map_err(mem_err)

@@ -26,6 +26,10 @@ pub const MAX_QUEUE_SIZE: u16 = 1024;
 /// Bytes of one descriptor.
 const DESC_BYTES: u64 = 16;
 
+/// Most descriptors in an indirect table. Linux fills one with `seg_max` buffers plus the
+/// header and the status byte whatever the queue's size (QEMU allows the same).
+pub const MAX_INDIRECT: u16 = 1024;
+
 /// Why a virtqueue cannot be served.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RingError {
@@ -56,8 +60,8 @@ pub enum RingError {
         /// The table's length.
         len: u16,
     },
-    /// A chain longer than the queue: a loop.
-    #[error("chain of head {0} is longer than the queue (a loop)")]
+    /// A chain longer than its table: a loop.
+    #[error("chain of head {0} is longer than its descriptor table (a loop)")]
     Loop(u16),
     /// A buffer or an indirect table outside guest memory.
     #[error("chain of head {head}: {len} bytes at {addr:#x} are outside guest memory")]
@@ -254,11 +258,11 @@ impl Vring {
         let (mut table, mut table_len) = (self.addrs.desc, self.size);
         let mut index = head;
         let mut in_indirect = false;
-        // A chain no longer than the queue, counting the descriptors of an indirect table.
+        // No table is walked longer than it is: more is a loop.
         let mut seen: u32 = 0;
         loop {
             seen += 1;
-            if seen > u32::from(self.size) {
+            if seen > u32::from(table_len) {
                 return Err(RingError::Loop(head));
             }
             let d = self.descriptor(table, index)?;
@@ -272,8 +276,8 @@ impl Vring {
                     Some("chained with NEXT")
                 } else if d.len() == 0 || u64::from(d.len()) % DESC_BYTES != 0 {
                     Some("length is not a whole number of descriptors")
-                } else if u64::from(d.len()) / DESC_BYTES > u64::from(self.size) {
-                    Some("longer than the queue")
+                } else if u64::from(d.len()) / DESC_BYTES > u64::from(MAX_INDIRECT) {
+                    Some("longer than 1024 descriptors")
                 } else if d.addr().raw_value() % DESC_BYTES != 0 {
                     Some("misaligned")
                 } else {
@@ -289,6 +293,7 @@ impl Vring {
                 table_len = (u64::from(d.len()) / DESC_BYTES) as u16;
                 index = 0;
                 in_indirect = true;
+                seen = 0;
                 continue;
             }
             let writable = flags & VRING_DESC_F_WRITE != 0;
@@ -460,6 +465,25 @@ pub(crate) mod tests {
         let mut c = Chain::default();
         r.chain(head, &mut c).unwrap();
         assert_eq!((c.head, c.readable.len(), c.writable.len()), (3, 1, 1));
+    }
+
+    #[test]
+    fn an_indirect_table_may_be_longer_than_the_queue() {
+        let mem = guest(1 << 20);
+        let r = ring(&mem, false);
+        let table = GuestAddress(0x20000);
+        // Linux's: the header, 128 data buffers and the status byte, in a queue of 16.
+        put_desc(&mem, table, 0, Descriptor::new(0x10000, 16, NEXT, 1));
+        for i in 1..=128u16 {
+            put_desc(&mem, table, i, Descriptor::new(0x40000 + 4096 * u64::from(i), 4096, NEXT | WRITE, i + 1));
+        }
+        put_desc(&mem, table, 129, Descriptor::new(0x12000, 1, WRITE, 0));
+        put_desc(&mem, DESC, 0, Descriptor::new(table.raw_value(), 130 * 16, INDIRECT, 0));
+        let mut c = Chain::default();
+        r.chain(0, &mut c).unwrap();
+        assert_eq!((c.readable.len(), c.writable.len()), (1, 129));
+        put_desc(&mem, DESC, 0, Descriptor::new(table.raw_value(), 1025 * 16, INDIRECT, 0));
+        assert!(matches!(r.chain(0, &mut c), Err(RingError::Indirect { .. })));
     }
 
     #[test]

@@ -1,0 +1,804 @@
+//! `bulkhead bench vm`: bulkhead's vhost-user-blk export against qemu-storage-daemon's, with
+//! the same workloads on the same backing, each system brought up in turn.
+//!
+//! - **host**: a frontend of the project's own (`bulkhead_vhost_export::frontend`: memfd
+//!   "guest" memory, a virtqueue written directly, completions polled) drives each server,
+//!   which measures the servers and not an emulator;
+//! - **guest**: a real Linux guest under QEMU (TCG) runs `guest-io bench` against each;
+//! - **restart**: the pause a guest sees while a driver domain is killed, and while `serve`
+//!   (or qemu-storage-daemon) is killed with SIGKILL and started again, with the guest's
+//!   errors under that loop.
+//!
+//! Rounds alternate the two systems (the first goes second in the next round); figures are
+//! medians of the rounds. CPU is the user and system time of the server's processes over each
+//! point: `serve` and its domains, or qemu-storage-daemon, per GiB moved and per 100,000
+//! requests. Backings: a file on tmpfs (`/dev/shm`), then `ram`. qemu-storage-daemon has no
+//! store of its own in memory (its `null-co` keeps nothing), so against bulkhead's `ram` it
+//! serves a tmpfs file again.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bulkhead_testkit::guest::{Disk, Kit, Outcome, Vm, VmOptions};
+use bulkhead_vhost_export::frontend::{Frontend, FrontendOptions};
+use serde::Serialize;
+
+use crate::{BenchError, Table};
+
+/// The device's size: small enough to write whole before each run.
+const DEVICE_BYTES: u64 = 256 << 20;
+
+/// Which parts to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Part {
+    /// The host-side frontend.
+    Host,
+    /// Real guests.
+    Guest,
+    /// Restarts under a guest.
+    Restart,
+}
+
+impl Part {
+    /// Parses `host`, `guest` or `restart`.
+    pub fn parse(s: &str) -> Result<Part, String> {
+        match s {
+            "host" => Ok(Part::Host),
+            "guest" => Ok(Part::Guest),
+            "restart" => Ok(Part::Restart),
+            o => Err(format!("unknown part `{o}` (host, guest, restart)")),
+        }
+    }
+}
+
+/// Options.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Alternated rounds.
+    pub rounds: usize,
+    /// Seconds per point with the host frontend.
+    pub seconds: f64,
+    /// Seconds per point in a guest.
+    pub guest_seconds: u64,
+    /// Kills of each kind in the restart part.
+    pub kills: usize,
+    /// The parts.
+    pub parts: Vec<Part>,
+    /// qemu-storage-daemon.
+    pub qsd: PathBuf,
+    /// How the host frontend waits for completions.
+    pub frontend: FrontendWait,
+}
+
+/// How the host-side frontend waits for its requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FrontendWait {
+    /// As a guest's driver: it sleeps until the device calls (its vCPU halts).
+    Call,
+    /// It spins on the used ring and never asks for a call.
+    Poll,
+}
+
+impl FrontendWait {
+    /// Parses `call` or `poll`.
+    pub fn parse(s: &str) -> Result<FrontendWait, String> {
+        match s {
+            "call" => Ok(FrontendWait::Call),
+            "poll" => Ok(FrontendWait::Poll),
+            o => Err(format!("unknown frontend wait `{o}` (call, poll)")),
+        }
+    }
+}
+
+impl Options {
+    /// Checks the options.
+    pub fn check(&self) -> Result<(), BenchError> {
+        if self.rounds == 0 || self.kills == 0 || self.parts.is_empty() || self.seconds <= 0.0 || self.guest_seconds == 0 {
+            return Err(BenchError::Options("rounds, kills, seconds and parts must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The two systems.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum System {
+    /// `bulkhead serve`.
+    Bulkhead,
+    /// qemu-storage-daemon.
+    Qsd,
+}
+
+/// The backings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backing {
+    /// A file on tmpfs.
+    Tmpfs,
+    /// Memory.
+    Ram,
+}
+
+/// A workload point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Workload {
+    /// Its name.
+    pub name: &'static str,
+    /// `randread`, `randwrite`, `read` or `write`.
+    pub mode: &'static str,
+    /// Bytes per request.
+    pub bs: u32,
+    /// Requests in flight.
+    pub qd: u16,
+}
+
+/// The points measured.
+pub const WORKLOADS: [Workload; 6] = [
+    Workload { name: "4k randread qd1", mode: "randread", bs: 4096, qd: 1 },
+    Workload { name: "4k randread qd16", mode: "randread", bs: 4096, qd: 16 },
+    Workload { name: "4k randwrite qd1", mode: "randwrite", bs: 4096, qd: 1 },
+    Workload { name: "4k randwrite qd16", mode: "randwrite", bs: 4096, qd: 16 },
+    Workload { name: "1m read qd4", mode: "read", bs: 1 << 20, qd: 4 },
+    Workload { name: "1m write qd4", mode: "write", bs: 1 << 20, qd: 4 },
+];
+
+/// One system at one point, over the rounds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Figures {
+    /// Requests per second, each round.
+    pub iops: Vec<f64>,
+    /// MiB/s, each round.
+    pub mib_s: Vec<f64>,
+    /// CPU seconds per GiB, each round.
+    pub cpu_per_gib: Vec<f64>,
+    /// CPU seconds per 100,000 requests, each round.
+    pub cpu_per_100k: Vec<f64>,
+}
+
+/// The median of `v` (0 if empty).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// Both systems at one point.
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    /// The backing.
+    pub backing: Backing,
+    /// The point.
+    pub workload: Workload,
+    /// bulkhead.
+    pub bulkhead: Figures,
+    /// qemu-storage-daemon.
+    pub qsd: Figures,
+}
+
+/// Guest-visible pauses of one kind of kill, ms.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Pauses {
+    /// Kills made.
+    pub kills: usize,
+    /// Median pause.
+    pub p50_ms: f64,
+    /// 99th percentile pause.
+    pub p99_ms: f64,
+    /// Median request time outside pauses.
+    pub median_request_ms: f64,
+    /// Error lines in the guest (I/O errors, "not a head", checker failures).
+    pub guest_errors: usize,
+    /// The first of them.
+    pub first_error: Option<String>,
+    /// The guest stopped making progress and was killed.
+    pub hung: bool,
+}
+
+/// Results.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    /// Rounds.
+    pub rounds: usize,
+    /// How the host frontend waited.
+    pub frontend: Option<FrontendWait>,
+    /// The host frontend's points.
+    pub host: Vec<Comparison>,
+    /// The guests' points.
+    pub guest: Vec<Comparison>,
+    /// A driver domain killed under a guest.
+    pub driver_kill: Option<Pauses>,
+    /// `serve` killed and started again under a guest.
+    pub serve_kill: Option<Pauses>,
+    /// qemu-storage-daemon killed and started again under a guest.
+    pub qsd_kill: Option<Pauses>,
+}
+
+/// User and system CPU seconds of `pid`.
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { return 0.0 };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    (t(11) + t(12)) as f64 / bulkhead_sys::clock_ticks_per_second() as f64
+}
+
+/// A server under test.
+struct Server {
+    system: System,
+    backing: Backing,
+    child: Option<Child>,
+    dir: PathBuf,
+    socket: PathBuf,
+    exe: PathBuf,
+    qsd: PathBuf,
+}
+
+impl Server {
+    fn start(system: System, backing: Backing, exe: &Path, qsd: &Path, tag: &str) -> Result<Server, BenchError> {
+        let dir = PathBuf::from("/dev/shm").join(format!("bulkhead-bench-vm-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
+        if backing == Backing::Tmpfs || system == System::Qsd {
+            let img = dir.join("disk.img");
+            let f = std::fs::File::create(&img).map_err(|e| BenchError::io(&img, e))?;
+            f.set_len(DEVICE_BYTES).map_err(|e| BenchError::io(&img, e))?;
+        }
+        let socket = match system {
+            System::Bulkhead => dir.join("run/vhost/vm.sock"),
+            System::Qsd => dir.join("qsd.sock"),
+        };
+        let mut s = Server { system, backing, child: None, dir, socket, exe: exe.to_path_buf(), qsd: qsd.to_path_buf() };
+        s.spawn()?;
+        Ok(s)
+    }
+
+    fn spawn(&mut self) -> Result<(), BenchError> {
+        let _ = std::fs::remove_file(&self.socket);
+        let log = self.dir.join("server.log");
+        let err = std::fs::OpenOptions::new().create(true).append(true).open(&log).map_err(|e| BenchError::io(&log, e))?;
+        let img = self.dir.join("disk.img");
+        let mut cmd = match self.system {
+            System::Bulkhead => {
+                let backend = match self.backing {
+                    Backing::Tmpfs => format!("type = \"file\"\npath = \"{}\"\n", img.display()),
+                    Backing::Ram => "type = \"ram\"\n".to_string(),
+                };
+                let cfg = format!(
+                    "[fuse]\nenabled = false\n[nbd]\nenabled = false\n[vhost_user]\nenabled = true\n\
+                     [[device]]\nname = \"vm\"\nsize = \"{}\"\nrestart_limit = 100000\n[device.backend]\n{backend}",
+                    DEVICE_BYTES
+                );
+                let path = self.dir.join("vm.toml");
+                std::fs::write(&path, cfg).map_err(|e| BenchError::io(&path, e))?;
+                let _ = std::fs::remove_file(self.dir.join("run/control.sock"));
+                let mut c = Command::new(&self.exe);
+                c.arg("serve").arg("--config").arg(&path).arg("--run-dir").arg(self.dir.join("run"));
+                c
+            }
+            System::Qsd => {
+                let blockdev = match self.backing {
+                    Backing::Tmpfs => format!("driver=file,node-name=disk,filename={},cache.direct=off", img.display()),
+                    // qemu-storage-daemon keeps no data in memory of its own (`null-co` stores
+                    // nothing): its nearest is a file on tmpfs, as for `Tmpfs`.
+                    Backing::Ram => format!("driver=file,node-name=disk,filename={},cache.direct=off", img.display()),
+                };
+                let mut c = Command::new(&self.qsd);
+                c.arg("--blockdev").arg(blockdev).arg("--export").arg(format!(
+                    "type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path={},writable=on,num-queues=1",
+                    self.socket.display()
+                ));
+                c
+            }
+        };
+        let child =
+            cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(err).spawn().map_err(|e| BenchError::io(&self.exe, e))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.socket.exists() || (self.system == System::Bulkhead && !self.dir.join("run/control.sock").exists()) {
+            if Instant::now() > deadline {
+                return Err(BenchError::Run(format!("{:?} did not start: {}", self.system, self.log_tail())));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+        text.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+    }
+
+    fn status(&self) -> serde_json::Value {
+        bulkhead_supervisor::control::request(&self.dir.join("run/control.sock"), &serde_json::json!({"cmd": "status"}))
+            .unwrap_or_default()
+    }
+
+    /// The processes whose CPU counts: the server, and for bulkhead its domains.
+    fn pids(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self.child.iter().map(Child::id).collect();
+        if self.system == System::Bulkhead {
+            for d in self.status()["devices"].as_array().into_iter().flatten() {
+                pids.extend(
+                    ["driver_pid", "tap_pid"].iter().filter_map(|k| d[*k].as_u64()).filter(|&p| p != 0).map(|p| p as u32),
+                );
+            }
+        }
+        pids
+    }
+
+    fn cpu(&self, pids: &[u32]) -> f64 {
+        pids.iter().map(|&p| cpu_seconds(p)).sum()
+    }
+
+    /// SIGKILL, then the same server again.
+    fn kill_and_restart(&mut self) -> Result<(), BenchError> {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.spawn()
+    }
+
+    fn driver_pid(&self) -> u32 {
+        self.status()["devices"][0]["driver_pid"].as_u64().unwrap_or(0) as u32
+    }
+
+    /// Waits until the driver domain is no longer `old` and the device serves.
+    fn wait_replaced(&self, old: u32) -> Result<(), BenchError> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let v = self.status();
+            let d = &v["devices"][0];
+            if d["driver_pid"].as_u64().unwrap_or(0) as u32 != old && d["state"] == "running" {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(BenchError::Run(format!("driver domain {old} was not replaced: {}", self.log_tail())));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = bulkhead_sys::signal(c.id(), libc::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A connection to `socket`, retried while the server still holds the last one.
+fn connect(socket: &Path, slot_bytes: u64) -> Result<Frontend, BenchError> {
+    let opts = FrontendOptions { queues: 1, queue_size: 128, slot_bytes, event_idx: true, inflight: false };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match Frontend::connect(socket, &opts) {
+            Ok(f) => return Ok(f),
+            Err(e) if Instant::now() > deadline => return Err(BenchError::Run(format!("connect {}: {e}", socket.display()))),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// Drives `w` for `seconds` from the host frontend; returns (requests, seconds).
+fn drive(fe: &mut Frontend, w: &Workload, seconds: f64, wait: FrontendWait) -> Result<(u64, f64), BenchError> {
+    let (q, mem) = fe.queue(0);
+    let sectors_per = u64::from(w.bs) / 512;
+    let slots = DEVICE_BYTES / u64::from(w.bs);
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut seq = 0u64;
+    let mut next = || {
+        if w.mode.starts_with("rand") {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % slots) * sectors_per
+        } else {
+            seq += 1;
+            (seq % slots) * sectors_per
+        }
+    };
+    let write = w.mode.ends_with("write");
+    let mut submit = |q: &mut bulkhead_vhost_export::frontend::Queue| -> Result<(), BenchError> {
+        let sector = next();
+        let r = if write { q.write(mem, sector, w.bs, 0x6b) } else { q.read(mem, sector, w.bs) };
+        r.map_err(|e| BenchError::Run(e.to_string()))?.ok_or_else(|| BenchError::Run("no free head".into()))?;
+        Ok(())
+    };
+    for _ in 0..w.qd {
+        submit(q)?;
+    }
+    q.publish(mem).map_err(|e| BenchError::Run(e.to_string()))?;
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs_f64(seconds);
+    let mut done = 0u64;
+    let mut failed = None;
+    let mut outstanding = u64::from(w.qd);
+    while outstanding > 0 {
+        let mut n = 0;
+        q.reap(mem, |d| {
+            n += 1;
+            if d.status != 0 {
+                failed = Some(d.status);
+            }
+        })
+        .map_err(|e| BenchError::Run(e.to_string()))?;
+        if let Some(s) = failed {
+            return Err(BenchError::Run(format!("{}: a request failed with status {s}", w.name)));
+        }
+        done += n;
+        outstanding -= n;
+        if n > 0 && Instant::now() < deadline {
+            for _ in 0..n {
+                submit(q)?;
+            }
+            outstanding += n;
+            q.publish(mem).map_err(|e| BenchError::Run(e.to_string()))?;
+        } else if n == 0 {
+            match wait {
+                FrontendWait::Call => q.wait_used(mem, 100).map_err(|e| BenchError::Run(e.to_string()))?,
+                FrontendWait::Poll => std::hint::spin_loop(),
+            }
+        }
+    }
+    Ok((done, t0.elapsed().as_secs_f64()))
+}
+
+fn record(f: &mut Figures, w: &Workload, requests: u64, secs: f64, cpu: f64) {
+    let bytes = requests as f64 * f64::from(w.bs);
+    f.iops.push(requests as f64 / secs);
+    f.mib_s.push(bytes / secs / 1048576.0);
+    f.cpu_per_gib.push(cpu / (bytes / (1u64 << 30) as f64));
+    f.cpu_per_100k.push(cpu / (requests as f64 / 100_000.0));
+}
+
+fn blank(backing: Backing) -> Vec<Comparison> {
+    WORKLOADS
+        .iter()
+        .map(|w| Comparison { backing, workload: *w, bulkhead: Figures::default(), qsd: Figures::default() })
+        .collect()
+}
+
+fn figures(c: &mut Comparison, s: System) -> &mut Figures {
+    match s {
+        System::Bulkhead => &mut c.bulkhead,
+        System::Qsd => &mut c.qsd,
+    }
+}
+
+/// The order of the systems in round `r`.
+fn order(r: usize) -> [System; 2] {
+    if r % 2 == 0 {
+        [System::Bulkhead, System::Qsd]
+    } else {
+        [System::Qsd, System::Bulkhead]
+    }
+}
+
+fn host(exe: &Path, opts: &Options, progress: &mut impl FnMut(&str)) -> Result<Vec<Comparison>, BenchError> {
+    let mut out = Vec::new();
+    for backing in [Backing::Tmpfs, Backing::Ram] {
+        let mut cmp = blank(backing);
+        for r in 0..opts.rounds {
+            for system in order(r) {
+                progress(&format!("host, {backing:?}, round {}/{}: {system:?}", r + 1, opts.rounds));
+                let server = Server::start(system, backing, exe, &opts.qsd, "host")?;
+                // Write the device whole first, so that reads find data.
+                let mut fe = connect(&server.socket, 1 << 20)?;
+                let fill = Workload { name: "fill", mode: "write", bs: 1 << 20, qd: 4 };
+                drive(&mut fe, &fill, 0.5 + DEVICE_BYTES as f64 / (400.0 * 1048576.0), opts.frontend)?;
+                drop(fe);
+                for (i, w) in WORKLOADS.iter().enumerate() {
+                    let mut fe = connect(&server.socket, u64::from(w.bs))?;
+                    let pids = server.pids();
+                    let c0 = server.cpu(&pids);
+                    let (n, secs) = drive(&mut fe, w, opts.seconds, opts.frontend)?;
+                    let cpu = server.cpu(&pids) - c0;
+                    record(figures(&mut cmp[i], system), w, n, secs, cpu);
+                }
+            }
+        }
+        out.extend(cmp);
+    }
+    Ok(out)
+}
+
+fn guest_script(seconds: u64) -> String {
+    let mut s = String::from("dd if=/dev/zero of=/dev/vda bs=1M oflag=direct 2>/dev/null || true\n");
+    for w in WORKLOADS {
+        s.push_str(&format!("echo 'POINT {}'\nguest-io bench /dev/vda {} {} {} {seconds}\n", w.name, w.mode, w.bs, w.qd));
+    }
+    s.push_str("echo 'POINT end'\n");
+    s
+}
+
+fn guest(exe: &Path, kit: &Kit, opts: &Options, progress: &mut impl FnMut(&str)) -> Result<Vec<Comparison>, BenchError> {
+    let mut out = Vec::new();
+    let scratch = std::env::temp_dir().join(format!("bulkhead-bench-vm-initrd-{}", std::process::id()));
+    for backing in [Backing::Tmpfs, Backing::Ram] {
+        let mut cmp = blank(backing);
+        for r in 0..opts.rounds {
+            for system in order(r) {
+                progress(&format!("guest, {backing:?}, round {}/{}: {system:?}", r + 1, opts.rounds));
+                let server = Server::start(system, backing, exe, &opts.qsd, "guest")?;
+                let vm_opts = VmOptions {
+                    disks: vec![Disk { socket: server.socket.clone(), queues: 1 }],
+                    script: guest_script(opts.guest_seconds),
+                    memory_mib: 512,
+                    cpus: 1,
+                    scratch: scratch.clone(),
+                };
+                let vm = Vm::boot(kit, &vm_opts).map_err(BenchError::Run)?;
+                // CPU at each point's start, from the console's markers.
+                let pids = server.pids();
+                let mut marks: Vec<(String, f64)> = Vec::new();
+                let deadline = Instant::now() + Duration::from_secs(120 + 2 * opts.guest_seconds * WORKLOADS.len() as u64);
+                loop {
+                    let lines = vm.lines();
+                    let points: Vec<&String> = lines.iter().filter(|l| l.starts_with("POINT ")).collect();
+                    while marks.len() < points.len() {
+                        marks.push((points[marks.len()].clone(), server.cpu(&pids)));
+                    }
+                    if marks.last().is_some_and(|m| m.0 == "POINT end") || lines.iter().any(|l| l.starts_with("GUEST EXIT")) {
+                        break;
+                    }
+                    if Instant::now() > deadline {
+                        return Err(BenchError::Run(format!("the guest did not finish: {}", lines.join("\n"))));
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let result = vm.finish(Duration::from_secs(60));
+                result.check().map_err(BenchError::Run)?;
+                for (i, w) in WORKLOADS.iter().enumerate() {
+                    let prefix = format!("GUESTIO bench {} bs={} qd={} ", w.mode, w.bs, w.qd);
+                    let line =
+                        result.with_prefix(&prefix).next().ok_or_else(|| BenchError::Run(format!("no result for {}", w.name)))?;
+                    let field = |k: &str| -> f64 {
+                        line.split_whitespace().find_map(|f| f.strip_prefix(k)).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+                    };
+                    let cpu = match (marks.get(i), marks.get(i + 1)) {
+                        (Some(a), Some(b)) => b.1 - a.1,
+                        _ => 0.0,
+                    };
+                    record(figures(&mut cmp[i], system), w, field("requests=") as u64, field("seconds="), cpu);
+                }
+            }
+        }
+        out.extend(cmp);
+    }
+    let _ = std::fs::remove_file(&scratch);
+    Ok(out)
+}
+
+/// Pauses from a guest's `GUESTIO pauses` line: the `kills` longest requests.
+fn pauses_of(out: &Outcome, kills: usize, hung: bool) -> Pauses {
+    let errors = out.errors();
+    let mut p = Pauses {
+        kills,
+        hung,
+        guest_errors: errors.len(),
+        first_error: errors.first().map(|e| e.to_string()),
+        ..Default::default()
+    };
+    if let Some(line) = out.lines.iter().find(|l| l.starts_with("GUESTIO pauses")) {
+        let field = |k: &str| line.split_whitespace().find_map(|f| f.strip_prefix(k)).unwrap_or("");
+        p.median_request_ms = field("median_ms=").parse().unwrap_or(0.0);
+        let mut longest: Vec<f64> = field("longest_ms=").split(',').filter_map(|v| v.parse().ok()).take(kills).collect();
+        longest.sort_by(f64::total_cmp);
+        p.p50_ms = median(&longest);
+        p.p99_ms = longest.get(((longest.len() as f64 * 0.99).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
+    }
+    p
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kill {
+    Driver,
+    Server,
+}
+
+fn restart(
+    exe: &Path,
+    kit: &Kit,
+    opts: &Options,
+    system: System,
+    kill: Kill,
+    progress: &mut impl FnMut(&str),
+) -> Result<Pauses, BenchError> {
+    let mut server = Server::start(system, Backing::Tmpfs, exe, &opts.qsd, "restart")?;
+    let seconds = 10 + opts.kills as u64 * 3;
+    // Twelve threads of verified load, and one writer timing each request.
+    let script = format!(
+        "guest-io stress /dev/vda {seconds} 12 > /tmp/stress 2>&1 &\ns=$!\n\
+         guest-io pauses /dev/vda {seconds} {}\nwait $s || true\ncat /tmp/stress\n",
+        opts.kills.max(64)
+    );
+    let scratch = std::env::temp_dir().join(format!("bulkhead-bench-vm-restart-{}", std::process::id()));
+    let vm_opts =
+        VmOptions { disks: vec![Disk { socket: server.socket.clone(), queues: 1 }], script, memory_mib: 512, cpus: 1, scratch };
+    let vm = Vm::boot(kit, &vm_opts).map_err(BenchError::Run)?;
+    if vm.wait_for("GUESTIO started pauses", Duration::from_secs(90)).is_none() {
+        return Err(BenchError::Run(format!("the guest did not start: {}", vm.lines().join("\n"))));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let mut hung = false;
+    for i in 0..opts.kills {
+        progress(&format!("restart: {system:?}, kill {}/{}", i + 1, opts.kills));
+        match kill {
+            Kill::Driver => {
+                let old = server.driver_pid();
+                bulkhead_sys::signal(old, libc::SIGKILL).map_err(|e| BenchError::Run(format!("kill {old}: {e}")))?;
+                server.wait_replaced(old)?;
+            }
+            Kill::Server => server.kill_and_restart()?,
+        }
+        // Let the guest come back and run a while before the next kill.
+        let seen = vm.lines().len();
+        std::thread::sleep(Duration::from_millis(1500));
+        if vm.lines().iter().skip(seen).any(|l| l.contains("GUESTIO FAIL")) {
+            break;
+        }
+    }
+    let ended = vm.wait_for("GUEST EXIT", Duration::from_secs(seconds + 60));
+    if ended.is_none() {
+        hung = true;
+    }
+    let out = vm.finish(Duration::from_secs(5));
+    Ok(pauses_of(&out, opts.kills, hung))
+}
+
+/// Runs the parts of `opts` with `exe` (a `bulkhead` that takes `serve`).
+pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
+    opts.check()?;
+    let mut report = Report { rounds: opts.rounds, frontend: Some(opts.frontend), ..Default::default() };
+    let needs_kit = opts.parts.iter().any(|p| *p != Part::Host);
+    let kit = if needs_kit {
+        progress("building the guest kit");
+        Some(Kit::ensure().map_err(BenchError::Run)?)
+    } else {
+        None
+    };
+    for part in &opts.parts {
+        match part {
+            Part::Host => report.host = host(exe, opts, &mut progress)?,
+            Part::Guest => report.guest = guest(exe, kit.as_ref().expect("built above"), opts, &mut progress)?,
+            Part::Restart => {
+                let kit = kit.as_ref().expect("built above");
+                report.driver_kill = Some(restart(exe, kit, opts, System::Bulkhead, Kill::Driver, &mut progress)?);
+                report.serve_kill = Some(restart(exe, kit, opts, System::Bulkhead, Kill::Server, &mut progress)?);
+                report.qsd_kill = Some(restart(exe, kit, opts, System::Qsd, Kill::Server, &mut progress)?);
+            }
+        }
+    }
+    Ok(report)
+}
+
+fn table(title: &str, rows: &[Comparison]) -> String {
+    let mut t = Table::new(&[
+        "backing",
+        "point",
+        "bulkhead IOPS",
+        "qsd IOPS",
+        "ratio",
+        "bulkhead MiB/s",
+        "qsd MiB/s",
+        "CPU s/GiB b|q",
+        "CPU s/100k b|q",
+        "bulkhead rounds",
+        "qsd rounds",
+    ]);
+    for c in rows {
+        let (b, q) = (&c.bulkhead, &c.qsd);
+        let rounds = |v: &[f64]| v.iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(" ");
+        t.row(vec![
+            format!("{:?}", c.backing).to_lowercase(),
+            c.workload.name.to_string(),
+            format!("{:.0}", median(&b.iops)),
+            format!("{:.0}", median(&q.iops)),
+            format!("{:.2}", median(&b.iops) / median(&q.iops).max(1e-9)),
+            format!("{:.1}", median(&b.mib_s)),
+            format!("{:.1}", median(&q.mib_s)),
+            format!("{:.2}|{:.2}", median(&b.cpu_per_gib), median(&q.cpu_per_gib)),
+            format!("{:.2}|{:.2}", median(&b.cpu_per_100k), median(&q.cpu_per_100k)),
+            rounds(&b.iops),
+            rounds(&q.iops),
+        ]);
+    }
+    format!("{title}\n{}", t.render())
+}
+
+/// Renders a report.
+pub fn render(r: &Report) -> String {
+    let mut out = String::new();
+    if !r.host.is_empty() {
+        out.push_str(&table(
+            &format!(
+                "host frontend ({}; medians of {} alternated rounds; ratio = bulkhead / qsd IOPS)",
+                match r.frontend {
+                    Some(FrontendWait::Poll) => "polling the used ring",
+                    _ => "sleeping until called, as a guest's driver",
+                },
+                r.rounds
+            ),
+            &r.host,
+        ));
+        let worst = r
+            .host
+            .iter()
+            .filter(|c| c.workload.bs == 4096)
+            .map(|c| median(&c.bulkhead.iops) / median(&c.qsd.iops).max(1e-9))
+            .fold(f64::INFINITY, f64::min);
+        out.push_str(&format!("goal: >= 1.5x qsd's IOPS at QD1 and QD16: lowest 4 KiB ratio {worst:.2}\n\n"));
+    }
+    if !r.guest.is_empty() {
+        out.push_str(&table(&format!("guest (QEMU TCG, guest-io; medians of {} alternated rounds)", r.rounds), &r.guest));
+        let behind = r.guest.iter().filter(|c| median(&c.bulkhead.iops) < median(&c.qsd.iops)).count();
+        out.push_str(&format!("goal: bulkhead >= qsd at every point: {behind} of {} points behind\n\n", r.guest.len()));
+    }
+    let mut t = Table::new(&["kill", "kills", "pause p50 ms", "pause p99 ms", "request median ms", "guest errors", "guest hung"]);
+    for (name, p) in
+        [("driver domain", &r.driver_kill), ("serve (SIGKILL, restart)", &r.serve_kill), ("qsd (SIGKILL, restart)", &r.qsd_kill)]
+    {
+        if let Some(p) = p {
+            t.row(vec![
+                name.to_string(),
+                p.kills.to_string(),
+                format!("{:.1}", p.p50_ms),
+                format!("{:.1}", p.p99_ms),
+                format!("{:.2}", p.median_request_ms),
+                p.guest_errors.to_string(),
+                if p.hung { "yes" } else { "no" }.to_string(),
+            ]);
+        }
+    }
+    if r.driver_kill.is_some() {
+        out.push_str(
+            "restarts under a guest (12 threads of verified load and one timed writer; pauses are its longest requests)\n",
+        );
+        out.push_str(&t.render());
+        for (name, p) in [("driver domain", &r.driver_kill), ("serve", &r.serve_kill), ("qsd", &r.qsd_kill)] {
+            if let Some(e) = p.as_ref().and_then(|p| p.first_error.as_ref()) {
+                out.push_str(&format!("first guest error under {name} kills: {e}\n"));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_and_pauses_come_from_what_the_guest_printed() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        let out = Outcome {
+            lines: vec!["GUESTIO pauses requests=900 median_ms=0.300 longest_ms=40.0,30.0,20.0,10.0,1.0".into()],
+            status: Some(0),
+        };
+        let p = pauses_of(&out, 4, false);
+        assert_eq!((p.p50_ms, p.p99_ms, p.median_request_ms, p.guest_errors), (25.0, 40.0, 0.3, 0));
+        assert!(Part::parse("guest").is_ok() && Part::parse("vm").is_err());
+        assert!(guest_script(3).contains("guest-io bench /dev/vda randread 4096 16 3"));
+    }
+}
