@@ -165,7 +165,7 @@ pub fn median(v: &[f64]) -> f64 {
     s.sort_by(f64::total_cmp);
     match s.len() {
         0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
+        n if !n.is_multiple_of(2) => s[n / 2],
         n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
     }
 }
@@ -487,7 +487,7 @@ fn figures(c: &mut Comparison, s: System) -> &mut Figures {
 
 /// The order of the systems in round `r`.
 fn order(r: usize) -> [System; 2] {
-    if r % 2 == 0 {
+    if r.is_multiple_of(2) {
         [System::Bulkhead, System::Qsd]
     } else {
         [System::Qsd, System::Bulkhead]
