@@ -219,6 +219,8 @@ pub struct Report {
     pub serve_kill: Option<Pauses>,
     /// qemu-storage-daemon killed and started again under a guest.
     pub qsd_kill: Option<Pauses>,
+    /// Runs that failed or stopped early, and why; their figures are left out.
+    pub failures: Vec<String>,
 }
 
 /// User and system CPU seconds of `pid`.
@@ -494,32 +496,45 @@ fn order(r: usize) -> [System; 2] {
     }
 }
 
-fn host(exe: &Path, opts: &Options, progress: &mut impl FnMut(&str)) -> Result<Vec<Comparison>, BenchError> {
+/// One server's points from the host frontend: `(point, requests, seconds, cpu)`.
+fn host_round(exe: &Path, opts: &Options, system: System, backing: Backing) -> Result<Vec<(usize, u64, f64, f64)>, BenchError> {
+    let server = Server::start(system, backing, exe, &opts.qsd, "host")?;
+    // Write the device whole first, so that reads find data.
+    let mut fe = connect(&server.socket, 1 << 20)?;
+    let fill = Workload { name: "fill", mode: "write", bs: 1 << 20, qd: 4 };
+    drive(&mut fe, &fill, 0.5 + DEVICE_BYTES as f64 / (400.0 * 1048576.0), opts.frontend)?;
+    drop(fe);
+    let mut out = Vec::new();
+    for (i, w) in WORKLOADS.iter().enumerate() {
+        let mut fe = connect(&server.socket, u64::from(w.bs))?;
+        let pids = server.pids();
+        let c0 = server.cpu(&pids);
+        let (n, secs) = drive(&mut fe, w, opts.seconds, opts.frontend)?;
+        out.push((i, n, secs, server.cpu(&pids) - c0));
+    }
+    Ok(out)
+}
+
+fn host(exe: &Path, opts: &Options, failures: &mut Vec<String>, progress: &mut impl FnMut(&str)) -> Vec<Comparison> {
     let mut out = Vec::new();
     for backing in [Backing::Tmpfs, Backing::Ram] {
         let mut cmp = blank(backing);
         for r in 0..opts.rounds {
             for system in order(r) {
                 progress(&format!("host, {backing:?}, round {}/{}: {system:?}", r + 1, opts.rounds));
-                let server = Server::start(system, backing, exe, &opts.qsd, "host")?;
-                // Write the device whole first, so that reads find data.
-                let mut fe = connect(&server.socket, 1 << 20)?;
-                let fill = Workload { name: "fill", mode: "write", bs: 1 << 20, qd: 4 };
-                drive(&mut fe, &fill, 0.5 + DEVICE_BYTES as f64 / (400.0 * 1048576.0), opts.frontend)?;
-                drop(fe);
-                for (i, w) in WORKLOADS.iter().enumerate() {
-                    let mut fe = connect(&server.socket, u64::from(w.bs))?;
-                    let pids = server.pids();
-                    let c0 = server.cpu(&pids);
-                    let (n, secs) = drive(&mut fe, w, opts.seconds, opts.frontend)?;
-                    let cpu = server.cpu(&pids) - c0;
-                    record(figures(&mut cmp[i], system), w, n, secs, cpu);
+                match host_round(exe, opts, system, backing) {
+                    Ok(points) => {
+                        for (i, n, secs, cpu) in points {
+                            record(figures(&mut cmp[i], system), &WORKLOADS[i], n, secs, cpu);
+                        }
+                    }
+                    Err(e) => failures.push(format!("host, {backing:?}, round {}, {system:?}: {e}", r + 1)),
                 }
             }
         }
         out.extend(cmp);
     }
-    Ok(out)
+    out
 }
 
 fn guest_script(seconds: u64) -> String {
@@ -531,7 +546,69 @@ fn guest_script(seconds: u64) -> String {
     s
 }
 
-fn guest(exe: &Path, kit: &Kit, opts: &Options, progress: &mut impl FnMut(&str)) -> Result<Vec<Comparison>, BenchError> {
+/// One server's points in a guest: `(point, requests, seconds, cpu)` for each point it
+/// finished, and why it stopped early if it did.
+fn guest_round(
+    exe: &Path,
+    kit: &Kit,
+    opts: &Options,
+    system: System,
+    backing: Backing,
+    scratch: &Path,
+) -> Result<(Vec<(usize, u64, f64, f64)>, Option<String>), BenchError> {
+    let server = Server::start(system, backing, exe, &opts.qsd, "guest")?;
+    let vm_opts = VmOptions {
+        disks: vec![Disk { socket: server.socket.clone(), queues: 1 }],
+        script: guest_script(opts.guest_seconds),
+        memory_mib: 512,
+        cpus: 1,
+        scratch: scratch.to_path_buf(),
+    };
+    let vm = Vm::boot(kit, &vm_opts).map_err(BenchError::Run)?;
+    // CPU at each point's start, from the console's markers.
+    let pids = server.pids();
+    let mut marks: Vec<(String, f64)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120 + 2 * opts.guest_seconds * WORKLOADS.len() as u64);
+    let mut stopped = None;
+    loop {
+        let lines = vm.lines();
+        let points: Vec<&String> = lines.iter().filter(|l| l.starts_with("POINT ")).collect();
+        while marks.len() < points.len() {
+            marks.push((points[marks.len()].clone(), server.cpu(&pids)));
+        }
+        if marks.last().is_some_and(|m| m.0 == "POINT end") || lines.iter().any(|l| l.starts_with("GUEST EXIT")) {
+            break;
+        }
+        if Instant::now() > deadline {
+            let at = marks.last().map_or("boot", |m| m.0.trim_start_matches("POINT "));
+            stopped = Some(format!("the guest made no progress at `{at}`: {}", server.log_tail().replace('\n', " | ")));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let result = vm.finish(Duration::from_secs(if stopped.is_some() { 1 } else { 60 }));
+    if stopped.is_none() {
+        if let Err(e) = result.check() {
+            stopped = Some(e.lines().next().unwrap_or("the guest failed").to_string());
+        }
+    }
+    let mut out = Vec::new();
+    for (i, w) in WORKLOADS.iter().enumerate() {
+        let prefix = format!("GUESTIO bench {} bs={} qd={} ", w.mode, w.bs, w.qd);
+        let Some(line) = result.with_prefix(&prefix).next() else { continue };
+        let field = |k: &str| -> f64 {
+            line.split_whitespace().find_map(|f| f.strip_prefix(k)).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        };
+        let cpu = match (marks.get(i), marks.get(i + 1)) {
+            (Some(a), Some(b)) => b.1 - a.1,
+            _ => 0.0,
+        };
+        out.push((i, field("requests=") as u64, field("seconds="), cpu));
+    }
+    Ok((out, stopped))
+}
+
+fn guest(exe: &Path, kit: &Kit, opts: &Options, failures: &mut Vec<String>, progress: &mut impl FnMut(&str)) -> Vec<Comparison> {
     let mut out = Vec::new();
     let scratch = std::env::temp_dir().join(format!("bulkhead-bench-vm-initrd-{}", std::process::id()));
     for backing in [Backing::Tmpfs, Backing::Ram] {
@@ -539,54 +616,23 @@ fn guest(exe: &Path, kit: &Kit, opts: &Options, progress: &mut impl FnMut(&str))
         for r in 0..opts.rounds {
             for system in order(r) {
                 progress(&format!("guest, {backing:?}, round {}/{}: {system:?}", r + 1, opts.rounds));
-                let server = Server::start(system, backing, exe, &opts.qsd, "guest")?;
-                let vm_opts = VmOptions {
-                    disks: vec![Disk { socket: server.socket.clone(), queues: 1 }],
-                    script: guest_script(opts.guest_seconds),
-                    memory_mib: 512,
-                    cpus: 1,
-                    scratch: scratch.clone(),
-                };
-                let vm = Vm::boot(kit, &vm_opts).map_err(BenchError::Run)?;
-                // CPU at each point's start, from the console's markers.
-                let pids = server.pids();
-                let mut marks: Vec<(String, f64)> = Vec::new();
-                let deadline = Instant::now() + Duration::from_secs(120 + 2 * opts.guest_seconds * WORKLOADS.len() as u64);
-                loop {
-                    let lines = vm.lines();
-                    let points: Vec<&String> = lines.iter().filter(|l| l.starts_with("POINT ")).collect();
-                    while marks.len() < points.len() {
-                        marks.push((points[marks.len()].clone(), server.cpu(&pids)));
+                match guest_round(exe, kit, opts, system, backing, &scratch) {
+                    Ok((points, stopped)) => {
+                        for (i, n, secs, cpu) in points {
+                            record(figures(&mut cmp[i], system), &WORKLOADS[i], n, secs, cpu);
+                        }
+                        if let Some(why) = stopped {
+                            failures.push(format!("guest, {backing:?}, round {}, {system:?}: {why}", r + 1));
+                        }
                     }
-                    if marks.last().is_some_and(|m| m.0 == "POINT end") || lines.iter().any(|l| l.starts_with("GUEST EXIT")) {
-                        break;
-                    }
-                    if Instant::now() > deadline {
-                        return Err(BenchError::Run(format!("the guest did not finish: {}", lines.join("\n"))));
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                let result = vm.finish(Duration::from_secs(60));
-                result.check().map_err(BenchError::Run)?;
-                for (i, w) in WORKLOADS.iter().enumerate() {
-                    let prefix = format!("GUESTIO bench {} bs={} qd={} ", w.mode, w.bs, w.qd);
-                    let line =
-                        result.with_prefix(&prefix).next().ok_or_else(|| BenchError::Run(format!("no result for {}", w.name)))?;
-                    let field = |k: &str| -> f64 {
-                        line.split_whitespace().find_map(|f| f.strip_prefix(k)).and_then(|v| v.parse().ok()).unwrap_or(0.0)
-                    };
-                    let cpu = match (marks.get(i), marks.get(i + 1)) {
-                        (Some(a), Some(b)) => b.1 - a.1,
-                        _ => 0.0,
-                    };
-                    record(figures(&mut cmp[i], system), w, field("requests=") as u64, field("seconds="), cpu);
+                    Err(e) => failures.push(format!("guest, {backing:?}, round {}, {system:?}: {e}", r + 1)),
                 }
             }
         }
         out.extend(cmp);
     }
     let _ = std::fs::remove_file(&scratch);
-    Ok(out)
+    out
 }
 
 /// Pauses from a guest's `GUESTIO pauses` line: the `kills` longest requests.
@@ -679,13 +725,22 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     };
     for part in &opts.parts {
         match part {
-            Part::Host => report.host = host(exe, opts, &mut progress)?,
-            Part::Guest => report.guest = guest(exe, kit.as_ref().expect("built above"), opts, &mut progress)?,
+            Part::Host => report.host = host(exe, opts, &mut report.failures, &mut progress),
+            Part::Guest => {
+                report.guest = guest(exe, kit.as_ref().expect("built above"), opts, &mut report.failures, &mut progress)
+            }
             Part::Restart => {
                 let kit = kit.as_ref().expect("built above");
-                report.driver_kill = Some(restart(exe, kit, opts, System::Bulkhead, Kill::Driver, &mut progress)?);
-                report.serve_kill = Some(restart(exe, kit, opts, System::Bulkhead, Kill::Server, &mut progress)?);
-                report.qsd_kill = Some(restart(exe, kit, opts, System::Qsd, Kill::Server, &mut progress)?);
+                let mut one = |system, kill, what: &str| match restart(exe, kit, opts, system, kill, &mut progress) {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        report.failures.push(format!("restart, {what}: {e}"));
+                        None
+                    }
+                };
+                report.driver_kill = one(System::Bulkhead, Kill::Driver, "driver domain kills");
+                report.serve_kill = one(System::Bulkhead, Kill::Server, "serve kills");
+                report.qsd_kill = one(System::Qsd, Kill::Server, "qsd kills");
             }
         }
     }
@@ -780,6 +835,9 @@ pub fn render(r: &Report) -> String {
                 out.push_str(&format!("first guest error under {name} kills: {e}\n"));
             }
         }
+    }
+    for f in &r.failures {
+        out.push_str(&format!("failed: {f}\n"));
     }
     out
 }
