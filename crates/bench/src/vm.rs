@@ -496,8 +496,17 @@ fn order(r: usize) -> [System; 2] {
     }
 }
 
-/// One server's points from the host frontend: `(point, requests, seconds, cpu)`.
-fn host_round(exe: &Path, opts: &Options, system: System, backing: Backing) -> Result<Vec<(usize, u64, f64, f64)>, BenchError> {
+/// One workload a server finished: how many requests in how long, and the server's CPU
+/// (with its domains) meanwhile.
+struct Point {
+    workload: usize,
+    requests: u64,
+    seconds: f64,
+    cpu: f64,
+}
+
+/// One server's points from the host frontend.
+fn host_round(exe: &Path, opts: &Options, system: System, backing: Backing) -> Result<Vec<Point>, BenchError> {
     let server = Server::start(system, backing, exe, &opts.qsd, "host")?;
     // Write the device whole first, so that reads find data.
     let mut fe = connect(&server.socket, 1 << 20)?;
@@ -510,7 +519,7 @@ fn host_round(exe: &Path, opts: &Options, system: System, backing: Backing) -> R
         let pids = server.pids();
         let c0 = server.cpu(&pids);
         let (n, secs) = drive(&mut fe, w, opts.seconds, opts.frontend)?;
-        out.push((i, n, secs, server.cpu(&pids) - c0));
+        out.push(Point { workload: i, requests: n, seconds: secs, cpu: server.cpu(&pids) - c0 });
     }
     Ok(out)
 }
@@ -524,8 +533,9 @@ fn host(exe: &Path, opts: &Options, failures: &mut Vec<String>, progress: &mut i
                 progress(&format!("host, {backing:?}, round {}/{}: {system:?}", r + 1, opts.rounds));
                 match host_round(exe, opts, system, backing) {
                     Ok(points) => {
-                        for (i, n, secs, cpu) in points {
-                            record(figures(&mut cmp[i], system), &WORKLOADS[i], n, secs, cpu);
+                        for p in points {
+                            let w = p.workload;
+                            record(figures(&mut cmp[w], system), &WORKLOADS[w], p.requests, p.seconds, p.cpu);
                         }
                     }
                     Err(e) => failures.push(format!("host, {backing:?}, round {}, {system:?}: {e}", r + 1)),
@@ -546,8 +556,7 @@ fn guest_script(seconds: u64) -> String {
     s
 }
 
-/// One server's points in a guest: `(point, requests, seconds, cpu)` for each point it
-/// finished, and why it stopped early if it did.
+/// One server's points in a guest, and why the guest stopped early if it did.
 fn guest_round(
     exe: &Path,
     kit: &Kit,
@@ -555,7 +564,7 @@ fn guest_round(
     system: System,
     backing: Backing,
     scratch: &Path,
-) -> Result<(Vec<(usize, u64, f64, f64)>, Option<String>), BenchError> {
+) -> Result<(Vec<Point>, Option<String>), BenchError> {
     let server = Server::start(system, backing, exe, &opts.qsd, "guest")?;
     let vm_opts = VmOptions {
         disks: vec![Disk { socket: server.socket.clone(), queues: 1 }],
@@ -603,7 +612,7 @@ fn guest_round(
             (Some(a), Some(b)) => b.1 - a.1,
             _ => 0.0,
         };
-        out.push((i, field("requests=") as u64, field("seconds="), cpu));
+        out.push(Point { workload: i, requests: field("requests=") as u64, seconds: field("seconds="), cpu });
     }
     Ok((out, stopped))
 }
@@ -618,8 +627,9 @@ fn guest(exe: &Path, kit: &Kit, opts: &Options, failures: &mut Vec<String>, prog
                 progress(&format!("guest, {backing:?}, round {}/{}: {system:?}", r + 1, opts.rounds));
                 match guest_round(exe, kit, opts, system, backing, &scratch) {
                     Ok((points, stopped)) => {
-                        for (i, n, secs, cpu) in points {
-                            record(figures(&mut cmp[i], system), &WORKLOADS[i], n, secs, cpu);
+                        for p in points {
+                            let w = p.workload;
+                            record(figures(&mut cmp[w], system), &WORKLOADS[w], p.requests, p.seconds, p.cpu);
                         }
                         if let Some(why) = stopped {
                             failures.push(format!("guest, {backing:?}, round {}, {system:?}: {why}", r + 1));

@@ -13,6 +13,14 @@ use bulkhead_testkit::guest::{Disk, Kit, Outcome, Vm, VmOptions};
 use bulkhead_testkit::require_kernel;
 use common::*;
 
+/// Held by each test for its whole run: guests run one after another (two CPUs are all there
+/// is, and a TCG guest takes one), and the kit is built once.
+static ONE_GUEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The kit, or `None` (the test skips) where QEMU is missing and the kernel tests are not
 /// required.
 fn kit() -> Option<Kit> {
@@ -52,6 +60,7 @@ const EXPORT: &str = "[fuse]\nenabled = false\n[nbd]\nenabled = false\n[vhost_us
 #[test]
 fn a_guest_makes_a_file_system_and_reads_back_what_it_wrote() {
     require_kernel!();
+    let _one = one_at_a_time();
     let Some(kit) = kit() else { return };
     let tmp = TempDir::new("vm-fs");
     let cfg = format!("{EXPORT}[[device]]\nname = \"disk\"\nsize = \"256M\"\nqueues = 2\n[device.backend]\ntype = \"ram\"\n");
@@ -109,6 +118,7 @@ fn file_config(img: &std::path::Path) -> String {
 #[test]
 fn thirty_driver_kills_and_wedges_under_guest_io_are_a_pause() {
     require_kernel!();
+    let _one = one_at_a_time();
     let Some(kit) = kit() else { return };
     let tmp = TempDir::new("vm-kill");
     let cfg = file_config(&tmp.path().join("disk.img"));
@@ -166,6 +176,7 @@ fn thirty_driver_kills_and_wedges_under_guest_io_are_a_pause() {
 #[test]
 fn twenty_kills_of_serve_under_guest_io_are_a_pause() {
     require_kernel!();
+    let _one = one_at_a_time();
     let Some(kit) = kit() else { return };
     let tmp = TempDir::new("vm-serve-kill");
     let cfg = file_config(&tmp.path().join("disk.img"));
@@ -213,6 +224,7 @@ fn twenty_kills_of_serve_under_guest_io_are_a_pause() {
 #[test]
 fn a_read_only_view_refuses_the_guests_writes() {
     require_kernel!();
+    let _one = one_at_a_time();
     let Some(kit) = kit() else { return };
     let tmp = TempDir::new("vm-ro");
     let cfg = format!(
@@ -237,6 +249,7 @@ echo RO-REFUSED
 #[test]
 fn guest_memory_never_reaches_the_driver_domain() {
     require_kernel!();
+    let _one = one_at_a_time();
     let Some(kit) = kit() else { return };
     let tmp = TempDir::new("vm-secret");
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
