@@ -15,7 +15,9 @@ case "${1:-serve}" in
         want nbdcopy libnbd-bin; want nbdfuse libnbd-bin; want fusermount3 fuse3
         want nbdkit nbdkit; want qemu-nbd qemu-utils; want ip iproute2; want sysbench sysbench
         want blkparse blktrace; want btt blktrace; want cryptsetup cryptsetup-bin; want openssl openssl
-        want qemu-system-x86_64 qemu-system-x86; want qemu-storage-daemon qemu-system-common; static_busybox ;;
+        want qemu-system-x86_64 qemu-system-x86; want qemu-storage-daemon qemu-system-common; static_busybox
+        # The rbd tests' throwaway cluster (scripts/ceph-dev.sh); ceph-common brings librbd1.
+        want ceph-mon ceph-mon; want ceph-osd ceph-osd; want rbd ceph-common ;;
   bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
          want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3; want qemu-nbd qemu-utils
          want bindfs bindfs; want cryptsetup cryptsetup-bin; want qemu-system-x86_64 qemu-system-x86; static_busybox ;;

@@ -10,6 +10,7 @@ mod nbd;
 mod null;
 mod qcow2;
 mod ram;
+mod rbd;
 
 pub use channel::ChannelBackend;
 pub use file::{Engine, FileBackend};
@@ -17,6 +18,7 @@ pub use nbd::NbdBackend;
 pub use null::NullBackend;
 pub use qcow2::{FdStorage, ImageLayer, Qcow2Backend};
 pub use ram::RamBackend;
+pub use rbd::{RbdBackend, RbdOptions};
 
 /// Setup errors of a backend.
 #[derive(Debug, thiserror::Error)]

@@ -275,6 +275,8 @@ pub enum BackendKind {
     Null,
     /// A remote NBD server.
     Nbd,
+    /// A Ceph RBD image.
+    Rbd,
     /// A virtual device: a generated card's model in a device-model domain, its reference
     /// driver in the driver domain.
     Vdev,
@@ -338,6 +340,75 @@ pub struct BackendTable {
     pub seed: Option<Spanned<u64>>,
     /// `wait` (vdev).
     pub wait: Option<Spanned<VdevWait>>,
+    /// `pool` (rbd).
+    pub pool: Option<Spanned<String>>,
+    /// `image` (rbd).
+    pub image: Option<Spanned<String>>,
+    /// `namespace` (rbd).
+    pub namespace: Option<Spanned<String>>,
+    /// `mon_host` (rbd).
+    pub mon_host: Option<Spanned<String>>,
+    /// `user` (rbd).
+    pub user: Option<Spanned<String>>,
+    /// `key_file` (rbd).
+    pub key_file: Option<Spanned<PathBuf>>,
+    /// `cache` (rbd).
+    pub cache: Option<Spanned<bool>>,
+    /// `op_timeout_ms` (rbd).
+    pub op_timeout_ms: Option<Spanned<u64>>,
+    /// `networks` (rbd).
+    pub networks: Option<Spanned<Vec<String>>>,
+}
+
+/// The monitors of a `mon_host` value: `host[:port]` entries separated by commas or spaces,
+/// each optionally written as `v2:host:port` or in brackets as Ceph prints them. A monitor
+/// without a port listens on 3300 (msgr2) and 6789.
+pub fn parse_mon_host(s: &str) -> Result<Vec<(String, Option<u16>)>, String> {
+    let mut out = Vec::new();
+    for part in s.split([',', ' ', ';']).map(str::trim).filter(|p| !p.is_empty()) {
+        let part = part.trim_start_matches('[').trim_end_matches(']');
+        let part = part.strip_prefix("v2:").or_else(|| part.strip_prefix("v1:")).unwrap_or(part);
+        let part = part.split('/').next().unwrap_or(part);
+        let (host, port) = if let Some(rest) = part.strip_prefix('[') {
+            // [ipv6]:port
+            let (h, p) = rest.split_once(']').ok_or_else(|| format!("`{part}`: unclosed `[`"))?;
+            (h.to_string(), p.strip_prefix(':'))
+        } else if part.matches(':').count() > 1 {
+            (part.to_string(), None)
+        } else {
+            match part.split_once(':') {
+                Some((h, p)) => (h.to_string(), Some(p)),
+                None => (part.to_string(), None),
+            }
+        };
+        let port = match port {
+            Some(p) => Some(p.parse::<u16>().map_err(|_| format!("`{part}`: bad port `{p}`"))?),
+            None => None,
+        };
+        if host.is_empty() {
+            return Err(format!("`{part}` names no host"));
+        }
+        out.push((host, port));
+    }
+    if out.is_empty() {
+        return Err("names no monitor".into());
+    }
+    Ok(out)
+}
+
+/// An address range `ip/bits` (or one address).
+pub fn parse_cidr(s: &str) -> Result<(std::net::IpAddr, u8), String> {
+    let (ip, bits) = match s.split_once('/') {
+        Some((ip, b)) => (ip, Some(b)),
+        None => (s, None),
+    };
+    let ip: std::net::IpAddr = ip.trim().parse().map_err(|_| format!("`{ip}` is not an IP address"))?;
+    let max = if ip.is_ipv4() { 32 } else { 128 };
+    let bits = match bits {
+        Some(b) => b.trim().parse::<u8>().ok().filter(|b| *b <= max).ok_or_else(|| format!("`/{b}` is not a prefix length"))?,
+        None => max,
+    };
+    Ok((ip, bits))
 }
 
 /// Where a remote NBD server listens.
@@ -454,6 +525,34 @@ pub enum BackendConfig {
         /// After losing the server, keep reconnecting this long before the device fails, ms.
         reconnect_timeout_ms: u64,
     },
+    /// A Ceph RBD image.
+    Rbd {
+        /// Monitor addresses as written (`host[:port]`, comma-separated).
+        mon_host: String,
+        /// Client name, without `client.`.
+        user: String,
+        /// The file holding the client's secret key.
+        key_file: PathBuf,
+        /// Pool.
+        pool: String,
+        /// Namespace ("" for none).
+        namespace: String,
+        /// Image.
+        image: String,
+        /// librbd's client cache.
+        cache: bool,
+        /// Refuse writes.
+        read_only: bool,
+        /// A request the cluster does not answer for this long fails, ms.
+        op_timeout_ms: u64,
+        /// Reaching the cluster may take this long, ms.
+        connect_timeout_ms: u64,
+        /// After losing the cluster, keep trying this long before the device fails, ms.
+        reconnect_timeout_ms: u64,
+        /// Address ranges (CIDR) the domain may connect to besides the monitors: where the
+        /// OSDs are. Empty: the monitors' hosts.
+        networks: Vec<String>,
+    },
     /// A virtual device.
     Vdev {
         /// The card.
@@ -487,6 +586,23 @@ impl BackendTable {
                     reconnect_timeout_ms: self.reconnect_timeout_ms.as_ref().map(|t| *t.get_ref()).unwrap_or(60_000),
                 }
             }
+            BackendKind::Rbd => {
+                let s = |v: &Option<Spanned<String>>| v.as_ref().map(|x| x.get_ref().clone()).unwrap_or_default();
+                BackendConfig::Rbd {
+                    mon_host: s(&self.mon_host),
+                    user: self.user.as_ref().map_or_else(|| "admin".to_string(), |u| u.get_ref().clone()),
+                    key_file: self.key_file.as_ref().map(|k| k.get_ref().clone()).unwrap_or_default(),
+                    pool: s(&self.pool),
+                    namespace: s(&self.namespace),
+                    image: s(&self.image),
+                    cache: self.cache.as_ref().is_some_and(|c| *c.get_ref()),
+                    read_only: self.read_only.as_ref().is_some_and(|r| *r.get_ref()),
+                    op_timeout_ms: self.op_timeout_ms.as_ref().map_or(RBD_OP_TIMEOUT_MS, |t| *t.get_ref()),
+                    connect_timeout_ms: self.connect_timeout_ms.as_ref().map_or(5000, |t| *t.get_ref()),
+                    reconnect_timeout_ms: self.reconnect_timeout_ms.as_ref().map_or(60_000, |t| *t.get_ref()),
+                    networks: self.networks.as_ref().map(|n| n.get_ref().clone()).unwrap_or_default(),
+                }
+            }
             BackendKind::Vdev => BackendConfig::Vdev {
                 card: match (&self.card, &self.seed) {
                     (Some(p), _) => VdevCard::File(p.get_ref().clone()),
@@ -497,6 +613,11 @@ impl BackendTable {
         }
     }
 }
+
+/// An `rbd` request the cluster does not answer is failed after this long unless
+/// `op_timeout_ms` says otherwise (below the device's default watchdog, so a stopped OSD gives
+/// errors rather than a restart).
+pub const RBD_OP_TIMEOUT_MS: u64 = 8_000;
 
 /// One device.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -622,7 +743,7 @@ impl DeviceConfig {
     pub fn watchdog_ms(&self) -> u64 {
         match &self.watchdog_ms {
             Some(w) => *w.get_ref(),
-            None if self.backend.kind == BackendKind::Nbd => 10_000,
+            None if matches!(self.backend.kind, BackendKind::Nbd | BackendKind::Rbd) => 10_000,
             None => 1000,
         }
     }
@@ -981,13 +1102,23 @@ impl Config {
                 ("path", b.path.as_ref().map(|x| x.span())),
                 ("direct", b.direct.as_ref().map(|x| x.span())),
                 ("engine", b.engine.as_ref().map(|x| x.span())),
-                ("read_only", b.read_only.as_ref().map(|x| x.span())),
                 ("format", b.format.as_ref().map(|x| x.span())),
             ];
-            let nbd_keys = [
-                ("uri", b.uri.as_ref().map(|x| x.span())),
+            let nbd_keys = [("uri", b.uri.as_ref().map(|x| x.span()))];
+            let remote_keys = [
                 ("connect_timeout_ms", b.connect_timeout_ms.as_ref().map(|x| x.span())),
                 ("reconnect_timeout_ms", b.reconnect_timeout_ms.as_ref().map(|x| x.span())),
+            ];
+            let rbd_keys = [
+                ("pool", b.pool.as_ref().map(|x| x.span())),
+                ("image", b.image.as_ref().map(|x| x.span())),
+                ("namespace", b.namespace.as_ref().map(|x| x.span())),
+                ("mon_host", b.mon_host.as_ref().map(|x| x.span())),
+                ("user", b.user.as_ref().map(|x| x.span())),
+                ("key_file", b.key_file.as_ref().map(|x| x.span())),
+                ("cache", b.cache.as_ref().map(|x| x.span())),
+                ("op_timeout_ms", b.op_timeout_ms.as_ref().map(|x| x.span())),
+                ("networks", b.networks.as_ref().map(|x| x.span())),
             ];
             let foreign = |keys: &[(&'static str, Option<std::ops::Range<usize>>)], owner: &str| match keys
                 .iter()
@@ -1003,6 +1134,15 @@ impl Config {
             }
             if b.kind != BackendKind::Nbd {
                 foreign(&nbd_keys, "nbd")?;
+            }
+            if b.kind != BackendKind::Rbd {
+                foreign(&rbd_keys, "rbd")?;
+            }
+            if !matches!(b.kind, BackendKind::Nbd | BackendKind::Rbd) {
+                foreign(&remote_keys, "nbd\" or \"rbd")?;
+            }
+            if !matches!(b.kind, BackendKind::File | BackendKind::Rbd) {
+                foreign(&[("read_only", b.read_only.as_ref().map(|x| x.span()))], "file\" or \"rbd")?;
             }
             let vdev_keys = [
                 ("card", b.card.as_ref().map(|x| x.span())),
@@ -1069,6 +1209,66 @@ impl Config {
                                 ));
                             }
                         }
+                    }
+                }
+                BackendKind::Rbd => {
+                    for (key, v) in [("pool", &b.pool), ("image", &b.image), ("mon_host", &b.mon_host)] {
+                        match v {
+                            None => {
+                                return Err(err(
+                                    d.name.span(),
+                                    format!("device `{name}`: key `backend.{key}` is required for type = \"rbd\""),
+                                ))
+                            }
+                            Some(v) if v.get_ref().trim().is_empty() || v.get_ref().contains('\0') => {
+                                return Err(err(v.span(), format!("device `{name}`: key `backend.{key}` is empty")))
+                            }
+                            Some(_) => {}
+                        }
+                    }
+                    if let Some(m) = &b.mon_host {
+                        if let Err(e) = parse_mon_host(m.get_ref()) {
+                            return Err(err(m.span(), format!("device `{name}`: key `backend.mon_host`: {e}")));
+                        }
+                    }
+                    let Some(key) = &b.key_file else {
+                        return Err(err(
+                            d.name.span(),
+                            format!("device `{name}`: key `backend.key_file` is required for type = \"rbd\" (the file `ceph auth get-key` writes)"),
+                        ));
+                    };
+                    if let Err(e) = std::fs::metadata(key.get_ref()) {
+                        return Err(err(
+                            key.span(),
+                            format!("device `{name}`: key `backend.key_file`: {}: {e}", key.get_ref().display()),
+                        ));
+                    }
+                    if let Some(n) = &b.networks {
+                        for net in n.get_ref() {
+                            if let Err(e) = parse_cidr(net) {
+                                return Err(err(n.span(), format!("device `{name}`: key `backend.networks`: `{net}`: {e}")));
+                            }
+                        }
+                    }
+                    for (key, v, lo, hi) in [
+                        ("connect_timeout_ms", &b.connect_timeout_ms, 10, 600_000),
+                        ("reconnect_timeout_ms", &b.reconnect_timeout_ms, 0, 86_400_000),
+                        ("op_timeout_ms", &b.op_timeout_ms, 1000, 3_600_000),
+                    ] {
+                        if let Some(v) = v {
+                            if !(lo..=hi).contains(v.get_ref()) {
+                                return Err(err(
+                                    v.span(),
+                                    format!("device `{name}`: key `backend.{key}`: {} is out of range {lo}..={hi}", v.get_ref()),
+                                ));
+                            }
+                        }
+                    }
+                    if d.size.is_none() {
+                        return Err(err(
+                            d.name.span(),
+                            format!("device `{name}`: key `size` is required for type = \"rbd\" (at most the image's size)"),
+                        ));
                     }
                 }
                 BackendKind::Vdev => {
@@ -1205,6 +1405,36 @@ mod tests {
 
     fn parse(s: &str) -> Result<Config, ConfigError> {
         Config::parse(s, "test.toml")
+    }
+
+    #[test]
+    fn rbd_backend_names_missing_and_misplaced_keys() {
+        let key = std::env::temp_dir().join(format!("bulkhead-config-rbd-key-{}", std::process::id()));
+        std::fs::write(&key, "AQBexample==\n").unwrap();
+        let dev = |backend: &str| format!("[[device]]\nname = \"r\"\nsize = \"1G\"\n[device.backend]\ntype = \"rbd\"\n{backend}");
+        let full =
+            format!("mon_host = \"10.0.0.1,10.0.0.2:6789\"\npool = \"p\"\nimage = \"i\"\nkey_file = \"{}\"\n", key.display());
+        let cfg = parse(&dev(&full)).unwrap();
+        match cfg.devices[0].backend.resolve() {
+            BackendConfig::Rbd { user, cache, op_timeout_ms, namespace, .. } => {
+                assert_eq!((user.as_str(), cache, op_timeout_ms, namespace.as_str()), ("admin", false, RBD_OP_TIMEOUT_MS, ""));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(cfg.devices[0].watchdog_ms(), 10_000);
+        let e = parse(&dev(&full.replace("pool = \"p\"\n", ""))).unwrap_err().to_string();
+        assert!(e.contains("`backend.pool` is required"), "{e}");
+        let e = parse(&dev(&full.replace(&key.display().to_string(), "/nonexistent/key"))).unwrap_err().to_string();
+        assert!(e.contains("`backend.key_file`") && e.contains("line 9"), "{e}");
+        let e = parse(&dev(&format!("{full}networks = [\"10.0.0.0/33\"]\n"))).unwrap_err().to_string();
+        assert!(e.contains("`backend.networks`") && e.contains("10.0.0.0/33"), "{e}");
+        let e = parse(&dev(&full.replace("10.0.0.2:6789", "10.0.0.2:x"))).unwrap_err().to_string();
+        assert!(e.contains("`backend.mon_host`") && e.contains("bad port"), "{e}");
+        let ram = "[[device]]\nname = \"m\"\nsize = \"1G\"\n[device.backend]\ntype = \"ram\"\npool = \"p\"\n";
+        let e = parse(ram).unwrap_err().to_string();
+        assert!(e.contains("`backend.pool` only applies to type = \"rbd\""), "{e}");
+        assert_eq!(parse_mon_host("[v2:10.0.0.1:3300,v1:10.0.0.1:6789]").unwrap()[0], ("10.0.0.1".to_string(), Some(3300)));
+        let _ = std::fs::remove_file(key);
     }
 
     #[test]

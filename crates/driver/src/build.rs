@@ -7,7 +7,9 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use bulkhead_backends::{ChannelBackend, Engine, FileBackend, ImageLayer, NbdBackend, NullBackend, Qcow2Backend, RamBackend};
+use bulkhead_backends::{
+    ChannelBackend, Engine, FileBackend, ImageLayer, NbdBackend, NullBackend, Qcow2Backend, RamBackend, RbdBackend, RbdOptions,
+};
 use bulkhead_block::{Backend, Chain};
 use bulkhead_channel::{AboveControl, BackQueue, BackQueueFds, BelowControl, ForwardQueueFds, FrontQueue, QueueConfig};
 use bulkhead_ring::ArenaSizes;
@@ -118,6 +120,46 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
             // SAFETY: forwarded from this function's contract.
             let sock = unsafe { claim(*fd)? };
             Box::new(NbdBackend::new(sock, export, this.backend_size, std::time::Duration::from_millis(*timeout_ms)))
+        }
+        BackendSpec::Rbd {
+            key_fd,
+            owner_fd,
+            mon_host,
+            user,
+            pool,
+            namespace,
+            image,
+            cache,
+            read_only,
+            op_timeout_ms,
+            connect_timeout_ms,
+            discard_granularity,
+            break_owners,
+        } => {
+            use std::io::Read;
+            // SAFETY: forwarded from this function's contract.
+            let key_pipe = unsafe { claim(*key_fd)? };
+            let mut key = String::new();
+            std::fs::File::from(key_pipe)
+                .read_to_string(&mut key)
+                .map_err(|e| DriverError::Setup(format!("rbd: reading the key: {e}")))?;
+            // SAFETY: as above.
+            let owner = unsafe { claim(*owner_fd)? };
+            let opts = RbdOptions {
+                mon_host: mon_host.clone(),
+                user: user.clone(),
+                key: key.trim().to_string(),
+                pool: pool.clone(),
+                namespace: namespace.clone(),
+                image: image.clone(),
+                cache: *cache,
+                read_only: *read_only,
+                op_timeout: std::time::Duration::from_millis(*op_timeout_ms),
+                connect_timeout: std::time::Duration::from_millis(*connect_timeout_ms),
+                discard_granularity: *discard_granularity,
+                break_owners: break_owners.clone(),
+            };
+            Box::new(RbdBackend::new(opts, this.backend_size, Some(owner)).map_err(|e| DriverError::Setup(format!("rbd: {e}")))?)
         }
         BackendSpec::Null => Box::new(NullBackend::new(this.backend_size)),
         BackendSpec::Vdev { card, wait, fds } => {

@@ -47,6 +47,10 @@ pub enum DriverError {
 /// Address space allowed beyond what a domain has mapped at confinement: the allocator's needs.
 const HEADROOM: u64 = 256 << 20;
 
+/// The same for an `rbd` domain: librados's threads each reserve a stack and a malloc arena
+/// (most of it never touched).
+const RBD_HEADROOM: u64 = 8 << 30;
+
 /// Confines this process as the domain `spec` describes (namespaces were entered at spawn;
 /// this applies the empty mount tree, rlimits, no_new_privs, Landlock and the seccomp allowlist
 /// of its role) and reports the layers in force, or why it refused, on the spec's report pipe.
@@ -91,7 +95,8 @@ pub fn confine_as(
         guarded,
         attach_slots,
         namespaces: bulkhead_sandbox::spawn::namespaces_layer(policy),
-        address_space_headroom: HEADROOM + attach_slots as u64 * per_slot,
+        address_space_headroom: if role == bulkhead_sandbox::seccomp::Role::Rbd { RBD_HEADROOM } else { HEADROOM }
+            + attach_slots as u64 * per_slot,
         withhold,
     };
     // Claimed before confinement: the seccomp allowlist has no fcntl to check it with after.

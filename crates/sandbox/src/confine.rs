@@ -59,6 +59,9 @@ struct Footprint {
 fn nproc_limit(role: Role) -> u64 {
     match role {
         Role::FileIoUring => 2 * u64::from(bulkhead_sys::uring::FILE_ENGINE.max_workers) + 4,
+        // librados and librbd start about 20 threads; the limit counts every task of the
+        // user the domain runs as.
+        Role::Rbd => 256,
         Role::Memory
         | Role::FileSync
         | Role::Network
@@ -110,6 +113,7 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
         landlock_abi: landlock::abi(),
         seccomp: Layer::Off,
         seccomp_role: opts.role.as_str().to_string(),
+        connect_listener: None,
     };
     if opts.policy == Policy::Off {
         return Ok(layers);
@@ -157,6 +161,21 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
         check("rlimits", apply("rlimits", &|| rlimits(&footprint, opts.role, opts.address_space_headroom, opts.attach_slots)))?;
     layers.no_new_privs = check("no_new_privs", apply("no_new_privs", &no_new_privs))?;
     layers.landlock = check("landlock", apply("landlock", &|| landlock::deny_all().map(|_| ())))?;
-    layers.seccomp = check("seccomp", apply("seccomp", &|| seccomp::apply(opts.role, opts.guarded, opts.attach_slots > 0)))?;
+    // An rbd domain's connects go to the supervisor: that filter first (installing a filter
+    // is itself a system call the allowlist refuses).
+    let mut listener = None;
+    let filters = || -> Result<(), String> {
+        if opts.role == Role::Rbd {
+            let fd = bulkhead_sys::seccomp_notify::install_connect_listener().map_err(|e| format!("connect filter: {e}"))?;
+            listener = Some(fd);
+        }
+        seccomp::apply(opts.role, opts.guarded, opts.attach_slots > 0)
+    };
+    let filters = std::cell::RefCell::new(filters);
+    layers.seccomp = check("seccomp", apply("seccomp", &|| (filters.borrow_mut())()))?;
+    let _ = filters.into_inner();
+    // The listener stays open here (the domain can do nothing with it: its allowlist has no
+    // ioctl); the supervisor takes a copy of it by number.
+    layers.connect_listener = listener.map(std::os::fd::IntoRawFd::into_raw_fd);
     Ok(layers)
 }

@@ -74,6 +74,10 @@ pub struct Layers {
     pub seccomp: Layer,
     /// Role of the seccomp allowlist.
     pub seccomp_role: String,
+    /// An `rbd` domain's connect listener: its descriptor number in the domain, for the
+    /// supervisor to take a copy of (see [`seccomp::Role::Rbd`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connect_listener: Option<i32>,
 }
 
 /// What a domain reports to the supervisor once confinement is done: the layers in force, or

@@ -35,6 +35,11 @@ pub enum Role {
     /// A device-model domain: a card's model over its memory, taking traps on the line from
     /// the driver domains and serving them.
     VdevModel,
+    /// `rbd`: librbd's threads and its sockets to the cluster. Every `connect` goes to the
+    /// supervisor (see [`bulkhead_sys::seccomp_notify`]), which connects a socket of its own to
+    /// a cluster address and puts it in place of the domain's; the domain's own network
+    /// namespace is empty.
+    Rbd,
 }
 
 impl Role {
@@ -51,6 +56,7 @@ impl Role {
             Role::Vdev => "vdev",
             Role::VdevFile => "vdev-file",
             Role::VdevModel => "vdev-model",
+            Role::Rbd => "rbd",
         }
     }
 }
@@ -152,6 +158,51 @@ const ATTACH: &[(i64, &str)] = &[
     (libc::SYS_fcntl, "make an attached queue's doorbells non-blocking"),
 ];
 
+/// Extra system calls of an `rbd` domain: what librados and librbd make once connected, each
+/// for their own threads and sockets. Files stay closed: `openat` is not here (librados looks
+/// for keyrings and configuration files and carries on without them).
+const RBD: &[(i64, &str)] = &[
+    (
+        libc::SYS_socket,
+        "passed to the supervisor by the connect filter, which makes a TCP socket in the host's network namespace \
+         (the domain's is empty) and returns it",
+    ),
+    (
+        libc::SYS_connect,
+        "passed to the supervisor by the connect filter, which connects the socket to the address if it is the \
+         cluster's and refuses it otherwise",
+    ),
+    (libc::SYS_setsockopt, "TCP_NODELAY and buffer sizes on the cluster sockets"),
+    (libc::SYS_getsockopt, "SO_ERROR after a non-blocking connect"),
+    (libc::SYS_getsockname, "the messenger learns its own address"),
+    (libc::SYS_getpeername, "the messenger checks its peer"),
+    (libc::SYS_sendmsg, "messages to the cluster (never MSG_FASTOPEN)"),
+    (libc::SYS_recvmsg, "messages from the cluster"),
+    (libc::SYS_sendto, "messages to the cluster, libc's form (never MSG_FASTOPEN)"),
+    (libc::SYS_recvfrom, "messages from the cluster (libc may use this form)"),
+    (libc::SYS_shutdown, "closing a connection to an OSD or monitor"),
+    (libc::SYS_close, "a closed connection's socket, a finished thread's descriptors"),
+    (libc::SYS_epoll_create1, "the messenger's event loops"),
+    (libc::SYS_epoll_create, "as epoll_create1 (older form)"),
+    (libc::SYS_epoll_ctl, "the messenger's event loops watch their sockets"),
+    (libc::SYS_poll, "waits with a deadline"),
+    (libc::SYS_ppoll, "as poll (libc may use this form)"),
+    (libc::SYS_pipe2, "the messenger's wake-up pipes"),
+    (libc::SYS_eventfd2, "the messenger's wake-ups"),
+    (libc::SYS_fcntl, "non-blocking sockets"),
+    (libc::SYS_clone, "librados's threads: only with CLONE_THREAD, never a new process"),
+    (libc::SYS_clone3, "refused with ENOSYS by the connect filter, so that libc makes threads with clone"),
+    (libc::SYS_set_robust_list, "a new thread's futex list"),
+    (libc::SYS_rseq, "a new thread's restartable sequences"),
+    (libc::SYS_sigaltstack, "a new thread's signal stack"),
+    (libc::SYS_rt_sigaction, "librados's signal setup"),
+    (libc::SYS_prctl, "PR_SET_NAME only: librados names its threads"),
+    (libc::SYS_uname, "librados's host name"),
+    (libc::SYS_sched_getaffinity, "thread pool sizes"),
+    (libc::SYS_nanosleep, "librados's timers"),
+    (libc::SYS_clock_nanosleep, "librados's timers (libc may use this form)"),
+];
+
 fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, v: u64) -> SeccompCondition {
     SeccompCondition::new(arg, len, op, v).expect("valid seccomp condition")
 }
@@ -179,7 +230,8 @@ pub fn allowlist_with(role: Role, guarded: bool, attach: bool) -> Vec<(i64, &'st
 /// The rules, as (syscall, reason, conditions) for documentation and for the filter.
 pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     let mut v: Vec<(i64, &'static str)> = COMMON.to_vec();
-    if matches!(role, Role::FileSync | Role::FileIoUring | Role::NetworkFile | Role::TapFile | Role::VdevFile) {
+    // An rbd domain may keep a cow overlay's file (passed in; it can open none).
+    if matches!(role, Role::FileSync | Role::FileIoUring | Role::NetworkFile | Role::TapFile | Role::VdevFile | Role::Rbd) {
         v.extend_from_slice(FILE);
     }
     if matches!(role, Role::Vdev | Role::VdevFile) {
@@ -196,6 +248,9 @@ pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
     }
     if matches!(role, Role::Tap | Role::TapFile) {
         v.extend_from_slice(TAP);
+    }
+    if role == Role::Rbd {
+        v.extend_from_slice(RBD);
     }
     v.push((libc::SYS_mmap, "the allocator: anonymous private memory only, never executable"));
     v.push((libc::SYS_mprotect, "the allocator: never executable"));
@@ -252,6 +307,21 @@ pub fn filter_with(role: Role, guarded: bool, attach: bool) -> Result<seccompile
             ],
         );
     }
+    if role == Role::Rbd {
+        let rule = |c: Vec<SeccompCondition>| SeccompRule::new(c).map_err(|e| e.to_string());
+        rules.insert(
+            libc::SYS_socket,
+            vec![rule(vec![cond(0, Dword, Eq, libc::AF_INET as u64)])?, rule(vec![cond(0, Dword, Eq, libc::AF_INET6 as u64)])?],
+        );
+        let thread = libc::CLONE_THREAD as u64;
+        rules.insert(libc::SYS_clone, vec![rule(vec![cond(0, Qword, MaskedEq(thread), thread)])?]);
+        rules.insert(libc::SYS_prctl, vec![rule(vec![cond(0, Dword, Eq, libc::PR_SET_NAME as u64)])?]);
+        // TCP fast open would connect an unconnected socket to the address of a send, past
+        // the broker.
+        let fast_open = libc::MSG_FASTOPEN as u64;
+        rules.insert(libc::SYS_sendmsg, vec![rule(vec![cond(2, Dword, MaskedEq(fast_open), 0)])?]);
+        rules.insert(libc::SYS_sendto, vec![rule(vec![cond(3, Dword, MaskedEq(fast_open), 0)])?]);
+    }
     // _IOWR(0xAA, 0x06, struct uffdio_writeprotect), as `bulkhead_sys::uffd` issues it.
     const UFFDIO_WRITEPROTECT: u64 = 0xC018_AA06;
     if role == Role::VdevModel || guarded {
@@ -287,6 +357,7 @@ mod tests {
             Role::Vdev,
             Role::VdevFile,
             Role::VdevModel,
+            Role::Rbd,
         ] {
             assert!(filter(role, false).is_ok() && filter(role, true).is_ok(), "{role:?}");
             for (nr, why) in allowlist(role) {
@@ -305,6 +376,18 @@ mod tests {
             for banned in [libc::SYS_socket, libc::SYS_sendmsg, libc::SYS_openat, libc::SYS_pwrite64, libc::SYS_userfaultfd] {
                 assert!(!l.contains(&banned), "{role:?} must not make {banned}");
             }
+        }
+        let rbd: Vec<i64> = allowlist(Role::Rbd).iter().map(|x| x.0).collect();
+        for banned in [
+            libc::SYS_openat,
+            libc::SYS_open,
+            libc::SYS_execve,
+            libc::SYS_ioctl,
+            libc::SYS_bind,
+            libc::SYS_listen,
+            libc::SYS_ptrace,
+        ] {
+            assert!(!rbd.contains(&banned), "an rbd domain must not make {banned}");
         }
         let net: Vec<i64> = allowlist(Role::Network).iter().map(|x| x.0).collect();
         assert!(!net.contains(&libc::SYS_pwrite64) && !net.contains(&libc::SYS_ioctl), "network role touches no file");

@@ -235,6 +235,39 @@ pub enum BackendSpec {
         /// Negotiation and any wait for a reply are bounded by this, ms.
         timeout_ms: u64,
     },
+    /// A Ceph RBD image through librbd, which the domain loads before it is confined and
+    /// connects once it is; the supervisor brokers each connection to the cluster.
+    Rbd {
+        /// A pipe holding the client's secret key (read once, at start).
+        key_fd: i32,
+        /// A pipe on which the domain tells the supervisor its client address once connected
+        /// (the owner name its exclusive lock will carry).
+        owner_fd: i32,
+        /// Monitor addresses, as `mon_host` takes them.
+        mon_host: String,
+        /// Client name, without `client.`.
+        user: String,
+        /// Pool.
+        pool: String,
+        /// Namespace in the pool ("" for none).
+        namespace: String,
+        /// Image.
+        image: String,
+        /// librbd's client cache (writes acknowledged before they are stored; a FUA write
+        /// or a flush then flushes it).
+        cache: bool,
+        /// Refuse writes.
+        read_only: bool,
+        /// A request the cluster does not answer for this long fails (ms).
+        op_timeout_ms: u64,
+        /// Connecting to the cluster may take this long (ms).
+        connect_timeout_ms: u64,
+        /// The smallest discard librbd carries out (bytes; smaller ones it would drop).
+        discard_granularity: u64,
+        /// Client addresses of this device's earlier domains: their exclusive lock is broken
+        /// at once, any other owner's is waited for.
+        break_owners: Vec<String>,
+    },
     /// Null device.
     Null,
     /// A virtual device's reference driver, over the card the device-model domain models
@@ -327,6 +360,7 @@ impl DomainSpec {
             BackendSpec::File { engine, .. } if engine == "io_uring" => Role::FileIoUring,
             BackendSpec::File { .. } | BackendSpec::Qcow2 { .. } => Role::FileSync,
             BackendSpec::Nbd { .. } => Role::Network,
+            BackendSpec::Rbd { .. } => Role::Rbd,
             BackendSpec::Channel { .. } => Role::Tap,
             BackendSpec::Vdev { .. } => Role::Vdev,
         };

@@ -108,6 +108,8 @@ pub(crate) struct Launcher {
     pub(crate) card: Option<crate::vdev::CardDevice>,
     /// The view of each slot for attached applications' queues (`None`: the device).
     pub(crate) attach_slots: Vec<Option<u32>>,
+    /// An `rbd` device's cluster addresses and its earlier domains' lock owners.
+    rbd: Option<(crate::rbd::Reach, crate::rbd::Owners)>,
 }
 
 impl Launcher {
@@ -163,6 +165,7 @@ impl Launcher {
             policy: sandbox,
             card: storage.card,
             attach_slots: Vec::new(),
+            rbd: storage.rbd,
         };
         let size = launcher.prepare_filters(filters, cfg.tap)?;
         // Views, against the size the filters leave: each adds queues of its own.
@@ -311,7 +314,7 @@ impl Launcher {
             BackendConfig::Ram => self.backend_fds.first(),
             // The card keeps the device's bytes as they are, in storage the supervisor made.
             BackendConfig::Vdev { .. } => self.card.as_ref().map(|c| c.media()),
-            BackendConfig::Null | BackendConfig::Nbd { .. } => None,
+            BackendConfig::Null | BackendConfig::Nbd { .. } | BackendConfig::Rbd { .. } => None,
         }
     }
 
@@ -365,7 +368,9 @@ impl Launcher {
     /// How long to keep reconnecting to a lost remote server; `None` for local backends.
     pub(crate) fn reconnect_timeout(&self) -> Option<Duration> {
         match &self.backend {
-            BackendConfig::Nbd { reconnect_timeout_ms, .. } => Some(Duration::from_millis(*reconnect_timeout_ms)),
+            BackendConfig::Nbd { reconnect_timeout_ms, .. } | BackendConfig::Rbd { reconnect_timeout_ms, .. } => {
+                Some(Duration::from_millis(*reconnect_timeout_ms))
+            }
             _ => None,
         }
     }
@@ -377,6 +382,15 @@ impl Launcher {
                 connect_nbd(target, Duration::from_millis(*connect_timeout_ms))
                     .map_err(|e| LaunchError::Connect(format!("{uri}: {e}")))?,
             )),
+            // The domain connects itself (through the broker); a cluster whose monitors cannot
+            // be reached gets no domain.
+            BackendConfig::Rbd { mon_host, connect_timeout_ms, .. } => {
+                let (reach, _) = self.rbd.as_ref().ok_or("an rbd device has its cluster's addresses")?;
+                reach
+                    .probe(Duration::from_millis(*connect_timeout_ms))
+                    .map_err(|e| LaunchError::Connect(format!("cluster at {mon_host}: {e}")))?;
+                Ok(None)
+            }
             _ => Ok(None),
         }
     }
@@ -536,6 +550,44 @@ impl Launcher {
                 export: export.clone(),
                 timeout_ms: self.io_timeout_ms,
             },
+            BackendConfig::Rbd {
+                mon_host,
+                user,
+                key_file,
+                pool,
+                namespace,
+                image,
+                cache,
+                read_only,
+                op_timeout_ms,
+                connect_timeout_ms,
+                ..
+            } => {
+                // The key goes through a pipe: the domain reads no file.
+                let key =
+                    std::fs::read_to_string(key_file).map_err(|e| format!("backend key_file {}: {e}", key_file.display()))?;
+                let (key_r, key_w) = bulkhead_sys::pipe().map_err(|e| format!("key pipe: {e}"))?;
+                std::io::Write::write_all(&mut std::fs::File::from(key_w), key.trim().as_bytes())
+                    .map_err(|e| format!("key pipe: {e}"))?;
+                let (owner_r, owner_w) = bulkhead_sys::pipe().map_err(|e| format!("owner pipe: {e}"))?;
+                pass.rbd_owner = Some(owner_r);
+                let (_, owners) = self.rbd.as_ref().ok_or("an rbd device has its cluster's addresses")?;
+                BackendSpec::Rbd {
+                    key_fd: pass.add_owned(key_r),
+                    owner_fd: pass.add_owned(owner_w),
+                    mon_host: mon_host.clone(),
+                    user: user.clone(),
+                    pool: pool.clone(),
+                    namespace: namespace.clone(),
+                    image: image.clone(),
+                    cache: *cache,
+                    read_only: *read_only,
+                    op_timeout_ms: *op_timeout_ms,
+                    connect_timeout_ms: *connect_timeout_ms,
+                    discard_granularity: 4096,
+                    break_owners: owners.list(),
+                }
+            }
             BackendConfig::File { read_only, format: ImageFormat::Qcow2, .. } => BackendSpec::Qcow2 {
                 layers: self
                     .backend_fds
@@ -643,8 +695,25 @@ impl Launcher {
         let json = serde_json::to_string(&spec).map_err(|e| format!("domain spec: {e}"))?;
         let args: [&std::ffi::OsStr; 3] = ["driver".as_ref(), "--spec".as_ref(), json.as_ref()];
         let raw = std::mem::take(&mut pass.raw);
+        let owner_pipe = pass.rbd_owner.take();
         let what = format!("{role} domain");
         let (child, layers) = exec_confined(&self.exe, &args, &raw, pass, &self.name, self.policy, &report_r, &what)?;
+        // An rbd domain's connections go through a broker here.
+        if let (Some((reach, owners)), Some(fd)) = (&self.rbd, layers.as_ref().and_then(|l| l.connect_listener)) {
+            let taken = child.pidfd().try_clone().and_then(|pidfd| {
+                let listener = bulkhead_sys::seccomp_notify::pidfd_getfd(child.pidfd().as_fd(), fd)?;
+                Ok((pidfd, listener))
+            });
+            match taken {
+                Ok((pidfd, listener)) => {
+                    crate::rbd::broker(&self.name, pidfd, listener, owner_pipe, reach.clone(), owners.clone())
+                }
+                Err(e) => {
+                    discard(child);
+                    return Err(format!("cannot take the rbd domain's connect listener: {e}").into());
+                }
+            }
+        }
         Ok((Domain { child, layers, rings: Vec::new() }, attach_line))
     }
 }
@@ -656,12 +725,14 @@ struct Storage {
     fds: Vec<OwnedFd>,
     formats: Vec<bulkhead_image::Format>,
     card: Option<crate::vdev::CardDevice>,
+    rbd: Option<(crate::rbd::Reach, crate::rbd::Owners)>,
 }
 
 impl Storage {
     /// Opens (or creates) the storage of `backend` for device `name`.
     fn open(name: &str, cfg: &DeviceConfig, backend: &BackendConfig, sandbox: Policy) -> Result<Storage, String> {
-        let sized = |size: u64, desc: String, fds: Vec<OwnedFd>| Storage { size, desc, fds, formats: Vec::new(), card: None };
+        let sized =
+            |size: u64, desc: String, fds: Vec<OwnedFd>| Storage { size, desc, fds, formats: Vec::new(), card: None, rbd: None };
         let configured = || cfg.size.as_ref().map(|s| s.get_ref().0);
         match backend {
             BackendConfig::Nbd { uri, target, export, connect_timeout_ms, .. } => {
@@ -676,6 +747,13 @@ impl Storage {
                     return Err(format!("{uri} is empty"));
                 }
                 Ok(sized(size, format!("nbd:{uri}"), Vec::new()))
+            }
+            BackendConfig::Rbd { mon_host, networks, pool, namespace, image, read_only, .. } => {
+                let size = configured().ok_or("size is required for an rbd device")?;
+                let reach = crate::rbd::Reach::resolve(mon_host, networks).map_err(|e| format!("backend mon_host: {e}"))?;
+                let ns = if namespace.is_empty() { String::new() } else { format!("{namespace}/") };
+                let desc = format!("rbd:{pool}/{ns}{image}{}", if *read_only { ",ro" } else { "" });
+                Ok(Storage { rbd: Some((reach, crate::rbd::Owners::default())), ..sized(size, desc, Vec::new()) })
             }
             BackendConfig::Ram => {
                 let size = configured().ok_or("size is required for a ram device")?;
@@ -704,7 +782,7 @@ impl Storage {
                     },
                     if *read_only { ",ro" } else { "" }
                 );
-                Ok(Storage { size: chain.size, desc, fds: chain.fds, formats: chain.formats, card: None })
+                Ok(Storage { size: chain.size, desc, fds: chain.fds, formats: chain.formats, card: None, rbd: None })
             }
             BackendConfig::File { path, direct, engine, read_only, .. } => {
                 let main = open_backing(path, *read_only, *direct)
@@ -798,6 +876,8 @@ struct Pass {
     owned: Vec<OwnedFd>,
     /// Rings lent to it, closed here once it holds its copies (the watch keeps each).
     lent: Vec<uring::LentRing>,
+    /// An rbd domain's owner pipe (read end), for its broker.
+    rbd_owner: Option<OwnedFd>,
 }
 
 impl Pass {

@@ -28,6 +28,7 @@ mod launcher;
 mod lifecycle;
 mod mailbox;
 pub mod proc_info;
+mod rbd;
 mod spawn;
 mod state;
 mod status;

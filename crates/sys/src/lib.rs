@@ -7,6 +7,7 @@ pub mod epoll;
 pub mod eventfd;
 pub mod memfd;
 pub mod pkey;
+pub mod seccomp_notify;
 pub mod uffd;
 pub mod uring;
 
@@ -477,6 +478,55 @@ pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], wait: bool) -> io::Re
         return Err(io::Error::new(io::ErrorKind::InvalidData, "more descriptors than expected"));
     }
     Ok(Some((n, fds)))
+}
+
+/// Connects `sock` to `to`: `Ok` once connected; a non-blocking socket gives `EINPROGRESS`
+/// while the connection is under way.
+pub fn connect_nonblocking(sock: BorrowedFd<'_>, to: &std::net::SocketAddr) -> io::Result<()> {
+    // SAFETY: zeroed sockaddr_storage is a valid value; it is filled below for the family.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match to {
+        std::net::SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than sockaddr_in and suitably aligned.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        std::net::SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: sockaddr_storage is larger than sockaddr_in6 and suitably aligned.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    // SAFETY: a valid address of the length given.
+    if unsafe { libc::connect(sock.as_raw_fd(), (&ss as *const libc::sockaddr_storage).cast(), len as libc::socklen_t) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A new TCP socket of `family` (`AF_INET` or `AF_INET6`), close-on-exec.
+pub fn tcp_socket(family: libc::c_int, nonblocking: bool) -> io::Result<OwnedFd> {
+    let flags = libc::SOCK_CLOEXEC | if nonblocking { libc::SOCK_NONBLOCK } else { 0 };
+    // SAFETY: plain socket creation.
+    let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | flags, libc::IPPROTO_TCP) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor, ours alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 #[cfg(test)]

@@ -17,6 +17,9 @@
 //! `BULKHEAD_TEST_SEARCH=<masked patterns>` searches the domain's own memory for them while it
 //! serves ([`bulkhead_testkit::memsearch`]).
 //!
+//! `BULKHEAD_TEST_CONNECT=ADDR,ADDR…` connects to each address once the domain is confined
+//! and says how each attempt went (an `rbd` domain's connects go through the supervisor).
+//!
 //! `BULKHEAD_TEST_FAULT_ROLE=tap|driver` limits the fault to that domain of an `interpose`
 //! device.
 //!
@@ -117,6 +120,16 @@ fn main() -> ExitCode {
             let withhold = withhold.split(',').filter(|l| !l.is_empty()).map(String::from).collect();
             if let Err(e) = bulkhead_driver::confine_and_report_withholding(&spec, withhold) {
                 return fail(e.to_string());
+            }
+            if let Ok(addrs) = std::env::var("BULKHEAD_TEST_CONNECT") {
+                for a in addrs.split(',').filter_map(|a| a.parse::<std::net::SocketAddr>().ok()) {
+                    // A blocking connect: std's timeout form sets O_NONBLOCK with an ioctl, which
+                    // no domain may make.
+                    match std::net::TcpStream::connect(a) {
+                        Ok(_) => eprintln!("TEST CONNECT {a}: connected"),
+                        Err(e) => eprintln!("TEST CONNECT {a}: {e}"),
+                    }
+                }
             }
             match domain.run() {
                 Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,265 @@
+//! The `rbd` backend against a real single-node Ceph cluster (`scripts/ceph-dev.sh`), each test
+//! with a cluster of its own in a network namespace of its own, torn down even on failure.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use bulkhead_testkit::require_kernel;
+use common::*;
+
+/// A throwaway cluster; `down` on drop.
+struct Cluster {
+    dir: PathBuf,
+    netns: String,
+}
+
+impl Cluster {
+    /// Starts one, or `None` (the test skips) without the ceph packages.
+    fn up(tag: &str) -> Option<Cluster> {
+        if bulkhead_testkit::kernel::which("ceph-mon").is_none() || bulkhead_testkit::kernel::which("ceph-osd").is_none() {
+            assert!(std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"), "ceph-mon and ceph-osd are required");
+            eprintln!("SKIP: the ceph packages are not installed");
+            return None;
+        }
+        let netns = format!("bh-{tag}-{}", std::process::id());
+        let dir = std::env::temp_dir().join(format!("bulkhead-ceph-{tag}-{}", std::process::id()));
+        let c = Cluster { dir, netns };
+        let out = Command::new(script())
+            .args(["up", "--dir"])
+            .arg(&c.dir)
+            .args(["--netns", &c.netns])
+            .output()
+            .expect("scripts/ceph-dev.sh");
+        assert!(out.status.success(), "cluster did not start: {}", String::from_utf8_lossy(&out.stderr));
+        Some(c)
+    }
+
+    fn key_file(&self) -> PathBuf {
+        self.dir.join("client.admin.key")
+    }
+
+    /// Runs `rbd ARGS` against the cluster; its stdout.
+    fn rbd(&self, args: &[&str]) -> Vec<u8> {
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.netns))
+            .arg("rbd")
+            .arg("-c")
+            .arg(self.dir.join("ceph.conf"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    }
+
+    fn config(&self, image: &str, size: &str, extra: &str) -> String {
+        format!(
+            "[fuse]\nenabled = false\n[[device]]\nname = \"r\"\nsize = \"{size}\"\nrestart_limit = 100000\n\
+             [device.backend]\ntype = \"rbd\"\nmon_host = \"127.0.0.1:3300\"\npool = \"rbd\"\nimage = \"{image}\"\n\
+             key_file = \"{}\"\n{extra}",
+            self.key_file().display()
+        )
+    }
+
+    fn osd_pid(&self) -> i32 {
+        std::fs::read_to_string(self.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // A stopped OSD must be able to die.
+        if let Ok(p) = std::fs::read_to_string(self.dir.join("run/osd.0.pid")) {
+            if let Ok(pid) = p.trim().parse::<i32>() {
+                // SAFETY: signalling the cluster's own OSD.
+                unsafe { libc::kill(pid, libc::SIGCONT) };
+            }
+        }
+        let _ = Command::new(script()).args(["down", "--dir"]).arg(&self.dir).status();
+    }
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-dev.sh")
+}
+
+fn qemu_io(uri: &str, cmds: &[&str]) -> std::process::Output {
+    let mut c = Command::new("timeout");
+    c.args(["60", "qemu-io", "-f", "raw"]);
+    for cmd in cmds {
+        c.args(["-c", cmd]);
+    }
+    c.arg(uri).output().unwrap()
+}
+
+fn qemu_io_ok(uri: &str, cmds: &[&str]) {
+    let out = qemu_io(uri, cmds);
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !text.contains("fail") && !text.contains("error"), "qemu-io {cmds:?}: {text}");
+}
+
+#[test]
+fn each_operation_round_trips_and_the_image_interoperates_with_rbd() {
+    require_kernel!();
+    let Some(cluster) = Cluster::up("ops") else { return };
+    let tmp = TempDir::new("rbd-ops");
+    // An image made by `rbd import` serves through bulkhead as it is.
+    let seed: Vec<u8> = (0..4u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let src = tmp.path().join("seed.img");
+    std::fs::write(&src, &seed).unwrap();
+    cluster.rbd(&["import", src.to_str().unwrap(), "rbd/img"]);
+    let serve =
+        Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("img", "4M", ""), &[], &cluster.netns, false).unwrap();
+    let uri = serve.nbd_uri("r");
+    let got = tmp.path().join("got.img");
+    let out = Command::new("nbdcopy").args([&uri, got.to_str().unwrap()]).output().unwrap();
+    assert!(out.status.success(), "nbdcopy: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(&got).unwrap() == seed, "the imported image reads back through bulkhead as written");
+    // Writes (4 KiB, unaligned spans of blocks, 1 MiB), a FUA write, a flush; a 4 KiB discard
+    // and a write-zeroes each read back as zeroes (no discard is dropped).
+    qemu_io_ok(
+        &uri,
+        &[
+            "write -P 0x11 0 4k",
+            "write -P 0x22 12k 20k",
+            "write -P 0x33 1M 1M",
+            "write -f -P 0x44 3M 64k",
+            "flush",
+            "read -P 0x11 0 4k",
+            "read -P 0x22 12k 20k",
+            "read -P 0x33 1M 1M",
+            "read -P 0x44 3M 64k",
+            "discard 12k 4k",
+            "read -P 0 12k 4k",
+            "read -P 0x22 16k 16k",
+            "write -z 1M 4k",
+            "read -P 0 1M 4k",
+            "read -P 0x33 1028k 1020k",
+        ],
+    );
+    drop(serve);
+    // What bulkhead wrote, `rbd export` reads byte for byte.
+    let mut want = seed.clone();
+    want[0..4096].fill(0x11);
+    want[12 << 10..32 << 10].fill(0x22);
+    want[1 << 20..2 << 20].fill(0x33);
+    want[3 << 20..(3 << 20) + (64 << 10)].fill(0x44);
+    want[12 << 10..16 << 10].fill(0);
+    want[1 << 20..(1 << 20) + 4096].fill(0);
+    let exported = cluster.rbd(&["export", "rbd/img", "-"]);
+    assert_eq!(exported.len(), want.len());
+    let first = exported.iter().zip(&want).position(|(a, b)| a != b);
+    assert!(first.is_none(), "rbd export differs from what was written, first at byte {first:?}");
+}
+
+#[test]
+fn a_killed_rbd_domain_breaks_only_its_own_lock_and_loses_nothing() {
+    require_kernel!();
+    let Some(cluster) = Cluster::up("kill") else { return };
+    if bulkhead_testkit::kernel::which("fio").is_none() {
+        assert!(std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"), "fio required");
+        return;
+    }
+    let tmp = TempDir::new("rbd-kill");
+    cluster.rbd(&["create", "--size", "256M", "rbd/k"]);
+    let serve =
+        Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("k", "256M", ""), &[], &cluster.netns, false).unwrap();
+    let uri = serve.nbd_uri("r");
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let next = move |x: &mut u64| {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    };
+    let killer =
+        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(150 + next(&mut x) % 250), driver_domain);
+    let out = Command::new("timeout")
+        .args(["--kill-after=10", "180", "fio", "--name=rbdkill", "--ioengine=nbd", &format!("--uri={uri}")])
+        .args(["--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", "--size=32M", "--runtime=10"])
+        .args(FIO_VERIFY)
+        .output()
+        .unwrap();
+    let kills = killer.stop().first().copied().unwrap_or(0);
+    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&text[text.find('{').expect("fio's JSON")..]).unwrap();
+    assert_eq!(v["jobs"][0]["error"], 0, "fio saw an I/O or verify error");
+    assert!(kills >= 10, "only {kills} kills landed: {}", serve.log_text());
+    let log = serve.log_text();
+    let broke = log.matches("broke the exclusive lock of an earlier domain").count();
+    assert!(broke >= 1, "no domain broke its predecessor's lock: {log}");
+    let st = serve.status_json();
+    let d = &st["devices"][0];
+    let p99 = d["p99_outage_ms"].as_f64().unwrap_or(f64::MAX);
+    eprintln!("rbd kills: {kills}, locks broken: {broke}, restarts {}, outage p99 {p99:.1} ms", d["restarts"]);
+    // Without the lock break a new domain's first write waits ~30 s for the dead owner.
+    assert!(p99 < 5000.0, "outage p99 {p99} ms: {st}");
+}
+
+#[test]
+fn an_rbd_domain_reaches_the_cluster_and_nothing_else() {
+    require_kernel!();
+    let Some(cluster) = Cluster::up("reach") else { return };
+    let tmp = TempDir::new("rbd-reach");
+    cluster.rbd(&["create", "--size", "16M", "rbd/n"]);
+    let env = [("BULKHEAD_TEST_CONNECT", "127.0.0.1:3300,127.0.0.2:3300,10.9.9.9:80")];
+    let Some(serve) = Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("n", "16M", ""), &env, &cluster.netns, true)
+    else {
+        return;
+    };
+    let uri = serve.nbd_uri("r");
+    qemu_io_ok(&uri, &["write -P 0x5a 0 64k", "read -P 0x5a 0 64k"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !serve.log_text().contains("TEST CONNECT 10.9.9.9:80") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = serve.log_text();
+    assert!(log.contains("TEST CONNECT 127.0.0.1:3300: connected"), "a monitor is reachable: {log}");
+    for refused in ["127.0.0.2:3300", "10.9.9.9:80"] {
+        let line = log.lines().find(|l| l.contains(&format!("TEST CONNECT {refused}:"))).unwrap_or_else(|| panic!("{log}"));
+        assert!(line.contains("Permission denied"), "a connect to {refused} is refused: {line}");
+        assert!(log.contains(&format!("refused a connection to {refused}")), "the supervisor says so: {log}");
+    }
+    let st = serve.status_json();
+    assert_eq!(st["devices"][0]["sandbox"]["seccomp_role"], "rbd", "{st}");
+    assert_eq!(st["devices"][0]["sandbox"]["landlock"], "applied", "{st}");
+}
+
+#[test]
+fn a_stopped_osd_gives_a_bounded_pause_then_errors_and_the_device_recovers() {
+    require_kernel!();
+    let Some(cluster) = Cluster::up("osd") else { return };
+    let tmp = TempDir::new("rbd-osd");
+    cluster.rbd(&["create", "--size", "16M", "rbd/s"]);
+    let cfg = cluster.config("s", "16M", "op_timeout_ms = 2000\n");
+    let serve = Serve::start_in_netns(&tmp.path().join("run"), &cfg, &[], &cluster.netns, false).unwrap();
+    let uri = serve.nbd_uri("r");
+    qemu_io_ok(&uri, &["write -P 0x77 0 64k"]);
+    let osd = cluster.osd_pid();
+    // SAFETY: stopping the cluster's own OSD.
+    unsafe { libc::kill(osd, libc::SIGSTOP) };
+    let t = Instant::now();
+    let out = qemu_io(&uri, &["write -P 0x78 1M 64k"]);
+    let took = t.elapsed();
+    // SAFETY: as above.
+    unsafe { libc::kill(osd, libc::SIGCONT) };
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("error") || text.contains("failed") || !out.status.success(), "the write fails: {text}");
+    assert!(took < Duration::from_secs(20), "the pause is bounded: {took:?}");
+    eprintln!("stopped OSD: the write failed after {took:?}");
+    // Once the OSD runs again, so does the device.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = qemu_io(&uri, &["write -P 0x79 2M 64k", "read -P 0x79 2M 64k", "read -P 0x77 0 64k"]);
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        if out.status.success() && !text.contains("fail") && !text.contains("error") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the device did not recover: {text}\n{}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}

@@ -1,0 +1,245 @@
+//! The supervisor's side of an `rbd` device: what its domains may connect to, the broker that
+//! makes those connections for them, and the lock owners of earlier generations.
+//!
+//! An rbd domain keeps the empty network namespace every domain has. Its `socket` and `connect`
+//! calls come here as seccomp notifications (`bulkhead_sys::seccomp_notify`). For `socket` the
+//! broker makes a TCP socket in the host's namespace and installs it in the domain as the
+//! call's result. For `connect` it reads the address from the domain's memory, checks it
+//! against the cluster's (the monitors, and the OSD networks the configuration names), and
+//! connects the domain's socket itself (through a copy of the descriptor), so the domain
+//! never names an address the kernel acts on. Data never passes through the broker; a refused
+//! address fails the call with EACCES and is logged once.
+
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bulkhead_sys::seccomp_notify as notify;
+
+/// Where an rbd device's domains may connect.
+#[derive(Debug, Clone)]
+pub(crate) struct Reach {
+    /// The monitors, resolved.
+    mons: Vec<SocketAddr>,
+    /// Address ranges of the OSDs (any port).
+    networks: Vec<(IpAddr, u8)>,
+}
+
+impl Reach {
+    /// Resolves `mon_host` (monitors without a port listen on 3300 and 6789); `networks` are
+    /// the OSDs' ranges, the monitors' hosts when empty.
+    pub(crate) fn resolve(mon_host: &str, networks: &[String]) -> Result<Reach, String> {
+        let mut mons = Vec::new();
+        for (host, port) in bulkhead_config::parse_mon_host(mon_host)? {
+            let ports = match port {
+                Some(p) => vec![p],
+                None => vec![3300, 6789],
+            };
+            for p in ports {
+                let addrs = (host.as_str(), p).to_socket_addrs().map_err(|e| format!("monitor `{host}`: {e}"))?;
+                mons.extend(addrs);
+            }
+        }
+        let mut nets = Vec::new();
+        for n in networks {
+            nets.push(bulkhead_config::parse_cidr(n)?);
+        }
+        if nets.is_empty() {
+            let hosts: HashSet<IpAddr> = mons.iter().map(|a| a.ip()).collect();
+            nets = hosts.into_iter().map(|ip| (ip, if ip.is_ipv4() { 32 } else { 128 })).collect();
+        }
+        Ok(Reach { mons, networks: nets })
+    }
+
+    /// Whether a domain may connect to `to`.
+    pub(crate) fn allows(&self, to: &SocketAddr) -> bool {
+        self.mons.contains(to) || self.networks.iter().any(|(net, bits)| in_range(to.ip(), *net, *bits))
+    }
+
+    /// Reaches a monitor within `timeout`, as the supervisor checks a remote server before it
+    /// starts a domain for it: a cluster that cannot be reached leaves the device
+    /// `reconnecting` rather than starting domains that cannot work.
+    pub(crate) fn probe(&self, timeout: Duration) -> Result<(), String> {
+        let mut last = "no monitor address".to_string();
+        for a in &self.mons {
+            match std::net::TcpStream::connect_timeout(a, timeout) {
+                Ok(_) => return Ok(()),
+                Err(e) => last = format!("monitor {a}: {e}"),
+            }
+        }
+        Err(last)
+    }
+}
+
+fn in_range(ip: IpAddr, net: IpAddr, bits: u8) -> bool {
+    match (ip, net) {
+        (IpAddr::V4(a), IpAddr::V4(n)) => {
+            let mask = if bits == 0 { 0 } else { u32::MAX << (32 - u32::from(bits)) };
+            u32::from(a) & mask == u32::from(n) & mask
+        }
+        (IpAddr::V6(a), IpAddr::V6(n)) => {
+            let mask = if bits == 0 { 0 } else { u128::MAX << (128 - u32::from(bits)) };
+            u128::from(a) & mask == u128::from(n) & mask
+        }
+        _ => false,
+    }
+}
+
+/// Client addresses of a device's earlier domains (newest last, a few kept).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Owners(Arc<Mutex<Vec<String>>>);
+
+impl Owners {
+    pub(crate) fn list(&self) -> Vec<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn push(&self, addr: String) {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        v.push(addr);
+        let excess = v.len().saturating_sub(8);
+        v.drain(..excess);
+    }
+}
+
+/// Starts the broker of one domain: it answers `listener`'s notifications until the domain
+/// is gone, and records the client address the domain writes on `owner_pipe`.
+pub(crate) fn broker(device: &str, pidfd: OwnedFd, listener: OwnedFd, owner_pipe: Option<OwnedFd>, reach: Reach, owners: Owners) {
+    let device = device.to_string();
+    let _ = std::thread::Builder::new().name(format!("rbd-broker-{device}")).spawn(move || {
+        let mut refused: HashSet<String> = HashSet::new();
+        let mut owner_pipe = owner_pipe.map(std::fs::File::from);
+        let mut owner_line = Vec::new();
+        loop {
+            let mut fds = vec![libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+            if let Some(p) = &owner_pipe {
+                fds.push(libc::pollfd { fd: p.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            }
+            if bulkhead_sys::poll(&mut fds, 1000).is_err() {
+                continue;
+            }
+            if fds.get(1).is_some_and(|f| f.revents != 0) {
+                let mut buf = [0u8; 256];
+                let n = owner_pipe.as_mut().map_or(0, |p| std::io::Read::read(p, &mut buf).unwrap_or(0));
+                owner_line.extend_from_slice(&buf[..n]);
+                if n == 0 || owner_line.contains(&b'\n') || owner_line.len() > 1024 {
+                    let line = String::from_utf8_lossy(&owner_line).lines().next().unwrap_or("").trim().to_string();
+                    if !line.is_empty() {
+                        owners.push(line);
+                    }
+                    owner_pipe = None;
+                }
+            }
+            let ev = fds[0].revents;
+            if ev & libc::POLLIN != 0 {
+                let n = match notify::receive(listener.as_fd()) {
+                    Ok(n) => n,
+                    // The caller went away (killed) between the poll and the receive.
+                    Err(_) => continue,
+                };
+                let reply = match serve_call(&listener, &pidfd, &n, &reach) {
+                    Ok(None) => continue,
+                    Ok(Some(r)) => r,
+                    Err(Refusal::Address(to)) => {
+                        if refused.insert(to.clone()) {
+                            eprintln!("bulkhead: device {device}: rbd domain: refused a connection to {to}: not a monitor, nor in `networks`");
+                        }
+                        Err(libc::EACCES)
+                    }
+                    Err(Refusal::Errno(e)) => Err(e),
+                };
+                let _ = notify::answer(listener.as_fd(), n.id, reply);
+            } else if ev & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+                // Every thread of the domain has exited.
+                return;
+            }
+        }
+    });
+}
+
+enum Refusal {
+    Address(String),
+    Errno(i32),
+}
+
+/// Answers notification `n` (a `socket` or a `connect`): `Ok(Some(result))` to reply with,
+/// `Ok(None)` if installing a socket already answered it, or why it is refused.
+fn serve_call(
+    listener: &OwnedFd,
+    pidfd: &OwnedFd,
+    n: &notify::Notification,
+    reach: &Reach,
+) -> Result<Option<Result<i64, i32>>, Refusal> {
+    if n.nr == libc::SYS_socket as i32 {
+        let (family, kind, protocol) = (n.args[0] as i32, n.args[1] as i32, n.args[2] as i32);
+        let flags = kind & (libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC);
+        if !matches!(family, libc::AF_INET | libc::AF_INET6)
+            || kind & !flags != libc::SOCK_STREAM
+            || !matches!(protocol, 0 | libc::IPPROTO_TCP)
+        {
+            return Err(Refusal::Errno(libc::EACCES));
+        }
+        let sock = bulkhead_sys::tcp_socket(family, flags & libc::SOCK_NONBLOCK != 0)
+            .map_err(|e| Refusal::Errno(e.raw_os_error().unwrap_or(libc::EMFILE)))?;
+        notify::install_as_result(listener.as_fd(), n.id, sock.as_fd(), flags & libc::SOCK_CLOEXEC != 0)
+            .map_err(|e| Refusal::Errno(e.raw_os_error().unwrap_or(libc::EMFILE)))?;
+        return Ok(None);
+    }
+    if n.nr != libc::SYS_connect as i32 {
+        return Err(Refusal::Errno(libc::ENOSYS));
+    }
+    let (fd, addr, len) = (n.args[0] as i32, n.args[1], n.args[2] as usize);
+    if !(2..=128).contains(&len) {
+        return Err(Refusal::Errno(libc::EINVAL));
+    }
+    let raw = notify::read_memory(n.pid, addr, len).map_err(|e| Refusal::Errno(e.raw_os_error().unwrap_or(libc::EFAULT)))?;
+    // What was read is what the caller asked only if it is still waiting.
+    if !notify::still_waiting(listener.as_fd(), n.id) {
+        return Err(Refusal::Errno(libc::EINTR));
+    }
+    let family = u16::from_ne_bytes([raw[0], raw[1]]);
+    let to = match i32::from(family) {
+        libc::AF_INET if raw.len() >= 8 => {
+            let port = u16::from_be_bytes([raw[2], raw[3]]);
+            SocketAddr::from(([raw[4], raw[5], raw[6], raw[7]], port))
+        }
+        libc::AF_INET6 if raw.len() >= 24 => {
+            let port = u16::from_be_bytes([raw[2], raw[3]]);
+            let ip: [u8; 16] = raw[8..24].try_into().expect("16 bytes");
+            SocketAddr::from((ip, port))
+        }
+        other => return Err(Refusal::Address(format!("an address of family {other}"))),
+    };
+    if !reach.allows(&to) {
+        return Err(Refusal::Address(to.to_string()));
+    }
+    // The domain's socket itself (every TCP socket it has, the broker made): connected here,
+    // to the address checked, whatever the domain's memory says by now.
+    let theirs = notify::pidfd_getfd(pidfd.as_fd(), fd).map_err(|e| Refusal::Errno(e.raw_os_error().unwrap_or(libc::EBADF)))?;
+    let result = match bulkhead_sys::connect_nonblocking(theirs.as_fd(), &to) {
+        Ok(()) => Ok(0),
+        Err(e) => Err(e.raw_os_error().unwrap_or(libc::ECONNREFUSED)),
+    };
+    Ok(Some(result))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reach_allows_the_monitors_and_the_osd_networks_only() {
+        let r = Reach::resolve("v2:127.0.0.1:3300, [v2:127.0.0.2:3300,v1:127.0.0.2:6789]", &["10.1.0.0/16".into()]).unwrap();
+        assert!(r.allows(&"127.0.0.1:3300".parse().unwrap()));
+        assert!(r.allows(&"127.0.0.2:3300".parse().unwrap()));
+        assert!(!r.allows(&"127.0.0.1:22".parse().unwrap()), "a monitor's host, another port, with networks given");
+        assert!(r.allows(&"10.1.200.3:6800".parse().unwrap()));
+        assert!(!r.allows(&"10.2.0.1:6800".parse().unwrap()));
+        let local = Reach::resolve("127.0.0.1", &[]).unwrap();
+        assert!(local.allows(&"127.0.0.1:6789".parse().unwrap()) && local.allows(&"127.0.0.1:6801".parse().unwrap()));
+        assert!(!local.allows(&"127.0.0.9:6801".parse().unwrap()));
+        assert!(!local.allows(&"[::1]:3300".parse().unwrap()));
+    }
+}
