@@ -268,6 +268,29 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Ceph RBD: the `rbd` backend over NBD against fio's rbd engine and qemu-storage-daemon's
+    /// rbd driver, on a throwaway single-node cluster, and the outage of a killed rbd domain
+    /// with and without the lock break (runs `scripts/ceph-dev.sh`, `serve`, fio, qsd).
+    Rbd {
+        /// Alternated rounds of each system.
+        #[arg(long, default_value_t = 3, value_parser = count(1, 50))]
+        rounds: usize,
+        /// Seconds per point.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=600))]
+        seconds: u64,
+        /// Kills with the lock break (a third as many, at most 5, without it: each waits ~30 s).
+        #[arg(long, default_value_t = 20, value_parser = count(0, 1000))]
+        kills: usize,
+        /// Image size, MiB.
+        #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(16..=65536))]
+        image_mib: u64,
+        /// qemu-storage-daemon to compare with (left out if it has no rbd driver).
+        #[arg(long, default_value = "qemu-storage-daemon")]
+        qsd: PathBuf,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Virtual machines: bulkhead's vhost-user-blk export against qemu-storage-daemon's, from
     /// a host-side frontend and from real guests (QEMU, TCG), and the pauses a guest sees
     /// when a driver domain or `serve` is killed (runs `serve` and qemu-storage-daemon).
@@ -481,6 +504,12 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
                 bulkhead_bench::vm::Options { rounds, seconds: seconds.into(), guest_seconds, kills, parts, qsd, frontend };
             let r = bulkhead_bench::vm::run(&exe()?, &opts, |p| eprintln!("bench vm: {p}"))?;
             emit(&r, json, bulkhead_bench::vm::render)
+        }
+        BenchCmd::Rbd { rounds, seconds, kills, image_mib, qsd, json } => {
+            need_root("bench rbd starts a cluster in a network namespace")?;
+            let opts = bulkhead_bench::rbd::Options { rounds, seconds, kills, qsd, image_mib };
+            let r = bulkhead_bench::rbd::run(&exe()?, &opts, |p| eprintln!("bench rbd: {p}"))?;
+            emit(&r, json, bulkhead_bench::rbd::render)
         }
         BenchCmd::Vdev { seed, size, requests, seconds, writes, json } => {
             let opts = bulkhead_bench::vdev::Options { seed, size, requests, seconds, writes };

@@ -56,26 +56,34 @@ impl Cluster {
     }
 
     fn config(&self, image: &str, size: &str, extra: &str) -> String {
+        format!("[fuse]\nenabled = false\n{}", self.device("r", image, size, extra))
+    }
+
+    /// A `[[device]]` named `name` on `image`; `extra` goes in its backend table (and may
+    /// open tables after it).
+    fn device(&self, name: &str, image: &str, size: &str, extra: &str) -> String {
         format!(
-            "[fuse]\nenabled = false\n[[device]]\nname = \"r\"\nsize = \"{size}\"\nrestart_limit = 100000\n\
+            "[[device]]\nname = \"{name}\"\nsize = \"{size}\"\nrestart_limit = 100000\n\
              [device.backend]\ntype = \"rbd\"\nmon_host = \"127.0.0.1:3300\"\npool = \"rbd\"\nimage = \"{image}\"\n\
              key_file = \"{}\"\n{extra}",
             self.key_file().display()
         )
     }
 
-    fn osd_pid(&self) -> i32 {
-        std::fs::read_to_string(self.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap()
+    fn pid(&self, daemon: &str) -> i32 {
+        std::fs::read_to_string(self.dir.join(format!("run/{daemon}.pid"))).unwrap().trim().parse().unwrap()
     }
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        // A stopped OSD must be able to die.
-        if let Ok(p) = std::fs::read_to_string(self.dir.join("run/osd.0.pid")) {
-            if let Ok(pid) = p.trim().parse::<i32>() {
-                // SAFETY: signalling the cluster's own OSD.
-                unsafe { libc::kill(pid, libc::SIGCONT) };
+        // A stopped daemon must be able to die.
+        for daemon in ["osd.0", "mon.a"] {
+            if let Ok(p) = std::fs::read_to_string(self.dir.join(format!("run/{daemon}.pid"))) {
+                if let Ok(pid) = p.trim().parse::<i32>() {
+                    // SAFETY: signalling the cluster's own daemon.
+                    unsafe { libc::kill(pid, libc::SIGCONT) };
+                }
             }
         }
         let _ = Command::new(script()).args(["down", "--dir"]).arg(&self.dir).status();
@@ -111,8 +119,8 @@ fn each_operation_round_trips_and_the_image_interoperates_with_rbd() {
     let src = tmp.path().join("seed.img");
     std::fs::write(&src, &seed).unwrap();
     cluster.rbd(&["import", src.to_str().unwrap(), "rbd/img"]);
-    let serve =
-        Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("img", "4M", ""), &[], &cluster.netns, false).unwrap();
+    let serve = Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("img", "4M", ""), &[], &[], &cluster.netns, false)
+        .unwrap();
     let uri = serve.nbd_uri("r");
     let got = tmp.path().join("got.img");
     let out = Command::new("nbdcopy").args([&uri, got.to_str().unwrap()]).output().unwrap();
@@ -165,8 +173,8 @@ fn a_killed_rbd_domain_breaks_only_its_own_lock_and_loses_nothing() {
     }
     let tmp = TempDir::new("rbd-kill");
     cluster.rbd(&["create", "--size", "256M", "rbd/k"]);
-    let serve =
-        Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("k", "256M", ""), &[], &cluster.netns, false).unwrap();
+    let serve = Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("k", "256M", ""), &[], &[], &cluster.netns, false)
+        .unwrap();
     let uri = serve.nbd_uri("r");
     let mut x = 0x9e37_79b9_7f4a_7c15_u64;
     let next = move |x: &mut u64| {
@@ -207,7 +215,8 @@ fn an_rbd_domain_reaches_the_cluster_and_nothing_else() {
     let tmp = TempDir::new("rbd-reach");
     cluster.rbd(&["create", "--size", "16M", "rbd/n"]);
     let env = [("BULKHEAD_TEST_CONNECT", "127.0.0.1:3300,127.0.0.2:3300,10.9.9.9:80")];
-    let Some(serve) = Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("n", "16M", ""), &env, &cluster.netns, true)
+    let Some(serve) =
+        Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("n", "16M", ""), &[], &env, &cluster.netns, true)
     else {
         return;
     };
@@ -230,16 +239,16 @@ fn an_rbd_domain_reaches_the_cluster_and_nothing_else() {
 }
 
 #[test]
-fn a_stopped_osd_gives_a_bounded_pause_then_errors_and_the_device_recovers() {
+fn a_cluster_that_stops_answering_gives_a_bounded_pause_then_errors_and_the_device_recovers() {
     require_kernel!();
     let Some(cluster) = Cluster::up("osd") else { return };
     let tmp = TempDir::new("rbd-osd");
     cluster.rbd(&["create", "--size", "16M", "rbd/s"]);
     let cfg = cluster.config("s", "16M", "op_timeout_ms = 2000\n");
-    let serve = Serve::start_in_netns(&tmp.path().join("run"), &cfg, &[], &cluster.netns, false).unwrap();
+    let serve = Serve::start_in_netns(&tmp.path().join("run"), &cfg, &[], &[], &cluster.netns, false).unwrap();
     let uri = serve.nbd_uri("r");
     qemu_io_ok(&uri, &["write -P 0x77 0 64k"]);
-    let osd = cluster.osd_pid();
+    let osd = cluster.pid("osd.0");
     // SAFETY: stopping the cluster's own OSD.
     unsafe { libc::kill(osd, libc::SIGSTOP) };
     let t = Instant::now();
@@ -262,4 +271,86 @@ fn a_stopped_osd_gives_a_bounded_pause_then_errors_and_the_device_recovers() {
         assert!(Instant::now() < deadline, "the device did not recover: {text}\n{}", serve.log_text());
         std::thread::sleep(Duration::from_millis(500));
     }
+    // With the monitor stopped too, a replaced domain is not started: the device reads
+    // `reconnecting` until the cluster answers again.
+    let mon = cluster.pid("mon.a");
+    // SAFETY: stopping the cluster's own monitor.
+    unsafe { libc::kill(mon, libc::SIGSTOP) };
+    let driver = serve.status_json()["devices"][0]["driver_pid"].as_u64().unwrap() as i32;
+    // SAFETY: killing a domain of our own serve.
+    unsafe { libc::kill(driver, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while serve.status_json()["devices"][0]["state"] != "reconnecting" {
+        assert!(Instant::now() < deadline, "the device never read reconnecting: {}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(mon, libc::SIGCONT) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while serve.status_json()["devices"][0]["state"] != "running" {
+        assert!(Instant::now() < deadline, "the device did not reconnect: {}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    qemu_io_ok(&uri, &["read -P 0x79 2M 64k"]);
+}
+
+#[test]
+fn ext4_over_fuse_on_a_luks2_volume_cryptsetup_made_survives_rbd_domain_kills_and_reopens() {
+    require_kernel!();
+    if !tools(&["cryptsetup", "fio"]) {
+        return;
+    }
+    let Some(cluster) = Cluster::up("luks") else { return };
+    let tmp = TempDir::new("rbd-luks");
+    // cryptsetup formats a file (there is no kernel rbd here), and `rbd import` makes it the image.
+    let vol = tmp.path().join("vol.img");
+    std::fs::File::create(&vol).unwrap().set_len(176 << 20).unwrap();
+    let key = tmp.path().join("key");
+    std::fs::write(&key, b"correct horse battery staple\n").unwrap();
+    sh(
+        "cryptsetup",
+        &[
+            "luksFormat",
+            "-q",
+            "--type",
+            "luks2",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--sector-size",
+            "512",
+            "--key-file",
+            key.to_str().unwrap(),
+            vol.to_str().unwrap(),
+        ],
+    );
+    cluster.rbd(&["import", vol.to_str().unwrap(), "rbd/lv"]);
+    let filter = format!("[[device.filter]]\ntype = \"crypt\"\nkey_file = \"{}\"\n", key.display());
+    let cfg = cluster.device("c", "lv", "176M", &filter);
+    let mut serve = Serve::start_in_netns(&tmp.path().join("run"), &cfg, &["c"], &[], &cluster.netns, false).unwrap();
+    assert_eq!(std::fs::metadata(serve.fuse_file("c")).unwrap().len(), 160 << 20, "the volume less its header");
+    let mnt = tmp.path().join("mnt");
+    let mut fs = Ext4::make(&serve.fuse_file("c"), &mnt);
+    let marker: Vec<u8> = b"BULKHEAD-RBD-MARKER-41c9".iter().copied().cycle().take(1 << 20).collect();
+    std::fs::write(mnt.join("marker"), &marker).unwrap();
+    sh("sync", &[]);
+    let kills = fio_verify_while_killing_the_driver(&serve, &fs.mnt, "4k-64k", "24M", 12, Duration::from_millis(400), 20);
+    fs.unmount_and_check();
+    drop(fs);
+    let p99 = serve.status_json()["devices"][0]["p99_outage_ms"].as_f64().unwrap_or(0.0);
+    eprintln!("ext4 over FUSE over crypt over rbd: {kills} kills, fio verify and e2fsck clean, outage p99 {p99:.1} ms");
+    assert!(serve.stop().success());
+    // What the cluster holds is ciphertext, under a LUKS2 header cryptsetup still opens.
+    let exported = tmp.path().join("exported.img");
+    cluster.rbd(&["export", "rbd/lv", exported.to_str().unwrap()]);
+    let held = std::fs::read(&exported).unwrap();
+    assert!(!held.windows(24).any(|w| w == b"BULKHEAD-RBD-MARKER-41c9"), "plaintext reached the cluster");
+    sh("cryptsetup", &["open", "--test-passphrase", "--key-file", key.to_str().unwrap(), exported.to_str().unwrap()]);
+    // A new serve opens the volume on the image again and finds the file as written.
+    let serve = Serve::start_in_netns(&tmp.path().join("run2"), &cfg, &["c"], &[], &cluster.netns, false).unwrap();
+    let lo = LoopGuard::attach_direct(&serve.fuse_file("c"));
+    let m = MountGuard::mount(&lo.dev, &mnt);
+    assert!(std::fs::read(mnt.join("marker")).unwrap() == marker, "the marker reads back");
+    m.unmount();
 }

@@ -358,6 +358,8 @@ pub struct BackendTable {
     pub op_timeout_ms: Option<Spanned<u64>>,
     /// `networks` (rbd).
     pub networks: Option<Spanned<Vec<String>>>,
+    /// `lock_break` (rbd).
+    pub lock_break: Option<Spanned<bool>>,
 }
 
 /// The monitors of a `mon_host` value: `host[:port]` entries separated by commas or spaces,
@@ -552,6 +554,9 @@ pub enum BackendConfig {
         /// Address ranges (CIDR) the domain may connect to besides the monitors: where the
         /// OSDs are. Empty: the monitors' hosts.
         networks: Vec<String>,
+        /// A new domain breaks the exclusive lock of the device's earlier domains (else it
+        /// waits for the lock to expire, as any librbd client).
+        lock_break: bool,
     },
     /// A virtual device.
     Vdev {
@@ -601,6 +606,7 @@ impl BackendTable {
                     connect_timeout_ms: self.connect_timeout_ms.as_ref().map_or(5000, |t| *t.get_ref()),
                     reconnect_timeout_ms: self.reconnect_timeout_ms.as_ref().map_or(60_000, |t| *t.get_ref()),
                     networks: self.networks.as_ref().map(|n| n.get_ref().clone()).unwrap_or_default(),
+                    lock_break: self.lock_break.as_ref().is_none_or(|b| *b.get_ref()),
                 }
             }
             BackendKind::Vdev => BackendConfig::Vdev {
@@ -1119,6 +1125,7 @@ impl Config {
                 ("cache", b.cache.as_ref().map(|x| x.span())),
                 ("op_timeout_ms", b.op_timeout_ms.as_ref().map(|x| x.span())),
                 ("networks", b.networks.as_ref().map(|x| x.span())),
+                ("lock_break", b.lock_break.as_ref().map(|x| x.span())),
             ];
             let foreign = |keys: &[(&'static str, Option<std::ops::Range<usize>>)], owner: &str| match keys
                 .iter()

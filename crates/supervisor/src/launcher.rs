@@ -561,6 +561,7 @@ impl Launcher {
                 read_only,
                 op_timeout_ms,
                 connect_timeout_ms,
+                lock_break,
                 ..
             } => {
                 // The key goes through a pipe: the domain reads no file.
@@ -585,7 +586,7 @@ impl Launcher {
                     op_timeout_ms: *op_timeout_ms,
                     connect_timeout_ms: *connect_timeout_ms,
                     discard_granularity: 4096,
-                    break_owners: owners.list(),
+                    break_owners: if *lock_break { owners.list() } else { Vec::new() },
                 }
             }
             BackendConfig::File { read_only, format: ImageFormat::Qcow2, .. } => BackendSpec::Qcow2 {

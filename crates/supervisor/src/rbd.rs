@@ -58,14 +58,24 @@ impl Reach {
         self.mons.contains(to) || self.networks.iter().any(|(net, bits)| in_range(to.ip(), *net, *bits))
     }
 
-    /// Reaches a monitor within `timeout`, as the supervisor checks a remote server before it
-    /// starts a domain for it: a cluster that cannot be reached leaves the device
-    /// `reconnecting` rather than starting domains that cannot work.
+    /// Reaches a monitor that answers within `timeout`, as the supervisor checks a remote
+    /// server before it starts a domain for it: a cluster that cannot be reached leaves the
+    /// device `reconnecting` rather than starting domains that cannot work. A monitor answers
+    /// a connection with its banner (`ceph v2` or `ceph v027`) at once; a stopped one accepts
+    /// the connection in the kernel and says nothing.
     pub(crate) fn probe(&self, timeout: Duration) -> Result<(), String> {
+        use std::io::Read;
         let mut last = "no monitor address".to_string();
         for a in &self.mons {
-            match std::net::TcpStream::connect_timeout(a, timeout) {
-                Ok(_) => return Ok(()),
+            let banner = std::net::TcpStream::connect_timeout(a, timeout).and_then(|mut s| {
+                s.set_read_timeout(Some(timeout))?;
+                let mut b = [0u8; 6];
+                s.read_exact(&mut b)?;
+                Ok(b)
+            });
+            match banner {
+                Ok(b) if &b == b"ceph v" => return Ok(()),
+                Ok(_) => last = format!("monitor {a}: not a Ceph monitor (no banner)"),
                 Err(e) => last = format!("monitor {a}: {e}"),
             }
         }

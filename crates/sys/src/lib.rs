@@ -529,6 +529,17 @@ pub fn tcp_socket(family: libc::c_int, nonblocking: bool) -> io::Result<OwnedFd>
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Moves the calling thread (and the threads and processes it starts afterwards) into the
+/// network namespace at `path` (`/run/netns/NAME`).
+pub fn enter_netns(path: &std::path::Path) -> io::Result<()> {
+    let f = std::fs::File::open(path)?;
+    // SAFETY: plain setns on a namespace file we hold open.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -75,12 +75,20 @@ impl Serve {
         Some(Path::new(driver))
     }
 
-    /// As [`start_with_env`](Self::start_with_env), in network namespace `netns` (made by
-    /// `ip netns add`), with the test driver if `test_driver` (`None`: not built; skip).
+    /// As [`start_with_env`](Self::start_with_env), waiting for the FUSE files of `devices`,
+    /// in network namespace `netns` (made by `ip netns add`; serve's mounts stay in the host's
+    /// mount namespace), with the test driver if `test_driver` (`None`: not built; skip).
     #[allow(dead_code)]
-    pub fn start_in_netns(run_dir: &Path, config: &str, env: &[(&str, &str)], netns: &str, test_driver: bool) -> Option<Serve> {
+    pub fn start_in_netns(
+        run_dir: &Path,
+        config: &str,
+        devices: &[&str],
+        env: &[(&str, &str)],
+        netns: &str,
+        test_driver: bool,
+    ) -> Option<Serve> {
         let driver = if test_driver { Some(Self::test_driver()?) } else { None };
-        Some(Self::spawn_in(run_dir, Some(config), &[], env, driver, Some(netns)))
+        Some(Self::spawn_in(run_dir, Some(config), devices, env, driver, Some(netns)))
     }
 
     fn spawn(run_dir: &Path, config: Option<&str>, devices: &[&str], env: &[(&str, &str)], driver: Option<&Path>) -> Serve {

@@ -1,0 +1,586 @@
+//! `bulkhead bench rbd`: the `rbd` backend against fio's own rbd engine (librbd in the
+//! benchmark process: the floor of what a client can get) and qemu-storage-daemon's rbd
+//! driver, on the same image of a throwaway single-node cluster (`scripts/ceph-dev.sh`, in a
+//! network namespace of its own), and the outage of a killed rbd domain with and without the
+//! lock break.
+//!
+//! bulkhead and qemu-storage-daemon are driven by fio's nbd engine over a unix socket. All
+//! three run librbd with its cache off (qemu-storage-daemon with `cache.direct=on`, fio with
+//! `CEPH_ARGS=--rbd_cache=false`): with it on, writes are acknowledged before they are stored. CPU is that of
+//! the process holding librbd and what serves it: `serve` and its domains, qemu-storage-daemon,
+//! or the fio process of the rbd engine (fio's own work included).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::{BenchError, Table};
+
+/// Options.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Alternated rounds.
+    pub rounds: usize,
+    /// Seconds per point.
+    pub seconds: u64,
+    /// Kills with the lock break (without it each costs ~30 s: a third as many).
+    pub kills: usize,
+    /// qemu-storage-daemon to compare with (skipped if it has no rbd driver).
+    pub qsd: PathBuf,
+    /// Image size in MiB.
+    pub image_mib: u64,
+}
+
+/// The systems compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum System {
+    /// bulkhead's rbd backend, over NBD.
+    Bulkhead,
+    /// The same with `sandbox = "off"`: the rbd domain in the host's network namespace,
+    /// connecting for itself, no seccomp filter (what the broker and the filters cost).
+    Unconfined,
+    /// fio's rbd engine.
+    FioRbd,
+    /// qemu-storage-daemon's rbd driver, over NBD.
+    Qsd,
+}
+
+const SYSTEMS: [System; 4] = [System::Bulkhead, System::FioRbd, System::Qsd, System::Unconfined];
+
+#[derive(Debug, Clone, Copy)]
+struct Workload {
+    name: &'static str,
+    rw: &'static str,
+    bs: u32,
+    qd: u32,
+}
+
+const WORKLOADS: [Workload; 6] = [
+    Workload { name: "4k randread qd1", rw: "randread", bs: 4096, qd: 1 },
+    Workload { name: "4k randread qd32", rw: "randread", bs: 4096, qd: 32 },
+    Workload { name: "4k randwrite qd1", rw: "randwrite", bs: 4096, qd: 1 },
+    Workload { name: "4k randwrite qd32", rw: "randwrite", bs: 4096, qd: 32 },
+    Workload { name: "1m read qd4", rw: "read", bs: 1 << 20, qd: 4 },
+    Workload { name: "1m write qd4", rw: "write", bs: 1 << 20, qd: 4 },
+];
+
+/// One system's rounds at one point.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Figures {
+    /// IOPS of each round.
+    pub iops: Vec<f64>,
+    /// CPU seconds per 100k requests of each round.
+    pub cpu_per_100k: Vec<f64>,
+}
+
+/// One point.
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    /// Workload.
+    pub workload: String,
+    /// Block size.
+    pub bs: u32,
+    /// bulkhead.
+    pub bulkhead: Figures,
+    /// bulkhead with its sandbox off.
+    pub unconfined: Figures,
+    /// fio's rbd engine.
+    pub fio_rbd: Figures,
+    /// qemu-storage-daemon (empty when it has no rbd driver).
+    pub qsd: Figures,
+}
+
+/// Outages of killed rbd domains.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Outages {
+    /// Kills measured.
+    pub kills: usize,
+    /// Each outage, ms (from the death noticed to the first request answered after it).
+    pub ms: Vec<f64>,
+    /// Median, ms.
+    pub p50_ms: f64,
+    /// 99th percentile, ms.
+    pub p99_ms: f64,
+}
+
+/// Results.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    /// Rounds.
+    pub rounds: usize,
+    /// Points.
+    pub points: Vec<Point>,
+    /// Kills with the lock break.
+    pub lock_break: Outages,
+    /// Kills without it.
+    pub no_lock_break: Outages,
+    /// Why qemu-storage-daemon was left out, if it was.
+    pub qsd_skipped: Option<String>,
+    /// Runs that failed, and why; their figures are left out.
+    pub failures: Vec<String>,
+}
+
+/// The cluster, up for the benchmark's life.
+struct Cluster {
+    dir: PathBuf,
+    netns: String,
+}
+
+impl Cluster {
+    fn up() -> Result<Cluster, BenchError> {
+        let script = script()?;
+        let c = Cluster {
+            dir: std::env::temp_dir().join(format!("bulkhead-bench-rbd-{}", std::process::id())),
+            netns: format!("bh-bench-rbd-{}", std::process::id()),
+        };
+        let out = Command::new(&script)
+            .args(["up", "--dir"])
+            .arg(&c.dir)
+            .args(["--netns", &c.netns])
+            .output()
+            .map_err(|e| BenchError::io(&script, e))?;
+        if !out.status.success() {
+            return Err(BenchError::Run(format!("the cluster did not start: {}", String::from_utf8_lossy(&out.stderr).trim())));
+        }
+        Ok(c)
+    }
+
+    fn conf(&self) -> PathBuf {
+        self.dir.join("ceph.conf")
+    }
+
+    fn rbd(&self, args: &[&str]) -> Result<(), BenchError> {
+        let out = Command::new("rbd").arg("-c").arg(self.conf()).args(args).output().map_err(|e| format!("rbd: {e}"))?;
+        if !out.status.success() {
+            return Err(BenchError::Run(format!("rbd {args:?}: {}", String::from_utf8_lossy(&out.stderr).trim())));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Ok(s) = script() {
+            let _ = Command::new(s).args(["down", "--dir"]).arg(&self.dir).output();
+        }
+    }
+}
+
+/// `scripts/ceph-dev.sh` of the source tree this was built from.
+fn script() -> Result<PathBuf, BenchError> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-dev.sh");
+    p.canonicalize().map_err(|e| BenchError::io(&p, e))
+}
+
+/// A server under test (bulkhead's `serve` or qemu-storage-daemon), serving `r` over NBD.
+struct Server {
+    system: System,
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Server {
+    fn start(system: System, opts: &Options, exe: &Path, cluster: &Cluster, backend_extra: &str) -> Result<Server, BenchError> {
+        let qsd = &opts.qsd;
+        let dir = std::env::temp_dir().join(format!("bulkhead-bench-rbd-srv-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
+        let log = dir.join("server.log");
+        let err = std::fs::File::create(&log).map_err(|e| BenchError::io(&log, e))?;
+        let mut cmd = match system {
+            System::Bulkhead | System::Unconfined => {
+                let sandbox = if system == System::Unconfined { "sandbox = \"off\"\n" } else { "" };
+                let cfg = format!(
+                    "[fuse]\nenabled = false\n[[device]]\nname = \"r\"\nsize = \"{}M\"\nrestart_limit = 100000\n{sandbox}\
+                     [device.backend]\ntype = \"rbd\"\nmon_host = \"127.0.0.1:3300\"\npool = \"rbd\"\nimage = \"img\"\n\
+                     key_file = \"{}\"\n{backend_extra}",
+                    opts.image_mib,
+                    cluster.dir.join("client.admin.key").display()
+                );
+                let path = dir.join("rbd.toml");
+                std::fs::write(&path, cfg).map_err(|e| BenchError::io(&path, e))?;
+                let mut c = Command::new(exe);
+                c.arg("serve").arg("--config").arg(&path).arg("--run-dir").arg(dir.join("run"));
+                c
+            }
+            System::Qsd => {
+                let mut c = Command::new(qsd);
+                c.arg("--blockdev")
+                    .arg(format!(
+                        "driver=rbd,node-name=disk,pool=rbd,image=img,conf={},user=admin,cache.direct=on",
+                        cluster.conf().display()
+                    ))
+                    .arg("--nbd-server")
+                    .arg(format!("addr.type=unix,addr.path={}", dir.join("run/nbd.sock").display()))
+                    .arg("--export")
+                    .arg("type=nbd,id=e,node-name=disk,name=r,writable=on");
+                std::fs::create_dir_all(dir.join("run")).map_err(|e| BenchError::io(&dir, e))?;
+                c
+            }
+            System::FioRbd => return Err("fio's rbd engine needs no server".into()),
+        };
+        let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(err).spawn().map_err(|e| BenchError::io(exe, e))?;
+        let s = Server { system, child, dir };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !s.dir.join("run/nbd.sock").exists() {
+            if Instant::now() > deadline {
+                return Err(BenchError::Run(format!("{system:?} did not start: {}", s.log_tail())));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(s)
+    }
+
+    fn uri(&self) -> String {
+        format!("nbd+unix:///r?socket={}", self.dir.join("run/nbd.sock").display())
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+        text.lines().rev().take(10).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
+    }
+
+    fn status(&self) -> serde_json::Value {
+        bulkhead_supervisor::control::request(&self.dir.join("run/control.sock"), &serde_json::json!({"cmd": "status"}))
+            .unwrap_or_default()
+    }
+
+    /// The server and, for bulkhead, its domains.
+    fn pids(&self) -> Vec<u32> {
+        let mut pids = vec![self.child.id()];
+        if matches!(self.system, System::Bulkhead | System::Unconfined) {
+            pids.extend(self.status()["devices"][0]["driver_pid"].as_u64().filter(|&p| p != 0).map(|p| p as u32));
+        }
+        pids
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = bulkhead_sys::signal(self.child.id(), libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// User and system CPU seconds of `pid`.
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { return 0.0 };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    (t(11) + t(12)) as f64 / bulkhead_sys::clock_ticks_per_second() as f64
+}
+
+/// fio's arguments for `w` against `target`.
+fn fio_args(w: &Workload, seconds: u64) -> Vec<String> {
+    vec![
+        "--name=p".into(),
+        format!("--rw={}", w.rw),
+        format!("--bs={}", w.bs),
+        format!("--iodepth={}", w.qd),
+        "--time_based".into(),
+        format!("--runtime={seconds}"),
+        "--randrepeat=0".into(),
+        "--output-format=json".into(),
+    ]
+}
+
+/// Runs `w` on `system`; (IOPS, CPU seconds of what serves it).
+fn point(
+    system: System,
+    server: Option<&Server>,
+    cluster: &Cluster,
+    w: &Workload,
+    seconds: u64,
+) -> Result<(f64, f64), BenchError> {
+    let mut cmd = Command::new("timeout");
+    cmd.args(["--kill-after=10", &(seconds + 90).to_string(), "fio"]).args(fio_args(w, seconds));
+    match (system, server) {
+        (System::FioRbd, _) => {
+            // librbd's cache is on by default, acknowledging writes before the OSDs hold them:
+            // off, as in bulkhead and qemu-storage-daemon.
+            cmd.args(["--ioengine=rbd", "--clientname=admin", "--pool=rbd", "--rbdname=img"])
+                .env("CEPH_CONF", cluster.conf())
+                .env("CEPH_ARGS", "--rbd_cache=false");
+        }
+        (_, Some(s)) => {
+            cmd.arg("--ioengine=nbd").arg(format!("--uri={}", s.uri()));
+        }
+        (_, None) => return Err("a server is needed".into()),
+    }
+    let pids = server.map(Server::pids).unwrap_or_default();
+    let c0: f64 = pids.iter().map(|&p| cpu_seconds(p)).sum();
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| format!("fio: {e}"))?;
+    // The rbd engine's librbd runs in fio itself: its CPU is read just before it exits.
+    let fio_pid = child.id();
+    let mut fio_cpu = 0.0;
+    let out = {
+        let waiter = std::thread::spawn(move || child.wait_with_output());
+        while !waiter.is_finished() {
+            fio_cpu = descendants_cpu(fio_pid).max(fio_cpu);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        waiter.join().map_err(|_| "fio waiter")?.map_err(|e| format!("fio: {e}"))?
+    };
+    let c1: f64 = pids.iter().map(|&p| cpu_seconds(p)).sum();
+    if !out.status.success() {
+        return Err(BenchError::Run(format!("fio: {}", String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    let v = crate::fio_report(&out.stdout, &format!("{system:?} {}", w.name))?;
+    let j = &v["jobs"][0];
+    let iops = j["read"]["iops"].as_f64().unwrap_or(0.0) + j["write"]["iops"].as_f64().unwrap_or(0.0);
+    let cpu = if system == System::FioRbd { fio_cpu } else { c1 - c0 };
+    Ok((iops, cpu))
+}
+
+/// CPU seconds of `pid` and its children (`timeout` runs fio as its child).
+fn descendants_cpu(pid: u32) -> f64 {
+    let mut total = cpu_seconds(pid);
+    if let Ok(d) = std::fs::read_dir("/proc") {
+        for e in d.flatten() {
+            let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            let ppid = stat.rfind(')').and_then(|i| stat[i + 2..].split_whitespace().nth(1)?.parse::<u32>().ok());
+            if ppid == Some(pid) {
+                total += cpu_seconds(p);
+            }
+        }
+    }
+    total
+}
+
+/// Whether qemu-storage-daemon here has the rbd driver (`qemu-block-extra`): a driver it
+/// lacks is refused by name before anything is opened.
+fn qsd_has_rbd(qsd: &Path) -> Result<(), String> {
+    let out = Command::new("timeout")
+        .arg("10")
+        .arg(qsd)
+        .args(["--blockdev", "driver=rbd,node-name=probe,pool=p,image=i,conf=/nonexistent"])
+        .output()
+        .map_err(|e| format!("{}: {e}", qsd.display()))?;
+    let text = String::from_utf8_lossy(&out.stderr);
+    if text.contains("does not accept value 'rbd'") || text.contains("Unknown driver") {
+        Err(format!("{} has no rbd driver (install qemu-block-extra)", qsd.display()))
+    } else {
+        Ok(())
+    }
+}
+
+/// Kills the rbd domain `kills` times under a QD1 writer; each outage as `serve` measured it.
+fn outages(exe: &Path, opts: &Options, cluster: &Cluster, kills: usize, lock_break: bool) -> Result<Outages, BenchError> {
+    let server = Server::start(System::Bulkhead, opts, exe, cluster, &format!("lock_break = {lock_break}\n"))?;
+    let w = Workload { name: "writer", rw: "randwrite", bs: 4096, qd: 1 };
+    let seconds = 3600;
+    let mut writer = Command::new("fio")
+        .args(fio_args(&w, seconds))
+        .arg("--ioengine=nbd")
+        .arg(format!("--uri={}", server.uri()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("fio: {e}"))?;
+    let mut ms = Vec::new();
+    let result = (|| -> Result<(), BenchError> {
+        std::thread::sleep(Duration::from_secs(1));
+        for k in 0..kills {
+            let before = server.status();
+            let d = &before["devices"][0];
+            let (pid, restarts) = (d["driver_pid"].as_u64().unwrap_or(0) as u32, d["restarts"].as_u64().unwrap_or(0));
+            if pid == 0 {
+                return Err(BenchError::Run(format!("no driver domain: {}", server.log_tail())));
+            }
+            bulkhead_sys::signal(pid, libc::SIGKILL).map_err(|e| format!("kill {pid}: {e}"))?;
+            // Until the next generation has answered a request: its outage is then known.
+            let deadline = Instant::now() + Duration::from_secs(120);
+            loop {
+                std::thread::sleep(Duration::from_millis(20));
+                let d = server.status()["devices"][0].clone();
+                if d["restarts"].as_u64().unwrap_or(0) > restarts
+                    && d["last_outage_ms"].as_f64().is_some()
+                    && d["restarting"] != true
+                {
+                    let last = d["last_outage_ms"].as_f64().unwrap_or(0.0);
+                    if ms.len() == k && (k == 0 || Some(&last) != ms.last()) {
+                        ms.push(last);
+                        break;
+                    }
+                }
+                if Instant::now() > deadline {
+                    return Err(BenchError::Run(format!("kill {}: no request answered within 120 s", k + 1)));
+                }
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        Ok(())
+    })();
+    let _ = writer.kill();
+    let _ = writer.wait();
+    result?;
+    let mut sorted = ms.clone();
+    sorted.sort_by(f64::total_cmp);
+    let pct = |q: f64| sorted.get(((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
+    Ok(Outages { kills: ms.len(), p50_ms: pct(0.5), p99_ms: pct(0.99), ms })
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
+    if !(1..=50).contains(&opts.rounds) || !(1..=600).contains(&opts.seconds) || opts.kills > 1000 {
+        return Err(BenchError::Options("rounds 1..=50, seconds 1..=600, kills 0..=1000".into()));
+    }
+    progress("starting a single-node cluster");
+    let cluster = Cluster::up()?;
+    // Everything from here runs in the cluster's network namespace: serve, qsd and fio.
+    bulkhead_sys::enter_netns(&PathBuf::from(format!("/run/netns/{}", cluster.netns)))
+        .map_err(|e| format!("entering the cluster's network namespace: {e}"))?;
+    cluster.rbd(&["create", "--size", &format!("{}M", opts.image_mib), "rbd/img"])?;
+    // Written whole first, so that reads find objects.
+    progress("filling the image");
+    let fill = Command::new("rbd")
+        .arg("-c")
+        .arg(cluster.conf())
+        .args(["bench", "--io-type", "write", "--io-size", "4M", "--io-pattern", "seq", "--io-total"])
+        .arg(format!("{}M", opts.image_mib))
+        .arg("rbd/img")
+        .output()
+        .map_err(|e| format!("rbd bench: {e}"))?;
+    if !fill.status.success() {
+        return Err(BenchError::Run(format!("rbd bench: {}", String::from_utf8_lossy(&fill.stderr).trim())));
+    }
+    let mut report = Report { rounds: opts.rounds, ..Default::default() };
+    let systems: Vec<System> = match qsd_has_rbd(&opts.qsd) {
+        Ok(()) => SYSTEMS.to_vec(),
+        Err(why) => {
+            report.qsd_skipped = Some(why);
+            vec![System::Bulkhead, System::FioRbd, System::Unconfined]
+        }
+    };
+    let mut points: Vec<Point> = WORKLOADS
+        .iter()
+        .map(|w| Point {
+            workload: w.name.into(),
+            bs: w.bs,
+            bulkhead: Figures::default(),
+            unconfined: Figures::default(),
+            fio_rbd: Figures::default(),
+            qsd: Figures::default(),
+        })
+        .collect();
+    for r in 0..opts.rounds {
+        let mut order = systems.clone();
+        order.rotate_left(r % systems.len());
+        for &system in &order {
+            progress(&format!("round {}/{}: {system:?}", r + 1, opts.rounds));
+            let server = match system {
+                System::FioRbd => None,
+                s => match Server::start(s, opts, exe, &cluster, "") {
+                    Ok(srv) => Some(srv),
+                    Err(e) => {
+                        report.failures.push(format!("round {}, {system:?}: {e}", r + 1));
+                        continue;
+                    }
+                },
+            };
+            for (i, w) in WORKLOADS.iter().enumerate() {
+                match point(system, server.as_ref(), &cluster, w, opts.seconds) {
+                    Ok((iops, cpu)) => {
+                        let f = match system {
+                            System::Bulkhead => &mut points[i].bulkhead,
+                            System::Unconfined => &mut points[i].unconfined,
+                            System::FioRbd => &mut points[i].fio_rbd,
+                            System::Qsd => &mut points[i].qsd,
+                        };
+                        f.iops.push(iops);
+                        f.cpu_per_100k.push(cpu / (iops * opts.seconds as f64 / 100_000.0).max(1e-9));
+                    }
+                    Err(e) => report.failures.push(format!("round {}, {system:?}, {}: {e}", r + 1, w.name)),
+                }
+            }
+        }
+    }
+    report.points = points;
+    if opts.kills > 0 {
+        progress(&format!("{} kills with the lock break", opts.kills));
+        match outages(exe, opts, &cluster, opts.kills, true) {
+            Ok(o) => report.lock_break = o,
+            Err(e) => report.failures.push(format!("kills with the lock break: {e}")),
+        }
+        let without = opts.kills.div_ceil(3).min(5);
+        progress(&format!("{without} kills without it (each waits for the dead owner's lock)"));
+        match outages(exe, opts, &cluster, without, false) {
+            Ok(o) => report.no_lock_break = o,
+            Err(e) => report.failures.push(format!("kills without the lock break: {e}")),
+        }
+    }
+    Ok(report)
+}
+
+/// Renders the report as tables.
+pub fn render(r: &Report) -> String {
+    let mut t = Table::new(&[
+        "point",
+        "bulkhead",
+        "fio-rbd",
+        "qsd",
+        "bulkhead / fio-rbd",
+        "bulkhead / qsd",
+        "sandbox off",
+        "CPU s/100k b|f|q",
+    ]);
+    for p in &r.points {
+        let (b, f, q) = (median(&p.bulkhead.iops), median(&p.fio_rbd.iops), median(&p.qsd.iops));
+        let unit =
+            |v: f64| if p.bs >= 1 << 20 { format!("{:.0} MiB/s", v * f64::from(p.bs) / 1048576.0) } else { format!("{v:.0}") };
+        let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}", a / b) } else { "-".into() };
+        t.row(vec![
+            p.workload.clone(),
+            unit(b),
+            unit(f),
+            if q > 0.0 { unit(q) } else { "-".into() },
+            ratio(b, f),
+            ratio(b, q),
+            unit(median(&p.unconfined.iops)),
+            format!(
+                "{:.2}|{:.2}|{:.2}",
+                median(&p.bulkhead.cpu_per_100k),
+                median(&p.fio_rbd.cpu_per_100k),
+                median(&p.qsd.cpu_per_100k)
+            ),
+        ]);
+    }
+    let mut out = format!("medians of {} alternated rounds; IOPS (MiB/s for 1M)\n{}", r.rounds, t.render());
+    for (what, o) in [("with the lock break", &r.lock_break), ("without it", &r.no_lock_break)] {
+        if o.kills > 0 {
+            out +=
+                &format!("rbd domain killed {} times {what}: outage p50 {:.1} ms, p99 {:.1} ms\n", o.kills, o.p50_ms, o.p99_ms);
+        }
+    }
+    if let Some(why) = &r.qsd_skipped {
+        out += &format!("qemu-storage-daemon left out: {why}\n");
+    }
+    for f in &r.failures {
+        out += &format!("failed: {f}\n");
+    }
+    out
+}
