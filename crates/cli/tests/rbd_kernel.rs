@@ -354,3 +354,60 @@ fn ext4_over_fuse_on_a_luks2_volume_cryptsetup_made_survives_rbd_domain_kills_an
     assert!(std::fs::read(mnt.join("marker")).unwrap() == marker, "the marker reads back");
     m.unmount();
 }
+
+#[test]
+fn a_tap_domain_with_a_cow_and_snapshots_a_view_and_a_vm_socket_work_over_rbd_and_a_wedged_domain_is_replaced() {
+    require_kernel!();
+    let Some(cluster) = Cluster::up("stack") else { return };
+    let tmp = TempDir::new("rbd-stack");
+    cluster.rbd(&["create", "--size", "64M", "rbd/t"]);
+    let overlay = tmp.path().join("overlay.qcow2");
+    let cfg = format!(
+        "[fuse]\nenabled = false\n[vhost_user]\nenabled = true\n\
+         [[device]]\nname = \"t\"\nsize = \"64M\"\ntap = \"interpose\"\nrestart_limit = 100000\nwatchdog_ms = 2000\n\
+         [device.backend]\ntype = \"rbd\"\nmon_host = \"127.0.0.1:3300\"\npool = \"rbd\"\nimage = \"t\"\nkey_file = \"{}\"\n\
+         op_timeout_ms = 1000\n\
+         [[device.filter]]\ntype = \"cow\"\noverlay = \"{}\"\n\
+         [[device.view]]\nname = \"half\"\noffset = \"32M\"\nsize = \"32M\"\niops = 5000\n",
+        cluster.key_file().display(),
+        overlay.display()
+    );
+    let run_dir = tmp.path().join("run");
+    let serve = Serve::start_in_netns(&run_dir, &cfg, &[], &[], &cluster.netns, false).unwrap();
+    let dev = serve.nbd_uri("t");
+    let view = serve.nbd_uri("half");
+    qemu_io_ok(&dev, &["write -P 0x61 0 64k", "write -P 0x62 32M 64k", "read -P 0x61 0 64k"]);
+    qemu_io_ok(&view, &["read -P 0x62 0 64k", "write -P 0x63 64k 64k"]);
+    qemu_io_ok(&dev, &["read -P 0x63 32832k 64k"]);
+    let snap = |args: &[&str]| {
+        let out = Command::new(exe()).arg("snapshot").args(args).arg("--run-dir").arg(&run_dir).output().unwrap();
+        assert!(out.status.success(), "snapshot {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    snap(&["t", "create", "before"]);
+    qemu_io_ok(&dev, &["write -P 0x64 0 64k"]);
+    snap(&["t", "revert", "before"]);
+    qemu_io_ok(&dev, &["read -P 0x61 0 64k"]);
+    // The cow keeps writes in its overlay: the image below has none of them.
+    let below = cluster.rbd(&["export", "rbd/t", "-"]);
+    assert!(below.iter().all(|&b| b == 0), "the rbd image below a cow overlay stays unwritten");
+    assert!(run_dir.join("vhost/t.sock").exists() && run_dir.join("vhost/half.sock").exists(), "a vhost-user socket each");
+    // A wedged rbd domain (stopped, its requests pending) is replaced by the watchdog, and the
+    // request completes on its successor. A read of what the overlay does not hold goes below.
+    let st = serve.status_json();
+    let below_pid = st["devices"][0]["driver_pid"].as_u64().unwrap() as i32;
+    let reader = std::thread::spawn({
+        let dev = dev.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(200));
+            qemu_io(&dev, &["read -P 0 48M 64k"])
+        }
+    });
+    // SAFETY: stopping a domain of our own serve.
+    unsafe { libc::kill(below_pid, libc::SIGSTOP) };
+    let out = reader.join().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !text.contains("fail") && !text.contains("error"), "through the wedge: {text}");
+    let d = &serve.status_json()["devices"][0];
+    assert_ne!(d["driver_pid"].as_u64().unwrap() as i32, below_pid, "the wedged domain was replaced: {d}");
+    assert_eq!(d["tap"], "interpose", "{d}");
+}
