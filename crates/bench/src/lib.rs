@@ -80,3 +80,12 @@ pub fn fio_report(stdout: &[u8], what: &str) -> Result<serde_json::Value, BenchE
     }
     Ok(v)
 }
+
+/// User and system CPU seconds of `pid`.
+pub(crate) fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { return 0.0 };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    (t(11) + t(12)) as f64 / bulkhead_sys::clock_ticks_per_second() as f64
+}

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::{BenchError, Table};
+use crate::vm::median;
+use crate::{cpu_seconds, BenchError, Table};
 
 /// Options.
 #[derive(Debug, Clone)]
@@ -274,15 +275,6 @@ impl Drop for Server {
     }
 }
 
-/// User and system CPU seconds of `pid`.
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { return 0.0 };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    (t(11) + t(12)) as f64 / bulkhead_sys::clock_ticks_per_second() as f64
-}
-
 /// fio's arguments for `w` against `target`.
 fn fio_args(w: &Workload, seconds: u64) -> Vec<String> {
     vec![
@@ -432,16 +424,6 @@ fn outages(exe: &Path, opts: &Options, cluster: &Cluster, kills: usize, lock_bre
     sorted.sort_by(f64::total_cmp);
     let pct = |q: f64| sorted.get(((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
     Ok(Outages { kills: ms.len(), p50_ms: pct(0.5), p99_ms: pct(0.99), ms })
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
 }
 
 /// Runs the benchmark.

@@ -24,7 +24,7 @@ use bulkhead_testkit::guest::{Disk, Kit, Outcome, Vm, VmOptions};
 use bulkhead_vhost_export::frontend::{Frontend, FrontendOptions};
 use serde::Serialize;
 
-use crate::{BenchError, Table};
+use crate::{cpu_seconds, BenchError, Table};
 
 /// The device's size: small enough to write whole before each run.
 const DEVICE_BYTES: u64 = 256 << 20;
@@ -221,15 +221,6 @@ pub struct Report {
     pub qsd_kill: Option<Pauses>,
     /// Runs that failed or stopped early, and why; their figures are left out.
     pub failures: Vec<String>,
-}
-
-/// User and system CPU seconds of `pid`.
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { return 0.0 };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    (t(11) + t(12)) as f64 / bulkhead_sys::clock_ticks_per_second() as f64
 }
 
 /// A server under test.
