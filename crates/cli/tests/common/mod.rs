@@ -365,12 +365,19 @@ impl DomainKiller {
         let thread = std::thread::spawn(move || {
             let mut counts: Vec<u32> = Vec::new();
             let mut last = 0u64;
+            let mut completed_at_kill = 0u64;
             while !stop.load(Ordering::Acquire) {
                 std::thread::sleep(pause());
                 let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(&run_dir).output().unwrap();
                 let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-                // A device being restarted already has its domain on the way out.
-                if v["devices"][0]["restarting"].as_bool() == Some(true) {
+                // A device being restarted already has its domain on the way out; and each
+                // generation serves a request before it is killed, so the workload moves on
+                // (kills faster than a generation can answer would starve it forever).
+                let d = &v["devices"][0];
+                let views = d["views"].as_array().into_iter().flatten();
+                let completed = d["requests_completed"].as_u64().unwrap_or(0)
+                    + views.map(|w| w["requests_completed"].as_u64().unwrap_or(0)).sum::<u64>();
+                if v["devices"][0]["restarting"].as_bool() == Some(true) || (last != 0 && completed <= completed_at_kill) {
                     continue;
                 }
                 let (kind, pid, generation) = pick(&v["devices"][0], counts.iter().sum());
@@ -382,6 +389,7 @@ impl DomainKiller {
                     }
                     counts[kind] += 1;
                     last = generation;
+                    completed_at_kill = completed;
                 }
             }
             counts
