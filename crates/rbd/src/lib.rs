@@ -286,6 +286,8 @@ impl Image {
     /// # Safety
     /// The buffers `op` names must stay valid (and, for a read, not otherwise accessed) until
     /// its completion has been collected by [`poll_completions`](Self::poll_completions).
+    // SAFETY: the contract above is the caller's; librbd keeps the iovec array and the memory
+    // it names until the completion, and touches nothing else of ours.
     pub unsafe fn start(&self, op: &Aio<'_>, arg: u64) -> Result<(), RbdError> {
         let mut c = std::ptr::null_mut();
         // SAFETY: no callback: the completion is announced on the image's eventfd instead;
