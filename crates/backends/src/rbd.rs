@@ -19,7 +19,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bulkhead_block::{AsyncIo, Backend, BlockError, Caps, Io, Remote, Request, Tag, TagSpace, Upkeep};
+use bulkhead_block::{AsyncIo, Backend, BlockError, Caps, Io, Op, Remote, Request, Tag, TagSpace, Upkeep};
 use bulkhead_rbd::{Aio, Api, Cluster, Completed, Image};
 use bulkhead_sys::eventfd::EventFd;
 
@@ -52,21 +52,11 @@ pub struct RbdOptions {
     pub break_owners: Vec<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-enum Kind {
-    #[default]
-    Read,
-    Write,
-    Flush,
-    Discard,
-    WriteZeroes,
-}
-
 /// Per-request state, kept until its completion: librbd reads a vectored read's iovec array
 /// when the data arrives.
 #[derive(Clone, Copy)]
 struct Slot {
-    kind: Kind,
+    op: Op,
     offset: u64,
     want: u64,
     /// A FUA write under the client cache: a flush follows before it is answered.
@@ -78,7 +68,7 @@ struct Slot {
 impl Default for Slot {
     fn default() -> Self {
         Slot {
-            kind: Kind::Read,
+            op: Op::Read,
             offset: 0,
             want: 0,
             flush_after: false,
@@ -199,12 +189,12 @@ impl RbdBackend {
     /// Starts the request in `slot` under `arg`.
     fn start_slot(image: &Image, slot: &Slot, arg: u64) -> Result<(), BlockError> {
         let iov = &slot.iov[..slot.niov];
-        let op = match slot.kind {
-            Kind::Read => Aio::Read { offset: slot.offset, iov },
-            Kind::Write => Aio::Write { offset: slot.offset, iov },
-            Kind::Flush => Aio::Flush,
-            Kind::Discard => Aio::Discard { offset: slot.offset, len: slot.want },
-            Kind::WriteZeroes => Aio::WriteZeroes { offset: slot.offset, len: slot.want },
+        let op = match slot.op {
+            Op::Read => Aio::Read { offset: slot.offset, into: iov },
+            Op::Write => Aio::Write { offset: slot.offset, from: iov, fua: false },
+            Op::Flush => Aio::Flush,
+            Op::Discard => Aio::Discard { offset: slot.offset, len: slot.want },
+            Op::WriteZeroes => Aio::WriteZeroes { offset: slot.offset, len: slot.want },
         };
         // SAFETY: the iovecs live in the slot, which stays in place until the completion is
         // collected, and name request windows the frontend keeps until it is answered.
@@ -232,20 +222,20 @@ impl RbdBackend {
                     s.iov[i] = b.iovec();
                 }
                 s.niov = bufs.len();
-                s.kind = if matches!(req, Request::Read { .. }) { Kind::Read } else { Kind::Write };
+                s.op = req.op();
                 s.flush_after = self.opts.cache && matches!(req, Request::Write { fua: true, .. });
                 (s.offset, s.want) = (offset, len);
             }
-            Request::Flush => s.kind = Kind::Flush,
+            Request::Flush => s.op = Op::Flush,
             Request::Discard { offset, len } | Request::WriteZeroes { offset, len } => {
                 if !in_range(offset, len) {
                     return Err(Err(BlockError::Invalid("range beyond device")));
                 }
-                s.kind = if matches!(req, Request::Discard { .. }) { Kind::Discard } else { Kind::WriteZeroes };
+                s.op = req.op();
                 (s.offset, s.want) = (offset, len);
             }
         }
-        if s.want == 0 && s.kind != Kind::Flush {
+        if s.want == 0 && s.op != Op::Flush {
             return Err(Ok(0));
         }
         Ok(s)
@@ -254,18 +244,18 @@ impl RbdBackend {
     /// The result of a completed request in `slot`.
     fn result(slot: &Slot, r: isize) -> Result<u64, BlockError> {
         if r < 0 {
-            let op = match slot.kind {
-                Kind::Read => "rbd read",
-                Kind::Write => "rbd write",
-                Kind::Flush => "rbd flush",
-                Kind::Discard => "rbd discard",
-                Kind::WriteZeroes => "rbd write-zeroes",
+            let op = match slot.op {
+                Op::Read => "rbd read",
+                Op::Write => "rbd write",
+                Op::Flush => "rbd flush",
+                Op::Discard => "rbd discard",
+                Op::WriteZeroes => "rbd write-zeroes",
             };
             return Err(BlockError::Os { op, offset: slot.offset, errno: -r as i32 });
         }
-        Ok(match slot.kind {
-            Kind::Read | Kind::Write | Kind::Discard | Kind::WriteZeroes => slot.want,
-            Kind::Flush => 0,
+        Ok(match slot.op {
+            Op::Read | Op::Write | Op::Discard | Op::WriteZeroes => slot.want,
+            Op::Flush => 0,
         })
     }
 
@@ -280,7 +270,7 @@ impl RbdBackend {
             let tag = Tag::new(c.arg as u32);
             if c.result >= 0 && slot.flush_after {
                 slot.flush_after = false;
-                if Self::start_slot(image, &Slot { kind: Kind::Flush, ..Slot::default() }, c.arg).is_ok() {
+                if Self::start_slot(image, &Slot { op: Op::Flush, ..Slot::default() }, c.arg).is_ok() {
                     continue;
                 }
                 self.in_flight -= 1;
@@ -331,7 +321,7 @@ impl Backend for RbdBackend {
         let deadline = Instant::now() + self.opts.op_timeout + Duration::from_secs(5);
         let mut i = 0;
         while i < ios.len() || waiting > 0 {
-            let barrier = slots.get(i).and_then(|s| s.as_ref()).is_some_and(|s| s.kind == Kind::Flush) && waiting > 0;
+            let barrier = slots.get(i).and_then(|s| s.as_ref()).is_some_and(|s| s.op == Op::Flush) && waiting > 0;
             if i < ios.len() && !barrier {
                 if let Some(s) = &slots[i] {
                     match Self::start_slot(image, s, EXECUTE_BASE + i as u64) {

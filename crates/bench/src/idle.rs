@@ -88,16 +88,7 @@ struct Serve {
 impl Drop for Serve {
     fn drop(&mut self) {
         // SIGTERM: serve stops cleanly (unmounts, ends its domains).
-        let _ = bulkhead_sys::signal(self.child.id(), libc::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        crate::stop_child(&mut self.child, Duration::from_secs(60));
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -89,3 +89,18 @@ pub(crate) fn cpu_seconds(pid: u32) -> f64 {
     let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     (t(11) + t(12)) as f64 / bulkhead_sys::clock_ticks_per_second() as f64
 }
+
+/// Ends a server this benchmark started: SIGTERM (it stops cleanly), up to `grace` to exit,
+/// then SIGKILL; reaped either way.
+pub(crate) fn stop_child(child: &mut std::process::Child, grace: std::time::Duration) {
+    let _ = bulkhead_sys::signal(child.id(), libc::SIGTERM);
+    let deadline = std::time::Instant::now() + grace;
+    while std::time::Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}

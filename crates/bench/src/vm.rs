@@ -364,16 +364,7 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = bulkhead_sys::signal(c.id(), libc::SIGTERM);
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = c.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
+            crate::stop_child(&mut c, Duration::from_secs(20));
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }

@@ -18,14 +18,6 @@ fn fio_available() -> bool {
     false
 }
 
-/// Tiny deterministic generator for kill timing.
-fn next(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
-
 #[test]
 fn sigkill_fifty_times_under_fio_verify_loses_nothing() {
     require_kernel!();
@@ -98,19 +90,8 @@ fn nbd_requests_in_flight_carry_over_kills_and_verify() {
     let mut x = 0x9e37_79b9_7f4a_7c15_u64;
     let killer =
         DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(40 + next(&mut x) % 160), driver_domain);
-    let out = Command::new("timeout")
-        .args(["--kill-after=10", "120", "fio", "--name=nbdkill", "--ioengine=nbd", &format!("--uri={uri}")])
-        .args(["--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", "--size=64M", "--runtime=8"])
-        .args(FIO_VERIFY)
-        .output()
-        .unwrap();
+    let job = fio_nbd_verify(&uri, "nbdkill", "64M", 8, 120);
     let kills = killer.stop().first().copied().unwrap_or(0);
-    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    // fio's nbd engine may print a line of its own before the JSON.
-    let text = String::from_utf8_lossy(&out.stdout);
-    let v: serde_json::Value = serde_json::from_str(&text[text.find('{').expect("fio's JSON")..]).unwrap();
-    let job = &v["jobs"][0];
-    assert_eq!(job["error"], 0, "fio saw an I/O or verify error");
     assert!(job["read"]["io_bytes"].as_u64().unwrap() > 0, "verify_backlog read back data");
     assert!(kills >= 10, "only {kills} kills landed");
     // Every kill is a replacement, except that a kill landing on a domain the supervisor is

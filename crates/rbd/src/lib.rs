@@ -170,40 +170,9 @@ pub struct Completed {
     pub result: isize,
 }
 
-/// An operation to start.
-#[derive(Debug)]
-pub enum Aio<'a> {
-    /// Read into the buffers.
-    Read {
-        /// Image offset.
-        offset: u64,
-        /// Where the bytes go.
-        iov: &'a [libc::iovec],
-    },
-    /// Write the buffers.
-    Write {
-        /// Image offset.
-        offset: u64,
-        /// The bytes.
-        iov: &'a [libc::iovec],
-    },
-    /// Deallocate.
-    Discard {
-        /// Image offset.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Zero.
-    WriteZeroes {
-        /// Image offset.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-    },
-    /// Make every completed write durable.
-    Flush,
-}
+/// An operation to start, in the project's one request vocabulary, its buffers as iovecs
+/// (FUA is the caller's: librbd has no per-write flag for it).
+pub type Aio<'a> = bulkhead_block::Command<&'a [libc::iovec], &'a [libc::iovec]>;
 
 /// An open image.
 pub struct Image {
@@ -300,8 +269,8 @@ impl Image {
         // valid until the completion is collected (this function's contract).
         let r = unsafe {
             match *op {
-                Aio::Read { offset, iov } => (a.rbd_aio_readv)(self.image, iov.as_ptr(), iov.len() as i32, offset, c),
-                Aio::Write { offset, iov } => (a.rbd_aio_writev)(self.image, iov.as_ptr(), iov.len() as i32, offset, c),
+                Aio::Read { offset, into: iov } => (a.rbd_aio_readv)(self.image, iov.as_ptr(), iov.len() as i32, offset, c),
+                Aio::Write { offset, from: iov, .. } => (a.rbd_aio_writev)(self.image, iov.as_ptr(), iov.len() as i32, offset, c),
                 Aio::Discard { offset, len } => (a.rbd_aio_discard)(self.image, offset, len, c),
                 Aio::WriteZeroes { offset, len } => (a.rbd_aio_write_zeroes)(self.image, offset, len as usize, c, 0, 0),
                 Aio::Flush => (a.rbd_aio_flush)(self.image, c),

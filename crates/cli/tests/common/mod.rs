@@ -344,6 +344,42 @@ fn describe_dumps(dir: &Path, data: &Path) -> String {
     text
 }
 
+/// Tiny deterministic generator for kill timing.
+#[allow(dead_code)]
+pub fn next(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// fio's nbd engine on `uri`: random writes of 4–64 KiB at depth 16 over `size` for `runtime`
+/// s, crc32c-verified (killed after `limit` s). Asserts that it ran without an I/O or verify
+/// error and returns its job's report.
+#[allow(dead_code)]
+pub fn fio_nbd_verify(uri: &str, name: &str, size: &str, runtime: u32, limit: u32) -> serde_json::Value {
+    let out = Command::new("timeout")
+        .args([
+            "--kill-after=10",
+            &limit.to_string(),
+            "fio",
+            &format!("--name={name}"),
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+        ])
+        .args(["--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", &format!("--size={size}"), &format!("--runtime={runtime}")])
+        .args(FIO_VERIFY)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "fio: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    // fio's nbd engine may print a line of its own before the JSON.
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&text[text.find('{').expect("fio's JSON")..]).unwrap();
+    let job = v["jobs"][0].clone();
+    assert_eq!(job["error"], 0, "fio saw an I/O or verify error");
+    job
+}
+
 /// A thread that SIGKILLs a serve's domains while a workload runs. Every `pause()` it reads the
 /// first device's status and asks `pick` which domain to kill, given that device and the kills
 /// so far: `(kind, pid, generation)`, where `kind` indexes the counts returned by
