@@ -17,7 +17,9 @@ case "${1:-serve}" in
         want blkparse blktrace; want btt blktrace; want cryptsetup cryptsetup-bin; want openssl openssl
         want qemu-system-x86_64 qemu-system-x86; want qemu-storage-daemon qemu-system-common; static_busybox
         # The rbd tests' throwaway cluster (scripts/ceph-dev.sh); ceph-common brings librbd1.
-        want ceph-mon ceph-mon; want ceph-osd ceph-osd; want rbd ceph-common ;;
+        want ceph-mon ceph-mon; want ceph-osd ceph-osd; want rbd ceph-common
+        # The control socket's check of another user connects from a small script.
+        [ -x /usr/bin/python3 ] || need+=(python3); want setpriv util-linux ;;
   bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
          want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3; want qemu-nbd qemu-utils
          want bindfs bindfs; want cryptsetup cryptsetup-bin; want qemu-system-x86_64 qemu-system-x86; static_busybox ;;

@@ -139,10 +139,8 @@ fn start(exe: &Path, n: usize) -> Result<(Serve, f64), BenchError> {
     let sock = run_dir.join("control.sock");
     let deadline = t0 + Duration::from_secs(60 + n as u64 / 5);
     loop {
-        let ready = bulkhead_supervisor::control::request(&sock, &serde_json::json!({"cmd": "status"}))
-            .ok()
-            .and_then(|v| v["devices"].as_array().map(|d| d.len() == n && d.iter().all(|d| d["state"] == "running")))
-            .unwrap_or(false);
+        let ready = crate::serve_status(&sock)
+            .is_some_and(|r| r.devices.len() == n && r.devices.iter().all(|d| d.state == bulkhead_control::DeviceState::Running));
         if ready {
             return Ok((serve, t0.elapsed().as_secs_f64()));
         }
@@ -155,18 +153,7 @@ fn start(exe: &Path, n: usize) -> Result<(Serve, f64), BenchError> {
 
 /// The pids of the domains of the `serve` behind `sock`.
 fn domain_pids(sock: &Path) -> Vec<u32> {
-    let Ok(v) = bulkhead_supervisor::control::request(sock, &serde_json::json!({"cmd": "status"})) else { return Vec::new() };
-    let mut pids = Vec::new();
-    for d in v["devices"].as_array().into_iter().flatten() {
-        for key in ["driver_pid", "tap_pid"] {
-            if let Some(p) = d[key].as_u64().filter(|&p| p != 0) {
-                pids.push(p as u32);
-            }
-        }
-    }
-    pids.sort_unstable();
-    pids.dedup();
-    pids
+    crate::serve_status(sock).map(|r| crate::domain_pids(&r)).unwrap_or_default()
 }
 
 /// Measures each device count of `opts` with `exe` (a `bulkhead` that takes `serve`).

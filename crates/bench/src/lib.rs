@@ -92,6 +92,20 @@ pub(crate) fn cpu_seconds(pid: u32) -> f64 {
 
 /// Ends a server this benchmark started: SIGTERM (it stops cleanly), up to `grace` to exit,
 /// then SIGKILL; reaped either way.
+/// The status of the `serve` whose control socket is `socket` (`None` while it does not answer).
+pub fn serve_status(socket: &std::path::Path) -> Option<bulkhead_control::StatusReport> {
+    bulkhead_control::Client::connect_socket(socket).ok()?.call(bulkhead_control::Status {}).ok()
+}
+
+/// The processes of every domain of a `serve`, from its status: driver and tap domains.
+pub fn domain_pids(report: &bulkhead_control::StatusReport) -> Vec<u32> {
+    let mut pids: Vec<u32> =
+        report.devices.iter().flat_map(|d| [Some(d.driver_pid), d.tap_pid]).flatten().filter(|&p| p != 0).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    pids
+}
+
 pub(crate) fn stop_child(child: &mut std::process::Child, grace: std::time::Duration) {
     let _ = bulkhead_sys::signal(child.id(), libc::SIGTERM);
     let deadline = std::time::Instant::now() + grace;

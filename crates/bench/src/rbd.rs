@@ -244,16 +244,16 @@ impl Server {
         text.lines().rev().take(10).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
     }
 
-    fn status(&self) -> serde_json::Value {
-        bulkhead_supervisor::control::request(&self.dir.join("run/control.sock"), &serde_json::json!({"cmd": "status"}))
-            .unwrap_or_default()
+    /// The device's status (`None` while `serve` does not answer).
+    fn device(&self) -> Option<bulkhead_control::DeviceStatus> {
+        crate::serve_status(&self.dir.join("run/control.sock")).and_then(|r| r.devices.into_iter().next())
     }
 
     /// The server and, for bulkhead, its domains.
     fn pids(&self) -> Vec<u32> {
         let mut pids = vec![self.child.id()];
         if matches!(self.system, System::Bulkhead | System::Unconfined) {
-            pids.extend(self.status()["devices"][0]["driver_pid"].as_u64().filter(|&p| p != 0).map(|p| p as u32));
+            pids.extend(self.device().map(|d| d.driver_pid).filter(|&p| p != 0));
         }
         pids
     }
@@ -378,9 +378,7 @@ fn outages(exe: &Path, opts: &Options, cluster: &Cluster, kills: usize, lock_bre
     let result = (|| -> Result<(), BenchError> {
         std::thread::sleep(Duration::from_secs(1));
         for k in 0..kills {
-            let before = server.status();
-            let d = &before["devices"][0];
-            let (pid, restarts) = (d["driver_pid"].as_u64().unwrap_or(0) as u32, d["restarts"].as_u64().unwrap_or(0));
+            let (pid, restarts) = server.device().map_or((0, 0), |d| (d.driver_pid, d.restarts));
             if pid == 0 {
                 return Err(BenchError::Run(format!("no driver domain: {}", server.log_tail())));
             }
@@ -389,12 +387,8 @@ fn outages(exe: &Path, opts: &Options, cluster: &Cluster, kills: usize, lock_bre
             let deadline = Instant::now() + Duration::from_secs(120);
             loop {
                 std::thread::sleep(Duration::from_millis(20));
-                let d = server.status()["devices"][0].clone();
-                if d["restarts"].as_u64().unwrap_or(0) > restarts
-                    && d["last_outage_ms"].as_f64().is_some()
-                    && d["restarting"] != true
-                {
-                    let last = d["last_outage_ms"].as_f64().unwrap_or(0.0);
+                let settled = server.device().filter(|d| d.restarts > restarts && !d.restarting);
+                if let Some(last) = settled.and_then(|d| d.last_outage_ms) {
                     if ms.len() == k && (k == 0 || Some(&last) != ms.last()) {
                         ms.push(last);
                         break;

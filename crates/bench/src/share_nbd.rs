@@ -134,15 +134,14 @@ fn qsd(dir: &Path, cap: Option<u64>) -> Result<(Procs, PathBuf), BenchError> {
 /// Sets the neighbour's cap on a running bulkhead (`None` lifts it).
 fn bulkhead_cap(control: &Path, credit: Option<(&str, &str)>) -> Result<(), BenchError> {
     let set = match credit {
-        Some((bytes, us)) => serde_json::json!({"credit_bytes": bytes, "credit_us": us}),
-        None => serde_json::json!({"credit_bytes": "none"}),
+        Some((bytes, us)) => vec![("credit_bytes", bytes), ("credit_us", us)],
+        None => vec![("credit_bytes", "none")],
     };
-    let a = bulkhead_supervisor::control::request(control, &serde_json::json!({"cmd": "qos", "view": "noisy", "set": set}))
-        .map_err(|e| format!("control socket: {e}"))?;
-    match a.get("error").and_then(|e| e.as_str()) {
-        Some(e) => Err(BenchError::from(e.to_string())),
-        None => Ok(()),
-    }
+    let set = set.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    bulkhead_control::Client::connect_socket(control)
+        .and_then(|mut c| c.call(bulkhead_control::SetQos { view: "noisy".into(), set }))
+        .map(drop)
+        .map_err(|e| BenchError::from(format!("control socket: {e}")))
 }
 
 /// One fio run: the quiet reader, and with `noisy` the neighbour beside it.

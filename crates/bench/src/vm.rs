@@ -309,20 +309,15 @@ impl Server {
         text.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
     }
 
-    fn status(&self) -> serde_json::Value {
-        bulkhead_supervisor::control::request(&self.dir.join("run/control.sock"), &serde_json::json!({"cmd": "status"}))
-            .unwrap_or_default()
+    fn status(&self) -> Option<bulkhead_control::StatusReport> {
+        crate::serve_status(&self.dir.join("run/control.sock"))
     }
 
     /// The processes whose CPU counts: the server, and for bulkhead its domains.
     fn pids(&self) -> Vec<u32> {
         let mut pids: Vec<u32> = self.child.iter().map(Child::id).collect();
         if self.system == System::Bulkhead {
-            for d in self.status()["devices"].as_array().into_iter().flatten() {
-                pids.extend(
-                    ["driver_pid", "tap_pid"].iter().filter_map(|k| d[*k].as_u64()).filter(|&p| p != 0).map(|p| p as u32),
-                );
-            }
+            pids.extend(self.status().map(|r| crate::domain_pids(&r)).unwrap_or_default());
         }
         pids
     }
@@ -341,16 +336,15 @@ impl Server {
     }
 
     fn driver_pid(&self) -> u32 {
-        self.status()["devices"][0]["driver_pid"].as_u64().unwrap_or(0) as u32
+        self.status().and_then(|r| r.devices.first().map(|d| d.driver_pid)).unwrap_or(0)
     }
 
     /// Waits until the driver domain is no longer `old` and the device serves.
     fn wait_replaced(&self, old: u32) -> Result<(), BenchError> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let v = self.status();
-            let d = &v["devices"][0];
-            if d["driver_pid"].as_u64().unwrap_or(0) as u32 != old && d["state"] == "running" {
+            let d = self.status().and_then(|r| r.devices.into_iter().next());
+            if d.is_some_and(|d| d.driver_pid != old && d.state == bulkhead_control::DeviceState::Running) {
                 return Ok(());
             }
             if Instant::now() > deadline {

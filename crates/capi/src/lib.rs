@@ -13,6 +13,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 
 use bulkhead_client::{attach_with, AttachError, AttachOptions, Attached, IoError};
+use bulkhead_control::ErrorCode;
 
 /// An attached device, as C holds it (opaque).
 pub struct BulkheadDevice {
@@ -57,9 +58,13 @@ fn attach_errno(e: &AttachError) -> c_int {
             std::io::ErrorKind::PermissionDenied => libc::EACCES,
             _ => libc::EIO,
         },
-        AttachError::Refused(m) if m.contains("slot") => libc::EBUSY,
-        AttachError::Refused(m) if m.starts_with("no device or view") => libc::ENOENT,
-        AttachError::Refused(_) | AttachError::Queue(_) => libc::EIO,
+        AttachError::Refused(e) => match e.code {
+            ErrorCode::InUse => libc::EBUSY,
+            ErrorCode::NotFound => libc::ENOENT,
+            ErrorCode::Denied => libc::EACCES,
+            _ => libc::EIO,
+        },
+        AttachError::Queue(_) => libc::EIO,
     }
 }
 

@@ -5,6 +5,7 @@
 //! the supervisor handed them by number.
 #![deny(unsafe_code)]
 
+mod api;
 mod bench_cmd;
 mod driver_cmd;
 mod serve;
@@ -15,6 +16,8 @@ mod vdev_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+use bulkhead_control::{AddFilter, RemoveFilter, SetTap, SnapshotAction};
 
 /// The system allocator until a domain with guarded filters activates heap spaces (see
 /// `bulkhead_guard::heap`); one relaxed load per allocation otherwise.
@@ -69,7 +72,8 @@ enum Cmd {
         /// Device name.
         device: String,
         /// passthrough | interpose | intercept.
-        mode: String,
+        #[arg(value_enum)]
+        mode: TapArg,
         /// Run directory of the `serve` to ask.
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
@@ -190,6 +194,23 @@ enum FilterOp {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum TapArg {
+    Passthrough,
+    Interpose,
+    Intercept,
+}
+
+impl From<TapArg> for bulkhead_config::Tap {
+    fn from(t: TapArg) -> Self {
+        match t {
+            TapArg::Passthrough => bulkhead_config::Tap::Passthrough,
+            TapArg::Interpose => bulkhead_config::Tap::Interpose,
+            TapArg::Intercept => bulkhead_config::Tap::Intercept,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum SnapshotOpArg {
     Create,
     List,
@@ -210,22 +231,22 @@ fn main() -> ExitCode {
         Cmd::Vdev { which: VdevCmd::Model { spec } } => vdev_cmd::model(&spec),
         Cmd::Snapshot { device, op, name, json, run_dir } => {
             let op = match op {
-                SnapshotOpArg::Create => "create",
-                SnapshotOpArg::List => "list",
-                SnapshotOpArg::Revert => "revert",
-                SnapshotOpArg::Delete => "delete",
+                SnapshotOpArg::Create => Some(SnapshotAction::Create),
+                SnapshotOpArg::List => None,
+                SnapshotOpArg::Revert => Some(SnapshotAction::Revert),
+                SnapshotOpArg::Delete => Some(SnapshotAction::Delete),
             };
             status::snapshot(&run_dir, &device, op, name.as_deref(), json)
         }
         Cmd::Qos { view, settings, run_dir } => status::qos(&run_dir, &view, &settings),
-        Cmd::Tap { device, mode, run_dir } => status::change(&run_dir, &device, serde_json::json!({"cmd": "tap", "mode": mode})),
-        Cmd::Filter { device, op: FilterOp::Add { at, lines }, run_dir } => status::change(
-            &run_dir,
-            &device,
-            serde_json::json!({"cmd": "filter", "op": "add", "at": at, "table": lines.join("\n")}),
-        ),
+        Cmd::Tap { device, mode, run_dir } => {
+            status::change(&run_dir, &device, SetTap { device: device.clone(), mode: mode.into() })
+        }
+        Cmd::Filter { device, op: FilterOp::Add { at, lines }, run_dir } => {
+            status::change(&run_dir, &device, AddFilter { device: device.clone(), at, table: lines.join("\n") })
+        }
         Cmd::Filter { device, op: FilterOp::Remove { at }, run_dir } => {
-            status::change(&run_dir, &device, serde_json::json!({"cmd": "filter", "op": "remove", "at": at}))
+            status::change(&run_dir, &device, RemoveFilter { device: device.clone(), at })
         }
         Cmd::Bench { which } => bench_cmd::run(which),
     };

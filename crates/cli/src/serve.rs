@@ -8,11 +8,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use bulkhead_config::{Config, FuseUring, Tap};
-use bulkhead_fuse_export::{FuseExport, FuseOptions, Transport, UringMode};
+use bulkhead_config::{Config, FuseUring};
+use bulkhead_control::{Access, ControlServer};
+use bulkhead_fuse_export::{FuseExport, FuseOptions, UringMode};
 use bulkhead_nbd_export::{socket_path, NbdServer, ServerConfig};
-use bulkhead_supervisor::control::ControlServer;
-use bulkhead_supervisor::{DeviceChange, Supervisor};
+use bulkhead_supervisor::Supervisor;
+
+use crate::api::ServeApi;
 use bulkhead_vhost_export::{socket_dir, VhostExport};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -83,86 +85,6 @@ fn human(bytes: u64) -> String {
         u += 1;
     }
     format!("{v:.1} {}", UNITS[u]).replace(".0 ", " ")
-}
-
-/// The change a control request asks for: `restart`; `tap` with `mode`; `filter` with `op`
-/// `add` (`table`, optional `at`) or `remove` (`at`).
-fn device_change(cmd: &str, req: &serde_json::Value) -> Result<DeviceChange, String> {
-    match cmd {
-        "restart" => Ok(DeviceChange::Restart),
-        "tap" => match req["mode"].as_str() {
-            Some("passthrough") => Ok(DeviceChange::Tap(Tap::Passthrough)),
-            Some("interpose") => Ok(DeviceChange::Tap(Tap::Interpose)),
-            Some("intercept") => Ok(DeviceChange::Tap(Tap::Intercept)),
-            Some(other) => Err(format!("unknown tap mode `{other}` (passthrough, interpose, intercept)")),
-            None => Err("tap needs `mode`".into()),
-        },
-        _ => {
-            let at = match &req["at"] {
-                serde_json::Value::Null => None,
-                v => Some(v.as_u64().ok_or("`at` must be a position (0, 1, …)")? as usize),
-            };
-            match req["op"].as_str() {
-                Some("add") => {
-                    let table = req["table"].as_str().ok_or("filter add needs `table`")?.to_string();
-                    Ok(DeviceChange::AddFilter { at, table })
-                }
-                Some("remove") => Ok(DeviceChange::RemoveFilter(at.ok_or("filter remove needs `at`")?)),
-                _ => Err("filter needs `op`: add or remove".into()),
-            }
-        }
-    }
-}
-
-/// Drops the kernel's cached pages of a device's FUSE file.
-type Invalidate = dyn Fn(&str) -> bool + Send + Sync;
-
-/// `{"cmd":"snapshot","device":D,"op":"list"|"create"|"revert"|"delete","name":N}`. After a
-/// revert, `invalidate` drops the kernel's cached pages of the device's FUSE file.
-fn snapshot_request(s: &Supervisor, req: &serde_json::Value, invalidate: Option<&Invalidate>) -> serde_json::Value {
-    use bulkhead_filters::cow::SnapshotAction;
-    let Some(device) = req["device"].as_str() else {
-        return serde_json::json!({ "error": "snapshot needs `device`" });
-    };
-    let action = match req["op"].as_str() {
-        Some("list") => {
-            return match s.snapshots(device) {
-                Ok(list) => serde_json::json!({
-                    "device": device,
-                    "snapshots": list.iter().map(|i| serde_json::json!({
-                        "id": i.id,
-                        "name": i.name,
-                        "date_sec": i.date_sec,
-                        "date_nsec": i.date_nsec,
-                        "disk_size": i.disk_size,
-                        "vm_state_size": i.vm_state_size,
-                    })).collect::<Vec<_>>(),
-                }),
-                Err(e) => serde_json::json!({ "error": format!("device `{device}`: {e}") }),
-            };
-        }
-        Some("create") => SnapshotAction::Create,
-        Some("revert") => SnapshotAction::Revert,
-        Some("delete") => SnapshotAction::Delete,
-        Some(other) => {
-            return serde_json::json!({ "error": format!("unknown snapshot operation `{other}` (create, list, revert, delete)") })
-        }
-        None => return serde_json::json!({ "error": "snapshot needs `op`: create, list, revert or delete" }),
-    };
-    let Some(name) = req["name"].as_str() else {
-        return serde_json::json!({ "error": format!("snapshot {} needs `name`", action.as_str()) });
-    };
-    match s.snapshot(device, action, name) {
-        Ok(pid) => {
-            if action == SnapshotAction::Revert {
-                if let Some(inval) = invalidate {
-                    inval(device);
-                }
-            }
-            serde_json::json!({ "device": device, "snapshot": name, "op": action.as_str(), "driver_pid": pid })
-        }
-        Err(e) => serde_json::json!({ "error": format!("device `{device}`: snapshot {} `{name}`: {e}", action.as_str()) }),
-    }
 }
 
 pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>) -> anyhow::Result<ExitCode> {
@@ -281,57 +203,26 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     } else {
         None
     };
-    let s = sup.clone();
-    let vhost_status = vhost.clone();
-    let fuse_status = fuse.as_ref().map(|f| fuse_status(f.transport()));
-    let invalidate: Option<Box<Invalidate>> = fuse.as_ref().map(|f| Box::new(f.invalidator()) as Box<Invalidate>);
+    let access = match &config.control.group {
+        None => Ok(Access::owner_only()),
+        Some(g) => Access::with_group(g.get_ref()).map_err(|e| anyhow::anyhow!("key `control.group`: {e}")),
+    };
+    let api = Arc::new(ServeApi {
+        sup: sup.clone(),
+        fuse: fuse.as_ref().map(|f| crate::api::fuse_status(f.transport())),
+        vhost: vhost.clone(),
+        invalidate: fuse.as_ref().map(|f| Box::new(f.invalidator()) as Box<crate::api::Invalidate>),
+    });
     let attacher = sup.clone();
-    let control = ControlServer::start_with_attach(
-        &run_dir.join("control.sock"),
-        Arc::new(move |req| match req["cmd"].as_str() {
-            Some("status") => match serde_json::to_value(s.status()) {
-                Ok(mut v) => {
-                    v["fuse"] = fuse_status.clone().unwrap_or(serde_json::Value::Null);
-                    v["vhost_user"] = vhost_status.as_ref().map_or(serde_json::Value::Null, |x| vhost_json(x));
-                    v
-                }
-                Err(e) => serde_json::json!({"error": e.to_string()}),
-            },
-            Some(cmd @ ("restart" | "tap" | "filter")) => {
-                let Some(name) = req["device"].as_str() else {
-                    return serde_json::json!({ "error": format!("{cmd} needs `device`") });
-                };
-                let change = match device_change(cmd, req) {
-                    Ok(c) => c,
-                    Err(e) => return serde_json::json!({ "error": e }),
-                };
-                match s.change_device(name, change) {
-                    Ok(pid) => serde_json::json!({ "device": name, "driver_pid": pid }),
-                    Err(e) => serde_json::json!({ "error": format!("device `{name}`: {e}") }),
-                }
-            }
-            Some("snapshot") => snapshot_request(&s, req, invalidate.as_deref()),
-            Some("qos") => {
-                let Some(view) = req["view"].as_str() else {
-                    return serde_json::json!({ "error": "qos needs `view`" });
-                };
-                let changes: Vec<(String, String)> = req["set"]
-                    .as_object()
-                    .into_iter()
-                    .flatten()
-                    .map(|(k, v)| (k.clone(), v.as_str().map_or_else(|| v.to_string(), String::from)))
-                    .collect();
-                match s.set_qos(view, &changes) {
-                    Ok(caps) => serde_json::json!({ "view": view, "qos": caps, "summary": caps.to_string() }),
-                    Err(e) => serde_json::json!({ "error": format!("view `{view}`: {e}") }),
-                }
-            }
-            Some(other) => serde_json::json!({ "error": format!("unknown command `{other}`") }),
-            None => serde_json::json!({ "error": "missing `cmd`" }),
-        }),
-        Some(Arc::new(move |conn, req| attacher.attach_session(conn, req))),
-    )
-    .with_context(|| format!("cannot bind {}", run_dir.join("control.sock").display()));
+    let control = access.and_then(|access| {
+        ControlServer::start(
+            &bulkhead_control::socket_path(&run_dir),
+            access,
+            api,
+            Some(Arc::new(move |conn, req| attacher.attach_session(conn, req))),
+        )
+        .with_context(|| format!("cannot bind {}", run_dir.join("control.sock").display()))
+    });
     let mut control = match control {
         Ok(c) => c,
         Err(e) => {
@@ -388,40 +279,4 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     drop(lock);
     eprintln!("bulkhead: stopped{}", if clean { "" } else { " (the FUSE mount was busy and was detached lazily)" });
     Ok(ExitCode::SUCCESS)
-}
-
-/// The vhost-user export as `status --json` shows it.
-fn vhost_json(v: &VhostExport) -> serde_json::Value {
-    serde_json::Value::Array(
-        v.status()
-            .into_iter()
-            .map(|e| {
-                serde_json::json!({
-                    "device": e.name,
-                    "socket": e.socket,
-                    "connected": e.connected,
-                    "sessions": e.sessions,
-                    "queues": e.queues.iter().map(|q| serde_json::json!({
-                        "taken": q.taken,
-                        "returned": q.returned,
-                        "refused": q.refused,
-                        "failed": q.failed,
-                        "resubmitted": q.resubmitted,
-                        "max_in_flight": q.max_in_flight,
-                        "broken": q.broken,
-                    })).collect::<Vec<_>>(),
-                })
-            })
-            .collect(),
-    )
-}
-
-/// The FUSE export's transport as `status --json` shows it.
-fn fuse_status(t: &Transport) -> serde_json::Value {
-    match t {
-        Transport::DevFuse { threads, why_not_uring } => {
-            serde_json::json!({ "transport": "dev_fuse", "threads": threads, "why_not_io_uring": why_not_uring })
-        }
-        Transport::IoUring { queues, depth } => serde_json::json!({ "transport": "io_uring", "queues": queues, "depth": depth }),
-    }
 }

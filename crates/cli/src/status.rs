@@ -5,86 +5,85 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use bulkhead_bench::Table;
+use bulkhead_control::{Call, Changed, Client, FuseStatus, ListSnapshots, Restart, SetQos, Snapshot, SnapshotAction, Status};
 
 fn mib(kib: Option<u64>) -> String {
     kib.map(|k| format!("{:.1} MiB", k as f64 / 1024.0)).unwrap_or_else(|| "-".into())
 }
 
-fn ms(v: &serde_json::Value) -> String {
-    v.as_f64().map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into())
+fn ms(v: Option<f64>) -> String {
+    v.map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into())
 }
 
-fn ask(run_dir: &Path, req: serde_json::Value) -> anyhow::Result<serde_json::Value> {
-    let sock = run_dir.join("control.sock");
-    if !sock.exists() {
-        anyhow::bail!("no bulkhead serve is running on run dir {} ({} not found)", run_dir.display(), sock.display());
-    }
-    let answer =
-        bulkhead_supervisor::control::request(&sock, &req).with_context(|| format!("cannot reach {}", sock.display()))?;
-    if let Some(e) = answer.get("error").and_then(|e| e.as_str()) {
-        anyhow::bail!("{e}");
-    }
-    Ok(answer)
+/// Makes `call` to the `serve` of `run_dir`.
+pub fn ask<C: Call>(run_dir: &Path, call: C) -> anyhow::Result<C::Reply> {
+    Ok(Client::connect(run_dir)?.call(call)?)
 }
 
 pub fn restart(run_dir: &Path, device: &str) -> anyhow::Result<ExitCode> {
-    let a = ask(run_dir, serde_json::json!({"cmd": "restart", "device": device}))?;
-    println!("{device}: restarted, driver pid {}", a["driver_pid"]);
+    let a = ask(run_dir, Restart { device: device.into() })?;
+    println!("{device}: restarted, driver pid {}", a.driver_pid);
     Ok(ExitCode::SUCCESS)
 }
 
 /// Asks for a change to a running device (`tap`, `filter`) and prints the outcome.
-pub fn change(run_dir: &Path, device: &str, mut req: serde_json::Value) -> anyhow::Result<ExitCode> {
-    req["device"] = serde_json::Value::from(device);
-    let a = ask(run_dir, req)?;
-    println!("{device}: changed; new driver pid {}", a["driver_pid"]);
-    let status = ask(run_dir, serde_json::json!({"cmd": "status"}))?;
-    if let Some(d) = status["devices"].as_array().into_iter().flatten().find(|d| d["name"] == device) {
-        let names: Vec<&str> = d["filters"].as_array().into_iter().flatten().filter_map(|f| f["type"].as_str()).collect();
-        let tap = d["tap"].as_str().unwrap_or("?");
+pub fn change<C: Call<Reply = Changed>>(run_dir: &Path, device: &str, call: C) -> anyhow::Result<ExitCode> {
+    let mut client = Client::connect(run_dir)?;
+    let a = client.call(call)?;
+    println!("{device}: changed; new driver pid {}", a.driver_pid);
+    let status = client.call(Status {})?;
+    if let Some(d) = status.devices.iter().find(|d| d.name == device) {
+        let names: Vec<String> = d.filters.iter().map(|f| filter_type(&f.report)).collect();
         println!(
-            "{device}: tap {tap}, filters (frontend side first): {}",
+            "{device}: tap {}, filters (frontend side first): {}",
+            d.tap,
             if names.is_empty() { "none".into() } else { names.join(", ") }
         );
     }
     Ok(ExitCode::SUCCESS)
 }
 
+/// A filter's `type`, as the configuration spells it.
+fn filter_type(r: &bulkhead_filters::FilterReport) -> String {
+    serde_json::to_value(r).ok().and_then(|v| v["type"].as_str().map(String::from)).unwrap_or_default()
+}
+
 /// `bulkhead snapshot DEVICE OP [NAME]`.
-pub fn snapshot(run_dir: &Path, device: &str, op: &str, name: Option<&str>, json: bool) -> anyhow::Result<ExitCode> {
-    if op != "list" && name.is_none() {
-        anyhow::bail!("snapshot {op} needs a NAME");
-    }
-    let a = ask(run_dir, serde_json::json!({"cmd": "snapshot", "device": device, "op": op, "name": name}))?;
-    if op != "list" {
-        let done = match op {
-            "create" => "taken",
-            "revert" => "reverted to",
-            _ => "deleted",
-        };
-        println!("{device}: snapshot `{}` {done}; driver pid {}", name.unwrap_or_default(), a["driver_pid"]);
+pub fn snapshot(
+    run_dir: &Path,
+    device: &str,
+    op: Option<SnapshotAction>,
+    name: Option<&str>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let Some(op) = op else {
+        let list = ask(run_dir, ListSnapshots { device: device.into() })?.snapshots;
+        if json {
+            println!("{}", serde_json::to_string_pretty(&list)?);
+            return Ok(ExitCode::SUCCESS);
+        }
+        if list.is_empty() {
+            println!("{device}: no snapshots");
+            return Ok(ExitCode::SUCCESS);
+        }
+        let mut t = Table::new(&["ID", "NAME", "TAKEN (UTC)", "DISK SIZE"]);
+        for s in &list {
+            let size = s.disk_size.map(|b| format!("{:.1} MiB", b as f64 / 1048576.0)).unwrap_or_else(|| "-".into());
+            t.row(vec![s.id.clone(), s.name.clone(), utc(u64::from(s.date_sec)), size]);
+        }
+        print!("{}", t.render());
         return Ok(ExitCode::SUCCESS);
-    }
-    if json {
-        println!("{}", serde_json::to_string_pretty(&a["snapshots"])?);
-        return Ok(ExitCode::SUCCESS);
-    }
-    let list = a["snapshots"].as_array().cloned().unwrap_or_default();
-    if list.is_empty() {
-        println!("{device}: no snapshots");
-        return Ok(ExitCode::SUCCESS);
-    }
-    let mut t = Table::new(&["ID", "NAME", "TAKEN (UTC)", "DISK SIZE"]);
-    for s in &list {
-        let size = s["disk_size"].as_u64().map(|b| format!("{:.1} MiB", b as f64 / 1048576.0)).unwrap_or_else(|| "-".into());
-        t.row(vec![
-            s["id"].as_str().unwrap_or("?").to_string(),
-            s["name"].as_str().unwrap_or("?").to_string(),
-            utc(s["date_sec"].as_u64().unwrap_or(0)),
-            size,
-        ]);
-    }
-    print!("{}", t.render());
+    };
+    let Some(name) = name else {
+        anyhow::bail!("snapshot {} needs a NAME", op.as_str());
+    };
+    let a = ask(run_dir, Snapshot { device: device.into(), op, name: name.into() })?;
+    let done = match op {
+        SnapshotAction::Create => "taken",
+        SnapshotAction::Revert => "reverted to",
+        SnapshotAction::Delete => "deleted",
+    };
+    println!("{device}: snapshot `{name}` {done}; driver pid {}", a.driver_pid);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -105,7 +104,7 @@ fn utc(secs: u64) -> String {
 }
 
 pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
-    let report = ask(run_dir, serde_json::json!({"cmd": "status"}))?;
+    let report = ask(run_dir, Status {})?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(ExitCode::SUCCESS);
@@ -123,90 +122,83 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         "DRIVER RSS",
         "BACKEND",
     ]);
-    for d in report["devices"].as_array().into_iter().flatten() {
+    for d in &report.devices {
         t.row(vec![
-            d["name"].as_str().unwrap_or("?").into(),
-            d["state"].as_str().unwrap_or("?").into(),
-            d["driver_pid"].as_u64().filter(|&p| p != 0).map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
-            d["mode"].as_str().unwrap_or("?").into(),
-            d["requests_completed"].to_string(),
-            d["requests_failed"].to_string(),
-            d["restarts"].to_string(),
-            ms(&d["last_outage_ms"]),
-            ms(&d["p99_outage_ms"]),
-            mib(d["driver_memory"]["total_kib"].as_u64()),
-            d["backend"].as_str().unwrap_or("?").into(),
+            d.name.clone(),
+            d.state.as_str().into(),
+            if d.driver_pid != 0 { d.driver_pid.to_string() } else { "-".into() },
+            d.mode.clone(),
+            d.requests_completed.to_string(),
+            d.requests_failed.to_string(),
+            d.restarts.to_string(),
+            ms(d.last_outage_ms),
+            ms(d.p99_outage_ms),
+            mib(d.driver_memory.map(|m| m.total_kib)),
+            d.backend.clone(),
         ]);
     }
     print!("{}", t.render());
-    let fe = &report["frontend"];
+    let fe = &report.frontend;
     println!(
         "frontend pid {}: rss {} (private {}, shared {})",
-        fe["pid"],
-        mib(fe["rss"]["total_kib"].as_u64()),
-        mib(fe["rss"]["anon_kib"].as_u64()),
-        mib(fe["rss"]["shmem_kib"].as_u64())
+        fe.pid,
+        mib(fe.rss.map(|r| r.total_kib)),
+        mib(fe.rss.map(|r| r.anon_kib)),
+        mib(fe.rss.map(|r| r.shmem_kib))
     );
-    let fuse = &report["fuse"];
-    match fuse["transport"].as_str() {
-        Some("io_uring") => println!("fuse: io_uring, {} rings x {} requests", fuse["queues"], fuse["depth"]),
-        Some(_) => match fuse["why_not_io_uring"].as_str() {
-            Some(why) => println!("fuse: /dev/fuse, {} threads (not io_uring: {why})", fuse["threads"]),
-            None => println!("fuse: /dev/fuse, {} threads", fuse["threads"]),
-        },
+    match &report.fuse {
+        Some(FuseStatus::IoUring { queues, depth }) => println!("fuse: io_uring, {queues} rings x {depth} requests"),
+        Some(FuseStatus::DevFuse { threads, why_not_io_uring: Some(why) }) => {
+            println!("fuse: /dev/fuse, {threads} threads (not io_uring: {why})")
+        }
+        Some(FuseStatus::DevFuse { threads, why_not_io_uring: None }) => println!("fuse: /dev/fuse, {threads} threads"),
         None => {}
     }
-    for d in report["devices"].as_array().into_iter().flatten() {
-        let name = d["name"].as_str().unwrap_or("?");
-        if let Some(pid) = d["tap_pid"].as_u64() {
-            let tap = d["tap"].as_str().unwrap_or("?");
-            println!("{name}: tap domain pid {pid} ({tap}), rss {}", mib(d["tap_memory"]["total_kib"].as_u64()));
+    for d in &report.devices {
+        let name = &d.name;
+        if let Some(pid) = d.tap_pid {
+            println!("{name}: tap domain pid {pid} ({}), rss {}", d.tap, mib(d.tap_memory.map(|m| m.total_kib)));
         }
-        let filters = d["filters"].as_array().map(Vec::as_slice).unwrap_or_default();
-        if !filters.is_empty() {
-            println!("{name}: filters ({}), frontend side first:", d["tap"].as_str().unwrap_or("?"));
-            for f in filters {
-                println!("  {:<9} {}", f["type"].as_str().unwrap_or("?"), f["summary"].as_str().unwrap_or(""));
+        if !d.filters.is_empty() {
+            println!("{name}: filters ({}), frontend side first:", d.tap);
+            for f in &d.filters {
+                println!("  {:<9} {}", filter_type(&f.report), f.summary);
             }
         }
-        let card = &d["card"];
-        if let Some(card_name) = card["card"].as_str() {
-            let st = &card["stats"];
-            let model = match card["model_pid"].as_u64().filter(|&p| p != 0) {
-                Some(pid) => format!("model pid {pid}"),
-                None => "no model running".into(),
-            };
+        if let Some(card) = &d.card {
+            let st = &card.stats;
+            let model = if card.model_pid != 0 { format!("model pid {}", card.model_pid) } else { "no model running".into() };
             println!(
-                "{name}: card {card_name}, {model} (started {}x): {} commands ({} refused, {} stops), {} interrupts, \
+                "{name}: card {}, {model} (started {}x): {} commands ({} refused, {} stops), {} interrupts, \
                  {} trapped writes from {} drivers, {} resets",
-                card["model_starts"],
-                st["commands"],
-                st["refused"],
-                st["stops"],
-                st["interrupts"],
-                st["trapped_writes"],
-                st["drivers"],
-                st["resets"]
+                card.card,
+                card.model_starts,
+                st.model.commands,
+                st.model.refused,
+                st.model.stops,
+                st.model.interrupts,
+                st.trapped_writes,
+                st.drivers,
+                st.model.resets
             );
         }
-        if let Some(f) = d["failure"].as_str() {
-            println!("{}: {f}", d["name"].as_str().unwrap_or("?"));
+        if let Some(f) = &d.failure {
+            println!("{name}: {f}");
         }
-        let views = d["views"].as_array().map(Vec::as_slice).unwrap_or_default();
-        if !views.is_empty() {
+        if !d.views.is_empty() {
             println!("{name}: views:");
             let mut t = Table::new(&["VIEW", "OFFSET", "SIZE", "ACCESS", "QOS", "CREDIT", "MiB/s", "IOPS", "COMPLETED"]);
-            for v in views {
+            for v in &d.views {
                 t.row(vec![
-                    v["name"].as_str().unwrap_or("?").into(),
-                    v["offset"].to_string(),
-                    v["size_bytes"].to_string(),
-                    if v["read_only"].as_bool() == Some(true) { "ro".into() } else { "rw".into() },
-                    v["qos_summary"].as_str().unwrap_or("?").into(),
-                    format!("{} B, {} req", v["credit_bytes"], v["credit_ios"]),
-                    format!("{:.1}", v["throughput_mib_s"].as_f64().unwrap_or(0.0)),
-                    format!("{:.0}", v["iops"].as_f64().unwrap_or(0.0)),
-                    v["requests_completed"].to_string(),
+                    v.name.clone(),
+                    v.offset.to_string(),
+                    v.size_bytes.to_string(),
+                    if v.read_only { "ro".into() } else { "rw".into() },
+                    v.qos_summary.clone(),
+                    format!("{} B, {} req", v.credit_bytes, v.credit_ios),
+                    format!("{:.1}", v.throughput_mib_s),
+                    format!("{:.0}", v.iops),
+                    v.requests_completed.to_string(),
                 ]);
             }
             print!("{}", t.render());
@@ -217,13 +209,13 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
 
 /// `bulkhead qos VIEW [KEY=VALUE …]`: shows or changes a running view's QoS.
 pub fn qos(run_dir: &Path, view: &str, settings: &[String]) -> anyhow::Result<ExitCode> {
-    let mut set = serde_json::Map::new();
+    let mut set = std::collections::BTreeMap::new();
     for s in settings {
         let (k, v) =
             s.split_once('=').with_context(|| format!("`{s}` is not KEY=VALUE (keys: {})", bulkhead_qos::KEYS.join(", ")))?;
-        set.insert(k.trim().to_string(), serde_json::Value::from(v.trim()));
+        set.insert(k.trim().to_string(), v.trim().to_string());
     }
-    let a = ask(run_dir, serde_json::json!({"cmd": "qos", "view": view, "set": set}))?;
-    println!("{view}: {}", a["summary"].as_str().unwrap_or("?"));
+    let a = ask(run_dir, SetQos { view: view.into(), set })?;
+    println!("{view}: {}", a.summary);
     Ok(ExitCode::SUCCESS)
 }

@@ -16,7 +16,7 @@
 //! as the connection stays open, `serve` may send `restart` (answered `restarted`) or `fail`.
 //! Closing the connection detaches.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -32,23 +32,6 @@ use crate::{Device, DeviceControl};
 /// The messages of the conversation.
 pub mod wire {
     use serde::{Deserialize, Serialize};
-
-    /// The application's first line.
-    #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-    #[serde(deny_unknown_fields)]
-    pub struct AttachRequest {
-        /// Always `"attach"`.
-        pub cmd: String,
-        /// The device or view.
-        pub name: String,
-        /// Queues wanted (default 1).
-        #[serde(default = "one")]
-        pub queues: u32,
-    }
-
-    fn one() -> u32 {
-        1
-    }
 
     /// What the device is, and how the application's queues must be made.
     #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -92,7 +75,7 @@ pub mod wire {
             reason: String,
         },
         /// The request was refused.
-        Error(String),
+        Error(bulkhead_control::ControlError),
     }
 
     /// What the application says after its first line.
@@ -118,7 +101,8 @@ pub mod wire {
     }
 }
 
-use wire::{AttachRequest, FromApp, FromServe};
+use bulkhead_control::ControlError;
+use wire::{FromApp, FromServe};
 
 /// Why an attach failed.
 #[derive(Debug, thiserror::Error)]
@@ -132,9 +116,10 @@ pub enum AttachError {
         #[source]
         source: std::io::Error,
     },
-    /// `serve` refused (no such device or view, no free slot, a device that is failed…).
+    /// `serve` refused (no such device or view, no free slot, a device that is failed…); the
+    /// code says which.
     #[error("{0}")]
-    Refused(String),
+    Refused(bulkhead_control::ControlError),
     /// The queues could not be made.
     #[error("cannot make a queue: {0}")]
     Queue(String),
@@ -170,26 +155,7 @@ pub fn attach(run_dir: &Path, name: &str) -> Result<Attached, AttachError> {
     attach_with(run_dir, name, AttachOptions::default())
 }
 
-/// Reads one line (up to 64 KiB) from `conn`, a byte at a time: nothing past it is consumed,
-/// so descriptors sent after it stay with their message. `None` at end of stream.
-pub fn read_line(conn: &mut impl Read) -> std::io::Result<Option<String>> {
-    let mut line = Vec::new();
-    let mut b = [0u8; 1];
-    loop {
-        match conn.read(&mut b) {
-            Ok(0) if line.is_empty() => return Ok(None),
-            Ok(0) => return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "line cut short")),
-            Ok(_) if b[0] == b'\n' => break,
-            Ok(_) if line.len() >= 64 << 10 => {
-                return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "line longer than 64 KiB"))
-            }
-            Ok(_) => line.push(b[0]),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    String::from_utf8(line).map(Some).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
-}
+pub use bulkhead_control::read_line;
 
 fn send(conn: &mut UnixStream, msg: &impl serde::Serialize) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(msg).expect("message serialises");
@@ -208,13 +174,14 @@ pub fn attach_with(run_dir: &Path, name: &str, opts: AttachOptions) -> Result<At
     let io = |source| AttachError::Io { path: path.display().to_string(), source };
     let mut conn = UnixStream::connect(&path).map_err(io)?;
     conn.set_read_timeout(Some(Duration::from_secs(30))).map_err(io)?;
-    send(&mut conn, &AttachRequest { cmd: "attach".into(), name: name.into(), queues: opts.queues }).map_err(io)?;
+    let first = bulkhead_control::Request::Attach(bulkhead_control::Attach { name: name.into(), queues: opts.queues });
+    conn.write_all(format!("{}\n", bulkhead_control::request_line(&first)).as_bytes()).map_err(io)?;
     let offer = match receive(&mut conn).map_err(io)? {
         FromServe::Offer(o) => o,
         FromServe::Error(e) => return Err(AttachError::Refused(e)),
-        other => return Err(AttachError::Refused(format!("unexpected answer {other:?}"))),
+        other => return Err(AttachError::Refused(ControlError::bad_request(format!("unexpected answer {other:?}")))),
     };
-    let mode: NotifyMode = offer.mode.parse().map_err(AttachError::Refused)?;
+    let mode: NotifyMode = offer.mode.parse().map_err(|e| AttachError::Refused(ControlError::bad_request(e)))?;
     let cfg = QueueConfig {
         nslots: offer.nslots,
         arena_bytes: offer.arena_bytes as usize,
@@ -242,7 +209,7 @@ pub fn attach_with(run_dir: &Path, name: &str, opts: AttachOptions) -> Result<At
     let slots = match receive(&mut conn).map_err(io)? {
         FromServe::Attached { slots } => slots,
         FromServe::Error(e) => return Err(AttachError::Refused(e)),
-        other => return Err(AttachError::Refused(format!("unexpected answer {other:?}"))),
+        other => return Err(AttachError::Refused(ControlError::bad_request(format!("unexpected answer {other:?}")))),
     };
     let (device, control) = Device::new(name, offer.size, fronts, None);
     device.set_read_only(offer.read_only);

@@ -699,7 +699,7 @@ pub(crate) fn check_attach(
 }
 
 /// Where a device's filters run.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Tap {
     /// In the backend's own driver domain.
@@ -931,10 +931,23 @@ pub struct VhostUser {
     pub devices: Option<Spanned<Vec<String>>>,
 }
 
+/// The control socket (`<run-dir>/control.sock`).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Control {
+    /// A group whose members may use the socket too (name or number); without one, only the
+    /// user `serve` runs as (and root) may.
+    #[serde(default)]
+    pub group: Option<Spanned<String>>,
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// The control socket.
+    #[serde(default)]
+    pub control: Control,
     /// FUSE export settings.
     #[serde(default)]
     pub fuse: Fuse,

@@ -267,7 +267,7 @@ pub fn build(spec: &FilterSpec, fds: FilterFds) -> Result<Box<dyn Layer>, Filter
 }
 
 /// A filter's figures for `bulkhead status`, read from its state page.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum FilterReport {
     /// `trace`.
@@ -338,7 +338,7 @@ pub enum FilterReport {
     /// `scheduler`.
     Scheduler {
         /// Its policy.
-        policy: &'static str,
+        policy: String,
         /// Requests queued now.
         queued: u64,
         /// Accesses sent below.
@@ -415,7 +415,7 @@ impl FilterReport {
                 let (queued, dispatched, coalesced, waited_us, max_wait_us) = crate::scheduler::read(page);
                 let requests = dispatched + coalesced;
                 FilterReport::Scheduler {
-                    policy: policy.as_str(),
+                    policy: policy.as_str().to_string(),
                     queued,
                     dispatched,
                     coalesced,

@@ -22,10 +22,10 @@ fn slot(op: Op, field: usize) -> usize {
 }
 
 /// One operation's figures, as read back from a state page.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OpStats {
     /// Operation name.
-    pub op: &'static str,
+    pub op: String,
     /// Requests completed.
     pub requests: u64,
     /// Of which failed.
@@ -69,7 +69,7 @@ pub fn read(page: &StatePage) -> Vec<OpStats> {
                 0
             };
             Some(OpStats {
-                op: op.as_str(),
+                op: op.as_str().to_string(),
                 requests,
                 errors: page.get(slot(op, 1)),
                 bytes: page.get(slot(op, 2)),
@@ -203,7 +203,7 @@ mod tests {
             s.complete(Tag::new(i as u32), r, SharedSlice::empty(), &mut res, 1_000 + 5_000 * (i as u64 + 1));
         }
         let back = read(&StatePage::map(std::os::fd::AsRawFd::as_raw_fd(&fd), false).unwrap());
-        let names: Vec<_> = back.iter().map(|o| o.op).collect();
+        let names: Vec<_> = back.iter().map(|o| o.op.as_str()).collect();
         assert_eq!(names, ["flush", "discard", "write_zeroes"]);
         let discard = &back[1];
         assert_eq!((discard.requests, discard.errors, discard.bytes), (2, 1, 8192));

@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 use bulkhead_channel::BackQueueFds;
 use bulkhead_client::attach::wire::{FromApp, FromServe, Offer};
 use bulkhead_spec::attach_line::{FromDomain, ToDomain, MAX_MESSAGE};
-use serde::Serialize;
 
 /// How long the domain may take to answer on its attach line.
 const LINE_WAIT: Duration = Duration::from_secs(2);
@@ -69,18 +68,7 @@ impl Session {
     }
 }
 
-/// An attached application as `bulkhead status` shows it.
-#[derive(Debug, Clone, Serialize)]
-pub struct AttachedStatus {
-    /// The device or view.
-    pub name: String,
-    /// Its process.
-    pub pid: i32,
-    /// Its user.
-    pub uid: u32,
-    /// The slots its queues hold.
-    pub slots: Vec<u32>,
-}
+pub use bulkhead_control::AttachedStatus;
 
 #[derive(Debug, Default)]
 struct Inner {

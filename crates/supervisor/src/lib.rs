@@ -6,7 +6,7 @@
 //! as a [`bulkhead_client::Device`]. The watcher learns of a domain's death through its pidfd,
 //! of a broken channel through the device's alarm, and of a wedged domain through the
 //! watchdog; the device's [`lifecycle`](crate::lifecycle) decides what to do, and a worker does
-//! it. The control socket answers `status`. What a domain prints reaches the log through
+//! it. `serve` answers the control socket (`bulkhead_control`) through it. What a domain prints reaches the log through
 //! [`domain_log`], prefixed, sanitised and rate-limited.
 //!
 //! Modules depend one way: `state` (shared types) and `lifecycle` (the rules) are leaves;
@@ -17,7 +17,6 @@
 
 mod attach;
 mod chain;
-pub mod control;
 mod device;
 pub mod domain_log;
 mod domains;

@@ -1,17 +1,6 @@
 //! Reading a process's resident memory and exit progress from /proc.
 
-use serde::Serialize;
-
-/// Resident memory of a process, in KiB, as /proc/PID/status reports it.
-#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
-pub struct Rss {
-    /// Total resident set (`VmRSS`).
-    pub total_kib: u64,
-    /// Private anonymous memory (`RssAnon`): heap, stacks.
-    pub anon_kib: u64,
-    /// Shared memory mapped and touched (`RssShmem`): rings, arenas, ramdisk pages.
-    pub shmem_kib: u64,
-}
+pub use bulkhead_control::Rss;
 
 /// Resident memory of `pid` (`None` if it is gone).
 pub fn rss(pid: u32) -> Option<Rss> {

@@ -3,8 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
-
 /// Exit status of a domain whose backend lost its remote server (EX_TEMPFAIL): the supervisor
 /// reconnects and starts the next generation.
 pub const LOST_EXIT: u8 = 75;
@@ -28,31 +26,7 @@ pub enum SupervisorError {
     Setup(String),
 }
 
-/// State of a device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DeviceState {
-    /// Its domains run and serve (or are being replaced: requests wait and are reissued).
-    Running,
-    /// Its remote server is gone and is being reconnected; I/O waits.
-    Reconnecting,
-    /// Its domain is gone; I/O fails promptly.
-    Failed,
-    /// Stopped at shutdown.
-    Stopped,
-}
-
-impl DeviceState {
-    /// Lower-case name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeviceState::Running => "running",
-            DeviceState::Reconnecting => "reconnecting",
-            DeviceState::Failed => "failed",
-            DeviceState::Stopped => "stopped",
-        }
-    }
-}
+pub use bulkhead_control::DeviceState;
 
 /// Restart policy of a device.
 #[derive(Debug, Clone, Copy)]

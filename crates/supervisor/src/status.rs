@@ -3,98 +3,11 @@
 
 use std::sync::atomic::Ordering;
 
-use serde::Serialize;
-
 use crate::device::DeviceRuntime;
-use crate::proc_info::{self, Rss};
+use crate::proc_info;
 use crate::state::DeviceState;
 
-/// Resident memory of one process.
-#[derive(Debug, Clone, Serialize)]
-pub struct ProcessMemory {
-    /// Process id.
-    pub pid: u32,
-    /// Resident memory.
-    pub rss: Option<Rss>,
-}
-
-/// One device in the status report.
-#[derive(Debug, Clone, Serialize)]
-pub struct DeviceStatus {
-    /// Name.
-    pub name: String,
-    /// State.
-    pub state: DeviceState,
-    /// Its domains are being replaced: requests wait, and are reissued to the new ones.
-    pub restarting: bool,
-    /// Pid of the driver domain, the one running the backend (0 if none).
-    pub driver_pid: u32,
-    /// Pid of the tap domain in `interpose` and `intercept` mode (in `intercept` it is the
-    /// driver domain too: it terminates every request).
-    pub tap_pid: Option<u32>,
-    /// The tap domain's resident memory.
-    pub tap_memory: Option<Rss>,
-    /// Notification mode.
-    pub mode: String,
-    /// Backend description.
-    pub backend: String,
-    /// Size in bytes.
-    pub size_bytes: u64,
-    /// Queues.
-    pub queues: usize,
-    /// Requests completed successfully.
-    pub requests_completed: u64,
-    /// Requests failed.
-    pub requests_failed: u64,
-    /// Domain restarts.
-    pub restarts: u64,
-    /// Last restart outage, ms.
-    pub last_outage_ms: Option<f64>,
-    /// 99th percentile restart outage, ms.
-    pub p99_outage_ms: Option<f64>,
-    /// Driver resident memory.
-    pub driver_memory: Option<Rss>,
-    /// Why the device failed.
-    pub failure: Option<String>,
-    /// The sandbox layers in force in the driver domain, as it reported them.
-    pub sandbox: Option<bulkhead_sandbox::Layers>,
-    /// The same for the tap domain in `interpose` and `intercept` mode.
-    pub tap_sandbox: Option<bulkhead_sandbox::Layers>,
-    /// Where the filters run.
-    pub tap: String,
-    /// The filters, frontend side first, with their figures (as the domain counted them).
-    pub filters: Vec<FilterStatus>,
-    /// A `vdev` device's card: its model's domain and what the model has done.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub card: Option<crate::vdev::CardStatus>,
-    /// Its views (`[[device.view]]`), each exported under its own name.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub views: Vec<crate::views::ViewStatus>,
-    /// Applications attached to it or its views (`bulkhead_client::attach`).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub attached: Vec<crate::attach::AttachedStatus>,
-}
-
-/// One filter in the status report.
-#[derive(Debug, Clone, Serialize)]
-pub struct FilterStatus {
-    /// Its figures, tagged with its `type`.
-    #[serde(flatten)]
-    pub report: bulkhead_filters::FilterReport,
-    /// The same in one line.
-    pub summary: String,
-}
-
-/// The whole status report.
-#[derive(Debug, Clone, Serialize)]
-pub struct StatusReport {
-    /// The `serve` process (supervisor and frontends).
-    pub frontend: ProcessMemory,
-    /// Seconds since start.
-    pub uptime_s: f64,
-    /// Devices.
-    pub devices: Vec<DeviceStatus>,
-}
+pub use bulkhead_control::{DeviceStatus, FilterStatus, ProcessMemory, StatusReport};
 
 /// The status of one device, read in moments: the slot's lock is held only to copy what it
 /// shows, so a device whose domains are being replaced answers at once.

@@ -131,6 +131,16 @@ impl Supervisor {
         self.hub.devices.iter().find(|d| d.name == name).ok_or_else(|| format!("no device `{name}`"))
     }
 
+    /// Whether a device `name` is served.
+    pub fn has_device(&self, name: &str) -> bool {
+        self.device(name).is_ok()
+    }
+
+    /// Whether a view `name` is served.
+    pub fn has_view(&self, name: &str) -> bool {
+        self.hub.devices.iter().any(|d| d.views.iter().any(|v| v.name == name))
+    }
+
     /// The devices and their views, for the exports.
     pub fn devices(&self) -> Vec<Arc<bulkhead_client::Device>> {
         self.hub
@@ -164,19 +174,16 @@ impl Supervisor {
     /// connection `conn`: offers the geometry, checks the queues it sends, adds them to the
     /// domain, and keeps them there across restarts until the application hangs up, then
     /// takes them out. Returns when it has.
-    pub fn attach_session(&self, mut conn: std::os::unix::net::UnixStream, req: &serde_json::Value) {
-        use bulkhead_client::attach::wire::{AttachRequest, FromApp, FromServe};
+    pub fn attach_session(&self, mut conn: std::os::unix::net::UnixStream, ask: bulkhead_control::Attach) {
+        use bulkhead_client::attach::wire::{FromApp, FromServe};
         let tell = |conn: &mut std::os::unix::net::UnixStream, msg: &FromServe| {
             let mut line = serde_json::to_vec(msg).expect("message serialises");
             line.push(b'\n');
             std::io::Write::write_all(conn, &line)
         };
-        let refuse = |conn: &mut std::os::unix::net::UnixStream, why: String| {
+        use bulkhead_control::ControlError;
+        let refuse = |conn: &mut std::os::unix::net::UnixStream, why: ControlError| {
             let _ = tell(conn, &FromServe::Error(why));
-        };
-        let ask: AttachRequest = match serde_json::from_value(req.clone()) {
-            Ok(a) => a,
-            Err(e) => return refuse(&mut conn, format!("bad attach request: {e}")),
         };
         let found = self.hub.devices.iter().find_map(|d| {
             if d.name == ask.name {
@@ -185,22 +192,31 @@ impl Supervisor {
             d.views.iter().position(|v| v.name == ask.name).map(|i| (d, Some(i as u32)))
         });
         let Some((rt, view)) = found else {
-            return refuse(&mut conn, format!("no device or view `{}`", ask.name));
+            return refuse(&mut conn, ControlError::not_found(format!("no device or view `{}`", ask.name)));
         };
         if rt.lock().life.shape() == Shape::Interpose {
             return refuse(
                 &mut conn,
-                format!("{}: attaching needs tap = \"passthrough\" or \"intercept\" (this device interposes)", ask.name),
+                ControlError::invalid(format!(
+                    "{}: attaching needs tap = \"passthrough\" or \"intercept\" (this device interposes)",
+                    ask.name
+                )),
             );
         }
         if !(1..=bulkhead_config::MAX_ATTACH).contains(&ask.queues) {
-            return refuse(&mut conn, format!("{}: {} queues asked (1..={})", ask.name, ask.queues, bulkhead_config::MAX_ATTACH));
+            return refuse(
+                &mut conn,
+                ControlError::invalid(format!("{}: {} queues asked (1..={})", ask.name, ask.queues, bulkhead_config::MAX_ATTACH)),
+            );
         }
         let free = rt.attach.free(view);
         if free < ask.queues as usize {
             return refuse(
                 &mut conn,
-                format!("{}: {free} attach slot(s) free, {} asked (its `attach` key sets how many)", ask.name, ask.queues),
+                ControlError::new(
+                    bulkhead_control::ErrorCode::InUse,
+                    format!("{}: {free} attach slot(s) free, {} asked (its `attach` key sets how many)", ask.name, ask.queues),
+                ),
             );
         }
         let dev = match view {
@@ -220,16 +236,21 @@ impl Supervisor {
         };
         let count = match serde_json::from_slice::<FromApp>(buf[..n].trim_ascii_end()) {
             Ok(FromApp::Queues { count }) if count == ask.queues => count,
-            Ok(other) => return refuse(&mut conn, format!("expected the {} queue(s) asked, got {other:?}", ask.queues)),
-            Err(e) => return refuse(&mut conn, format!("bad message: {e}")),
+            Ok(other) => {
+                return refuse(
+                    &mut conn,
+                    ControlError::bad_request(format!("expected the {} queue(s) asked, got {other:?}", ask.queues)),
+                )
+            }
+            Err(e) => return refuse(&mut conn, ControlError::bad_request(format!("bad message: {e}"))),
         };
         let queues = match crate::attach::queues_from(fds, count) {
             Ok(q) => q,
-            Err(e) => return refuse(&mut conn, e),
+            Err(e) => return refuse(&mut conn, ControlError::invalid(e)),
         };
         for (i, q) in queues.iter().enumerate() {
             if let Err(e) = crate::attach::check_queue(q, qcfg.nslots, qcfg.arena_bytes as u64) {
-                return refuse(&mut conn, format!("queue {i}: {e}"));
+                return refuse(&mut conn, ControlError::invalid(format!("queue {i}: {e}")));
             }
         }
         // One at a time with restarts, which carry attached queues over.
@@ -241,7 +262,7 @@ impl Supervisor {
         });
         let (id, session) = match joined {
             Ok(j) => j,
-            Err(e) => return refuse(&mut conn, e),
+            Err(e) => return refuse(&mut conn, ControlError::failed(e)),
         };
         let slots = session.slots();
         eprintln!("bulkhead: {}: attached pid {} ({} queue(s))", ask.name, session_pid(&conn), count);
@@ -272,6 +293,8 @@ impl Supervisor {
             frontend: ProcessMemory { pid: me, rss: crate::proc_info::rss(me) },
             uptime_s: self.started.elapsed().as_secs_f64(),
             devices: self.hub.devices.iter().map(|rt| device_status(rt)).collect(),
+            fuse: None,
+            vhost_user: None,
         }
     }
 

@@ -21,7 +21,7 @@ use bulkhead_sandbox::{Layers, Policy};
 use bulkhead_shmem::memfd;
 use bulkhead_spec::{ModelSpec, SandboxSpec};
 use bulkhead_vdev::card::PAGE;
-use bulkhead_vdev::domain::{CardStats, StatsPage, DMA_BYTES, STATS_BYTES};
+use bulkhead_vdev::domain::{StatsPage, DMA_BYTES, STATS_BYTES};
 use bulkhead_vdev::Card;
 
 use crate::spawn::{discard, exec_confined, EXIT_WAIT};
@@ -35,20 +35,7 @@ struct ModelProc {
     layers: Option<Layers>,
 }
 
-/// What `bulkhead status` shows of a card.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
-pub struct CardStatus {
-    /// The card's name, as its datasheet gives it.
-    pub card: String,
-    /// The model domain's pid (0 while none runs).
-    pub model_pid: u32,
-    /// Its sandbox layers, as it reported them.
-    pub model_sandbox: Option<Layers>,
-    /// Device-model domains started (1 unless one died).
-    pub model_starts: u64,
-    /// What the model has done since the current one started.
-    pub stats: CardStats,
-}
+pub use bulkhead_control::CardStatus;
 
 /// A `vdev` device's card and its model's domain.
 #[derive(Debug)]

@@ -15,7 +15,6 @@ use bulkhead_channel::FrontQueue;
 use bulkhead_client::{Device, DeviceControl};
 use bulkhead_filters::state::StatePage;
 use bulkhead_qos::{page, Caps};
-use serde::Serialize;
 
 /// A view of a running device.
 #[derive(Debug)]
@@ -52,38 +51,7 @@ struct Sample {
 /// How often a view's throughput is sampled.
 const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 
-/// A view in `status`.
-#[derive(Debug, Clone, Serialize)]
-pub struct ViewStatus {
-    /// Name.
-    pub name: String,
-    /// Where it starts in the device.
-    pub offset: u64,
-    /// Its size.
-    pub size_bytes: u64,
-    /// Writes are refused.
-    pub read_only: bool,
-    /// Its queues.
-    pub queues: usize,
-    /// Its caps.
-    pub qos: Caps,
-    /// The caps in words.
-    pub qos_summary: String,
-    /// Byte credit the domain reports (negative: a debt being paid back). Untrusted.
-    pub credit_bytes: i64,
-    /// Request credit the domain reports. Untrusted.
-    pub credit_ios: i64,
-    /// Requests that waited for credit, as the domain reports. Untrusted.
-    pub credit_waits: u64,
-    /// Requests answered (frontend count).
-    pub requests_completed: u64,
-    /// Requests failed (frontend count).
-    pub requests_failed: u64,
-    /// Throughput over the last second, MiB/s (frontend count).
-    pub throughput_mib_s: f64,
-    /// Requests per second over the last second (frontend count).
-    pub iops: f64,
-}
+pub use bulkhead_control::ViewStatus;
 
 impl ViewRuntime {
     /// A view over `fronts`, its caps written to `state` for the domain to read.

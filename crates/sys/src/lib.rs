@@ -334,6 +334,11 @@ pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
 /// The process and user at the other end of a connected unix socket (`SO_PEERCRED`, as of
 /// when it connected).
 pub fn peer_credentials(sock: BorrowedFd<'_>) -> io::Result<(i32, u32)> {
+    peer_ucred(sock).map(|(pid, uid, _)| (pid, uid))
+}
+
+/// The process, user and group at the other end of a connected unix socket (`SO_PEERCRED`).
+pub fn peer_ucred(sock: BorrowedFd<'_>) -> io::Result<(i32, u32, u32)> {
     // SAFETY: ucred is plain data filled in by getsockopt.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -344,7 +349,7 @@ pub fn peer_credentials(sock: BorrowedFd<'_>) -> io::Result<(i32, u32)> {
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok((cred.pid, cred.uid))
+    Ok((cred.pid, cred.uid, cred.gid))
 }
 
 /// Most descriptors one message carries.

@@ -49,39 +49,7 @@ struct Exported {
     sessions: AtomicU64,
 }
 
-/// One virtqueue as `status` shows it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct QueueStatus {
-    /// Requests taken from the guest.
-    pub taken: u64,
-    /// Requests returned to it.
-    pub returned: u64,
-    /// Requests refused as malformed or unsupported.
-    pub refused: u64,
-    /// Requests the device failed.
-    pub failed: u64,
-    /// Requests served again after a restart of `serve`.
-    pub resubmitted: u64,
-    /// Most requests at the device at once.
-    pub max_in_flight: u64,
-    /// The queue stopped on a malformed ring.
-    pub broken: bool,
-}
-
-/// One device's export as `status` shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExportStatus {
-    /// The device.
-    pub name: String,
-    /// Its socket.
-    pub socket: PathBuf,
-    /// A frontend is connected.
-    pub connected: bool,
-    /// Frontends served since start.
-    pub sessions: u64,
-    /// The connected frontend's virtqueues.
-    pub queues: Vec<QueueStatus>,
-}
+pub use bulkhead_control::{VhostQueueStatus as QueueStatus, VhostStatus as ExportStatus};
 
 /// The vhost-user-blk export.
 pub struct VhostExport {
@@ -155,7 +123,7 @@ impl VhostExport {
                     })
                     .collect();
                 ExportStatus {
-                    name: e.name.clone(),
+                    device: e.name.clone(),
                     socket: e.path.clone(),
                     connected,
                     sessions: e.sessions.load(Ordering::Relaxed),

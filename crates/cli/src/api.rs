@@ -1,0 +1,129 @@
+//! The control API as `serve` answers it: each call of [`bulkhead_control::Service`] over the
+//! supervisor and the exports.
+
+use std::sync::Arc;
+
+use bulkhead_control::{
+    AddFilter, Changed, ControlError, FuseStatus, Hello, HelloReply, ListSnapshots, QosReply, RemoveFilter, Restart, Service,
+    SetQos, SetTap, Snapshot, SnapshotAction, SnapshotEntry, Snapshots, Status, StatusReport,
+};
+use bulkhead_fuse_export::Transport;
+use bulkhead_supervisor::{DeviceChange, Supervisor};
+use bulkhead_vhost_export::VhostExport;
+
+/// Drops the kernel's cached pages of a device's FUSE file.
+pub type Invalidate = dyn Fn(&str) -> bool + Send + Sync;
+
+/// What answers the control socket in `serve`.
+pub struct ServeApi {
+    pub sup: Arc<Supervisor>,
+    pub fuse: Option<FuseStatus>,
+    pub vhost: Option<Arc<VhostExport>>,
+    /// After a snapshot revert: drops the device's cached pages in the kernel.
+    pub invalidate: Option<Box<Invalidate>>,
+}
+
+impl ServeApi {
+    fn known_device(&self, name: &str) -> Result<(), ControlError> {
+        if self.sup.has_device(name) {
+            Ok(())
+        } else {
+            Err(ControlError::not_found(format!("no device `{name}`")))
+        }
+    }
+
+    /// Applies `change` to `device` and answers with its new driver domain.
+    fn change(&self, device: String, change: DeviceChange) -> Result<Changed, ControlError> {
+        self.known_device(&device)?;
+        match self.sup.change_device(&device, change) {
+            Ok(driver_pid) => Ok(Changed { device, driver_pid }),
+            Err(e) => Err(ControlError::failed(format!("device `{device}`: {e}"))),
+        }
+    }
+}
+
+impl Service for ServeApi {
+    fn hello(&self, _: Hello) -> Result<HelloReply, ControlError> {
+        Ok(HelloReply {
+            protocol: bulkhead_control::PROTOCOL_VERSION,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            pid: std::process::id(),
+        })
+    }
+
+    fn status(&self, _: Status) -> Result<StatusReport, ControlError> {
+        let mut report = self.sup.status();
+        report.fuse = self.fuse.clone();
+        report.vhost_user = self.vhost.as_ref().map(|v| v.status());
+        Ok(report)
+    }
+
+    fn restart(&self, c: Restart) -> Result<Changed, ControlError> {
+        self.change(c.device, DeviceChange::Restart)
+    }
+
+    fn set_tap(&self, c: SetTap) -> Result<Changed, ControlError> {
+        self.change(c.device, DeviceChange::Tap(c.mode))
+    }
+
+    fn add_filter(&self, c: AddFilter) -> Result<Changed, ControlError> {
+        self.change(c.device, DeviceChange::AddFilter { at: c.at, table: c.table })
+    }
+
+    fn remove_filter(&self, c: RemoveFilter) -> Result<Changed, ControlError> {
+        self.change(c.device, DeviceChange::RemoveFilter(c.at))
+    }
+
+    fn snapshot(&self, c: Snapshot) -> Result<Changed, ControlError> {
+        self.known_device(&c.device)?;
+        match self.sup.snapshot(&c.device, c.op, &c.name) {
+            Ok(driver_pid) => {
+                if c.op == SnapshotAction::Revert {
+                    if let Some(inval) = &self.invalidate {
+                        inval(&c.device);
+                    }
+                }
+                Ok(Changed { device: c.device, driver_pid })
+            }
+            Err(e) => Err(ControlError::failed(format!("device `{}`: snapshot {} `{}`: {e}", c.device, c.op.as_str(), c.name))),
+        }
+    }
+
+    fn list_snapshots(&self, c: ListSnapshots) -> Result<Snapshots, ControlError> {
+        self.known_device(&c.device)?;
+        let list = self.sup.snapshots(&c.device).map_err(|e| ControlError::failed(format!("device `{}`: {e}", c.device)))?;
+        let snapshots = list
+            .into_iter()
+            .map(|i| SnapshotEntry {
+                id: i.id,
+                name: i.name,
+                date_sec: i.date_sec,
+                date_nsec: i.date_nsec,
+                disk_size: i.disk_size,
+                vm_state_size: i.vm_state_size,
+            })
+            .collect();
+        Ok(Snapshots { device: c.device, snapshots })
+    }
+
+    fn set_qos(&self, c: SetQos) -> Result<QosReply, ControlError> {
+        if !self.sup.has_view(&c.view) {
+            return Err(ControlError::not_found(format!("no view `{}`", c.view)));
+        }
+        let changes: Vec<(String, String)> = c.set.into_iter().collect();
+        match self.sup.set_qos(&c.view, &changes) {
+            Ok(qos) => Ok(QosReply { summary: qos.to_string(), view: c.view, qos }),
+            Err(e) => Err(ControlError::invalid(format!("view `{}`: {e}", c.view))),
+        }
+    }
+}
+
+/// The FUSE export's transport as `status` shows it.
+pub fn fuse_status(t: &Transport) -> FuseStatus {
+    match t {
+        Transport::DevFuse { threads, why_not_uring } => {
+            FuseStatus::DevFuse { threads: *threads, why_not_io_uring: why_not_uring.clone() }
+        }
+        Transport::IoUring { queues, depth } => FuseStatus::IoUring { queues: *queues, depth: *depth },
+    }
+}

@@ -1,0 +1,311 @@
+//! Every call of the control API: its request, its reply, and the [`Service`] method that
+//! answers it, declared once in [`calls!`] so the three cannot drift apart.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ControlError, StatusReport};
+
+/// A call: a request whose answer is a [`Self::Reply`].
+pub trait Call: Serialize + Into<Request> {
+    /// What the answer's `ok` holds.
+    type Reply: Serialize + for<'de> Deserialize<'de>;
+}
+
+/// Declares the calls: `Type "cmd" => method -> Reply`. Generates [`Request`], each call's
+/// [`Call`] impl and `From` into [`Request`], the [`Service`] trait, and the dispatch of a
+/// request to its method.
+macro_rules! calls {
+    ($($(#[$doc:meta])* $ty:ident $cmd:literal => $method:ident -> $reply:ty;)*) => {
+        /// A request: one line sent to the control socket, tagged by `cmd`.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(tag = "cmd")]
+        pub enum Request {
+            $($(#[$doc])* #[serde(rename = $cmd)] $ty($ty),)*
+            /// Hands the connection to the attach conversation
+            /// (`bulkhead_client::attach`); only as a connection's first line.
+            #[serde(rename = "attach")]
+            Attach(Attach),
+        }
+
+        $(
+            impl Call for $ty {
+                type Reply = $reply;
+            }
+            impl From<$ty> for Request {
+                fn from(c: $ty) -> Request {
+                    Request::$ty(c)
+                }
+            }
+        )*
+
+        /// What answers the calls: `serve` implements it over its supervisor and exports.
+        pub trait Service: Send + Sync {
+            $($(#[$doc])* fn $method(&self, call: $ty) -> Result<$reply, ControlError>;)*
+        }
+
+        /// Answers `req` through `service`, as the line to send back (no newline). `None` for
+        /// [`Request::Attach`], which is not a call with one answer.
+        pub(crate) fn answer_line(service: &dyn Service, req: Request) -> Option<String> {
+            match req {
+                $(Request::$ty(c) => Some(line(&crate::Answer::from(service.$method(c)))),)*
+                Request::Attach(_) => None,
+            }
+        }
+    };
+}
+
+pub(crate) fn line<T: Serialize>(answer: &crate::Answer<T>) -> String {
+    // Every reply type is plain data: serialising it cannot fail.
+    serde_json::to_string(answer)
+        .unwrap_or_else(|e| format!(r#"{{"error":{{"code":"failed","message":"the answer could not be written: {e}"}}}}"#))
+}
+
+calls! {
+    /// Who answers: the protocol version and the program's.
+    Hello "hello" => hello -> HelloReply;
+    /// Every device, view and export, with its figures (`bulkhead status`).
+    Status "status" => status -> StatusReport;
+    /// Replaces a device's domains with fresh ones (`bulkhead restart`).
+    Restart "restart" => restart -> Changed;
+    /// Runs a device's filters in another place (`bulkhead tap`).
+    SetTap "tap" => set_tap -> Changed;
+    /// Inserts a filter into a running device (`bulkhead filter DEVICE add`).
+    AddFilter "filter_add" => add_filter -> Changed;
+    /// Removes a filter from a running device (`bulkhead filter DEVICE remove`).
+    RemoveFilter "filter_remove" => remove_filter -> Changed;
+    /// Takes, reverts to or deletes a snapshot of a device's `cow` overlay.
+    Snapshot "snapshot" => snapshot -> Changed;
+    /// Lists the snapshots of a device's `cow` overlay.
+    ListSnapshots "snapshot_list" => list_snapshots -> Snapshots;
+    /// Shows or changes a view's QoS (`bulkhead qos`).
+    SetQos "qos" => set_qos -> QosReply;
+}
+
+/// `hello`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hello {}
+
+/// The answer to `hello`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloReply {
+    /// The protocol version the server speaks ([`crate::PROTOCOL_VERSION`]).
+    pub protocol: u32,
+    /// The program's version.
+    pub version: String,
+    /// The `serve` process.
+    pub pid: u32,
+}
+
+/// `status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Status {}
+
+/// `restart`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Restart {
+    /// The device.
+    pub device: String,
+}
+
+/// `tap`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetTap {
+    /// The device.
+    pub device: String,
+    /// Where its filters run from now on.
+    pub mode: bulkhead_config::Tap,
+}
+
+/// `filter_add`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AddFilter {
+    /// The device.
+    pub device: String,
+    /// Position (0: nearest the frontend; absent: nearest the backend).
+    #[serde(default)]
+    pub at: Option<usize>,
+    /// The filter as the body of a `[[device.filter]]` table: `type = "delay"\nread_us = 100`.
+    pub table: String,
+}
+
+/// `filter_remove`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoveFilter {
+    /// The device.
+    pub device: String,
+    /// Position (0: nearest the frontend).
+    pub at: usize,
+}
+
+pub use bulkhead_filters::cow::SnapshotAction;
+
+/// `snapshot`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Snapshot {
+    /// The device.
+    pub device: String,
+    /// What to do.
+    pub op: SnapshotAction,
+    /// The snapshot.
+    pub name: String,
+}
+
+/// `snapshot_list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListSnapshots {
+    /// The device.
+    pub device: String,
+}
+
+/// The answer to `snapshot_list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshots {
+    /// The device.
+    pub device: String,
+    /// Its overlay's snapshots, oldest first.
+    pub snapshots: Vec<SnapshotEntry>,
+}
+
+/// One snapshot, as qcow2's snapshot table records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotEntry {
+    /// Its unique id.
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// When it was taken: seconds since the epoch.
+    pub date_sec: u32,
+    /// And nanoseconds.
+    pub date_nsec: u32,
+    /// The virtual disk size when it was taken, if recorded.
+    pub disk_size: Option<u64>,
+    /// Bytes of saved VM state.
+    pub vm_state_size: u64,
+}
+
+/// `qos`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetQos {
+    /// The view.
+    pub view: String,
+    /// Settings over its current caps, by the configuration's keys (`iops = "2000"`); none
+    /// shows the caps in force.
+    #[serde(default)]
+    pub set: BTreeMap<String, String>,
+}
+
+/// The answer to `qos`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QosReply {
+    /// The view.
+    pub view: String,
+    /// The caps now in force.
+    pub qos: bulkhead_qos::Caps,
+    /// The same in words.
+    pub summary: String,
+}
+
+/// The answer to a change of a device: its new generation's driver domain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Changed {
+    /// The device.
+    pub device: String,
+    /// The driver domain now serving it.
+    pub driver_pid: u32,
+}
+
+/// `attach`: the first line of an application attaching to a device or view.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Attach {
+    /// The device or view.
+    pub name: String,
+    /// Queues wanted.
+    #[serde(default = "one")]
+    pub queues: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Parses one request line: JSON, an optional `version` no later than
+/// [`crate::PROTOCOL_VERSION`], a known `cmd` and exactly its fields.
+pub fn parse_request(line: &str) -> Result<Request, ControlError> {
+    let mut v: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| ControlError::bad_request(format!("not a JSON request: {e}")))?;
+    let Some(obj) = v.as_object_mut() else {
+        return Err(ControlError::bad_request("a request is a JSON object with `cmd`"));
+    };
+    if let Some(version) = obj.remove("version") {
+        let Some(n) = version.as_u64() else {
+            return Err(ControlError::bad_request(format!("`version` must be a number, not {version}")));
+        };
+        if n > u64::from(crate::PROTOCOL_VERSION) {
+            return Err(ControlError::new(
+                crate::ErrorCode::UnsupportedVersion,
+                format!("protocol version {n} asked; this serve speaks {}", crate::PROTOCOL_VERSION),
+            ));
+        }
+    }
+    match obj.get("cmd") {
+        None => return Err(ControlError::bad_request("missing `cmd`")),
+        Some(c) if !c.is_string() => return Err(ControlError::bad_request(format!("`cmd` must be a string, not {c}"))),
+        _ => {}
+    }
+    serde_json::from_value(v).map_err(|e| ControlError::bad_request(e.to_string()))
+}
+
+/// The request line for `req`, with the version this build speaks.
+pub fn request_line(req: &Request) -> String {
+    let mut v = serde_json::to_value(req).unwrap_or(serde_json::Value::Null);
+    if let Some(o) = v.as_object_mut() {
+        o.insert("version".into(), crate::PROTOCOL_VERSION.into());
+    }
+    v.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_bad_ones_name_what_is_wrong() {
+        let r = Request::from(AddFilter { device: "d".into(), at: Some(1), table: "type = \"delay\"".into() });
+        assert_eq!(parse_request(&request_line(&r)).unwrap(), r);
+        assert_eq!(
+            parse_request(r#"{"cmd":"restart","device":"disk0"}"#).unwrap(),
+            Request::Restart(Restart { device: "disk0".into() })
+        );
+        assert_eq!(parse_request(r#"{"cmd":"status"}"#).unwrap(), Request::Status(Status {}));
+        let e = parse_request(r#"{"cmd":"restart","devcie":"disk0"}"#).unwrap_err();
+        assert_eq!(e.code, crate::ErrorCode::BadRequest);
+        assert!(e.message.contains("unknown field `devcie`"), "{e}");
+        let e = parse_request(r#"{"cmd":"frob"}"#).unwrap_err();
+        assert!(e.message.contains("unknown variant `frob`"), "{e}");
+        let e = parse_request(r#"{"cmd":"restart"}"#).unwrap_err();
+        assert!(e.message.contains("missing field `device`"), "{e}");
+        let e = parse_request(r#"{"cmd":"filter_remove","device":"d","at":"x"}"#).unwrap_err();
+        assert!(e.message.contains("invalid type"), "{e}");
+        let e = parse_request(r#"{"cmd":"tap","device":"d","mode":"sideways"}"#).unwrap_err();
+        assert!(e.message.contains("unknown variant `sideways`"), "{e}");
+        assert!(parse_request(r#"{"device":"d"}"#).unwrap_err().message.contains("missing `cmd`"));
+        assert!(parse_request(r#"{"cmd":7}"#).unwrap_err().message.contains("`cmd` must be a string"));
+        assert!(parse_request("[1,2]").unwrap_err().message.contains("JSON object"));
+        assert!(parse_request(r#"{"cmd":"status""#).unwrap_err().message.contains("not a JSON request"));
+        let e = parse_request(r#"{"cmd":"status","version":99}"#).unwrap_err();
+        assert_eq!(e.code, crate::ErrorCode::UnsupportedVersion);
+        assert!(parse_request(r#"{"cmd":"status","version":1}"#).is_ok());
+    }
+}
