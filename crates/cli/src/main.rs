@@ -8,6 +8,7 @@
 mod api;
 mod bench_cmd;
 mod driver_cmd;
+mod notify;
 mod serve;
 mod sim_cmd;
 mod status;

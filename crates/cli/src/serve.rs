@@ -261,9 +261,13 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         );
     }
     eprintln!("bulkhead: control socket {}; stop with SIGINT or SIGTERM", run_dir.join("control.sock").display());
+    crate::notify::ready(&sup);
+    let watchdog = crate::notify::Watchdog::start(sup.clone());
 
     let sig = signals.forever().next().unwrap_or(SIGTERM);
     eprintln!("bulkhead: {} received; shutting down", if sig == SIGINT { "SIGINT" } else { "SIGTERM" });
+    crate::notify::stopping();
+    drop(watchdog);
     // Stop accepting: control first, then the exports (workers finish the request in hand).
     control.stop();
     if let Some(n) = nbd {

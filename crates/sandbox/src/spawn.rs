@@ -131,6 +131,11 @@ fn cstr(s: &OsStr) -> io::Result<CString> {
     CString::new(s.as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in argument"))
 }
 
+/// The variables through which a service manager speaks to `serve` (sd_notify, its watchdog,
+/// socket activation): not passed on to domains.
+const SERVICE_MANAGER_VARS: [&str; 6] =
+    ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"];
+
 /// The namespaces a domain starts in. Not a mount namespace: the domain makes its own when it
 /// confines itself, so that no copy of the host's mounts outlives that moment
 /// ([`crate::mounts`]).
@@ -160,7 +165,9 @@ pub fn spawn(
     for a in args {
         argv_c.push(cstr(a)?);
     }
+    // The service manager's variables are `serve`'s alone: a domain never speaks to systemd.
     let envp_c: Vec<CString> = std::env::vars_os()
+        .filter(|(k, _)| !SERVICE_MANAGER_VARS.iter().any(|m| k.as_bytes() == m.as_bytes()))
         .filter_map(|(k, v)| {
             let mut kv = k.as_bytes().to_vec();
             kv.push(b'=');
