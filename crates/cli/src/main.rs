@@ -25,7 +25,7 @@ use bulkhead_control::{AddFilter, RemoveFilter, SetTap, SnapshotAction};
 #[global_allocator]
 static HEAP: bulkhead_guard::heap::Heap = bulkhead_guard::heap::Heap::new();
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
 #[command(name = "bulkhead", version, about = "Block devices served by isolated, restartable driver domains")]
@@ -144,6 +144,20 @@ enum Cmd {
         #[command(subcommand)]
         which: bench_cmd::BenchCmd,
     },
+    /// Write the manual pages, generated from these definitions: `bulkhead.1` and one
+    /// `bulkhead-COMMAND.1` per command.
+    Man {
+        /// Directory to write them to (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print a completion script for a shell: `bulkhead completions bash >
+    /// /usr/share/bash-completion/completions/bulkhead`.
+    Completions {
+        /// bash | zsh | fish | elvish | powershell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// The driver-domain role (exec'd by the supervisor; not for direct use).
     #[command(hide = true)]
     Driver {
@@ -219,6 +233,25 @@ enum SnapshotOpArg {
     Delete,
 }
 
+/// Writes `bulkhead.1` and a page for each command that is not hidden.
+fn man_pages(out: &std::path::Path) -> anyhow::Result<ExitCode> {
+    use anyhow::Context;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let top = Cli::command();
+    let write = |name: &str, cmd: clap::Command| -> anyhow::Result<()> {
+        let path = out.join(format!("{name}.1"));
+        let mut page = Vec::new();
+        clap_mangen::Man::new(cmd).render(&mut page)?;
+        std::fs::write(&path, page).with_context(|| format!("cannot write {}", path.display()))
+    };
+    for sub in top.get_subcommands().filter(|c| !c.is_hide_set()) {
+        let name = format!("bulkhead-{}", sub.get_name());
+        write(&name, sub.clone().name(name.clone()))?;
+    }
+    write("bulkhead", top)?;
+    Ok(ExitCode::SUCCESS)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
@@ -250,6 +283,11 @@ fn main() -> ExitCode {
             status::change(&run_dir, &device, RemoveFilter { device: device.clone(), at })
         }
         Cmd::Bench { which } => bench_cmd::run(which),
+        Cmd::Man { out } => man_pages(&out),
+        Cmd::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "bulkhead", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,
