@@ -40,6 +40,10 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get install -y -qq $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
 fi
 case "${1:-serve}" in
+  # The package test builds bulkhead_*.deb with cargo-deb (scripts/package.sh).
+  test) command -v cargo-deb >/dev/null 2>&1 || cargo install -q cargo-deb --locked --version 3.8.0 ;;
+esac
+case "${1:-serve}" in
   # The guests' kit (a kernel and an initramfs from Debian packages), built once and cached.
   test|bench) "$(dirname "$0")/guest-kit.sh" >/dev/null ;;
 esac

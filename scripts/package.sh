@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds the Debian package, target/debian/bulkhead_VERSION-1_ARCH.deb, with cargo-deb: the
+# binary, the systemd unit and tmpfiles entry, an example config in /etc/bulkhead, manual
+# pages and shell completions generated from the command-line definitions, and the docs.
+# Usage: scripts/package.sh [--profile dev [--prebuilt]] [cargo-deb options, e.g. -o DIR]
+#   --profile dev: package the debug build; --prebuilt: as it is, without building (the tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+profile=release
+build=1
+if [ "${1:-}" = "--profile" ]; then profile="${2:?--profile needs a name}"; shift 2; fi
+if [ "${1:-}" = "--prebuilt" ]; then build=0; shift; fi
+command -v cargo-deb >/dev/null 2>&1 || cargo install cargo-deb --locked --version 3.8.0
+dir=$([ "$profile" = dev ] && echo debug || echo "$profile")
+[ "$build" = 1 ] && cargo build --locked -p bulkhead --profile "$profile"
+assets=target/package-assets
+rm -rf "$assets"
+mkdir -p "$assets/completions"
+"target/$dir/bulkhead" man --out "$assets/man"
+gzip -9n "$assets"/man/*.1
+"target/$dir/bulkhead" completions bash >"$assets/completions/bulkhead"
+"target/$dir/bulkhead" completions zsh >"$assets/completions/_bulkhead"
+"target/$dir/bulkhead" completions fish >"$assets/completions/bulkhead.fish"
+# The symbols go in a package of their own (bulkhead-dbgsym), not in the binary installed.
+cargo deb -p bulkhead --no-build --locked --profile "$profile" --strip "$@"
