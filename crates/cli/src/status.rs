@@ -33,7 +33,7 @@ pub fn change<C: Call<Reply = Changed>>(run_dir: &Path, device: &str, call: C) -
     println!("{device}: changed; new driver pid {}", a.driver_pid);
     let status = client.call(Status {})?;
     if let Some(d) = status.devices.iter().find(|d| d.name == device) {
-        let names: Vec<String> = d.filters.iter().map(|f| filter_type(&f.report)).collect();
+        let names: Vec<&str> = d.filters.iter().map(|f| f.report.type_name()).collect();
         println!(
             "{device}: tap {}, filters (frontend side first): {}",
             d.tap,
@@ -41,11 +41,6 @@ pub fn change<C: Call<Reply = Changed>>(run_dir: &Path, device: &str, call: C) -
         );
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// A filter's `type`, as the configuration spells it.
-fn filter_type(r: &bulkhead_filters::FilterReport) -> String {
-    serde_json::to_value(r).ok().and_then(|v| v["type"].as_str().map(String::from)).unwrap_or_default()
 }
 
 /// `bulkhead snapshot DEVICE OP [NAME]`.
@@ -162,7 +157,7 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         if !d.filters.is_empty() {
             println!("{name}: filters ({}), frontend side first:", d.tap);
             for f in &d.filters {
-                println!("  {:<9} {}", filter_type(&f.report), f.summary);
+                println!("  {:<9} {}", f.report.type_name(), f.summary);
             }
         }
         if let Some(card) = &d.card {

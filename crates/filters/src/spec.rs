@@ -373,6 +373,21 @@ pub enum FilterReport {
 }
 
 impl FilterReport {
+    /// The filter's type name, as in the configuration.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            FilterReport::Trace { .. } => "trace",
+            FilterReport::Stats { .. } => "stats",
+            FilterReport::Delay { .. } => "delay",
+            FilterReport::Error { .. } => "error",
+            FilterReport::Throttle { .. } => "throttle",
+            FilterReport::Vpt { .. } => "vpt",
+            FilterReport::Scheduler { .. } => "scheduler",
+            FilterReport::Crypt { .. } => "crypt",
+            FilterReport::Cow { .. } => "cow",
+        }
+    }
+
     /// Reads the figures of a filter of `spec`'s type from its state page.
     pub fn read(spec: &FilterSpec, page: &StatePage) -> Self {
         match spec {
