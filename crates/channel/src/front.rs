@@ -28,6 +28,13 @@ pub struct Completion<'a> {
     /// system call) inside the callback; the space is reused afterwards. `None` for a request
     /// placed with [`FrontQueue::push_forward`], whose data is where it asked for it.
     pub data: Option<SharedSlice<'a>>,
+    /// What the request was.
+    pub op: Op,
+    /// Bytes it asked for.
+    pub len: u64,
+    /// From its first submission (to any generation) to its answer, ns (0 unless the queue is
+    /// [timed](FrontQueue::set_timed)).
+    pub latency_ns: u64,
 }
 
 /// The two grant arenas of a queue, as its frontend maps them, with their allocators.
@@ -68,11 +75,24 @@ struct Entry {
     fua: bool,
     arena_off: usize,
     arena_len: usize,
+    /// When it was first submitted ([`now_ns`]), carried to the generations it is reissued to.
+    submitted_ns: u64,
 }
 
 impl Default for Entry {
     fn default() -> Self {
-        Entry { live: false, id: 0, user: 0, op: Op::Flush, offset: 0, len: 0, fua: false, arena_off: 0, arena_len: 0 }
+        Entry {
+            live: false,
+            id: 0,
+            user: 0,
+            op: Op::Flush,
+            offset: 0,
+            len: 0,
+            fua: false,
+            arena_off: 0,
+            arena_len: 0,
+            submitted_ns: 0,
+        }
     }
 }
 
@@ -94,6 +114,10 @@ pub struct QueueStats {
     /// Waits that yielded the CPU before spinning, having learned that the driver runs on this
     /// queue's CPU (a queue that yields; see [`FrontQueue::set_yield_after`]).
     pub yielded_first: u64,
+    /// Time spent spinning for responses, ns (spins shorter than 64 looks are not timed).
+    pub spin_ns: u64,
+    /// Time spent asleep waiting for responses, ns (armed sleeps included).
+    pub sleep_ns: u64,
 }
 
 /// Wake-ups in a row without a response that make a doorbell storm.
@@ -128,6 +152,12 @@ pub struct FrontQueue {
     seq: u64,
     broken: Option<ChannelError>,
     stats: QueueStats,
+    /// The shadow-table index of the request placed last.
+    last_placed: usize,
+    /// When an armed sleep began ([`now_ns`]; 0: none).
+    armed_at: u64,
+    /// Requests are timed ([`FrontQueue::set_timed`]).
+    timed: bool,
     /// Wake-ups in a row that found no response.
     spurious: u32,
     /// Until when (ns) waits ignore the doorbell: a storm was detected.
@@ -188,6 +218,9 @@ impl FrontQueue {
             seq: 0,
             broken: None,
             stats: QueueStats::default(),
+            last_placed: 0,
+            armed_at: 0,
+            timed: false,
             spurious: 0,
             damped_until: 0,
             yield_after: 0,
@@ -475,7 +508,9 @@ impl FrontQueue {
         slot.op = op_code(op);
         slot.offset = offset;
         slot.len = len;
-        self.table[index as usize] = Entry { live: true, id, user, op, offset, len, fua, arena_off, arena_len };
+        self.table[index as usize] =
+            Entry { live: true, id, user, op, offset, len, fua, arena_off, arena_len, submitted_ns: self.clock() };
+        self.last_placed = index as usize;
         self.ring.push(&slot).expect("space checked above");
         Ok(())
     }
@@ -536,6 +571,21 @@ impl FrontQueue {
         Ok((index, result))
     }
 
+    /// Times each request from its submission to its answer ([`Completion::latency_ns`]): two
+    /// clock reads per request (~20 ns each), which the device client pays for its metrics
+    /// and a bare channel does not.
+    pub fn set_timed(&mut self, timed: bool) {
+        self.timed = timed;
+    }
+
+    fn clock(&self) -> u64 {
+        if self.timed {
+            now_ns()
+        } else {
+            0
+        }
+    }
+
     /// Validates and delivers every published response. A response that does not match an
     /// outstanding request breaks the channel: the error is returned and outstanding requests
     /// stay in the shadow table for reissue.
@@ -566,7 +616,8 @@ impl FrontQueue {
                 }
                 _ => None,
             };
-            f(Completion { user: e.user, result, data });
+            let latency_ns = if self.timed { now_ns().saturating_sub(e.submitted_ns) } else { 0 };
+            f(Completion { user: e.user, result, data, op: e.op, len: e.len, latency_ns });
             self.retire(index);
             self.stats.completed += 1;
             n += 1;
@@ -608,6 +659,8 @@ impl FrontQueue {
                 Op::WriteZeroes => FrontRequest::WriteZeroes { offset: e.offset, len: e.len },
             };
             newer.push(req, e.user)?;
+            // It was asked for when it first was.
+            newer.table[newer.last_placed].submitted_ns = e.submitted_ns;
         }
         if !live.is_empty() {
             newer.publish();
@@ -681,8 +734,12 @@ impl FrontQueue {
         let yield_from = if yields && self.handoff.yield_first() { 0 } else { self.yield_after };
         loop {
             if self.ring.response_pending() {
-                if tunes {
-                    self.budget.record(now_ns() - start);
+                if tunes || deadline.is_some() {
+                    let spun = now_ns() - start;
+                    self.stats.spin_ns += spun;
+                    if tunes {
+                        self.budget.record(spun);
+                    }
                 }
                 if yields {
                     self.handoff.arrived();
@@ -709,15 +766,18 @@ impl FrontQueue {
                     }
                 });
                 if now >= deadline || abort.load(std::sync::atomic::Ordering::Relaxed) {
+                    self.stats.spin_ns += now - start;
                     self.handoff.abandoned();
                     return Ok(false);
                 }
                 if now - start >= spin {
+                    self.stats.spin_ns += now - start;
                     break;
                 }
                 // Spinning while threads wait for a CPU delays the very thread whose work
                 // ends this wait: ask now and then, and sleep if so.
                 if self.mode == NotifyMode::Adaptive && self.crowd.should_sleep(start, now) {
+                    self.stats.spin_ns += now - start;
                     self.stats.crowded += 1;
                     break;
                 }
@@ -743,10 +803,13 @@ impl FrontQueue {
             self.irq.drain();
             let nap = (STORM_NAP_US * 1000).min(deadline.saturating_sub(now));
             std::thread::sleep(std::time::Duration::from_nanos(nap));
+            self.stats.sleep_ns += now_ns() - now;
             return Ok(self.ring.response_pending() || now_ns() < deadline);
         }
         let left = if deadline == u64::MAX { -1 } else { (deadline.saturating_sub(now) / 1_000_000) as i32 };
-        let rung = self.irq.wait(left).map_err(|e| ChannelError::Setup(e.to_string()))?;
+        let rung = self.irq.wait(left).map_err(|e| ChannelError::Setup(e.to_string()));
+        self.stats.sleep_ns += now_ns() - now;
+        let rung = rung?;
         self.ring.set_running();
         let answered = self.ring.response_pending();
         self.note_wake(rung, answered);
@@ -771,6 +834,7 @@ impl FrontQueue {
             return false;
         }
         self.stats.sleeps += 1;
+        self.armed_at = now_ns();
         true
     }
 
@@ -778,6 +842,10 @@ impl FrontQueue {
     /// that keep coming with no response are a storm, as in [`wait`](Self::wait): the queue is
     /// then [`damped`](Self::damped) for a while and its stats count the storm.
     pub fn disarm(&mut self) {
+        if self.armed_at != 0 {
+            self.stats.sleep_ns += now_ns().saturating_sub(self.armed_at);
+            self.armed_at = 0;
+        }
         self.ring.set_running();
         let rung = self.irq.drain() > 0;
         let answered = self.ring.response_pending();

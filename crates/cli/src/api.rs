@@ -4,12 +4,15 @@
 use std::sync::Arc;
 
 use bulkhead_control::{
-    AddFilter, Changed, ControlError, FuseStatus, Hello, HelloReply, ListSnapshots, QosReply, RemoveFilter, Restart, Service,
-    SetQos, SetTap, Snapshot, SnapshotAction, SnapshotEntry, Snapshots, Status, StatusReport,
+    AddDevice, AddFilter, Changed, ConfigText, ControlError, DeviceRemoved, DevicesAdded, DumpConfig, FuseStatus, Hello,
+    HelloReply, ListSnapshots, QosReply, Reload, Reloaded, RemoveDevice, RemoveFilter, Restart, Service, SetQos, SetTap,
+    Snapshot, SnapshotAction, SnapshotEntry, Snapshots, Status, StatusReport,
 };
 use bulkhead_fuse_export::Transport;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
 use bulkhead_vhost_export::VhostExport;
+
+use crate::live::{Edit, Live};
 
 /// Drops the kernel's cached pages of a device's FUSE file.
 pub type Invalidate = dyn Fn(&str) -> bool + Send + Sync;
@@ -21,6 +24,8 @@ pub struct ServeApi {
     pub vhost: Option<Arc<VhostExport>>,
     /// After a snapshot revert: drops the device's cached pages in the kernel.
     pub invalidate: Option<Box<Invalidate>>,
+    /// Devices added and removed, the running configuration.
+    pub live: Arc<Live>,
 }
 
 impl ServeApi {
@@ -63,15 +68,21 @@ impl Service for ServeApi {
     }
 
     fn set_tap(&self, c: SetTap) -> Result<Changed, ControlError> {
-        self.change(c.device, DeviceChange::Tap(c.mode))
+        let done = self.change(c.device.clone(), DeviceChange::Tap(c.mode))?;
+        self.live.note(Edit::Tap { device: &c.device, mode: c.mode });
+        Ok(done)
     }
 
     fn add_filter(&self, c: AddFilter) -> Result<Changed, ControlError> {
-        self.change(c.device, DeviceChange::AddFilter { at: c.at, table: c.table })
+        let done = self.change(c.device.clone(), DeviceChange::AddFilter { at: c.at, table: c.table.clone() })?;
+        self.live.note(Edit::FilterAdded { device: &c.device, at: c.at, table: &c.table });
+        Ok(done)
     }
 
     fn remove_filter(&self, c: RemoveFilter) -> Result<Changed, ControlError> {
-        self.change(c.device, DeviceChange::RemoveFilter(c.at))
+        let done = self.change(c.device.clone(), DeviceChange::RemoveFilter(c.at))?;
+        self.live.note(Edit::FilterRemoved { device: &c.device, at: c.at });
+        Ok(done)
     }
 
     fn snapshot(&self, c: Snapshot) -> Result<Changed, ControlError> {
@@ -112,9 +123,30 @@ impl Service for ServeApi {
         }
         let changes: Vec<(String, String)> = c.set.into_iter().collect();
         match self.sup.set_qos(&c.view, &changes) {
-            Ok(qos) => Ok(QosReply { summary: qos.to_string(), view: c.view, qos }),
+            Ok(qos) => {
+                if !changes.is_empty() {
+                    self.live.note(Edit::Qos { view: &c.view, caps: qos });
+                }
+                Ok(QosReply { summary: qos.to_string(), view: c.view, qos })
+            }
             Err(e) => Err(ControlError::invalid(format!("view `{}`: {e}", c.view))),
         }
+    }
+
+    fn add_device(&self, c: AddDevice) -> Result<DevicesAdded, ControlError> {
+        self.live.add_devices(&c.table).map(|devices| DevicesAdded { devices })
+    }
+
+    fn remove_device(&self, c: RemoveDevice) -> Result<DeviceRemoved, ControlError> {
+        self.live.remove_device(&c.name, c.force).map(|cut_off| DeviceRemoved { name: c.name, cut_off })
+    }
+
+    fn dump_config(&self, _: DumpConfig) -> Result<ConfigText, ControlError> {
+        Ok(ConfigText { toml: self.live.dump() })
+    }
+
+    fn reload(&self, _: Reload) -> Result<Reloaded, ControlError> {
+        self.live.reload()
     }
 }
 

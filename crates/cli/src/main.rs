@@ -8,6 +8,9 @@
 mod api;
 mod bench_cmd;
 mod driver_cmd;
+mod live;
+mod logging;
+mod metrics;
 mod notify;
 mod serve;
 mod sim_cmd;
@@ -58,6 +61,19 @@ enum Cmd {
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
     },
+    /// A dashboard of every device and view: IOPS, MiB/s read and written, p99 latency and
+    /// restarts over the last interval, refreshed every second.
+    Top {
+        /// Seconds between refreshes.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Stop after this many refreshes (default: until interrupted).
+        #[arg(long)]
+        count: Option<u64>,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run")]
+        run_dir: PathBuf,
+    },
     /// Restart a device's driver domain now (also one that turned `failed`).
     Restart {
         /// Device name.
@@ -98,6 +114,31 @@ enum Cmd {
         view: String,
         /// KEY=VALUE settings; none shows the caps in force.
         settings: Vec<String>,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run")]
+        run_dir: PathBuf,
+    },
+    /// Add devices to, or remove one from, a running serve.
+    Device {
+        #[command(subcommand)]
+        op: DeviceOp,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run", global = true)]
+        run_dir: PathBuf,
+    },
+    /// The running configuration.
+    Config {
+        #[command(subcommand)]
+        op: ConfigOp,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run", global = true)]
+        run_dir: PathBuf,
+    },
+    /// Make a running serve apply its configuration file as edited (as SIGHUP does): new
+    /// devices start, removed ones go (refused while in use), tap modes, filters that do not
+    /// transform the data and views' QoS change in place. Anything else is refused, naming
+    /// it, and nothing is applied.
+    Reload {
         /// Run directory of the `serve` to ask.
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
@@ -208,6 +249,34 @@ enum FilterOp {
     },
 }
 
+#[derive(Subcommand)]
+enum DeviceOp {
+    /// Start the devices of a file of `[[device]]` tables (`-`: standard input), in the
+    /// configuration file's syntax, and export them on FUSE, NBD and vhost-user where those
+    /// are on. Errors name the key and the line.
+    Add {
+        /// The file, or `-`.
+        file: PathBuf,
+    },
+    /// Unexport a device and its views, drain and flush it, and end its domains. Refused
+    /// while it is in use (its FUSE file open, an NBD client or a VM connected, an application
+    /// attached) unless --force, which cuts the users off (their requests fail).
+    Remove {
+        /// Device name.
+        name: String,
+        /// Remove it even while it is in use.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigOp {
+    /// Print the running configuration as TOML that `serve --config` accepts: the file it
+    /// started with, and every device added, removed or changed since.
+    Dump,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum TapArg {
     Passthrough,
@@ -254,10 +323,15 @@ fn man_pages(out: &std::path::Path) -> anyhow::Result<ExitCode> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    logging::install();
     let result = match cli.cmd {
         Cmd::Serve { config, run_dir, driver_exe } => serve::run(config.as_deref(), &run_dir, driver_exe.as_deref()),
         Cmd::Status { json, run_dir } => status::run(&run_dir, json),
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
+        Cmd::Top { interval, count, run_dir } => match std::time::Duration::try_from_secs_f64(interval) {
+            Ok(d) if d >= std::time::Duration::from_millis(100) => status::top(&run_dir, d, count),
+            _ => Err(anyhow::anyhow!("--interval {interval}: give at least 0.1 seconds")),
+        },
         Cmd::Driver { spec } => driver_cmd::run(&spec),
         Cmd::Trace { file, json } => trace_cmd::run(&file, json),
         Cmd::Sim(args) => sim_cmd::run(args),
@@ -282,6 +356,10 @@ fn main() -> ExitCode {
         Cmd::Filter { device, op: FilterOp::Remove { at }, run_dir } => {
             status::change(&run_dir, &device, RemoveFilter { device: device.clone(), at })
         }
+        Cmd::Device { op: DeviceOp::Add { file }, run_dir } => status::add_devices(&run_dir, &file),
+        Cmd::Device { op: DeviceOp::Remove { name, force }, run_dir } => status::remove_device(&run_dir, &name, force),
+        Cmd::Config { op: ConfigOp::Dump, run_dir } => status::dump_config(&run_dir),
+        Cmd::Reload { run_dir } => status::reload(&run_dir),
         Cmd::Bench { which } => bench_cmd::run(which),
         Cmd::Man { out } => man_pages(&out),
         Cmd::Completions { shell } => {

@@ -14,13 +14,22 @@ use sd_notify::NotifyState;
 /// Sends `states`; a service manager that cannot be reached is said once in the log.
 fn send(states: &[NotifyState]) {
     if let Err(e) = sd_notify::notify(states) {
-        eprintln!("bulkhead: cannot notify the service manager: {e}");
+        log::warn!("cannot notify the service manager: {e}");
     }
 }
 
 /// Every device is exported and the control socket answers.
 pub fn ready(sup: &Supervisor) {
     send(&[NotifyState::Ready, NotifyState::Status(&summary(sup))]);
+}
+
+/// `serve` is applying its edited configuration (SIGHUP): READY=1 follows when it is done.
+pub fn reloading() {
+    let mut states = vec![NotifyState::Reloading, NotifyState::Status("reloading the configuration")];
+    if let Ok(now) = NotifyState::monotonic_usec_now() {
+        states.push(now);
+    }
+    send(&states);
 }
 
 /// `serve` is stopping.
@@ -69,7 +78,7 @@ impl Watchdog {
                     std::thread::park_timeout(every);
                 }
             })
-            .map_err(|e| eprintln!("bulkhead: cannot start the watchdog thread: {e}"))
+            .map_err(|e| log::warn!("cannot start the watchdog thread: {e}"))
             .ok()?;
         Some(Watchdog { stop, thread: Some(thread) })
     }

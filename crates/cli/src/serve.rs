@@ -5,7 +5,7 @@ use std::io::{Read, Seek, Write};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{bail, Context};
 use bulkhead_config::{Config, FuseUring};
@@ -15,8 +15,9 @@ use bulkhead_nbd_export::{socket_path, NbdServer, ServerConfig};
 use bulkhead_supervisor::Supervisor;
 
 use crate::api::ServeApi;
+use crate::live::{Exports, Live};
 use bulkhead_vhost_export::{socket_dir, VhostExport};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 /// The exclusive lock on a run directory, held for the life of `serve`.
@@ -58,6 +59,10 @@ impl Drop for RunLock {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn is_mountpoint(p: &Path) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
@@ -69,9 +74,9 @@ fn is_mountpoint(p: &Path) -> bool {
 /// A FUSE mount left by a serve that was killed is dead (ENOTCONN); detach it.
 fn clear_stale_mount(dir: &Path) {
     if is_mountpoint(dir) {
-        eprintln!("bulkhead: removing a stale FUSE mount at {} left by an earlier serve", dir.display());
+        log::warn!("removing a stale FUSE mount at {} left by an earlier serve", dir.display());
         if let Err(e) = bulkhead_sys::detach_mount(dir) {
-            eprintln!("bulkhead: cannot detach the stale mount at {}: {e}", dir.display());
+            log::warn!("cannot detach the stale mount at {}: {e}", dir.display());
         }
     }
 }
@@ -92,15 +97,16 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         Some(p) => Config::load(p)?,
         None => Config::embedded_default(),
     };
+    crate::logging::set_level(config.log.level);
     // A serve of many devices holds many descriptors: allow as many as the hard limit does.
     if let Err(e) = bulkhead_sys::raise_open_files_limit() {
-        eprintln!("bulkhead: cannot raise the limit on open files: {e}");
+        log::warn!("cannot raise the limit on open files: {e}");
     }
     // Signals first, so a SIGTERM during start-up is not lost.
-    let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot install signal handlers")?;
+    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP]).context("cannot install signal handlers")?;
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run dir {}", run_dir.display()))?;
     let run_dir = run_dir.canonicalize().with_context(|| format!("run dir {}", run_dir.display()))?;
-    let lock = RunLock::acquire(&run_dir)?;
+    let run_lock = RunLock::acquire(&run_dir)?;
     let fuse_dir = run_dir.join("fuse");
     clear_stale_mount(&fuse_dir);
 
@@ -207,12 +213,16 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         None => Ok(Access::owner_only()),
         Some(g) => Access::with_group(g.get_ref()).map_err(|e| anyhow::anyhow!("key `control.group`: {e}")),
     };
-    let api = Arc::new(ServeApi {
-        sup: sup.clone(),
-        fuse: fuse.as_ref().map(|f| crate::api::fuse_status(f.transport())),
-        vhost: vhost.clone(),
-        invalidate: fuse.as_ref().map(|f| Box::new(f.invalidator()) as Box<crate::api::Invalidate>),
-    });
+    let fuse_on = fuse.is_some();
+    let fuse_status = fuse.as_ref().map(|f| crate::api::fuse_status(f.transport()));
+    let invalidate = fuse.as_ref().map(|f| Box::new(f.invalidator()) as Box<crate::api::Invalidate>);
+    let live = Arc::new(Live::new(
+        sup.clone(),
+        Exports { fuse: Mutex::new(fuse), nbd: Mutex::new(nbd), vhost: vhost.clone() },
+        config.clone(),
+        config_path.map(|p| p.canonicalize().unwrap_or_else(|_| p.to_path_buf())),
+    ));
+    let api = Arc::new(ServeApi { sup: sup.clone(), fuse: fuse_status, vhost: vhost.clone(), invalidate, live: live.clone() });
     let attacher = sup.clone();
     let control = access.and_then(|access| {
         ControlServer::start(
@@ -226,18 +236,28 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     let mut control = match control {
         Ok(c) => c,
         Err(e) => {
-            drop(vhost);
-            drop(nbd);
-            drop(fuse);
+            live.stop_exports();
             sup.shutdown();
             return Err(e);
         }
     };
 
+    let metrics = match config.metrics.listen() {
+        Some(at) => match crate::metrics::Endpoint::start(&at, live.clone()) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                control.stop();
+                live.stop_exports();
+                sup.shutdown();
+                return Err(e);
+            }
+        },
+        None => None,
+    };
     for d in sup.status().devices {
-        let at = if fuse.is_some() { format!(" at {}", fuse_dir.join(&d.name).display()) } else { String::new() };
-        eprintln!(
-            "bulkhead: serving {} ({} {}, {} notification, driver pid {}){at}",
+        let at = if fuse_on { format!(" at {}", fuse_dir.join(&d.name).display()) } else { String::new() };
+        log::info!(
+            "serving {} ({} {}, {} notification, driver pid {}){at}",
             d.name,
             human(d.size_bytes),
             d.backend,
@@ -245,42 +265,49 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
             d.driver_pid
         );
     }
-    if let Some(f) = &fuse {
-        eprintln!("bulkhead: FUSE export at {} over {}", fuse_dir.display(), f.transport());
+    if let Some(f) = lock(&live.exports.fuse).as_ref() {
+        log::info!("FUSE export at {} over {}", fuse_dir.display(), f.transport());
     }
-    if nbd.is_some() {
+    if lock(&live.exports.nbd).is_some() {
         let tcp = config.nbd.tcp.as_ref().map(|t| format!(" and TCP {}", t.get_ref())).unwrap_or_default();
-        eprintln!("bulkhead: NBD export on {}{tcp} (export name = device name){tls_note}", socket_path(&run_dir).display());
+        log::info!("NBD export on {}{tcp} (export name = device name){tls_note}", socket_path(&run_dir).display());
     }
     if let Some(v) = &vhost {
         let n = v.status().len();
-        eprintln!(
-            "bulkhead: vhost-user-blk export of {n} device{} in {}",
-            if n == 1 { "" } else { "s" },
-            socket_dir(&run_dir).display()
-        );
+        log::info!("vhost-user-blk export of {n} device{} in {}", if n == 1 { "" } else { "s" }, socket_dir(&run_dir).display());
     }
-    eprintln!("bulkhead: control socket {}; stop with SIGINT or SIGTERM", run_dir.join("control.sock").display());
+    if let Some(m) = &metrics {
+        log::info!("metrics at {}", m.address);
+    }
+    log::info!("control socket {}; reload with SIGHUP, stop with SIGINT or SIGTERM", run_dir.join("control.sock").display());
     crate::notify::ready(&sup);
     let watchdog = crate::notify::Watchdog::start(sup.clone());
 
-    let sig = signals.forever().next().unwrap_or(SIGTERM);
-    eprintln!("bulkhead: {} received; shutting down", if sig == SIGINT { "SIGINT" } else { "SIGTERM" });
+    let sig = loop {
+        match signals.forever().next().unwrap_or(SIGTERM) {
+            SIGHUP => {
+                log::info!("SIGHUP received; reloading the configuration");
+                crate::notify::reloading();
+                match live.reload() {
+                    Ok(r) => log::info!("reload applied: added {:?}, removed {:?}, changed {:?}", r.added, r.removed, r.changed),
+                    Err(e) => log::warn!("reload refused: {}", e.message),
+                }
+                crate::notify::ready(&sup);
+            }
+            sig => break sig,
+        }
+    };
+    log::info!("{} received; shutting down", if sig == SIGINT { "SIGINT" } else { "SIGTERM" });
     crate::notify::stopping();
     drop(watchdog);
-    // Stop accepting: control first, then the exports (workers finish the request in hand).
+    // Stop accepting: control first, then the exports (workers finish the request in hand;
+    // each guest's queues are drained before its session ends).
     control.stop();
-    if let Some(n) = nbd {
-        n.shutdown();
-    }
-    // Each guest's queues are drained before its session ends: nothing taken is left unanswered.
-    if let Some(v) = &vhost {
-        v.shutdown();
-    }
-    let clean = fuse.map(FuseExport::shutdown).unwrap_or(true);
+    drop(metrics);
+    let clean = live.stop_exports();
     // Flush every device and end the domains.
     sup.shutdown();
-    drop(lock);
-    eprintln!("bulkhead: stopped{}", if clean { "" } else { " (the FUSE mount was busy and was detached lazily)" });
+    drop(run_lock);
+    log::info!("stopped{}", if clean { "" } else { " (the FUSE mount was busy and was detached lazily)" });
     Ok(ExitCode::SUCCESS)
 }

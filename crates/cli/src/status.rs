@@ -214,3 +214,127 @@ pub fn qos(run_dir: &Path, view: &str, settings: &[String]) -> anyhow::Result<Ex
     println!("{view}: {}", a.summary);
     Ok(ExitCode::SUCCESS)
 }
+
+/// `bulkhead device add FILE|-`.
+pub fn add_devices(run_dir: &Path, file: &Path) -> anyhow::Result<ExitCode> {
+    let table = if file == Path::new("-") {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).context("cannot read standard input")?;
+        s
+    } else {
+        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?
+    };
+    let added = ask(run_dir, bulkhead_control::AddDevice { table })?;
+    for d in added.devices {
+        let views = if d.views.is_empty() { String::new() } else { format!(" with views {}", d.views.join(", ")) };
+        let on = if d.exports.is_empty() { "not exported".to_string() } else { format!("exported on {}", d.exports.join(", ")) };
+        println!("{}: added{views}, {on}", d.name);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `bulkhead device remove NAME [--force]`.
+pub fn remove_device(run_dir: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
+    let r = ask(run_dir, bulkhead_control::RemoveDevice { name: name.into(), force })?;
+    if r.cut_off.is_empty() {
+        println!("{name}: removed");
+    } else {
+        println!("{name}: removed; cut off: {}", r.cut_off.join("; "));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `bulkhead config dump`.
+pub fn dump_config(run_dir: &Path) -> anyhow::Result<ExitCode> {
+    print!("{}", ask(run_dir, bulkhead_control::DumpConfig {})?.toml);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `bulkhead reload`.
+pub fn reload(run_dir: &Path) -> anyhow::Result<ExitCode> {
+    let r = ask(run_dir, bulkhead_control::Reload {})?;
+    println!("reloaded {}", r.path);
+    for d in &r.added {
+        println!("  added {d}");
+    }
+    for d in &r.removed {
+        println!("  removed {d}");
+    }
+    for c in &r.changed {
+        println!("  {c}");
+    }
+    if r.added.is_empty() && r.removed.is_empty() && r.changed.is_empty() {
+        println!("  nothing changed");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `bulkhead top`: every device and view with its IOPS, MiB/s read and written, p99 latency
+/// and restarts over the last interval, refreshed every `interval`; `frames` of them, or until
+/// interrupted.
+pub fn top(run_dir: &Path, interval: std::time::Duration, frames: Option<u64>) -> anyhow::Result<ExitCode> {
+    use std::collections::HashMap;
+    use std::io::IsTerminal;
+    let tty = std::io::stdout().is_terminal();
+    let mut client = Client::connect(run_dir)?;
+    let mut before: HashMap<String, (std::time::Instant, bulkhead_control::IoFigures, u64)> = HashMap::new();
+    let mut shown = 0u64;
+    loop {
+        let report = client.call(Status {})?;
+        let now = std::time::Instant::now();
+        let mut t = Table::new(&["DEVICE", "STATE", "IOPS", "READ MiB/s", "WRITE MiB/s", "P99", "RESTARTS", "VIEW OF"]);
+        let mut rows = Vec::new();
+        for d in &report.devices {
+            rows.push((d.name.clone(), format!("{:?}", d.state).to_lowercase(), d.io.clone(), d.restarts, String::new()));
+            for v in &d.views {
+                rows.push((v.name.clone(), "view".into(), v.io.clone(), d.restarts, d.name.clone()));
+            }
+        }
+        for (name, state, io, restarts, of) in rows {
+            let (iops, rd, wr, p99, new_restarts) = match before.get(&name) {
+                Some((at, was, restarts_was)) => {
+                    let secs = now.duration_since(*at).as_secs_f64().max(1e-3);
+                    let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / secs;
+                    let p99 = match io.quantile_since(was, 0.99) {
+                        Some(us) if us >= 1000 => format!("<{} ms", us / 1000),
+                        Some(us) => format!("<{us} µs"),
+                        None if io.requests > was.requests => {
+                            format!(">{} s", io.latency_bounds_us.last().unwrap_or(&0) / 1_000_000)
+                        }
+                        None => "-".into(),
+                    };
+                    (
+                        format!("{:.0}", per(io.requests, was.requests)),
+                        format!("{:.1}", per(io.bytes_read, was.bytes_read) / (1 << 20) as f64),
+                        format!("{:.1}", per(io.bytes_written, was.bytes_written) / (1 << 20) as f64),
+                        p99,
+                        restarts.saturating_sub(*restarts_was),
+                    )
+                }
+                None => ("-".into(), "-".into(), "-".into(), "-".into(), 0),
+            };
+            let restarts_shown = if new_restarts > 0 { format!("{restarts} (+{new_restarts})") } else { restarts.to_string() };
+            t.row(vec![name.clone(), state, iops, rd, wr, p99, restarts_shown, of]);
+            before.insert(name, (now, io, restarts));
+        }
+        if tty {
+            print!("\x1b[H\x1b[2J");
+        }
+        println!(
+            "bulkhead top: {} device(s), serve up {:.0} s, every {:.1} s (interrupt to stop)",
+            report.devices.len(),
+            report.uptime_s,
+            interval.as_secs_f64()
+        );
+        print!("{}", t.render());
+        if !tty {
+            println!();
+        }
+        std::io::Write::flush(&mut std::io::stdout())?;
+        shown += 1;
+        if frames.is_some_and(|n| shown >= n) {
+            return Ok(ExitCode::SUCCESS);
+        }
+        std::thread::sleep(interval);
+    }
+}

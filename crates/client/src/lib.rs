@@ -88,6 +88,82 @@ pub struct DeviceCounters {
     pub bytes_written: AtomicU64,
 }
 
+/// The operations [`DeviceCounters::ops`] counts, by name.
+pub const OPS: [(bulkhead_channel::Op, &str); 5] = [
+    (bulkhead_channel::Op::Read, "read"),
+    (bulkhead_channel::Op::Write, "write"),
+    (bulkhead_channel::Op::Flush, "flush"),
+    (bulkhead_channel::Op::Discard, "discard"),
+    (bulkhead_channel::Op::WriteZeroes, "write_zeroes"),
+];
+
+/// Upper bounds of the latency histogram's buckets, µs (a last bucket holds the rest).
+pub const LATENCY_BOUNDS_US: [u64; 16] =
+    [10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000, 10_000_000];
+
+/// One operation's counters: answers, errors, bytes asked for, and the latency from first
+/// submission to answer (reissues after a restart included).
+#[derive(Debug, Default)]
+pub struct OpCounters {
+    /// Requests answered (any status).
+    pub requests: AtomicU64,
+    /// Of them, answered with an error.
+    pub errors: AtomicU64,
+    /// Bytes the requests asked for.
+    pub bytes: AtomicU64,
+    /// Sum of the latencies, ns.
+    pub latency_sum_ns: AtomicU64,
+    /// Requests by latency: `buckets[i]` those within `LATENCY_BOUNDS_US[i]` and above the
+    /// bound before it; the last, those above every bound.
+    pub buckets: [AtomicU64; 17],
+}
+
+/// One queue's counters by operation, in the order of [`OPS`]. Each queue has its own, on
+/// cache lines of their own: a queue is used by one thread at a time, so counting costs no
+/// cache line moving between CPUs. [`Device::op_totals`] sums them.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub struct QueueCounters {
+    /// By operation.
+    pub ops: [OpCounters; 5],
+    /// Time spent spinning for responses, ns (by the queue, or by an export waiting on it).
+    pub spin_ns: AtomicU64,
+    /// Time spent asleep waiting for responses, ns.
+    pub sleep_ns: AtomicU64,
+}
+
+impl QueueCounters {
+    /// Counts an answer to a request of `op` for `len` bytes after `latency_ns`.
+    pub fn record(&self, op: bulkhead_channel::Op, len: u64, latency_ns: u64, ok: bool) {
+        let Some(i) = OPS.iter().position(|(o, _)| *o == op) else { return };
+        let c = &self.ops[i];
+        c.requests.fetch_add(1, Ordering::Relaxed);
+        if !ok {
+            c.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        c.bytes.fetch_add(len, Ordering::Relaxed);
+        c.latency_sum_ns.fetch_add(latency_ns, Ordering::Relaxed);
+        let us = latency_ns / 1000;
+        let b = LATENCY_BOUNDS_US.iter().position(|&bound| us < bound).unwrap_or(LATENCY_BOUNDS_US.len());
+        c.buckets[b].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// One operation's totals over a device's queues.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OpTotals {
+    /// Requests answered.
+    pub requests: u64,
+    /// Of them, with an error.
+    pub errors: u64,
+    /// Bytes asked for.
+    pub bytes: u64,
+    /// Sum of the latencies, ns.
+    pub latency_sum_ns: u64,
+    /// Requests by latency bucket ([`LATENCY_BOUNDS_US`], then the rest).
+    pub buckets: [u64; 17],
+}
+
 /// Log lines a device may write in a burst; after that one per second, counting what it held
 /// back: a hostile driver must not be able to flood the log.
 const LOG_BURST: f64 = 5.0;
@@ -137,6 +213,9 @@ pub(crate) struct QueueState {
     /// A queue of an older generation whose unanswered requests have not moved yet: the
     /// generation after it broke before they could. They move to the next one.
     pub(crate) carry: Option<FrontQueue>,
+    /// How much of `q`'s spin and sleep time the device's counters hold already.
+    pub(crate) spin_counted: u64,
+    pub(crate) sleep_counted: u64,
 }
 
 /// A device served by a driver domain, as applications and exports use it.
@@ -146,6 +225,8 @@ pub struct Device {
     size: u64,
     mode: NotifyMode,
     queues: Vec<Mutex<QueueState>>,
+    /// Each queue's counters by operation.
+    queue_counters: Vec<QueueCounters>,
     generation: AtomicU32,
     gens: Mutex<Generations>,
     changed: Condvar,
@@ -202,7 +283,14 @@ impl Device {
             name: name.to_string(),
             size,
             mode,
-            queues: queues.into_iter().map(|q| Mutex::new(QueueState { q, carry: None })).collect(),
+            queues: queues
+                .into_iter()
+                .map(|mut q| {
+                    q.set_timed(true);
+                    Mutex::new(QueueState { q, carry: None, spin_counted: 0, sleep_counted: 0 })
+                })
+                .collect(),
+            queue_counters: (0..n).map(|_| QueueCounters::default()).collect(),
             generation: AtomicU32::new(generation),
             gens: Mutex::new(Generations { staged: (0..n).map(|_| None).collect(), wakers, ..Default::default() }),
             changed: Condvar::new(),
@@ -252,6 +340,35 @@ impl Device {
     /// The current channel generation.
     pub fn generation(&self) -> u32 {
         self.generation.load(Ordering::Acquire)
+    }
+
+    /// What the driver answered, by operation ([`OPS`]), summed over the queues.
+    pub fn op_totals(&self) -> [OpTotals; 5] {
+        let mut t: [OpTotals; 5] = Default::default();
+        for q in &self.queue_counters {
+            for (t, c) in t.iter_mut().zip(&q.ops) {
+                t.requests += c.requests.load(Ordering::Relaxed);
+                t.errors += c.errors.load(Ordering::Relaxed);
+                t.bytes += c.bytes.load(Ordering::Relaxed);
+                t.latency_sum_ns += c.latency_sum_ns.load(Ordering::Relaxed);
+                for (b, n) in t.buckets.iter_mut().zip(&c.buckets) {
+                    *b += n.load(Ordering::Relaxed);
+                }
+            }
+        }
+        t
+    }
+
+    /// Time its queues spent spinning for responses and asleep waiting for them, ns.
+    pub fn wait_totals(&self) -> (u64, u64) {
+        self.queue_counters.iter().fold((0, 0), |(spin, sleep), q| {
+            (spin + q.spin_ns.load(Ordering::Relaxed), sleep + q.sleep_ns.load(Ordering::Relaxed))
+        })
+    }
+
+    /// The counters of queue `idx`.
+    pub fn queue_counters(&self, idx: usize) -> &QueueCounters {
+        &self.queue_counters[idx]
     }
 
     /// Requests submitted and not yet answered.

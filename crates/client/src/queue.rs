@@ -53,6 +53,11 @@ impl<'a> QueueHandle<'a> {
         h
     }
 
+    /// The device the queue belongs to.
+    pub fn device(&self) -> &'a Device {
+        self.dev
+    }
+
     /// Which of the device's queues this is.
     pub fn index(&self) -> usize {
         self.idx
@@ -174,10 +179,12 @@ impl<'a> QueueHandle<'a> {
             return 0;
         }
         let dev = self.dev;
+        let counters = dev.queue_counters(self.idx);
         let mut n = 0;
         let reaped = self.st.q.reap(|c| {
             n += 1;
             dev.finished(Some(c.result.is_ok()));
+            counters.record(c.op, c.len, c.latency_ns, c.result.is_ok());
             f(c.user, c.result.map_err(IoError::Device), c.data);
         });
         if let Err(e) = reaped {
@@ -229,10 +236,27 @@ impl<'a> QueueHandle<'a> {
         }
     }
 
+    /// Adds the time the queue spent spinning and sleeping since it was last counted to the
+    /// device's counters.
+    fn count_waits(&mut self) {
+        let st = self.st.q.stats();
+        let (spin, sleep) = (st.spin_ns - self.st.spin_counted, st.sleep_ns - self.st.sleep_counted);
+        let counters = self.dev.queue_counters(self.idx);
+        if spin > 0 {
+            counters.spin_ns.fetch_add(spin, std::sync::atomic::Ordering::Relaxed);
+        }
+        if sleep > 0 {
+            counters.sleep_ns.fetch_add(sleep, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.st.spin_counted = st.spin_ns;
+        self.st.sleep_counted = st.sleep_ns;
+    }
+
     /// Ends a sleep begun with [`arm`](Self::arm).
     pub fn disarm(&mut self) {
         let storms = self.st.q.stats().storms;
         self.st.q.disarm();
+        self.count_waits();
         if self.st.q.stats().storms != storms {
             self.dev.log_storm();
         }
@@ -291,6 +315,7 @@ impl<'a> QueueHandle<'a> {
             }
             let storms = self.st.q.stats().storms;
             let waited = self.st.q.wait_or(WAIT_SLICE.as_millis() as i32, self.dev.outage_flag());
+            self.count_waits();
             if let Err(e) = waited {
                 self.dev.report_broken(&e);
             } else if self.st.q.stats().storms != storms {
@@ -314,7 +339,10 @@ impl QueueState {
     pub(crate) fn catch_up(&mut self, dev: &Device, staged: Staged) {
         match staged {
             Staged::Queue(newer) => {
-                let old = std::mem::replace(&mut self.q, *newer);
+                let mut newer = *newer;
+                newer.set_timed(true);
+                let old = std::mem::replace(&mut self.q, newer);
+                (self.spin_counted, self.sleep_counted) = (0, 0);
                 // A carried queue holds the requests; the one just replaced has at most a
                 // partial copy.
                 let source = self.carry.take().unwrap_or(old);

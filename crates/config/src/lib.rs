@@ -941,6 +941,57 @@ pub struct Control {
     pub group: Option<Spanned<String>>,
 }
 
+/// What `serve` logs.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Log {
+    /// The least severe events logged.
+    #[serde(default)]
+    pub level: LogLevel,
+}
+
+/// A log level.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogLevel {
+    /// Errors only.
+    Error,
+    /// Errors and warnings.
+    Warn,
+    /// And what happens: devices started, restarted, added, removed; clients connected.
+    #[default]
+    Info,
+    /// And detail for debugging.
+    Debug,
+}
+
+/// The Prometheus endpoint.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Metrics {
+    /// Where to serve `GET /metrics`: `host:port`, or the path of a unix socket (starting
+    /// with `/`). None: no endpoint.
+    #[serde(default)]
+    pub listen: Option<Spanned<String>>,
+}
+
+/// Where the metrics endpoint listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetricsListen {
+    /// A TCP address.
+    Tcp(String),
+    /// A unix socket.
+    Unix(PathBuf),
+}
+
+impl Metrics {
+    /// Where the endpoint listens, if it is on.
+    pub fn listen(&self) -> Option<MetricsListen> {
+        let l = self.listen.as_ref()?.get_ref();
+        Some(if l.starts_with('/') { MetricsListen::Unix(PathBuf::from(l)) } else { MetricsListen::Tcp(l.clone()) })
+    }
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -948,6 +999,12 @@ pub struct Config {
     /// The control socket.
     #[serde(default)]
     pub control: Control,
+    /// The Prometheus endpoint.
+    #[serde(default)]
+    pub metrics: Metrics,
+    /// What is logged.
+    #[serde(default)]
+    pub log: Log,
     /// FUSE export settings.
     #[serde(default)]
     pub fuse: Fuse,
@@ -960,6 +1017,10 @@ pub struct Config {
     /// Devices.
     #[serde(default, rename = "device")]
     pub devices: Vec<DeviceConfig>,
+    /// The configuration as written, table by table: what `bulkhead config dump` prints and
+    /// what live changes edit (see [`Config::from_table`]).
+    #[serde(skip)]
+    pub raw: toml::Table,
 }
 
 /// Parses and validates one filter given as the body of a `[[device.filter]]` table (`type =
@@ -985,10 +1046,47 @@ fn line_of(src: &str, offset: usize) -> usize {
 impl Config {
     /// Parses and validates `src`; `origin` names it in errors.
     pub fn parse(src: &str, origin: &str) -> Result<Config, ConfigError> {
-        let cfg: Config =
-            toml::from_str(src).map_err(|e| ConfigError::Parse { origin: origin.to_string(), message: e.to_string() })?;
+        let parse_error = |e: toml::de::Error| ConfigError::Parse { origin: origin.to_string(), message: e.to_string() };
+        let mut cfg: Config = toml::from_str(src).map_err(parse_error)?;
         cfg.validate(src, origin)?;
+        cfg.raw = toml::from_str(src).map_err(parse_error)?;
         Ok(cfg)
+    }
+
+    /// Parses and validates a configuration given as tables (as [`Config::raw`] holds them);
+    /// errors name lines of its [`Config::dump`].
+    pub fn from_table(raw: &toml::Table, origin: &str) -> Result<Config, ConfigError> {
+        let src = toml::to_string(raw).map_err(|e| ConfigError::Parse { origin: origin.to_string(), message: e.to_string() })?;
+        Config::parse(&src, origin)
+    }
+
+    /// The configuration as TOML that `serve --config` accepts.
+    pub fn dump(&self) -> String {
+        toml::to_string(&self.raw).unwrap_or_else(|e| format!("# cannot be written as TOML: {e}\n"))
+    }
+
+    /// Parses `[[device]]` tables given on their own (`bulkhead device add`), checked as the
+    /// configuration checks them, each with its table as written. Anything but `[[device]]`
+    /// tables is refused, naming the key.
+    pub fn parse_devices(src: &str, origin: &str) -> Result<Vec<(DeviceConfig, toml::Table)>, ConfigError> {
+        let cfg = Config::parse(src, origin)?;
+        if let Some(key) = cfg.raw.keys().find(|k| *k != "device") {
+            let line =
+                src.lines().position(|l| l.trim_start().trim_start_matches('[').starts_with(key.as_str())).map_or(1, |i| i + 1);
+            return Err(ConfigError::Invalid {
+                origin: origin.into(),
+                line,
+                message: format!("key `{key}`: only [[device]] tables can be added to a running serve"),
+            });
+        }
+        if cfg.devices.is_empty() {
+            return Err(ConfigError::Invalid { origin: origin.into(), line: 1, message: "no [[device]] table".into() });
+        }
+        let raws = match cfg.raw.get("device") {
+            Some(toml::Value::Array(a)) => a.iter().filter_map(|v| v.as_table().cloned()).collect::<Vec<_>>(),
+            _ => Vec::new(),
+        };
+        Ok(cfg.devices.into_iter().zip(raws).collect())
     }
 
     /// Reads, parses and validates a file.
@@ -1008,9 +1106,6 @@ impl Config {
             line: line_of(src, span.start),
             message,
         };
-        if self.devices.is_empty() {
-            return Err(ConfigError::Invalid { origin: origin.into(), line: 1, message: "no [[device]] configured".into() });
-        }
         let t = &self.fuse.threads;
         if !(1..=64).contains(t.get_ref()) {
             return Err(err(t.span(), format!("key `fuse.threads`: {} is out of range 1..=64", t.get_ref())));
@@ -1053,6 +1148,15 @@ impl Config {
                 psk.span(),
                 "key `nbd.tls_psk`: `nbd.tls_verify_peer` asks clients for certificates; with pre-shared keys the key is the proof".into(),
             ));
+        }
+        if let Some(l) = &self.metrics.listen {
+            let v = l.get_ref();
+            if !v.starts_with('/') && v.parse::<std::net::SocketAddr>().is_err() {
+                return Err(err(
+                    l.span(),
+                    format!("key `metrics.listen`: `{v}` is neither host:port (an IP address and a port) nor a socket path starting with /"),
+                ));
+            }
         }
         if let Some(t) = &self.nbd.tcp {
             if t.get_ref().parse::<std::net::SocketAddr>().is_err() && !t.get_ref().contains(':') {

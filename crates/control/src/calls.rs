@@ -81,6 +81,90 @@ calls! {
     ListSnapshots "snapshot_list" => list_snapshots -> Snapshots;
     /// Shows or changes a view's QoS (`bulkhead qos`).
     SetQos "qos" => set_qos -> QosReply;
+    /// Starts devices given as `[[device]]` tables and exports them (`bulkhead device add`).
+    AddDevice "device_add" => add_device -> DevicesAdded;
+    /// Unexports a device, drains and flushes it, and ends its domains (`bulkhead device remove`).
+    RemoveDevice "device_remove" => remove_device -> DeviceRemoved;
+    /// The running configuration as TOML that `serve --config` accepts (`bulkhead config dump`).
+    DumpConfig "config_dump" => dump_config -> ConfigText;
+    /// Applies the configuration file as edited since (`bulkhead reload`, SIGHUP).
+    Reload "reload" => reload -> Reloaded;
+}
+
+/// `device_add`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AddDevice {
+    /// One or more `[[device]]` tables, in the configuration file's syntax.
+    pub table: String,
+}
+
+/// The answer to `device_add`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DevicesAdded {
+    /// Each device started, in the order given.
+    pub devices: Vec<AddedDevice>,
+}
+
+/// A device `device_add` started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AddedDevice {
+    /// Its name.
+    pub name: String,
+    /// Its views' names.
+    pub views: Vec<String>,
+    /// The exports that offer it: `fuse`, `nbd`, `vhost_user`.
+    pub exports: Vec<String>,
+}
+
+/// `device_remove`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoveDevice {
+    /// The device.
+    pub name: String,
+    /// Remove it even while it is in use: its users' requests then fail.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// The answer to `device_remove`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRemoved {
+    /// The device.
+    pub name: String,
+    /// Users it had and that `force` cut off (empty when it was idle).
+    pub cut_off: Vec<String>,
+}
+
+/// `config_dump`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DumpConfig {}
+
+/// The answer to `config_dump`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigText {
+    /// TOML.
+    pub toml: String,
+}
+
+/// `reload`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Reload {}
+
+/// The answer to `reload`: what changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reloaded {
+    /// The file read.
+    pub path: String,
+    /// Devices started.
+    pub added: Vec<String>,
+    /// Devices removed.
+    pub removed: Vec<String>,
+    /// Changes applied to running devices and views, one line each.
+    pub changed: Vec<String>,
 }
 
 /// `hello`.

@@ -202,7 +202,7 @@ fn admit(conn: UnixStream, access: Access, service: &Arc<dyn Service>, attach: &
     });
     if spawned.is_err() {
         // The closure (and the connection) went with the failed spawn.
-        eprintln!("bulkhead: control: cannot start a thread for a connection");
+        log::warn!("control: cannot start a thread for a connection");
     }
 }
 

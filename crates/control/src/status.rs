@@ -115,9 +115,53 @@ pub struct DeviceStatus {
     /// Its views (`[[device.view]]`), each exported under its own name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub views: Vec<ViewStatus>,
+    /// What its frontend has had answered.
+    #[serde(default)]
+    pub io: IoFigures,
     /// Applications attached to it or its views (`bulkhead_client::attach`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attached: Vec<AttachedStatus>,
+}
+
+/// What a device's or a view's frontend has had answered, for rates over time (`bulkhead top`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IoFigures {
+    /// Requests answered, every operation.
+    pub requests: u64,
+    /// Bytes read requests asked for.
+    pub bytes_read: u64,
+    /// Bytes write requests asked for.
+    pub bytes_written: u64,
+    /// Upper bounds of the latency buckets, µs (a last bucket holds the rest).
+    pub latency_bounds_us: Vec<u64>,
+    /// Requests by latency, every operation, one count per bucket.
+    pub latency_buckets: Vec<u64>,
+}
+
+impl IoFigures {
+    /// The latency under which `q` (0..1) of the requests between `earlier` and `self` were
+    /// answered, µs: a bucket's upper bound (`None`: no request, or past the last bound).
+    pub fn quantile_since(&self, earlier: &IoFigures, q: f64) -> Option<u64> {
+        let d: Vec<u64> = self
+            .latency_buckets
+            .iter()
+            .enumerate()
+            .map(|(i, n)| n.saturating_sub(earlier.latency_buckets.get(i).copied().unwrap_or(0)))
+            .collect();
+        let total: u64 = d.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let want = (total as f64 * q).ceil() as u64;
+        let mut seen = 0;
+        for (i, n) in d.iter().enumerate() {
+            seen += n;
+            if seen >= want {
+                return self.latency_bounds_us.get(i).copied();
+            }
+        }
+        None
+    }
 }
 
 /// One filter in the status report.
@@ -153,6 +197,12 @@ pub struct ViewStatus {
     pub credit_ios: i64,
     /// Requests that waited for credit, as the domain reports. Untrusted.
     pub credit_waits: u64,
+    /// Time its requests were held back for credit or behind a heavier view, s.
+    #[serde(default)]
+    pub throttled_s: f64,
+    /// What its frontend has had answered.
+    #[serde(default)]
+    pub io: IoFigures,
     /// Requests answered (frontend count).
     pub requests_completed: u64,
     /// Requests failed (frontend count).

@@ -58,6 +58,22 @@ impl Service for Fake {
         let qos = bulkhead_qos::Caps::default();
         Ok(QosReply { view: c.view, summary: qos.to_string(), qos })
     }
+
+    fn add_device(&self, _: AddDevice) -> Result<DevicesAdded, ControlError> {
+        Err(ControlError::invalid("not here"))
+    }
+
+    fn remove_device(&self, c: RemoveDevice) -> Result<DeviceRemoved, ControlError> {
+        Err(ControlError::not_found(format!("no device `{}`", c.name)))
+    }
+
+    fn dump_config(&self, _: DumpConfig) -> Result<ConfigText, ControlError> {
+        Ok(ConfigText { toml: String::new() })
+    }
+
+    fn reload(&self, _: Reload) -> Result<Reloaded, ControlError> {
+        Err(ControlError::invalid("not here"))
+    }
 }
 
 struct Setup {

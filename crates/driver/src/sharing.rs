@@ -40,6 +40,29 @@ struct Group {
     served_bytes: u64,
     served_ios: u64,
     waits: u64,
+    /// Since when its requests have been held back (0: they are not).
+    held_since: u64,
+    /// Time its requests were held back for credit or behind a heavier view, ns.
+    held_ns: u64,
+}
+
+impl Group {
+    /// Notes at `now` whether the group's requests are held back.
+    fn hold(&mut self, held: bool, now: u64) {
+        if now == 0 {
+            // Untimed turns (no cap, equal weights) hold nothing back.
+            self.held_since = 0;
+            return;
+        }
+        match (held, self.held_since) {
+            (true, 0) => self.held_since = now.max(1),
+            (false, since) if since != 0 => {
+                self.held_ns += now.saturating_sub(since);
+                self.held_since = 0;
+            }
+            _ => {}
+        }
+    }
 }
 
 /// The queues' views and their shares of the domain.
@@ -87,7 +110,17 @@ impl Sharing {
         }
         let mut groups: Vec<Group> = std::iter::once(None)
             .chain((0..views.len()).map(Some))
-            .map(|view| Group { view, caps: Caps::default(), bucket: None, seq: 0, served_bytes: 0, served_ios: 0, waits: 0 })
+            .map(|view| Group {
+                view,
+                caps: Caps::default(),
+                bucket: None,
+                seq: 0,
+                served_bytes: 0,
+                served_ios: 0,
+                waits: 0,
+                held_since: 0,
+                held_ns: 0,
+            })
             .collect();
         let mut out = Vec::with_capacity(lanes.len());
         for l in lanes {
@@ -150,12 +183,16 @@ impl Sharing {
         }
         if let Some(b) = &mut self.groups[gi].bucket {
             if !b.ready(now) {
-                return Turn::NoCredit(b.ready_at(now));
+                let at = b.ready_at(now);
+                self.groups[gi].hold(true, now);
+                return Turn::NoCredit(at);
             }
         }
         if let Err(until) = self.shares.admit(gi, now) {
+            self.groups[gi].hold(true, now);
             return Turn::Behind(until);
         }
+        self.groups[gi].hold(false, now);
         if self.lanes[qi].deficit.begin_turn() {
             Turn::Open
         } else {
@@ -175,6 +212,7 @@ impl Sharing {
         if !ready {
             g.waits += 1;
         }
+        g.hold(!ready, now);
         ready
     }
 
@@ -228,6 +266,7 @@ impl Sharing {
             page.set(page::slot(v, page::SERVED_BYTES), g.served_bytes);
             page.set(page::slot(v, page::SERVED_IOS), g.served_ios);
             page.set(page::slot(v, page::WAITS), g.waits);
+            page.set(page::slot(v, page::HELD_NS), g.held_ns);
         }
     }
 }

@@ -7,6 +7,7 @@ pub const FUSE_KERNEL_MINOR_VERSION: u32 = 31;
 pub const FUSE_ROOT_ID: u64 = 1;
 /// A notification (in an out-header's `error`, with `unique` 0): drop an inode's cached pages.
 pub const FUSE_NOTIFY_INVAL_INODE: i32 = 2;
+pub const FUSE_NOTIFY_INVAL_ENTRY: i32 = 3;
 
 pub const LOOKUP: u32 = 1;
 pub const FORGET: u32 = 2;

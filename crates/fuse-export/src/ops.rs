@@ -2,8 +2,9 @@
 //! I/O comes back as an [`Io`] for the transport to run (synchronously on `/dev/fuse`,
 //! several in flight on a ring).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 
 use bulkhead_client::{Command, Device, FrontRequest, IoError};
 use zerocopy::{FromBytes, Immutable, IntoBytes};
@@ -15,9 +16,25 @@ pub(crate) const MAX_WRITE: usize = 1 << 20;
 const MAX_PAGES: u16 = (MAX_WRITE / 4096) as u16;
 const ATTR_VALID_S: u64 = 3600;
 
+/// A device's file.
+#[derive(Debug)]
+pub(crate) struct Node {
+    pub(crate) dev: Arc<Device>,
+    /// Opens not yet released: a loop device, a mount on one, a program.
+    pub(crate) opens: AtomicUsize,
+}
+
+/// The files, by node id less 2. A removed device's slot stays empty: node ids are never
+/// given twice, so the kernel's cached entry for a removed file finds nothing.
+pub(crate) type Table = Arc<Vec<Option<Arc<Node>>>>;
+
 /// What the export serves, shared by every worker of either transport.
 pub(crate) struct Shared {
-    pub(crate) devices: Vec<Arc<Device>>,
+    /// Replaced whole when a device comes or goes; workers keep the one they started with
+    /// until `version` moves.
+    table: RwLock<Table>,
+    /// Bumped at every change of `table`.
+    pub(crate) version: AtomicU64,
     pub(crate) stop: AtomicBool,
     pub(crate) initialized: AtomicBool,
     /// Whether to offer FUSE over io_uring at INIT.
@@ -31,8 +48,10 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn new(devices: Vec<Arc<Device>>, offer_uring: bool) -> Self {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let table = devices.into_iter().map(|dev| Some(Arc::new(Node { dev, opens: AtomicUsize::new(0) }))).collect();
         Shared {
-            devices,
+            table: RwLock::new(Arc::new(table)),
+            version: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             initialized: AtomicBool::new(false),
             offer_uring,
@@ -42,17 +61,51 @@ impl Shared {
         }
     }
 
-    pub(crate) fn device(&self, nodeid: u64) -> Option<&Arc<Device>> {
-        nodeid.checked_sub(2).and_then(|i| self.devices.get(i as usize))
+    /// The files as they are now.
+    pub(crate) fn table(&self) -> Table {
+        self.table.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn attr(&self, nodeid: u64) -> Option<Attr> {
+    /// Changes the files; returns what `change` returns.
+    pub(crate) fn change<R>(&self, change: impl FnOnce(&mut Vec<Option<Arc<Node>>>) -> R) -> R {
+        let mut t = self.table.write().unwrap_or_else(|e| e.into_inner());
+        let mut next = (**t).clone();
+        let r = change(&mut next);
+        *t = Arc::new(next);
+        self.version.fetch_add(1, Ordering::AcqRel);
+        r
+    }
+
+    pub(crate) fn node(&self, nodeid: u64) -> Option<Arc<Node>> {
+        let t = self.table.read().unwrap_or_else(|e| e.into_inner());
+        nodeid.checked_sub(2).and_then(|i| t.get(i as usize)).and_then(Clone::clone)
+    }
+
+    /// The node id of the file named `name`.
+    pub(crate) fn lookup(&self, name: &[u8]) -> Option<u64> {
+        let t = self.table.read().unwrap_or_else(|e| e.into_inner());
+        t.iter().position(|n| n.as_ref().is_some_and(|n| n.dev.name().as_bytes() == name)).map(|i| i as u64 + 2)
+    }
+
+    /// Node `nodeid`, looked up in `files` (a worker's copy of the table), or in the table
+    /// itself if it was added since the copy was taken: no lock and no reference count is
+    /// taken for the files the copy has.
+    pub(crate) fn node_in<'t>(&self, files: &'t [Option<Arc<Node>>], nodeid: u64) -> Option<Cow<'t, Arc<Node>>> {
+        let i = usize::try_from(nodeid.checked_sub(2)?).ok()?;
+        match files.get(i) {
+            Some(n) => n.as_ref().map(Cow::Borrowed),
+            None => self.node(nodeid).map(Cow::Owned),
+        }
+    }
+
+    fn attr(&self, files: &[Option<Arc<Node>>], nodeid: u64) -> Option<Attr> {
         let t = self.start_time;
         let base = Attr { ino: nodeid, atime: t, mtime: t, ctime: t, uid: 0, gid: 0, blksize: 4096, ..Default::default() };
         if nodeid == FUSE_ROOT_ID {
             return Some(Attr { mode: libc::S_IFDIR | 0o755, nlink: 2, ..base });
         }
-        let d = self.device(nodeid)?;
+        let n = self.node_in(files, nodeid)?;
+        let d = &n.dev;
         let perm = if d.read_only() { 0o400 } else { 0o600 };
         Some(Attr { mode: libc::S_IFREG | perm, nlink: 1, size: d.size(), blocks: d.size() / 512, ..base })
     }
@@ -61,7 +114,7 @@ impl Shared {
         // Rate-limited: the first 10, then every 1000th.
         let n = self.errors_logged.fetch_add(1, Ordering::Relaxed);
         if n < 10 || n.is_multiple_of(1000) {
-            eprintln!("bulkhead: fuse {what}: {e} ({} errors so far)", n + 1);
+            log::warn!("fuse {what}: {e} ({} errors so far)", n + 1);
         }
     }
 }
@@ -160,7 +213,7 @@ pub(crate) fn parse<T: FromBytes>(body: &[u8]) -> Option<T> {
 }
 
 /// Answers `req` or says what I/O it needs.
-pub(crate) fn dispatch(sh: &Shared, req: &Incoming<'_>, sink: &mut impl Sink) -> Step {
+pub(crate) fn dispatch(sh: &Shared, files: &[Option<Arc<Node>>], req: &Incoming<'_>, sink: &mut impl Sink) -> Step {
     let h = &req.h;
     let (u, op) = (h.unique, req.op);
     match h.opcode {
@@ -172,11 +225,9 @@ pub(crate) fn dispatch(sh: &Shared, req: &Incoming<'_>, sink: &mut impl Sink) ->
         FORGET | BATCH_FORGET | INTERRUPT => {} // no reply
         LOOKUP => {
             let name = req.payload.split(|&b| b == 0).next().unwrap_or(&[]);
-            let found = (h.nodeid == FUSE_ROOT_ID).then(|| sh.devices.iter().position(|d| d.name().as_bytes() == name)).flatten();
-            match found {
-                Some(i) => {
-                    let nodeid = i as u64 + 2;
-                    let attr = sh.attr(nodeid).expect("device node");
+            let found = (h.nodeid == FUSE_ROOT_ID).then(|| sh.lookup(name)).flatten();
+            match found.and_then(|nodeid| sh.attr(files, nodeid).map(|a| (nodeid, a))) {
+                Some((nodeid, attr)) => {
                     let out = EntryOut {
                         nodeid,
                         generation: 1,
@@ -190,40 +241,57 @@ pub(crate) fn dispatch(sh: &Shared, req: &Incoming<'_>, sink: &mut impl Sink) ->
                 None => sink.error(u, libc::ENOENT),
             }
         }
-        GETATTR => match sh.attr(h.nodeid) {
+        GETATTR => match sh.attr(files, h.nodeid) {
             Some(attr) => sink.value(u, &AttrOut { attr_valid: ATTR_VALID_S, attr, ..Default::default() }),
             None => sink.error(u, libc::ENOENT),
         },
-        SETATTR => match (parse::<SetattrIn>(op), sh.attr(h.nodeid)) {
+        SETATTR => match (parse::<SetattrIn>(op), sh.attr(files, h.nodeid)) {
             // A device has a fixed size.
             (Some(s), Some(attr)) if s.valid & FATTR_SIZE != 0 && s.size != attr.size => sink.error(u, libc::EPERM),
             (Some(_), Some(attr)) => sink.value(u, &AttrOut { attr_valid: ATTR_VALID_S, attr, ..Default::default() }),
             _ => sink.error(u, libc::ENOENT),
         },
-        OPEN => match (sh.device(h.nodeid), parse::<OpenIn>(op)) {
+        OPEN => match (sh.node_in(files, h.nodeid), parse::<OpenIn>(op)) {
             // A read-only view opens for reading only (`losetup -r`, `mount -o ro`).
-            (Some(d), Some(o)) if d.read_only() && o.flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32 => {
+            (Some(n), Some(o)) if n.dev.read_only() && o.flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32 => {
                 sink.error(u, libc::EROFS)
             }
-            (Some(_), Some(_)) => sink.value(u, &OpenOut::default()),
+            (Some(n), Some(_)) => {
+                n.opens.fetch_add(1, Ordering::AcqRel);
+                // The handle names the file: its release finds it even if the node id is
+                // looked up no more.
+                sink.value(u, &OpenOut { fh: h.nodeid, ..Default::default() })
+            }
             (None, _) if h.nodeid == FUSE_ROOT_ID => sink.error(u, libc::EISDIR),
             _ => sink.error(u, libc::ENOENT),
         },
         OPENDIR if h.nodeid == FUSE_ROOT_ID => sink.value(u, &OpenOut::default()),
         OPENDIR => sink.error(u, libc::ENOTDIR),
         READDIR => readdir(sh, u, h.nodeid, op, sink),
-        READ => return read(sh, u, h.nodeid, op, sink),
-        WRITE => return write(sh, u, h.nodeid, op, req.payload, sink),
-        FSYNC => match sh.device(h.nodeid) {
+        READ => return read(sh, files, u, h.nodeid, op, sink),
+        WRITE => return write(sh, files, u, h.nodeid, op, req.payload, sink),
+        FSYNC => match sh.node_in(files, h.nodeid) {
             Some(_) => return io(h, IoKind::Flush),
             None => sink.error(u, 0),
         },
-        FALLOCATE => return fallocate(sh, u, h.nodeid, op, sink),
+        FALLOCATE => return fallocate(sh, files, u, h.nodeid, op, sink),
         STATFS => sink.value(
             u,
-            &StatfsOut { bsize: 4096, frsize: 4096, namelen: 255, files: sh.devices.len() as u64, ..Default::default() },
+            &StatfsOut {
+                bsize: 4096,
+                frsize: 4096,
+                namelen: 255,
+                files: sh.table().iter().flatten().count() as u64,
+                ..Default::default()
+            },
         ),
-        FLUSH | RELEASE | RELEASEDIR | FSYNCDIR | ACCESS => sink.error(u, 0),
+        RELEASE => {
+            if let Some(n) = sh.node_in(files, h.nodeid) {
+                let _ = n.opens.fetch_update(Ordering::AcqRel, Ordering::Acquire, |o| o.checked_sub(1));
+            }
+            sink.error(u, 0)
+        }
+        FLUSH | RELEASEDIR | FSYNCDIR | ACCESS => sink.error(u, 0),
         _ => sink.error(u, libc::ENOSYS),
     }
     Step::Done
@@ -281,10 +349,11 @@ fn readdir(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) {
         return sink.error(u, libc::ENOTDIR);
     }
     let mut out = Vec::with_capacity(r.size as usize);
+    let table = sh.table();
     let entries = [(".", FUSE_ROOT_ID, 4u32), ("..", FUSE_ROOT_ID, 4)]
         .into_iter()
         .map(|(n, i, t)| (n.to_string(), i, t))
-        .chain(sh.devices.iter().enumerate().map(|(i, d)| (d.name().to_string(), i as u64 + 2, 8)));
+        .chain(table.iter().enumerate().filter_map(|(i, n)| n.as_ref().map(|n| (n.dev.name().to_string(), i as u64 + 2, 8))));
     for (idx, (name, ino, typ)) in entries.enumerate().skip(r.offset as usize) {
         let head = DirentHead { ino, off: idx as u64 + 1, namelen: name.len() as u32, typ };
         let rec = (24 + name.len()).div_ceil(8) * 8;
@@ -298,15 +367,16 @@ fn readdir(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) {
     sink.reply(u, 0, &[&out]);
 }
 
-fn read(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
+fn read(sh: &Shared, files: &[Option<Arc<Node>>], u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
     let Some(r) = parse::<ReadIn>(op) else {
         sink.error(u, libc::EINVAL);
         return Step::Done;
     };
-    let Some(d) = sh.device(nodeid) else {
+    let Some(n) = sh.node_in(files, nodeid) else {
         sink.error(u, libc::EISDIR);
         return Step::Done;
     };
+    let d = &n.dev;
     let len = (r.size as u64).min(d.size().saturating_sub(r.offset));
     if len == 0 {
         sink.reply(u, 0, &[]);
@@ -315,15 +385,16 @@ fn read(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> St
     Step::Io(Io { unique: u, dev: (nodeid - 2) as usize, kind: IoKind::Read { offset: r.offset, into: len } })
 }
 
-fn write(sh: &Shared, u: u64, nodeid: u64, op: &[u8], data: &[u8], sink: &mut impl Sink) -> Step {
+fn write(sh: &Shared, files: &[Option<Arc<Node>>], u: u64, nodeid: u64, op: &[u8], data: &[u8], sink: &mut impl Sink) -> Step {
     let Some(w) = parse::<WriteIn>(op) else {
         sink.error(u, libc::EINVAL);
         return Step::Done;
     };
-    let Some(d) = sh.device(nodeid) else {
+    let Some(n) = sh.node_in(files, nodeid) else {
         sink.error(u, libc::EISDIR);
         return Step::Done;
     };
+    let d = &n.dev;
     if data.len() != w.size as usize {
         sink.error(u, libc::EINVAL);
         return Step::Done;
@@ -336,15 +407,16 @@ fn write(sh: &Shared, u: u64, nodeid: u64, op: &[u8], data: &[u8], sink: &mut im
     Step::Io(Io { unique: u, dev: (nodeid - 2) as usize, kind: IoKind::Write { offset: w.offset, from: w.size, fua } })
 }
 
-fn fallocate(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
+fn fallocate(sh: &Shared, files: &[Option<Arc<Node>>], u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
     let Some(f) = parse::<FallocateIn>(op) else {
         sink.error(u, libc::EINVAL);
         return Step::Done;
     };
-    let Some(d) = sh.device(nodeid) else {
+    let Some(n) = sh.node_in(files, nodeid) else {
         sink.error(u, libc::EISDIR);
         return Step::Done;
     };
+    let d = &n.dev;
     if f.offset.checked_add(f.length).is_none_or(|end| end > d.size()) {
         sink.error(u, if f.mode & FALLOC_FL_KEEP_SIZE != 0 { libc::EINVAL } else { libc::ENOSPC });
         return Step::Done;
@@ -390,7 +462,7 @@ mod tests {
             let mut out = Collect(Vec::new());
             let op = init_request(FUSE_INIT_EXT | FUSE_ASYNC_READ, kernel_flags2, 20);
             let h = InHeader { opcode: INIT, unique: 7, ..Default::default() };
-            assert!(matches!(dispatch(&sh, &Incoming { h, op: &op, payload: &[] }, &mut out), Step::Done));
+            assert!(matches!(dispatch(&sh, &[], &Incoming { h, op: &op, payload: &[] }, &mut out), Step::Done));
             let (u, errno, reply) = &out.0[0];
             assert_eq!((*u, *errno), (7, 0));
             let reply = parse::<InitOut>(reply).unwrap();
@@ -407,13 +479,13 @@ mod tests {
         let mut out = Collect(Vec::new());
         let op = init_request(FUSE_ASYNC_READ, 0, 16);
         let h = InHeader { opcode: INIT, unique: 1, ..Default::default() };
-        dispatch(&sh, &Incoming { h, op: &op, payload: &[] }, &mut out);
+        dispatch(&sh, &[], &Incoming { h, op: &op, payload: &[] }, &mut out);
         let reply = parse::<InitOut>(&out.0[0].2).unwrap();
         assert_eq!(reply.flags & FUSE_ASYNC_READ, FUSE_ASYNC_READ);
         assert!(!sh.uring_granted.load(Ordering::Relaxed));
         // A truncated INIT is refused, not misread.
         let mut out = Collect(Vec::new());
-        dispatch(&sh, &Incoming { h, op: &op[..12], payload: &[] }, &mut out);
+        dispatch(&sh, &[], &Incoming { h, op: &op[..12], payload: &[] }, &mut out);
         assert_eq!(out.0[0].1, libc::EINVAL);
     }
 

@@ -15,7 +15,7 @@ use bulkhead_client::Device;
 use zerocopy::IntoBytes;
 
 use crate::abi::*;
-use crate::ops::{dispatch, Incoming, Io, IoKind, Shared, Sink, Step, MAX_WRITE};
+use crate::ops::{dispatch, Incoming, Io, IoKind, Node, Shared, Sink, Step, MAX_WRITE};
 use crate::uring::{possible_cpus, Ended, RingQueue};
 
 const BUF_SIZE: usize = MAX_WRITE + 64 * 1024;
@@ -165,7 +165,7 @@ pub fn uring_ready() -> Result<(), String> {
         Ok(v) if v.trim() == "Y" || v.trim() == "1" => Ok(()),
         Ok(_) => match std::fs::write(ENABLE_URING, "1") {
             Ok(()) => {
-                eprintln!("bulkhead: switched FUSE over io_uring on ({ENABLE_URING})");
+                log::info!("switched FUSE over io_uring on ({ENABLE_URING})");
                 Ok(())
             }
             Err(e) => Err(format!("{ENABLE_URING} is off and cannot be switched on: {e}")),
@@ -288,7 +288,7 @@ impl FuseExport {
                 // EINVAL) leaves its worker free; requests issued there are still served.
                 match bulkhead_sys::pin_thread(qid) {
                     Err(e) if e.raw_os_error() != Some(libc::EINVAL) => {
-                        eprintln!("bulkhead: fuse ring {qid}: not bound to CPU {qid} ({e}); its worker runs anywhere")
+                        log::warn!("fuse ring {qid}: not bound to CPU {qid} ({e}); its worker runs anywhere")
                     }
                     _ => {}
                 }
@@ -303,7 +303,7 @@ impl FuseExport {
                 match q.serve(&sh) {
                     Ended::Stopped | Ended::Disconnected => {}
                     Ended::Failed(e) => {
-                        eprintln!("bulkhead: fuse ring {qid} failed: {e}; requests issued on CPU {qid} stop being answered")
+                        log::warn!("fuse ring {qid} failed: {e}; requests issued on CPU {qid} stop being answered")
                     }
                 }
                 Some(q)
@@ -333,13 +333,55 @@ impl FuseExport {
         let sh = self.shared.clone();
         let notify = self.notify.clone();
         move |name: &str| {
-            let Some(i) = sh.devices.iter().position(|d| d.name() == name) else { return false };
-            // FUSE_NOTIFY_INVAL_INODE: the inode, offset 0, length 0 (everything).
-            let mut body = [0u8; 24];
-            body[..8].copy_from_slice(&(i as u64 + 2).to_ne_bytes());
-            DevSink(notify.as_raw_fd()).reply(0, -FUSE_NOTIFY_INVAL_INODE, &[&body]);
+            let Some(nodeid) = sh.lookup(name.as_bytes()) else { return false };
+            inval_inode(&notify, nodeid);
             true
         }
+    }
+
+    /// Adds a file for `dev`. Refused if a file of that name is there.
+    pub fn add(&self, dev: Arc<Device>) -> Result<(), String> {
+        let name = dev.name().to_string();
+        self.shared.change(|t| {
+            if t.iter().flatten().any(|n| n.dev.name() == name) {
+                return Err(format!("the FUSE export has a file `{name}` already"));
+            }
+            t.push(Some(Arc::new(Node { dev, opens: std::sync::atomic::AtomicUsize::new(0) })));
+            Ok(())
+        })?;
+        // A lookup that failed before may be cached as missing: forget it.
+        inval_entry(&self.notify, name.as_bytes());
+        Ok(())
+    }
+
+    /// How many times device `name`'s file is open (by a loop device, a mount on one, a
+    /// program); `None` if there is no such file.
+    pub fn opens(&self, name: &str) -> Option<usize> {
+        let nodeid = self.shared.lookup(name.as_bytes())?;
+        self.shared.node(nodeid).map(|n| n.opens.load(Ordering::Acquire))
+    }
+
+    /// Removes device `name`'s file. Refused while it is open unless `force`: the users'
+    /// requests then fail with EIO. Returns whether there was such a file.
+    pub fn remove(&self, name: &str, force: bool) -> Result<bool, String> {
+        let removed = self.shared.change(|t| {
+            let Some(i) = t.iter().position(|n| n.as_ref().is_some_and(|n| n.dev.name() == name)) else {
+                return Ok(None);
+            };
+            let opens = t[i].as_ref().map_or(0, |n| n.opens.load(Ordering::Acquire));
+            if opens > 0 && !force {
+                return Err(format!(
+                    "its FUSE file {} is open {opens} time(s) (a loop device, a mount on one, or a program)",
+                    self.mountpoint.join(name).display()
+                ));
+            }
+            t[i] = None;
+            Ok(Some(i as u64 + 2))
+        })?;
+        let Some(nodeid) = removed else { return Ok(false) };
+        inval_entry(&self.notify, name.as_bytes());
+        inval_inode(&self.notify, nodeid);
+        Ok(true)
     }
 
     /// The mount point.
@@ -362,7 +404,7 @@ impl FuseExport {
             // SAFETY: valid path string.
             if unsafe { libc::umount2(target.as_ptr(), 0) } < 0 {
                 let e = io::Error::last_os_error();
-                eprintln!("bulkhead: {} is busy ({e}); detaching it lazily", self.mountpoint.display());
+                log::info!("{} is busy ({e}); detaching it lazily", self.mountpoint.display());
                 // SAFETY: as above.
                 unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
                 clean = false;
@@ -424,6 +466,8 @@ fn worker(fd: OwnedFd, slot: usize, sh: Arc<Shared>) {
     let mut buf = vec![0u8; BUF_SIZE];
     let mut scratch = Vec::new();
     let mut sink = DevSink(fd.as_raw_fd());
+    // A copy of the files, taken again when a device comes or goes.
+    let (mut version, mut files) = (sh.version.load(Ordering::Acquire), sh.table());
     while !sh.stop.load(Ordering::Acquire) {
         // SAFETY: reads into our own buffer of BUF_SIZE bytes.
         let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), BUF_SIZE) };
@@ -432,25 +476,41 @@ fn worker(fd: OwnedFd, slot: usize, sh: Arc<Shared>) {
                 Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::ENOENT) => continue,
                 Some(libc::ENODEV) => break, // unmounted
                 _ => {
-                    eprintln!("bulkhead: fuse worker {slot}: read: {}", io::Error::last_os_error());
+                    log::warn!("fuse worker {slot}: read: {}", io::Error::last_os_error());
                     break;
                 }
             }
         }
         let Some(req) = Incoming::from_dev(&buf[..n as usize]) else { continue };
-        match dispatch(&sh, &req, &mut sink) {
+        let now = sh.version.load(Ordering::Acquire);
+        if now != version {
+            (version, files) = (now, sh.table());
+        }
+        match dispatch(&sh, &files, &req, &mut sink) {
             Step::Done => {}
             Step::Stop => break,
-            Step::Io(io) => run_io(&sh, slot, &io, req.payload, &mut sink, &mut scratch),
+            Step::Io(io) => run_io(&sh, &files, slot, &io, req.payload, &mut sink, &mut scratch),
         }
     }
 }
 
 /// Runs one request to the end on the queue of `slot` and answers it.
-fn run_io(sh: &Shared, slot: usize, io: &Io, payload: &[u8], sink: &mut DevSink, scratch: &mut Vec<u8>) {
-    let d = &sh.devices[io.dev];
+fn run_io(
+    sh: &Shared,
+    files: &[Option<Arc<crate::ops::Node>>],
+    slot: usize,
+    io: &Io,
+    payload: &[u8],
+    sink: &mut DevSink,
+    scratch: &mut Vec<u8>,
+) {
+    let Some(node) = sh.node_in(files, io.dev as u64 + 2) else {
+        // Removed since the request was looked at.
+        return io.reply(sh, sink, Err(bulkhead_client::IoError::Unavailable("device removed".into())));
+    };
+    let d = &node.dev;
     let result = match io.kind {
-        IoKind::Read { offset, into: len } => return read(sh, slot, io, (offset, len), sink.0, scratch),
+        IoKind::Read { offset, into: len } => return read(sh, d, slot, io, (offset, len), sink.0, scratch),
         IoKind::Write { offset, from: len, fua } => d.write(slot, offset, &payload[..len as usize], fua),
         IoKind::Flush => d.flush(slot),
         IoKind::Discard { offset, len } => d.discard(slot, offset, len),
@@ -461,8 +521,8 @@ fn run_io(sh: &Shared, slot: usize, io: &Io, payload: &[u8], sink: &mut DevSink,
 
 /// A read answered straight from the grant window with one `writev` when it comes in one
 /// piece; split reads are gathered first.
-fn read(sh: &Shared, slot: usize, io: &Io, (offset, len): (u64, u64), fd: RawFd, scratch: &mut Vec<u8>) {
-    let (d, u) = (&sh.devices[io.dev], io.unique);
+fn read(sh: &Shared, d: &Device, slot: usize, io: &Io, (offset, len): (u64, u64), fd: RawFd, scratch: &mut Vec<u8>) {
+    let u = io.unique;
     let mut replied = false;
     scratch.clear();
     let res = d.read(slot, offset, len, |at, w| {
@@ -487,4 +547,24 @@ fn read(sh: &Shared, slot: usize, io: &Io, (offset, len): (u64, u64), fd: RawFd,
             DevSink(fd).error(u, e.errno());
         }
     }
+}
+
+/// Makes the kernel drop the cached pages of node `nodeid` (FUSE_NOTIFY_INVAL_INODE: the
+/// inode, offset 0, length 0: everything).
+fn inval_inode(notify: &OwnedFd, nodeid: u64) {
+    let mut body = [0u8; 24];
+    body[..8].copy_from_slice(&nodeid.to_ne_bytes());
+    DevSink(notify.as_raw_fd()).reply(0, -FUSE_NOTIFY_INVAL_INODE, &[&body]);
+}
+
+/// Makes the kernel forget what it knows of the name `name` in the root (FUSE_NOTIFY_INVAL_ENTRY:
+/// the parent, the name's length, flags, then the name and a NUL).
+fn inval_entry(notify: &OwnedFd, name: &[u8]) {
+    let mut body = Vec::with_capacity(16 + name.len() + 1);
+    body.extend_from_slice(&FUSE_ROOT_ID.to_ne_bytes());
+    body.extend_from_slice(&(name.len() as u32).to_ne_bytes());
+    body.extend_from_slice(&0u32.to_ne_bytes());
+    body.extend_from_slice(name);
+    body.push(0);
+    DevSink(notify.as_raw_fd()).reply(0, -FUSE_NOTIFY_INVAL_ENTRY, &[&body]);
 }

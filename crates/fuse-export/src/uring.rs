@@ -28,7 +28,10 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use zerocopy::{FromBytes, IntoBytes};
 
 use crate::abi::*;
-use crate::ops::{dispatch, Incoming, Io, IoKind, Shared, Sink, Step, MAX_WRITE};
+use crate::ops::{dispatch, Incoming, Io, IoKind, Node, Shared, Sink, Step, MAX_WRITE};
+
+/// The files a worker serves: a copy of the export's table, taken anew when it changes.
+type Files<'d> = &'d [Option<std::sync::Arc<Node>>];
 
 /// Bytes between two entries' header buffers: a page each, so the kernel may pin them.
 const HEADER_STRIDE: usize = 4096;
@@ -286,19 +289,39 @@ impl RingQueue {
     }
 
     fn run(&mut self, sh: &Shared) -> Result<Ended, Ended> {
-        let mut handles: Vec<Option<QueueHandle<'_>>> = (0..sh.devices.len()).map(|_| None).collect();
-        let policy = wait_policy(sh);
-        let yield_after_ns = yield_after(sh);
+        loop {
+            // A device added or removed: once nothing is in flight at a device, the worker
+            // takes the new table (requests for a new file wait for it meanwhile).
+            let version = sh.version.load(Ordering::Acquire);
+            let table = sh.table();
+            if let Some(ended) = self.run_on(sh, &table, version)? {
+                return Ok(ended);
+            }
+        }
+    }
+
+    /// Serves with the files `table`, as of `version`; returns `None` when the table has
+    /// changed and no request is in flight at a device.
+    fn run_on(&mut self, sh: &Shared, table: Files<'_>, version: u64) -> Result<Option<Ended>, Ended> {
+        let mut handles: Vec<Option<QueueHandle<'_>>> = (0..table.len()).map(|_| None).collect();
+        let policy = wait_policy(table);
+        let yield_after_ns = yield_after(table);
         let mut idle = IdleSpin::new(policy);
         let mut last_answer = Instant::now();
+        // Since when the worker has spun for answers (0: it is not spinning).
+        let mut spinning_since = 0u64;
         loop {
             if sh.stop.load(Ordering::Acquire) {
-                return Ok(Ended::Stopped);
+                return Ok(Some(Ended::Stopped));
             }
-            let mut work = self.take_requests(sh, &mut handles)?;
+            let changed = sh.version.load(Ordering::Acquire) != version;
+            if changed && handles.iter().all(Option::is_none) {
+                return Ok(None);
+            }
+            let mut work = self.take_requests(sh, table, &mut handles, changed)?;
             let mut answers = 0;
             for h in handles.iter_mut().flatten() {
-                answers += self.reap(sh, h);
+                answers += self.reap(sh, table, h);
             }
             if answers > 0 {
                 last_answer = Instant::now();
@@ -307,10 +330,13 @@ impl RingQueue {
                 let mut given_up = Vec::new();
                 h.expire(last_answer, |token, r, _| given_up.push((token as usize, r)));
                 for (i, r) in given_up {
-                    self.finish(sh, i, r.map(|_| ()), None).map_err(Ended::Failed)?;
+                    self.finish(sh, table, i, r.map(|_| ()), None).map_err(Ended::Failed)?;
                 }
             }
-            work += answers + self.start_waiting(sh, &mut handles);
+            if !changed {
+                work += self.start_waiting(sh, table, &mut handles);
+            }
+            work += answers;
             for h in handles.iter_mut() {
                 if h.as_ref().is_some_and(|h| h.in_flight() == 0) {
                     *h = None;
@@ -321,16 +347,24 @@ impl RingQueue {
                 self.unsubmitted = 0;
             }
             let now = now_ns();
+            // The handles still held are those with requests in flight: the others were just
+            // let go.
+            let answers_due = handles.iter().any(Option::is_some);
+            if spinning_since != 0 && (work > 0 || !answers_due) {
+                count_spin(&handles, now - spinning_since);
+                spinning_since = 0;
+            }
             if work > 0 {
                 idle.worked(now);
                 continue;
             }
             // With requests at a device the wait is for its answers, and the crowd check does
-            // not cut it short (`IdleSpin::spin_for_answers`). The handles still held are
-            // those with requests in flight: the others were just let go.
-            let answers_due = handles.iter().any(Option::is_some);
+            // not cut it short (`IdleSpin::spin_for_answers`).
             let spin = if answers_due { idle.spin_for_answers(now) } else { idle.spin(now, true) };
             if spin {
+                if answers_due && spinning_since == 0 {
+                    spinning_since = now;
+                }
                 if idle.idle_ns(now) >= yield_after_ns {
                     std::thread::yield_now();
                 } else {
@@ -338,12 +372,22 @@ impl RingQueue {
                 }
                 continue;
             }
+            if spinning_since != 0 {
+                count_spin(&handles, now - spinning_since);
+                spinning_since = 0;
+            }
             self.sleep(&mut handles)?;
         }
     }
 
     /// Takes the requests the kernel delivered; returns how many.
-    fn take_requests<'d>(&mut self, sh: &'d Shared, handles: &mut [Option<QueueHandle<'d>>]) -> Result<usize, Ended> {
+    fn take_requests<'d>(
+        &mut self,
+        sh: &Shared,
+        table: Files<'d>,
+        handles: &mut [Option<QueueHandle<'d>>],
+        changed: bool,
+    ) -> Result<usize, Ended> {
         let mut done: [(u64, i32); 32] = [(0, 0); 32];
         let mut total = 0;
         loop {
@@ -367,7 +411,7 @@ impl RingQueue {
                     continue;
                 }
                 match res {
-                    0 => self.take_request(sh, i, handles)?,
+                    0 => self.take_request(sh, table, i, handles, changed)?,
                     r if r == -libc::EINTR || r == -libc::EAGAIN => {
                         let cmd = self.ents[i].last_cmd;
                         self.push_cmd(i, cmd).map_err(Ended::Failed)?;
@@ -375,7 +419,7 @@ impl RingQueue {
                     r if r == -libc::ENOTCONN || r == -libc::ENODEV || r == -libc::ECANCELED => return Err(Ended::Disconnected),
                     r => {
                         self.ents[i].held = Held::Dead;
-                        eprintln!("bulkhead: fuse ring {}: entry {i}: {}", self.qid, io::Error::from_raw_os_error(-r));
+                        log::warn!("fuse ring {}: entry {i}: {}", self.qid, io::Error::from_raw_os_error(-r));
                         if self.ents.iter().all(|e| e.held == Held::Dead) {
                             return Err(Ended::Failed(io::Error::from_raw_os_error(-r)));
                         }
@@ -386,7 +430,14 @@ impl RingQueue {
     }
 
     /// Handles the request in entry `i`.
-    fn take_request<'d>(&mut self, sh: &'d Shared, i: usize, handles: &mut [Option<QueueHandle<'d>>]) -> Result<(), Ended> {
+    fn take_request<'d>(
+        &mut self,
+        sh: &Shared,
+        table: Files<'d>,
+        i: usize,
+        handles: &mut [Option<QueueHandle<'d>>],
+        changed: bool,
+    ) -> Result<(), Ended> {
         let hdr = self.header(i);
         let mut raw = [0u8; URING_HEADER_SZ];
         // SAFETY: the kernel has finished writing the entry's header (its command completed)
@@ -401,13 +452,15 @@ impl RingQueue {
         let mut sink = Collected::default();
         let step = {
             let payload = &self.payload_mut(i)[..len];
-            dispatch(sh, &Incoming { h, op, payload }, &mut sink)
+            dispatch(sh, table, &Incoming { h, op, payload }, &mut sink)
         };
         match step {
             Step::Io(io) => {
                 self.ents[i].held = Held::Waiting(io);
                 self.waiting.push_back(i);
-                self.start_waiting(sh, handles);
+                if !changed {
+                    self.start_waiting(sh, table, handles);
+                }
                 Ok(())
             }
             Step::Done | Step::Stop => {
@@ -421,7 +474,7 @@ impl RingQueue {
 
     /// Submits waiting requests, oldest first, while their devices take them. Returns how
     /// many left the wait.
-    fn start_waiting<'d>(&mut self, sh: &'d Shared, handles: &mut [Option<QueueHandle<'d>>]) -> usize {
+    fn start_waiting<'d>(&mut self, sh: &Shared, table: Files<'d>, handles: &mut [Option<QueueHandle<'d>>]) -> usize {
         let mut started = 0;
         let mut blocked = Vec::new();
         while let Some(i) = self.waiting.pop_front() {
@@ -430,7 +483,22 @@ impl RingQueue {
                 self.waiting.push_front(i);
                 break;
             }
-            let dev = &sh.devices[io.dev];
+            let dev = match table.get(io.dev) {
+                Some(Some(node)) => &node.dev,
+                // Removed: its users get EIO.
+                Some(None) => {
+                    started += 1;
+                    if let Err(e) = self.finish(sh, table, i, Err(IoError::Unavailable("device removed".into())), None) {
+                        log::info!("fuse ring {}: {e}", self.qid);
+                    }
+                    continue;
+                }
+                // Added since this worker took its table: it waits for the new one.
+                None => {
+                    self.waiting.push_front(i);
+                    break;
+                }
+            };
             if handles[io.dev].is_none() {
                 // Block for a queue only while holding none: then no two workers can wait
                 // for each other's queues.
@@ -464,8 +532,8 @@ impl RingQueue {
                 }
                 Err(e) => {
                     started += 1;
-                    if let Err(e) = self.finish(sh, i, Err(e), None) {
-                        eprintln!("bulkhead: fuse ring {}: {e}", self.qid);
+                    if let Err(e) = self.finish(sh, table, i, Err(e), None) {
+                        log::info!("fuse ring {}: {e}", self.qid);
                     }
                 }
             }
@@ -474,21 +542,29 @@ impl RingQueue {
     }
 
     /// Delivers a device queue's answers; returns how many.
-    fn reap(&mut self, sh: &Shared, h: &mut QueueHandle<'_>) -> usize {
+    fn reap(&mut self, sh: &Shared, table: Files<'_>, h: &mut QueueHandle<'_>) -> usize {
         let mut failed = None;
         let n = h.poll(|token, result, data| {
-            if let Err(e) = self.finish(sh, token as usize, result.map(|_| ()), data) {
+            if let Err(e) = self.finish(sh, table, token as usize, result.map(|_| ()), data) {
                 failed = Some(e);
             }
         });
         if let Some(e) = failed {
-            eprintln!("bulkhead: fuse ring {}: {e}", self.qid);
+            log::info!("fuse ring {}: {e}", self.qid);
         }
         n
     }
 
     /// Answers entry `i`'s device request.
-    fn finish(&mut self, sh: &Shared, i: usize, result: Result<(), IoError>, data: Option<SharedSlice<'_>>) -> io::Result<()> {
+    fn finish(
+        &mut self,
+        sh: &Shared,
+        table: Files<'_>,
+        i: usize,
+        result: Result<(), IoError>,
+        data: Option<SharedSlice<'_>>,
+    ) -> io::Result<()> {
+        let counters = |dev: usize| table.get(dev).and_then(Option::as_ref).map(|n| &n.dev.counters);
         let (Held::Device(io) | Held::Waiting(io)) = self.ents[i].held else {
             return Ok(());
         };
@@ -497,14 +573,18 @@ impl RingQueue {
             return match data {
                 Some(d) if d.len() == len => {
                     d.copy_to(&mut self.payload_mut(i)[..len]);
-                    sh.devices[io.dev].counters.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+                    if let Some(c) = counters(io.dev) {
+                        c.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+                    }
                     self.commit(i, io.unique, 0, &[], len)
                 }
                 _ => self.commit(i, io.unique, libc::EIO, &[], 0),
             };
         }
         if let (IoKind::Write { from: len, .. }, Ok(())) = (io.kind, &result) {
-            sh.devices[io.dev].counters.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
+            if let Some(c) = counters(io.dev) {
+                c.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
+            }
         }
         // Nothing borrows the entry's buffers here: the reply goes straight into them.
         let mut sink = EntrySink { q: self, i, done: Ok(()) };
@@ -587,11 +667,25 @@ impl Sink for Collected {
     }
 }
 
+/// Adds `ns` spent spinning for answers to the devices with requests in flight (those whose
+/// queues the worker holds), in equal parts.
+fn count_spin(handles: &[Option<QueueHandle<'_>>], ns: u64) {
+    let held: Vec<&QueueHandle<'_>> = handles.iter().flatten().collect();
+    if held.is_empty() {
+        return;
+    }
+    let each = ns / held.len() as u64;
+    for h in held {
+        h.device().queue_counters(h.index()).spin_ns.fetch_add(each, Ordering::Relaxed);
+    }
+}
+
 /// How long a worker spins before sleeping, from its devices' notification modes: not at
 /// all if every device is `irq`; up to the auto ceiling, tuned, otherwise (`poll` devices
 /// included: a worker per CPU spinning without end would starve the CPUs it serves).
-fn wait_policy(sh: &Shared) -> BudgetPolicy {
-    if !sh.devices.is_empty() && sh.devices.iter().all(|d| d.mode() == NotifyMode::Irq) {
+fn wait_policy(table: Files<'_>) -> BudgetPolicy {
+    let mut devices = table.iter().flatten().map(|n| &n.dev).peekable();
+    if devices.peek().is_some() && devices.all(|d| d.mode() == NotifyMode::Irq) {
         BudgetPolicy::Fixed(0)
     } else {
         BudgetPolicy::DEFAULT_AUTO
@@ -605,8 +699,8 @@ fn wait_policy(sh: &Shared) -> BudgetPolicy {
 /// the first idle look, unless a device is `poll`: its domain never sleeps, and with a
 /// worker yielding at every look one thread of reads lost about a tenth, where a 10 µs
 /// grace kept it (docs/BENCHMARKS.md, "Yielding from the first idle look").
-fn yield_after(sh: &Shared) -> u64 {
-    if sh.devices.iter().any(|d| d.mode() == NotifyMode::Poll) {
+fn yield_after(table: Files<'_>) -> u64 {
+    if table.iter().flatten().any(|n| n.dev.mode() == NotifyMode::Poll) {
         10_000
     } else {
         0

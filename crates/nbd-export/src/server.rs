@@ -19,7 +19,7 @@ use bulkhead_sys::SocketTimeout;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -163,12 +163,22 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A live connection.
+struct Conn {
+    sock: Arc<OwnedFd>,
+    /// The export it chose, once it has.
+    export: Option<String>,
+}
+
 struct Shared {
-    devices: Vec<Arc<Device>>,
+    /// The exports; devices come and go while the server runs.
+    devices: RwLock<Vec<Arc<Device>>>,
+    /// `cfg.allow`, with the lists of devices added since.
+    allow: RwLock<HashMap<String, Vec<Cidr>>>,
     cfg: ServerConfig,
     stop: AtomicBool,
-    /// Live connections' sockets (to shut them down on stop).
-    conns: Mutex<HashMap<u64, Arc<OwnedFd>>>,
+    /// Live connections (to shut them down on stop, or when their export goes).
+    conns: Mutex<HashMap<u64, Conn>>,
     next_id: AtomicU64,
     active: AtomicUsize,
     budget: Arc<Budget>,
@@ -201,7 +211,8 @@ impl NbdServer {
     /// Binds the configured listeners and starts accepting.
     pub fn start(devices: Vec<Arc<Device>>, cfg: ServerConfig) -> io::Result<NbdServer> {
         let shared = Arc::new(Shared {
-            devices,
+            devices: RwLock::new(devices),
+            allow: RwLock::new(cfg.allow.clone()),
             cfg: cfg.clone(),
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
@@ -243,6 +254,45 @@ impl NbdServer {
         self.shared.active.load(Ordering::Acquire)
     }
 
+    /// Connections open now on export `name`.
+    pub fn clients_of(&self, name: &str) -> usize {
+        lock(&self.shared.conns).values().filter(|c| c.export.as_deref() == Some(name)).count()
+    }
+
+    /// Offers `device` as an export too; TCP clients may reach it only from `allow` if given.
+    /// Refused if an export has its name.
+    pub fn add(&self, device: Arc<Device>, allow: Option<Vec<Cidr>>) -> Result<(), String> {
+        let mut devices = self.shared.devices.write().unwrap_or_else(|e| e.into_inner());
+        if devices.iter().any(|d| d.name() == device.name()) {
+            return Err(format!("the NBD export has an export `{}` already", device.name()));
+        }
+        let mut list = self.shared.allow.write().unwrap_or_else(|e| e.into_inner());
+        match allow {
+            Some(a) => list.insert(device.name().to_string(), a),
+            None => list.remove(device.name()),
+        };
+        devices.push(device);
+        Ok(())
+    }
+
+    /// Stops offering export `name`. Refused while clients are connected to it unless
+    /// `force`, which disconnects them. Returns whether there was such an export.
+    pub fn remove(&self, name: &str, force: bool) -> Result<bool, String> {
+        let mut devices = self.shared.devices.write().unwrap_or_else(|e| e.into_inner());
+        let Some(i) = devices.iter().position(|d| d.name() == name) else { return Ok(false) };
+        let conns = lock(&self.shared.conns);
+        let users: Vec<&Conn> = conns.values().filter(|c| c.export.as_deref() == Some(name)).collect();
+        if !users.is_empty() && !force {
+            return Err(format!("{} NBD client(s) are connected to it", users.len()));
+        }
+        for c in users {
+            let _ = bulkhead_sys::shutdown(c.sock.as_fd());
+        }
+        devices.remove(i);
+        self.shared.allow.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+        Ok(true)
+    }
+
     /// Stops accepting, ends every connection (requests in hand finish first) and removes the
     /// unix socket.
     pub fn shutdown(mut self) {
@@ -257,8 +307,8 @@ impl NbdServer {
         for (_, t) in self.listeners.drain(..) {
             let _ = t.join();
         }
-        for fd in lock(&self.shared.conns).values() {
-            let _ = bulkhead_sys::shutdown(fd.as_fd());
+        for c in lock(&self.shared.conns).values() {
+            let _ = bulkhead_sys::shutdown(c.sock.as_fd());
         }
         let threads = std::mem::take(&mut *lock(&self.shared.threads));
         for t in threads {
@@ -275,6 +325,9 @@ impl Drop for NbdServer {
         self.stop_all();
     }
 }
+
+/// Clients decide how often their connections fail: at most 10 lines a second of it.
+pub(crate) static CLIENT_LOG: bulkhead_sys::LogLimit = bulkhead_sys::LogLimit::new(10, Duration::from_secs(1));
 
 fn accept_loop(shared: Arc<Shared>, listener: Arc<OwnedFd>) {
     loop {
@@ -304,7 +357,7 @@ fn accept_loop(shared: Arc<Shared>, listener: Arc<OwnedFd>) {
         shared.active.fetch_add(1, Ordering::AcqRel);
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         let sock = Arc::new(sock);
-        lock(&shared.conns).insert(id, sock.clone());
+        lock(&shared.conns).insert(id, Conn { sock: sock.clone(), export: None });
         let s = shared.clone();
         let t = std::thread::Builder::new().name("nbd-conn".into()).spawn(move || {
             let sh = s.clone();
@@ -312,7 +365,9 @@ fn accept_loop(shared: Arc<Shared>, listener: Arc<OwnedFd>) {
             if let Err(e) = r {
                 if !sh.stop.load(Ordering::Acquire) {
                     sh.stats.dropped.fetch_add(1, Ordering::Relaxed);
-                    eprintln!("bulkhead: nbd client {id}: {e}; connection closed");
+                    if let Some(held) = CLIENT_LOG.allow() {
+                        log::info!("nbd client {id}: {e}; connection closed{}", bulkhead_sys::LogLimit::held_note(held));
+                    }
                 }
             }
             lock(&sh.conns).remove(&id);
@@ -410,6 +465,17 @@ fn serve_connection(shared: &Arc<Shared>, id: u64, sock: Arc<OwnedFd>) -> io::Re
         match negotiate(shared, &haggle, &mut reader, &mut writer).map_err(|e| timeout_says(e, "negotiation"))? {
             Outcome::Abort => return Ok(()),
             Outcome::Go(neg) => {
+                // Checked against the exports as they are now, under their lock: a removal
+                // either sees this client or this client sees the removal.
+                {
+                    let devices = shared.devices.read().unwrap_or_else(|e| e.into_inner());
+                    if !devices.iter().any(|d| Arc::ptr_eq(d, &neg.device)) {
+                        return Err(violation(format!("export {} was removed during negotiation", neg.device.name())));
+                    }
+                    if let Some(c) = lock(&shared.conns).get_mut(&id) {
+                        c.export = Some(neg.device.name().to_string());
+                    }
+                }
                 set_timeout(&sock, SocketTimeout::Read, Some(cfg.request_timeout));
                 return transmit(shared, id, raw, reader, writer, neg);
             }
@@ -489,7 +555,7 @@ fn read_u64(r: &mut impl Read) -> io::Result<u64> {
 
 /// Whether `peer` may reach `device`.
 fn allowed(shared: &Shared, peer: Peer, device: &Device) -> bool {
-    match (peer, shared.cfg.allow.get(device.name())) {
+    match (peer, shared.allow.read().unwrap_or_else(|e| e.into_inner()).get(device.name())) {
         (Peer::Local, _) | (_, None) => true,
         (Peer::Tcp(ip), Some(ranges)) => ranges.iter().any(|r| r.contains(ip)),
     }
@@ -498,9 +564,9 @@ fn allowed(shared: &Shared, peer: Peer, device: &Device) -> bool {
 fn find_device(shared: &Shared, name: &[u8]) -> Option<Arc<Device>> {
     if name.is_empty() {
         // The default export: the first device.
-        return shared.devices.first().cloned();
+        return shared.devices.read().unwrap_or_else(|e| e.into_inner()).first().cloned();
     }
-    shared.devices.iter().find(|d| d.name().as_bytes() == name).cloned()
+    shared.devices.read().unwrap_or_else(|e| e.into_inner()).iter().find(|d| d.name().as_bytes() == name).cloned()
 }
 
 fn transmission_flags(structured: bool, read_only: bool) -> u16 {
@@ -627,7 +693,8 @@ fn negotiate(shared: &Shared, haggle: &Haggle, r: &mut SockReader, w: &mut std::
                     reply(w, REP_ERR_INVALID, &[])?;
                     continue;
                 }
-                for d in shared.devices.iter().filter(|d| allowed(shared, peer, d)) {
+                let devices = shared.devices.read().unwrap_or_else(|e| e.into_inner()).clone();
+                for d in devices.iter().filter(|d| allowed(shared, peer, d)) {
                     let mut p = (d.name().len() as u32).to_be_bytes().to_vec();
                     p.extend_from_slice(d.name().as_bytes());
                     reply(w, REP_SERVER, &p)?;

@@ -171,7 +171,13 @@ fn psk_context(keys: HashMap<Vec<u8>, Vec<u8>>) -> Result<SslContext, openssl::e
         }
         _ => {
             let who = identity.map(String::from_utf8_lossy).unwrap_or_default();
-            eprintln!("bulkhead: nbd client: TLS: no pre-shared key for identity `{}`", who.escape_debug());
+            if let Some(held) = crate::server::CLIENT_LOG.allow() {
+                log::info!(
+                    "nbd client: TLS: no pre-shared key for identity `{}`{}",
+                    who.escape_debug(),
+                    bulkhead_sys::LogLimit::held_note(held)
+                );
+            }
             Ok(0)
         }
     });
@@ -199,7 +205,9 @@ pub(crate) fn relay(sock: Arc<OwnedFd>, tls: &Tls) -> io::Result<OwnedFd> {
     set_nonblocking(&*sock)?;
     std::thread::Builder::new().name("nbd-tls".into()).spawn(move || {
         if let Err(e) = pump(&sock, ours, conn) {
-            eprintln!("bulkhead: nbd client: TLS: {e}");
+            if let Some(held) = crate::server::CLIENT_LOG.allow() {
+                log::info!("nbd client: TLS: {e}{}", bulkhead_sys::LogLimit::held_note(held));
+            }
         }
     })?;
     Ok(theirs.into())

@@ -522,6 +522,8 @@ pub mod page {
     pub const SERVED_IOS: usize = 11;
     /// Times a request of the view waited, for credit or behind a heavier view.
     pub const WAITS: usize = 12;
+    /// Time the view's requests were held back, for credit or behind a heavier view, ns.
+    pub const HELD_NS: usize = 13;
 
     /// The page slot of `field` for view `view`.
     pub fn slot(view: usize, field: usize) -> usize {

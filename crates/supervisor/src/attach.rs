@@ -131,7 +131,7 @@ fn answer_about(line: &OwnedFd, slot: u32, evicted: &mut Vec<u32>) -> Result<Fro
             return Ok(answer);
         }
         if let FromDomain::Refused { slot, why } = answer {
-            eprintln!("bulkhead: attach slot {slot}: the domain let go of it: {why}");
+            log::info!("attach slot {slot}: the domain let go of it: {why}");
             evicted.push(slot);
         }
     }
@@ -288,7 +288,7 @@ impl AttachPoint {
                 };
                 if let Err(e) = answer {
                     // The domain is dying or wedged; its successor will not get the queue.
-                    eprintln!("bulkhead: device {}: detaching slot {slot}: {e}", self.device);
+                    log::info!("device {}: detaching slot {slot}: {e}", self.device);
                     break;
                 }
             }
@@ -315,7 +315,7 @@ impl AttachPoint {
                 continue;
             }
             if let Err(why) = Self::restart_one(line.as_deref(), &s, &mut evicted) {
-                eprintln!("bulkhead: device {}: attached pid {} let go of: {why}", self.device, s.pid);
+                log::info!("device {}: attached pid {} let go of: {why}", self.device, s.pid);
                 s.dropped.store(true, Ordering::Release);
                 s.hang_up();
                 // Whatever of its queues the new domain took already, it lets go of.

@@ -153,6 +153,11 @@ impl DeviceRuntime {
         })
     }
 
+    /// Its frontend and its views', for the exports.
+    pub fn frontends(&self) -> Vec<Arc<Device>> {
+        std::iter::once(self.device.clone()).chain(self.views.iter().map(|v| v.device.clone())).collect()
+    }
+
     /// The slot, for a moment.
     pub(crate) fn lock(&self) -> MutexGuard<'_, Slot> {
         self.slot.lock().unwrap_or_else(|e| e.into_inner())

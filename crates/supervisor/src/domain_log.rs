@@ -124,7 +124,7 @@ pub(crate) fn relay(device: &str, pid: u32, read_end: OwnedFd) {
         Ok(())
     });
     if let Err(e) = added {
-        eprintln!("bulkhead: device {device}: cannot relay the output of domain {pid}: {e}");
+        log::warn!("device {device}: cannot relay the output of domain {pid}: {e}");
     }
 }
 

@@ -197,8 +197,8 @@ impl Graveyard {
         let mut c = d.child;
         let _ = c.kill();
         if !finish_or_release(&mut c) {
-            eprintln!(
-                "bulkhead: device {device}: killed domain (pid {}) has not finished exiting after {} ms; \
+            log::warn!(
+                "device {device}: killed domain (pid {}) has not finished exiting after {} ms; \
                  carrying on without it",
                 c.id(),
                 EXIT_WAIT.as_millis()
@@ -240,8 +240,8 @@ impl Graveyard {
                 break;
             }
             if start.elapsed() >= DRAIN_WAIT {
-                eprintln!(
-                    "bulkhead: device {device}: {left} reads or writes of a dead domain are still in the kernel \
+                log::warn!(
+                    "device {device}: {left} reads or writes of a dead domain are still in the kernel \
                      after {} s ({running} killed domain(s) still running); starting the next generation anyway: \
                      a late write may land over a newer one",
                     DRAIN_WAIT.as_secs()
@@ -249,8 +249,8 @@ impl Graveyard {
                 break;
             }
             if said.elapsed() >= Duration::from_secs(2) {
-                eprintln!(
-                    "bulkhead: device {device}: waiting for {left} reads or writes a dead domain left in the kernel \
+                log::info!(
+                    "device {device}: waiting for {left} reads or writes a dead domain left in the kernel \
                      ({} ms so far)",
                     start.elapsed().as_millis()
                 );

@@ -84,7 +84,7 @@ fn bury_all(rt: &DeviceRuntime, domains: Vec<Domain>, below: Option<Below>, mut 
 fn fail(rt: &DeviceRuntime, reason: &str) {
     let (domains, below, graveyard) = take_all(rt);
     bury_all(rt, domains, below, graveyard);
-    eprintln!("bulkhead: device {}: {reason}", rt.name);
+    log::error!("device {}: {reason}", rt.name);
     rt.control.fail(reason);
     rt.attach.fail(reason);
 }
@@ -120,7 +120,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str) {
                 slot.life.on_launched(shape, answered)
             };
             if let Launch::Up { was_down: Some(down) } = up {
-                eprintln!("bulkhead: device {}: reconnected after {} ms", rt.name, down.as_millis());
+                log::info!("device {}: reconnected after {} ms", rt.name, down.as_millis());
             }
             rt.control.install_generation(fronts);
             // Attached applications start their queues over, and the new domain takes them.
@@ -131,7 +131,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str) {
             match outcome {
                 Launch::Retry { after } => rt.control.log_limited(|| format!("{e}; trying again in {} ms", after.as_millis())),
                 Launch::Fail { reason } => {
-                    eprintln!("bulkhead: device {}: {reason}", rt.name);
+                    log::error!("device {}: {reason}", rt.name);
                     rt.control.fail(&reason);
                     rt.attach.fail(&reason);
                 }

@@ -913,13 +913,13 @@ fn auto_engine(device: &str, path: &Path) -> Engine {
     // thread and back, a hop the sync engine's plain copy does not take.
     let regular = std::fs::metadata(path).is_ok_and(|m| m.is_file());
     if let (true, Ok(Some(fs))) = (regular, bulkhead_sys::in_memory_fs(path)) {
-        eprintln!("bulkhead: device {device}: {} is on {fs}; the file backend uses the sync engine", path.display());
+        log::info!("device {device}: {} is on {fs}; the file backend uses the sync engine", path.display());
         return Engine::Sync;
     }
     match uring::lend(uring::FILE_ENGINE) {
         Ok(_) => Engine::IoUring,
         Err(e) => {
-            eprintln!("bulkhead: device {device}: io_uring is unavailable ({e}); the file backend uses the sync engine");
+            log::info!("device {device}: io_uring is unavailable ({e}); the file backend uses the sync engine");
             Engine::Sync
         }
     }

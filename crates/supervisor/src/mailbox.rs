@@ -16,6 +16,10 @@ pub(crate) type Reply = Sender<Result<u32, String>>;
 /// A note to the watcher.
 #[derive(Debug)]
 pub(crate) enum Note {
+    /// Device `0` was added: watch it.
+    Added(usize),
+    /// Device `0` is no longer served: stop watching it.
+    Removed(usize),
     /// Device `0`'s claim was let go of: watch its domains again.
     Released(usize),
     /// A job on `device` ended wanting another (the claim is kept for it).

@@ -154,7 +154,9 @@ pub(crate) fn broker(device: &str, pidfd: OwnedFd, listener: OwnedFd, owner_pipe
                     Ok(Some(r)) => r,
                     Err(Refusal::Address(to)) => {
                         if refused.insert(to.clone()) {
-                            eprintln!("bulkhead: device {device}: rbd domain: refused a connection to {to}: not a monitor, nor in `networks`");
+                            log::warn!(
+                                "device {device}: rbd domain: refused a connection to {to}: not a monitor, nor in `networks`"
+                            );
                         }
                         Err(libc::EACCES)
                     }

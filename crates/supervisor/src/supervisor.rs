@@ -62,6 +62,10 @@ pub struct Supervisor {
     stopped: AtomicBool,
     /// Sequence numbers of snapshot operations.
     snapshot_seq: std::sync::atomic::AtomicU64,
+    /// What domains are exec'd from.
+    exe: PathBuf,
+    /// Held while a device is added or removed: one at a time.
+    changes: Mutex<()>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -81,8 +85,10 @@ impl Supervisor {
         let clock: Arc<dyn Clock> = Arc::new(Monotonic);
         let mailbox = Arc::new(Mailbox::new().map_err(setup)?);
         let workers = Workers::start(WORKERS).map_err(setup)?;
+        let registry = crate::hub::Registry::default();
         let (tx, rx) = mpsc::channel();
-        for (i, cfg) in config.devices.iter().enumerate() {
+        for cfg in &config.devices {
+            let i = registry.next_id();
             let (cfg, exe, clock, mailbox, tx) = (cfg.clone(), exe.clone(), clock.clone(), mailbox.clone(), tx.clone());
             workers.submit(move || {
                 let _ = tx.send((i, DeviceRuntime::start(&cfg, i, &exe, clock, mailbox)));
@@ -93,24 +99,25 @@ impl Supervisor {
         for (i, r) in rx {
             started[i] = Some(r);
         }
-        let mut devices = Vec::with_capacity(started.len());
         let mut first_error = None;
         for r in started.into_iter().flatten() {
             match r {
-                Ok(rt) => devices.push(Arc::new(rt)),
+                Ok(rt) => registry.insert(Arc::new(rt)),
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
             }
         }
         let failed = first_error.is_some();
-        let hub = Arc::new(Hub { devices, mailbox, workers, stopping: AtomicBool::new(false), clock });
+        let hub = Arc::new(Hub { devices: registry, mailbox, workers, stopping: AtomicBool::new(false), clock });
         let watcher = if failed { None } else { Some(crate::watcher::start(hub.clone()).map_err(setup)) };
         let sup = Supervisor {
             hub,
             watcher: Mutex::new(None),
             started: Instant::now(),
             stopped: AtomicBool::new(false),
+            exe,
+            changes: Mutex::new(()),
             snapshot_seq: std::sync::atomic::AtomicU64::new(0),
         };
         match (first_error, watcher) {
@@ -127,36 +134,105 @@ impl Supervisor {
     }
 
     /// The device named `name`.
-    fn device(&self, name: &str) -> Result<&Arc<DeviceRuntime>, String> {
-        self.hub.devices.iter().find(|d| d.name == name).ok_or_else(|| format!("no device `{name}`"))
+    fn device(&self, name: &str) -> Result<Arc<DeviceRuntime>, String> {
+        self.hub.devices.find(name).ok_or_else(|| format!("no device `{name}`"))
     }
 
     /// Whether a device `name` is served.
     pub fn has_device(&self, name: &str) -> bool {
-        self.device(name).is_ok()
+        self.hub.devices.find(name).is_some()
     }
 
     /// Whether a view `name` is served.
     pub fn has_view(&self, name: &str) -> bool {
-        self.hub.devices.iter().any(|d| d.views.iter().any(|v| v.name == name))
+        self.hub.devices.all().iter().any(|d| d.views.iter().any(|v| v.name == name))
     }
 
     /// The devices and their views, for the exports.
     pub fn devices(&self) -> Vec<Arc<bulkhead_client::Device>> {
-        self.hub
-            .devices
-            .iter()
-            .flat_map(|d| std::iter::once(d.device.clone()).chain(d.views.iter().map(|v| v.device.clone())))
-            .collect()
+        self.hub.devices.all().iter().flat_map(|d| d.frontends()).collect()
+    }
+
+    /// Device `name`'s frontend and its views', for the exports (empty for an unknown device).
+    pub fn frontends(&self, name: &str) -> Vec<Arc<bulkhead_client::Device>> {
+        self.hub.devices.find(name).map(|d| d.frontends()).unwrap_or_default()
+    }
+
+    /// The device a device or view `name` belongs to.
+    pub fn owner_of(&self, name: &str) -> Option<String> {
+        self.hub.devices.all().iter().find(|d| d.name == name || d.views.iter().any(|v| v.name == name)).map(|d| d.name.clone())
+    }
+
+    /// Starts device `cfg` (a `[[device]]` table, checked) while the others serve, and watches
+    /// it; returns its frontend and its views' for the exports. Refused if its name or one of
+    /// its views' is taken, or while `serve` stops; a device that cannot start leaves nothing
+    /// behind.
+    pub fn add_device(&self, cfg: &bulkhead_config::DeviceConfig) -> Result<Vec<Arc<bulkhead_client::Device>>, SupervisorError> {
+        let _one = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        let name = cfg.name.get_ref().clone();
+        let refuse = |message: String| SupervisorError::Device { device: name.clone(), message };
+        if self.hub.stopping.load(Ordering::Acquire) || self.stopped.load(Ordering::Acquire) {
+            return Err(refuse("serve is shutting down".into()));
+        }
+        for n in std::iter::once(&name).chain(cfg.views.iter().map(|v| v.name.get_ref())) {
+            if self.hub.devices.name_taken(n) {
+                return Err(refuse(format!("a device or view named `{n}` is served already")));
+            }
+        }
+        let id = self.hub.devices.next_id();
+        let (tx, rx) = mpsc::channel();
+        let (c, exe, clock, mailbox) = (cfg.clone(), self.exe.clone(), self.hub.clock.clone(), self.hub.mailbox.clone());
+        // The domains live as long as the worker that execs them.
+        self.hub.workers.submit(move || {
+            let _ = tx.send(DeviceRuntime::start(&c, id, &exe, clock, mailbox));
+        });
+        let rt = rx.recv().map_err(|_| refuse("the supervisor's workers are gone".into()))??;
+        let rt = Arc::new(rt);
+        let fronts = rt.frontends();
+        self.hub.devices.insert(rt);
+        self.hub.mailbox.post(crate::mailbox::Note::Added(id));
+        Ok(fronts)
+    }
+
+    /// Stops serving device `name`, which the exports no longer offer: waits up to `drain`
+    /// for the requests in flight, flushes it, ends its domains and forgets it. Refused while
+    /// applications are attached to it or its views, unless `force` (their requests then fail).
+    pub fn remove_device(&self, name: &str, force: bool, drain: Duration) -> Result<(), String> {
+        let _one = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        let rt = self.device(name)?;
+        let attached = rt.attach.attached();
+        if attached > 0 && !force {
+            return Err(format!("{attached} application queue(s) are attached to `{name}` or its views"));
+        }
+        // Held to the end: no restart or change starts meanwhile, and the watcher leaves it be.
+        let (claim, slot) = rt.claim(CLAIM_WAIT)?;
+        drop(slot);
+        let deadline = Instant::now() + drain;
+        while rt.control.in_flight() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let left = rt.control.in_flight();
+        if left > 0 {
+            log::warn!("device {name}: {left} request(s) still in flight after {} ms; they fail", drain.as_millis());
+        }
+        if rt.lock().life.state() == DeviceState::Running {
+            flush_each(std::slice::from_ref(&rt), Duration::from_secs(5));
+        }
+        self.hub.devices.remove(rt.id);
+        self.hub.mailbox.post(crate::mailbox::Note::Removed(rt.id));
+        rt.control.fail("device removed");
+        end_each(std::slice::from_ref(&rt), Duration::from_secs(3));
+        drop(claim);
+        log::info!("device {name}: removed");
+        Ok(())
     }
 
     /// Changes the QoS of the running view `view`: `changes` are `key=value` settings of
     /// [`bulkhead_qos::KEYS`] applied over its current caps. The domain takes them on its
     /// next look at the view; a restarted domain keeps them. Returns the caps now in force.
     pub fn set_qos(&self, view: &str, changes: &[(String, String)]) -> Result<bulkhead_qos::Caps, String> {
-        let (rt, v) = self
-            .hub
-            .devices
+        let all = self.hub.devices.all();
+        let (rt, v) = all
             .iter()
             .find_map(|d| d.views.iter().find(|v| v.name == view).map(|v| (d, v)))
             .ok_or_else(|| format!("no view `{view}`"))?;
@@ -166,7 +242,7 @@ impl Supervisor {
         }
         let caps = caps.with_default_bursts();
         v.set_caps(caps, &rt.state)?;
-        eprintln!("bulkhead: view {view}: QoS now {caps}");
+        log::info!("view {view}: QoS now {caps}");
         Ok(caps)
     }
 
@@ -185,7 +261,8 @@ impl Supervisor {
         let refuse = |conn: &mut std::os::unix::net::UnixStream, why: ControlError| {
             let _ = tell(conn, &FromServe::Error(why));
         };
-        let found = self.hub.devices.iter().find_map(|d| {
+        let all = self.hub.devices.all();
+        let found = all.iter().find_map(|d| {
             if d.name == ask.name {
                 return Some((d, None));
             }
@@ -265,7 +342,7 @@ impl Supervisor {
             Err(e) => return refuse(&mut conn, ControlError::failed(e)),
         };
         let slots = session.slots();
-        eprintln!("bulkhead: {}: attached pid {} ({} queue(s))", ask.name, session_pid(&conn), count);
+        log::info!("{}: attached pid {} ({} queue(s))", ask.name, session_pid(&conn), count);
         if tell(&mut conn, &FromServe::Attached { slots }).is_ok() {
             crate::attach::listen(conn, &session);
         }
@@ -275,9 +352,9 @@ impl Supervisor {
                 rt.attach.leave(id);
                 drop(claim);
             }
-            Err(e) => eprintln!("bulkhead: {}: cannot detach: {e}", ask.name),
+            Err(e) => log::warn!("{}: cannot detach: {e}", ask.name),
         }
-        eprintln!("bulkhead: {}: detached", ask.name);
+        log::info!("{}: detached", ask.name);
     }
 
     /// Every outage of device `name` measured so far, ms (empty for an unknown device).
@@ -292,7 +369,7 @@ impl Supervisor {
         StatusReport {
             frontend: ProcessMemory { pid: me, rss: crate::proc_info::rss(me) },
             uptime_s: self.started.elapsed().as_secs_f64(),
-            devices: self.hub.devices.iter().map(|rt| device_status(rt)).collect(),
+            devices: self.hub.devices.all().iter().map(|rt| device_status(rt)).collect(),
             fuse: None,
             vhost_user: None,
         }
@@ -412,13 +489,14 @@ impl Supervisor {
         }
         // Jobs under way finish (none starts a generation now).
         if !self.hub.workers.wait_idle(Duration::from_secs(40)) {
-            eprintln!("bulkhead: a restart did not finish within 40 s; stopping anyway");
+            log::warn!("a restart did not finish within 40 s; stopping anyway");
         }
-        for rt in &self.hub.devices {
+        let all = self.hub.devices.all();
+        for rt in &all {
             // Releases any caller still waiting (their requests fail with EIO).
             rt.control.fail("shutting down");
         }
-        self.end_domains(Duration::from_secs(3));
+        end_each(&all, Duration::from_secs(3));
         // The domains are gone: the threads that started them may end.
         self.hub.workers.stop();
         // The domains' last words reach the log before serve exits.
@@ -428,69 +506,75 @@ impl Supervisor {
     /// Flushes every running device, a few at a time, within `limit` in all.
     fn flush_all(&self, limit: Duration) {
         let running: Vec<Arc<DeviceRuntime>> =
-            self.hub.devices.iter().filter(|rt| rt.lock().life.state() == DeviceState::Running).cloned().collect();
-        if running.is_empty() {
-            return;
-        }
-        let next = Arc::new(AtomicUsize::new(0));
-        let running = Arc::new(running);
-        let (tx, rx) = mpsc::channel();
-        for _ in 0..running.len().min(FLUSHERS) {
-            let (next, running, tx) = (next.clone(), running.clone(), tx.clone());
-            // A flush a dead domain never answers keeps its thread: it is not waited for.
-            let _ = std::thread::Builder::new().name("flush".into()).spawn(move || loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(rt) = running.get(i) else { break };
-                if tx.send((i, rt.device.flush(0))).is_err() {
-                    break;
-                }
-            });
-        }
-        drop(tx);
-        let deadline = Instant::now() + limit;
-        let mut answered = vec![false; running.len()];
-        while let Ok((i, r)) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            answered[i] = true;
-            if let Err(e) = r {
-                eprintln!("bulkhead: device {}: final flush failed: {e}", running[i].name);
+            self.hub.devices.all().into_iter().filter(|rt| rt.lock().life.state() == DeviceState::Running).collect();
+        flush_each(&running, limit);
+    }
+}
+
+/// Flushes `running`, a few at a time, within `limit` in all.
+fn flush_each(running: &[Arc<DeviceRuntime>], limit: Duration) {
+    let running = running.to_vec();
+    if running.is_empty() {
+        return;
+    }
+    let next = Arc::new(AtomicUsize::new(0));
+    let running = Arc::new(running);
+    let (tx, rx) = mpsc::channel();
+    for _ in 0..running.len().min(FLUSHERS) {
+        let (next, running, tx) = (next.clone(), running.clone(), tx.clone());
+        // A flush a dead domain never answers keeps its thread: it is not waited for.
+        let _ = std::thread::Builder::new().name("flush".into()).spawn(move || loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(rt) = running.get(i) else { break };
+            if tx.send((i, rt.device.flush(0))).is_err() {
+                break;
             }
-        }
-        for (i, _) in answered.iter().enumerate().filter(|(_, a)| !**a) {
-            eprintln!("bulkhead: device {}: final flush did not complete within {} s", running[i].name, limit.as_secs());
+        });
+    }
+    drop(tx);
+    let deadline = Instant::now() + limit;
+    let mut answered = vec![false; running.len()];
+    while let Ok((i, r)) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        answered[i] = true;
+        if let Err(e) = r {
+            log::warn!("device {}: final flush failed: {e}", running[i].name);
         }
     }
+    for (i, _) in answered.iter().enumerate().filter(|(_, a)| !**a) {
+        log::warn!("device {}: final flush did not complete within {} s", running[i].name, limit.as_secs());
+    }
+}
 
-    /// Asks every domain to stop (SIGTERM), waits up to `grace` for them all, kills those left,
-    /// then stops the cards' models.
-    fn end_domains(&self, grace: Duration) {
-        let mut ending = Vec::new();
-        for rt in &self.hub.devices {
-            let mut slot = rt.lock();
-            let (domains, below) = slot.domains.take_all();
-            let graveyard = std::mem::take(&mut slot.graveyard);
-            slot.life.stopped();
-            drop(slot);
-            for d in &domains {
-                let _ = d.child.signal(libc::SIGTERM);
-            }
-            ending.push((rt, domains, below, graveyard));
+/// Asks every domain of `devices` to stop (SIGTERM), waits up to `grace` for them all, kills
+/// those left, then stops the cards' models.
+fn end_each(devices: &[Arc<DeviceRuntime>], grace: Duration) {
+    let mut ending = Vec::new();
+    for rt in devices {
+        let mut slot = rt.lock();
+        let (domains, below) = slot.domains.take_all();
+        let graveyard = std::mem::take(&mut slot.graveyard);
+        slot.life.stopped();
+        drop(slot);
+        for d in &domains {
+            let _ = d.child.signal(libc::SIGTERM);
         }
-        let deadline = Instant::now() + grace;
-        for (rt, domains, below, mut graveyard) in ending {
-            for mut d in domains {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if !matches!(d.child.wait_timeout(left), Ok(Some(_))) {
-                    eprintln!("bulkhead: device {}: domain (pid {}) did not stop; killing it", rt.name, d.pid());
-                }
-                graveyard.bury(&rt.name, d);
+        ending.push((rt, domains, below, graveyard));
+    }
+    let deadline = Instant::now() + grace;
+    for (rt, domains, below, mut graveyard) in ending {
+        for mut d in domains {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !matches!(d.child.wait_timeout(left), Ok(Some(_))) {
+                log::warn!("device {}: domain (pid {}) did not stop; killing it", rt.name, d.pid());
             }
-            drop(below);
-            graveyard.wait_all(Duration::from_secs(1));
-            rt.lock().graveyard = graveyard;
-            // The card's model goes last: its driver is gone.
-            if let Some(card) = &rt.launcher.card {
-                card.stop_model(grace);
-            }
+            graveyard.bury(&rt.name, d);
+        }
+        drop(below);
+        graveyard.wait_all(Duration::from_secs(1));
+        rt.lock().graveyard = graveyard;
+        // The card's model goes last: its driver is gone.
+        if let Some(card) = &rt.launcher.card {
+            card.stop_model(grace);
         }
     }
 }

@@ -147,7 +147,7 @@ impl CardDevice {
         let Some(mut m) = self.model.lock().unwrap_or_else(|e| e.into_inner()).0.take() else { return };
         let _ = m.child.signal(libc::SIGTERM);
         if !matches!(m.child.wait_timeout(grace), Ok(Some(_))) {
-            eprintln!("bulkhead: device {}: device model did not stop; killing it", self.device);
+            log::warn!("device {}: device model did not stop; killing it", self.device);
             discard(m.child);
         }
     }

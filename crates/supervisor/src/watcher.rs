@@ -14,7 +14,7 @@
 //! The watcher never waits on a domain, a lock held by a job, or a process: what takes time
 //! is a job on a worker.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -89,7 +89,8 @@ enum Timer {
 struct Watcher {
     hub: Arc<Hub>,
     epoll: Epoll,
-    watched: Vec<Watched>,
+    /// By device id.
+    watched: HashMap<usize, Watched>,
     timers: BTreeMap<(Instant, u64), Timer>,
     seq: u64,
     /// Devices with requests pending at the last look.
@@ -104,7 +105,7 @@ pub(crate) fn start(hub: Arc<Hub>) -> std::io::Result<JoinHandle<()>> {
     epoll.add(hub.mailbox.bell(), MAILBOX)?;
     let now = hub.clock.now();
     let mut w = Watcher {
-        watched: (0..hub.devices.len()).map(|_| Watched::default()).collect(),
+        watched: HashMap::new(),
         hub,
         epoll,
         timers: BTreeMap::new(),
@@ -113,16 +114,8 @@ pub(crate) fn start(hub: Arc<Hub>) -> std::io::Result<JoinHandle<()>> {
         next_full: now,
         next_fast: now,
     };
-    for i in 0..w.hub.devices.len() {
-        let alarms = w.hub.devices[i].alarms()?;
-        for a in &alarms {
-            w.epoll.add_once(a.as_fd(), token(i, Kind::Alarm))?;
-        }
-        w.watched[i].alarms = alarms;
-        w.rewatch(i);
-        let rt = &w.hub.devices[i];
-        let obs = rt.observe();
-        rt.lock().life.progress_seen(obs);
+    for i in w.hub.devices.ids() {
+        w.watch(i)?;
     }
     std::thread::Builder::new().name("watcher".into()).spawn(move || w.run())
 }
@@ -158,7 +151,7 @@ impl Watcher {
             if now >= self.next_full {
                 self.next_full = now + SLOW;
                 self.next_fast = now + FAST;
-                let all: Vec<usize> = (0..self.hub.devices.len()).collect();
+                let all = self.hub.devices.ids();
                 self.hot = self.look(&all, true);
             } else if !self.hot.is_empty() && now >= self.next_fast {
                 self.next_fast = now + FAST;
@@ -168,11 +161,42 @@ impl Watcher {
         }
     }
 
+    /// Starts watching device `i`, new to the watcher: its alarms and its domains.
+    fn watch(&mut self, i: usize) -> std::io::Result<()> {
+        let Some(rt) = self.hub.devices.get(i) else { return Ok(()) };
+        let alarms = rt.alarms()?;
+        for a in &alarms {
+            self.epoll.add_once(a.as_fd(), token(i, Kind::Alarm))?;
+        }
+        self.watched.insert(i, Watched { pids: Vec::new(), alarms });
+        self.rewatch(i);
+        let obs = rt.observe();
+        rt.lock().life.progress_seen(obs);
+        Ok(())
+    }
+
+    /// Stops watching device `i`, which is no longer served: its descriptors, its timers.
+    fn unwatch(&mut self, i: usize) {
+        if let Some(w) = self.watched.remove(&i) {
+            for (fd, _) in &w.pids {
+                let _ = self.epoll.delete(fd.as_fd());
+            }
+            for a in &w.alarms {
+                let _ = self.epoll.delete(a.as_fd());
+            }
+        }
+        self.timers.retain(|_, t| match t {
+            Timer::Job { device, .. } => *device != i,
+            Timer::Retry(d) => *d != i,
+        });
+        self.hot.retain(|&d| d != i);
+    }
+
     /// Watches device `i`'s current domains (and its card's model) in place of those it
     /// watched, and its alarms again.
     fn rewatch(&mut self, i: usize) {
-        let rt = self.hub.devices[i].clone();
-        for (fd, _) in std::mem::take(&mut self.watched[i].pids) {
+        let (Some(rt), Some(watched)) = (self.hub.devices.get(i), self.watched.get_mut(&i)) else { return };
+        for (fd, _) in std::mem::take(&mut watched.pids) {
             let _ = self.epoll.delete(fd.as_fd());
         }
         let mut pids = Vec::new();
@@ -193,15 +217,17 @@ impl Watcher {
         }
         for (fd, kind) in &pids {
             if let Err(e) = self.epoll.add_once(fd.as_fd(), token(i, *kind)) {
-                eprintln!("bulkhead: device {}: cannot watch a domain: {e}", rt.name);
+                log::warn!("device {}: cannot watch a domain: {e}", rt.name);
             }
         }
-        self.watched[i].pids = pids;
+        if let Some(w) = self.watched.get_mut(&i) {
+            w.pids = pids;
+        }
         self.rearm_alarms(i);
     }
 
     fn rearm_alarms(&self, i: usize) {
-        for a in &self.watched[i].alarms {
+        for a in self.watched.get(&i).map(|w| &w.alarms[..]).unwrap_or_default() {
             let _ = self.epoll.rearm(a.as_fd(), token(i, Kind::Alarm));
         }
     }
@@ -210,7 +236,7 @@ impl Watcher {
         if kind == Kind::Alarm {
             return self.rearm_alarms(i);
         }
-        for (fd, k) in &self.watched[i].pids {
+        for (fd, k) in self.watched.get(&i).map(|w| &w.pids[..]).unwrap_or_default() {
             if *k == kind {
                 let _ = self.epoll.rearm(fd.as_fd(), token(i, kind));
             }
@@ -219,7 +245,7 @@ impl Watcher {
 
     /// One of device `i`'s descriptors is ready.
     fn on_ready(&mut self, i: usize, kind: Kind) {
-        let rt = self.hub.devices[i].clone();
+        let Some(rt) = self.hub.devices.get(i) else { return };
         let now = self.hub.clock.now();
         let mut slot = rt.lock();
         if slot.busy {
@@ -287,9 +313,15 @@ impl Watcher {
 
     fn on_note(&mut self, note: Note) {
         match note {
+            Note::Added(i) => {
+                if let Err(e) = self.watch(i) {
+                    log::warn!("cannot watch a new device: {e}");
+                }
+            }
+            Note::Removed(i) => self.unwatch(i),
             Note::Released(i) => {
+                let Some(rt) = self.hub.devices.get(i) else { return };
                 self.rewatch(i);
-                let rt = self.hub.devices[i].clone();
                 let obs = rt.observe();
                 let mut slot = rt.lock();
                 slot.life.progress_seen(obs);
@@ -314,7 +346,7 @@ impl Watcher {
             match entry.remove() {
                 Timer::Job { device, disposition, detected, reply } => self.hub.dispatch(device, disposition, detected, reply),
                 Timer::Retry(i) => {
-                    let rt = self.hub.devices[i].clone();
+                    let Some(rt) = self.hub.devices.get(i) else { continue };
                     let mut slot = rt.lock();
                     let due = slot.life.retry_at().is_some_and(|t| t <= now);
                     if due && !slot.busy {
@@ -332,7 +364,7 @@ impl Watcher {
     fn look(&mut self, devices: &[usize], full: bool) -> Vec<usize> {
         let mut hot = Vec::new();
         for &i in devices {
-            let rt = self.hub.devices[i].clone();
+            let Some(rt) = self.hub.devices.get(i) else { continue };
             if full {
                 for v in &rt.views {
                     v.sample();

@@ -645,3 +645,63 @@ mod tests {
         assert_eq!(send_with_fds(a.as_fd(), b"x", &many, true).unwrap_err().kind(), io::ErrorKind::InvalidInput);
     }
 }
+
+/// A limit on log lines a peer can cause: `burst` lines per `window`, then none until the
+/// window is over; the next line says how many were held back. For messages a client, a guest
+/// or a domain triggers, which must not be able to flood the log.
+#[derive(Debug)]
+pub struct LogLimit {
+    burst: u32,
+    window: std::time::Duration,
+    state: std::sync::Mutex<(Option<std::time::Instant>, u32, u64)>,
+}
+
+impl LogLimit {
+    /// At most `burst` lines per `window`.
+    pub const fn new(burst: u32, window: std::time::Duration) -> LogLimit {
+        LogLimit { burst, window, state: std::sync::Mutex::new((None, 0, 0)) }
+    }
+
+    /// Whether a line may be logged now: `Some(n)` with the lines held back since the last
+    /// one logged, `None` if it is held back.
+    pub fn allow(&self) -> Option<u64> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        if st.0.is_none_or(|start| now.duration_since(start) >= self.window) {
+            st.0 = Some(now);
+            st.1 = 0;
+        }
+        if st.1 >= self.burst {
+            st.2 += 1;
+            return None;
+        }
+        st.1 += 1;
+        Some(std::mem::take(&mut st.2))
+    }
+
+    /// ` (N similar lines held back)` when `held` > 0, for the end of a line.
+    pub fn held_note(held: u64) -> String {
+        if held == 0 {
+            String::new()
+        } else {
+            format!(" ({held} similar lines held back)")
+        }
+    }
+}
+
+#[cfg(test)]
+mod log_limit_tests {
+    use super::LogLimit;
+    use std::time::Duration;
+
+    #[test]
+    fn a_burst_passes_then_lines_are_held_and_counted_until_the_window_ends() {
+        let l = LogLimit::new(3, Duration::from_millis(100));
+        assert_eq!((0..3).map(|_| l.allow()).collect::<Vec<_>>(), [Some(0), Some(0), Some(0)]);
+        assert_eq!(l.allow(), None);
+        assert_eq!(l.allow(), None);
+        std::thread::sleep(Duration::from_millis(120));
+        assert_eq!(l.allow(), Some(2), "the next line says two were held back");
+        assert_eq!(LogLimit::held_note(2), " (2 similar lines held back)");
+    }
+}

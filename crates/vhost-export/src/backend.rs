@@ -121,7 +121,7 @@ impl Session {
             r.stop.request();
             match r.thread.join() {
                 Ok(at) => q.base = at.next_avail,
-                Err(_) => eprintln!("bulkhead: vhost-user {}: the worker of queue {index} panicked", self.name),
+                Err(_) => log::info!("vhost-user {}: the worker of queue {index} panicked", self.name),
             }
         }
     }
@@ -166,8 +166,8 @@ impl Session {
                 at.next_avail = used_idx.wrapping_add(found.heads.len() as u16);
                 resubmit = found.heads;
                 if !resubmit.is_empty() {
-                    eprintln!(
-                        "bulkhead: vhost-user {}: queue {index} serves {} requests again from the in-flight record",
+                    log::info!(
+                        "vhost-user {}: queue {index} serves {} requests again from the in-flight record",
                         self.name,
                         resubmit.len()
                     );

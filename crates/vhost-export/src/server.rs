@@ -3,7 +3,7 @@
 //! messages. A device serves one frontend at a time; a second is refused while the first is
 //! connected.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -47,13 +47,21 @@ struct Exported {
     conn: Mutex<Option<Connection>>,
     stats: Arc<SessionStats>,
     sessions: AtomicU64,
+    /// No longer exported: accept no frontend (set under `conn`'s lock).
+    removed: AtomicBool,
 }
 
 pub use bulkhead_control::{VhostQueueStatus as QueueStatus, VhostStatus as ExportStatus};
 
+/// The exported devices, by epoll token.
+type Exports = Arc<Mutex<BTreeMap<u64, Arc<Exported>>>>;
+
 /// The vhost-user-blk export.
 pub struct VhostExport {
-    exports: Arc<Vec<Exported>>,
+    exports: Exports,
+    dir: PathBuf,
+    epoll: Arc<Epoll>,
+    next: AtomicU64,
     stop: Arc<EventFd>,
     stopping: Arc<AtomicBool>,
     acceptor: Mutex<Option<JoinHandle<()>>>,
@@ -64,48 +72,101 @@ impl VhostExport {
     /// earlier `serve` are replaced) and starts accepting.
     pub fn start(dir: &Path, devices: Vec<Arc<Device>>) -> io::Result<VhostExport> {
         std::fs::create_dir_all(dir)?;
-        let mut exports = Vec::with_capacity(devices.len());
-        for dev in devices {
-            let name = dev.name().to_string();
-            let path = dir.join(format!("{name}.sock"));
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io::Error::new(e.kind(), format!("cannot replace {}: {e}", path.display()))),
-            }
-            let listener = UnixListener::bind(&path)
-                .map_err(|e| io::Error::new(e.kind(), format!("cannot bind {}: {e}", path.display())))?;
-            listener.set_nonblocking(true)?;
-            exports.push(Exported {
-                dev,
-                name,
-                path,
-                listener,
-                conn: Mutex::new(None),
-                stats: Arc::new(SessionStats::default()),
-                sessions: AtomicU64::new(0),
-            });
-        }
-        let exports = Arc::new(exports);
         let stop = Arc::new(EventFd::new()?);
         let stopping = Arc::new(AtomicBool::new(false));
-        let epoll = Epoll::new()?;
-        for (i, e) in exports.iter().enumerate() {
-            epoll.add(e.listener.as_fd(), i as u64)?;
-        }
+        let epoll = Arc::new(Epoll::new()?);
         epoll.add(stop.as_fd(), STOP)?;
-        let (ex, halt) = (exports.clone(), stopping.clone());
-        let acceptor = std::thread::Builder::new().name("vhost-accept".into()).spawn(move || accept_loop(&ex, &epoll, &halt))?;
-        Ok(VhostExport { exports, stop, stopping, acceptor: Mutex::new(Some(acceptor)) })
+        let exports: Exports = Arc::default();
+        let (ex, halt, ep) = (exports.clone(), stopping.clone(), epoll.clone());
+        let acceptor = std::thread::Builder::new().name("vhost-accept".into()).spawn(move || accept_loop(&ex, &ep, &halt))?;
+        let export = VhostExport {
+            exports,
+            dir: dir.to_path_buf(),
+            epoll,
+            next: AtomicU64::new(0),
+            stop,
+            stopping,
+            acceptor: Mutex::new(Some(acceptor)),
+        };
+        for dev in devices {
+            export.add(dev)?;
+        }
+        Ok(export)
+    }
+
+    /// Binds a socket for `dev` (replacing a stale one) and accepts on it.
+    pub fn add(&self, dev: Arc<Device>) -> io::Result<()> {
+        let name = dev.name().to_string();
+        let mut exports = self.exports.lock().unwrap_or_else(|p| p.into_inner());
+        if exports.values().any(|e| e.name == name) {
+            return Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("the vhost-user export has `{name}` already")));
+        }
+        let path = self.dir.join(format!("{name}.sock"));
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io::Error::new(e.kind(), format!("cannot replace {}: {e}", path.display()))),
+        }
+        let listener =
+            UnixListener::bind(&path).map_err(|e| io::Error::new(e.kind(), format!("cannot bind {}: {e}", path.display())))?;
+        listener.set_nonblocking(true)?;
+        let token = self.next.fetch_add(1, Ordering::Relaxed);
+        let e = Arc::new(Exported {
+            dev,
+            name,
+            path,
+            listener,
+            conn: Mutex::new(None),
+            stats: Arc::new(SessionStats::default()),
+            sessions: AtomicU64::new(0),
+            removed: AtomicBool::new(false),
+        });
+        if let Err(err) = self.epoll.add(e.listener.as_fd(), token) {
+            let _ = std::fs::remove_file(&e.path);
+            return Err(err);
+        }
+        exports.insert(token, e);
+        Ok(())
+    }
+
+    /// Whether a frontend is connected to device `name`'s socket.
+    pub fn connected(&self, name: &str) -> bool {
+        self.exports.lock().unwrap_or_else(|p| p.into_inner()).values().any(|e| e.name == name && e.connected())
+    }
+
+    /// Stops exporting device `name`: its socket goes. Refused while a frontend is connected
+    /// unless `force`, which disconnects it (its queues drained first). Returns whether the
+    /// device was exported.
+    pub fn remove(&self, name: &str, force: bool) -> Result<bool, String> {
+        let mut exports = self.exports.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((&token, e)) = exports.iter().find(|(_, e)| e.name == name) else { return Ok(false) };
+        if e.connected() && !force {
+            return Err(format!("a virtual machine is connected to its vhost-user socket {}", e.path.display()));
+        }
+        let _ = self.epoll.delete(e.listener.as_fd());
+        let e = exports.remove(&token).expect("found above");
+        drop(exports);
+        let conn = {
+            let mut slot = e.conn.lock().unwrap_or_else(|p| p.into_inner());
+            e.removed.store(true, Ordering::Release);
+            slot.take()
+        };
+        if let Some(c) = conn {
+            let _ = c.sock.shutdown(std::net::Shutdown::Both);
+            let _ = c.thread.join();
+        }
+        let _ = std::fs::remove_file(&e.path);
+        Ok(true)
     }
 
     /// Each exported device's connection and counters.
     pub fn status(&self) -> Vec<ExportStatus> {
         self.exports
-            .iter()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
             .map(|e| {
-                let connected =
-                    e.conn.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|c| !c.thread.is_finished());
+                let connected = e.connected();
                 let queues = e
                     .stats
                     .queues
@@ -141,7 +202,8 @@ impl VhostExport {
         let acceptor = self.acceptor.lock().unwrap_or_else(|p| p.into_inner()).take();
         let Some(t) = acceptor else { return };
         let _ = t.join();
-        for e in self.exports.iter() {
+        let exports = std::mem::take(&mut *self.exports.lock().unwrap_or_else(|p| p.into_inner()));
+        for e in exports.values() {
             let conn = e.conn.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(c) = conn {
                 let _ = c.sock.shutdown(std::net::Shutdown::Both);
@@ -158,15 +220,21 @@ impl Drop for VhostExport {
     }
 }
 
-fn accept_loop(exports: &Arc<Vec<Exported>>, epoll: &Epoll, stopping: &AtomicBool) {
+impl Exported {
+    fn connected(&self) -> bool {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|c| !c.thread.is_finished())
+    }
+}
+
+fn accept_loop(exports: &Exports, epoll: &Epoll, stopping: &AtomicBool) {
     let mut ready = Vec::new();
     // Names refused lately, so a frontend retrying every second does not fill the log.
-    let mut refused: HashMap<usize, std::time::Instant> = HashMap::new();
+    let mut refused: HashMap<u64, std::time::Instant> = HashMap::new();
     loop {
         ready.clear();
         if let Err(e) = epoll.wait(None, &mut ready) {
             if e.kind() != io::ErrorKind::Interrupted {
-                eprintln!("bulkhead: vhost-user export: {e}");
+                log::info!("vhost-user export: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(100));
             }
             continue;
@@ -175,44 +243,51 @@ fn accept_loop(exports: &Arc<Vec<Exported>>, epoll: &Epoll, stopping: &AtomicBoo
             return;
         }
         for &i in &ready {
-            let Some(e) = exports.get(i as usize) else { continue };
+            let Some(e) = exports.lock().unwrap_or_else(|p| p.into_inner()).get(&i).cloned() else { continue };
             loop {
                 let stream = match e.listener.accept() {
                     Ok((s, _)) => s,
                     Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
                     Err(err) => {
-                        eprintln!("bulkhead: vhost-user {}: accept: {err}", e.name);
+                        log::info!("vhost-user {}: accept: {err}", e.name);
                         break;
                     }
                 };
                 let mut slot = e.conn.lock().unwrap_or_else(|p| p.into_inner());
+                if e.removed.load(Ordering::Acquire) {
+                    break;
+                }
                 if slot.as_ref().is_some_and(|c| !c.thread.is_finished()) {
                     let now = std::time::Instant::now();
-                    if refused.get(&(i as usize)).is_none_or(|t| now.duration_since(*t).as_secs() >= 10) {
-                        eprintln!("bulkhead: vhost-user {}: refused a second frontend while one is connected", e.name);
-                        refused.insert(i as usize, now);
+                    if refused.get(&i).is_none_or(|t| now.duration_since(*t).as_secs() >= 10) {
+                        log::warn!("vhost-user {}: refused a second frontend while one is connected", e.name);
+                        refused.insert(i, now);
                     }
                     continue;
                 }
                 if let Some(old) = slot.take() {
                     let _ = old.thread.join();
                 }
-                match start_session(exports.clone(), i as usize, stream) {
+                match start_session(e.clone(), stream) {
                     Ok(c) => *slot = Some(c),
-                    Err(err) => eprintln!("bulkhead: vhost-user {}: {err}", e.name),
+                    Err(err) => log::info!("vhost-user {}: {err}", e.name),
                 }
             }
         }
     }
 }
 
-fn start_session(exports: Arc<Vec<Exported>>, i: usize, stream: UnixStream) -> io::Result<Connection> {
+/// Frontends decide how often they connect and what they send: at most 10 lines a second of it.
+static SESSION_LOG: bulkhead_sys::LogLimit = bulkhead_sys::LogLimit::new(10, std::time::Duration::from_secs(1));
+
+fn start_session(e: Arc<Exported>, stream: UnixStream) -> io::Result<Connection> {
     stream.set_nonblocking(false)?;
     let sock = stream.try_clone()?;
     let thread = std::thread::Builder::new().name("vhost-session".into()).spawn(move || {
-        let e = &exports[i];
         e.sessions.fetch_add(1, Ordering::Relaxed);
-        eprintln!("bulkhead: vhost-user {}: frontend connected", e.name);
+        if let Some(held) = SESSION_LOG.allow() {
+            log::info!("vhost-user {}: frontend connected{}", e.name, bulkhead_sys::LogLimit::held_note(held));
+        }
         let session = Arc::new(Mutex::new(Session::new(e.dev.clone(), &e.name, e.stats.clone())));
         let mut handler = BackendReqHandler::from_stream(stream, session.clone());
         let why = loop {
@@ -228,8 +303,16 @@ fn start_session(exports: Arc<Vec<Exported>>, i: usize, stream: UnixStream) -> i
         drop(handler);
         session.lock().unwrap_or_else(|p| p.into_inner()).stop_all();
         match why {
-            None => eprintln!("bulkhead: vhost-user {}: frontend disconnected", e.name),
-            Some(err) => eprintln!("bulkhead: vhost-user {}: closed the connection: {err}", e.name),
+            None => {
+                if SESSION_LOG.allow().is_some() {
+                    log::info!("vhost-user {}: frontend disconnected", e.name)
+                }
+            }
+            Some(err) => {
+                if let Some(held) = SESSION_LOG.allow() {
+                    log::info!("vhost-user {}: closed the connection: {err}{}", e.name, bulkhead_sys::LogLimit::held_note(held))
+                }
+            }
         }
     })?;
     Ok(Connection { sock, thread })

@@ -274,7 +274,7 @@ pub fn run(w: QueueWork) -> RingPosition {
     let mut at_device = 0usize;
     let break_ring = |e: RingError, broken: &mut Option<RingError>| {
         if broken.is_none() {
-            eprintln!("bulkhead: vhost-user {name} queue {index}: {e}; the queue stops until the frontend resets it");
+            log::info!("vhost-user {name} queue {index}: {e}; the queue stops until the frontend resets it");
             stats.broken.store(true, Ordering::Relaxed);
             err.signal();
             *broken = Some(e);

@@ -1,0 +1,713 @@
+//! What `serve` changes while it runs: devices added and removed with their exports, the
+//! running configuration kept as tables (`bulkhead config dump`), and reloads of the
+//! configuration file (`bulkhead reload`, SIGHUP).
+//!
+//! One change at a time: each holds the running configuration's lock from its check to its
+//! last step, so what `config dump` prints is always what runs.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bulkhead_client::Device;
+use bulkhead_config::{Config, DeviceConfig, Tap};
+use bulkhead_control::{AddedDevice, ControlError, ErrorCode, Reloaded};
+use bulkhead_fuse_export::FuseExport;
+use bulkhead_nbd_export::NbdServer;
+use bulkhead_supervisor::{DeviceChange, Supervisor};
+use bulkhead_vhost_export::VhostExport;
+
+/// How long a removed device's requests in flight may take to finish.
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// Withdraws a device or view from one export: `None` if that export is off.
+type Withdraw<'a> = dyn Fn(&str) -> Option<Result<bool, String>> + 'a;
+
+/// The exports `serve` runs; each is optional.
+pub struct Exports {
+    pub fuse: Mutex<Option<FuseExport>>,
+    pub nbd: Mutex<Option<NbdServer>>,
+    pub vhost: Option<Arc<VhostExport>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The running configuration and the exports, changed together.
+pub struct Live {
+    pub sup: Arc<Supervisor>,
+    pub exports: Exports,
+    /// What runs, as tables.
+    config: Mutex<Config>,
+    /// The file `serve` was started with (none: the embedded default).
+    config_path: Option<PathBuf>,
+}
+
+impl Live {
+    pub fn new(sup: Arc<Supervisor>, exports: Exports, config: Config, config_path: Option<PathBuf>) -> Live {
+        Live { sup, exports, config: Mutex::new(config), config_path }
+    }
+
+    /// Stops the exports: NBD, then vhost-user (each guest's queues drained first), then FUSE.
+    /// Returns whether the FUSE unmount was clean. Later calls do nothing.
+    pub fn stop_exports(&self) -> bool {
+        if let Some(n) = lock(&self.exports.nbd).take() {
+            n.shutdown();
+        }
+        if let Some(v) = &self.exports.vhost {
+            v.shutdown();
+        }
+        lock(&self.exports.fuse).take().map(FuseExport::shutdown).unwrap_or(true)
+    }
+
+    /// The exports' figures, for the metrics.
+    pub fn export_figures(&self) -> ExportFigures {
+        let names: Vec<String> = self.sup.devices().iter().map(|d| d.name().to_string()).collect();
+        let fuse_opens = lock(&self.exports.fuse)
+            .as_ref()
+            .map(|f| names.iter().filter_map(|n| f.opens(n).map(|o| (n.clone(), o))).collect())
+            .unwrap_or_default();
+        let nbd = lock(&self.exports.nbd).as_ref().map(|s| {
+            let st = s.stats();
+            let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+            NbdFigures {
+                accepted: load(&st.accepted),
+                refused: load(&st.refused),
+                dropped: load(&st.dropped),
+                clients: names.iter().map(|n| (n.clone(), s.clients_of(n))).collect(),
+            }
+        });
+        ExportFigures { fuse_opens, nbd, vhost: self.exports.vhost.as_ref().map(|v| v.status()) }
+    }
+
+    /// The running configuration as TOML that `serve --config` accepts.
+    pub fn dump(&self) -> String {
+        let cfg = lock(&self.config);
+        format!(
+            "# The configuration of bulkhead serve (pid {}) as it runs: `bulkhead config dump`.\n{}",
+            std::process::id(),
+            cfg.dump()
+        )
+    }
+
+    /// Starts the devices of `text` (`[[device]]` tables) and exports them. All or nothing:
+    /// if one cannot start, those started before it are removed again.
+    pub fn add_devices(&self, text: &str) -> Result<Vec<AddedDevice>, ControlError> {
+        let mut cfg = lock(&self.config);
+        let parsed = Config::parse_devices(text, "device table").map_err(|e| ControlError::invalid(e.to_string()))?;
+        for (d, _) in &parsed {
+            let names = std::iter::once(d.name.get_ref()).chain(d.views.iter().map(|v| v.name.get_ref()));
+            for n in names {
+                if cfg.devices.iter().any(|r| r.name.get_ref() == n || r.views.iter().any(|v| v.name.get_ref() == n)) {
+                    return Err(ControlError::new(ErrorCode::InUse, format!("a device or view named `{n}` is served already")));
+                }
+            }
+        }
+        let mut raw = cfg.raw.clone();
+        for (_, table) in &parsed {
+            device_array(&mut raw).push(toml::Value::Table(table.clone()));
+        }
+        let next = Config::from_table(&raw, "the configuration with the new devices")
+            .map_err(|e| ControlError::invalid(e.to_string()))?;
+        let mut added: Vec<AddedDevice> = Vec::new();
+        for (d, _) in &parsed {
+            match self.start_device(&next, d) {
+                Ok(a) => added.push(a),
+                Err(e) => {
+                    for a in added.iter().rev() {
+                        let _ = self.unexport(&a.name, &self.sup.frontends(&a.name), true);
+                        let _ = self.sup.remove_device(&a.name, true, DRAIN);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        *cfg = next;
+        Ok(added)
+    }
+
+    /// Starts device `d` of configuration `cfg` and offers it on every export that is on.
+    fn start_device(&self, cfg: &Config, d: &DeviceConfig) -> Result<AddedDevice, ControlError> {
+        let name = d.name.get_ref().clone();
+        let fronts = self.sup.add_device(d).map_err(|e| ControlError::failed(e.to_string()))?;
+        match self.export(cfg, d, &fronts) {
+            Ok(exports) => {
+                let views = d.views.iter().map(|v| v.name.get_ref().clone()).collect();
+                log::info!(
+                    "device {name}: added ({})",
+                    if exports.is_empty() { "not exported".into() } else { exports.join(", ") }
+                );
+                Ok(AddedDevice { name, views, exports })
+            }
+            Err(e) => {
+                let _ = self.unexport(&name, &fronts, true);
+                let _ = self.sup.remove_device(&name, true, DRAIN);
+                Err(ControlError::failed(format!("device `{name}`: {e}")))
+            }
+        }
+    }
+
+    /// Offers `fronts` (a device and its views) on the exports; returns their names.
+    fn export(&self, cfg: &Config, d: &DeviceConfig, fronts: &[Arc<Device>]) -> Result<Vec<String>, String> {
+        let mut on = Vec::new();
+        if let Some(f) = lock(&self.exports.fuse).as_ref() {
+            for dev in fronts {
+                f.add(dev.clone())?;
+            }
+            on.push("fuse".to_string());
+        }
+        if let Some(n) = lock(&self.exports.nbd).as_ref() {
+            let allow: BTreeMap<&str, _> = std::iter::once((d.name.get_ref().as_str(), &d.nbd_allow))
+                .chain(d.views.iter().map(|v| (v.name.get_ref().as_str(), &v.nbd_allow)))
+                .collect();
+            for dev in fronts {
+                let list = allow.get(dev.name()).and_then(|l| bulkhead_config::allow_list(l));
+                n.add(dev.clone(), list)?;
+            }
+            on.push("nbd".to_string());
+        }
+        if let Some(v) = &self.exports.vhost {
+            let mut any = false;
+            for dev in fronts.iter().filter(|dev| cfg.vhost_user_exports(dev.name())) {
+                v.add(dev.clone()).map_err(|e| e.to_string())?;
+                any = true;
+            }
+            if any {
+                on.push("vhost_user".to_string());
+            }
+        }
+        Ok(on)
+    }
+
+    /// Who uses device or view `name` through the exports, one phrase each.
+    fn users(&self, name: &str) -> Vec<String> {
+        let mut users = Vec::new();
+        if let Some(opens) = lock(&self.exports.fuse).as_ref().and_then(|f| f.opens(name)).filter(|&o| o > 0) {
+            users.push(format!("`{name}`: its FUSE file is open {opens} time(s) (a loop device, a mount on one, or a program)"));
+        }
+        if let Some(c) = lock(&self.exports.nbd).as_ref().map(|n| n.clients_of(name)).filter(|&c| c > 0) {
+            users.push(format!("`{name}`: {c} NBD client(s) are connected"));
+        }
+        if self.exports.vhost.as_ref().is_some_and(|v| v.connected(name)) {
+            users.push(format!("`{name}`: a virtual machine is connected to its vhost-user socket"));
+        }
+        users
+    }
+
+    /// Withdraws `fronts` (device `name` and its views) from every export; with `force`, users
+    /// are cut off. A user that arrived since the check refuses it: what was withdrawn is
+    /// offered again.
+    fn unexport(&self, name: &str, fronts: &[Arc<Device>], force: bool) -> Result<(), String> {
+        let fuse = |n: &str| lock(&self.exports.fuse).as_ref().map(|f| f.remove(n, force));
+        let nbd = |n: &str| lock(&self.exports.nbd).as_ref().map(|s| s.remove(n, force));
+        let vhost = |n: &str| self.exports.vhost.as_ref().map(|v| v.remove(n, force));
+        let exports: [(&'static str, &Withdraw<'_>); 3] = [("fuse", &fuse), ("nbd", &nbd), ("vhost", &vhost)];
+        let mut done: Vec<(&'static str, Arc<Device>)> = Vec::new();
+        let mut failed = None;
+        'all: for dev in fronts {
+            for (export, remove) in &exports {
+                match remove(dev.name()) {
+                    Some(Ok(true)) => done.push((export, dev.clone())),
+                    Some(Err(e)) => {
+                        failed = Some(format!("`{}`: {e}", dev.name()));
+                        break 'all;
+                    }
+                    Some(Ok(false)) | None => {}
+                }
+            }
+        }
+        let Some(why) = failed else { return Ok(()) };
+        for (export, dev) in done {
+            let again = match export {
+                "fuse" => lock(&self.exports.fuse).as_ref().map(|f| f.add(dev.clone())),
+                "nbd" => lock(&self.exports.nbd).as_ref().map(|s| s.add(dev.clone(), None)),
+                _ => self.exports.vhost.as_ref().map(|v| v.add(dev.clone()).map_err(|e| e.to_string())),
+            };
+            if let Some(Err(e)) = again {
+                log::warn!("device {name}: cannot offer `{}` on {export} again: {e}", dev.name());
+            }
+        }
+        Err(why)
+    }
+
+    /// Removes device `name`: refused while it is in use unless `force`; otherwise it is
+    /// unexported, drained, flushed and its domains ended. Returns the users cut off.
+    pub fn remove_device(&self, name: &str, force: bool) -> Result<Vec<String>, ControlError> {
+        let mut cfg = lock(&self.config);
+        self.remove_locked(&mut cfg, name, force)
+    }
+
+    fn remove_locked(&self, cfg: &mut Config, name: &str, force: bool) -> Result<Vec<String>, ControlError> {
+        if !self.sup.has_device(name) {
+            return Err(match self.sup.owner_of(name) {
+                Some(owner) => ControlError::invalid(format!(
+                    "`{name}` is a view of device `{owner}`: a view goes with its device (remove `{owner}`, or edit the \
+                     configuration and reload)"
+                )),
+                None => ControlError::not_found(format!("no device `{name}`")),
+            });
+        }
+        let fronts = self.sup.frontends(name);
+        let users: Vec<String> = fronts.iter().flat_map(|d| self.users(d.name())).collect();
+        if !users.is_empty() && !force {
+            return Err(ControlError::new(
+                ErrorCode::InUse,
+                format!("device `{name}` is in use: {}; stop its users first, or remove it with --force", users.join("; ")),
+            ));
+        }
+        self.unexport(name, &fronts, force)
+            .map_err(|e| ControlError::new(ErrorCode::InUse, format!("device `{name}` is in use: {e}")))?;
+        if let Err(e) = self.sup.remove_device(name, force, DRAIN) {
+            // Still running: offer it again.
+            if let Some(d) = device_config(cfg, name) {
+                let _ = self.export(cfg, &d, &fronts);
+            }
+            return Err(ControlError::new(ErrorCode::InUse, format!("device `{name}`: {e}")));
+        }
+        let mut raw = cfg.raw.clone();
+        device_array(&mut raw).retain(|d| d.get("name").and_then(toml::Value::as_str) != Some(name));
+        match Config::from_table(&raw, "the running configuration") {
+            Ok(next) => *cfg = next,
+            Err(e) => log::warn!("device {name}: removed, but the running configuration cannot be updated: {e}"),
+        }
+        if !users.is_empty() {
+            log::warn!("device {name}: removed by force; cut off: {}", users.join("; "));
+        }
+        Ok(users)
+    }
+
+    /// Edits the running configuration after a change made through the control socket.
+    pub fn note(&self, edit: Edit<'_>) {
+        let mut cfg = lock(&self.config);
+        let mut raw = cfg.raw.clone();
+        let applied = match edit {
+            Edit::Tap { device, mode } => device_table(&mut raw, device).map(|t| {
+                t.insert("tap".into(), toml::Value::String(mode.as_str().into()));
+            }),
+            Edit::FilterAdded { device, at, table } => match toml::from_str::<toml::Table>(table) {
+                Ok(f) => device_table(&mut raw, device).map(|t| {
+                    let list = array(t, "filter");
+                    let at = at.unwrap_or(list.len()).min(list.len());
+                    list.insert(at, toml::Value::Table(f));
+                }),
+                Err(_) => None,
+            },
+            Edit::FilterRemoved { device, at } => device_table(&mut raw, device).and_then(|t| {
+                let list = array(t, "filter");
+                (at < list.len()).then(|| {
+                    list.remove(at);
+                })
+            }),
+            Edit::Qos { view, caps } => view_table(&mut raw, view).map(|t| set_caps(t, &caps)),
+        };
+        let next = applied
+            .ok_or_else(|| "no such table".to_string())
+            .and_then(|()| Config::from_table(&raw, "the running configuration").map_err(|e| e.to_string()));
+        match next {
+            Ok(next) => *cfg = next,
+            Err(e) => log::warn!("the running configuration cannot record a change: {e}"),
+        }
+    }
+
+    /// Applies the configuration file as edited: new devices start, removed ones go, and what
+    /// can change live does (tap mode, filters that do not transform the data, views' QoS).
+    /// Anything else is refused, naming it, and nothing is applied.
+    pub fn reload(&self) -> Result<Reloaded, ControlError> {
+        let Some(path) = &self.config_path else {
+            return Err(ControlError::invalid("serve runs on its embedded default: there is no configuration file to reload"));
+        };
+        let mut cfg = lock(&self.config);
+        let next = Config::load(path).map_err(|e| ControlError::invalid(e.to_string()))?;
+        let plan = plan(&cfg, &next).map_err(ControlError::invalid)?;
+        // Devices to remove must be idle: checked before anything changes.
+        for name in &plan.removed {
+            let users: Vec<String> = self.sup.frontends(name).iter().flat_map(|d| self.users(d.name())).collect();
+            if !users.is_empty() {
+                return Err(ControlError::new(
+                    ErrorCode::InUse,
+                    format!("device `{name}` would be removed but is in use: {}; nothing was applied", users.join("; ")),
+                ));
+            }
+        }
+        let mut report =
+            Reloaded { path: path.display().to_string(), added: Vec::new(), removed: Vec::new(), changed: Vec::new() };
+        for name in &plan.added {
+            let d = device_config(&next, name).expect("planned from it");
+            if let Err(e) = self.start_device(&next, &d) {
+                for a in report.added.iter().rev() {
+                    self.unexport(a, &self.sup.frontends(a), true).ok();
+                    let _ = self.sup.remove_device(a, true, DRAIN);
+                }
+                return Err(ControlError::failed(format!("{}; nothing was applied", e.message)));
+            }
+            report.added.push(name.clone());
+        }
+        for (i, step) in plan.steps.iter().enumerate() {
+            let done = match step {
+                Step::Change { device, change, .. } => self.sup.change_device(device, change.clone()).map(|_| ()),
+                Step::Qos { view, caps } => self.sup.set_qos(view, &caps_settings(caps)).map(|_| ()),
+            };
+            if let Err(e) = done {
+                // What was done stays done; the running configuration says what runs.
+                let mut raw = cfg.raw.clone();
+                for name in &report.added {
+                    if let Some(d) = next.raw.get("device").and_then(|a| a.as_array()).and_then(|a| {
+                        a.iter().find(|d| d.get("name").and_then(toml::Value::as_str) == Some(name.as_str())).cloned()
+                    }) {
+                        device_array(&mut raw).push(d);
+                    }
+                }
+                if let Ok(c) = Config::from_table(&raw, "the running configuration") {
+                    *cfg = c;
+                }
+                return Err(ControlError::failed(format!(
+                    "{}: {e}; applied before it: {} device(s) added, {i} change(s); not applied: the rest (run reload again \
+                     once the cause is fixed)",
+                    step.what(),
+                    report.added.len()
+                )));
+            }
+            report.changed.push(step.what());
+        }
+        for name in &plan.removed {
+            match self.remove_locked(&mut cfg, name, false) {
+                Ok(_) => report.removed.push(name.clone()),
+                Err(e) => {
+                    return Err(ControlError::new(
+                        e.code,
+                        format!("{}; applied before it: {:?} added, {:?} changed", e.message, report.added, report.changed),
+                    ))
+                }
+            }
+        }
+        *cfg = next;
+        log::info!(
+            "reloaded {}: {} added, {} removed, {} changed",
+            report.path,
+            report.added.len(),
+            report.removed.len(),
+            report.changed.len()
+        );
+        Ok(report)
+    }
+}
+
+/// The exports' figures.
+pub struct ExportFigures {
+    /// Each device's FUSE file's opens.
+    pub fuse_opens: Vec<(String, usize)>,
+    pub nbd: Option<NbdFigures>,
+    pub vhost: Option<Vec<bulkhead_control::VhostStatus>>,
+}
+
+/// The NBD export's figures.
+pub struct NbdFigures {
+    pub accepted: u64,
+    pub refused: u64,
+    pub dropped: u64,
+    /// Clients connected now, by export.
+    pub clients: Vec<(String, usize)>,
+}
+
+/// A change made through the control socket, for the running configuration.
+pub enum Edit<'a> {
+    Tap { device: &'a str, mode: Tap },
+    FilterAdded { device: &'a str, at: Option<usize>, table: &'a str },
+    FilterRemoved { device: &'a str, at: usize },
+    Qos { view: &'a str, caps: bulkhead_qos::Caps },
+}
+
+/// What a reload does.
+#[derive(Debug, Default)]
+struct Plan {
+    added: Vec<String>,
+    removed: Vec<String>,
+    steps: Vec<Step>,
+}
+
+#[derive(Debug)]
+enum Step {
+    Change { device: String, change: DeviceChange, what: String },
+    Qos { view: String, caps: bulkhead_qos::Caps },
+}
+
+impl Step {
+    fn what(&self) -> String {
+        match self {
+            Step::Change { what, .. } => what.clone(),
+            Step::Qos { view, caps } => format!("view `{view}`: QoS {caps}"),
+        }
+    }
+}
+
+/// Works out what turns `old` into `new`, or names the first change that cannot be applied
+/// live.
+fn plan(old: &Config, new: &Config) -> Result<Plan, String> {
+    let cannot = |what: String| format!("{what}: cannot be applied live; nothing was applied");
+    let keys: std::collections::BTreeSet<&String> = old.raw.keys().chain(new.raw.keys()).filter(|k| *k != "device").collect();
+    for k in keys {
+        if let Some(path) = first_difference(old.raw.get(k), new.raw.get(k), k) {
+            return Err(cannot(format!("key `{path}` changed (a setting of serve itself: restart serve)")));
+        }
+    }
+    let mut plan = Plan::default();
+    let raw_of =
+        |cfg: &Config, name: &str| -> Option<toml::Table> {
+            cfg.raw.get("device")?.as_array()?.iter().find_map(|d| {
+                (d.get("name").and_then(toml::Value::as_str) == Some(name)).then(|| d.as_table().cloned()).flatten()
+            })
+        };
+    for d in &old.devices {
+        if !new.devices.iter().any(|n| n.name == d.name) {
+            plan.removed.push(d.name.get_ref().clone());
+        }
+    }
+    for n in &new.devices {
+        let name = n.name.get_ref();
+        let Some(o) = old.devices.iter().find(|o| o.name == n.name) else {
+            plan.added.push(name.clone());
+            continue;
+        };
+        let (Some(ot), Some(nt)) = (raw_of(old, name), raw_of(new, name)) else { continue };
+        let keys: std::collections::BTreeSet<&String> = ot.keys().chain(nt.keys()).collect();
+        for k in keys {
+            if matches!(k.as_str(), "tap" | "filter" | "view") {
+                continue;
+            }
+            if let Some(path) = first_difference(ot.get(k), nt.get(k), k) {
+                return Err(cannot(format!("device `{name}`: key `{path}` changed (remove the device and add it again)")));
+            }
+        }
+        // Views: the same ones, where only their QoS may change.
+        let (ov, nv) = (array_of(&ot, "view"), array_of(&nt, "view"));
+        let view_names = |v: &[toml::Value]| -> Vec<String> {
+            v.iter().filter_map(|t| t.get("name").and_then(toml::Value::as_str).map(str::to_string)).collect()
+        };
+        if view_names(&ov) != view_names(&nv) {
+            return Err(cannot(format!("device `{name}`: its views changed (views come and go with their device)")));
+        }
+        for ((a, b), view) in ov.iter().zip(&nv).zip(&n.views) {
+            let (Some(a), Some(b)) = (a.as_table(), b.as_table()) else { continue };
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for k in keys {
+                if bulkhead_qos::KEYS.contains(&k.as_str()) {
+                    continue;
+                }
+                if let Some(path) = first_difference(a.get(k), b.get(k), k) {
+                    return Err(cannot(format!("device `{name}`: view `{}`: key `{path}` changed", view.name.get_ref())));
+                }
+            }
+            let was = o.views.iter().find(|v| v.name == view.name).map(|v| v.caps());
+            if was != Some(view.caps()) {
+                plan.steps.push(Step::Qos { view: view.name.get_ref().clone(), caps: view.caps() });
+            }
+        }
+        // Filters: those that transform the data stay as they are, in order; the others may
+        // come and go.
+        let (of, nf) = (array_of(&ot, "filter"), array_of(&nt, "filter"));
+        if of != nf {
+            let (ofs, nfs) = (o.filters(), n.filters());
+            let transforming = |tables: &[toml::Value], resolved: &[bulkhead_config::Filter]| -> Vec<toml::Value> {
+                tables.iter().zip(resolved).filter(|(_, f)| f.spec.transforms()).map(|(t, _)| t.clone()).collect()
+            };
+            if transforming(&of, &ofs) != transforming(&nf, &nfs) {
+                return Err(cannot(format!(
+                    "device `{name}`: a filter that transforms the data (cow, crypt) changed; it holds what the device holds"
+                )));
+            }
+            for (i, f) in ofs.iter().enumerate().rev().filter(|(_, f)| !f.spec.transforms()) {
+                plan.steps.push(Step::Change {
+                    device: name.clone(),
+                    change: DeviceChange::RemoveFilter(i),
+                    what: format!("device `{name}`: filter {} at position {i} removed", f.spec.type_name()),
+                });
+            }
+            for (i, (t, f)) in nf.iter().zip(&nfs).enumerate().filter(|(_, (_, f))| !f.spec.transforms()) {
+                let table = toml::to_string(t).map_err(|e| e.to_string())?;
+                plan.steps.push(Step::Change {
+                    device: name.clone(),
+                    change: DeviceChange::AddFilter { at: Some(i), table },
+                    what: format!("device `{name}`: filter {} inserted at position {i}", f.spec.type_name()),
+                });
+            }
+        }
+        if o.tap != n.tap {
+            plan.steps.push(Step::Change {
+                device: name.clone(),
+                change: DeviceChange::Tap(n.tap),
+                what: format!("device `{name}`: tap mode {} → {}", o.tap.as_str(), n.tap.as_str()),
+            });
+        }
+    }
+    Ok(plan)
+}
+
+/// The dotted path of the first place `a` and `b` differ, from `path`.
+fn first_difference(a: Option<&toml::Value>, b: Option<&toml::Value>, path: &str) -> Option<String> {
+    match (a, b) {
+        (Some(toml::Value::Table(x)), Some(toml::Value::Table(y))) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| first_difference(x.get(k), y.get(k), &format!("{path}.{k}")))
+        }
+        (a, b) if a == b => None,
+        _ => Some(path.to_string()),
+    }
+}
+
+fn array_of(t: &toml::Table, key: &str) -> Vec<toml::Value> {
+    t.get(key).and_then(toml::Value::as_array).cloned().unwrap_or_default()
+}
+
+fn array<'t>(t: &'t mut toml::Table, key: &str) -> &'t mut Vec<toml::Value> {
+    let v = t.entry(key.to_string()).or_insert_with(|| toml::Value::Array(Vec::new()));
+    if !v.is_array() {
+        *v = toml::Value::Array(Vec::new());
+    }
+    v.as_array_mut().expect("made an array")
+}
+
+fn device_array(raw: &mut toml::Table) -> &mut Vec<toml::Value> {
+    array(raw, "device")
+}
+
+fn device_table<'t>(raw: &'t mut toml::Table, name: &str) -> Option<&'t mut toml::Table> {
+    device_array(raw)
+        .iter_mut()
+        .find(|d| d.get("name").and_then(toml::Value::as_str) == Some(name))
+        .and_then(toml::Value::as_table_mut)
+}
+
+fn view_table<'t>(raw: &'t mut toml::Table, name: &str) -> Option<&'t mut toml::Table> {
+    device_array(raw)
+        .iter_mut()
+        .filter_map(|d| d.get_mut("view").and_then(toml::Value::as_array_mut))
+        .flat_map(|views| views.iter_mut())
+        .find(|v| v.get("name").and_then(toml::Value::as_str) == Some(name))
+        .and_then(toml::Value::as_table_mut)
+}
+
+fn device_config(cfg: &Config, name: &str) -> Option<DeviceConfig> {
+    cfg.devices.iter().find(|d| d.name.get_ref() == name).cloned()
+}
+
+/// `caps` as the `key=value` settings `Supervisor::set_qos` takes, every key given.
+fn caps_settings(caps: &bulkhead_qos::Caps) -> Vec<(String, String)> {
+    caps_values(caps).into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+fn caps_values(caps: &bulkhead_qos::Caps) -> [(&'static str, u64); 6] {
+    [
+        ("credit_bytes", caps.credit_bytes),
+        ("credit_us", caps.credit_us),
+        ("burst_bytes", caps.burst_bytes),
+        ("iops", caps.iops),
+        ("burst_ios", caps.burst_ios),
+        ("weight", u64::from(caps.weight)),
+    ]
+}
+
+/// Writes `caps` into a view's table: the keys that differ from the defaults.
+fn set_caps(t: &mut toml::Table, caps: &bulkhead_qos::Caps) {
+    let none = bulkhead_qos::Caps::default();
+    let defaults = caps_values(&none);
+    for ((k, v), (_, d)) in caps_values(caps).into_iter().zip(defaults) {
+        if v == d {
+            t.remove(k);
+        } else {
+            t.insert(k.to_string(), toml::Value::Integer(v as i64));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[fuse]
+threads = 2
+
+[[device]]
+name = "a"
+size = "64M"
+[device.backend]
+type = "ram"
+[[device.filter]]
+type = "delay"
+read_us = 10
+[[device.view]]
+name = "a-half"
+size = "32M"
+iops = 100
+
+[[device]]
+name = "b"
+size = "64M"
+[device.backend]
+type = "ram"
+"#;
+
+    fn cfg(src: &str) -> Config {
+        Config::parse(src, "test").unwrap()
+    }
+
+    #[test]
+    fn a_reload_plan_adds_removes_and_applies_what_can_change_live() {
+        let old = cfg(BASE);
+        let edited = BASE
+            .replace("read_us = 10", "read_us = 20")
+            .replace("iops = 100", "iops = 200")
+            .replace("name = \"b\"", "name = \"c\"")
+            .replace("[[device]]\nname = \"a\"", "[[device]]\nname = \"a\"\ntap = \"interpose\"");
+        let p = plan(&old, &cfg(&edited)).unwrap();
+        assert_eq!(p.added, ["c"]);
+        assert_eq!(p.removed, ["b"]);
+        let what: Vec<String> = p.steps.iter().map(Step::what).collect();
+        assert!(what.iter().any(|w| w.contains("QoS") && w.contains("200 IOPS")), "{what:?}");
+        assert!(what.iter().any(|w| w.contains("filter delay at position 0 removed")), "{what:?}");
+        assert!(what.iter().any(|w| w.contains("filter delay inserted at position 0")), "{what:?}");
+        assert!(what.iter().any(|w| w.contains("tap mode passthrough → interpose")), "{what:?}");
+        // Nothing changed: nothing to do.
+        let p = plan(&old, &old.clone()).unwrap();
+        assert!(p.added.is_empty() && p.removed.is_empty() && p.steps.is_empty());
+    }
+
+    #[test]
+    fn a_reload_refuses_what_cannot_change_live_naming_it() {
+        let old = cfg(BASE);
+        for (edit, says) in [
+            (BASE.replace("threads = 2", "threads = 3"), "key `fuse.threads` changed"),
+            (
+                BASE.replace(
+                    "size = \"64M\"\n[device.backend]\ntype = \"ram\"\n[[device.filter]]",
+                    "size = \"128M\"\n[device.backend]\ntype = \"ram\"\n[[device.filter]]",
+                ),
+                "device `a`: key `size` changed",
+            ),
+            (BASE.replace("size = \"32M\"", "size = \"16M\""), "view `a-half`: key `size` changed"),
+            (BASE.replace("name = \"a-half\"", "name = \"a-other\""), "its views changed"),
+        ] {
+            let e = plan(&old, &cfg(&edit)).unwrap_err();
+            assert!(e.contains(says) && e.contains("nothing was applied"), "{e}");
+        }
+    }
+
+    #[test]
+    fn running_configuration_edits_keep_it_valid_and_dumpable() {
+        let mut raw = cfg(BASE).raw;
+        device_table(&mut raw, "a").unwrap().insert("tap".into(), toml::Value::String("interpose".into()));
+        set_caps(
+            view_table(&mut raw, "a-half").unwrap(),
+            &bulkhead_qos::Caps { iops: 500, ..Default::default() }.with_default_bursts(),
+        );
+        device_array(&mut raw).retain(|d| d.get("name").and_then(toml::Value::as_str) != Some("b"));
+        let c = Config::from_table(&raw, "edited").unwrap();
+        assert_eq!(c.devices.len(), 1);
+        assert_eq!(c.devices[0].tap, Tap::Interpose);
+        assert_eq!(c.devices[0].views[0].caps().iops, 500);
+        // What `config dump` prints is what `serve --config` reads back.
+        assert_eq!(Config::parse(&c.dump(), "dump").unwrap().devices, c.devices);
+    }
+}
