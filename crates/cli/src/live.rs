@@ -282,27 +282,7 @@ impl Live {
     pub fn note(&self, edit: Edit<'_>) {
         let mut cfg = lock(&self.config);
         let mut raw = cfg.raw.clone();
-        let applied = match edit {
-            Edit::Tap { device, mode } => device_table(&mut raw, device).map(|t| {
-                t.insert("tap".into(), toml::Value::String(mode.as_str().into()));
-            }),
-            Edit::FilterAdded { device, at, table } => match toml::from_str::<toml::Table>(table) {
-                Ok(f) => device_table(&mut raw, device).map(|t| {
-                    let list = array(t, "filter");
-                    let at = at.unwrap_or(list.len()).min(list.len());
-                    list.insert(at, toml::Value::Table(f));
-                }),
-                Err(_) => None,
-            },
-            Edit::FilterRemoved { device, at } => device_table(&mut raw, device).and_then(|t| {
-                let list = array(t, "filter");
-                (at < list.len()).then(|| {
-                    list.remove(at);
-                })
-            }),
-            Edit::Qos { view, caps } => view_table(&mut raw, view).map(|t| set_caps(t, &caps)),
-        };
-        let next = applied
+        let next = edit_raw(&mut raw, &edit)
             .ok_or_else(|| "no such table".to_string())
             .and_then(|()| Config::from_table(&raw, "the running configuration").map_err(|e| e.to_string()));
         match next {
@@ -344,22 +324,21 @@ impl Live {
             }
             report.added.push(name.clone());
         }
+        // What runs, as it changes: the devices added, then each change applied.
+        let mut working = cfg.raw.clone();
+        for name in &report.added {
+            if let Some(table) = device_table(&mut next.raw.clone(), name).cloned() {
+                device_array(&mut working).push(toml::Value::Table(table));
+            }
+        }
         for (i, step) in plan.steps.iter().enumerate() {
             let done = match step {
                 Step::Change { device, change, .. } => self.sup.change_device(device, change.clone()).map(|_| ()),
                 Step::Qos { view, caps } => self.sup.set_qos(view, &caps_settings(caps)).map(|_| ()),
             };
             if let Err(e) = done {
-                // What was done stays done; the running configuration says what runs.
-                let mut raw = cfg.raw.clone();
-                for name in &report.added {
-                    if let Some(d) = next.raw.get("device").and_then(|a| a.as_array()).and_then(|a| {
-                        a.iter().find(|d| d.get("name").and_then(toml::Value::as_str) == Some(name.as_str())).cloned()
-                    }) {
-                        device_array(&mut raw).push(d);
-                    }
-                }
-                if let Ok(c) = Config::from_table(&raw, "the running configuration") {
+                // What was done stays done, and the running configuration says so.
+                if let Ok(c) = Config::from_table(&working, "the running configuration") {
                     *cfg = c;
                 }
                 return Err(ControlError::failed(format!(
@@ -369,7 +348,11 @@ impl Live {
                     report.added.len()
                 )));
             }
+            let _ = edit_raw(&mut working, &step.edit());
             report.changed.push(step.what());
+        }
+        if let Ok(c) = Config::from_table(&working, "the running configuration") {
+            *cfg = c;
         }
         for name in &plan.removed {
             match self.remove_locked(&mut cfg, name, false) {
@@ -413,10 +396,53 @@ pub struct NbdFigures {
 
 /// A change made through the control socket, for the running configuration.
 pub enum Edit<'a> {
-    Tap { device: &'a str, mode: Tap },
-    FilterAdded { device: &'a str, at: Option<usize>, table: &'a str },
-    FilterRemoved { device: &'a str, at: usize },
-    Qos { view: &'a str, caps: bulkhead_qos::Caps },
+    Tap {
+        device: &'a str,
+        mode: Tap,
+    },
+    FilterAdded {
+        device: &'a str,
+        at: Option<usize>,
+        table: &'a str,
+    },
+    FilterRemoved {
+        device: &'a str,
+        at: usize,
+    },
+    Qos {
+        view: &'a str,
+        caps: bulkhead_qos::Caps,
+    },
+    /// A change the configuration does not record (a restart, a snapshot).
+    None {
+        device: &'a str,
+    },
+}
+
+/// Applies `edit` to the running configuration's tables; `None` if a table it names is not
+/// there.
+fn edit_raw(raw: &mut toml::Table, edit: &Edit<'_>) -> Option<()> {
+    match *edit {
+        Edit::Tap { device, mode } => device_table(raw, device).map(|t| {
+            t.insert("tap".into(), toml::Value::String(mode.as_str().into()));
+        }),
+        Edit::FilterAdded { device, at, table } => {
+            let f = toml::from_str::<toml::Table>(table).ok()?;
+            device_table(raw, device).map(|t| {
+                let list = array(t, "filter");
+                let at = at.unwrap_or(list.len()).min(list.len());
+                list.insert(at, toml::Value::Table(f));
+            })
+        }
+        Edit::FilterRemoved { device, at } => device_table(raw, device).and_then(|t| {
+            let list = array(t, "filter");
+            (at < list.len()).then(|| {
+                list.remove(at);
+            })
+        }),
+        Edit::Qos { view, caps } => view_table(raw, view).map(|t| set_caps(t, &caps)),
+        Edit::None { device } => device_table(raw, device).map(|_| ()),
+    }
 }
 
 /// What a reload does.
@@ -434,6 +460,19 @@ enum Step {
 }
 
 impl Step {
+    /// The same change, for the running configuration.
+    fn edit(&self) -> Edit<'_> {
+        match self {
+            Step::Change { device, change: DeviceChange::Tap(mode), .. } => Edit::Tap { device, mode: *mode },
+            Step::Change { device, change: DeviceChange::AddFilter { at, table }, .. } => {
+                Edit::FilterAdded { device, at: *at, table }
+            }
+            Step::Change { device, change: DeviceChange::RemoveFilter(at), .. } => Edit::FilterRemoved { device, at: *at },
+            Step::Change { device, .. } => Edit::None { device },
+            Step::Qos { view, caps } => Edit::Qos { view, caps: *caps },
+        }
+    }
+
     fn what(&self) -> String {
         match self {
             Step::Change { what, .. } => what.clone(),
@@ -672,6 +711,37 @@ type = "ram"
         // Nothing changed: nothing to do.
         let p = plan(&old, &old.clone()).unwrap();
         assert!(p.added.is_empty() && p.removed.is_empty() && p.steps.is_empty());
+    }
+
+    #[test]
+    fn carrying_a_plan_out_leaves_nothing_more_to_do() {
+        let old = cfg(BASE);
+        let edited = BASE
+            .replace("read_us = 10", "read_us = 20\n[[device.filter]]\ntype = \"delay\"\nwrite_us = 5")
+            .replace("iops = 100", "iops = 200")
+            .replace("name = \"b\"", "name = \"c\"")
+            .replace("[[device]]\nname = \"a\"", "[[device]]\nname = \"a\"\ntap = \"interpose\"");
+        let new = cfg(&edited);
+        let p = plan(&old, &new).unwrap();
+        // What `reload` does to the running configuration, step by step.
+        let mut raw = old.raw.clone();
+        for name in &p.added {
+            let table = device_table(&mut new.raw.clone(), name).cloned().unwrap();
+            device_array(&mut raw).push(toml::Value::Table(table));
+        }
+        for s in &p.steps {
+            edit_raw(&mut raw, &s.edit()).unwrap_or_else(|| panic!("{}", s.what()));
+        }
+        device_array(&mut raw).retain(|d| !p.removed.iter().any(|r| d.get("name").and_then(toml::Value::as_str) == Some(r)));
+        let now = Config::from_table(&raw, "carried out").unwrap();
+        let again = plan(&now, &new).unwrap();
+        assert!(
+            again.added.is_empty() && again.removed.is_empty() && again.steps.is_empty(),
+            "{:?}",
+            again.steps.iter().map(Step::what).collect::<Vec<_>>()
+        );
+        assert_eq!(now.devices.len(), new.devices.len());
+        assert_eq!(now.devices[0].filters(), new.devices[0].filters());
     }
 
     #[test]
