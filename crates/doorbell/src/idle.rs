@@ -171,8 +171,9 @@ mod tests {
         // A wait for answers on a 10 µs budget, by a waiter whose earlier looks found the
         // crowd too (one stretch of 100 µs before): the crowd keeps it waiting. One look that
         // finds no crowd ends the wait, and a look taken while the scheduler moves threads
-        // between run queues counts fewer than there are: the longest of five waits.
-        let answers = (0..5)
+        // between run queues counts fewer than there are: the longest of twenty waits (of five,
+        // all five once ended early on a loaded CI machine; each wait costs about 125 looks).
+        let answers = (0..20)
             .map(|_| {
                 let mut waiter = IdleSpin::new(BudgetPolicy::Fixed(10_000));
                 for t in (0..100).step_by(8) {
