@@ -327,7 +327,7 @@ impl Live {
         // What runs, as it changes: the devices added, then each change applied.
         let mut working = cfg.raw.clone();
         for name in &report.added {
-            if let Some(table) = device_table(&mut next.raw.clone(), name).cloned() {
+            if let Some(table) = device_entry(&next.raw, name).cloned() {
                 device_array(&mut working).push(toml::Value::Table(table));
             }
         }
@@ -492,12 +492,7 @@ fn plan(old: &Config, new: &Config) -> Result<Plan, String> {
         }
     }
     let mut plan = Plan::default();
-    let raw_of =
-        |cfg: &Config, name: &str| -> Option<toml::Table> {
-            cfg.raw.get("device")?.as_array()?.iter().find_map(|d| {
-                (d.get("name").and_then(toml::Value::as_str) == Some(name)).then(|| d.as_table().cloned()).flatten()
-            })
-        };
+    let raw_of = |cfg: &Config, name: &str| device_entry(&cfg.raw, name).cloned();
     for d in &old.devices {
         if !new.devices.iter().any(|n| n.name == d.name) {
             plan.removed.push(d.name.get_ref().clone());
@@ -618,6 +613,15 @@ fn device_table<'t>(raw: &'t mut toml::Table, name: &str) -> Option<&'t mut toml
         .and_then(toml::Value::as_table_mut)
 }
 
+/// Device `name`'s table, to read.
+fn device_entry<'t>(raw: &'t toml::Table, name: &str) -> Option<&'t toml::Table> {
+    raw.get("device")?
+        .as_array()?
+        .iter()
+        .find(|d| d.get("name").and_then(toml::Value::as_str) == Some(name))
+        .and_then(toml::Value::as_table)
+}
+
 fn view_table<'t>(raw: &'t mut toml::Table, name: &str) -> Option<&'t mut toml::Table> {
     device_array(raw)
         .iter_mut()
@@ -726,7 +730,7 @@ type = "ram"
         // What `reload` does to the running configuration, step by step.
         let mut raw = old.raw.clone();
         for name in &p.added {
-            let table = device_table(&mut new.raw.clone(), name).cloned().unwrap();
+            let table = device_entry(&new.raw, name).cloned().unwrap();
             device_array(&mut raw).push(toml::Value::Table(table));
         }
         for s in &p.steps {

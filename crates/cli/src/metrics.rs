@@ -119,23 +119,32 @@ struct Family<'e, 'a> {
 
 impl Family<'_, '_> {
     fn counter(&mut self, name: &str, help: &str, unit: Option<Unit>, samples: &[(Labels, f64)]) -> std::fmt::Result {
-        if samples.is_empty() {
-            return Ok(());
-        }
-        let mut m = self.enc.encode_descriptor(name, help, unit.as_ref(), MetricType::Counter)?;
-        for (l, v) in samples {
-            ConstCounter::new(*v).encode(m.encode_family(l)?)?;
-        }
-        Ok(())
+        self.values(name, help, unit, MetricType::Counter, samples)
     }
 
     fn gauge(&mut self, name: &str, help: &str, unit: Option<Unit>, samples: &[(Labels, f64)]) -> std::fmt::Result {
+        self.values(name, help, unit, MetricType::Gauge, samples)
+    }
+
+    /// A counter or gauge family: one value per label set.
+    fn values(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Option<Unit>,
+        kind: MetricType,
+        samples: &[(Labels, f64)],
+    ) -> std::fmt::Result {
         if samples.is_empty() {
             return Ok(());
         }
-        let mut m = self.enc.encode_descriptor(name, help, unit.as_ref(), MetricType::Gauge)?;
+        let mut m = self.enc.encode_descriptor(name, help, unit.as_ref(), kind)?;
         for (l, v) in samples {
-            ConstGauge::new(*v).encode(m.encode_family(l)?)?;
+            let e = m.encode_family(l)?;
+            match kind {
+                MetricType::Counter => ConstCounter::new(*v).encode(e)?,
+                _ => ConstGauge::new(*v).encode(e)?,
+            }
         }
         Ok(())
     }

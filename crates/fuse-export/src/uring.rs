@@ -670,12 +670,12 @@ impl Sink for Collected {
 /// Adds `ns` spent spinning for answers to the devices with requests in flight (those whose
 /// queues the worker holds), in equal parts.
 fn count_spin(handles: &[Option<QueueHandle<'_>>], ns: u64) {
-    let held: Vec<&QueueHandle<'_>> = handles.iter().flatten().collect();
-    if held.is_empty() {
+    let held = handles.iter().flatten().count();
+    if held == 0 {
         return;
     }
-    let each = ns / held.len() as u64;
-    for h in held {
+    let each = ns / held as u64;
+    for h in handles.iter().flatten() {
         h.device().queue_counters(h.index()).spin_ns.fetch_add(each, Ordering::Relaxed);
     }
 }
