@@ -8,6 +8,7 @@ use bulkhead_control::{
     HelloReply, ListSnapshots, QosReply, Reload, Reloaded, RemoveDevice, RemoveFilter, Restart, Service, SetQos, SetTap,
     Snapshot, SnapshotAction, SnapshotEntry, Snapshots, Status, StatusReport,
 };
+use bulkhead_control::{AddView, RemoveView, ViewAdded, ViewRemoved};
 use bulkhead_fuse_export::Transport;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
 use bulkhead_vhost_export::VhostExport;
@@ -139,6 +140,14 @@ impl Service for ServeApi {
 
     fn remove_device(&self, c: RemoveDevice) -> Result<DeviceRemoved, ControlError> {
         self.live.remove_device(&c.name, c.force).map(|cut_off| DeviceRemoved { name: c.name, cut_off })
+    }
+
+    fn add_view(&self, c: AddView) -> Result<ViewAdded, ControlError> {
+        self.live.add_view(&c.device, &c.table)
+    }
+
+    fn remove_view(&self, c: RemoveView) -> Result<ViewRemoved, ControlError> {
+        self.live.remove_view(&c.name, c.force)
     }
 
     fn dump_config(&self, _: DumpConfig) -> Result<ConfigText, ControlError> {

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bulkhead_client::Device;
 use bulkhead_config::{Config, DeviceConfig, Tap};
-use bulkhead_control::{AddedDevice, ControlError, ErrorCode, Reloaded};
+use bulkhead_control::{AddedDevice, ControlError, ErrorCode, Reloaded, ViewAdded, ViewRemoved};
 use bulkhead_fuse_export::FuseExport;
 use bulkhead_nbd_export::NbdServer;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
@@ -278,6 +278,103 @@ impl Live {
         Ok(users)
     }
 
+    /// Adds the view of `text` (its `[[device.view]]` table's keys) to the running device
+    /// `device` and exports it where the device's views are exported.
+    pub fn add_view(&self, device: &str, text: &str) -> Result<ViewAdded, ControlError> {
+        let mut cfg = lock(&self.config);
+        let Some(d) = device_config(&cfg, device) else {
+            return Err(match self.sup.owner_of(device) {
+                Some(owner) => {
+                    ControlError::invalid(format!("`{device}` is a view of device `{owner}`: views are added to a device"))
+                }
+                None => ControlError::not_found(format!("no device `{device}`")),
+            });
+        };
+        let (view, table) = bulkhead_config::parse_view(text, &d).map_err(|e| ControlError::invalid(e.to_string()))?;
+        let name = view.name.get_ref().clone();
+        if cfg.devices.iter().any(|r| r.name.get_ref() == &name || r.views.iter().any(|v| v.name.get_ref() == &name)) {
+            return Err(ControlError::new(ErrorCode::InUse, format!("a device or view named `{name}` is served already")));
+        }
+        let mut raw = cfg.raw.clone();
+        let edit = Edit::ViewAdded { device, table: &table };
+        edit_raw(&mut raw, &edit).ok_or_else(|| ControlError::not_found(format!("no device `{device}`")))?;
+        let next =
+            Config::from_table(&raw, "the configuration with the new view").map_err(|e| ControlError::invalid(e.to_string()))?;
+        let exports = self.start_view(&next, device, &name).map_err(ControlError::failed)?;
+        *cfg = next;
+        Ok(ViewAdded { name, device: device.to_string(), exports })
+    }
+
+    /// Starts view `name` of `device` as configuration `cfg` has it, and offers it on the
+    /// exports; returns their names. A view that cannot be exported is taken out again.
+    fn start_view(&self, cfg: &Config, device: &str, name: &str) -> Result<Vec<String>, String> {
+        let d = device_config(cfg, device).ok_or_else(|| format!("no device `{device}`"))?;
+        let view = d.views.iter().find(|v| v.name.get_ref() == name).ok_or_else(|| format!("no view `{name}`"))?;
+        let front = self.sup.add_view(device, view).map_err(|e| format!("device `{device}`: {e}"))?;
+        match self.export(cfg, &d, std::slice::from_ref(&front)) {
+            Ok(exports) => {
+                log::info!(
+                    "view {name} of device {device}: added ({})",
+                    if exports.is_empty() { "not exported".into() } else { exports.join(", ") }
+                );
+                Ok(exports)
+            }
+            Err(e) => {
+                let _ = self.unexport(name, std::slice::from_ref(&front), true);
+                let _ = self.sup.remove_view(name, true, DRAIN);
+                Err(format!("view `{name}`: {e}"))
+            }
+        }
+    }
+
+    /// Removes view `name` from its device: refused while it is in use unless `force`;
+    /// otherwise it is unexported, drained, flushed and taken out of the device, whose other
+    /// users see a pause. Returns the device and the users cut off.
+    pub fn remove_view(&self, name: &str, force: bool) -> Result<ViewRemoved, ControlError> {
+        let mut cfg = lock(&self.config);
+        let (device, cut_off) = self.stop_view(&cfg, name, force)?;
+        let mut raw = cfg.raw.clone();
+        let _ = edit_raw(&mut raw, &Edit::ViewRemoved { view: name });
+        match Config::from_table(&raw, "the running configuration") {
+            Ok(next) => *cfg = next,
+            Err(e) => log::warn!("view {name}: removed, but the running configuration cannot be updated: {e}"),
+        }
+        Ok(ViewRemoved { name: name.to_string(), device, cut_off })
+    }
+
+    /// Unexports view `name` and takes it out of its device; returns the device and the users
+    /// cut off.
+    fn stop_view(&self, cfg: &Config, name: &str, force: bool) -> Result<(String, Vec<String>), ControlError> {
+        let device = match self.sup.owner_of(name) {
+            Some(d) if d == name => {
+                return Err(ControlError::invalid(format!("`{name}` is a device: remove it with `bulkhead device remove`")))
+            }
+            Some(d) => d,
+            None => return Err(ControlError::not_found(format!("no view `{name}`"))),
+        };
+        let front: Vec<Arc<Device>> = self.sup.frontends(&device).into_iter().filter(|d| d.name() == name).collect();
+        let users = self.users(name);
+        if !users.is_empty() && !force {
+            return Err(ControlError::new(
+                ErrorCode::InUse,
+                format!("view `{name}` is in use: {}; stop its users first, or remove it with --force", users.join("; ")),
+            ));
+        }
+        self.unexport(name, &front, force)
+            .map_err(|e| ControlError::new(ErrorCode::InUse, format!("view `{name}` is in use: {e}")))?;
+        if let Err(e) = self.sup.remove_view(name, force, DRAIN) {
+            // Still served: offer it again.
+            if let Some(d) = device_config(cfg, &device) {
+                let _ = self.export(cfg, &d, &front);
+            }
+            return Err(ControlError::new(ErrorCode::InUse, format!("view `{name}`: {e}")));
+        }
+        if !users.is_empty() {
+            log::warn!("view {name}: removed by force; cut off: {}", users.join("; "));
+        }
+        Ok((device, users))
+    }
+
     /// Edits the running configuration after a change made through the control socket.
     pub fn note(&self, edit: Edit<'_>) {
         let mut cfg = lock(&self.config);
@@ -311,6 +408,17 @@ impl Live {
                 ));
             }
         }
+        for step in &plan.steps {
+            if let Step::RemoveView { view } = step {
+                let users = self.users(view);
+                if !users.is_empty() {
+                    return Err(ControlError::new(
+                        ErrorCode::InUse,
+                        format!("view `{view}` would be removed but is in use: {}; nothing was applied", users.join("; ")),
+                    ));
+                }
+            }
+        }
         let mut report =
             Reloaded { path: path.display().to_string(), added: Vec::new(), removed: Vec::new(), changed: Vec::new() };
         for name in &plan.added {
@@ -335,6 +443,8 @@ impl Live {
             let done = match step {
                 Step::Change { device, change, .. } => self.sup.change_device(device, change.clone()).map(|_| ()),
                 Step::Qos { view, caps } => self.sup.set_qos(view, &caps_settings(caps)).map(|_| ()),
+                Step::AddView { device, view, .. } => self.start_view(&next, device, view).map(|_| ()),
+                Step::RemoveView { view } => self.stop_view(&cfg, view, false).map(|_| ()).map_err(|e| e.message),
             };
             if let Err(e) = done {
                 // What was done stays done, and the running configuration says so.
@@ -413,6 +523,13 @@ pub enum Edit<'a> {
         view: &'a str,
         caps: bulkhead_qos::Caps,
     },
+    ViewAdded {
+        device: &'a str,
+        table: &'a toml::Table,
+    },
+    ViewRemoved {
+        view: &'a str,
+    },
     /// A change the configuration does not record (a restart, a snapshot).
     None {
         device: &'a str,
@@ -441,6 +558,22 @@ fn edit_raw(raw: &mut toml::Table, edit: &Edit<'_>) -> Option<()> {
             })
         }),
         Edit::Qos { view, caps } => view_table(raw, view).map(|t| set_caps(t, &caps)),
+        Edit::ViewAdded { device, table } => {
+            device_table(raw, device).map(|t| array(t, "view").push(toml::Value::Table(table.clone())))
+        }
+        Edit::ViewRemoved { view } => {
+            for d in device_array(raw).iter_mut().filter_map(toml::Value::as_table_mut) {
+                let Some(list) = d.get_mut("view").and_then(toml::Value::as_array_mut) else { continue };
+                if let Some(i) = list.iter().position(|v| v.get("name").and_then(toml::Value::as_str) == Some(view)) {
+                    list.remove(i);
+                    if list.is_empty() {
+                        d.remove("view");
+                    }
+                    return Some(());
+                }
+            }
+            None
+        }
         Edit::None { device } => device_table(raw, device).map(|_| ()),
     }
 }
@@ -457,6 +590,8 @@ struct Plan {
 enum Step {
     Change { device: String, change: DeviceChange, what: String },
     Qos { view: String, caps: bulkhead_qos::Caps },
+    AddView { device: String, view: String, table: toml::Table },
+    RemoveView { view: String },
 }
 
 impl Step {
@@ -470,6 +605,8 @@ impl Step {
             Step::Change { device, change: DeviceChange::RemoveFilter(at), .. } => Edit::FilterRemoved { device, at: *at },
             Step::Change { device, .. } => Edit::None { device },
             Step::Qos { view, caps } => Edit::Qos { view, caps: *caps },
+            Step::AddView { device, table, .. } => Edit::ViewAdded { device, table },
+            Step::RemoveView { view } => Edit::ViewRemoved { view },
         }
     }
 
@@ -477,6 +614,8 @@ impl Step {
         match self {
             Step::Change { what, .. } => what.clone(),
             Step::Qos { view, caps } => format!("view `{view}`: QoS {caps}"),
+            Step::AddView { device, view, .. } => format!("device `{device}`: view `{view}` added"),
+            Step::RemoveView { view } => format!("view `{view}` removed"),
         }
     }
 }
@@ -514,28 +653,35 @@ fn plan(old: &Config, new: &Config) -> Result<Plan, String> {
                 return Err(cannot(format!("device `{name}`: key `{path}` changed (remove the device and add it again)")));
             }
         }
-        // Views: the same ones, where only their QoS may change.
+        // Views: those gone are removed, new ones added; of the others only the QoS may change.
         let (ov, nv) = (array_of(&ot, "view"), array_of(&nt, "view"));
-        let view_names = |v: &[toml::Value]| -> Vec<String> {
-            v.iter().filter_map(|t| t.get("name").and_then(toml::Value::as_str).map(str::to_string)).collect()
+        let named = |list: &[toml::Value], n: &str| -> Option<toml::Table> {
+            list.iter().find(|t| t.get("name").and_then(toml::Value::as_str) == Some(n)).and_then(|t| t.as_table().cloned())
         };
-        if view_names(&ov) != view_names(&nv) {
-            return Err(cannot(format!("device `{name}`: its views changed (views come and go with their device)")));
+        for view in o.views.iter().filter(|v| !n.views.iter().any(|w| w.name == v.name)) {
+            plan.steps.push(Step::RemoveView { view: view.name.get_ref().clone() });
         }
-        for ((a, b), view) in ov.iter().zip(&nv).zip(&n.views) {
-            let (Some(a), Some(b)) = (a.as_table(), b.as_table()) else { continue };
+        for view in &n.views {
+            let vname = view.name.get_ref();
+            let Some(b) = named(&nv, vname) else { continue };
+            let Some(a) = named(&ov, vname) else {
+                plan.steps.push(Step::AddView { device: name.clone(), view: vname.clone(), table: b });
+                continue;
+            };
             let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
             for k in keys {
                 if bulkhead_qos::KEYS.contains(&k.as_str()) {
                     continue;
                 }
                 if let Some(path) = first_difference(a.get(k), b.get(k), k) {
-                    return Err(cannot(format!("device `{name}`: view `{}`: key `{path}` changed", view.name.get_ref())));
+                    return Err(cannot(format!(
+                        "device `{name}`: view `{vname}`: key `{path}` changed (remove the view and add it again)"
+                    )));
                 }
             }
             let was = o.views.iter().find(|v| v.name == view.name).map(|v| v.caps());
             if was != Some(view.caps()) {
-                plan.steps.push(Step::Qos { view: view.name.get_ref().clone(), caps: view.caps() });
+                plan.steps.push(Step::Qos { view: vname.clone(), caps: view.caps() });
             }
         }
         // Filters: those that transform the data stay as they are, in order; the others may
@@ -718,10 +864,28 @@ type = "ram"
     }
 
     #[test]
+    fn a_reload_plan_removes_and_adds_views_by_name() {
+        let old = cfg(BASE);
+        // A view renamed is one removed and one added; a view appended is added.
+        let edited = BASE.replace("name = \"a-half\"", "name = \"a-other\"").replace(
+            "[[device]]\nname = \"b\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n",
+            "[[device]]\nname = \"b\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n[[device.view]]\nname = \"b-1\"\nsize = \"8M\"\n",
+        );
+        let p = plan(&old, &cfg(&edited)).unwrap();
+        let what: Vec<String> = p.steps.iter().map(Step::what).collect();
+        assert_eq!(what, ["view `a-half` removed", "device `a`: view `a-other` added", "device `b`: view `b-1` added"]);
+        assert!(p.added.is_empty() && p.removed.is_empty());
+    }
+
+    #[test]
     fn carrying_a_plan_out_leaves_nothing_more_to_do() {
         let old = cfg(BASE);
         let edited = BASE
             .replace("read_us = 10", "read_us = 20\n[[device.filter]]\ntype = \"delay\"\nwrite_us = 5")
+            .replace(
+                "name = \"a-half\"\nsize = \"32M\"",
+                "name = \"a-half\"\nsize = \"32M\"\n[[device.view]]\nname = \"a-q\"\nsize = \"16M\"",
+            )
             .replace("iops = 100", "iops = 200")
             .replace("name = \"b\"", "name = \"c\"")
             .replace("[[device]]\nname = \"a\"", "[[device]]\nname = \"a\"\ntap = \"interpose\"");
@@ -746,6 +910,13 @@ type = "ram"
         );
         assert_eq!(now.devices.len(), new.devices.len());
         assert_eq!(now.devices[0].filters(), new.devices[0].filters());
+        assert_eq!(now.devices[0].views.len(), 2);
+        // And a view removed leaves no empty list behind.
+        let mut raw = now.raw.clone();
+        edit_raw(&mut raw, &Edit::ViewRemoved { view: "a-q" }).unwrap();
+        edit_raw(&mut raw, &Edit::ViewRemoved { view: "a-half" }).unwrap();
+        assert!(device_entry(&raw, "a").unwrap().get("view").is_none());
+        assert!(edit_raw(&mut raw, &Edit::ViewRemoved { view: "a-half" }).is_none());
     }
 
     #[test]
@@ -761,7 +932,6 @@ type = "ram"
                 "device `a`: key `size` changed",
             ),
             (BASE.replace("size = \"32M\"", "size = \"16M\""), "view `a-half`: key `size` changed"),
-            (BASE.replace("name = \"a-half\"", "name = \"a-other\""), "its views changed"),
         ] {
             let e = plan(&old, &cfg(&edit)).unwrap_err();
             assert!(e.contains(says) && e.contains("nothing was applied"), "{e}");

@@ -126,6 +126,14 @@ enum Cmd {
         #[arg(long, default_value = "./bulkhead-run", global = true)]
         run_dir: PathBuf,
     },
+    /// Add a view to, or remove one from, a running device.
+    View {
+        #[command(subcommand)]
+        op: ViewOp,
+        /// Run directory of the `serve` to ask.
+        #[arg(long, default_value = "./bulkhead-run", global = true)]
+        run_dir: PathBuf,
+    },
     /// The running configuration.
     Config {
         #[command(subcommand)]
@@ -271,6 +279,32 @@ enum DeviceOp {
 }
 
 #[derive(Subcommand)]
+enum ViewOp {
+    /// Add a view to a running device, given as the lines of its `[[device.view]]` table
+    /// (`-`: read them from standard input): `bulkhead view add disk0 'name = "t1"' 'size =
+    /// "1G"'`. It is exported where the device's views are. The device's domains are replaced
+    /// by a generation that serves it too: its users see a pause, as in a restart, and no
+    /// error. Errors name the key and the line.
+    Add {
+        /// Device name.
+        device: String,
+        /// The table's lines, or `-`.
+        #[arg(required = true)]
+        lines: Vec<String>,
+    },
+    /// Unexport a view, drain and flush it, and take it out of its device (whose users see a
+    /// pause). Refused while it is in use (its FUSE file open, an NBD client or a VM
+    /// connected, an application attached) unless --force, which cuts the users off.
+    Remove {
+        /// View name.
+        name: String,
+        /// Remove it even while it is in use.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Subcommand)]
 enum ConfigOp {
     /// Print the running configuration as TOML that `serve --config` accepts: the file it
     /// started with, and every device added, removed or changed since.
@@ -358,6 +392,8 @@ fn main() -> ExitCode {
         }
         Cmd::Device { op: DeviceOp::Add { file }, run_dir } => status::add_devices(&run_dir, &file),
         Cmd::Device { op: DeviceOp::Remove { name, force }, run_dir } => status::remove_device(&run_dir, &name, force),
+        Cmd::View { op: ViewOp::Add { device, lines }, run_dir } => status::add_view(&run_dir, &device, &lines),
+        Cmd::View { op: ViewOp::Remove { name, force }, run_dir } => status::remove_view(&run_dir, &name, force),
         Cmd::Config { op: ConfigOp::Dump, run_dir } => status::dump_config(&run_dir),
         Cmd::Reload { run_dir } => status::reload(&run_dir),
         Cmd::Bench { which } => bench_cmd::run(which),

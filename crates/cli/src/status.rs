@@ -244,6 +244,32 @@ pub fn remove_device(run_dir: &Path, name: &str, force: bool) -> anyhow::Result<
     Ok(ExitCode::SUCCESS)
 }
 
+/// `bulkhead view add DEVICE LINES...|-`.
+pub fn add_view(run_dir: &Path, device: &str, lines: &[String]) -> anyhow::Result<ExitCode> {
+    let table = if lines == ["-"] {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).context("cannot read standard input")?;
+        s
+    } else {
+        lines.join("\n")
+    };
+    let r = ask(run_dir, bulkhead_control::AddView { device: device.into(), table })?;
+    let on = if r.exports.is_empty() { "not exported".to_string() } else { format!("exported on {}", r.exports.join(", ")) };
+    println!("{}: added to {}, {on}", r.name, r.device);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `bulkhead view remove NAME [--force]`.
+pub fn remove_view(run_dir: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
+    let r = ask(run_dir, bulkhead_control::RemoveView { name: name.into(), force })?;
+    if r.cut_off.is_empty() {
+        println!("{name}: removed from {}", r.device);
+    } else {
+        println!("{name}: removed from {}; cut off: {}", r.device, r.cut_off.join("; "));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 /// `bulkhead config dump`.
 pub fn dump_config(run_dir: &Path) -> anyhow::Result<ExitCode> {
     print!("{}", ask(run_dir, bulkhead_control::DumpConfig {})?.toml);

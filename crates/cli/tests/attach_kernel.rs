@@ -415,3 +415,51 @@ fn the_c_example_builds_against_libbulkhead_and_runs() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no device or view `nosuch`"));
 }
+
+/// `bulkhead ARGS --run-dir RUN`: its success and what it said.
+fn cli(run_dir: &Path, args: &[&str]) -> (bool, String) {
+    let out = Command::new(exe()).args(args).arg("--run-dir").arg(run_dir).output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+fn attached_applications_ride_through_views_coming_and_going_before_and_after_theirs() {
+    require_kernel!();
+    let (_tmp, serve, run_dir) = start("attach-views");
+    // What `ro` shows: written through the device itself at 32 MiB.
+    let disk = attach(&run_dir, "disk0").unwrap();
+    let data = block(32 << 20, 1, 64 << 10);
+    disk.write(0, 32 << 20, &data, false).unwrap();
+    // Attached to the last view; then a view after it comes, and one is attached to it too.
+    let ro = attach(&run_dir, "ro").unwrap();
+    let (good, said) = cli(&run_dir, &["view", "add", "disk0", "name = \"late\"", "offset = \"48M\"", "attach = 2"]);
+    assert!(good, "{said}");
+    let late = attach_with(&run_dir, "late", AttachOptions { queues: 2 }).unwrap();
+    let mine = block(48 << 20, 2, 64 << 10);
+    late.write(1, 0, &mine, false).unwrap();
+    // The view before theirs goes: their slots are numbered down, and the new domain takes
+    // their queues under the new numbers.
+    let (good, said) = cli(&run_dir, &["view", "remove", "vm0"]);
+    assert!(good, "{said}");
+    let mut back = vec![0u8; 64 << 10];
+    ro.read_into(0, 0, &mut back).unwrap();
+    assert!(back == data, "ro after vm0 went");
+    late.read_into(0, 0, &mut back).unwrap();
+    assert!(back == mine, "late after vm0 went");
+    let status = serve.status_json();
+    let attached = status["devices"][0]["attached"].as_array().unwrap().clone();
+    let slots = |name: &str| attached.iter().find(|a| a["name"] == name).map(|a| a["slots"].clone()).unwrap();
+    // The device's 4 slots, then ro's one (was 8), then late's two (were 9 and 10).
+    assert_eq!((slots("ro"), slots("late")), (serde_json::json!([4]), serde_json::json!([5, 6])), "{status}");
+    // A view with an application attached is refused, then removed by force: the application
+    // is told, and the other goes on.
+    let (good, said) = cli(&run_dir, &["view", "remove", "ro"]);
+    assert!(!good && said.contains("attached to view `ro`"), "{said}");
+    let (good, said) = cli(&run_dir, &["view", "remove", "ro", "--force"]);
+    assert!(good, "{said}");
+    eventually("ro's application told", || ro.read_into(0, 0, &mut vec![0u8; 4096]).is_err(), |e| *e);
+    late.read_into(1, 0, &mut back).unwrap();
+    assert!(back == mine, "late after ro went");
+    let status = serve.status_json();
+    assert_eq!(status["devices"][0]["requests_failed"], 0, "{status}");
+}

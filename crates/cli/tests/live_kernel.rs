@@ -267,3 +267,90 @@ fn remove_with_force_cuts_off_an_nbd_client_and_the_device_goes() {
     assert!(device_names(&serve).is_empty());
     assert!(serve.stop().success(), "{}", serve.log_text());
 }
+
+#[test]
+fn views_come_and_go_on_a_running_device_while_fio_verifies_on_a_sibling_view_and_another_device() {
+    require_kernel!();
+    if !tools(&["fio", "mkfs.ext4", "e2fsck"]) {
+        return;
+    }
+    let tmp = TempDir::new("live-views");
+    let run = tmp.path().join("run");
+    let config_path = run.with_extension("toml");
+    let config = "[nbd]\nenabled = true\n\n[[device]]\nname = \"d\"\nsize = \"256M\"\n[device.backend]\ntype = \"ram\"\n\
+                  [[device.view]]\nname = \"fsv\"\nsize = \"128M\"\n\n\
+                  [[device]]\nname = \"other\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n";
+    let mut serve = Serve::start(&run, Some(config), &["d", "fsv", "other"]);
+    let other_pid = serve.driver_pid(1);
+    // ext4 and fio verify on one view of `d`, fio verify over NBD on another device.
+    let mut fs = Ext4::make(&serve.fuse_file("fsv"), &tmp.path().join("mnt"));
+    let mnt = fs.mnt.clone();
+    let fio = std::thread::spawn(move || fio_verify(&mnt, "randrw", "4k-64k", "32M", 25));
+    let uri = serve.nbd_uri("other");
+    let nbd_fio = std::thread::spawn(move || common::fio_nbd_verify(&uri, "other", "32M", 20, 120));
+
+    // A view added beside it, and what is written through it lands at its offset in `d`.
+    let out = ok(&run, &["view", "add", "d", "name = \"v2\"", "offset = \"128M\"", "size = \"64M\"", "iops = 5000"], None);
+    assert!(out.contains("v2: added to d, exported on fuse, nbd"), "{out}");
+    let block: Vec<u8> = (0..65536u32).map(|i| (i * 13 + 5) as u8).collect();
+    {
+        use std::os::unix::fs::FileExt;
+        std::fs::OpenOptions::new().write(true).open(serve.fuse_file("v2")).unwrap().write_all_at(&block, 4096).unwrap();
+        let mut back = vec![0u8; block.len()];
+        std::fs::File::open(serve.fuse_file("d")).unwrap().read_exact_at(&mut back, (128 << 20) + 4096).unwrap();
+        assert!(back == block, "v2 does not map to its offset in d");
+    }
+    let views = |serve: &Serve| -> Vec<String> {
+        let s = serve.status_json();
+        s["devices"][0]["views"].as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap().to_string()).collect()
+    };
+    assert_eq!(views(&serve), ["fsv", "v2"]);
+
+    // Bad tables and names are refused, naming the key and the line.
+    let err = refused(&run, &["view", "add", "d", "name = \"v3\"", "offset = \"200M\"", "size = \"64M\""], None);
+    assert!(err.contains("line 3") && err.contains("key `size`") && err.contains("past the device's end"), "{err}");
+    let err = refused(&run, &["view", "add", "d", "name = \"other\""], None);
+    assert!(err.contains("`other` is served already"), "{err}");
+    let err = refused(&run, &["view", "add", "fsv", "name = \"v3\""], None);
+    assert!(err.contains("`fsv` is a view of device `d`"), "{err}");
+    let err = refused(&run, &["view", "remove", "fsv"], None);
+    assert!(err.contains("in use") && err.contains("FUSE file is open"), "{err}");
+    let err = refused(&run, &["view", "remove", "d"], None);
+    assert!(err.contains("`d` is a device"), "{err}");
+
+    // The idle view goes with its exports; its name can be used again, elsewhere in `d`.
+    let out = ok(&run, &["view", "remove", "v2"], None);
+    assert!(out.contains("v2: removed from d"), "{out}");
+    assert!(!serve.fuse_file("v2").exists(), "v2 is still exported");
+    assert_eq!(views(&serve), ["fsv"]);
+    ok(&run, &["view", "add", "d", "-"], Some("name = \"v2\"\noffset = \"192M\"\n"));
+    assert_eq!(serve.status_json()["devices"][0]["views"][1]["offset"], 192u64 << 20);
+
+    // A reload removes one view and adds another; a view whose place changed is refused.
+    let dump = ok(&run, &["config", "dump"], None);
+    let moved = dump.replace("offset = \"192M\"", "offset = \"128M\"");
+    std::fs::write(&config_path, &moved).unwrap();
+    let err = refused(&run, &["reload"], None);
+    assert!(err.contains("view `v2`: key `offset` changed") && err.contains("nothing was applied"), "{err}");
+    let edited = dump.replace("name = \"v2\"", "name = \"v4\"");
+    std::fs::write(&config_path, &edited).unwrap();
+    let out = ok(&run, &["reload"], None);
+    assert!(out.contains("view `v2` removed") && out.contains("view `v4` added"), "{out}");
+    assert_eq!(views(&serve), ["fsv", "v4"]);
+    assert!(serve.fuse_file("v4").exists() && !serve.fuse_file("v2").exists());
+    let dump = ok(&run, &["config", "dump"], None);
+    assert!(dump.contains("name = \"v4\"") && !dump.contains("name = \"v2\""), "{dump}");
+
+    // The file system on the sibling view, and the other device, saw nothing of it all.
+    let report = fio.join().expect("fio verify on fsv failed");
+    assert_eq!(report["jobs"][0]["error"], 0);
+    let job = nbd_fio.join().expect("fio verify on other failed");
+    assert_eq!(job["error"], 0);
+    fs.unmount_and_check();
+    drop(fs);
+    let s = serve.status_json();
+    assert_eq!(s["devices"][1]["restarts"], 0, "the other device restarted");
+    assert_eq!(serve.driver_pid(1), other_pid, "the other device's driver domain changed");
+    assert_eq!(s["devices"][0]["requests_failed"], 0, "a request on d failed");
+    assert!(serve.stop().success(), "{}", serve.log_text());
+}

@@ -1039,6 +1039,31 @@ pub fn parse_filter(text: &str, device: &str, index: usize, watchdog_ms: u64) ->
     table.resolve(device, index, watchdog_ms, &err)
 }
 
+/// Parses a `[[device.view]]` table given as its keys (`name = "tenant1"`, `size = "1G"`,
+/// ..., one per line) for the running device `device`: what `bulkhead view DEVICE add` sends.
+/// Checked as the configuration checks a view; errors name the key and the line of `text`.
+/// Returns the view and its table as written.
+pub fn parse_view(text: &str, device: &DeviceConfig) -> Result<(View, toml::Table), ConfigError> {
+    let origin = "view table";
+    let parse_error = |e: toml::de::Error| ConfigError::Parse { origin: origin.to_string(), message: e.to_string() };
+    let view: View = toml::from_str(text).map_err(parse_error)?;
+    let table: toml::Table = toml::from_str(text).map_err(parse_error)?;
+    let err = |span: std::ops::Range<usize>, message: String| ConfigError::Invalid {
+        origin: origin.to_string(),
+        line: line_of(text, span.start),
+        message,
+    };
+    let name = view.name.get_ref();
+    if !valid_name(name) {
+        return Err(err(
+            view.name.span(),
+            format!("key `name`: `{name}` is not a valid view name (1-64 of A-Z a-z 0-9 - _ ., not starting with .)"),
+        ));
+    }
+    view.check(device.name.get_ref(), device.size.as_ref().map(|s| s.get_ref().0), &err)?;
+    Ok((view, table))
+}
+
 fn line_of(src: &str, offset: usize) -> usize {
     src[..offset.min(src.len())].bytes().filter(|&b| b == b'\n').count() + 1
 }

@@ -85,6 +85,11 @@ calls! {
     AddDevice "device_add" => add_device -> DevicesAdded;
     /// Unexports a device, drains and flushes it, and ends its domains (`bulkhead device remove`).
     RemoveDevice "device_remove" => remove_device -> DeviceRemoved;
+    /// Adds a view to a running device and exports it (`bulkhead view add`).
+    AddView "view_add" => add_view -> ViewAdded;
+    /// Unexports a view, drains and flushes it, and takes it out of its device (`bulkhead view
+    /// DEVICE remove`).
+    RemoveView "view_remove" => remove_view -> ViewRemoved;
     /// The running configuration as TOML that `serve --config` accepts (`bulkhead config dump`).
     DumpConfig "config_dump" => dump_config -> ConfigText;
     /// Applies the configuration file as edited since (`bulkhead reload`, SIGHUP).
@@ -133,6 +138,49 @@ pub struct RemoveDevice {
 pub struct DeviceRemoved {
     /// The device.
     pub name: String,
+    /// Users it had and that `force` cut off (empty when it was idle).
+    pub cut_off: Vec<String>,
+}
+
+/// `view_add`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AddView {
+    /// The running device the view is part of.
+    pub device: String,
+    /// The view's `[[device.view]]` table, as its keys (`name = "tenant1"` and so on).
+    pub table: String,
+}
+
+/// The answer to `view_add`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ViewAdded {
+    /// The view.
+    pub name: String,
+    /// Its device.
+    pub device: String,
+    /// The exports that offer it: `fuse`, `nbd`, `vhost_user`.
+    pub exports: Vec<String>,
+}
+
+/// `view_remove`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoveView {
+    /// The view.
+    pub name: String,
+    /// Remove it even while it is in use: its users' requests then fail.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// The answer to `view_remove`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ViewRemoved {
+    /// The view.
+    pub name: String,
+    /// The device it was part of.
+    pub device: String,
     /// Users it had and that `force` cut off (empty when it was idle).
     pub cut_off: Vec<String>,
 }

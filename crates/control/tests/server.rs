@@ -67,6 +67,14 @@ impl Service for Fake {
         Err(ControlError::not_found(format!("no device `{}`", c.name)))
     }
 
+    fn add_view(&self, c: bulkhead_control::AddView) -> Result<bulkhead_control::ViewAdded, ControlError> {
+        Err(ControlError::not_found(format!("no device `{}`", c.device)))
+    }
+
+    fn remove_view(&self, c: bulkhead_control::RemoveView) -> Result<bulkhead_control::ViewRemoved, ControlError> {
+        Err(ControlError::not_found(format!("no view `{}`", c.name)))
+    }
+
     fn dump_config(&self, _: DumpConfig) -> Result<ConfigText, ControlError> {
         Ok(ConfigText { toml: String::new() })
     }
@@ -148,6 +156,8 @@ fn malformed_lines_are_answered_by_what_is_wrong_and_reach_no_call() {
         (r#"{"cmd":"device_add","table":["[[device]]"]}"#, "bad_request", "invalid type"),
         (r#"{"cmd":"device_remove","name":"disk0","force":"yes"}"#, "bad_request", "invalid type"),
         (r#"{"cmd":"reload","path":"/etc/passwd"}"#, "bad_request", "unknown field `path`"),
+        (r#"{"cmd":"view_add","table":"name = \"v\""}"#, "bad_request", "missing field `device`"),
+        (r#"{"cmd":"view_remove","name":"v","at":0}"#, "bad_request", "unknown field `at`"),
         (r#"{"cmd":"status","version":2}"#, "unsupported_version", "this serve speaks 1"),
         (r#"{"cmd":"status","version":"1"}"#, "bad_request", "`version` must be a number"),
         (r#"{"cmd":"attach","name":"disk0"}"#, "bad_request", "first line"),

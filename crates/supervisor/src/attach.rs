@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,8 +34,8 @@ pub(crate) struct Session {
     uid: u32,
     /// Writes to it (events).
     conn: Mutex<UnixStream>,
-    /// Its queues: slot and the domain's descriptors.
-    queues: Vec<(usize, BackQueueFds)>,
+    /// Its queues: slot (renumbered when a view before it goes) and the domain's descriptors.
+    queues: Vec<(AtomicUsize, BackQueueFds)>,
     generation: Mutex<u32>,
     /// Its answer to the last restart.
     ack: Mutex<Option<Result<u32, String>>>,
@@ -58,7 +58,11 @@ impl Session {
 
     /// The slots its queues hold.
     pub(crate) fn slots(&self) -> Vec<u32> {
-        self.queues.iter().map(|(slot, _)| *slot as u32).collect()
+        self.slot_list().into_iter().map(|s| s as u32).collect()
+    }
+
+    fn slot_list(&self) -> Vec<usize> {
+        self.queues.iter().map(|(slot, _)| slot.load(Ordering::Acquire)).collect()
     }
 
     /// Records the application's answer to a restart (from the thread reading its connection).
@@ -74,6 +78,8 @@ pub use bulkhead_control::AttachedStatus;
 struct Inner {
     /// The supervisor's end of the current domain's line (`None` between generations).
     line: Option<Arc<OwnedFd>>,
+    /// The view each slot serves (`None`: the device).
+    slots: Vec<Option<u32>>,
     /// Who holds each slot (a session, or one joining).
     owners: Vec<Option<u64>>,
     sessions: BTreeMap<u64, Arc<Session>>,
@@ -88,8 +94,6 @@ struct Inner {
 #[derive(Debug)]
 pub(crate) struct AttachPoint {
     device: String,
-    /// The view each slot serves (`None`: the device).
-    slots: Vec<Option<u32>>,
     inner: Mutex<Inner>,
 }
 
@@ -141,7 +145,7 @@ impl AttachPoint {
     /// Slots for `device`, each serving the view given (`None`: the device).
     pub(crate) fn new(device: &str, slots: Vec<Option<u32>>) -> Self {
         let owners = vec![None; slots.len()];
-        AttachPoint { device: device.to_string(), slots, inner: Mutex::new(Inner { owners, ..Default::default() }) }
+        AttachPoint { device: device.to_string(), inner: Mutex::new(Inner { slots, owners, ..Default::default() }) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -165,7 +169,7 @@ impl AttachPoint {
     /// Free slots for `view`.
     pub(crate) fn free(&self, view: Option<u32>) -> usize {
         let inner = self.lock();
-        self.slots.iter().zip(&inner.owners).filter(|(v, o)| **v == view && o.is_none()).count()
+        inner.slots.iter().zip(&inner.owners).filter(|(v, o)| **v == view && o.is_none()).count()
     }
 
     /// Adds `queues` (checked) to free slots of `view` in the running domain. The caller holds
@@ -183,8 +187,8 @@ impl AttachPoint {
             let Some(line) = inner.line.clone() else {
                 return Err(format!("device {} has no running domain", self.device));
             };
-            let free: Vec<usize> = (0..self.slots.len())
-                .filter(|&i| self.slots[i] == view && inner.owners[i].is_none())
+            let free: Vec<usize> = (0..inner.slots.len())
+                .filter(|&i| inner.slots[i] == view && inner.owners[i].is_none())
                 .take(queues.len())
                 .collect();
             if free.len() < queues.len() {
@@ -232,7 +236,7 @@ impl AttachPoint {
                         pid,
                         uid,
                         conn: Mutex::new(conn),
-                        queues: free.iter().copied().zip(queues).collect(),
+                        queues: free.iter().map(|&s| AtomicUsize::new(s)).zip(queues).collect(),
                         generation: Mutex::new(1),
                         ack: Mutex::new(None),
                         acked: Condvar::new(),
@@ -262,8 +266,8 @@ impl AttachPoint {
     fn release(&self, id: u64, slots: &[usize]) {
         let mut inner = self.lock();
         for &slot in slots {
-            if inner.owners[slot] == Some(id) {
-                inner.owners[slot] = None;
+            if let Some(owner @ Some(_)) = inner.owners.get_mut(slot).filter(|o| **o == Some(id)) {
+                *owner = None;
             }
         }
     }
@@ -278,8 +282,8 @@ impl AttachPoint {
         };
         let mut evicted = Vec::new();
         if let (false, Some(line)) = (session.dropped.load(Ordering::Acquire), line) {
-            for (slot, _) in &session.queues {
-                let slot = *slot as u32;
+            for slot in session.slot_list() {
+                let slot = slot as u32;
                 // A refusal here is the domain's own earlier notice that it let the queue go (a
                 // broken ring): the removal's answer comes after it.
                 let answer = match ask(&line, ToDomain::Remove { slot }, &[], &mut evicted) {
@@ -294,8 +298,7 @@ impl AttachPoint {
             }
         }
         self.lock().sessions.remove(&id);
-        let slots: Vec<usize> = session.queues.iter().map(|(slot, _)| *slot).collect();
-        self.release(id, &slots);
+        self.release(id, &session.slot_list());
         self.drop_evicted(&evicted);
     }
 
@@ -320,12 +323,11 @@ impl AttachPoint {
                 s.hang_up();
                 // Whatever of its queues the new domain took already, it lets go of.
                 if let Some(line) = line.as_deref() {
-                    for (slot, _) in &s.queues {
-                        let _ = ask(line, ToDomain::Remove { slot: *slot as u32 }, &[], &mut evicted);
+                    for slot in s.slot_list() {
+                        let _ = ask(line, ToDomain::Remove { slot: slot as u32 }, &[], &mut evicted);
                     }
                 }
-                let slots: Vec<usize> = s.queues.iter().map(|(slot, _)| *slot).collect();
-                self.release(id, &slots);
+                self.release(id, &s.slot_list());
             }
         }
         self.drop_evicted(&evicted);
@@ -351,12 +353,66 @@ impl AttachPoint {
         drop(ack);
         for (slot, q) in &s.queues {
             let fds = q.as_array().map(|fd| fd.as_fd());
-            match ask(line, ToDomain::Add { slot: *slot as u32 }, &fds, evicted)? {
+            match ask(line, ToDomain::Add { slot: slot.load(Ordering::Acquire) as u32 }, &fds, evicted)? {
                 FromDomain::Added { .. } => {}
                 other => return Err(format!("the new domain answered {other:?}")),
             }
         }
         Ok(())
+    }
+
+    /// Adds `n` slots for view `view`, new to the layout, after the others. The caller holds
+    /// the device's claim.
+    pub(crate) fn add_view(&self, view: u32, n: usize) {
+        let mut inner = self.lock();
+        inner.slots.extend(std::iter::repeat_n(Some(view), n));
+        inner.owners.extend(std::iter::repeat_n(None, n));
+    }
+
+    /// Takes view `view`'s slots out, and numbers the later views and slots down, sessions'
+    /// slots with them. None of its slots is held (its sessions were let go of). The caller
+    /// holds the device's claim, and no domain runs: the next one gets the new numbers.
+    pub(crate) fn remove_view(&self, view: u32) {
+        let mut inner = self.lock();
+        let old = std::mem::take(&mut inner.slots);
+        let owners = std::mem::take(&mut inner.owners);
+        // Each old slot's new number, if it stays.
+        let mut renumber = Vec::with_capacity(old.len());
+        for (v, owner) in old.into_iter().zip(owners) {
+            if v == Some(view) {
+                renumber.push(None);
+                continue;
+            }
+            renumber.push(Some(inner.slots.len()));
+            inner.slots.push(v.map(|v| if v > view { v - 1 } else { v }));
+            inner.owners.push(owner);
+        }
+        for s in inner.sessions.values() {
+            for (slot, _) in &s.queues {
+                let was = slot.load(Ordering::Acquire);
+                // A session let go of keeps numbers no one holds.
+                let now = renumber.get(was).copied().flatten().unwrap_or(usize::MAX);
+                slot.store(now, Ordering::Release);
+            }
+        }
+    }
+
+    /// Applications attached to `target` (a view).
+    pub(crate) fn attached_to(&self, target: &str) -> usize {
+        self.lock().sessions.values().filter(|s| s.target == target && !s.dropped.load(Ordering::Acquire)).count()
+    }
+
+    /// Lets go of the applications attached to `target`, telling them `reason`: their slots
+    /// are free, and no later domain takes their queues. The caller holds the device's claim.
+    pub(crate) fn cut_off(&self, target: &str, reason: &str) {
+        let sessions: Vec<(u64, Arc<Session>)> =
+            self.lock().sessions.iter().filter(|(_, s)| s.target == target).map(|(id, s)| (*id, s.clone())).collect();
+        for (id, s) in sessions {
+            let _ = s.tell(&FromServe::Fail { reason: reason.to_string() });
+            s.dropped.store(true, Ordering::Release);
+            s.hang_up();
+            self.release(id, &s.slot_list());
+        }
     }
 
     /// Tells every attached application that the device failed.
@@ -520,5 +576,21 @@ mod tests {
             (1 << 30, cfg.nslots, cfg.arena_bytes as u64, true, 4096)
         );
         assert_eq!(o.mode, cfg.mode.as_str());
+    }
+
+    #[test]
+    fn a_view_removed_takes_its_slots_and_the_later_views_move_down() {
+        // The device's slot, then views 0, 1 and 2; view 3 comes later.
+        let point = AttachPoint::new("d", vec![None, Some(0), Some(0), Some(1), Some(2)]);
+        point.add_view(3, 2);
+        assert_eq!((point.free(Some(3)), point.free(None)), (2, 1));
+        // A slot of view 1 is held; view 0 goes.
+        point.lock().owners[3] = Some(7);
+        point.remove_view(0);
+        let inner = point.lock();
+        assert_eq!(inner.slots, [None, Some(0), Some(1), Some(2), Some(2)]);
+        assert_eq!(inner.owners, [None, Some(7), None, None, None], "the holder keeps its slot, renumbered");
+        drop(inner);
+        assert_eq!((point.free(Some(0)), point.free(Some(2)), point.free(Some(3))), (0, 2, 0));
     }
 }

@@ -8,7 +8,7 @@
 //! domain is replaced.
 
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use bulkhead_client::Device;
@@ -47,8 +47,8 @@ pub struct DeviceRuntime {
     pub name: String,
     /// The frontend, shared with the exports.
     pub device: Arc<Device>,
-    /// Its views, each exported as a device of its own.
-    pub views: Vec<ViewRuntime>,
+    /// Its views, each exported as a device of its own; they come and go while it runs.
+    views: RwLock<Vec<Arc<ViewRuntime>>>,
     /// The supervisor's face of it and of its views.
     pub(crate) control: Controls,
     /// Applications attached to it and its views.
@@ -61,6 +61,9 @@ pub struct DeviceRuntime {
     slot: Mutex<Slot>,
     /// Rung when the claim is let go of.
     released: Condvar,
+    /// Views being removed: the job that replaces the domains takes them out once the old
+    /// domains are gone ([`DeviceRuntime::drop_leaving`]).
+    leaving: Mutex<Vec<String>>,
     /// Its place among the supervisor's devices.
     pub(crate) id: usize,
     /// Where a claim let go of is told to the watcher.
@@ -112,23 +115,14 @@ impl DeviceRuntime {
             window: Duration::from_millis(*cfg.restart_window_ms.get_ref()),
             reconnect: launcher.reconnect_timeout(),
         };
-        let attach = AttachPoint::new(&name, launcher.attach_slots.clone());
+        let attach = AttachPoint::new(&name, launcher.layout().attach_slots());
         let Launched { mut fronts, domains, attach_line } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
         attach.rejoin(attach_line);
         let nqueues = *cfg.queues.get_ref() as usize;
-        let mut view_fronts = fronts.split_off(nqueues);
+        let view_fronts = fronts.split_off(nqueues);
         let (device, control) = Device::new(&name, launcher.size(), fronts, None);
-        let min_block = launcher.min_block();
-        device.set_min_block(min_block);
-        let mut controls = Controls::new(control, nqueues);
-        let mut views = Vec::with_capacity(launcher.views.len());
-        for (i, v) in launcher.views.iter().enumerate() {
-            let rest = view_fronts.split_off(v.queues);
-            let (view, control) = ViewRuntime::new(v, i, std::mem::replace(&mut view_fronts, rest), &state);
-            view.device.set_min_block(min_block);
-            controls.push(control, v.queues);
-            views.push(view);
-        }
+        device.set_min_block(launcher.min_block());
+        let controls = Controls::new(control, nqueues);
         let shape = domains.shape().unwrap_or(Shape::of(cfg.tap));
         let slot = Slot {
             faces: domains.faces(),
@@ -137,10 +131,11 @@ impl DeviceRuntime {
             graveyard: Graveyard::default(),
             busy: false,
         };
-        Ok(DeviceRuntime {
+        let rt = DeviceRuntime {
             name,
             device,
-            views,
+            views: RwLock::new(Vec::new()),
+            leaving: Mutex::new(Vec::new()),
             control: controls,
             attach,
             policy,
@@ -150,12 +145,82 @@ impl DeviceRuntime {
             released: Condvar::new(),
             id,
             mailbox,
-        })
+        };
+        rt.new_views(view_fronts);
+        Ok(rt)
     }
 
     /// Its frontend and its views', for the exports.
     pub fn frontends(&self) -> Vec<Arc<Device>> {
-        std::iter::once(self.device.clone()).chain(self.views.iter().map(|v| v.device.clone())).collect()
+        std::iter::once(self.device.clone()).chain(self.views().into_iter().map(|v| v.device.clone())).collect()
+    }
+
+    /// Its views now.
+    pub fn views(&self) -> Vec<Arc<ViewRuntime>> {
+        self.views.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// View `name`, if it has one.
+    pub(crate) fn view(&self, name: &str) -> Option<Arc<ViewRuntime>> {
+        self.views.read().unwrap_or_else(|e| e.into_inner()).iter().find(|v| v.name == name).cloned()
+    }
+
+    /// Hands a new generation's queues (in the order the launch made them) to the frontend
+    /// and its views; the queues left over are those of views new to this generation, which
+    /// start here.
+    pub(crate) fn install_generation(&self, fronts: Vec<bulkhead_channel::FrontQueue>) {
+        let rest = self.control.install_generation(fronts);
+        if !rest.is_empty() {
+            self.new_views(rest);
+        }
+    }
+
+    /// Starts the views of the layout that have no frontend yet, on `fronts`.
+    fn new_views(&self, mut fronts: Vec<bulkhead_channel::FrontQueue>) {
+        let layout = self.launcher.layout();
+        let min_block = self.launcher.min_block();
+        let mut views = self.views.write().unwrap_or_else(|e| e.into_inner());
+        for (i, v) in layout.views.iter().enumerate().skip(views.len()) {
+            if fronts.len() < v.queues {
+                log::error!("device {}: view {}: {} queues for {}", self.name, v.name, fronts.len(), v.queues);
+                break;
+            }
+            let rest = fronts.split_off(v.queues);
+            let (view, control) = ViewRuntime::new(v, i, std::mem::replace(&mut fronts, rest), &self.state);
+            view.device.set_min_block(min_block);
+            self.control.push(control, v.queues);
+            views.push(Arc::new(view));
+        }
+    }
+
+    /// Marks view `name` to be taken out when the domains are next replaced (the caller holds
+    /// the claim and hands it to that job).
+    pub(crate) fn leave_view(&self, name: &str) {
+        self.leaving.lock().unwrap_or_else(|e| e.into_inner()).push(name.to_string());
+    }
+
+    /// Takes out the views marked to leave: the old domains are gone, the next not started.
+    pub(crate) fn drop_leaving(&self) {
+        let leaving = std::mem::take(&mut *self.leaving.lock().unwrap_or_else(|e| e.into_inner()));
+        for name in leaving {
+            self.drop_view(&name);
+        }
+    }
+
+    /// Takes view `name` out of the layout the next generation runs, with its frontend, its
+    /// entry in the state page and its attach slots; the views after it move down one place.
+    /// Only while no domain runs and the claim is held. Returns its frontend.
+    fn drop_view(&self, name: &str) -> Option<Arc<ViewRuntime>> {
+        let mut views = self.views.write().unwrap_or_else(|e| e.into_inner());
+        let index = views.iter().position(|v| v.name == name)?;
+        let gone = views.remove(index);
+        self.control.remove_view(index);
+        for (i, v) in views.iter().enumerate().skip(index) {
+            v.move_to(i, &self.state);
+        }
+        self.launcher.change_layout(|l| l.views.remove(index));
+        self.attach.remove_view(index as u32);
+        Some(gone)
     }
 
     /// The slot, for a moment.

@@ -49,11 +49,7 @@ impl Registry {
 
     /// Whether a device or a view is named `name`.
     pub fn name_taken(&self, name: &str) -> bool {
-        self.map
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .any(|d| d.name == name || d.views.iter().any(|v| v.name == name))
+        self.map.read().unwrap_or_else(|e| e.into_inner()).values().any(|d| d.name == name || d.view(name).is_some())
     }
 
     pub fn insert(&self, rt: Arc<DeviceRuntime>) {

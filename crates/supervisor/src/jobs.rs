@@ -96,6 +96,8 @@ fn restart_all(rt: &DeviceRuntime, why: &str, detected: Instant, stopping: &Atom
     rt.control.outage_started(detected);
     let (domains, below, graveyard) = take_all(rt);
     bury_all(rt, domains, below, graveyard);
+    // Views being removed go now that no domain serves them.
+    rt.drop_leaving();
     // A driver that breaks every generation restarts many times a second: rate-limited.
     rt.control.log_limited(|| format!("{why}; restarting"));
     if stopping.load(Ordering::Acquire) {
@@ -122,7 +124,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str) {
             if let Launch::Up { was_down: Some(down) } = up {
                 log::info!("device {}: reconnected after {} ms", rt.name, down.as_millis());
             }
-            rt.control.install_generation(fronts);
+            rt.install_generation(fronts);
             // Attached applications start their queues over, and the new domain takes them.
             rt.attach.rejoin(attach_line);
         }

@@ -76,9 +76,9 @@ pub(crate) struct Launched {
 pub(crate) struct Launcher {
     name: String,
     mode: NotifyMode,
-    /// The views, and the view each queue of a generation serves (`None`: the device's own).
-    pub(crate) views: Vec<ViewSetup>,
-    lanes: Vec<Option<u32>>,
+    /// The device's queues and its views, as the next generation lays them out; changed on a
+    /// running device by `bulkhead view add` and `view remove`. Each launch takes a copy.
+    layout: Mutex<Layout>,
     qcfg: QueueConfig,
     /// Bytes the frontend sees, above the filters.
     size: u64,
@@ -106,10 +106,39 @@ pub(crate) struct Launcher {
     pub(crate) index: u32,
     /// A `vdev` device's card and its model's domain.
     pub(crate) card: Option<crate::vdev::CardDevice>,
-    /// The view of each slot for attached applications' queues (`None`: the device).
-    pub(crate) attach_slots: Vec<Option<u32>>,
     /// An `rbd` device's cluster addresses and its earlier domains' lock owners.
     rbd: Option<(crate::rbd::Reach, crate::rbd::Owners)>,
+}
+
+/// How a generation lays out the device's queues: the device's own, then each view's; and
+/// the slots for attached applications' queues, likewise.
+#[derive(Debug, Clone)]
+pub(crate) struct Layout {
+    /// Queues of the device's own.
+    pub queues: usize,
+    /// Attach slots of the device's own.
+    pub attach: usize,
+    /// The views, in the order of their queues, slots and state page entries.
+    pub views: Vec<ViewSetup>,
+}
+
+impl Layout {
+    /// The view each queue of a generation serves (`None`: the device's own).
+    pub fn lanes(&self) -> Vec<Option<u32>> {
+        let views = self.views.iter().enumerate().flat_map(|(i, v)| std::iter::repeat_n(Some(i as u32), v.queues));
+        std::iter::repeat_n(None, self.queues).chain(views).collect()
+    }
+
+    /// The view each attach slot serves (`None`: the device).
+    pub fn attach_slots(&self) -> Vec<Option<u32>> {
+        let views = self.views.iter().enumerate().flat_map(|(i, v)| std::iter::repeat_n(Some(i as u32), v.attach));
+        std::iter::repeat_n(None, self.attach).chain(views).collect()
+    }
+
+    /// The index of view `name`.
+    pub fn find(&self, name: &str) -> Option<usize> {
+        self.views.iter().position(|v| v.name == name)
+    }
 }
 
 impl Launcher {
@@ -142,8 +171,7 @@ impl Launcher {
         let mut launcher = Launcher {
             name: name.clone(),
             mode,
-            views: Vec::new(),
-            lanes: vec![None; nqueues],
+            layout: Mutex::new(Layout { queues: nqueues, attach: cfg.attach_slots() as usize, views: Vec::new() }),
             qcfg: QueueConfig {
                 nslots: *cfg.queue_depth.get_ref(),
                 arena_bytes: cfg.arena.get_ref().0 as usize,
@@ -164,19 +192,11 @@ impl Launcher {
             index,
             policy: sandbox,
             card: storage.card,
-            attach_slots: Vec::new(),
             rbd: storage.rbd,
         };
         let size = launcher.prepare_filters(filters, cfg.tap)?;
         // Views, against the size the filters leave: each adds queues of its own.
-        launcher.views = ViewSetup::resolve(&name, &cfg.views, size)?;
-        for (i, v) in launcher.views.iter().enumerate() {
-            launcher.lanes.extend(std::iter::repeat_n(Some(i as u32), v.queues));
-        }
-        // Slots for attached applications: the device's, then each view's.
-        launcher.attach_slots = std::iter::repeat_n(None, cfg.attach_slots() as usize)
-            .chain(cfg.views.iter().enumerate().flat_map(|(i, v)| std::iter::repeat_n(Some(i as u32), v.attach_slots() as usize)))
-            .collect();
+        launcher.layout.get_mut().unwrap_or_else(|e| e.into_inner()).views = ViewSetup::resolve(&name, &cfg.views, size)?;
         Ok(launcher)
     }
 
@@ -198,6 +218,16 @@ impl Launcher {
     /// A copy of the chain as the next generation will run it.
     pub(crate) fn chain(&self) -> ChainSetup {
         self.chain.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A copy of the layout the next generation runs.
+    pub(crate) fn layout(&self) -> Layout {
+        self.layout.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Changes the layout for the next generation (the caller holds the device's claim).
+    pub(crate) fn change_layout<T>(&self, change: impl FnOnce(&mut Layout) -> T) -> T {
+        change(&mut self.layout.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Changes the chain for the next generation: `change` edits it and says what it did, or
@@ -399,6 +429,8 @@ impl Launcher {
     /// laid out as the chain's tap mode says.
     pub(crate) fn launch(&self, generation: u32) -> Result<Launched, LaunchError> {
         let conn = self.connect()?;
+        let layout = self.layout();
+        let lanes = layout.lanes();
         let qcfg = QueueConfig { generation, ..self.qcfg };
         let arena = |f: &FrontQueue| f.arena_bytes() as u64;
         let chain = self.chain();
@@ -416,7 +448,7 @@ impl Launcher {
         // for queue: only its queue files and doorbells are new.
         let mut lowers = Vec::new();
         let mut tap_fds = Vec::new();
-        for q in 0..self.lanes.len() {
+        for q in 0..lanes.len() {
             let (front, fds) = QueueSetup::create(&format!("{}-q{q}", self.name), &qcfg).map_err(|e| e.to_string())?;
             if shape == Shape::Interpose {
                 lowers.push(
@@ -643,13 +675,15 @@ impl Launcher {
         let mut filters = Vec::new();
         let mut state_fd = None;
         let mut views = Vec::new();
+        let layout = self.layout();
         if let Some(chain) = chain {
             // The upper domain serves the views: the queues come in the launch's order.
-            if queues.len() == self.lanes.len() {
-                for (q, lane) in queues.iter_mut().zip(&self.lanes) {
-                    q.view = *lane;
+            let lanes = layout.lanes();
+            if queues.len() == lanes.len() {
+                for (q, lane) in queues.iter_mut().zip(lanes) {
+                    q.view = lane;
                 }
-                views = self.views.iter().map(ViewSetup::spec).collect();
+                views = layout.views.iter().map(ViewSetup::spec).collect();
             }
             for f in &chain.filters {
                 f.trim_output();
@@ -664,9 +698,10 @@ impl Launcher {
         // tap domain over a domain below (whose channel has no room for them).
         let mut attach = None;
         let mut attach_line = None;
-        if chain.is_some_and(|c| c.tap != Tap::Interpose) && !self.attach_slots.is_empty() {
+        let slots = layout.attach_slots();
+        if chain.is_some_and(|c| c.tap != Tap::Interpose) && !slots.is_empty() {
             let (ours, theirs) = bulkhead_sys::seqpacket_pair().map_err(|e| format!("attach line: {e}"))?;
-            attach = Some(bulkhead_spec::AttachSpec { fd: pass.add_owned(theirs), slots: self.attach_slots.clone() });
+            attach = Some(bulkhead_spec::AttachSpec { fd: pass.add_owned(theirs), slots });
             attach_line = Some(ours);
         }
         let (report_r, report_w) = bulkhead_sys::pipe().map_err(|e| format!("report pipe: {e}"))?;
@@ -927,6 +962,26 @@ fn auto_engine(device: &str, path: &Path) -> Engine {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_layout_lays_out_the_device_then_each_view() {
+        let view = |name: &str, queues, attach| crate::views::ViewSetup {
+            name: name.into(),
+            offset: 0,
+            size: 1 << 20,
+            read_only: false,
+            queues,
+            attach,
+            caps: Default::default(),
+        };
+        let mut l = super::Layout { queues: 2, attach: 1, views: vec![view("a", 1, 0), view("b", 2, 2)] };
+        assert_eq!(l.lanes(), [None, None, Some(0), Some(1), Some(1)]);
+        assert_eq!(l.attach_slots(), [None, Some(1), Some(1)]);
+        assert_eq!(l.find("b"), Some(1));
+        l.views.remove(0);
+        assert_eq!(l.lanes(), [None, None, Some(0), Some(0)]);
+        assert_eq!(l.attach_slots(), [None, Some(0), Some(0)]);
+    }
+
     use super::*;
 
     #[test]

@@ -51,7 +51,7 @@ pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
             })
             .collect(),
         card: rt.launcher.card.as_ref().map(|c| c.status()),
-        views: rt.views.iter().map(|v| v.status(&rt.state)).collect(),
+        views: rt.views().iter().map(|v| v.status(&rt.state)).collect(),
         io: io_figures(&rt.device),
         attached: rt.attach.status(),
     }

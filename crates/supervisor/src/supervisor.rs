@@ -145,7 +145,7 @@ impl Supervisor {
 
     /// Whether a view `name` is served.
     pub fn has_view(&self, name: &str) -> bool {
-        self.hub.devices.all().iter().any(|d| d.views.iter().any(|v| v.name == name))
+        self.hub.devices.all().iter().any(|d| d.view(name).is_some())
     }
 
     /// The devices and their views, for the exports.
@@ -160,7 +160,7 @@ impl Supervisor {
 
     /// The device a device or view `name` belongs to.
     pub fn owner_of(&self, name: &str) -> Option<String> {
-        self.hub.devices.all().iter().find(|d| d.name == name || d.views.iter().any(|v| v.name == name)).map(|d| d.name.clone())
+        self.hub.devices.all().iter().find(|d| d.name == name || d.view(name).is_some()).map(|d| d.name.clone())
     }
 
     /// Starts device `cfg` (a `[[device]]` table, checked) while the others serve, and watches
@@ -207,17 +207,7 @@ impl Supervisor {
         // Held to the end: no restart or change starts meanwhile, and the watcher leaves it be.
         let (claim, slot) = rt.claim(CLAIM_WAIT)?;
         drop(slot);
-        let deadline = Instant::now() + drain;
-        while rt.control.in_flight() > 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let left = rt.control.in_flight();
-        if left > 0 {
-            log::warn!("device {name}: {left} request(s) still in flight after {} ms; they fail", drain.as_millis());
-        }
-        if rt.lock().life.state() == DeviceState::Running {
-            flush_each(std::slice::from_ref(&rt), Duration::from_secs(5));
-        }
+        drain_and_flush(&rt, &format!("device {name}"), &rt.device, || rt.control.in_flight(), drain);
         self.hub.devices.remove(rt.id);
         self.hub.mailbox.post(crate::mailbox::Note::Removed(rt.id));
         rt.control.fail("device removed");
@@ -227,15 +217,109 @@ impl Supervisor {
         Ok(())
     }
 
+    /// Adds view `view` (a `[[device.view]]` table, checked) to the running device `device`.
+    /// The device's domains are replaced by a generation that serves the view too: the
+    /// device's and its other views' users see a pause, as in a restart, with nothing failed;
+    /// other devices do not notice. Returns the view's frontend, for the exports.
+    pub fn add_view(&self, device: &str, view: &bulkhead_config::View) -> Result<Arc<bulkhead_client::Device>, String> {
+        let _one = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        if self.hub.stopping.load(Ordering::Acquire) || self.stopped.load(Ordering::Acquire) {
+            return Err("serve is shutting down".into());
+        }
+        let rt = self.device(device)?;
+        let name = view.name.get_ref().clone();
+        if self.hub.devices.name_taken(&name) {
+            return Err(format!("a device or view named `{name}` is served already"));
+        }
+        let (claim, mut slot) = rt.claim(CLAIM_WAIT)?;
+        let refuse = |slot, claim, why: String| {
+            // The slot's lock goes before the claim, whose release takes it.
+            drop(slot);
+            drop(claim);
+            Err(why)
+        };
+        let state = slot.life.state();
+        if state != DeviceState::Running {
+            return refuse(slot, claim, format!("device `{device}` is {}: views are added to a running device", state.as_str()));
+        }
+        let setup = match crate::views::ViewSetup::resolve(device, std::slice::from_ref(view), rt.launcher.size()) {
+            Ok(mut s) => s.remove(0),
+            Err(e) => return refuse(slot, claim, e),
+        };
+        let count = rt.launcher.layout().views.len();
+        if count >= bulkhead_qos::page::MAX_VIEWS {
+            return refuse(slot, claim, format!("device `{device}` has {count} views, the most it may have"));
+        }
+        rt.launcher.change_layout(|l| l.views.push(setup.clone()));
+        crate::views::reset_entry(&rt.state, count, &setup.caps);
+        rt.attach.add_view(count as u32, setup.attach);
+        let why = format!("view {name} added");
+        let disposition = slot.life.on_event(Event::Changed { why, filters_only: false }, rt.control.answered());
+        drop(slot);
+        let (tx, rx) = mpsc::channel();
+        claim.pass_on();
+        self.hub.dispatch(rt.id, disposition, self.hub.clock.now(), Some(tx));
+        let outcome = rx.recv_timeout(CHANGE_WAIT).map_err(|_| "the supervisor did not answer".to_string()).and_then(|r| r);
+        if let Some(v) = rt.view(&name) {
+            return Ok(v.device.clone());
+        }
+        // The new generation did not start: the view goes from the layout again.
+        let why = outcome.err().unwrap_or_else(|| "the new generation did not serve it".into());
+        if let Ok((claim, slot)) = rt.claim(CLAIM_WAIT) {
+            drop(slot);
+            if rt.view(&name).is_none() && rt.launcher.layout().find(&name) == Some(count) {
+                rt.launcher.change_layout(|l| l.views.truncate(count));
+                rt.attach.remove_view(count as u32);
+            }
+            drop(claim);
+        }
+        Err(format!("view `{name}` could not start: {why}"))
+    }
+
+    /// Removes view `name` from its running device, once the exports no longer offer it:
+    /// waits up to `drain` for its requests in flight, flushes, fails whatever is left, and
+    /// replaces the device's domains by a generation without it (its users see a pause, as in
+    /// a restart). Refused while applications are attached to it, unless `force` (they are
+    /// told it failed). Returns the device it belonged to.
+    pub fn remove_view(&self, name: &str, force: bool, drain: Duration) -> Result<String, String> {
+        let _one = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        if self.hub.stopping.load(Ordering::Acquire) || self.stopped.load(Ordering::Acquire) {
+            return Err("serve is shutting down".into());
+        }
+        let all = self.hub.devices.all();
+        let (rt, view) =
+            all.iter().find_map(|d| d.view(name).map(|v| (d.clone(), v))).ok_or_else(|| format!("no view `{name}`"))?;
+        let attached = rt.attach.attached_to(name);
+        if attached > 0 && !force {
+            return Err(format!("{attached} application(s) are attached to view `{name}`"));
+        }
+        let (claim, slot) = rt.claim(CLAIM_WAIT)?;
+        drop(slot);
+        rt.attach.cut_off(name, "view removed");
+        drain_and_flush(&rt, &format!("view {name}"), &view.device, || view.device.in_flight(), drain);
+        rt.control.fail_view(view.index(), "view removed");
+        rt.leave_view(name);
+        let why = format!("view {name} removed");
+        let disposition = rt.lock().life.on_event(Event::Changed { why, filters_only: false }, rt.control.answered());
+        let (tx, rx) = mpsc::channel();
+        claim.pass_on();
+        self.hub.dispatch(rt.id, disposition, self.hub.clock.now(), Some(tx));
+        // The view is gone whatever became of the new generation.
+        match rx.recv_timeout(CHANGE_WAIT) {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => log::warn!("device {}: after view {name} was removed: {e}", rt.name),
+            Err(_) => log::warn!("device {}: the supervisor did not answer after view {name} was removed", rt.name),
+        }
+        log::info!("device {}: view {name} removed", rt.name);
+        Ok(rt.name.clone())
+    }
+
     /// Changes the QoS of the running view `view`: `changes` are `key=value` settings of
     /// [`bulkhead_qos::KEYS`] applied over its current caps. The domain takes them on its
     /// next look at the view; a restarted domain keeps them. Returns the caps now in force.
     pub fn set_qos(&self, view: &str, changes: &[(String, String)]) -> Result<bulkhead_qos::Caps, String> {
         let all = self.hub.devices.all();
-        let (rt, v) = all
-            .iter()
-            .find_map(|d| d.views.iter().find(|v| v.name == view).map(|v| (d, v)))
-            .ok_or_else(|| format!("no view `{view}`"))?;
+        let (rt, v) = all.iter().find_map(|d| d.view(view).map(|v| (d, v))).ok_or_else(|| format!("no view `{view}`"))?;
         let mut caps = v.caps();
         for (k, val) in changes {
             caps.set(k, val)?;
@@ -266,7 +350,7 @@ impl Supervisor {
             if d.name == ask.name {
                 return Some((d, None));
             }
-            d.views.iter().position(|v| v.name == ask.name).map(|i| (d, Some(i as u32)))
+            d.view(&ask.name).map(|v| (d, Some(v)))
         });
         let Some((rt, view)) = found else {
             return refuse(&mut conn, ControlError::not_found(format!("no device or view `{}`", ask.name)));
@@ -286,7 +370,7 @@ impl Supervisor {
                 ControlError::invalid(format!("{}: {} queues asked (1..={})", ask.name, ask.queues, bulkhead_config::MAX_ATTACH)),
             );
         }
-        let free = rt.attach.free(view);
+        let free = rt.attach.free(view.as_ref().map(|v| v.index() as u32));
         if free < ask.queues as usize {
             return refuse(
                 &mut conn,
@@ -296,9 +380,9 @@ impl Supervisor {
                 ),
             );
         }
-        let dev = match view {
+        let dev = match &view {
             None => &rt.device,
-            Some(i) => &rt.views[i as usize].device,
+            Some(v) => &v.device,
         };
         let qcfg = rt.launcher.queue_config();
         let offer = crate::attach::offer(dev.size(), &qcfg, dev.read_only(), dev.min_block());
@@ -333,7 +417,11 @@ impl Supervisor {
         // One at a time with restarts, which carry attached queues over.
         let joined = rt.claim(CLAIM_WAIT).and_then(|(claim, slot)| {
             drop(slot);
-            let joined = rt.attach.join(&ask.name, view, &conn, queues);
+            // A view's place is read under the claim: views before it may have gone.
+            let joined = match &view {
+                Some(v) if rt.view(&v.name).is_none() => Err(format!("view `{}` was removed", v.name)),
+                v => rt.attach.join(&ask.name, v.as_ref().map(|v| v.index() as u32), &conn, queues),
+            };
             drop(claim);
             joined
         });
@@ -511,8 +599,37 @@ impl Supervisor {
     }
 }
 
+/// Waits up to `drain` for `what`'s requests in flight (`in_flight`) to finish, then flushes
+/// `front` if `rt` runs; what is left is logged (it fails when `what` goes).
+fn drain_and_flush(
+    rt: &DeviceRuntime,
+    what: &str,
+    front: &Arc<bulkhead_client::Device>,
+    in_flight: impl Fn() -> usize,
+    drain: Duration,
+) {
+    let deadline = Instant::now() + drain;
+    while in_flight() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let left = in_flight();
+    if left > 0 {
+        log::warn!("{what}: {left} request(s) still in flight after {} ms; they fail", drain.as_millis());
+    }
+    if rt.lock().life.state() == DeviceState::Running {
+        flush_devices(&[(what.to_string(), front.clone())], Duration::from_secs(5));
+    }
+}
+
 /// Flushes `running`, a few at a time, within `limit` in all.
 fn flush_each(running: &[Arc<DeviceRuntime>], limit: Duration) {
+    let devices: Vec<(String, Arc<bulkhead_client::Device>)> =
+        running.iter().map(|rt| (rt.name.clone(), rt.device.clone())).collect();
+    flush_devices(&devices, limit);
+}
+
+/// Flushes `running` (named frontends), a few at a time, within `limit` in all.
+fn flush_devices(running: &[(String, Arc<bulkhead_client::Device>)], limit: Duration) {
     let running = running.to_vec();
     if running.is_empty() {
         return;
@@ -525,8 +642,8 @@ fn flush_each(running: &[Arc<DeviceRuntime>], limit: Duration) {
         // A flush a dead domain never answers keeps its thread: it is not waited for.
         let _ = std::thread::Builder::new().name("flush".into()).spawn(move || loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(rt) = running.get(i) else { break };
-            if tx.send((i, rt.device.flush(0))).is_err() {
+            let Some((_, dev)) = running.get(i) else { break };
+            if tx.send((i, dev.flush(0))).is_err() {
                 break;
             }
         });
@@ -537,11 +654,11 @@ fn flush_each(running: &[Arc<DeviceRuntime>], limit: Duration) {
     while let Ok((i, r)) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
         answered[i] = true;
         if let Err(e) = r {
-            log::warn!("device {}: final flush failed: {e}", running[i].name);
+            log::warn!("{}: final flush failed: {e}", running[i].0);
         }
     }
     for (i, _) in answered.iter().enumerate().filter(|(_, a)| !**a) {
-        log::warn!("device {}: final flush did not complete within {} s", running[i].name, limit.as_secs());
+        log::warn!("{}: final flush did not complete within {} s", running[i].0, limit.as_secs());
     }
 }
 

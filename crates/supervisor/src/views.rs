@@ -7,8 +7,9 @@
 //! live in the device's state page ([`bulkhead_qos::page`]), where the domain reads them when
 //! they change and writes back its credit.
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use bulkhead_channel::FrontQueue;
@@ -31,8 +32,8 @@ pub struct ViewRuntime {
     pub queues: usize,
     /// Its frontend, shared with the exports.
     pub device: Arc<Device>,
-    /// Its index in the domain's spec and state page.
-    pub(crate) index: usize,
+    /// Its index in the domain's spec and state page (lower when a view before it goes).
+    index: AtomicUsize,
     /// Its caps, as last set.
     caps: Mutex<Caps>,
     /// Bytes it had moved when its throughput was last sampled, and when.
@@ -71,11 +72,26 @@ impl ViewRuntime {
             read_only: setup.read_only,
             queues: setup.queues,
             device,
-            index,
+            index: AtomicUsize::new(index),
             caps: Mutex::new(setup.caps),
             sample: Mutex::new(Sample { at: Instant::now(), bytes: 0, ops: 0, rate: (0.0, 0.0) }),
         };
         (v, control)
+    }
+
+    /// Its index in the domain's spec and state page.
+    pub(crate) fn index(&self) -> usize {
+        self.index.load(Ordering::Acquire)
+    }
+
+    /// Moves it to index `to` (a view before it went): its entry in the state page moves
+    /// with it. Only while no domain runs.
+    pub(crate) fn move_to(&self, to: usize, state: &StatePage) {
+        let from = self.index();
+        for f in 0..page::STRIDE {
+            state.set(page::slot(to, f), state.get(page::slot(from, f)));
+        }
+        self.index.store(to, Ordering::Release);
     }
 
     /// Its caps.
@@ -88,7 +104,7 @@ impl ViewRuntime {
     pub(crate) fn set_caps(&self, caps: Caps, state: &StatePage) -> Result<(), String> {
         caps.check()?;
         let mut c = self.caps.lock().unwrap_or_else(|e| e.into_inner());
-        write_caps(state, self.index, &caps);
+        write_caps(state, self.index(), &caps);
         *c = caps;
         Ok(())
     }
@@ -120,7 +136,7 @@ impl ViewRuntime {
     pub(crate) fn status(&self, state: &StatePage) -> ViewStatus {
         let caps = self.caps();
         let rate = self.sample.lock().unwrap_or_else(|e| e.into_inner()).rate;
-        let slot = |f| state.get(page::slot(self.index, f));
+        let slot = |f| state.get(page::slot(self.index(), f));
         ViewStatus {
             name: self.name.clone(),
             offset: self.offset,
@@ -140,6 +156,15 @@ impl ViewRuntime {
             iops: rate.1,
         }
     }
+}
+
+/// Clears view `index`'s entry in the page and writes `caps` there: for a view new to the
+/// device, before a domain runs that serves it.
+pub(crate) fn reset_entry(state: &StatePage, index: usize, caps: &Caps) {
+    for f in 0..page::STRIDE {
+        state.set(page::slot(index, f), 0);
+    }
+    write_caps(state, index, caps);
 }
 
 /// Writes view `index`'s caps to the page: the sequence number odd while they are written.
@@ -164,6 +189,8 @@ pub(crate) struct ViewSetup {
     pub size: u64,
     pub read_only: bool,
     pub queues: usize,
+    /// Slots for attached applications' queues.
+    pub attach: usize,
     pub caps: Caps,
 }
 
@@ -185,6 +212,7 @@ impl ViewSetup {
                 size: len,
                 read_only: v.read_only,
                 queues: v.queue_count() as usize,
+                attach: v.attach_slots() as usize,
                 caps: v.caps(),
             });
         }
@@ -199,83 +227,102 @@ impl ViewSetup {
 
 /// The supervisor's face of a device and its views at once: the device's control first, then
 /// each view's, each with its number of queues (a new generation's queues come in that order).
+/// Views come and go while the device runs.
 #[derive(Debug)]
 pub struct Controls {
-    parts: Vec<(DeviceControl, usize)>,
+    parts: RwLock<Vec<(DeviceControl, usize)>>,
 }
 
 impl Controls {
     /// The device's control over its own `queues` queues.
     pub(crate) fn new(device: DeviceControl, queues: usize) -> Controls {
-        Controls { parts: vec![(device, queues)] }
+        Controls { parts: RwLock::new(vec![(device, queues)]) }
+    }
+
+    fn parts(&self) -> RwLockReadGuard<'_, Vec<(DeviceControl, usize)>> {
+        self.parts.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn parts_mut(&self) -> RwLockWriteGuard<'_, Vec<(DeviceControl, usize)>> {
+        self.parts.write().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Adds a view's control over its `queues` queues.
-    pub(crate) fn push(&mut self, view: DeviceControl, queues: usize) {
-        self.parts.push((view, queues));
+    pub(crate) fn push(&self, view: DeviceControl, queues: usize) {
+        self.parts_mut().push((view, queues));
     }
 
-    fn each(&self) -> impl Iterator<Item = &DeviceControl> {
-        self.parts.iter().map(|(c, _)| c)
+    /// Fails view `index`: its requests fail at once, now and later.
+    pub(crate) fn fail_view(&self, index: usize, reason: &str) {
+        if let Some((c, _)) = self.parts().get(index + 1) {
+            c.fail(reason);
+        }
     }
 
-    fn main(&self) -> &DeviceControl {
-        &self.parts[0].0
+    /// Takes view `index`'s control out.
+    pub(crate) fn remove_view(&self, index: usize) -> DeviceControl {
+        self.parts_mut().remove(index + 1).0
+    }
+
+    fn each<T>(&self, f: impl FnMut(&DeviceControl) -> T) -> Vec<T> {
+        self.parts().iter().map(|(c, _)| c).map(f).collect()
     }
 
     /// Requests answered on the device and its views (the watchdog's progress measure).
     pub fn answered(&self) -> u64 {
-        self.each().map(DeviceControl::answered).sum()
+        self.parts().iter().map(|(c, _)| c.answered()).sum()
     }
 
     /// Requests in flight on the device and its views.
     pub fn in_flight(&self) -> usize {
-        self.each().map(DeviceControl::in_flight).sum()
+        self.parts().iter().map(|(c, _)| c.in_flight()).sum()
     }
 
     /// The alarm doorbells of the device and each view, rung when a queue reports its channel
     /// broken.
     pub fn alarms(&self) -> std::io::Result<Vec<std::os::fd::OwnedFd>> {
-        self.each().map(DeviceControl::alarm).collect()
+        self.each(DeviceControl::alarm).into_iter().collect()
     }
 
     /// Whether any queue reported a broken channel; clears every report.
     pub fn take_broken_report(&self) -> bool {
-        self.each().fold(false, |any, c| c.take_broken_report() | any)
+        self.each(DeviceControl::take_broken_report).into_iter().fold(false, |any, b| b | any)
     }
 
     /// Logs for the device, rate-limited.
     pub fn log_limited(&self, line: impl FnOnce() -> String) {
-        self.main().log_limited(line);
+        self.parts()[0].0.log_limited(line);
     }
 
     /// Marks the start of an outage everywhere.
     pub fn outage_started(&self, at: Instant) {
-        self.each().for_each(|c| c.outage_started(at));
+        self.each(|c| c.outage_started(at));
     }
 
     /// Times an outage the frontends do not see as one.
     pub fn time_outage(&self, at: Instant) {
-        self.each().for_each(|c| c.time_outage(at));
+        self.each(|c| c.time_outage(at));
     }
 
     /// Ends the outages being timed where nothing waits.
     pub fn outage_over_if_idle(&self) {
-        self.each().for_each(DeviceControl::outage_over_if_idle);
+        self.each(DeviceControl::outage_over_if_idle);
     }
 
-    /// Installs a new generation: `queues` in the order the launch made them.
-    pub fn install_generation(&self, mut queues: Vec<FrontQueue>) {
-        for (c, n) in &self.parts {
+    /// Installs a new generation: `queues` in the order the launch made them. Returns those
+    /// left over: the queues of views new in this generation.
+    pub fn install_generation(&self, mut queues: Vec<FrontQueue>) -> Vec<FrontQueue> {
+        for (c, n) in self.parts().iter() {
             let rest = queues.split_off((*n).min(queues.len()));
             c.install_generation(std::mem::replace(&mut queues, rest));
         }
+        queues
     }
 
     /// Starts every queue of the device and its views over in place as `generation`.
     pub fn start_over_in_place(&self, generation: u32, timeout: Duration) -> Result<(), String> {
         let until = Instant::now() + timeout;
-        for c in self.each() {
+        for (c, _) in self.parts().iter() {
             c.start_over_in_place(generation, until.saturating_duration_since(Instant::now()))?;
         }
         Ok(())
@@ -283,12 +330,12 @@ impl Controls {
 
     /// The device's outages, ms (its views see the same ones).
     pub fn outages_ms(&self) -> Vec<f64> {
-        self.main().outages_ms()
+        self.parts()[0].0.outages_ms()
     }
 
     /// Fails the device and its views.
     pub fn fail(&self, reason: &str) {
-        self.each().for_each(|c| c.fail(reason));
+        self.each(|c| c.fail(reason));
     }
 }
 

@@ -220,8 +220,27 @@ impl Watcher {
                 log::warn!("device {}: cannot watch a domain: {e}", rt.name);
             }
         }
+        // Views come and go with a generation: the alarms are taken again.
+        let alarms = match rt.alarms() {
+            Ok(a) => Some(a),
+            Err(e) => {
+                log::warn!("device {}: cannot watch its alarms again: {e}", rt.name);
+                None
+            }
+        };
         if let Some(w) = self.watched.get_mut(&i) {
             w.pids = pids;
+            if let Some(alarms) = alarms {
+                for a in std::mem::replace(&mut w.alarms, alarms) {
+                    let _ = self.epoll.delete(a.as_fd());
+                }
+                for a in &w.alarms {
+                    if let Err(e) = self.epoll.add_once(a.as_fd(), token(i, Kind::Alarm)) {
+                        log::warn!("device {}: cannot watch an alarm: {e}", rt.name);
+                    }
+                }
+                return;
+            }
         }
         self.rearm_alarms(i);
     }
@@ -366,7 +385,7 @@ impl Watcher {
         for &i in devices {
             let Some(rt) = self.hub.devices.get(i) else { continue };
             if full {
-                for v in &rt.views {
+                for v in rt.views() {
                     v.sample();
                 }
             }
