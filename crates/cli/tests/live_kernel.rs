@@ -1,7 +1,8 @@
-//! `serve` managed while it runs: started with no devices, devices of three kinds and a view
+//! `serve` managed while it runs: started with no devices, devices of three kinds and views
 //! added while fio verifies a file system on the first, a device removed (and one in use
 //! refused), an edited configuration reloaded (and an edit that cannot apply refused), the
-//! running configuration dumped, and the metrics scraped and checked against what fio did.
+//! running configuration dumped, and the metrics scraped and checked against what fio did;
+//! views added to and removed from a device while fio verifies on a sibling view.
 
 mod common;
 
@@ -126,6 +127,10 @@ fn devices_come_and_go_a_reload_applies_and_metrics_agree_with_fio_while_fio_ver
         std::fs::File::open(&path).unwrap().read_exact(&mut back).unwrap();
         assert!(back == block, "{name} did not read back what was written");
     }
+    // A view added to a running device, beside the one it came with.
+    let out = ok(&run, &["view", "add", "f1", "name = \"f1-w\"", "offset = \"64M\"", "size = \"32M\""], None);
+    assert!(out.contains("f1-w: added to f1, exported on fuse, nbd, vhost_user"), "{out}");
+    assert!(serve.fuse_file("f1-w").exists() && run.join("vhost/f1-w.sock").exists());
     // A name taken is refused.
     let err = refused(&run, &["device", "add", adds.to_str().unwrap()], None);
     assert!(err.contains("`f1` is served already"), "{err}");
