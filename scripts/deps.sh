@@ -41,7 +41,11 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 case "${1:-serve}" in
   # The package test builds bulkhead_*.deb with cargo-deb (scripts/package.sh).
-  test) command -v cargo-deb >/dev/null 2>&1 || cargo install -q cargo-deb --locked --version 3.8.0 ;;
+  test) command -v cargo-deb >/dev/null 2>&1 || cargo install -q cargo-deb --locked --version 3.8.0
+        # The fuzz targets run briefly in the suite (scripts/fuzz.sh), on the nightly toolchain.
+        if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+          cargo +nightly fuzz --version >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked --version 0.13.2
+        fi ;;
 esac
 case "${1:-serve}" in
   # The guests' kit (a kernel and an initramfs from Debian packages), built once and cached.

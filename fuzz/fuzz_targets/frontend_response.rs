@@ -37,7 +37,7 @@ fuzz_target!(|data: &[u8]| {
                 next_user += 1;
                 // Learn the real id the driver would see.
                 while let Ok(Some(bulkhead_channel::Popped::Valid(r))) = back.pop() {
-                    ids.push(r.id);
+                    ids.push(r.id());
                 }
             }
             1 | 2 => {

@@ -33,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
     }
     if size >= 1 << 16 {
         let mut ios = [
-            Io::new(Request::Write { offset: 0, bufs: SliceList::one(w), fua: false }),
+            Io::new(Request::Write { offset: 0, from: SliceList::one(w), fua: false }),
             Io::new(Request::Discard { offset: 0, len: 4096 }),
             Io::new(Request::WriteZeroes { offset: size - 4096, len: 4096 }),
             Io::new(Request::Flush),

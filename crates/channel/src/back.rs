@@ -215,9 +215,10 @@ impl BackQueue {
         self.device_size
     }
 
-    /// The ring mapping, for this crate's tests that play a hostile frontend.
-    #[cfg(test)]
-    pub(crate) fn ring_mapping(&self) -> &Mapping {
+    /// The ring's shared mapping as this end sees it: what a hostile driver writes raw
+    /// response slots and indexes into (this crate's tests, the `frontend_response` fuzz
+    /// target).
+    pub fn ring_mapping(&self) -> &Mapping {
         self.ring.mapping()
     }
 

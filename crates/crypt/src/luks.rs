@@ -394,6 +394,17 @@ impl Volume {
         Ok(size / u64::from(self.sector_size) * u64::from(self.sector_size))
     }
 
+    /// The work unlocking asks for at most, summed over the key slots and the digest check:
+    /// PBKDF2 iterations, Argon2 passes × KiB. A header is the device's to write; what it
+    /// asks for is said before it is spent.
+    pub fn kdf_work(&self) -> u64 {
+        let slots = self.keyslots.iter().map(|s| match &s.kdf {
+            Kdf::Pbkdf2 { iterations, .. } => u64::from(*iterations),
+            Kdf::Argon2 { time, memory_kib, .. } => u64::from(*time) * u64::from(*memory_kib),
+        });
+        slots.fold(u64::from(self.digest.iterations), u64::saturating_add)
+    }
+
     /// Opens the volume with `passphrase`, trying each key slot in turn; `read` reads the
     /// key material.
     pub fn unlock(&self, passphrase: &[u8], read: &mut ReadAt<'_>) -> Result<MasterKey, CryptError> {

@@ -348,7 +348,8 @@ fn readdir(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) {
     if nodeid != FUSE_ROOT_ID {
         return sink.error(u, libc::ENOTDIR);
     }
-    let mut out = Vec::with_capacity(r.size as usize);
+    // The size is the caller's to name: the buffer grows with the entries, not with it.
+    let mut out = Vec::with_capacity((r.size as usize).min(4096));
     let table = sh.table();
     let entries = [(".", FUSE_ROOT_ID, 4u32), ("..", FUSE_ROOT_ID, 4)]
         .into_iter()
@@ -446,6 +447,21 @@ mod tests {
         fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]) {
             self.0.push((unique, errno, parts.concat()));
         }
+    }
+
+    /// Found by the `fuse_request` fuzz target (fuzz/seeds/fuse_request/oom-readdir-size): a
+    /// READDIR naming a size of gigabytes allocated that much before answering.
+    #[test]
+    fn oom_readdir_size_is_answered_from_a_buffer_the_entries_need() {
+        let sh = Shared::new(Vec::new(), false);
+        let mut out = Collect(Vec::new());
+        let op = ReadIn { size: u32::MAX, ..Default::default() };
+        let h = InHeader { opcode: READDIR, unique: 9, nodeid: FUSE_ROOT_ID, ..Default::default() };
+        dispatch(&sh, &[], &Incoming { h, op: op.as_bytes(), payload: &[] }, &mut out);
+        let (u, errno, reply) = &out.0[0];
+        assert_eq!((*u, *errno), (9, 0));
+        // `.` and `..`, 32 bytes each.
+        assert_eq!(reply.len(), 64);
     }
 
     fn init_request(flags: u32, flags2: u32, len: usize) -> Vec<u8> {

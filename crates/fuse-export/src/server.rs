@@ -462,6 +462,15 @@ impl Sink for DevSink {
     }
 }
 
+/// Serves `devices` on `fd` with one worker on the calling thread, until the session ends
+/// (DESTROY, the file system unmounted, or end of file). `fd` is a FUSE session's descriptor
+/// mounted elsewhere and handed over, or anything that gives one request per `read` and takes
+/// one reply per `write` (a `SOCK_SEQPACKET` socket, as the fuzz target drives it). FUSE over
+/// io_uring is not offered.
+pub fn serve_session(fd: OwnedFd, devices: Vec<Arc<Device>>) {
+    worker(fd, 0, Arc::new(Shared::new(devices, false)));
+}
+
 fn worker(fd: OwnedFd, slot: usize, sh: Arc<Shared>) {
     let mut buf = vec![0u8; BUF_SIZE];
     let mut scratch = Vec::new();
@@ -480,6 +489,9 @@ fn worker(fd: OwnedFd, slot: usize, sh: Arc<Shared>) {
                     break;
                 }
             }
+        }
+        if n == 0 {
+            break; // end of file: `/dev/fuse` never reads 0, a socket's peer hung up
         }
         let Some(req) = Incoming::from_dev(&buf[..n as usize]) else { continue };
         let now = sh.version.load(Ordering::Acquire);

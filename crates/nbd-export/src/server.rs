@@ -244,6 +244,22 @@ impl NbdServer {
         Ok(NbdServer { shared, listeners, unix_path: cfg.unix })
     }
 
+    /// Serves one client already connected on `sock` (a socket handed over, as nbdkit `-s`
+    /// serves the one on its standard input) on the calling thread, until it hangs up or the
+    /// server stops. It counts among the connections as an accepted one does.
+    pub fn serve_connection(&self, sock: OwnedFd) -> io::Result<()> {
+        let shared = &self.shared;
+        shared.stats.accepted.fetch_add(1, Ordering::Relaxed);
+        shared.active.fetch_add(1, Ordering::AcqRel);
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let sock = Arc::new(sock);
+        lock(&shared.conns).insert(id, Conn { sock: sock.clone(), export: None });
+        let r = serve_connection(shared, id, sock);
+        lock(&shared.conns).remove(&id);
+        shared.active.fetch_sub(1, Ordering::AcqRel);
+        r
+    }
+
     /// Counters.
     pub fn stats(&self) -> &ServerStats {
         &self.shared.stats

@@ -67,6 +67,13 @@ pub(crate) fn open_volume(
     (*payload_offset, *data_size, *sector_size) = (v.payload_offset, d, v.sector_size);
     let path = f.key_file.as_ref().ok_or_else(|| bad("no key_file".into()))?;
     let passphrase = zeroize::Zeroizing::new(std::fs::read(path).map_err(|e| bad(format!("key_file {}: {e}", path.display())))?);
+    if v.kdf_work() > SLOW_UNLOCK {
+        log::info!(
+            "device {device}: filter {} (crypt): the volume's key slots ask for {} rounds of key derivation; unlocking may take a while",
+            i + 1,
+            v.kdf_work()
+        );
+    }
     let key = v.unlock(&passphrase, read).map_err(|e| match e {
         bulkhead_crypt::CryptError::WrongKey => bad(format!("no key slot of the volume opens with key_file {}", path.display())),
         e => bad(e.to_string()),
@@ -74,6 +81,10 @@ pub(crate) fn open_volume(
     f.secret = Some(secret_file(device, key.bytes()).map_err(|e| bad(format!("key: {e}")))?);
     Ok(d)
 }
+
+/// Key derivation rounds (PBKDF2 iterations, Argon2 passes × KiB) past which opening a
+/// volume is said to take a while: about ten seconds of PBKDF2-SHA256 here.
+const SLOW_UNLOCK: u64 = 20_000_000;
 
 /// Opens the overlay of `cow` filter `f` (the `i`-th, from 0), creating an empty one (a qcow2
 /// image the size of the device below it) if the file does not exist, and checks that it

@@ -9,6 +9,7 @@
 //!   driver that abuses its card at register level, then wedges.
 //! - [`guest`]: real Linux guests under QEMU, from a kit made of Debian packages.
 //! - [`memsearch`]: a driver domain's search of its own memory for a guest's secrets.
+//! - [`memdev`]: a device served in this process from memory, for the exports' fuzz targets.
 //! - [`pattern`]: deterministic bytes to write and check.
 #![deny(missing_docs)]
 
@@ -16,6 +17,7 @@ pub mod guest;
 pub mod hostile;
 pub mod hostile_vdev;
 pub mod kernel;
+pub mod memdev;
 pub mod memsearch;
 pub mod probe;
 

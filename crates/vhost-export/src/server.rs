@@ -280,6 +280,34 @@ fn accept_loop(exports: &Exports, epoll: &Epoll, stopping: &AtomicBool) {
 /// Frontends decide how often they connect and what they send: at most 10 lines a second of it.
 static SESSION_LOG: bulkhead_sys::LogLimit = bulkhead_sys::LogLimit::new(10, std::time::Duration::from_secs(1));
 
+/// Serves `dev` to the frontend connected on `stream`, on the calling thread, until it hangs
+/// up (`None`) or breaks the protocol (why); its queues are stopped before this returns.
+fn run_session(dev: Arc<Device>, name: &str, stats: Arc<SessionStats>, stream: UnixStream) -> Option<VuError> {
+    let session = Arc::new(Mutex::new(Session::new(dev, name, stats)));
+    let mut handler = BackendReqHandler::from_stream(stream, session.clone());
+    let why = loop {
+        match handler.handle_request() {
+            Ok(()) => {}
+            Err(VuError::Disconnected | VuError::PartialMessage) => break None,
+            Err(VuError::SocketBroken(err) | VuError::SocketError(err)) if err.kind() != io::ErrorKind::InvalidData => {
+                break None
+            }
+            Err(err) => break Some(err),
+        }
+    };
+    drop(handler);
+    session.lock().unwrap_or_else(|p| p.into_inner()).stop_all();
+    why
+}
+
+/// Serves `dev` as a vhost-user-blk device to the frontend already connected on `stream` (a
+/// socket handed over rather than accepted from the export's listener), on the calling
+/// thread until it hangs up or breaks the protocol; returns why it was closed, if it broke it.
+pub fn serve_frontend(dev: Arc<Device>, stream: UnixStream) -> Option<String> {
+    let name = dev.name().to_string();
+    run_session(dev, &name, Arc::default(), stream).map(|e| e.to_string())
+}
+
 fn start_session(e: Arc<Exported>, stream: UnixStream) -> io::Result<Connection> {
     stream.set_nonblocking(false)?;
     let sock = stream.try_clone()?;
@@ -288,20 +316,7 @@ fn start_session(e: Arc<Exported>, stream: UnixStream) -> io::Result<Connection>
         if let Some(held) = SESSION_LOG.allow() {
             log::info!("vhost-user {}: frontend connected{}", e.name, bulkhead_sys::LogLimit::held_note(held));
         }
-        let session = Arc::new(Mutex::new(Session::new(e.dev.clone(), &e.name, e.stats.clone())));
-        let mut handler = BackendReqHandler::from_stream(stream, session.clone());
-        let why = loop {
-            match handler.handle_request() {
-                Ok(()) => {}
-                Err(VuError::Disconnected | VuError::PartialMessage) => break None,
-                Err(VuError::SocketBroken(err) | VuError::SocketError(err)) if err.kind() != io::ErrorKind::InvalidData => {
-                    break None
-                }
-                Err(err) => break Some(err),
-            }
-        };
-        drop(handler);
-        session.lock().unwrap_or_else(|p| p.into_inner()).stop_all();
+        let why = run_session(e.dev.clone(), &e.name, e.stats.clone(), stream);
         match why {
             None => {
                 if SESSION_LOG.allow().is_some() {
