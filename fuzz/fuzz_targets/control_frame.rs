@@ -59,6 +59,10 @@ impl Service for Fixed {
     fn reload(&self, _: Reload) -> Result<Reloaded, ControlError> {
         refuse("reload")
     }
+
+    fn upgrade(&self, _: Upgrade) -> Result<Upgrading, ControlError> {
+        refuse("upgrade")
+    }
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -8,7 +8,7 @@ use bulkhead_control::{
     HelloReply, ListSnapshots, QosReply, Reload, Reloaded, RemoveDevice, RemoveFilter, Restart, Service, SetQos, SetTap,
     Snapshot, SnapshotAction, SnapshotEntry, Snapshots, Status, StatusReport,
 };
-use bulkhead_control::{AddView, RemoveView, ViewAdded, ViewRemoved};
+use bulkhead_control::{AddView, RemoveView, Upgrade, Upgrading, ViewAdded, ViewRemoved};
 use bulkhead_fuse_export::Transport;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
 use bulkhead_vhost_export::VhostExport;
@@ -27,6 +27,8 @@ pub struct ServeApi {
     pub invalidate: Option<Box<Invalidate>>,
     /// Devices added and removed, the running configuration.
     pub live: Arc<Live>,
+    /// What keeps the descriptors across a restart of `serve`: `none`, `keeper`, `systemd`.
+    pub keeper: &'static str,
 }
 
 impl ServeApi {
@@ -156,6 +158,16 @@ impl Service for ServeApi {
 
     fn reload(&self, _: Reload) -> Result<Reloaded, ControlError> {
         self.live.reload()
+    }
+
+    fn upgrade(&self, _: Upgrade) -> Result<Upgrading, ControlError> {
+        if self.keeper == "none" {
+            return Err(ControlError::invalid(
+                "an upgrade needs a keeper to hold the exports meanwhile: set `[keeper] enabled = true`, or run under systemd with FileDescriptorStoreMax=",
+            ));
+        }
+        crate::serve::request_upgrade();
+        Ok(Upgrading { pid: std::process::id(), keeper: self.keeper.into() })
     }
 }
 

@@ -43,11 +43,44 @@ pub struct Live {
     config: Mutex<Config>,
     /// The file `serve` was started with (none: the embedded default).
     config_path: Option<PathBuf>,
+    /// Where the running configuration is kept for a `serve` that takes over.
+    kept: std::sync::OnceLock<Arc<crate::kept::Kept>>,
 }
 
 impl Live {
     pub fn new(sup: Arc<Supervisor>, exports: Exports, config: Config, config_path: Option<PathBuf>) -> Live {
-        Live { sup, exports, config: Mutex::new(config), config_path }
+        Live { sup, exports, config: Mutex::new(config), config_path, kept: std::sync::OnceLock::new() }
+    }
+
+    /// Keeps the running configuration in `kept` now and after every change, so a `serve`
+    /// that takes over serves what this one did (devices and views added since start too).
+    pub fn keep_config(&self, kept: Arc<crate::kept::Kept>) {
+        let cfg = lock(&self.config);
+        kept.keep_text("config", &cfg.dump());
+        let _ = self.kept.set(kept);
+    }
+
+    /// Replaces the running configuration (the caller holds its lock).
+    fn set(&self, cfg: &mut Config, next: Config) {
+        *cfg = next;
+        if let Some(k) = self.kept.get() {
+            k.keep_text("config", &cfg.dump());
+        }
+    }
+
+    /// Stops the exports as [`stop_exports`](Self::stop_exports) does, but leaves what a
+    /// keeper holds (the FUSE mount and session, the NBD listening sockets) to the `serve`
+    /// that takes over: an upgrade.
+    pub fn release_exports(&self) {
+        if let Some(n) = lock(&self.exports.nbd).take() {
+            n.release();
+        }
+        if let Some(v) = &self.exports.vhost {
+            v.shutdown();
+        }
+        if let Some(f) = lock(&self.exports.fuse).take() {
+            f.release();
+        }
     }
 
     /// Stops the exports: NBD, then vhost-user (each guest's queues drained first), then FUSE.
@@ -124,7 +157,7 @@ impl Live {
                 }
             }
         }
-        *cfg = next;
+        self.set(&mut cfg, next);
         Ok(added)
     }
 
@@ -269,7 +302,7 @@ impl Live {
         let mut raw = cfg.raw.clone();
         device_array(&mut raw).retain(|d| d.get("name").and_then(toml::Value::as_str) != Some(name));
         match Config::from_table(&raw, "the running configuration") {
-            Ok(next) => *cfg = next,
+            Ok(next) => self.set(cfg, next),
             Err(e) => log::warn!("device {name}: removed, but the running configuration cannot be updated: {e}"),
         }
         if !users.is_empty() {
@@ -301,7 +334,7 @@ impl Live {
         let next =
             Config::from_table(&raw, "the configuration with the new view").map_err(|e| ControlError::invalid(e.to_string()))?;
         let exports = self.start_view(&next, device, &name).map_err(ControlError::failed)?;
-        *cfg = next;
+        self.set(&mut cfg, next);
         Ok(ViewAdded { name, device: device.to_string(), exports })
     }
 
@@ -336,7 +369,7 @@ impl Live {
         let mut raw = cfg.raw.clone();
         let _ = edit_raw(&mut raw, &Edit::ViewRemoved { view: name });
         match Config::from_table(&raw, "the running configuration") {
-            Ok(next) => *cfg = next,
+            Ok(next) => self.set(&mut cfg, next),
             Err(e) => log::warn!("view {name}: removed, but the running configuration cannot be updated: {e}"),
         }
         Ok(ViewRemoved { name: name.to_string(), device, cut_off })
@@ -383,7 +416,7 @@ impl Live {
             .ok_or_else(|| "no such table".to_string())
             .and_then(|()| Config::from_table(&raw, "the running configuration").map_err(|e| e.to_string()));
         match next {
-            Ok(next) => *cfg = next,
+            Ok(next) => self.set(&mut cfg, next),
             Err(e) => log::warn!("the running configuration cannot record a change: {e}"),
         }
     }
@@ -449,7 +482,7 @@ impl Live {
             if let Err(e) = done {
                 // What was done stays done, and the running configuration says so.
                 if let Ok(c) = Config::from_table(&working, "the running configuration") {
-                    *cfg = c;
+                    self.set(&mut cfg, c);
                 }
                 return Err(ControlError::failed(format!(
                     "{}: {e}; applied before it: {} device(s) added, {i} change(s); not applied: the rest (run reload again \
@@ -462,7 +495,7 @@ impl Live {
             report.changed.push(step.what());
         }
         if let Ok(c) = Config::from_table(&working, "the running configuration") {
-            *cfg = c;
+            self.set(&mut cfg, c);
         }
         for name in &plan.removed {
             match self.remove_locked(&mut cfg, name, false) {
@@ -475,7 +508,7 @@ impl Live {
                 }
             }
         }
-        *cfg = next;
+        self.set(&mut cfg, next);
         log::info!(
             "reloaded {}: {} added, {} removed, {} changed",
             report.path,

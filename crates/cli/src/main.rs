@@ -8,6 +8,8 @@
 mod api;
 mod bench_cmd;
 mod driver_cmd;
+mod keeper;
+mod kept;
 mod live;
 mod logging;
 mod metrics;
@@ -150,6 +152,18 @@ enum Cmd {
         /// Run directory of the `serve` to ask.
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
+    },
+    /// Hands a running `serve` over to the binary now on disk: the keeper holds the FUSE
+    /// session, the listening sockets and the ramdisks while the old `serve` ends and the new
+    /// one starts; FUSE users see a pause, NBD clients reconnect. Needs `[keeper] enabled`
+    /// (or systemd's descriptor store). Waits until the new `serve` answers.
+    Upgrade {
+        /// Run directory of the `serve` to upgrade.
+        #[arg(long, default_value = "./bulkhead-run")]
+        run_dir: PathBuf,
+        /// Seconds to wait for the new `serve` to answer.
+        #[arg(long, default_value_t = 60)]
+        timeout: u64,
     },
     /// Snapshots of a device's `cow` overlay (qcow2 internal snapshots, which `qemu-img
     /// snapshot -l` lists too): `create` takes one while I/O runs (every acknowledged write is
@@ -396,6 +410,7 @@ fn main() -> ExitCode {
         Cmd::View { op: ViewOp::Remove { name, force }, run_dir } => status::remove_view(&run_dir, &name, force),
         Cmd::Config { op: ConfigOp::Dump, run_dir } => status::dump_config(&run_dir),
         Cmd::Reload { run_dir } => status::reload(&run_dir),
+        Cmd::Upgrade { run_dir, timeout } => status::upgrade(&run_dir, std::time::Duration::from_secs(timeout)),
         Cmd::Bench { which } => bench_cmd::run(which),
         Cmd::Man { out } => man_pages(&out),
         Cmd::Completions { shell } => {

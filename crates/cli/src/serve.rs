@@ -5,25 +5,30 @@ use std::io::{Read, Seek, Write};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{bail, Context};
 use bulkhead_config::{Config, FuseUring};
 use bulkhead_control::{Access, ControlServer};
 use bulkhead_fuse_export::{FuseExport, FuseOptions, UringMode};
-use bulkhead_nbd_export::{socket_path, NbdServer, ServerConfig};
+use bulkhead_nbd_export::{socket_path, Listeners, NbdServer, ServerConfig};
 use bulkhead_supervisor::Supervisor;
 
 use crate::api::ServeApi;
+use crate::kept::{Keeper, Kept};
 use crate::live::{Exports, Live};
 use bulkhead_vhost_export::{socket_dir, VhostExport};
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR2};
 use signal_hook::iterator::Signals;
 
-/// The exclusive lock on a run directory, held for the life of `serve`.
+/// The exclusive lock on a run directory, held for the life of `serve` (and of its keeper,
+/// which hands it to each `serve` it starts).
 struct RunLock {
     file: File,
     path: PathBuf,
+    /// Remove the lock file when dropped: not after a hand-over to the next `serve`.
+    remove: bool,
 }
 
 impl RunLock {
@@ -48,13 +53,26 @@ impl RunLock {
         file.set_len(0)?;
         file.rewind()?;
         write!(file, "{}", std::process::id())?;
-        Ok(RunLock { file, path })
+        Ok(RunLock { file, path, remove: true })
+    }
+
+    /// The lock an earlier `serve` or the keeper held, handed over.
+    fn adopt(run_dir: &Path, fd: std::os::fd::OwnedFd) -> RunLock {
+        RunLock { file: File::from(fd), path: run_dir.join("serve.lock"), remove: true }
+    }
+
+    /// The locked file, for the keeper to hold; the lock file stays.
+    fn into_file(mut self) -> anyhow::Result<File> {
+        self.remove = false;
+        Ok(self.file.try_clone()?)
     }
 }
 
 impl Drop for RunLock {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if self.remove {
+            let _ = std::fs::remove_file(&self.path);
+        }
         let _ = &self.file;
     }
 }
@@ -92,8 +110,17 @@ fn human(bytes: u64) -> String {
     format!("{v:.1} {}", UNITS[u]).replace(".0 ", " ")
 }
 
+/// Asked for by the `upgrade` call; SIGUSR2 wakes the main loop to see it.
+static UPGRADE: AtomicBool = AtomicBool::new(false);
+
+/// Starts the hand-over to a new `serve` (the `upgrade` call): the main loop does it.
+pub fn request_upgrade() {
+    UPGRADE.store(true, Ordering::Release);
+    let _ = bulkhead_sys::signal(std::process::id(), SIGUSR2);
+}
+
 pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>) -> anyhow::Result<ExitCode> {
-    let config = match config_path {
+    let mut config = match config_path {
         Some(p) => Config::load(p)?,
         None => Config::embedded_default(),
     };
@@ -102,20 +129,64 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     if let Err(e) = bulkhead_sys::raise_open_files_limit() {
         log::warn!("cannot raise the limit on open files: {e}");
     }
+    let keeper = Keeper::of_this_process(config.keeper.enabled);
+    if config.keeper.enabled && keeper == Keeper::None {
+        // This process becomes the keeper, and the `serve` it starts does the work.
+        std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run dir {}", run_dir.display()))?;
+        let run_dir = run_dir.canonicalize().with_context(|| format!("run dir {}", run_dir.display()))?;
+        let lock = RunLock::acquire(&run_dir)?.into_file()?;
+        clear_stale_mount(&run_dir.join("fuse"));
+        let give_up = std::time::Duration::from_millis(*config.keeper.give_up_ms.get_ref());
+        return crate::keeper::run(&run_dir, lock, give_up);
+    }
+    let kept = Arc::new(Kept::from_env(keeper));
+    if keeper != Keeper::None {
+        bulkhead_supervisor::kept::install(kept.clone());
+    }
+    let parent = std::os::unix::process::parent_id();
     // Signals first, so a SIGTERM during start-up is not lost.
-    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP]).context("cannot install signal handlers")?;
+    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR2]).context("cannot install signal handlers")?;
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run dir {}", run_dir.display()))?;
     let run_dir = run_dir.canonicalize().with_context(|| format!("run dir {}", run_dir.display()))?;
-    let run_lock = RunLock::acquire(&run_dir)?;
+    let mut run_lock = match kept.take_all("lock").pop() {
+        Some(fd) => RunLock::adopt(&run_dir, fd),
+        None => RunLock::acquire(&run_dir)?,
+    };
+    kept.keep_fds("lock", &[run_lock.file.as_fd()]);
     let fuse_dir = run_dir.join("fuse");
-    clear_stale_mount(&fuse_dir);
+    let takes_over = kept.takes_over();
+    if takes_over {
+        // What ran before: the devices and views added since start too.
+        if let Some(text) = kept.take_text("config") {
+            match Config::parse(&text, "the configuration kept across a restart of serve") {
+                Ok(c) => config = c,
+                Err(e) => log::warn!(
+                    "{e}; serving {} instead",
+                    config_path.map_or("the embedded default".into(), |p| p.display().to_string())
+                ),
+            }
+        }
+        log::info!("taking over from the serve before this one ({} holds its descriptors)", keeper.name());
+    } else {
+        clear_stale_mount(&fuse_dir);
+    }
 
     let driver_exe = match driver_exe {
         Some(p) => Some(p.canonicalize().with_context(|| format!("--driver-exe {}", p.display()))?),
         None => None,
     };
     let sup = Arc::new(Supervisor::start(&config, driver_exe.as_deref())?);
-    let fuse = if config.fuse.enabled {
+    let kept_fuse = kept.take_all("fuse");
+    let kept_fuse_state = kept.take_text("fuse-state");
+    let fuse = if config.fuse.enabled && !kept_fuse.is_empty() {
+        match FuseExport::adopt(&fuse_dir, sup.devices(), kept_fuse, kept_fuse_state.as_deref().unwrap_or("{}")) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                sup.shutdown();
+                return Err(anyhow::Error::new(e).context("FUSE export (taking over the kept session)"));
+            }
+        }
+    } else if config.fuse.enabled {
         let opts = FuseOptions {
             threads: *config.fuse.threads.get_ref() as usize,
             io_uring: match config.fuse.io_uring {
@@ -124,6 +195,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
                 FuseUring::Off => UringMode::Off,
             },
             queue_depth: *config.fuse.queue_depth.get_ref() as usize,
+            kept: keeper != Keeper::None,
         };
         match FuseExport::mount_with(&fuse_dir, sup.devices(), opts) {
             Ok(f) => Some(f),
@@ -135,6 +207,11 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
     } else {
         None
     };
+    if let Some(f) = &fuse {
+        kept.keep_fds("fuse", &f.session_fds());
+        let k = kept.clone();
+        f.keep_state(move |state| k.keep_text("fuse-state", &state));
+    }
     let mut tls_note = String::new();
     let nbd = if config.nbd.enabled {
         use bulkhead_nbd_export::tls::{Tls, TlsMode};
@@ -184,8 +261,21 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
                 .collect(),
             tls,
         };
-        match NbdServer::start(sup.devices(), cfg) {
-            Ok(n) => Some(n),
+        let adopted = Listeners { unix: kept.take_all("nbd-unix").pop(), tcp: kept.take_all("nbd-tcp").pop() };
+        match NbdServer::start_with(sup.devices(), cfg, adopted) {
+            Ok(n) => {
+                match n.listeners() {
+                    Ok(l) => {
+                        for (name, fd) in [("nbd-unix", l.unix), ("nbd-tcp", l.tcp)] {
+                            if let Some(fd) = fd {
+                                kept.keep_fds(name, &[fd.as_fd()]);
+                            }
+                        }
+                    }
+                    Err(e) => log::warn!("cannot keep the NBD listening sockets: {e}"),
+                }
+                Some(n)
+            }
             Err(e) => {
                 drop(fuse);
                 sup.shutdown();
@@ -222,7 +312,17 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         config.clone(),
         config_path.map(|p| p.canonicalize().unwrap_or_else(|_| p.to_path_buf())),
     ));
-    let api = Arc::new(ServeApi { sup: sup.clone(), fuse: fuse_status, vhost: vhost.clone(), invalidate, live: live.clone() });
+    if keeper != Keeper::None {
+        live.keep_config(kept.clone());
+    }
+    let api = Arc::new(ServeApi {
+        sup: sup.clone(),
+        fuse: fuse_status,
+        vhost: vhost.clone(),
+        invalidate,
+        live: live.clone(),
+        keeper: keeper.name(),
+    });
     let attacher = sup.clone();
     let control = access.and_then(|access| {
         ControlServer::start(
@@ -285,6 +385,8 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
 
     let sig = loop {
         match signals.forever().next().unwrap_or(SIGTERM) {
+            SIGUSR2 if UPGRADE.load(Ordering::Acquire) => break SIGUSR2,
+            SIGUSR2 => {}
             SIGHUP => {
                 log::info!("SIGHUP received; reloading the configuration");
                 crate::notify::reloading();
@@ -297,6 +399,23 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
             sig => break sig,
         }
     };
+    if sig == SIGUSR2 {
+        // An upgrade: everything the keeper holds stays as it is for the next serve.
+        log::info!("handing over to a new serve ({} holds the descriptors)", keeper.name());
+        kept.hand_over();
+        drop(watchdog);
+        control.stop();
+        drop(metrics);
+        live.release_exports();
+        sup.shutdown();
+        run_lock.remove = false;
+        drop(run_lock);
+        log::info!("handed over");
+        return Ok(ExitCode::SUCCESS);
+    }
+    if keeper == Keeper::Own && std::os::unix::process::parent_id() != parent {
+        log::error!("the keeper (pid {parent}) has died: shutting down, since a crash could no longer be survived");
+    }
     log::info!("{} received; shutting down", if sig == SIGINT { "SIGINT" } else { "SIGTERM" });
     crate::notify::stopping();
     drop(watchdog);

@@ -295,6 +295,32 @@ pub fn reload(run_dir: &Path) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `bulkhead upgrade`: asks `serve` to hand over to the binary on disk, then waits until a
+/// new `serve` answers on the control socket.
+pub fn upgrade(run_dir: &Path, timeout: std::time::Duration) -> anyhow::Result<ExitCode> {
+    let started = std::time::Instant::now();
+    let r = ask(run_dir, bulkhead_control::Upgrade {})?;
+    println!("serve (pid {}) is handing over ({} holds the descriptors)", r.pid, r.keeper);
+    let deadline = started + timeout;
+    loop {
+        if let Ok(h) = ask(run_dir, bulkhead_control::Hello {}) {
+            if h.pid != r.pid {
+                println!(
+                    "serve (pid {}, version {}) is serving, {} ms after the request",
+                    h.pid,
+                    h.version,
+                    started.elapsed().as_millis()
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!("no new serve answered on {} within {} s", run_dir.join("control.sock").display(), timeout.as_secs());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 /// `bulkhead top`: every device and view with its IOPS, MiB/s read and written, p99 latency
 /// and restarts over the last interval, refreshed every `interval`; `frames` of them, or until
 /// interrupted.

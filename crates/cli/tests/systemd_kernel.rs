@@ -177,3 +177,130 @@ fn the_unit_and_the_tmpfiles_entry_pass_systemds_own_checks() {
     assert!(meta.is_dir());
     assert_eq!(meta.permissions().mode() & 0o777, 0o711);
 }
+
+/// systemd's file-descriptor store, as this test keeps it: names to descriptors, several under
+/// one name, `FDSTOREREMOVE=1` dropping a name.
+#[derive(Default)]
+struct FdStore {
+    held: Vec<(String, std::os::fd::OwnedFd)>,
+    removes: Vec<String>,
+}
+
+impl FdStore {
+    /// Takes every message waiting until READY=1 (or `wait` passes); returns whether READY came.
+    fn serve_messages(&mut self, sock: &UnixDatagram, wait: Duration) -> bool {
+        use std::os::fd::AsFd;
+        let deadline = Instant::now() + wait;
+        let mut buf = vec![0u8; 4096];
+        while Instant::now() < deadline {
+            let Some((n, fds)) = bulkhead_sys::recv_with_fds(sock.as_fd(), &mut buf, false).unwrap() else {
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            };
+            let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let name = msg.lines().find_map(|l| l.strip_prefix("FDNAME=")).unwrap_or("stored").to_string();
+            if msg.lines().any(|l| l == "FDSTOREREMOVE=1") {
+                self.held.retain(|(n, _)| *n != name);
+                self.removes.push(name.clone());
+            }
+            if msg.lines().any(|l| l == "FDSTORE=1") {
+                assert!(
+                    msg.lines().any(|l| l == "FDPOLL=0"),
+                    "systemd would close a FUSE descriptor that polls as an error: {msg}"
+                );
+                self.held.extend(fds.into_iter().map(|fd| (name.clone(), fd)));
+            }
+            if msg.lines().any(|l| l == "READY=1") {
+                return true;
+            }
+        }
+        false
+    }
+
+    fn names(&self) -> Vec<&str> {
+        let mut n: Vec<&str> = self.held.iter().map(|(n, _)| n.as_str()).collect();
+        n.dedup();
+        n
+    }
+}
+
+#[test]
+fn with_a_keeper_under_systemd_serve_stores_its_descriptors_and_the_next_serve_takes_them_over() {
+    require_kernel!();
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let tmp = TempDir::new("sd-fdstore");
+    let sock_path = tmp.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&sock_path).unwrap();
+    let run_dir = tmp.path().join("run");
+    let cfg = tmp.path().join("keeper.toml");
+    std::fs::write(
+        &cfg,
+        "[log]\nlevel = \"warn\"\n[keeper]\nenabled = true\n[nbd]\nenabled = true\n\
+         [[device]]\nname = \"disk0\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n",
+    )
+    .unwrap();
+    let log = run_dir.with_extension("log");
+    let args: Vec<std::ffi::OsString> =
+        vec![exe().into(), "serve".into(), "--config".into(), cfg.clone().into(), "--run-dir".into(), run_dir.clone().into()];
+    let first = Command::new(exe())
+        .args(&args[1..])
+        .env("NOTIFY_SOCKET", &sock_path)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut serve = Serve { child: ChildGuard(Some(first)), run_dir: run_dir.clone(), log: log.clone() };
+    let mut store = FdStore::default();
+    assert!(store.serve_messages(&sock, Duration::from_secs(60)), "no READY=1: {}", serve.log_text());
+    // Under systemd there is no keeper process: serve stores into systemd's store, each name
+    // removed first (systemd keeps several under one name).
+    let hello = bulkhead_control::Client::connect(&run_dir).unwrap().call(bulkhead_control::Hello {}).unwrap();
+    assert_eq!(hello.pid, serve.pid(), "a keeper process of bulkhead's own runs under systemd");
+    let mut names = store.names();
+    names.sort();
+    assert_eq!(names, ["config", "fuse", "fuse-state", "lock", "nbd-unix", "ram.disk0"], "{}", serve.log_text());
+    for n in &names {
+        assert!(store.removes.iter().any(|r| r == n), "`{n}` stored without FDSTOREREMOVE first");
+    }
+    assert_eq!(store.held.iter().filter(|(n, _)| n == "fuse").count(), 4, "one per FUSE worker");
+
+    // Something on the ramdisk, through the FUSE file, then serve dies.
+    let file = run_dir.join("fuse/disk0");
+    // Closed before serve dies: a process that forks while it holds a FUSE file open closes
+    // its copy at exec, and that close waits for an answer only the new serve can give.
+    let open = || std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&file).unwrap();
+    let layout = std::alloc::Layout::from_size_align(65536, 4096).unwrap();
+    // SAFETY: a valid layout; freed at the end of the test.
+    let mem = unsafe { std::alloc::alloc_zeroed(layout) };
+    // SAFETY: 65536 bytes just allocated.
+    let buf = unsafe { std::slice::from_raw_parts_mut(mem, 65536) };
+    buf.iter_mut().enumerate().for_each(|(i, b)| *b = (i * 7 + 3) as u8);
+    let written = buf.to_vec();
+    open().write_all_at(buf, 1 << 20).unwrap();
+    let old = serve.pid();
+    let mut c = serve.child.0.take().unwrap();
+    c.kill().unwrap();
+    c.wait().unwrap();
+
+    // What systemd does next: the stored descriptors, as descriptors 3 and up.
+    let fds: Vec<_> = store.held.iter().map(|(_, fd)| fd.as_fd()).collect();
+    let names: Vec<&str> = store.held.iter().map(|(n, _)| n.as_str()).collect();
+    let env: Vec<(std::ffi::OsString, std::ffi::OsString)> =
+        vec![("NOTIFY_SOCKET".into(), sock_path.clone().into()), ("PATH".into(), std::env::var_os("PATH").unwrap_or_default())];
+    let (pid, _pidfd) =
+        bulkhead_sys::process::spawn_with_fds(Path::new(exe()), &args, &env, &fds, &names, libc::SIGKILL).unwrap();
+    assert!(store.serve_messages(&sock, Duration::from_secs(60)), "the next serve said no READY=1");
+    // The file reads what was written, from the new serve.
+    buf.fill(0);
+    open().read_exact_at(buf, 1 << 20).unwrap();
+    assert!(buf == &written[..], "the ramdisk's contents changed across the restart");
+    let hello = bulkhead_control::Client::connect(&run_dir).unwrap().call(bulkhead_control::Hello {}).unwrap();
+    assert!(hello.pid == pid && pid != old);
+    // SAFETY: allocated above with `layout`.
+    unsafe { std::alloc::dealloc(mem, layout) };
+    // A clean stop unmounts, as always.
+    bulkhead_sys::signal(pid, libc::SIGTERM).unwrap();
+    let st = bulkhead_sys::process::wait_child(pid).unwrap();
+    assert_eq!(st, bulkhead_sys::process::Ended::Exited(0));
+    assert!(!std::fs::read_to_string("/proc/self/mountinfo").unwrap().contains(run_dir.to_str().unwrap()));
+}

@@ -992,6 +992,33 @@ impl Metrics {
     }
 }
 
+/// What keeps `serve`'s descriptors (FUSE session, listening sockets, `ram` memfds, its state)
+/// across a crash or an upgrade of `serve` (docs/ARCHITECTURE.md, "When `serve` itself dies").
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Keeper {
+    /// Run a keeper: `bulkhead serve` becomes a small process that holds the descriptors and
+    /// starts the real `serve` again when it dies or is upgraded. Under systemd with
+    /// `FileDescriptorStoreMax=` set, systemd's store is the keeper and this is not needed.
+    #[serde(default)]
+    pub enabled: bool,
+    /// How long, in milliseconds, a keeper waits for a `serve` that died to come back (say it
+    /// is serving) before it gives up: it ends the FUSE connection, so applications get
+    /// errors instead of waiting forever, and exits.
+    #[serde(default = "default_give_up_ms")]
+    pub give_up_ms: Spanned<u64>,
+}
+
+fn default_give_up_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 30_000)
+}
+
+impl Default for Keeper {
+    fn default() -> Self {
+        Keeper { enabled: false, give_up_ms: default_give_up_ms() }
+    }
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1014,6 +1041,9 @@ pub struct Config {
     /// vhost-user-blk export settings.
     #[serde(default)]
     pub vhost_user: VhostUser,
+    /// The keeper of `serve`'s descriptors.
+    #[serde(default)]
+    pub keeper: Keeper,
     /// Devices.
     #[serde(default, rename = "device")]
     pub devices: Vec<DeviceConfig>,
@@ -1173,6 +1203,18 @@ impl Config {
                 psk.span(),
                 "key `nbd.tls_psk`: `nbd.tls_verify_peer` asks clients for certificates; with pre-shared keys the key is the proof".into(),
             ));
+        }
+        let g = &self.keeper.give_up_ms;
+        if !(100..=86_400_000).contains(g.get_ref()) {
+            return Err(err(g.span(), format!("key `keeper.give_up_ms`: {} is outside 100..=86400000", g.get_ref())));
+        }
+        if self.keeper.enabled && self.fuse.io_uring == FuseUring::On {
+            let line = src.lines().position(|l| l.trim_start().starts_with("io_uring")).map_or(1, |i| i + 1);
+            return Err(ConfigError::Invalid {
+                origin: origin.to_string(),
+                line,
+                message: "key `fuse.io_uring`: \"on\" cannot be kept across a crash of serve (the kernel does not send a dead ring's requests again); with `keeper.enabled` use \"auto\" or \"off\"".into(),
+            });
         }
         if let Some(l) = &self.metrics.listen {
             let v = l.get_ref();

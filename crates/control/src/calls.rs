@@ -94,6 +94,23 @@ calls! {
     DumpConfig "config_dump" => dump_config -> ConfigText;
     /// Applies the configuration file as edited since (`bulkhead reload`, SIGHUP).
     Reload "reload" => reload -> Reloaded;
+    /// Hands every kept descriptor to a new `serve` from the binary on disk, then ends
+    /// (`bulkhead upgrade`; needs a keeper).
+    Upgrade "upgrade" => upgrade -> Upgrading;
+}
+
+/// `upgrade`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Upgrade {}
+
+/// The answer to `upgrade`: the hand-over has begun.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Upgrading {
+    /// The `serve` that is handing over and ending.
+    pub pid: u32,
+    /// What keeps the descriptors meanwhile: `keeper` (bulkhead's own) or `systemd`.
+    pub keeper: String,
 }
 
 /// `device_add`.

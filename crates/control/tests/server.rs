@@ -82,6 +82,10 @@ impl Service for Fake {
     fn reload(&self, _: Reload) -> Result<Reloaded, ControlError> {
         Err(ControlError::invalid("not here"))
     }
+
+    fn upgrade(&self, _: Upgrade) -> Result<Upgrading, ControlError> {
+        Err(ControlError::invalid("not here"))
+    }
 }
 
 struct Setup {

@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use bulkhead_client::{Command, Device, FrontRequest, IoError};
 use zerocopy::{FromBytes, Immutable, IntoBytes};
@@ -43,7 +43,15 @@ pub(crate) struct Shared {
     pub(crate) uring_granted: AtomicBool,
     pub(crate) start_time: u64,
     errors_logged: AtomicUsize,
+    /// Given the files' state (see [`Shared::kept_state`]) whenever it changes, to keep for a
+    /// `serve` that takes the session over.
+    pub(crate) keep: OnceLock<Box<dyn Fn(String) + Send + Sync>>,
+    /// One state handed over at a time, so the last one given is the newest.
+    keep_order: Mutex<()>,
 }
+
+/// A keeper's state of the files: read back by [`Shared::adopt`].
+pub(crate) const KEPT_STATE_VERSION: u64 = 1;
 
 impl Shared {
     pub(crate) fn new(devices: Vec<Arc<Device>>, offer_uring: bool) -> Self {
@@ -58,7 +66,62 @@ impl Shared {
             uring_granted: AtomicBool::new(false),
             start_time: now,
             errors_logged: AtomicUsize::new(0),
+            keep: OnceLock::new(),
+            keep_order: Mutex::new(()),
         }
+    }
+
+    /// The files and their open counts, as JSON: `{"version":1,"files":[{"name":"disk0",
+    /// "opens":1},null,…]}`, by node id less 2 (a removed file's slot is `null`).
+    pub(crate) fn kept_state(&self) -> String {
+        let files: Vec<serde_json::Value> = self
+            .table()
+            .iter()
+            .map(|n| match n {
+                Some(n) => serde_json::json!({"name": n.dev.name(), "opens": n.opens.load(Ordering::Acquire)}),
+                None => serde_json::Value::Null,
+            })
+            .collect();
+        serde_json::json!({"version": KEPT_STATE_VERSION, "files": files}).to_string()
+    }
+
+    /// Hands the files' state to the keeper, if there is one.
+    pub(crate) fn save(&self) {
+        if let Some(keep) = self.keep.get() {
+            let _one = self.keep_order.lock().unwrap_or_else(|e| e.into_inner());
+            keep(self.kept_state());
+        }
+    }
+
+    /// The export of a session taken over: `devices` placed at the node ids that `state` (what
+    /// [`kept_state`](Self::kept_state) gave) says the kernel knows them by, with their open
+    /// counts. A device the state names that is not in `devices` leaves its slot empty; a
+    /// device it does not name is added after the others.
+    pub(crate) fn adopt(devices: Vec<Arc<Device>>, state: &str) -> Result<Self, String> {
+        let v: serde_json::Value = serde_json::from_str(state).map_err(|e| format!("the kept FUSE state: {e}"))?;
+        if v["version"].as_u64() != Some(KEPT_STATE_VERSION) {
+            return Err(format!("the kept FUSE state is of version {}, not {KEPT_STATE_VERSION}", v["version"]));
+        }
+        let files = v["files"].as_array().ok_or("the kept FUSE state has no list of files")?;
+        let mut left: Vec<Option<Arc<Device>>> = devices.into_iter().map(Some).collect();
+        let mut table: Vec<Option<Arc<Node>>> = Vec::with_capacity(files.len());
+        for f in files {
+            let Some(name) = f["name"].as_str() else {
+                table.push(None);
+                continue;
+            };
+            let dev = left.iter_mut().find(|d| d.as_ref().is_some_and(|d| d.name() == name)).and_then(Option::take);
+            if dev.is_none() {
+                log::warn!("the FUSE file `{name}` is served no more: its users get ENOENT");
+            }
+            let opens = f["opens"].as_u64().unwrap_or(0) as usize;
+            table.push(dev.map(|dev| Arc::new(Node { dev, opens: AtomicUsize::new(opens) })));
+        }
+        table.extend(left.into_iter().flatten().map(|dev| Some(Arc::new(Node { dev, opens: AtomicUsize::new(0) }))));
+        let sh = Shared::new(Vec::new(), false);
+        *sh.table.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(table);
+        sh.initialized.store(true, Ordering::Release);
+        Ok(sh)
     }
 
     /// The files as they are now.
@@ -258,6 +321,9 @@ pub(crate) fn dispatch(sh: &Shared, files: &[Option<Arc<Node>>], req: &Incoming<
             }
             (Some(n), Some(_)) => {
                 n.opens.fetch_add(1, Ordering::AcqRel);
+                // Kept before the answer: a crash in between counts an open too many, which
+                // refuses a removal without --force, rather than one too few.
+                sh.save();
                 // The handle names the file: its release finds it even if the node id is
                 // looked up no more.
                 sink.value(u, &OpenOut { fh: h.nodeid, ..Default::default() })
@@ -288,6 +354,7 @@ pub(crate) fn dispatch(sh: &Shared, files: &[Option<Arc<Node>>], req: &Incoming<
         RELEASE => {
             if let Some(n) = sh.node_in(files, h.nodeid) {
                 let _ = n.opens.fetch_update(Ordering::AcqRel, Ordering::Acquire, |o| o.checked_sub(1));
+                sh.save();
             }
             sink.error(u, 0)
         }
@@ -447,6 +514,22 @@ mod tests {
         fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]) {
             self.0.push((unique, errno, parts.concat()));
         }
+    }
+
+    #[test]
+    fn a_kept_state_is_read_back_strictly_and_keeps_the_node_ids_of_files_gone() {
+        let sh = Shared::new(Vec::new(), false);
+        assert_eq!(sh.kept_state(), r#"{"files":[],"version":1}"#);
+        // Files whose devices are gone keep their slots empty: node ids are never reused.
+        let state = r#"{"version":1,"files":[{"name":"gone","opens":2},null]}"#;
+        let sh = Shared::adopt(Vec::new(), state).unwrap();
+        assert_eq!(sh.table().len(), 2);
+        assert!(sh.table().iter().all(Option::is_none));
+        assert!(sh.initialized.load(Ordering::Acquire), "a session taken over is past INIT");
+        let refused = |state: &str| Shared::adopt(Vec::new(), state).err().unwrap_or_default();
+        assert!(refused(r#"{"version":2,"files":[]}"#).contains("version 2"));
+        assert!(refused(r#"{"version":1}"#).contains("no list of files"));
+        assert!(Shared::adopt(Vec::new(), "not json").is_err());
     }
 
     /// Found by the `fuse_request` fuzz target (fuzz/seeds/fuse_request/oom-readdir-size): a

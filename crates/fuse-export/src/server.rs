@@ -4,7 +4,6 @@ use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::thread::JoinHandleExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -67,11 +66,15 @@ pub struct FuseOptions {
     pub io_uring: UringMode,
     /// Requests each per-CPU ring holds (each entry has a 1 MiB buffer).
     pub queue_depth: usize,
+    /// A keeper holds the session for the next `serve`: requests then go through
+    /// `/dev/fuse`, whose taken requests the kernel sends again to a successor (FUSE over
+    /// io_uring's are not; docs/ARCHITECTURE.md, "When `serve` itself dies").
+    pub kept: bool,
 }
 
 impl Default for FuseOptions {
     fn default() -> Self {
-        FuseOptions { threads: 4, io_uring: UringMode::Auto, queue_depth: 16 }
+        FuseOptions { threads: 4, io_uring: UringMode::Auto, queue_depth: 16, kept: false }
     }
 }
 
@@ -116,7 +119,13 @@ pub struct FuseExport {
     rings: Vec<JoinHandle<Option<RingQueue>>>,
     transport: Transport,
     mounted: bool,
+    /// A copy of every worker's session descriptor, for a keeper to hold.
+    session: Vec<OwnedFd>,
 }
+
+/// `FUSE_NOTIFY_RESEND`: the kernel puts every request that a reader has taken and not
+/// answered back on the queue, to be read again (Linux 6.9).
+const FUSE_NOTIFY_RESEND: i32 = 7;
 
 impl std::fmt::Debug for FuseExport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -136,22 +145,6 @@ fn open_dev_fuse() -> io::Result<OwnedFd> {
     }
     // SAFETY: fresh descriptor.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-extern "C" fn on_kick(_: libc::c_int) {}
-
-/// Installs a no-op SIGUSR1 handler without SA_RESTART, so a kicked worker's blocking read of
-/// /dev/fuse (or poll of its ring) returns EINTR and it can see the stop flag.
-fn install_kick_handler() {
-    // SAFETY: a zeroed sigaction with a valid handler and empty mask is well-formed; the handler
-    // is async-signal-safe (it does nothing).
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_kick as *const () as usize;
-        libc::sigemptyset(&mut sa.sa_mask);
-        sa.sa_flags = 0;
-        libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
-    }
 }
 
 /// Whether this kernel carries FUSE over io_uring, switching the module's parameter on if it
@@ -184,6 +177,7 @@ impl FuseExport {
     pub fn mount_with(mountpoint: &Path, devices: Vec<Arc<Device>>, opts: FuseOptions) -> Result<Self, FuseError> {
         let threads = opts.threads.max(1);
         let why_not = match opts.io_uring {
+            _ if opts.kept => Some("a keeper holds the session, and a dead serve's io_uring requests are not sent again".into()),
             UringMode::Off => Some("switched off (fuse.io_uring = \"off\")".to_string()),
             UringMode::Auto => uring_ready().err(),
             UringMode::On => {
@@ -216,7 +210,7 @@ impl FuseExport {
         if rc < 0 {
             return Err(sys("mount FUSE at", mountpoint));
         }
-        install_kick_handler();
+        bulkhead_sys::install_kick_handler();
         let dup = |fd: &OwnedFd| fd.try_clone().map_err(|source| FuseError::Sys { op: "dup", path: "/dev/fuse".into(), source });
         let notify = Arc::new(dup(&master)?);
         let shared = Arc::new(Shared::new(devices, why_not.is_none()));
@@ -228,6 +222,7 @@ impl FuseExport {
             rings: vec![],
             transport: Transport::DevFuse { threads, why_not_uring: why_not.clone() },
             mounted: true,
+            session: Vec::new(),
         };
         let ring_fd = dup(&master)?;
         let mut fds = vec![master];
@@ -240,14 +235,7 @@ impl FuseExport {
             }
             fds.push(clone);
         }
-        for (slot, fd) in fds.into_iter().enumerate() {
-            let sh = shared.clone();
-            let handle = std::thread::Builder::new()
-                .name(format!("fuse-{slot}"))
-                .spawn(move || worker(fd, slot, sh))
-                .map_err(|source| FuseError::Sys { op: "spawn worker for", path: "fuse".into(), source })?;
-            export.workers.push(handle);
-        }
+        export.start_workers(fds)?;
         let deadline = Instant::now() + Duration::from_secs(5);
         while !shared.initialized.load(Ordering::Acquire) {
             if Instant::now() > deadline {
@@ -268,6 +256,81 @@ impl FuseExport {
             }
         }
         Ok(export)
+    }
+
+    /// Serves a session that a `serve` before this one mounted: `fds` are its `/dev/fuse`
+    /// descriptors (the one it mounted with and its clones, as a keeper held them), `state`
+    /// what [`keep_state`](Self::keep_state) last gave. The kernel knows the files by the node
+    /// ids the state gives; every request the dead `serve` had taken and not answered is
+    /// asked for again (`FUSE_NOTIFY_RESEND`), and a worker per descriptor serves them.
+    pub fn adopt(mountpoint: &Path, devices: Vec<Arc<Device>>, fds: Vec<OwnedFd>, state: &str) -> Result<Self, FuseError> {
+        let bad =
+            |m: String| FuseError::Sys { op: "take over", path: mountpoint.display().to_string(), source: io::Error::other(m) };
+        if fds.is_empty() {
+            return Err(bad("no /dev/fuse descriptor was kept".into()));
+        }
+        let shared = Arc::new(Shared::adopt(devices, state).map_err(bad)?);
+        bulkhead_sys::install_kick_handler();
+        let notify =
+            Arc::new(fds[0].try_clone().map_err(|source| FuseError::Sys { op: "dup", path: "/dev/fuse".into(), source })?);
+        let mut export = FuseExport {
+            mountpoint: mountpoint.to_path_buf(),
+            shared,
+            notify: notify.clone(),
+            workers: vec![],
+            rings: vec![],
+            transport: Transport::DevFuse {
+                threads: fds.len(),
+                why_not_uring: Some("taken over from a serve that ended; a keeper holds the session".into()),
+            },
+            mounted: true,
+            session: Vec::new(),
+        };
+        export.start_workers(fds)?;
+        DevSink(notify.as_raw_fd()).reply(0, -FUSE_NOTIFY_RESEND, &[]);
+        Ok(export)
+    }
+
+    /// Starts a `/dev/fuse` worker on each of `fds`, keeping a copy of each.
+    fn start_workers(&mut self, fds: Vec<OwnedFd>) -> Result<(), FuseError> {
+        for (slot, fd) in fds.into_iter().enumerate() {
+            self.session.push(fd.try_clone().map_err(|source| FuseError::Sys { op: "dup", path: "/dev/fuse".into(), source })?);
+            let sh = self.shared.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("fuse-{slot}"))
+                .spawn(move || worker(fd, slot, sh))
+                .map_err(|source| FuseError::Sys { op: "spawn worker for", path: "fuse".into(), source })?;
+            self.workers.push(handle);
+        }
+        Ok(())
+    }
+
+    /// The session's `/dev/fuse` descriptors (the mounting one and its clones), for a keeper
+    /// to hold: while it does, requests taken and not answered by a `serve` that dies stay
+    /// with the kernel, to be sent again to the next.
+    pub fn session_fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.session.iter().map(|fd| fd.as_fd()).collect()
+    }
+
+    /// Gives `keep` the files' state (which device each node id is, how often it is open)
+    /// now and whenever it changes, for [`adopt`](Self::adopt) to read back.
+    pub fn keep_state(&self, keep: impl Fn(String) + Send + Sync + 'static) {
+        let _ = self.shared.keep.set(Box::new(keep));
+        self.shared.save();
+    }
+
+    /// Stops the workers once each has answered the request in hand, and leaves the mount
+    /// and the session to the keeper: requests that come meanwhile wait in the kernel for
+    /// the next `serve` (an upgrade).
+    pub fn release(mut self) {
+        self.mounted = false;
+        self.shared.stop.store(true, Ordering::Release);
+        for w in std::mem::take(&mut self.workers) {
+            bulkhead_sys::kick_until_finished(&w);
+            let _ = w.join();
+        }
+        self.stop();
     }
 
     /// Starts a ring and its worker per possible CPU on the session `fuse`. Requests move to
@@ -349,6 +412,7 @@ impl FuseExport {
             t.push(Some(Arc::new(Node { dev, opens: std::sync::atomic::AtomicUsize::new(0) })));
             Ok(())
         })?;
+        self.shared.save();
         // A lookup that failed before may be cached as missing: forget it.
         inval_entry(&self.notify, name.as_bytes());
         Ok(())
@@ -379,6 +443,7 @@ impl FuseExport {
             Ok(Some(i as u64 + 2))
         })?;
         let Some(nodeid) = removed else { return Ok(false) };
+        self.shared.save();
         inval_entry(&self.notify, name.as_bytes());
         inval_inode(&self.notify, nodeid);
         Ok(true)
@@ -415,25 +480,16 @@ impl FuseExport {
         // The mount point was ours to create; leave no empty directory behind.
         let _ = std::fs::remove_dir(&self.mountpoint);
         for w in std::mem::take(&mut self.workers) {
-            kick_until_finished(&w);
+            bulkhead_sys::kick_until_finished(&w);
             let _ = w.join();
         }
         for w in std::mem::take(&mut self.rings) {
-            kick_until_finished(&w);
+            bulkhead_sys::kick_until_finished(&w);
             // The ring and its buffers go only now, with the thread that the kernel copied
             // requests for gone.
             drop(w.join());
         }
         clean
-    }
-}
-
-fn kick_until_finished<T>(w: &JoinHandle<T>) {
-    while !w.is_finished() {
-        // SAFETY: the thread is alive (not finished and not joined), so its pthread_t is
-        // valid; SIGUSR1 has a no-op handler.
-        unsafe { libc::pthread_kill(w.as_pthread_t(), libc::SIGUSR1) };
-        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

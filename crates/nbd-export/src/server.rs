@@ -188,6 +188,15 @@ struct Shared {
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
+/// Listening sockets bound before the server starts (or copies of its own).
+#[derive(Debug, Default)]
+pub struct Listeners {
+    /// On the unix socket's path.
+    pub unix: Option<OwnedFd>,
+    /// On the TCP address.
+    pub tcp: Option<OwnedFd>,
+}
+
 /// A running NBD server.
 pub struct NbdServer {
     shared: Arc<Shared>,
@@ -210,6 +219,13 @@ fn set_timeout(sock: &OwnedFd, which: SocketTimeout, limit: Option<Duration>) {
 impl NbdServer {
     /// Binds the configured listeners and starts accepting.
     pub fn start(devices: Vec<Arc<Device>>, cfg: ServerConfig) -> io::Result<NbdServer> {
+        Self::start_with(devices, cfg, Listeners::default())
+    }
+
+    /// Starts accepting on the listeners given (sockets already bound and listening, kept by
+    /// a keeper across a restart of `serve`: clients that connected meanwhile wait in their
+    /// backlog), binding those not given.
+    pub fn start_with(devices: Vec<Arc<Device>>, cfg: ServerConfig, adopted: Listeners) -> io::Result<NbdServer> {
         let shared = Arc::new(Shared {
             devices: RwLock::new(devices),
             allow: RwLock::new(cfg.allow.clone()),
@@ -224,16 +240,29 @@ impl NbdServer {
             threads: Mutex::new(Vec::new()),
         });
         let mut fds: Vec<OwnedFd> = Vec::new();
+        let Listeners { unix, tcp } = adopted;
         if let Some(p) = &cfg.unix {
-            let _ = std::fs::remove_file(p);
-            let l = UnixListener::bind(p).map_err(|e| io::Error::new(e.kind(), format!("cannot bind {}: {e}", p.display())))?;
-            fds.push(l.into());
+            let fd = match unix {
+                Some(fd) => fd,
+                None => {
+                    let _ = std::fs::remove_file(p);
+                    UnixListener::bind(p)
+                        .map_err(|e| io::Error::new(e.kind(), format!("cannot bind {}: {e}", p.display())))?
+                        .into()
+                }
+            };
+            fds.push(fd);
         }
         if let Some(addr) = &cfg.tcp {
-            let l = std::net::TcpListener::bind(addr)
-                .map_err(|e| io::Error::new(e.kind(), format!("cannot bind TCP {addr}: {e}")))?;
-            fds.push(l.into());
+            let fd = match tcp {
+                Some(fd) => fd,
+                None => std::net::TcpListener::bind(addr)
+                    .map_err(|e| io::Error::new(e.kind(), format!("cannot bind TCP {addr}: {e}")))?
+                    .into(),
+            };
+            fds.push(fd);
         }
+        bulkhead_sys::install_kick_handler();
         let mut listeners = Vec::new();
         for fd in fds {
             let fd = Arc::new(fd);
@@ -242,6 +271,27 @@ impl NbdServer {
             listeners.push((fd, t));
         }
         Ok(NbdServer { shared, listeners, unix_path: cfg.unix })
+    }
+
+    /// Copies of the listening sockets, for a keeper to hold: unix first, then TCP.
+    pub fn listeners(&self) -> io::Result<Listeners> {
+        let mut fds = self.listeners.iter().map(|(fd, _)| fd.try_clone());
+        let unix = if self.unix_path.is_some() { fds.next().transpose()? } else { None };
+        let tcp = if self.shared.cfg.tcp.is_some() { fds.next().transpose()? } else { None };
+        Ok(Listeners { unix, tcp })
+    }
+
+    /// Stops as [`shutdown`](Self::shutdown) does, but leaves the listening sockets as they
+    /// are (a keeper holds them for the next `serve`): the accept threads are interrupted
+    /// rather than the sockets shut down, and the unix socket's path stays.
+    pub fn release(mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        for (_, t) in self.listeners.drain(..) {
+            bulkhead_sys::kick_until_finished(&t);
+            let _ = t.join();
+        }
+        self.unix_path = None;
+        self.stop_all();
     }
 
     /// Serves one client already connected on `sock` (a socket handed over, as nbdkit `-s`

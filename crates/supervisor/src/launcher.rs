@@ -793,8 +793,26 @@ impl Storage {
             }
             BackendConfig::Ram => {
                 let size = configured().ok_or("size is required for a ram device")?;
-                let fd = memfd::create(&format!("bulkhead-{name}-ram"), size).map_err(|e| format!("ramdisk: {e}"))?;
-                memfd::seal_size(fd.as_raw_fd()).map_err(|e| format!("ramdisk: {e}"))?;
+                let kept_as = crate::kept::ram_name(name);
+                let fd = match crate::kept::store().and_then(|s| s.take(&kept_as)) {
+                    // The contents a `serve` before this one left, kept across its end.
+                    Some(fd) => {
+                        let have = memfd::size_of(fd.as_raw_fd()).map_err(|e| format!("kept ramdisk: {e}"))?;
+                        if have != size {
+                            return Err(format!("the kept ramdisk holds {have} bytes, and size is {size}"));
+                        }
+                        log::info!("{name}: the ramdisk's contents were kept across the restart of serve");
+                        fd
+                    }
+                    None => {
+                        let fd = memfd::create(&format!("bulkhead-{name}-ram"), size).map_err(|e| format!("ramdisk: {e}"))?;
+                        memfd::seal_size(fd.as_raw_fd()).map_err(|e| format!("ramdisk: {e}"))?;
+                        fd
+                    }
+                };
+                if let Some(s) = crate::kept::store() {
+                    s.keep(&kept_as, fd.as_fd());
+                }
                 Ok(sized(size, "ram".into(), vec![fd]))
             }
             BackendConfig::Null => {

@@ -23,6 +23,7 @@ mod domains;
 mod hub;
 mod image;
 mod jobs;
+pub mod kept;
 mod launcher;
 mod lifecycle;
 mod mailbox;

@@ -209,6 +209,9 @@ impl Supervisor {
         drop(slot);
         drain_and_flush(&rt, &format!("device {name}"), &rt.device, || rt.control.in_flight(), drain);
         self.hub.devices.remove(rt.id);
+        if let Some(s) = crate::kept::store() {
+            s.forget(&crate::kept::ram_name(name));
+        }
         self.hub.mailbox.post(crate::mailbox::Note::Removed(rt.id));
         rt.control.fail("device removed");
         end_each(std::slice::from_ref(&rt), Duration::from_secs(3));

@@ -7,6 +7,7 @@ pub mod epoll;
 pub mod eventfd;
 pub mod memfd;
 pub mod pkey;
+pub mod process;
 pub mod seccomp_notify;
 pub mod uffd;
 pub mod uring;
@@ -703,5 +704,34 @@ mod log_limit_tests {
         std::thread::sleep(Duration::from_millis(120));
         assert_eq!(l.allow(), Some(2), "the next line says two were held back");
         assert_eq!(LogLimit::held_note(2), " (2 similar lines held back)");
+    }
+}
+
+extern "C" fn on_kick(_: libc::c_int) {}
+
+/// Installs a no-op SIGUSR1 handler without SA_RESTART, so a thread's blocking system call
+/// (an `accept`, a `read` of `/dev/fuse`) returns EINTR when [`kick_until_finished`] signals
+/// it, and the thread can see that it is to stop.
+pub fn install_kick_handler() {
+    // SAFETY: a zeroed sigaction with a valid handler and empty mask is well-formed; the handler
+    // is async-signal-safe (it does nothing).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_kick as *const () as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        sa.sa_flags = 0;
+        libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
+    }
+}
+
+/// Signals thread `w` (SIGUSR1, see [`install_kick_handler`]) every 2 ms until it has
+/// finished: a signal that lands before the thread blocks is not lost, the next one comes.
+pub fn kick_until_finished<T>(w: &std::thread::JoinHandle<T>) {
+    use std::os::unix::thread::JoinHandleExt;
+    while !w.is_finished() {
+        // SAFETY: the thread is alive (not finished and not joined), so its pthread_t is
+        // valid; SIGUSR1 has a no-op handler.
+        unsafe { libc::pthread_kill(w.as_pthread_t(), libc::SIGUSR1) };
+        std::thread::sleep(std::time::Duration::from_millis(2));
     }
 }
