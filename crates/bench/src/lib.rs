@@ -18,6 +18,7 @@ pub mod idle;
 pub mod images;
 pub mod rbd;
 pub mod restart;
+pub mod serve_restart;
 pub mod share;
 pub mod share_attach;
 pub mod share_nbd;

@@ -208,9 +208,15 @@ pub enum BenchCmd {
         /// driver domain, the one `--kill` names being killed and replaced alone.
         #[arg(long, default_value = "passthrough")]
         tap: String,
-        /// With `--tap interpose`, the domain to kill: `driver` (below the tap domain) or `tap`.
+        /// The domain to kill: `driver`, or with `--tap interpose` `tap`; or `serve` itself
+        /// (a keeper starts another, which takes over): each round of it is measured beside a
+        /// driver kill, by the pause an application on the FUSE file sees (needs root).
         #[arg(long, default_value = "driver")]
         kill: String,
+        /// Upgrade `serve` (`bulkhead upgrade`) each round instead of killing a domain,
+        /// measured as `--kill serve` is.
+        #[arg(long)]
+        upgrade: bool,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -471,7 +477,14 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
         }
         BenchCmd::Fileio(args) => fileio(args),
         BenchCmd::Surge(args) => surge(args),
-        BenchCmd::Restart { kills, mode, threads, tap, kill, json } => {
+        BenchCmd::Restart { kills, threads, kill, upgrade, json, .. } if upgrade || kill == "serve" => {
+            need_root("bench restart --kill serve and --upgrade run serve with its FUSE export")?;
+            let opts = bulkhead_bench::serve_restart::Options { rounds: kills, upgrade, threads };
+            let r = bulkhead_bench::serve_restart::run(&exe()?, &opts, |p| eprintln!("bench restart: {p}"))?;
+            emit(&r, json, bulkhead_bench::serve_restart::render)?;
+            Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
+        }
+        BenchCmd::Restart { kills, mode, threads, tap, kill, json, .. } => {
             let opts = bulkhead_bench::restart::Options { kills, mode: mode.as_str().into(), threads, tap, kill };
             opts.check()?;
             let r = bulkhead_bench::restart::run(&exe()?, &opts, |p| eprintln!("bench restart: {p}"))?;
