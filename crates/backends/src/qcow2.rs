@@ -233,6 +233,16 @@ impl Qcow2Backend {
                 let mut start = vec![0u8; bulkhead_image::PROBE_BYTES.min(storage.size.load(Ordering::Relaxed) as usize)];
                 storage.file.read_exact_at(&mut start, 0).map_err(open_error(what.clone()))?;
                 let header = Qcow2Header::parse(&start).map_err(|e| BackendError::Image(format!("{what}: {e}")))?;
+                // Tables past the end read as zeroes, and a write to such an image sends the
+                // allocator down one refcount block per table entry (found by the
+                // `qcow2_image` fuzz target: a stack overflow).
+                let len = storage.size.load(Ordering::Relaxed);
+                if header.tables_end > len {
+                    return Err(BackendError::Image(format!(
+                        "{what}: its L1 or refcount table ends at byte {:#x}, past the end of the file ({len} bytes): the image is truncated or damaged",
+                        header.tables_end
+                    )));
+                }
                 let names_backing = header.backing.as_ref().map(|b| b.format);
                 let handed = below.as_ref().map(|_| layer_formats[i + 1]);
                 if names_backing != handed {
@@ -429,6 +439,29 @@ mod tests {
     use bulkhead_shmem::{memfd, Mapping as ShMapping, Protection};
     use std::path::{Path, PathBuf};
     use std::process::Command;
+
+    /// Found by the `qcow2_image` fuzz target (fuzz/seeds/qcow2_image/stack-overflow-tables-past-
+    /// the-end): an 82-byte image whose L1 and refcount tables lie petabytes past its end. Opened,
+    /// a write sent imago's allocator down one new refcount block per table entry until the
+    /// stack overflowed. It is refused at open.
+    #[test]
+    fn stack_overflow_tables_past_the_end_are_refused_at_open() {
+        let image: &[u8] = &[
+            0x51, 0x46, 0x49, 0xfb, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+            0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x00, 0x00, 0x7c, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+            0xc0, 0x08, 0x00, 0x25, 0x00, 0x00, 0x32, 0x00, 0x00, 0x00, 0x00, 0x99, 0x00, 0x00, 0xfa, 0x00, 0x00, 0x00, 0x00,
+            0x00, 0x00, 0x40, 0x00, 0x46, 0x49, 0xfb, 0x00, 0x00, 0x00, 0x02, 0xc8, 0x00, 0x31, 0x00, 0x00, 0x00, 0x00, 0x00,
+            0x00, 0x23, 0x51, 0x46, 0x49, 0x95,
+        ];
+        let file = std::fs::File::from(memfd::create("image", 0).unwrap());
+        std::os::unix::fs::FileExt::write_all_at(&file, image, 0).unwrap();
+        let layers = vec![ImageLayer { fd: file.into(), format: Format::Qcow2 }];
+        match Qcow2Backend::open(layers, false) {
+            Err(BackendError::Image(m)) => assert!(m.contains("past the end of the file (82 bytes)"), "{m}"),
+            Err(e) => panic!("refused for another reason: {e}"),
+            Ok(_) => panic!("an image whose tables lie past its end was opened"),
+        }
+    }
 
     struct Dir(PathBuf);
     impl Drop for Dir {

@@ -104,6 +104,9 @@ pub struct Qcow2Header {
     pub dirty: bool,
     /// Internal snapshots recorded in the image.
     pub snapshots: u32,
+    /// Where the L1 table and the refcount table end, whichever ends later: a whole image
+    /// holds both, so a file shorter than this is truncated or crafted.
+    pub tables_end: u64,
 }
 
 impl Qcow2Header {
@@ -322,7 +325,9 @@ impl Qcow2Header {
             };
             Some(Backing { name: name.to_string(), format })
         };
-        Ok(Qcow2Header { version, cluster_bits, size, backing, dirty, snapshots })
+        let tables_end = (l1_offset.saturating_add(u64::from(l1_size) * 8))
+            .max(rt_offset.saturating_add(u64::from(rt_clusters) << cluster_bits));
+        Ok(Qcow2Header { version, cluster_bits, size, backing, dirty, snapshots, tables_end })
     }
 }
 
