@@ -94,7 +94,8 @@ impl Kept {
 
     /// Whether an earlier `serve` left a FUSE session: this one takes over.
     pub fn takes_over(&self) -> bool {
-        self.lock().contains_key("fuse") || self.lock().contains_key("config")
+        let handed = self.lock();
+        handed.contains_key("fuse") || handed.contains_key("config")
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<OwnedFd>>> {

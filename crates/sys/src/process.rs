@@ -96,6 +96,8 @@ pub fn spawn_with_fds(
 /// # Safety
 /// Only in the child of a fork; `argp` and `envp` are NULL-terminated arrays of valid strings,
 /// one of which is `listen_pid`, 22 writable bytes (`LISTEN_PID=`, ten digits, NUL).
+// SAFETY: an unsafe fn, called once from `spawn_with_fds` in the forked child with every
+// pointer prepared before the fork (the contract in `# Safety`).
 #[allow(clippy::too_many_arguments)]
 unsafe fn exec_child(
     exe: &CString,
