@@ -396,3 +396,39 @@ fn a_tap_domain_with_a_cow_and_snapshots_a_view_and_a_vm_socket_work_over_rbd_an
     assert_ne!(d["driver_pid"].as_u64().unwrap() as i32, below_pid, "the wedged domain was replaced: {d}");
     assert_eq!(d["tap"], "interpose", "{d}");
 }
+
+#[test]
+fn with_a_keeper_a_killed_serve_is_followed_by_one_that_breaks_its_domains_lock_at_once() {
+    require_kernel!();
+    let Some(cluster) = Cluster::up("keeper") else { return };
+    let tmp = TempDir::new("rbd-keeper");
+    cluster.rbd(&["create", "--size", "64M", "rbd/kk"]);
+    let cfg = format!("[keeper]\nenabled = true\n{}", cluster.config("kk", "64M", ""));
+    let serve = Serve::start_in_netns(&tmp.path().join("run"), &cfg, &[], &[], &cluster.netns, false).unwrap();
+    let hello = || {
+        bulkhead_control::Client::connect(&serve.run_dir).ok().and_then(|mut c| c.call(bulkhead_control::Hello {}).ok()).map(|h| h.pid)
+    };
+    let uri = serve.nbd_uri("r");
+    // A write takes the image's exclusive lock for the domain.
+    qemu_io_ok(&uri, &["write -P 0x5a 0 1M"]);
+    for round in 0..2 {
+        let old = hello().expect("a serve answers");
+        // kill -9 of serve: its domains die with it, and their lock stays in the cluster.
+        bulkhead_sys::signal(old, libc::SIGKILL).unwrap();
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs(30);
+        while hello().is_none_or(|p| p == old) {
+            assert!(Instant::now() < deadline, "no new serve: {}", serve.log_text());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Without the dead domain's owner kept, this first write waits ~30 s for its lock.
+        let offset = format!("{}M", round + 1);
+        qemu_io_ok(&uri, &[&format!("write -P 0x6b {offset} 1M"), "read -P 0x5a 0 1M", &format!("read -P 0x6b {offset} 1M")]);
+        let took = started.elapsed();
+        eprintln!("round {round}: a new serve wrote to the image {} ms after the kill", took.as_millis());
+        assert!(took < Duration::from_secs(10), "the first write after a crash of serve took {took:?}: {}", serve.log_text());
+    }
+    let log = serve.log_text();
+    assert!(log.contains("lock owner(s) of the serve before this one kept"), "{log}");
+    assert!(log.matches("broke the exclusive lock of an earlier domain").count() >= 2, "{log}");
+}

@@ -789,7 +789,7 @@ impl Storage {
                 let reach = crate::rbd::Reach::resolve(mon_host, networks).map_err(|e| format!("backend mon_host: {e}"))?;
                 let ns = if namespace.is_empty() { String::new() } else { format!("{namespace}/") };
                 let desc = format!("rbd:{pool}/{ns}{image}{}", if *read_only { ",ro" } else { "" });
-                Ok(Storage { rbd: Some((reach, crate::rbd::Owners::default())), ..sized(size, desc, Vec::new()) })
+                Ok(Storage { rbd: Some((reach, crate::rbd::Owners::of_device(name))), ..sized(size, desc, Vec::new()) })
             }
             BackendConfig::Ram => {
                 let size = configured().ok_or("size is required for a ram device")?;

@@ -97,20 +97,40 @@ fn in_range(ip: IpAddr, net: IpAddr, bits: u8) -> bool {
     }
 }
 
-/// Client addresses of a device's earlier domains (newest last, a few kept).
-#[derive(Debug, Default, Clone)]
-pub(crate) struct Owners(Arc<Mutex<Vec<String>>>);
+/// Client addresses of a device's earlier domains (newest last, a few kept). With a keeper they
+/// are kept across a restart of `serve` too: its domains die with it, and their locks with
+/// them only once the cluster notices, which takes about 30 s.
+#[derive(Debug, Clone)]
+pub(crate) struct Owners {
+    list: Arc<Mutex<Vec<String>>>,
+    kept_as: Arc<str>,
+}
 
 impl Owners {
+    /// `device`'s, starting from what an earlier `serve` kept.
+    pub(crate) fn of_device(device: &str) -> Owners {
+        let kept_as = crate::kept::rbd_owners_name(device);
+        let list: Vec<String> = crate::kept::take_text(&kept_as)
+            .map(|t| t.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect())
+            .unwrap_or_default();
+        if !list.is_empty() {
+            log::info!("device {device}: {} lock owner(s) of the serve before this one kept", list.len());
+            // Kept again at once: this `serve` may die before its first domain says its own.
+            crate::kept::keep_text(&kept_as, &(list.join("\n") + "\n"));
+        }
+        Owners { list: Arc::new(Mutex::new(list)), kept_as: kept_as.into() }
+    }
+
     pub(crate) fn list(&self) -> Vec<String> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.list.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     fn push(&self, addr: String) {
-        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v = self.list.lock().unwrap_or_else(|e| e.into_inner());
         v.push(addr);
         let excess = v.len().saturating_sub(8);
         v.drain(..excess);
+        crate::kept::keep_text(&self.kept_as, &(v.join("\n") + "\n"));
     }
 }
 

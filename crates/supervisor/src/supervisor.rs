@@ -210,7 +210,9 @@ impl Supervisor {
         drain_and_flush(&rt, &format!("device {name}"), &rt.device, || rt.control.in_flight(), drain);
         self.hub.devices.remove(rt.id);
         if let Some(s) = crate::kept::store() {
-            s.forget(&crate::kept::ram_name(name));
+            for kept in crate::kept::names_of(name) {
+                s.forget(&kept);
+            }
         }
         self.hub.mailbox.post(crate::mailbox::Note::Removed(rt.id));
         rt.control.fail("device removed");
