@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use bulkhead_testkit::guest::{Disk, Kit, Outcome, Vm, VmOptions};
@@ -219,6 +219,83 @@ fn twenty_kills_of_serve_under_guest_io_are_a_pause() {
     assert!(max_in_flight >= 10, "at most {max_in_flight} requests were in flight");
     eprintln!("20 kills of serve: {resubmitted} requests served again from the in-flight record");
     assert!(resubmitted > 0, "no request was ever in flight at a kill");
+}
+
+/// The pid of the `serve` answering on `run_dir`, if one does.
+fn hello_pid(run_dir: &std::path::Path) -> Option<u32> {
+    let mut c = bulkhead_control::Client::connect(run_dir).ok()?;
+    c.call(bulkhead_control::Hello {}).ok().map(|h| h.pid)
+}
+
+#[test]
+fn with_a_keeper_kills_and_upgrades_of_serve_under_guest_io_are_a_pause() {
+    require_kernel!();
+    let _one = one_at_a_time();
+    let Some(kit) = kit() else { return };
+    let tmp = TempDir::new("vm-keeper");
+    let cfg = format!("[keeper]\nenabled = true\n{}", file_config(&tmp.path().join("disk.img")));
+    let run_dir = tmp.path().join("run");
+    // `serve` becomes the keeper and starts the real one; nothing else restarts it here.
+    let serve = Serve::start(&run_dir, Some(&cfg), &[]);
+    let keeper = serve.pid();
+    let g = vm(&kit, &tmp, vec![Disk { socket: socket(&serve, "disk"), queues: 1 }], "guest-io stress /dev/vda 35 16");
+    assert!(g.wait_for("GUESTIO started", Duration::from_secs(60)).is_some(), "{}", g.lines().join("\n"));
+    let mut resubmitted = 0;
+    let mut pauses = Vec::new();
+    let rounds = Instant::now();
+    for i in 0..10 {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let q = vhost_queue(&serve.status_json(), "disk");
+            if q["returned"].as_u64().unwrap_or(0) >= 200 {
+                resubmitted += q["resubmitted"].as_u64().unwrap_or(0);
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {i}: the guest was not served again: {}\n{:#}\n{}",
+                serve.log_text(),
+                serve.status_json()["vhost_user"],
+                g.lines().join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            !g.lines().iter().any(|l| l.starts_with("GUESTIO ok") || l.starts_with("GUESTIO FAIL")),
+            "the guest's load ended after round {i}: {}",
+            g.lines().join("\n")
+        );
+        let old = hello_pid(&run_dir).expect("a serve answers");
+        let started = Instant::now();
+        if i % 2 == 0 {
+            // kill -9 of the serve the keeper started: the keeper starts the next.
+            bulkhead_sys::signal(old, libc::SIGKILL).unwrap();
+        } else {
+            let out = std::process::Command::new(exe()).args(["upgrade", "--run-dir"]).arg(&run_dir).output().unwrap();
+            assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), serve.log_text());
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while hello_pid(&run_dir).is_none_or(|p| p == old) {
+            assert!(Instant::now() < deadline, "round {i}: no new serve: {}", serve.log_text());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        pauses.push(started.elapsed());
+        assert!(Path::new(&format!("/proc/{keeper}")).exists(), "the keeper ended: {}", serve.log_text());
+    }
+    let took = rounds.elapsed();
+    let out = g.finish(Duration::from_secs(300));
+    passed(&out, &serve);
+    assert!(out.lines.iter().any(|l| l.starts_with("GUESTIO ok stress")), "{}", out.script_output());
+    let log = serve.log_text();
+    assert_eq!(log.matches("taking over from the serve before this one").count(), 10, "{log}");
+    pauses.sort();
+    eprintln!(
+        "5 kills and 5 upgrades of serve under a guest in {:?}: {resubmitted} requests served again from the in-flight \
+         record; a new serve answered after p50 {:?}, max {:?}",
+        took,
+        pauses[pauses.len() / 2],
+        pauses[pauses.len() - 1]
+    );
 }
 
 #[test]

@@ -283,6 +283,10 @@ pub fn run(w: QueueWork) -> RingPosition {
     if let Err(e) = sv.ring.suppress_kicks() {
         break_ring(e, &mut broken);
     }
+    // The used ring may hold answers whose interrupt never reached the guest: a `serve` that
+    // died between returning a head and calling, or one whose last answers came after the
+    // frontend had set its old call aside. One call now costs a spurious interrupt at most.
+    call.signal();
     loop {
         let stopping = stop.requested();
         let mut work = 0;
