@@ -15,7 +15,7 @@ fn refuse<T>(what: &str) -> Result<T, ControlError> {
 
 impl Service for Fixed {
     fn hello(&self, _: Hello) -> Result<HelloReply, ControlError> {
-        Ok(HelloReply { protocol: PROTOCOL_VERSION, version: "0".into(), pid: 1 })
+        Ok(HelloReply { protocol: PROTOCOL_VERSION, version: "0".into(), pid: 1, fell_back: None })
     }
     fn status(&self, _: Status) -> Result<StatusReport, ControlError> {
         refuse("status")

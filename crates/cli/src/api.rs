@@ -8,6 +8,7 @@ use bulkhead_control::{
     HelloReply, ListSnapshots, QosReply, Reload, Reloaded, RemoveDevice, RemoveFilter, Restart, Service, SetQos, SetTap,
     Snapshot, SnapshotAction, SnapshotEntry, Snapshots, Status, StatusReport,
 };
+use crate::kept::Keeper;
 use bulkhead_control::{AddView, RemoveView, Upgrade, Upgrading, ViewAdded, ViewRemoved};
 use bulkhead_fuse_export::Transport;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
@@ -27,8 +28,10 @@ pub struct ServeApi {
     pub invalidate: Option<Box<Invalidate>>,
     /// Devices added and removed, the running configuration.
     pub live: Arc<Live>,
-    /// What keeps the descriptors across a restart of `serve`: `none`, `keeper`, `systemd`.
-    pub keeper: &'static str,
+    /// What keeps the descriptors across a restart of `serve`.
+    pub keeper: Keeper,
+    /// Why this `serve` runs the binary of the one before it, if the keeper fell back to it.
+    pub fell_back: Option<String>,
 }
 
 impl ServeApi {
@@ -56,6 +59,7 @@ impl Service for ServeApi {
             protocol: bulkhead_control::PROTOCOL_VERSION,
             version: env!("CARGO_PKG_VERSION").to_string(),
             pid: std::process::id(),
+            fell_back: self.fell_back.clone(),
         })
     }
 
@@ -161,13 +165,13 @@ impl Service for ServeApi {
     }
 
     fn upgrade(&self, _: Upgrade) -> Result<Upgrading, ControlError> {
-        if self.keeper == "none" {
+        if self.keeper == Keeper::None {
             return Err(ControlError::invalid(
                 "an upgrade needs a keeper to hold the exports meanwhile: set `[keeper] enabled = true`, or run under systemd with FileDescriptorStoreMax=",
             ));
         }
         crate::serve::request_upgrade();
-        Ok(Upgrading { pid: std::process::id(), keeper: self.keeper.into() })
+        Ok(Upgrading { pid: std::process::id(), keeper: self.keeper.name().into() })
     }
 }
 

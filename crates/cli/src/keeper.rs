@@ -11,6 +11,12 @@
 //! `LISTEN_FDNAMES`. One extension: `X_BULKHEAD_HANDOVER=1` says the exit that follows is an
 //! upgrade. Unlike systemd, a name stored again replaces what it held.
 //!
+//! Which binary it starts: the one at its own path, so a replaced binary is what an upgrade
+//! (and, as under systemd, a restart after a crash) runs. It also holds open the binary of the
+//! last `serve` that was serving: when the binary at the path ends, or is not serving within
+//! half of `give_up_ms`, before it ever said READY, the keeper starts that one instead, telling
+//! it why in `BULKHEAD_FELL_BACK`, so a broken upgrade costs a pause and not the exports.
+//!
 //! One thread, one `poll` over the notify socket, a signalfd and the child's pidfd.
 
 use std::collections::BTreeMap;
@@ -25,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bulkhead_sys::process::Ended;
 
-use crate::kept::{HANDOVER, KEEPER_ENV};
+use crate::kept::{FELL_BACK_ENV, HANDOVER, KEEPER_ENV};
 
 /// The socket `serve` notifies the keeper on.
 pub fn socket_path(run_dir: &Path) -> PathBuf {
@@ -43,6 +49,10 @@ struct Child {
     stopping: bool,
     /// It said it hands over: its exit is an upgrade.
     handing_over: bool,
+    /// Started from the binary at the keeper's path, not the last one that was serving.
+    from_path: bool,
+    /// The keeper killed it for not serving in time.
+    killed: bool,
 }
 
 /// Runs the keeper for `run_dir` until its `serve` ends for good, or gives up `give_up` after
@@ -60,9 +70,13 @@ pub fn run(run_dir: &Path, lock: std::fs::File, give_up: Duration) -> anyhow::Re
     let signals = bulkhead_sys::process::SignalFd::new(&[libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGCHLD])?;
     let mut held: BTreeMap<String, Vec<OwnedFd>> = BTreeMap::new();
     held.insert("lock".into(), vec![OwnedFd::from(lock)]);
-    let mut keeper = Keeper { exe, args, sock_path, held, child: None, quit: None, down_since: None, failures: 0 };
+    // The binary this keeper runs is the one its first serve runs.
+    let last_good = std::fs::File::open("/proc/self/exe").map(OwnedFd::from).ok();
+    let mut keeper =
+        Keeper { exe, args, sock_path, held, child: None, quit: None, down_since: None, failures: 0, last_good };
     log::info!("keeper {} holds serve's descriptors in {}", std::process::id(), run_dir.display());
-    keeper.spawn()?;
+    keeper.spawn(None)?;
+    let mut fall_back: Option<String> = None;
     let mut ever_ready = false;
     let mut respawn_at: Option<Instant> = None;
     let mut buf = vec![0u8; 4096];
@@ -73,11 +87,24 @@ pub fn run(run_dir: &Path, lock: std::fs::File, give_up: Duration) -> anyhow::Re
                 return Ok(keeper.give_up(run_dir, give_up));
             }
         }
+        if let Some(c) = keeper.child.as_mut() {
+            // A new binary that hangs at start is ended, and the last good one started instead.
+            if ever_ready && c.from_path && !c.ready && !c.killed && now.duration_since(c.started) >= give_up / 2 {
+                log::warn!(
+                    "keeper: serve (pid {}) from {} is not serving after {:.1} s; ending it",
+                    c.pid,
+                    keeper.exe.display(),
+                    (give_up / 2).as_secs_f64()
+                );
+                let _ = bulkhead_sys::signal(c.pid, libc::SIGKILL);
+                c.killed = true;
+            }
+        }
         if keeper.child.is_none() {
             if let Some(at) = respawn_at {
                 if now >= at {
                     respawn_at = None;
-                    if let Err(e) = keeper.spawn() {
+                    if let Err(e) = keeper.spawn(fall_back.take()) {
                         log::error!("keeper: cannot start serve: {e}");
                         keeper.failures += 1;
                         respawn_at = Some(Instant::now() + backoff(keeper.failures));
@@ -91,6 +118,9 @@ pub fn run(run_dir: &Path, lock: std::fs::File, give_up: Duration) -> anyhow::Re
         }
         if let Some(since) = keeper.down_since {
             wait_ms = wait_ms.min((since + give_up).saturating_duration_since(now).as_millis() as i32 + 1);
+        }
+        if let Some(c) = keeper.child.as_ref().filter(|c| !c.ready && !c.killed) {
+            wait_ms = wait_ms.min((c.started + give_up / 2).saturating_duration_since(now).as_millis() as i32 + 1);
         }
         let mut fds = vec![
             libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 },
@@ -109,8 +139,13 @@ pub fn run(run_dir: &Path, lock: std::fs::File, give_up: Duration) -> anyhow::Re
                 Keeper::message(&mut keeper.held, &buf[..n], got, keeper.child.as_mut());
             }
             if let Some(c) = keeper.child.as_ref().filter(|c| c.ready) {
-                if keeper.down_since.take().is_some() {
+                if keeper.down_since.take().is_some() || !ever_ready {
                     log::info!("keeper: serve (pid {}) is serving", c.pid);
+                    // Its binary is the one to fall back on from now on.
+                    match std::fs::File::open(format!("/proc/{}/exe", c.pid)) {
+                        Ok(f) => keeper.last_good = Some(f.into()),
+                        Err(e) => log::warn!("keeper: cannot hold serve's binary open: {e}"),
+                    }
                 }
                 ever_ready = true;
                 keeper.failures = 0;
@@ -160,6 +195,12 @@ pub fn run(run_dir: &Path, lock: std::fs::File, give_up: Duration) -> anyhow::Re
             if c.handing_over {
                 log::info!("keeper: serve (pid {}) handed over and {how}; starting {}", c.pid, keeper.exe.display());
                 keeper.failures = 0;
+            } else if c.from_path && !c.ready && keeper.last_good.is_some() {
+                let why = if c.killed { "was not serving in time".to_string() } else { format!("{how} before it was serving") };
+                let note = format!("serve (pid {}) from {} {why}", c.pid, keeper.exe.display());
+                log::error!("keeper: {note}; starting the binary of the last serve that was serving instead");
+                fall_back = Some(note);
+                keeper.failures = 0;
             } else {
                 log::warn!(
                     "keeper: serve (pid {}) {how} after {:.1} s; starting it again (its FUSE requests wait in the kernel)",
@@ -194,6 +235,8 @@ struct Keeper {
     down_since: Option<Instant>,
     /// `serve`s in a row that died before they were serving.
     failures: u32,
+    /// The binary of the last `serve` that was serving (at first, the keeper's own).
+    last_good: Option<OwnedFd>,
 }
 
 impl Keeper {
@@ -232,27 +275,47 @@ impl Keeper {
         }
     }
 
-    /// Starts `serve` again with everything held, as descriptors 3 and up.
-    fn spawn(&mut self) -> anyhow::Result<()> {
+    /// Starts `serve` again with everything held, as descriptors 3 and up: the binary at the
+    /// keeper's path, or, with `fall_back` (why), the last one that was serving.
+    fn spawn(&mut self, fall_back: Option<String>) -> anyhow::Result<()> {
         let names: Vec<&str> = self.held.iter().flat_map(|(n, fds)| fds.iter().map(move |_| n.as_str())).collect();
         let fds: Vec<_> = self.held.values().flatten().map(|fd| fd.as_fd()).collect();
         let mut env: Vec<(OsString, OsString)> = std::env::vars_os()
             .filter(|(k, _)| {
-                !["LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "NOTIFY_SOCKET", KEEPER_ENV].contains(&&*k.to_string_lossy())
+                !["LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "NOTIFY_SOCKET", KEEPER_ENV, FELL_BACK_ENV]
+                    .contains(&&*k.to_string_lossy())
             })
             .collect();
         env.push((KEEPER_ENV.into(), "1".into()));
+        // The held binary is reached through the keeper's own descriptor table, which the
+        // child's exec reads before it could close anything.
+        let exe = match (&fall_back, &self.last_good) {
+            (Some(note), Some(bin)) => {
+                env.push((FELL_BACK_ENV.into(), note.into()));
+                PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), bin.as_raw_fd()))
+            }
+            _ => self.exe.clone(),
+        };
         env.push(("NOTIFY_SOCKET".into(), self.sock_path.clone().into_os_string()));
         // SIGTERM when the keeper dies: `serve` then shuts down cleanly rather than running
         // on with nothing to survive its own crash.
-        let (pid, pidfd) = bulkhead_sys::process::spawn_with_fds(&self.exe, &self.args, &env, &fds, &names, libc::SIGTERM)
-            .with_context(|| format!("cannot start {}", self.exe.display()))?;
+        let (pid, pidfd) = bulkhead_sys::process::spawn_with_fds(&exe, &self.args, &env, &fds, &names, libc::SIGTERM)
+            .with_context(|| format!("cannot start {}", exe.display()))?;
         log::info!(
             "keeper: started serve (pid {pid}) with {} kept descriptor{}",
             fds.len(),
             if fds.len() == 1 { "" } else { "s" }
         );
-        self.child = Some(Child { pid, pidfd, started: Instant::now(), ready: false, stopping: false, handing_over: false });
+        self.child = Some(Child {
+            pid,
+            pidfd,
+            started: Instant::now(),
+            ready: false,
+            stopping: false,
+            handing_over: false,
+            from_path: exe == self.exe,
+            killed: false,
+        });
         Ok(())
     }
 
@@ -295,7 +358,16 @@ mod tests {
 
     fn child() -> Child {
         let pidfd = bulkhead_sys::pidfd_open(std::process::id()).unwrap();
-        Child { pid: std::process::id(), pidfd, started: Instant::now(), ready: false, stopping: false, handing_over: false }
+        Child {
+            pid: std::process::id(),
+            pidfd,
+            started: Instant::now(),
+            ready: false,
+            stopping: false,
+            handing_over: false,
+            from_path: true,
+            killed: false,
+        }
     }
 
     #[test]

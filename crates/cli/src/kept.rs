@@ -20,6 +20,9 @@ use sd_notify::NotifyState;
 
 /// Set by bulkhead's keeper in the environment of the `serve` it starts.
 pub const KEEPER_ENV: &str = "BULKHEAD_KEEPER";
+/// Set by bulkhead's keeper when it starts the binary of the last `serve` that was serving
+/// because the one at its path did not start: why.
+pub const FELL_BACK_ENV: &str = "BULKHEAD_FELL_BACK";
 /// Sent to the keeper before an upgrade: the exit that follows is a hand-over.
 pub const HANDOVER: &str = "X_BULKHEAD_HANDOVER=1";
 

@@ -140,6 +140,10 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         return crate::keeper::run(&run_dir, lock, give_up);
     }
     let kept = Arc::new(Kept::from_env(keeper));
+    let fell_back = std::env::var(crate::kept::FELL_BACK_ENV).ok().filter(|_| keeper == Keeper::Own);
+    if let Some(why) = &fell_back {
+        log::error!("{why}: this serve runs the binary of the serve before it");
+    }
     if keeper != Keeper::None {
         bulkhead_supervisor::kept::install(kept.clone());
     }
@@ -321,7 +325,8 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         vhost: vhost.clone(),
         invalidate,
         live: live.clone(),
-        keeper: keeper.name(),
+        keeper,
+        fell_back: fell_back.clone(),
     });
     let attacher = sup.clone();
     let control = access.and_then(|access| {

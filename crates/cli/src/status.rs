@@ -305,6 +305,14 @@ pub fn upgrade(run_dir: &Path, timeout: std::time::Duration) -> anyhow::Result<E
     loop {
         if let Ok(h) = ask(run_dir, bulkhead_control::Hello {}) {
             if h.pid != r.pid {
+                if let Some(why) = h.fell_back {
+                    anyhow::bail!(
+                        "the upgrade failed: {why}; serve (pid {}, version {}) runs the previous binary again, {} ms after the request",
+                        h.pid,
+                        h.version,
+                        started.elapsed().as_millis()
+                    );
+                }
                 println!(
                     "serve (pid {}, version {}) is serving, {} ms after the request",
                     h.pid,

@@ -358,27 +358,14 @@ fn a_killed_keeper_stops_serve_cleanly_and_a_serve_that_never_returns_ends_the_c
     assert!(!std::fs::read_to_string("/proc/self/mountinfo").unwrap().contains(run_dir.to_str().unwrap()), "a mount is left");
     drop(serve);
 
-    // A serve that never comes back (its binary is gone): the keeper gives up after
-    // `give_up_ms`, the FUSE connection ends, and the loop device's reads fail instead of
-    // hanging.
+    // A serve that never comes back (it dies at every start, and its binary is gone, so the
+    // one the keeper falls back on dies too): the keeper gives up after `give_up_ms`, the
+    // FUSE connection ends, and the loop device's reads fail instead of hanging.
     let bin = tmp.path().join("bulkhead-copy");
     std::fs::copy(exe(), &bin).unwrap();
     let run_dir = tmp.path().join("run2");
-    let text = config(&run_dir, 1500);
-    std::fs::write(run_dir.with_extension("toml"), &text).unwrap();
     let log_path = run_dir.with_extension("log");
-    let mut keeper = common::ChildGuard(Some(
-        Command::new(&bin)
-            .args(["serve", "--run-dir"])
-            .arg(&run_dir)
-            .arg("--config")
-            .arg(run_dir.with_extension("toml"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log_path).unwrap())
-            .spawn()
-            .unwrap(),
-    ));
+    let mut keeper = start_keeper(&bin, &run_dir, &config(&run_dir, 1500), &log_path);
     let deadline = Instant::now() + Duration::from_secs(20);
     while serve_pid_from_hello(&run_dir).is_none() {
         assert!(Instant::now() < deadline, "{}", std::fs::read_to_string(&log_path).unwrap_or_default());
@@ -387,8 +374,18 @@ fn a_killed_keeper_stops_serve_cleanly_and_a_serve_that_never_returns_ends_the_c
     let lo = LoopGuard::attach_direct(&run_dir.join("fuse").join("r0"));
     let kpid = keeper.0.as_ref().unwrap().id();
     std::fs::remove_file(&bin).unwrap();
-    let child = serve_pid(kpid).unwrap();
-    bulkhead_sys::signal(child, libc::SIGKILL).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let killer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Some(child) = serve_pid(kpid) {
+                    let _ = bulkhead_sys::signal(child, libc::SIGKILL);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        })
+    };
     let started = Instant::now();
     let mut dd = Command::new("dd")
         .args([&format!("if={}", lo.dev), "of=/dev/null", "bs=4k", "count=1", "skip=77", "iflag=direct", "status=none"])
@@ -409,6 +406,8 @@ fn a_killed_keeper_stops_serve_cleanly_and_a_serve_that_never_returns_ends_the_c
     assert!(err.contains("Input/output error"), "{err}");
     let waited = started.elapsed();
     let kst = keeper.0.as_mut().unwrap().wait().unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    killer.join().unwrap();
     assert!(!kst.success());
     let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(log.contains("no serve has come back within 1.5 s") && log.contains("ending the FUSE connection"), "{log}");
@@ -416,4 +415,109 @@ fn a_killed_keeper_stops_serve_cleanly_and_a_serve_that_never_returns_ends_the_c
     assert!(waited >= Duration::from_millis(1000), "the read failed before the keeper gave up: {waited:?}");
     drop(lo);
     keeper.0 = None;
+}
+
+/// Starts `bin serve` as a keeper on `run_dir` with `config`, logging to `log`, and waits until
+/// its serve answers.
+fn start_keeper(bin: &Path, run_dir: &Path, config: &str, log: &Path) -> common::ChildGuard {
+    std::fs::write(run_dir.with_extension("toml"), config).unwrap();
+    let keeper = common::ChildGuard(Some(
+        Command::new(bin)
+            .args(["serve", "--run-dir"])
+            .arg(run_dir)
+            .arg("--config")
+            .arg(run_dir.with_extension("toml"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap(),
+    ));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while serve_pid_from_hello(run_dir).is_none() {
+        assert!(Instant::now() < deadline, "{}", std::fs::read_to_string(log).unwrap_or_default());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    keeper
+}
+
+/// Puts `content` at `path` as a new file, as a package manager replaces a binary.
+fn replace_binary(path: &Path, content: &[u8]) {
+    use std::os::unix::fs::PermissionsExt;
+    let new = path.with_extension("new");
+    std::fs::write(&new, content).unwrap();
+    std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&new, path).unwrap();
+}
+
+#[test]
+fn an_upgrade_to_a_binary_that_does_not_start_falls_back_to_the_one_that_was_serving() {
+    require_kernel!();
+    let tmp = TempDir::new("keeper-fallback");
+    let bin = tmp.path().join("bulkhead");
+    std::fs::copy(exe(), &bin).unwrap();
+    let run_dir = tmp.path().join("run");
+    let log_path = run_dir.with_extension("log");
+    let mut keeper = start_keeper(&bin, &run_dir, &config(&run_dir, 4000), &log_path);
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    // One open of the FUSE file across everything: no upgrade makes its user reopen it.
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(run_dir.join("fuse").join("r1")).unwrap();
+    let data = pattern(58, 1 << 20);
+    file.write_all_at(&data, 0).unwrap();
+    file.sync_all().unwrap();
+    let upgrade = || {
+        let started = Instant::now();
+        let out = Command::new(exe()).args(["upgrade", "--timeout", "30", "--run-dir"]).arg(&run_dir).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout), started.elapsed())
+    };
+    let hello = || {
+        let mut c = bulkhead_control::Client::connect(&run_dir).unwrap();
+        c.call(bulkhead_control::Hello {}).unwrap()
+    };
+
+    // A binary that exits at once.
+    let before = hello().pid;
+    replace_binary(&bin, b"#!/bin/sh\nexit 3\n");
+    let (ok, out, took) = upgrade();
+    assert!(!ok, "an upgrade to a broken binary said it worked: {out}");
+    assert!(out.contains("the upgrade failed") && out.contains("exited with status 3 before it was serving"), "{out}\n{}", log());
+    let h = hello();
+    assert_ne!(h.pid, before);
+    assert!(h.fell_back.as_deref().is_some_and(|w| w.contains("exited with status 3")), "{h:?}");
+    let mut back = vec![0u8; data.len()];
+    file.read_exact_at(&mut back, 0).unwrap();
+    assert!(back == data, "the ram device lost its contents across a failed upgrade");
+    eprintln!("a binary that exits: back on the previous one after {} ms", took.as_millis());
+
+    // A binary that hangs: ended after half of give_up_ms (2 s), then the same.
+    let before = h.pid;
+    replace_binary(&bin, b"#!/bin/sh\nexec sleep 600\n");
+    let (ok, out, took) = upgrade();
+    assert!(!ok, "an upgrade to a hanging binary said it worked: {out}");
+    assert!(out.contains("was not serving in time"), "{out}");
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(4), "{took:?}: {}", log());
+    let h = hello();
+    assert_ne!(h.pid, before);
+    file.read_exact_at(&mut back, 0).unwrap();
+    assert!(back == data, "the ram device lost its contents across a failed upgrade");
+    let l = log();
+    assert!(l.contains("is not serving after 2.0 s; ending it"), "{l}");
+    assert_eq!(serve_pid(keeper.0.as_ref().unwrap().id()), Some(h.pid), "the hanging binary outlived its end");
+
+    // The real binary again: the upgrade works, and nothing says it fell back.
+    replace_binary(&bin, &std::fs::read(exe()).unwrap());
+    let (ok, out, _) = upgrade();
+    assert!(ok, "{out}\n{}", log());
+    assert!(hello().fell_back.is_none());
+    file.write_all_at(&data[..4096], 1 << 20).unwrap();
+    file.read_exact_at(&mut back, 0).unwrap();
+    assert!(back == data);
+    drop(file);
+    // The keeper, asked to stop, stops its serve and ends cleanly.
+    let k = keeper.0.as_ref().unwrap().id();
+    bulkhead_sys::signal(k, libc::SIGTERM).unwrap();
+    let st = keeper.0.as_mut().unwrap().wait().unwrap();
+    assert!(st.success(), "{}", log());
+    keeper.0 = None;
+    assert!(!std::fs::read_to_string("/proc/self/mountinfo").unwrap().contains(run_dir.to_str().unwrap()), "a mount is left");
 }

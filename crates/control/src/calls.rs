@@ -246,6 +246,10 @@ pub struct HelloReply {
     pub version: String,
     /// The `serve` process.
     pub pid: u32,
+    /// Set when this `serve` runs the binary of the one before it because the binary on disk
+    /// did not start (a failed upgrade): what happened to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fell_back: Option<String>,
 }
 
 /// `status`.

@@ -133,8 +133,16 @@ fn cstr(s: &OsStr) -> io::Result<CString> {
 
 /// The variables through which a service manager speaks to `serve` (sd_notify, its watchdog,
 /// socket activation, the keeper): not passed on to domains.
-const SERVICE_MANAGER_VARS: [&str; 7] =
-    ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "BULKHEAD_KEEPER"];
+const SERVICE_MANAGER_VARS: [&str; 8] = [
+    "NOTIFY_SOCKET",
+    "WATCHDOG_USEC",
+    "WATCHDOG_PID",
+    "LISTEN_FDS",
+    "LISTEN_PID",
+    "LISTEN_FDNAMES",
+    "BULKHEAD_KEEPER",
+    "BULKHEAD_FELL_BACK",
+];
 
 /// The namespaces a domain starts in. Not a mount namespace: the domain makes its own when it
 /// confines itself, so that no copy of the host's mounts outlives that moment

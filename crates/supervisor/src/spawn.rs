@@ -109,8 +109,15 @@ pub(crate) fn discard(mut child: DomainChild) {
     }
 }
 
-/// The `bulkhead` executable to exec for domains.
+/// The `bulkhead` executable to exec for domains: the very binary this process runs, through
+/// `/proc/self/exe`, not the path it was started from. A package upgrade replaces the file at
+/// that path while `serve` runs on; its domains must still speak its own version, and a `serve`
+/// its keeper fell back to runs a binary no path names any more.
 pub(crate) fn current_exe() -> PathBuf {
+    let own = PathBuf::from("/proc/self/exe");
+    if own.exists() {
+        return own;
+    }
     std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"))
 }
 
