@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use bulkhead_testkit::{pattern, require_kernel};
+use bulkhead_testkit::{pattern, require_kernel, AlignedBuf};
 use common::{exe, fio_verify, tools, Ext4, LoopGuard, Serve, TempDir};
 
 fn config(run_dir: &Path, give_up_ms: u64) -> String {
@@ -77,48 +77,15 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 /// Writes `data` at `offset` of device `dev`'s FUSE file with O_DIRECT and flushes it.
 fn write_direct(serve: &Serve, dev: &str, offset: u64, data: &[u8]) {
     let f = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(serve.fuse_file(dev)).unwrap();
-    let mut buf = AlignedBuf::new(data.len());
-    buf.as_mut().copy_from_slice(data);
-    f.write_all_at(buf.as_ref(), offset).unwrap();
+    f.write_all_at(&AlignedBuf::from_slice(data), offset).unwrap();
     f.sync_all().unwrap();
 }
 
 fn read_direct(serve: &Serve, dev: &str, offset: u64, len: usize) -> Vec<u8> {
     let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(serve.fuse_file(dev)).unwrap();
-    let mut buf = AlignedBuf::new(len);
-    f.read_exact_at(buf.as_mut(), offset).unwrap();
-    buf.as_ref().to_vec()
-}
-
-/// A 4 KiB-aligned buffer for O_DIRECT.
-struct AlignedBuf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl AlignedBuf {
-    fn new(len: usize) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
-        // SAFETY: a non-zero size with a valid alignment.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        assert!(!ptr.is_null());
-        AlignedBuf { ptr, len }
-    }
-    fn as_ref(&self) -> &[u8] {
-        // SAFETY: `len` bytes allocated and initialised (zeroed) in `new`.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-    fn as_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and `&mut self` is unique.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, std::alloc::Layout::from_size_align(self.len, 4096).unwrap()) };
-    }
+    let mut buf = AlignedBuf::zeroed(len);
+    f.read_exact_at(&mut buf, offset).unwrap();
+    buf.to_vec()
 }
 
 /// ext4 on a loop device over r0's FUSE file under fio verify while `serve` is ended 20 times

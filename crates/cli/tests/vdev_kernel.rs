@@ -214,37 +214,9 @@ fn read_direct(file: &std::path::Path, offset: u64, len: usize) -> Vec<u8> {
     buf[..len].to_vec()
 }
 
-/// `data` in a 4 KiB-aligned buffer (what O_DIRECT needs), as a slice of a larger vector.
-fn aligned(data: &[u8]) -> AlignedBuf {
-    AlignedBuf::new(data)
-}
-
-struct AlignedBuf {
-    raw: Vec<u8>,
-    at: usize,
-    len: usize,
-}
-
-impl AlignedBuf {
-    fn new(data: &[u8]) -> Self {
-        let mut raw = vec![0u8; data.len() + 4096];
-        let at = raw.as_ptr().align_offset(4096);
-        raw[at..at + data.len()].copy_from_slice(data);
-        AlignedBuf { raw, at, len: data.len() }
-    }
-}
-
-impl std::ops::Deref for AlignedBuf {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.raw[self.at..self.at + self.len]
-    }
-}
-
-impl std::ops::DerefMut for AlignedBuf {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.raw[self.at..self.at + self.len]
-    }
+/// `data` in a 4 KiB-aligned buffer (what O_DIRECT needs).
+fn aligned(data: &[u8]) -> bulkhead_testkit::AlignedBuf {
+    bulkhead_testkit::AlignedBuf::from_slice(data)
 }
 
 /// `bulkhead bench vdev` runs end to end and reports every figure it names (the figures

@@ -21,6 +21,43 @@ pub mod memdev;
 pub mod memsearch;
 pub mod probe;
 
+/// A zeroed buffer of `len` bytes aligned to 4 KiB, what `O_DIRECT` needs: a slice of a vector
+/// 4 KiB longer.
+pub struct AlignedBuf {
+    raw: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    /// `len` zeroes.
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        let raw = vec![0u8; len + 4096];
+        let at = raw.as_ptr().align_offset(4096);
+        AlignedBuf { raw, at, len }
+    }
+
+    /// A copy of `data`.
+    pub fn from_slice(data: &[u8]) -> AlignedBuf {
+        let mut b = AlignedBuf::zeroed(data.len());
+        b.copy_from_slice(data);
+        b
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.raw[self.at..self.at + self.len]
+    }
+}
+
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.raw[self.at..self.at + self.len]
+    }
+}
+
 /// Deterministic pseudo-random bytes: the same `seed` and `len`, the same bytes.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
