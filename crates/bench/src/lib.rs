@@ -16,6 +16,7 @@ pub mod guard_filters;
 pub mod guard_isolation;
 pub mod idle;
 pub mod images;
+pub mod powercut;
 pub mod rbd;
 pub mod restart;
 pub mod serve_restart;

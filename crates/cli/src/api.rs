@@ -3,12 +3,12 @@
 
 use std::sync::Arc;
 
+use crate::kept::Keeper;
 use bulkhead_control::{
     AddDevice, AddFilter, Changed, ConfigText, ControlError, DeviceRemoved, DevicesAdded, DumpConfig, FuseStatus, Hello,
     HelloReply, ListSnapshots, QosReply, Reload, Reloaded, RemoveDevice, RemoveFilter, Restart, Service, SetQos, SetTap,
     Snapshot, SnapshotAction, SnapshotEntry, Snapshots, Status, StatusReport,
 };
-use crate::kept::Keeper;
 use bulkhead_control::{AddView, RemoveView, Upgrade, Upgrading, ViewAdded, ViewRemoved};
 use bulkhead_fuse_export::Transport;
 use bulkhead_supervisor::{DeviceChange, Supervisor};

@@ -274,6 +274,27 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Power cuts: `serve` and every domain SIGKILLed at a random moment while writers with
+    /// FUA and flushes run through FUSE, again and again; after each, every block must hold
+    /// what was acknowledged durable (or a later write), and a qcow2 image must pass
+    /// `qemu-img check`. Exits non-zero on any loss (runs `serve`; needs root for FUSE).
+    Powercut {
+        /// Kills, for each format.
+        #[arg(long, default_value_t = 200, value_parser = count(1, 100_000))]
+        rounds: usize,
+        /// Image formats (comma-separated): raw, qcow2.
+        #[arg(long, value_delimiter = ',', default_value = "raw,qcow2", value_parser = bulkhead_bench::powercut::Format::parse)]
+        format: Vec<bulkhead_bench::powercut::Format>,
+        /// Writer threads (one writes FUA, the others flush every 8 writes).
+        #[arg(long, default_value_t = 3, value_parser = count(2, 16))]
+        threads: usize,
+        /// Seed of the kills' moments and the blocks written (default: from the clock).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Ceph RBD: the `rbd` backend over NBD against fio's rbd engine and qemu-storage-daemon's
     /// rbd driver, on a throwaway single-node cluster, and the outage of a killed rbd domain
     /// with and without the lock break (runs `scripts/ceph-dev.sh`, `serve`, fio, qsd).
@@ -510,6 +531,20 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             let opts = bulkhead_bench::idle::Options { devices, seconds: seconds.into() };
             let r = bulkhead_bench::idle::run(&exe, &opts, |p| eprintln!("bench idle: {p}"))?;
             emit(&r, json, bulkhead_bench::idle::render)
+        }
+        BenchCmd::Powercut { rounds, format, threads, seed, json } => {
+            need_root("bench powercut runs serve with its FUSE export")?;
+            let seed = seed.unwrap_or_else(|| {
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+            });
+            let opts = bulkhead_bench::powercut::Options { rounds, formats: format, threads, seed };
+            let r = bulkhead_bench::powercut::run(&exe()?, &opts, |p| eprintln!("bench powercut: {p}"))?;
+            let lost = r.lost_anything();
+            let code = emit(&r, json, bulkhead_bench::powercut::render)?;
+            if lost {
+                anyhow::bail!("a power cut lost acknowledged data (above)");
+            }
+            Ok(code)
         }
         BenchCmd::Vm { rounds, seconds, guest_seconds, kills, parts, qsd, frontend, json } => {
             need_root("bench vm runs serve, qemu-storage-daemon and QEMU guests")?;

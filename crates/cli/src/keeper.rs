@@ -72,8 +72,7 @@ pub fn run(run_dir: &Path, lock: std::fs::File, give_up: Duration) -> anyhow::Re
     held.insert("lock".into(), vec![OwnedFd::from(lock)]);
     // The binary this keeper runs is the one its first serve runs.
     let last_good = std::fs::File::open("/proc/self/exe").map(OwnedFd::from).ok();
-    let mut keeper =
-        Keeper { exe, args, sock_path, held, child: None, quit: None, down_since: None, failures: 0, last_good };
+    let mut keeper = Keeper { exe, args, sock_path, held, child: None, quit: None, down_since: None, failures: 0, last_good };
     log::info!("keeper {} holds serve's descriptors in {}", std::process::id(), run_dir.display());
     keeper.spawn(None)?;
     let mut fall_back: Option<String> = None;

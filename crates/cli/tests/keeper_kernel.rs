@@ -435,7 +435,11 @@ fn an_upgrade_to_a_binary_that_does_not_start_falls_back_to_the_one_that_was_ser
     let upgrade = || {
         let started = Instant::now();
         let out = Command::new(exe()).args(["upgrade", "--timeout", "30", "--run-dir"]).arg(&run_dir).output().unwrap();
-        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout), started.elapsed())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout),
+            started.elapsed(),
+        )
     };
     let hello = || {
         let mut c = bulkhead_control::Client::connect(&run_dir).unwrap();

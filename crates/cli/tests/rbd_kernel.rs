@@ -406,7 +406,10 @@ fn with_a_keeper_a_killed_serve_is_followed_by_one_that_breaks_its_domains_lock_
     let cfg = format!("[keeper]\nenabled = true\n{}", cluster.config("kk", "64M", ""));
     let serve = Serve::start_in_netns(&tmp.path().join("run"), &cfg, &[], &[], &cluster.netns, false).unwrap();
     let hello = || {
-        bulkhead_control::Client::connect(&serve.run_dir).ok().and_then(|mut c| c.call(bulkhead_control::Hello {}).ok()).map(|h| h.pid)
+        bulkhead_control::Client::connect(&serve.run_dir)
+            .ok()
+            .and_then(|mut c| c.call(bulkhead_control::Hello {}).ok())
+            .map(|h| h.pid)
     };
     let uri = serve.nbd_uri("r");
     // A write takes the image's exclusive lock for the domain.
