@@ -24,6 +24,7 @@ for t in $targets; do
   mkdir -p "corpus/$t" "seeds/$t" "artifacts/$t"
   log=$(mktemp)
   before=$(find "artifacts/$t" -type f | wc -l)
+  started=$SECONDS
   # -timeout: an input that takes 10 s is a hang; -rss_limit_mb: 2 GiB is a leak.
   if cargo +nightly fuzz run -O "$t" "corpus/$t" "seeds/$t" -- \
        -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 >"$log" 2>&1; then
@@ -33,13 +34,18 @@ for t in $targets; do
     failed=1
   fi
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n1)
+  # The time it ran: libFuzzer stops at its first finding.
+  took=$(( SECONDS - started ))
   cov=$(grep -o 'cov: [0-9]*' "$log" | tail -n1 | cut -d' ' -f2)
   corp=$(grep -o 'corp: [0-9]*' "$log" | tail -n1 | cut -d' ' -f2)
   found=$(( $(find "artifacts/$t" -type f | wc -l) - before ))
   printf '%-20s %s: %s runs in %s s, coverage %s, corpus %s, findings %s\n' \
-    "$t" "$result" "${runs:-0}" "$seconds" "${cov:-?}" "${corp:-?}" "$found"
+    "$t" "$result" "${runs:-0}" "${took:-?}" "${cov:-?}" "${corp:-?}" "$found"
   if [ "$result" = FOUND ]; then
     grep -E 'ERROR|panicked|SUMMARY|Test unit written' "$log" | head -n 8 | sed 's/^/    /' >&2
+    # The whole report, stack traces included, beside the input.
+    cp "$log" "artifacts/$t/finding.log"
+    echo "    the whole report: fuzz/artifacts/$t/finding.log" >&2
   fi
   rm -f "$log"
 done
