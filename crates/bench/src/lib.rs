@@ -16,6 +16,7 @@ pub mod guard_filters;
 pub mod guard_isolation;
 pub mod idle;
 pub mod images;
+pub mod overload;
 pub mod powercut;
 pub mod rbd;
 pub mod restart;
@@ -23,6 +24,7 @@ pub mod serve_restart;
 pub mod share;
 pub mod share_attach;
 pub mod share_nbd;
+pub mod storm;
 pub mod surge;
 mod table;
 pub mod tap;
@@ -81,6 +83,101 @@ pub fn fio_report(stdout: &[u8], what: &str) -> Result<serde_json::Value, BenchE
         return Err(BenchError::Run(format!("fio on {what}: error {}", v["jobs"][0]["error"])));
     }
     Ok(v)
+}
+
+/// A page-aligned buffer for O_DIRECT.
+pub(crate) struct Aligned {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl Aligned {
+    pub(crate) fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, 4096).expect("valid layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null(), "allocation of {len} bytes failed");
+        Aligned { ptr, layout }
+    }
+
+    pub(crate) fn buf(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` is a live allocation of `layout.size()` bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+/// A `bulkhead serve` a benchmark started in a directory of its own (`bench.toml`, `serve.log`,
+/// the run directory `run`); stopped, and the directory removed, on drop.
+pub(crate) struct BenchServe {
+    pub(crate) child: std::process::Child,
+    pub(crate) dir: std::path::PathBuf,
+}
+
+impl BenchServe {
+    /// Starts `exe serve` with `config` and `args`, `env` set, and waits up to a minute until
+    /// `ready` says it serves.
+    pub(crate) fn start(
+        exe: &std::path::Path,
+        tag: &str,
+        config: &str,
+        args: &[&std::ffi::OsStr],
+        env: &[(&str, &str)],
+        ready: impl Fn(&BenchServe) -> bool,
+    ) -> Result<BenchServe, BenchError> {
+        let dir = std::env::temp_dir().join(format!("bulkhead-bench-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
+        let cfg = dir.join("bench.toml");
+        std::fs::write(&cfg, config).map_err(|e| BenchError::io(&cfg, e))?;
+        let log = dir.join("serve.log");
+        let err = std::fs::File::create(&log).map_err(|e| BenchError::io(&log, e))?;
+        let child = std::process::Command::new(exe)
+            .arg("serve")
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--run-dir")
+            .arg(dir.join("run"))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(err)
+            .spawn()
+            .map_err(|e| BenchError::io(exe, e))?;
+        let s = BenchServe { child, dir };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !ready(&s) {
+            if std::time::Instant::now() > deadline {
+                return Err(BenchError::Run(format!("serve did not start:\n{}", s.log())));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Ok(s)
+    }
+
+    /// The run directory.
+    pub(crate) fn run_dir(&self) -> std::path::PathBuf {
+        self.dir.join("run")
+    }
+
+    /// What it logged so far.
+    pub(crate) fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("serve.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for BenchServe {
+    fn drop(&mut self) {
+        stop_child(&mut self.child, std::time::Duration::from_secs(30));
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// User and system CPU seconds of `pid`.

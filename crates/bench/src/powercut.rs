@@ -287,9 +287,8 @@ impl Serve {
         let sock = serve.run.join("control.sock");
         let deadline = t0 + Duration::from_secs(30);
         loop {
-            let up = crate::serve_status(&sock).is_some_and(|r| {
-                r.devices.first().is_some_and(|d| d.state == bulkhead_control::DeviceState::Running)
-            });
+            let up = crate::serve_status(&sock)
+                .is_some_and(|r| r.devices.first().is_some_and(|d| d.state == bulkhead_control::DeviceState::Running));
             if up && serve.file().exists() {
                 return Ok((serve, t0.elapsed()));
             }
@@ -316,8 +315,8 @@ impl Serve {
         }
         // The domains die with serve too; wait until none is left writing.
         let deadline = Instant::now() + Duration::from_secs(10);
-        while domains.iter().any(|p| Path::new(&format!("/proc/{p}")).exists()) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
+        while domains.iter().any(|&p| !ended(p)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 }
@@ -332,6 +331,16 @@ impl Drop for Serve {
     }
 }
 
+/// Whether process `pid` has finished exiting: gone, or a zombie with no thread left (a
+/// zombie leader's other threads, io_uring's workers among them, may still be running). Who
+/// reaps it, and when, is up to its new parent.
+fn ended(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return true };
+    let zombie = stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count());
+    zombie && threads <= 1
+}
+
 fn log_tail(log: &Path) -> String {
     let mut s = String::new();
     if let Ok(mut f) = std::fs::File::open(log) {
@@ -343,11 +352,8 @@ fn log_tail(log: &Path) -> String {
 /// Reads every block through `file` and checks it against `model`; adds to the report and
 /// takes what was read as durable from then on.
 fn check(file: &Path, model: &Model, r: &mut FormatReport) -> Result<(), BenchError> {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(file)
-        .map_err(|e| BenchError::io(file, e))?;
+    let f =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(file).map_err(|e| BenchError::io(file, e))?;
     let mut buf = AlignedBlock::new();
     let mut blocks = model.lock();
     for (i, b) in blocks.iter_mut().enumerate() {
@@ -355,29 +361,33 @@ fn check(file: &Path, model: &Model, r: &mut FormatReport) -> Result<(), BenchEr
             continue;
         }
         f.read_exact_at(buf.bytes(), i as u64 * BLOCK as u64).map_err(|e| BenchError::io(file, e))?;
-        r.blocks_checked += 1;
-        let got = buf.bytes();
-        let stamp = u64::from_le_bytes(got[..8].try_into().expect("eight bytes"));
-        let whole = content(i as u64, stamp) == *got;
-        let allowed = stamp == b.durable || b.since.contains(&stamp);
-        if !whole {
-            r.torn += 1;
-            if r.first_losses.len() < 5 {
-                r.first_losses.push(format!("block {i}: torn (starts as write {stamp}); durable {}", b.durable));
-            }
-        } else if !allowed {
-            r.lost += 1;
-            if r.first_losses.len() < 5 {
-                r.first_losses.push(format!(
-                    "block {i}: holds write {stamp}, but write {} was durable (later writes issued: {:?})",
-                    b.durable, b.since
-                ));
-            }
-        }
-        // What is on the file now is what a later round starts from.
-        *b = Block { durable: if whole { stamp } else { b.durable }, since: Vec::new() };
+        judge(i as u64, buf.bytes(), b, r);
     }
     Ok(())
+}
+
+/// Judges what block `i` holds (`got`) against what is known of it (`b`), counting a loss or a
+/// torn block in `r`; what it holds is what later rounds start from.
+fn judge(i: u64, got: &[u8], b: &mut Block, r: &mut FormatReport) {
+    r.blocks_checked += 1;
+    let stamp = u64::from_le_bytes(got[..8].try_into().expect("eight bytes"));
+    let whole = content(i, stamp) == got;
+    let allowed = stamp == b.durable || b.since.contains(&stamp);
+    if !whole {
+        r.torn += 1;
+        if r.first_losses.len() < 5 {
+            r.first_losses.push(format!("block {i}: torn (starts as write {stamp}); durable {}", b.durable));
+        }
+    } else if !allowed {
+        r.lost += 1;
+        if r.first_losses.len() < 5 {
+            r.first_losses.push(format!(
+                "block {i}: holds write {stamp}, but write {} was durable (later writes issued: {:?})",
+                b.durable, b.since
+            ));
+        }
+    }
+    *b = Block { durable: if whole { stamp } else { b.durable }, since: Vec::new() };
 }
 
 /// `qemu-img check` of a qcow2 image: whether it found corruption, and the clusters leaked.
@@ -406,7 +416,13 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// Runs the rounds of one format in `dir`.
-fn run_format(exe: &Path, dir: &Path, format: Format, opts: &Options, progress: &mut impl FnMut(&str)) -> Result<FormatReport, BenchError> {
+fn run_format(
+    exe: &Path,
+    dir: &Path,
+    format: Format,
+    opts: &Options,
+    progress: &mut impl FnMut(&str),
+) -> Result<FormatReport, BenchError> {
     let img = dir.join(format!("pc.{}", format.as_str()));
     match format {
         Format::Raw => {
@@ -534,7 +550,16 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
 /// The report as a table.
 pub fn render(r: &Report) -> String {
     let mut t = crate::Table::new(&[
-        "format", "kills", "writes acked", "FUA", "flushes", "blocks checked", "lost", "torn", "check errors", "leaked clusters",
+        "format",
+        "kills",
+        "writes acked",
+        "FUA",
+        "flushes",
+        "blocks checked",
+        "lost",
+        "torn",
+        "check errors",
+        "leaked clusters",
         "start p50 ms",
     ]);
     for f in &r.formats {
@@ -579,7 +604,50 @@ mod tests {
         // nothing.
         m.durable(1, 12);
         m.durable(1, 11);
-        assert_eq!((m.lock()[1].durable, m.lock()[1].since.len()), (12, 0));
+        let b = m.lock()[1].clone();
+        assert_eq!((b.durable, b.since.len()), (12, 0));
+    }
+
+    fn report() -> FormatReport {
+        FormatReport {
+            format: Format::Raw,
+            kills: 0,
+            writes: 0,
+            fua_writes: 0,
+            flushes: 0,
+            blocks_checked: 0,
+            lost: 0,
+            torn: 0,
+            check_errors: 0,
+            leaked_clusters: 0,
+            first_losses: Vec::new(),
+            start_p50_ms: 0.0,
+        }
+    }
+
+    #[test]
+    fn an_older_write_zeroes_or_a_torn_block_after_a_cut_is_a_loss_and_the_durable_or_a_later_one_is_not() {
+        let mut r = report();
+        let known = || Block { durable: 5, since: vec![7, 9] };
+        for ok in [5, 7, 9] {
+            judge(3, &content(3, ok), &mut known(), &mut r);
+        }
+        assert_eq!((r.lost, r.torn, r.blocks_checked), (0, 0, 3));
+        // The write before the durable one, and the zeroes the block started as: lost.
+        judge(3, &content(3, 4), &mut known(), &mut r);
+        judge(3, &content(3, 0), &mut known(), &mut r);
+        assert_eq!(r.lost, 2);
+        // Half of write 7, half of write 9: torn.
+        let mut torn = content(3, 7);
+        torn[2048..].copy_from_slice(&content(3, 9)[2048..]);
+        judge(3, &torn, &mut known(), &mut r);
+        // Write 7 of another block is no write of this one.
+        judge(3, &content(4, 7), &mut known(), &mut r);
+        assert_eq!((r.lost, r.torn), (2, 2), "{:?}", r.first_losses);
+        // What was read is where the next round starts.
+        let mut b = known();
+        judge(3, &content(3, 9), &mut b, &mut r);
+        assert_eq!((b.durable, b.since.len()), (9, 0));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use bulkhead_config::Config;
 use bulkhead_supervisor::Supervisor;
 use serde::Serialize;
 
-use crate::Table;
+use crate::{Aligned, Table};
 
 /// Options.
 #[derive(Debug, Clone)]
@@ -166,34 +166,6 @@ fn client_row(system: &str, dev: &Device, opts: &Options) -> Result<Row, BenchEr
     }
     let (lat_mean_us, lat_p50_us, lat_p99_us) = summarize(lat);
     Ok(Row { system: system.into(), path: "client".into(), write_mibs, read_mibs, lat_mean_us, lat_p50_us, lat_p99_us })
-}
-
-/// A page-aligned buffer for O_DIRECT.
-struct Aligned {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl Aligned {
-    fn new(len: usize) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len, 4096).expect("valid layout");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        assert!(!ptr.is_null(), "allocation of {len} bytes failed");
-        Aligned { ptr, layout }
-    }
-
-    fn buf(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr` is a live allocation of `layout.size()` bytes owned by `self`.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
-    }
-}
-
-impl Drop for Aligned {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
-    }
 }
 
 /// Through a FUSE file opened with O_DIRECT, from one thread.

@@ -274,6 +274,42 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Overload: many NBD clients at a deep queue on one device, a FUSE user beside them, a
+    /// slowloris and a client that never reads its answers; each client's share of the
+    /// completions, refusals, and `serve`'s memory (runs `serve`; needs root for FUSE).
+    Overload {
+        /// NBD connections.
+        #[arg(long, default_value_t = 64, value_parser = count(1, 1024))]
+        clients: usize,
+        /// Requests each keeps in flight.
+        #[arg(long, default_value_t = 128, value_parser = count(1, 512))]
+        depth: usize,
+        /// Seconds of load.
+        #[arg(long, default_value_t = 60, value_parser = count(1, 3600))]
+        seconds: usize,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A doorbell storm: a hostile driver domain (the test driver's, built with the
+    /// `test-driver` feature) rings the frontend in a tight loop; the frontend's CPU and
+    /// another device's 4 KiB read latency, alternated with rounds without the storm (runs
+    /// `serve`; needs root for FUSE).
+    Storm {
+        /// The test driver: `cargo build --release --features bulkhead/test-driver` makes
+        /// target/release/bulkhead-test-driver.
+        #[arg(long)]
+        driver_exe: PathBuf,
+        /// Seconds of each phase.
+        #[arg(long, default_value_t = 60, value_parser = count(1, 3600))]
+        seconds: usize,
+        /// Rounds, each without and then with the storm.
+        #[arg(long, default_value_t = 3, value_parser = count(1, 100))]
+        rounds: usize,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Power cuts: `serve` and every domain SIGKILLed at a random moment while writers with
     /// FUA and flushes run through FUSE, again and again; after each, every block must hold
     /// what was acknowledged durable (or a later write), and a qcow2 image must pass
@@ -531,6 +567,18 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             let opts = bulkhead_bench::idle::Options { devices, seconds: seconds.into() };
             let r = bulkhead_bench::idle::run(&exe, &opts, |p| eprintln!("bench idle: {p}"))?;
             emit(&r, json, bulkhead_bench::idle::render)
+        }
+        BenchCmd::Overload { clients, depth, seconds, json } => {
+            need_root("bench overload runs serve with its FUSE export")?;
+            let opts = bulkhead_bench::overload::Options { clients, depth, seconds: seconds as u64 };
+            let r = bulkhead_bench::overload::run(&exe()?, &opts, |p| eprintln!("bench overload: {p}"))?;
+            emit(&r, json, bulkhead_bench::overload::render)
+        }
+        BenchCmd::Storm { driver_exe, seconds, rounds, json } => {
+            need_root("bench storm runs serve with its FUSE export")?;
+            let opts = bulkhead_bench::storm::Options { seconds: seconds as u64, rounds, driver_exe };
+            let r = bulkhead_bench::storm::run(&exe()?, &opts, |p| eprintln!("bench storm: {p}"))?;
+            emit(&r, json, bulkhead_bench::storm::render)
         }
         BenchCmd::Powercut { rounds, format, threads, seed, json } => {
             need_root("bench powercut runs serve with its FUSE export")?;

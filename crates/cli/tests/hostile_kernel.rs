@@ -231,3 +231,31 @@ fn log_flood_reaches_the_log_prefixed_escaped_and_rate_limited() {
     assert!(log.contains(&format!("{} … (1047552 more bytes cut)", "L".repeat(1024))), "{log}");
     assert!(raw.len() < 512 << 10, "log grew to {} bytes", raw.len());
 }
+
+/// `bulkhead bench storm` runs end to end on a short window: a phase without the storm and one
+/// with it, the victim read without error in both, the storm's rate read from the driver's
+/// log, and nothing left behind.
+#[test]
+fn bench_storm_runs_a_phase_without_and_one_with_the_storm_and_reads_its_rate() {
+    require_kernel!();
+    let Some(driver) = Serve::test_driver() else { return };
+    let out = Command::new("timeout")
+        .args(["120", exe(), "bench", "storm", "--seconds", "6", "--rounds", "1", "--json", "--driver-exe"])
+        .arg(driver)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let phases = r["phases"].as_array().unwrap();
+    assert_eq!(phases.iter().map(|p| p["storm"].as_bool().unwrap()).collect::<Vec<_>>(), [false, true], "{r}");
+    for p in phases {
+        assert!(p["reads"].as_u64().unwrap() > 100 && p["errors"].as_u64() == Some(0), "{p}");
+    }
+    assert!(r["rings_per_s"].as_f64().unwrap() > 0.0, "the storm's rate was not read: {r}");
+    eprintln!(
+        "bench storm, 6 s: victim p99 {} µs without, {} µs with; frontend {} cores; {} rings/s",
+        r["normal_p99_us"], r["storm_p99_us"], r["storm_frontend_cores"], r["rings_per_s"]
+    );
+    assert!(!std::fs::read_to_string("/proc/self/mountinfo").unwrap().contains("bulkhead-bench-storm"), "a mount is left");
+}

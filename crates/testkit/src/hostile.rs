@@ -249,6 +249,11 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
     let mut completed = 0u64;
     let mut turned = false;
     let mut idle_since: Option<u64> = None;
+    // A storm's rings, said on standard error every five seconds (`bulkhead bench storm` reads
+    // the rate from the log).
+    let mut rings = 0u64;
+    let mut storm_since = 0u64;
+    let mut storm_said = 0u64;
     while !stop.load(Ordering::Relaxed) {
         let active = h == Hostility::OutOfOrder || completed >= TRIGGER_AFTER;
         if active && !turned {
@@ -270,6 +275,14 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
         if active && h == Hostility::DoorbellStorm {
             for q in &queues {
                 q.irq.ring();
+            }
+            rings += queues.len() as u64;
+            let now = now_ns();
+            if storm_since == 0 {
+                (storm_since, storm_said) = (now, now);
+            } else if now - storm_said >= 5_000_000_000 {
+                storm_said = now;
+                eprintln!("doorbell storm: {rings} rings in {:.3} s", (now - storm_since) as f64 / 1e9);
             }
         }
         let mut served = 0;
@@ -313,6 +326,7 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
                     let until = now_ns() + 2_000_000;
                     while now_ns() < until {
                         q.irq.ring();
+                        rings += 1;
                     }
                 }
             }

@@ -21,7 +21,7 @@
 //! and says how each attempt went (an `rbd` domain's connects go through the supervisor).
 //!
 //! `BULKHEAD_TEST_FAULT_ROLE=tap|driver` limits the fault to that domain of an `interpose`
-//! device.
+//! device; `BULKHEAD_TEST_FAULT_DEVICE=NAME` limits it to that device's domains.
 //!
 //! Built only with the `test-driver` feature: none of this is in the shipped binary.
 
@@ -69,6 +69,9 @@ fn main() -> ExitCode {
         if (role == "tap") != is_tap {
             fault.clear();
         }
+    }
+    if std::env::var("BULKHEAD_TEST_FAULT_DEVICE").is_ok_and(|d| d != spec.device) {
+        fault.clear();
     }
     if fault == "vdev-hostile" {
         if bulkhead_testkit::hostile_vdev::generation(&spec) == Some(1) {
