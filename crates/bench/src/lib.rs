@@ -155,7 +155,7 @@ impl BenchServe {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while !ready(&s) {
             if std::time::Instant::now() > deadline {
-                return Err(BenchError::Run(format!("serve did not start:\n{}", s.log())));
+                return Err(BenchError::Run(format!("serve did not start:\n{}", s.log_tail())));
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
@@ -171,11 +171,19 @@ impl BenchServe {
     pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("serve.log")).unwrap_or_default()
     }
+
+    /// The last 20 lines of it, for an error.
+    pub(crate) fn log_tail(&self) -> String {
+        let text = self.log();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
 }
 
 impl Drop for BenchServe {
     fn drop(&mut self) {
-        stop_child(&mut self.child, std::time::Duration::from_secs(30));
+        // A keeper's serve flushes and ends its domains first: give it time.
+        stop_child(&mut self.child, std::time::Duration::from_secs(60));
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

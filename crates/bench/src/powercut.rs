@@ -104,6 +104,26 @@ pub struct FormatReport {
     pub start_p50_ms: f64,
 }
 
+impl FormatReport {
+    /// Nothing counted yet.
+    fn new(format: Format) -> FormatReport {
+        FormatReport {
+            format,
+            kills: 0,
+            writes: 0,
+            fua_writes: 0,
+            flushes: 0,
+            blocks_checked: 0,
+            lost: 0,
+            torn: 0,
+            check_errors: 0,
+            leaked_clusters: 0,
+            first_losses: Vec::new(),
+            start_p50_ms: 0.0,
+        }
+    }
+}
+
 /// Results.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -453,20 +473,7 @@ fn run_format(
     let counts = Arc::new(Counts::default());
     let stamps = Arc::new(AtomicU64::new(1));
     let mut rng = Rng(opts.seed ^ format as u64 ^ 0x5eed);
-    let mut r = FormatReport {
-        format,
-        kills: 0,
-        writes: 0,
-        fua_writes: 0,
-        flushes: 0,
-        blocks_checked: 0,
-        lost: 0,
-        torn: 0,
-        check_errors: 0,
-        leaked_clusters: 0,
-        first_losses: Vec::new(),
-        start_p50_ms: 0.0,
-    };
+    let mut r = FormatReport::new(format);
     let mut starts = Vec::new();
     for round in 0..=opts.rounds {
         let (mut serve, took) = Serve::start(exe, dir, &config)?;
@@ -608,26 +615,9 @@ mod tests {
         assert_eq!((b.durable, b.since.len()), (12, 0));
     }
 
-    fn report() -> FormatReport {
-        FormatReport {
-            format: Format::Raw,
-            kills: 0,
-            writes: 0,
-            fua_writes: 0,
-            flushes: 0,
-            blocks_checked: 0,
-            lost: 0,
-            torn: 0,
-            check_errors: 0,
-            leaked_clusters: 0,
-            first_losses: Vec::new(),
-            start_p50_ms: 0.0,
-        }
-    }
-
     #[test]
     fn an_older_write_zeroes_or_a_torn_block_after_a_cut_is_a_loss_and_the_durable_or_a_later_one_is_not() {
-        let mut r = report();
+        let mut r = FormatReport::new(Format::Raw);
         let known = || Block { durable: 5, since: vec![7, 9] };
         for ok in [5, 7, 9] {
             judge(3, &content(3, ok), &mut known(), &mut r);

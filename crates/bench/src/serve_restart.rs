@@ -11,14 +11,13 @@
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::{BenchError, Table};
+use crate::{BenchError, BenchServe, Table};
 
 /// Options.
 #[derive(Debug, Clone)]
@@ -59,32 +58,21 @@ pub struct Report {
     pub threads: usize,
 }
 
-/// The `serve` (its keeper) this benchmark started; stopped, and its directory removed, on drop.
-struct Keeper {
-    child: Child,
-    dir: PathBuf,
-}
-
-impl Drop for Keeper {
-    fn drop(&mut self) {
-        crate::stop_child(&mut self.child, Duration::from_secs(60));
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
+/// The `serve` this benchmark started: the keeper, whose child is the real `serve`.
+struct Keeper(BenchServe);
 
 impl Keeper {
     fn run_dir(&self) -> PathBuf {
-        self.dir.join("run")
+        self.0.run_dir()
     }
 
     fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(self.dir.join("serve.log")).unwrap_or_default();
-        text.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+        self.0.log_tail()
     }
 
     /// The `serve` the keeper runs now.
     fn serve_pid(&self) -> Option<u32> {
-        let k = self.child.id();
+        let k = self.0.child.id();
         let children = std::fs::read_to_string(format!("/proc/{k}/task/{k}/children")).ok()?;
         children.split_whitespace().next()?.parse().ok()
     }
@@ -94,32 +82,10 @@ const CONFIG: &str = "[keeper]\nenabled = true\n\n[nbd]\nenabled = false\n\n\
     [[device]]\nname = \"d\"\nsize = \"256M\"\n[device.backend]\ntype = \"ram\"\n";
 
 fn start(exe: &Path) -> Result<Keeper, BenchError> {
-    let dir = std::env::temp_dir().join(format!("bulkhead-bench-serve-restart-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
-    let cfg = dir.join("bench.toml");
-    std::fs::write(&cfg, CONFIG).map_err(|e| BenchError::io(&cfg, e))?;
-    let log = dir.join("serve.log");
-    let err = std::fs::File::create(&log).map_err(|e| BenchError::io(&log, e))?;
-    let child = Command::new(exe)
-        .arg("serve")
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--run-dir")
-        .arg(dir.join("run"))
-        .stdout(Stdio::null())
-        .stderr(err)
-        .spawn()
-        .map_err(|e| BenchError::io(exe, e))?;
-    let k = Keeper { child, dir };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !(k.run_dir().join("fuse/d").exists() && hello(&k.run_dir()).is_some()) {
-        if Instant::now() > deadline {
-            return Err(BenchError::Run(format!("serve did not start:\n{}", k.log_tail())));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(k)
+    let s = BenchServe::start(exe, "serve-restart", CONFIG, &[], &[], |s| {
+        s.run_dir().join("fuse/d").exists() && hello(&s.run_dir()).is_some()
+    })?;
+    Ok(Keeper(s))
 }
 
 /// The pid of the `serve` answering on `run_dir`.

@@ -72,7 +72,8 @@ impl Kept {
     /// Takes what was handed over in `LISTEN_FDS` (when `LISTEN_PID` is this process) and
     /// clears those variables, so domains do not inherit them. Call it before any thread
     /// starts.
-    #[allow(unsafe_code)] // claims the descriptors handed over at exec
+    // SAFETY: the unsafe calls below claim the descriptors handed over at exec; each says why.
+    #[allow(unsafe_code)]
     pub fn from_env(keeper: Keeper) -> Kept {
         let mut handed: HashMap<String, Vec<OwnedFd>> = HashMap::new();
         match sd_notify::listen_fds_with_names() {
