@@ -286,8 +286,8 @@ impl Keeper {
             })
             .collect();
         env.push((KEEPER_ENV.into(), "1".into()));
-        // The held binary is reached through the keeper's own descriptor table, which the
-        // child's exec reads before it could close anything.
+        // The held binary is reached through the keeper's descriptor table
+        // (/proc/<keeper>/fd/N), which what the child closes before its exec does not touch.
         let exe = match (&fall_back, &self.last_good) {
             (Some(note), Some(bin)) => {
                 env.push((FELL_BACK_ENV.into(), note.into()));
