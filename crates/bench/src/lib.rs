@@ -197,8 +197,6 @@ pub(crate) fn cpu_seconds(pid: u32) -> f64 {
     (t(11) + t(12)) as f64 / bulkhead_sys::clock_ticks_per_second() as f64
 }
 
-/// Ends a server this benchmark started: SIGTERM (it stops cleanly), up to `grace` to exit,
-/// then SIGKILL; reaped either way.
 /// The status of the `serve` whose control socket is `socket` (`None` while it does not answer).
 pub fn serve_status(socket: &std::path::Path) -> Option<bulkhead_control::StatusReport> {
     bulkhead_control::Client::connect_socket(socket).ok()?.call(bulkhead_control::Status {}).ok()
@@ -213,6 +211,8 @@ pub fn domain_pids(report: &bulkhead_control::StatusReport) -> Vec<u32> {
     pids
 }
 
+/// Ends a server this benchmark started: SIGTERM (it stops cleanly), up to `grace` to exit,
+/// then SIGKILL; reaped either way.
 pub(crate) fn stop_child(child: &mut std::process::Child, grace: std::time::Duration) {
     let _ = bulkhead_sys::signal(child.id(), libc::SIGTERM);
     let deadline = std::time::Instant::now() + grace;

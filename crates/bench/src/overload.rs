@@ -7,8 +7,9 @@
 //! keep `--depth` requests in flight, 4 KiB reads and writes at random offsets, half each, for
 //! `--seconds`; a FUSE user reads 4 KiB with O_DIRECT, one at a time, and records each latency.
 //! Beside them, a slowloris negotiates one byte a second, and a client that never reads its
-//! answers sends 64 KiB reads until the socket takes no more. `serve`'s resident memory is
-//! sampled every 100 ms.
+//! answers sends 64 KiB reads until the socket takes no more. `serve`'s private memory
+//! (`RssAnon`) is sampled every 100 ms; its growth must stay within the export's bound
+//! ([`bulkhead_nbd_export::memory_bound`]).
 //!
 //! Each client's completions are compared with the fair share (all completions over the
 //! number of clients): the goal is at least half of it for every client. A request answered
@@ -69,8 +70,12 @@ pub struct Report {
     pub fuse_p50_us: f64,
     /// Their 99th percentile latency, µs.
     pub fuse_p99_us: f64,
-    /// `serve`'s resident memory before the load, MiB.
+    /// `serve`'s private memory (`RssAnon`) before the load, MiB. The rest of its resident set
+    /// is the channel arenas it shares with its domains, fixed by the configuration.
     pub rss_before_mib: f64,
+    /// How much the NBD export's private memory may grow for these connections, MiB
+    /// ([`bulkhead_nbd_export::memory_bound`]): goal, peak ≤ before + this.
+    pub growth_bound_mib: f64,
     /// Its peak under the load, MiB.
     pub rss_peak_mib: f64,
     /// Seconds the slowloris was kept before the server closed it (the negotiation deadline).
@@ -79,10 +84,13 @@ pub struct Report {
     pub unread_requests: u64,
 }
 
+/// Threads of one NBD connection (the export's default).
+const WORKERS: usize = 4;
+
 /// The benchmark's `serve`.
 fn start(exe: &Path, clients: usize) -> Result<Serve, BenchError> {
     let text = format!(
-        "[nbd]\nenabled = true\nmax_connections = {}\nhandshake_timeout_ms = 10000\n\n\
+        "[nbd]\nenabled = true\nmax_connections = {}\nworkers = {WORKERS}\nhandshake_timeout_ms = 10000\n\n\
          [[device]]\nname = \"o\"\nsize = \"{}\"\n[device.backend]\ntype = \"ram\"\n",
         clients + 8,
         DEVICE
@@ -105,11 +113,13 @@ impl Serve {
         self.0.log()
     }
 
+    /// Serve's private memory (`RssAnon`): what it allocates. The rest of its resident set is
+    /// the channel arenas it shares with its domains, fixed by the configuration.
     fn rss_mib(&self) -> f64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.0.child.id())).unwrap_or_default();
         status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix("RssAnon:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
             .map_or(0.0, |kb| kb / 1024.0)
     }
@@ -364,6 +374,8 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         fuse_p50_us: quantile(&lat, 0.5),
         fuse_p99_us: quantile(&lat, 0.99),
         rss_before_mib,
+        // The clients, the slowloris and the client that never reads.
+        growth_bound_mib: bulkhead_nbd_export::memory_bound(opts.clients + 2, WORKERS) as f64 / (1 << 20) as f64,
         rss_peak_mib,
         slowloris_closed_after_s,
         unread_requests,
@@ -381,7 +393,10 @@ pub fn render(r: &Report) -> String {
         ("fewest of one client / fair share (goal ≥ 0.5)", format!("{:.2}", r.min_share)),
         ("most of one client / fair share", format!("{:.2}", r.max_share)),
         ("FUSE user: reads, p50, p99", format!("{}, {:.0} µs, {:.0} µs", r.fuse_reads, r.fuse_p50_us, r.fuse_p99_us)),
-        ("serve's memory before, peak", format!("{:.0} MiB, {:.0} MiB", r.rss_before_mib, r.rss_peak_mib)),
+        (
+            "serve's private memory: before, peak (goal ≤ before + bound)",
+            format!("{:.0} MiB, {:.0} MiB (bound {:.0} MiB)", r.rss_before_mib, r.rss_peak_mib, r.growth_bound_mib),
+        ),
         ("slowloris closed after", format!("{:.1} s", r.slowloris_closed_after_s)),
         ("requests sent by the client that never reads", r.unread_requests.to_string()),
     ];

@@ -43,8 +43,10 @@ use bulkhead_doorbell::EventFd;
 
 pub mod attach;
 mod queue;
+mod turn;
 pub use attach::{attach, attach_with, AttachError, AttachOptions, Attached};
-pub use queue::{Armed, QueueHandle};
+pub use queue::{Armed, QueueHandle, QueueLine};
+use turn::Turnstile;
 
 /// Why an I/O failed, with the errno an export sends.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -225,6 +227,8 @@ pub struct Device {
     size: u64,
     mode: NotifyMode,
     queues: Vec<Mutex<QueueState>>,
+    /// Who holds each queue, and who waits for one, in order.
+    turns: Turnstile,
     /// Each queue's counters by operation.
     queue_counters: Vec<QueueCounters>,
     generation: AtomicU32,
@@ -290,6 +294,7 @@ impl Device {
                     Mutex::new(QueueState { q, carry: None, spin_counted: 0, sleep_counted: 0 })
                 })
                 .collect(),
+            turns: Turnstile::new(n),
             queue_counters: (0..n).map(|_| QueueCounters::default()).collect(),
             generation: AtomicU32::new(generation),
             gens: Mutex::new(Generations { staged: (0..n).map(|_| None).collect(), wakers, ..Default::default() }),
@@ -413,24 +418,30 @@ impl Device {
         self.read_only.store(on, Ordering::Relaxed);
     }
 
-    /// The queue of `slot` (modulo the queue count), held until the handle is dropped: its
-    /// user alone submits on it and reaps from it. Blocks while another holds it.
+    /// A queue, held until the handle is dropped: its user alone submits on it and reaps from
+    /// it. The queue of `slot` (modulo the queue count) if it is free, else any free one; if
+    /// none is, blocks in line behind those who asked first for the first one let go.
     pub fn queue(&self, slot: usize) -> QueueHandle<'_> {
-        QueueHandle::new(self, slot % self.queues.len())
+        let idx = self.turns.enter(slot % self.queues.len());
+        QueueHandle::new(self, idx)
     }
 
     /// The first queue from `slot` on (modulo the queue count) that nobody holds, without
     /// waiting: for a user that already holds queues and must not block on another.
     pub fn try_queue(&self, slot: usize) -> Option<QueueHandle<'_>> {
-        let n = self.queues.len();
-        (0..n).map(|i| (slot + i) % n).find_map(|idx| {
-            let st = match self.queues[idx].try_lock() {
-                Ok(g) => g,
-                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return None,
-            };
-            Some(QueueHandle::holding(self, idx, st))
-        })
+        let idx = self.turns.try_enter(slot % self.queues.len())?;
+        Some(QueueHandle::new(self, idx))
+    }
+
+    /// A place in line for a queue (that of `slot`, modulo the queue count, if free), without
+    /// waiting: for a user that cannot block (it polls other work) yet must not be passed
+    /// over by those who can. [`QueueLine::try_take`] gives the queue once its turn has come.
+    pub fn line_up(&self, slot: usize) -> QueueLine<'_> {
+        QueueLine::new(self, self.turns.line_up(slot % self.queues.len()))
+    }
+
+    pub(crate) fn turnstile(&self) -> &Turnstile {
+        &self.turns
     }
 
     /// Logs `line` (prefixed with the device) within a budget of a few lines in a burst and

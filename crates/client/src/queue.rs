@@ -1,16 +1,23 @@
 //! A queue held by one user: several requests in flight, completions reaped when it asks, and
 //! its unanswered requests carried over every restart of the domain.
 
-use std::sync::MutexGuard;
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bulkhead_channel::{FrontQueue, FrontRequest, SharedSlice, SubmitError};
 use bulkhead_doorbell::NotifyMode;
 
+use crate::turn::{Place, Turnstile};
 use crate::{Device, IoError, QueueState, Staged};
 
 /// How long one wait slice lasts before the handle re-checks the generation and the device.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
+
+/// A holder's turn, in rings' worth of requests submitted, after which it lets the queue go
+/// if others wait for it (see [`QueueHandle::turn_over`]). Long enough that the ring's fill
+/// and drain at each handover cost little; short enough that a user in line behind many
+/// waits milliseconds, not seconds.
+const TURN_RINGS: usize = 2;
 
 /// What [`QueueHandle::arm`] says about sleeping on a queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,15 +47,27 @@ pub struct QueueHandle<'a> {
     dev: &'a Device,
     idx: usize,
     st: MutexGuard<'a, QueueState>,
+    /// Requests submitted since the queue became this user's.
+    submitted: usize,
+    /// Handed on when the handle goes, after `st` is unlocked.
+    _turn: Turn<'a>,
+}
+
+/// The right to use one queue: passed to the next in line when dropped.
+#[derive(Debug)]
+struct Turn<'a>(&'a Turnstile, usize);
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.0.leave(self.1);
+    }
 }
 
 impl<'a> QueueHandle<'a> {
+    /// Queue `idx` of `dev`, whose turn the caller has.
     pub(crate) fn new(dev: &'a Device, idx: usize) -> Self {
-        Self::holding(dev, idx, dev.queue_state(idx))
-    }
-
-    pub(crate) fn holding(dev: &'a Device, idx: usize, st: MutexGuard<'a, QueueState>) -> Self {
-        let mut h = QueueHandle { dev, idx, st };
+        let turn = Turn(dev.turnstile(), idx);
+        let mut h = QueueHandle { dev, idx, st: dev.queue_state(idx), submitted: 0, _turn: turn };
         h.refresh();
         h
     }
@@ -66,6 +85,14 @@ impl<'a> QueueHandle<'a> {
     /// Requests it holds in flight at most.
     pub fn capacity(&self) -> usize {
         self.st.q.capacity()
+    }
+
+    /// Whether this user has had its turn and others wait for the queue: it should submit
+    /// nothing more, reap what it has in flight, and drop the handle, then ask again (at the
+    /// back of the line). Users who keep a queue while they have requests in flight would
+    /// otherwise keep it for as long as their clients keep them busy, and starve the rest.
+    pub fn turn_over(&self) -> bool {
+        self.submitted >= TURN_RINGS * self.capacity() && self.dev.turnstile().others_waiting()
     }
 
     /// Requests submitted and not yet answered.
@@ -145,6 +172,7 @@ impl<'a> QueueHandle<'a> {
             }
             match put(&mut self.st.q) {
                 Ok(()) => {
+                    self.submitted += 1;
                     self.dev.started();
                     return Ok(());
                 }
@@ -330,6 +358,37 @@ impl Drop for QueueHandle<'_> {
         // The next user of this queue must not get answers meant for this one.
         while self.in_flight() > 0 {
             self.wait(|_, _, _| {});
+        }
+    }
+}
+
+/// A place in line for one queue of a [`Device`] ([`Device::line_up`]), for a user that
+/// polls other work meanwhile. Dropping it gives the place up (or passes the queue on, if its
+/// turn had come).
+#[derive(Debug)]
+pub struct QueueLine<'a> {
+    dev: &'a Device,
+    place: Option<Arc<Place>>,
+}
+
+impl<'a> QueueLine<'a> {
+    pub(crate) fn new(dev: &'a Device, place: Arc<Place>) -> Self {
+        QueueLine { dev, place: Some(place) }
+    }
+
+    /// The queue, once its turn has come to this place (then the place is spent: later calls
+    /// give `None`); `None` while others are ahead.
+    pub fn try_take(&mut self) -> Option<QueueHandle<'a>> {
+        let idx = self.place.as_ref()?.granted()?;
+        self.place = None;
+        Some(QueueHandle::new(self.dev, idx))
+    }
+}
+
+impl Drop for QueueLine<'_> {
+    fn drop(&mut self) {
+        if let Some(place) = self.place.take() {
+            self.dev.turnstile().leave_line(&place);
         }
     }
 }

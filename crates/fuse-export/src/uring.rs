@@ -508,7 +508,9 @@ impl RingQueue {
                     dev.try_queue(self.qid as usize)
                 };
             }
-            let Some(h) = handles[io.dev].as_mut() else {
+            let Some(h) = handles[io.dev].as_mut().filter(|h| !h.turn_over()) else {
+                // Nobody's queue to take, or this worker's turn at it is over and others wait:
+                // it drains, lets the queue go, and asks again.
                 blocked.push(io.dev);
                 self.waiting.push_front(i);
                 break;

@@ -7,4 +7,4 @@
 mod server;
 pub mod tls;
 
-pub use server::{socket_path, Listeners, NbdServer, ServerConfig, ServerStats, MAX_PAYLOAD};
+pub use server::{memory_bound, socket_path, Listeners, NbdServer, ServerConfig, ServerStats, MAX_PAYLOAD};

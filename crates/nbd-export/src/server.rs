@@ -37,9 +37,22 @@ const MAX_STRING: u32 = 4096;
 /// Options one connection may send before it must pick an export.
 const MAX_OPTIONS: u32 = 64;
 /// Payload bytes held in memory by all connections together: one request of the largest size,
-/// or many smaller ones. With the FUSE workers' buffers this keeps the frontend's private
-/// memory under 64 MiB however many clients push at once.
+/// or many smaller ones, however many clients push at once (see [`memory_bound`]).
 const PAYLOAD_BUDGET: u64 = MAX_PAYLOAD as u64;
+/// What one thread of a connection takes beyond the payload: its stack as used, its share of
+/// the allocator's per-thread caches, its reply list. About 75 KiB measured
+/// (`bulkhead bench overload` at 1, 16 and 64 clients); this leaves room.
+const THREAD_MEMORY: u64 = 96 << 10;
+
+/// How much the export's private memory grows at most under any load from `connections`
+/// connections of `workers` threads each: the payload budget (every write's data and read's
+/// reply held, across connections), the spare buffers kept for reuse, and each connection's
+/// read buffer and threads. Replies a client does not read count against the payload budget,
+/// so a client that stops reading cannot grow it either.
+pub fn memory_bound(connections: usize, workers: usize) -> u64 {
+    let per_connection = SockBuf::CAPACITY as u64 + workers.max(1) as u64 * THREAD_MEMORY;
+    PAYLOAD_BUDGET + SPARE_BYTES as u64 + connections as u64 * per_connection
+}
 /// Payload bytes one connection takes ahead, beyond the request it waits for: a client that
 /// sends and never reads its answers holds this much (and one request more) of the budget,
 /// and the other connections keep the rest.
@@ -833,17 +846,32 @@ struct Reply {
     _held: Option<Held>,
 }
 
+/// Replies queued, in order.
+#[derive(Default)]
+struct Pending {
+    replies: Vec<Reply>,
+    /// Bytes of the first reply already sent.
+    sent: usize,
+}
+
 /// Writes replies for every thread of one connection without a lock convoy: a thread with a
 /// reply queues it, and whichever thread finds nobody writing becomes the writer and sends
-/// everything queued in as few `writev` calls as it takes (flat combining). No thread ever
+/// everything queued in as few `sendmsg` calls as it takes (flat combining). No thread ever
 /// waits for another's write; a reply queued while a writer is busy goes out with its next
-/// batch.
+/// batch. A thread holding a device queue only writes what the socket takes now
+/// ([`try_flush`](Self::try_flush)): a client that stops reading its replies must not keep a
+/// queue others wait for.
 struct Replier {
     sock: std::fs::File,
     structured: bool,
-    pending: Mutex<Vec<Reply>>,
+    pending: Mutex<Pending>,
     writing: AtomicBool,
     broken: AtomicBool,
+    /// The socket took less than was queued at the last non-blocking write: the client is
+    /// not reading its replies (or not as fast as they come).
+    backed_up: AtomicBool,
+    /// A client that takes no reply bytes for this long is broken off.
+    write_timeout: Duration,
     /// Where large reply buffers go once sent.
     spare: Arc<Mutex<Spare>>,
 }
@@ -888,49 +916,95 @@ impl Spare {
 }
 
 impl Replier {
-    fn new(sock: std::fs::File, structured: bool, spare: Arc<Mutex<Spare>>) -> Self {
+    fn new(sock: std::fs::File, structured: bool, write_timeout: Duration, spare: Arc<Mutex<Spare>>) -> Self {
         Replier {
             sock,
             structured,
-            pending: Mutex::new(Vec::new()),
+            pending: Mutex::new(Pending::default()),
             writing: AtomicBool::new(false),
             broken: AtomicBool::new(false),
+            backed_up: AtomicBool::new(false),
+            write_timeout,
             spare,
         }
     }
 
-    /// Queues a reply and sends what is queued.
+    /// Queues a reply and sends what is queued, waiting for the socket if it must.
     fn send(&self, reply: Reply) {
         self.push(reply);
         self.flush();
     }
 
-    /// Queues a reply, to go out with the next [`flush`](Self::flush) (this thread's or
-    /// another's): a thread answering several requests at once sends them in one `writev`.
+    /// Queues a reply, to go out with the next flush (this thread's or another's): a thread
+    /// answering several requests at once sends them in one `sendmsg`.
     fn push(&self, reply: Reply) {
-        lock(&self.pending).push(reply);
+        lock(&self.pending).replies.push(reply);
     }
 
-    /// Sends every queued reply, unless another thread is writing (which then sends them).
+    /// Sends every queued reply, waiting for the socket to take them, unless another thread
+    /// is writing (which then sends them). Only for a thread that holds no device queue.
     fn flush(&self) {
+        self.write_out(true);
+    }
+
+    /// Sends what the socket takes now of the queued replies; the rest waits for the next
+    /// flush. Returns whether the client keeps up ([`backed_up`](Self::backed_up) is clear).
+    fn try_flush(&self) -> bool {
+        self.write_out(false);
+        !self.backed_up()
+    }
+
+    /// Whether the last write found the socket full: the client is not reading its replies.
+    fn backed_up(&self) -> bool {
+        self.backed_up.load(Ordering::Acquire) && !self.broken.load(Ordering::Acquire)
+    }
+
+    fn write_out(&self, wait: bool) {
         loop {
             if self.writing.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err() {
                 return; // the writer at work takes it
             }
             loop {
-                let batch = std::mem::take(&mut *lock(&self.pending));
+                let (batch, sent) = {
+                    let mut p = lock(&self.pending);
+                    (std::mem::take(&mut p.replies), std::mem::take(&mut p.sent))
+                };
                 if batch.is_empty() {
+                    self.backed_up.store(false, Ordering::Release);
                     break;
                 }
-                if !self.broken.load(Ordering::Acquire) && self.write_batch(&batch).is_err() {
-                    self.broken.store(true, Ordering::Release);
-                }
+                let stopped = if self.broken.load(Ordering::Acquire) {
+                    None
+                } else {
+                    match self.write_batch(&batch, sent, wait) {
+                        Ok(stopped) => stopped,
+                        Err(_) => {
+                            self.broken.store(true, Ordering::Release);
+                            None
+                        }
+                    }
+                };
+                let Some((first, sent)) = stopped else {
+                    self.recycle(batch);
+                    continue;
+                };
+                // The socket is full: what it did not take goes back ahead of what was
+                // queued meanwhile.
+                self.backed_up.store(true, Ordering::Release);
+                let mut batch = batch;
+                let rest = batch.split_off(first);
                 self.recycle(batch);
+                let mut p = lock(&self.pending);
+                let newer = std::mem::replace(&mut p.replies, rest);
+                p.replies.extend(newer);
+                p.sent = sent;
+                break;
             }
             self.writing.store(false, Ordering::Release);
             // A reply queued after the last look but before the flag dropped found the flag
-            // still up and left: look once more.
-            if lock(&self.pending).is_empty() {
+            // still up and left: look once more (unless the socket is full and this thread
+            // must not wait for it).
+            if lock(&self.pending).replies.is_empty() || self.backed_up() && !wait {
                 return;
             }
         }
@@ -952,21 +1026,54 @@ impl Replier {
         }
     }
 
-    fn write_batch(&self, batch: &[Reply]) -> io::Result<()> {
+    /// Writes `batch`, from byte `sent` of its first reply. Without `wait`, stops when the
+    /// socket is full, returning where: the reply and the bytes of it sent.
+    fn write_batch(&self, batch: &[Reply], mut sent: usize, wait: bool) -> io::Result<Option<(usize, usize)>> {
         const MAX_IOV: usize = 1024;
-        for group in batch.chunks(MAX_IOV) {
-            let mut slices: Vec<io::IoSlice<'_>> = group.iter().map(|r| io::IoSlice::new(&r.bytes)).collect();
-            let mut rest = &mut slices[..];
-            while !rest.is_empty() {
-                match (&self.sock).write_vectored(rest) {
-                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                    Ok(n) => io::IoSlice::advance_slices(&mut rest, n),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
+        let mut first = 0;
+        let mut stalled: Option<Instant> = None;
+        while first < batch.len() {
+            let group = &batch[first..(first + MAX_IOV).min(batch.len())];
+            let slices: Vec<io::IoSlice<'_>> = group
+                .iter()
+                .enumerate()
+                .map(|(i, r)| io::IoSlice::new(if i == 0 { &r.bytes[sent..] } else { &r.bytes }))
+                .collect();
+            match bulkhead_sys::send_vectored_now(self.sock.as_fd(), &slices) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(mut n) => {
+                    stalled = None;
+                    // Past the replies sent whole, into the one sent in part.
+                    while first < batch.len() && n >= batch[first].bytes.len() - sent {
+                        n -= batch[first].bytes.len() - sent;
+                        first += 1;
+                        sent = 0;
+                    }
+                    sent += n;
                 }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if !wait {
+                        return Ok(Some((first, sent)));
+                    }
+                    // Until the socket takes more; a client that takes nothing for the request
+                    // timeout is broken off.
+                    let since = *stalled.get_or_insert_with(Instant::now);
+                    let left = self.write_timeout.saturating_sub(since.elapsed());
+                    if left.is_zero() {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "the client took no reply within the request timeout",
+                        ));
+                    }
+                    let mut fds = [libc::pollfd { fd: self.sock.as_raw_fd(), events: libc::POLLOUT, revents: 0 }];
+                    bulkhead_sys::poll(&mut fds, left.as_millis().clamp(1, i32::MAX as u128) as i32)?;
+                    continue;
+                }
+                Err(e) => return Err(e),
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// A reply without data, sent: success or an error.
@@ -1182,7 +1289,7 @@ fn transmit(shared: &Shared, id: u64, raw: RawFd, r: SockReader, w: std::fs::Fil
         structured: neg.structured,
         device: neg.device,
         inbound: Mutex::new(Inbound { r: SockBuf::new(r), ended: None }),
-        replier: Replier::new(w, neg.structured, shared.spare.clone()),
+        replier: Replier::new(w, neg.structured, shared.cfg.request_timeout, shared.spare.clone()),
         held: Arc::new(AtomicU64::new(0)),
     };
     let threads = shared.cfg.workers_per_connection.max(1);
@@ -1257,11 +1364,11 @@ impl Connection<'_> {
                         break;
                     }
                     q.wait(|token, result, data| self.finish(jobs.take(token), result.map(|_| ()), data));
-                    self.replier.flush();
+                    self.replier.try_flush();
                 }
-                self.replier.flush();
             }
             drop(q);
+            self.replier.flush();
             for j in alone.drain(..) {
                 self.run_alone(slot, j);
             }
@@ -1289,6 +1396,10 @@ impl Connection<'_> {
         let mut spins = 0u32;
         let mut yields = 0u32;
         loop {
+            if q.is_none() && self.replier.backed_up() {
+                // The client is behind on its replies: wait for it here, holding no queue.
+                self.replier.flush();
+            }
             let in_flight = q.as_ref().map_or(0, |q| q.in_flight()) + jobs.waiting.len();
             let mut work = 0;
             // Requests: wait for one when nothing is in flight; otherwise take what is here.
@@ -1326,9 +1437,13 @@ impl Connection<'_> {
                     // the client went quiet.
                     last_answer = Instant::now();
                 }
-                // Take any queue nobody holds; wait for one only while holding none.
+                // Take any queue nobody holds; wait in line for one only while holding none.
                 let h = q.get_or_insert_with(|| dev.try_queue(slot).unwrap_or_else(|| dev.queue(slot)));
-                work += self.submit_waiting(h, jobs);
+                // After its turn, with others in line, or while its client is not reading
+                // its replies, this connection only drains.
+                if !h.turn_over() && !self.replier.backed_up() {
+                    work += self.submit_waiting(h, jobs);
+                }
             }
             // Answers.
             if let Some(h) = q.as_mut() {
@@ -1341,9 +1456,11 @@ impl Connection<'_> {
                 work += n;
                 work += h.expire(last_answer, |token, result, _| self.finish(jobs.take(token), result.map(|_| ()), None));
                 if work > 0 {
-                    self.replier.flush();
+                    self.replier.try_flush();
                 }
-                if h.in_flight() == 0 && jobs.waiting.is_empty() {
+                if h.in_flight() == 0 && (jobs.waiting.is_empty() || h.turn_over() || self.replier.backed_up()) {
+                    // Drained: the queue goes to the next in line, and this connection, with
+                    // requests still to send, asks again at the back.
                     *q = None;
                 }
             }
@@ -1508,13 +1625,16 @@ impl Connection<'_> {
                     if let Some(len) = payload {
                         if len > MAX_PAYLOAD {
                             // Cannot skip that much without reading it: refuse and close.
-                            self.replier.done(req.cookie, error);
+                            self.replier.push(self.replier.status(req.cookie, error));
                             return Err(violation(format!("write of {len} bytes (limit {MAX_PAYLOAD})")));
                         }
                         // Stay in step: consume the payload of the refused write.
                         io::copy(&mut r.take(len.into()), &mut io::sink()).map_err(|e| timeout_says(e, "request"))?;
                     }
-                    self.replier.done(req.cookie, error);
+                    // Sent now if the socket takes it (the leader may hold a queue: no
+                    // waiting here); else with the leader's next flush.
+                    self.replier.push(self.replier.status(req.cookie, error));
+                    self.replier.try_flush();
                     shared.stats.requests.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
@@ -1643,6 +1763,47 @@ pub fn socket_path(run_dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replies_a_client_does_not_read_wait_in_order_without_blocking_the_writer() {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let replier =
+            Replier::new(OwnedFd::from(ours).into(), false, Duration::from_secs(5), Arc::new(Mutex::new(Spare::default())));
+        // Far more than the socket holds: replies of 1000 bytes, each filled with its number.
+        let count = 2000u32;
+        for i in 0..count {
+            replier.push(Reply { bytes: vec![i as u8; 1000], _held: None });
+        }
+        assert!(!replier.try_flush(), "the socket cannot hold 2 MB: the writer must stop, not wait");
+        assert!(replier.backed_up());
+        let reader = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            (&theirs).read_to_end(&mut all).unwrap();
+            all
+        });
+        replier.flush();
+        assert!(!replier.backed_up(), "all written");
+        drop(replier);
+        let all = reader.join().unwrap();
+        assert_eq!(all.len(), count as usize * 1000);
+        for (i, reply) in all.chunks(1000).enumerate() {
+            assert!(reply.iter().all(|&b| b == i as u8), "reply {i} out of order or torn");
+        }
+    }
+
+    #[test]
+    fn a_client_that_takes_no_reply_for_the_timeout_is_broken_off() {
+        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let replier =
+            Replier::new(OwnedFd::from(ours).into(), false, Duration::from_millis(200), Arc::new(Mutex::new(Spare::default())));
+        for _ in 0..2000 {
+            replier.push(Reply { bytes: vec![0; 1000], _held: None });
+        }
+        let t = Instant::now();
+        replier.flush();
+        assert!(replier.broken.load(Ordering::Acquire));
+        assert!(t.elapsed() >= Duration::from_millis(200) && t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    }
 
     #[test]
     fn payload_budget_waits_and_returns_on_drop() {

@@ -124,6 +124,22 @@ pub fn send_now(sock: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
+/// Sends what `sock` takes now of `bufs`, in order, without waiting (`WouldBlock` when it
+/// takes none); a peer that has gone gives `BrokenPipe`, never SIGPIPE.
+pub fn send_vectored_now(sock: BorrowedFd<'_>, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+    // SAFETY: an all-zero msghdr is valid (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSlice` is ABI-compatible with `iovec` (std documents it); `sendmsg` only reads them.
+    msg.msg_iov = bufs.as_ptr().cast_mut().cast();
+    msg.msg_iovlen = bufs.len() as _;
+    // SAFETY: `msg` points at `bufs`, which the caller lends for the call, and at nothing else.
+    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
 /// Which of a socket's time limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SocketTimeout {

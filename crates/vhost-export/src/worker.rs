@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bulkhead_block::Command;
-use bulkhead_client::{Armed, Device, FrontRequest, IoError, QueueHandle, SharedSlice, Status};
+use bulkhead_client::{Armed, Device, FrontRequest, IoError, QueueHandle, QueueLine, SharedSlice, Status};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, IdleSpin, NotifyMode};
 use bulkhead_sys::eventfd::EventFd;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, VolatileSlice};
@@ -267,6 +267,8 @@ pub fn run(w: QueueWork) -> RingPosition {
     let mut waiting: VecDeque<u16> = VecDeque::with_capacity(size);
     let mut chain = Chain::default();
     let mut handle: Option<QueueHandle<'_>> = None;
+    // A place in line for the device's queue while another user holds it.
+    let mut line: Option<QueueLine<'_>> = None;
     let mut broken: Option<RingError> = None;
     let mut idle = IdleSpin::new(wait_policy(&dev));
     let yield_after_ns = if dev.mode() == NotifyMode::Poll { 10_000 } else { 0 };
@@ -299,9 +301,23 @@ pub fn run(w: QueueWork) -> RingPosition {
         // Send what waits, oldest first, while the device's queue has room.
         while let Some(&head) = waiting.front() {
             if handle.is_none() {
-                handle = dev.try_queue(slot);
+                // A free queue at once; else a place in line, so that users who can block
+                // for a queue do not pass this one over for ever.
+                handle = match line.as_mut() {
+                    Some(l) => l.try_take(),
+                    None => dev.try_queue(slot).or_else(|| {
+                        let mut l = dev.line_up(slot);
+                        let h = l.try_take();
+                        line = Some(l);
+                        h
+                    }),
+                };
+                if handle.is_some() {
+                    line = None;
+                }
             }
-            let Some(h) = handle.as_mut() else { break };
+            // After its turn, with others in line, the worker only drains.
+            let Some(h) = handle.as_mut().filter(|h| !h.turn_over()) else { break };
             let req = &sv.reqs[usize::from(head)];
             let token = u64::from(head);
             let sent = match req.cmd {
