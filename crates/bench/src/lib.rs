@@ -9,6 +9,7 @@
 #![deny(missing_docs)]
 
 pub mod channel;
+pub mod chaos;
 pub mod fileio;
 pub mod guard;
 pub mod guard_figures;
@@ -113,6 +114,36 @@ impl Drop for Aligned {
     }
 }
 
+/// A small deterministic generator (xorshift), for a benchmark's random choices.
+pub(crate) struct Rng(pub(crate) u64);
+
+impl Rng {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Below `n` (0 when `n` is 0).
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// A duration from `from` to `to` ms.
+    pub(crate) fn millis(&mut self, from: u64, to: u64) -> std::time::Duration {
+        std::time::Duration::from_millis(from + self.below(to - from + 1))
+    }
+}
+
+/// The `q` quantile of `sorted` (0 when empty).
+pub(crate) fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
 /// A `bulkhead serve` a benchmark started in a directory of its own (`bench.toml`, `serve.log`,
 /// the run directory `run`); stopped, and the directory removed, on drop.
 pub(crate) struct BenchServe {
@@ -131,6 +162,22 @@ impl BenchServe {
         env: &[(&str, &str)],
         ready: impl Fn(&BenchServe) -> bool,
     ) -> Result<BenchServe, BenchError> {
+        Self::start_grouped(exe, tag, config, args, env, false, ready)
+    }
+
+    /// As [`start`](Self::start), with `own_group` in a process group of its own: a Ctrl-C at
+    /// the terminal then reaches only the benchmark, which unmounts what it mounted over
+    /// serve's exports before it stops serve.
+    pub(crate) fn start_grouped(
+        exe: &std::path::Path,
+        tag: &str,
+        config: &str,
+        args: &[&std::ffi::OsStr],
+        env: &[(&str, &str)],
+        own_group: bool,
+        ready: impl Fn(&BenchServe) -> bool,
+    ) -> Result<BenchServe, BenchError> {
+        use std::os::unix::process::CommandExt;
         let dir = std::env::temp_dir().join(format!("bulkhead-bench-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
@@ -138,7 +185,11 @@ impl BenchServe {
         std::fs::write(&cfg, config).map_err(|e| BenchError::io(&cfg, e))?;
         let log = dir.join("serve.log");
         let err = std::fs::File::create(&log).map_err(|e| BenchError::io(&log, e))?;
-        let child = std::process::Command::new(exe)
+        let mut cmd = std::process::Command::new(exe);
+        if own_group {
+            cmd.process_group(0);
+        }
+        let child = cmd
             .arg("serve")
             .arg("--config")
             .arg(&cfg)

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use bulkhead_nbd::proto::{CMD_READ, CMD_WRITE, REQUEST_MAGIC, SIMPLE_REPLY_MAGIC};
 use serde::Serialize;
 
-use crate::{Aligned, BenchError, BenchServe, Table};
+use crate::{quantile, Aligned, BenchError, BenchServe, Table};
 
 /// Bytes of each request.
 const BLOCK: usize = 4096;
@@ -270,13 +270,6 @@ fn never_reads(s: UnixStream, stop: Arc<AtomicBool>) -> u64 {
         n += 1;
     }
     n
-}
-
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 /// Runs the load with `exe` (a `bulkhead` that takes `serve`; needs root for FUSE).

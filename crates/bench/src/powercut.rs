@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::BenchError;
+use crate::{BenchError, Rng};
 
 /// Bytes of each block written and checked.
 const BLOCK: usize = 4096;
@@ -137,22 +137,6 @@ impl Report {
     /// Whether anything acknowledged was lost, or an image was damaged.
     pub fn lost_anything(&self) -> bool {
         self.formats.iter().any(|f| f.lost > 0 || f.torn > 0 || f.check_errors > 0)
-    }
-}
-
-/// A small deterministic generator.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
     }
 }
 

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::{Aligned, BenchError, BenchServe, Table};
+use crate::{quantile, Aligned, BenchError, BenchServe, Table};
 
 /// Options.
 #[derive(Debug, Clone)]
@@ -127,13 +127,6 @@ fn rings_per_s(log: &str) -> f64 {
             Some(rings.trim().parse::<f64>().ok()? / secs.trim().parse::<f64>().ok()?.max(1e-9))
         })
         .unwrap_or(0.0)
-}
-
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

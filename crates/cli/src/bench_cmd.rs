@@ -331,6 +331,22 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Chaos: faults of every kind at random (SIGKILL and SIGSTOP of domains, filters added and
+    /// removed, tap modes switched, snapshots, the remote NBD server restarted) under fio
+    /// verify on ext4 over FUSE and NBD, on a device of each kind; the faults by kind, errors,
+    /// verify failures, e2fsck, outages and memory. Exits non-zero on any loss (runs `serve`,
+    /// nbdkit, nbdfuse, fio; needs root).
+    Chaos {
+        /// Minutes of faults.
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=600))]
+        minutes: u64,
+        /// Seed of the faults' choices (default: from the clock).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Ceph RBD: the `rbd` backend over NBD against fio's rbd engine and qemu-storage-daemon's
     /// rbd driver, on a throwaway single-node cluster, and the outage of a killed rbd domain
     /// with and without the lock break (runs `scripts/ceph-dev.sh`, `serve`, fio, qsd).
@@ -591,6 +607,21 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             let code = emit(&r, json, bulkhead_bench::powercut::render)?;
             if lost {
                 anyhow::bail!("a power cut lost acknowledged data (above)");
+            }
+            Ok(code)
+        }
+        BenchCmd::Chaos { minutes, seed, json } => {
+            need_root("bench chaos mounts file systems on loop devices over FUSE and NBD")?;
+            let seed = seed.unwrap_or_else(|| {
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+            });
+            let stop = stop_on_signals()?;
+            let opts = bulkhead_bench::chaos::Options { minutes, seed };
+            let r = bulkhead_bench::chaos::run_chaos(&exe()?, &opts, &stop, |p| eprintln!("bench chaos: {p}"))?;
+            let lost = r.lost_anything();
+            let code = emit(&r, json, bulkhead_bench::chaos::render)?;
+            if lost {
+                anyhow::bail!("the chaos run lost data or broke a device (above)");
             }
             Ok(code)
         }
