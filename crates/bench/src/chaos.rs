@@ -529,6 +529,7 @@ fn fio_result(
     let text = std::fs::read_to_string(out).unwrap_or_default();
     let json = text.find('{').and_then(|i| serde_json::from_str::<serde_json::Value>(&text[i..]).ok());
     let job = json.as_ref().map(|v| v["jobs"][0].clone()).unwrap_or_default();
+    // No report (or none that parses) is an error of its own: -1.
     let mut fio_error = job["error"].as_i64().unwrap_or(-1);
     let mut says = stderr.lines().filter(|l| !l.trim().is_empty()).take(5).collect::<Vec<_>>().join("; ");
     match status {
@@ -541,9 +542,6 @@ fn fio_result(
             says = format!("fio exited {st}; {says}");
         }
         _ => {}
-    }
-    if json.is_none() && fio_error == 0 {
-        fio_error = -1;
     }
     FsReport {
         device: device.to_string(),

@@ -16,27 +16,34 @@
 //! shows, never trusted in its place.
 
 use crate::BenchError;
-use std::io::Read;
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
 
-use bulkhead_backends::{Engine, FileBackend, RamBackend};
-use bulkhead_block::{Backend, Chain};
-use bulkhead_channel::{pair, BackQueue, BudgetPolicy, FrontQueue, FrontRequest, NotifyMode, QueueConfig};
-use bulkhead_driver::guarded::{self, FilterParts, FAULT_FLIP, FAULT_RECORD, PROBE_EXIT};
-use bulkhead_driver::Domain;
-use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec, InjectSpec, InjectTarget};
-use bulkhead_guard::heap::{self, Reservation};
-use bulkhead_guard::VIOLATION_EXIT;
-use bulkhead_shmem::memfd;
+use bulkhead_filters::InjectTarget;
 use serde::Serialize;
 
 use crate::guard_filters::Setting;
 use crate::Table;
+
+#[cfg(feature = "isolation")]
+mod measure;
+#[cfg(feature = "isolation")]
+pub use measure::run;
+
+/// Without the `isolation` feature (enabled by the `bulkhead` package's `test-driver`): the
+/// faults are made by code the shipped binary does not have, so the measurement is refused.
+#[cfg(not(feature = "isolation"))]
+pub fn run(_opts: &Options, _progress: impl FnMut(&str)) -> Result<Report, BenchError> {
+    Err(unavailable())
+}
+
+/// Why this build cannot measure isolation, and how to build one that can.
+fn unavailable() -> BenchError {
+    BenchError::Options(
+        "--isolation makes faults in filters on purpose, which only a build with the test-driver feature can: \
+         cargo build --release -p bulkhead --features bulkhead/test-driver"
+            .into(),
+    )
+}
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -50,8 +57,12 @@ pub struct Options {
 }
 
 impl Options {
-    /// Refuses settings that measure nothing (only `off`) or that this machine cannot run.
+    /// Refuses settings that measure nothing (only `off`) or that this machine cannot run,
+    /// and a build without the faults ([`run`]).
     pub fn check(&self) -> Result<(), BenchError> {
+        if cfg!(not(feature = "isolation")) {
+            return Err(unavailable());
+        }
         if !self.settings.iter().any(|s| s.mode != bulkhead_filters::GuardMode::Off) {
             return Err(BenchError::Options("--settings: --isolation needs a setting other than `off`".into()));
         }
@@ -71,11 +82,6 @@ pub const EVERY: u64 = 200;
 /// Where the faults aim, in turn.
 pub const TARGETS: [InjectTarget; 4] = [InjectTarget::Ring, InjectTarget::Heap, InjectTarget::Filter, InjectTarget::Freed];
 
-/// Device size for the filters over `ram`.
-const RAM_BYTES: u64 = 64 << 20;
-/// A child that has made no fault by then is stuck.
-const CHILD_LIMIT: Duration = Duration::from_secs(30);
-
 /// Faults counted by what the memory showed.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Count {
@@ -88,14 +94,6 @@ pub struct Count {
 }
 
 impl Count {
-    fn add(&mut self, o: Outcome) {
-        match o {
-            Outcome::Isolated => self.isolated += 1,
-            Outcome::Landed => self.landed += 1,
-            Outcome::Undecided => self.undecided += 1,
-        }
-    }
-
     /// Isolated faults as a share of the decided ones, percent.
     pub fn rate_pct(&self) -> f64 {
         let decided = self.isolated + self.landed;
@@ -147,392 +145,6 @@ pub struct Report {
     pub drops_at_keys: Option<u32>,
     /// Filters left out, and why; why faults were lost.
     pub notes: Vec<String>,
-}
-
-/// A filter to measure and what it runs over.
-struct Bed {
-    name: &'static str,
-    spec: FilterSpec,
-    below: Below,
-    size: u64,
-}
-
-enum Below {
-    Ram,
-    Luks { file: PathBuf, key: Vec<u8> },
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
-    Isolated,
-    Landed,
-    Undecided,
-}
-
-/// What one child showed.
-struct Result1 {
-    outcome: Outcome,
-    disagreed: bool,
-}
-
-fn beds(scratch: &Path, notes: &mut Vec<String>) -> Vec<Bed> {
-    let mut v = vec![Bed { name: "trace", spec: FilterSpec::Trace { device_number: 0 }, below: Below::Ram, size: RAM_BYTES }];
-    match crypt_bed(scratch) {
-        Ok(b) => v.push(b),
-        Err(e) => notes.push(format!("crypt left out: {e}")),
-    }
-    v.push(Bed { name: "cow", spec: FilterSpec::Cow { cluster_bits: 16, op: None }, below: Below::Ram, size: RAM_BYTES });
-    v
-}
-
-/// A LUKS2 volume opened as the supervisor opens one: the filter's layout and master key.
-fn crypt_bed(scratch: &Path) -> Result<Bed, BenchError> {
-    let (file, keyfile) = crate::guard_filters::make_luks(scratch, "bench-guard-isolation", RAM_BYTES)?;
-    let f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
-    let len = f.metadata().map_err(|e| e.to_string())?.len();
-    let mut read = |off: u64, buf: &mut [u8]| f.read_exact_at(buf, off).map_err(|e| e.to_string());
-    let v = bulkhead_crypt::Volume::read(&mut read).map_err(|e| e.to_string())?;
-    let data_size = v.data_size(len).map_err(|e| e.to_string())?;
-    let pass = std::fs::read(&keyfile).map_err(|e| e.to_string())?;
-    let key = v.unlock(&pass, &mut read).map_err(|e| e.to_string())?.bytes().to_vec();
-    let _ = std::fs::remove_file(&keyfile);
-    let spec = FilterSpec::Crypt { payload_offset: v.payload_offset, data_size, sector_size: v.sector_size };
-    Ok(Bed { name: "crypt", spec, below: Below::Luks { file, key }, size: data_size })
-}
-
-fn state_page(name: &str) -> Result<OwnedFd, BenchError> {
-    memfd::create(name, bulkhead_filters::state::STATE_BYTES as u64).map_err(|e| BenchError::Run(format!("state page: {e}")))
-}
-
-/// A memory file holding `bytes`.
-fn memfd_with(name: &str, bytes: &[u8]) -> Result<OwnedFd, BenchError> {
-    let fd = memfd::create(name, bytes.len() as u64).map_err(|e| format!("{name}: {e}"))?;
-    let f = std::fs::File::from(fd);
-    f.write_all_at(bytes, 0).map_err(|e| format!("{name}: {e}"))?;
-    Ok(OwnedFd::from(f))
-}
-
-/// The descriptors of the measured filter and the `stats` filter after it.
-fn filter_parts(bed: &Bed, guard: GuardSpec) -> Result<Vec<FilterParts>, BenchError> {
-    let (output, secret) = match (&bed.spec, &bed.below) {
-        (FilterSpec::Trace { .. }, _) => (Some(memfd::create("bench-trace", 0).map_err(|e| e.to_string())?), None),
-        (FilterSpec::Cow { cluster_bits, .. }, _) => {
-            let image = bulkhead_image::new_image(bed.size, *cluster_bits, None).map_err(|e| e.to_string())?;
-            (Some(memfd_with("bench-overlay", &image)?), None)
-        }
-        (_, Below::Luks { key, .. }) => (None, Some(memfd_with("bench-key", key)?)),
-        _ => (None, None),
-    };
-    let measured =
-        FilterParts { spec: bed.spec.clone(), fds: FilterFds { state: state_page("bench-filter")?, output, secret }, guard };
-    let stats = FilterParts {
-        spec: FilterSpec::Stats {},
-        fds: FilterFds { state: state_page("bench-stats")?, output: None, secret: None },
-        guard: GuardSpec::default(),
-    };
-    Ok(vec![measured, stats])
-}
-
-/// What the child's domain runs over, opened before the fork.
-enum BelowFd {
-    Ram(OwnedFd),
-    File(OwnedFd),
-}
-
-fn below_fd(bed: &Bed) -> Result<BelowFd, BenchError> {
-    match &bed.below {
-        Below::Ram => Ok(memfd::create("bench-ram", bed.size).map(BelowFd::Ram).map_err(|e| e.to_string())?),
-        Below::Luks { file, .. } => std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(file)
-            .map(|f| BelowFd::File(OwnedFd::from(f)))
-            .map_err(|e| BenchError::io(file, e)),
-    }
-}
-
-/// The child: builds the domain in its heap spaces and serves until the fault ends it.
-fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<FilterParts>, probe: OwnedFd) -> String {
-    let run = || -> Result<(), BenchError> {
-        heap::activate(res).map_err(|e| format!("heap: {e}"))?;
-        if parts.iter().any(|p| p.guard.keys) {
-            heap::assign_keys().map_err(|e| format!("protection keys: {e}"))?;
-        }
-        let backend: Box<dyn Backend> = match below {
-            BelowFd::Ram(fd) => {
-                let size = bulkhead_sys::storage_size(std::os::fd::AsFd::as_fd(&fd)).map_err(|e| e.to_string())?.0;
-                Box::new(RamBackend::new(fd, size).map_err(|e| e.to_string())?)
-            }
-            BelowFd::File(fd) => Box::new(FileBackend::new(fd, None, false, Engine::Sync).map_err(|e| e.to_string())?),
-        };
-        let rings = [back.ring_region()];
-        let layers = guarded::build_filters(parts, &rings, Some(probe))?;
-        let chain = Chain::new(layers, backend);
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut dom =
-            Domain::new(vec![back], chain, NotifyMode::Poll, BudgetPolicy::DEFAULT_AUTO, stop).map_err(|e| e.to_string())?;
-        dom.run().map_err(|e| e.to_string())?;
-        Err("the domain stopped before its fault".into())
-    };
-    match run() {
-        Ok(()) => String::new(),
-        Err(e) => e.to_string(),
-    }
-}
-
-/// A child process.
-struct Child {
-    pid: i32,
-}
-
-impl Child {
-    /// Its exit status if it has ended (reaped), `None` while it runs.
-    fn try_wait(&self) -> Result<Option<i32>, BenchError> {
-        let mut status = 0;
-        // SAFETY: waits for this process's own child without blocking; `status` is a local.
-        let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
-        match r {
-            0 => Ok(None),
-            r if r == self.pid => Ok(Some(status)),
-            _ => Err(BenchError::Run(format!("waitpid: {}", std::io::Error::last_os_error()))),
-        }
-    }
-
-    /// Its exit status if it has ended; an error, once it is ended and reaped, if it has run
-    /// past [`CHILD_LIMIT`] since `started` without making its fault.
-    fn ended(&self, started: Instant) -> Result<Option<i32>, BenchError> {
-        if let Some(st) = self.try_wait()? {
-            return Ok(Some(st));
-        }
-        if started.elapsed() > CHILD_LIMIT {
-            self.kill();
-            return Err(BenchError::Run(format!("the domain made no fault in {} s", CHILD_LIMIT.as_secs())));
-        }
-        Ok(None)
-    }
-
-    /// Ends it and reaps it.
-    fn kill(&self) {
-        // SAFETY: signals and reaps this process's own child, which has not been reaped yet.
-        unsafe {
-            libc::kill(self.pid, libc::SIGKILL);
-            libc::waitpid(self.pid, std::ptr::null_mut(), 0);
-        }
-    }
-}
-
-/// How the child ended, in words.
-fn describe(status: i32) -> String {
-    if libc::WIFEXITED(status) {
-        format!("exit status {}", libc::WEXITSTATUS(status))
-    } else if libc::WIFSIGNALED(status) {
-        format!("signal {}", libc::WTERMSIG(status))
-    } else {
-        format!("wait status {status:#x}")
-    }
-}
-
-/// Whether this process runs one thread: forking a process with more would leave the child
-/// with locks held by threads that do not exist in it.
-fn single_threaded() -> bool {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["Threads:", "1"])
-}
-
-/// Drives `front` with 4 KiB random reads and writes until the child ends; its wait status.
-fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<i32, BenchError> {
-    let data = vec![0x5Au8; 4096];
-    let mut rng = seed | 1;
-    let started = Instant::now();
-    loop {
-        if let Some(st) = child.ended(started)? {
-            return Ok(st);
-        }
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        let offset = (rng >> 1) % (size / 4096) * 4096;
-        let req = if rng & 1 == 0 {
-            FrontRequest::Read { offset, into: 4096 }
-        } else {
-            FrontRequest::Write { offset, from: &data, fua: false }
-        };
-        if front.submit(req, 1).is_err() {
-            // The child ended with the request slot taken, or the ring is broken: either way
-            // the child's end is what is left to see.
-            std::thread::sleep(Duration::from_millis(1));
-            continue;
-        }
-        let mut done = false;
-        while !done {
-            if front.reap(|_| done = true).is_err() {
-                break;
-            }
-            if done {
-                break;
-            }
-            match front.wait(2) {
-                Ok(true) => {}
-                Ok(false) | Err(_) => {
-                    if let Some(st) = child.ended(started)? {
-                        return Ok(st);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// The last lines the child wrote to its standard error.
-fn tail(log: &OwnedFd) -> String {
-    let Ok(dup) = log.try_clone() else { return String::new() };
-    let f = std::fs::File::from(dup);
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let from = len.saturating_sub(600);
-    let mut buf = vec![0u8; (len - from) as usize];
-    let _ = f.read_exact_at(&mut buf, from);
-    String::from_utf8_lossy(&buf).trim().replace('\n', " | ")
-}
-
-/// One fault, in a child of its own.
-fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, BenchError> {
-    let inject = InjectSpec { target, every: EVERY, seed };
-    let parts = filter_parts(bed, GuardSpec { mode: setting.mode, keys: setting.keys, inject: Some(inject) })?;
-    let below = below_fd(bed)?;
-    let res = Reservation::new(1 + parts.len()).map_err(|e| format!("heap: {e}"))?;
-    let cfg = QueueConfig { nslots: 32, arena_bytes: 1 << 20, mode: NotifyMode::Poll, ..Default::default() };
-    let (mut front, back) = pair(&cfg, bed.size).map_err(|e| format!("channel: {e}"))?;
-    let (mut probe_r, probe_w) = bulkhead_sys::pipe().map(|(r, w)| (std::fs::File::from(r), w)).map_err(|e| e.to_string())?;
-    let log = memfd::create("bench-guard-log", 0).map_err(|e| e.to_string())?;
-    if !single_threaded() {
-        return Err("bench guard --isolation forks a domain per fault, so it must run single-threaded".into());
-    }
-    // SAFETY: this process runs one thread (checked above), so the child starts with no lock
-    // held and no other thread's state half-changed; it never returns into this function's
-    // caller (it ends with `_exit`).
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(BenchError::Run(format!("fork: {}", std::io::Error::last_os_error())));
-    }
-    if pid == 0 {
-        // The child: its copy of the frontend stays untouched; its standard error goes to the
-        // log; it dies with this process.
-        std::mem::forget(front);
-        drop(probe_r);
-        // SAFETY: plain system calls on descriptors this process owns and on itself.
-        unsafe {
-            libc::dup2(log.as_raw_fd(), 2);
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-        }
-        let e = child_run(res, back, below, parts, probe_w);
-        eprintln!("{e}");
-        // SAFETY: ends the child without running anything of the parent's (no destructors,
-        // no exit handlers).
-        unsafe { libc::_exit(70) };
-    }
-    drop((parts, below, probe_w));
-    let child = Child { pid };
-    let status = drive(&mut front, &child, bed.size, seed);
-    let status = match status {
-        Ok(s) => s,
-        Err(e) => return Err(BenchError::Run(format!("{e} ({})", tail(&log)))),
-    };
-    let mut rec = Vec::with_capacity(FAULT_RECORD);
-    let _ = probe_r.read_to_end(&mut rec);
-    if rec.len() != FAULT_RECORD {
-        return Err(BenchError::Run(format!("the domain ended ({}) before its fault: {}", describe(status), tail(&log))));
-    }
-    let addr = u64::from_le_bytes(rec[..8].try_into().expect("8 bytes"));
-    let value = u64::from_le_bytes(rec[8..].try_into().expect("8 bytes"));
-    let old = value ^ FAULT_FLIP;
-    let mut word = [0u8; 8];
-    let now = if res.read(addr, &mut word) {
-        u64::from_le_bytes(word)
-    } else {
-        back.ring_word(addr).ok_or_else(|| format!("the fault aimed at {addr:#x}, in neither the heap nor the ring"))?
-    };
-    let outcome = if now == value {
-        Outcome::Landed
-    } else if now == old {
-        Outcome::Isolated
-    } else {
-        Outcome::Undecided
-    };
-    let stopped = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == VIOLATION_EXIT;
-    let ended = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == PROBE_EXIT;
-    if !stopped && !ended {
-        return Err(BenchError::Run(format!("the domain ended with {} after its fault: {}", describe(status), tail(&log))));
-    }
-    let disagreed = (outcome == Outcome::Landed && stopped) || (outcome == Outcome::Isolated && ended);
-    drop(front);
-    Ok(Result1 { outcome, disagreed })
-}
-
-/// Runs every setting.
-pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
-    let mut notes = Vec::new();
-    let beds = beds(&opts.scratch, &mut notes);
-    let mut rows = Vec::new();
-    let settings = opts.settings.iter().filter(|s| s.mode != GuardMode::Off);
-    for (si, &setting) in settings.enumerate() {
-        let label = setting.label();
-        progress(&format!("{label}: {} faults", opts.faults));
-        let mut all = Count::default();
-        let mut by_target: Vec<(String, Count)> = TARGETS.iter().map(|t| (t.as_str().to_string(), Count::default())).collect();
-        let mut by_filter: Vec<(String, Count)> = beds.iter().map(|b| (b.name.to_string(), Count::default())).collect();
-        let (mut disagreed, mut lost) = (0, 0);
-        let started = Instant::now();
-        for k in 0..opts.faults {
-            let bi = k as usize % beds.len();
-            let ti = (k as usize / beds.len()) % TARGETS.len();
-            let seed = 1 + ((si as u64) << 32 | k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            match one(&beds[bi], setting, TARGETS[ti], seed) {
-                Ok(r) => {
-                    all.add(r.outcome);
-                    by_target[ti].1.add(r.outcome);
-                    by_filter[bi].1.add(r.outcome);
-                    disagreed += u32::from(r.disagreed);
-                }
-                Err(e) => {
-                    lost += 1;
-                    if notes.len() < 20 {
-                        notes.push(format!("{label}, {} → {}: {e}", beds[bi].name, TARGETS[ti].as_str()));
-                    }
-                }
-            }
-        }
-        let ms_per_fault = started.elapsed().as_secs_f64() * 1000.0 / opts.faults.max(1) as f64;
-        rows.push(Row {
-            guard: setting.mode.as_str().into(),
-            cache: setting.cache(),
-            keys: setting.keys,
-            all,
-            by_target,
-            by_filter,
-            disagreed,
-            lost,
-            ms_per_fault,
-        });
-    }
-    for b in &beds {
-        if let Below::Luks { file, .. } = &b.below {
-            let _ = std::fs::remove_file(file);
-        }
-    }
-    let drops = |keys: bool| {
-        let dwc = rows.iter().find(|r| r.cache.is_none() && r.keys == keys).map(|r| r.all.rate_pct())?;
-        rows.iter().filter(|r| r.keys == keys && r.all.rate_pct() < dwc).find_map(|r| r.cache)
-    };
-    let (drops_at, drops_at_keys) = (drops(false), drops(true));
-    Ok(Report {
-        faults: opts.faults,
-        every: EVERY,
-        filters: beds.iter().map(|b| b.name.to_string()).collect(),
-        rows,
-        drops_at,
-        drops_at_keys,
-        notes,
-    })
 }
 
 /// The report as tables: every fault, then per target.

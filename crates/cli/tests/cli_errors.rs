@@ -39,6 +39,22 @@ fn missing_backing_file_is_named() {
 }
 
 #[test]
+fn faults_on_purpose_are_refused_without_the_test_driver() {
+    let (ok, err) = with_config(
+        "[[device]]\nname = \"a\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n\
+         [[device.filter]]\ntype = \"stats\"\nguard = \"dwc\"\nguard_inject = \"ring\"\n",
+    );
+    assert!(!ok);
+    assert!(
+        err.contains("device `a`")
+            && err.contains("filter 1 (stats)")
+            && err.contains("guard_inject")
+            && err.contains("--driver-exe"),
+        "{err}"
+    );
+}
+
+#[test]
 fn missing_config_file_is_named() {
     let (ok, err) = bulkhead(&["serve", "--config", "/no/such/bulkhead.toml"]);
     assert!(!ok);

@@ -1,5 +1,6 @@
 //! Filters under write capture in a real device: faults injected into a guarded filter are
 //! stopped before they land, the domain restarts, and fio's verified writes come back whole.
+//! The faults are the test driver's (`bulkhead-test-driver`): the shipped driver makes none.
 
 mod common;
 
@@ -24,7 +25,9 @@ fn injected_faults_in_a_guarded_filter_are_stopped_and_no_acknowledged_write_is_
          [[device.filter]]\ntype = \"stats\"\nguard = \"dwc\"\n",
         trace.display()
     );
-    let mut serve = Serve::start(&tmp.path().join("run"), Some(&config), &["g"]);
+    let Some(mut serve) = Serve::start_test_driver(&tmp.path().join("run"), Some(&config), &["g"], &[]) else {
+        return;
+    };
     let out = Command::new("timeout")
         .args(["--kill-after=10", "180", "fio", "--name=guard", "--direct=1", "--rw=randwrite", "--bs=4k"])
         .arg(format!("--filename={}", serve.fuse_file("g").display()))

@@ -89,6 +89,11 @@ fn devices_come_and_go_a_reload_applies_and_metrics_agree_with_fio_while_fio_ver
     assert!(err.contains("line 4") && err.contains("`queues`"), "{err}");
     let err = refused(&run, &["device", "add", "-"], Some("[fuse]\nthreads = 2\n"));
     assert!(err.contains("key `fuse`") && err.contains("only [[device]] tables"), "{err}");
+    // This binary's driver makes no faults on purpose: `guard_inject` is the test driver's.
+    let inject = "[[device]]\nname = \"g\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n\
+                  [[device.filter]]\ntype = \"stats\"\nguard = \"dwc\"\nguard_inject = \"ring\"\n";
+    let err = refused(&run, &["device", "add", "-"], Some(inject));
+    assert!(err.contains("filter 1 (stats)") && err.contains("guard_inject") && err.contains("--driver-exe"), "{err}");
     assert!(device_names(&serve).is_empty());
 
     // The first device, a ram disk, with ext4 and fio verify on it.

@@ -174,7 +174,8 @@ pub struct FilterTable {
     /// where the processor has them (default true).
     pub guard_keys: Option<Spanned<bool>>,
     /// `guard_inject` (any): make the filter write where it must not: `ring`, `filter`,
-    /// `heap`, `freed` or `random`.
+    /// `heap`, `freed` or `random`. Only the test driver makes these faults; the
+    /// supervisor refuses them for this binary's own driver.
     pub guard_inject: Option<Spanned<String>>,
     /// `guard_inject_every` (with `guard_inject`): one fault every this many calls (default 1000).
     pub guard_inject_every: Option<Spanned<u64>>,

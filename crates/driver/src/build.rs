@@ -38,12 +38,18 @@ unsafe fn claim_opt(fd: Option<i32>) -> Result<Option<OwnedFd>, DriverError> {
     fd.map(|fd| unsafe { claim(fd) }).transpose()
 }
 
-/// Builds the domain `spec` describes from descriptors inherited at exec.
+/// Builds the domain `spec` describes from descriptors inherited at exec. `faults` makes
+/// the faults of filters with `guard_inject`; only a test build passes one, and without it
+/// such a spec is refused ([`guarded::build_filters`]).
 ///
 /// # Safety
 /// Every descriptor named in the spec must be inherited for this domain and not used by
 /// anything else in the process.
-pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Result<Domain, DriverError> {
+pub unsafe fn build_inherited(
+    spec: &DomainSpec,
+    stop: Arc<AtomicBool>,
+    faults: Option<guarded::FaultMaker<'_>>,
+) -> Result<Domain, DriverError> {
     let this = spec;
     let lower_stop = stop.clone();
     // Write capture: every allocation from here on comes from a heap space, the runtime's or
@@ -222,7 +228,7 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
         let secret = unsafe { claim_opt(f.secret_fd)? };
         filters.push(guarded::FilterParts { spec: f.spec.clone(), fds: FilterFds { state, output, secret }, guard: f.guard });
     }
-    let layers = guarded::build_filters(filters, &rings, None).map_err(DriverError::Setup)?;
+    let layers = guarded::build_filters(filters, &rings, faults).map_err(DriverError::Setup)?;
     let chain = Chain::new(layers, backend);
     // The device may use a prefix of what the chain offers (a file longer than `size`).
     if chain.size() < this.size {
@@ -283,7 +289,7 @@ mod tests {
             report_fd: None,
         };
         // SAFETY: the descriptors named are not open, which is what is being tested.
-        let e = unsafe { build_inherited(&spec, Arc::new(AtomicBool::new(false))) }.unwrap_err();
+        let e = unsafe { build_inherited(&spec, Arc::new(AtomicBool::new(false)), None) }.unwrap_err();
         assert!(e.to_string().contains("descriptor 1000"), "{e}");
     }
 }

@@ -1,5 +1,5 @@
-//! Filters under write capture (`guard = "dwc" | "scdwc"`), and faults injected into them
-//! (`guard_inject`).
+//! Filters under write capture (`guard = "dwc" | "scdwc"`), and the points where a test
+//! build makes faults in them (`guard_inject`, [`Faults`]).
 //!
 //! Every filter of a guarded domain allocates from a heap space of its own
 //! ([`bulkhead_guard::heap`]); the runtime keeps space 0. [`Guarded`] wraps a filter's layer:
@@ -13,11 +13,8 @@
 //! maps read-only anyway. `open` runs unguarded, before the guard starts, as the filter reads
 //! its metadata through the runtime then.
 
-use std::io::Write;
-use std::os::fd::OwnedFd;
-
 use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
-use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec, InjectSpec, InjectTarget};
+use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec, InjectSpec};
 use bulkhead_guard::heap::{self, Space};
 use bulkhead_guard::{Act, Guard, Handle, Mechanism, Mode};
 
@@ -93,13 +90,25 @@ pub struct FilterParts {
 /// When any filter is guarded or has faults injected, the heap must be active with a space
 /// for the runtime and one per filter ([`heap::activate`]): each filter is built in its own
 /// space and wrapped in [`Guarded`], and write capture is installed on the calling thread for
-/// the rest of the process's life (a stopped write ends the process). `probe` goes to the
-/// first filter that injects faults (see [`Guarded::new`]).
+/// the rest of the process's life (a stopped write ends the process).
+///
+/// A filter with `guard_inject` needs `faults`, which makes its faults; without it the
+/// domain is refused: the shipped driver makes none.
 pub fn build_filters(
     filters: Vec<FilterParts>,
     rings: &[(u64, u64)],
-    mut probe: Option<OwnedFd>,
+    faults: Option<FaultMaker<'_>>,
 ) -> Result<Vec<Box<dyn Layer>>, String> {
+    if faults.is_none() {
+        if let Some((i, f)) = filters.iter().enumerate().find(|(_, f)| f.guard.inject.is_some()) {
+            return Err(format!(
+                "filter {} ({}): guard_inject: this driver makes no faults; only the test driver \
+                 (bulkhead-test-driver, given to serve with --driver-exe) does",
+                i + 1,
+                f.spec.type_name()
+            ));
+        }
+    }
     let guarded = filters.iter().any(|f| f.guard.wanted());
     if guarded && heap::space_range(space_of(filters.len().saturating_sub(1))).is_none() {
         return Err(format!("write capture: the heap has no space for each of {} filters", filters.len()));
@@ -115,10 +124,15 @@ pub fn build_filters(
             layers.push(layer);
             continue;
         }
-        let others = (0..n).filter(|&j| j != i).map(space_of).collect();
-        let targets = Targets { rings: rings.to_vec(), others };
-        let probe = if guard.inject.is_some() { probe.take() } else { None };
-        layers.push(Box::new(Guarded::new(layer, i, guard, targets, probe)));
+        let faults = match (guard.inject, faults) {
+            (Some(spec), Some(make)) => {
+                let targets = Targets { rings: rings.to_vec(), others: (0..n).filter(|&j| j != i).map(space_of).collect() };
+                // Made in the runtime's heap: what keeps count of the calls is not the filter's.
+                Some(make(FaultSite { index: i, name: layer.name(), spec, targets }))
+            }
+            _ => None,
+        };
+        layers.push(Box::new(Guarded::new(layer, i, guard.mode, faults)));
     }
     if guarded {
         let guard = install(rings, &names, None).map_err(|e| format!("write capture: {e}"))?;
@@ -137,181 +151,62 @@ pub struct Targets {
     pub others: Vec<Space>,
 }
 
-/// One injected fault, as a probe's descriptor receives it before the write: two 8-byte
-/// words, the address and the value to be written there (the old value with every bit of
-/// [`FAULT_FLIP`] flipped).
-pub const FAULT_RECORD: usize = 16;
-
-/// What an injected fault flips in the word it writes: the old value is the written one with
-/// these bits flipped back, so whoever checks the memory can tell "unchanged" from "written"
-/// from "changed by something else".
-pub const FAULT_FLIP: u64 = 0xA5A5_A5A5_5A5A_5A5A;
-
-/// The exit status of a probed process whose injected write was not stopped: it ends right
-/// after the write, so the memory holds what the write left (see [`Guarded::new`]).
-pub const PROBE_EXIT: i32 = 87;
-
-struct Injector {
-    spec: InjectSpec,
-    rng: u64,
-    calls: u64,
-    next_at: u64,
-    targets: Targets,
-    /// The filter's number and type, for reports.
-    who: String,
-    /// A measurement's descriptor: one fault only, recorded here (see [`Guarded::new`]); the
-    /// process ends with it, stopped or not.
-    probe: Option<std::fs::File>,
-}
-
 /// A fault ready to strike: 8 bytes at `addr`, to become `value`.
-struct Fault {
-    addr: u64,
-    value: u64,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// Where: a word-aligned address the process maps read-write.
+    pub addr: u64,
+    /// What the word is to become.
+    pub value: u64,
 }
 
-impl Injector {
-    fn next(&mut self) -> u64 {
-        // xorshift64*.
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn schedule(&mut self) {
-        self.next_at = self.calls + 1 + self.next() % self.spec.every;
-    }
-
-    /// A word-aligned address in `len` bytes from `start`.
-    fn pick(&mut self, start: u64, len: u64) -> Option<u64> {
-        (len >= 8).then(|| start + (self.next() % (len / 8)) * 8)
-    }
-
-    fn in_space(&mut self, s: Space) -> Option<u64> {
-        let (start, _) = heap::space_range(s)?;
-        let used = heap::extent(s).load(std::sync::atomic::Ordering::Relaxed);
-        self.pick(start, used)
-    }
-
-    fn address(&mut self, target: InjectTarget, own: Space) -> Option<u64> {
-        match target {
-            InjectTarget::Ring => {
-                let n = self.targets.rings.len();
-                let k = self.next() as usize % n.max(1);
-                let (start, len) = *self.targets.rings.get(k)?;
-                self.pick(start, len)
-            }
-            InjectTarget::Heap => self.in_space(heap::RUNTIME),
-            InjectTarget::Filter => {
-                let n = self.targets.others.len();
-                let k = self.next() as usize % n.max(1);
-                let s = *self.targets.others.get(k)?;
-                self.in_space(s)
-            }
-            InjectTarget::Freed => {
-                // A buffer of the filter's own, freed whole: its pages are no longer its to write.
-                let block = heap::with_space(own, || vec![0u8; 2 * bulkhead_guard::PAGE as usize]);
-                let at = block.as_ptr() as u64;
-                drop(block);
-                self.pick(at, 2 * bulkhead_guard::PAGE)
-            }
-            InjectTarget::Random => {
-                let choices = [InjectTarget::Ring, InjectTarget::Heap, InjectTarget::Filter];
-                let t = choices[self.next() as usize % choices.len()];
-                self.address(t, own).or_else(|| self.address(InjectTarget::Heap, own))
-            }
-        }
-    }
-
-    /// Counts a call; the fault to strike in it, if one is due.
-    fn due(&mut self, own: Space) -> Option<Fault> {
-        self.calls += 1;
-        if self.calls < self.next_at {
-            return None;
-        }
-        self.schedule();
-        let addr = self.address(self.spec.target, own)?;
-        // SAFETY: `addr` is a word-aligned address inside memory this process maps read-write
-        // for as long as it runs (a ring, a heap space); reading it races with nothing, as the
-        // domain is single-threaded.
-        let old = unsafe { std::ptr::read_volatile(addr as *const u64) };
-        let value = old ^ FAULT_FLIP;
-        eprintln!(
-            "bulkhead guard: injecting a fault from filter {}: 8 bytes at {addr:#x} ({})",
-            self.who,
-            self.spec.target.as_str()
-        );
-        if let Some(r) = &mut self.probe {
-            let mut rec = [0u8; FAULT_RECORD];
-            rec[..8].copy_from_slice(&addr.to_le_bytes());
-            rec[8..].copy_from_slice(&value.to_le_bytes());
-            if r.write_all(&rec).is_err() {
-                // Nobody is left to check the memory: a fault nobody measures is not made.
-                return None;
-            }
-        }
-        Some(Fault { addr, value })
-    }
-
-    /// After a write that was not stopped: says so, read from the memory itself; a probe
-    /// ends the process here, leaving the memory as the write left it.
-    fn landed(&mut self, f: &Fault) {
-        if self.probe.is_some() {
-            std::process::exit(PROBE_EXIT);
-        }
-        // SAFETY: as in `due`.
-        let now = unsafe { std::ptr::read_volatile(f.addr as *const u64) };
-        if now == f.value {
-            eprintln!("bulkhead guard: the injected write at {:#x} landed: not isolated", f.addr);
-        }
-    }
+/// Writes a guarded filter makes where it must not, on purpose, to test and measure write
+/// capture. The driver itself makes none: it only calls these at the points a fault belongs
+/// (see [`Guarded`]), and only a test build hands it an implementation ([`FaultMaker`]); the
+/// writes themselves are made by that implementation, not here.
+pub trait Faults: Send {
+    /// Counts a call into the filter whose heap space is `own`; the fault to strike in it,
+    /// if one is due.
+    fn due(&mut self, own: Space) -> Option<Fault>;
+    /// Makes the write, as the filter's own code (write capture, when on, is entered).
+    fn strike(&mut self, fault: &Fault);
+    /// After the write, when it was not stopped (write capture set aside again).
+    fn landed(&mut self, fault: &Fault);
 }
 
-impl Fault {
-    /// The write, made as the filter's own.
-    fn strike(&self) {
-        // SAFETY: deliberately a write the filter must not make, into memory this process maps
-        // read-write (see `Injector::due`); under write capture it is stopped before it lands.
-        unsafe { std::ptr::write_volatile(self.addr as *mut u64, self.value) };
-    }
+/// Where a filter's faults are made: what the configuration asked for it, and where they may
+/// aim.
+#[derive(Debug, Clone)]
+pub struct FaultSite {
+    /// The filter's place in the chain, from 0 at the frontend side.
+    pub index: usize,
+    /// Its type.
+    pub name: &'static str,
+    /// `guard_inject…`.
+    pub spec: InjectSpec,
+    /// What other than its own memory it may aim at.
+    pub targets: Targets,
 }
 
-/// A filter's layer under write capture, fault injection, or both. See the module's
-/// documentation.
+/// Makes the faults of one filter. Only test builds have one ([`build_filters`]).
+pub type FaultMaker<'a> = &'a dyn Fn(FaultSite) -> Box<dyn Faults>;
+
+/// A filter's layer under write capture, faults made on purpose ([`Faults`]), or both. See the
+/// module's documentation.
 pub struct Guarded {
     inner: Box<dyn Layer>,
     id: u32,
     space: Space,
     mode: Option<Mode>,
     handle: Handle,
-    injector: Option<Injector>,
+    faults: Option<Box<dyn Faults>>,
 }
 
 impl Guarded {
     /// Wraps `inner`, the filter at `index` in the chain, whose state was allocated in its
-    /// space ([`space_of`]).
-    ///
-    /// With a `probe` (a measurement of isolation), the filter injects one fault only: its
-    /// [`FAULT_RECORD`] goes to the probe before the write, and if the write is not stopped
-    /// the process ends at once with [`PROBE_EXIT`], so a process sharing the memory reads
-    /// whether the protected state changed. A stopped write ends it with
-    /// [`bulkhead_guard::VIOLATION_EXIT`], as always.
-    pub fn new(inner: Box<dyn Layer>, index: usize, guard: GuardSpec, targets: Targets, probe: Option<OwnedFd>) -> Guarded {
-        let injector = guard.inject.map(|spec| {
-            let mut i = Injector {
-                spec,
-                rng: spec.seed.max(1),
-                calls: 0,
-                next_at: 0,
-                targets,
-                who: format!("{} ({})", index + 1, inner.name()),
-                probe: probe.map(std::fs::File::from),
-            };
-            i.schedule();
-            i
-        });
-        Guarded { inner, id: index as u32, space: space_of(index), mode: mode_of(guard.mode), handle: Handle::new(), injector }
+    /// space ([`space_of`]), guarded as `mode` says, with `faults` made in it if given.
+    pub fn new(inner: Box<dyn Layer>, index: usize, mode: GuardMode, faults: Option<Box<dyn Faults>>) -> Guarded {
+        Guarded { inner, id: index as u32, space: space_of(index), mode: mode_of(mode), handle: Handle::new(), faults }
     }
 
     fn own(&self) -> (u64, u64) {
@@ -342,19 +237,17 @@ impl Guarded {
     fn run<R>(&mut self, act: Act, f: impl FnOnce(&mut dyn Layer, bool) -> R) -> R {
         let space = self.space;
         heap::with_space(space, || {
-            let fault = self.injector.as_mut().and_then(|i| i.due(space));
+            let fault = self.faults.as_mut().and_then(|x| x.due(space));
             let entered = match self.mode {
                 Some(m) => self.handle.enter(self.id, &act, m).is_ok(),
                 None => false,
             };
-            if let Some(f) = &fault {
-                f.strike();
-            }
-            if let (Some(f), Some(i)) = (&fault, self.injector.as_mut()) {
+            if let (Some(f), Some(x)) = (&fault, self.faults.as_mut()) {
+                x.strike(f);
                 if entered {
                     self.handle.exit();
                 }
-                i.landed(f);
+                x.landed(f);
                 if entered {
                     let _ = self.handle.enter(self.id, &act, self.mode.unwrap_or(Mode::Dwc));
                 }
@@ -434,5 +327,26 @@ impl Layer for Guarded {
     fn idle(&mut self) {
         let act = self.act(None, &SharedSlice::empty(), None);
         self.run(act, |l, _| l.idle());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bulkhead_filters::InjectTarget;
+
+    #[test]
+    fn a_filter_with_faults_is_refused_without_a_maker() {
+        let state = bulkhead_shmem::memfd::create("t", bulkhead_filters::state::STATE_BYTES as u64).unwrap();
+        let inject = Some(InjectSpec { target: InjectTarget::Ring, every: 10, seed: 1 });
+        let parts = vec![FilterParts {
+            spec: FilterSpec::Stats {},
+            fds: FilterFds { state, output: None, secret: None },
+            guard: GuardSpec { mode: GuardMode::Dwc, keys: false, inject },
+        }];
+        match build_filters(parts, &[], None) {
+            Ok(_) => panic!("a filter with guard_inject was built by a driver that makes no faults"),
+            Err(e) => assert!(e.contains("filter 1 (stats): guard_inject") && e.contains("test driver"), "{e}"),
+        }
     }
 }

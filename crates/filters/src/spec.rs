@@ -160,7 +160,8 @@ impl InjectTarget {
     }
 }
 
-/// Fault injection into a filter.
+/// Faults made on purpose in a filter, to measure what capture isolates: only the test
+/// driver makes them (`bulkhead_testkit::faults`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InjectSpec {

@@ -196,16 +196,30 @@ impl Drop for Reservation {
 }
 
 /// Makes the heap allocate from `r`'s spaces from now on, the runtime's first. One activation
-/// per process; the reservation stays mapped for the process's life.
+/// per process; the reservation stays mapped for the process's life. Refused in a program
+/// whose global allocator is not [`Heap`].
 pub fn activate(r: Reservation) -> io::Result<()> {
     if ACTIVE.load(Ordering::Acquire) {
         return Err(io::Error::new(io::ErrorKind::AlreadyExists, "the heap is active already"));
     }
     BASE.store(r.base, Ordering::Relaxed);
     NSPACES.store(r.spaces, Ordering::Relaxed);
+    let base = r.base;
     // The mapping and the file live as long as the process: their memory is the heap.
     std::mem::forget(r);
     ACTIVE.store(true, Ordering::Release);
+    // Allocations reach the spaces only through this program's global allocator: a program
+    // without it would run its guarded filters with their state anywhere, unprotected.
+    let probe = std::hint::black_box(Box::new(0u64));
+    let at = &*probe as *const u64 as u64;
+    drop(probe);
+    if !(base..base + SPACE_BYTES).contains(&at) {
+        ACTIVE.store(false, Ordering::Release);
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "bulkhead_guard::heap::Heap is not this program's global allocator, so no allocation would come from a space",
+        ));
+    }
     Ok(())
 }
 
@@ -494,6 +508,16 @@ unsafe impl GlobalAlloc for Heap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// This test program's global allocator is the system's: activation must say so rather
+    /// than leave guarded state unprotected.
+    #[test]
+    fn activation_is_refused_where_the_heap_is_not_the_global_allocator() {
+        let r = Reservation::new(2).unwrap();
+        let e = activate(r).unwrap_err();
+        assert!(e.to_string().contains("global allocator"), "{e}");
+        assert!(!active());
+    }
 
     #[test]
     fn classes_cover_sizes_and_alignments() {

@@ -7,12 +7,16 @@
 //!   binary (`bulkhead-test-driver`, built with the `test-driver` feature of the `bulkhead`
 //!   package) runs them; the shipped driver has no such modes. [`hostile_vdev`]: a `vdev`
 //!   driver that abuses its card at register level, then wedges.
+//! - `faults` (feature `faults`): the faults a guarded filter makes on purpose
+//!   (`guard_inject`), which the shipped driver refuses.
 //! - [`guest`]: real Linux guests under QEMU, from a kit made of Debian packages.
 //! - [`memsearch`]: a driver domain's search of its own memory for a guest's secrets.
 //! - [`memdev`]: a device served in this process from memory, for the exports' fuzz targets.
 //! - [`pattern`]: deterministic bytes to write and check.
 #![deny(missing_docs)]
 
+#[cfg(feature = "faults")]
+pub mod faults;
 pub mod guest;
 pub mod hostile;
 pub mod hostile_vdev;

@@ -9,7 +9,9 @@
 //! - `vdev-hostile`: in a `vdev` device's first generation, abuses the card at register level
 //!   ([`bulkhead_testkit::hostile_vdev`]), says so, and wedges; later generations run the real
 //!   driver runtime;
-//! - unset: runs the real driver runtime, like `bulkhead driver`.
+//! - unset: runs the real driver runtime, like `bulkhead driver`, except that filters with
+//!   `guard_inject` make their faults ([`bulkhead_testkit::faults`]), which the shipped
+//!   driver refuses.
 //!
 //! `BULKHEAD_TEST_UNAVAILABLE_LAYERS=landlock,seccomp` confines as on a host without those
 //! layers.
@@ -32,6 +34,10 @@ use std::sync::Arc;
 use bulkhead_shmem::{Mapping, Protection};
 use bulkhead_spec::DomainSpec;
 use bulkhead_testkit::hostile::Hostility;
+
+/// As `bulkhead`'s: guarded filters allocate from heap spaces of their own.
+#[global_allocator]
+static HEAP: bulkhead_guard::heap::Heap = bulkhead_guard::heap::Heap::new();
 
 fn fail(msg: String) -> ExitCode {
     eprintln!("bulkhead-test-driver: {msg}");
@@ -114,8 +120,10 @@ fn main() -> ExitCode {
             }
         }
         _ => {
+            // Filters with `guard_inject` make their faults.
+            let faults: bulkhead_driver::guarded::FaultMaker<'_> = &bulkhead_testkit::faults::maker;
             // SAFETY: as above.
-            let mut domain = match unsafe { bulkhead_driver::build_inherited(&spec, stop) } {
+            let mut domain = match unsafe { bulkhead_driver::build_inherited(&spec, stop, Some(faults)) } {
                 Ok(d) => d,
                 Err(e) => return fail(e.to_string()),
             };
@@ -159,7 +167,7 @@ fn escape(spec: &DomainSpec, stop: Arc<AtomicBool>) -> ExitCode {
     };
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
     // alone; the mapping above does not use the descriptor after it is made.
-    let _domain = match unsafe { bulkhead_driver::build_inherited(spec, stop) } {
+    let _domain = match unsafe { bulkhead_driver::build_inherited(spec, stop, None) } {
         Ok(d) => d,
         Err(e) => return fail(e.to_string()),
     };

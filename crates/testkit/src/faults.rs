@@ -1,0 +1,168 @@
+//! Faults made on purpose in a guarded filter (`guard_inject`): a filter writes 8 bytes where
+//! it must not, at a random call, and write capture must stop the write before it lands.
+//!
+//! The driver runtime only calls a [`Faults`] at the points a fault belongs; this is the one
+//! implementation, given to it by the test driver (`bulkhead-test-driver`) and by
+//! `bulkhead bench guard --isolation`, both built with the `test-driver` feature. The shipped
+//! driver refuses a filter with `guard_inject`.
+
+use std::io::Write;
+use std::os::fd::OwnedFd;
+
+use bulkhead_driver::guarded::{Fault, FaultSite, Faults};
+use bulkhead_filters::InjectTarget;
+use bulkhead_guard::heap::{self, Space};
+
+/// One fault, as a probe's descriptor receives it before the write: two 8-byte words, the
+/// address and the value to be written there (the old value with every bit of [`FAULT_FLIP`]
+/// flipped).
+pub const FAULT_RECORD: usize = 16;
+
+/// What a fault flips in the word it writes: the old value is the written one with these bits
+/// flipped back, so whoever checks the memory can tell "unchanged" from "written" from
+/// "changed by something else".
+pub const FAULT_FLIP: u64 = 0xA5A5_A5A5_5A5A_5A5A;
+
+/// The exit status of a probed process whose write was not stopped: it ends right after the
+/// write, so the memory holds what the write left (see [`Injector::new`]).
+pub const PROBE_EXIT: i32 = 87;
+
+/// The faults of one filter: one at a random call of every `guard_inject_every` calls, aimed
+/// as `guard_inject` says.
+pub struct Injector {
+    site: FaultSite,
+    rng: u64,
+    calls: u64,
+    next_at: u64,
+    /// The filter's number and type, for reports.
+    who: String,
+    /// A measurement's descriptor: one fault only, recorded here; the process ends with it,
+    /// stopped or not.
+    probe: Option<std::fs::File>,
+}
+
+impl Injector {
+    /// The faults of the filter at `site`.
+    ///
+    /// With a `probe` (a measurement of isolation), the filter makes one fault only: its
+    /// [`FAULT_RECORD`] goes to the probe before the write, and if the write is not stopped
+    /// the process ends at once with [`PROBE_EXIT`], so a process sharing the memory reads
+    /// whether the protected state changed. A stopped write ends it with
+    /// [`bulkhead_guard::VIOLATION_EXIT`], as always.
+    pub fn new(site: FaultSite, probe: Option<OwnedFd>) -> Injector {
+        let who = format!("{} ({})", site.index + 1, site.name);
+        let rng = site.spec.seed.max(1);
+        let mut i = Injector { site, rng, calls: 0, next_at: 0, who, probe: probe.map(std::fs::File::from) };
+        i.schedule();
+        i
+    }
+
+    fn next(&mut self) -> u64 {
+        // xorshift64*.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn schedule(&mut self) {
+        self.next_at = self.calls + 1 + self.next() % self.site.spec.every;
+    }
+
+    /// A word-aligned address in `len` bytes from `start`.
+    fn pick(&mut self, start: u64, len: u64) -> Option<u64> {
+        (len >= 8).then(|| start + (self.next() % (len / 8)) * 8)
+    }
+
+    fn in_space(&mut self, s: Space) -> Option<u64> {
+        let (start, _) = heap::space_range(s)?;
+        let used = heap::extent(s).load(std::sync::atomic::Ordering::Relaxed);
+        self.pick(start, used)
+    }
+
+    fn address(&mut self, target: InjectTarget, own: Space) -> Option<u64> {
+        match target {
+            InjectTarget::Ring => {
+                let n = self.site.targets.rings.len();
+                let k = self.next() as usize % n.max(1);
+                let (start, len) = *self.site.targets.rings.get(k)?;
+                self.pick(start, len)
+            }
+            InjectTarget::Heap => self.in_space(heap::RUNTIME),
+            InjectTarget::Filter => {
+                let n = self.site.targets.others.len();
+                let k = self.next() as usize % n.max(1);
+                let s = *self.site.targets.others.get(k)?;
+                self.in_space(s)
+            }
+            InjectTarget::Freed => {
+                // A buffer of the filter's own, freed whole: its pages are no longer its to write.
+                let block = heap::with_space(own, || vec![0u8; 2 * bulkhead_guard::PAGE as usize]);
+                let at = block.as_ptr() as u64;
+                drop(block);
+                self.pick(at, 2 * bulkhead_guard::PAGE)
+            }
+            InjectTarget::Random => {
+                let choices = [InjectTarget::Ring, InjectTarget::Heap, InjectTarget::Filter];
+                let t = choices[self.next() as usize % choices.len()];
+                self.address(t, own).or_else(|| self.address(InjectTarget::Heap, own))
+            }
+        }
+    }
+}
+
+impl Faults for Injector {
+    fn due(&mut self, own: Space) -> Option<Fault> {
+        self.calls += 1;
+        if self.calls < self.next_at {
+            return None;
+        }
+        self.schedule();
+        let addr = self.address(self.site.spec.target, own)?;
+        // SAFETY: `addr` is a word-aligned address inside memory this process maps read-write
+        // for as long as it runs (a ring, a heap space); reading it races with nothing, as the
+        // domain is single-threaded.
+        let old = unsafe { std::ptr::read_volatile(addr as *const u64) };
+        let value = old ^ FAULT_FLIP;
+        eprintln!(
+            "bulkhead guard: injecting a fault from filter {}: 8 bytes at {addr:#x} ({})",
+            self.who,
+            self.site.spec.target.as_str()
+        );
+        if let Some(r) = &mut self.probe {
+            let mut rec = [0u8; FAULT_RECORD];
+            rec[..8].copy_from_slice(&addr.to_le_bytes());
+            rec[8..].copy_from_slice(&value.to_le_bytes());
+            if r.write_all(&rec).is_err() {
+                // Nobody is left to check the memory: a fault nobody measures is not made.
+                return None;
+            }
+        }
+        Some(Fault { addr, value })
+    }
+
+    fn strike(&mut self, f: &Fault) {
+        // SAFETY: deliberately a write the filter must not make, into memory this process maps
+        // read-write (see `due`); under write capture it is stopped before it lands.
+        unsafe { std::ptr::write_volatile(f.addr as *mut u64, f.value) };
+    }
+
+    /// Says so, read from the memory itself; a probe ends the process here, leaving the
+    /// memory as the write left it.
+    fn landed(&mut self, f: &Fault) {
+        if self.probe.is_some() {
+            std::process::exit(PROBE_EXIT);
+        }
+        // SAFETY: as in `due`.
+        let now = unsafe { std::ptr::read_volatile(f.addr as *const u64) };
+        if now == f.value {
+            eprintln!("bulkhead guard: the injected write at {:#x} landed: not isolated", f.addr);
+        }
+    }
+}
+
+/// What the test driver hands the runtime: each filter with `guard_inject` gets an
+/// [`Injector`] of its own, with no probe.
+pub fn maker(site: FaultSite) -> Box<dyn Faults> {
+    Box::new(Injector::new(site, None))
+}
