@@ -6,8 +6,9 @@
 //! collected on the domain's own thread, never in librbd's callbacks.
 //!
 //! - The client cache is off unless asked for: a write is then acknowledged once the OSDs
-//!   hold it, so FUA needs nothing more. With the cache on, a FUA write is followed by a
-//!   flush before it is answered.
+//!   hold it, so FUA needs nothing more, and librbd sends it from the request's window
+//!   without copying it first. With the cache on, a FUA write is followed by a flush before
+//!   it is answered.
 //! - Discards smaller than librbd's discard granularity would be dropped silently; the
 //!   domain sets the granularity to the device's block.
 //! - A new domain breaks the exclusive lock of this device's earlier domains (the supervisor
@@ -148,6 +149,10 @@ impl RbdBackend {
             ("log_to_stderr", "false".into()),
             ("err_to_stderr", "true".into()),
             ("rbd_cache", o.cache.to_string()),
+            // Without the cache, librbd sends a write's data from the request's own window
+            // rather than a copy of it, and answers only once nothing of its holds the window
+            // any more: the window is the frontend's until then anyway.
+            ("rbd_disable_zero_copy_writes", o.cache.to_string()),
             ("rbd_discard_granularity_bytes", o.discard_granularity.to_string()),
             ("rados_osd_op_timeout", secs(o.op_timeout)),
             ("rados_mon_op_timeout", secs(o.op_timeout)),
