@@ -163,6 +163,12 @@ fn devices_come_and_go_a_reload_applies_and_metrics_agree_with_fio_while_fio_ver
     std::fs::write(&config_path, &bigger).unwrap();
     let err = refused(&run, &["reload"], None);
     assert!(err.contains("device `r0`: key `size` changed") && err.contains("nothing was applied"), "{err}");
+    // So is one that asks for faults on purpose, which only the test driver makes.
+    let faults = dump.replacen("read_us = 5", "read_us = 5\nguard = \"dwc\"\nguard_inject = \"ring\"", 1);
+    assert_ne!(faults, dump);
+    std::fs::write(&config_path, &faults).unwrap();
+    let err = refused(&run, &["reload"], None);
+    assert!(err.contains("guard_inject") && err.contains("nothing was applied"), "{err}");
     // One that can: a QoS change, a filter changed, and a new device.
     let edited = dump.replace("iops = 5000", "iops = 2000").replace("read_us = 5", "read_us = 1")
         + "\n[[device]]\nname = \"r3\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n";

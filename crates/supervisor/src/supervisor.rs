@@ -184,9 +184,7 @@ impl Supervisor {
         if self.hub.stopping.load(Ordering::Acquire) || self.stopped.load(Ordering::Acquire) {
             return Err(refuse("serve is shutting down".into()));
         }
-        if !self.foreign_driver {
-            refuse_faults(&name, &cfg.filters())?;
-        }
+        self.check_faults(cfg)?;
         for n in std::iter::once(&name).chain(cfg.views.iter().map(|v| v.name.get_ref())) {
             if self.hub.devices.name_taken(n) {
                 return Err(refuse(format!("a device or view named `{n}` is served already")));
@@ -205,6 +203,16 @@ impl Supervisor {
         self.hub.devices.insert(rt);
         self.hub.mailbox.post(crate::mailbox::Note::Added(id));
         Ok(fronts)
+    }
+
+    /// Refuses device `cfg` if a filter of it has `guard_inject` and this serve's domains run
+    /// this binary's own driver, which makes no faults (only `serve --driver-exe` with the
+    /// test driver does).
+    pub fn check_faults(&self, cfg: &bulkhead_config::DeviceConfig) -> Result<(), SupervisorError> {
+        if self.foreign_driver {
+            return Ok(());
+        }
+        refuse_faults(cfg.name.get_ref(), &cfg.filters())
     }
 
     /// Stops serving device `name`, which the exports no longer offer: waits up to `drain`
