@@ -334,10 +334,13 @@ fn a_killed_keeper_stops_serve_cleanly_and_a_serve_that_never_returns_ends_the_c
     let log_path = run_dir.with_extension("log");
     let mut keeper = start_keeper(&bin, &run_dir, &config(&run_dir, 1500), &log_path);
     let deadline = Instant::now() + Duration::from_secs(20);
-    while serve_pid_from_hello(&run_dir).is_none() {
+    let first = loop {
+        if let Some(pid) = serve_pid_from_hello(&run_dir) {
+            break pid;
+        }
         assert!(Instant::now() < deadline, "{}", std::fs::read_to_string(&log_path).unwrap_or_default());
         std::thread::sleep(Duration::from_millis(20));
-    }
+    };
     let lo = LoopGuard::attach_direct(&run_dir.join("fuse").join("r0"));
     let kpid = keeper.0.as_ref().unwrap().id();
     std::fs::remove_file(&bin).unwrap();
@@ -353,23 +356,38 @@ fn a_killed_keeper_stops_serve_cleanly_and_a_serve_that_never_returns_ends_the_c
             }
         })
     };
-    let started = Instant::now();
-    let mut dd = Command::new("dd")
-        .args([&format!("if={}", lo.dev), "of=/dev/null", "bs=4k", "count=1", "skip=77", "iflag=direct", "status=none"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    // The serve that answered first is gone before the first read: a read it took would
+    // succeed.
     let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(s) = dd.try_wait().unwrap() {
-            break s;
+    while Path::new(&format!("/proc/{first}")).exists() {
+        assert!(Instant::now() < deadline, "serve {first} was not killed");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let started = Instant::now();
+    // A serve the keeper starts again may answer a read in the few milliseconds before the
+    // killer finds it; once the keeper gives up, every read fails, and none ever hangs.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let err = loop {
+        let mut dd = Command::new("dd")
+            .args([&format!("if={}", lo.dev), "of=/dev/null", "bs=4k", "count=1", "skip=77", "iflag=direct", "status=none"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let status = loop {
+            if let Some(s) = dd.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "a read hung after the keeper should have given up");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        dd.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+        if !status.success() {
+            break err;
         }
-        assert!(Instant::now() < deadline, "a read hung after the keeper should have given up");
-        std::thread::sleep(Duration::from_millis(20));
+        assert!(Instant::now() < deadline, "reads still succeed 20 s after the keeper should have given up");
+        std::thread::sleep(Duration::from_millis(50));
     };
-    let mut err = String::new();
-    dd.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    assert!(!status.success(), "a read succeeded with no serve");
     assert!(err.contains("Input/output error"), "{err}");
     let waited = started.elapsed();
     let kst = keeper.0.as_mut().unwrap().wait().unwrap();
