@@ -7,7 +7,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -332,6 +332,7 @@ fn a_killed_keeper_stops_serve_cleanly_and_a_serve_that_never_returns_ends_the_c
     std::fs::copy(exe(), &bin).unwrap();
     let run_dir = tmp.path().join("run2");
     let log_path = run_dir.with_extension("log");
+    let _left = FuseLeft(run_dir.join("fuse"));
     let mut keeper = start_keeper(&bin, &run_dir, &config(&run_dir, 1500), &log_path);
     let deadline = Instant::now() + Duration::from_secs(20);
     let first = loop {
@@ -402,6 +403,18 @@ fn a_killed_keeper_stops_serve_cleanly_and_a_serve_that_never_returns_ends_the_c
     keeper.0 = None;
 }
 
+/// The FUSE mount of a run directory, lazily unmounted on drop if still there: a keeper a
+/// failing test kills leaves it behind. Declared before the keeper's guard, so dropped after.
+struct FuseLeft(PathBuf);
+
+impl Drop for FuseLeft {
+    fn drop(&mut self) {
+        if std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default().contains(self.0.to_str().unwrap()) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+}
+
 /// Starts `bin serve` as a keeper on `run_dir` with `config`, logging to `log`, and waits until
 /// its serve answers.
 fn start_keeper(bin: &Path, run_dir: &Path, config: &str, log: &Path) -> common::ChildGuard {
@@ -443,6 +456,7 @@ fn an_upgrade_to_a_binary_that_does_not_start_falls_back_to_the_one_that_was_ser
     std::fs::copy(exe(), &bin).unwrap();
     let run_dir = tmp.path().join("run");
     let log_path = run_dir.with_extension("log");
+    let _left = FuseLeft(run_dir.join("fuse"));
     let mut keeper = start_keeper(&bin, &run_dir, &config(&run_dir, 4000), &log_path);
     let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     // One open of the FUSE file across everything: no upgrade makes its user reopen it.
