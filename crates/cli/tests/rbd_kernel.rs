@@ -430,6 +430,13 @@ fn with_a_keeper_a_killed_serve_is_followed_by_one_that_breaks_its_domains_lock_
         let took = started.elapsed();
         eprintln!("round {round}: a new serve wrote to the image {} ms after the kill", took.as_millis());
         assert!(took < Duration::from_secs(10), "the first write after a crash of serve took {took:?}: {}", serve.log_text());
+        // The domain says so on its standard error, which serve copies to the log: wait for
+        // the line before the next kill, which would lose it with serve's copy unread.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while serve.log_text().matches("broke the exclusive lock of an earlier domain").count() <= round {
+            assert!(Instant::now() < deadline, "round {round}: no lock broken: {}", serve.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
     let log = serve.log_text();
     assert!(log.contains("lock owner(s) of the serve before this one kept"), "{log}");
