@@ -10,7 +10,7 @@ use std::sync::Arc;
 use bulkhead_backends::{
     ChannelBackend, Engine, FileBackend, ImageLayer, NbdBackend, NullBackend, Qcow2Backend, RamBackend, RbdBackend, RbdOptions,
 };
-use bulkhead_block::{Backend, Chain};
+use bulkhead_block::{Backend, Chain, Layer};
 use bulkhead_channel::{AboveControl, BackQueue, BackQueueFds, BelowControl, ForwardQueueFds, FrontQueue, QueueConfig};
 use bulkhead_ring::ArenaSizes;
 
@@ -38,18 +38,39 @@ unsafe fn claim_opt(fd: Option<i32>) -> Result<Option<OwnedFd>, DriverError> {
     fd.map(|fd| unsafe { claim(fd) }).transpose()
 }
 
-/// Builds the domain `spec` describes from descriptors inherited at exec. `faults` makes
-/// the faults of filters with `guard_inject`; only a test build passes one, and without it
-/// such a spec is refused ([`guarded::build_filters`]).
+/// Builds the domain `spec` describes from descriptors inherited at exec. A spec with
+/// `guard_inject` is refused ([`guarded::build_filters`]).
 ///
 /// # Safety
 /// Every descriptor named in the spec must be inherited for this domain and not used by
 /// anything else in the process.
-pub unsafe fn build_inherited(
+pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Result<Domain, DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { build_with(spec, stop, &|f, rings| guarded::build_filters(f, rings)) }
+}
+
+/// As [`build_inherited`], with the faults of filters with `guard_inject` made by `make`.
+///
+/// # Safety
+/// As for [`build_inherited`].
+#[cfg(feature = "faults")]
+pub unsafe fn build_inherited_with_faults(
     spec: &DomainSpec,
     stop: Arc<AtomicBool>,
-    faults: Option<guarded::FaultMaker<'_>>,
+    make: guarded::FaultMaker<'_>,
 ) -> Result<Domain, DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { build_with(spec, stop, &|f, rings| guarded::build_filters_with_faults(f, rings, make)) }
+}
+
+/// How a domain's filters are built over its queues' rings.
+type FilterBuilder<'a> = &'a dyn Fn(Vec<guarded::FilterParts>, &[(u64, u64)]) -> Result<Vec<Box<dyn Layer>>, String>;
+
+/// [`build_inherited`], with the filters built by `filters`.
+///
+/// # Safety
+/// As for [`build_inherited`].
+unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBuilder<'_>) -> Result<Domain, DriverError> {
     let this = spec;
     let lower_stop = stop.clone();
     // Write capture: every allocation from here on comes from a heap space, the runtime's or
@@ -218,7 +239,7 @@ pub unsafe fn build_inherited(
         }
     };
     let rings: Vec<(u64, u64)> = queues.iter().map(BackQueue::ring_region).collect();
-    let mut filters = Vec::with_capacity(this.filters.len());
+    let mut parts = Vec::with_capacity(this.filters.len());
     for f in &this.filters {
         // SAFETY: forwarded from this function's contract.
         let state = unsafe { claim(f.state_fd)? };
@@ -226,9 +247,9 @@ pub unsafe fn build_inherited(
         let output = unsafe { claim_opt(f.output_fd)? };
         // SAFETY: as above.
         let secret = unsafe { claim_opt(f.secret_fd)? };
-        filters.push(guarded::FilterParts { spec: f.spec.clone(), fds: FilterFds { state, output, secret }, guard: f.guard });
+        parts.push(guarded::FilterParts { spec: f.spec.clone(), fds: FilterFds { state, output, secret }, guard: f.guard });
     }
-    let layers = guarded::build_filters(filters, &rings, faults).map_err(DriverError::Setup)?;
+    let layers = filters(parts, &rings).map_err(DriverError::Setup)?;
     let chain = Chain::new(layers, backend);
     // The device may use a prefix of what the chain offers (a file longer than `size`).
     if chain.size() < this.size {
@@ -289,7 +310,7 @@ mod tests {
             report_fd: None,
         };
         // SAFETY: the descriptors named are not open, which is what is being tested.
-        let e = unsafe { build_inherited(&spec, Arc::new(AtomicBool::new(false)), None) }.unwrap_err();
+        let e = unsafe { build_inherited(&spec, Arc::new(AtomicBool::new(false))) }.unwrap_err();
         assert!(e.to_string().contains("descriptor 1000"), "{e}");
     }
 }

@@ -1,5 +1,7 @@
-//! Filters under write capture (`guard = "dwc" | "scdwc"`), and the points where a test
-//! build makes faults in them (`guard_inject`, [`Faults`]).
+//! Filters under write capture (`guard = "dwc" | "scdwc"`), and, in a build with the `faults`
+//! feature (the test driver's), the points where faults are made in them on purpose
+//! (`guard_inject`, `Faults`). Without the feature a filter with `guard_inject` is refused and
+//! nothing of the faults is compiled in.
 //!
 //! Every filter of a guarded domain allocates from a heap space of its own
 //! ([`bulkhead_guard::heap`]); the runtime keeps space 0. [`Guarded`] wraps a filter's layer:
@@ -14,7 +16,9 @@
 //! its metadata through the runtime then.
 
 use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
-use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec, InjectSpec};
+#[cfg(feature = "faults")]
+use bulkhead_filters::InjectSpec;
+use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec};
 use bulkhead_guard::heap::{self, Space};
 use bulkhead_guard::{Act, Guard, Handle, Mechanism, Mode};
 
@@ -87,52 +91,79 @@ pub struct FilterParts {
 
 /// Builds a domain's filters, frontend side first, over queues whose rings lie at `rings`.
 ///
-/// When any filter is guarded or has faults injected, the heap must be active with a space
-/// for the runtime and one per filter ([`heap::activate`]): each filter is built in its own
-/// space and wrapped in [`Guarded`], and write capture is installed on the calling thread for
-/// the rest of the process's life (a stopped write ends the process).
+/// When any filter is guarded, the heap must be active with a space for the runtime and one
+/// per filter ([`heap::activate`]): each filter is built in its own space and wrapped in
+/// [`Guarded`], and write capture is installed on the calling thread for the rest of the
+/// process's life (a stopped write ends the process).
 ///
-/// A filter with `guard_inject` needs `faults`, which makes its faults; without it the
-/// domain is refused: the shipped driver makes none.
-pub fn build_filters(
+/// A filter with `guard_inject` is refused: this driver makes no faults (the test driver's
+/// build does, with `build_filters_with_faults`).
+pub fn build_filters(filters: Vec<FilterParts>, rings: &[(u64, u64)]) -> Result<Vec<Box<dyn Layer>>, String> {
+    if let Some((i, f)) = filters.iter().enumerate().find(|(_, f)| f.guard.inject.is_some()) {
+        return Err(format!(
+            "filter {} ({}): guard_inject: this driver makes no faults; only the test driver \
+             (bulkhead-test-driver, given to serve with --driver-exe) does",
+            i + 1,
+            f.spec.type_name()
+        ));
+    }
+    Ok(build_layers(filters, rings)?.into_iter().map(Built::into_layer).collect())
+}
+
+/// As [`build_filters`], with the faults of each filter with `guard_inject` made by `make`.
+#[cfg(feature = "faults")]
+pub fn build_filters_with_faults(
     filters: Vec<FilterParts>,
     rings: &[(u64, u64)],
-    faults: Option<FaultMaker<'_>>,
+    make: FaultMaker<'_>,
 ) -> Result<Vec<Box<dyn Layer>>, String> {
-    if faults.is_none() {
-        if let Some((i, f)) = filters.iter().enumerate().find(|(_, f)| f.guard.inject.is_some()) {
-            return Err(format!(
-                "filter {} ({}): guard_inject: this driver makes no faults; only the test driver \
-                 (bulkhead-test-driver, given to serve with --driver-exe) does",
-                i + 1,
-                f.spec.type_name()
-            ));
+    let n = filters.len();
+    let asked: Vec<Option<InjectSpec>> = filters.iter().map(|f| f.guard.inject).collect();
+    let built = build_layers(filters, rings)?;
+    Ok(built
+        .into_iter()
+        .zip(asked)
+        .enumerate()
+        .map(|(i, b)| match b {
+            (Built::Guarded(mut g), Some(spec)) => {
+                let targets = Targets { rings: rings.to_vec(), others: (0..n).filter(|&j| j != i).map(space_of).collect() };
+                // Made in the runtime's heap: what keeps count of the calls is not the filter's.
+                g.faults = Some(make(FaultSite { index: i, name: g.name(), spec, targets }));
+                Box::new(g) as Box<dyn Layer>
+            }
+            (b, _) => b.into_layer(),
+        })
+        .collect())
+}
+
+/// A filter as built: plain, or guarded.
+enum Built {
+    Plain(Box<dyn Layer>),
+    Guarded(Guarded),
+}
+
+impl Built {
+    fn into_layer(self) -> Box<dyn Layer> {
+        match self {
+            Built::Plain(l) => l,
+            Built::Guarded(g) => Box::new(g),
         }
     }
+}
+
+/// Builds the filters, each guarded filter in its space, and installs write capture if any is.
+fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)]) -> Result<Vec<Built>, String> {
     let guarded = filters.iter().any(|f| f.guard.wanted());
     if guarded && heap::space_range(space_of(filters.len().saturating_sub(1))).is_none() {
         return Err(format!("write capture: the heap has no space for each of {} filters", filters.len()));
     }
     let names: Vec<(String, bool)> = filters.iter().map(|f| (f.spec.type_name().to_string(), f.guard.keys)).collect();
-    let mut layers: Vec<Box<dyn Layer>> = Vec::with_capacity(filters.len());
-    let n = filters.len();
+    let mut layers = Vec::with_capacity(filters.len());
     for (i, f) in filters.into_iter().enumerate() {
         let FilterParts { spec, fds, guard } = f;
         let make = || bulkhead_filters::build(&spec, fds);
         let layer = if guarded { heap::with_space(space_of(i), make) } else { make() }.map_err(|e| e.to_string())?;
-        if !guarded {
-            layers.push(layer);
-            continue;
-        }
-        let faults = match (guard.inject, faults) {
-            (Some(spec), Some(make)) => {
-                let targets = Targets { rings: rings.to_vec(), others: (0..n).filter(|&j| j != i).map(space_of).collect() };
-                // Made in the runtime's heap: what keeps count of the calls is not the filter's.
-                Some(make(FaultSite { index: i, name: layer.name(), spec, targets }))
-            }
-            _ => None,
-        };
-        layers.push(Box::new(Guarded::new(layer, i, guard.mode, faults)));
+        layers.push(if guarded { Built::Guarded(Guarded::new(layer, i, guard.mode)) } else { Built::Plain(layer) });
     }
     if guarded {
         let guard = install(rings, &names, None).map_err(|e| format!("write capture: {e}"))?;
@@ -143,6 +174,7 @@ pub fn build_filters(
 }
 
 /// Where injected faults may write, other than the filter's own memory.
+#[cfg(feature = "faults")]
 #[derive(Debug, Clone, Default)]
 pub struct Targets {
     /// The queues' rings, as (start, bytes).
@@ -152,6 +184,7 @@ pub struct Targets {
 }
 
 /// A fault ready to strike: 8 bytes at `addr`, to become `value`.
+#[cfg(feature = "faults")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     /// Where: a word-aligned address the process maps read-write.
@@ -162,8 +195,9 @@ pub struct Fault {
 
 /// Writes a guarded filter makes where it must not, on purpose, to test and measure write
 /// capture. The driver itself makes none: it only calls these at the points a fault belongs
-/// (see [`Guarded`]), and only a test build hands it an implementation ([`FaultMaker`]); the
+/// (see [`Guarded`]), and the test build hands it an implementation ([`FaultMaker`]); the
 /// writes themselves are made by that implementation, not here.
+#[cfg(feature = "faults")]
 pub trait Faults: Send {
     /// Counts a call into the filter whose heap space is `own`; the fault to strike in it,
     /// if one is due.
@@ -176,6 +210,7 @@ pub trait Faults: Send {
 
 /// Where a filter's faults are made: what the configuration asked for it, and where they may
 /// aim.
+#[cfg(feature = "faults")]
 #[derive(Debug, Clone)]
 pub struct FaultSite {
     /// The filter's place in the chain, from 0 at the frontend side.
@@ -188,25 +223,35 @@ pub struct FaultSite {
     pub targets: Targets,
 }
 
-/// Makes the faults of one filter. Only test builds have one ([`build_filters`]).
+/// Makes the faults of one filter ([`build_filters_with_faults`]).
+#[cfg(feature = "faults")]
 pub type FaultMaker<'a> = &'a dyn Fn(FaultSite) -> Box<dyn Faults>;
 
-/// A filter's layer under write capture, faults made on purpose ([`Faults`]), or both. See the
-/// module's documentation.
+/// A filter's layer under write capture, faults made on purpose (`Faults`, in a build with
+/// them), or both. See the module's documentation.
 pub struct Guarded {
     inner: Box<dyn Layer>,
     id: u32,
     space: Space,
     mode: Option<Mode>,
     handle: Handle,
+    #[cfg(feature = "faults")]
     faults: Option<Box<dyn Faults>>,
 }
 
 impl Guarded {
     /// Wraps `inner`, the filter at `index` in the chain, whose state was allocated in its
-    /// space ([`space_of`]), guarded as `mode` says, with `faults` made in it if given.
-    pub fn new(inner: Box<dyn Layer>, index: usize, mode: GuardMode, faults: Option<Box<dyn Faults>>) -> Guarded {
-        Guarded { inner, id: index as u32, space: space_of(index), mode: mode_of(mode), handle: Handle::new(), faults }
+    /// space ([`space_of`]), guarded as `mode` says.
+    pub fn new(inner: Box<dyn Layer>, index: usize, mode: GuardMode) -> Guarded {
+        Guarded {
+            inner,
+            id: index as u32,
+            space: space_of(index),
+            mode: mode_of(mode),
+            handle: Handle::new(),
+            #[cfg(feature = "faults")]
+            faults: None,
+        }
     }
 
     fn own(&self) -> (u64, u64) {
@@ -232,16 +277,18 @@ impl Guarded {
         act
     }
 
-    /// Runs `f` on the filter as guarded code allowed `act`, in its space, with a fault struck
-    /// first if one is due.
+    /// Runs `f` on the filter as guarded code allowed `act`, in its space (with a fault struck
+    /// first if one is due, in a build with faults).
     fn run<R>(&mut self, act: Act, f: impl FnOnce(&mut dyn Layer, bool) -> R) -> R {
         let space = self.space;
         heap::with_space(space, || {
+            #[cfg(feature = "faults")]
             let fault = self.faults.as_mut().and_then(|x| x.due(space));
             let entered = match self.mode {
                 Some(m) => self.handle.enter(self.id, &act, m).is_ok(),
                 None => false,
             };
+            #[cfg(feature = "faults")]
             if let (Some(f), Some(x)) = (&fault, self.faults.as_mut()) {
                 x.strike(f);
                 if entered {
@@ -333,7 +380,7 @@ impl Layer for Guarded {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bulkhead_filters::InjectTarget;
+    use bulkhead_filters::{InjectSpec, InjectTarget};
 
     #[test]
     fn a_filter_with_faults_is_refused_without_a_maker() {
@@ -344,7 +391,7 @@ mod tests {
             fds: FilterFds { state, output: None, secret: None },
             guard: GuardSpec { mode: GuardMode::Dwc, keys: false, inject },
         }];
-        match build_filters(parts, &[], None) {
+        match build_filters(parts, &[]) {
             Ok(_) => panic!("a filter with guard_inject was built by a driver that makes no faults"),
             Err(e) => assert!(e.contains("filter 1 (stats): guard_inject") && e.contains("test driver"), "{e}"),
         }

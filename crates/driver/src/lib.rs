@@ -17,6 +17,8 @@ mod runtime;
 mod sharing;
 
 pub use build::build_inherited;
+#[cfg(feature = "faults")]
+pub use build::build_inherited_with_faults;
 pub use model::build_model_inherited;
 pub use runtime::{Domain, DomainStats};
 

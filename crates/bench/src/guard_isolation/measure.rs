@@ -160,7 +160,7 @@ fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<Filte
         // The measured filter's faults, the one with `guard_inject`, report to the probe.
         let probe = RefCell::new(Some(probe));
         let make = |site: FaultSite| -> Box<dyn Faults> { Box::new(Injector::new(site, probe.borrow_mut().take())) };
-        let layers = guarded::build_filters(parts, &rings, Some(&make))?;
+        let layers = guarded::build_filters_with_faults(parts, &rings, &make)?;
         let chain = Chain::new(layers, backend);
         let stop = Arc::new(AtomicBool::new(false));
         let mut dom =

@@ -123,7 +123,7 @@ fn main() -> ExitCode {
             // Filters with `guard_inject` make their faults.
             let faults: bulkhead_driver::guarded::FaultMaker<'_> = &bulkhead_testkit::faults::maker;
             // SAFETY: as above.
-            let mut domain = match unsafe { bulkhead_driver::build_inherited(&spec, stop, Some(faults)) } {
+            let mut domain = match unsafe { bulkhead_driver::build_inherited_with_faults(&spec, stop, faults) } {
                 Ok(d) => d,
                 Err(e) => return fail(e.to_string()),
             };
@@ -167,7 +167,7 @@ fn escape(spec: &DomainSpec, stop: Arc<AtomicBool>) -> ExitCode {
     };
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
     // alone; the mapping above does not use the descriptor after it is made.
-    let _domain = match unsafe { bulkhead_driver::build_inherited(spec, stop, None) } {
+    let _domain = match unsafe { bulkhead_driver::build_inherited(spec, stop) } {
         Ok(d) => d,
         Err(e) => return fail(e.to_string()),
     };
