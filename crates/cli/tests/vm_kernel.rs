@@ -170,7 +170,10 @@ fn thirty_driver_kills_and_wedges_under_guest_io_are_a_pause() {
     let max = q["max_in_flight"].as_u64().unwrap_or(0);
     assert!(max >= 10, "at most {max} requests were in flight: {q}");
     assert_eq!(q["failed"].as_u64(), Some(0), "{q}");
-    eprintln!("30 kills and wedges: {} requests returned, at most {max} in flight", q["returned"]);
+    eprintln!(
+        "30 kills and wedges: {} requests returned, at most {max} in flight, {} calls sent again",
+        q["returned"], q["recalls"]
+    );
 }
 
 #[test]

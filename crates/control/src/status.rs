@@ -291,6 +291,10 @@ pub struct VhostQueueStatus {
     pub resubmitted: u64,
     /// Most requests at the device at once.
     pub max_in_flight: u64,
+    /// Calls sent again to a guest that went on waiting for requests already returned (its
+    /// interrupt was missed).
+    #[serde(default)]
+    pub recalls: u64,
     /// The queue stopped on a malformed ring.
     pub broken: bool,
 }

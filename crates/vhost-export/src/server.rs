@@ -180,6 +180,7 @@ impl VhostExport {
                         failed: q.failed.load(Ordering::Relaxed),
                         resubmitted: q.resubmitted.load(Ordering::Relaxed),
                         max_in_flight: q.max_in_flight.load(Ordering::Relaxed),
+                        recalls: q.recalls.load(Ordering::Relaxed),
                         broken: q.broken.load(Ordering::Relaxed),
                     })
                     .collect();

@@ -360,6 +360,21 @@ impl Vring {
         Ok((new - used_event - Wrapping(1)).0 < (new - old).0)
     }
 
+    /// Whether the driver, by its event index, still waits to hear of an entry that is used
+    /// already: it asked for a call at `used_event`, below the used index, and the call that
+    /// crossed it either went before the driver asked (a driver whose barrier between writing
+    /// its event index and reading the used index again did not hold) or was lost. Returns
+    /// the driver's event index and the used index when so; always `None` without EVENT_IDX,
+    /// where the driver's progress is not visible.
+    pub fn call_missed(&self) -> Result<Option<(u16, u16)>, RingError> {
+        if !self.event_idx {
+            return Ok(None);
+        }
+        fence(Ordering::SeqCst);
+        let used_event = self.load_u16(self.addrs.avail.unchecked_add(4 + 2 * u64::from(self.size)), Ordering::Relaxed)?;
+        Ok((used_event != self.next_used.0).then_some((used_event, self.next_used.0)))
+    }
+
     /// Asks the driver not to kick while the device polls.
     pub fn suppress_kicks(&self) -> Result<(), RingError> {
         if !self.event_idx {
@@ -573,6 +588,32 @@ pub(crate) mod tests {
         assert_eq!(r.enable_kicks(), Ok(false));
         let avail_event: u16 = mem.memory().read_obj(USED.unchecked_add(4 + 8 * 16)).unwrap();
         assert_eq!(avail_event, 0);
+    }
+
+    #[test]
+    fn a_driver_that_asked_too_late_is_seen_waiting_for_a_used_entry() {
+        let mem = guest(1 << 20);
+        let mut r = ring(&mem, true);
+        let used_event = AVAIL.unchecked_add(4 + 2 * 16);
+        r.push_used(0, 1).unwrap();
+        assert_eq!(r.needs_call(), Ok(true));
+        mem.memory().write_obj(1u16, used_event).unwrap();
+        assert_eq!(r.call_missed(), Ok(None), "the driver has taken everything used");
+        // Entries 1 and 2 are used while the driver's event index still reads 0: no call is
+        // due. The driver then asks for entry 1, after the device looked: had its barrier
+        // held it would have seen entries 1 and 2 itself; it did not, and waits.
+        mem.memory().write_obj(0u16, used_event).unwrap();
+        r.push_used(1, 1).unwrap();
+        r.push_used(2, 1).unwrap();
+        assert_eq!(r.needs_call(), Ok(false));
+        mem.memory().write_obj(1u16, used_event).unwrap();
+        assert_eq!(r.needs_call(), Ok(false), "nothing new was used");
+        assert_eq!(r.call_missed(), Ok(Some((1, 3))), "it waits to hear of entry 1, used already");
+        mem.memory().write_obj(3u16, used_event).unwrap();
+        assert_eq!(r.call_missed(), Ok(None));
+        // Without the event index nothing of the driver's progress shows.
+        let r = ring(&guest(1 << 20), false);
+        assert_eq!(r.call_missed(), Ok(None));
     }
 
     #[test]

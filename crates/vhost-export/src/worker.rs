@@ -29,6 +29,9 @@ const TAKE_BATCH: usize = 64;
 const LATER_MS: i32 = 1;
 /// Longest sleep before the loop looks at its device and stop flag again, ms.
 const SLICE_MS: i32 = 50;
+/// Quiet time (nothing taken, nothing answered) after which a driver still waiting to hear of
+/// used entries is called again, ns.
+const RECALL_AFTER_NS: u64 = SLICE_MS as u64 * 1_000_000;
 
 /// Counters of one virtqueue, read by `status`.
 #[derive(Debug, Default)]
@@ -47,6 +50,9 @@ pub struct QueueStats {
     pub max_in_flight: AtomicU64,
     /// Calls (interrupts) sent to the guest.
     pub calls: AtomicU64,
+    /// Calls sent again to a guest left waiting for entries already used (see
+    /// [`Vring::call_missed`]).
+    pub recalls: AtomicU64,
     /// The queue stopped on an error of the ring (the reason is logged).
     pub broken: AtomicBool,
 }
@@ -273,6 +279,9 @@ pub fn run(w: QueueWork) -> RingPosition {
     let mut idle = IdleSpin::new(wait_policy(&dev));
     let yield_after_ns = if dev.mode() == NotifyMode::Poll { 10_000 } else { 0 };
     let mut last_answer = Instant::now();
+    // When the queue last did anything, and the driver's wait last answered with a recall.
+    let mut last_work = now_ns();
+    let mut recalled: Option<(u16, u16)> = None;
     let mut at_device = 0usize;
     let break_ring = |e: RingError, broken: &mut Option<RingError>| {
         if broken.is_none() {
@@ -392,7 +401,23 @@ pub fn run(w: QueueWork) -> RingPosition {
         let now = now_ns();
         if work > 0 {
             idle.worked(now);
+            last_work = now;
             continue;
+        }
+        // Quiet for a while with nothing outstanding, yet the driver still waits to hear of
+        // entries it has not taken: its call is missed (a guest of one vCPU under QEMU TCG 7.2,
+        // which drops the guest's barriers, loses the race the event index relies on). Call
+        // again, once for each such wait: a driver that polls instead costs one interrupt.
+        if at_device == 0 && waiting.is_empty() && broken.is_none() && now.saturating_sub(last_work) >= RECALL_AFTER_NS {
+            match sv.ring.call_missed() {
+                Ok(Some(mark)) if recalled != Some(mark) => {
+                    recalled = Some(mark);
+                    call.signal();
+                    stats.recalls.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(_) => {}
+                Err(e) => break_ring(e, &mut broken),
+            }
         }
         let answers_due = at_device > 0;
         let spin = if answers_due { idle.spin_for_answers(now) } else { idle.spin(now, true) };
