@@ -279,8 +279,9 @@ pub fn run(w: QueueWork) -> RingPosition {
     let mut idle = IdleSpin::new(wait_policy(&dev));
     let yield_after_ns = if dev.mode() == NotifyMode::Poll { 10_000 } else { 0 };
     let mut last_answer = Instant::now();
-    // When the queue last did anything, and the driver's wait last answered with a recall.
-    let mut last_work = now_ns();
+    // When a quiet queue next looks for a missed call (every RECALL_AFTER_NS while quiet), and
+    // the driver's wait last answered with a recall.
+    let mut recall_check = now_ns() + RECALL_AFTER_NS;
     let mut recalled: Option<(u16, u16)> = None;
     let mut at_device = 0usize;
     let break_ring = |e: RingError, broken: &mut Option<RingError>| {
@@ -401,14 +402,16 @@ pub fn run(w: QueueWork) -> RingPosition {
         let now = now_ns();
         if work > 0 {
             idle.worked(now);
-            last_work = now;
+            recall_check = now + RECALL_AFTER_NS;
             continue;
         }
         // Quiet for a while with nothing outstanding, yet the driver still waits to hear of
         // entries it has not taken: its call is missed (a guest of one vCPU under QEMU TCG 7.2,
         // which drops the guest's barriers, loses the race the event index relies on). Call
         // again, once for each such wait: a driver that polls instead costs one interrupt.
-        if at_device == 0 && waiting.is_empty() && broken.is_none() && now.saturating_sub(last_work) >= RECALL_AFTER_NS {
+        if now >= recall_check && at_device == 0 && waiting.is_empty() && broken.is_none() {
+            // Once a slice, not on every turn of a spinning loop.
+            recall_check = now + RECALL_AFTER_NS;
             match sv.ring.call_missed() {
                 Ok(Some(mark)) if recalled != Some(mark) => {
                     recalled = Some(mark);
