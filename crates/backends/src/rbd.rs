@@ -97,6 +97,9 @@ pub struct RbdBackend {
     ready: Vec<(Tag, Result<u64, BlockError>)>,
     done: Vec<Completed>,
     lost: Option<String>,
+    /// The last request failed for want of an answer (`op_timeout`), and none has been
+    /// answered since.
+    stalled: bool,
 }
 
 // SAFETY: the slots' iovecs point into the request windows the frontend lent this domain; they
@@ -132,6 +135,7 @@ impl RbdBackend {
             ready: Vec::new(),
             done: Vec::new(),
             lost: None,
+            stalled: false,
         })
     }
 
@@ -272,6 +276,7 @@ impl RbdBackend {
         image.poll_completions(&mut self.done, usize::MAX);
         for c in std::mem::take(&mut self.done) {
             let Some(slot) = self.slots.get_mut(c.arg as usize) else { continue };
+            heard(&mut self.stalled, slot.op, c.result);
             let tag = Tag::new(c.arg as u32);
             if c.result >= 0 && slot.flush_after {
                 slot.flush_after = false;
@@ -287,6 +292,17 @@ impl RbdBackend {
             let r = Self::result(slot, c.result);
             self.ready.push((tag, r));
         }
+    }
+}
+
+/// Notes in `stalled` what librbd's result `r` of an `op` says of the cluster: a timeout that
+/// it has stopped answering, and an answer that it answers. A flush without the cache
+/// completes without asking the cluster, so its success says nothing.
+fn heard(stalled: &mut bool, op: Op, r: isize) {
+    if r == -(libc::ETIMEDOUT as isize) {
+        *stalled = true;
+    } else if op != Op::Flush {
+        *stalled = false;
     }
 }
 
@@ -345,6 +361,7 @@ impl Backend for RbdBackend {
                 if c.arg >= EXECUTE_BASE {
                     let k = (c.arg - EXECUTE_BASE) as usize;
                     if let Some(Some(s)) = slots.get(k) {
+                        heard(&mut self.stalled, s.op, c.result);
                         ios[k].result = Self::result(s, c.result);
                         waiting -= 1;
                     }
@@ -410,6 +427,12 @@ impl Remote for RbdBackend {
     fn lost(&self) -> Option<&str> {
         self.lost.as_deref()
     }
+    fn stalled(&self) -> bool {
+        self.stalled
+    }
+    fn may_stall(&self) -> bool {
+        true
+    }
 }
 
 impl Upkeep for RbdBackend {
@@ -425,7 +448,25 @@ impl Upkeep for RbdBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::nonce;
+    use super::{heard, nonce};
+    use bulkhead_block::Op;
+
+    #[test]
+    fn a_timeout_marks_the_cluster_stalled_until_it_answers_a_request_that_reaches_it() {
+        let mut stalled = false;
+        heard(&mut stalled, Op::Write, -(libc::ETIMEDOUT as isize));
+        assert!(stalled);
+        // A flush without the cache asks the cluster nothing.
+        heard(&mut stalled, Op::Flush, 0);
+        assert!(stalled);
+        // Another error is an answer, if not a good one.
+        heard(&mut stalled, Op::Read, -(libc::EIO as isize));
+        assert!(!stalled);
+        heard(&mut stalled, Op::Flush, -(libc::ETIMEDOUT as isize));
+        assert!(stalled);
+        heard(&mut stalled, Op::Read, 4096);
+        assert!(!stalled);
+    }
 
     #[test]
     fn a_client_is_named_by_the_nonce_of_its_address() {

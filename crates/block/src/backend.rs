@@ -68,6 +68,17 @@ pub trait Remote {
     /// the last batch must then not be sent: the domain ends and the supervisor starts the next
     /// generation, to which the frontend reissues every unanswered request.
     fn lost(&self) -> Option<&str>;
+    /// What it depends on is there but has stopped answering: requests fail by timeout
+    /// rather than wait, and a new domain would fare no better. Cleared once a request is
+    /// answered again. `bulkhead status` shows the device `reconnecting` meanwhile.
+    fn stalled(&self) -> bool {
+        false
+    }
+    /// Whether [`stalled`](Self::stalled) can ever say so: the domain then keeps the
+    /// supervisor told, from its start.
+    fn may_stall(&self) -> bool {
+        false
+    }
 }
 
 /// A backend with work of its own between requests.

@@ -262,6 +262,12 @@ impl Chain {
         self.backend.remote().and_then(|r| r.lost())
     }
 
+    /// Whether the backend's remote has stopped answering (see [`Remote::stalled`]); `None`
+    /// for a backend that cannot.
+    pub fn stalled(&mut self) -> Option<bool> {
+        self.backend.remote().filter(|r| r.may_stall()).map(|r| r.stalled())
+    }
+
     /// The backend's doorbell for completions and work of its own (see [`Upkeep::wake_fd`]).
     pub fn backend_wake_fd(&mut self) -> Option<std::os::fd::RawFd> {
         self.backend.upkeep().map(|u| u.wake_fd())

@@ -239,8 +239,15 @@ fn a_cluster_that_stops_answering_gives_a_bounded_pause_then_errors_and_the_devi
     let t = Instant::now();
     let out = qemu_io(&uri, &["write -P 0x78 1M 64k"]);
     let took = t.elapsed();
+    // The device says it is waiting for the cluster, and keeps its domain: a new one would
+    // fare no better.
+    let d = serve.status_json()["devices"][0].clone();
+    let stalled = (d["state"].clone(), d["failure"].clone(), d["driver_pid"].as_u64().unwrap_or(0));
     // SAFETY: as above.
     unsafe { libc::kill(osd, libc::SIGCONT) };
+    assert_eq!(stalled.0, "reconnecting", "while the OSD is stopped, after {took:?}: {d}\n{}", serve.log_text());
+    assert!(stalled.1.as_str().is_some_and(|f| f.contains("stopped answering")), "{d}");
+    assert!(stalled.2 > 0, "the domain is kept: {d}");
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(text.contains("error") || text.contains("failed") || !out.status.success(), "the write fails: {text}");
     assert!(took < Duration::from_secs(20), "the pause is bounded: {took:?}");
@@ -256,6 +263,9 @@ fn a_cluster_that_stops_answering_gives_a_bounded_pause_then_errors_and_the_devi
         assert!(Instant::now() < deadline, "the device did not recover: {text}\n{}", serve.log_text());
         std::thread::sleep(Duration::from_millis(500));
     }
+    assert_eq!(serve.status_json()["devices"][0]["state"], "running", "once the cluster answers again");
+    let log = serve.log_text();
+    assert!(log.contains("remote stopped answering") && log.contains("remote answers again"), "{log}");
     // With the monitor stopped too, a replaced domain is not started: the device reads
     // `reconnecting` until the cluster answers again.
     let mon = cluster.pid("mon.a");

@@ -43,7 +43,8 @@ pub struct Rss {
 pub enum DeviceState {
     /// Its domains run and serve (or are being replaced: requests wait and are reissued).
     Running,
-    /// Its remote server is gone and is being reconnected; I/O waits.
+    /// Its remote server is gone and is being reconnected (I/O waits), or is there but has
+    /// stopped answering (I/O fails after the backend's timeout; the domain is kept).
     Reconnecting,
     /// Its domain is gone; I/O fails promptly.
     Failed,

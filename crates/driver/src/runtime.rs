@@ -18,7 +18,7 @@ use bulkhead_doorbell::{now_ns, BudgetPolicy, Handoff, NotifyMode, Poller, SpinB
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::ValidRequest;
 use bulkhead_spec::attach_line::FromDomain;
-use bulkhead_spec::state_slots::{HEARTBEAT, HELD, LOOP};
+use bulkhead_spec::state_slots::{HEARTBEAT, HELD, LOOP, STALLED};
 use bulkhead_spec::ViewSpec;
 
 use crate::attach::{Asked, AttachLine};
@@ -133,6 +133,9 @@ pub struct Domain {
     idled_at: u64,
     /// Where the domain shows the supervisor it is alive while layers hold requests.
     state: Option<StatePage>,
+    /// What the state page last said of a remote that stopped answering; `None` for a
+    /// backend that cannot (the page is then left to the domain whose backend can).
+    stalled_shown: Option<bool>,
     /// How often it must show it (under the supervisor's watchdog), and when it last did.
     heartbeat_ns: u64,
     beat_at: u64,
@@ -232,6 +235,7 @@ impl Domain {
             hands_off: false,
             idled_at: now_ns(),
             state: None,
+            stalled_shown: None,
             heartbeat_ns: 100_000_000,
             beat_at: 0,
             loop_beat_at: 0,
@@ -528,6 +532,9 @@ impl Domain {
             // Answer nothing: the next generation gets every unanswered request again.
             return Err(DriverError::BackendLost(why.to_string()));
         }
+        if self.stalled_shown.is_some() {
+            self.show_stalled();
+        }
         let mut n = refused;
         let mut finished = std::mem::take(&mut self.done);
         for (tag, result) in finished.drain(..) {
@@ -662,6 +669,26 @@ impl Domain {
         }
     }
 
+    /// Tells the supervisor, through the state page, whether the backend's remote has stopped
+    /// answering, when that changes, and says so in the log.
+    fn show_stalled(&mut self) {
+        let now = self.chain.stalled();
+        if now == self.stalled_shown {
+            return;
+        }
+        self.stalled_shown = now;
+        if let Some(s) = now {
+            if s {
+                eprintln!("bulkhead driver: the backend's remote stopped answering: requests fail after its timeout");
+            } else {
+                eprintln!("bulkhead driver: the backend's remote answers again");
+            }
+            if let Some(p) = &self.state {
+                p.set(STALLED, u64::from(s));
+            }
+        }
+    }
+
     /// Shows the supervisor the loop still turns, at most every half heartbeat.
     fn beat_loop(&mut self, now: u64) {
         if let Some(p) = &self.state {
@@ -689,6 +716,11 @@ impl Domain {
             StartError::Lost(why) => DriverError::BackendLost(why),
             e @ StartError::Open { .. } => DriverError::Setup(e.to_string()),
         })?;
+        // An earlier domain may have left the page saying its remote had stalled.
+        self.stalled_shown = self.chain.stalled();
+        if let (Some(p), Some(s)) = (&self.state, self.stalled_shown) {
+            p.set(STALLED, u64::from(s));
+        }
         let mut idle_since: Option<u64> = None;
         let mut spins = 0u32;
         let mut slept = false;

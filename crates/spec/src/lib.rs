@@ -344,6 +344,9 @@ pub mod state_slots {
     /// applications are attached the loop wakes for it. The watchdog's sign of life when the
     /// requests in flight are an attached application's, which the supervisor cannot count.
     pub const LOOP: usize = 3;
+    /// 1 while the backend's remote has stopped answering (requests fail by timeout), else 0;
+    /// written by the domain whose backend it is.
+    pub const STALLED: usize = 4;
 }
 
 impl DomainSpec {

@@ -17,6 +17,15 @@ pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
         (slot.life.state(), slot.busy, slot.faces.clone(), slot.life.restarts(), slot.life.failure().map(String::from))
     };
     let running = state == DeviceState::Running;
+    // A domain that runs but whose remote has stopped answering (requests fail by timeout)
+    // is waiting for the remote as a domain that cannot connect is.
+    let stalled = running && rt.state.get(bulkhead_spec::state_slots::STALLED) == 1;
+    let (state, failure) = if stalled {
+        let why = "the remote stopped answering: requests fail after the backend's timeout until it answers";
+        (DeviceState::Reconnecting, failure.or_else(|| Some(why.to_string())))
+    } else {
+        (state, failure)
+    };
     let outages = rt.control.outages_ms();
     let chain = rt.launcher.chain();
     let driver_pid = if running { faces.driver_pid } else { 0 };
