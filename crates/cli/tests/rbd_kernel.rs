@@ -94,6 +94,16 @@ fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-dev.sh")
 }
 
+/// Runs `bulkhead ARGS` against `serve`'s control socket; its stdout, or its stderr if it failed.
+fn cli(run_dir: &Path, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(exe()).args(args).arg("--run-dir").arg(run_dir).output().unwrap();
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
 fn qemu_io(uri: &str, cmds: &[&str]) -> std::process::Output {
     let mut c = Command::new("timeout");
     c.args(["60", "qemu-io", "-f", "raw"]);
@@ -233,39 +243,7 @@ fn a_cluster_that_stops_answering_gives_a_bounded_pause_then_errors_and_the_devi
     let serve = Serve::start_in_netns(&tmp.path().join("run"), &cfg, &[], &[], &cluster.netns, false).unwrap();
     let uri = serve.nbd_uri("r");
     qemu_io_ok(&uri, &["write -P 0x77 0 64k"]);
-    let osd = cluster.pid("osd.0");
-    // SAFETY: stopping the cluster's own OSD.
-    unsafe { libc::kill(osd, libc::SIGSTOP) };
-    let t = Instant::now();
-    let out = qemu_io(&uri, &["write -P 0x78 1M 64k"]);
-    let took = t.elapsed();
-    // The device says it is waiting for the cluster, and keeps its domain: a new one would
-    // fare no better.
-    let d = serve.status_json()["devices"][0].clone();
-    let stalled = (d["state"].clone(), d["failure"].clone(), d["driver_pid"].as_u64().unwrap_or(0));
-    // SAFETY: as above.
-    unsafe { libc::kill(osd, libc::SIGCONT) };
-    assert_eq!(stalled.0, "reconnecting", "while the OSD is stopped, after {took:?}: {d}\n{}", serve.log_text());
-    assert!(stalled.1.as_str().is_some_and(|f| f.contains("stopped answering")), "{d}");
-    assert!(stalled.2 > 0, "the domain is kept: {d}");
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(text.contains("error") || text.contains("failed") || !out.status.success(), "the write fails: {text}");
-    assert!(took < Duration::from_secs(20), "the pause is bounded: {took:?}");
-    eprintln!("stopped OSD: the write failed after {took:?}");
-    // Once the OSD runs again, so does the device.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let out = qemu_io(&uri, &["write -P 0x79 2M 64k", "read -P 0x79 2M 64k", "read -P 0x77 0 64k"]);
-        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-        if out.status.success() && !text.contains("fail") && !text.contains("error") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the device did not recover: {text}\n{}", serve.log_text());
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    assert_eq!(serve.status_json()["devices"][0]["state"], "running", "once the cluster answers again");
-    let log = serve.log_text();
-    assert!(log.contains("remote stopped answering") && log.contains("remote answers again"), "{log}");
+    stall_and_recover(&cluster, &serve, &uri, 0x78);
     // With the monitor stopped too, a replaced domain is not started: the device reads
     // `reconnecting` until the cluster answers again.
     let mon = cluster.pid("mon.a");
@@ -287,6 +265,52 @@ fn a_cluster_that_stops_answering_gives_a_bounded_pause_then_errors_and_the_devi
         std::thread::sleep(Duration::from_millis(100));
     }
     qemu_io_ok(&uri, &["read -P 0x79 2M 64k"]);
+    // Under a tap domain the rbd domain lies below it: the device still says so.
+    cli(&serve.run_dir, &["tap", "r", "interpose"]).unwrap();
+    // The new domains have opened the image once a request is answered through them.
+    qemu_io_ok(&uri, &["read -P 0x79 2M 64k"]);
+    stall_and_recover(&cluster, &serve, &uri, 0x7a);
+    assert_eq!(serve.status_json()["devices"][0]["tap"], "interpose");
+}
+
+/// Stops the cluster's OSD under a write to `uri`'s device: the write fails within a bounded
+/// time, the device reads `reconnecting` with its domain kept; once the OSD runs again, the
+/// device works and reads `running`, and its log says both.
+fn stall_and_recover(cluster: &Cluster, serve: &Serve, uri: &str, pattern: u8) {
+    let logged = |what: &str| serve.log_text().matches(what).count();
+    let (stopped_before, again_before) = (logged("remote stopped answering"), logged("remote answers again"));
+    let osd = cluster.pid("osd.0");
+    // SAFETY: stopping the cluster's own OSD.
+    unsafe { libc::kill(osd, libc::SIGSTOP) };
+    let t = Instant::now();
+    let out = qemu_io(uri, &[&format!("write -P {pattern:#x} 1M 64k")]);
+    let took = t.elapsed();
+    // The device says it is waiting for the cluster, and keeps its domain: a new one would
+    // fare no better.
+    let d = serve.status_json()["devices"][0].clone();
+    // SAFETY: as above.
+    unsafe { libc::kill(osd, libc::SIGCONT) };
+    assert_eq!(d["state"], "reconnecting", "while the OSD is stopped, after {took:?}: {d}\n{}", serve.log_text());
+    assert!(d["failure"].as_str().is_some_and(|f| f.contains("stopped answering")), "{d}");
+    assert!(d["driver_pid"].as_u64().unwrap_or(0) > 0, "the domain is kept: {d}");
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("error") || text.contains("failed") || !out.status.success(), "the write fails: {text}");
+    assert!(took < Duration::from_secs(20), "the pause is bounded: {took:?}");
+    eprintln!("stopped OSD ({}): the write failed after {took:?}", d["tap"]);
+    // Once the OSD runs again, so does the device.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = qemu_io(uri, &["write -P 0x79 2M 64k", "read -P 0x79 2M 64k", "read -P 0x77 0 64k"]);
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        if out.status.success() && !text.contains("fail") && !text.contains("error") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the device did not recover: {text}\n{}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(serve.status_json()["devices"][0]["state"], "running", "once the cluster answers again");
+    let log = serve.log_text();
+    assert!(logged("remote stopped answering") > stopped_before && logged("remote answers again") > again_before, "{log}");
 }
 
 #[test]

@@ -34,7 +34,8 @@ pub struct DomainSpec {
     /// Filters over the backend, frontend side first.
     #[serde(default)]
     pub filters: Vec<FilterSlot>,
-    /// The domain's own state page (its heartbeat for the supervisor's watchdog), if given.
+    /// The domain's own state page (its heartbeat for the supervisor's watchdog; whether its
+    /// backend's remote stopped answering), if given.
     #[serde(default)]
     pub state_fd: Option<i32>,
     /// How often the domain beats there while layers hold requests, ms.

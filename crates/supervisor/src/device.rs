@@ -57,6 +57,9 @@ pub struct DeviceRuntime {
     pub(crate) policy: RestartPolicy,
     /// The domain's state page: its heartbeat while layers hold requests, the views' caps.
     pub(crate) state: StatePage,
+    /// The state page of the domain below a tap domain, if the device has one: only its
+    /// [`STALLED`](bulkhead_spec::state_slots::STALLED) slot is read.
+    pub(crate) below_state: StatePage,
     pub(crate) launcher: Launcher,
     slot: Mutex<Slot>,
     /// Rung when the claim is let go of.
@@ -108,7 +111,8 @@ impl DeviceRuntime {
         let err = |message: String| SupervisorError::Device { device: name.clone(), message };
         // Writable here too: the views' caps are set in it.
         let (state_fd, state) = shared_page(&format!("bulkhead-{name}-domain"), true).map_err(err)?;
-        let launcher = Launcher::open(cfg, index, exe, state_fd).map_err(err)?;
+        let (below_fd, below_state) = shared_page(&format!("bulkhead-{name}-below"), false).map_err(err)?;
+        let launcher = Launcher::open(cfg, index, exe, [state_fd, below_fd]).map_err(err)?;
         let policy = RestartPolicy {
             watchdog: Duration::from_millis(cfg.watchdog_ms()),
             limit: *cfg.restart_limit.get_ref(),
@@ -140,6 +144,7 @@ impl DeviceRuntime {
             attach,
             policy,
             state,
+            below_state,
             launcher,
             slot: Mutex::new(slot),
             released: Condvar::new(),

@@ -100,8 +100,10 @@ pub(crate) struct Launcher {
     /// `bulkhead filter` and `bulkhead snapshot`, taking effect with the next generation. Each
     /// launch takes a copy, so nothing waits on it while a domain starts.
     chain: Mutex<ChainSetup>,
-    /// The domain's state page.
+    /// The state page of the domain the frontend reaches.
     state_fd: OwnedFd,
+    /// The state page of the domain below a tap domain.
+    below_state_fd: OwnedFd,
     /// The device's place in the configuration (for trace device numbers).
     pub(crate) index: u32,
     /// A `vdev` device's card and its model's domain.
@@ -143,9 +145,10 @@ impl Layout {
 
 impl Launcher {
     /// Opens the backend's storage for `cfg` (the domain opens nothing) and what its filters
-    /// need, and resolves its views: everything but the first launch. `state_fd` is the
-    /// domain's state page.
-    pub(crate) fn open(cfg: &DeviceConfig, index: u32, exe: &Path, state_fd: OwnedFd) -> Result<Launcher, String> {
+    /// need, and resolves its views: everything but the first launch. `state_fds` are the
+    /// state pages of the domain the frontend reaches and of the domain below a tap domain.
+    pub(crate) fn open(cfg: &DeviceConfig, index: u32, exe: &Path, state_fds: [OwnedFd; 2]) -> Result<Launcher, String> {
+        let [state_fd, below_state_fd] = state_fds;
         let name = cfg.name.get_ref().clone();
         let mode = notify_mode(cfg.notify);
         let budget = match cfg.spin_budget_us {
@@ -189,6 +192,7 @@ impl Launcher {
             io_timeout_ms: cfg.watchdog_ms(),
             chain: Mutex::new(ChainSetup { tap: Tap::Passthrough, filters: Vec::new(), snapshot: None }),
             state_fd,
+            below_state_fd,
             index,
             policy: sandbox,
             card: storage.card,
@@ -673,7 +677,7 @@ impl Launcher {
         above_line: Option<[i32; 2]>,
     ) -> Result<(Domain, Option<OwnedFd>), LaunchError> {
         let mut filters = Vec::new();
-        let mut state_fd = None;
+        let state_fd;
         let mut views = Vec::new();
         let layout = self.layout();
         if let Some(chain) = chain {
@@ -693,6 +697,10 @@ impl Launcher {
                 filters.push(FilterSlot { spec: chain.spec_of(f), state_fd, output_fd, secret_fd, guard: f.guard });
             }
             state_fd = Some(pass.add(&self.state_fd));
+        } else {
+            // The domain below a tap domain: a page of its own, for what its backend reports
+            // (a remote that stopped answering).
+            state_fd = Some(pass.add(&self.below_state_fd));
         }
         // The domain the frontend reaches takes attached applications' queues, unless it is a
         // tap domain over a domain below (whose channel has no room for them).

@@ -5,21 +5,25 @@ use std::sync::atomic::Ordering;
 
 use crate::device::DeviceRuntime;
 use crate::proc_info;
-use crate::state::DeviceState;
+use crate::state::{DeviceState, Shape};
 
 pub use bulkhead_control::{DeviceStatus, FilterStatus, ProcessMemory, StatusReport};
 
 /// The status of one device, read in moments: the slot's lock is held only to copy what it
 /// shows, so a device whose domains are being replaced answers at once.
 pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
-    let (state, restarting, faces, restarts, failure) = {
+    let (state, restarting, faces, restarts, failure, shape) = {
         let slot = rt.lock();
-        (slot.life.state(), slot.busy, slot.faces.clone(), slot.life.restarts(), slot.life.failure().map(String::from))
+        let life = &slot.life;
+        (life.state(), slot.busy, slot.faces.clone(), life.restarts(), life.failure().map(String::from), life.shape())
     };
     let running = state == DeviceState::Running;
     // A domain that runs but whose remote has stopped answering (requests fail by timeout)
     // is waiting for the remote as a domain that cannot connect is.
-    let stalled = running && rt.state.get(bulkhead_spec::state_slots::STALLED) == 1;
+    // Read from the page of the domain that holds the backend: below the tap domain when
+    // there is one. The other page may keep what an earlier shape left there.
+    let page = if shape == Shape::Interpose { &rt.below_state } else { &rt.state };
+    let stalled = running && page.get(bulkhead_spec::state_slots::STALLED) == 1;
     let (state, failure) = if stalled {
         let why = "the remote stopped answering: requests fail after the backend's timeout until it answers";
         (DeviceState::Reconnecting, failure.or_else(|| Some(why.to_string())))
