@@ -18,20 +18,20 @@
 use crate::BenchError;
 use std::path::PathBuf;
 
-use bulkhead_filters::InjectTarget;
+use bulkhead_testkit::inject::InjectTarget;
 use serde::Serialize;
 
 use crate::guard_filters::Setting;
 use crate::Table;
 
-#[cfg(feature = "isolation")]
+#[cfg(feature = "test-driver")]
 mod measure;
-#[cfg(feature = "isolation")]
+#[cfg(feature = "test-driver")]
 pub use measure::run;
 
 /// Without the `isolation` feature (enabled by the `bulkhead` package's `test-driver`): the
 /// faults are made by code the shipped binary does not have, so the measurement is refused.
-#[cfg(not(feature = "isolation"))]
+#[cfg(not(feature = "test-driver"))]
 pub fn run(_opts: &Options, _progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     Err(unavailable())
 }
@@ -60,7 +60,7 @@ impl Options {
     /// Refuses settings that measure nothing (only `off`) or that this machine cannot run,
     /// and a build without the faults ([`run`]).
     pub fn check(&self) -> Result<(), BenchError> {
-        if cfg!(not(feature = "isolation")) {
+        if cfg!(not(feature = "test-driver")) {
             return Err(unavailable());
         }
         if !self.settings.iter().any(|s| s.mode != bulkhead_filters::GuardMode::Off) {

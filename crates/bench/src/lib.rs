@@ -25,6 +25,7 @@ pub mod serve_restart;
 pub mod share;
 pub mod share_attach;
 pub mod share_nbd;
+#[cfg(feature = "test-driver")]
 pub mod storm;
 pub mod surge;
 mod table;

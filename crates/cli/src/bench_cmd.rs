@@ -291,15 +291,16 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
-    /// A doorbell storm: a hostile driver domain (the test driver's, built with the
-    /// `test-driver` feature) rings the frontend in a tight loop; the frontend's CPU and
-    /// another device's 4 KiB read latency, alternated with rounds without the storm (runs
-    /// `serve`; needs root for FUSE).
+    /// A doorbell storm: a hostile driver domain (the test driver's) rings the frontend in a
+    /// tight loop; the frontend's CPU and another device's 4 KiB read latency, alternated with
+    /// rounds without the storm (runs `serve`; needs root for FUSE). Only in a build with the
+    /// `test-driver` feature.
+    #[cfg(feature = "test-driver")]
     Storm {
-        /// The test driver: `cargo build --release --features bulkhead/test-driver` makes
-        /// target/release/bulkhead-test-driver.
+        /// The test driver (default: bulkhead-test-driver beside this executable, as
+        /// `cargo build --release --features bulkhead/test-driver` makes it).
         #[arg(long)]
-        driver_exe: PathBuf,
+        driver_exe: Option<PathBuf>,
         /// Seconds of each phase.
         #[arg(long, default_value_t = 60, value_parser = count(1, 3600))]
         seconds: usize,
@@ -590,8 +591,13 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             let r = bulkhead_bench::overload::run(&exe()?, &opts, |p| eprintln!("bench overload: {p}"))?;
             emit(&r, json, bulkhead_bench::overload::render)
         }
+        #[cfg(feature = "test-driver")]
         BenchCmd::Storm { driver_exe, seconds, rounds, json } => {
             need_root("bench storm runs serve with its FUSE export")?;
+            let driver_exe = match driver_exe {
+                Some(p) => p,
+                None => exe()?.with_file_name("bulkhead-test-driver"),
+            };
             let opts = bulkhead_bench::storm::Options { seconds: seconds as u64, rounds, driver_exe };
             let r = bulkhead_bench::storm::run(&exe()?, &opts, |p| eprintln!("bench storm: {p}"))?;
             emit(&r, json, bulkhead_bench::storm::render)

@@ -18,7 +18,7 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
     signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
-    // alone, and nothing else here uses them. This driver makes no faults (`guard_inject`).
+    // alone, and nothing else here uses them.
     let built = unsafe { bulkhead_driver::build_inherited(&spec, stop) };
     let mut domain = built.with_context(|| format!("device {}", spec.device))?;
     bulkhead_driver::confine_and_report(&spec).with_context(|| format!("device {}", spec.device))?;

@@ -431,9 +431,6 @@ impl Live {
         let mut cfg = lock(&self.config);
         let next = Config::load(path).map_err(|e| ControlError::invalid(e.to_string()))?;
         let plan = plan(&cfg, &next).map_err(ControlError::invalid)?;
-        for d in &next.devices {
-            self.sup.check_faults(d).map_err(|e| ControlError::invalid(format!("{e}; nothing was applied")))?;
-        }
         // Devices to remove must be idle: checked before anything changes.
         for name in &plan.removed {
             let users: Vec<String> = self.sup.frontends(name).iter().flat_map(|d| self.users(d.name())).collect();

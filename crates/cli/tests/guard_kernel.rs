@@ -1,6 +1,7 @@
 //! Filters under write capture in a real device: faults injected into a guarded filter are
 //! stopped before they land, the domain restarts, and fio's verified writes come back whole.
-//! The faults are the test driver's (`bulkhead-test-driver`): the shipped driver makes none.
+//! The faults are the test driver's (`bulkhead-test-driver`, told by
+//! `BULKHEAD_TEST_GUARD_INJECT`): the shipped driver has no way to make them.
 
 mod common;
 
@@ -21,11 +22,12 @@ fn injected_faults_in_a_guarded_filter_are_stopped_and_no_acknowledged_write_is_
         "[nbd]\nenabled = false\n[[device]]\nname = \"g\"\nsize = \"64M\"\nrestart_limit = 100000\n\
          [device.backend]\ntype = \"ram\"\n\
          [[device.filter]]\ntype = \"trace\"\npath = \"{}\"\nguard = \"scdwc\"\nguard_cache = 20\n\
-         guard_inject = \"random\"\nguard_inject_every = 3000\nguard_inject_seed = 7\n\
          [[device.filter]]\ntype = \"stats\"\nguard = \"dwc\"\n",
         trace.display()
     );
-    let Some(mut serve) = Serve::start_test_driver(&tmp.path().join("run"), Some(&config), &["g"], &[]) else {
+    // The trace filter, the first, faults at a random call of every 3000, with seed 7.
+    let faults = [("BULKHEAD_TEST_GUARD_INJECT", "1:random:3000:7")];
+    let Some(mut serve) = Serve::start_test_driver(&tmp.path().join("run"), Some(&config), &["g"], &faults) else {
         return;
     };
     let out = Command::new("timeout")

@@ -89,11 +89,6 @@ fn devices_come_and_go_a_reload_applies_and_metrics_agree_with_fio_while_fio_ver
     assert!(err.contains("line 4") && err.contains("`queues`"), "{err}");
     let err = refused(&run, &["device", "add", "-"], Some("[fuse]\nthreads = 2\n"));
     assert!(err.contains("key `fuse`") && err.contains("only [[device]] tables"), "{err}");
-    // This binary's driver makes no faults on purpose: `guard_inject` is the test driver's.
-    let inject = "[[device]]\nname = \"g\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n\
-                  [[device.filter]]\ntype = \"stats\"\nguard = \"dwc\"\nguard_inject = \"ring\"\n";
-    let err = refused(&run, &["device", "add", "-"], Some(inject));
-    assert!(err.contains("filter 1 (stats)") && err.contains("guard_inject") && err.contains("--driver-exe"), "{err}");
     assert!(device_names(&serve).is_empty());
 
     // The first device, a ram disk, with ext4 and fio verify on it.
@@ -163,12 +158,6 @@ fn devices_come_and_go_a_reload_applies_and_metrics_agree_with_fio_while_fio_ver
     std::fs::write(&config_path, &bigger).unwrap();
     let err = refused(&run, &["reload"], None);
     assert!(err.contains("device `r0`: key `size` changed") && err.contains("nothing was applied"), "{err}");
-    // So is one that asks for faults on purpose, which only the test driver makes.
-    let faults = dump.replacen("read_us = 5", "read_us = 5\nguard = \"dwc\"\nguard_inject = \"ring\"", 1);
-    assert_ne!(faults, dump);
-    std::fs::write(&config_path, &faults).unwrap();
-    let err = refused(&run, &["reload"], None);
-    assert!(err.contains("guard_inject") && err.contains("nothing was applied"), "{err}");
     // One that can: a QoS change, a filter changed, and a new device.
     let edited = dump.replace("iops = 5000", "iops = 2000").replace("read_us = 5", "read_us = 1")
         + "\n[[device]]\nname = \"r3\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n";

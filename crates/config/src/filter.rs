@@ -8,7 +8,7 @@ use bulkhead_diskmodel::CacheGeometry;
 use bulkhead_filters::error::{ErrorRule, ERRNOS};
 use bulkhead_filters::throttle::{Limit, Limits};
 use bulkhead_filters::vpt::DriveSpec;
-use bulkhead_filters::{FilterSpec, GuardMode, GuardSpec, InjectSpec, InjectTarget};
+use bulkhead_filters::{FilterSpec, GuardMode, GuardSpec};
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -173,14 +173,6 @@ pub struct FilterTable {
     /// `guard_keys` (with `guard`): also partition the domain's memory by x86 protection key,
     /// where the processor has them (default true).
     pub guard_keys: Option<Spanned<bool>>,
-    /// `guard_inject` (any): make the filter write where it must not: `ring`, `filter`,
-    /// `heap`, `freed` or `random`. Only the test driver makes these faults; the
-    /// supervisor refuses them for this binary's own driver.
-    pub guard_inject: Option<Spanned<String>>,
-    /// `guard_inject_every` (with `guard_inject`): one fault every this many calls (default 1000).
-    pub guard_inject_every: Option<Spanned<u64>>,
-    /// `guard_inject_seed` (with `guard_inject`): of the random choices (default 1).
-    pub guard_inject_seed: Option<Spanned<u64>>,
 }
 
 /// A resolved filter: what the domain gets, plus the trace file the supervisor opens for it.
@@ -315,7 +307,7 @@ impl FilterTable {
         Ok(f)
     }
 
-    /// `guard`, `guard_cache` and `guard_inject…`, which apply to every type.
+    /// `guard`, `guard_cache` and `guard_keys`, which apply to every type.
     fn guard_spec(&self, device: &str, index: usize, err: Err<'_>) -> Result<GuardSpec, crate::ConfigError> {
         let kind = self.kind.get_ref().as_str();
         let at = |key: &str| format!("device `{device}`: filter {} ({kind}): key `filter.{key}`", index + 1);
@@ -347,34 +339,7 @@ impl FilterTable {
             (Some(k), _) => *k.get_ref(),
             (None, mode) => mode != GuardMode::Off,
         };
-        let inject = match &self.guard_inject {
-            None => {
-                for (key, v) in [("guard_inject_every", &self.guard_inject_every), ("guard_inject_seed", &self.guard_inject_seed)]
-                {
-                    if let Some(v) = v {
-                        return Err(err(v.span(), format!("{} only applies with guard_inject", at(key))));
-                    }
-                }
-                None
-            }
-            Some(t) => {
-                let Some(&(_, target)) = InjectTarget::ALL.iter().find(|(n, _)| *n == t.get_ref().as_str()) else {
-                    let names: Vec<&str> = InjectTarget::ALL.iter().map(|(n, _)| *n).collect();
-                    return Err(err(
-                        t.span(),
-                        format!("{}: `{}` is not one of {}", at("guard_inject"), t.get_ref(), names.join(", ")),
-                    ));
-                };
-                let every = match &self.guard_inject_every {
-                    None => 1000,
-                    Some(e) if *e.get_ref() >= 1 => *e.get_ref(),
-                    Some(e) => return Err(err(e.span(), format!("{}: must be at least 1", at("guard_inject_every")))),
-                };
-                let seed = self.guard_inject_seed.as_ref().map_or(1, |s| *s.get_ref());
-                Some(InjectSpec { target, every, seed })
-            }
-        };
-        Ok(GuardSpec { mode, keys, inject })
+        Ok(GuardSpec { mode, keys })
     }
 
     fn resolve_kind(&self, device: &str, index: usize, watchdog_ms: u64, err: Err<'_>) -> Result<Filter, crate::ConfigError> {

@@ -1943,9 +1943,6 @@ mod tests {
             ("type = \"stats\"\nguard = \"scdwc\"\nguard_cache = 300\n", "guard_cache`: 300 is out of range 0..=256", 9),
             ("type = \"stats\"\nguard_keys = false\n", "guard_keys` only applies with guard = \"dwc\" or \"scdwc\"", 8),
             ("type = \"stats\"\nguard = \"dwc\"\nguard_keys = \"yes\"\n", "guard_keys", 9),
-            ("type = \"stats\"\nguard_inject = \"stack\"\n", "`stack` is not one of ring, filter, heap, freed, random", 8),
-            ("type = \"stats\"\nguard_inject_every = 5\n", "guard_inject_every` only applies with guard_inject", 8),
-            ("type = \"stats\"\nguard_inject = \"heap\"\nguard_inject_every = 0\n", "at least 1", 9),
             ("type = \"crypt\"\n", "filter.key_file` is required", 7),
             ("type = \"crypt\"\nkey_file = \"/nonexistent/key\"\n", "/nonexistent/key is not a file", 8),
             ("type = \"stats\"\nkey_file = \"/etc/hostname\"\n", "only applies to type = \"crypt\"", 8),
@@ -1962,15 +1959,14 @@ mod tests {
 
     #[test]
     fn guard_keys_resolve_for_any_filter_type() {
-        use bulkhead_filters::{GuardMode, InjectSpec, InjectTarget};
+        use bulkhead_filters::GuardMode;
         let f = parse_filter("type = \"stats\"\nguard = \"scdwc\"\n", "d", 0, 5000).unwrap();
         assert_eq!(f.guard.mode, GuardMode::Scdwc { cache: 60 });
         assert!(f.guard.keys, "keys are on wherever a filter is guarded, unless turned off");
         let f = parse_filter("type = \"stats\"\nguard = \"scdwc\"\nguard_keys = false\n", "d", 0, 5000).unwrap();
         assert!(!f.guard.keys);
-        let f = parse_filter("type = \"stats\"\nguard = \"dwc\"\nguard_inject = \"ring\"\n", "d", 0, 5000).unwrap();
+        let f = parse_filter("type = \"stats\"\nguard = \"dwc\"\n", "d", 0, 5000).unwrap();
         assert_eq!(f.guard.mode, GuardMode::Dwc);
-        assert_eq!(f.guard.inject, Some(InjectSpec { target: InjectTarget::Ring, every: 1000, seed: 1 }));
         let f = parse_filter("type = \"stats\"\n", "d", 0, 5000).unwrap();
         assert!(!f.guard.wanted() && !f.guard.keys);
     }

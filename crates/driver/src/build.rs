@@ -38,8 +38,7 @@ unsafe fn claim_opt(fd: Option<i32>) -> Result<Option<OwnedFd>, DriverError> {
     fd.map(|fd| unsafe { claim(fd) }).transpose()
 }
 
-/// Builds the domain `spec` describes from descriptors inherited at exec. A spec with
-/// `guard_inject` is refused ([`guarded::build_filters`]).
+/// Builds the domain `spec` describes from descriptors inherited at exec.
 ///
 /// # Safety
 /// Every descriptor named in the spec must be inherited for this domain and not used by
@@ -49,7 +48,9 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
     unsafe { build_with(spec, stop, &|f, rings| guarded::build_filters(f, rings)) }
 }
 
-/// As [`build_inherited`], with the faults of filters with `guard_inject` made by `make`.
+/// As [`build_inherited`], with faults made by `make` in each filter whose place in the chain
+/// (from 0) is in `faulty`; each of those must be guarded, so that the domain is confined as
+/// one that captures writes.
 ///
 /// # Safety
 /// As for [`build_inherited`].
@@ -57,10 +58,24 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
 pub unsafe fn build_inherited_with_faults(
     spec: &DomainSpec,
     stop: Arc<AtomicBool>,
+    faulty: &[usize],
     make: guarded::FaultMaker<'_>,
 ) -> Result<Domain, DriverError> {
+    for &i in faulty {
+        match spec.filters.get(i) {
+            Some(f) if f.guard.wanted() => {}
+            Some(f) => {
+                let kind = f.spec.type_name();
+                return Err(DriverError::Setup(format!("faults asked of filter {} ({kind}), which is not guarded", i + 1)));
+            }
+            None => {
+                let n = spec.filters.len();
+                return Err(DriverError::Setup(format!("faults asked of filter {}, and the domain has {n}", i + 1)));
+            }
+        }
+    }
     // SAFETY: forwarded from this function's contract.
-    unsafe { build_with(spec, stop, &|f, rings| guarded::build_filters_with_faults(f, rings, make)) }
+    unsafe { build_with(spec, stop, &|f, rings| guarded::build_filters_with_faults(f, rings, faulty, make)) }
 }
 
 /// How a domain's filters are built over its queues' rings.

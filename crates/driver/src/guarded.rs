@@ -1,7 +1,7 @@
 //! Filters under write capture (`guard = "dwc" | "scdwc"`), and, in a build with the `faults`
-//! feature (the test driver's), the points where faults are made in them on purpose
-//! (`guard_inject`, `Faults`). Without the feature a filter with `guard_inject` is refused and
-//! nothing of the faults is compiled in.
+//! feature (the test driver's and `bench guard --isolation`'s), the points where faults are
+//! made in them on purpose ([`Faults`]). The configuration has no way to ask for faults, and
+//! without the feature nothing of them is compiled in.
 //!
 //! Every filter of a guarded domain allocates from a heap space of its own
 //! ([`bulkhead_guard::heap`]); the runtime keeps space 0. [`Guarded`] wraps a filter's layer:
@@ -16,8 +16,6 @@
 //! its metadata through the runtime then.
 
 use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
-#[cfg(feature = "faults")]
-use bulkhead_filters::InjectSpec;
 use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec};
 use bulkhead_guard::heap::{self, Space};
 use bulkhead_guard::{Act, Guard, Handle, Mechanism, Mode};
@@ -85,7 +83,7 @@ pub struct FilterParts {
     pub spec: FilterSpec,
     /// Its state page, output and secret.
     pub fds: FilterFds,
-    /// Write capture and fault injection for it.
+    /// Write capture for it.
     pub guard: GuardSpec,
 }
 
@@ -95,43 +93,39 @@ pub struct FilterParts {
 /// per filter ([`heap::activate`]): each filter is built in its own space and wrapped in
 /// [`Guarded`], and write capture is installed on the calling thread for the rest of the
 /// process's life (a stopped write ends the process).
-///
-/// A filter with `guard_inject` is refused: this driver makes no faults (the test driver's
-/// build does, with `build_filters_with_faults`).
 pub fn build_filters(filters: Vec<FilterParts>, rings: &[(u64, u64)]) -> Result<Vec<Box<dyn Layer>>, String> {
-    if let Some((i, f)) = filters.iter().enumerate().find(|(_, f)| f.guard.inject.is_some()) {
-        return Err(format!(
-            "filter {} ({}): guard_inject: this driver makes no faults; only the test driver \
-             (bulkhead-test-driver, given to serve with --driver-exe) does",
-            i + 1,
-            f.spec.type_name()
-        ));
-    }
-    Ok(build_layers(filters, rings)?.into_iter().map(Built::into_layer).collect())
+    let spaces = filters.iter().any(|f| f.guard.wanted());
+    Ok(build_layers(filters, rings, spaces)?.into_iter().map(Built::into_layer).collect())
 }
 
-/// As [`build_filters`], with the faults of each filter with `guard_inject` made by `make`.
+/// As [`build_filters`], with faults made by `make` in each filter whose place in the chain
+/// (from 0) is in `faulty`. Those filters are built in heap spaces of their own even when
+/// none is guarded, so that their faults have something to aim at; write capture is then
+/// installed all the same, and stops nothing (its regions have no guarded code).
 #[cfg(feature = "faults")]
 pub fn build_filters_with_faults(
     filters: Vec<FilterParts>,
     rings: &[(u64, u64)],
+    faulty: &[usize],
     make: FaultMaker<'_>,
 ) -> Result<Vec<Box<dyn Layer>>, String> {
     let n = filters.len();
-    let asked: Vec<Option<InjectSpec>> = filters.iter().map(|f| f.guard.inject).collect();
-    let built = build_layers(filters, rings)?;
+    if let Some(i) = faulty.iter().find(|&&i| i >= n) {
+        return Err(format!("faults asked of filter {}, and the domain has {n}", i + 1));
+    }
+    let spaces = !faulty.is_empty() || filters.iter().any(|f| f.guard.wanted());
+    let built = build_layers(filters, rings, spaces)?;
     Ok(built
         .into_iter()
-        .zip(asked)
         .enumerate()
         .map(|(i, b)| match b {
-            (Built::Guarded(mut g), Some(spec)) => {
+            Built::Guarded(mut g) if faulty.contains(&i) => {
                 let targets = Targets { rings: rings.to_vec(), others: (0..n).filter(|&j| j != i).map(space_of).collect() };
                 // Made in the runtime's heap: what keeps count of the calls is not the filter's.
-                g.faults = Some(make(FaultSite { index: i, name: g.name(), spec, targets }));
+                g.faults = Some(make(FaultSite { index: i, name: g.name(), targets }));
                 Box::new(g) as Box<dyn Layer>
             }
-            (b, _) => b.into_layer(),
+            b => b.into_layer(),
         })
         .collect())
 }
@@ -151,9 +145,9 @@ impl Built {
     }
 }
 
-/// Builds the filters, each guarded filter in its space, and installs write capture if any is.
-fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)]) -> Result<Vec<Built>, String> {
-    let guarded = filters.iter().any(|f| f.guard.wanted());
+/// Builds the filters, each in its heap space if `spaces`, and then installs write capture.
+fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)], spaces: bool) -> Result<Vec<Built>, String> {
+    let guarded = spaces;
     if guarded && heap::space_range(space_of(filters.len().saturating_sub(1))).is_none() {
         return Err(format!("write capture: the heap has no space for each of {} filters", filters.len()));
     }
@@ -208,8 +202,7 @@ pub trait Faults: Send {
     fn landed(&mut self, fault: &Fault);
 }
 
-/// Where a filter's faults are made: what the configuration asked for it, and where they may
-/// aim.
+/// Where a filter's faults are made: which filter, and where they may aim.
 #[cfg(feature = "faults")]
 #[derive(Debug, Clone)]
 pub struct FaultSite {
@@ -217,8 +210,6 @@ pub struct FaultSite {
     pub index: usize,
     /// Its type.
     pub name: &'static str,
-    /// `guard_inject…`.
-    pub spec: InjectSpec,
     /// What other than its own memory it may aim at.
     pub targets: Targets,
 }
@@ -374,26 +365,5 @@ impl Layer for Guarded {
     fn idle(&mut self) {
         let act = self.act(None, &SharedSlice::empty(), None);
         self.run(act, |l, _| l.idle());
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use bulkhead_filters::{InjectSpec, InjectTarget};
-
-    #[test]
-    fn a_filter_with_faults_is_refused_without_a_maker() {
-        let state = bulkhead_shmem::memfd::create("t", bulkhead_filters::state::STATE_BYTES as u64).unwrap();
-        let inject = Some(InjectSpec { target: InjectTarget::Ring, every: 10, seed: 1 });
-        let parts = vec![FilterParts {
-            spec: FilterSpec::Stats {},
-            fds: FilterFds { state, output: None, secret: None },
-            guard: GuardSpec { mode: GuardMode::Dwc, keys: false, inject },
-        }];
-        match build_filters(parts, &[]) {
-            Ok(_) => panic!("a filter with guard_inject was built by a driver that makes no faults"),
-            Err(e) => assert!(e.contains("filter 1 (stats): guard_inject") && e.contains("test driver"), "{e}"),
-        }
     }
 }

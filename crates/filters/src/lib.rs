@@ -23,7 +23,7 @@ pub mod trace;
 pub mod trace_summary;
 pub mod vpt;
 
-pub use spec::{build, FilterFds, FilterReport, FilterSpec, GuardMode, GuardSpec, InjectSpec, InjectTarget};
+pub use spec::{build, FilterFds, FilterReport, FilterSpec, GuardMode, GuardSpec};
 
 use bulkhead_block::Request;
 

@@ -76,7 +76,7 @@ pub enum FilterSpec {
     },
 }
 
-/// Write capture for a filter (`guard`, `guard_cache`, `guard_inject…` in the configuration).
+/// Write capture for a filter (`guard`, `guard_cache`, `guard_keys` in the configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GuardSpec {
@@ -87,16 +87,13 @@ pub struct GuardSpec {
     /// whatever the page protection holds open.
     #[serde(default)]
     pub keys: bool,
-    /// Faults to inject into it, to measure what capture isolates.
-    #[serde(default)]
-    pub inject: Option<InjectSpec>,
 }
 
 impl GuardSpec {
-    /// Whether the filter needs a heap space of its own: it is guarded, or faults are
-    /// injected into it (whose targets, other filters' state, must then exist).
+    /// Whether the filter is guarded, so that the domain's filters each need a heap space of
+    /// their own.
     pub fn wanted(&self) -> bool {
-        self.mode != GuardMode::Off || self.inject.is_some()
+        self.mode != GuardMode::Off
     }
 }
 
@@ -126,51 +123,6 @@ impl GuardMode {
             GuardMode::Scdwc { .. } => "scdwc",
         }
     }
-}
-
-/// Where an injected fault writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum InjectTarget {
-    /// The descriptor ring of a queue.
-    Ring,
-    /// Another filter's state.
-    Filter,
-    /// The runtime's heap.
-    Heap,
-    /// A block of the filter's own heap it has just freed.
-    Freed,
-    /// Anywhere in the guarded memory outside the filter's own.
-    Random,
-}
-
-impl InjectTarget {
-    /// Every target, as the configuration spells them.
-    pub const ALL: [(&'static str, InjectTarget); 5] = [
-        ("ring", InjectTarget::Ring),
-        ("filter", InjectTarget::Filter),
-        ("heap", InjectTarget::Heap),
-        ("freed", InjectTarget::Freed),
-        ("random", InjectTarget::Random),
-    ];
-
-    /// As the configuration spells it.
-    pub fn as_str(self) -> &'static str {
-        Self::ALL.iter().find(|(_, t)| *t == self).map_or("?", |(n, _)| n)
-    }
-}
-
-/// Faults made on purpose in a filter, to measure what capture isolates: only the test
-/// driver makes them (`bulkhead_testkit::faults`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct InjectSpec {
-    /// Where the faults write.
-    pub target: InjectTarget,
-    /// One fault every this many calls into the filter, at a random call of each span.
-    pub every: u64,
-    /// Of the random choices.
-    pub seed: u64,
 }
 
 impl FilterSpec {

@@ -64,9 +64,6 @@ pub struct Supervisor {
     snapshot_seq: std::sync::atomic::AtomicU64,
     /// What domains are exec'd from.
     exe: PathBuf,
-    /// Whether `exe` was given (`serve --driver-exe`): only the test driver makes the faults
-    /// of `guard_inject`, and this binary's own driver refuses them.
-    foreign_driver: bool,
     /// Held while a device is added or removed: one at a time.
     changes: Mutex<()>,
 }
@@ -83,12 +80,6 @@ impl Supervisor {
     /// as), and starts watching them. If a device cannot start, those that did are ended and
     /// the first device's error (in configuration order) is returned.
     pub fn start(config: &Config, exe: Option<&Path>) -> Result<Self, SupervisorError> {
-        let foreign_driver = exe.is_some();
-        if !foreign_driver {
-            for cfg in &config.devices {
-                refuse_faults(cfg.name.get_ref(), &cfg.filters())?;
-            }
-        }
         let exe: PathBuf = exe.map(Path::to_path_buf).unwrap_or_else(current_exe);
         let setup = |e: std::io::Error| SupervisorError::Setup(e.to_string());
         let clock: Arc<dyn Clock> = Arc::new(Monotonic);
@@ -126,7 +117,6 @@ impl Supervisor {
             started: Instant::now(),
             stopped: AtomicBool::new(false),
             exe,
-            foreign_driver,
             changes: Mutex::new(()),
             snapshot_seq: std::sync::atomic::AtomicU64::new(0),
         };
@@ -184,7 +174,6 @@ impl Supervisor {
         if self.hub.stopping.load(Ordering::Acquire) || self.stopped.load(Ordering::Acquire) {
             return Err(refuse("serve is shutting down".into()));
         }
-        self.check_faults(cfg)?;
         for n in std::iter::once(&name).chain(cfg.views.iter().map(|v| v.name.get_ref())) {
             if self.hub.devices.name_taken(n) {
                 return Err(refuse(format!("a device or view named `{n}` is served already")));
@@ -203,16 +192,6 @@ impl Supervisor {
         self.hub.devices.insert(rt);
         self.hub.mailbox.post(crate::mailbox::Note::Added(id));
         Ok(fronts)
-    }
-
-    /// Refuses device `cfg` if a filter of it has `guard_inject` and this serve's domains run
-    /// this binary's own driver, which makes no faults (only `serve --driver-exe` with the
-    /// test driver does).
-    pub fn check_faults(&self, cfg: &bulkhead_config::DeviceConfig) -> Result<(), SupervisorError> {
-        if self.foreign_driver {
-            return Ok(());
-        }
-        refuse_faults(cfg.name.get_ref(), &cfg.filters())
     }
 
     /// Stops serving device `name`, which the exports no longer offer: waits up to `drain`
@@ -566,14 +545,6 @@ impl Supervisor {
         if self.hub.stopping.load(Ordering::Acquire) {
             return Err("shutting down".into());
         }
-        if let (DeviceChange::AddFilter { table, .. }, false) = (&change, self.foreign_driver) {
-            // A table that does not parse is refused below, with its line.
-            if let Ok(f) = bulkhead_config::parse_filter(table, name, 0, u64::MAX) {
-                if f.guard.inject.is_some() {
-                    return Err(faults_refused("the filter", f.spec.type_name()));
-                }
-            }
-        }
         let (claim, mut slot) = rt.claim(CLAIM_WAIT)?;
         let why = match rt.change_chain(&change) {
             Ok(why) => why,
@@ -635,27 +606,6 @@ impl Supervisor {
 
 /// Waits up to `drain` for `what`'s requests in flight (`in_flight`) to finish, then flushes
 /// `front` if `rt` runs; what is left is logged (it fails when `what` goes).
-/// Refuses filters with `guard_inject` in device `device`, for a serve whose domains run this
-/// binary's driver, which makes no faults.
-fn refuse_faults(device: &str, filters: &[bulkhead_config::Filter]) -> Result<(), SupervisorError> {
-    match filters.iter().enumerate().find(|(_, f)| f.guard.inject.is_some()) {
-        Some((i, f)) => Err(SupervisorError::Device {
-            device: device.to_string(),
-            message: faults_refused(&format!("filter {}", i + 1), f.spec.type_name()),
-        }),
-        None => Ok(()),
-    }
-}
-
-/// Why `guard_inject` is refused, for the filter `which` of type `kind`.
-fn faults_refused(which: &str, kind: &str) -> String {
-    format!(
-        "{which} ({kind}): key `filter.guard_inject`: faults are made on purpose only by the test driver \
-         (bulkhead-test-driver, built with --features bulkhead/test-driver and given to serve with --driver-exe); \
-         this binary's driver makes none"
-    )
-}
-
 fn drain_and_flush(
     rt: &DeviceRuntime,
     what: &str,

@@ -1,17 +1,19 @@
-//! Faults made on purpose in a guarded filter (`guard_inject`): a filter writes 8 bytes where
-//! it must not, at a random call, and write capture must stop the write before it lands.
+//! Faults made on purpose in a guarded filter: a filter writes 8 bytes where it must not, at a
+//! random call, and write capture must stop the write before it lands.
 //!
 //! The driver runtime only calls a [`Faults`] at the points a fault belongs; this is the one
-//! implementation, given to it by the test driver (`bulkhead-test-driver`) and by
-//! `bulkhead bench guard --isolation`, both built with the `test-driver` feature. The shipped
-//! driver refuses a filter with `guard_inject`.
+//! implementation, given to it by the test driver (`bulkhead-test-driver`, which takes what to
+//! make from `BULKHEAD_TEST_GUARD_INJECT`, see [`crate::inject`]) and by
+//! `bulkhead bench guard --isolation`, both built with the `test-driver` feature. Nothing in the
+//! configuration asks for faults, and the shipped driver has no way to make them.
 
 use std::io::Write;
 use std::os::fd::OwnedFd;
 
 use bulkhead_driver::guarded::{Fault, FaultSite, Faults};
-use bulkhead_filters::InjectTarget;
 use bulkhead_guard::heap::{self, Space};
+
+use crate::inject::{InjectSpec, InjectTarget};
 
 /// One fault, as a probe's descriptor receives it before the write: two 8-byte words, the
 /// address and the value to be written there (the old value with every bit of [`FAULT_FLIP`]
@@ -27,10 +29,11 @@ pub const FAULT_FLIP: u64 = 0xA5A5_A5A5_5A5A_5A5A;
 /// write, so the memory holds what the write left (see [`Injector::new`]).
 pub const PROBE_EXIT: i32 = 87;
 
-/// The faults of one filter: one at a random call of every `guard_inject_every` calls, aimed
-/// as `guard_inject` says.
+/// The faults of one filter: one at a random call of every `spec.every` calls, aimed at
+/// `spec.target`.
 pub struct Injector {
     site: FaultSite,
+    spec: InjectSpec,
     rng: u64,
     calls: u64,
     next_at: u64,
@@ -42,17 +45,17 @@ pub struct Injector {
 }
 
 impl Injector {
-    /// The faults of the filter at `site`.
+    /// The faults `spec` asks of the filter at `site`.
     ///
     /// With a `probe` (a measurement of isolation), the filter makes one fault only: its
     /// [`FAULT_RECORD`] goes to the probe before the write, and if the write is not stopped
     /// the process ends at once with [`PROBE_EXIT`], so a process sharing the memory reads
     /// whether the protected state changed. A stopped write ends it with
     /// [`bulkhead_guard::VIOLATION_EXIT`], as always.
-    pub fn new(site: FaultSite, probe: Option<OwnedFd>) -> Injector {
+    pub fn new(site: FaultSite, spec: InjectSpec, probe: Option<OwnedFd>) -> Injector {
         let who = format!("{} ({})", site.index + 1, site.name);
-        let rng = site.spec.seed.max(1);
-        let mut i = Injector { site, rng, calls: 0, next_at: 0, who, probe: probe.map(std::fs::File::from) };
+        let rng = spec.seed.max(1);
+        let mut i = Injector { site, spec, rng, calls: 0, next_at: 0, who, probe: probe.map(std::fs::File::from) };
         i.schedule();
         i
     }
@@ -66,7 +69,7 @@ impl Injector {
     }
 
     fn schedule(&mut self) {
-        self.next_at = self.calls + 1 + self.next() % self.site.spec.every;
+        self.next_at = self.calls + 1 + self.next() % self.spec.every;
     }
 
     /// A word-aligned address in `len` bytes from `start`.
@@ -118,7 +121,7 @@ impl Faults for Injector {
             return None;
         }
         self.schedule();
-        let addr = self.address(self.site.spec.target, own)?;
+        let addr = self.address(self.spec.target, own)?;
         // SAFETY: `addr` is a word-aligned address inside memory this process maps read-write
         // for as long as it runs (a ring, a heap space); reading it races with nothing, as the
         // domain is single-threaded.
@@ -127,7 +130,7 @@ impl Faults for Injector {
         eprintln!(
             "bulkhead guard: injecting a fault from filter {}: 8 bytes at {addr:#x} ({})",
             self.who,
-            self.site.spec.target.as_str()
+            self.spec.target.as_str()
         );
         if let Some(r) = &mut self.probe {
             let mut rec = [0u8; FAULT_RECORD];
@@ -159,10 +162,4 @@ impl Faults for Injector {
             eprintln!("bulkhead guard: the injected write at {:#x} landed: not isolated", f.addr);
         }
     }
-}
-
-/// What the test driver hands the runtime: each filter with `guard_inject` gets an
-/// [`Injector`] of its own, with no probe.
-pub fn maker(site: FaultSite) -> Box<dyn Faults> {
-    Box::new(Injector::new(site, None))
 }

@@ -7,8 +7,8 @@
 //!   binary (`bulkhead-test-driver`, built with the `test-driver` feature of the `bulkhead`
 //!   package) runs them; the shipped driver has no such modes. [`hostile_vdev`]: a `vdev`
 //!   driver that abuses its card at register level, then wedges.
-//! - `faults` (feature `faults`): the faults a guarded filter makes on purpose
-//!   (`guard_inject`), which the shipped driver refuses.
+//! - `faults` (feature `faults`): the faults a guarded filter makes on purpose, which only
+//!   the test driver and `bench guard --isolation` make; [`inject`]: what they are to be.
 //! - [`guest`]: real Linux guests under QEMU, from a kit made of Debian packages.
 //! - [`memsearch`]: a driver domain's search of its own memory for a guest's secrets.
 //! - [`memdev`]: a device served in this process from memory, for the exports' fuzz targets.
@@ -20,6 +20,7 @@ pub mod faults;
 pub mod guest;
 pub mod hostile;
 pub mod hostile_vdev;
+pub mod inject;
 pub mod kernel;
 pub mod memdev;
 pub mod memsearch;

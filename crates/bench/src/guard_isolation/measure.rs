@@ -15,11 +15,12 @@ use bulkhead_block::{Backend, Chain};
 use bulkhead_channel::{pair, BackQueue, BudgetPolicy, FrontQueue, FrontRequest, NotifyMode, QueueConfig};
 use bulkhead_driver::guarded::{self, FaultSite, Faults, FilterParts};
 use bulkhead_driver::Domain;
-use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec, InjectSpec, InjectTarget};
+use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec};
 use bulkhead_guard::heap::{self, Reservation};
 use bulkhead_guard::VIOLATION_EXIT;
 use bulkhead_shmem::memfd;
 use bulkhead_testkit::faults::{Injector, FAULT_FLIP, FAULT_RECORD, PROBE_EXIT};
+use bulkhead_testkit::inject::{InjectSpec, InjectTarget};
 
 use super::{Count, Options, Report, Row, EVERY, TARGETS};
 use crate::guard_filters::Setting;
@@ -142,8 +143,16 @@ fn below_fd(bed: &Bed) -> Result<BelowFd, BenchError> {
     }
 }
 
-/// The child: builds the domain in its heap spaces and serves until the fault ends it.
-fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<FilterParts>, probe: OwnedFd) -> String {
+/// The child: builds the domain in its heap spaces, with `inject`'s faults in the measured
+/// filter (the first), and serves until the fault ends it.
+fn child_run(
+    res: Reservation,
+    back: BackQueue,
+    below: BelowFd,
+    parts: Vec<FilterParts>,
+    inject: InjectSpec,
+    probe: OwnedFd,
+) -> String {
     let run = || -> Result<(), BenchError> {
         heap::activate(res).map_err(|e| format!("heap: {e}"))?;
         if parts.iter().any(|p| p.guard.keys) {
@@ -157,10 +166,10 @@ fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<Filte
             BelowFd::File(fd) => Box::new(FileBackend::new(fd, None, false, Engine::Sync).map_err(|e| e.to_string())?),
         };
         let rings = [back.ring_region()];
-        // The measured filter's faults, the one with `guard_inject`, report to the probe.
+        // The measured filter's faults report to the probe.
         let probe = RefCell::new(Some(probe));
-        let make = |site: FaultSite| -> Box<dyn Faults> { Box::new(Injector::new(site, probe.borrow_mut().take())) };
-        let layers = guarded::build_filters_with_faults(parts, &rings, &make)?;
+        let make = |site: FaultSite| -> Box<dyn Faults> { Box::new(Injector::new(site, inject, probe.borrow_mut().take())) };
+        let layers = guarded::build_filters_with_faults(parts, &rings, &[0], &make)?;
         let chain = Chain::new(layers, backend);
         let stop = Arc::new(AtomicBool::new(false));
         let mut dom =
@@ -291,7 +300,7 @@ fn tail(log: &OwnedFd) -> String {
 /// One fault, in a child of its own.
 fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, BenchError> {
     let inject = InjectSpec { target, every: EVERY, seed };
-    let parts = filter_parts(bed, GuardSpec { mode: setting.mode, keys: setting.keys, inject: Some(inject) })?;
+    let parts = filter_parts(bed, GuardSpec { mode: setting.mode, keys: setting.keys })?;
     let below = below_fd(bed)?;
     let res = Reservation::new(1 + parts.len()).map_err(|e| format!("heap: {e}"))?;
     let cfg = QueueConfig { nslots: 32, arena_bytes: 1 << 20, mode: NotifyMode::Poll, ..Default::default() };
@@ -318,7 +327,7 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
             libc::dup2(log.as_raw_fd(), 2);
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
         }
-        let e = child_run(res, back, below, parts, probe_w);
+        let e = child_run(res, back, below, parts, inject, probe_w);
         eprintln!("{e}");
         // SAFETY: ends the child without running anything of the parent's (no destructors,
         // no exit handlers).

@@ -9,9 +9,11 @@
 //! - `vdev-hostile`: in a `vdev` device's first generation, abuses the card at register level
 //!   ([`bulkhead_testkit::hostile_vdev`]), says so, and wedges; later generations run the real
 //!   driver runtime;
-//! - unset: runs the real driver runtime, like `bulkhead driver`, except that filters with
-//!   `guard_inject` make their faults ([`bulkhead_testkit::faults`]), which the shipped
-//!   driver refuses.
+//! - unset: runs the real driver runtime, like `bulkhead driver`.
+//!
+//! `BULKHEAD_TEST_GUARD_INJECT=FILTER:TARGET[:EVERY[:SEED]]` makes a guarded filter write
+//! where it must not ([`bulkhead_testkit::faults`], [`bulkhead_testkit::inject`]): the
+//! shipped driver has no way to. `BULKHEAD_TEST_FAULT_DEVICE` limits it to one device too.
 //!
 //! `BULKHEAD_TEST_UNAVAILABLE_LAYERS=landlock,seccomp` confines as on a host without those
 //! layers.
@@ -76,7 +78,7 @@ fn main() -> ExitCode {
             fault.clear();
         }
     }
-    if std::env::var("BULKHEAD_TEST_FAULT_DEVICE").is_ok_and(|d| d != spec.device) {
+    if !for_this_device(&spec) {
         fault.clear();
     }
     if fault == "vdev-hostile" {
@@ -120,10 +122,26 @@ fn main() -> ExitCode {
             }
         }
         _ => {
-            // Filters with `guard_inject` make their faults.
-            let faults: bulkhead_driver::guarded::FaultMaker<'_> = &bulkhead_testkit::faults::maker;
-            // SAFETY: as above.
-            let mut domain = match unsafe { bulkhead_driver::build_inherited_with_faults(&spec, stop, faults) } {
+            // The filter `BULKHEAD_TEST_GUARD_INJECT` names, if any, makes its faults.
+            let inject = match std::env::var(bulkhead_testkit::inject::INJECT_ENV) {
+                Ok(v) if for_this_device(&spec) => match bulkhead_testkit::inject::InjectSpec::parse_env(&v) {
+                    Ok(i) => Some(i),
+                    Err(e) => return fail(e),
+                },
+                _ => None,
+            };
+            let built = match inject {
+                Some((filter, faults)) => {
+                    let make = |site: bulkhead_driver::guarded::FaultSite| -> Box<dyn bulkhead_driver::guarded::Faults> {
+                        Box::new(bulkhead_testkit::faults::Injector::new(site, faults, None))
+                    };
+                    // SAFETY: as above.
+                    unsafe { bulkhead_driver::build_inherited_with_faults(&spec, stop, &[filter], &make) }
+                }
+                // SAFETY: as above.
+                None => unsafe { bulkhead_driver::build_inherited(&spec, stop) },
+            };
+            let mut domain = match built {
                 Ok(d) => d,
                 Err(e) => return fail(e.to_string()),
             };
@@ -152,6 +170,12 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// Whether the faults asked for apply to this domain's device (`BULKHEAD_TEST_FAULT_DEVICE`,
+/// when set, names the one they apply to).
+fn for_this_device(spec: &DomainSpec) -> bool {
+    std::env::var("BULKHEAD_TEST_FAULT_DEVICE").map_or(true, |d| d == spec.device)
 }
 
 /// Builds the domain as the real driver does, confines it, then attempts escapes.
