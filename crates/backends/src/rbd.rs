@@ -117,8 +117,8 @@ impl std::fmt::Debug for RbdBackend {
 }
 
 impl RbdBackend {
-    /// A backend for a device of `size` bytes; `owner_pipe` is told the client's address once
-    /// connected. Loads librbd (call it before confinement).
+    /// A backend for a device of `size` bytes; `owner_pipe` is told the client's address and
+    /// the image's size once the image is open. Loads librbd (call it before confinement).
     pub fn new(opts: RbdOptions, size: u64, owner_pipe: Option<OwnedFd>) -> Result<Self, String> {
         let api = Arc::new(Api::load().map_err(|e| e.to_string())?);
         let wake = EventFd::new().map_err(|e| format!("eventfd: {e}"))?;
@@ -166,14 +166,16 @@ impl RbdBackend {
             c.set(k, v).map_err(|e| e.to_string())?;
         }
         c.connect(&o.pool, &o.namespace).map_err(|e| format!("cluster at {}: {e}", o.mon_host))?;
-        if let Some(pipe) = self.owner_pipe.take() {
-            // The supervisor keeps it for the next generation's lock break.
-            if let Ok(addr) = c.addrs() {
-                let _ = std::fs::File::from(pipe).write_all(format!("{addr}\n").as_bytes());
-            }
-        }
         let image = c.open(&o.image).map_err(|e| e.to_string())?;
         let stat = image.stat().map_err(|e| e.to_string())?;
+        if let Some(pipe) = self.owner_pipe.take() {
+            // The supervisor keeps the address for the next generation's lock break (no write
+            // has been made, so no lock taken, before it is told), and learns the image's size
+            // from the second word when the configuration gives none.
+            if let Ok(addr) = c.addrs() {
+                let _ = std::fs::File::from(pipe).write_all(format!("{addr} {}\n", stat.size).as_bytes());
+            }
+        }
         if stat.size < self.size {
             return Err(format!(
                 "image `{}/{}` is {} bytes, smaller than the device's {}",

@@ -59,11 +59,12 @@ impl Cluster {
         format!("[fuse]\nenabled = false\n{}", self.device("r", image, size, extra))
     }
 
-    /// A `[[device]]` named `name` on `image`; `extra` goes in its backend table (and may
-    /// open tables after it).
+    /// A `[[device]]` named `name` on `image`, of `size` (empty: none given, so the image's);
+    /// `extra` goes in its backend table (and may open tables after it).
     fn device(&self, name: &str, image: &str, size: &str, extra: &str) -> String {
+        let size = if size.is_empty() { String::new() } else { format!("size = \"{size}\"\n") };
         format!(
-            "[[device]]\nname = \"{name}\"\nsize = \"{size}\"\nrestart_limit = 100000\n\
+            "[[device]]\nname = \"{name}\"\n{size}restart_limit = 100000\n\
              [device.backend]\ntype = \"rbd\"\nmon_host = \"127.0.0.1:3300\"\npool = \"rbd\"\nimage = \"{image}\"\n\
              key_file = \"{}\"\n{extra}",
             self.key_file().display()
@@ -129,8 +130,16 @@ fn each_operation_round_trips_and_the_image_interoperates_with_rbd() {
     let src = tmp.path().join("seed.img");
     std::fs::write(&src, &seed).unwrap();
     cluster.rbd(&["import", src.to_str().unwrap(), "rbd/img"]);
-    let serve = Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("img", "4M", ""), &[], &[], &cluster.netns, false)
-        .unwrap();
+    // No `size`: the device is the whole image, as a domain found it.
+    let run_dir = tmp.path().join("run");
+    let serve = Serve::start_in_netns(&run_dir, &cluster.config("img", "", ""), &[], &[], &cluster.netns, false).unwrap();
+    assert!(serve.log_text().contains("size 4194304 bytes, the whole of image `rbd/img`"), "{}", serve.log_text());
+    // An image that is not there is named, and nothing is added.
+    let missing = tmp.path().join("missing.toml");
+    std::fs::write(&missing, cluster.device("m", "nosuch", "", "")).unwrap();
+    let e = cli(&run_dir, &["device", "add", missing.to_str().unwrap()]).unwrap_err();
+    assert!(e.contains("device `m`") && e.contains("image `rbd/nosuch`") && e.contains("size is unknown"), "{e}");
+    assert!(serve.status_json()["devices"].as_array().unwrap().len() == 1, "{}", serve.status_json());
     let uri = serve.nbd_uri("r");
     let got = tmp.path().join("got.img");
     let out = Command::new("nbdcopy").args([&uri, got.to_str().unwrap()]).output().unwrap();

@@ -1455,12 +1455,6 @@ impl Config {
                             }
                         }
                     }
-                    if d.size.is_none() {
-                        return Err(err(
-                            d.name.span(),
-                            format!("device `{name}`: key `size` is required for type = \"rbd\" (at most the image's size)"),
-                        ));
-                    }
                 }
                 BackendKind::Vdev => {
                     match (&b.card, &b.seed) {

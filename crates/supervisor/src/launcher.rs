@@ -4,7 +4,7 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bulkhead_channel::{AboveControl, BelowControl, BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup};
 use bulkhead_client::Device;
@@ -23,6 +23,9 @@ use crate::views::ViewSetup;
 
 /// How long a read through a domain started to read a LUKS header may take, at least, ms.
 const PROBE_TIMEOUT_MS: u64 = 10_000;
+
+/// How long a domain started only to learn an image's size has to stop once asked.
+const PROBE_STOP: Duration = Duration::from_secs(5);
 
 /// Spins a frontend waiting on a tap domain makes before it yields between looks (about 10 µs).
 const FRONTEND_YIELD_AFTER_SPINS: u32 = 2048;
@@ -198,6 +201,10 @@ impl Launcher {
             card: storage.card,
             rbd: storage.rbd,
         };
+        if let (Some(_), None) = (&launcher.rbd, &cfg.size) {
+            let bytes = launcher.learn_image_size()?;
+            (launcher.size, launcher.backend_size) = (bytes, bytes);
+        }
         let size = launcher.prepare_filters(filters, cfg.tap)?;
         // Views, against the size the filters leave: each adds queues of its own.
         launcher.layout.get_mut().unwrap_or_else(|e| e.into_inner()).views = ViewSetup::resolve(&name, &cfg.views, size)?;
@@ -379,6 +386,60 @@ impl Launcher {
             discard(d.child);
         }
         out
+    }
+
+    /// An `rbd` device's size when the configuration gives none: its image's, in whole
+    /// sectors, as a domain started for the purpose finds it once it has opened the image (it
+    /// tells its broker, [`crate::rbd::Owners::image_bytes`], and is ended). Waits up to the
+    /// backend's connect and op timeouts.
+    fn learn_image_size(&mut self) -> Result<u64, String> {
+        let BackendConfig::Rbd { pool, image, connect_timeout_ms, op_timeout_ms, .. } = &self.backend else {
+            return Err("only an rbd device learns its size from its backend".into());
+        };
+        let what = format!("image `{pool}/{image}`");
+        let wait = Duration::from_millis(connect_timeout_ms + op_timeout_ms);
+        let owners = self.rbd.as_ref().map(|(_, o)| o.clone()).ok_or("an rbd device has its cluster's addresses")?;
+        // Any image of at least a sector opens at this size.
+        (self.size, self.backend_size) = (512, 512);
+        let Launched { domains, .. } =
+            self.launch(1).map_err(|e| format!("{what}: cannot start a domain to learn its size: {e}"))?;
+        let (mut domains, _) = { domains }.take_all();
+        let deadline = Instant::now() + wait;
+        let told = loop {
+            if let Some(n) = owners.image_bytes() {
+                break Ok(n);
+            }
+            if domains.iter_mut().any(|d| matches!(d.child.try_wait(), Ok(Some(_)))) {
+                // What it said before it ended may still be on its way.
+                std::thread::sleep(Duration::from_millis(100));
+                break owners.image_bytes().ok_or_else(|| {
+                    format!("{what}: its domain ended before it opened the image, so its size is unknown (its log lines say why)")
+                });
+            }
+            if Instant::now() >= deadline {
+                break Err(format!(
+                    "{what}: its domain did not open the image within {} ms, so its size is unknown",
+                    wait.as_millis()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        // Asked to stop, so that it closes the image: a client killed instead leaves its watch
+        // on the image for the cluster to time out, and the next domain's flush and close wait
+        // for it (more than 5 s).
+        for d in &domains {
+            let _ = d.child.signal(libc::SIGTERM);
+        }
+        for mut d in domains {
+            let _ = d.child.wait_timeout(PROBE_STOP);
+            discard(d.child);
+        }
+        let bytes = told? / 512 * 512;
+        if bytes == 0 {
+            return Err(format!("{what} holds less than one 512-byte sector"));
+        }
+        log::info!("{}: size {bytes} bytes, the whole of {what}", self.name);
+        Ok(bytes)
     }
 
     /// Refuses a terminal that is not a soft device: `intercept` ends the chain in memory, a
@@ -793,7 +854,8 @@ impl Storage {
                 Ok(sized(size, format!("nbd:{uri}"), Vec::new()))
             }
             BackendConfig::Rbd { mon_host, networks, pool, namespace, image, read_only, .. } => {
-                let size = configured().ok_or("size is required for an rbd device")?;
+                // Without `size`, the image's: `Launcher::open` asks a domain for it.
+                let size = configured().unwrap_or(0);
                 let reach = crate::rbd::Reach::resolve(mon_host, networks).map_err(|e| format!("backend mon_host: {e}"))?;
                 let ns = if namespace.is_empty() { String::new() } else { format!("{namespace}/") };
                 let desc = format!("rbd:{pool}/{ns}{image}{}", if *read_only { ",ro" } else { "" });

@@ -13,6 +13,7 @@
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -99,11 +100,13 @@ fn in_range(ip: IpAddr, net: IpAddr, bits: u8) -> bool {
 
 /// Client addresses of a device's earlier domains (newest last, a few kept). With a keeper they
 /// are kept across a restart of `serve` too: its domains die with it, and their locks with
-/// them only once the cluster notices, which takes about 30 s.
+/// them only once the cluster notices, which takes about 30 s. Also the image's size, as the
+/// latest domain to open it found it.
 #[derive(Debug, Clone)]
 pub(crate) struct Owners {
     list: Arc<Mutex<Vec<String>>>,
     kept_as: Arc<str>,
+    image_bytes: Arc<AtomicU64>,
 }
 
 impl Owners {
@@ -118,7 +121,13 @@ impl Owners {
             // Kept again at once: this `serve` may die before its first domain says its own.
             crate::kept::keep_text(&kept_as, &(list.join("\n") + "\n"));
         }
-        Owners { list: Arc::new(Mutex::new(list)), kept_as: kept_as.into() }
+        Owners { list: Arc::new(Mutex::new(list)), kept_as: kept_as.into(), image_bytes: Arc::default() }
+    }
+
+    /// The image's size as a domain of this device last found it; `None` before one has
+    /// opened it.
+    pub(crate) fn image_bytes(&self) -> Option<u64> {
+        Some(self.image_bytes.load(Ordering::Acquire)).filter(|&n| n > 0)
     }
 
     pub(crate) fn list(&self) -> Vec<String> {
@@ -155,9 +164,14 @@ pub(crate) fn broker(device: &str, pidfd: OwnedFd, listener: OwnedFd, owner_pipe
                 let n = owner_pipe.as_mut().map_or(0, |p| std::io::Read::read(p, &mut buf).unwrap_or(0));
                 owner_line.extend_from_slice(&buf[..n]);
                 if n == 0 || owner_line.contains(&b'\n') || owner_line.len() > 1024 {
-                    let line = String::from_utf8_lossy(&owner_line).lines().next().unwrap_or("").trim().to_string();
-                    if !line.is_empty() {
-                        owners.push(line);
+                    // `ADDRESS SIZE`, once the domain has opened the image.
+                    let line = String::from_utf8_lossy(&owner_line).lines().next().unwrap_or("").to_string();
+                    let mut words = line.split_whitespace();
+                    if let Some(addr) = words.next() {
+                        owners.push(addr.to_string());
+                    }
+                    if let Some(size) = words.next().and_then(|w| w.parse::<u64>().ok()) {
+                        owners.image_bytes.store(size, Ordering::Release);
                     }
                     owner_pipe = None;
                 }
