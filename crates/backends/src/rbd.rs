@@ -82,6 +82,10 @@ impl Default for Slot {
 /// Tags of [`Backend::execute`]'s batch are numbered from here, apart from the chain's.
 const EXECUTE_BASE: u64 = 1 << 40;
 
+/// How long an earlier domain's client stays evicted: it is dead, so any time will do; an
+/// hour is what a lock break gives it.
+const EVICT_SECONDS: u32 = 3600;
+
 /// An RBD image.
 pub struct RbdBackend {
     opts: RbdOptions,
@@ -190,6 +194,21 @@ impl RbdBackend {
                 image.break_lock(&owner).map_err(|e| e.to_string())?;
                 eprintln!("bulkhead driver: rbd: broke the exclusive lock of an earlier domain ({owner})");
             }
+        }
+        // An earlier domain killed before it took the lock left its watch on the image, which
+        // the cluster keeps for 30 s: until then, taking or releasing the lock notifies it and
+        // waits for an answer that never comes, so this domain's final flush and close would
+        // take more than 5 s. Evicted too; failing that, the watch times out on its own.
+        match image.watchers() {
+            Ok(watchers) => {
+                for w in watchers.iter().filter(|w| nonce(w).is_some_and(|n| ours.contains(&n))) {
+                    match c.blocklist(w, EVICT_SECONDS) {
+                        Ok(()) => eprintln!("bulkhead driver: rbd: evicted the watch of an earlier domain ({w})"),
+                        Err(e) => eprintln!("bulkhead driver: rbd: could not evict an earlier domain's watch ({w}): {e}"),
+                    }
+                }
+            }
+            Err(e) => eprintln!("bulkhead driver: rbd: could not list the image's watchers: {e}"),
         }
         image.notify_on(self.wake.as_raw_fd()).map_err(|e| e.to_string())?;
         self.image = Some(image);

@@ -192,8 +192,25 @@ fn a_killed_rbd_domain_breaks_only_its_own_lock_and_loses_nothing() {
     }
     let tmp = TempDir::new("rbd-kill");
     cluster.rbd(&["create", "--size", "256M", "rbd/k"]);
-    let serve = Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("k", "256M", ""), &[], &[], &cluster.netns, false)
-        .unwrap();
+    let mut serve =
+        Serve::start_in_netns(&tmp.path().join("run"), &cluster.config("k", "256M", ""), &[], &[], &cluster.netns, false)
+            .unwrap();
+    // A domain killed before its first write holds no lock, but leaves its watch on the image:
+    // the next domain evicts it, or the last domain's flush and close at the end would wait
+    // for it.
+    let watchers = || String::from_utf8_lossy(&cluster.rbd(&["status", "rbd/k"])).matches("watcher=").count();
+    let until = |what: &str, ok: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ok() {
+            assert!(Instant::now() < deadline, "{what}: {}", serve.log_text());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    until("the domain did not open the image", &|| watchers() == 1);
+    // SAFETY: killing the device's own driver domain.
+    unsafe { libc::kill(serve.driver_pid(0) as i32, libc::SIGKILL) };
+    until("the killed domain's watch was not evicted", &|| serve.log_text().contains("evicted the watch of an earlier domain"));
+    assert_eq!(watchers(), 1, "{}", String::from_utf8_lossy(&cluster.rbd(&["status", "rbd/k"])));
     let uri = serve.nbd_uri("r");
     let mut x = 0x9e37_79b9_7f4a_7c15_u64;
     let killer =
@@ -210,6 +227,13 @@ fn a_killed_rbd_domain_breaks_only_its_own_lock_and_loses_nothing() {
     eprintln!("rbd kills: {kills}, locks broken: {broke}, restarts {}, outage p99 {p99:.1} ms", d["restarts"]);
     // Without the lock break a new domain's first write waits ~30 s for the dead owner.
     assert!(p99 < 5000.0, "outage p99 {p99} ms: {st}");
+    // With every dead domain's watch and lock gone, serve stops cleanly: a final flush, and
+    // the last domain closes the image and exits when asked.
+    let t = Instant::now();
+    assert!(serve.stop().success());
+    let log = serve.log_text();
+    assert!(!log.contains("did not stop") && !log.contains("final flush did not complete"), "{log}");
+    eprintln!("serve stopped in {} ms", t.elapsed().as_millis());
 }
 
 #[test]

@@ -50,6 +50,7 @@ api! {
     rados: rados_ioctx_set_namespace: fn(Handle, *const c_char);
     rados: rados_getaddrs: fn(Handle, *mut *mut c_char) -> c_int;
     rados: rados_buffer_free: fn(*mut c_char);
+    rados: rados_blocklist_add: fn(Handle, *mut c_char, u32) -> c_int;
     rbd: rbd_open: fn(Handle, *const c_char, *mut Handle, *const c_char) -> c_int;
     rbd: rbd_close: fn(Handle) -> c_int;
     rbd: rbd_stat: fn(Handle, *mut c_void, usize) -> c_int;
@@ -57,6 +58,8 @@ api! {
     rbd: rbd_lock_get_owners: fn(Handle, *mut c_int, *mut *mut c_char, *mut usize) -> c_int;
     rbd: rbd_lock_get_owners_cleanup: fn(*mut *mut c_char, usize);
     rbd: rbd_lock_break: fn(Handle, c_int, *const c_char) -> c_int;
+    rbd: rbd_watchers_list: fn(Handle, *mut c_void, *mut usize) -> c_int;
+    rbd: rbd_watchers_list_cleanup: fn(*mut c_void, usize);
     rbd: rbd_aio_create_completion: fn(*mut c_void, Callback, *mut Handle) -> c_int;
     rbd: rbd_aio_release: fn(Handle);
     rbd: rbd_aio_get_arg: fn(Handle) -> *mut c_void;

@@ -124,6 +124,19 @@ impl Cluster {
         Ok(s)
     }
 
+    /// Evicts the client at `addr` from the cluster for `seconds` (`ceph osd blocklist add`):
+    /// its watches and its locks go at once, and it can do nothing more. For a client known to
+    /// be dead.
+    pub fn blocklist(&self, addr: &str, seconds: u32) -> Result<(), RbdError> {
+        let a = cstr("client address", addr)?;
+        // SAFETY: a connected handle and a NUL-terminated address, which librados only reads
+        // (its prototype lacks the `const`).
+        check(|| format!("rados_blocklist_add({addr})"), unsafe {
+            (self.api.rados_blocklist_add)(self.rados, a.as_ptr().cast_mut(), seconds)
+        })?;
+        Ok(())
+    }
+
     /// Opens image `name` in the pool.
     pub fn open(&self, name: &str) -> Result<Image, RbdError> {
         let n = cstr("image", name)?;
@@ -188,6 +201,14 @@ const EVENT_TYPE_EVENTFD: i32 = 2;
 /// `RBD_LOCK_MODE_EXCLUSIVE` in librbd.h.
 const LOCK_MODE_EXCLUSIVE: i32 = 0;
 
+/// librbd's `rbd_image_watcher_t`.
+#[repr(C)]
+struct Watcher {
+    addr: *mut c_char,
+    id: i64,
+    cookie: u64,
+}
+
 /// librbd's `rbd_image_info_t`.
 #[repr(C)]
 struct ImageInfo {
@@ -237,6 +258,31 @@ impl Image {
         let v = owners[..n].iter().map(|&p| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()).collect();
         // SAFETY: handing back what librbd allocated, once.
         unsafe { (self.api.rbd_lock_get_owners_cleanup)(owners.as_mut_ptr(), n) };
+        Ok(v)
+    }
+
+    /// The addresses of the clients watching the image (every client that has it open).
+    pub fn watchers(&self) -> Result<Vec<String>, RbdError> {
+        let mut list: Vec<Watcher> = Vec::new();
+        let mut n: usize = 8;
+        loop {
+            list.resize_with(n, || Watcher { addr: std::ptr::null_mut(), id: 0, cookie: 0 });
+            // SAFETY: a live image; an array of `n` entries for librbd to fill.
+            let r = unsafe { (self.api.rbd_watchers_list)(self.image, list.as_mut_ptr().cast(), &mut n) };
+            if r == -libc::ERANGE && n > list.len() {
+                continue;
+            }
+            check(|| "rbd_watchers_list".into(), r)?;
+            break;
+        }
+        let n = n.min(list.len());
+        let v = list[..n]
+            .iter()
+            // SAFETY: librbd filled `n` entries, each with a NUL-terminated address.
+            .map(|w| unsafe { CStr::from_ptr(w.addr) }.to_string_lossy().into_owned())
+            .collect();
+        // SAFETY: handing back what librbd allocated, once.
+        unsafe { (self.api.rbd_watchers_list_cleanup)(list.as_mut_ptr().cast(), n) };
         Ok(v)
     }
 
