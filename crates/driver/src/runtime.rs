@@ -683,9 +683,14 @@ impl Domain {
             } else {
                 eprintln!("bulkhead driver: the backend's remote answers again");
             }
-            if let Some(p) = &self.state {
-                p.set(STALLED, u64::from(s));
-            }
+            self.write_stalled(s);
+        }
+    }
+
+    /// Writes whether the backend's remote has stopped answering into the state page.
+    fn write_stalled(&self, stalled: bool) {
+        if let Some(p) = &self.state {
+            p.set(STALLED, u64::from(stalled));
         }
     }
 
@@ -718,8 +723,8 @@ impl Domain {
         })?;
         // An earlier domain may have left the page saying its remote had stalled.
         self.stalled_shown = self.chain.stalled();
-        if let (Some(p), Some(s)) = (&self.state, self.stalled_shown) {
-            p.set(STALLED, u64::from(s));
+        if let Some(s) = self.stalled_shown {
+            self.write_stalled(s);
         }
         let mut idle_since: Option<u64> = None;
         let mut spins = 0u32;
