@@ -101,7 +101,7 @@ pub fn build_filters(filters: Vec<FilterParts>, rings: &[(u64, u64)]) -> Result<
 /// As [`build_filters`], with faults made by `make` in each filter whose place in the chain
 /// (from 0) is in `faulty`. Those filters are built in heap spaces of their own even when
 /// none is guarded, so that their faults have something to aim at; write capture is then
-/// installed all the same, and stops nothing (its regions have no guarded code).
+/// installed all the same, and a filter that is not guarded never enters it.
 #[cfg(feature = "faults")]
 pub fn build_filters_with_faults(
     filters: Vec<FilterParts>,
@@ -145,9 +145,9 @@ impl Built {
     }
 }
 
-/// Builds the filters, each in its heap space if `spaces`, and then installs write capture.
-fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)], spaces: bool) -> Result<Vec<Built>, String> {
-    let guarded = spaces;
+/// Builds the filters, each in its heap space and wrapped in [`Guarded`] if `guarded`, and
+/// then installs write capture.
+fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)], guarded: bool) -> Result<Vec<Built>, String> {
     if guarded && heap::space_range(space_of(filters.len().saturating_sub(1))).is_none() {
         return Err(format!("write capture: the heap has no space for each of {} filters", filters.len()));
     }
