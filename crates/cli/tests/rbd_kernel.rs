@@ -272,11 +272,13 @@ fn a_cluster_that_stops_answering_gives_a_bounded_pause_then_errors_and_the_devi
     let Some(cluster) = Cluster::up("osd") else { return };
     let tmp = TempDir::new("rbd-osd");
     cluster.rbd(&["create", "--size", "16M", "rbd/s"]);
-    let cfg = cluster.config("s", "16M", "op_timeout_ms = 2000\n");
+    // A restart limit of 3: domains that the stalled cluster never answers are not counted.
+    let cfg = cluster.config("s", "16M", "op_timeout_ms = 2000\n").replace("restart_limit = 100000", "restart_limit = 3");
     let serve = Serve::start_in_netns(&tmp.path().join("run"), &cfg, &[], &[], &cluster.netns, false).unwrap();
     let uri = serve.nbd_uri("r");
     qemu_io_ok(&uri, &["write -P 0x77 0 64k"]);
     stall_and_recover(&cluster, &serve, &uri, 0x78);
+    restart_during_stall(&cluster, &serve, &uri);
     // With the monitor stopped too, a replaced domain is not started: the device reads
     // `reconnecting` until the cluster answers again.
     let mon = cluster.pid("mon.a");
@@ -303,7 +305,46 @@ fn a_cluster_that_stops_answering_gives_a_bounded_pause_then_errors_and_the_devi
     // The new domains have opened the image once a request is answered through them.
     qemu_io_ok(&uri, &["read -P 0x79 2M 64k"]);
     stall_and_recover(&cluster, &serve, &uri, 0x7a);
+    restart_during_stall(&cluster, &serve, &uri);
     assert_eq!(serve.status_json()["devices"][0]["tap"], "interpose");
+}
+
+/// Kills the domain that holds the rbd backend while the OSD is stopped: each new domain
+/// cannot open the image and ends after the op timeout, and is replaced after a back-off, the
+/// device `reconnecting` throughout, more times than the restart limit without failing it;
+/// once the OSD runs, a new domain opens the image and the device reads `running`.
+fn restart_during_stall(cluster: &Cluster, serve: &Serve, uri: &str) {
+    let device = || serve.status_json()["devices"][0].clone();
+    let before = device()["restarts"].as_u64().unwrap_or(0);
+    let osd = cluster.pid("osd.0");
+    // SAFETY: stopping the cluster's own OSD.
+    unsafe { libc::kill(osd, libc::SIGSTOP) };
+    let holder = device()["driver_pid"].as_u64().unwrap_or(0) as i32;
+    assert!(holder > 0, "{}", device());
+    // SAFETY: killing the domain of our own serve that holds the backend.
+    unsafe { libc::kill(holder, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut states = std::collections::BTreeSet::new();
+    let d = loop {
+        let d = device();
+        states.insert(d["state"].as_str().unwrap_or("?").to_string());
+        if d["state"] == "failed" || d["restarts"].as_u64().unwrap_or(0) >= before + 5 || Instant::now() > deadline {
+            break d;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // SAFETY: as above.
+    unsafe { libc::kill(osd, libc::SIGCONT) };
+    assert!(d["restarts"].as_u64().unwrap_or(0) >= before + 5, "domains were not replaced during the stall: {d}");
+    assert!(!states.contains("failed") && states.contains("reconnecting"), "{states:?}: {d}\n{}", serve.log_text());
+    assert!(d["failure"].as_str().is_some_and(|f| f.contains("reconnecting") || f.contains("did not answer")), "{d}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while device()["state"] != "running" {
+        assert!(Instant::now() < deadline, "the device did not read running once the OSD ran: {}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    qemu_io_ok(uri, &["read -P 0x77 0 64k"]);
+    eprintln!("restarts during the stall ({}): {}, states {states:?}", d["tap"], d["restarts"].as_u64().unwrap_or(0) - before);
 }
 
 /// Stops the cluster's OSD under a write to `uri`'s device: the write fails within a bounded

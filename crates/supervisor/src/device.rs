@@ -271,6 +271,7 @@ impl DeviceRuntime {
             heartbeat: self.state.get(bulkhead_spec::state_slots::HEARTBEAT),
             held: self.state.get(bulkhead_spec::state_slots::HELD),
             beat: self.state.get(bulkhead_spec::state_slots::LOOP),
+            below_beat: self.below_state.get(bulkhead_spec::state_slots::LOOP),
             attached: self.attach.attached(),
         }
     }

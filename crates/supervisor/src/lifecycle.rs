@@ -25,6 +25,8 @@ pub(crate) struct Observation {
     pub held: u64,
     /// The domain's loop beat (it beats while its loop turns).
     pub beat: u64,
+    /// The loop beat of the driver domain below a tap domain, if there is one.
+    pub below_beat: u64,
     /// Applications attached to the device, whose requests `pending` does not count.
     pub attached: usize,
 }
@@ -100,6 +102,13 @@ pub(crate) struct Lifecycle {
     answered_at_start: u64,
     /// While reconnecting: since when, the next attempt, the current delay.
     down_since: Option<Instant>,
+    /// The episode in `down_since` is a remote that did not answer a domain started for it
+    /// (not a launch that could not reach it): it lasts through launches, until a generation
+    /// answers a request or runs for the reconnect time.
+    remote_down: bool,
+    /// While `remote_down`: the loop beat of the domain holding the backend, first seen after
+    /// its launch. Its loop turns only once the backend has started (reached the remote).
+    holder_beat: Option<u64>,
     retry_at: Option<Instant>,
     retry_delay: Duration,
     /// The watchdog's last sight of progress: requests answered, when, the heartbeat.
@@ -129,6 +138,8 @@ impl Lifecycle {
             started_at: now,
             answered_at_start: 0,
             down_since: None,
+            remote_down: false,
+            holder_beat: None,
             retry_at: None,
             retry_delay: Duration::ZERO,
             progress: (0, now, 0),
@@ -144,6 +155,12 @@ impl Lifecycle {
     /// The layout of the running generation.
     pub fn shape(&self) -> Shape {
         self.shape
+    }
+
+    /// Whether the running generation was started for a remote that has not answered the
+    /// ones before it, and has not yet answered itself: the device is waiting for the remote.
+    pub fn awaiting_remote(&self) -> bool {
+        self.remote_down && self.state == DeviceState::Running
     }
 
     /// Why it failed or is reconnecting.
@@ -197,6 +214,17 @@ impl Lifecycle {
             return None;
         }
         let now = self.clock.now();
+        if self.remote_down {
+            let beat = if self.shape == Shape::Interpose { obs.below_beat } else { obs.beat };
+            let turned = *self.holder_beat.get_or_insert(beat) != beat;
+            let settled = self.policy.reconnect.is_some_and(|t| now.saturating_duration_since(self.started_at) >= t);
+            if obs.answered != self.answered_at_start || turned || settled {
+                // The remote answers this generation: the episode is over.
+                self.remote_down = false;
+                self.down_since = None;
+                self.retry_delay = Duration::ZERO;
+            }
+        }
         if obs.attached == 0 || obs.beat != self.beat.0 {
             self.beat = (obs.beat, now);
         }
@@ -227,6 +255,7 @@ impl Lifecycle {
     /// revives a failed device).
     pub fn on_event(&mut self, event: Event, answered: u64) -> Disposition {
         let now = self.clock.now();
+        let unanswered = self.remote_lost(&event) && answered == self.answered_at_start;
         let (why, which) = match event {
             Event::Changed { why, filters_only } => {
                 self.reset();
@@ -237,7 +266,49 @@ impl Lifecycle {
             }
             other => self.classify(other),
         };
+        if unanswered {
+            return self.reconnect(why, which, now);
+        }
         self.count(why, which, now, answered)
+    }
+
+    /// Whether `event` is the exit of the domain that holds a remote backend, having lost
+    /// the remote (it says so with [`LOST_EXIT`]).
+    fn remote_lost(&self, event: &Event) -> bool {
+        let holder = match self.shape {
+            Shape::Interpose => Role::Below,
+            Shape::Passthrough | Shape::Intercept => Role::Top,
+        };
+        self.policy.reconnect.is_some()
+            && matches!(event, Event::Exited { role, code: Some(c), .. } if *role == holder && *c == i32::from(LOST_EXIT))
+    }
+
+    /// A domain started for a remote that never answered it (a cluster whose monitor answers
+    /// but whose OSD does not): not a fault of the domain, so not counted against the restart
+    /// limit. The device is `reconnecting`, and `which` is replaced after a back-off, for the
+    /// policy's reconnect time; then it fails.
+    fn reconnect(&mut self, why: String, which: Which, now: Instant) -> Disposition {
+        let timeout = self.policy.reconnect.unwrap_or_default();
+        let since = *self.down_since.get_or_insert(now);
+        self.remote_down = true;
+        if now.saturating_duration_since(since) < timeout {
+            self.retry_delay = (self.retry_delay * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
+            self.retry_at = Some(now + self.retry_delay);
+            self.state = DeviceState::Reconnecting;
+            self.failure = Some(format!("{why}; reconnecting"));
+            self.restarts += 1;
+            return Disposition::Restart { which, delay: self.retry_delay, why };
+        }
+        let reason = format!(
+            "{why}; the remote has not answered for {} ms: device failed (`bulkhead restart {}` tries again)",
+            now.saturating_duration_since(since).as_millis(),
+            self.device
+        );
+        self.down_since = None;
+        self.remote_down = false;
+        self.retry_at = None;
+        self.fail(&reason);
+        Disposition::Fail { reason }
     }
 
     /// What an event says, for the log, and which domains it concerns.
@@ -332,6 +403,7 @@ impl Lifecycle {
         self.history.clear();
         self.quick_deaths = 0;
         self.down_since = None;
+        self.remote_down = false;
         self.retry_at = None;
         self.state = DeviceState::Running;
         self.failure = None;
@@ -341,10 +413,14 @@ impl Lifecycle {
     /// replaced alone); `answered` is the device's count now.
     pub fn on_launched(&mut self, shape: Shape, answered: u64) -> Launch {
         let now = self.clock.now();
-        let was_down = self.down_since.take().map(|t| now.saturating_duration_since(t));
+        // A remote that did not answer the last domain has yet to answer this one (`tick`).
+        let was_down = if self.remote_down { None } else { self.down_since.take().map(|t| now.saturating_duration_since(t)) };
         self.shape = shape;
         self.retry_at = None;
-        self.retry_delay = Duration::ZERO;
+        self.holder_beat = None;
+        if !self.remote_down {
+            self.retry_delay = Duration::ZERO;
+        }
         self.state = DeviceState::Running;
         self.failure = None;
         self.started_at = now;
@@ -703,5 +779,83 @@ mod tests {
         assert!(matches!(l.on_launch_failed("exited", "exec failed", false), Launch::Fail { .. }));
         let (mut local, _) = life(Shape::Passthrough);
         assert!(matches!(local.on_launch_failed("exited", "refused", true), Launch::Fail { .. }));
+    }
+
+    #[test]
+    fn domains_a_remote_never_answers_are_retried_with_back_off_not_counted_until_the_reconnect_timeout() {
+        // The holder of the backend: the only domain, or the one below a tap domain.
+        for (shape, holder, which) in [(Shape::Passthrough, Role::Top, Which::All), (Shape::Interpose, Role::Below, Which::Below)]
+        {
+            let clock = Manual::new();
+            let remote = RestartPolicy { reconnect: Some(Duration::from_secs(5)), ..policy() };
+            let mut l = Lifecycle::new("far", remote, shape, clock.clone());
+            let mut delays = Vec::new();
+            // Each domain lives 1 s (the op timeout), answers nothing and exits "lost": more
+            // restarts than the limit of 3, and the device reconnects rather than failing.
+            let reason = loop {
+                clock.advance(1000);
+                match l.on_event(exited(holder, Some(LOST_EXIT.into())), 0) {
+                    Disposition::Restart { which: w, delay, .. } => {
+                        assert_eq!(w, which);
+                        assert_eq!(l.state(), DeviceState::Reconnecting);
+                        assert!(l.failure().is_some_and(|f| f.contains("reconnecting")), "{:?}", l.failure());
+                        delays.push(delay.as_millis());
+                        clock.advance(delay.as_millis() as u64);
+                        assert_eq!(l.on_launched(shape, 0), Launch::Up { was_down: None }, "the remote has not answered yet");
+                        assert!(l.awaiting_remote());
+                    }
+                    Disposition::Fail { reason } => break reason,
+                }
+            };
+            assert_eq!(delays, [100, 200, 400, 800], "{shape:?}");
+            assert!(
+                reason.contains("the remote has not answered for 5500 ms") && reason.contains("bulkhead restart far"),
+                "{reason}"
+            );
+            assert_eq!(l.state(), DeviceState::Failed);
+
+            // Once a generation answers, the episode is over: a later loss starts afresh.
+            let clock = Manual::new();
+            let mut l = Lifecycle::new("far", remote, shape, clock.clone());
+            clock.advance(2000);
+            assert!(matches!(l.on_event(exited(holder, Some(LOST_EXIT.into())), 0), Disposition::Restart { .. }));
+            clock.advance(100);
+            l.on_launched(shape, 0);
+            assert!(l.awaiting_remote());
+            assert_eq!(l.tick(obs(5, 0), 7), None);
+            assert!(!l.awaiting_remote());
+            // So is one whose loop turns (it has reached the remote), idle as it may be.
+            clock.advance(1000);
+            assert!(matches!(l.on_event(exited(holder, Some(LOST_EXIT.into())), 0), Disposition::Restart { .. }));
+            l.on_launched(shape, 0);
+            let turning = |b: u64| match holder {
+                Role::Below => Observation { below_beat: b, beat: 9, ..Default::default() },
+                Role::Top => Observation { beat: b, below_beat: 9, ..Default::default() },
+            };
+            assert_eq!(l.tick(turning(4), 7), None);
+            assert!(l.awaiting_remote(), "the beat at launch is the reference");
+            assert_eq!(l.tick(turning(5), 7), None);
+            assert!(!l.awaiting_remote());
+            l.on_launched(shape, 0);
+            clock.advance(1000);
+            clock.advance(10_000);
+            let Disposition::Restart { delay, .. } = l.on_event(exited(holder, Some(LOST_EXIT.into())), 5) else { panic!() };
+            assert_eq!(delay, Duration::ZERO, "a domain that served is restarted at once, and counted");
+            // So is one idle for the reconnect time.
+            l.on_launched(shape, 5);
+            clock.advance(1000);
+            assert!(matches!(l.on_event(exited(holder, Some(LOST_EXIT.into())), 5), Disposition::Restart { .. }));
+            clock.advance(100);
+            l.on_launched(shape, 5);
+            clock.advance(5000);
+            assert_eq!(l.tick(obs(5, 0), 7), None);
+            clock.advance(2000);
+            assert!(matches!(l.on_event(exited(holder, Some(LOST_EXIT.into())), 5), Disposition::Restart { .. }));
+            assert_eq!(l.state(), DeviceState::Reconnecting, "a fresh episode, not a failure");
+        }
+        // A local backend's lost domain is counted as any exit.
+        let (mut local, _) = life(Shape::Passthrough);
+        let Disposition::Restart { delay, .. } = local.on_event(exited(Role::Top, Some(LOST_EXIT.into())), 0) else { panic!() };
+        assert!(delay < Duration::from_millis(100) && local.state() == DeviceState::Running);
     }
 }
