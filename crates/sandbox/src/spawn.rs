@@ -144,6 +144,9 @@ const SERVICE_MANAGER_VARS: [&str; 8] = [
     "BULKHEAD_FELL_BACK",
 ];
 
+/// How long a child waits for its parent to let it go on before it gives up, ms.
+const SYNC_WAIT_MS: libc::c_int = 10_000;
+
 /// The namespaces a domain starts in. Not a mount namespace: the domain makes its own when it
 /// confines itself, so that no copy of the host's mounts outlives that moment
 /// ([`crate::mounts`]).
@@ -210,7 +213,7 @@ pub fn spawn(
             // SAFETY: child side; see above.
             unsafe {
                 child(
-                    sync_r.as_raw_fd(),
+                    (sync_r.as_raw_fd(), sync_w.as_raw_fd()),
                     err_w.as_raw_fd(),
                     &srcs,
                     n,
@@ -298,7 +301,7 @@ fn map_ids(pid: u32) -> io::Result<()> {
 /// calls and must not return.
 #[allow(clippy::too_many_arguments)]
 unsafe fn child(
-    sync_r: RawFd,
+    (sync_r, sync_w): (RawFd, RawFd),
     err_w: RawFd,
     srcs: &[RawFd; MAX_FDS],
     n: usize,
@@ -316,9 +319,19 @@ unsafe fn child(
             libc::write(err_fd, (&e as *const i32).cast(), 4);
             libc::_exit(127)
         };
-        // Wait until the parent has written our uid/gid maps.
+        // Die with the spawning thread while waiting for it, too: this copy holds every
+        // descriptor the parent had at the clone (the FUSE session's among them), and so may
+        // other domains' children that are waiting as well, so a parent that dies before it
+        // writes must not leave it waiting on a pipe whose write end it keeps open itself.
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        libc::close(sync_w);
+        // Wait until the parent has written our uid/gid maps: one byte, within a bound (the
+        // parent may have died before the signal above was armed).
+        let mut pfd = libc::pollfd { fd: sync_r, events: libc::POLLIN, revents: 0 };
         let mut b = 0u8;
-        libc::read(sync_r, (&mut b as *mut u8).cast(), 1);
+        if libc::poll(&mut pfd, 1, SYNC_WAIT_MS) != 1 || libc::read(sync_r, (&mut b as *mut u8).cast(), 1) != 1 {
+            libc::_exit(127);
+        }
         if in_ns {
             // Become the mapped root of the new namespace: until now this process has the
             // creator's ids, which the namespace does not map. Raw system calls, as glibc's
