@@ -48,34 +48,18 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
     unsafe { build_with(spec, stop, &|f, rings| guarded::build_filters(f, rings)) }
 }
 
-/// As [`build_inherited`], with faults made by `make` in each filter whose place in the chain
-/// (from 0) is in `faulty`; each of those must be guarded, so that the domain is confined as
-/// one that captures writes.
+/// As [`build_inherited`], with each filter's layer handed to `wrap` first
+/// ([`guarded::build_filters_wrapping`]; some filter must be guarded).
 ///
 /// # Safety
 /// As for [`build_inherited`].
-#[cfg(feature = "faults")]
-pub unsafe fn build_inherited_with_faults(
+pub unsafe fn build_inherited_wrapping(
     spec: &DomainSpec,
     stop: Arc<AtomicBool>,
-    faulty: &[usize],
-    make: guarded::FaultMaker<'_>,
+    wrap: guarded::Wrap<'_>,
 ) -> Result<Domain, DriverError> {
-    for &i in faulty {
-        match spec.filters.get(i) {
-            Some(f) if f.guard.wanted() => {}
-            Some(f) => {
-                let kind = f.spec.type_name();
-                return Err(DriverError::Setup(format!("faults asked of filter {} ({kind}), which is not guarded", i + 1)));
-            }
-            None => {
-                let n = spec.filters.len();
-                return Err(DriverError::Setup(format!("faults asked of filter {}, and the domain has {n}", i + 1)));
-            }
-        }
-    }
     // SAFETY: forwarded from this function's contract.
-    unsafe { build_with(spec, stop, &|f, rings| guarded::build_filters_with_faults(f, rings, faulty, make)) }
+    unsafe { build_with(spec, stop, &|f, rings| guarded::build_filters_wrapping(f, rings, wrap)) }
 }
 
 /// How a domain's filters are built over its queues' rings.

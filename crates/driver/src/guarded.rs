@@ -1,7 +1,4 @@
-//! Filters under write capture (`guard = "dwc" | "scdwc"`), and, in a build with the `faults`
-//! feature (the test driver's and `bench guard --isolation`'s), the points where faults are
-//! made in them on purpose ([`Faults`]). The configuration has no way to ask for faults, and
-//! without the feature nothing of them is compiled in.
+//! Filters under write capture (`guard = "dwc" | "scdwc"`).
 //!
 //! Every filter of a guarded domain allocates from a heap space of its own
 //! ([`bulkhead_guard::heap`]); the runtime keeps space 0. [`Guarded`] wraps a filter's layer:
@@ -94,70 +91,65 @@ pub struct FilterParts {
 /// [`Guarded`], and write capture is installed on the calling thread for the rest of the
 /// process's life (a stopped write ends the process).
 pub fn build_filters(filters: Vec<FilterParts>, rings: &[(u64, u64)]) -> Result<Vec<Box<dyn Layer>>, String> {
-    let spaces = filters.iter().any(|f| f.guard.wanted());
-    Ok(build_layers(filters, rings, spaces)?.into_iter().map(Built::into_layer).collect())
+    build_layers(filters, rings, None)
 }
 
-/// As [`build_filters`], with faults made by `make` in each filter whose place in the chain
-/// (from 0) is in `faulty`. Those filters are built in heap spaces of their own even when
-/// none is guarded, so that their faults have something to aim at; write capture is then
-/// installed all the same, and a filter that is not guarded never enters it.
-#[cfg(feature = "faults")]
-pub fn build_filters_with_faults(
+/// Where a filter lies in its domain, for a [`Wrap`].
+#[derive(Debug, Clone)]
+pub struct FilterSite {
+    /// Its place in the chain, from 0 at the frontend side (its heap space is
+    /// [`space_of`] this).
+    pub index: usize,
+    /// Its type.
+    pub name: &'static str,
+    /// How many filters the domain has.
+    pub filters: usize,
+    /// The queues' descriptor rings, as (start, bytes).
+    pub rings: Vec<(u64, u64)>,
+}
+
+/// Wraps a filter's layer (or hands it back as it is) before write capture wraps it.
+pub type Wrap<'a> = &'a dyn Fn(&FilterSite, Box<dyn Layer>) -> Box<dyn Layer>;
+
+/// As [`build_filters`], with each filter's layer handed to `wrap` first, in the filter's heap
+/// space: what the wrapper does runs as the filter's own code, under its write capture. Some
+/// filter must be guarded. The test kit's faults on purpose are made this way.
+pub fn build_filters_wrapping(
     filters: Vec<FilterParts>,
     rings: &[(u64, u64)],
-    faulty: &[usize],
-    make: FaultMaker<'_>,
+    wrap: Wrap<'_>,
 ) -> Result<Vec<Box<dyn Layer>>, String> {
-    let n = filters.len();
-    if let Some(i) = faulty.iter().find(|&&i| i >= n) {
-        return Err(format!("faults asked of filter {}, and the domain has {n}", i + 1));
+    if !filters.iter().any(|f| f.guard.wanted()) {
+        return Err("filters are wrapped only under write capture, and none is guarded".into());
     }
-    let spaces = !faulty.is_empty() || filters.iter().any(|f| f.guard.wanted());
-    let built = build_layers(filters, rings, spaces)?;
-    Ok(built
-        .into_iter()
-        .enumerate()
-        .map(|(i, b)| match b {
-            Built::Guarded(mut g) if faulty.contains(&i) => {
-                let targets = Targets { rings: rings.to_vec(), others: (0..n).filter(|&j| j != i).map(space_of).collect() };
-                // Made in the runtime's heap: what keeps count of the calls is not the filter's.
-                g.faults = Some(make(FaultSite { index: i, name: g.name(), targets }));
-                Box::new(g) as Box<dyn Layer>
-            }
-            b => b.into_layer(),
-        })
-        .collect())
+    build_layers(filters, rings, Some(wrap))
 }
 
-/// A filter as built: plain, or guarded.
-enum Built {
-    Plain(Box<dyn Layer>),
-    Guarded(Guarded),
-}
-
-impl Built {
-    fn into_layer(self) -> Box<dyn Layer> {
-        match self {
-            Built::Plain(l) => l,
-            Built::Guarded(g) => Box::new(g),
-        }
-    }
-}
-
-/// Builds the filters, each in its heap space and wrapped in [`Guarded`] if `guarded`, and
-/// then installs write capture.
-fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)], guarded: bool) -> Result<Vec<Built>, String> {
+/// Builds the filters. If any is guarded, each is built in its heap space (and handed to
+/// `wrap`, if given) and wrapped in [`Guarded`], and write capture is installed.
+fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)], wrap: Option<Wrap<'_>>) -> Result<Vec<Box<dyn Layer>>, String> {
+    let guarded = filters.iter().any(|f| f.guard.wanted());
     if guarded && heap::space_range(space_of(filters.len().saturating_sub(1))).is_none() {
         return Err(format!("write capture: the heap has no space for each of {} filters", filters.len()));
     }
     let names: Vec<(String, bool)> = filters.iter().map(|f| (f.spec.type_name().to_string(), f.guard.keys)).collect();
-    let mut layers = Vec::with_capacity(filters.len());
+    let n = filters.len();
+    let mut layers: Vec<Box<dyn Layer>> = Vec::with_capacity(n);
     for (i, f) in filters.into_iter().enumerate() {
         let FilterParts { spec, fds, guard } = f;
-        let make = || bulkhead_filters::build(&spec, fds);
-        let layer = if guarded { heap::with_space(space_of(i), make) } else { make() }.map_err(|e| e.to_string())?;
-        layers.push(if guarded { Built::Guarded(Guarded::new(layer, i, guard.mode)) } else { Built::Plain(layer) });
+        if !guarded {
+            layers.push(bulkhead_filters::build(&spec, fds).map_err(|e| e.to_string())?);
+            continue;
+        }
+        let layer = heap::with_space(space_of(i), || {
+            let layer = bulkhead_filters::build(&spec, fds)?;
+            Ok::<_, bulkhead_filters::FilterError>(match wrap {
+                Some(w) => w(&FilterSite { index: i, name: layer.name(), filters: n, rings: rings.to_vec() }, layer),
+                None => layer,
+            })
+        })
+        .map_err(|e| e.to_string())?;
+        layers.push(Box::new(Guarded::new(layer, i, guard.mode)));
     }
     if guarded {
         let guard = install(rings, &names, None).map_err(|e| format!("write capture: {e}"))?;
@@ -167,82 +159,20 @@ fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)], guarded: bool) 
     Ok(layers)
 }
 
-/// Where injected faults may write, other than the filter's own memory.
-#[cfg(feature = "faults")]
-#[derive(Debug, Clone, Default)]
-pub struct Targets {
-    /// The queues' rings, as (start, bytes).
-    pub rings: Vec<(u64, u64)>,
-    /// The other filters' spaces.
-    pub others: Vec<Space>,
-}
-
-/// A fault ready to strike: 8 bytes at `addr`, to become `value`.
-#[cfg(feature = "faults")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fault {
-    /// Where: a word-aligned address the process maps read-write.
-    pub addr: u64,
-    /// What the word is to become.
-    pub value: u64,
-}
-
-/// Writes a guarded filter makes where it must not, on purpose, to test and measure write
-/// capture. The driver itself makes none: it only calls these at the points a fault belongs
-/// (see [`Guarded`]), and the test build hands it an implementation ([`FaultMaker`]); the
-/// writes themselves are made by that implementation, not here.
-#[cfg(feature = "faults")]
-pub trait Faults: Send {
-    /// Counts a call into the filter whose heap space is `own`; the fault to strike in it,
-    /// if one is due.
-    fn due(&mut self, own: Space) -> Option<Fault>;
-    /// Makes the write, as the filter's own code (write capture, when on, is entered).
-    fn strike(&mut self, fault: &Fault);
-    /// After the write, when it was not stopped (write capture set aside again).
-    fn landed(&mut self, fault: &Fault);
-}
-
-/// Where a filter's faults are made: which filter, and where they may aim.
-#[cfg(feature = "faults")]
-#[derive(Debug, Clone)]
-pub struct FaultSite {
-    /// The filter's place in the chain, from 0 at the frontend side.
-    pub index: usize,
-    /// Its type.
-    pub name: &'static str,
-    /// What other than its own memory it may aim at.
-    pub targets: Targets,
-}
-
-/// Makes the faults of one filter ([`build_filters_with_faults`]).
-#[cfg(feature = "faults")]
-pub type FaultMaker<'a> = &'a dyn Fn(FaultSite) -> Box<dyn Faults>;
-
-/// A filter's layer under write capture, faults made on purpose (`Faults`, in a build with
-/// them), or both. See the module's documentation.
+/// A filter's layer under write capture. See the module's documentation.
 pub struct Guarded {
     inner: Box<dyn Layer>,
     id: u32,
     space: Space,
     mode: Option<Mode>,
     handle: Handle,
-    #[cfg(feature = "faults")]
-    faults: Option<Box<dyn Faults>>,
 }
 
 impl Guarded {
     /// Wraps `inner`, the filter at `index` in the chain, whose state was allocated in its
     /// space ([`space_of`]), guarded as `mode` says.
     pub fn new(inner: Box<dyn Layer>, index: usize, mode: GuardMode) -> Guarded {
-        Guarded {
-            inner,
-            id: index as u32,
-            space: space_of(index),
-            mode: mode_of(mode),
-            handle: Handle::new(),
-            #[cfg(feature = "faults")]
-            faults: None,
-        }
+        Guarded { inner, id: index as u32, space: space_of(index), mode: mode_of(mode), handle: Handle::new() }
     }
 
     fn own(&self) -> (u64, u64) {
@@ -268,28 +198,13 @@ impl Guarded {
         act
     }
 
-    /// Runs `f` on the filter as guarded code allowed `act`, in its space (with a fault struck
-    /// first if one is due, in a build with faults).
+    /// Runs `f` on the filter as guarded code allowed `act`, in its space.
     fn run<R>(&mut self, act: Act, f: impl FnOnce(&mut dyn Layer, bool) -> R) -> R {
-        let space = self.space;
-        heap::with_space(space, || {
-            #[cfg(feature = "faults")]
-            let fault = self.faults.as_mut().and_then(|x| x.due(space));
+        heap::with_space(self.space, || {
             let entered = match self.mode {
                 Some(m) => self.handle.enter(self.id, &act, m).is_ok(),
                 None => false,
             };
-            #[cfg(feature = "faults")]
-            if let (Some(f), Some(x)) = (&fault, self.faults.as_mut()) {
-                x.strike(f);
-                if entered {
-                    self.handle.exit();
-                }
-                x.landed(f);
-                if entered {
-                    let _ = self.handle.enter(self.id, &act, self.mode.unwrap_or(Mode::Dwc));
-                }
-            }
             let r = f(&mut *self.inner, entered);
             if entered {
                 self.handle.exit();

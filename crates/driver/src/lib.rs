@@ -16,9 +16,7 @@ mod model;
 mod runtime;
 mod sharing;
 
-pub use build::build_inherited;
-#[cfg(feature = "faults")]
-pub use build::build_inherited_with_faults;
+pub use build::{build_inherited, build_inherited_wrapping};
 pub use model::build_model_inherited;
 pub use runtime::{Domain, DomainStats};
 

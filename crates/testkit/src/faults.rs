@@ -1,16 +1,19 @@
 //! Faults made on purpose in a guarded filter: a filter writes 8 bytes where it must not, at a
 //! random call, and write capture must stop the write before it lands.
 //!
-//! The driver runtime only calls a [`Faults`] at the points a fault belongs; this is the one
-//! implementation, given to it by the test driver (`bulkhead-test-driver`, which takes what to
-//! make from `BULKHEAD_TEST_GUARD_INJECT`, see [`crate::inject`]) and by
-//! `bulkhead bench guard --isolation`, both built with the `test-driver` feature. Nothing in the
-//! configuration asks for faults, and the shipped driver has no way to make them.
+//! The faults are made by a layer of this kit, [`Faulty`], which the test driver
+//! (`bulkhead-test-driver`, told what to make by `BULKHEAD_TEST_GUARD_INJECT`, see
+//! [`crate::inject`]) and `bulkhead bench guard --isolation`, both built with the `test-driver`
+//! feature, put around a filter's layer inside its write capture
+//! (`bulkhead_driver::guarded::build_filters_wrapping`): each call into the filter may first make
+//! the fault, as the filter's own code. Nothing in the configuration asks for faults, and the
+//! driver has no code that makes them.
 
 use std::io::Write;
 use std::os::fd::OwnedFd;
 
-use bulkhead_driver::guarded::{Fault, FaultSite, Faults};
+use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_driver::guarded::{space_of, FilterSite};
 use bulkhead_guard::heap::{self, Space};
 
 use crate::inject::{InjectSpec, InjectTarget};
@@ -32,7 +35,9 @@ pub const PROBE_EXIT: i32 = 87;
 /// The faults of one filter: one at a random call of every `spec.every` calls, aimed at
 /// `spec.target`.
 pub struct Injector {
-    site: FaultSite,
+    site: FilterSite,
+    /// Its own heap space.
+    own: Space,
     spec: InjectSpec,
     rng: u64,
     calls: u64,
@@ -52,10 +57,11 @@ impl Injector {
     /// the process ends at once with [`PROBE_EXIT`], so a process sharing the memory reads
     /// whether the protected state changed. A stopped write ends it with
     /// [`bulkhead_guard::VIOLATION_EXIT`], as always.
-    pub fn new(site: FaultSite, spec: InjectSpec, probe: Option<OwnedFd>) -> Injector {
+    pub fn new(site: &FilterSite, spec: InjectSpec, probe: Option<OwnedFd>) -> Injector {
         let who = format!("{} ({})", site.index + 1, site.name);
         let rng = spec.seed.max(1);
-        let mut i = Injector { site, spec, rng, calls: 0, next_at: 0, who, probe: probe.map(std::fs::File::from) };
+        let (site, own) = (site.clone(), space_of(site.index));
+        let mut i = Injector { site, own, spec, rng, calls: 0, next_at: 0, who, probe: probe.map(std::fs::File::from) };
         i.schedule();
         i
     }
@@ -86,17 +92,18 @@ impl Injector {
     fn address(&mut self, target: InjectTarget, own: Space) -> Option<u64> {
         match target {
             InjectTarget::Ring => {
-                let n = self.site.targets.rings.len();
+                let n = self.site.rings.len();
                 let k = self.next() as usize % n.max(1);
-                let (start, len) = *self.site.targets.rings.get(k)?;
+                let (start, len) = *self.site.rings.get(k)?;
                 self.pick(start, len)
             }
             InjectTarget::Heap => self.in_space(heap::RUNTIME),
             InjectTarget::Filter => {
-                let n = self.site.targets.others.len();
-                let k = self.next() as usize % n.max(1);
-                let s = *self.site.targets.others.get(k)?;
-                self.in_space(s)
+                // Another filter's space.
+                let others = self.site.filters.saturating_sub(1);
+                let k = self.next() as usize % others.max(1);
+                let j = (0..self.site.filters).filter(|&j| j != self.site.index).nth(k)?;
+                self.in_space(space_of(j))
             }
             InjectTarget::Freed => {
                 // A buffer of the filter's own, freed whole: its pages are no longer its to write.
@@ -114,14 +121,28 @@ impl Injector {
     }
 }
 
-impl Faults for Injector {
-    fn due(&mut self, own: Space) -> Option<Fault> {
+/// A fault ready to strike: 8 bytes at `addr`, to become `value`.
+struct Fault {
+    addr: u64,
+    value: u64,
+}
+
+impl Injector {
+    /// Counts a call into the filter, and makes the fault if one is due.
+    fn call(&mut self) {
+        if let Some(f) = self.due() {
+            self.strike(&f);
+            self.landed(&f);
+        }
+    }
+
+    fn due(&mut self) -> Option<Fault> {
         self.calls += 1;
         if self.calls < self.next_at {
             return None;
         }
         self.schedule();
-        let addr = self.address(self.spec.target, own)?;
+        let addr = self.address(self.spec.target, self.own)?;
         // SAFETY: `addr` is a word-aligned address inside memory this process maps read-write
         // for as long as it runs (a ring, a heap space); reading it races with nothing, as the
         // domain is single-threaded.
@@ -144,22 +165,106 @@ impl Faults for Injector {
         Some(Fault { addr, value })
     }
 
+    /// Makes the write, as the filter's own code: under write capture, which stops it (and
+    /// ends the process) before it lands.
     fn strike(&mut self, f: &Fault) {
         // SAFETY: deliberately a write the filter must not make, into memory this process maps
         // read-write (see `due`); under write capture it is stopped before it lands.
         unsafe { std::ptr::write_volatile(f.addr as *mut u64, f.value) };
     }
 
-    /// Says so, read from the memory itself; a probe ends the process here, leaving the
-    /// memory as the write left it.
+    /// After a write that was not stopped: says so, read from the memory itself; a probe ends
+    /// the process here, leaving the memory as the write left it.
     fn landed(&mut self, f: &Fault) {
         if self.probe.is_some() {
-            std::process::exit(PROBE_EXIT);
+            // SAFETY: ends the process at once, running nothing of it (nothing that could write
+            // guarded memory on the way out).
+            unsafe { libc::_exit(PROBE_EXIT) };
         }
         // SAFETY: as in `due`.
         let now = unsafe { std::ptr::read_volatile(f.addr as *const u64) };
         if now == f.value {
             eprintln!("bulkhead guard: the injected write at {:#x} landed: not isolated", f.addr);
+        }
+    }
+}
+
+/// A filter's layer that makes its [`Injector`]'s faults: at each call, before the filter
+/// itself runs, as its own code.
+pub struct Faulty {
+    inner: Box<dyn Layer>,
+    injector: Injector,
+}
+
+impl Faulty {
+    /// `inner`, making `injector`'s faults.
+    pub fn new(inner: Box<dyn Layer>, injector: Injector) -> Faulty {
+        Faulty { inner, injector }
+    }
+}
+
+impl Layer for Faulty {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn caps(&self, lower: Caps) -> Caps {
+        self.inner.caps(lower)
+    }
+
+    fn size(&self, lower: u64) -> u64 {
+        self.inner.size(lower)
+    }
+
+    fn scratch_bytes(&self) -> usize {
+        self.inner.scratch_bytes()
+    }
+
+    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
+        self.inner.open(below)
+    }
+
+    fn attach(&mut self, tags: TagSpace) {
+        self.inner.attach(tags)
+    }
+
+    fn submit(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, now_ns: u64) -> Verdict {
+        self.injector.call();
+        self.inner.submit(tag, req, scratch, now_ns)
+    }
+
+    fn complete(
+        &mut self,
+        tag: Tag,
+        req: &Request<'_>,
+        scratch: SharedSlice<'_>,
+        result: &mut Result<u64, BlockError>,
+        now_ns: u64,
+    ) -> After {
+        self.injector.call();
+        self.inner.complete(tag, req, scratch, result, now_ns)
+    }
+
+    fn poll(&mut self, now_ns: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
+        self.injector.call();
+        self.inner.poll(now_ns, release)
+    }
+
+    fn idle(&mut self) {
+        self.injector.call();
+        self.inner.idle()
+    }
+}
+
+/// Wraps the filter at `index` (from 0) of a domain in a [`Faulty`] making `spec`'s faults
+/// (with no probe), and hands the others back as they are: the test driver's
+/// [`bulkhead_driver::guarded::Wrap`].
+pub fn wrap_one(index: usize, spec: InjectSpec) -> impl Fn(&FilterSite, Box<dyn Layer>) -> Box<dyn Layer> {
+    move |site, layer| {
+        if site.index == index {
+            Box::new(Faulty::new(layer, Injector::new(site, spec, None)))
+        } else {
+            layer
         }
     }
 }

@@ -11,15 +11,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_backends::{Engine, FileBackend, RamBackend};
-use bulkhead_block::{Backend, Chain};
+use bulkhead_block::{Backend, Chain, Layer};
 use bulkhead_channel::{pair, BackQueue, BudgetPolicy, FrontQueue, FrontRequest, NotifyMode, QueueConfig};
-use bulkhead_driver::guarded::{self, FaultSite, Faults, FilterParts};
+use bulkhead_driver::guarded::{self, FilterParts, FilterSite};
 use bulkhead_driver::Domain;
 use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec};
 use bulkhead_guard::heap::{self, Reservation};
 use bulkhead_guard::VIOLATION_EXIT;
 use bulkhead_shmem::memfd;
-use bulkhead_testkit::faults::{Injector, FAULT_FLIP, FAULT_RECORD, PROBE_EXIT};
+use bulkhead_testkit::faults::{Faulty, Injector, FAULT_FLIP, FAULT_RECORD, PROBE_EXIT};
 use bulkhead_testkit::inject::{InjectSpec, InjectTarget};
 
 use super::{Count, Options, Report, Row, EVERY, TARGETS};
@@ -168,8 +168,13 @@ fn child_run(
         let rings = [back.ring_region()];
         // The measured filter's faults report to the probe.
         let probe = RefCell::new(Some(probe));
-        let make = |site: FaultSite| -> Box<dyn Faults> { Box::new(Injector::new(site, inject, probe.borrow_mut().take())) };
-        let layers = guarded::build_filters_with_faults(parts, &rings, &[0], &make)?;
+        let wrap = |site: &FilterSite, layer: Box<dyn Layer>| -> Box<dyn Layer> {
+            match site.index {
+                0 => Box::new(Faulty::new(layer, Injector::new(site, inject, probe.borrow_mut().take()))),
+                _ => layer,
+            }
+        };
+        let layers = guarded::build_filters_wrapping(parts, &rings, &wrap)?;
         let chain = Chain::new(layers, backend);
         let stop = Arc::new(AtomicBool::new(false));
         let mut dom =

@@ -132,11 +132,19 @@ fn main() -> ExitCode {
             };
             let built = match inject {
                 Some((filter, faults)) => {
-                    let make = |site: bulkhead_driver::guarded::FaultSite| -> Box<dyn bulkhead_driver::guarded::Faults> {
-                        Box::new(bulkhead_testkit::faults::Injector::new(site, faults, None))
-                    };
+                    // The filter must be there, and guarded: the faults are for write capture to stop.
+                    match spec.filters.get(filter) {
+                        Some(f) if f.guard.wanted() => {}
+                        _ => {
+                            return fail(format!(
+                                "BULKHEAD_TEST_GUARD_INJECT names filter {}, which is not a guarded filter of this domain",
+                                filter + 1
+                            ))
+                        }
+                    }
+                    let wrap = bulkhead_testkit::faults::wrap_one(filter, faults);
                     // SAFETY: as above.
-                    unsafe { bulkhead_driver::build_inherited_with_faults(&spec, stop, &[filter], &make) }
+                    unsafe { bulkhead_driver::build_inherited_wrapping(&spec, stop, &wrap) }
                 }
                 // SAFETY: as above.
                 None => unsafe { bulkhead_driver::build_inherited(&spec, stop) },
