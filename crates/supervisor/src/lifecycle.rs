@@ -289,26 +289,40 @@ impl Lifecycle {
     /// policy's reconnect time; then it fails.
     fn reconnect(&mut self, why: String, which: Which, now: Instant) -> Disposition {
         let timeout = self.policy.reconnect.unwrap_or_default();
-        let since = *self.down_since.get_or_insert(now);
         self.remote_down = true;
-        if now.saturating_duration_since(since) < timeout {
-            self.retry_delay = (self.retry_delay * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
-            self.retry_at = Some(now + self.retry_delay);
-            self.state = DeviceState::Reconnecting;
-            self.failure = Some(format!("{why}; reconnecting"));
-            self.restarts += 1;
-            return Disposition::Restart { which, delay: self.retry_delay, why };
+        match self.next_attempt(now, timeout, format!("{why}; reconnecting")) {
+            Ok(delay) => {
+                self.restarts += 1;
+                Disposition::Restart { which, delay, why }
+            }
+            Err(down) => {
+                let reason = format!(
+                    "{why}; the remote has not answered for {} ms: device failed (`bulkhead restart {}` tries again)",
+                    down.as_millis(),
+                    self.device
+                );
+                self.fail(&reason);
+                Disposition::Fail { reason }
+            }
         }
-        let reason = format!(
-            "{why}; the remote has not answered for {} ms: device failed (`bulkhead restart {}` tries again)",
-            now.saturating_duration_since(since).as_millis(),
-            self.device
-        );
-        self.down_since = None;
-        self.remote_down = false;
-        self.retry_at = None;
-        self.fail(&reason);
-        Disposition::Fail { reason }
+    }
+
+    /// The next attempt of the reconnect episode under way (or of one starting `now`): its
+    /// delay, doubling from 0.1 s to 2 s, the device `reconnecting` with `failure`; or, once
+    /// the episode has lasted `timeout`, how long it lasted, the episode over.
+    fn next_attempt(&mut self, now: Instant, timeout: Duration, failure: String) -> Result<Duration, Duration> {
+        let down = now.saturating_duration_since(*self.down_since.get_or_insert(now));
+        if down >= timeout {
+            self.down_since = None;
+            self.remote_down = false;
+            self.retry_at = None;
+            return Err(down);
+        }
+        self.retry_delay = (self.retry_delay * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
+        self.retry_at = Some(now + self.retry_delay);
+        self.state = DeviceState::Reconnecting;
+        self.failure = Some(failure);
+        Ok(self.retry_delay)
     }
 
     /// What an event says, for the log, and which domains it concerns.
@@ -441,21 +455,14 @@ impl Lifecycle {
                 return Launch::Fail { reason };
             }
         };
-        let since = *self.down_since.get_or_insert(now);
-        if now.saturating_duration_since(since) < timeout {
-            self.retry_delay = (self.retry_delay * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
-            self.retry_at = Some(now + self.retry_delay);
-            self.state = DeviceState::Reconnecting;
-            self.failure = Some(format!("{why}; reconnecting: {error}"));
-            return Launch::Retry { after: self.retry_delay };
+        if let Ok(after) = self.next_attempt(now, timeout, format!("{why}; reconnecting: {error}")) {
+            return Launch::Retry { after };
         }
         let reason = format!(
             "{error}; no connection for {} ms: device failed (`bulkhead restart {}` tries again)",
             timeout.as_millis(),
             self.device
         );
-        self.down_since = None;
-        self.retry_at = None;
         self.fail(&reason);
         Launch::Fail { reason }
     }
