@@ -53,12 +53,13 @@ pub unsafe fn build_inherited(spec: &DomainSpec, stop: Arc<AtomicBool>) -> Resul
 ///
 /// # Safety
 /// As for [`build_inherited`].
+// SAFETY: callers keep the contract in `# Safety`, which is `build_inherited`'s.
 pub unsafe fn build_inherited_wrapping(
     spec: &DomainSpec,
     stop: Arc<AtomicBool>,
     wrap: guarded::Wrap<'_>,
 ) -> Result<Domain, DriverError> {
-    // SAFETY: forwarded from this function's contract.
+    // SAFETY: the descriptors are as this function's contract says, which is all `build_with` asks.
     unsafe { build_with(spec, stop, &|f, rings| guarded::build_filters_wrapping(f, rings, wrap)) }
 }
 
