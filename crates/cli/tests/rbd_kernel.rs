@@ -323,11 +323,17 @@ fn restart_during_stall(cluster: &Cluster, serve: &Serve, uri: &str) {
     assert!(holder > 0, "{}", device());
     // SAFETY: killing the domain of our own serve that holds the backend.
     unsafe { libc::kill(holder, libc::SIGKILL) };
-    let deadline = Instant::now() + Duration::from_secs(40);
+    let killed = Instant::now();
+    let deadline = killed + Duration::from_secs(40);
     let mut states = std::collections::BTreeSet::new();
     let d = loop {
         let d = device();
-        states.insert(d["state"].as_str().unwrap_or("?").to_string());
+        let state = d["state"].as_str().unwrap_or("?").to_string();
+        // The first replacement, counted (a kill is a crash), opens the image while the OSD
+        // is stopped: past the second's grace, the device waits for the cluster.
+        let at = killed.elapsed();
+        assert!(state != "running" || at < Duration::from_millis(1500), "{state} {at:?} after the kill: {d}");
+        states.insert(state);
         if d["state"] == "failed" || d["restarts"].as_u64().unwrap_or(0) >= before + 5 || Instant::now() > deadline {
             break d;
         }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::device::DeviceRuntime;
 use crate::domains::{Below, Domain, Domains, Graveyard};
 use crate::launcher::Launched;
-use crate::lifecycle::{Disposition, Event, Launch, Which};
+use crate::lifecycle::{Disposition, Event, Launch, Observation, Which};
 use crate::mailbox::{Note, Reply};
 use crate::state::{DeviceState, Shape};
 
@@ -111,7 +111,8 @@ fn restart_all(rt: &DeviceRuntime, why: &str, detected: Instant, stopping: &Atom
 /// reconnect timeout; any other failure turns the device failed.
 fn relaunch(rt: &DeviceRuntime, why: &str) {
     let generation = rt.device.generation().wrapping_add(1);
-    let answered = rt.control.answered();
+    // Read before the new domains can write their pages.
+    let before = rt.observe();
     match rt.launcher.launch(generation) {
         Ok(Launched { fronts, domains, attach_line }) => {
             let shape = domains.shape().unwrap_or(Shape::Passthrough);
@@ -119,7 +120,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str) {
                 let mut slot = rt.lock();
                 slot.faces = domains.faces();
                 slot.domains = domains;
-                slot.life.on_launched(shape, answered)
+                slot.life.on_launched(shape, &before, true)
             };
             if let Launch::Up { was_down: Some(down) } = up {
                 log::info!("device {}: reconnected after {} ms", rt.name, down.as_millis());
@@ -157,13 +158,16 @@ fn take_interpose(rt: &DeviceRuntime) -> Option<(Domain, Domain, Below, Graveyar
 }
 
 /// Puts an `interpose` device's domains back after one of them was replaced alone.
-fn install_interpose(rt: &DeviceRuntime, tap: Domain, driver: Domain, below: Below, graveyard: Graveyard, answered: u64) {
+/// `before`: what the watcher saw before the replacement; `holder_new`: the driver domain below
+/// is the one replaced.
+fn install_interpose(rt: &DeviceRuntime, replaced: (Domain, Domain, Below, Graveyard), before: &Observation, holder_new: bool) {
+    let (tap, driver, below, graveyard) = replaced;
     let mut slot = rt.lock();
     let domains = Domains::Interpose { tap, driver, below };
     slot.faces = domains.faces();
     slot.domains = domains;
     slot.graveyard = graveyard;
-    slot.life.on_launched(Shape::Interpose, answered);
+    slot.life.on_launched(Shape::Interpose, before, holder_new);
 }
 
 /// Gives up replacing one domain alone: ends what is left, for a restart of both. `Err(why)`
@@ -196,7 +200,7 @@ fn await_domain(pidfd: std::os::fd::BorrowedFd<'_>, mut done: impl FnMut() -> bo
 /// again what had no answer, and a new driver domain attaches to the same queues. The frontend
 /// above sees a pause, not a reissue. `Err(why)`: replace both for `why`.
 fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), String> {
-    let answered = rt.control.answered();
+    let before = rt.observe();
     let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(why.to_string()) };
     rt.control.time_outage(detected);
     rt.control.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
@@ -223,7 +227,7 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
             return give_up(rt, vec![tap], below, graveyard, format!("{why}; a new driver domain below could not start: {e}"))
         }
     };
-    install_interpose(rt, tap, driver, below, graveyard, answered);
+    install_interpose(rt, (tap, driver, below, graveyard), &before, true);
     rt.control.outage_over_if_idle();
     Ok(())
 }
@@ -235,7 +239,7 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
 /// driver domain attaches again. The backend's state (a remote connection, a file's cache)
 /// stays. `Err(why)`: replace both for `why`.
 fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), String> {
-    let answered = rt.control.answered();
+    let before = rt.observe();
     let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(why.to_string()) };
     rt.control.outage_started(detected);
     rt.control.log_limited(|| format!("{why}; replacing it (the driver domain below runs on)"));
@@ -270,7 +274,7 @@ fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), S
         let why = failed(e);
         return give_up(rt, vec![tap, driver], below, graveyard, why);
     }
-    install_interpose(rt, tap, driver, below, graveyard, answered);
+    install_interpose(rt, (tap, driver, below, graveyard), &before, false);
     rt.control.outage_over_if_idle();
     Ok(())
 }

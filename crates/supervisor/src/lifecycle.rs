@@ -104,11 +104,11 @@ pub(crate) struct Lifecycle {
     down_since: Option<Instant>,
     /// The episode in `down_since` is a remote that did not answer a domain started for it
     /// (not a launch that could not reach it): it lasts through launches, until a generation
-    /// answers a request or runs for the reconnect time.
+    /// reaches the remote or runs for the reconnect time.
     remote_down: bool,
-    /// While `remote_down`: the loop beat of the domain holding the backend, first seen after
-    /// its launch. Its loop turns only once the backend has started (reached the remote).
-    holder_beat: Option<u64>,
+    /// With a remote backend, until the domain holding it has reached the remote: the loop
+    /// beat that domain was launched at. Its loop turns only once the backend has started.
+    opening: Option<u64>,
     retry_at: Option<Instant>,
     retry_delay: Duration,
     /// The watchdog's last sight of progress: requests answered, when, the heartbeat.
@@ -120,6 +120,10 @@ pub(crate) struct Lifecycle {
 /// How long a device with requests pending must have answered nothing before the watcher
 /// looks whether its domains are exiting (a look reads /proc for each of their threads).
 pub(crate) const EXIT_CHECK_AFTER: Duration = Duration::from_millis(5);
+
+/// How long a domain may take to reach its remote after it starts before the device reads
+/// `reconnecting`: a cluster that answers opens an image in tens of milliseconds.
+pub(crate) const OPENING_GRACE: Duration = Duration::from_secs(1);
 
 impl Lifecycle {
     /// A device whose first generation, laid out as `shape`, starts now.
@@ -139,7 +143,8 @@ impl Lifecycle {
             answered_at_start: 0,
             down_since: None,
             remote_down: false,
-            holder_beat: None,
+            // A new device's pages are new: their loop beat is 0.
+            opening: policy.reconnect.map(|_| 0),
             retry_at: None,
             retry_delay: Duration::ZERO,
             progress: (0, now, 0),
@@ -157,10 +162,20 @@ impl Lifecycle {
         self.shape
     }
 
-    /// Whether the running generation was started for a remote that has not answered the
-    /// ones before it, and has not yet answered itself: the device is waiting for the remote.
-    pub fn awaiting_remote(&self) -> bool {
-        self.remote_down && self.state == DeviceState::Running
+    /// Whether the running generation waits for its remote, as `obs` shows it now: the domain
+    /// holding the backend has not reached it, and was started for a remote that did not
+    /// answer the ones before it, or has been trying for [`OPENING_GRACE`].
+    pub fn awaiting_remote(&self, obs: &Observation) -> bool {
+        self.state == DeviceState::Running
+            && self.still_opening(obs)
+            && (self.remote_down || self.clock.now().saturating_duration_since(self.started_at) >= OPENING_GRACE)
+    }
+
+    /// Whether the domain holding a remote backend has neither started its loop nor answered
+    /// since its launch.
+    fn still_opening(&self, obs: &Observation) -> bool {
+        let beat = if self.shape == Shape::Interpose { obs.below_beat } else { obs.beat };
+        self.opening == Some(beat) && obs.answered == self.answered_at_start
     }
 
     /// Why it failed or is reconnecting.
@@ -214,11 +229,12 @@ impl Lifecycle {
             return None;
         }
         let now = self.clock.now();
+        if self.opening.is_some() && !self.still_opening(&obs) {
+            self.opening = None;
+        }
         if self.remote_down {
-            let beat = if self.shape == Shape::Interpose { obs.below_beat } else { obs.beat };
-            let turned = *self.holder_beat.get_or_insert(beat) != beat;
             let settled = self.policy.reconnect.is_some_and(|t| now.saturating_duration_since(self.started_at) >= t);
-            if obs.answered != self.answered_at_start || turned || settled {
+            if self.opening.is_none() || settled {
                 // The remote answers this generation: the episode is over.
                 self.remote_down = false;
                 self.down_since = None;
@@ -424,14 +440,18 @@ impl Lifecycle {
     }
 
     /// The next generation, laid out as `shape`, runs from now (or one domain of it was
-    /// replaced alone); `answered` is the device's count now.
-    pub fn on_launched(&mut self, shape: Shape, answered: u64) -> Launch {
+    /// replaced alone); `before` is what the watcher saw of the device just before the launch,
+    /// and `holder_new` whether the domain holding the backend is one of those launched.
+    pub fn on_launched(&mut self, shape: Shape, before: &Observation, holder_new: bool) -> Launch {
         let now = self.clock.now();
+        let answered = before.answered;
         // A remote that did not answer the last domain has yet to answer this one (`tick`).
         let was_down = if self.remote_down { None } else { self.down_since.take().map(|t| now.saturating_duration_since(t)) };
         self.shape = shape;
         self.retry_at = None;
-        self.holder_beat = None;
+        if holder_new && self.policy.reconnect.is_some() {
+            self.opening = Some(if shape == Shape::Interpose { before.below_beat } else { before.beat });
+        }
         if !self.remote_down {
             self.retry_delay = Duration::ZERO;
         }
@@ -666,7 +686,7 @@ mod tests {
         assert!(why.contains("showed no sign of life for 1000 ms with 1 application(s) attached"), "{why}");
         // A new generation starts the clock again.
         clock.advance(350);
-        l.on_launched(Shape::Passthrough, 0);
+        l.on_launched(Shape::Passthrough, &obs(0, 0), true);
         l.progress_seen(o(0, 1));
         clock.advance(950);
         assert_eq!(l.tick(o(0, 1), 1), None);
@@ -690,7 +710,7 @@ mod tests {
                 other => panic!("{other:?}"),
             }
             clock.advance(5);
-            l.on_launched(Shape::Passthrough, 0);
+            l.on_launched(Shape::Passthrough, &obs(0, 0), true);
         }
         assert_eq!(delays, [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000]);
         // A generation that answered something restarts at once.
@@ -698,7 +718,7 @@ mod tests {
         let d = l.on_event(exited(Role::Top, Some(1)), 5);
         assert!(matches!(d, Disposition::Restart { delay: Duration::ZERO, .. }), "{d:?}");
         // So does one that lived longer than a second.
-        l.on_launched(Shape::Passthrough, 5);
+        l.on_launched(Shape::Passthrough, &obs(5, 0), true);
         clock.advance(2000);
         let d = l.on_event(exited(Role::Top, Some(1)), 5);
         assert!(matches!(d, Disposition::Restart { delay: Duration::ZERO, .. }), "{d:?}");
@@ -713,7 +733,7 @@ mod tests {
             clock.advance(10_000);
             for _ in 0..3 {
                 assert!(matches!(l.on_event(exited(Role::Top, Some(1)), 1), Disposition::Restart { .. }));
-                l.on_launched(shape, 1);
+                l.on_launched(shape, &obs(1, 0), true);
                 clock.advance(2000);
             }
             let Disposition::Fail { reason } = l.on_event(exited(Role::Top, Some(1)), 1) else { panic!("should fail") };
@@ -745,7 +765,7 @@ mod tests {
         clock.advance(10_000);
         for e in [exited(Role::Top, Some(1)), exited(Role::Below, Some(1)), Event::BrokeChannel { pid: 42 }] {
             assert!(matches!(l.on_event(e, 1), Disposition::Restart { .. }));
-            l.on_launched(Shape::Interpose, 1);
+            l.on_launched(Shape::Interpose, &obs(1, 0), true);
             clock.advance(2000);
         }
         assert!(matches!(l.on_event(exited(Role::Below, Some(1)), 1), Disposition::Fail { .. }));
@@ -780,7 +800,10 @@ mod tests {
         let mut l = Lifecycle::new("far", remote, Shape::Passthrough, clock.clone());
         assert!(matches!(l.on_launch_failed("lost", "refused", true), Launch::Retry { .. }));
         clock.advance(300);
-        assert_eq!(l.on_launched(Shape::Passthrough, 0), Launch::Up { was_down: Some(Duration::from_millis(300)) });
+        assert_eq!(
+            l.on_launched(Shape::Passthrough, &obs(0, 0), true),
+            Launch::Up { was_down: Some(Duration::from_millis(300)) }
+        );
         assert_eq!(l.state(), DeviceState::Running);
         // Any other launch failure fails the device at once, and a local backend's always.
         assert!(matches!(l.on_launch_failed("exited", "exec failed", false), Launch::Fail { .. }));
@@ -808,8 +831,12 @@ mod tests {
                         assert!(l.failure().is_some_and(|f| f.contains("reconnecting")), "{:?}", l.failure());
                         delays.push(delay.as_millis());
                         clock.advance(delay.as_millis() as u64);
-                        assert_eq!(l.on_launched(shape, 0), Launch::Up { was_down: None }, "the remote has not answered yet");
-                        assert!(l.awaiting_remote());
+                        assert_eq!(
+                            l.on_launched(shape, &obs(0, 0), true),
+                            Launch::Up { was_down: None },
+                            "the remote has not answered yet"
+                        );
+                        assert!(l.awaiting_remote(&obs(0, 0)));
                     }
                     Disposition::Fail { reason } => break reason,
                 }
@@ -827,33 +854,34 @@ mod tests {
             clock.advance(2000);
             assert!(matches!(l.on_event(exited(holder, Some(LOST_EXIT.into())), 0), Disposition::Restart { .. }));
             clock.advance(100);
-            l.on_launched(shape, 0);
-            assert!(l.awaiting_remote());
+            l.on_launched(shape, &obs(0, 0), true);
+            assert!(l.awaiting_remote(&obs(0, 0)));
+            assert!(!l.awaiting_remote(&obs(5, 0)), "status reads the answer before the watcher");
             assert_eq!(l.tick(obs(5, 0), 7), None);
-            assert!(!l.awaiting_remote());
+            assert!(!l.awaiting_remote(&obs(5, 0)));
             // So is one whose loop turns (it has reached the remote), idle as it may be.
             clock.advance(1000);
             assert!(matches!(l.on_event(exited(holder, Some(LOST_EXIT.into())), 0), Disposition::Restart { .. }));
-            l.on_launched(shape, 0);
             let turning = |b: u64| match holder {
                 Role::Below => Observation { below_beat: b, beat: 9, ..Default::default() },
                 Role::Top => Observation { beat: b, below_beat: 9, ..Default::default() },
             };
+            l.on_launched(shape, &turning(4), true);
             assert_eq!(l.tick(turning(4), 7), None);
-            assert!(l.awaiting_remote(), "the beat at launch is the reference");
+            assert!(l.awaiting_remote(&turning(4)), "the beat at launch is the reference");
             assert_eq!(l.tick(turning(5), 7), None);
-            assert!(!l.awaiting_remote());
-            l.on_launched(shape, 0);
+            assert!(!l.awaiting_remote(&turning(5)));
+            l.on_launched(shape, &obs(0, 0), true);
             clock.advance(1000);
             clock.advance(10_000);
             let Disposition::Restart { delay, .. } = l.on_event(exited(holder, Some(LOST_EXIT.into())), 5) else { panic!() };
             assert_eq!(delay, Duration::ZERO, "a domain that served is restarted at once, and counted");
             // So is one idle for the reconnect time.
-            l.on_launched(shape, 5);
+            l.on_launched(shape, &obs(5, 0), true);
             clock.advance(1000);
             assert!(matches!(l.on_event(exited(holder, Some(LOST_EXIT.into())), 5), Disposition::Restart { .. }));
             clock.advance(100);
-            l.on_launched(shape, 5);
+            l.on_launched(shape, &obs(5, 0), true);
             clock.advance(5000);
             assert_eq!(l.tick(obs(5, 0), 7), None);
             clock.advance(2000);
@@ -861,8 +889,53 @@ mod tests {
             assert_eq!(l.state(), DeviceState::Reconnecting, "a fresh episode, not a failure");
         }
         // A local backend's lost domain is counted as any exit.
-        let (mut local, _) = life(Shape::Passthrough);
+        let (mut local, clock) = life(Shape::Passthrough);
+        clock.advance(2000);
+        assert!(!local.awaiting_remote(&obs(0, 0)), "a local backend has no remote to wait for");
         let Disposition::Restart { delay, .. } = local.on_event(exited(Role::Top, Some(LOST_EXIT.into())), 0) else { panic!() };
         assert!(delay < Duration::from_millis(100) && local.state() == DeviceState::Running);
+    }
+
+    #[test]
+    fn a_domain_that_has_not_reached_its_remote_a_second_after_its_start_is_waiting_for_it() {
+        for (shape, holder) in [(Shape::Passthrough, Role::Top), (Shape::Interpose, Role::Below)] {
+            let beats = |b: u64| match holder {
+                Role::Below => Observation { below_beat: b, beat: 100 + b, ..Default::default() },
+                Role::Top => Observation { beat: b, below_beat: 100 + b, ..Default::default() },
+            };
+            let clock = Manual::new();
+            let remote = RestartPolicy { reconnect: Some(Duration::from_secs(5)), ..policy() };
+            let mut l = Lifecycle::new("far", remote, shape, clock.clone());
+            // The first generation: a new page, its beat 0.
+            clock.advance(999);
+            assert!(!l.awaiting_remote(&beats(0)), "an open takes a moment");
+            clock.advance(1);
+            assert!(l.awaiting_remote(&beats(0)), "{shape:?}");
+            assert!(!l.awaiting_remote(&beats(1)), "its loop turns: it has reached the remote");
+            assert_eq!(l.tick(beats(1), 7), None);
+            assert!(!l.awaiting_remote(&beats(1)));
+            // Killed (counted, as any crash), the new domain opening while the remote is
+            // silent: the device waits for the remote, not counted again meanwhile.
+            let Disposition::Restart { .. } = l.on_event(exited(holder, None), 0) else { panic!() };
+            l.on_launched(shape, &beats(3), true);
+            assert_eq!(l.restarts(), 1);
+            clock.advance(500);
+            assert!(!l.awaiting_remote(&beats(3)));
+            clock.advance(700);
+            assert!(l.awaiting_remote(&beats(3)));
+            assert_eq!(l.tick(beats(3), 7), None);
+            assert!(l.awaiting_remote(&beats(3)));
+            assert!(!l.awaiting_remote(&Observation { answered: 1, ..beats(3) }), "it answered");
+            // Replacing the tap domain alone leaves the holder below as it was.
+            if shape == Shape::Interpose {
+                l.on_launched(shape, &beats(3), false);
+                clock.advance(2000);
+                assert!(l.awaiting_remote(&beats(3)));
+                assert_eq!(l.tick(beats(4), 7), None);
+                l.on_launched(shape, &beats(4), false);
+                clock.advance(2000);
+                assert!(!l.awaiting_remote(&beats(4)), "the holder below had reached the remote");
+            }
+        }
     }
 }

@@ -12,11 +12,12 @@ pub use bulkhead_control::{DeviceStatus, FilterStatus, ProcessMemory, StatusRepo
 /// The status of one device, read in moments: the slot's lock is held only to copy what it
 /// shows, so a device whose domains are being replaced answers at once.
 pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
+    let obs = rt.observe();
     let (state, restarting, faces, restarts, failure, shape, awaiting) = {
         let slot = rt.lock();
         let life = &slot.life;
         let failure = life.failure().map(String::from);
-        (life.state(), slot.busy, slot.faces.clone(), life.restarts(), failure, life.shape(), life.awaiting_remote())
+        (life.state(), slot.busy, slot.faces.clone(), life.restarts(), failure, life.shape(), life.awaiting_remote(&obs))
     };
     let running = state == DeviceState::Running;
     // A domain that runs but whose remote has stopped answering (requests fail by timeout)
@@ -29,8 +30,9 @@ pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
         let why = "the remote stopped answering: requests fail after the backend's timeout until it answers";
         (DeviceState::Reconnecting, failure.or_else(|| Some(why.to_string())))
     } else if awaiting {
-        // A domain started for a remote that did not answer the ones before it.
-        let why = "the remote did not answer the domains started for it: a new one waits for it";
+        // A domain that has not reached its remote: started for one that did not answer the
+        // ones before it, or trying for a while.
+        let why = "the remote has not answered the domain started for it: it waits for it";
         (DeviceState::Reconnecting, failure.or_else(|| Some(why.to_string())))
     } else {
         (state, failure)
