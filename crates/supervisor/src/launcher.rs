@@ -111,8 +111,8 @@ pub(crate) struct Launcher {
     pub(crate) index: u32,
     /// A `vdev` device's card and its model's domain.
     pub(crate) card: Option<crate::vdev::CardDevice>,
-    /// An `rbd` device's cluster addresses and its earlier domains' lock owners.
-    rbd: Option<(crate::rbd::Reach, crate::rbd::Owners)>,
+    /// An `rbd` device's cluster addresses, and what its domains said once they had opened the image.
+    rbd: Option<(crate::rbd::Reach, crate::rbd::Opened)>,
 }
 
 /// How a generation lays out the device's queues: the device's own, then each view's; and
@@ -390,7 +390,7 @@ impl Launcher {
 
     /// An `rbd` device's size when the configuration gives none: its image's, in whole
     /// sectors, as a domain started for the purpose finds it once it has opened the image (it
-    /// tells its broker, [`crate::rbd::Owners::image_bytes`], and is ended). Waits up to the
+    /// tells its broker, [`crate::rbd::Opened::image_bytes`], and is ended). Waits up to the
     /// backend's connect and op timeouts.
     fn learn_image_size(&mut self) -> Result<u64, String> {
         let BackendConfig::Rbd { pool, image, connect_timeout_ms, op_timeout_ms, .. } = &self.backend else {
@@ -398,7 +398,7 @@ impl Launcher {
         };
         let what = format!("image `{pool}/{image}`");
         let wait = Duration::from_millis(connect_timeout_ms + op_timeout_ms);
-        let owners = self.rbd.as_ref().map(|(_, o)| o.clone()).ok_or("an rbd device has its cluster's addresses")?;
+        let opened = self.rbd.as_ref().map(|(_, o)| o.clone()).ok_or("an rbd device has its cluster's addresses")?;
         // Any image of at least a sector opens at this size.
         (self.size, self.backend_size) = (512, 512);
         let Launched { domains, .. } =
@@ -406,13 +406,13 @@ impl Launcher {
         let (mut domains, _) = { domains }.take_all();
         let deadline = Instant::now() + wait;
         let told = loop {
-            if let Some(n) = owners.image_bytes() {
+            if let Some(n) = opened.image_bytes() {
                 break Ok(n);
             }
             if domains.iter_mut().any(|d| matches!(d.child.try_wait(), Ok(Some(_)))) {
                 // What it said before it ended may still be on its way.
                 std::thread::sleep(Duration::from_millis(100));
-                break owners.image_bytes().ok_or_else(|| {
+                break opened.image_bytes().ok_or_else(|| {
                     format!("{what}: its domain ended before it opened the image, so its size is unknown (its log lines say why)")
                 });
             }
@@ -669,7 +669,7 @@ impl Launcher {
                     .map_err(|e| format!("key pipe: {e}"))?;
                 let (owner_r, owner_w) = bulkhead_sys::pipe().map_err(|e| format!("owner pipe: {e}"))?;
                 pass.rbd_owner = Some(owner_r);
-                let (_, owners) = self.rbd.as_ref().ok_or("an rbd device has its cluster's addresses")?;
+                let (_, opened) = self.rbd.as_ref().ok_or("an rbd device has its cluster's addresses")?;
                 BackendSpec::Rbd {
                     key_fd: pass.add_owned(key_r),
                     owner_fd: pass.add_owned(owner_w),
@@ -683,7 +683,7 @@ impl Launcher {
                     op_timeout_ms: *op_timeout_ms,
                     connect_timeout_ms: *connect_timeout_ms,
                     discard_granularity: 4096,
-                    break_owners: if *lock_break { owners.list() } else { Vec::new() },
+                    break_owners: if *lock_break { opened.owners() } else { Vec::new() },
                 }
             }
             BackendConfig::File { read_only, format: ImageFormat::Qcow2, .. } => BackendSpec::Qcow2 {
@@ -804,14 +804,14 @@ impl Launcher {
         let what = format!("{role} domain");
         let (child, layers) = exec_confined(&self.exe, &args, &raw, pass, &self.name, self.policy, &report_r, &what)?;
         // An rbd domain's connections go through a broker here.
-        if let (Some((reach, owners)), Some(fd)) = (&self.rbd, layers.as_ref().and_then(|l| l.connect_listener)) {
+        if let (Some((reach, opened)), Some(fd)) = (&self.rbd, layers.as_ref().and_then(|l| l.connect_listener)) {
             let taken = child.pidfd().try_clone().and_then(|pidfd| {
                 let listener = bulkhead_sys::seccomp_notify::pidfd_getfd(child.pidfd().as_fd(), fd)?;
                 Ok((pidfd, listener))
             });
             match taken {
                 Ok((pidfd, listener)) => {
-                    crate::rbd::broker(&self.name, pidfd, listener, owner_pipe, reach.clone(), owners.clone())
+                    crate::rbd::broker(&self.name, pidfd, listener, owner_pipe, reach.clone(), opened.clone())
                 }
                 Err(e) => {
                     discard(child);
@@ -830,7 +830,7 @@ struct Storage {
     fds: Vec<OwnedFd>,
     formats: Vec<bulkhead_image::Format>,
     card: Option<crate::vdev::CardDevice>,
-    rbd: Option<(crate::rbd::Reach, crate::rbd::Owners)>,
+    rbd: Option<(crate::rbd::Reach, crate::rbd::Opened)>,
 }
 
 impl Storage {
@@ -859,7 +859,7 @@ impl Storage {
                 let reach = crate::rbd::Reach::resolve(mon_host, networks).map_err(|e| format!("backend mon_host: {e}"))?;
                 let ns = if namespace.is_empty() { String::new() } else { format!("{namespace}/") };
                 let desc = format!("rbd:{pool}/{ns}{image}{}", if *read_only { ",ro" } else { "" });
-                Ok(Storage { rbd: Some((reach, crate::rbd::Owners::of_device(name))), ..sized(size, desc, Vec::new()) })
+                Ok(Storage { rbd: Some((reach, crate::rbd::Opened::of_device(name))), ..sized(size, desc, Vec::new()) })
             }
             BackendConfig::Ram => {
                 let size = configured().ok_or("size is required for a ram device")?;

@@ -1,5 +1,6 @@
 //! The supervisor's side of an `rbd` device: what its domains may connect to, the broker that
-//! makes those connections for them, and the lock owners of earlier generations.
+//! makes those connections for them, and what earlier generations said once they had opened the
+//! image (their lock owners, its size).
 //!
 //! An rbd domain keeps the empty network namespace every domain has. Its `socket` and `connect`
 //! calls come here as seccomp notifications (`bulkhead_sys::seccomp_notify`). For `socket` the
@@ -98,20 +99,20 @@ fn in_range(ip: IpAddr, net: IpAddr, bits: u8) -> bool {
     }
 }
 
-/// Client addresses of a device's earlier domains (newest last, a few kept). With a keeper they
-/// are kept across a restart of `serve` too: its domains die with it, and their locks with
-/// them only once the cluster notices, which takes about 30 s. Also the image's size, as the
-/// latest domain to open it found it.
+/// What a device's domains said once they had opened the image: their client addresses, the
+/// lock owners a later domain may break (newest last, a few kept), and the image's size. With
+/// a keeper the addresses are kept across a restart of `serve` too: its domains die with it,
+/// and their locks with them only once the cluster notices, which takes about 30 s.
 #[derive(Debug, Clone)]
-pub(crate) struct Owners {
-    list: Arc<Mutex<Vec<String>>>,
+pub(crate) struct Opened {
+    owners: Arc<Mutex<Vec<String>>>,
     kept_as: Arc<str>,
     image_bytes: Arc<AtomicU64>,
 }
 
-impl Owners {
+impl Opened {
     /// `device`'s, starting from what an earlier `serve` kept.
-    pub(crate) fn of_device(device: &str) -> Owners {
+    pub(crate) fn of_device(device: &str) -> Opened {
         let kept_as = crate::kept::rbd_owners_name(device);
         let list: Vec<String> = crate::kept::take_text(&kept_as)
             .map(|t| t.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect())
@@ -121,7 +122,7 @@ impl Owners {
             // Kept again at once: this `serve` may die before its first domain says its own.
             crate::kept::keep_text(&kept_as, &(list.join("\n") + "\n"));
         }
-        Owners { list: Arc::new(Mutex::new(list)), kept_as: kept_as.into(), image_bytes: Arc::default() }
+        Opened { owners: Arc::new(Mutex::new(list)), kept_as: kept_as.into(), image_bytes: Arc::default() }
     }
 
     /// The image's size as a domain of this device last found it; `None` before one has
@@ -130,12 +131,13 @@ impl Owners {
         Some(self.image_bytes.load(Ordering::Acquire)).filter(|&n| n > 0)
     }
 
-    pub(crate) fn list(&self) -> Vec<String> {
-        self.list.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    /// The earlier domains' client addresses, oldest first.
+    pub(crate) fn owners(&self) -> Vec<String> {
+        self.owners.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     fn push(&self, addr: String) {
-        let mut v = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v = self.owners.lock().unwrap_or_else(|e| e.into_inner());
         v.push(addr);
         let excess = v.len().saturating_sub(8);
         v.drain(..excess);
@@ -145,7 +147,7 @@ impl Owners {
 
 /// Starts the broker of one domain: it answers `listener`'s notifications until the domain
 /// is gone, and records the client address the domain writes on `owner_pipe`.
-pub(crate) fn broker(device: &str, pidfd: OwnedFd, listener: OwnedFd, owner_pipe: Option<OwnedFd>, reach: Reach, owners: Owners) {
+pub(crate) fn broker(device: &str, pidfd: OwnedFd, listener: OwnedFd, owner_pipe: Option<OwnedFd>, reach: Reach, opened: Opened) {
     let device = device.to_string();
     let _ = std::thread::Builder::new().name(format!("rbd-broker-{device}")).spawn(move || {
         let mut refused: HashSet<String> = HashSet::new();
@@ -168,10 +170,10 @@ pub(crate) fn broker(device: &str, pidfd: OwnedFd, listener: OwnedFd, owner_pipe
                     let line = String::from_utf8_lossy(&owner_line).lines().next().unwrap_or("").to_string();
                     let mut words = line.split_whitespace();
                     if let Some(addr) = words.next() {
-                        owners.push(addr.to_string());
+                        opened.push(addr.to_string());
                     }
                     if let Some(size) = words.next().and_then(|w| w.parse::<u64>().ok()) {
-                        owners.image_bytes.store(size, Ordering::Release);
+                        opened.image_bytes.store(size, Ordering::Release);
                     }
                     owner_pipe = None;
                 }
