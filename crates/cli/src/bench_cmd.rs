@@ -226,8 +226,9 @@ pub enum BenchCmd {
     ///
     /// With `--filters`: throughput and CPU of the trace, crypt and cow filters under fio
     /// through FUSE, for `guard` off, dwc, and scdwc with C from 0 to 100. With
-    /// `--isolation`: the share of injected faults those filters make that is stopped before
-    /// the state it aims at changes, per setting. Either or both, with `--plot` for an SVG.
+    /// `--isolation`, in a build with `--features bulkhead/test-driver` only: the share of
+    /// injected faults those filters make that is stopped before the state it aims at changes,
+    /// per setting. Either or both, with `--plot` for an SVG.
     Guard {
         /// Writes timed per measurement.
         #[arg(long, default_value_t = 200_000, value_parser = count(bulkhead_bench::guard::PAGES_MIN as u64, 100_000_000))]
@@ -236,9 +237,11 @@ pub enum BenchCmd {
         #[arg(long)]
         filters: bool,
         /// Measure the isolation rate: faults injected into real filters, checked in memory.
+        #[cfg(feature = "test-driver")]
         #[arg(long)]
         isolation: bool,
         /// With --isolation: faults per setting, spread over the filters and the targets.
+        #[cfg(feature = "test-driver")]
         #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         faults: u32,
         /// With --filters or --isolation: only these settings (comma-separated: `off`, `dwc`
@@ -565,7 +568,22 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             emit(&r, json, bulkhead_bench::restart::render)?;
             Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
-        BenchCmd::Guard { writes, filters, isolation, faults, settings, plot, seconds, scratch, json } => {
+        BenchCmd::Guard {
+            writes,
+            filters,
+            #[cfg(feature = "test-driver")]
+            isolation,
+            #[cfg(feature = "test-driver")]
+            faults,
+            settings,
+            plot,
+            seconds,
+            scratch,
+            json,
+        } => {
+            // Faults on purpose are only in the test build.
+            #[cfg(not(feature = "test-driver"))]
+            let (isolation, faults) = (false, 0);
             if filters || isolation {
                 let which = GuardFigures { filters, isolation, faults, settings, plot, seconds, scratch };
                 guard_figures(which, json)
