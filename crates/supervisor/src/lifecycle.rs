@@ -311,15 +311,7 @@ impl Lifecycle {
                 self.restarts += 1;
                 Disposition::Restart { which, delay, why }
             }
-            Err(down) => {
-                let reason = format!(
-                    "{why}; the remote has not answered for {} ms: device failed (`bulkhead restart {}` tries again)",
-                    down.as_millis(),
-                    self.device
-                );
-                self.fail(&reason);
-                Disposition::Fail { reason }
-            }
+            Err(down) => Disposition::Fail { reason: self.give_up(&format!("{why}; the remote has not answered"), down) },
         }
     }
 
@@ -478,13 +470,15 @@ impl Lifecycle {
         if let Ok(after) = self.next_attempt(now, timeout, format!("{why}; reconnecting: {error}")) {
             return Launch::Retry { after };
         }
-        let reason = format!(
-            "{error}; no connection for {} ms: device failed (`bulkhead restart {}` tries again)",
-            timeout.as_millis(),
-            self.device
-        );
+        Launch::Fail { reason: self.give_up(&format!("{error}; no connection"), timeout) }
+    }
+
+    /// Fails the device after a reconnect episode: `what` lasted `down`. Returns why.
+    fn give_up(&mut self, what: &str, down: Duration) -> String {
+        let reason =
+            format!("{what} for {} ms: device failed (`bulkhead restart {}` tries again)", down.as_millis(), self.device);
         self.fail(&reason);
-        Launch::Fail { reason }
+        reason
     }
 
     fn fail(&mut self, reason: &str) {
