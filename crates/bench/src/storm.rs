@@ -1,10 +1,10 @@
-//! `bulkhead bench storm`: a hostile driver domain rings its doorbell as fast as it can, and
+//! `bulkhead-test-driver bench storm`: a hostile driver domain rings its doorbell as fast as it can, and
 //! the frontend must not pay for it: `serve` stays under one core, and another device's
 //! latency stays near what it is without the storm.
 //!
-//! The hostile driver is the test driver's (`bulkhead-test-driver`, built with the
-//! `test-driver` feature; `--driver-exe`): the shipped binary has no hostile behaviour. A
-//! `serve` runs two `ram` devices with it, `storm` (irq notification: every wait of the frontend
+//! The hostile driver is the test driver's: `exe` is `bulkhead-test-driver`, built with the
+//! `test-driver` feature, which is the whole of `bulkhead` with the test kit's faults in its
+//! domains; the shipped binary has no hostile behaviour. A `serve` runs two `ram` devices with it, `storm` (irq notification: every wait of the frontend
 //! sleeps on the doorbell a storm attacks) and `victim`. A load thread keeps `storm` busy at
 //! the same pace in both phases; after a few dozen requests its driver turns hostile and rings the frontend in a tight
 //! loop, answering slowly. A probe reads 4 KiB at random offsets of `victim` with O_DIRECT,
@@ -13,9 +13,8 @@
 //! The driver says how often it rang (its log lines reach `serve`'s log); `serve`'s own CPU
 //! time over the probe's window is the frontend's cost.
 
-use std::ffi::OsStr;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,8 +30,6 @@ pub struct Options {
     pub seconds: u64,
     /// Rounds, each without and then with the storm.
     pub rounds: usize,
-    /// The test driver (`bulkhead-test-driver`).
-    pub driver_exe: PathBuf,
 }
 
 /// One phase of one round.
@@ -79,10 +76,10 @@ const CONFIG: &str = "[nbd]\nenabled = false\n\n\
     [[device]]\nname = \"victim\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n";
 
 /// The benchmark's `serve`, with the fault or without.
-fn start(exe: &Path, driver: &Path, storm: bool) -> Result<BenchServe, BenchError> {
+fn start(exe: &Path, storm: bool) -> Result<BenchServe, BenchError> {
     let env: &[(&str, &str)] =
         if storm { &[("BULKHEAD_TEST_FAULT", "hostile:doorbell-storm"), ("BULKHEAD_TEST_FAULT_DEVICE", "storm")] } else { &[] };
-    BenchServe::start(exe, "storm", CONFIG, &[OsStr::new("--driver-exe"), driver.as_os_str()], env, |s| {
+    BenchServe::start(exe, "storm", CONFIG, &[], env, |s| {
         s.run_dir().join("fuse/storm").exists() && s.run_dir().join("fuse/victim").exists()
     })
 }
@@ -136,7 +133,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs one phase.
 fn phase(exe: &Path, opts: &Options, storm: bool) -> Result<Phase, BenchError> {
-    let serve = start(exe, &opts.driver_exe, storm)?;
+    let serve = start(exe, storm)?;
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let loader = {
@@ -189,18 +186,13 @@ fn phase(exe: &Path, opts: &Options, storm: bool) -> Result<Phase, BenchError> {
     })
 }
 
-/// Runs the rounds with `exe` (a `bulkhead` that takes `serve`; needs root for FUSE).
+/// Runs the rounds with `exe` (the test build, which takes `serve` as `bulkhead` does; needs
+/// root for FUSE).
 pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     if !(1..=3600).contains(&opts.seconds) || !(1..=100).contains(&opts.rounds) {
         return Err(BenchError::Options(format!(
             "{} s and {} rounds: seconds are 1..=3600, rounds 1..=100",
             opts.seconds, opts.rounds
-        )));
-    }
-    if !opts.driver_exe.is_file() {
-        return Err(BenchError::Options(format!(
-            "--driver-exe {}: no such file (build it with `cargo build --release --features bulkhead/test-driver`)",
-            opts.driver_exe.display()
         )));
     }
     let mut phases = Vec::new();

@@ -225,10 +225,8 @@ pub enum BenchCmd {
     /// and mode (DWC's single step, SCDWC's cache), beside an unguarded write.
     ///
     /// With `--filters`: throughput and CPU of the trace, crypt and cow filters under fio
-    /// through FUSE, for `guard` off, dwc, and scdwc with C from 0 to 100. With
-    /// `--isolation`, in a build with `--features bulkhead/test-driver` only: the share of
-    /// injected faults those filters make that is stopped before the state it aims at changes,
-    /// per setting. Either or both, with `--plot` for an SVG.
+    /// through FUSE, for `guard` off, dwc, and scdwc with C from 0 to 100, with `--plot` for
+    /// an SVG.
     Guard {
         /// Writes timed per measurement.
         #[arg(long, default_value_t = 200_000, value_parser = count(bulkhead_bench::guard::PAGES_MIN as u64, 100_000_000))]
@@ -236,19 +234,11 @@ pub enum BenchCmd {
         /// Measure real filters under fio instead.
         #[arg(long)]
         filters: bool,
-        /// Measure the isolation rate: faults injected into real filters, checked in memory.
-        #[cfg(feature = "test-driver")]
-        #[arg(long)]
-        isolation: bool,
-        /// With --isolation: faults per setting, spread over the filters and the targets.
-        #[cfg(feature = "test-driver")]
-        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-        faults: u32,
-        /// With --filters or --isolation: only these settings (comma-separated: `off`, `dwc`
+        /// With --filters: only these settings (comma-separated: `off`, `dwc`
         /// or a cache size C, each but `off` with `+keys` for protection keys), not all.
         #[arg(long, value_delimiter = ',', value_parser = bulkhead_bench::guard_filters::Setting::parse)]
         settings: Vec<bulkhead_bench::guard_filters::Setting>,
-        /// With --filters or --isolation: write the figures as an SVG here.
+        /// With --filters: write the figures as an SVG here.
         #[arg(long)]
         plot: Option<PathBuf>,
         /// With --filters: seconds of fio per setting.
@@ -290,26 +280,6 @@ pub enum BenchCmd {
         /// Seconds of load.
         #[arg(long, default_value_t = 60, value_parser = count(1, 3600))]
         seconds: usize,
-        /// JSON output.
-        #[arg(long)]
-        json: bool,
-    },
-    /// A doorbell storm: a hostile driver domain (the test driver's) rings the frontend in a
-    /// tight loop; the frontend's CPU and another device's 4 KiB read latency, alternated with
-    /// rounds without the storm (runs `serve`; needs root for FUSE). Only in a build with the
-    /// `test-driver` feature.
-    #[cfg(feature = "test-driver")]
-    Storm {
-        /// The test driver (default: bulkhead-test-driver beside this executable, as
-        /// `cargo build --release --features bulkhead/test-driver` makes it).
-        #[arg(long)]
-        driver_exe: Option<PathBuf>,
-        /// Seconds of each phase.
-        #[arg(long, default_value_t = 60, value_parser = count(1, 3600))]
-        seconds: usize,
-        /// Rounds, each without and then with the storm.
-        #[arg(long, default_value_t = 3, value_parser = count(1, 100))]
-        rounds: usize,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -568,24 +538,9 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             emit(&r, json, bulkhead_bench::restart::render)?;
             Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
-        BenchCmd::Guard {
-            writes,
-            filters,
-            #[cfg(feature = "test-driver")]
-            isolation,
-            #[cfg(feature = "test-driver")]
-            faults,
-            settings,
-            plot,
-            seconds,
-            scratch,
-            json,
-        } => {
-            // Faults on purpose are only in the test build.
-            #[cfg(not(feature = "test-driver"))]
-            let (isolation, faults) = (false, 0);
-            if filters || isolation {
-                let which = GuardFigures { filters, isolation, faults, settings, plot, seconds, scratch };
+        BenchCmd::Guard { writes, filters, settings, plot, seconds, scratch, json } => {
+            if filters {
+                let which = GuardFigures { settings, plot, seconds, scratch };
                 guard_figures(which, json)
             } else {
                 let r =
@@ -608,17 +563,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             let opts = bulkhead_bench::overload::Options { clients, depth, seconds: seconds as u64 };
             let r = bulkhead_bench::overload::run(&exe()?, &opts, |p| eprintln!("bench overload: {p}"))?;
             emit(&r, json, bulkhead_bench::overload::render)
-        }
-        #[cfg(feature = "test-driver")]
-        BenchCmd::Storm { driver_exe, seconds, rounds, json } => {
-            need_root("bench storm runs serve with its FUSE export")?;
-            let driver_exe = match driver_exe {
-                Some(p) => p,
-                None => exe()?.with_file_name("bulkhead-test-driver"),
-            };
-            let opts = bulkhead_bench::storm::Options { seconds: seconds as u64, rounds, driver_exe };
-            let r = bulkhead_bench::storm::run(&exe()?, &opts, |p| eprintln!("bench storm: {p}"))?;
-            emit(&r, json, bulkhead_bench::storm::render)
         }
         BenchCmd::Powercut { rounds, format, threads, seed, json } => {
             need_root("bench powercut runs serve with its FUSE export")?;
@@ -674,7 +618,8 @@ fn exe() -> anyhow::Result<PathBuf> {
     std::env::current_exe().context("cannot find this executable (the domains are exec'd from it)")
 }
 
-fn need_root(what: &str) -> anyhow::Result<()> {
+/// Refuses `what` unless run as root.
+pub fn need_root(what: &str) -> anyhow::Result<()> {
     if bulkhead_sys::euid() != 0 {
         anyhow::bail!("{what}: run it as root");
     }
@@ -691,7 +636,7 @@ fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
 }
 
 /// Prints a benchmark's report as JSON or as its table.
-fn emit<R: serde::Serialize>(r: &R, json: bool, render: fn(&R) -> String) -> anyhow::Result<ExitCode> {
+pub fn emit<R: serde::Serialize>(r: &R, json: bool, render: fn(&R) -> String) -> anyhow::Result<ExitCode> {
     if json {
         println!("{}", serde_json::to_string_pretty(r)?);
     } else {
@@ -816,11 +761,8 @@ fn fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
     Ok(if report.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
 }
 
-/// What `bench guard --filters` and `--isolation` run.
+/// What `bench guard --filters` runs.
 struct GuardFigures {
-    filters: bool,
-    isolation: bool,
-    faults: u32,
     settings: Vec<bulkhead_bench::guard_filters::Setting>,
     plot: Option<PathBuf>,
     seconds: u32,
@@ -830,18 +772,11 @@ struct GuardFigures {
 fn guard_figures(w: GuardFigures, json: bool) -> anyhow::Result<ExitCode> {
     use bulkhead_bench::guard_filters::Setting;
     let settings = if w.settings.is_empty() { Setting::all(true) } else { w.settings };
-    let isolation = bulkhead_bench::guard_isolation::Options { faults: w.faults, scratch: w.scratch.clone(), settings };
-    if w.isolation {
-        isolation.check()?;
-    }
-    let filters_opts =
-        bulkhead_bench::guard_filters::Options { seconds: w.seconds, scratch: w.scratch, settings: isolation.settings.clone() };
-    filters_opts.check()?;
-    need_root("bench guard --filters and --isolation use FUSE exports and userfaultfd on shared memory")?;
-    let progress = |p: &str| eprintln!("bench guard: {p}");
-    let filters = if w.filters { Some(bulkhead_bench::guard_filters::run(&exe()?, &filters_opts, progress)?) } else { None };
-    let isolation = if w.isolation { Some(bulkhead_bench::guard_isolation::run(&isolation, progress)?) } else { None };
-    let figures = bulkhead_bench::guard_figures::Figures { filters, isolation };
+    let opts = bulkhead_bench::guard_filters::Options { seconds: w.seconds, scratch: w.scratch, settings };
+    opts.check()?;
+    need_root("bench guard --filters uses FUSE exports and userfaultfd on shared memory")?;
+    let filters = bulkhead_bench::guard_filters::run(&exe()?, &opts, |p| eprintln!("bench guard: {p}"))?;
+    let figures = bulkhead_bench::guard_figures::Figures { filters: Some(filters), isolation: None };
     if let Some(p) = &w.plot {
         std::fs::write(p, bulkhead_bench::guard_figures::svg(&figures)).map_err(|e| BenchError::io(p, e))?;
         eprintln!("bench guard: plot written to {}", p.display());

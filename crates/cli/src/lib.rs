@@ -1,4 +1,5 @@
-//! `bulkhead`: serve block devices from isolated driver domains.
+//! `bulkhead`: serve block devices from isolated driver domains. The command line, as a
+//! library so that a build of the test kit's driver can be the whole of `bulkhead` too.
 //!
 //! It parses arguments and prints; what it runs lives in the library crates. The only unsafe
 //! code is the domains' own entry (`driver`, `vdev model`), which takes over the descriptors
@@ -23,12 +24,10 @@ mod vdev_cmd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use bulkhead_control::{AddFilter, RemoveFilter, SetTap, SnapshotAction};
+/// How a benchmark command prints and what it asks of its user, for the test build's own.
+pub use bench_cmd::{emit, need_root};
 
-/// The system allocator until a domain with guarded filters activates heap spaces (see
-/// `bulkhead_guard::heap`); one relaxed load per allocation otherwise.
-#[global_allocator]
-static HEAP: bulkhead_guard::heap::Heap = bulkhead_guard::heap::Heap::new();
+use bulkhead_control::{AddFilter, RemoveFilter, SetTap, SnapshotAction};
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
@@ -49,10 +48,6 @@ enum Cmd {
         /// Directory for the FUSE export, sockets and lock.
         #[arg(long, default_value = "./bulkhead-run")]
         run_dir: PathBuf,
-        /// Run the driver domains from this executable, which must take `driver --spec JSON`
-        /// as `bulkhead` does (a driver under development; default: this executable).
-        #[arg(long)]
-        driver_exe: Option<PathBuf>,
     },
     /// Print each device's state, driver pid, mode, requests, restarts, outages and memory.
     Status {
@@ -369,11 +364,12 @@ fn man_pages(out: &std::path::Path) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn main() -> ExitCode {
+/// Runs the command line `std::env::args` gives.
+pub fn run() -> ExitCode {
     let cli = Cli::parse();
     logging::install();
     let result = match cli.cmd {
-        Cmd::Serve { config, run_dir, driver_exe } => serve::run(config.as_deref(), &run_dir, driver_exe.as_deref()),
+        Cmd::Serve { config, run_dir } => serve::run(config.as_deref(), &run_dir),
         Cmd::Status { json, run_dir } => status::run(&run_dir, json),
         Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
         Cmd::Top { interval, count, run_dir } => match std::time::Duration::try_from_secs_f64(interval) {

@@ -119,7 +119,7 @@ pub fn request_upgrade() {
     let _ = bulkhead_sys::signal(std::process::id(), SIGUSR2);
 }
 
-pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>) -> anyhow::Result<ExitCode> {
+pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCode> {
     let mut config = match config_path {
         Some(p) => Config::load(p)?,
         None => Config::embedded_default(),
@@ -175,11 +175,7 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path, driver_exe: Option<&Path>
         clear_stale_mount(&fuse_dir);
     }
 
-    let driver_exe = match driver_exe {
-        Some(p) => Some(p.canonicalize().with_context(|| format!("--driver-exe {}", p.display()))?),
-        None => None,
-    };
-    let sup = Arc::new(Supervisor::start(&config, driver_exe.as_deref())?);
+    let sup = Arc::new(Supervisor::start(&config, None)?);
     let kept_fuse = kept.take_all("fuse");
     let kept_fuse_state = kept.take_text("fuse-state");
     let fuse = if config.fuse.enabled && !kept_fuse.is_empty() {

@@ -54,9 +54,9 @@ fn bench_guard_refuses_fewer_writes_than_pages() {
 /// build with the `test-driver` feature measures isolation.
 #[test]
 fn bench_guard_isolation_reads_what_each_fault_left() {
-    if common::Serve::test_driver().is_none() {
+    let Some(driver) = common::Serve::test_driver() else {
         return;
-    }
+    };
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped: needs root (userfaultfd on shared memory)");
@@ -64,7 +64,7 @@ fn bench_guard_isolation_reads_what_each_fault_left() {
     }
     let keys = bulkhead_sys::pkey::supported();
     let settings = if keys { "dwc,0,256,256+keys" } else { "dwc,0,256" };
-    let out = Command::new(exe())
+    let out = Command::new(driver)
         .args(["bench", "guard", "--isolation", "--json", "--faults", "12", "--settings", settings])
         .output()
         .unwrap();

@@ -240,8 +240,9 @@ fn bench_storm_runs_a_phase_without_and_one_with_the_storm_and_reads_its_rate() 
     require_kernel!();
     let Some(driver) = Serve::test_driver() else { return };
     let out = Command::new("timeout")
-        .args(["120", exe(), "bench", "storm", "--seconds", "6", "--rounds", "1", "--json", "--driver-exe"])
+        .arg("120")
         .arg(driver)
+        .args(["bench", "storm", "--seconds", "6", "--rounds", "1", "--json"])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -303,12 +303,12 @@ fn unavailable_layer_warns_under_best_effort_and_refuses_under_required() {
     let cfg_path = tmp.path().join("r.toml");
     std::fs::write(&cfg_path, cfg).unwrap();
     let out = std::process::Command::new("timeout")
-        .args(["30", exe(), "serve", "--config"])
+        .arg("30")
+        .arg(driver)
+        .args(["serve", "--config"])
         .arg(&cfg_path)
         .arg("--run-dir")
         .arg(tmp.path().join("run"))
-        .arg("--driver-exe")
-        .arg(driver)
         .envs(missing)
         .output()
         .unwrap();

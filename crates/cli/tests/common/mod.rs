@@ -104,20 +104,19 @@ impl Serve {
         netns: Option<&str>,
     ) -> Serve {
         let log = run_dir.with_extension("log");
+        // The test build is the whole of `bulkhead`: its `serve` runs its own domains.
+        let program = driver.unwrap_or(Path::new(exe()));
         // nsenter execs serve in place: the child is serve itself.
         let mut cmd = match netns {
             Some(ns) => {
                 let mut c = Command::new("nsenter");
-                c.arg(format!("--net=/run/netns/{ns}")).arg(exe());
+                c.arg(format!("--net=/run/netns/{ns}")).arg(program);
                 c
             }
-            None => Command::new(exe()),
+            None => Command::new(program),
         };
         cmd.envs(env.iter().copied());
         cmd.arg("serve").arg("--run-dir").arg(run_dir);
-        if let Some(d) = driver {
-            cmd.arg("--driver-exe").arg(d);
-        }
         if let Some(text) = config {
             let path = run_dir.with_extension("toml");
             std::fs::write(&path, text).unwrap();

@@ -1,6 +1,15 @@
-//! `bulkhead-test-driver`: a driver domain for tests, run by `bulkhead serve --driver-exe`.
+//! `bulkhead-test-driver`: the whole of `bulkhead`, whose domains misbehave on purpose, for
+//! the tests and the benchmarks that need faults.
 //!
-//! It takes `driver --spec JSON` as `bulkhead` does and, by `BULKHEAD_TEST_FAULT`:
+//! Any command but those below runs as `bulkhead`'s, so `bulkhead-test-driver serve` runs
+//! its domains from this executable. Two benchmarks exist only here:
+//! - `bench storm [--seconds N] [--rounds N] [--json]`: a doorbell storm
+//!   ([`bulkhead_bench::storm`]);
+//! - `bench guard --isolation [--faults N] [--settings LIST] [--plot FILE] [--scratch DIR]
+//!   [--json]`: the share of injected faults write capture stops
+//!   ([`bulkhead_bench::guard_isolation`]).
+//!
+//! As a domain it takes `driver --spec JSON` as `bulkhead` does and, by `BULKHEAD_TEST_FAULT`:
 //! - `crash-on-start`: exits at once, as a driver with a start-up bug would;
 //! - `escape`: confines itself, tries to escape and reports how each attempt failed, then stores
 //!   into the read-only write arena (which must kill it with SIGSEGV);
@@ -29,9 +38,12 @@
 //!
 //! Built only with the `test-driver` feature: none of this is in the shipped binary.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+
+use clap::Parser;
 
 use bulkhead_shmem::{Mapping, Protection};
 use bulkhead_spec::DomainSpec;
@@ -48,7 +60,92 @@ fn fail(msg: String) -> ExitCode {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let [_, cmd, flag, json] = &args[..] else {
+    let word = |i: usize| args.get(i).map(String::as_str);
+    let result = match (word(1), word(2)) {
+        (Some("driver"), _) => return domain(&args),
+        (Some("bench"), Some("storm")) => storm(&args[2..]),
+        (Some("bench"), Some("guard")) if args.iter().any(|a| a == "--isolation") => isolation(&args[2..]),
+        _ => return bulkhead_cli::run(),
+    };
+    result.unwrap_or_else(|e| fail(format!("{e:#}")))
+}
+
+/// `bench storm`'s options.
+#[derive(Parser)]
+#[command(name = "bulkhead-test-driver bench storm")]
+struct StormArgs {
+    /// Seconds of each phase.
+    #[arg(long, default_value_t = 60)]
+    seconds: u64,
+    /// Rounds, each without and then with the storm.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// JSON output.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A doorbell storm: a hostile driver domain rings the frontend in a tight loop; the
+/// frontend's CPU and another device's 4 KiB read latency, alternated with rounds without it.
+fn storm(args: &[String]) -> anyhow::Result<ExitCode> {
+    let a = StormArgs::parse_from(named("bulkhead-test-driver bench storm", args));
+    bulkhead_cli::need_root("bench storm runs serve with its FUSE export")?;
+    let opts = bulkhead_bench::storm::Options { seconds: a.seconds, rounds: a.rounds };
+    let r = bulkhead_bench::storm::run(&std::env::current_exe()?, &opts, |p| eprintln!("bench storm: {p}"))?;
+    bulkhead_cli::emit(&r, a.json, bulkhead_bench::storm::render)
+}
+
+/// `bench guard --isolation`'s options.
+#[derive(Parser)]
+#[command(name = "bulkhead-test-driver bench guard")]
+struct IsolationArgs {
+    /// Measure the isolation rate: faults injected into real filters, checked in memory.
+    #[arg(long, required = true)]
+    isolation: bool,
+    /// Faults per setting, spread over the filters and the targets.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    faults: u32,
+    /// Only these settings (comma-separated: `dwc` or a cache size C, each with `+keys` for
+    /// protection keys), not all.
+    #[arg(long, value_delimiter = ',', value_parser = bulkhead_bench::guard_filters::Setting::parse)]
+    settings: Vec<bulkhead_bench::guard_filters::Setting>,
+    /// Write the figures as an SVG here.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Where the LUKS volume goes.
+    #[arg(long, default_value = "/tmp")]
+    scratch: PathBuf,
+    /// JSON output.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The share of injected faults, made by the test kit inside real filters, that write
+/// capture stops before the state they aim at changes, per setting.
+fn isolation(args: &[String]) -> anyhow::Result<ExitCode> {
+    use bulkhead_bench::guard_filters::Setting;
+    let a = IsolationArgs::parse_from(named("bulkhead-test-driver bench guard", args));
+    let settings = if a.settings.is_empty() { Setting::all(true) } else { a.settings };
+    let opts = bulkhead_bench::guard_isolation::Options { faults: a.faults, scratch: a.scratch, settings };
+    opts.check()?;
+    bulkhead_cli::need_root("bench guard --isolation uses userfaultfd on shared memory")?;
+    let isolation = bulkhead_bench::guard_isolation::run(&opts, |p| eprintln!("bench guard: {p}"))?;
+    let figures = bulkhead_bench::guard_figures::Figures { filters: None, isolation: Some(isolation) };
+    if let Some(p) = &a.plot {
+        std::fs::write(p, bulkhead_bench::guard_figures::svg(&figures))?;
+        eprintln!("bench guard: plot written to {}", p.display());
+    }
+    bulkhead_cli::emit(&figures, a.json, bulkhead_bench::guard_figures::render)
+}
+
+/// `args` (a subcommand and its options) with the subcommand called `name` in messages.
+fn named<'a>(name: &'a str, args: &'a [String]) -> impl Iterator<Item = &'a str> {
+    std::iter::once(name).chain(args.iter().skip(1).map(String::as_str))
+}
+
+/// A domain, as `serve` starts it: `driver --spec JSON`.
+fn domain(args: &[String]) -> ExitCode {
+    let [_, cmd, flag, json] = args else {
         return fail("usage: bulkhead-test-driver driver --spec JSON".into());
     };
     if cmd != "driver" || flag != "--spec" {
@@ -143,7 +240,8 @@ fn main() -> ExitCode {
                         }
                     }
                     let wrap = bulkhead_testkit::faults::wrap_one(filter, faults);
-                    // SAFETY: as above.
+                    // SAFETY: the supervisor placed exactly the descriptors the spec names, for
+                    // this process alone, which is all `build_inherited_wrapping` asks.
                     unsafe { bulkhead_driver::build_inherited_wrapping(&spec, stop, &wrap) }
                 }
                 // SAFETY: as above.
