@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use bulkhead_nbd_export::tls::{Tls, TlsMode};
-use bulkhead_nbd_export::{NbdServer, ServerConfig};
+use bulkhead_nbd_export::{Export, NbdServer, Reach, ServerConfig};
 use bulkhead_testkit::memdev::MemoryDevice;
 use libfuzzer_sys::fuzz_target;
 
@@ -42,10 +42,9 @@ fn fixture() -> &'static Fixture {
             workers_per_connection: 2,
             handshake_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(2),
-            allow: Default::default(),
             tls: Some(tls),
         };
-        let server = NbdServer::start(devices.iter().map(|d| d.device.clone()).collect(), cfg).unwrap();
+        let server = NbdServer::start(devices.iter().map(|d| Export::new(d.device.clone(), Reach::Anywhere)).collect(), cfg).unwrap();
         Fixture { server, _devices: devices }
     })
 }

@@ -5,28 +5,18 @@ use std::sync::Arc;
 
 use crate::kept::Keeper;
 use bulkhead_control::{
-    AddDevice, AddFilter, Changed, ConfigText, ControlError, DeviceRemoved, DevicesAdded, DumpConfig, FuseStatus, Hello,
-    HelloReply, ListSnapshots, QosReply, Reload, Reloaded, RemoveDevice, RemoveFilter, Restart, Service, SetQos, SetTap,
-    Snapshot, SnapshotAction, SnapshotEntry, Snapshots, Status, StatusReport,
+    AddDevice, AddFilter, Changed, ConfigText, ControlError, DeviceRemoved, DevicesAdded, DumpConfig, Hello, HelloReply,
+    ListSnapshots, QosReply, Reload, Reloaded, RemoveDevice, RemoveFilter, Restart, Service, SetQos, SetTap, Snapshot,
+    SnapshotAction, SnapshotEntry, Snapshots, Status, StatusReport,
 };
 use bulkhead_control::{AddView, RemoveView, Upgrade, Upgrading, ViewAdded, ViewRemoved};
-use bulkhead_fuse_export::Transport;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
-use bulkhead_vhost_export::VhostExport;
 
 use crate::live::{Edit, Live};
 
-/// Drops the kernel's cached pages of a device's FUSE file.
-pub type Invalidate = dyn Fn(&str) -> bool + Send + Sync;
-
 /// What answers the control socket in `serve`.
 pub struct ServeApi {
-    pub sup: Arc<Supervisor>,
-    pub fuse: Option<FuseStatus>,
-    pub vhost: Option<Arc<VhostExport>>,
-    /// After a snapshot revert: drops the device's cached pages in the kernel.
-    pub invalidate: Option<Box<Invalidate>>,
-    /// Devices added and removed, the running configuration.
+    /// The supervisor, the exports and the running configuration.
     pub live: Arc<Live>,
     /// What keeps the descriptors across a restart of `serve`.
     pub keeper: Keeper,
@@ -35,8 +25,12 @@ pub struct ServeApi {
 }
 
 impl ServeApi {
+    fn sup(&self) -> &Supervisor {
+        &self.live.sup
+    }
+
     fn known_device(&self, name: &str) -> Result<(), ControlError> {
-        if self.sup.has_device(name) {
+        if self.sup().has_device(name) {
             Ok(())
         } else {
             Err(ControlError::not_found(format!("no device `{name}`")))
@@ -46,7 +40,7 @@ impl ServeApi {
     /// Applies `change` to `device` and answers with its new driver domain.
     fn change(&self, device: String, change: DeviceChange) -> Result<Changed, ControlError> {
         self.known_device(&device)?;
-        match self.sup.change_device(&device, change) {
+        match self.sup().change_device(&device, change) {
             Ok(driver_pid) => Ok(Changed { device, driver_pid }),
             Err(e) => Err(ControlError::failed(format!("device `{device}`: {e}"))),
         }
@@ -64,9 +58,9 @@ impl Service for ServeApi {
     }
 
     fn status(&self, _: Status) -> Result<StatusReport, ControlError> {
-        let mut report = self.sup.status();
-        report.fuse = self.fuse.clone();
-        report.vhost_user = self.vhost.as_ref().map(|v| v.status());
+        let mut report = self.sup().status();
+        report.fuse = self.live.exports.fuse_status();
+        report.vhost_user = self.live.exports.vhost_status();
         Ok(report)
     }
 
@@ -94,12 +88,10 @@ impl Service for ServeApi {
 
     fn snapshot(&self, c: Snapshot) -> Result<Changed, ControlError> {
         self.known_device(&c.device)?;
-        match self.sup.snapshot(&c.device, c.op, &c.name) {
+        match self.sup().snapshot(&c.device, c.op, &c.name) {
             Ok(driver_pid) => {
                 if c.op == SnapshotAction::Revert {
-                    if let Some(inval) = &self.invalidate {
-                        inval(&c.device);
-                    }
+                    self.live.exports.invalidate(&c.device);
                 }
                 Ok(Changed { device: c.device, driver_pid })
             }
@@ -109,7 +101,7 @@ impl Service for ServeApi {
 
     fn list_snapshots(&self, c: ListSnapshots) -> Result<Snapshots, ControlError> {
         self.known_device(&c.device)?;
-        let list = self.sup.snapshots(&c.device).map_err(|e| ControlError::failed(format!("device `{}`: {e}", c.device)))?;
+        let list = self.sup().snapshots(&c.device).map_err(|e| ControlError::failed(format!("device `{}`: {e}", c.device)))?;
         let snapshots = list
             .into_iter()
             .map(|i| SnapshotEntry {
@@ -125,11 +117,11 @@ impl Service for ServeApi {
     }
 
     fn set_qos(&self, c: SetQos) -> Result<QosReply, ControlError> {
-        if !self.sup.has_view(&c.view) {
+        if !self.sup().has_view(&c.view) {
             return Err(ControlError::not_found(format!("no view `{}`", c.view)));
         }
         let changes: Vec<(String, String)> = c.set.into_iter().collect();
-        match self.sup.set_qos(&c.view, &changes) {
+        match self.sup().set_qos(&c.view, &changes) {
             Ok(qos) => {
                 if !changes.is_empty() {
                     self.live.note(Edit::Qos { view: &c.view, caps: qos });
@@ -170,17 +162,7 @@ impl Service for ServeApi {
                 "an upgrade needs a keeper to hold the exports meanwhile: set `[keeper] enabled = true`, or run under systemd with FileDescriptorStoreMax=",
             ));
         }
-        crate::serve::request_upgrade();
+        crate::upgrade::request();
         Ok(Upgrading { pid: std::process::id(), keeper: self.keeper.name().into() })
-    }
-}
-
-/// The FUSE export's transport as `status` shows it.
-pub fn fuse_status(t: &Transport) -> FuseStatus {
-    match t {
-        Transport::DevFuse { threads, why_not_uring } => {
-            FuseStatus::DevFuse { threads: *threads, why_not_io_uring: why_not_uring.clone() }
-        }
-        Transport::IoUring { queues, depth } => FuseStatus::IoUring { queues: *queues, depth: *depth },
     }
 }

@@ -9,6 +9,7 @@
 mod api;
 mod bench_cmd;
 mod driver_cmd;
+mod exports;
 mod keeper;
 mod kept;
 mod live;
@@ -19,6 +20,7 @@ mod serve;
 mod sim_cmd;
 mod status;
 mod trace_cmd;
+mod upgrade;
 mod vdev_cmd;
 
 use std::path::PathBuf;

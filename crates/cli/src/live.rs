@@ -5,31 +5,18 @@
 //! One change at a time: each holds the running configuration's lock from its check to its
 //! last step, so what `config dump` prints is always what runs.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bulkhead_client::Device;
 use bulkhead_config::{Config, DeviceConfig, Tap};
 use bulkhead_control::{AddedDevice, ControlError, ErrorCode, Reloaded, ViewAdded, ViewRemoved};
-use bulkhead_fuse_export::FuseExport;
-use bulkhead_nbd_export::NbdServer;
 use bulkhead_supervisor::{DeviceChange, Supervisor};
-use bulkhead_vhost_export::VhostExport;
+
+use crate::exports::{ExportFigures, Exports, Offer, Refused};
 
 /// How long a removed device's requests in flight may take to finish.
 const DRAIN: Duration = Duration::from_secs(5);
-
-/// Withdraws a device or view from one export: `None` if that export is off.
-type Withdraw<'a> = dyn Fn(&str) -> Option<Result<bool, String>> + 'a;
-
-/// The exports `serve` runs; each is optional.
-pub struct Exports {
-    pub fuse: Mutex<Option<FuseExport>>,
-    pub nbd: Mutex<Option<NbdServer>>,
-    pub vhost: Option<Arc<VhostExport>>,
-}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -68,51 +55,10 @@ impl Live {
         }
     }
 
-    /// Stops the exports as [`stop_exports`](Self::stop_exports) does, but leaves what a
-    /// keeper holds (the FUSE mount and session, the NBD listening sockets) to the `serve`
-    /// that takes over: an upgrade.
-    pub fn release_exports(&self) {
-        if let Some(n) = lock(&self.exports.nbd).take() {
-            n.release();
-        }
-        if let Some(v) = &self.exports.vhost {
-            v.shutdown();
-        }
-        if let Some(f) = lock(&self.exports.fuse).take() {
-            f.release();
-        }
-    }
-
-    /// Stops the exports: NBD, then vhost-user (each guest's queues drained first), then FUSE.
-    /// Returns whether the FUSE unmount was clean. Later calls do nothing.
-    pub fn stop_exports(&self) -> bool {
-        if let Some(n) = lock(&self.exports.nbd).take() {
-            n.shutdown();
-        }
-        if let Some(v) = &self.exports.vhost {
-            v.shutdown();
-        }
-        lock(&self.exports.fuse).take().map(FuseExport::shutdown).unwrap_or(true)
-    }
-
     /// The exports' figures, for the metrics.
     pub fn export_figures(&self) -> ExportFigures {
         let names: Vec<String> = self.sup.devices().iter().map(|d| d.name().to_string()).collect();
-        let fuse_opens = lock(&self.exports.fuse)
-            .as_ref()
-            .map(|f| names.iter().filter_map(|n| f.opens(n).map(|o| (n.clone(), o))).collect())
-            .unwrap_or_default();
-        let nbd = lock(&self.exports.nbd).as_ref().map(|s| {
-            let st = s.stats();
-            let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-            NbdFigures {
-                accepted: load(&st.accepted),
-                refused: load(&st.refused),
-                dropped: load(&st.dropped),
-                clients: names.iter().map(|n| (n.clone(), s.clients_of(n))).collect(),
-            }
-        });
-        ExportFigures { fuse_opens, nbd, vhost: self.exports.vhost.as_ref().map(|v| v.status()) }
+        self.exports.figures(&names)
     }
 
     /// The running configuration as TOML that `serve --config` accepts.
@@ -150,8 +96,7 @@ impl Live {
                 Ok(a) => added.push(a),
                 Err(e) => {
                     for a in added.iter().rev() {
-                        let _ = self.unexport(&a.name, &self.sup.frontends(&a.name), true);
-                        let _ = self.sup.remove_device(&a.name, true, DRAIN);
+                        self.take_back(&a.name);
                     }
                     return Err(e);
                 }
@@ -165,9 +110,10 @@ impl Live {
     fn start_device(&self, cfg: &Config, d: &DeviceConfig) -> Result<AddedDevice, ControlError> {
         let name = d.name.get_ref().clone();
         let fronts = self.sup.add_device(d).map_err(|e| ControlError::failed(e.to_string()))?;
-        match self.export(cfg, d, &fronts) {
-            Ok(exports) => {
+        match self.exports.offer(&Offer::all(cfg, &fronts)) {
+            Ok(kinds) => {
                 let views = d.views.iter().map(|v| v.name.get_ref().clone()).collect();
+                let exports: Vec<String> = kinds.iter().map(|k| k.name().to_string()).collect();
                 log::info!(
                     "device {name}: added ({})",
                     if exports.is_empty() { "not exported".into() } else { exports.join(", ") }
@@ -175,94 +121,28 @@ impl Live {
                 Ok(AddedDevice { name, views, exports })
             }
             Err(e) => {
-                let _ = self.unexport(&name, &fronts, true);
                 let _ = self.sup.remove_device(&name, true, DRAIN);
                 Err(ControlError::failed(format!("device `{name}`: {e}")))
             }
         }
     }
 
-    /// Offers `fronts` (a device and its views) on the exports; returns their names.
-    fn export(&self, cfg: &Config, d: &DeviceConfig, fronts: &[Arc<Device>]) -> Result<Vec<String>, String> {
-        let mut on = Vec::new();
-        if let Some(f) = lock(&self.exports.fuse).as_ref() {
-            for dev in fronts {
-                f.add(dev.clone())?;
-            }
-            on.push("fuse".to_string());
+    /// Takes a device just added out again, its users cut off: an addition of several that
+    /// failed part way.
+    fn take_back(&self, name: &str) {
+        let fronts = self.sup.frontends(name);
+        let names: Vec<&str> = fronts.iter().map(|d| d.name()).collect();
+        if let Err(e) = self.exports.withdraw(&names, true) {
+            log::warn!("device {name}: {e}");
         }
-        if let Some(n) = lock(&self.exports.nbd).as_ref() {
-            let allow: BTreeMap<&str, _> = std::iter::once((d.name.get_ref().as_str(), &d.nbd_allow))
-                .chain(d.views.iter().map(|v| (v.name.get_ref().as_str(), &v.nbd_allow)))
-                .collect();
-            for dev in fronts {
-                let list = allow.get(dev.name()).and_then(|l| bulkhead_config::allow_list(l));
-                n.add(dev.clone(), list)?;
-            }
-            on.push("nbd".to_string());
+        if let Err(e) = self.sup.remove_device(name, true, DRAIN) {
+            log::warn!("device {name}: cannot take it out again: {e}");
         }
-        if let Some(v) = &self.exports.vhost {
-            let mut any = false;
-            for dev in fronts.iter().filter(|dev| cfg.vhost_user_exports(dev.name())) {
-                v.add(dev.clone()).map_err(|e| e.to_string())?;
-                any = true;
-            }
-            if any {
-                on.push("vhost_user".to_string());
-            }
-        }
-        Ok(on)
     }
 
-    /// Who uses device or view `name` through the exports, one phrase each.
+    /// Who uses device or view `name` through the exports, a phrase each.
     fn users(&self, name: &str) -> Vec<String> {
-        let mut users = Vec::new();
-        if let Some(opens) = lock(&self.exports.fuse).as_ref().and_then(|f| f.opens(name)).filter(|&o| o > 0) {
-            users.push(format!("`{name}`: its FUSE file is open {opens} time(s) (a loop device, a mount on one, or a program)"));
-        }
-        if let Some(c) = lock(&self.exports.nbd).as_ref().map(|n| n.clients_of(name)).filter(|&c| c > 0) {
-            users.push(format!("`{name}`: {c} NBD client(s) are connected"));
-        }
-        if self.exports.vhost.as_ref().is_some_and(|v| v.connected(name)) {
-            users.push(format!("`{name}`: a virtual machine is connected to its vhost-user socket"));
-        }
-        users
-    }
-
-    /// Withdraws `fronts` (device `name` and its views) from every export; with `force`, users
-    /// are cut off. A user that arrived since the check refuses it: what was withdrawn is
-    /// offered again.
-    fn unexport(&self, name: &str, fronts: &[Arc<Device>], force: bool) -> Result<(), String> {
-        let fuse = |n: &str| lock(&self.exports.fuse).as_ref().map(|f| f.remove(n, force));
-        let nbd = |n: &str| lock(&self.exports.nbd).as_ref().map(|s| s.remove(n, force));
-        let vhost = |n: &str| self.exports.vhost.as_ref().map(|v| v.remove(n, force));
-        let exports: [(&'static str, &Withdraw<'_>); 3] = [("fuse", &fuse), ("nbd", &nbd), ("vhost", &vhost)];
-        let mut done: Vec<(&'static str, Arc<Device>)> = Vec::new();
-        let mut failed = None;
-        'all: for dev in fronts {
-            for (export, remove) in &exports {
-                match remove(dev.name()) {
-                    Some(Ok(true)) => done.push((export, dev.clone())),
-                    Some(Err(e)) => {
-                        failed = Some(format!("`{}`: {e}", dev.name()));
-                        break 'all;
-                    }
-                    Some(Ok(false)) | None => {}
-                }
-            }
-        }
-        let Some(why) = failed else { return Ok(()) };
-        for (export, dev) in done {
-            let again = match export {
-                "fuse" => lock(&self.exports.fuse).as_ref().map(|f| f.add(dev.clone())),
-                "nbd" => lock(&self.exports.nbd).as_ref().map(|s| s.add(dev.clone(), None)),
-                _ => self.exports.vhost.as_ref().map(|v| v.add(dev.clone()).map_err(|e| e.to_string())),
-            };
-            if let Some(Err(e)) = again {
-                log::warn!("device {name}: cannot offer `{}` on {export} again: {e}", dev.name());
-            }
-        }
-        Err(why)
+        self.exports.users(name)
     }
 
     /// Removes device `name`: refused while it is in use unless `force`; otherwise it is
@@ -290,13 +170,11 @@ impl Live {
                 format!("device `{name}` is in use: {}; stop its users first, or remove it with --force", users.join("; ")),
             ));
         }
-        self.unexport(name, &fronts, force)
-            .map_err(|e| ControlError::new(ErrorCode::InUse, format!("device `{name}` is in use: {e}")))?;
+        let names: Vec<&str> = fronts.iter().map(|d| d.name()).collect();
+        let withdrawn = self.exports.withdraw(&names, force).map_err(|e| refusal("device", name, e))?;
         if let Err(e) = self.sup.remove_device(name, force, DRAIN) {
-            // Still running: offer it again.
-            if let Some(d) = device_config(cfg, name) {
-                let _ = self.export(cfg, &d, &fronts);
-            }
+            // Still running: offered again, as it was.
+            self.exports.restore(withdrawn);
             return Err(ControlError::new(ErrorCode::InUse, format!("device `{name}`: {e}")));
         }
         let mut raw = cfg.raw.clone();
@@ -344,8 +222,9 @@ impl Live {
         let d = device_config(cfg, device).ok_or_else(|| format!("no device `{device}`"))?;
         let view = d.views.iter().find(|v| v.name.get_ref() == name).ok_or_else(|| format!("no view `{name}`"))?;
         let front = self.sup.add_view(device, view).map_err(|e| format!("device `{device}`: {e}"))?;
-        match self.export(cfg, &d, std::slice::from_ref(&front)) {
-            Ok(exports) => {
+        match self.exports.offer(&Offer::all(cfg, std::slice::from_ref(&front))) {
+            Ok(kinds) => {
+                let exports: Vec<String> = kinds.iter().map(|k| k.name().to_string()).collect();
                 log::info!(
                     "view {name} of device {device}: added ({})",
                     if exports.is_empty() { "not exported".into() } else { exports.join(", ") }
@@ -353,9 +232,8 @@ impl Live {
                 Ok(exports)
             }
             Err(e) => {
-                let _ = self.unexport(name, std::slice::from_ref(&front), true);
                 let _ = self.sup.remove_view(name, true, DRAIN);
-                Err(format!("view `{name}`: {e}"))
+                Err(format!("view {e}"))
             }
         }
     }
@@ -365,7 +243,7 @@ impl Live {
     /// users see a pause. Returns the device and the users cut off.
     pub fn remove_view(&self, name: &str, force: bool) -> Result<ViewRemoved, ControlError> {
         let mut cfg = lock(&self.config);
-        let (device, cut_off) = self.stop_view(&cfg, name, force)?;
+        let (device, cut_off) = self.stop_view(name, force)?;
         let mut raw = cfg.raw.clone();
         let _ = edit_raw(&mut raw, &Edit::ViewRemoved { view: name });
         match Config::from_table(&raw, "the running configuration") {
@@ -377,7 +255,7 @@ impl Live {
 
     /// Unexports view `name` and takes it out of its device; returns the device and the users
     /// cut off.
-    fn stop_view(&self, cfg: &Config, name: &str, force: bool) -> Result<(String, Vec<String>), ControlError> {
+    fn stop_view(&self, name: &str, force: bool) -> Result<(String, Vec<String>), ControlError> {
         let device = match self.sup.owner_of(name) {
             Some(d) if d == name => {
                 return Err(ControlError::invalid(format!("`{name}` is a device: remove it with `bulkhead device remove`")))
@@ -385,7 +263,6 @@ impl Live {
             Some(d) => d,
             None => return Err(ControlError::not_found(format!("no view `{name}`"))),
         };
-        let front: Vec<Arc<Device>> = self.sup.frontends(&device).into_iter().filter(|d| d.name() == name).collect();
         let users = self.users(name);
         if !users.is_empty() && !force {
             return Err(ControlError::new(
@@ -393,13 +270,10 @@ impl Live {
                 format!("view `{name}` is in use: {}; stop its users first, or remove it with --force", users.join("; ")),
             ));
         }
-        self.unexport(name, &front, force)
-            .map_err(|e| ControlError::new(ErrorCode::InUse, format!("view `{name}` is in use: {e}")))?;
+        let withdrawn = self.exports.withdraw(&[name], force).map_err(|e| refusal("view", name, e))?;
         if let Err(e) = self.sup.remove_view(name, force, DRAIN) {
-            // Still served: offer it again.
-            if let Some(d) = device_config(cfg, &device) {
-                let _ = self.export(cfg, &d, &front);
-            }
+            // Still served: offered again, as it was.
+            self.exports.restore(withdrawn);
             return Err(ControlError::new(ErrorCode::InUse, format!("view `{name}`: {e}")));
         }
         if !users.is_empty() {
@@ -458,8 +332,7 @@ impl Live {
             let d = device_config(&next, name).expect("planned from it");
             if let Err(e) = self.start_device(&next, &d) {
                 for a in report.added.iter().rev() {
-                    self.unexport(a, &self.sup.frontends(a), true).ok();
-                    let _ = self.sup.remove_device(a, true, DRAIN);
+                    self.take_back(a);
                 }
                 return Err(ControlError::failed(format!("{}; nothing was applied", e.message)));
             }
@@ -477,7 +350,7 @@ impl Live {
                 Step::Change { device, change, .. } => self.sup.change_device(device, change.clone()).map(|_| ()),
                 Step::Qos { view, caps } => self.sup.set_qos(view, &caps_settings(caps)).map(|_| ()),
                 Step::AddView { device, view, .. } => self.start_view(&next, device, view).map(|_| ()),
-                Step::RemoveView { view } => self.stop_view(&cfg, view, false).map(|_| ()).map_err(|e| e.message),
+                Step::RemoveView { view } => self.stop_view(view, false).map(|_| ()).map_err(|e| e.message),
             };
             if let Err(e) = done {
                 // What was done stays done, and the running configuration says so.
@@ -518,23 +391,6 @@ impl Live {
         );
         Ok(report)
     }
-}
-
-/// The exports' figures.
-pub struct ExportFigures {
-    /// Each device's FUSE file's opens.
-    pub fuse_opens: Vec<(String, usize)>,
-    pub nbd: Option<NbdFigures>,
-    pub vhost: Option<Vec<bulkhead_control::VhostStatus>>,
-}
-
-/// The NBD export's figures.
-pub struct NbdFigures {
-    pub accepted: u64,
-    pub refused: u64,
-    pub dropped: u64,
-    /// Clients connected now, by export.
-    pub clients: Vec<(String, usize)>,
 }
 
 /// A change made through the control socket, for the running configuration.
@@ -608,6 +464,16 @@ fn edit_raw(raw: &mut toml::Table, edit: &Edit<'_>) -> Option<()> {
             None
         }
         Edit::None { device } => device_table(raw, device).map(|_| ()),
+    }
+}
+
+/// A withdrawal an export refused, for the control socket: `in_use` when a user holds the
+/// device or view, `failed` when something else went wrong.
+fn refusal(what: &str, name: &str, e: Refused) -> ControlError {
+    if e.source.in_use() {
+        ControlError::new(ErrorCode::InUse, format!("{what} `{name}` is in use: {e}"))
+    } else {
+        ControlError::failed(format!("{what} `{name}`: {} export: {e}", e.export.name()))
     }
 }
 

@@ -5,8 +5,7 @@ use std::io::{Read, Seek, Write};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use bulkhead_config::{Config, FuseUring};
@@ -14,13 +13,15 @@ use bulkhead_control::{Access, ControlServer};
 use bulkhead_fuse_export::{FuseExport, FuseOptions, UringMode};
 use bulkhead_nbd_export::{socket_path, Listeners, NbdServer, ServerConfig};
 use bulkhead_supervisor::Supervisor;
-
-use crate::api::ServeApi;
-use crate::kept::{Keeper, Kept};
-use crate::live::{Exports, Live};
 use bulkhead_vhost_export::{socket_dir, VhostExport};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR2};
 use signal_hook::iterator::Signals;
+
+use crate::api::ServeApi;
+use crate::exports::{Exports, Offer, Running};
+use crate::kept::{Keeper, Kept};
+use crate::live::Live;
+use crate::upgrade;
 
 /// The exclusive lock on a run directory, held for the life of `serve` (and of its keeper,
 /// which hands it to each `serve` it starts).
@@ -77,10 +78,6 @@ impl Drop for RunLock {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn is_mountpoint(p: &Path) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
@@ -110,17 +107,61 @@ fn human(bytes: u64) -> String {
     format!("{v:.1} {}", UNITS[u]).replace(".0 ", " ")
 }
 
-/// Asked for by the `upgrade` call; SIGUSR2 wakes the main loop to see it.
-static UPGRADE: AtomicBool = AtomicBool::new(false);
+/// What `serve` runs, ended in the reverse order of its start on every path: a start that
+/// fails part way (each `?` drops what started before it), a stop, a hand-over to the next
+/// `serve`. The supervisor and the exports live in [`Live`], which the control socket shares.
+struct Serving {
+    live: Arc<Live>,
+    run_lock: Option<RunLock>,
+    control: Option<ControlServer>,
+    metrics: Option<crate::metrics::Endpoint>,
+    watchdog: Option<crate::notify::Watchdog>,
+    /// End as a hand-over: what the keeper holds stays for the next `serve`.
+    handing_over: bool,
+    /// Whether the FUSE unmount was clean, once ended.
+    clean: Option<bool>,
+}
 
-/// Starts the hand-over to a new `serve` (the `upgrade` call): the main loop does it.
-pub fn request_upgrade() {
-    UPGRADE.store(true, Ordering::Release);
-    let _ = bulkhead_sys::signal(std::process::id(), SIGUSR2);
+impl Serving {
+    fn sup(&self) -> &Arc<Supervisor> {
+        &self.live.sup
+    }
+
+    /// Stops accepting (control first, then the exports: workers finish the request in hand,
+    /// each guest's queues are drained before its session ends), flushes every device and
+    /// ends the domains. Returns whether the FUSE unmount was clean. Later calls do nothing.
+    fn end(&mut self) -> bool {
+        if let Some(clean) = self.clean {
+            return clean;
+        }
+        drop(self.watchdog.take());
+        if let Some(mut c) = self.control.take() {
+            c.stop();
+        }
+        drop(self.metrics.take());
+        let clean = if self.handing_over {
+            self.live.exports.release();
+            true
+        } else {
+            self.live.exports.stop()
+        };
+        self.live.sup.shutdown();
+        if let Some(mut lock) = self.run_lock.take() {
+            lock.remove = !self.handing_over;
+        }
+        self.clean = Some(clean);
+        clean
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCode> {
-    let mut config = match config_path {
+    let config = match config_path {
         Some(p) => Config::load(p)?,
         None => Config::embedded_default(),
     };
@@ -152,69 +193,176 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCod
     let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR2]).context("cannot install signal handlers")?;
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create run dir {}", run_dir.display()))?;
     let run_dir = run_dir.canonicalize().with_context(|| format!("run dir {}", run_dir.display()))?;
-    let mut run_lock = match kept.take_all("lock").pop() {
+    let run_lock = match kept.take_all("lock").pop() {
         Some(fd) => RunLock::adopt(&run_dir, fd),
         None => RunLock::acquire(&run_dir)?,
     };
     kept.keep_fds("lock", &[run_lock.file.as_fd()]);
-    let fuse_dir = run_dir.join("fuse");
-    let takes_over = kept.takes_over();
-    if takes_over {
-        // What ran before: the devices and views added since start too.
-        if let Some(text) = kept.take_text("config") {
-            match Config::parse(&text, "the configuration kept across a restart of serve") {
-                Ok(c) => config = c,
-                Err(e) => log::warn!(
-                    "{e}; serving {} instead",
-                    config_path.map_or("the embedded default".into(), |p| p.display().to_string())
-                ),
-            }
+    let config = if kept.takes_over() { config_taken_over(config, config_path, &kept, keeper) } else { config };
+    if !kept.takes_over() {
+        clear_stale_mount(&run_dir.join("fuse"));
+    }
+    let start = Start { config: &config, config_path, run_dir: &run_dir, kept: &kept, keeper, fell_back };
+    let mut serving = start.serve(run_lock)?;
+    crate::notify::ready(serving.sup());
+    serving.watchdog = crate::notify::Watchdog::start(serving.sup().clone());
+
+    let sig = wait_for_signal(&mut signals, &serving.live);
+    if sig == SIGUSR2 {
+        // An upgrade: everything the keeper holds stays as it is for the next serve.
+        log::info!("handing over to a new serve ({} holds the descriptors)", keeper.name());
+        kept.hand_over();
+        serving.handing_over = true;
+        serving.end();
+        log::info!("handed over");
+        return Ok(ExitCode::SUCCESS);
+    }
+    if keeper == Keeper::Own && std::os::unix::process::parent_id() != parent {
+        log::error!("the keeper (pid {parent}) has died: shutting down, since a crash could no longer be survived");
+    }
+    log::info!("{} received; shutting down", if sig == SIGINT { "SIGINT" } else { "SIGTERM" });
+    crate::notify::stopping();
+    let clean = serving.end();
+    log::info!("stopped{}", if clean { "" } else { " (the FUSE mount was busy and was detached lazily)" });
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What the `serve` before this one ran (the devices and views added since its start too), or
+/// `config` if it kept none that parses.
+fn config_taken_over(config: Config, config_path: Option<&Path>, kept: &Kept, keeper: Keeper) -> Config {
+    let mut config = config;
+    if let Some(text) = kept.take_text("config") {
+        match Config::parse(&text, "the configuration kept across a restart of serve") {
+            Ok(c) => config = c,
+            Err(e) => log::warn!(
+                "{e}; serving {} instead",
+                config_path.map_or("the embedded default".into(), |p| p.display().to_string())
+            ),
         }
-        log::info!("taking over from the serve before this one ({} holds its descriptors)", keeper.name());
-    } else {
-        clear_stale_mount(&fuse_dir);
+    }
+    log::info!("taking over from the serve before this one ({} holds its descriptors)", keeper.name());
+    config
+}
+
+/// Waits for the signal that ends `serve`, reloading on SIGHUP meanwhile: SIGINT, SIGTERM, or
+/// SIGUSR2 for an upgrade that was asked for.
+fn wait_for_signal(signals: &mut Signals, live: &Live) -> i32 {
+    loop {
+        match signals.forever().next().unwrap_or(SIGTERM) {
+            SIGUSR2 if upgrade::requested() => return SIGUSR2,
+            SIGUSR2 => {}
+            SIGHUP => {
+                log::info!("SIGHUP received; reloading the configuration");
+                crate::notify::reloading();
+                match live.reload() {
+                    Ok(r) => log::info!("reload applied: added {:?}, removed {:?}, changed {:?}", r.added, r.removed, r.changed),
+                    Err(e) => log::warn!("reload refused: {}", e.message),
+                }
+                crate::notify::ready(&live.sup);
+            }
+            sig => return sig,
+        }
+    }
+}
+
+/// What a start needs to know.
+struct Start<'a> {
+    config: &'a Config,
+    config_path: Option<&'a Path>,
+    run_dir: &'a Path,
+    kept: &'a Arc<Kept>,
+    keeper: Keeper,
+    fell_back: Option<String>,
+}
+
+impl Start<'_> {
+    /// Starts the supervisor, the exports, the control socket and the metrics, in that order.
+    fn serve(&self, run_lock: RunLock) -> anyhow::Result<Serving> {
+        let config = self.config;
+        let sup = Arc::new(Supervisor::start(config, None)?);
+        let live = Arc::new(Live::new(
+            sup.clone(),
+            Exports::default(),
+            config.clone(),
+            self.config_path.map(|p| p.canonicalize().unwrap_or_else(|_| p.to_path_buf())),
+        ));
+        let mut serving = Serving {
+            live: live.clone(),
+            run_lock: Some(run_lock),
+            control: None,
+            metrics: None,
+            watchdog: None,
+            handing_over: false,
+            clean: None,
+        };
+        let offers = Offer::all(config, &sup.devices());
+        let mut fuse_transport = None;
+        if let Some(f) = self.fuse(&sup)? {
+            fuse_transport = Some(f.transport().to_string());
+            live.exports.push(Running::Fuse(f));
+        }
+        let tls_note = match self.nbd(&offers)? {
+            Some((n, note)) => {
+                live.exports.push(Running::Nbd(n));
+                note
+            }
+            None => String::new(),
+        };
+        if config.vhost_user.enabled {
+            let devices = offers.iter().filter(|o| o.vhost_user).map(|o| o.front.clone()).collect();
+            let v = VhostExport::start(&socket_dir(self.run_dir), devices).context("vhost-user export")?;
+            live.exports.push(Running::VhostUser(v));
+        }
+        if self.keeper != Keeper::None {
+            live.keep_config(self.kept.clone());
+        }
+        serving.control = Some(self.control(&live)?);
+        serving.metrics = match config.metrics.listen() {
+            Some(at) => Some(crate::metrics::Endpoint::start(&at, live.clone())?),
+            None => None,
+        };
+        self.announce(&serving, fuse_transport.as_deref(), &tls_note);
+        Ok(serving)
     }
 
-    let sup = Arc::new(Supervisor::start(&config, None)?);
-    let kept_fuse = kept.take_all("fuse");
-    let kept_fuse_state = kept.take_text("fuse-state");
-    let fuse = if config.fuse.enabled && !kept_fuse.is_empty() {
-        match FuseExport::adopt(&fuse_dir, sup.devices(), kept_fuse, kept_fuse_state.as_deref().unwrap_or("{}")) {
-            Ok(f) => Some(f),
-            Err(e) => {
-                sup.shutdown();
-                return Err(anyhow::Error::new(e).context("FUSE export (taking over the kept session)"));
-            }
+    /// The FUSE export, if it is on: the session a keeper holds taken over, or a new mount.
+    fn fuse(&self, sup: &Supervisor) -> anyhow::Result<Option<FuseExport>> {
+        let config = self.config;
+        if !config.fuse.enabled {
+            return Ok(None);
         }
-    } else if config.fuse.enabled {
-        let opts = FuseOptions {
-            threads: *config.fuse.threads.get_ref() as usize,
-            io_uring: match config.fuse.io_uring {
-                FuseUring::Auto => UringMode::Auto,
-                FuseUring::On => UringMode::On,
-                FuseUring::Off => UringMode::Off,
-            },
-            queue_depth: *config.fuse.queue_depth.get_ref() as usize,
-            kept: keeper != Keeper::None,
+        let fuse_dir = self.run_dir.join("fuse");
+        let kept_fuse = self.kept.take_all("fuse");
+        let kept_fuse_state = self.kept.take_text("fuse-state");
+        let f = if !kept_fuse.is_empty() {
+            FuseExport::adopt(&fuse_dir, sup.devices(), kept_fuse, kept_fuse_state.as_deref().unwrap_or("{}"))
+                .context("FUSE export (taking over the kept session)")?
+        } else {
+            let opts = FuseOptions {
+                threads: *config.fuse.threads.get_ref() as usize,
+                io_uring: match config.fuse.io_uring {
+                    FuseUring::Auto => UringMode::Auto,
+                    FuseUring::On => UringMode::On,
+                    FuseUring::Off => UringMode::Off,
+                },
+                queue_depth: *config.fuse.queue_depth.get_ref() as usize,
+                kept: self.keeper != Keeper::None,
+            };
+            FuseExport::mount_with(&fuse_dir, sup.devices(), opts).context("FUSE export (needs root and /dev/fuse)")?
         };
-        match FuseExport::mount_with(&fuse_dir, sup.devices(), opts) {
-            Ok(f) => Some(f),
-            Err(e) => {
-                sup.shutdown();
-                return Err(anyhow::Error::new(e).context("FUSE export (needs root and /dev/fuse)"));
-            }
-        }
-    } else {
-        None
-    };
-    if let Some(f) = &fuse {
-        kept.keep_fds("fuse", &f.session_fds());
-        let k = kept.clone();
+        self.kept.keep_fds("fuse", &f.session_fds());
+        let k = self.kept.clone();
         f.keep_state(move |state| k.keep_text("fuse-state", &state));
+        Ok(Some(f))
     }
-    let mut tls_note = String::new();
-    let nbd = if config.nbd.enabled {
+
+    /// The NBD export, if it is on, with how it offers TLS, in words for the log.
+    fn nbd(&self, offers: &[Offer]) -> anyhow::Result<Option<(NbdServer, String)>> {
         use bulkhead_nbd_export::tls::{Tls, TlsMode};
+        let config = self.config;
+        if !config.nbd.enabled {
+            return Ok(None);
+        }
         let mode = match config.nbd.tls.get_ref() {
             bulkhead_config::NbdTls::Off => None,
             bulkhead_config::NbdTls::On => Some(TlsMode::On),
@@ -228,206 +376,89 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCod
             }
             (Some(mode), None, Some(file)) => Some(Tls::load_psk(file.get_ref(), mode).map_err(|e| ("tls_psk", e))),
         };
-        let tls = match loaded.transpose() {
-            Ok(t) => t,
-            Err((key, e)) => {
-                drop(fuse);
-                sup.shutdown();
-                return Err(anyhow::anyhow!("NBD export: key `nbd.{key}`: {e}"));
+        let tls = loaded.transpose().map_err(|(key, e)| anyhow::anyhow!("NBD export: key `nbd.{key}`: {e}"))?;
+        let tls_note = match &tls {
+            Some(t) => {
+                let when = if t.mode == TlsMode::Require { "required of TCP clients" } else { "offered" };
+                format!("; TLS with {} {when}", t.kind())
             }
+            None => String::new(),
         };
-        if let Some(t) = &tls {
-            let when = if t.mode == TlsMode::Require { "required of TCP clients" } else { "offered" };
-            tls_note = format!("; TLS with {} {when}", t.kind());
-        }
         let cfg = ServerConfig {
-            unix: Some(socket_path(&run_dir)),
+            unix: Some(socket_path(self.run_dir)),
             tcp: config.nbd.tcp.as_ref().map(|t| t.get_ref().clone()),
             max_connections: *config.nbd.max_connections.get_ref() as usize,
             workers_per_connection: *config.nbd.workers.get_ref() as usize,
             handshake_timeout: std::time::Duration::from_millis(*config.nbd.handshake_timeout_ms.get_ref()),
             request_timeout: std::time::Duration::from_millis(*config.nbd.request_timeout_ms.get_ref()),
-            allow: config
-                .devices
-                .iter()
-                .flat_map(|d| {
-                    let own = bulkhead_config::allow_list(&d.nbd_allow).map(|a| (d.name.get_ref().clone(), a));
-                    let views = d
-                        .views
-                        .iter()
-                        .filter_map(|v| bulkhead_config::allow_list(&v.nbd_allow).map(|a| (v.name.get_ref().clone(), a)));
-                    own.into_iter().chain(views)
-                })
-                .collect(),
             tls,
         };
-        let adopted = Listeners { unix: kept.take_all("nbd-unix").pop(), tcp: kept.take_all("nbd-tcp").pop() };
-        match NbdServer::start_with(sup.devices(), cfg, adopted) {
-            Ok(n) => {
-                match n.listeners() {
-                    Ok(l) => {
-                        for (name, fd) in [("nbd-unix", l.unix), ("nbd-tcp", l.tcp)] {
-                            if let Some(fd) = fd {
-                                kept.keep_fds(name, &[fd.as_fd()]);
-                            }
-                        }
+        let exports = offers.iter().map(|o| bulkhead_nbd_export::Export::new(o.front.clone(), o.reach.clone())).collect();
+        let adopted = Listeners { unix: self.kept.take_all("nbd-unix").pop(), tcp: self.kept.take_all("nbd-tcp").pop() };
+        let n = NbdServer::start_with(exports, cfg, adopted).context("NBD export")?;
+        match n.listeners() {
+            Ok(l) => {
+                for (name, fd) in [("nbd-unix", l.unix), ("nbd-tcp", l.tcp)] {
+                    if let Some(fd) = fd {
+                        self.kept.keep_fds(name, &[fd.as_fd()]);
                     }
-                    Err(e) => log::warn!("cannot keep the NBD listening sockets: {e}"),
                 }
-                Some(n)
             }
-            Err(e) => {
-                drop(fuse);
-                sup.shutdown();
-                return Err(anyhow::Error::new(e).context("NBD export"));
-            }
+            Err(e) => log::warn!("cannot keep the NBD listening sockets: {e}"),
         }
-    } else {
-        None
-    };
-    let vhost = if config.vhost_user.enabled {
-        let devices = sup.devices().into_iter().filter(|d| config.vhost_user_exports(d.name())).collect();
-        match VhostExport::start(&socket_dir(&run_dir), devices) {
-            Ok(v) => Some(Arc::new(v)),
-            Err(e) => {
-                drop(nbd);
-                drop(fuse);
-                sup.shutdown();
-                return Err(anyhow::Error::new(e).context("vhost-user export"));
-            }
-        }
-    } else {
-        None
-    };
-    let access = match &config.control.group {
-        None => Ok(Access::owner_only()),
-        Some(g) => Access::with_group(g.get_ref()).map_err(|e| anyhow::anyhow!("key `control.group`: {e}")),
-    };
-    let fuse_on = fuse.is_some();
-    let fuse_status = fuse.as_ref().map(|f| crate::api::fuse_status(f.transport()));
-    let invalidate = fuse.as_ref().map(|f| Box::new(f.invalidator()) as Box<crate::api::Invalidate>);
-    let live = Arc::new(Live::new(
-        sup.clone(),
-        Exports { fuse: Mutex::new(fuse), nbd: Mutex::new(nbd), vhost: vhost.clone() },
-        config.clone(),
-        config_path.map(|p| p.canonicalize().unwrap_or_else(|_| p.to_path_buf())),
-    ));
-    if keeper != Keeper::None {
-        live.keep_config(kept.clone());
+        Ok(Some((n, tls_note)))
     }
-    let api = Arc::new(ServeApi {
-        sup: sup.clone(),
-        fuse: fuse_status,
-        vhost: vhost.clone(),
-        invalidate,
-        live: live.clone(),
-        keeper,
-        fell_back: fell_back.clone(),
-    });
-    let attacher = sup.clone();
-    let control = access.and_then(|access| {
+
+    /// The control socket, answering through `live`.
+    fn control(&self, live: &Arc<Live>) -> anyhow::Result<ControlServer> {
+        let access = match &self.config.control.group {
+            None => Access::owner_only(),
+            Some(g) => Access::with_group(g.get_ref()).map_err(|e| anyhow::anyhow!("key `control.group`: {e}"))?,
+        };
+        let api = Arc::new(ServeApi { live: live.clone(), keeper: self.keeper, fell_back: self.fell_back.clone() });
+        let attacher = live.sup.clone();
         ControlServer::start(
-            &bulkhead_control::socket_path(&run_dir),
+            &bulkhead_control::socket_path(self.run_dir),
             access,
             api,
             Some(Arc::new(move |conn, req| attacher.attach_session(conn, req))),
         )
-        .with_context(|| format!("cannot bind {}", run_dir.join("control.sock").display()))
-    });
-    let mut control = match control {
-        Ok(c) => c,
-        Err(e) => {
-            live.stop_exports();
-            sup.shutdown();
-            return Err(e);
-        }
-    };
+        .with_context(|| format!("cannot bind {}", self.run_dir.join("control.sock").display()))
+    }
 
-    let metrics = match config.metrics.listen() {
-        Some(at) => match crate::metrics::Endpoint::start(&at, live.clone()) {
-            Ok(m) => Some(m),
-            Err(e) => {
-                control.stop();
-                live.stop_exports();
-                sup.shutdown();
-                return Err(e);
-            }
-        },
-        None => None,
-    };
-    for d in sup.status().devices {
-        let at = if fuse_on { format!(" at {}", fuse_dir.join(&d.name).display()) } else { String::new() };
-        log::info!(
-            "serving {} ({} {}, {} notification, driver pid {}){at}",
-            d.name,
-            human(d.size_bytes),
-            d.backend,
-            d.mode,
-            d.driver_pid
-        );
-    }
-    if let Some(f) = lock(&live.exports.fuse).as_ref() {
-        log::info!("FUSE export at {} over {}", fuse_dir.display(), f.transport());
-    }
-    if lock(&live.exports.nbd).is_some() {
-        let tcp = config.nbd.tcp.as_ref().map(|t| format!(" and TCP {}", t.get_ref())).unwrap_or_default();
-        log::info!("NBD export on {}{tcp} (export name = device name){tls_note}", socket_path(&run_dir).display());
-    }
-    if let Some(v) = &vhost {
-        let n = v.status().len();
-        log::info!("vhost-user-blk export of {n} device{} in {}", if n == 1 { "" } else { "s" }, socket_dir(&run_dir).display());
-    }
-    if let Some(m) = &metrics {
-        log::info!("metrics at {}", m.address);
-    }
-    log::info!("control socket {}; reload with SIGHUP, stop with SIGINT or SIGTERM", run_dir.join("control.sock").display());
-    crate::notify::ready(&sup);
-    let watchdog = crate::notify::Watchdog::start(sup.clone());
-
-    let sig = loop {
-        match signals.forever().next().unwrap_or(SIGTERM) {
-            SIGUSR2 if UPGRADE.load(Ordering::Acquire) => break SIGUSR2,
-            SIGUSR2 => {}
-            SIGHUP => {
-                log::info!("SIGHUP received; reloading the configuration");
-                crate::notify::reloading();
-                match live.reload() {
-                    Ok(r) => log::info!("reload applied: added {:?}, removed {:?}, changed {:?}", r.added, r.removed, r.changed),
-                    Err(e) => log::warn!("reload refused: {}", e.message),
-                }
-                crate::notify::ready(&sup);
-            }
-            sig => break sig,
+    /// Says in the log what serves where.
+    fn announce(&self, serving: &Serving, fuse: Option<&str>, tls_note: &str) {
+        let (config, run_dir) = (self.config, self.run_dir);
+        let fuse_dir = run_dir.join("fuse");
+        for d in serving.sup().status().devices {
+            let at = if fuse.is_some() { format!(" at {}", fuse_dir.join(&d.name).display()) } else { String::new() };
+            log::info!(
+                "serving {} ({} {}, {} notification, driver pid {}){at}",
+                d.name,
+                human(d.size_bytes),
+                d.backend,
+                d.mode,
+                d.driver_pid
+            );
         }
-    };
-    if sig == SIGUSR2 {
-        // An upgrade: everything the keeper holds stays as it is for the next serve.
-        log::info!("handing over to a new serve ({} holds the descriptors)", keeper.name());
-        kept.hand_over();
-        drop(watchdog);
-        control.stop();
-        drop(metrics);
-        live.release_exports();
-        sup.shutdown();
-        run_lock.remove = false;
-        drop(run_lock);
-        log::info!("handed over");
-        return Ok(ExitCode::SUCCESS);
+        if let Some(f) = &fuse {
+            log::info!("FUSE export at {} over {f}", fuse_dir.display());
+        }
+        if config.nbd.enabled {
+            let tcp = config.nbd.tcp.as_ref().map(|t| format!(" and TCP {}", t.get_ref())).unwrap_or_default();
+            log::info!("NBD export on {}{tcp} (export name = device name){tls_note}", socket_path(run_dir).display());
+        }
+        if let Some(v) = serving.live.exports.vhost_status() {
+            let n = v.len();
+            log::info!(
+                "vhost-user-blk export of {n} device{} in {}",
+                if n == 1 { "" } else { "s" },
+                socket_dir(run_dir).display()
+            );
+        }
+        if let Some(m) = &serving.metrics {
+            log::info!("metrics at {}", m.address);
+        }
+        log::info!("control socket {}; reload with SIGHUP, stop with SIGINT or SIGTERM", run_dir.join("control.sock").display());
     }
-    if keeper == Keeper::Own && std::os::unix::process::parent_id() != parent {
-        log::error!("the keeper (pid {parent}) has died: shutting down, since a crash could no longer be survived");
-    }
-    log::info!("{} received; shutting down", if sig == SIGINT { "SIGINT" } else { "SIGTERM" });
-    crate::notify::stopping();
-    drop(watchdog);
-    // Stop accepting: control first, then the exports (workers finish the request in hand;
-    // each guest's queues are drained before its session ends).
-    control.stop();
-    drop(metrics);
-    let clean = live.stop_exports();
-    // Flush every device and end the domains.
-    sup.shutdown();
-    drop(run_lock);
-    log::info!("stopped{}", if clean { "" } else { " (the FUSE mount was busy and was detached lazily)" });
-    Ok(ExitCode::SUCCESS)
 }

@@ -42,6 +42,17 @@ pub enum FuseError {
     /// FUSE over io_uring was required and is not available.
     #[error("FUSE over io_uring (fuse.io_uring = \"on\"): {0}")]
     Uring(String),
+    /// A file of that name is exported already.
+    #[error("the FUSE export has a file `{0}` already")]
+    NameTaken(String),
+    /// The file is open and its removal was not forced.
+    #[error("its FUSE file {} is open {opens} time(s) (a loop device, a mount on one, or a program)", path.display())]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// Opens not yet released.
+        opens: usize,
+    },
 }
 
 /// Whether to carry requests over io_uring.
@@ -389,25 +400,21 @@ impl FuseExport {
         &self.transport
     }
 
-    /// A handle that makes the kernel drop the cached pages of a device's file, by name:
-    /// after the device's contents changed under it (a snapshot revert), so files kept open
-    /// read the device again instead of their page cache.
-    pub fn invalidator(&self) -> impl Fn(&str) -> bool + Send + Sync + 'static {
-        let sh = self.shared.clone();
-        let notify = self.notify.clone();
-        move |name: &str| {
-            let Some(nodeid) = sh.lookup(name.as_bytes()) else { return false };
-            inval_inode(&notify, nodeid);
-            true
-        }
+    /// Makes the kernel drop the cached pages of device `name`'s file, after the device's
+    /// contents changed under it (a snapshot revert), so files kept open read the device again
+    /// instead of their page cache. Returns whether there is such a file.
+    pub fn invalidate(&self, name: &str) -> bool {
+        let Some(nodeid) = self.shared.lookup(name.as_bytes()) else { return false };
+        inval_inode(&self.notify, nodeid);
+        true
     }
 
     /// Adds a file for `dev`. Refused if a file of that name is there.
-    pub fn add(&self, dev: Arc<Device>) -> Result<(), String> {
+    pub fn add(&self, dev: Arc<Device>) -> Result<(), FuseError> {
         let name = dev.name().to_string();
         self.shared.change(|t| {
             if t.iter().flatten().any(|n| n.dev.name() == name) {
-                return Err(format!("the FUSE export has a file `{name}` already"));
+                return Err(FuseError::NameTaken(name.clone()));
             }
             t.push(Some(Arc::new(Node { dev, opens: std::sync::atomic::AtomicUsize::new(0) })));
             Ok(())
@@ -425,28 +432,24 @@ impl FuseExport {
         self.shared.node(nodeid).map(|n| n.opens.load(Ordering::Acquire))
     }
 
-    /// Removes device `name`'s file. Refused while it is open unless `force`: the users'
-    /// requests then fail with EIO. Returns whether there was such a file.
-    pub fn remove(&self, name: &str, force: bool) -> Result<bool, String> {
+    /// Removes device `name`'s file and hands its device back (`None`: there was no such
+    /// file). Refused while it is open unless `force`: the users' requests then fail with EIO.
+    pub fn remove(&self, name: &str, force: bool) -> Result<Option<Arc<Device>>, FuseError> {
         let removed = self.shared.change(|t| {
             let Some(i) = t.iter().position(|n| n.as_ref().is_some_and(|n| n.dev.name() == name)) else {
                 return Ok(None);
             };
             let opens = t[i].as_ref().map_or(0, |n| n.opens.load(Ordering::Acquire));
             if opens > 0 && !force {
-                return Err(format!(
-                    "its FUSE file {} is open {opens} time(s) (a loop device, a mount on one, or a program)",
-                    self.mountpoint.join(name).display()
-                ));
+                return Err(FuseError::Open { path: self.mountpoint.join(name), opens });
             }
-            t[i] = None;
-            Ok(Some(i as u64 + 2))
+            Ok(t[i].take().map(|node| (i as u64 + 2, node.dev.clone())))
         })?;
-        let Some(nodeid) = removed else { return Ok(false) };
+        let Some((nodeid, dev)) = removed else { return Ok(None) };
         self.shared.save();
         inval_entry(&self.notify, name.as_bytes());
         inval_inode(&self.notify, nodeid);
-        Ok(true)
+        Ok(Some(dev))
     }
 
     /// The mount point.

@@ -171,7 +171,7 @@ fn psk_context(keys: HashMap<Vec<u8>, Vec<u8>>) -> Result<SslContext, openssl::e
         }
         _ => {
             let who = identity.map(String::from_utf8_lossy).unwrap_or_default();
-            if let Some(held) = crate::server::CLIENT_LOG.allow() {
+            if let Some(held) = crate::peer::CLIENT_LOG.allow() {
                 log::info!(
                     "nbd client: TLS: no pre-shared key for identity `{}`{}",
                     who.escape_debug(),
@@ -205,7 +205,7 @@ pub(crate) fn relay(sock: Arc<OwnedFd>, tls: &Tls) -> io::Result<OwnedFd> {
     set_nonblocking(&*sock)?;
     std::thread::Builder::new().name("nbd-tls".into()).spawn(move || {
         if let Err(e) = pump(&sock, ours, conn) {
-            if let Some(held) = crate::server::CLIENT_LOG.allow() {
+            if let Some(held) = crate::peer::CLIENT_LOG.allow() {
                 log::info!("nbd client: TLS: {e}{}", bulkhead_sys::LogLimit::held_note(held));
             }
         }

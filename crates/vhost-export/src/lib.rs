@@ -24,4 +24,4 @@ mod server;
 pub mod virtq;
 mod worker;
 
-pub use server::{serve_frontend, socket_dir, socket_path, ExportStatus, QueueStatus, VhostExport};
+pub use server::{serve_frontend, socket_dir, socket_path, ExportStatus, QueueStatus, VhostError, VhostExport};

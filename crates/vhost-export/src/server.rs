@@ -67,10 +67,38 @@ pub struct VhostExport {
     acceptor: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// Why a device could not be exported or taken out of the export.
+#[derive(Debug, thiserror::Error)]
+pub enum VhostError {
+    /// A device of that name is exported already.
+    #[error("the vhost-user export has `{0}` already")]
+    NameTaken(String),
+    /// A virtual machine is connected and the removal was not forced.
+    #[error("a virtual machine is connected to its vhost-user socket {}", path.display())]
+    Connected {
+        /// The device's socket.
+        path: PathBuf,
+    },
+    /// The socket could not be made.
+    #[error("{what} {}: {source}", path.display())]
+    Socket {
+        /// What was being done.
+        what: &'static str,
+        /// The socket's path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The export's own machinery (its epoll, its thread) failed.
+    #[error("vhost-user export: {0}")]
+    Io(#[from] io::Error),
+}
+
 impl VhostExport {
     /// Binds a socket for each of `devices` in `dir` (created if missing; stale sockets of an
     /// earlier `serve` are replaced) and starts accepting.
-    pub fn start(dir: &Path, devices: Vec<Arc<Device>>) -> io::Result<VhostExport> {
+    pub fn start(dir: &Path, devices: Vec<Arc<Device>>) -> Result<VhostExport, VhostError> {
         std::fs::create_dir_all(dir)?;
         let stop = Arc::new(EventFd::new()?);
         let stopping = Arc::new(AtomicBool::new(false));
@@ -95,20 +123,22 @@ impl VhostExport {
     }
 
     /// Binds a socket for `dev` (replacing a stale one) and accepts on it.
-    pub fn add(&self, dev: Arc<Device>) -> io::Result<()> {
+    pub fn add(&self, dev: Arc<Device>) -> Result<(), VhostError> {
         let name = dev.name().to_string();
         let mut exports = self.exports.lock().unwrap_or_else(|p| p.into_inner());
         if exports.values().any(|e| e.name == name) {
-            return Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("the vhost-user export has `{name}` already")));
+            return Err(VhostError::NameTaken(name));
         }
         let path = self.dir.join(format!("{name}.sock"));
         match std::fs::remove_file(&path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io::Error::new(e.kind(), format!("cannot replace {}: {e}", path.display()))),
+            Err(source) => return Err(VhostError::Socket { what: "cannot replace", path, source }),
         }
-        let listener =
-            UnixListener::bind(&path).map_err(|e| io::Error::new(e.kind(), format!("cannot bind {}: {e}", path.display())))?;
+        let listener = match UnixListener::bind(&path) {
+            Ok(l) => l,
+            Err(source) => return Err(VhostError::Socket { what: "cannot bind", path, source }),
+        };
         listener.set_nonblocking(true)?;
         let token = self.next.fetch_add(1, Ordering::Relaxed);
         let e = Arc::new(Exported {
@@ -123,7 +153,7 @@ impl VhostExport {
         });
         if let Err(err) = self.epoll.add(e.listener.as_fd(), token) {
             let _ = std::fs::remove_file(&e.path);
-            return Err(err);
+            return Err(err.into());
         }
         exports.insert(token, e);
         Ok(())
@@ -134,14 +164,14 @@ impl VhostExport {
         self.exports.lock().unwrap_or_else(|p| p.into_inner()).values().any(|e| e.name == name && e.connected())
     }
 
-    /// Stops exporting device `name`: its socket goes. Refused while a frontend is connected
-    /// unless `force`, which disconnects it (its queues drained first). Returns whether the
-    /// device was exported.
-    pub fn remove(&self, name: &str, force: bool) -> Result<bool, String> {
+    /// Stops exporting device `name`: its socket goes, and the device is handed back (`None`:
+    /// it was not exported). Refused while a frontend is connected unless `force`, which
+    /// disconnects it (its queues drained first).
+    pub fn remove(&self, name: &str, force: bool) -> Result<Option<Arc<Device>>, VhostError> {
         let mut exports = self.exports.lock().unwrap_or_else(|p| p.into_inner());
-        let Some((&token, e)) = exports.iter().find(|(_, e)| e.name == name) else { return Ok(false) };
+        let Some((&token, e)) = exports.iter().find(|(_, e)| e.name == name) else { return Ok(None) };
         if e.connected() && !force {
-            return Err(format!("a virtual machine is connected to its vhost-user socket {}", e.path.display()));
+            return Err(VhostError::Connected { path: e.path.clone() });
         }
         let _ = self.epoll.delete(e.listener.as_fd());
         let e = exports.remove(&token).expect("found above");
@@ -156,7 +186,7 @@ impl VhostExport {
             let _ = c.thread.join();
         }
         let _ = std::fs::remove_file(&e.path);
-        Ok(true)
+        Ok(Some(e.dev.clone()))
     }
 
     /// Each exported device's connection and counters.
