@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use bulkhead_guard::{Act, Guard, Mechanism, Mode, PAGE};
 
-use crate::table::Table;
+use crate::Table;
 
 /// What to run.
 #[derive(Debug, Clone)]

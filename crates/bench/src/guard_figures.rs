@@ -170,7 +170,7 @@ pub fn svg(f: &Figures) -> String {
     }
     if let Some(r) = &f.isolation {
         let mut lines = vec![isolation_series(r, None, false)];
-        lines.extend(guard_isolation::TARGETS.iter().map(|t| isolation_series(r, Some(t.as_str()), false)));
+        lines.extend(guard_isolation::TARGETS.iter().map(|t| isolation_series(r, Some(t), false)));
         // Last, so that it is drawn over the plain lines it meets at 100%.
         if r.rows.iter().any(|row| row.keys) {
             lines.push(isolation_series(r, None, true));

@@ -18,7 +18,6 @@
 use crate::BenchError;
 use std::path::PathBuf;
 
-use bulkhead_testkit::inject::InjectTarget;
 use serde::Serialize;
 
 use crate::guard_filters::Setting;
@@ -80,7 +79,7 @@ impl Options {
 pub const EVERY: u64 = 200;
 
 /// Where the faults aim, in turn.
-pub const TARGETS: [InjectTarget; 4] = [InjectTarget::Ring, InjectTarget::Heap, InjectTarget::Filter, InjectTarget::Freed];
+pub const TARGETS: [&str; 4] = ["ring", "heap", "filter", "freed"];
 
 /// Faults counted by what the memory showed.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -173,7 +172,7 @@ pub fn render(r: &Report) -> String {
         t.render()
     );
     let mut names: Vec<&str> = vec!["guard", "C", "keys"];
-    names.extend(TARGETS.iter().map(|t| t.as_str()));
+    names.extend(TARGETS);
     names.extend(r.filters.iter().map(String::as_str));
     let mut t = Table::new(&names);
     for row in &r.rows {

@@ -1,4 +1,4 @@
-//! Benchmarks behind `bulkhead bench`.
+//! The benchmarks of `bulkhead-bench` (and `bulkhead bench`, which hands over to it).
 //!
 //! Each benchmark runs the real pieces: the channel benchmark execs a real driver domain
 //! (`bulkhead driver`) with a `ram` backend and drives it from this process; the fileio benchmark
@@ -10,6 +10,9 @@
 
 pub mod channel;
 pub mod chaos;
+// The command line: its items are documented by the help text clap makes of their comments.
+#[allow(missing_docs)]
+pub mod cli;
 pub mod fileio;
 pub mod guard;
 pub mod guard_figures;
@@ -28,12 +31,11 @@ pub mod share_nbd;
 #[cfg(feature = "test-driver")]
 pub mod storm;
 pub mod surge;
-mod table;
 pub mod tap;
 pub mod vdev;
 pub mod vm;
 
-pub use table::Table;
+pub use bulkhead_control::table::Table;
 
 use std::path::{Path, PathBuf};
 

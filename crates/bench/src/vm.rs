@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use bulkhead_testkit::guest::{Disk, Kit, Outcome, Vm, VmOptions};
+use bulkhead_guest::{Disk, Kit, Outcome, Vm, VmOptions};
 use bulkhead_vhost_export::frontend::{Frontend, FrontendOptions};
 use serde::Serialize;
 

@@ -7,7 +7,7 @@
 #![deny(unsafe_code)]
 
 mod api;
-mod bench_cmd;
+mod bench;
 mod driver_cmd;
 mod exports;
 mod keeper;
@@ -25,9 +25,6 @@ mod vdev_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-
-/// How a benchmark command prints and what it asks of its user, for the test build's own.
-pub use bench_cmd::{emit, need_root};
 
 use bulkhead_control::{AddFilter, RemoveFilter, SetTap, SnapshotAction};
 
@@ -199,10 +196,13 @@ enum Cmd {
         #[command(subcommand)]
         which: VdevCmd,
     },
-    /// Benchmarks.
+    /// Benchmarks, against bulkhead's peers: runs `bulkhead-bench` (its own package) with
+    /// the arguments given, as `bulkhead-bench BENCHMARK …` would.
+    #[command(disable_help_flag = true)]
     Bench {
-        #[command(subcommand)]
-        which: bench_cmd::BenchCmd,
+        /// The benchmark and its arguments (`bulkhead-bench --help` lists them).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
     },
     /// Write the manual pages, generated from these definitions: `bulkhead.1` and one
     /// `bulkhead-COMMAND.1` per command.
@@ -358,7 +358,8 @@ fn man_pages(out: &std::path::Path) -> anyhow::Result<ExitCode> {
         clap_mangen::Man::new(cmd).render(&mut page)?;
         std::fs::write(&path, page).with_context(|| format!("cannot write {}", path.display()))
     };
-    for sub in top.get_subcommands().filter(|c| !c.is_hide_set()) {
+    // `bench` hands over to `bulkhead-bench`, whose own package has its pages.
+    for sub in top.get_subcommands().filter(|c| !c.is_hide_set() && c.get_name() != "bench") {
         let name = format!("bulkhead-{}", sub.get_name());
         write(&name, sub.clone().name(name.clone()))?;
     }
@@ -409,7 +410,7 @@ pub fn run() -> ExitCode {
         Cmd::Config { op: ConfigOp::Dump, run_dir } => status::dump_config(&run_dir),
         Cmd::Reload { run_dir } => status::reload(&run_dir),
         Cmd::Upgrade { run_dir, timeout } => status::upgrade(&run_dir, std::time::Duration::from_secs(timeout)),
-        Cmd::Bench { which } => bench_cmd::run(which),
+        Cmd::Bench { args } => bench::hand_over(&args),
         Cmd::Man { out } => man_pages(&out),
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "bulkhead", &mut std::io::stdout());

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use bulkhead_bench::Table;
+use bulkhead_control::table::Table;
 use bulkhead_diskmodel::sched::{Policy, Tuning};
 use bulkhead_diskmodel::sim::{self, Arrival, Outcome, Trace, Uniform, Workload};
 use bulkhead_diskmodel::{Access, Drive};

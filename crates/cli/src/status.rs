@@ -4,7 +4,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use bulkhead_bench::Table;
+use bulkhead_control::table::Table;
 use bulkhead_control::{Call, Changed, Client, FuseStatus, ListSnapshots, Restart, SetQos, Snapshot, SnapshotAction, Status};
 
 fn mib(kib: Option<u64>) -> String {

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use bulkhead_bench::Table;
+use bulkhead_control::table::Table;
 use bulkhead_filters::trace_summary::summarize;
 
 fn size(bytes: u64) -> String {

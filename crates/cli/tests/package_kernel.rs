@@ -31,10 +31,14 @@ fn the_package_holds_what_a_service_needs_and_serves_from_a_scratch_root() {
         .output()
         .unwrap();
     assert!(built.status.success(), "{}", String::from_utf8_lossy(&built.stderr));
-    let deb = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "deb"));
-    let deb = deb.expect("no .deb written");
-    let name = deb.file_name().unwrap().to_string_lossy().into_owned();
-    assert!(name.starts_with("bulkhead_") && name.ends_with(".deb"), "{name}");
+    let debs: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().path()).collect();
+    let named = |prefix: &str| {
+        debs.iter().find(|p| p.file_name().unwrap().to_string_lossy().starts_with(prefix)).cloned().unwrap_or_else(|| {
+            panic!("no {prefix}*.deb written: {debs:?}");
+        })
+    };
+    let deb = named("bulkhead_");
+    let bench_deb = named("bulkhead-bench_");
 
     // The control fields and the configuration kept across upgrades.
     let info = common::sh("dpkg-deb", &["-f", deb.to_str().unwrap()]);
@@ -64,6 +68,27 @@ fn the_package_holds_what_a_service_needs_and_serves_from_a_scratch_root() {
         assert!(root.join(path).is_file(), "{path} is not in the package");
     }
     assert!(!root.join("usr/bin/bulkhead-test-driver").exists(), "the test driver is never shipped");
+    assert!(!root.join("usr/bin/bulkhead-bench").exists(), "the benchmarks are a package of their own");
+
+    // The benchmarks' package: their program and pages, and a dependency on bulkhead itself.
+    let bench_info = common::sh("dpkg-deb", &["-f", bench_deb.to_str().unwrap()]);
+    assert!(bench_info.contains("Package: bulkhead-bench") && bench_info.contains("bulkhead (="), "{bench_info}");
+    let bench_root = tmp.path().join("bench-root");
+    common::sh("dpkg-deb", &["-x", bench_deb.to_str().unwrap(), bench_root.to_str().unwrap()]);
+    for path in ["usr/bin/bulkhead-bench", "usr/share/man/man1/bulkhead-bench.1.gz", "usr/share/man/man1/bulkhead-bench-vm.1.gz"]
+    {
+        assert!(bench_root.join(path).is_file(), "{path} is not in the benchmarks' package");
+    }
+    // Neither program holds the test kit: its hostile domain's forged log line is in neither
+    // (and is in the test build, which has it).
+    let forged: &[u8] = b"forged: restarted, all is well";
+    let holds = |bin: &Path| std::fs::read(bin).unwrap().windows(forged.len()).any(|w| w == forged);
+    for bin in [root.join("usr/bin/bulkhead"), bench_root.join("usr/bin/bulkhead-bench")] {
+        assert!(!holds(&bin), "{} holds the test kit", bin.display());
+    }
+    if let Some(test_driver) = Serve::test_driver() {
+        assert!(holds(test_driver), "the marker is not the test kit's");
+    }
     let unit = std::fs::read_to_string(root.join("usr/lib/systemd/system/bulkhead.service")).unwrap();
     assert!(unit.contains("ExecStart=/usr/bin/bulkhead serve --config /etc/bulkhead/bulkhead.toml --run-dir /run/bulkhead"));
     let bin = root.join("usr/bin/bulkhead");

@@ -9,7 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use bulkhead_testkit::guest::{Disk, Kit, Outcome, Vm, VmOptions};
+use bulkhead_guest::{Disk, Kit, Outcome, Vm, VmOptions};
 use bulkhead_testkit::require_kernel;
 use common::*;
 

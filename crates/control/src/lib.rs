@@ -26,6 +26,7 @@ mod calls;
 mod client;
 mod server;
 mod status;
+pub mod table;
 
 pub use calls::*;
 pub use client::{Client, ClientError};

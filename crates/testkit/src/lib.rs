@@ -9,7 +9,6 @@
 //!   driver that abuses its card at register level, then wedges.
 //! - `faults` (feature `faults`): the faults a guarded filter makes on purpose, which only
 //!   the test driver and `bench guard --isolation` make; [`inject`]: what they are to be.
-//! - [`guest`]: real Linux guests under QEMU, from a kit made of Debian packages.
 //! - [`memsearch`]: a driver domain's search of its own memory for a guest's secrets.
 //! - [`memdev`]: a device served in this process from memory, for the exports' fuzz targets.
 //! - [`pattern`]: deterministic bytes to write and check.
@@ -17,7 +16,7 @@
 
 #[cfg(feature = "faults")]
 pub mod faults;
-pub mod guest;
+
 pub mod hostile;
 pub mod hostile_vdev;
 pub mod inject;
@@ -25,7 +24,6 @@ pub mod kernel;
 pub mod memdev;
 pub mod memsearch;
 pub mod probe;
-
 /// A zeroed buffer of `len` bytes aligned to 4 KiB, what `O_DIRECT` needs: a slice of a vector
 /// 4 KiB longer.
 pub struct AlignedBuf {

@@ -303,6 +303,11 @@ fn tail(log: &OwnedFd) -> String {
 }
 
 /// One fault, in a child of its own.
+/// The fault target `name` in [`TARGETS`] stands for.
+fn target(name: &str) -> InjectTarget {
+    InjectTarget::ALL.iter().find(|(n, _)| *n == name).map(|(_, t)| *t).expect("a target of the test kit")
+}
+
 fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, BenchError> {
     let inject = InjectSpec { target, every: EVERY, seed };
     let parts = filter_parts(bed, GuardSpec { mode: setting.mode, keys: setting.keys })?;
@@ -386,7 +391,7 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
         let label = setting.label();
         progress(&format!("{label}: {} faults", opts.faults));
         let mut all = Count::default();
-        let mut by_target: Vec<(String, Count)> = TARGETS.iter().map(|t| (t.as_str().to_string(), Count::default())).collect();
+        let mut by_target: Vec<(String, Count)> = TARGETS.iter().map(|t| (t.to_string(), Count::default())).collect();
         let mut by_filter: Vec<(String, Count)> = beds.iter().map(|b| (b.name.to_string(), Count::default())).collect();
         let (mut disagreed, mut lost) = (0, 0);
         let started = Instant::now();
@@ -394,7 +399,7 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
             let bi = k as usize % beds.len();
             let ti = (k as usize / beds.len()) % TARGETS.len();
             let seed = 1 + ((si as u64) << 32 | k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            match one(&beds[bi], setting, TARGETS[ti], seed) {
+            match one(&beds[bi], setting, target(TARGETS[ti]), seed) {
                 Ok(r) => {
                     all.add(r.outcome);
                     by_target[ti].1.add(r.outcome);
@@ -404,7 +409,7 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
                 Err(e) => {
                     lost += 1;
                     if notes.len() < 20 {
-                        notes.push(format!("{label}, {} → {}: {e}", beds[bi].name, TARGETS[ti].as_str()));
+                        notes.push(format!("{label}, {} → {}: {e}", beds[bi].name, TARGETS[ti]));
                     }
                 }
             }

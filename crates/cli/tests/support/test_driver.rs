@@ -89,10 +89,10 @@ struct StormArgs {
 /// frontend's CPU and another device's 4 KiB read latency, alternated with rounds without it.
 fn storm(args: &[String]) -> anyhow::Result<ExitCode> {
     let a = StormArgs::parse_from(named("bulkhead-test-driver bench storm", args));
-    bulkhead_cli::need_root("bench storm runs serve with its FUSE export")?;
+    bulkhead_bench::cli::need_root("bench storm runs serve with its FUSE export")?;
     let opts = bulkhead_bench::storm::Options { seconds: a.seconds, rounds: a.rounds };
     let r = bulkhead_bench::storm::run(&std::env::current_exe()?, &opts, |p| eprintln!("bench storm: {p}"))?;
-    bulkhead_cli::emit(&r, a.json, bulkhead_bench::storm::render)
+    bulkhead_bench::cli::emit(&r, a.json, bulkhead_bench::storm::render)
 }
 
 /// `bench guard --isolation`'s options.
@@ -128,14 +128,14 @@ fn isolation(args: &[String]) -> anyhow::Result<ExitCode> {
     let settings = if a.settings.is_empty() { Setting::all(true) } else { a.settings };
     let opts = bulkhead_bench::guard_isolation::Options { faults: a.faults, scratch: a.scratch, settings };
     opts.check()?;
-    bulkhead_cli::need_root("bench guard --isolation uses userfaultfd on shared memory")?;
+    bulkhead_bench::cli::need_root("bench guard --isolation uses userfaultfd on shared memory")?;
     let isolation = bulkhead_bench::guard_isolation::run(&opts, |p| eprintln!("bench guard: {p}"))?;
     let figures = bulkhead_bench::guard_figures::Figures { filters: None, isolation: Some(isolation) };
     if let Some(p) = &a.plot {
         std::fs::write(p, bulkhead_bench::guard_figures::svg(&figures))?;
         eprintln!("bench guard: plot written to {}", p.display());
     }
-    bulkhead_cli::emit(&figures, a.json, bulkhead_bench::guard_figures::render)
+    bulkhead_bench::cli::emit(&figures, a.json, bulkhead_bench::guard_figures::render)
 }
 
 /// `args` (a subcommand and its options) with the subcommand called `name` in messages.

@@ -1,13 +1,13 @@
-//! `bulkhead bench …`: each benchmark's arguments, parsed (ranges by clap's own parsers,
-//! combinations by the benchmark's `Options::check`), run from `bulkhead-bench`, printed.
+//! The command line of `bulkhead-bench`: each benchmark's arguments, parsed (ranges by clap's
+//! own parsers, combinations by the benchmark's `Options::check`), run, and printed.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use crate::BenchError;
 use anyhow::Context;
-use bulkhead_bench::BenchError;
 use clap::builder::{PossibleValuesParser, RangedU64ValueParser};
 use clap::{Subcommand, ValueEnum};
 
@@ -229,15 +229,15 @@ pub enum BenchCmd {
     /// an SVG.
     Guard {
         /// Writes timed per measurement.
-        #[arg(long, default_value_t = 200_000, value_parser = count(bulkhead_bench::guard::PAGES_MIN as u64, 100_000_000))]
+        #[arg(long, default_value_t = 200_000, value_parser = count(crate::guard::PAGES_MIN as u64, 100_000_000))]
         writes: usize,
         /// Measure real filters under fio instead.
         #[arg(long)]
         filters: bool,
         /// With --filters: only these settings (comma-separated: `off`, `dwc`
         /// or a cache size C, each but `off` with `+keys` for protection keys), not all.
-        #[arg(long, value_delimiter = ',', value_parser = bulkhead_bench::guard_filters::Setting::parse)]
-        settings: Vec<bulkhead_bench::guard_filters::Setting>,
+        #[arg(long, value_delimiter = ',', value_parser = crate::guard_filters::Setting::parse)]
+        settings: Vec<crate::guard_filters::Setting>,
         /// With --filters: write the figures as an SVG here.
         #[arg(long)]
         plot: Option<PathBuf>,
@@ -293,8 +293,8 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 200, value_parser = count(1, 100_000))]
         rounds: usize,
         /// Image formats (comma-separated): raw, qcow2.
-        #[arg(long, value_delimiter = ',', default_value = "raw,qcow2", value_parser = bulkhead_bench::powercut::Format::parse)]
-        format: Vec<bulkhead_bench::powercut::Format>,
+        #[arg(long, value_delimiter = ',', default_value = "raw,qcow2", value_parser = crate::powercut::Format::parse)]
+        format: Vec<crate::powercut::Format>,
         /// Writer threads (one writes FUA, the others flush every 8 writes).
         #[arg(long, default_value_t = 3, value_parser = count(2, 16))]
         threads: usize,
@@ -361,15 +361,15 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 20, value_parser = count(1, 1000))]
         kills: usize,
         /// Parts to run (comma-separated): host, guest, restart.
-        #[arg(long, value_delimiter = ',', default_value = "host,guest,restart", value_parser = bulkhead_bench::vm::Part::parse)]
-        parts: Vec<bulkhead_bench::vm::Part>,
+        #[arg(long, value_delimiter = ',', default_value = "host,guest,restart", value_parser = crate::vm::Part::parse)]
+        parts: Vec<crate::vm::Part>,
         /// qemu-storage-daemon to compare with.
         #[arg(long, default_value = "qemu-storage-daemon")]
         qsd: PathBuf,
         /// How the host-side frontend waits: `call` (sleeps until the device calls, as a
         /// guest's driver whose vCPU halts) or `poll` (spins on the used ring).
-        #[arg(long, default_value = "call", value_parser = bulkhead_bench::vm::FrontendWait::parse)]
-        frontend: bulkhead_bench::vm::FrontendWait,
+        #[arg(long, default_value = "call", value_parser = crate::vm::FrontendWait::parse)]
+        frontend: crate::vm::FrontendWait,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -421,8 +421,8 @@ pub struct SurgeArgs {
     /// Schedulers (comma-separated): bulkhead's fcfs, satf, opt, deadline, cats; the kernel's
     /// mq-deadline, bfq, none.
     #[arg(long, value_delimiter = ',', default_value = "cats,deadline,fcfs,mq-deadline,bfq,none",
-          value_parser = bulkhead_bench::surge::Column::parse)]
-    schedulers: Vec<bulkhead_bench::surge::Column>,
+          value_parser = crate::surge::Column::parse)]
+    schedulers: Vec<crate::surge::Column>,
     /// Modes (comma-separated): direct (O_DIRECT), cached.
     #[arg(long, value_delimiter = ',', default_value = "direct,cached", value_parser = PossibleValuesParser::new(["direct", "cached"]))]
     modes: Vec<String>,
@@ -460,7 +460,7 @@ pub struct FileioArgs {
     #[arg(long)]
     quick: bool,
     /// Modes (comma-separated): rndrd, rndwr, rndrw, seqrd, seqwr, seqrewr.
-    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(bulkhead_bench::fileio::MODES))]
+    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(crate::fileio::MODES))]
     modes: Option<Vec<String>>,
     /// Thread counts (comma-separated).
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=256))]
@@ -472,7 +472,7 @@ pub struct FileioArgs {
     #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(["irq", "poll", "adaptive"]))]
     notify: Option<Vec<String>>,
     /// Peers (comma-separated): native, nbdkit, qsd, bindfs; `none` for none.
-    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(bulkhead_bench::fileio::PEERS.iter().copied().chain(["none"])))]
+    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(crate::fileio::PEERS.iter().copied().chain(["none"])))]
     peers: Option<Vec<String>>,
     /// Seconds per point.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=3600))]
@@ -505,37 +505,36 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
         BenchCmd::Channel { mode, json, seconds, samples, no_pin } => channel(mode, json, seconds, samples, !no_pin),
         BenchCmd::Tap { mode, bytes, requests, no_nbdkit, scratch, json } => {
             need_root("bench tap mounts FUSE exports")?;
-            let opts = bulkhead_bench::tap::Options { mode: mode.as_str().into(), bytes, requests, scratch, nbdkit: !no_nbdkit };
-            let r = bulkhead_bench::tap::run(&exe()?, &opts, |p| eprintln!("bench tap: {p}"))?;
-            emit(&r, json, bulkhead_bench::tap::render)
+            let opts = crate::tap::Options { mode: mode.as_str().into(), bytes, requests, scratch, nbdkit: !no_nbdkit };
+            let r = crate::tap::run(&exe()?, &opts, |p| eprintln!("bench tap: {p}"))?;
+            emit(&r, json, crate::tap::render)
         }
         BenchCmd::Share { mode, seconds, cap_seconds, noisy_caps, no_nbd, json } => {
-            let opts =
-                bulkhead_bench::share::Options { mode: mode.as_str().into(), seconds, cap_seconds, noisy_caps, nbd: !no_nbd };
-            let r = bulkhead_bench::share::run(&exe()?, &opts, |p| eprintln!("bench share: {p}"))?;
-            emit(&r, json, bulkhead_bench::share::render)
+            let opts = crate::share::Options { mode: mode.as_str().into(), seconds, cap_seconds, noisy_caps, nbd: !no_nbd };
+            let r = crate::share::run(&exe()?, &opts, |p| eprintln!("bench share: {p}"))?;
+            emit(&r, json, crate::share::render)
         }
         BenchCmd::Images { seconds, size, scratch, no_qsd, json } => {
             let stop = stop_on_signals()?;
-            let opts = bulkhead_bench::images::Options { seconds, size, scratch, qsd: !no_qsd };
-            let r = bulkhead_bench::images::run_bench(&exe()?, &opts, &stop, |p| eprintln!("bench images: {p}"))?;
-            emit(&r, json, bulkhead_bench::images::render)?;
+            let opts = crate::images::Options { seconds, size, scratch, qsd: !no_qsd };
+            let r = crate::images::run_bench(&exe()?, &opts, &stop, |p| eprintln!("bench images: {p}"))?;
+            emit(&r, json, crate::images::render)?;
             Ok(if r.interrupted { ExitCode::from(130) } else { ExitCode::SUCCESS })
         }
         BenchCmd::Fileio(args) => fileio(args),
         BenchCmd::Surge(args) => surge(args),
         BenchCmd::Restart { kills, threads, kill, upgrade, json, .. } if upgrade || kill == "serve" => {
             need_root("bench restart --kill serve and --upgrade run serve with its FUSE export")?;
-            let opts = bulkhead_bench::serve_restart::Options { rounds: kills, upgrade, threads };
-            let r = bulkhead_bench::serve_restart::run(&exe()?, &opts, |p| eprintln!("bench restart: {p}"))?;
-            emit(&r, json, bulkhead_bench::serve_restart::render)?;
+            let opts = crate::serve_restart::Options { rounds: kills, upgrade, threads };
+            let r = crate::serve_restart::run(&exe()?, &opts, |p| eprintln!("bench restart: {p}"))?;
+            emit(&r, json, crate::serve_restart::render)?;
             Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         BenchCmd::Restart { kills, mode, threads, tap, kill, json, .. } => {
-            let opts = bulkhead_bench::restart::Options { kills, mode: mode.as_str().into(), threads, tap, kill };
+            let opts = crate::restart::Options { kills, mode: mode.as_str().into(), threads, tap, kill };
             opts.check()?;
-            let r = bulkhead_bench::restart::run(&exe()?, &opts, |p| eprintln!("bench restart: {p}"))?;
-            emit(&r, json, bulkhead_bench::restart::render)?;
+            let r = crate::restart::run(&exe()?, &opts, |p| eprintln!("bench restart: {p}"))?;
+            emit(&r, json, crate::restart::render)?;
             Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
         BenchCmd::Guard { writes, filters, settings, plot, seconds, scratch, json } => {
@@ -543,9 +542,8 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
                 let which = GuardFigures { settings, plot, seconds, scratch };
                 guard_figures(which, json)
             } else {
-                let r =
-                    bulkhead_bench::guard::run(&bulkhead_bench::guard::Options { writes }, |p| eprintln!("bench guard: {p}"))?;
-                emit(&r, json, bulkhead_bench::guard::render)
+                let r = crate::guard::run(&crate::guard::Options { writes }, |p| eprintln!("bench guard: {p}"))?;
+                emit(&r, json, crate::guard::render)
             }
         }
         BenchCmd::Idle { devices, seconds, exe: other, json } => {
@@ -554,25 +552,25 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
                 Some(e) => e.canonicalize().with_context(|| format!("--exe {}", e.display()))?,
                 None => exe()?,
             };
-            let opts = bulkhead_bench::idle::Options { devices, seconds: seconds.into() };
-            let r = bulkhead_bench::idle::run(&exe, &opts, |p| eprintln!("bench idle: {p}"))?;
-            emit(&r, json, bulkhead_bench::idle::render)
+            let opts = crate::idle::Options { devices, seconds: seconds.into() };
+            let r = crate::idle::run(&exe, &opts, |p| eprintln!("bench idle: {p}"))?;
+            emit(&r, json, crate::idle::render)
         }
         BenchCmd::Overload { clients, depth, seconds, json } => {
             need_root("bench overload runs serve with its FUSE export")?;
-            let opts = bulkhead_bench::overload::Options { clients, depth, seconds: seconds as u64 };
-            let r = bulkhead_bench::overload::run(&exe()?, &opts, |p| eprintln!("bench overload: {p}"))?;
-            emit(&r, json, bulkhead_bench::overload::render)
+            let opts = crate::overload::Options { clients, depth, seconds: seconds as u64 };
+            let r = crate::overload::run(&exe()?, &opts, |p| eprintln!("bench overload: {p}"))?;
+            emit(&r, json, crate::overload::render)
         }
         BenchCmd::Powercut { rounds, format, threads, seed, json } => {
             need_root("bench powercut runs serve with its FUSE export")?;
             let seed = seed.unwrap_or_else(|| {
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
             });
-            let opts = bulkhead_bench::powercut::Options { rounds, formats: format, threads, seed };
-            let r = bulkhead_bench::powercut::run(&exe()?, &opts, |p| eprintln!("bench powercut: {p}"))?;
+            let opts = crate::powercut::Options { rounds, formats: format, threads, seed };
+            let r = crate::powercut::run(&exe()?, &opts, |p| eprintln!("bench powercut: {p}"))?;
             let lost = r.lost_anything();
-            let code = emit(&r, json, bulkhead_bench::powercut::render)?;
+            let code = emit(&r, json, crate::powercut::render)?;
             if lost {
                 anyhow::bail!("a power cut lost acknowledged data (above)");
             }
@@ -584,10 +582,10 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
             });
             let stop = stop_on_signals()?;
-            let opts = bulkhead_bench::chaos::Options { minutes, seed };
-            let r = bulkhead_bench::chaos::run_chaos(&exe()?, &opts, &stop, |p| eprintln!("bench chaos: {p}"))?;
+            let opts = crate::chaos::Options { minutes, seed };
+            let r = crate::chaos::run_chaos(&exe()?, &opts, &stop, |p| eprintln!("bench chaos: {p}"))?;
             let lost = r.lost_anything();
-            let code = emit(&r, json, bulkhead_bench::chaos::render)?;
+            let code = emit(&r, json, crate::chaos::render)?;
             if lost {
                 anyhow::bail!("the chaos run lost data or broke a device (above)");
             }
@@ -595,27 +593,68 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
         }
         BenchCmd::Vm { rounds, seconds, guest_seconds, kills, parts, qsd, frontend, json } => {
             need_root("bench vm runs serve, qemu-storage-daemon and QEMU guests")?;
-            let opts =
-                bulkhead_bench::vm::Options { rounds, seconds: seconds.into(), guest_seconds, kills, parts, qsd, frontend };
-            let r = bulkhead_bench::vm::run(&exe()?, &opts, |p| eprintln!("bench vm: {p}"))?;
-            emit(&r, json, bulkhead_bench::vm::render)
+            let opts = crate::vm::Options { rounds, seconds: seconds.into(), guest_seconds, kills, parts, qsd, frontend };
+            let r = crate::vm::run(&exe()?, &opts, |p| eprintln!("bench vm: {p}"))?;
+            emit(&r, json, crate::vm::render)
         }
         BenchCmd::Rbd { rounds, seconds, kills, image_mib, qsd, json } => {
             need_root("bench rbd starts a cluster in a network namespace")?;
-            let opts = bulkhead_bench::rbd::Options { rounds, seconds, kills, qsd, image_mib };
-            let r = bulkhead_bench::rbd::run(&exe()?, &opts, |p| eprintln!("bench rbd: {p}"))?;
-            emit(&r, json, bulkhead_bench::rbd::render)
+            let opts = crate::rbd::Options { rounds, seconds, kills, qsd, image_mib };
+            let r = crate::rbd::run(&exe()?, &opts, |p| eprintln!("bench rbd: {p}"))?;
+            emit(&r, json, crate::rbd::render)
         }
         BenchCmd::Vdev { seed, size, requests, seconds, writes, json } => {
-            let opts = bulkhead_bench::vdev::Options { seed, size, requests, seconds, writes };
-            let r = bulkhead_bench::vdev::run(&exe()?, &opts, |p| eprintln!("bench vdev: {p}"))?;
-            emit(&r, json, bulkhead_bench::vdev::render)
+            let opts = crate::vdev::Options { seed, size, requests, seconds, writes };
+            let r = crate::vdev::run(&exe()?, &opts, |p| eprintln!("bench vdev: {p}"))?;
+            emit(&r, json, crate::vdev::render)
         }
     }
 }
 
-fn exe() -> anyhow::Result<PathBuf> {
-    std::env::current_exe().context("cannot find this executable (the domains are exec'd from it)")
+/// The `bulkhead` the benchmarks run (its `serve`, and the domains it execs):
+/// `$BULKHEAD_EXE`, else the one beside this executable (as a package and a build install
+/// them), else the first on `PATH`.
+pub fn exe() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("BULKHEAD_EXE") {
+        let p = PathBuf::from(p);
+        return p.canonicalize().with_context(|| format!("BULKHEAD_EXE={}", p.display()));
+    }
+    let own = std::env::current_exe().context("cannot find this executable")?;
+    let beside = own.with_file_name("bulkhead");
+    if beside.is_file() {
+        return Ok(beside);
+    }
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("bulkhead"))
+        .find(|p| p.is_file());
+    on_path.ok_or_else(|| {
+        anyhow::anyhow!(
+            "the benchmarks run bulkhead itself: no `bulkhead` beside {} or on PATH (install the bulkhead package, \
+             build it with `cargo build --release -p bulkhead`, or name it with BULKHEAD_EXE)",
+            own.display()
+        )
+    })
+}
+
+/// Writes the manual page of `cmd` as `NAME.1` in `out`, and one of each command under it as
+/// `NAME-SUB.1`, all the way down; hidden commands are left out.
+pub fn man_pages(cmd: clap::Command, out: &std::path::Path) -> anyhow::Result<ExitCode> {
+    fn write(cmd: clap::Command, name: String, out: &std::path::Path) -> anyhow::Result<()> {
+        for sub in cmd.get_subcommands().filter(|c| !c.is_hide_set() && c.get_name() != "help") {
+            let sub_name = format!("{name}-{}", sub.get_name());
+            write(sub.clone().name(sub_name.clone()), sub_name, out)?;
+        }
+        let path = out.join(format!("{name}.1"));
+        let mut page = Vec::new();
+        clap_mangen::Man::new(cmd).render(&mut page)?;
+        std::fs::write(&path, page).with_context(|| format!("cannot write {}", path.display()))
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let name = cmd.get_name().to_string();
+    write(cmd, name, out)?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Refuses `what` unless run as root.
@@ -679,7 +718,7 @@ impl Progress {
 }
 
 fn surge(a: SurgeArgs) -> anyhow::Result<ExitCode> {
-    use bulkhead_bench::surge::{self, Mode};
+    use crate::surge::{self, Mode};
     use bulkhead_diskmodel::sched::Policy;
     let mut opts = surge::Options::default();
     let p = &mut opts.params;
@@ -704,7 +743,7 @@ fn surge(a: SurgeArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
-    use bulkhead_bench::fileio::{self, System};
+    use crate::fileio::{self, System};
     if let Some(run) = &a.from {
         return emit(&fileio::Report::load(run)?, a.json, fileio::Report::render);
     }
@@ -763,25 +802,25 @@ fn fileio(a: FileioArgs) -> anyhow::Result<ExitCode> {
 
 /// What `bench guard --filters` runs.
 struct GuardFigures {
-    settings: Vec<bulkhead_bench::guard_filters::Setting>,
+    settings: Vec<crate::guard_filters::Setting>,
     plot: Option<PathBuf>,
     seconds: u32,
     scratch: PathBuf,
 }
 
 fn guard_figures(w: GuardFigures, json: bool) -> anyhow::Result<ExitCode> {
-    use bulkhead_bench::guard_filters::Setting;
+    use crate::guard_filters::Setting;
     let settings = if w.settings.is_empty() { Setting::all(true) } else { w.settings };
-    let opts = bulkhead_bench::guard_filters::Options { seconds: w.seconds, scratch: w.scratch, settings };
+    let opts = crate::guard_filters::Options { seconds: w.seconds, scratch: w.scratch, settings };
     opts.check()?;
     need_root("bench guard --filters uses FUSE exports and userfaultfd on shared memory")?;
-    let filters = bulkhead_bench::guard_filters::run(&exe()?, &opts, |p| eprintln!("bench guard: {p}"))?;
-    let figures = bulkhead_bench::guard_figures::Figures { filters: Some(filters), isolation: None };
+    let filters = crate::guard_filters::run(&exe()?, &opts, |p| eprintln!("bench guard: {p}"))?;
+    let figures = crate::guard_figures::Figures { filters: Some(filters), isolation: None };
     if let Some(p) = &w.plot {
-        std::fs::write(p, bulkhead_bench::guard_figures::svg(&figures)).map_err(|e| BenchError::io(p, e))?;
+        std::fs::write(p, crate::guard_figures::svg(&figures)).map_err(|e| BenchError::io(p, e))?;
         eprintln!("bench guard: plot written to {}", p.display());
     }
-    emit(&figures, json, bulkhead_bench::guard_figures::render)
+    emit(&figures, json, crate::guard_figures::render)
 }
 
 fn channel(mode: ModeArg, json: bool, seconds: f64, samples: usize, pin: bool) -> anyhow::Result<ExitCode> {
@@ -792,7 +831,7 @@ fn channel(mode: ModeArg, json: bool, seconds: f64, samples: usize, pin: bool) -
         ModeArg::Adaptive => vec![NotifyMode::Adaptive],
         ModeArg::All => vec![NotifyMode::Irq, NotifyMode::Poll, NotifyMode::Adaptive],
     };
-    let opts = bulkhead_bench::channel::Options { modes, seconds, samples, pin };
-    let report = bulkhead_bench::channel::run(&exe()?, &opts, |p| eprintln!("bench channel: {p}"))?;
-    emit(&report, json, bulkhead_bench::channel::render)
+    let opts = crate::channel::Options { modes, seconds, samples, pin };
+    let report = crate::channel::run(&exe()?, &opts, |p| eprintln!("bench channel: {p}"))?;
+    emit(&report, json, crate::channel::render)
 }

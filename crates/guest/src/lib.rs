@@ -1,4 +1,4 @@
-//! Real Linux guests under QEMU (TCG) for the vhost-user tests and `bulkhead bench vm`.
+//! Real Linux guests under QEMU (TCG) for the vhost-user tests and `bulkhead-bench vm`.
 //!
 //! The kit (a kernel and a busybox initramfs made from Debian packages by
 //! `scripts/guest-kit.sh`) is built once and cached. Each guest gets the kit's initramfs
@@ -6,6 +6,7 @@
 //! checker as `/bin/guest-io`. The guest's serial console (kernel messages, the script's
 //! output, and its `dmesg` at the end) is collected line by line; [`Vm`] kills QEMU when
 //! dropped, so a failing test leaves no guest behind.
+#![deny(missing_docs)]
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

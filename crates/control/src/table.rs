@@ -1,4 +1,4 @@
-//! Plain text tables.
+//! Plain text tables, as `bulkhead status` prints replies and `bulkhead-bench` its reports.
 
 /// A table printed with aligned columns.
 #[derive(Debug, Default)]
