@@ -487,15 +487,7 @@ mod tests {
         std::fs::OpenOptions::new().read(true).write(write).open(p).unwrap().into()
     }
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
+    use bulkhead_rng::Rng;
 
     /// Random reads, writes (whole and partial clusters, across cluster ends), write-zeroes,
     /// discards and flushes on a qcow2 image over a raw backing file full of a pattern, checked
@@ -524,15 +516,15 @@ mod tests {
         assert_eq!(q.size(), SIZE);
         let mfd = memfd::create("buf", 4 << 20).unwrap();
         let m = ShMapping::new(mfd.as_raw_fd(), 4 << 20, Protection::ReadWrite).unwrap();
-        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        let mut rng = Rng::new(0x2545_f491_4f6c_dd1d);
         for round in 0..3000 {
-            let len = match rng.next() % 4 {
-                0 => 512 * (1 + rng.next() % 8),
-                1 => 4096 * (1 + rng.next() % 32),
-                2 => 65536 * (1 + rng.next() % 8),
-                _ => 512 * (1 + rng.next() % 4096),
+            let len = match rng.next_u64() % 4 {
+                0 => 512 * (1 + rng.next_u64() % 8),
+                1 => 4096 * (1 + rng.next_u64() % 32),
+                2 => 65536 * (1 + rng.next_u64() % 8),
+                _ => 512 * (1 + rng.next_u64() % 4096),
             };
-            let offset = (rng.next() % ((SIZE - len) / 512 + 1)) * 512;
+            let offset = (rng.next_u64() % ((SIZE - len) / 512 + 1)) * 512;
             // Two windows, so a request spans slices as the channel hands them over.
             let split = (len / 2) & !511;
             let w1 = m.slice(0, split as usize).unwrap();
@@ -543,10 +535,10 @@ mod tests {
             }
             bufs.push(w2);
             let (o, l) = (offset as usize, len as usize);
-            let req = match rng.next() % 10 {
+            let req = match rng.next_u64() % 10 {
                 0..=3 => Request::Read { offset, into: bufs },
                 4..=6 => {
-                    let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                    let data: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
                     if split > 0 {
                         w1.copy_from(&data[..split as usize]).unwrap();
                     }
@@ -654,13 +646,14 @@ mod tests {
         let mfd = memfd::create("buf", 1 << 20).unwrap();
         let m = ShMapping::new(mfd.as_raw_fd(), 1 << 20, Protection::ReadWrite).unwrap();
         let w = m.slice(0, 1 << 20).unwrap();
-        let mut rng = Rng(0x1234_5678_9abc_def1);
+        let mut rng = Rng::new(0x1234_5678_9abc_def1);
         let (mut refused, mut served) = (0, 0);
         for round in 0..1000 {
             let mut bytes = pristine.clone();
-            for _ in 0..1 + rng.next() % 6 {
-                let at = rng.next() as usize % meta_end;
-                bytes[at] = if rng.next().is_multiple_of(2) { rng.next() as u8 } else { bytes[at] ^ (1 << (rng.next() % 8)) };
+            for _ in 0..1 + rng.next_u64() % 6 {
+                let at = rng.next_u64() as usize % meta_end;
+                bytes[at] =
+                    if rng.next_u64().is_multiple_of(2) { rng.next_u64() as u8 } else { bytes[at] ^ (1 << (rng.next_u64() % 8)) };
             }
             let path = d.0.join(format!("bad{round}.qcow2"));
             std::fs::write(&path, &bytes).unwrap();

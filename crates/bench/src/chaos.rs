@@ -37,7 +37,8 @@ use bulkhead_control::DeviceState;
 use serde::Serialize;
 
 use crate::fileio::{run, which, Procs, Undo};
-use crate::{quantile, serve_status, BenchError, BenchServe, Rng, Table};
+use crate::{millis, quantile, serve_status, BenchError, BenchServe, Table};
+use bulkhead_rng::Rng;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -402,7 +403,7 @@ fn chaos_in(
     std::thread::sleep(Duration::from_secs(3));
     let mut report = Report { seed: opts.seed, rss_start_mib: rss_mib(&control), ..Default::default() };
     let mut outages = Vec::new();
-    let mut rng = Rng(opts.seed | 1);
+    let mut rng = Rng::new(opts.seed);
     let started = Instant::now();
     // Faults stop a little before fio does, so that every fault's outage ends under the load.
     let until = started + Duration::from_secs(seconds.saturating_sub(5).max(1));
@@ -430,18 +431,18 @@ fn chaos_in(
                 libc::SIGSTOP,
                 STOP_DRIVER,
             ),
-            12..=13 => faults.filter_add_remove("qcow0", rng.millis(50, 500)),
+            12..=13 => faults.filter_add_remove("qcow0", millis(&mut rng, 50, 500)),
             14..=15 => faults.tap_switch("file0"),
             16..=17 => {
                 snapshots += 1;
                 faults.snapshot("sec0", snapshots);
             }
-            _ => faults.remote_restart(rng.millis(50, 500)),
+            _ => faults.remote_restart(millis(&mut rng, 50, 500)),
         }
         if faults.report.fault_errors.len() >= 5 {
             break;
         }
-        std::thread::sleep(rng.millis(0, 200));
+        std::thread::sleep(millis(&mut rng, 0, 200));
         if rss_warm.is_none() && Instant::now() >= warmed {
             rss_warm = Some(rss_mib(&control));
         }

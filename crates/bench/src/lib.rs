@@ -117,26 +117,15 @@ impl Drop for Aligned {
     }
 }
 
-/// A small deterministic generator (xorshift), for a benchmark's random choices.
-pub(crate) struct Rng(pub(crate) u64);
+/// An endless sequence of random numbers from `seed`: the same `seed`, the same numbers.
+pub(crate) fn random(seed: u64) -> impl Iterator<Item = u64> {
+    let mut rng = bulkhead_rng::Rng::new(seed);
+    std::iter::repeat_with(move || rng.next_u64())
+}
 
-impl Rng {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Below `n` (0 when `n` is 0).
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    /// A duration from `from` to `to` ms.
-    pub(crate) fn millis(&mut self, from: u64, to: u64) -> std::time::Duration {
-        std::time::Duration::from_millis(from + self.below(to - from + 1))
-    }
+/// A duration from `from` to `to` ms, drawn from `rng`.
+pub(crate) fn millis(rng: &mut bulkhead_rng::Rng, from: u64, to: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(from + rng.below(to - from + 1))
 }
 
 /// The `q` quantile of `sorted` (0 when empty).

@@ -194,7 +194,7 @@ fn client(sock: UnixStream, depth: u64, seed: u64, stop: Arc<AtomicBool>, counts
         })
     };
     let mut tx = sock;
-    let mut x = seed | 1;
+    let mut rng = bulkhead_rng::Rng::new(seed);
     let mut n = 0u64;
     let payload = vec![0x5au8; BLOCK];
     while !stop.load(Ordering::Relaxed) {
@@ -202,9 +202,7 @@ fn client(sock: UnixStream, depth: u64, seed: u64, stop: Arc<AtomicBool>, counts
             std::thread::park_timeout(Duration::from_millis(10));
             continue;
         }
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         let offset = (x % (DEVICE / BLOCK as u64)) * BLOCK as u64;
         let read = n.is_multiple_of(2);
         let handle = n << 1 | u64::from(read);
@@ -312,11 +310,9 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         std::thread::spawn(move || {
             let mut buf = Aligned::new(BLOCK);
             let mut lat = Vec::new();
-            let mut x = 0x1234_5678_u64;
+            let mut rng = bulkhead_rng::Rng::new(0x1234_5678);
             while !stop.load(Ordering::Relaxed) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                let x = rng.next_u64();
                 let t = Instant::now();
                 if f.read_exact_at(buf.buf(), (x % (DEVICE / BLOCK as u64)) * BLOCK as u64).is_ok() {
                     lat.push(t.elapsed().as_secs_f64() * 1e6);

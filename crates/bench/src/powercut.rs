@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::{BenchError, Rng};
+use crate::BenchError;
+use bulkhead_rng::Rng;
 
 /// Bytes of each block written and checked.
 const BLOCK: usize = 4096;
@@ -148,13 +149,7 @@ fn content(block: u64, stamp: u64) -> Vec<u8> {
     }
     out[..8].copy_from_slice(&stamp.to_le_bytes());
     out[8..16].copy_from_slice(&block.to_le_bytes());
-    let mut x = stamp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ block | 1;
-    for b in &mut out[16..] {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x as u8;
-    }
+    Rng::new(stamp.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ block).fill(&mut out[16..]);
     out
 }
 
@@ -214,7 +209,7 @@ struct Round {
 /// 0's file is `O_DSYNC`: its writes are FUA.
 fn writer(file: &std::fs::File, k: u64, seed: u64, round: &Round) {
     let (model, counts, threads, fua) = (&round.model, &round.counts, round.threads, k == 0);
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     let mut acked: Vec<(u64, u64)> = Vec::new();
     let mut buf = AlignedBlock::new();
     let mut n = 0u64;
@@ -456,7 +451,7 @@ fn run_format(
     let model = Arc::new(Model { blocks: Mutex::new(vec![Block::default(); BLOCKS as usize]) });
     let counts = Arc::new(Counts::default());
     let stamps = Arc::new(AtomicU64::new(1));
-    let mut rng = Rng(opts.seed ^ format as u64 ^ 0x5eed);
+    let mut rng = Rng::new(opts.seed ^ format as u64 ^ 0x5eed);
     let mut r = FormatReport::new(format);
     let mut starts = Vec::new();
     for round in 0..=opts.rounds {
@@ -478,7 +473,7 @@ fn run_format(
             let mut o = std::fs::OpenOptions::new();
             o.write(true).custom_flags(libc::O_DIRECT | if k == 0 { libc::O_DSYNC } else { 0 });
             let file = o.open(serve.file()).map_err(|e| BenchError::io(&serve.file(), e))?;
-            let (shared, seed) = (shared.clone(), rng.next());
+            let (shared, seed) = (shared.clone(), rng.next_u64());
             writers.push(std::thread::spawn(move || writer(&file, k, seed, &shared)));
         }
         std::thread::sleep(Duration::from_millis(20 + rng.below(280)));

@@ -114,13 +114,11 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         let (dev, stop, requests, errors) = (dev.clone(), stop.clone(), requests.clone(), errors.clone());
         load.push(std::thread::spawn(move || {
             let blocks = dev.size() / 4096 / 64;
-            let mut x = 0x9e37_79b9_u64 + t as u64;
+            let mut rng = bulkhead_rng::Rng::new(0x9e37_79b9_u64 + t as u64);
             let mut buf = vec![0u8; 4096];
             let mut back = vec![0u8; 4096];
             while !stop.load(Ordering::Relaxed) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                let x = rng.next_u64();
                 // Each thread owns every 64th block group, so threads never overlap.
                 let off = ((x % blocks) * 64 + t as u64) * 4096;
                 buf.iter_mut().enumerate().for_each(|(i, b)| *b = (x >> (i % 8 * 8)) as u8 ^ i as u8);
@@ -133,13 +131,11 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         }));
     }
     let start = Instant::now();
-    let mut x = 0x1234_5678_u64;
+    let mut rng = bulkhead_rng::Rng::new(0x1234_5678);
     let mut kills = 0;
     let mut last_pid = 0;
     while kills < opts.kills {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         std::thread::sleep(Duration::from_millis(10 + x % 40));
         // One outage at a time: the previous restart must have served a request first.
         if sup.outages_ms("r").len() < kills {

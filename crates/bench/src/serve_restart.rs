@@ -116,11 +116,9 @@ fn load_thread(file: std::fs::File, index: usize, load: Arc<Load>) {
     let (out, back) =
         unsafe { (std::slice::from_raw_parts_mut(mem, BLOCK), std::slice::from_raw_parts_mut(mem.add(BLOCK), BLOCK)) };
     let blocks = 1024u64;
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ index as u64;
+    let mut rng = bulkhead_rng::Rng::new(index as u64);
     while !load.stop.load(Ordering::Acquire) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         let offset = (index as u64 * blocks + x % blocks) * BLOCK as u64;
         out.iter_mut().enumerate().for_each(|(i, b)| *b = (x >> (i % 8 * 8)) as u8 ^ i as u8);
         let wrote = file.write_all_at(out, offset);

@@ -135,7 +135,7 @@ fn client(dev: &Device, load: Load, seed: u64, stop: &AtomicBool) -> Result<Done
     let e = |e: bulkhead_client::IoError| format!("{}: {e}", dev.name());
     let span = if load.span == 0 { dev.size() } else { load.span.min(dev.size()) };
     let blocks = span / load.bs as u64;
-    let mut rng = crate::tap::xorshift(seed | 1);
+    let mut rng = crate::random(seed);
     let data = vec![0x5au8; load.bs];
     let mut done = Done::default();
     let started = Instant::now();

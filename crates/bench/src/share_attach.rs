@@ -66,7 +66,7 @@ fn attached(run: &Path, seconds: f64) -> Result<(f64, f64), BenchError> {
     let blocks = dev.size() / 4096;
     let mut buf = vec![0u8; 4096];
     let mut lat = Vec::with_capacity(1 << 20);
-    let mut offsets = crate::tap::xorshift(0x2545_f491_4f6c_dd1d);
+    let mut offsets = crate::random(0x2545_f491_4f6c_dd1d);
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     while Instant::now() < end {
         let off = offsets.next().unwrap_or(1) % blocks * 4096;

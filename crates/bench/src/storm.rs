@@ -154,14 +154,12 @@ fn phase(exe: &Path, opts: &Options, storm: bool) -> Result<Phase, BenchError> {
     let mut buf = Aligned::new(4096);
     let mut lat = Vec::new();
     let mut errors = 0;
-    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rng = bulkhead_rng::Rng::new(0);
     let cpu0 = crate::cpu_seconds(serve.child.id());
     let t0 = Instant::now();
     let until = t0 + Duration::from_secs(opts.seconds);
     while Instant::now() < until {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         let at = (x % (16384 - 1)) * 4096;
         let t = Instant::now();
         match victim.read_exact_at(buf.buf(), at) {

@@ -111,21 +111,11 @@ fn offsets(n: usize, size: u64) -> impl Iterator<Item = u64> {
     small_offsets(n, size, 0x2545_f491_4f6c_dd1d)
 }
 
-/// `n` 4 KiB-aligned offsets inside `size`, spread by xorshift from `state` (non-zero): the
-/// same `state`, the same offsets.
-pub(crate) fn small_offsets(n: usize, size: u64, state: u64) -> impl Iterator<Item = u64> {
+/// `n` 4 KiB-aligned offsets inside `size`, drawn from `seed`: the same `seed`, the same
+/// offsets.
+pub(crate) fn small_offsets(n: usize, size: u64, seed: u64) -> impl Iterator<Item = u64> {
     let blocks = size / SMALL as u64;
-    xorshift(state).take(n).map(move |x| (x % blocks) * SMALL as u64)
-}
-
-/// An endless xorshift sequence from `state` (non-zero): the same `state`, the same numbers.
-pub(crate) fn xorshift(mut state: u64) -> impl Iterator<Item = u64> {
-    std::iter::repeat_with(move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    })
+    crate::random(seed).take(n).map(move |x| (x % blocks) * SMALL as u64)
 }
 
 fn mibs(bytes: u64, d: Duration) -> f64 {

@@ -382,13 +382,11 @@ fn drive(fe: &mut Frontend, w: &Workload, seconds: f64, wait: FrontendWait) -> R
     let (q, mem) = fe.queue(0);
     let sectors_per = u64::from(w.bs) / 512;
     let slots = DEVICE_BYTES / u64::from(w.bs);
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rng = bulkhead_rng::Rng::new(0);
     let mut seq = 0u64;
     let mut next = || {
         if w.mode.starts_with("rand") {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             (x % slots) * sectors_per
         } else {
             seq += 1;

@@ -212,9 +212,9 @@ fn a_killed_rbd_domain_breaks_only_its_own_lock_and_loses_nothing() {
     until("the killed domain's watch was not evicted", &|| serve.log_text().contains("evicted the watch of an earlier domain"));
     assert_eq!(watchers(), 1, "{}", String::from_utf8_lossy(&cluster.rbd(&["status", "rbd/k"])));
     let uri = serve.nbd_uri("r");
-    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     let killer =
-        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(150 + next(&mut x) % 250), driver_domain);
+        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(150 + rng.next_u64() % 250), driver_domain);
     fio_nbd_verify(&uri, "rbdkill", "32M", 10, 180);
     let kills = killer.stop().first().copied().unwrap_or(0);
     assert!(kills >= 10, "only {kills} kills landed: {}", serve.log_text());

@@ -32,9 +32,9 @@ fn sigkill_fifty_times_under_fio_verify_loses_nothing() {
     let mnt = tmp.path().join("mnt");
     let m = MountGuard::mount(&lo.dev, &mnt);
 
-    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    let mut rng = Rng::new(0x2545_f491_4f6c_dd1d);
     let killer =
-        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(40 + next(&mut x) % 160), driver_domain);
+        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(40 + rng.next_u64() % 160), driver_domain);
     let out = Command::new("timeout")
         .args([
             // A hung request fails the test instead of stalling the suite.
@@ -87,9 +87,9 @@ fn nbd_requests_in_flight_carry_over_kills_and_verify() {
                [device.backend]\ntype = \"ram\"\n";
     let serve = Serve::start(&tmp.path().join("run"), Some(cfg), &[]);
     let uri = serve.nbd_uri("k");
-    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     let killer =
-        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(40 + next(&mut x) % 160), driver_domain);
+        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(40 + rng.next_u64() % 160), driver_domain);
     let job = fio_nbd_verify(&uri, "nbdkill", "64M", 8, 120);
     let kills = killer.stop().first().copied().unwrap_or(0);
     assert!(job["read"]["io_bytes"].as_u64().unwrap() > 0, "verify_backlog read back data");
@@ -238,9 +238,9 @@ fn io_uring_file_backend_keeps_requests_in_flight_and_loses_none_to_kills() {
     let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["u"]);
     let mut fs = Ext4::make(&serve.fuse_file("u"), &tmp.path().join("mnt"));
     let mnt = fs.mnt.clone();
-    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     let killer =
-        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(60 + next(&mut x) % 140), driver_domain);
+        DomainKiller::start(serve.run_dir.clone(), move || Duration::from_millis(60 + rng.next_u64() % 140), driver_domain);
     fio_verify(&mnt, "randrw", "4k-256k", "48M", 8);
     let kills = killer.stop().first().copied().unwrap_or(0);
     assert!(kills >= 8, "only {kills} kills landed");

@@ -126,7 +126,7 @@ fn thirty_driver_kills_and_wedges_under_guest_io_are_a_pause() {
     let g = vm(&kit, &tmp, vec![Disk { socket: socket(&serve, "disk"), queues: 1 }], "guest-io stress /dev/vda 75 16");
     assert!(g.wait_for("GUESTIO started", Duration::from_secs(60)).is_some(), "{}", g.lines().join("\n"));
     std::thread::sleep(Duration::from_secs(2));
-    let mut x = 0x2545_f491u64;
+    let mut rng = bulkhead_rng::Rng::new(0x2545_f491);
     let (mut kills, mut wedges) = (0, 0);
     for i in 0..30 {
         assert!(
@@ -157,9 +157,7 @@ fn thirty_driver_kills_and_wedges_under_guest_io_are_a_pause() {
             assert!(Instant::now() < deadline, "domain {old} was not replaced: {}", serve.log_text());
             std::thread::sleep(Duration::from_millis(20));
         }
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         std::thread::sleep(Duration::from_millis(400 + x % 800));
     }
     let q = vhost_queue(&serve.status_json(), "disk");

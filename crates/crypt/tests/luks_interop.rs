@@ -251,13 +251,8 @@ fn mangled_headers_are_refused_or_read_never_panic() {
         images.push(img);
     }
     // A small deterministic generator: no dependency, the same cases every run.
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut rng = bulkhead_rng::Rng::new(0x9e37_79b9_7f4a_7c15);
+    let mut next = || rng.next_u64();
     let mut refused = 0;
     for round in 0..4000 {
         let mut img = images[round % 2].clone();

@@ -168,7 +168,7 @@ mod tests {
 
     #[test]
     fn algorithm_t_matches_brute_force_over_every_order_of_random_queues_up_to_eight() {
-        let mut rng = crate::sim::Rng::new(0x9e37_79b9_7f4a_7c15);
+        let mut rng = bulkhead_rng::Rng::new(0x9e37_79b9_7f4a_7c15);
         let perms: Vec<Vec<Vec<usize>>> = (0..=8).map(permutations).collect();
         let mut opt = Optimiser::new();
         for round in 0..600 {

@@ -15,7 +15,9 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::sim::{Arrival, Make, Rng, Workload};
+use bulkhead_rng::Rng;
+
+use crate::sim::{Arrival, Make, Workload};
 use crate::Access;
 
 /// Bytes in a page, the unit every read asks for.

@@ -609,15 +609,7 @@ mod tests {
         }
     }
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
+    use bulkhead_rng::Rng;
 
     fn lower_pattern() -> Vec<u8> {
         (0..SIZE).map(|i| (i % 251) as u8 ^ (i >> 16) as u8).collect()
@@ -679,7 +671,7 @@ mod tests {
         let mut model = lower.clone();
         let mut snaps: Vec<(String, Vec<u8>)> = Vec::new();
         let app = ShMapping::new(memfd::create("app", 1 << 20).unwrap().as_raw_fd(), 1 << 20, Protection::ReadWrite).unwrap();
-        let mut rng = Rng(0x1234_5678_9abc_def1);
+        let mut rng = Rng::new(0x1234_5678_9abc_def1);
         let mut seq = 0;
         let mut op = None;
         for generation in 0..8 {
@@ -689,10 +681,10 @@ mod tests {
                 assert_eq!(op_result(&page, seq), Some(OpResult::Done), "generation {generation}");
             }
             for _ in 0..400 {
-                let kind = rng.next() % 10;
-                let offset = rng.next() % (SIZE / 512) * 512;
-                let len = ((1 + rng.next() % 512) * 512).min(SIZE - offset);
-                let len = if rng.next().is_multiple_of(4) { len.min(4096) } else { len };
+                let kind = rng.next_u64() % 10;
+                let offset = rng.next_u64() % (SIZE / 512) * 512;
+                let len = ((1 + rng.next_u64() % 512) * 512).min(SIZE - offset);
+                let len = if rng.next_u64().is_multiple_of(4) { len.min(4096) } else { len };
                 let w = app.slice(0, len as usize).unwrap();
                 let req = |_: Tag| match kind {
                     0..=3 => Request::Read { offset, into: SliceList::one(w) },
@@ -702,7 +694,7 @@ mod tests {
                     _ => Request::Flush,
                 };
                 if (4..=6).contains(&kind) {
-                    let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                    let data: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
                     w.copy_from(&data).unwrap();
                     model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
                 }

@@ -77,13 +77,12 @@ impl ErrorFilter {
     }
 
     fn random_ppm(&mut self) -> u32 {
-        // xorshift64: small and good enough to spread failures.
-        let mut x = self.page.get(RNG) | 1;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.page.set(RNG, x);
-        (x % 1_000_000) as u32
+        // Where the generator stands lives in the state page, so a restarted domain goes on
+        // drawing where the last one stopped.
+        let mut rng = bulkhead_rng::Rng::new(self.page.get(RNG));
+        let ppm = rng.below(1_000_000) as u32;
+        self.page.set(RNG, rng.state());
+        ppm
     }
 
     fn decide(&mut self, op: Op, req: &Request<'_>) -> Verdict {

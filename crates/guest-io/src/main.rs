@@ -23,6 +23,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bulkhead_rng::Rng;
+
 const BLOCK: usize = 4096;
 const MAGIC: u32 = 0xb10c_4ead;
 
@@ -44,31 +46,12 @@ impl Aligned {
     }
 }
 
-/// xorshift64*: the content stream of a block's generation.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
-
 /// The contents of `block` at generation `gen`.
 fn fill(buf: &mut [u8], block: u64, gen: u32) {
     buf[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     buf[4..8].copy_from_slice(&gen.to_le_bytes());
     buf[8..16].copy_from_slice(&block.to_le_bytes());
-    let mut r = Rng::new(block << 32 | u64::from(gen));
-    for c in buf[16..].chunks_mut(8) {
-        let v = r.next().to_le_bytes();
-        c.copy_from_slice(&v[..c.len()]);
-    }
+    Rng::new(block << 32 | u64::from(gen)).fill(&mut buf[16..]);
 }
 
 /// Checks `buf` holds `block` at generation `gen` (0: never written, all zero).
@@ -114,9 +97,9 @@ fn stress(dev: &str, seconds: u64, threads: u64) -> Result<(), String> {
             let (mut buf, mut scratch) = (Aligned::new(BLOCK), vec![0u8; BLOCK]);
             let mut reads = 0;
             while Instant::now() < deadline && !failed.load(Ordering::Relaxed) {
-                let i = (rng.next() % owned.len() as u64) as usize;
+                let i = (rng.next_u64() % owned.len() as u64) as usize;
                 let b = owned[i];
-                if rng.next().is_multiple_of(4) {
+                if rng.next_u64().is_multiple_of(4) {
                     file.read_exact_at(buf.buf(), b * BLOCK as u64).map_err(|e| format!("read block {b}: {e}"))?;
                     check(buf.buf(), b, gens[i], &mut scratch)?;
                     reads += 1;
@@ -192,7 +175,7 @@ fn bench(dev: &str, mode: &str, bs: usize, qd: u64, seconds: u64) -> Result<(), 
             let mut n = 0u64;
             let mut seq = t * (blocks / qd.max(1));
             while Instant::now() < deadline {
-                let b = if random { rng.next() % blocks } else { seq % blocks };
+                let b = if random { rng.next_u64() % blocks } else { seq % blocks };
                 seq += 1;
                 let at = b * bs as u64;
                 if write {
@@ -232,7 +215,7 @@ fn pauses(dev: &str, seconds: u64, top: usize) -> Result<(), String> {
     println!("GUESTIO started pauses on {dev}");
     let deadline = Instant::now() + Duration::from_secs(seconds);
     while Instant::now() < deadline {
-        let b = base + rng.next() % blocks;
+        let b = base + rng.next_u64() % blocks;
         let t = Instant::now();
         file.write_all_at(buf.buf(), b * BLOCK as u64).map_err(|e| format!("write block {b}: {e}"))?;
         lat.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -258,7 +241,7 @@ fn hold(pattern: &str, mib: usize, seconds: u64, dev: &str) -> Result<(), String
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let mut n = 0u64;
     while Instant::now() < deadline {
-        let b = rng.next() % blocks;
+        let b = rng.next_u64() % blocks;
         file.read_exact_at(buf.buf(), b * BLOCK as u64).map_err(|e| format!("read block {b}: {e}"))?;
         // Keep the pattern in use so the guest keeps it resident.
         let i = (n as usize * 4096) % mem.len();

@@ -427,31 +427,22 @@ mod tests {
         }
     }
 
-    /// A small deterministic generator, so failures reproduce.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
+    use bulkhead_rng::Rng;
 
     #[test]
     fn mutated_headers_never_panic_and_every_accepted_one_is_consistent() {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
         let base = header(Some(("base.qcow2", "qcow2")));
         let mut accepted = 0;
         for round in 0..20_000 {
             let mut h = base[..4096].to_vec();
-            let flips = 1 + rng.next() % 4;
+            let flips = 1 + rng.next_u64() % 4;
             for _ in 0..flips {
                 // Mostly the header and its extensions, sometimes anywhere.
-                let at = if round % 4 == 0 { rng.next() as usize % h.len() } else { rng.next() as usize % 160 };
-                h[at] = rng.next() as u8;
+                let at = if round % 4 == 0 { rng.next_u64() as usize % h.len() } else { rng.next_u64() as usize % 160 };
+                h[at] = rng.next_u64() as u8;
             }
-            let cut = if round % 7 == 0 { rng.next() as usize % h.len() } else { h.len() };
+            let cut = if round % 7 == 0 { rng.next_u64() as usize % h.len() } else { h.len() };
             if let Ok(p) = Qcow2Header::parse(&h[..cut]) {
                 accepted += 1;
                 assert!((9..=21).contains(&p.cluster_bits) && p.size <= 1 << 61, "{p:?}");

@@ -202,13 +202,8 @@ fn damaged_images_fail_cleanly() {
     snapshot::create(&rw(&good), "s", (0, 0)).unwrap();
     io(&good, "write -P 0x12 100k 100k");
     let bytes = std::fs::read(&good).unwrap();
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut next = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut rng = bulkhead_rng::Rng::new(0x2545_f491_4f6c_dd1d);
+    let mut next = || rng.next_u64();
     let img = d.0.join("bad.qcow2");
     let mut failed = 0;
     for round in 0..300 {

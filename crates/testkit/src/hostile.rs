@@ -131,21 +131,6 @@ fn flood_log() {
 
 /// A small deterministic generator for garbage bytes.
 #[derive(Debug)]
-struct Garbage(u64);
-
-impl Garbage {
-    fn new(seed: u64) -> Self {
-        Garbage(seed | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 /// One queue, from its parts.
 struct RawQueue {
     ring: BackRing,
@@ -383,13 +368,13 @@ fn misbehave(h: Hostility, qi: usize, results: &mut Vec<ResponseSlot>) {
         Hostility::WrongLength => results[0].len = first.len + 4096,
         Hostility::BadStatus => results[0].status = 0xbad,
         Hostility::CorruptSlot => {
-            let mut g = Garbage::new(first.id ^ now_ns());
+            let mut g = bulkhead_rng::Rng::new(first.id ^ now_ns());
             results[0] = ResponseSlot {
-                id: g.next(),
-                generation: g.next() as u32,
-                status: g.next() as u32,
-                len: g.next(),
-                reserved: g.next(),
+                id: g.next_u64(),
+                generation: g.next_u64() as u32,
+                status: g.next_u64() as u32,
+                len: g.next_u64(),
+                reserved: g.next_u64(),
             };
         }
         Hostility::ExitMidRequest => {

@@ -109,17 +109,6 @@ impl Raw {
     }
 }
 
-/// xorshift64*: random enough for garbage.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-}
-
 /// Takes the `vdev` descriptors of `spec`, sends junk and then a real trap to the model,
 /// confines the domain (reporting as a domain does), abuses the card, and returns what it did;
 /// the caller then wedges.
@@ -212,10 +201,10 @@ pub unsafe fn abuse(spec: &DomainSpec) -> Result<(Outcome, Wedged), String> {
 
     // Descriptors of random bytes: whatever they say, each completes (with some status) and the
     // card stays up. A block count of random bytes rarely fits the card, so most are refused.
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ card.seed);
+    let mut rng = bulkhead_rng::Rng::new(card.seed);
     let size = card.descriptor.size as usize;
     for _ in 0..GARBAGE_DESCRIPTORS {
-        let desc: Vec<u8> = (0..size).map(|_| rng.next() as u8).collect();
+        let desc: Vec<u8> = (0..size).map(|_| rng.next_u64() as u8).collect();
         raw.post_bytes(posted, &desc);
         posted += 1;
         raw.w(r.submit_tail, posted & regs::mask(r.submit_tail));
@@ -236,13 +225,13 @@ pub unsafe fn abuse(spec: &DomainSpec) -> Result<(Outcome, Wedged), String> {
     // A storm of random writes anywhere in the register page.
     let all = card.registers.all();
     for _ in 0..STORM_WRITES {
-        let x = rng.next();
+        let x = rng.next_u64();
         let reg = if x & 1 == 0 {
             all[(x >> 1) as usize % all.len()].1
         } else {
             Reg { offset: ((x >> 8) as u32 % PAGE) & !3, width: 4 }
         };
-        raw.w(reg, rng.next());
+        raw.w(reg, rng.next_u64());
     }
     out.storm = STORM_WRITES;
     Ok((out, Wedged { _raw: raw }))

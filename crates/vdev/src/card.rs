@@ -9,7 +9,7 @@
 //! sits, how wide some are, what the command and status codes are, how a descriptor is laid
 //! out, where DMA addresses start, and how interrupts coalesce.
 
-use bulkhead_diskmodel::sim::Rng;
+use bulkhead_rng::Rng;
 use serde::{Deserialize, Serialize};
 
 /// The register page's size: one page.

@@ -250,15 +250,13 @@ fn single_threaded() -> bool {
 /// Drives `front` with 4 KiB random reads and writes until the child ends; its wait status.
 fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<i32, BenchError> {
     let data = vec![0x5Au8; 4096];
-    let mut rng = seed | 1;
+    let mut random = bulkhead_rng::Rng::new(seed);
     let started = Instant::now();
     loop {
         if let Some(st) = child.ended(started)? {
             return Ok(st);
         }
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
+        let rng = random.next_u64();
         let offset = (rng >> 1) % (size / 4096) * 4096;
         let req = if rng & 1 == 0 {
             FrontRequest::Read { offset, into: 4096 }

@@ -343,14 +343,9 @@ fn describe_dumps(dir: &Path, data: &Path) -> String {
     text
 }
 
-/// Tiny deterministic generator for kill timing.
-#[allow(dead_code)]
-pub fn next(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
+/// Deterministic numbers for kill timing: the same seed, the same times.
+#[allow(unused_imports)] // each test file uses a different subset
+pub use bulkhead_rng::Rng;
 
 /// fio's nbd engine on `uri`: random writes of 4–64 KiB at depth 16 over `size` for `runtime`
 /// s, crc32c-verified (killed after `limit` s). Asserts that it ran without an I/O or verify
