@@ -128,6 +128,17 @@ pub(crate) fn millis(rng: &mut bulkhead_rng::Rng, from: u64, to: u64) -> std::ti
     std::time::Duration::from_millis(from + rng.below(to - from + 1))
 }
 
+/// The nearest-rank percentile `q` (0 to 1) of `v`, in any order: the smallest value with at
+/// least `q` of them at or below it (0 for none).
+pub(crate) fn percentile(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return 0.0;
+    }
+    s[((s.len() as f64 * q).ceil() as usize).clamp(1, s.len()) - 1]
+}
+
 /// The `q` quantile of `sorted` (0 when empty).
 pub(crate) fn quantile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {

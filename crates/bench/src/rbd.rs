@@ -405,10 +405,7 @@ fn outages(exe: &Path, opts: &Options, cluster: &Cluster, kills: usize, lock_bre
     let _ = writer.kill();
     let _ = writer.wait();
     result?;
-    let mut sorted = ms.clone();
-    sorted.sort_by(f64::total_cmp);
-    let pct = |q: f64| sorted.get(((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
-    Ok(Outages { kills: ms.len(), p50_ms: pct(0.5), p99_ms: pct(0.99), ms })
+    Ok(Outages { kills: ms.len(), p50_ms: crate::percentile(&ms, 0.5), p99_ms: crate::percentile(&ms, 0.99), ms })
 }
 
 /// Runs the benchmark.

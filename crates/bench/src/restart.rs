@@ -84,15 +84,6 @@ pub struct Report {
     pub seconds: f64,
 }
 
-fn pct(v: &[f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    s[((s.len() as f64 * q).ceil() as usize).clamp(1, s.len()) - 1]
-}
-
 /// Runs the benchmark, execing `exe` for the domains.
 pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     opts.check()?;
@@ -176,9 +167,9 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         kills,
         restarts,
         outages: outages.len(),
-        outage_p50_ms: pct(&outages, 0.50),
-        outage_p99_ms: pct(&outages, 0.99),
-        outage_max_ms: pct(&outages, 1.0),
+        outage_p50_ms: crate::percentile(&outages, 0.50),
+        outage_p99_ms: crate::percentile(&outages, 0.99),
+        outage_max_ms: crate::percentile(&outages, 1.0),
         requests: requests.load(Ordering::Relaxed),
         errors: errors.load(Ordering::Relaxed),
         seconds,

@@ -213,16 +213,6 @@ fn together(jobs: &[(Arc<Device>, Load)], seconds: f64) -> Result<Vec<Done>, Ben
     handles.into_iter().map(|h| h.join().map_err(|_| "a client thread panicked".to_string())?).collect()
 }
 
-/// The `q` quantile of `v` (0 when empty).
-pub(crate) fn pct(v: &[f64], q: f64) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    if s.is_empty() {
-        return 0.0;
-    }
-    s[((s.len() as f64 * q).ceil() as usize).clamp(1, s.len()) - 1]
-}
-
 /// Jain's fairness index of `x`: 1 when all are equal, 1/n when one has everything.
 pub fn jain(x: &[f64]) -> f64 {
     let sum: f64 = x.iter().sum();
@@ -288,9 +278,9 @@ pub fn run(exe: &std::path::Path, opts: &Options, mut progress: impl FnMut(&str)
             let noisy_mibs = d.get(1).map_or(0.0, Done::mibs);
             rows.push(NoisyRow {
                 setting: setting.into(),
-                p50_us: pct(&d[0].lat, 0.5),
-                p99_us: pct(&d[0].lat, 0.99),
-                p999_us: pct(&d[0].lat, 0.999),
+                p50_us: crate::percentile(&d[0].lat, 0.5),
+                p99_us: crate::percentile(&d[0].lat, 0.99),
+                p999_us: crate::percentile(&d[0].lat, 0.999),
                 quiet_iops: d[0].ops as f64 / d[0].secs,
                 noisy_mibs,
             });

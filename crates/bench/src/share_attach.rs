@@ -74,7 +74,7 @@ fn attached(run: &Path, seconds: f64) -> Result<(f64, f64), BenchError> {
         dev.read_into(0, off, &mut buf).map_err(|e| format!("attached read: {e}"))?;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    Ok((crate::share::pct(&lat, 0.5), crate::share::pct(&lat, 0.99)))
+    Ok((crate::percentile(&lat, 0.5), crate::percentile(&lat, 0.99)))
 }
 
 /// fio QD1 4 KiB random reads with `target` args: (p50, p99) µs.

@@ -347,6 +347,27 @@ impl Device {
         self.generation.load(Ordering::Acquire)
     }
 
+    /// Requests, bytes and latencies of what the driver answered, all operations together,
+    /// as `status` and the metrics show them.
+    pub fn io_figures(&self) -> bulkhead_control::IoFigures {
+        let ops = self.op_totals();
+        let mut buckets = vec![0u64; LATENCY_BOUNDS_US.len() + 1];
+        let mut requests = 0;
+        for op in &ops {
+            requests += op.requests;
+            for (b, n) in buckets.iter_mut().zip(&op.buckets) {
+                *b += n;
+            }
+        }
+        bulkhead_control::IoFigures {
+            requests,
+            bytes_read: ops[0].bytes,
+            bytes_written: ops[1].bytes,
+            latency_bounds_us: LATENCY_BOUNDS_US.to_vec(),
+            latency_buckets: buckets,
+        }
+    }
+
     /// What the driver answered, by operation ([`OPS`]), summed over the queues.
     pub fn op_totals(&self) -> [OpTotals; 5] {
         let mut t: [OpTotals; 5] = Default::default();

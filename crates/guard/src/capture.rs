@@ -17,9 +17,8 @@ use bulkhead_sys::uffd::{set_write_protect, WriteTrap};
 
 use crate::act::Act;
 use crate::shadow::{Evicted, Mode, Prepare, Shadow};
+use crate::PAGE;
 
-/// Bytes of a page.
-pub const PAGE: u64 = 4096;
 /// Most regions one guard protects.
 pub const MAX_REGIONS: usize = 32;
 /// The exit status of a process whose guarded code was stopped.

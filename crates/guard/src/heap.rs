@@ -24,7 +24,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
-use crate::capture::PAGE;
+use crate::PAGE;
 
 /// Spaces at most: the runtime's and fifteen filters'.
 pub const MAX_SPACES: usize = 16;

@@ -37,5 +37,8 @@ pub mod heap;
 pub mod shadow;
 
 pub use act::{Act, ActFull};
-pub use capture::{kernel_fills, Guard, Handle, Mechanism, Stats, Violation, PAGE, VIOLATION_EXIT};
+pub use capture::{kernel_fills, Guard, Handle, Mechanism, Stats, Violation, VIOLATION_EXIT};
 pub use shadow::Mode;
+
+/// Bytes of a page.
+pub const PAGE: u64 = 4096;

@@ -72,29 +72,8 @@ pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
             .collect(),
         card: rt.launcher.card.as_ref().map(|c| c.status()),
         views: rt.views().iter().map(|v| v.status(&rt.state)).collect(),
-        io: io_figures(&rt.device),
+        io: rt.device.io_figures(),
         attached: rt.attach.status(),
-    }
-}
-
-/// What `dev`'s frontend has had answered.
-pub(crate) fn io_figures(dev: &bulkhead_client::Device) -> bulkhead_control::IoFigures {
-    let ops = dev.op_totals();
-    let mut buckets = vec![0u64; bulkhead_client::LATENCY_BOUNDS_US.len() + 1];
-    let mut requests = 0;
-    for op in &ops {
-        requests += op.requests;
-        for (b, n) in buckets.iter_mut().zip(&op.buckets) {
-            *b += n;
-        }
-    }
-    let bytes = |i: usize| ops[i].bytes;
-    bulkhead_control::IoFigures {
-        requests,
-        bytes_read: bytes(0),
-        bytes_written: bytes(1),
-        latency_bounds_us: bulkhead_client::LATENCY_BOUNDS_US.to_vec(),
-        latency_buckets: buckets,
     }
 }
 

@@ -149,7 +149,7 @@ impl ViewRuntime {
             credit_ios: slot(page::CREDIT_IOS) as i64,
             credit_waits: slot(page::WAITS),
             throttled_s: slot(page::HELD_NS) as f64 / 1e9,
-            io: crate::status::io_figures(&self.device),
+            io: self.device.io_figures(),
             requests_completed: self.device.counters.completed.load(Ordering::Relaxed),
             requests_failed: self.device.counters.failed.load(Ordering::Relaxed),
             throughput_mib_s: rate.0 / (1 << 20) as f64,

@@ -105,7 +105,7 @@ impl Raw {
         let d = &self.card.descriptor;
         let mut desc = vec![0u8; d.size as usize];
         let _ = self.dma.read_into(((n % 8) * u64::from(d.size)) as usize, &mut desc);
-        regs::get(&desc, d.status) as u16
+        d.status.get(&desc) as u16
     }
 }
 

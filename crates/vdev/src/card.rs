@@ -150,6 +150,22 @@ pub struct Field {
     pub width: u8,
 }
 
+impl Field {
+    /// Reads the field, little-endian, from `desc`.
+    pub fn get(self, desc: &[u8]) -> u64 {
+        let mut b = [0u8; 8];
+        let at = self.offset as usize;
+        b[..self.width as usize].copy_from_slice(&desc[at..at + self.width as usize]);
+        u64::from_le_bytes(b)
+    }
+
+    /// Writes `v` little-endian into the field in `desc` (bits beyond its width dropped).
+    pub fn put(self, desc: &mut [u8], v: u64) {
+        let at = self.offset as usize;
+        desc[at..at + self.width as usize].copy_from_slice(&v.to_le_bytes()[..self.width as usize]);
+    }
+}
+
 /// A descriptor's layout.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -193,12 +209,12 @@ impl Descriptor {
     pub fn encode(&self, c: &CardCommand, desc: &mut [u8]) {
         let desc = &mut desc[..self.size as usize];
         desc.fill(0);
-        crate::regs::put(desc, self.opcode, c.opcode.into());
-        crate::regs::put(desc, self.tag, c.tag);
-        crate::regs::put(desc, self.lba, c.lba);
-        crate::regs::put(desc, self.blocks, c.blocks);
-        crate::regs::put(desc, self.address, c.address);
-        crate::regs::put(desc, self.status, c.status);
+        self.opcode.put(desc, c.opcode.into());
+        self.tag.put(desc, c.tag);
+        self.lba.put(desc, c.lba);
+        self.blocks.put(desc, c.blocks);
+        self.address.put(desc, c.address);
+        self.status.put(desc, c.status);
     }
 
     /// Every field with its name, in datasheet order.

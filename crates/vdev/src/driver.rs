@@ -244,7 +244,7 @@ impl Driver {
             let mut desc = [0u8; 64];
             let desc = &mut desc[..d.size as usize];
             self.dma.read_into(slot as usize, desc).map_err(|e| e.to_string())?;
-            let status = regs::get(desc, d.status) as u16;
+            let status = d.status.get(desc) as u16;
             let io = &mut ios[p.io];
             if status != k.ok {
                 let why = if status == k.out_of_range {

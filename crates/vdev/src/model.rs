@@ -267,7 +267,7 @@ impl Model {
             self.stats.refused += 1;
         }
         // Only the status field goes back: the rest of the descriptor is the driver's.
-        regs::put(desc, d.status, u64::from(status));
+        d.status.put(desc, u64::from(status));
         let field = d.status.offset as usize..d.status.offset as usize + d.status.width as usize;
         let _ = self.dma.write_from(at + field.start, &desc[field]);
         self.head += 1;
@@ -281,10 +281,10 @@ impl Model {
     fn execute(&mut self, desc: &[u8]) -> u16 {
         let d = &self.card.descriptor;
         let (o, k) = (self.card.opcodes, self.card.codes);
-        let opcode = regs::get(desc, d.opcode) as u8;
-        let lba = regs::get(desc, d.lba);
-        let blocks = regs::get(desc, d.blocks);
-        let address = regs::get(desc, d.address);
+        let opcode = d.opcode.get(desc) as u8;
+        let lba = d.lba.get(desc);
+        let blocks = d.blocks.get(desc);
+        let address = d.address.get(desc);
         if opcode == o.flush {
             let mut io = [Io::new(Request::Flush)];
             self.media.execute(&mut io);

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 
 use bulkhead_shmem::Mapping;
 
-use crate::card::{Field, Reg, PAGE};
+use crate::card::{Reg, PAGE};
 
 /// The register page, one side's mapping of it.
 #[derive(Debug)]
@@ -58,20 +58,6 @@ impl RegisterPage {
         // The page is at least PAGE bytes (checked in `new`).
         let _ = self.map.read_into(0, out);
     }
-}
-
-/// Reads a little-endian field of `width` bytes at `f` in `desc`.
-pub fn get(desc: &[u8], f: Field) -> u64 {
-    let mut b = [0u8; 8];
-    let at = f.offset as usize;
-    b[..f.width as usize].copy_from_slice(&desc[at..at + f.width as usize]);
-    u64::from_le_bytes(b)
-}
-
-/// Writes `v` little-endian into field `f` of `desc` (bits beyond its width dropped).
-pub fn put(desc: &mut [u8], f: Field, v: u64) {
-    let at = f.offset as usize;
-    desc[at..at + f.width as usize].copy_from_slice(&v.to_le_bytes()[..f.width as usize]);
 }
 
 /// The mask of a register's width.

@@ -12,7 +12,7 @@ use bulkhead_doorbell::EventFd;
 use bulkhead_shmem::{memfd, Mapping, Protection};
 use bulkhead_testkit::pattern;
 use bulkhead_vdev::card::{Card, CardCommand, BLOCK, PAGE};
-use bulkhead_vdev::regs::{self, RegisterPage};
+use bulkhead_vdev::regs::RegisterPage;
 use bulkhead_vdev::{trap, Driver, Model, ModelStats, Server, Trapped, Wait};
 
 const MEDIA: u64 = 16 << 20;
@@ -226,7 +226,7 @@ impl Raw {
         let d = &self.card.descriptor;
         let mut desc = vec![0u8; d.size as usize];
         self.dma.read_into(((n % 8) * u64::from(d.size)) as usize, &mut desc).unwrap();
-        regs::get(&desc, d.status) as u16
+        d.status.get(&desc) as u16
     }
 }
 
