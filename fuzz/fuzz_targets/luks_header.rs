@@ -8,8 +8,9 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let size = data.len() as u64;
-    let mut read = |at: u64, buf: &mut [u8]| -> Result<(), String> {
-        let end = at.checked_add(buf.len() as u64).filter(|&e| e <= size).ok_or("past the end")?;
+    let mut read = |at: u64, buf: &mut [u8]| -> std::io::Result<()> {
+        let past = || std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "past the end");
+        let end = at.checked_add(buf.len() as u64).filter(|&e| e <= size).ok_or_else(past)?;
         buf.copy_from_slice(&data[at as usize..end as usize]);
         Ok(())
     };

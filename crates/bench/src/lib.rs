@@ -71,6 +71,12 @@ impl From<String> for BenchError {
     }
 }
 
+impl From<bulkhead_supervisor::Error> for BenchError {
+    fn from(e: bulkhead_supervisor::Error) -> Self {
+        BenchError::Run(e.to_string())
+    }
+}
+
 impl From<&str> for BenchError {
     fn from(m: &str) -> Self {
         BenchError::Run(m.to_string())

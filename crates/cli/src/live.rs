@@ -175,7 +175,7 @@ impl Live {
         if let Err(e) = self.sup.remove_device(name, force, DRAIN) {
             // Still running: offered again, as it was.
             self.exports.restore(withdrawn);
-            return Err(ControlError::new(ErrorCode::InUse, format!("device `{name}`: {e}")));
+            return Err(e.context(format!("device `{name}`")).into());
         }
         let mut raw = cfg.raw.clone();
         device_array(&mut raw).retain(|d| d.get("name").and_then(toml::Value::as_str) != Some(name));
@@ -211,17 +211,21 @@ impl Live {
         edit_raw(&mut raw, &edit).ok_or_else(|| ControlError::not_found(format!("no device `{device}`")))?;
         let next =
             Config::from_table(&raw, "the configuration with the new view").map_err(|e| ControlError::invalid(e.to_string()))?;
-        let exports = self.start_view(&next, device, &name).map_err(ControlError::failed)?;
+        let exports = self.start_view(&next, device, &name)?;
         self.set(&mut cfg, next);
         Ok(ViewAdded { name, device: device.to_string(), exports })
     }
 
     /// Starts view `name` of `device` as configuration `cfg` has it, and offers it on the
     /// exports; returns their names. A view that cannot be exported is taken out again.
-    fn start_view(&self, cfg: &Config, device: &str, name: &str) -> Result<Vec<String>, String> {
-        let d = device_config(cfg, device).ok_or_else(|| format!("no device `{device}`"))?;
-        let view = d.views.iter().find(|v| v.name.get_ref() == name).ok_or_else(|| format!("no view `{name}`"))?;
-        let front = self.sup.add_view(device, view).map_err(|e| format!("device `{device}`: {e}"))?;
+    fn start_view(&self, cfg: &Config, device: &str, name: &str) -> Result<Vec<String>, ControlError> {
+        let d = device_config(cfg, device).ok_or_else(|| ControlError::not_found(format!("no device `{device}`")))?;
+        let view = d
+            .views
+            .iter()
+            .find(|v| v.name.get_ref() == name)
+            .ok_or_else(|| ControlError::not_found(format!("no view `{name}`")))?;
+        let front = self.sup.add_view(device, view).map_err(|e| e.context(format!("device `{device}`")))?;
         match self.exports.offer(&Offer::all(cfg, std::slice::from_ref(&front))) {
             Ok(kinds) => {
                 let exports: Vec<String> = kinds.iter().map(|k| k.name().to_string()).collect();
@@ -233,7 +237,7 @@ impl Live {
             }
             Err(e) => {
                 let _ = self.sup.remove_view(name, true, DRAIN);
-                Err(format!("view {e}"))
+                Err(ControlError::failed(format!("view {e}")))
             }
         }
     }
@@ -274,7 +278,7 @@ impl Live {
         if let Err(e) = self.sup.remove_view(name, force, DRAIN) {
             // Still served: offered again, as it was.
             self.exports.restore(withdrawn);
-            return Err(ControlError::new(ErrorCode::InUse, format!("view `{name}`: {e}")));
+            return Err(e.context(format!("view `{name}`")).into());
         }
         if !users.is_empty() {
             log::warn!("view {name}: removed by force; cut off: {}", users.join("; "));
@@ -346,11 +350,13 @@ impl Live {
             }
         }
         for (i, step) in plan.steps.iter().enumerate() {
-            let done = match step {
-                Step::Change { device, change, .. } => self.sup.change_device(device, change.clone()).map(|_| ()),
-                Step::Qos { view, caps } => self.sup.set_qos(view, &caps_settings(caps)).map(|_| ()),
+            let done: Result<(), ControlError> = match step {
+                Step::Change { device, change, .. } => {
+                    self.sup.change_device(device, change.clone()).map(|_| ()).map_err(Into::into)
+                }
+                Step::Qos { view, caps } => self.sup.set_qos(view, &caps_settings(caps)).map(|_| ()).map_err(Into::into),
                 Step::AddView { device, view, .. } => self.start_view(&next, device, view).map(|_| ()),
-                Step::RemoveView { view } => self.stop_view(view, false).map(|_| ()).map_err(|e| e.message),
+                Step::RemoveView { view } => self.stop_view(view, false).map(|_| ()),
             };
             if let Err(e) = done {
                 // What was done stays done, and the running configuration says so.

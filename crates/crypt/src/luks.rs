@@ -29,7 +29,7 @@ const ARGON2_MAX_KIB: u64 = 4 << 20;
 const MAX_STRIPES: u64 = 1 << 16;
 
 /// Reads `buf.len()` bytes at a byte offset of the device holding the volume.
-pub type ReadAt<'a> = dyn FnMut(u64, &mut [u8]) -> Result<(), String> + 'a;
+pub type ReadAt<'a> = dyn FnMut(u64, &mut [u8]) -> std::io::Result<()> + 'a;
 
 /// A master key, zeroed when dropped.
 pub struct MasterKey(Zeroizing<Vec<u8>>);
@@ -125,7 +125,7 @@ impl Volume {
     /// Reads and checks the header at the start of the device `read` reads.
     pub fn read(read: &mut ReadAt<'_>) -> Result<Volume, CryptError> {
         let mut head = vec![0u8; LUKS2_BINARY];
-        read(0, &mut head).map_err(CryptError::Read)?;
+        read(0, &mut head).map_err(|e| CryptError::Read(e.to_string()))?;
         if &head[..6] == MAGIC_1 {
             return match u16::from_be_bytes([head[6], head[7]]) {
                 1 => Self::luks1(&head[..LUKS1_HEADER]),
@@ -241,7 +241,7 @@ impl Volume {
         let csum_hash = Hash::parse(&text(&head, 72, 32, "checksum_alg")?, "checksum_alg")?;
         let mut all = vec![0u8; hdr_size as usize];
         all[..LUKS2_BINARY].copy_from_slice(&head);
-        read(at + LUKS2_BINARY as u64, &mut all[LUKS2_BINARY..]).map_err(CryptError::Read)?;
+        read(at + LUKS2_BINARY as u64, &mut all[LUKS2_BINARY..]).map_err(|e| CryptError::Read(e.to_string()))?;
         let stored = head[448..448 + csum_hash.output_len()].to_vec();
         all[448..512].fill(0);
         if csum_hash.digest(&[&all]) != stored {
@@ -436,7 +436,7 @@ impl Volume {
         }
         let len = self.key_bytes * slot.stripes;
         let mut material = Zeroizing::new(vec![0u8; len.div_ceil(512) * 512]);
-        read(slot.offset, &mut material).map_err(CryptError::Read)?;
+        read(slot.offset, &mut material).map_err(|e| CryptError::Read(e.to_string()))?;
         SectorCipher::new(&derived, 512)?.decrypt(&mut material, 0);
         let key = Zeroizing::new(af_merge(&material[..len], self.key_bytes, slot.stripes, slot.af_hash));
         Ok(self.check(&key).then(|| MasterKey(key)))

@@ -50,7 +50,7 @@ impl Drop for Dir {
 
 fn open(path: &str) -> (File, Volume) {
     let f = File::open(path).unwrap();
-    let v = Volume::read(&mut |at, buf| f.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap();
+    let v = Volume::read(&mut |at, buf| f.read_exact_at(buf, at)).unwrap();
     (f, v)
 }
 
@@ -113,9 +113,9 @@ fn cryptsetup_volumes_open_to_the_master_key_cryptsetup_sees() {
         assert_eq!(v.sector_size, sector, "{name}");
         let uuid = run("cryptsetup", &["luksUUID", &vol]);
         assert_eq!(v.uuid, uuid.trim(), "{name}");
-        let mk = v.unlock(KEY, &mut |at, buf| f.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap();
+        let mk = v.unlock(KEY, &mut |at, buf| f.read_exact_at(buf, at)).unwrap();
         assert_eq!(mk.bytes(), cryptsetup_key(&dir, &vol), "{name}: the master key");
-        let wrong = v.unlock(b"correct horse battery staple", &mut |at, buf| f.read_exact_at(buf, at).map_err(|e| e.to_string()));
+        let wrong = v.unlock(b"correct horse battery staple", &mut |at, buf| f.read_exact_at(buf, at));
         assert_eq!(wrong.unwrap_err(), CryptError::WrongKey, "{name}: the passphrase without its newline is another key");
         assert_eq!(v.data_size(32 << 20).unwrap(), (32 << 20) - v.payload_offset, "{name}");
     }
@@ -157,7 +157,7 @@ fn what_qemu_encrypts_decrypts_here_and_what_is_encrypted_here_qemu_reads() {
     qemu_io(&key, &vol, "write -P 0xa5 65536 8192");
     let (f, v) = open(&vol);
     assert_eq!(v.version, 1);
-    let mk = v.unlock(KEY, &mut |at, buf| f.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap();
+    let mk = v.unlock(KEY, &mut |at, buf| f.read_exact_at(buf, at)).unwrap();
     let cipher = v.cipher(&mk).unwrap();
     let mut data = vec![0u8; 8192];
     f.read_exact_at(&mut data, v.payload_offset + 65536).unwrap();
@@ -186,11 +186,11 @@ fn a_damaged_header_names_the_field_and_a_plain_device_is_not_luks() {
     let w = std::fs::OpenOptions::new().read(true).write(true).open(&vol).unwrap();
     // Key slot 0's stripes: 0.
     w.write_all_at(&0u32.to_be_bytes(), 208 + 44).unwrap();
-    let e = Volume::read(&mut |at, buf| w.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap_err();
+    let e = Volume::read(&mut |at, buf| w.read_exact_at(buf, at)).unwrap_err();
     assert_eq!(e.to_string(), "LUKS header: key-slot 0 stripes: 0 (1 to 65536)");
     // The cipher mode.
     w.write_all_at(b"cbc-essiv:sha256\0", 40).unwrap();
-    let e = Volume::read(&mut |at, buf| w.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap_err();
+    let e = Volume::read(&mut |at, buf| w.read_exact_at(buf, at)).unwrap_err();
     assert!(e.to_string().contains("aes-cbc-essiv:sha256"), "{e}");
 
     let vol2 = dir.path("v2.img");
@@ -214,20 +214,17 @@ fn a_damaged_header_names_the_field_and_a_plain_device_is_not_luks() {
     let w2 = std::fs::OpenOptions::new().read(true).write(true).open(&vol2).unwrap();
     // A byte of the primary JSON area: its checksum fails, and the secondary copy serves.
     w2.write_all_at(b"X", 4096 + 10).unwrap();
-    let v = Volume::read(&mut |at, buf| w2.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap();
+    let v = Volume::read(&mut |at, buf| w2.read_exact_at(buf, at)).unwrap();
     assert_eq!(v.version, 2);
     // Both copies damaged: the primary's fault is named.
     w2.write_all_at(b"X", 16384 + 4096 + 10).unwrap();
-    let e = Volume::read(&mut |at, buf| w2.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap_err();
+    let e = Volume::read(&mut |at, buf| w2.read_exact_at(buf, at)).unwrap_err();
     assert_eq!(e.to_string(), "LUKS header: csum: does not match the header (damaged or changed)");
 
     let plain = dir.path("plain.img");
     File::create(&plain).unwrap().set_len(1 << 20).unwrap();
     let p = File::open(&plain).unwrap();
-    assert_eq!(
-        Volume::read(&mut |at, buf| p.read_exact_at(buf, at).map_err(|e| e.to_string())).unwrap_err(),
-        CryptError::NotLuks
-    );
+    assert_eq!(Volume::read(&mut |at, buf| p.read_exact_at(buf, at)).unwrap_err(), CryptError::NotLuks);
 }
 
 #[test]
@@ -272,7 +269,9 @@ fn mangled_headers_are_refused_or_read_never_panic() {
         }
         let r = Volume::read(&mut |at, buf| {
             let (at, end) = (at as usize, at as usize + buf.len());
-            buf.copy_from_slice(img.get(at..end).ok_or("past the end")?);
+            buf.copy_from_slice(
+                img.get(at..end).ok_or_else(|| std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "past the end"))?,
+            );
             Ok(())
         });
         if let Ok(v) = r {

@@ -187,7 +187,7 @@ impl Layer for Crypt {
 
     fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
         let size = below.size();
-        let mut read = |at: u64, buf: &mut [u8]| below.read(at, buf).map_err(|e| e.to_string());
+        let mut read = |at: u64, buf: &mut [u8]| below.read(at, buf).map_err(std::io::Error::other);
         let volume = Volume::read(&mut read).map_err(|e| e.to_string())?;
         let data_size = volume.data_size(size).map_err(|e| e.to_string())?;
         let now = Layout { payload_offset: volume.payload_offset, data_size, sector_size: volume.sector_size };

@@ -6,6 +6,7 @@
 //! the domain on its attach line, and keeps copies so that each new generation of the domain
 //! gets them again once the application has started its queues over.
 
+use crate::error::Error;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -38,7 +39,7 @@ pub(crate) struct Session {
     queues: Vec<(AtomicUsize, BackQueueFds)>,
     generation: Mutex<u32>,
     /// Its answer to the last restart.
-    ack: Mutex<Option<Result<u32, String>>>,
+    ack: Mutex<Option<Result<u32, Error>>>,
     acked: Condvar,
     /// It was let go of (it broke a ring, or did not follow a restart): its slots are free.
     dropped: AtomicBool,
@@ -66,7 +67,7 @@ impl Session {
     }
 
     /// Records the application's answer to a restart (from the thread reading its connection).
-    pub(crate) fn answered(&self, a: Result<u32, String>) {
+    pub(crate) fn answered(&self, a: Result<u32, Error>) {
         *self.ack.lock().unwrap_or_else(|e| e.into_inner()) = Some(a);
         self.acked.notify_all();
     }
@@ -100,34 +101,34 @@ pub(crate) struct AttachPoint {
 /// Sends `msg` (with `fds`) on `line` and waits for the domain's answer about the same slot.
 /// Other slots' refusals that come meanwhile (queues the domain let go of because their
 /// application broke the ring) are added to `evicted`.
-fn ask(line: &OwnedFd, msg: ToDomain, fds: &[BorrowedFd<'_>], evicted: &mut Vec<u32>) -> Result<FromDomain, String> {
+fn ask(line: &OwnedFd, msg: ToDomain, fds: &[BorrowedFd<'_>], evicted: &mut Vec<u32>) -> Result<FromDomain, Error> {
     let slot = match msg {
         ToDomain::Add { slot } | ToDomain::Remove { slot } => slot,
     };
     let bytes = serde_json::to_vec(&msg).expect("message serialises");
-    bulkhead_sys::send_with_fds(line.as_fd(), &bytes, fds, false).map_err(|e| format!("attach line: {e}"))?;
+    bulkhead_sys::send_with_fds(line.as_fd(), &bytes, fds, false).map_err(|e| Error::failed(format!("attach line: {e}")))?;
     answer_about(line, slot, evicted)
 }
 
 /// Waits for the domain's next message about `slot` on `line` (others' refusals go to
 /// `evicted`, as in [`ask`]).
-fn answer_about(line: &OwnedFd, slot: u32, evicted: &mut Vec<u32>) -> Result<FromDomain, String> {
+fn answer_about(line: &OwnedFd, slot: u32, evicted: &mut Vec<u32>) -> Result<FromDomain, Error> {
     let deadline = Instant::now() + LINE_WAIT;
     let mut buf = [0u8; MAX_MESSAGE];
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err("the domain did not answer on its attach line".into());
+            return Err(Error::failed("the domain did not answer on its attach line"));
         }
         let mut pfd = [libc::pollfd { fd: line.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
-        bulkhead_sys::poll(&mut pfd, left.as_millis().max(1) as i32).map_err(|e| format!("attach line: {e}"))?;
+        bulkhead_sys::poll(&mut pfd, left.as_millis().max(1) as i32).map_err(|e| Error::failed(format!("attach line: {e}")))?;
         let (n, _) = match bulkhead_sys::recv_with_fds(line.as_fd(), &mut buf, false) {
-            Ok(Some((0, _))) => return Err("the domain hung up its attach line".into()),
+            Ok(Some((0, _))) => return Err(Error::failed("the domain hung up its attach line")),
             Ok(Some(got)) => got,
             Ok(None) => continue,
-            Err(e) => return Err(format!("attach line: {e}")),
+            Err(e) => return Err(Error::failed(format!("attach line: {e}"))),
         };
-        let answer: FromDomain = serde_json::from_slice(&buf[..n]).map_err(|e| format!("attach line: {e}"))?;
+        let answer: FromDomain = serde_json::from_slice(&buf[..n]).map_err(|e| Error::failed(format!("attach line: {e}")))?;
         let about = match &answer {
             FromDomain::Added { slot } | FromDomain::Removed { slot } | FromDomain::Refused { slot, .. } => *slot,
         };
@@ -180,23 +181,23 @@ impl AttachPoint {
         view: Option<u32>,
         conn: &UnixStream,
         queues: Vec<BackQueueFds>,
-    ) -> Result<(u64, Arc<Session>), String> {
+    ) -> Result<(u64, Arc<Session>), Error> {
         // Take the slots, then ask the domain with nothing locked.
         let (id, line, free) = {
             let mut inner = self.lock();
             let Some(line) = inner.line.clone() else {
-                return Err(format!("device {} has no running domain", self.device));
+                return Err(Error::busy(format!("device {} has no running domain", self.device)));
             };
             let free: Vec<usize> = (0..inner.slots.len())
                 .filter(|&i| inner.slots[i] == view && inner.owners[i].is_none())
                 .take(queues.len())
                 .collect();
             if free.len() < queues.len() {
-                return Err(format!(
+                return Err(Error::in_use(format!(
                     "{target}: {} attach slot(s) free, {} asked (its `attach` key sets how many)",
                     free.len(),
                     queues.len()
-                ));
+                )));
             }
             let id = inner.next;
             inner.next += 1;
@@ -213,11 +214,11 @@ impl AttachPoint {
             match ask(&line, ToDomain::Add { slot: slot as u32 }, &fds, &mut evicted) {
                 Ok(FromDomain::Added { .. }) => added.push(slot),
                 Ok(FromDomain::Refused { why, .. }) => {
-                    failed = Some(format!("the domain refused the queue: {why}"));
+                    failed = Some(Error::invalid(format!("the domain refused the queue: {why}")));
                     break;
                 }
                 Ok(other) => {
-                    failed = Some(format!("the domain answered {other:?}"));
+                    failed = Some(Error::failed(format!("the domain answered {other:?}")));
                     break;
                 }
                 Err(e) => {
@@ -230,7 +231,7 @@ impl AttachPoint {
             Some(why) => Err(why),
             None => {
                 let (pid, uid) = bulkhead_sys::peer_credentials(conn.as_fd()).unwrap_or((0, 0));
-                conn.try_clone().map_err(|e| e.to_string()).map(|conn| {
+                conn.try_clone().map_err(|e| Error::failed(e.to_string())).map(|conn| {
                     Arc::new(Session {
                         target: target.to_string(),
                         pid,
@@ -333,29 +334,29 @@ impl AttachPoint {
         self.drop_evicted(&evicted);
     }
 
-    fn restart_one(line: Option<&OwnedFd>, s: &Session, evicted: &mut Vec<u32>) -> Result<(), String> {
-        let line = line.ok_or("no domain runs")?;
+    fn restart_one(line: Option<&OwnedFd>, s: &Session, evicted: &mut Vec<u32>) -> Result<(), Error> {
+        let line = line.ok_or_else(|| Error::failed("no domain runs"))?;
         let generation = {
             let mut g = s.generation.lock().unwrap_or_else(|e| e.into_inner());
             *g = g.wrapping_add(1).max(1);
             *g
         };
         *s.ack.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        s.tell(&FromServe::Restart { generation }).map_err(|e| format!("cannot tell it of the restart: {e}"))?;
+        s.tell(&FromServe::Restart { generation }).map_err(|e| Error::failed(format!("cannot tell it of the restart: {e}")))?;
         let ack = s.ack.lock().unwrap_or_else(|e| e.into_inner());
         let (ack, _) = s.acked.wait_timeout_while(ack, RESTART_WAIT, |a| a.is_none()).unwrap_or_else(|e| e.into_inner());
         match ack.clone() {
             Some(Ok(g)) if g == generation => {}
-            Some(Ok(g)) => return Err(format!("it started over as generation {g}, not {generation}")),
-            Some(Err(why)) => return Err(format!("it could not start over: {why}")),
-            None => return Err(format!("it did not start over within {} ms", RESTART_WAIT.as_millis())),
+            Some(Ok(g)) => return Err(Error::failed(format!("it started over as generation {g}, not {generation}"))),
+            Some(Err(why)) => return Err(Error::failed(format!("it could not start over: {why}"))),
+            None => return Err(Error::failed(format!("it did not start over within {} ms", RESTART_WAIT.as_millis()))),
         }
         drop(ack);
         for (slot, q) in &s.queues {
             let fds = q.as_array().map(|fd| fd.as_fd());
             match ask(line, ToDomain::Add { slot: slot.load(Ordering::Acquire) as u32 }, &fds, evicted)? {
                 FromDomain::Added { .. } => {}
-                other => return Err(format!("the new domain answered {other:?}")),
+                other => return Err(Error::failed(format!("the new domain answered {other:?}"))),
             }
         }
         Ok(())
@@ -459,35 +460,36 @@ pub(crate) fn offer(size: u64, qcfg: &bulkhead_channel::QueueConfig, read_only: 
 /// Checks the five descriptors of one queue an application sent: the ring and arenas must be
 /// memory files that can no longer shrink (the domain maps them: a file cut short under it
 /// would kill it), of at least the sizes of the geometry; the doorbells eventfds.
-pub(crate) fn check_queue(fds: &BackQueueFds, nslots: u32, arena_bytes: u64) -> Result<(), String> {
-    let ring = bulkhead_ring::RingLayout::new(nslots).map_err(|e| e.to_string())?.file_size() as u64;
+pub(crate) fn check_queue(fds: &BackQueueFds, nslots: u32, arena_bytes: u64) -> Result<(), Error> {
+    let ring = bulkhead_ring::RingLayout::new(nslots).map_err(|e| Error::invalid(e.to_string()))?.file_size() as u64;
     let arena = arena_bytes.next_multiple_of(bulkhead_shmem::PAGE_SIZE as u64);
     for (what, fd, want) in
         [("ring", &fds.ring, ring), ("write arena", &fds.write_arena, arena), ("read arena", &fds.read_arena, arena)]
     {
-        let seals =
-            bulkhead_shmem::memfd::seals(fd.as_raw_fd()).map_err(|e| format!("{what}: not a sealed memory file ({e})"))?;
+        let seals = bulkhead_shmem::memfd::seals(fd.as_raw_fd())
+            .map_err(|e| Error::invalid(format!("{what}: not a sealed memory file ({e})")))?;
         if seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(format!("{what}: not sealed against shrinking"));
+            return Err(Error::invalid(format!("{what}: not sealed against shrinking")));
         }
-        let have = bulkhead_shmem::memfd::size_of(fd.as_raw_fd()).map_err(|e| format!("{what}: {e}"))?;
+        let have = bulkhead_shmem::memfd::size_of(fd.as_raw_fd()).map_err(|e| Error::invalid(format!("{what}: {e}")))?;
         if have < want {
-            return Err(format!("{what}: {have} bytes, the geometry needs {want}"));
+            return Err(Error::invalid(format!("{what}: {have} bytes, the geometry needs {want}")));
         }
     }
     for (what, fd) in [("kick doorbell", &fds.kick), ("irq doorbell", &fds.irq)] {
-        let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(|e| format!("{what}: {e}"))?;
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+            .map_err(|e| Error::invalid(format!("{what}: {e}")))?;
         if link.as_os_str() != "anon_inode:[eventfd]" {
-            return Err(format!("{what}: not an eventfd ({})", link.display()));
+            return Err(Error::invalid(format!("{what}: not an eventfd ({})", link.display())));
         }
     }
     Ok(())
 }
 
 /// Takes five descriptors at a time as queues.
-pub(crate) fn queues_from(fds: Vec<OwnedFd>, count: u32) -> Result<Vec<BackQueueFds>, String> {
+pub(crate) fn queues_from(fds: Vec<OwnedFd>, count: u32) -> Result<Vec<BackQueueFds>, Error> {
     if fds.len() != count as usize * 5 {
-        return Err(format!("{} descriptors for {count} queue(s): five each", fds.len()));
+        return Err(Error::invalid(format!("{} descriptors for {count} queue(s): five each", fds.len())));
     }
     let mut it = fds.into_iter();
     let mut out = Vec::with_capacity(count as usize);
@@ -509,9 +511,9 @@ pub(crate) fn listen(mut conn: UnixStream, session: &Session) {
         };
         match serde_json::from_str::<FromApp>(&line) {
             Ok(FromApp::Restarted { generation }) => session.answered(Ok(generation)),
-            Ok(FromApp::Refused { why }) => session.answered(Err(why)),
+            Ok(FromApp::Refused { why }) => session.answered(Err(Error::failed(why))),
             Ok(FromApp::Queues { .. }) | Err(_) => {
-                session.answered(Err("unexpected message".into()));
+                session.answered(Err(Error::failed("unexpected message")));
                 return;
             }
         }
@@ -533,7 +535,7 @@ mod tests {
         let fds: Vec<OwnedFd> = q.as_array().iter().map(|fd| fd.try_clone().unwrap()).collect();
         assert_eq!(queues_from(fds, 1).unwrap().len(), 1);
         let four: Vec<OwnedFd> = q.as_array().iter().take(4).map(|fd| fd.try_clone().unwrap()).collect();
-        assert!(queues_from(four, 1).unwrap_err().contains("five each"));
+        assert!(queues_from(four, 1).unwrap_err().message().contains("five each"));
     }
 
     #[test]
@@ -543,17 +545,23 @@ mod tests {
         check_queue(&good, cfg.nslots, cfg.arena_bytes as u64).unwrap();
         // Arenas smaller than the geometry asks.
         let e = check_queue(&good, cfg.nslots, 2 * cfg.arena_bytes as u64).unwrap_err();
-        assert!(e.contains("write arena") && e.contains("the geometry needs"), "{e}");
+        assert!(e.message().contains("write arena") && e.message().contains("the geometry needs"), "{e}");
         // A doorbell that is not an eventfd.
         let (r, _w) = bulkhead_sys::pipe().unwrap();
         let BackQueueFds { ring, write_arena, read_arena, irq, .. } = queue(&cfg);
         let bad = BackQueueFds { ring, write_arena, read_arena, kick: r, irq };
-        assert!(check_queue(&bad, cfg.nslots, cfg.arena_bytes as u64).unwrap_err().contains("kick doorbell: not an eventfd"));
+        assert!(check_queue(&bad, cfg.nslots, cfg.arena_bytes as u64)
+            .unwrap_err()
+            .message()
+            .contains("kick doorbell: not an eventfd"));
         // A ring that is not a sealed memory file.
         let f = std::fs::File::open("/dev/null").unwrap();
         let BackQueueFds { write_arena, read_arena, kick, irq, .. } = queue(&cfg);
         let bad = BackQueueFds { ring: f.into(), write_arena, read_arena, kick, irq };
-        assert!(check_queue(&bad, cfg.nslots, cfg.arena_bytes as u64).unwrap_err().starts_with("ring: not a sealed memory file"));
+        assert!(check_queue(&bad, cfg.nslots, cfg.arena_bytes as u64)
+            .unwrap_err()
+            .message()
+            .starts_with("ring: not a sealed memory file"));
     }
 
     #[test]
@@ -562,7 +570,7 @@ mod tests {
         assert_eq!((point.free(None), point.free(Some(0))), (2, 1));
         let (a, _b) = UnixStream::pair().unwrap();
         let e = point.join("d", None, &a, vec![queue(&QueueConfig::default())]).unwrap_err();
-        assert!(e.contains("no running domain"), "{e}");
+        assert!(e.message().contains("no running domain"), "{e}");
         assert_eq!(point.free(None), 2);
         assert_eq!((point.attached(), point.status().len()), (0, 0));
     }

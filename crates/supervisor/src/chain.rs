@@ -13,32 +13,37 @@ use bulkhead_filters::state::{StatePage, STATE_BYTES};
 use bulkhead_filters::FilterSpec;
 use bulkhead_shmem::memfd;
 
+use crate::error::Error;
+
 /// Major device number stamped on trace records (the range Linux reserves for local use).
 const TRACE_MAJOR: u32 = 240;
 
 /// A size-sealed state page for a filter or a domain, and the supervisor's read-only view.
-pub(crate) fn state_page(name: &str) -> Result<(OwnedFd, StatePage), String> {
+pub(crate) fn state_page(name: &str) -> Result<(OwnedFd, StatePage), Error> {
     shared_page(name, false)
 }
 
 /// A state page the supervisor writes too (`writable`): the domain's own, where it sets the
 /// views' caps.
-pub(crate) fn shared_page(name: &str, writable: bool) -> Result<(OwnedFd, StatePage), String> {
-    let fd = memfd::create(name, STATE_BYTES as u64).map_err(|e| format!("state page: {e}"))?;
-    memfd::seal_size(fd.as_raw_fd()).map_err(|e| format!("state page: {e}"))?;
-    let page = StatePage::map(fd.as_raw_fd(), writable).map_err(|e| format!("state page: {e}"))?;
+pub(crate) fn shared_page(name: &str, writable: bool) -> Result<(OwnedFd, StatePage), Error> {
+    let fd = memfd::create(name, STATE_BYTES as u64).map_err(|e| Error::failed(format!("state page: {e}")))?;
+    memfd::seal_size(fd.as_raw_fd()).map_err(|e| Error::failed(format!("state page: {e}")))?;
+    let page = StatePage::map(fd.as_raw_fd(), writable).map_err(|e| Error::failed(format!("state page: {e}")))?;
     Ok((fd, page))
 }
 
 /// `key` in a sealed memory file of its own.
-fn secret_file(device: &str, key: &[u8]) -> Result<OwnedFd, String> {
+fn secret_file(device: &str, key: &[u8]) -> Result<OwnedFd, Error> {
     use std::os::unix::fs::FileExt;
-    let fd = memfd::create(&format!("bulkhead-{device}-key"), key.len() as u64).map_err(|e| e.to_string())?;
+    fn failed(e: impl std::fmt::Display) -> Error {
+        Error::failed(format!("key: {e}"))
+    }
+    let fd = memfd::create(&format!("bulkhead-{device}-key"), key.len() as u64).map_err(failed)?;
     let f = std::fs::File::from(fd);
-    f.write_all_at(key, 0).map_err(|e| e.to_string())?;
+    f.write_all_at(key, 0).map_err(failed)?;
     let fd = OwnedFd::from(f);
-    memfd::seal_size(fd.as_raw_fd()).map_err(|e| e.to_string())?;
-    memfd::seal_future_write(fd.as_raw_fd()).map_err(|e| e.to_string())?;
+    memfd::seal_size(fd.as_raw_fd()).map_err(failed)?;
+    memfd::seal_future_write(fd.as_raw_fd()).map_err(failed)?;
     Ok(fd)
 }
 
@@ -54,8 +59,8 @@ pub(crate) fn open_volume(
     f: &mut FilterSetup,
     size_below: u64,
     read: &mut bulkhead_crypt::ReadAt<'_>,
-) -> Result<u64, String> {
-    let bad = |m: String| format!("filter {} (crypt): {m}", i + 1);
+) -> Result<u64, Error> {
+    let bad = |m: String| Error::invalid(format!("filter {} (crypt): {m}", i + 1));
     let FilterSpec::Crypt { payload_offset, data_size, sector_size } = &mut f.spec else {
         return Err(bad("not a crypt filter".into()));
     };
@@ -78,7 +83,7 @@ pub(crate) fn open_volume(
         bulkhead_crypt::CryptError::WrongKey => bad(format!("no key slot of the volume opens with key_file {}", path.display())),
         e => bad(e.to_string()),
     })?;
-    f.secret = Some(secret_file(device, key.bytes()).map_err(|e| bad(format!("key: {e}")))?);
+    f.secret = Some(secret_file(device, key.bytes()).map_err(|e| e.context(format!("filter {} (crypt)", i + 1)))?);
     Ok(d)
 }
 
@@ -96,8 +101,8 @@ pub(crate) fn open_cow_overlay(
     f: &mut FilterSetup,
     size_below: u64,
     backing_file: Option<(&Path, bulkhead_image::Format)>,
-) -> Result<(), String> {
-    let bad = |m: String| format!("filter {} (cow): {m}", i + 1);
+) -> Result<(), Error> {
+    let bad = |m: String| Error::invalid(format!("filter {} (cow): {m}", i + 1));
     let FilterSpec::Cow { cluster_bits, .. } = &mut f.spec else {
         return Err(bad("not a cow filter".into()));
     };
@@ -107,7 +112,7 @@ pub(crate) fn open_cow_overlay(
         Some(bulkhead_image::Backing { name, format })
     });
     let (fd, bits) = open_overlay(&path, size_below, *cluster_bits, backing.as_ref())
-        .map_err(|e| bad(format!("overlay {}: {e}", path.display())))?;
+        .map_err(|e| e.context(format!("filter {} (cow): overlay {}", i + 1, path.display())))?;
     *cluster_bits = bits;
     f.output = Some(fd);
     Ok(())
@@ -119,10 +124,11 @@ fn open_overlay(
     size: u64,
     cluster_bits: u32,
     backing: Option<&bulkhead_image::Backing>,
-) -> Result<(OwnedFd, u32), String> {
+) -> Result<(OwnedFd, u32), Error> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let failed = |e: std::io::Error| Error::failed(e.to_string());
     if !path.exists() {
-        let image = bulkhead_image::new_image(size, cluster_bits, backing).map_err(|e| e.to_string())?;
+        let image = bulkhead_image::new_image(size, cluster_bits, backing).map_err(|e| Error::invalid(e.to_string()))?;
         // Written whole under another name, then renamed: never a half-made overlay.
         let tmp = path.with_extension(format!("new-{}", std::process::id()));
         let made = (|| -> std::io::Result<()> {
@@ -133,23 +139,22 @@ fn open_overlay(
         })();
         if let Err(e) = made {
             let _ = std::fs::remove_file(&tmp);
-            return Err(format!("cannot create it: {e}"));
+            return Err(Error::failed(format!("cannot create it: {e}")));
         }
     }
-    let f =
-        std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path).map_err(|e| e.to_string())?;
+    let f = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path).map_err(failed)?;
     if f.try_lock().is_err() {
-        return Err("in use by another process (it is locked)".into());
+        return Err(Error::in_use("in use by another process (it is locked)"));
     }
-    let len = f.metadata().map_err(|e| e.to_string())?.len();
+    let len = f.metadata().map_err(failed)?.len();
     let mut start = vec![0u8; bulkhead_image::PROBE_BYTES.min(len as usize)];
-    f.read_exact_at(&mut start, 0).map_err(|e| e.to_string())?;
-    let h = bulkhead_image::Qcow2Header::parse(&start).map_err(|e| e.to_string())?;
+    f.read_exact_at(&mut start, 0).map_err(failed)?;
+    let h = bulkhead_image::Qcow2Header::parse(&start).map_err(|e| Error::invalid(e.to_string()))?;
     if h.size != size {
-        return Err(format!("holds a device of {} bytes; the device below has {size}", h.size));
+        return Err(Error::invalid(format!("holds a device of {} bytes; the device below has {size}", h.size)));
     }
     if h.dirty {
-        return Err("was not closed cleanly (dirty bit set); repair it with `qemu-img check -r all`".into());
+        return Err(Error::invalid("was not closed cleanly (dirty bit set); repair it with `qemu-img check -r all`"));
     }
     Ok((OwnedFd::from(f), h.cluster_bits))
 }
@@ -191,7 +196,7 @@ pub(crate) struct FilterSetup {
 impl FilterSetup {
     /// Makes the state page and opens the output of a configured filter of device `device`
     /// (the `index`-th in the configuration, for the trace's device number).
-    pub fn new(device: &str, index: u32, f: Filter) -> Result<Self, String> {
+    pub fn new(device: &str, index: u32, f: Filter) -> Result<Self, Error> {
         let mut spec = f.spec;
         if let FilterSpec::Trace { device_number } = &mut spec {
             *device_number = (TRACE_MAJOR << 20) | index;
@@ -201,7 +206,8 @@ impl FilterSetup {
         let (output, overlay) = match (&spec, &f.path) {
             (FilterSpec::Cow { .. }, p) => (None, p.clone()),
             (_, Some(p)) => {
-                (Some(open_trace(p).map_err(|e| format!("{}: cannot open {}: {e}", spec.type_name(), p.display()))?), None)
+                let cannot = |e| Error::failed(format!("{}: cannot open {}: {e}", spec.type_name(), p.display()));
+                (Some(open_trace(p).map_err(cannot)?), None)
             }
             (_, None) => (None, None),
         };

@@ -19,10 +19,11 @@ use bulkhead_filters::FilterSpec;
 use crate::attach::AttachPoint;
 use crate::chain::{shared_page, FilterSetup};
 use crate::domains::{Domains, Faces, Graveyard};
+use crate::error::Error;
 use crate::launcher::{Launched, Launcher};
 use crate::lifecycle::{Lifecycle, Observation};
 use crate::mailbox::{Mailbox, Note};
-use crate::state::{Clock, RestartPolicy, Shape, SupervisorError};
+use crate::state::{Clock, RestartPolicy, Shape};
 use crate::views::{Controls, ViewRuntime};
 
 /// The part of a device that changes as its domains do.
@@ -105,14 +106,14 @@ impl DeviceRuntime {
         exe: &Path,
         clock: Arc<dyn Clock>,
         mailbox: Arc<Mailbox>,
-    ) -> Result<Self, SupervisorError> {
+    ) -> Result<Self, Error> {
         let index = id as u32;
         let name = cfg.name.get_ref().clone();
-        let err = |message: String| SupervisorError::Device { device: name.clone(), message };
+        let device = format!("device `{name}`");
         // Writable here too: the views' caps are set in it.
-        let (state_fd, state) = shared_page(&format!("bulkhead-{name}-domain"), true).map_err(err)?;
-        let (below_fd, below_state) = shared_page(&format!("bulkhead-{name}-below"), false).map_err(err)?;
-        let launcher = Launcher::open(cfg, index, exe, [state_fd, below_fd]).map_err(err)?;
+        let (state_fd, state) = shared_page(&format!("bulkhead-{name}-domain"), true).map_err(|e| e.context(&device))?;
+        let (below_fd, below_state) = shared_page(&format!("bulkhead-{name}-below"), false).map_err(|e| e.context(&device))?;
+        let launcher = Launcher::open(cfg, index, exe, [state_fd, below_fd]).map_err(|e| e.context(&device))?;
         let policy = RestartPolicy {
             watchdog: Duration::from_millis(cfg.watchdog_ms()),
             limit: *cfg.restart_limit.get_ref(),
@@ -120,7 +121,7 @@ impl DeviceRuntime {
             reconnect: launcher.reconnect_timeout(),
         };
         let attach = AttachPoint::new(&name, launcher.layout().attach_slots());
-        let Launched { mut fronts, domains, attach_line } = launcher.launch(1).map_err(|e| err(e.to_string()))?;
+        let Launched { mut fronts, domains, attach_line } = launcher.launch(1).map_err(|e| e.context(&device))?;
         attach.rejoin(attach_line);
         let nqueues = *cfg.queues.get_ref() as usize;
         let view_fronts = fronts.split_off(nqueues);
@@ -235,13 +236,14 @@ impl DeviceRuntime {
 
     /// Waits up to `timeout` for the job holding the device to finish, then claims it; the
     /// slot comes with the claim, locked.
-    pub(crate) fn claim(&self, timeout: Duration) -> Result<(Claim<'_>, MutexGuard<'_, Slot>), String> {
+    pub(crate) fn claim(&self, timeout: Duration) -> Result<(Claim<'_>, MutexGuard<'_, Slot>), Error> {
         let deadline = Instant::now() + timeout;
         let mut slot = self.lock();
         while slot.busy {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(format!("device `{}` is busy: a restart has held it for {} s", self.name, timeout.as_secs()));
+                let why = format!("device `{}` is busy: a restart has held it for {} s", self.name, timeout.as_secs());
+                return Err(Error::busy(why));
             }
             slot = self.released.wait_timeout(slot, left).unwrap_or_else(|e| e.into_inner()).0;
         }
@@ -283,7 +285,7 @@ impl DeviceRuntime {
 
     /// Applies `change` to the chain the next generation runs; returns what to log for the
     /// restart, or why the change is refused (the chain is then as it was).
-    pub(crate) fn change_chain(&self, change: &crate::DeviceChange) -> Result<String, String> {
+    pub(crate) fn change_chain(&self, change: &crate::DeviceChange) -> Result<String, Error> {
         use crate::DeviceChange;
         match change {
             DeviceChange::Restart => Ok("restart requested".into()),
@@ -301,14 +303,16 @@ impl DeviceRuntime {
                 self.launcher.change_chain(|chain| {
                     let at = at.unwrap_or(chain.filters.len());
                     if at > chain.filters.len() {
-                        return Err(format!("position {at} is past the end of the chain ({} filters)", chain.filters.len()));
+                        let why = format!("position {at} is past the end of the chain ({} filters)", chain.filters.len());
+                        return Err(Error::invalid(why));
                     }
-                    let f = bulkhead_config::parse_filter(table, &self.name, at, watchdog_ms).map_err(|e| e.to_string())?;
+                    let f = bulkhead_config::parse_filter(table, &self.name, at, watchdog_ms)
+                        .map_err(|e| Error::invalid(e.to_string()))?;
                     if f.spec.transforms() {
-                        return Err(format!(
+                        return Err(Error::invalid(format!(
                             "a {} filter changes what the device holds; it cannot be added to a running device",
                             f.spec.type_name()
-                        ));
+                        )));
                     }
                     let setup = FilterSetup::new(&self.name, self.launcher.index, f)?;
                     let what = setup.spec.type_name();
@@ -318,20 +322,20 @@ impl DeviceRuntime {
             }
             DeviceChange::Snapshot(op) => self.launcher.change_chain(|chain| {
                 if chain.cow().is_none() {
-                    return Err("the device has no cow filter".into());
+                    return Err(Error::invalid("the device has no cow filter"));
                 }
                 chain.snapshot = Some(op.clone());
                 Ok(format!("snapshot {} `{}`", op.action.as_str(), op.name))
             }),
             DeviceChange::RemoveFilter(at) => self.launcher.change_chain(|chain| {
                 if *at >= chain.filters.len() {
-                    return Err(format!("no filter at position {at} ({} filters)", chain.filters.len()));
+                    return Err(Error::not_found(format!("no filter at position {at} ({} filters)", chain.filters.len())));
                 }
                 if chain.filters[*at].spec.transforms() {
-                    return Err(format!(
+                    return Err(Error::invalid(format!(
                         "the {} filter at position {at} holds what the device holds; it cannot be removed from a running device",
                         chain.filters[*at].spec.type_name()
-                    ));
+                    )));
                 }
                 let gone = chain.filters.remove(*at);
                 Ok(format!("filter {} at position {at} removed", gone.spec.type_name()))

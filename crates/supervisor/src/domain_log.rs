@@ -58,18 +58,22 @@ impl Relay {
 
 /// The relay, started with the first domain.
 fn relay_thread() -> io::Result<&'static Relay> {
-    static RELAY: OnceLock<Result<&'static Relay, String>> = OnceLock::new();
+    // The error is kept as its kind and words: an `io::Error` cannot be cloned for each caller.
+    static RELAY: OnceLock<Result<&'static Relay, (io::ErrorKind, String)>> = OnceLock::new();
     let r = RELAY.get_or_init(|| {
-        let relay: &'static Relay = Box::leak(Box::new(Relay {
-            epoll: Epoll::new().map_err(|e| e.to_string())?,
-            streams: Mutex::new(HashMap::new()),
-            ended: Condvar::new(),
-            next: std::sync::atomic::AtomicU64::new(0),
-        }));
-        std::thread::Builder::new().name("domain-log".into()).spawn(move || run(relay)).map_err(|e| e.to_string())?;
-        Ok(relay)
+        let start = || -> io::Result<&'static Relay> {
+            let relay: &'static Relay = Box::leak(Box::new(Relay {
+                epoll: Epoll::new()?,
+                streams: Mutex::new(HashMap::new()),
+                ended: Condvar::new(),
+                next: std::sync::atomic::AtomicU64::new(0),
+            }));
+            std::thread::Builder::new().name("domain-log".into()).spawn(move || run(relay))?;
+            Ok(relay)
+        };
+        start().map_err(|e| (e.kind(), e.to_string()))
     });
-    r.as_ref().copied().map_err(|e| io::Error::other(e.clone()))
+    r.as_ref().copied().map_err(|(kind, words)| io::Error::new(*kind, words.clone()))
 }
 
 fn emit(line: &str) {

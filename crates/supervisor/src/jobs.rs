@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::device::DeviceRuntime;
 use crate::domains::{Below, Domain, Domains, Graveyard};
+use crate::error::{Error, ErrorKind};
 use crate::launcher::Launched;
 use crate::lifecycle::{Disposition, Event, Launch, Observation, Which};
 use crate::mailbox::{Note, Reply};
@@ -37,7 +38,7 @@ pub(crate) fn run(rt: &DeviceRuntime, disposition: Disposition, detected: Instan
     };
     if let Err(why) = replaced {
         // Both domains go, as the lifecycle says: at once, after a back-off, or not at all.
-        let disposition = rt.lock().life.on_event(Event::ReplaceFailed { why }, rt.control.answered());
+        let disposition = rt.lock().life.on_event(Event::ReplaceFailed { why: why.to_string() }, rt.control.answered());
         rt.hand_on(Note::Then { device: rt.id, disposition, detected, reply });
         return;
     }
@@ -45,7 +46,7 @@ pub(crate) fn run(rt: &DeviceRuntime, disposition: Disposition, detected: Instan
         let slot = rt.lock();
         let _ = reply.send(match slot.life.state() {
             DeviceState::Running => Ok(slot.faces.driver_pid),
-            _ => Err(slot.life.failure().unwrap_or("restart failed").to_string()),
+            _ => Err(Error::failed(slot.life.failure().unwrap_or("restart failed"))),
         });
     }
     rt.release();
@@ -130,7 +131,7 @@ fn relaunch(rt: &DeviceRuntime, why: &str) {
             rt.attach.rejoin(attach_line);
         }
         Err(e) => {
-            let outcome = rt.lock().life.on_launch_failed(why, &e.to_string(), e.unreachable());
+            let outcome = rt.lock().life.on_launch_failed(why, &e.to_string(), e.kind() == ErrorKind::Unreachable);
             match outcome {
                 Launch::Retry { after } => rt.control.log_limited(|| format!("{e}; trying again in {} ms", after.as_millis())),
                 Launch::Fail { reason } => {
@@ -172,9 +173,9 @@ fn install_interpose(rt: &DeviceRuntime, replaced: (Domain, Domain, Below, Grave
 
 /// Gives up replacing one domain alone: ends what is left, for a restart of both. `Err(why)`
 /// for the caller to return.
-fn give_up(rt: &DeviceRuntime, domains: Vec<Domain>, below: Below, graveyard: Graveyard, why: String) -> Result<(), String> {
+fn give_up(rt: &DeviceRuntime, domains: Vec<Domain>, below: Below, graveyard: Graveyard, why: String) -> Result<(), Error> {
     bury_all(rt, domains, Some(below), graveyard);
-    Err(why)
+    Err(Error::failed(why))
 }
 
 /// Waits up to [`SWITCH_STEP`] for `done`, while the process behind `pidfd` lives; says what
@@ -199,9 +200,9 @@ fn await_domain(pidfd: std::os::fd::BorrowedFd<'_>, mut done: impl FnMut() -> bo
 /// running: the tap domain starts the channel below over as the next generation and sends
 /// again what had no answer, and a new driver domain attaches to the same queues. The frontend
 /// above sees a pause, not a reissue. `Err(why)`: replace both for `why`.
-fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), String> {
+fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), Error> {
     let before = rt.observe();
-    let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(why.to_string()) };
+    let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(Error::failed(why)) };
     rt.control.time_outage(detected);
     rt.control.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
     graveyard.bury(&rt.name, driver);
@@ -238,9 +239,9 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
 /// and sends again what had no answer, a new tap domain attaches to both channels, and the
 /// driver domain attaches again. The backend's state (a remote connection, a file's cache)
 /// stays. `Err(why)`: replace both for `why`.
-fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), String> {
+fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), Error> {
     let before = rt.observe();
-    let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(why.to_string()) };
+    let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(Error::failed(why)) };
     rt.control.outage_started(detected);
     rt.control.log_limited(|| format!("{why}; replacing it (the driver domain below runs on)"));
     graveyard.bury(&rt.name, tap);

@@ -11,7 +11,7 @@ use bulkhead_doorbell::EventFd;
 use crate::lifecycle::Disposition;
 
 /// Where the result of an operator's change goes: the new driver pid, or why it failed.
-pub(crate) type Reply = Sender<Result<u32, String>>;
+pub(crate) type Reply = Sender<Result<u32, crate::error::Error>>;
 
 /// A note to the watcher.
 #[derive(Debug)]

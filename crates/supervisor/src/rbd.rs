@@ -11,6 +11,7 @@
 //! never names an address the kernel acts on. Data never passes through the broker; a refused
 //! address fails the call with EACCES and is logged once.
 
+use crate::error::Error;
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -32,21 +33,22 @@ pub(crate) struct Reach {
 impl Reach {
     /// Resolves `mon_host` (monitors without a port listen on 3300 and 6789); `networks` are
     /// the OSDs' ranges, the monitors' hosts when empty.
-    pub(crate) fn resolve(mon_host: &str, networks: &[String]) -> Result<Reach, String> {
+    pub(crate) fn resolve(mon_host: &str, networks: &[String]) -> Result<Reach, Error> {
         let mut mons = Vec::new();
-        for (host, port) in bulkhead_config::parse_mon_host(mon_host)? {
+        for (host, port) in bulkhead_config::parse_mon_host(mon_host).map_err(|e| Error::invalid(e.to_string()))? {
             let ports = match port {
                 Some(p) => vec![p],
                 None => vec![3300, 6789],
             };
             for p in ports {
-                let addrs = (host.as_str(), p).to_socket_addrs().map_err(|e| format!("monitor `{host}`: {e}"))?;
+                let addrs =
+                    (host.as_str(), p).to_socket_addrs().map_err(|e| Error::unreachable(format!("monitor `{host}`: {e}")))?;
                 mons.extend(addrs);
             }
         }
         let mut nets = Vec::new();
         for n in networks {
-            nets.push(bulkhead_config::parse_cidr(n)?);
+            nets.push(bulkhead_config::parse_cidr(n).map_err(|e| Error::invalid(e.to_string()))?);
         }
         if nets.is_empty() {
             let hosts: HashSet<IpAddr> = mons.iter().map(|a| a.ip()).collect();
@@ -65,7 +67,7 @@ impl Reach {
     /// device `reconnecting` rather than starting domains that cannot work. A monitor answers
     /// a connection with its banner (`ceph v2` or `ceph v027`) at once; a stopped one accepts
     /// the connection in the kernel and says nothing.
-    pub(crate) fn probe(&self, timeout: Duration) -> Result<(), String> {
+    pub(crate) fn probe(&self, timeout: Duration) -> Result<(), Error> {
         use std::io::Read;
         let mut last = "no monitor address".to_string();
         for a in &self.mons {
@@ -81,7 +83,7 @@ impl Reach {
                 Err(e) => last = format!("monitor {a}: {e}"),
             }
         }
-        Err(last)
+        Err(Error::unreachable(last))
     }
 }
 

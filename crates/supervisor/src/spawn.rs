@@ -10,6 +10,7 @@ use bulkhead_sandbox::spawn::DomainChild;
 use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 
 use crate::domain_log;
+use crate::error::Error;
 
 /// How long a restart waits for a killed domain to finish exiting before it starts the next
 /// generation anyway (the old one can no longer run code; it is reaped later).
@@ -34,17 +35,17 @@ pub(crate) fn exec_confined<T>(
     policy: Policy,
     report: &OwnedFd,
     what: &str,
-) -> Result<(DomainChild, Option<Layers>), String> {
-    let (out_r, out_w) = domain_log::pipe().map_err(|e| format!("cannot make the domain's output pipe: {e}"))?;
+) -> Result<(DomainChild, Option<Layers>), Error> {
+    let (out_r, out_w) = domain_log::pipe().map_err(|e| Error::failed(format!("cannot make the domain's output pipe: {e}")))?;
     let (mut child, ns) = bulkhead_sandbox::spawn::spawn(exe, args, fds, Some(out_w.as_raw_fd()), policy != Policy::Off)
-        .map_err(|e| format!("cannot start {what}: {e}"))?;
+        .map_err(|e| Error::failed(format!("cannot start {what}: {e}")))?;
     // The domain holds its own copies now.
     drop(handed);
     drop(out_w);
     domain_log::relay(device, child.id(), out_r);
     if let (Policy::Required, Layer::Unavailable(why)) = (policy, &ns) {
         discard(child);
-        return Err(format!("sandbox = \"required\" but namespaces are unavailable: {why}"));
+        return Err(Error::failed(format!("sandbox = \"required\" but namespaces are unavailable: {why}")));
     }
     match read_report(report) {
         Some(Report::Confined(layers)) => Ok((child, Some(layers))),
@@ -52,7 +53,7 @@ pub(crate) fn exec_confined<T>(
             // It exits on its own after reporting; give it the time to say why.
             let _ = child.wait_timeout(EXIT_WAIT);
             discard(child);
-            Err(format!("{what} refused to start: {refused} (sandbox = \"required\")"))
+            Err(Error::failed(format!("{what} refused to start: {refused} (sandbox = \"required\")")))
         }
         None => Ok((child, None)),
     }

@@ -10,22 +10,6 @@ pub const LOST_EXIT: u8 = 75;
 /// (`bulkhead_guard::VIOLATION_EXIT`): restarted like a crash, with the reason in the log.
 pub const GUARD_EXIT: u8 = 86;
 
-/// Supervisor errors.
-#[derive(Debug, thiserror::Error)]
-pub enum SupervisorError {
-    /// A device could not be started.
-    #[error("device `{device}`: {message}")]
-    Device {
-        /// Device name.
-        device: String,
-        /// What failed.
-        message: String,
-    },
-    /// The supervisor's own machinery (its event loop, its workers) could not start.
-    #[error("supervisor: {0}")]
-    Setup(String),
-}
-
 pub use bulkhead_control::DeviceState;
 
 /// Restart policy of a device.

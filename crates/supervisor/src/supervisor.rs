@@ -15,11 +15,12 @@ use std::time::{Duration, Instant};
 use bulkhead_config::Config;
 
 use crate::device::DeviceRuntime;
+use crate::error::Error;
 use crate::hub::Hub;
 use crate::lifecycle::Event;
 use crate::mailbox::Mailbox;
 use crate::spawn::current_exe;
-use crate::state::{Clock, DeviceState, Monotonic, Shape, SupervisorError};
+use crate::state::{Clock, DeviceState, Monotonic, Shape};
 use crate::status::{device_status, ProcessMemory, StatusReport};
 use crate::workers::{Workers, WORKERS};
 
@@ -79,9 +80,9 @@ impl Supervisor {
     /// several at a time, on the supervisor's workers (which the domains then live as long
     /// as), and starts watching them. If a device cannot start, those that did are ended and
     /// the first device's error (in configuration order) is returned.
-    pub fn start(config: &Config, exe: Option<&Path>) -> Result<Self, SupervisorError> {
+    pub fn start(config: &Config, exe: Option<&Path>) -> Result<Self, Error> {
         let exe: PathBuf = exe.map(Path::to_path_buf).unwrap_or_else(current_exe);
-        let setup = |e: std::io::Error| SupervisorError::Setup(e.to_string());
+        let setup = |e: std::io::Error| Error::failed(format!("supervisor: {e}"));
         let clock: Arc<dyn Clock> = Arc::new(Monotonic);
         let mailbox = Arc::new(Mailbox::new().map_err(setup)?);
         let workers = Workers::start(WORKERS).map_err(setup)?;
@@ -95,7 +96,7 @@ impl Supervisor {
             });
         }
         drop(tx);
-        let mut started: Vec<Option<Result<DeviceRuntime, SupervisorError>>> = (0..config.devices.len()).map(|_| None).collect();
+        let mut started: Vec<Option<Result<DeviceRuntime, Error>>> = (0..config.devices.len()).map(|_| None).collect();
         for (i, r) in rx {
             started[i] = Some(r);
         }
@@ -134,8 +135,8 @@ impl Supervisor {
     }
 
     /// The device named `name`.
-    fn device(&self, name: &str) -> Result<Arc<DeviceRuntime>, String> {
-        self.hub.devices.find(name).ok_or_else(|| format!("no device `{name}`"))
+    fn device(&self, name: &str) -> Result<Arc<DeviceRuntime>, Error> {
+        self.hub.devices.find(name).ok_or_else(|| Error::not_found(format!("no device `{name}`")))
     }
 
     /// Whether a device `name` is served.
@@ -167,16 +168,16 @@ impl Supervisor {
     /// it; returns its frontend and its views' for the exports. Refused if its name or one of
     /// its views' is taken, or while `serve` stops; a device that cannot start leaves nothing
     /// behind.
-    pub fn add_device(&self, cfg: &bulkhead_config::DeviceConfig) -> Result<Vec<Arc<bulkhead_client::Device>>, SupervisorError> {
+    pub fn add_device(&self, cfg: &bulkhead_config::DeviceConfig) -> Result<Vec<Arc<bulkhead_client::Device>>, Error> {
         let _one = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         let name = cfg.name.get_ref().clone();
-        let refuse = |message: String| SupervisorError::Device { device: name.clone(), message };
+        let device = format!("device `{name}`");
         if self.hub.stopping.load(Ordering::Acquire) || self.stopped.load(Ordering::Acquire) {
-            return Err(refuse("serve is shutting down".into()));
+            return Err(Error::busy("serve is shutting down").context(&device));
         }
         for n in std::iter::once(&name).chain(cfg.views.iter().map(|v| v.name.get_ref())) {
             if self.hub.devices.name_taken(n) {
-                return Err(refuse(format!("a device or view named `{n}` is served already")));
+                return Err(Error::invalid(format!("a device or view named `{n}` is served already")).context(&device));
             }
         }
         let id = self.hub.devices.next_id();
@@ -186,7 +187,7 @@ impl Supervisor {
         self.hub.workers.submit(move || {
             let _ = tx.send(DeviceRuntime::start(&c, id, &exe, clock, mailbox));
         });
-        let rt = rx.recv().map_err(|_| refuse("the supervisor's workers are gone".into()))??;
+        let rt = rx.recv().map_err(|_| Error::failed("the supervisor's workers are gone").context(&device))??;
         let rt = Arc::new(rt);
         let fronts = rt.frontends();
         self.hub.devices.insert(rt);
@@ -197,12 +198,12 @@ impl Supervisor {
     /// Stops serving device `name`, which the exports no longer offer: waits up to `drain`
     /// for the requests in flight, flushes it, ends its domains and forgets it. Refused while
     /// applications are attached to it or its views, unless `force` (their requests then fail).
-    pub fn remove_device(&self, name: &str, force: bool, drain: Duration) -> Result<(), String> {
+    pub fn remove_device(&self, name: &str, force: bool, drain: Duration) -> Result<(), Error> {
         let _one = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         let rt = self.device(name)?;
         let attached = rt.attach.attached();
         if attached > 0 && !force {
-            return Err(format!("{attached} application queue(s) are attached to `{name}` or its views"));
+            return Err(Error::in_use(format!("{attached} application queue(s) are attached to `{name}` or its views")));
         }
         // Held to the end: no restart or change starts meanwhile, and the watcher leaves it be.
         let (claim, slot) = rt.claim(CLAIM_WAIT)?;
@@ -226,18 +227,18 @@ impl Supervisor {
     /// The device's domains are replaced by a generation that serves the view too: the
     /// device's and its other views' users see a pause, as in a restart, with nothing failed;
     /// other devices do not notice. Returns the view's frontend, for the exports.
-    pub fn add_view(&self, device: &str, view: &bulkhead_config::View) -> Result<Arc<bulkhead_client::Device>, String> {
+    pub fn add_view(&self, device: &str, view: &bulkhead_config::View) -> Result<Arc<bulkhead_client::Device>, Error> {
         let _one = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         if self.hub.stopping.load(Ordering::Acquire) || self.stopped.load(Ordering::Acquire) {
-            return Err("serve is shutting down".into());
+            return Err(Error::busy("serve is shutting down"));
         }
         let rt = self.device(device)?;
         let name = view.name.get_ref().clone();
         if self.hub.devices.name_taken(&name) {
-            return Err(format!("a device or view named `{name}` is served already"));
+            return Err(Error::invalid(format!("a device or view named `{name}` is served already")));
         }
         let (claim, mut slot) = rt.claim(CLAIM_WAIT)?;
-        let refuse = |slot, claim, why: String| {
+        let refuse = |slot, claim, why: Error| {
             // The slot's lock goes before the claim, whose release takes it.
             drop(slot);
             drop(claim);
@@ -245,7 +246,8 @@ impl Supervisor {
         };
         let state = slot.life.state();
         if state != DeviceState::Running {
-            return refuse(slot, claim, format!("device `{device}` is {}: views are added to a running device", state.as_str()));
+            let why = format!("device `{device}` is {}: views are added to a running device", state.as_str());
+            return refuse(slot, claim, Error::busy(why));
         }
         let setup = match crate::views::ViewSetup::resolve(device, std::slice::from_ref(view), rt.launcher.size()) {
             Ok(mut s) => s.remove(0),
@@ -253,7 +255,7 @@ impl Supervisor {
         };
         let count = rt.launcher.layout().views.len();
         if count >= bulkhead_qos::page::MAX_VIEWS {
-            return refuse(slot, claim, format!("device `{device}` has {count} views, the most it may have"));
+            return refuse(slot, claim, Error::invalid(format!("device `{device}` has {count} views, the most it may have")));
         }
         rt.launcher.change_layout(|l| l.views.push(setup.clone()));
         crate::views::reset_entry(&rt.state, count, &setup.caps);
@@ -264,12 +266,12 @@ impl Supervisor {
         let (tx, rx) = mpsc::channel();
         claim.pass_on();
         self.hub.dispatch(rt.id, disposition, self.hub.clock.now(), Some(tx));
-        let outcome = rx.recv_timeout(CHANGE_WAIT).map_err(|_| "the supervisor did not answer".to_string()).and_then(|r| r);
+        let outcome = rx.recv_timeout(CHANGE_WAIT).map_err(|_| Error::failed("the supervisor did not answer")).and_then(|r| r);
         if let Some(v) = rt.view(&name) {
             return Ok(v.device.clone());
         }
         // The new generation did not start: the view goes from the layout again.
-        let why = outcome.err().unwrap_or_else(|| "the new generation did not serve it".into());
+        let why = outcome.err().unwrap_or_else(|| Error::failed("the new generation did not serve it"));
         if let Ok((claim, slot)) = rt.claim(CLAIM_WAIT) {
             drop(slot);
             if rt.view(&name).is_none() && rt.launcher.layout().find(&name) == Some(count) {
@@ -278,7 +280,7 @@ impl Supervisor {
             }
             drop(claim);
         }
-        Err(format!("view `{name}` could not start: {why}"))
+        Err(why.context(format!("view `{name}` could not start")))
     }
 
     /// Removes view `name` from its running device, once the exports no longer offer it:
@@ -286,17 +288,19 @@ impl Supervisor {
     /// replaces the device's domains by a generation without it (its users see a pause, as in
     /// a restart). Refused while applications are attached to it, unless `force` (they are
     /// told it failed). Returns the device it belonged to.
-    pub fn remove_view(&self, name: &str, force: bool, drain: Duration) -> Result<String, String> {
+    pub fn remove_view(&self, name: &str, force: bool, drain: Duration) -> Result<String, Error> {
         let _one = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         if self.hub.stopping.load(Ordering::Acquire) || self.stopped.load(Ordering::Acquire) {
-            return Err("serve is shutting down".into());
+            return Err(Error::busy("serve is shutting down"));
         }
         let all = self.hub.devices.all();
-        let (rt, view) =
-            all.iter().find_map(|d| d.view(name).map(|v| (d.clone(), v))).ok_or_else(|| format!("no view `{name}`"))?;
+        let (rt, view) = all
+            .iter()
+            .find_map(|d| d.view(name).map(|v| (d.clone(), v)))
+            .ok_or_else(|| Error::not_found(format!("no view `{name}`")))?;
         let attached = rt.attach.attached_to(name);
         if attached > 0 && !force {
-            return Err(format!("{attached} application(s) are attached to view `{name}`"));
+            return Err(Error::in_use(format!("{attached} application(s) are attached to view `{name}`")));
         }
         let (claim, slot) = rt.claim(CLAIM_WAIT)?;
         drop(slot);
@@ -322,12 +326,13 @@ impl Supervisor {
     /// Changes the QoS of the running view `view`: `changes` are `key=value` settings of
     /// [`bulkhead_qos::KEYS`] applied over its current caps. The domain takes them on its
     /// next look at the view; a restarted domain keeps them. Returns the caps now in force.
-    pub fn set_qos(&self, view: &str, changes: &[(String, String)]) -> Result<bulkhead_qos::Caps, String> {
+    pub fn set_qos(&self, view: &str, changes: &[(String, String)]) -> Result<bulkhead_qos::Caps, Error> {
         let all = self.hub.devices.all();
-        let (rt, v) = all.iter().find_map(|d| d.view(view).map(|v| (d, v))).ok_or_else(|| format!("no view `{view}`"))?;
+        let (rt, v) =
+            all.iter().find_map(|d| d.view(view).map(|v| (d, v))).ok_or_else(|| Error::not_found(format!("no view `{view}`")))?;
         let mut caps = v.caps();
         for (k, val) in changes {
-            caps.set(k, val)?;
+            caps.set(k, val).map_err(|e| Error::invalid(e.to_string()))?;
         }
         let caps = caps.with_default_bursts();
         v.set_caps(caps, &rt.state)?;
@@ -412,7 +417,7 @@ impl Supervisor {
         };
         let queues = match crate::attach::queues_from(fds, count) {
             Ok(q) => q,
-            Err(e) => return refuse(&mut conn, ControlError::invalid(e)),
+            Err(e) => return refuse(&mut conn, e.into()),
         };
         for (i, q) in queues.iter().enumerate() {
             if let Err(e) = crate::attach::check_queue(q, qcfg.nslots, qcfg.arena_bytes as u64) {
@@ -424,7 +429,7 @@ impl Supervisor {
             drop(slot);
             // A view's place is read under the claim: views before it may have gone.
             let joined = match &view {
-                Some(v) if rt.view(&v.name).is_none() => Err(format!("view `{}` was removed", v.name)),
+                Some(v) if rt.view(&v.name).is_none() => Err(Error::not_found(format!("view `{}` was removed", v.name))),
                 v => rt.attach.join(&ask.name, v.as_ref().map(|v| v.index() as u32), &conn, queues),
             };
             drop(claim);
@@ -432,7 +437,7 @@ impl Supervisor {
         });
         let (id, session) = match joined {
             Ok(j) => j,
-            Err(e) => return refuse(&mut conn, ControlError::failed(e)),
+            Err(e) => return refuse(&mut conn, e.into()),
         };
         let slots = session.slots();
         log::info!("{}: attached pid {} ({} queue(s))", ask.name, session_pid(&conn), count);
@@ -470,30 +475,32 @@ impl Supervisor {
 
     /// Restarts a device's domains on demand (also a failed device's: its restart history is
     /// cleared). Returns the new driver pid.
-    pub fn restart_device(&self, name: &str) -> Result<u32, String> {
+    pub fn restart_device(&self, name: &str) -> Result<u32, Error> {
         self.change_device(name, DeviceChange::Restart)
     }
 
     /// The snapshots of device `name`'s `cow` overlay, read from the overlay's snapshot table
     /// (display only: the table is checked as untrusted input).
-    pub fn snapshots(&self, name: &str) -> Result<Vec<bulkhead_image::snapshot::SnapshotInfo>, String> {
+    pub fn snapshots(&self, name: &str) -> Result<Vec<bulkhead_image::snapshot::SnapshotInfo>, Error> {
         let rt = self.device(name)?;
-        let path = rt.cow().and_then(|f| f.overlay.clone()).ok_or("the device has no cow filter")?;
-        let f = std::fs::File::open(&path).map_err(|e| format!("overlay {}: {e}", path.display()))?;
-        bulkhead_image::snapshot::list(&f).map_err(|e| format!("overlay {}: {e}", path.display()))
+        let path = rt.cow().and_then(|f| f.overlay.clone()).ok_or_else(|| Error::invalid("the device has no cow filter"))?;
+        let f = std::fs::File::open(&path).map_err(|e| Error::failed(format!("overlay {}: {e}", path.display())))?;
+        bulkhead_image::snapshot::list(&f).map_err(|e| Error::failed(format!("overlay {}: {e}", path.display())))
     }
 
     /// Takes, reverts to or deletes snapshot `snap` of device `name` (see
     /// [`DeviceChange::Snapshot`]); waits until the new generation has carried it out. A revert
     /// needs the device idle: it is refused while requests are in flight or completing.
-    pub fn snapshot(&self, name: &str, action: bulkhead_filters::cow::SnapshotAction, snap: &str) -> Result<u32, String> {
+    pub fn snapshot(&self, name: &str, action: bulkhead_filters::cow::SnapshotAction, snap: &str) -> Result<u32, Error> {
         use bulkhead_filters::cow::{OpResult, SnapshotAction, SnapshotOp};
-        bulkhead_image::snapshot::check_name(snap).map_err(|e| e.to_string())?;
+        bulkhead_image::snapshot::check_name(snap).map_err(|e| Error::invalid(e.to_string()))?;
         let existing = self.snapshots(name)?;
         let exists = existing.iter().any(|s| s.name == snap);
         match action {
-            SnapshotAction::Create if exists => return Err(format!("a snapshot named `{snap}` exists already")),
-            SnapshotAction::Revert | SnapshotAction::Delete if !exists => return Err(format!("no snapshot named `{snap}`")),
+            SnapshotAction::Create if exists => return Err(Error::invalid(format!("a snapshot named `{snap}` exists already"))),
+            SnapshotAction::Revert | SnapshotAction::Delete if !exists => {
+                return Err(Error::not_found(format!("no snapshot named `{snap}`")))
+            }
             _ => {}
         }
         let rt = self.device(name)?;
@@ -503,11 +510,11 @@ impl Supervisor {
             let after = rt.device.counters.completed.load(Ordering::Relaxed) + rt.device.counters.failed.load(Ordering::Relaxed);
             let in_flight = rt.device.in_flight();
             if in_flight > 0 || after != before {
-                return Err(format!(
+                return Err(Error::busy(format!(
                     "the device is busy ({in_flight} requests in flight, {} completed in the last 250 ms): a revert changes \
                      everything under its users; stop its I/O (unmount its file system) and retry",
                     after - before
-                ));
+                )));
             }
         }
         let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed) + 1;
@@ -520,16 +527,16 @@ impl Supervisor {
             let result = rt.cow().and_then(|f| bulkhead_filters::cow::op_result(&f.page, seq));
             match result {
                 Some(OpResult::Done) => return Ok(pid),
-                Some(OpResult::NotFound) => return Err(format!("no snapshot named `{snap}`")),
-                Some(OpResult::Exists) => return Err(format!("a snapshot named `{snap}` exists already")),
+                Some(OpResult::NotFound) => return Err(Error::not_found(format!("no snapshot named `{snap}`"))),
+                Some(OpResult::Exists) => return Err(Error::invalid(format!("a snapshot named `{snap}` exists already"))),
                 Some(OpResult::Failed) => {
-                    return Err(format!(
+                    return Err(Error::failed(format!(
                         "the driver domain could not {} snapshot `{snap}`; its log line (`cow: snapshot …`) says why",
                         action.as_str()
-                    ))
+                    )))
                 }
                 None if Instant::now() > deadline => {
-                    return Err("the driver domain did not carry the snapshot out in 60 s".into())
+                    return Err(Error::failed("the driver domain did not carry the snapshot out in 60 s"))
                 }
                 None => std::thread::sleep(Duration::from_millis(5)),
             }
@@ -540,10 +547,10 @@ impl Supervisor {
     /// for a filter of an `interpose` device, its next tap domain); returns the new driver pid
     /// once it runs. A change that is not valid is refused, saying why, and the device runs on
     /// as it was.
-    pub fn change_device(&self, name: &str, change: DeviceChange) -> Result<u32, String> {
+    pub fn change_device(&self, name: &str, change: DeviceChange) -> Result<u32, Error> {
         let rt = self.device(name)?;
         if self.hub.stopping.load(Ordering::Acquire) {
-            return Err("shutting down".into());
+            return Err(Error::busy("shutting down"));
         }
         let (claim, mut slot) = rt.claim(CLAIM_WAIT)?;
         let why = match rt.change_chain(&change) {
@@ -561,7 +568,7 @@ impl Supervisor {
         let (tx, rx) = mpsc::channel();
         claim.pass_on();
         self.hub.dispatch(rt.id, disposition, self.hub.clock.now(), Some(tx));
-        rx.recv_timeout(CHANGE_WAIT).map_err(|_| "the supervisor did not answer".to_string())?
+        rx.recv_timeout(CHANGE_WAIT).map_err(|_| Error::failed("the supervisor did not answer"))?
     }
 
     /// Flushes every device, then ends every domain (SIGTERM, SIGKILL after 3 s), then the
@@ -725,8 +732,8 @@ mod tests {
         let sup = Supervisor::start(&config, None).unwrap();
         assert!(sup.status().devices.is_empty());
         assert!(sup.devices().is_empty());
-        assert_eq!(sup.change_device("nope", DeviceChange::Restart).unwrap_err(), "no device `nope`");
-        assert_eq!(sup.set_qos("v", &[]).unwrap_err(), "no view `v`");
+        assert_eq!(sup.change_device("nope", DeviceChange::Restart).unwrap_err(), Error::not_found("no device `nope`"));
+        assert_eq!(sup.set_qos("v", &[]).unwrap_err(), Error::not_found("no view `v`"));
         assert!(sup.outages_ms("nope").is_empty());
         sup.shutdown();
         sup.shutdown();

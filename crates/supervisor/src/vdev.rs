@@ -24,6 +24,7 @@ use bulkhead_vdev::card::PAGE;
 use bulkhead_vdev::domain::{StatsPage, DMA_BYTES, STATS_BYTES};
 use bulkhead_vdev::Card;
 
+use crate::error::Error;
 use crate::spawn::{discard, exec_confined, EXIT_WAIT};
 
 /// A running device-model domain.
@@ -57,25 +58,27 @@ pub(crate) struct CardDevice {
 
 impl CardDevice {
     /// Makes the card's memory for a device of `size` bytes and starts its model's domain.
-    pub fn start(device: &str, card: &VdevCard, size: u64, policy: Policy) -> Result<Self, String> {
+    pub fn start(device: &str, card: &VdevCard, size: u64, policy: Policy) -> Result<Self, Error> {
         let card = match card {
             VdevCard::Seed(seed) => Card::generate(*seed),
             VdevCard::File(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read card {}: {e}", path.display()))?;
-                Card::from_json(&text).map_err(|e| format!("card {}: {e}", path.display()))?
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| Error::failed(format!("cannot read card {}: {e}", path.display())))?;
+                Card::from_json(&text).map_err(|e| Error::invalid(format!("card {}: {e}", path.display())))?
             }
         };
-        let mem = |what: &str, len: u64| -> Result<OwnedFd, String> {
-            let fd = memfd::create(&format!("bulkhead-{device}-vdev-{what}"), len).map_err(|e| format!("card {what}: {e}"))?;
-            memfd::seal_size(fd.as_raw_fd()).map_err(|e| format!("card {what}: {e}"))?;
+        let mem = |what: &str, len: u64| -> Result<OwnedFd, Error> {
+            let failed = |e| Error::failed(format!("card {what}: {e}"));
+            let fd = memfd::create(&format!("bulkhead-{device}-vdev-{what}"), len).map_err(failed)?;
+            memfd::seal_size(fd.as_raw_fd()).map_err(failed)?;
             Ok(fd)
         };
         let regs = mem("regs", u64::from(PAGE))?;
         let dma = mem("dma", DMA_BYTES)?;
         let media = mem("media", size)?;
         let stats_fd = mem("stats", STATS_BYTES)?;
-        let irq = EventFd::new().map_err(|e| format!("card interrupt: {e}"))?.into_owned();
-        let stats = StatsPage::map(&stats_fd, false).map_err(|e| format!("card counters: {e}"))?;
+        let irq = EventFd::new().map_err(|e| Error::failed(format!("card interrupt: {e}")))?.into_owned();
+        let stats = StatsPage::map(&stats_fd, false).map_err(|e| Error::failed(format!("card counters: {e}")))?;
         let c = CardDevice {
             device: device.to_string(),
             card_json: card.to_json(),
@@ -112,7 +115,7 @@ impl CardDevice {
 
     /// What a driver generation gets: the register page, the DMA memory, the interrupt and
     /// its end of the trap line. Starts the model's domain first if none runs.
-    pub fn driver_fds(&self) -> Result<([&OwnedFd; 3], OwnedFd), String> {
+    pub fn driver_fds(&self) -> Result<([&OwnedFd; 3], OwnedFd), Error> {
         // One that has exited and is not reaped yet is replaced too.
         let running = {
             let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());
@@ -125,7 +128,8 @@ impl CardDevice {
             self.spawn_model()?;
         }
         let m = self.model.lock().unwrap_or_else(|e| e.into_inner());
-        let line = m.0.as_ref().ok_or("the device model is not running")?.driver_end.try_clone().map_err(|e| e.to_string())?;
+        let model = m.0.as_ref().ok_or_else(|| Error::failed("the device model is not running"))?;
+        let line = model.driver_end.try_clone().map_err(|e| Error::failed(e.to_string()))?;
         Ok(([&self.regs, &self.dma, &self.irq], line))
     }
 
@@ -167,9 +171,9 @@ impl CardDevice {
     /// Execs a device-model domain over the card's memory, on a new trap line, and waits for
     /// its sandbox report. The model domain dies with the thread that calls this (see
     /// [`crate::spawn::exec_confined`]): one of the supervisor's workers.
-    fn spawn_model(&self) -> Result<(), String> {
-        let (model_end, driver_end) = bulkhead_sys::seqpacket_pair().map_err(|e| format!("trap line: {e}"))?;
-        let (report_r, report_w) = bulkhead_sys::pipe().map_err(|e| format!("report pipe: {e}"))?;
+    fn spawn_model(&self) -> Result<(), Error> {
+        let (model_end, driver_end) = bulkhead_sys::seqpacket_pair().map_err(|e| Error::failed(format!("trap line: {e}")))?;
+        let (report_r, report_w) = bulkhead_sys::pipe().map_err(|e| Error::failed(format!("report pipe: {e}")))?;
         let fds = [&self.regs, &self.dma, &self.media, &self.irq, &model_end, &self.stats_fd, &report_w].map(|f| f.as_raw_fd());
         let at = |i: usize| 3 + i as i32;
         let spec = ModelSpec {
@@ -187,7 +191,7 @@ impl CardDevice {
         if layers.is_none() {
             // Silent: it failed before confinement (it said why on its output) or hangs.
             if let Ok(Some(status)) = child.wait_timeout(EXIT_WAIT) {
-                return Err(format!("the device model exited before it was confined: {status}"));
+                return Err(Error::failed(format!("the device model exited before it was confined: {status}")));
             }
         }
         let mut m = self.model.lock().unwrap_or_else(|e| e.into_inner());

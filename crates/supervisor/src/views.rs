@@ -12,6 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
+use crate::error::Error;
 use bulkhead_channel::FrontQueue;
 use bulkhead_client::{Device, DeviceControl};
 use bulkhead_filters::state::StatePage;
@@ -101,8 +102,8 @@ impl ViewRuntime {
 
     /// Changes its caps; the domain takes them on its next look at the view, and a restarted
     /// domain finds them in the page.
-    pub(crate) fn set_caps(&self, caps: Caps, state: &StatePage) -> Result<(), String> {
-        caps.check()?;
+    pub(crate) fn set_caps(&self, caps: Caps, state: &StatePage) -> Result<(), Error> {
+        caps.check().map_err(|e| Error::invalid(e.to_string()))?;
         let mut c = self.caps.lock().unwrap_or_else(|e| e.into_inner());
         write_caps(state, self.index(), &caps);
         *c = caps;
@@ -196,15 +197,15 @@ pub(crate) struct ViewSetup {
 
 impl ViewSetup {
     /// Resolves the `[[device.view]]` tables of `device` against its size `size`.
-    pub(crate) fn resolve(device: &str, views: &[bulkhead_config::View], size: u64) -> Result<Vec<ViewSetup>, String> {
+    pub(crate) fn resolve(device: &str, views: &[bulkhead_config::View], size: u64) -> Result<Vec<ViewSetup>, Error> {
         let mut out = Vec::with_capacity(views.len());
         for v in views {
             let name = v.name.get_ref().clone();
             let (offset, len) = (v.offset(), v.size_in(size));
             if len == 0 || offset.checked_add(len).is_none_or(|end| end > size) {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "device `{device}`: view `{name}`: {len} bytes at offset {offset} do not lie within the device ({size} bytes)"
-                ));
+                )));
             }
             out.push(ViewSetup {
                 name,
@@ -320,10 +321,11 @@ impl Controls {
     }
 
     /// Starts every queue of the device and its views over in place as `generation`.
-    pub fn start_over_in_place(&self, generation: u32, timeout: Duration) -> Result<(), String> {
+    pub fn start_over_in_place(&self, generation: u32, timeout: Duration) -> Result<(), Error> {
         let until = Instant::now() + timeout;
         for (c, _) in self.parts().iter() {
-            c.start_over_in_place(generation, until.saturating_duration_since(Instant::now()))?;
+            c.start_over_in_place(generation, until.saturating_duration_since(Instant::now()))
+                .map_err(|e| Error::failed(e.to_string()))?;
         }
         Ok(())
     }
@@ -356,7 +358,7 @@ mod tests {
         assert_eq!((set[0].offset, set[0].size, set[0].queues), (512 << 20, 512 << 20, 1));
         // The same view over a device the filters made smaller no longer fits.
         let e = ViewSetup::resolve("d", &[v], 256 << 20).unwrap_err();
-        assert!(e.contains("view `a`") && e.contains("do not lie within the device"), "{e}");
+        assert!(e.message().contains("view `a`") && e.message().contains("do not lie within the device"), "{e}");
     }
 
     #[test]

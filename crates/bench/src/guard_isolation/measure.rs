@@ -82,7 +82,7 @@ fn crypt_bed(scratch: &Path) -> Result<Bed, BenchError> {
     let (file, keyfile) = crate::guard_filters::make_luks(scratch, "bench-guard-isolation", RAM_BYTES)?;
     let f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
     let len = f.metadata().map_err(|e| e.to_string())?.len();
-    let mut read = |off: u64, buf: &mut [u8]| f.read_exact_at(buf, off).map_err(|e| e.to_string());
+    let mut read = |off: u64, buf: &mut [u8]| f.read_exact_at(buf, off);
     let v = bulkhead_crypt::Volume::read(&mut read).map_err(|e| e.to_string())?;
     let data_size = v.data_size(len).map_err(|e| e.to_string())?;
     let pass = std::fs::read(&keyfile).map_err(|e| e.to_string())?;
