@@ -14,10 +14,12 @@
 //! starts its queues below over as the new generation, sends again every request of the batch
 //! in hand that had no answer, and carries on; the frontend above sees a pause.
 
+use crate::BackendError;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrayvec::ArrayVec;
+use bulkhead_block::SetupError;
 use bulkhead_block::{Backend, BlockError, Caps, Io, Remote, Request, Upkeep};
 use bulkhead_channel::{ArenaWindows, BelowControl, FrontQueue, FrontRequest, Op, Segment, SubmitError, ARENA_READ, ARENA_WRITE};
 
@@ -85,12 +87,12 @@ impl ChannelBackend {
 
     /// Starts the queues below over if the supervisor has replaced the domain below; returns
     /// whether it did.
-    fn start_over_if_asked(&mut self) -> Result<bool, String> {
+    fn start_over_if_asked(&mut self) -> Result<bool, BackendError> {
         let Some(g) = self.control.as_ref().and_then(|c| c.wanted(self.generation)) else {
             return Ok(false);
         };
         for q in &mut self.queues {
-            q.restart(g).map_err(|e| format!("starting the channel below over: {e}"))?;
+            q.restart(g).map_err(|e| BackendError::link(format!("starting the channel below over: {e}")))?;
         }
         self.generation = g;
         if let Some(c) = &self.control {
@@ -146,13 +148,13 @@ impl ChannelBackend {
 
     /// Sends the requests of `ios` routed to queue `qi` and waits for all of them, sending
     /// again those without an answer whenever the domain below is replaced meanwhile.
-    fn run_queue(&mut self, qi: usize, ios: &mut [Io<'_>], routes: &[Option<Route>]) -> Result<(), String> {
+    fn run_queue(&mut self, qi: usize, ios: &mut [Io<'_>], routes: &[Option<Route>]) -> Result<(), BackendError> {
         while let Sent::StartedOver = self.send_queue(qi, ios, routes)? {}
         Ok(())
     }
 
     /// One try of [`run_queue`](Self::run_queue): sends what has no answer yet.
-    fn send_queue(&mut self, qi: usize, ios: &mut [Io<'_>], routes: &[Option<Route>]) -> Result<Sent, String> {
+    fn send_queue(&mut self, qi: usize, ios: &mut [Io<'_>], routes: &[Option<Route>]) -> Result<Sent, BackendError> {
         let mine: ArrayVec<usize, 64> = routes
             .iter()
             .enumerate()
@@ -171,7 +173,7 @@ impl ChannelBackend {
                     Err(SubmitError::Full | SubmitError::TooLarge(_)) => {
                         ios[i].result = Err(BlockError::Invalid("request larger than the channel below"))
                     }
-                    Err(SubmitError::Broken(e)) => return Err(format!("channel to the domain below: {e}")),
+                    Err(SubmitError::Broken(e)) => return Err(BackendError::link(format!("channel to the domain below: {e}"))),
                 }
                 sent += 1;
             }
@@ -181,14 +183,14 @@ impl ChannelBackend {
             }
             let waited = q.wait_or(WAIT_SLICE_MS, &self.stop);
             if self.stop.load(Ordering::Relaxed) {
-                return Err("stopping".into());
+                return Err(BackendError::link("stopping"));
             }
             // A domain below that died leaves its requests unanswered: once the supervisor has
             // replaced it, they go again to the new one.
             if self.start_over_if_asked()? {
                 return Ok(Sent::StartedOver);
             }
-            waited.map_err(|e| format!("channel to the domain below: {e}"))?;
+            waited.map_err(|e| BackendError::link(format!("channel to the domain below: {e}")))?;
             let q = &mut self.queues[qi];
             let reaped = q.reap(|c| {
                 let io = &mut ios[c.user as usize];
@@ -209,7 +211,7 @@ impl ChannelBackend {
                     }
                 }
             });
-            pending -= reaped.map_err(|e| format!("channel to the domain below: {e}"))?;
+            pending -= reaped.map_err(|e| BackendError::link(format!("channel to the domain below: {e}")))?;
         }
         Ok(Sent::Answered)
     }
@@ -247,7 +249,7 @@ impl Backend for ChannelBackend {
 
 /// The domain below is outside this one: it may break the channel or go away.
 impl Remote for ChannelBackend {
-    fn start(&mut self) -> Result<(), String> {
+    fn start(&mut self) -> Result<(), SetupError> {
         Ok(())
     }
 
@@ -267,7 +269,7 @@ impl Upkeep for ChannelBackend {
         }
         if self.lost.is_none() {
             if let Err(e) = self.start_over_if_asked() {
-                self.lost = Some(e);
+                self.lost = Some(e.to_string());
             }
         }
     }
@@ -297,7 +299,7 @@ impl ChannelBackend {
         }
         for &qi in &used {
             if let Err(why) = self.run_queue(qi, ios, &routes) {
-                self.lost = Some(why);
+                self.lost = Some(why.to_string());
                 break;
             }
         }

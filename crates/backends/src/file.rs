@@ -11,6 +11,7 @@
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
+use bulkhead_block::SetupError;
 use bulkhead_block::{AsyncIo, Backend, BlockError, Caps, Io, Remote, Request, SliceList, Tag, TagSpace, Upkeep};
 use bulkhead_doorbell::EventFd;
 use bulkhead_sys::uring::LentRing;
@@ -474,7 +475,7 @@ impl AsyncIo for FileBackend {
 
 /// The io_uring engine's ring is the supervisor's, lent.
 impl Remote for FileBackend {
-    fn start(&mut self) -> Result<(), String> {
+    fn start(&mut self) -> Result<(), SetupError> {
         Ok(())
     }
     fn lost(&self) -> Option<&str> {

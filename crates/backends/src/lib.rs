@@ -38,6 +38,17 @@ pub enum BackendError {
     /// Mapping the ramdisk failed.
     #[error("ramdisk mapping: {0}")]
     Map(#[from] bulkhead_shmem::ShmError),
+    /// What the backend reaches (a remote server, a cluster, the domain below a tap domain)
+    /// failed it or broke the protocol: said in words, for the log and the next generation.
+    #[error("{0}")]
+    Link(String),
+}
+
+impl BackendError {
+    /// [`BackendError::Link`].
+    pub fn link(words: impl Into<String>) -> BackendError {
+        BackendError::Link(words.into())
+    }
 }
 
 pub(crate) fn errno() -> i32 {

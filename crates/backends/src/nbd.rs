@@ -14,9 +14,11 @@
 //! the protocol) the backend reports itself [`lost`](Backend::lost): the domain exits without
 //! answering the batch, and the supervisor reconnects and reissues it.
 
+use crate::BackendError;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
+use bulkhead_block::SetupError;
 use bulkhead_block::{Backend, BlockError, Caps, Io, Remote, Request, SliceList};
 use bulkhead_nbd::client::{self, ExportInfo};
 use bulkhead_nbd::proto::{self, *};
@@ -90,10 +92,14 @@ impl NbdBackend {
         self.info
     }
 
-    fn negotiate(&mut self) -> Result<(), String> {
-        let info = client::handshake(self.sock.as_fd(), &self.export, self.timeout).map_err(|e| e.to_string())?;
+    fn negotiate(&mut self) -> Result<(), BackendError> {
+        let info =
+            client::handshake(self.sock.as_fd(), &self.export, self.timeout).map_err(|e| BackendError::link(e.to_string()))?;
         if info.size < self.size {
-            return Err(format!("export `{}` is {} bytes, smaller than the device's {}", self.export, info.size, self.size));
+            return Err(BackendError::link(format!(
+                "export `{}` is {} bytes, smaller than the device's {}",
+                self.export, info.size, self.size
+            )));
         }
         self.info = Some(info);
         Ok(())
@@ -178,12 +184,12 @@ impl NbdBackend {
 
     /// Sends `cmds`, reads every reply, and records failures in `results`. `Err` means the
     /// connection is lost.
-    fn run_phase(&mut self, ios: &[Io<'_>], cmds: &[Cmd], results: &mut [Result<u64, BlockError>]) -> Result<(), String> {
+    fn run_phase(&mut self, ios: &[Io<'_>], cmds: &[Cmd], results: &mut [Result<u64, BlockError>]) -> Result<(), BackendError> {
         if cmds.is_empty() {
             return Ok(());
         }
         if cmds.len() >= 1 << INDEX_BITS {
-            return Err("too many commands in one batch".into());
+            return Err(BackendError::link("too many commands in one batch"));
         }
         if cmds.iter().any(|c| matches!(c.data, Data::Zero)) && self.zeroes.is_empty() {
             self.zeroes = vec![0u8; ZERO_CHUNK];
@@ -248,22 +254,22 @@ impl NbdBackend {
                         }
                         let magic = be32(&buf[0..4]);
                         if magic != SIMPLE_REPLY_MAGIC {
-                            return Err(if magic == STRUCTURED_REPLY_MAGIC {
+                            return Err(BackendError::link(if magic == STRUCTURED_REPLY_MAGIC {
                                 "structured reply that was not negotiated".into()
                             } else {
                                 format!("bad reply magic {magic:#x}")
-                            });
+                            }));
                         }
                         let error = be32(&buf[4..8]);
                         let cookie = be64(&buf[8..16]);
                         let j = (cookie & ((1 << INDEX_BITS) - 1)) as usize;
                         let in_flight = j < next || (j == next && sent > 0);
                         if cookie >> INDEX_BITS != seq || j >= cmds.len() || !in_flight || answered[j] {
-                            return Err(format!("reply with cookie {cookie:#x} to no request in flight"));
+                            return Err(BackendError::link(format!("reply with cookie {cookie:#x} to no request in flight")));
                         }
                         let c = &cmds[j];
                         if error == ESHUTDOWN {
-                            return Err("the server is shutting down".into());
+                            return Err(BackendError::link("the server is shutting down"));
                         }
                         if error != 0 {
                             let op = op_name(c.typ);
@@ -311,7 +317,7 @@ impl NbdBackend {
             }
             let events = libc::POLLIN | if next < cmds.len() { libc::POLLOUT } else { 0 };
             client::wait_fd(self.sock.as_fd(), events, deadline)
-                .map_err(|_| format!("no progress on the connection for {} ms", self.timeout.as_millis()))?;
+                .map_err(|_| BackendError::link(format!("no progress on the connection for {} ms", self.timeout.as_millis())))?;
         }
         Ok(())
     }
@@ -340,7 +346,7 @@ fn request_bufs<'r, 'a>(req: &'r Request<'a>) -> &'r SliceList<'a> {
 }
 
 /// Appends iovecs for bytes `from..from + len` of `bufs`.
-fn push_range(iov: &mut Vec<libc::iovec>, bufs: &SliceList<'_>, from: u64, len: u64, writable: bool) -> Result<(), String> {
+fn push_range(iov: &mut Vec<libc::iovec>, bufs: &SliceList<'_>, from: u64, len: u64, writable: bool) -> Result<(), BackendError> {
     let mut skip = from;
     let mut want = len;
     for s in bufs.iter() {
@@ -353,20 +359,21 @@ fn push_range(iov: &mut Vec<libc::iovec>, bufs: &SliceList<'_>, from: u64, len: 
             continue;
         }
         let n = (sl - skip).min(want);
-        let part = s.sub(skip as usize, n as usize).map_err(|e| e.to_string())?;
-        let base = if writable { part.as_mut_ptr().map_err(|e| e.to_string())? } else { part.as_ptr() as *mut u8 };
+        let part = s.sub(skip as usize, n as usize).map_err(|e| BackendError::link(e.to_string()))?;
+        let base =
+            if writable { part.as_mut_ptr().map_err(|e| BackendError::link(e.to_string()))? } else { part.as_ptr() as *mut u8 };
         iov.push(libc::iovec { iov_base: base.cast(), iov_len: n as usize });
         skip = 0;
         want -= n;
     }
     if want != 0 {
-        return Err("request buffers shorter than the request".into());
+        return Err(BackendError::link("request buffers shorter than the request"));
     }
     Ok(())
 }
 
 /// One non-blocking `sendmsg`; `None` if it would block.
-fn sendmsg(fd: RawFd, iov: &[libc::iovec]) -> Result<Option<usize>, String> {
+fn sendmsg(fd: RawFd, iov: &[libc::iovec]) -> Result<Option<usize>, BackendError> {
     // SAFETY: plain data for sendmsg to read.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
@@ -382,13 +389,13 @@ fn sendmsg(fd: RawFd, iov: &[libc::iovec]) -> Result<Option<usize>, String> {
         match e.kind() {
             std::io::ErrorKind::WouldBlock => return Ok(None),
             std::io::ErrorKind::Interrupted => continue,
-            _ => return Err(format!("send: {e}")),
+            _ => return Err(BackendError::link(format!("send: {e}"))),
         }
     }
 }
 
 /// One non-blocking `recvmsg`; `None` if it would block; end of stream is an error.
-fn recv(fd: RawFd, iov: &mut [libc::iovec]) -> Result<Option<usize>, String> {
+fn recv(fd: RawFd, iov: &mut [libc::iovec]) -> Result<Option<usize>, BackendError> {
     // SAFETY: plain data for recvmsg.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
@@ -400,13 +407,13 @@ fn recv(fd: RawFd, iov: &mut [libc::iovec]) -> Result<Option<usize>, String> {
             return Ok(Some(n as usize));
         }
         if n == 0 {
-            return Err("the server closed the connection".into());
+            return Err(BackendError::link("the server closed the connection"));
         }
         let e = std::io::Error::last_os_error();
         match e.kind() {
             std::io::ErrorKind::WouldBlock => return Ok(None),
             std::io::ErrorKind::Interrupted => continue,
-            _ => return Err(format!("receive: {e}")),
+            _ => return Err(BackendError::link(format!("receive: {e}"))),
         }
     }
 }
@@ -437,14 +444,14 @@ impl Backend for NbdBackend {
 }
 
 impl Remote for NbdBackend {
-    fn start(&mut self) -> Result<(), String> {
+    fn start(&mut self) -> Result<(), SetupError> {
         if self.info.is_none() && self.lost.is_none() {
             if let Err(e) = self.negotiate() {
-                self.lose(e);
+                self.lose(e.to_string());
             }
         }
         match &self.lost {
-            Some(why) => Err(why.clone()),
+            Some(why) => Err(SetupError::new(why.clone())),
             None => Ok(()),
         }
     }
@@ -504,7 +511,7 @@ impl NbdBackend {
             };
         }
         if let Err(why) = outcome {
-            self.lose(why);
+            self.lose(why.to_string());
             for io in ios.iter_mut() {
                 io.result = Err(BlockError::Os { op: "nbd", offset: 0, errno: libc::EIO });
             }
@@ -526,7 +533,7 @@ impl NbdBackend {
         i: usize,
         fua_waiting: &mut Vec<usize>,
         results: &mut [Result<u64, BlockError>],
-    ) -> Result<(), String> {
+    ) -> Result<(), BackendError> {
         let cmds = std::mem::take(phase);
         self.run_phase(ios, &cmds, results)?;
         let flush = [Cmd { io: i, typ: CMD_FLUSH, flags: 0, offset: 0, len: 0, data: Data::None }];
@@ -672,7 +679,7 @@ mod tests {
         let server = std::thread::spawn(move || mini_server(1 << 20, 0, b, None));
         let mut be = NbdBackend::new(OwnedFd::from(a), "x", 2 << 20, Duration::from_secs(5));
         let e = be.start().unwrap_err();
-        assert!(e.contains("smaller than the device"), "{e}");
+        assert!(e.to_string().contains("smaller than the device"), "{e}");
         drop(be);
         server.join().unwrap();
     }
@@ -682,6 +689,6 @@ mod tests {
         let (a, _b) = UnixStream::pair().unwrap();
         let mut be = NbdBackend::new(OwnedFd::from(a), "x", 1 << 20, Duration::from_millis(200));
         let e = be.start().unwrap_err();
-        assert!(e.contains("200 ms"), "{e}");
+        assert!(e.to_string().contains("200 ms"), "{e}");
     }
 }

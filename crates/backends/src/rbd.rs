@@ -15,11 +15,13 @@
 //!   names them), never another client's: without that, its first write waits ~30 s for the
 //!   dead owner to time out.
 
+use crate::BackendError;
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bulkhead_block::SetupError;
 use bulkhead_block::{AsyncIo, Backend, BlockError, Caps, Io, Op, Remote, Request, Tag, TagSpace, Upkeep};
 use bulkhead_rbd::{Aio, Api, Cluster, Completed, Image};
 use bulkhead_sys::eventfd::EventFd;
@@ -123,9 +125,9 @@ impl std::fmt::Debug for RbdBackend {
 impl RbdBackend {
     /// A backend for a device of `size` bytes; `owner_pipe` is told the client's address and
     /// the image's size once the image is open. Loads librbd (call it before confinement).
-    pub fn new(opts: RbdOptions, size: u64, owner_pipe: Option<OwnedFd>) -> Result<Self, String> {
-        let api = Arc::new(Api::load().map_err(|e| e.to_string())?);
-        let wake = EventFd::new().map_err(|e| format!("eventfd: {e}"))?;
+    pub fn new(opts: RbdOptions, size: u64, owner_pipe: Option<OwnedFd>) -> Result<Self, BackendError> {
+        let api = Arc::new(Api::load().map_err(|e| BackendError::link(e.to_string()))?);
+        let wake = EventFd::new().map_err(|e| BackendError::link(format!("eventfd: {e}")))?;
         Ok(RbdBackend {
             opts,
             size,
@@ -143,9 +145,9 @@ impl RbdBackend {
         })
     }
 
-    fn connect(&mut self) -> Result<(), String> {
+    fn connect(&mut self) -> Result<(), BackendError> {
         let o = &self.opts;
-        let mut c = Cluster::create(self.api.clone(), &o.user).map_err(|e| e.to_string())?;
+        let mut c = Cluster::create(self.api.clone(), &o.user).map_err(|e| BackendError::link(e.to_string()))?;
         let secs = |d: Duration| d.as_millis().div_ceil(1000).max(1).to_string();
         let settings = [
             ("mon_host", o.mon_host.clone()),
@@ -167,11 +169,11 @@ impl RbdBackend {
             ("client_mount_timeout", secs(o.connect_timeout)),
         ];
         for (k, v) in &settings {
-            c.set(k, v).map_err(|e| e.to_string())?;
+            c.set(k, v).map_err(|e| BackendError::link(e.to_string()))?;
         }
-        c.connect(&o.pool, &o.namespace).map_err(|e| format!("cluster at {}: {e}", o.mon_host))?;
-        let image = c.open(&o.image).map_err(|e| e.to_string())?;
-        let stat = image.stat().map_err(|e| e.to_string())?;
+        c.connect(&o.pool, &o.namespace).map_err(|e| BackendError::link(format!("cluster at {}: {e}", o.mon_host)))?;
+        let image = c.open(&o.image).map_err(|e| BackendError::link(e.to_string()))?;
+        let stat = image.stat().map_err(|e| BackendError::link(e.to_string()))?;
         if let Some(pipe) = self.owner_pipe.take() {
             // The supervisor keeps the address for the next generation's lock break (no write
             // has been made, so no lock taken, before it is told), and learns the image's size
@@ -181,17 +183,17 @@ impl RbdBackend {
             }
         }
         if stat.size < self.size {
-            return Err(format!(
+            return Err(BackendError::link(format!(
                 "image `{}/{}` is {} bytes, smaller than the device's {}",
                 o.pool, o.image, stat.size, self.size
-            ));
+            )));
         }
         // A lock held by one of this device's earlier domains: break it now rather than wait
         // for it to time out. Any other owner is a live client and is left alone.
         let ours: Vec<&str> = o.break_owners.iter().filter_map(|a| nonce(a)).collect();
-        for owner in image.lock_owners().map_err(|e| e.to_string())? {
+        for owner in image.lock_owners().map_err(|e| BackendError::link(e.to_string()))? {
             if nonce(&owner).is_some_and(|n| ours.contains(&n)) {
-                image.break_lock(&owner).map_err(|e| e.to_string())?;
+                image.break_lock(&owner).map_err(|e| BackendError::link(e.to_string()))?;
                 eprintln!("bulkhead driver: rbd: broke the exclusive lock of an earlier domain ({owner})");
             }
         }
@@ -210,7 +212,7 @@ impl RbdBackend {
             }
             Err(e) => eprintln!("bulkhead driver: rbd: could not list the image's watchers: {e}"),
         }
-        image.notify_on(self.wake.as_raw_fd()).map_err(|e| e.to_string())?;
+        image.notify_on(self.wake.as_raw_fd()).map_err(|e| BackendError::link(e.to_string()))?;
         self.image = Some(image);
         self.cluster = Some(c);
         Ok(())
@@ -442,8 +444,8 @@ impl AsyncIo for RbdBackend {
 }
 
 impl Remote for RbdBackend {
-    fn start(&mut self) -> Result<(), String> {
-        self.connect()
+    fn start(&mut self) -> Result<(), SetupError> {
+        self.connect().map_err(SetupError::of)
     }
     fn lost(&self) -> Option<&str> {
         self.lost.as_deref()

@@ -77,6 +77,12 @@ impl From<bulkhead_supervisor::Error> for BenchError {
     }
 }
 
+impl From<bulkhead_vdev::VdevError> for BenchError {
+    fn from(e: bulkhead_vdev::VdevError) -> Self {
+        BenchError::Run(e.to_string())
+    }
+}
+
 impl From<&str> for BenchError {
     fn from(m: &str) -> Self {
         BenchError::Run(m.to_string())

@@ -63,7 +63,7 @@ pub trait Remote {
     /// Called once the domain is confined, before the first request: a backend that talks to
     /// something outside the domain connects here. An error is the same as
     /// [`lost`](Self::lost).
-    fn start(&mut self) -> Result<(), String>;
+    fn start(&mut self) -> Result<(), crate::SetupError>;
     /// What it depends on is gone (the remote server closed the connection). The results of
     /// the last batch must then not be sent: the domain ends and the supervisor starts the next
     /// generation, to which the frontend reissues every unanswered request.

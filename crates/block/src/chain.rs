@@ -6,6 +6,7 @@ use arrayvec::ArrayVec;
 use bulkhead_shmem::{Mapping, SharedSlice, SliceList};
 
 use crate::layer::{After, Data, ReadBelow, Sub};
+use crate::SetupError;
 use crate::{AsyncIo, Backend, BlockError, Caps, Io, Layer, Request, Tag, TagSpace, Verdict};
 
 /// Requests handed to the backend in one call at most.
@@ -23,7 +24,7 @@ pub enum StartError {
     /// The backend lost what it depends on (see [`Backend::start`]): the next domain may
     /// succeed.
     #[error("{0}")]
-    Lost(String),
+    Lost(SetupError),
     /// A layer could not open (see [`Layer::open`]): a bad header, a wrong key. Starting over
     /// will not help.
     #[error("filter {layer}: {message}")]
@@ -31,8 +32,11 @@ pub enum StartError {
         /// The layer's name.
         layer: &'static str,
         /// What it said.
-        message: String,
+        message: SetupError,
     },
+    /// The layers' scratch memory could not be made.
+    #[error("the layers' scratch memory: {0}")]
+    Scratch(String),
 }
 
 /// The scratch memory of every layer: for layer `i`, `per_tag[i]` bytes for each tag from
@@ -45,7 +49,7 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(sizes: &[usize], capacity: usize) -> Result<Self, String> {
+    fn new(sizes: &[usize], capacity: usize) -> Result<Self, StartError> {
         let page = 4096;
         let per_tag: Vec<usize> = sizes.iter().map(|&b| b.div_ceil(page) * page).collect();
         let mut base = Vec::with_capacity(sizes.len());
@@ -55,11 +59,11 @@ impl Scratch {
             total = p
                 .checked_mul(capacity)
                 .and_then(|b| total.checked_add(b))
-                .ok_or_else(|| "the layers' scratch memory does not fit the address space".to_string())?;
+                .ok_or_else(|| StartError::Scratch("it does not fit the address space".into()))?;
         }
         let map = match total {
             0 => None,
-            n => Some(Mapping::private(n).map_err(|e| format!("scratch memory of {n} bytes: {e}"))?),
+            n => Some(Mapping::private(n).map_err(|e| StartError::Scratch(format!("{n} bytes: {e}")))?),
         };
         Ok(Scratch { map, base, per_tag })
     }
@@ -179,7 +183,7 @@ impl Chain {
 
     /// Tells every layer how many tags there can be and makes their scratch memory; call
     /// once before [`run`](Self::run).
-    pub fn attach(&mut self, tags: TagSpace) -> Result<(), String> {
+    pub fn attach(&mut self, tags: TagSpace) -> Result<(), StartError> {
         let capacity = tags.capacity();
         let sizes: Vec<usize> = self.layers.iter().map(|l| l.scratch_bytes()).collect();
         self.scratch = Scratch::new(&sizes, capacity)?;
@@ -251,7 +255,7 @@ impl Chain {
             let layer = &mut upper[at];
             layer.open(&mut below).map_err(|message| StartError::Open { layer: layer.name(), message })?;
             if let Some(why) = self.lost() {
-                return Err(StartError::Lost(why.to_string()));
+                return Err(StartError::Lost(SetupError::new(why)));
             }
         }
         Ok(())
@@ -1032,11 +1036,11 @@ mod tests {
         fn scratch_bytes(&self) -> usize {
             CHUNK as usize
         }
-        fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
+        fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), SetupError> {
             let mut header = [0u8; 9];
-            below.read(0, &mut header).map_err(|e| e.to_string())?;
+            below.read(0, &mut header).map_err(|e| SetupError::new(e.to_string()))?;
             if &header[..4] != b"XOR!" {
-                return Err("no header".into());
+                return Err(SetupError::new("no header"));
             }
             self.key = header[4];
             self.start = u32::from_le_bytes(header[5..9].try_into().unwrap()) as u64;
@@ -1237,7 +1241,7 @@ mod tests {
         let mut chain = Chain::new(vec![Box::new(Xor::new())], Box::new(Mem::new(1 << 16, false)));
         chain.attach(TagSpace { queues: 1, per_queue: 4 }).unwrap();
         let e = chain.start(&|| 0).unwrap_err();
-        assert_eq!(e, StartError::Open { layer: "xor", message: "no header".into() });
+        assert_eq!(e, StartError::Open { layer: "xor", message: SetupError::new("no header") });
         assert_eq!(e.to_string(), "filter xor: no header");
     }
 

@@ -151,7 +151,7 @@ pub trait Layer: Send {
     /// Called once, after the backend has started and the layers below have opened, before
     /// any request: a layer with metadata on the device below (an encryption header) reads it
     /// here. An error ends the domain with this message.
-    fn open(&mut self, _below: &mut dyn ReadBelow) -> Result<(), String> {
+    fn open(&mut self, _below: &mut dyn ReadBelow) -> Result<(), crate::SetupError> {
         Ok(())
     }
     /// Called once before any request with the tags there will be. Per-request state is

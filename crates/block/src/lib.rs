@@ -71,6 +71,25 @@ pub struct Caps {
     pub read_only: bool,
 }
 
+/// Why a layer or a backend could not get ready to serve (its [`Layer::open`] or
+/// [`Remote::start`]), in the words the domain reports before it exits: nothing decides on it
+/// but that the domain cannot serve.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SetupError(String);
+
+impl SetupError {
+    /// A failure to get ready, said in `words`.
+    pub fn new(words: impl Into<String>) -> SetupError {
+        SetupError(words.into())
+    }
+
+    /// A failure of a lower layer's, said as it says it.
+    pub fn of(e: impl std::fmt::Display) -> SetupError {
+        SetupError(e.to_string())
+    }
+}
+
 /// Why a request failed. Maps to a small stable wire status; the message stays in the domain's
 /// log, apart from the status sent on the wire.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

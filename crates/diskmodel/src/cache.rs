@@ -33,12 +33,12 @@ impl CacheGeometry {
     }
 
     /// Checks the shape, naming what is wrong.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::InvalidDrive> {
         if self.segments == 0 || self.segments > 65_536 {
-            return Err(format!("{} cache segments: from 1 to 65536", self.segments));
+            return Err(crate::InvalidDrive(format!("{} cache segments: from 1 to 65536", self.segments)));
         }
         if self.segment_sectors == 0 {
-            return Err("cache segments of 0 sectors".into());
+            return Err(crate::InvalidDrive("cache segments of 0 sectors".into()));
         }
         Ok(())
     }

@@ -24,5 +24,10 @@ pub mod sched;
 pub mod sim;
 pub mod surge;
 
+/// A drive whose parameters cannot be: the one that is wrong, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidDrive(String);
+
 pub use cache::{CacheGeometry, CacheShadow};
 pub use model::{Access, Drive, Model, Service};

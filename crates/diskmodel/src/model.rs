@@ -46,9 +46,9 @@ impl Drive {
     }
 
     /// Checks the parameters, naming the one that is wrong.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::InvalidDrive> {
         if self.sectors == 0 {
-            return Err("the device has no sectors".into());
+            return Err(crate::InvalidDrive("the device has no sectors".into()));
         }
         if let Some(c) = &self.cache {
             c.validate()?;

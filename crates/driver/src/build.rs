@@ -85,7 +85,7 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
             guarded::assign_keys();
         }
     }
-    let mode = this.notify_mode().map_err(DriverError::Setup)?;
+    let mode = this.notify_mode().map_err(|e| DriverError::Setup(e.to_string()))?;
     let view_size = |view: Option<u32>| match view {
         None => Ok(this.size),
         Some(v) => this
@@ -191,12 +191,12 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
         BackendSpec::Null => Box::new(NullBackend::new(this.backend_size)),
         BackendSpec::Vdev { card, wait, fds } => {
             let card = bulkhead_vdev::Card::from_json(card).map_err(|e| DriverError::Setup(format!("card: {e}")))?;
-            let wait = wait.parse::<bulkhead_vdev::Wait>().map_err(DriverError::Setup)?;
+            let wait = wait.parse::<bulkhead_vdev::Wait>().map_err(|e| DriverError::Setup(e.to_string()))?;
             // SAFETY: forwarded from this function's contract.
             let [regs, dma, irq, line] = fds.map(|fd| unsafe { claim(fd) });
             let irq = bulkhead_doorbell::EventFd::from_owned(irq?).map_err(|e| DriverError::Setup(format!("interrupt: {e}")))?;
-            let driver =
-                bulkhead_vdev::domain::connect_driver(card, wait, regs?, dma?, irq, line?).map_err(DriverError::Setup)?;
+            let driver = bulkhead_vdev::domain::connect_driver(card, wait, regs?, dma?, irq, line?)
+                .map_err(|e| DriverError::Setup(e.to_string()))?;
             Box::new(driver)
         }
         BackendSpec::Channel { queues: lower, generation, control_fds } => {
@@ -249,7 +249,7 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
         let secret = unsafe { claim_opt(f.secret_fd)? };
         parts.push(guarded::FilterParts { spec: f.spec.clone(), fds: FilterFds { state, output, secret }, guard: f.guard });
     }
-    let layers = filters(parts, &rings).map_err(DriverError::Setup)?;
+    let layers = filters(parts, &rings).map_err(|e| DriverError::Setup(e.to_string()))?;
     let chain = Chain::new(layers, backend);
     // The device may use a prefix of what the chain offers (a file longer than `size`).
     if chain.size() < this.size {

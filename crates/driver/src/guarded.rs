@@ -12,6 +12,7 @@
 //! maps read-only anyway. `open` runs unguarded, before the guard starts, as the filter reads
 //! its metadata through the runtime then.
 
+use bulkhead_block::SetupError;
 use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
 use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec};
 use bulkhead_guard::heap::{self, Space};
@@ -231,7 +232,7 @@ impl Layer for Guarded {
         self.inner.scratch_bytes()
     }
 
-    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
+    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), SetupError> {
         let inner = &mut self.inner;
         heap::with_space(self.space, || inner.open(below))
     }

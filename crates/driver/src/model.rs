@@ -17,7 +17,7 @@ use crate::DriverError;
 /// Every descriptor named in the spec must be inherited for this domain and not used by
 /// anything else in the process.
 pub unsafe fn build_model_inherited(spec: &ModelSpec) -> Result<ModelDomain, DriverError> {
-    fn setup(what: &'static str) -> impl Fn(String) -> DriverError {
+    fn setup<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> DriverError {
         move |e| DriverError::Setup(format!("{what}: {e}"))
     }
     let card = Card::from_json(&spec.card).map_err(setup("card"))?;
@@ -29,7 +29,8 @@ pub unsafe fn build_model_inherited(spec: &ModelSpec) -> Result<ModelDomain, Dri
     let media = RamBackend::new(media?, spec.media_size).map_err(|e| setup("storage")(e.to_string()))?;
     let irq = bulkhead_doorbell::EventFd::from_owned(irq?).map_err(|e| setup("interrupt")(e.to_string()))?;
     let stats = StatsPage::map(&stats?, true).map_err(|e| setup("counter page")(e.to_string()))?;
-    let domain = ModelDomain::new(card, &regs, &dma, Box::new(media), irq, line?, stats).map_err(DriverError::Setup)?;
+    let domain =
+        ModelDomain::new(card, &regs, &dma, Box::new(media), irq, line?, stats).map_err(|e| DriverError::Setup(e.to_string()))?;
     // Mapped: the descriptors are not needed any more.
     drop((regs, dma));
     Ok(domain)

@@ -216,7 +216,7 @@ impl Domain {
             poller.add(fd, u64::MAX).map_err(|e| DriverError::Setup(e.to_string()))?;
         }
         let tags = Tags::new(queues.len(), per_queue);
-        chain.attach(TagSpace { queues: queues.len() as u32, per_queue }).map_err(DriverError::Setup)?;
+        chain.attach(TagSpace { queues: queues.len() as u32, per_queue }).map_err(|e| DriverError::Setup(e.to_string()))?;
         Ok(Domain {
             done: Vec::with_capacity(tags.capacity()),
             dirty: vec![false; queues.len()],
@@ -347,7 +347,8 @@ impl Domain {
             self.sharing = None;
             return Ok(());
         }
-        let s = Sharing::new(views, lanes, device_size, self.state.as_ref(), now_ns()).map_err(DriverError::Setup)?;
+        let s = Sharing::new(views, lanes, device_size, self.state.as_ref(), now_ns())
+            .map_err(|e| DriverError::Setup(e.to_string()))?;
         self.sharing = Some(s);
         Ok(())
     }
@@ -718,8 +719,8 @@ impl Domain {
 
     fn serve(&mut self) -> Result<(), DriverError> {
         self.chain.start(&now_ns).map_err(|e| match e {
-            StartError::Lost(why) => DriverError::BackendLost(why),
-            e @ StartError::Open { .. } => DriverError::Setup(e.to_string()),
+            StartError::Lost(why) => DriverError::BackendLost(why.to_string()),
+            e @ (StartError::Open { .. } | StartError::Scratch(_)) => DriverError::Setup(e.to_string()),
         })?;
         // An earlier domain may have left the page saying its remote had stalled.
         self.stalled_shown = self.chain.stalled();

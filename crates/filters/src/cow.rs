@@ -25,6 +25,7 @@
 use std::os::fd::OwnedFd;
 
 use bulkhead_backends::{FdStorage, FileBackend};
+use bulkhead_block::SetupError;
 use bulkhead_block::{
     After, BlockError, Caps, Data, Layer, ReadBelow, Request, SharedSlice, SliceList, Sub, Tag, TagSpace, Verdict,
 };
@@ -509,9 +510,13 @@ impl Layer for Cow {
         1 << self.cluster_bits
     }
 
-    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
+    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), SetupError> {
         if self.size != below.size() {
-            return Err(format!("the overlay holds a device of {} bytes; the device below has {}", self.size, below.size()));
+            return Err(SetupError::new(format!(
+                "the overlay holds a device of {} bytes; the device below has {}",
+                self.size,
+                below.size()
+            )));
         }
         self.page.add(OPENED, 1);
         Ok(())

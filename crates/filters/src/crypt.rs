@@ -16,6 +16,7 @@
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 
+use bulkhead_block::SetupError;
 use bulkhead_block::{
     After, BlockError, Caps, Data, Layer, ReadBelow, Request, SharedSlice, SliceList, Sub, Tag, TagSpace, Verdict,
 };
@@ -185,26 +186,28 @@ impl Layer for Crypt {
         CHUNK
     }
 
-    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
+    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), SetupError> {
         let size = below.size();
         let mut read = |at: u64, buf: &mut [u8]| below.read(at, buf).map_err(std::io::Error::other);
-        let volume = Volume::read(&mut read).map_err(|e| e.to_string())?;
-        let data_size = volume.data_size(size).map_err(|e| e.to_string())?;
+        let volume = Volume::read(&mut read).map_err(|e| SetupError::new(e.to_string()))?;
+        let data_size = volume.data_size(size).map_err(|e| SetupError::new(e.to_string()))?;
         let now = Layout { payload_offset: volume.payload_offset, data_size, sector_size: volume.sector_size };
         if now.payload_offset != self.layout.payload_offset
             || now.sector_size != self.layout.sector_size
             || now.data_size < self.layout.data_size
         {
-            return Err(format!(
+            return Err(SetupError::new(format!(
                 "the LUKS header changed since the device started (data at {} in sectors of {} now, {} and {} then)",
                 now.payload_offset, now.sector_size, self.layout.payload_offset, self.layout.sector_size
+            )));
+        }
+        let key = self.key.take().ok_or_else(|| SetupError::new("the volume was opened already"))?;
+        if !volume.check(key.bytes()) {
+            return Err(SetupError::new(
+                "the key handed over is not this volume's (its header changed since the device started?)",
             ));
         }
-        let key = self.key.take().ok_or("the volume was opened already")?;
-        if !volume.check(key.bytes()) {
-            return Err("the key handed over is not this volume's (its header changed since the device started?)".into());
-        }
-        self.cipher = Some(volume.cipher(&key).map_err(|e| e.to_string())?);
+        self.cipher = Some(volume.cipher(&key).map_err(|e| SetupError::new(e.to_string()))?);
         self.iv_tweak = volume.iv_tweak;
         self.page.add(OPENED, 1);
         Ok(())

@@ -10,6 +10,7 @@
 //! Every request it holds came through the channel's checks like any other; it sends each
 //! below unchanged, exactly once, and fails none. A tag it was not attached with is refused.
 
+use bulkhead_block::SetupError;
 use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
 use bulkhead_diskmodel::sched::{self, batch_access, Next, Policy, Queued, Scheduler as Sched, Tuning};
 use bulkhead_diskmodel::Model;
@@ -80,8 +81,8 @@ impl Layer for Scheduler {
     fn size(&self, lower: u64) -> u64 {
         lower
     }
-    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
-        self.model = Some(self.spec.model(below.size())?);
+    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), SetupError> {
+        self.model = Some(self.spec.model(below.size()).map_err(SetupError::of)?);
         Ok(())
     }
     fn attach(&mut self, tags: TagSpace) {

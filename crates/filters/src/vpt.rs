@@ -17,6 +17,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+use bulkhead_block::SetupError;
 use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
 use bulkhead_diskmodel::{Access, Model};
 use serde::{Deserialize, Serialize};
@@ -67,7 +68,7 @@ impl DriveSpec {
 
     /// A model of the drive over a device of `bytes`, the head at sector 0 and the cache
     /// empty; why not, if the parameters are unusable.
-    pub fn model(&self, bytes: u64) -> Result<Model, String> {
+    pub fn model(&self, bytes: u64) -> Result<Model, bulkhead_diskmodel::InvalidDrive> {
         let drive = self.drive(bytes);
         drive.validate()?;
         Ok(Model::new(drive))
@@ -210,8 +211,8 @@ impl Layer for Vpt {
     fn size(&self, lower: u64) -> u64 {
         lower
     }
-    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
-        self.model = Some(self.spec.model(below.size())?);
+    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), SetupError> {
+        self.model = Some(self.spec.model(below.size()).map_err(SetupError::of)?);
         Ok(())
     }
     fn attach(&mut self, tags: TagSpace) {

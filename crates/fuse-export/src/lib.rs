@@ -22,4 +22,4 @@ mod ops;
 mod server;
 mod uring;
 
-pub use server::{serve_session, uring_ready, FuseError, FuseExport, FuseOptions, Transport, UringMode, ENABLE_URING};
+pub use server::{serve_session, uring_ready, FuseError, FuseExport, FuseOptions, NoUring, Transport, UringMode, ENABLE_URING};

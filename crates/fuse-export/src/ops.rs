@@ -53,6 +53,11 @@ pub(crate) struct Shared {
 /// A keeper's state of the files: read back by [`Shared::adopt`].
 pub(crate) const KEPT_STATE_VERSION: u64 = 1;
 
+/// A kept FUSE state that cannot be taken over.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct KeptStateError(String);
+
 impl Shared {
     pub(crate) fn new(devices: Vec<Arc<Device>>, offer_uring: bool) -> Self {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -97,12 +102,14 @@ impl Shared {
     /// [`kept_state`](Self::kept_state) gave) says the kernel knows them by, with their open
     /// counts. A device the state names that is not in `devices` leaves its slot empty; a
     /// device it does not name is added after the others.
-    pub(crate) fn adopt(devices: Vec<Arc<Device>>, state: &str) -> Result<Self, String> {
-        let v: serde_json::Value = serde_json::from_str(state).map_err(|e| format!("the kept FUSE state: {e}"))?;
+    pub(crate) fn adopt(devices: Vec<Arc<Device>>, state: &str) -> Result<Self, KeptStateError> {
+        let v: serde_json::Value =
+            serde_json::from_str(state).map_err(|e| KeptStateError(format!("the kept FUSE state: {e}")))?;
         if v["version"].as_u64() != Some(KEPT_STATE_VERSION) {
-            return Err(format!("the kept FUSE state is of version {}, not {KEPT_STATE_VERSION}", v["version"]));
+            let was = v["version"].to_string();
+            return Err(KeptStateError(format!("the kept FUSE state is of version {was}, not {KEPT_STATE_VERSION}")));
         }
-        let files = v["files"].as_array().ok_or("the kept FUSE state has no list of files")?;
+        let files = v["files"].as_array().ok_or_else(|| KeptStateError("the kept FUSE state has no list of files".into()))?;
         let mut left: Vec<Option<Arc<Device>>> = devices.into_iter().map(Some).collect();
         let mut table: Vec<Option<Arc<Node>>> = Vec::with_capacity(files.len());
         for f in files {
@@ -526,7 +533,7 @@ mod tests {
         assert_eq!(sh.table().len(), 2);
         assert!(sh.table().iter().all(Option::is_none));
         assert!(sh.initialized.load(Ordering::Acquire), "a session taken over is past INIT");
-        let refused = |state: &str| Shared::adopt(Vec::new(), state).err().unwrap_or_default();
+        let refused = |state: &str| Shared::adopt(Vec::new(), state).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(refused(r#"{"version":2,"files":[]}"#).contains("version 2"));
         assert!(refused(r#"{"version":1}"#).contains("no list of files"));
         assert!(Shared::adopt(Vec::new(), "not json").is_err());

@@ -158,21 +158,26 @@ fn open_dev_fuse() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Why FUSE requests do not go over io_uring, in words for `status` and the log.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct NoUring(pub String);
+
 /// Whether this kernel carries FUSE over io_uring, switching the module's parameter on if it
 /// is off and this process may. `Err` says why not.
-pub fn uring_ready() -> Result<(), String> {
+pub fn uring_ready() -> Result<(), NoUring> {
     match std::fs::read_to_string(ENABLE_URING) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            Err("this kernel's fuse module has no io_uring support (no enable_uring parameter)".into())
+            Err(NoUring("this kernel's fuse module has no io_uring support (no enable_uring parameter)".into()))
         }
-        Err(e) => Err(format!("cannot read {ENABLE_URING}: {e}")),
+        Err(e) => Err(NoUring(format!("cannot read {ENABLE_URING}: {e}"))),
         Ok(v) if v.trim() == "Y" || v.trim() == "1" => Ok(()),
         Ok(_) => match std::fs::write(ENABLE_URING, "1") {
             Ok(()) => {
                 log::info!("switched FUSE over io_uring on ({ENABLE_URING})");
                 Ok(())
             }
-            Err(e) => Err(format!("{ENABLE_URING} is off and cannot be switched on: {e}")),
+            Err(e) => Err(NoUring(format!("{ENABLE_URING} is off and cannot be switched on: {e}"))),
         },
     }
 }
@@ -190,9 +195,9 @@ impl FuseExport {
         let why_not = match opts.io_uring {
             _ if opts.kept => Some("a keeper holds the session, and a dead serve's io_uring requests are not sent again".into()),
             UringMode::Off => Some("switched off (fuse.io_uring = \"off\")".to_string()),
-            UringMode::Auto => uring_ready().err(),
+            UringMode::Auto => uring_ready().err().map(|e| e.0),
             UringMode::On => {
-                uring_ready().map_err(FuseError::Uring)?;
+                uring_ready().map_err(|e| FuseError::Uring(e.0))?;
                 None
             }
         };
@@ -258,12 +263,12 @@ impl FuseExport {
             let started = if shared.uring_granted.load(Ordering::Acquire) {
                 export.start_rings(ring_fd, opts.queue_depth.max(1))
             } else {
-                Err("the kernel did not accept it at INIT".to_string())
+                Err(NoUring("the kernel did not accept it at INIT".to_string()))
             };
             match started {
                 Ok(t) => export.transport = t,
-                Err(e) if opts.io_uring == UringMode::On => return Err(FuseError::Uring(e)),
-                Err(e) => export.transport = Transport::DevFuse { threads, why_not_uring: Some(e) },
+                Err(e) if opts.io_uring == UringMode::On => return Err(FuseError::Uring(e.0)),
+                Err(e) => export.transport = Transport::DevFuse { threads, why_not_uring: Some(e.0) },
             }
         }
         Ok(export)
@@ -280,7 +285,7 @@ impl FuseExport {
         if fds.is_empty() {
             return Err(bad("no /dev/fuse descriptor was kept".into()));
         }
-        let shared = Arc::new(Shared::adopt(devices, state).map_err(bad)?);
+        let shared = Arc::new(Shared::adopt(devices, state).map_err(|e| bad(e.to_string()))?);
         bulkhead_sys::install_kick_handler();
         let notify =
             Arc::new(fds[0].try_clone().map_err(|source| FuseError::Sys { op: "dup", path: "/dev/fuse".into(), source })?);
@@ -346,11 +351,11 @@ impl FuseExport {
 
     /// Starts a ring and its worker per possible CPU on the session `fuse`. Requests move to
     /// the rings once every CPU has one; until then (and if this fails) `/dev/fuse` carries them.
-    fn start_rings(&mut self, fuse: OwnedFd, depth: usize) -> Result<Transport, String> {
+    fn start_rings(&mut self, fuse: OwnedFd, depth: usize) -> Result<Transport, NoUring> {
         let queues = possible_cpus();
         let (tx, rx) = std::sync::mpsc::channel();
         for qid in 0..queues {
-            let fd = fuse.try_clone().map_err(|e| format!("dup /dev/fuse: {e}"))?;
+            let fd = fuse.try_clone().map_err(|e| NoUring(format!("dup /dev/fuse: {e}")))?;
             let (sh, tx) = (self.shared.clone(), tx.clone());
             let spawned = std::thread::Builder::new().name(format!("fuse-ring-{qid}")).spawn(move || {
                 // The kernel queues a request on the ring of the CPU it was issued from, so the
@@ -382,14 +387,14 @@ impl FuseExport {
                 }
                 Some(q)
             });
-            self.rings.push(spawned.map_err(|e| format!("spawn ring worker: {e}"))?);
+            self.rings.push(spawned.map_err(|e| NoUring(format!("spawn ring worker: {e}")))?);
         }
         drop(tx);
         for _ in 0..queues {
             match rx.recv_timeout(Duration::from_secs(5)) {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(e),
-                Err(_) => return Err("a ring worker did not start within 5 s".into()),
+                Ok(Err(e)) => return Err(NoUring(e)),
+                Err(_) => return Err(NoUring("a ring worker did not start within 5 s".into())),
             }
         }
         Ok(Transport::IoUring { queues, depth })

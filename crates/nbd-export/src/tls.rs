@@ -62,57 +62,74 @@ impl std::fmt::Debug for Tls {
     }
 }
 
+/// Credentials that cannot be used: the file (or files) and what is wrong with them.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {problem}")]
+pub struct TlsError {
+    /// The file or files, as the configuration names them.
+    pub what: String,
+    /// What is wrong.
+    pub problem: String,
+}
+
+impl TlsError {
+    fn of(path: &Path, problem: impl std::fmt::Display) -> TlsError {
+        TlsError { what: path.display().to_string(), problem: problem.to_string() }
+    }
+}
+
 /// The longest key accepted, in bytes (OpenSSL's limit; `psktool` makes 32).
 const MAX_PSK: usize = 512;
 
 impl Tls {
     /// Reads the certificate directory `dir`; with `verify_peer`, clients must show a
     /// certificate that `dir/ca-cert.pem` signed. Errors name the file.
-    pub fn load(dir: &Path, mode: TlsMode, verify_peer: bool) -> Result<Tls, String> {
+    pub fn load(dir: &Path, mode: TlsMode, verify_peer: bool) -> Result<Tls, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let cert_path = dir.join("server-cert.pem");
         let key_path = dir.join("server-key.pem");
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cert_path)
             .and_then(|it| it.collect::<Result<_, _>>())
-            .map_err(|e| format!("{}: {e}", cert_path.display()))?;
+            .map_err(|e| TlsError::of(&cert_path, e))?;
         if certs.is_empty() {
-            return Err(format!("{}: no certificate in it", cert_path.display()));
+            return Err(TlsError::of(&cert_path, "no certificate in it"));
         }
-        let key = PrivateKeyDer::from_pem_file(&key_path).map_err(|e| format!("{}: {e}", key_path.display()))?;
+        let key = PrivateKeyDer::from_pem_file(&key_path).map_err(|e| TlsError::of(&key_path, e))?;
         let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| TlsError::of(&cert_path, e))?;
         let builder = if verify_peer {
             let ca_path = dir.join("ca-cert.pem");
             let mut roots = rustls::RootCertStore::empty();
-            for c in CertificateDer::pem_file_iter(&ca_path).map_err(|e| format!("{}: {e}", ca_path.display()))? {
-                let c = c.map_err(|e| format!("{}: {e}", ca_path.display()))?;
-                roots.add(c).map_err(|e| format!("{}: {e}", ca_path.display()))?;
+            for c in CertificateDer::pem_file_iter(&ca_path).map_err(|e| TlsError::of(&ca_path, e))? {
+                let c = c.map_err(|e| TlsError::of(&ca_path, e))?;
+                roots.add(c).map_err(|e| TlsError::of(&ca_path, e))?;
             }
             let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                 .build()
-                .map_err(|e| format!("{}: {e}", ca_path.display()))?;
+                .map_err(|e| TlsError::of(&ca_path, e))?;
             builder.with_client_cert_verifier(verifier)
         } else {
             builder.with_no_client_auth()
         };
-        let config = builder
-            .with_single_cert(certs, key)
-            .map_err(|e| format!("{} and {}: {e}", cert_path.display(), key_path.display()))?;
+        let config = builder.with_single_cert(certs, key).map_err(|e| TlsError {
+            what: format!("{} and {}", cert_path.display(), key_path.display()),
+            problem: e.to_string(),
+        })?;
         Ok(Tls { mode, creds: Creds::X509 { config: Arc::new(config), verify_peer } })
     }
 
     /// Reads the pre-shared keys in `file` (`identity:hexkey` a line, as `psktool` writes
     /// them). A client that names an identity there and proves it holds the key is served;
     /// TLS 1.3 (or 1.2 with a PSK cipher suite), no certificate. Errors name the file and line.
-    pub fn load_psk(file: &Path, mode: TlsMode) -> Result<Tls, String> {
-        let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
-        let keys = parse_psk(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+    pub fn load_psk(file: &Path, mode: TlsMode) -> Result<Tls, TlsError> {
+        let text = std::fs::read_to_string(file).map_err(|e| TlsError::of(file, e))?;
+        let keys = parse_psk(&text).map_err(|e| TlsError::of(file, e))?;
         if keys.is_empty() {
-            return Err(format!("{}: no `identity:hexkey` line in it", file.display()));
+            return Err(TlsError::of(file, "no `identity:hexkey` line in it"));
         }
         let identities = keys.len();
-        let ctx = psk_context(keys).map_err(|e| format!("OpenSSL: {e}"))?;
+        let ctx = psk_context(keys).map_err(|e| TlsError::of(file, format!("OpenSSL: {e}")))?;
         Ok(Tls { mode, creds: Creds::Psk { ctx, identities } })
     }
 
@@ -125,8 +142,21 @@ impl Tls {
     }
 }
 
+/// A line of a `psktool` file that is not `identity:hexkey`.
+#[derive(Debug)]
+struct PskLineError {
+    line: usize,
+    problem: String,
+}
+
+impl std::fmt::Display for PskLineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "line {}: {}", self.line, self.problem)
+    }
+}
+
 /// The keys of a `psktool` file by identity; an error names the line.
-fn parse_psk(text: &str) -> Result<HashMap<Vec<u8>, Vec<u8>>, String> {
+fn parse_psk(text: &str) -> Result<HashMap<Vec<u8>, Vec<u8>>, PskLineError> {
     let mut keys = HashMap::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim_end_matches('\r');
@@ -135,22 +165,22 @@ fn parse_psk(text: &str) -> Result<HashMap<Vec<u8>, Vec<u8>>, String> {
         }
         let n = i + 1;
         let Some((id, hex)) = line.rsplit_once(':') else {
-            return Err(format!("line {n}: not `identity:hexkey`"));
+            return Err(PskLineError { line: n, problem: format!("not `identity:hexkey`") });
         };
         if id.is_empty() {
-            return Err(format!("line {n}: the identity is empty"));
+            return Err(PskLineError { line: n, problem: format!("the identity is empty") });
         }
         let hex = hex.trim();
         if hex.is_empty() || hex.len() % 2 != 0 || hex.len() / 2 > MAX_PSK {
-            return Err(format!("line {n}: the key must be 1 to {MAX_PSK} bytes in hexadecimal digits"));
+            return Err(PskLineError { line: n, problem: format!("the key must be 1 to {MAX_PSK} bytes in hexadecimal digits") });
         }
         let key = (0..hex.len())
             .step_by(2)
             .map(|j| u8::from_str_radix(&hex[j..j + 2], 16))
             .collect::<Result<Vec<u8>, _>>()
-            .map_err(|_| format!("line {n}: the key is not hexadecimal"))?;
+            .map_err(|_| PskLineError { line: n, problem: "the key is not hexadecimal".into() })?;
         if keys.insert(id.as_bytes().to_vec(), key).is_some() {
-            return Err(format!("line {n}: identity `{id}` again"));
+            return Err(PskLineError { line: n, problem: format!("identity `{id}` again") });
         }
     }
     Ok(keys)
@@ -474,7 +504,7 @@ mod tests {
             ("alice:zz", "line 1: the key is not hexadecimal"),
             ("alice:00\nalice:11", "line 2: identity `alice` again"),
         ] {
-            let e = parse_psk(text).unwrap_err();
+            let e = parse_psk(text).unwrap_err().to_string();
             assert!(e.starts_with(why), "{text:?}: {e}");
         }
         let long = format!("alice:{}", "00".repeat(MAX_PSK + 1));
@@ -487,7 +517,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("keys.psk");
         std::fs::write(&f, "# nothing yet\n").unwrap();
-        let e = Tls::load_psk(&f, TlsMode::On).unwrap_err();
+        let e = Tls::load_psk(&f, TlsMode::On).unwrap_err().to_string();
         assert!(e.contains("keys.psk") && e.contains("no `identity:hexkey` line"), "{e}");
         std::fs::write(&f, "alice:000102030405060708090a0b0c0d0e0f\n").unwrap();
         let t = Tls::load_psk(&f, TlsMode::Require).unwrap();

@@ -12,6 +12,7 @@
 use std::io::Write;
 use std::os::fd::OwnedFd;
 
+use bulkhead_block::SetupError;
 use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
 use bulkhead_driver::guarded::{space_of, FilterSite};
 use bulkhead_guard::heap::{self, Space};
@@ -220,7 +221,7 @@ impl Layer for Faulty {
         self.inner.scratch_bytes()
     }
 
-    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), String> {
+    fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), SetupError> {
         self.inner.open(below)
     }
 

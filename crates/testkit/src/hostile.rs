@@ -145,15 +145,15 @@ struct RawQueue {
 ///
 /// # Safety
 /// `fd` must be inherited for this domain and claimed once.
-unsafe fn claim(fd: i32) -> Result<OwnedFd, String> {
+unsafe fn claim(fd: i32) -> Result<OwnedFd, crate::KitError> {
     // SAFETY: the caller's guarantee.
-    unsafe { bulkhead_sys::claim_inherited(fd) }.map_err(|e| e.to_string())
+    unsafe { bulkhead_sys::claim_inherited(fd) }.map_err(|e| crate::KitError(e.to_string()))
 }
 
 impl RawQueue {
     /// # Safety
     /// The descriptors in `q` are this domain's and claimed once.
-    unsafe fn from_spec(q: &QueueSpec) -> Result<Self, String> {
+    unsafe fn from_spec(q: &QueueSpec) -> Result<Self, crate::KitError> {
         let e = |e: &dyn std::fmt::Display| e.to_string();
         // SAFETY: forwarded.
         let [ring, warena, rarena, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
@@ -186,7 +186,7 @@ impl RawQueue {
 ///
 /// # Safety
 /// Every descriptor the spec names must be inherited for this process and used by nothing else.
-pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Result<(), String> {
+pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Result<(), crate::KitError> {
     let mut queues = Vec::new();
     for q in &spec.queues {
         // SAFETY: forwarded from this function's contract.
@@ -194,7 +194,9 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
     }
     let mut ram: Box<dyn Backend> = match &spec.backend {
         // SAFETY: as above.
-        BackendSpec::Ram { fd } => Box::new(RamBackend::new(unsafe { claim(*fd) }?, spec.size).map_err(|e| e.to_string())?),
+        BackendSpec::Ram { fd } => {
+            Box::new(RamBackend::new(unsafe { claim(*fd) }?, spec.size).map_err(|e| crate::KitError(e.to_string()))?)
+        }
         BackendSpec::Channel { queues: lower, generation, control_fds: _ } => {
             let mut fronts = Vec::new();
             for (q, above) in lower.iter().zip(&spec.queues) {
@@ -213,7 +215,7 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
                     None => None,
                 };
                 let fds = ForwardQueueFds { ring: ring?, kick: kick?, irq: irq?, arenas };
-                fronts.push(FrontQueue::forwarding(fds, &cfg).map_err(|e| e.to_string())?);
+                fronts.push(FrontQueue::forwarding(fds, &cfg).map_err(|e| crate::KitError(e.to_string()))?);
             }
             let windows = queues
                 .iter()
@@ -224,13 +226,13 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
                 .collect();
             Box::new(ChannelBackend::new(fronts, windows, spec.size, std::sync::Arc::new(AtomicBool::new(false)), None))
         }
-        _ => return Err("the hostile test driver serves ram devices, or the channel below a tap domain".into()),
+        _ => return Err(crate::KitError("the hostile test driver serves ram devices, or the channel below a tap domain".into())),
     };
-    let poller = Poller::new().map_err(|e| e.to_string())?;
+    let poller = Poller::new().map_err(|e| crate::KitError(e.to_string()))?;
     for (i, q) in queues.iter().enumerate() {
-        poller.add(q.kick.as_raw_fd(), i as u64).map_err(|e| e.to_string())?;
+        poller.add(q.kick.as_raw_fd(), i as u64).map_err(|e| crate::KitError(e.to_string()))?;
     }
-    bulkhead_driver::confine_and_report(spec).map_err(|e| e.to_string())?;
+    bulkhead_driver::confine_and_report(spec).map_err(|e| crate::KitError(e.to_string()))?;
     let mut completed = 0u64;
     let mut turned = false;
     let mut idle_since: Option<u64> = None;
@@ -250,7 +252,7 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
         }
         if active && h == Hostility::StopAnswering {
             // Stay alive and take nothing more.
-            poller.wait(500, |_| {}).map_err(|e| e.to_string())?;
+            poller.wait(500, |_| {}).map_err(|e| crate::KitError(e.to_string()))?;
             for q in &queues {
                 q.ring.set_running();
                 q.kick.drain();
@@ -277,7 +279,7 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
                 let slot = match q.ring.pop_request() {
                     Ok(Some(s)) => s,
                     Ok(None) => break,
-                    Err(e) => return Err(format!("queue {qi}: {e}")),
+                    Err(e) => return Err(crate::KitError(format!("queue {qi}: {e}"))),
                 };
                 let (status, len) = match validate_request(&slot, q.arenas, spec.size, q.ring.generation()) {
                     Err(_) => (Status::Invalid, 0),
@@ -346,7 +348,7 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
             pending |= q.ring.prepare_sleep();
         }
         if !pending {
-            poller.wait(100, |_| {}).map_err(|e| e.to_string())?;
+            poller.wait(100, |_| {}).map_err(|e| crate::KitError(e.to_string()))?;
         }
         for q in &queues {
             q.ring.set_running();

@@ -65,11 +65,11 @@ impl Raw {
     fn r(&self, r: Reg) -> u64 {
         self.page.read(r)
     }
-    fn until(&self, what: &str, f: impl Fn(&Raw) -> bool) -> Result<(), String> {
+    fn until(&self, what: &str, f: impl Fn(&Raw) -> bool) -> Result<(), crate::KitError> {
         let t0 = Instant::now();
         while !f(self) {
             if t0.elapsed() > CARD_TIME {
-                return Err(format!("the card did not answer: {what}"));
+                return Err(crate::KitError(format!("the card did not answer: {what}")));
             }
             std::thread::sleep(Duration::from_micros(100));
         }
@@ -78,12 +78,12 @@ impl Raw {
     fn bit(&self, r: Reg, bit: u8) -> bool {
         self.r(r) >> bit & 1 == 1
     }
-    fn reset(&self) -> Result<(), String> {
+    fn reset(&self) -> Result<(), crate::KitError> {
         let c = self.card.registers.control;
         self.w(c, 1 << self.card.control.reset);
         self.until("reset", |x| x.r(c) == 0)
     }
-    fn enable(&self, base: u64, entries: u64) -> Result<(), String> {
+    fn enable(&self, base: u64, entries: u64) -> Result<(), crate::KitError> {
         let r = &self.card.registers;
         self.w(r.queue_base, base);
         self.w(r.queue_entries, entries);
@@ -116,31 +116,34 @@ impl Raw {
 /// # Safety
 /// Every descriptor named in the spec must be inherited for this domain and not used by
 /// anything else in the process.
-pub unsafe fn abuse(spec: &DomainSpec) -> Result<(Outcome, Wedged), String> {
+pub unsafe fn abuse(spec: &DomainSpec) -> Result<(Outcome, Wedged), crate::KitError> {
     let BackendSpec::Vdev { card, fds, .. } = &spec.backend else {
-        return Err("the hostile vdev driver needs a vdev backend".into());
+        return Err(crate::KitError("the hostile vdev driver needs a vdev backend".into()));
     };
     let card = Card::from_json(card)?;
     // SAFETY: forwarded from this function's contract.
     let claimed = fds.map(|fd| unsafe { bulkhead_sys::claim_inherited(fd) });
-    let [regs_fd, dma_fd, _irq, line] = claimed.map(|r| r.map_err(|e| e.to_string()));
+    let [regs_fd, dma_fd, _irq, line] = claimed.map(|r| r.map_err(|e| crate::KitError(e.to_string())));
     let (regs_fd, dma_fd, line): (OwnedFd, OwnedFd, OwnedFd) = (regs_fd?, dma_fd?, line?);
-    let page = Mapping::new(regs_fd.as_raw_fd(), PAGE as usize, Protection::ReadWrite).map_err(|e| e.to_string())?;
+    let page =
+        Mapping::new(regs_fd.as_raw_fd(), PAGE as usize, Protection::ReadWrite).map_err(|e| crate::KitError(e.to_string()))?;
     let page = RegisterPage::new(page)?;
-    let dma = Mapping::new(dma_fd.as_raw_fd(), DMA_BYTES as usize, Protection::ReadWrite).map_err(|e| e.to_string())?;
+    let dma = Mapping::new(dma_fd.as_raw_fd(), DMA_BYTES as usize, Protection::ReadWrite)
+        .map_err(|e| crate::KitError(e.to_string()))?;
     let mut out = Outcome::default();
 
     // Junk on the trap line: a message with no descriptor, one of the wrong size, a pipe posing
     // as a trap, and a real trap that names an address it does not cover.
-    let (pipe_r, _pipe_w) = bulkhead_sys::pipe().map_err(|e| e.to_string())?;
+    let (pipe_r, _pipe_w) = bulkhead_sys::pipe().map_err(|e| crate::KitError(e.to_string()))?;
     let mut wrong = [0u8; 16];
     wrong[..8].copy_from_slice(&(page.mapping().base_ptr() as u64).to_le_bytes());
     wrong[8..].copy_from_slice(&u64::from(PAGE).to_le_bytes());
     let _ = bulkhead_sys::send_with_fd(line.as_fd(), &wrong[..3], pipe_r.as_fd());
     let _ = bulkhead_sys::send_with_fd(line.as_fd(), &wrong, pipe_r.as_fd());
-    let other = Mapping::new(regs_fd.as_raw_fd(), PAGE as usize, Protection::ReadWrite).map_err(|e| e.to_string())?;
+    let other =
+        Mapping::new(regs_fd.as_raw_fd(), PAGE as usize, Protection::ReadWrite).map_err(|e| crate::KitError(e.to_string()))?;
     let other = RegisterPage::new(other)?;
-    let decoy = bulkhead_vdev::trap::arm(&other).map_err(|e| e.to_string())?;
+    let decoy = bulkhead_vdev::trap::arm(&other).map_err(|e| crate::KitError(e.to_string()))?;
     let mut elsewhere = wrong;
     elsewhere[..8].copy_from_slice(&(page.mapping().base_ptr() as u64 + u64::from(PAGE) * 16).to_le_bytes());
     let _ = bulkhead_sys::send_with_fd(line.as_fd(), &elsewhere, decoy.fd());
@@ -148,15 +151,15 @@ pub unsafe fn abuse(spec: &DomainSpec) -> Result<(Outcome, Wedged), String> {
     // Now the real one.
     bulkhead_vdev::domain::send_trap(&line, &page)?;
     drop((decoy, other));
-    bulkhead_driver::confine_and_report(spec).map_err(|e| e.to_string())?;
+    bulkhead_driver::confine_and_report(spec).map_err(|e| crate::KitError(e.to_string()))?;
 
     let raw = Raw { card: card.clone(), page, dma };
     let (r, s, k, o) = (card.registers.clone(), card.status, card.codes, card.opcodes);
     let capacity = raw.r(r.capacity);
-    let expect_error = |raw: &Raw, code: u32, what: &str| -> Result<(), String> {
+    let expect_error = |raw: &Raw, code: u32, what: &str| -> Result<(), crate::KitError> {
         raw.until(what, |x| x.bit(r.status, s.error))?;
         if raw.r(r.error) != u64::from(code) {
-            return Err(format!("{what}: ERROR {:#x}, the datasheet says {code:#x}", raw.r(r.error)));
+            return Err(crate::KitError(format!("{what}: ERROR {:#x}, the datasheet says {code:#x}", raw.r(r.error))));
         }
         Ok(())
     };
@@ -194,7 +197,9 @@ pub unsafe fn abuse(spec: &DomainSpec) -> Result<(Outcome, Wedged), String> {
         raw.until("a bad command's completion", |x| x.r(r.complete_count) == posted & done_mask)?;
         let got = raw.status_of(posted - 1);
         if got != want {
-            return Err(format!("bad command {posted} (opcode {op:#x}): status {got:#x}, the datasheet says {want:#x}"));
+            return Err(crate::KitError(format!(
+                "bad command {posted} (opcode {op:#x}): status {got:#x}, the datasheet says {want:#x}"
+            )));
         }
         out.refused += 1;
     }
@@ -212,7 +217,7 @@ pub unsafe fn abuse(spec: &DomainSpec) -> Result<(Outcome, Wedged), String> {
             x.r(r.complete_count) == posted & done_mask || x.bit(r.status, s.error)
         })?;
         if raw.bit(r.status, s.error) {
-            return Err(format!("the card stopped on a garbage descriptor (ERROR {:#x})", raw.r(r.error)));
+            return Err(crate::KitError(format!("the card stopped on a garbage descriptor (ERROR {:#x})", raw.r(r.error))));
         }
         out.garbage += 1;
     }

@@ -52,8 +52,8 @@ pub const INJECT_ENV: &str = "BULKHEAD_TEST_GUARD_INJECT";
 impl InjectSpec {
     /// `FILTER:TARGET[:EVERY[:SEED]]` (see [`INJECT_ENV`]): the filter's place in the chain,
     /// from 0, and its faults.
-    pub fn parse_env(s: &str) -> Result<(usize, InjectSpec), String> {
-        let bad = |why: String| format!("{INJECT_ENV}={s:?}: {why} (FILTER:TARGET[:EVERY[:SEED]])");
+    pub fn parse_env(s: &str) -> Result<(usize, InjectSpec), crate::KitError> {
+        let bad = |why: String| crate::KitError(format!("{INJECT_ENV}={s:?}: {why} (FILTER:TARGET[:EVERY[:SEED]])"));
         let parts: Vec<&str> = s.split(':').collect();
         if !(2..=4).contains(&parts.len()) {
             return Err(bad("two to four fields".into()));
@@ -99,7 +99,7 @@ mod tests {
             ("1:heap:5:1:9", "two to four"),
         ] {
             let e = InjectSpec::parse_env(bad).unwrap_err();
-            assert!(e.contains(why) && e.contains(INJECT_ENV), "{bad}: {e}");
+            assert!(e.0.contains(why) && e.0.contains(INJECT_ENV), "{bad}: {e}");
         }
     }
 }

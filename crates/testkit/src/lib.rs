@@ -14,6 +14,45 @@
 //! - [`pattern`]: deterministic bytes to write and check.
 #![deny(missing_docs)]
 
+use std::fmt;
+
+/// What a test double could not do, in words for the failing test's message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KitError(pub String);
+
+impl fmt::Display for KitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for KitError {}
+
+// Test code only: any error a double meets ends the test with its words.
+impl From<String> for KitError {
+    fn from(s: String) -> Self {
+        KitError(s)
+    }
+}
+
+impl From<&str> for KitError {
+    fn from(s: &str) -> Self {
+        KitError(s.to_string())
+    }
+}
+
+impl From<std::io::Error> for KitError {
+    fn from(e: std::io::Error) -> Self {
+        KitError(e.to_string())
+    }
+}
+
+impl From<bulkhead_vdev::VdevError> for KitError {
+    fn from(e: bulkhead_vdev::VdevError) -> Self {
+        KitError(e.to_string())
+    }
+}
+
 #[cfg(feature = "faults")]
 pub mod faults;
 

@@ -9,6 +9,7 @@
 //! sits, how wide some are, what the command and status codes are, how a descriptor is laid
 //! out, where DMA addresses start, and how interrupts coalesce.
 
+use crate::VdevError;
 use bulkhead_rng::Rng;
 use serde::{Deserialize, Serialize};
 
@@ -404,8 +405,8 @@ impl Card {
     }
 
     /// Reads a card spec (JSON), checked with [`validate`](Self::validate).
-    pub fn from_json(text: &str) -> Result<Card, String> {
-        let card: Card = serde_json::from_str(text).map_err(|e| format!("card spec: {e}"))?;
+    pub fn from_json(text: &str) -> Result<Card, VdevError> {
+        let card: Card = serde_json::from_str(text).map_err(|e| VdevError::Card(format!("card spec: {e}")))?;
         card.validate()?;
         Ok(card)
     }
@@ -418,45 +419,48 @@ impl Card {
     /// Checks the spec describes a card that can work: registers inside the page, aligned,
     /// apart; distinct bits and codes; descriptor fields inside the descriptor, aligned,
     /// apart, and wide enough.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), VdevError> {
         let regs = self.registers.all();
         for (name, r) in regs {
             if r.width != 4 && r.width != 8 {
-                return Err(format!("card spec: register {name}: width {} (4 or 8)", r.width));
+                return Err(VdevError::Card(format!("card spec: register {name}: width {} (4 or 8)", r.width)));
             }
             if r.offset % u32::from(r.width) != 0 || r.offset + u32::from(r.width) > PAGE {
-                return Err(format!("card spec: register {name}: offset {:#x} is not aligned inside the page", r.offset));
+                return Err(VdevError::Card(format!(
+                    "card spec: register {name}: offset {:#x} is not aligned inside the page",
+                    r.offset
+                )));
             }
         }
         for (i, (a, ra)) in regs.iter().enumerate() {
             for (b, rb) in &regs[i + 1..] {
                 if ra.offset < rb.offset + u32::from(rb.width) && rb.offset < ra.offset + u32::from(ra.width) {
-                    return Err(format!("card spec: registers {a} and {b} overlap"));
+                    return Err(VdevError::Card(format!("card spec: registers {a} and {b} overlap")));
                 }
             }
         }
         for (name, r) in [("CAPACITY", self.registers.capacity), ("QUEUE_BASE", self.registers.queue_base)] {
             if r.width != 8 {
-                return Err(format!("card spec: register {name} must be 8 bytes wide"));
+                return Err(VdevError::Card(format!("card spec: register {name} must be 8 bytes wide")));
             }
         }
         let c = self.control;
         let s = self.status;
         if [c.enable, c.reset, c.irq_enable, s.ready, s.error].iter().any(|&b| b >= 32) {
-            return Err("card spec: a CONTROL or STATUS bit is past bit 31".into());
+            return Err(VdevError::Card("card spec: a CONTROL or STATUS bit is past bit 31".into()));
         }
         if c.enable == c.reset || c.enable == c.irq_enable || c.reset == c.irq_enable || s.ready == s.error {
-            return Err("card spec: two CONTROL or STATUS bits share a position".into());
+            return Err(VdevError::Card("card spec: two CONTROL or STATUS bits share a position".into()));
         }
         let o = self.opcodes;
         let ops = [o.read, o.write, o.flush, o.discard, o.write_zeroes];
         if (0..ops.len()).any(|i| ops[i + 1..].contains(&ops[i])) {
-            return Err("card spec: two opcodes share a value".into());
+            return Err(VdevError::Card("card spec: two opcodes share a value".into()));
         }
         let k = self.codes;
         let codes = [k.ok, k.bad_opcode, k.out_of_range, k.bad_address, k.bad_length, k.media_error];
         if (0..codes.len()).any(|i| codes[i + 1..].contains(&codes[i])) {
-            return Err("card spec: two status codes share a value".into());
+            return Err(VdevError::Card("card spec: two status codes share a value".into()));
         }
         let e = self.errors;
         if [e.bad_queue, e.bad_tail, e.reserved_bits].contains(&0)
@@ -464,42 +468,47 @@ impl Card {
             || e.bad_tail == e.reserved_bits
             || e.bad_queue == e.reserved_bits
         {
-            return Err("card spec: error codes must be distinct and not 0".into());
+            return Err(VdevError::Card("card spec: error codes must be distinct and not 0".into()));
         }
         let d = &self.descriptor;
         if d.size != 32 && d.size != 64 {
-            return Err(format!("card spec: descriptor size {} (32 or 64)", d.size));
+            return Err(VdevError::Card(format!("card spec: descriptor size {} (32 or 64)", d.size)));
         }
         let fields = d.all();
         for (name, f) in fields {
             if ![1, 2, 4, 8].contains(&f.width) || f.offset % u32::from(f.width) != 0 || f.offset + u32::from(f.width) > d.size {
-                return Err(format!("card spec: descriptor field {name} at {} width {} does not fit", f.offset, f.width));
+                return Err(VdevError::Card(format!(
+                    "card spec: descriptor field {name} at {} width {} does not fit",
+                    f.offset, f.width
+                )));
             }
         }
         for (i, (a, fa)) in fields.iter().enumerate() {
             for (b, fb) in &fields[i + 1..] {
                 if fa.offset < fb.offset + u32::from(fb.width) && fb.offset < fa.offset + u32::from(fa.width) {
-                    return Err(format!("card spec: descriptor fields {a} and {b} overlap"));
+                    return Err(VdevError::Card(format!("card spec: descriptor fields {a} and {b} overlap")));
                 }
             }
         }
         if d.lba.width != 8 || d.address.width != 8 || d.opcode.width != 1 || d.blocks.width < 2 || d.status.width > 2 {
-            return Err(
+            return Err(VdevError::Card(
                 "card spec: descriptor fields LBA and ADDRESS must be 8 bytes, OPCODE 1, BLOCKS at least 2, STATUS at most 2"
                     .into(),
-            );
+            ));
         }
         if width_max(d.status.width) <= u64::from(*codes.iter().max().expect("six codes")) {
-            return Err("card spec: a status code does not fit its field, or is all ones (kept for \"not completed\")".into());
+            return Err(VdevError::Card(
+                "card spec: a status code does not fit its field, or is all ones (kept for \"not completed\")".into(),
+            ));
         }
         if self.max_blocks == 0 || u64::from(self.max_blocks) > width_max(d.blocks.width) {
-            return Err(format!("card spec: max_blocks {} does not fit the BLOCKS field", self.max_blocks));
+            return Err(VdevError::Card(format!("card spec: max_blocks {} does not fit the BLOCKS field", self.max_blocks)));
         }
         if !self.dma_base.is_multiple_of(u64::from(PAGE)) {
-            return Err(format!("card spec: dma_base {:#x} is not a page multiple", self.dma_base));
+            return Err(VdevError::Card(format!("card spec: dma_base {:#x} is not a page multiple", self.dma_base)));
         }
         if self.irq_coalesce == 0 {
-            return Err("card spec: irq_coalesce must be at least 1".into());
+            return Err(VdevError::Card("card spec: irq_coalesce must be at least 1".into()));
         }
         Ok(())
     }
@@ -537,16 +546,16 @@ mod tests {
     fn a_spec_that_cannot_work_is_refused_by_name() {
         let mut card = Card::generate(7);
         card.registers.status = card.registers.control;
-        assert!(Card::from_json(&card.to_json()).unwrap_err().contains("CONTROL and STATUS overlap"));
+        assert!(Card::from_json(&card.to_json()).unwrap_err().to_string().contains("CONTROL and STATUS overlap"));
         let mut card = Card::generate(7);
         card.registers.id.offset = 4094;
-        assert!(card.validate().unwrap_err().contains("register ID"));
+        assert!(card.validate().unwrap_err().to_string().contains("register ID"));
         let mut card = Card::generate(7);
         card.opcodes.flush = card.opcodes.read;
-        assert!(card.validate().unwrap_err().contains("opcodes"));
+        assert!(card.validate().unwrap_err().to_string().contains("opcodes"));
         let mut card = Card::generate(7);
         card.descriptor.lba.offset = card.descriptor.address.offset;
-        assert!(card.validate().unwrap_err().contains("overlap"));
-        assert!(Card::from_json("{\"seed\": 1}").unwrap_err().starts_with("card spec:"));
+        assert!(card.validate().unwrap_err().to_string().contains("overlap"));
+        assert!(Card::from_json("{\"seed\": 1}").unwrap_err().to_string().starts_with("card spec:"));
     }
 }

@@ -15,6 +15,7 @@
 //! size, a descriptor that is no trap or a trap over another address is refused, and the model
 //! goes on with the trap it had.
 
+use crate::VdevError;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -45,11 +46,12 @@ pub fn connect_driver(
     dma: OwnedFd,
     irq: EventFd,
     line: OwnedFd,
-) -> Result<Driver, String> {
-    let page = Mapping::new(regs.as_raw_fd(), PAGE as usize, Protection::ReadWrite).map_err(|e| format!("register page: {e}"))?;
-    let page = RegisterPage::new(page).map_err(|e| format!("register page: {e}"))?;
+) -> Result<Driver, VdevError> {
+    let page = Mapping::new(regs.as_raw_fd(), PAGE as usize, Protection::ReadWrite)
+        .map_err(|e| VdevError::Device(format!("register page: {e}")))?;
+    let page = RegisterPage::new(page).map_err(|e| VdevError::Device(format!("register page: {e}")))?;
     let dma = Mapping::new(dma.as_raw_fd(), DMA_BYTES as usize, Protection::ReadWrite)
-        .map_err(|e| format!("DMA memory ({DMA_BYTES} bytes): {e}"))?;
+        .map_err(|e| VdevError::Device(format!("DMA memory ({DMA_BYTES} bytes): {e}")))?;
     send_trap(&line, &page)?;
     drop(line);
     Driver::new(card, page, dma, irq, wait)
@@ -58,13 +60,13 @@ pub fn connect_driver(
 /// Arms a trap over `page` (the driver's mapping of the register page) and sends it to the
 /// model's domain on `line`, with the page's address: from then on the model is told of each
 /// write to the page. The driver keeps no copy of the trap.
-pub fn send_trap(line: &OwnedFd, page: &RegisterPage) -> Result<(), String> {
-    let armed = trap::arm(page).map_err(|e| format!("cannot trap the register page (userfaultfd): {e}"))?;
+pub fn send_trap(line: &OwnedFd, page: &RegisterPage) -> Result<(), VdevError> {
+    let armed = trap::arm(page).map_err(|e| VdevError::Device(format!("cannot trap the register page (userfaultfd): {e}")))?;
     let mut msg = [0u8; MESSAGE];
     msg[..8].copy_from_slice(&(page.mapping().base_ptr() as u64).to_le_bytes());
     msg[8..].copy_from_slice(&u64::from(PAGE).to_le_bytes());
     bulkhead_sys::send_with_fd(line.as_fd(), &msg, armed.fd())
-        .map_err(|e| format!("cannot send the trap to the device model: {e}"))
+        .map_err(|e| VdevError::Device(format!("cannot send the trap to the device model: {e}")))
 }
 
 /// Slots of the model's counter page, each a u64 the model's domain writes and the supervisor
@@ -186,12 +188,12 @@ impl ModelDomain {
         irq: EventFd,
         line: OwnedFd,
         stats: StatsPage,
-    ) -> Result<Self, String> {
-        let page =
-            Mapping::new(regs.as_raw_fd(), PAGE as usize, Protection::ReadWrite).map_err(|e| format!("register page: {e}"))?;
-        let page = RegisterPage::new(page).map_err(|e| format!("register page: {e}"))?;
+    ) -> Result<Self, VdevError> {
+        let page = Mapping::new(regs.as_raw_fd(), PAGE as usize, Protection::ReadWrite)
+            .map_err(|e| VdevError::Device(format!("register page: {e}")))?;
+        let page = RegisterPage::new(page).map_err(|e| VdevError::Device(format!("register page: {e}")))?;
         let dma = Mapping::new(dma.as_raw_fd(), DMA_BYTES as usize, Protection::ReadWrite)
-            .map_err(|e| format!("DMA memory ({DMA_BYTES} bytes): {e}"))?;
+            .map_err(|e| VdevError::Device(format!("DMA memory ({DMA_BYTES} bytes): {e}")))?;
         let server = Server::new(Model::new(card, page, dma, media, irq));
         let d = ModelDomain { server, line, stats, earlier_faults: 0, drivers: 0, refused_traps: 0 };
         d.publish();
@@ -214,13 +216,13 @@ impl ModelDomain {
 
     /// Serves until `stop` is set or the line closes (the supervisor is gone): takes each trap
     /// that arrives, serves the current driver's trapped writes, and keeps the counter page.
-    pub fn run(&mut self, stop: &AtomicBool) -> Result<(), String> {
+    pub fn run(&mut self, stop: &AtomicBool) -> Result<(), VdevError> {
         while !stop.load(Ordering::Relaxed) {
             let mut fds = [
                 libc::pollfd { fd: self.line.as_raw_fd(), events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: self.server.fd().map_or(-1, |f| f.as_raw_fd()), events: libc::POLLIN, revents: 0 },
             ];
-            bulkhead_sys::poll(&mut fds, IDLE_WAIT_MS).map_err(|e| format!("poll: {e}"))?;
+            bulkhead_sys::poll(&mut fds, IDLE_WAIT_MS).map_err(|e| VdevError::Device(format!("poll: {e}")))?;
             if fds[0].revents != 0 && !self.take_traps()? {
                 return Ok(());
             }
@@ -239,7 +241,7 @@ impl ModelDomain {
     }
 
     /// Takes every trap message waiting on the line; `false` once the line has closed.
-    fn take_traps(&mut self) -> Result<bool, String> {
+    fn take_traps(&mut self) -> Result<bool, VdevError> {
         let mut buf = [0u8; MESSAGE];
         loop {
             let (n, fd) = match bulkhead_sys::recv_with_fd(self.line.as_fd(), &mut buf) {
@@ -249,7 +251,7 @@ impl ModelDomain {
                     self.refuse(&format!("{e}"));
                     continue;
                 }
-                Err(e) => return Err(format!("trap line: {e}")),
+                Err(e) => return Err(VdevError::Device(format!("trap line: {e}"))),
             };
             if n == 0 && fd.is_none() {
                 return Ok(false);

@@ -4,8 +4,10 @@
 //! memory, bounces data through DMA buffers, rings the doorbell, and takes the interrupt or
 //! polls the completion counter.
 
+use crate::VdevError;
 use std::time::{Duration, Instant};
 
+use bulkhead_block::SetupError;
 use bulkhead_block::{Backend, BlockError, Caps, Io, Remote, Request};
 use bulkhead_doorbell::EventFd;
 use bulkhead_shmem::Mapping;
@@ -23,12 +25,12 @@ pub enum Wait {
 }
 
 impl std::str::FromStr for Wait {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = VdevError;
+    fn from_str(s: &str) -> Result<Self, VdevError> {
         match s {
             "interrupt" => Ok(Wait::Interrupt),
             "poll" => Ok(Wait::Poll),
-            other => Err(format!("unknown wait mode {other:?} (interrupt, poll)")),
+            other => Err(VdevError::Card(format!("unknown wait mode {other:?} (interrupt, poll)"))),
         }
     }
 }
@@ -78,31 +80,34 @@ impl Driver {
     /// reaches the model only once the model holds this driver's trap, so what it reads after
     /// is the card's and not what an earlier driver left) and reads what the card is and how
     /// large; it starts the card in [`init`](Self::init).
-    pub fn new(card: Card, regs: RegisterPage, dma: Mapping, irq: EventFd, wait: Wait) -> Result<Self, String> {
+    pub fn new(card: Card, regs: RegisterPage, dma: Mapping, irq: EventFd, wait: Wait) -> Result<Self, VdevError> {
         let ring_bytes = ENTRIES * u64::from(card.descriptor.size);
         let data_offset = ring_bytes.next_multiple_of(u64::from(PAGE));
         let room = (dma.len() as u64).saturating_sub(data_offset) / ENTRIES;
         let chunk = (room / u64::from(PAGE) * u64::from(PAGE)).min(u64::from(card.max_blocks) * u64::from(BLOCK));
         if chunk == 0 {
-            return Err(format!("{} bytes of DMA memory is too little for a ring and {ENTRIES} buffers", dma.len()));
+            return Err(VdevError::Device(format!(
+                "{} bytes of DMA memory is too little for a ring and {ENTRIES} buffers",
+                dma.len()
+            )));
         }
         let mut d = Driver { card, regs, dma, irq, wait, size: 0, ring_offset: 0, data_offset, chunk, tail: 0, ready: false };
         d.reset()?;
         let (r, card) = (&d.card.registers, &d.card);
         if d.regs.read(r.id) != card.id() {
-            return Err(format!(
+            return Err(VdevError::Device(format!(
                 "the card answers with id {:#x}, not {:#x} ({}): the spec is for another card",
                 d.regs.read(r.id),
                 card.id(),
                 card.name
-            ));
+            )));
         }
         d.size = d.regs.read(r.capacity).saturating_mul(u64::from(BLOCK));
         Ok(d)
     }
 
     /// Resets the card and waits until it has.
-    fn reset(&mut self) -> Result<(), String> {
+    fn reset(&mut self) -> Result<(), VdevError> {
         let (r, c) = (self.card.registers.control, self.card.control);
         self.ready = false;
         self.regs.write(r, 1 << c.reset);
@@ -110,7 +115,7 @@ impl Driver {
     }
 
     /// Resets the card and starts it on the driver's ring.
-    pub fn init(&mut self) -> Result<(), String> {
+    pub fn init(&mut self) -> Result<(), VdevError> {
         let r = self.card.registers.clone();
         let (c, s) = (self.card.control, self.card.status);
         self.reset()?;
@@ -121,7 +126,7 @@ impl Driver {
         self.regs.write(r.control, 1 << c.enable | irq);
         self.until("the card to be ready", |d| d.regs.read(r.status) & (1 << s.ready | 1 << s.error) != 0)?;
         if self.regs.read(r.status) >> s.error & 1 == 1 {
-            return Err(format!("the card refused its ring (ERROR {:#x})", self.regs.read(r.error)));
+            return Err(VdevError::Device(format!("the card refused its ring (ERROR {:#x})", self.regs.read(r.error))));
         }
         self.irq.drain();
         self.ready = true;
@@ -129,11 +134,11 @@ impl Driver {
     }
 
     /// Polls `done` (register reads only) until it holds or the card's time is up.
-    fn until(&self, what: &str, done: impl Fn(&Self) -> bool) -> Result<(), String> {
+    fn until(&self, what: &str, done: impl Fn(&Self) -> bool) -> Result<(), VdevError> {
         let t0 = Instant::now();
         while !done(self) {
             if t0.elapsed() > CARD_TIMEOUT {
-                return Err(format!("timed out waiting for {what}"));
+                return Err(VdevError::Device(format!("timed out waiting for {what}")));
             }
             std::thread::sleep(Duration::from_micros(50));
         }
@@ -178,7 +183,7 @@ impl Driver {
 
     /// Posts `group` (at most a ring of commands), rings the doorbell once, waits for all of
     /// them and sets each request's result.
-    fn run_group(&mut self, ios: &mut [Io<'_>], group: &[Piece]) -> Result<(), String> {
+    fn run_group(&mut self, ios: &mut [Io<'_>], group: &[Piece]) -> Result<(), VdevError> {
         let d = self.card.descriptor.clone();
         let r = self.card.registers.clone();
         for (j, p) in group.iter().enumerate() {
@@ -187,10 +192,11 @@ impl Driver {
             if p.opcode == self.card.opcodes.write {
                 if let Request::Write { from: bufs, .. } = ios[p.io].req {
                     let mut pos = buf as usize;
-                    let part = bufs.range(p.at, len).ok_or("a write's buffers are shorter than it")?;
+                    let part =
+                        bufs.range(p.at, len).ok_or_else(|| VdevError::Device("a write's buffers are shorter than it".into()))?;
                     for s in part.iter() {
-                        let dst = self.dma.slice(pos, s.len()).map_err(|e| e.to_string())?;
-                        s.copy_to_shared(&dst).map_err(|e| e.to_string())?;
+                        let dst = self.dma.slice(pos, s.len()).map_err(|e| VdevError::Device(e.to_string()))?;
+                        s.copy_to_shared(&dst).map_err(|e| VdevError::Device(e.to_string()))?;
                         pos += s.len();
                     }
                 }
@@ -207,7 +213,7 @@ impl Driver {
             };
             d.encode(&command, &mut desc);
             let slot = self.ring_offset + (self.tail % ENTRIES) * u64::from(d.size);
-            self.dma.write_from(slot as usize, &desc[..d.size as usize]).map_err(|e| e.to_string())?;
+            self.dma.write_from(slot as usize, &desc[..d.size as usize]).map_err(|e| VdevError::Device(e.to_string()))?;
             self.tail += 1;
         }
         // The acknowledgement of the last batch's completions rides with this doorbell.
@@ -223,11 +229,11 @@ impl Driver {
                 break;
             }
             if self.regs.read(r.status) & err != 0 {
-                return Err(format!("the card stopped (ERROR {:#x})", self.regs.read(r.error)));
+                return Err(VdevError::Device(format!("the card stopped (ERROR {:#x})", self.regs.read(r.error))));
             }
             let left = CARD_TIMEOUT.saturating_sub(t0.elapsed());
             if left.is_zero() {
-                return Err("the card did not complete its commands in time".into());
+                return Err(VdevError::Device("the card did not complete its commands in time".into()));
             }
             match self.wait {
                 Wait::Interrupt => {
@@ -243,7 +249,7 @@ impl Driver {
             let slot = self.ring_offset + ((first + j as u64) % ENTRIES) * u64::from(d.size);
             let mut desc = [0u8; 64];
             let desc = &mut desc[..d.size as usize];
-            self.dma.read_into(slot as usize, desc).map_err(|e| e.to_string())?;
+            self.dma.read_into(slot as usize, desc).map_err(|e| VdevError::Device(e.to_string()))?;
             let status = d.status.get(desc) as u16;
             let io = &mut ios[p.io];
             if status != k.ok {
@@ -263,9 +269,10 @@ impl Driver {
                 if let Request::Read { into: bufs, .. } = io.req {
                     let mut pos = (self.data_offset + j as u64 * self.chunk) as usize;
                     let len = p.blocks * u64::from(BLOCK);
-                    let part = bufs.range(p.at, len).ok_or("a read's buffers are shorter than it")?;
+                    let part =
+                        bufs.range(p.at, len).ok_or_else(|| VdevError::Device("a read's buffers are shorter than it".into()))?;
                     for s in part.iter() {
-                        let src = self.dma.slice(pos, s.len()).map_err(|e| e.to_string())?;
+                        let src = self.dma.slice(pos, s.len()).map_err(|e| VdevError::Device(e.to_string()))?;
                         if src.copy_to_shared(&s).is_err() {
                             io.result = Err(BlockError::Invalid("read into a read-only buffer"));
                             break;
@@ -322,8 +329,8 @@ impl Backend for Driver {
 /// The card is a device of its own, in the model's domain: it is reset before the first
 /// request, and a card that fails a command is reset before the next batch.
 impl Remote for Driver {
-    fn start(&mut self) -> Result<(), String> {
-        self.init()
+    fn start(&mut self) -> Result<(), SetupError> {
+        self.init().map_err(SetupError::of)
     }
 
     fn lost(&self) -> Option<&str> {

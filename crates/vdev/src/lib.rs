@@ -29,6 +29,18 @@ use std::io;
 use std::os::fd::BorrowedFd;
 
 pub use card::Card;
+
+/// What went wrong with a virtual device.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VdevError {
+    /// A card's spec that is not valid: the field and why.
+    #[error("{0}")]
+    Card(String),
+    /// The card, its model or the trap line between them did not do what was asked: a
+    /// timeout, a bad status, a message out of turn.
+    #[error("{0}")]
+    Device(String),
+}
 pub use driver::{Driver, Wait};
 pub use model::{Model, ModelStats};
 pub use trap::Trapped;

@@ -1,5 +1,6 @@
 //! Register and descriptor access over shared memory, as a card's spec lays them out.
 
+use crate::VdevError;
 use std::sync::atomic::Ordering;
 
 use bulkhead_shmem::Mapping;
@@ -14,9 +15,9 @@ pub struct RegisterPage {
 
 impl RegisterPage {
     /// Over `map`, which must be at least a page.
-    pub fn new(map: Mapping) -> Result<Self, String> {
+    pub fn new(map: Mapping) -> Result<Self, VdevError> {
         if map.len() < PAGE as usize {
-            return Err(format!("register page mapping of {} bytes (a page is {PAGE})", map.len()));
+            return Err(VdevError::Device(format!("register page mapping of {} bytes (a page is {PAGE})", map.len())));
         }
         Ok(RegisterPage { map })
     }

@@ -215,7 +215,7 @@ fn domain(args: &[String]) -> ExitCode {
             // process alone.
             match unsafe { bulkhead_testkit::hostile::serve(&spec, h, &stop) } {
                 Ok(()) => ExitCode::SUCCESS,
-                Err(e) => fail(e),
+                Err(e) => fail(e.0),
             }
         }
         _ => {
@@ -223,7 +223,7 @@ fn domain(args: &[String]) -> ExitCode {
             let inject = match std::env::var(bulkhead_testkit::inject::INJECT_ENV) {
                 Ok(v) if for_this_device(&spec) => match bulkhead_testkit::inject::InjectSpec::parse_env(&v) {
                     Ok(i) => Some(i),
-                    Err(e) => return fail(e),
+                    Err(e) => return fail(e.0),
                 },
                 _ => None,
             };
