@@ -547,7 +547,7 @@ fn guest_round(
         cpus: 1,
         scratch: scratch.to_path_buf(),
     };
-    let vm = Vm::boot(kit, &vm_opts).map_err(BenchError::Run)?;
+    let vm = Vm::boot(kit, &vm_opts).map_err(|e| BenchError::Run(e.to_string()))?;
     // CPU at each point's start, from the console's markers.
     let pids = server.pids();
     let mut marks: Vec<(String, f64)> = Vec::new();
@@ -572,7 +572,7 @@ fn guest_round(
     let result = vm.finish(Duration::from_secs(if stopped.is_some() { 1 } else { 60 }));
     if stopped.is_none() {
         if let Err(e) = result.check() {
-            stopped = Some(e.lines().next().unwrap_or("the guest failed").to_string());
+            stopped = Some(e.0.lines().next().unwrap_or("the guest failed").to_string());
         }
     }
     let mut out = Vec::new();
@@ -665,7 +665,7 @@ fn restart(
     let scratch = std::env::temp_dir().join(format!("bulkhead-bench-vm-restart-{}", std::process::id()));
     let vm_opts =
         VmOptions { disks: vec![Disk { socket: server.socket.clone(), queues: 1 }], script, memory_mib: 512, cpus: 1, scratch };
-    let vm = Vm::boot(kit, &vm_opts).map_err(BenchError::Run)?;
+    let vm = Vm::boot(kit, &vm_opts).map_err(|e| BenchError::Run(e.to_string()))?;
     if vm.wait_for("GUESTIO started pauses", Duration::from_secs(90)).is_none() {
         return Err(BenchError::Run(format!("the guest did not start: {}", vm.lines().join("\n"))));
     }
@@ -703,7 +703,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     let needs_kit = opts.parts.iter().any(|p| *p != Part::Host);
     let kit = if needs_kit {
         progress("building the guest kit");
-        Some(Kit::ensure().map_err(BenchError::Run)?)
+        Some(Kit::ensure().map_err(|e| BenchError::Run(e.to_string()))?)
     } else {
         None
     };

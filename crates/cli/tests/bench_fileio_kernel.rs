@@ -18,7 +18,7 @@ fn bench_fileio_measures_a_small_matrix_and_cleans_up() {
     let out_dir = tmp.path().join("out");
     let before = leftovers("bh-fileio-");
     let out = Command::new("timeout")
-        .args(["300", exe(), "bench", "fileio", "--modes", "rndrd,seqwr", "--threads", "1", "--backends", "ram"])
+        .args(["300", bench_exe(), "fileio", "--modes", "rndrd,seqwr", "--threads", "1", "--backends", "ram"])
         .args(["--notify", "poll", "--peers", "native", "--seconds", "1", "--rounds", "2", "--out"])
         .arg(&out_dir)
         .output()

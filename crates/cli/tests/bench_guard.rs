@@ -5,12 +5,12 @@ mod common;
 
 use std::process::Command;
 
-use common::exe;
+use common::bench_exe;
 
 #[test]
 fn bench_guard_catches_what_each_mode_should_for_both_mechanisms() {
     let writes = 640;
-    let out = Command::new(exe()).args(["bench", "guard", "--json", "--writes", &writes.to_string()]).output().unwrap();
+    let out = Command::new(bench_exe()).args(["guard", "--json", "--writes", &writes.to_string()]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(r["unguarded_ns"].as_f64().unwrap() > 0.0, "{r}");
@@ -42,7 +42,7 @@ fn bench_guard_catches_what_each_mode_should_for_both_mechanisms() {
 
 #[test]
 fn bench_guard_refuses_fewer_writes_than_pages() {
-    let out = Command::new(exe()).args(["bench", "guard", "--writes", "1"]).output().unwrap();
+    let out = Command::new(bench_exe()).args(["guard", "--writes", "1"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--writes"), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -25,7 +25,7 @@ fn bench_surge_measures_schedulers_through_a_vpt_beside_the_simulator_and_cleans
     let before = leftovers("bh-surge-");
     let reads = 600;
     let out = Command::new("timeout")
-        .args(["300", exe(), "bench", "surge", "--reads", &reads.to_string(), "--processes", "8", "--files", "60"])
+        .args(["300", bench_exe(), "surge", "--reads", &reads.to_string(), "--processes", "8", "--files", "60"])
         .args(["--size", "256M", "--modes", "direct,cached", "--schedulers", &format!("cats,{kernel}"), "--sim", "cats"])
         .arg("--out")
         .arg(&out_dir)

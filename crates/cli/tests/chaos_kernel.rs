@@ -19,7 +19,7 @@ fn two_minutes_of_faults_of_every_kind_lose_nothing_under_fio_verify_on_ext4() {
     }
     let loops_before = sh("losetup", &["-a"]).lines().count();
     let out = Command::new("timeout")
-        .args(["--kill-after=30", "600", exe(), "bench", "chaos", "--minutes", "2", "--seed", "59", "--json"])
+        .args(["--kill-after=30", "600", bench_exe(), "chaos", "--minutes", "2", "--seed", "59", "--json"])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

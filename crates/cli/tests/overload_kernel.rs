@@ -16,7 +16,7 @@ use common::*;
 fn sixteen_deep_nbd_clients_a_slowloris_and_a_client_that_never_reads_are_served_fairly_within_the_memory_bound() {
     require_kernel!();
     let out = Command::new("timeout")
-        .args(["180", exe(), "bench", "overload", "--clients", "16", "--depth", "128", "--seconds", "12", "--json"])
+        .args(["180", bench_exe(), "overload", "--clients", "16", "--depth", "128", "--seconds", "12", "--json"])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -17,7 +17,7 @@ fn twenty_power_cuts_lose_nothing_acknowledged_and_leave_the_qcow2_image_consist
         return;
     }
     let out = Command::new("timeout")
-        .args(["300", exe(), "bench", "powercut", "--rounds", "10", "--seed", "59", "--json"])
+        .args(["300", bench_exe(), "powercut", "--rounds", "10", "--seed", "59", "--json"])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

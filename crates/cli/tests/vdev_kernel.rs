@@ -219,13 +219,13 @@ fn aligned(data: &[u8]) -> bulkhead_testkit::AlignedBuf {
     bulkhead_testkit::AlignedBuf::from_slice(data)
 }
 
-/// `bulkhead bench vdev` runs end to end and reports every figure it names (the figures
+/// `bulkhead-bench vdev` runs end to end and reports every figure it names (the figures
 /// themselves are recorded in docs/BENCHMARKS.md, not checked here).
 #[test]
 fn bench_vdev_reports_latency_iops_and_the_trap_cost() {
     require_kernel!();
-    let out = Command::new(exe())
-        .args(["bench", "vdev", "--size", "16M", "--requests", "200", "--seconds", "1", "--writes", "200", "--json"])
+    let out = Command::new(bench_exe())
+        .args(["vdev", "--size", "16M", "--requests", "200", "--seconds", "1", "--writes", "200", "--json"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -25,6 +25,16 @@ use std::time::{Duration, Instant};
 
 use bulkhead_rng::Rng;
 
+/// Why a run failed: said on the console for the host to read.
+#[derive(Debug)]
+struct Failure(String);
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 const BLOCK: usize = 4096;
 const MAGIC: u32 = 0xb10c_4ead;
 
@@ -55,9 +65,13 @@ fn fill(buf: &mut [u8], block: u64, gen: u32) {
 }
 
 /// Checks `buf` holds `block` at generation `gen` (0: never written, all zero).
-fn check(buf: &[u8], block: u64, gen: u32, scratch: &mut [u8]) -> Result<(), String> {
+fn check(buf: &[u8], block: u64, gen: u32, scratch: &mut [u8]) -> Result<(), Failure> {
     if gen == 0 {
-        return if buf.iter().all(|&b| b == 0) { Ok(()) } else { Err(format!("block {block}: never written, yet not zero")) };
+        return if buf.iter().all(|&b| b == 0) {
+            Ok(())
+        } else {
+            Err(Failure(format!("block {block}: never written, yet not zero")))
+        };
     }
     fill(scratch, block, gen);
     if buf == scratch {
@@ -65,21 +79,26 @@ fn check(buf: &[u8], block: u64, gen: u32, scratch: &mut [u8]) -> Result<(), Str
     }
     let found_gen = u32::from_le_bytes(buf[4..8].try_into().expect("four bytes"));
     let found_block = u64::from_le_bytes(buf[8..16].try_into().expect("eight bytes"));
-    Err(format!("block {block}: expected generation {gen}, found block {found_block} generation {found_gen}"))
+    Err(Failure(format!("block {block}: expected generation {gen}, found block {found_block} generation {found_gen}")))
 }
 
-fn open(dev: &str) -> Result<File, String> {
-    OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(dev).map_err(|e| format!("open {dev}: {e}"))
+fn open(dev: &str) -> Result<File, Failure> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+        .map_err(|e| Failure(format!("open {dev}: {e}")))
 }
 
-fn blocks_of(f: &File) -> Result<u64, String> {
+fn blocks_of(f: &File) -> Result<u64, Failure> {
     use std::io::{Seek, SeekFrom};
     let mut f = f;
-    let size = f.seek(SeekFrom::End(0)).map_err(|e| format!("size: {e}"))?;
+    let size = f.seek(SeekFrom::End(0)).map_err(|e| Failure(format!("size: {e}")))?;
     Ok(size / BLOCK as u64)
 }
 
-fn stress(dev: &str, seconds: u64, threads: u64) -> Result<(), String> {
+fn stress(dev: &str, seconds: u64, threads: u64) -> Result<(), Failure> {
     let file = Arc::new(open(dev)?);
     // A region small enough that blocks are rewritten often, large enough to spread out.
     let blocks = blocks_of(&file)?.min(16384);
@@ -90,7 +109,7 @@ fn stress(dev: &str, seconds: u64, threads: u64) -> Result<(), String> {
     let mut workers = Vec::new();
     for t in 0..threads {
         let (file, ops, failed) = (file.clone(), ops.clone(), failed.clone());
-        workers.push(std::thread::spawn(move || -> Result<(Vec<u32>, u64), String> {
+        workers.push(std::thread::spawn(move || -> Result<(Vec<u32>, u64), Failure> {
             let owned: Vec<u64> = (0..blocks).filter(|b| b % threads == t).collect();
             let mut gens = vec![0u32; owned.len()];
             let mut rng = Rng::new(t + 1);
@@ -100,13 +119,13 @@ fn stress(dev: &str, seconds: u64, threads: u64) -> Result<(), String> {
                 let i = (rng.next_u64() % owned.len() as u64) as usize;
                 let b = owned[i];
                 if rng.next_u64().is_multiple_of(4) {
-                    file.read_exact_at(buf.buf(), b * BLOCK as u64).map_err(|e| format!("read block {b}: {e}"))?;
+                    file.read_exact_at(buf.buf(), b * BLOCK as u64).map_err(|e| Failure(format!("read block {b}: {e}")))?;
                     check(buf.buf(), b, gens[i], &mut scratch)?;
                     reads += 1;
                 } else {
                     let gen = gens[i] + 1;
                     fill(buf.buf(), b, gen);
-                    file.write_all_at(buf.buf(), b * BLOCK as u64).map_err(|e| format!("write block {b}: {e}"))?;
+                    file.write_all_at(buf.buf(), b * BLOCK as u64).map_err(|e| Failure(format!("write block {b}: {e}")))?;
                     gens[i] = gen;
                 }
                 ops.fetch_add(1, Ordering::Relaxed);
@@ -125,7 +144,7 @@ fn stress(dev: &str, seconds: u64, threads: u64) -> Result<(), String> {
     let mut results = Vec::new();
     let mut first_err = None;
     for w in workers {
-        match w.join().map_err(|_| "a worker panicked".to_string()).and_then(|r| r) {
+        match w.join().map_err(|_| Failure("a worker panicked".into())).and_then(|r| r) {
             Ok(r) => results.push(r),
             Err(e) => {
                 failed.store(true, Ordering::Relaxed);
@@ -144,7 +163,7 @@ fn stress(dev: &str, seconds: u64, threads: u64) -> Result<(), String> {
         reads += r;
         let owned = (0..blocks).filter(|b| b % threads == t as u64);
         for (b, &gen) in owned.zip(gens) {
-            file.read_exact_at(buf.buf(), b * BLOCK as u64).map_err(|e| format!("verify block {b}: {e}"))?;
+            file.read_exact_at(buf.buf(), b * BLOCK as u64).map_err(|e| Failure(format!("verify block {b}: {e}")))?;
             check(buf.buf(), b, gen, &mut scratch)?;
             verified += 1;
         }
@@ -153,7 +172,7 @@ fn stress(dev: &str, seconds: u64, threads: u64) -> Result<(), String> {
     Ok(())
 }
 
-fn bench(dev: &str, mode: &str, bs: usize, qd: u64, seconds: u64) -> Result<(), String> {
+fn bench(dev: &str, mode: &str, bs: usize, qd: u64, seconds: u64) -> Result<(), Failure> {
     let file = Arc::new(open(dev)?);
     let blocks = blocks_of(&file)? * BLOCK as u64 / bs as u64;
     let (random, write) = match mode {
@@ -161,14 +180,14 @@ fn bench(dev: &str, mode: &str, bs: usize, qd: u64, seconds: u64) -> Result<(), 
         "randwrite" => (true, true),
         "read" => (false, false),
         "write" => (false, true),
-        other => return Err(format!("unknown mode {other} (randread, randwrite, read, write)")),
+        other => return Err(Failure(format!("unknown mode {other} (randread, randwrite, read, write)"))),
     };
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let started = Instant::now();
     let mut workers = Vec::new();
     for t in 0..qd {
         let file = file.clone();
-        workers.push(std::thread::spawn(move || -> Result<u64, String> {
+        workers.push(std::thread::spawn(move || -> Result<u64, Failure> {
             let mut buf = Aligned::new(bs);
             buf.buf().fill(0x5a);
             let mut rng = Rng::new(t + 7);
@@ -179,9 +198,9 @@ fn bench(dev: &str, mode: &str, bs: usize, qd: u64, seconds: u64) -> Result<(), 
                 seq += 1;
                 let at = b * bs as u64;
                 if write {
-                    file.write_all_at(buf.buf(), at).map_err(|e| format!("write at {at}: {e}"))?;
+                    file.write_all_at(buf.buf(), at).map_err(|e| Failure(format!("write at {at}: {e}")))?;
                 } else {
-                    file.read_exact_at(buf.buf(), at).map_err(|e| format!("read at {at}: {e}"))?;
+                    file.read_exact_at(buf.buf(), at).map_err(|e| Failure(format!("read at {at}: {e}")))?;
                 }
                 n += 1;
             }
@@ -190,7 +209,7 @@ fn bench(dev: &str, mode: &str, bs: usize, qd: u64, seconds: u64) -> Result<(), 
     }
     let mut total = 0;
     for w in workers {
-        total += w.join().map_err(|_| "a worker panicked".to_string())??;
+        total += w.join().map_err(|_| Failure("a worker panicked".into()))??;
     }
     let secs = started.elapsed().as_secs_f64();
     let iops = total as f64 / secs;
@@ -203,7 +222,7 @@ fn bench(dev: &str, mode: &str, bs: usize, qd: u64, seconds: u64) -> Result<(), 
 
 /// QD1 4 KiB random writes for `seconds` to the upper half of the device, each timed; prints
 /// the `top` longest, ms, and the median.
-fn pauses(dev: &str, seconds: u64, top: usize) -> Result<(), String> {
+fn pauses(dev: &str, seconds: u64, top: usize) -> Result<(), Failure> {
     let file = open(dev)?;
     // The upper half of the device: `stress` may run beside, on the lower.
     let total = blocks_of(&file)?;
@@ -217,7 +236,7 @@ fn pauses(dev: &str, seconds: u64, top: usize) -> Result<(), String> {
     while Instant::now() < deadline {
         let b = base + rng.next_u64() % blocks;
         let t = Instant::now();
-        file.write_all_at(buf.buf(), b * BLOCK as u64).map_err(|e| format!("write block {b}: {e}"))?;
+        file.write_all_at(buf.buf(), b * BLOCK as u64).map_err(|e| Failure(format!("write block {b}: {e}")))?;
         lat.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     lat.sort_by(f64::total_cmp);
@@ -227,10 +246,10 @@ fn pauses(dev: &str, seconds: u64, top: usize) -> Result<(), String> {
     Ok(())
 }
 
-fn hold(pattern: &str, mib: usize, seconds: u64, dev: &str) -> Result<(), String> {
+fn hold(pattern: &str, mib: usize, seconds: u64, dev: &str) -> Result<(), Failure> {
     let p = pattern.as_bytes();
     if p.is_empty() {
-        return Err("empty pattern".into());
+        return Err(Failure("empty pattern".into()));
     }
     let mut mem: Vec<u8> = p.iter().copied().cycle().take(mib << 20).collect();
     let file = open(dev)?;
@@ -242,7 +261,7 @@ fn hold(pattern: &str, mib: usize, seconds: u64, dev: &str) -> Result<(), String
     let mut n = 0u64;
     while Instant::now() < deadline {
         let b = rng.next_u64() % blocks;
-        file.read_exact_at(buf.buf(), b * BLOCK as u64).map_err(|e| format!("read block {b}: {e}"))?;
+        file.read_exact_at(buf.buf(), b * BLOCK as u64).map_err(|e| Failure(format!("read block {b}: {e}")))?;
         // Keep the pattern in use so the guest keeps it resident.
         let i = (n as usize * 4096) % mem.len();
         mem[i] = p[i % p.len()];
@@ -252,29 +271,37 @@ fn hold(pattern: &str, mib: usize, seconds: u64, dev: &str) -> Result<(), String
     Ok(())
 }
 
-fn run(args: &[String]) -> Result<(), String> {
-    let num = |i: usize, what: &str| -> Result<u64, String> {
-        args.get(i).ok_or(format!("missing {what}"))?.parse::<u64>().map_err(|e| format!("{what}: {e}"))
+fn run(args: &[String]) -> Result<(), Failure> {
+    let num = |i: usize, what: &str| -> Result<u64, Failure> {
+        args.get(i).ok_or_else(|| Failure(format!("missing {what}")))?.parse::<u64>().map_err(|e| Failure(format!("{what}: {e}")))
     };
     match args.first().map(String::as_str) {
-        Some("stress") => stress(args.get(1).ok_or("missing DEV")?, num(2, "SECONDS")?, num(3, "THREADS").unwrap_or(16)),
+        Some("stress") => {
+            stress(args.get(1).ok_or_else(|| Failure("missing DEV".into()))?, num(2, "SECONDS")?, num(3, "THREADS").unwrap_or(16))
+        }
         Some("bench") => bench(
-            args.get(1).ok_or("missing DEV")?,
-            args.get(2).ok_or("missing MODE")?,
+            args.get(1).ok_or_else(|| Failure("missing DEV".into()))?,
+            args.get(2).ok_or_else(|| Failure("missing MODE".into()))?,
             num(3, "BS")? as usize,
             num(4, "QD")?,
             num(5, "SECONDS")?,
         ),
-        Some("pauses") => pauses(args.get(1).ok_or("missing DEV")?, num(2, "SECONDS")?, num(3, "TOP").unwrap_or(64) as usize),
+        Some("pauses") => pauses(
+            args.get(1).ok_or_else(|| Failure("missing DEV".into()))?,
+            num(2, "SECONDS")?,
+            num(3, "TOP").unwrap_or(64) as usize,
+        ),
         Some("hold") => hold(
-            args.get(1).ok_or("missing PATTERN")?,
+            args.get(1).ok_or_else(|| Failure("missing PATTERN".into()))?,
             num(2, "MIB")? as usize,
             num(3, "SECONDS")?,
-            args.get(4).ok_or("missing DEV")?,
+            args.get(4).ok_or_else(|| Failure("missing DEV".into()))?,
         ),
-        _ => Err("usage: guest-io stress DEV SECONDS [THREADS] | bench DEV MODE BS QD SECONDS | pauses DEV SECONDS [TOP] | \
-                 hold PATTERN MIB SECONDS DEV"
-            .into()),
+        _ => Err(Failure(
+            "usage: guest-io stress DEV SECONDS [THREADS] | bench DEV MODE BS QD SECONDS | pauses DEV SECONDS [TOP] | \
+             hold PATTERN MIB SECONDS DEV"
+                .into(),
+        )),
     }
 }
 
@@ -298,7 +325,7 @@ mod tests {
         let (mut a, mut s) = (vec![0u8; BLOCK], vec![0u8; BLOCK]);
         fill(&mut a, 7, 3);
         assert!(check(&a, 7, 3, &mut s).is_ok());
-        assert!(check(&a, 7, 2, &mut s).unwrap_err().contains("generation 3"));
+        assert!(check(&a, 7, 2, &mut s).unwrap_err().0.contains("generation 3"));
         assert!(check(&a, 8, 3, &mut s).is_err());
         assert!(check(&vec![0u8; BLOCK], 9, 0, &mut s).is_ok());
         assert!(check(&a, 9, 0, &mut s).is_err());

@@ -14,6 +14,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+/// What went wrong with a guest: the kit could not be made, QEMU could not start, or the
+/// guest reported an error or did not finish. Its words carry the console lines that show it.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct GuestError(pub String);
+
 /// The workspace's root.
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("the workspace exists")
@@ -33,11 +39,13 @@ pub struct Kit {
 impl Kit {
     /// The kit, built first if it is not cached (`scripts/guest-kit.sh`), with `guest-io`
     /// built static for it (`cargo build`, target directory `target/guest`).
-    pub fn ensure() -> Result<Kit, String> {
+    pub fn ensure() -> Result<Kit, GuestError> {
         let root = workspace();
-        let out = Command::new(root.join("scripts/guest-kit.sh")).output().map_err(|e| format!("scripts/guest-kit.sh: {e}"))?;
+        let out = Command::new(root.join("scripts/guest-kit.sh"))
+            .output()
+            .map_err(|e| GuestError(format!("scripts/guest-kit.sh: {e}")))?;
         if !out.status.success() {
-            return Err(format!("scripts/guest-kit.sh failed: {}", String::from_utf8_lossy(&out.stderr)));
+            return Err(GuestError(format!("scripts/guest-kit.sh failed: {}", String::from_utf8_lossy(&out.stderr))));
         }
         let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
         let guest_io = build_guest_io(&root)?;
@@ -45,7 +53,7 @@ impl Kit {
     }
 }
 
-fn build_guest_io(root: &Path) -> Result<PathBuf, String> {
+fn build_guest_io(root: &Path) -> Result<PathBuf, GuestError> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let target = "x86_64-unknown-linux-gnu";
     let dir = root.join("target/guest");
@@ -55,9 +63,9 @@ fn build_guest_io(root: &Path) -> Result<PathBuf, String> {
         .args(["build", "--release", "--locked", "-q", "-p", "bulkhead-guest-io", "--target", target, "--target-dir"])
         .arg(&dir)
         .output()
-        .map_err(|e| format!("cargo: {e}"))?;
+        .map_err(|e| GuestError(format!("cargo: {e}")))?;
     if !out.status.success() {
-        return Err(format!("building guest-io failed: {}", String::from_utf8_lossy(&out.stderr)));
+        return Err(GuestError(format!("building guest-io failed: {}", String::from_utf8_lossy(&out.stderr))));
     }
     Ok(dir.join(target).join("release/guest-io"))
 }
@@ -167,17 +175,17 @@ impl Outcome {
     }
 
     /// Checks the guest ran its script to a zero status, printed its dmesg, and saw no error.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), GuestError> {
         let errors = self.errors();
         if !errors.is_empty() {
-            return Err(format!("guest errors: {errors:?}\n{}", self.script_output()));
+            return Err(GuestError(format!("guest errors: {errors:?}\n{}", self.script_output())));
         }
         if !self.lines.iter().any(|l| l.contains("GUEST DMESG END")) {
-            return Err(format!("the guest did not finish\n{}", self.tail(60)));
+            return Err(GuestError(format!("the guest did not finish\n{}", self.tail(60))));
         }
         match self.status {
             Some(0) => Ok(()),
-            s => Err(format!("the guest's script ended with {s:?}\n{}", self.script_output())),
+            s => Err(GuestError(format!("the guest's script ended with {s:?}\n{}", self.script_output()))),
         }
     }
 
@@ -202,18 +210,18 @@ impl Outcome {
 
 impl Vm {
     /// Boots a guest of `kit` as `opts` says.
-    pub fn boot(kit: &Kit, opts: &VmOptions) -> Result<Vm, String> {
-        let io_bin = std::fs::read(&kit.guest_io).map_err(|e| format!("{}: {e}", kit.guest_io.display()))?;
+    pub fn boot(kit: &Kit, opts: &VmOptions) -> Result<Vm, GuestError> {
+        let io_bin = std::fs::read(&kit.guest_io).map_err(|e| GuestError(format!("{}: {e}", kit.guest_io.display())))?;
         // Each command is echoed (`+ …`) so that a failing one shows in the console.
         let script = format!("#!/bin/sh\nset -ex\n{}\n", opts.script);
         let extra = cpio(&[("bin/guest-io", 0o100755, &io_bin), ("run.sh", 0o100755, script.as_bytes())]);
-        let mut initrd = std::fs::read(&kit.initrd).map_err(|e| format!("{}: {e}", kit.initrd.display()))?;
+        let mut initrd = std::fs::read(&kit.initrd).map_err(|e| GuestError(format!("{}: {e}", kit.initrd.display())))?;
         // The kernel finds a following archive only at a four-byte boundary.
         while !initrd.len().is_multiple_of(4) {
             initrd.push(0);
         }
         initrd.extend_from_slice(&extra);
-        std::fs::write(&opts.scratch, &initrd).map_err(|e| format!("{}: {e}", opts.scratch.display()))?;
+        std::fs::write(&opts.scratch, &initrd).map_err(|e| GuestError(format!("{}: {e}", opts.scratch.display())))?;
         let mem = opts.memory_mib;
         let mut cmd = Command::new("qemu-system-x86_64");
         cmd.args(["-accel", "tcg", "-m"])
@@ -236,7 +244,7 @@ impl Vm {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|e| format!("qemu-system-x86_64: {e}"))?;
+            .map_err(|e| GuestError(format!("qemu-system-x86_64: {e}")))?;
         let console = Arc::new((Mutex::new(Console::default()), Condvar::new()));
         let stdout = child.stdout.take().expect("piped");
         let stderr = child.stderr.take().expect("piped");

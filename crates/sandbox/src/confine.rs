@@ -1,6 +1,7 @@
 //! Confining a domain once it is set up.
 
 use crate::seccomp::Role;
+use crate::Unavailable;
 use crate::{landlock, mounts, seccomp, Layer, Layers, Policy, SandboxError};
 
 /// What to confine and how strictly.
@@ -24,11 +25,11 @@ pub struct Options {
     pub withhold: Vec<String>,
 }
 
-fn setrlimit(res: libc::__rlimit_resource_t, cur: u64, max: u64) -> Result<(), String> {
+fn setrlimit(res: libc::__rlimit_resource_t, cur: u64, max: u64) -> Result<(), Unavailable> {
     let r = libc::rlimit { rlim_cur: cur, rlim_max: max };
     // SAFETY: plain setrlimit with a valid struct.
     if unsafe { libc::setrlimit(res, &r) } < 0 {
-        return Err(format!("setrlimit({res}): {}", std::io::Error::last_os_error()));
+        return Err(Unavailable(format!("setrlimit({res}): {}", std::io::Error::last_os_error())));
     }
     Ok(())
 }
@@ -74,7 +75,7 @@ fn nproc_limit(role: Role) -> u64 {
     }
 }
 
-fn rlimits(now: &Footprint, role: Role, headroom: u64, attach_slots: usize) -> Result<(), String> {
+fn rlimits(now: &Footprint, role: Role, headroom: u64, attach_slots: usize) -> Result<(), Unavailable> {
     setrlimit(libc::RLIMIT_CORE, 0, 0)?;
     let nproc = nproc_limit(role);
     setrlimit(libc::RLIMIT_NPROC, nproc, nproc)?;
@@ -89,11 +90,11 @@ fn rlimits(now: &Footprint, role: Role, headroom: u64, attach_slots: usize) -> R
     setrlimit(libc::RLIMIT_AS, limit, limit)
 }
 
-fn no_new_privs() -> Result<(), String> {
+fn no_new_privs() -> Result<(), Unavailable> {
     // SAFETY: plain prctl calls.
     unsafe {
         if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 {
-            return Err(format!("PR_SET_NO_NEW_PRIVS: {}", std::io::Error::last_os_error()));
+            return Err(Unavailable(format!("PR_SET_NO_NEW_PRIVS: {}", std::io::Error::last_os_error())));
         }
         // Not dumpable: no core, no ptrace attach, /proc/PID/mem closed to same-uid peers.
         libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
@@ -119,19 +120,19 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
         return Ok(layers);
     }
     let required = opts.policy == Policy::Required;
-    let apply = |layer: &'static str, f: &dyn Fn() -> Result<(), String>| -> Result<(), String> {
+    let apply = |layer: &'static str, f: &dyn Fn() -> Result<(), Unavailable>| -> Result<(), Unavailable> {
         if opts.withhold.iter().any(|l| l == layer) {
-            return Err("not available on this host (withheld)".into());
+            return Err(Unavailable("not available on this host (withheld)".into()));
         }
         f()
     };
-    let check = |layer: &'static str, r: Result<(), String>| -> Result<Layer, SandboxError> {
+    let check = |layer: &'static str, r: Result<(), Unavailable>| -> Result<Layer, SandboxError> {
         match r {
             Ok(()) => Ok(Layer::Applied),
-            Err(reason) if required => Err(SandboxError::Required { layer, reason }),
+            Err(reason) if required => Err(SandboxError::Required { layer, reason: reason.0 }),
             Err(reason) => {
                 eprintln!("bulkhead driver: warning: sandbox layer {layer} unavailable: {reason}");
-                Ok(Layer::Unavailable(reason))
+                Ok(Layer::Unavailable(reason.0))
             }
         }
     };
@@ -149,13 +150,13 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
         }
     }
     if let Layer::Unavailable(reason) = &opts.namespaces {
-        check("namespaces", Err(reason.clone()))?;
+        check("namespaces", Err(Unavailable(reason.clone())))?;
     }
     let footprint = Footprint { highest_fd: highest_open_fd(), mapped: mapped_bytes() };
     // Only a domain in a mount namespace of its own may empty it.
     layers.mounts = match opts.namespaces {
         Layer::Applied => check("mounts", apply("mounts", &mounts::isolate))?,
-        _ => check("mounts", Err("no mount namespace of the domain's own".into()))?,
+        _ => check("mounts", Err(Unavailable("no mount namespace of the domain's own".into())))?,
     };
     layers.rlimits =
         check("rlimits", apply("rlimits", &|| rlimits(&footprint, opts.role, opts.address_space_headroom, opts.attach_slots)))?;
@@ -164,9 +165,10 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
     // An rbd domain's connects go to the supervisor: that filter first (installing a filter
     // is itself a system call the allowlist refuses).
     let mut listener = None;
-    let filters = || -> Result<(), String> {
+    let filters = || -> Result<(), Unavailable> {
         if opts.role == Role::Rbd {
-            let fd = bulkhead_sys::seccomp_notify::install_connect_listener().map_err(|e| format!("connect filter: {e}"))?;
+            let fd = bulkhead_sys::seccomp_notify::install_connect_listener()
+                .map_err(|e| Unavailable(format!("connect filter: {e}")))?;
             listener = Some(fd);
         }
         seccomp::apply(opts.role, opts.guarded, opts.attach_slots > 0)

@@ -1,6 +1,7 @@
 //! Landlock through its three system calls: a ruleset that handles every access right the
 //! kernel knows and grants none.
 
+use crate::Unavailable;
 use std::os::fd::{FromRawFd, OwnedFd};
 
 const SYS_LANDLOCK_CREATE_RULESET: libc::c_long = 444;
@@ -45,10 +46,10 @@ fn fs_rights(abi: u32) -> u64 {
 /// Forbids, for the calling process and its future children, every filesystem access, TCP
 /// bind and connect (ABI 4+), and signals and abstract unix sockets reaching outside the domain
 /// (ABI 6+). Needs no_new_privs first. Returns the ABI used.
-pub fn deny_all() -> Result<u32, String> {
+pub fn deny_all() -> Result<u32, Unavailable> {
     let abi = abi();
     if abi == 0 {
-        return Err("Landlock is not enabled in this kernel".into());
+        return Err(Unavailable("Landlock is not enabled in this kernel".into()));
     }
     let attr = RulesetAttr {
         handled_access_fs: fs_rights(abi),
@@ -63,13 +64,13 @@ pub fn deny_all() -> Result<u32, String> {
     // SAFETY: `attr` is valid for `size` bytes (a prefix of the struct).
     let fd = unsafe { libc::syscall(SYS_LANDLOCK_CREATE_RULESET, &attr as *const RulesetAttr, size as usize, 0u32) };
     if fd < 0 {
-        return Err(format!("landlock_create_ruleset: {}", std::io::Error::last_os_error()));
+        return Err(Unavailable(format!("landlock_create_ruleset: {}", std::io::Error::last_os_error())));
     }
     // SAFETY: fresh descriptor from the kernel.
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     // SAFETY: restricts the calling thread with a ruleset descriptor we own.
     if unsafe { libc::syscall(SYS_LANDLOCK_RESTRICT_SELF, std::os::fd::AsRawFd::as_raw_fd(&fd), 0u32) } < 0 {
-        return Err(format!("landlock_restrict_self: {}", std::io::Error::last_os_error()));
+        return Err(Unavailable(format!("landlock_restrict_self: {}", std::io::Error::last_os_error())));
     }
     Ok(abi)
 }

@@ -94,6 +94,11 @@ pub enum Report {
     },
 }
 
+/// Why a sandbox layer could not be applied, in the words `status` shows beside it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unavailable(pub String);
+
 /// Sandbox errors.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {

@@ -21,12 +21,13 @@
 //! included, and the namespace holds exactly one mount. The copy lives for the few system
 //! calls between the `unshare` and the detach.
 
+use crate::Unavailable;
 use std::ffi::CStr;
 use std::io;
 
-fn check(op: &str, rc: libc::c_int) -> Result<(), String> {
+fn check(op: &str, rc: libc::c_int) -> Result<(), Unavailable> {
     if rc < 0 {
-        return Err(format!("{op}: {}", io::Error::last_os_error()));
+        return Err(Unavailable(format!("{op}: {}", io::Error::last_os_error())));
     }
     Ok(())
 }
@@ -39,11 +40,11 @@ const MOUNT_POINTS: [&CStr; 4] = [c"/tmp", c"/mnt", c"/dev", c"/proc"];
 /// read-only tmpfs at its root. Call only in a user namespace of the domain's own (which gives
 /// it the right to make a mount namespace), single-threaded, before anything is opened by path
 /// that must stay reachable.
-pub fn isolate() -> Result<(), String> {
+pub fn isolate() -> Result<(), Unavailable> {
     // A namespace is taken per thread: another thread would stay in the host's.
     let threads = std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0);
     if threads != 1 {
-        return Err(format!("{threads} threads: a mount namespace of its own would hold only one of them"));
+        return Err(Unavailable(format!("{threads} threads: a mount namespace of its own would hold only one of them")));
     }
     // SAFETY: plain mount-namespace system calls on NUL-terminated constant strings; none
     // touches this process's memory beyond reading those strings.
@@ -55,7 +56,7 @@ pub fn isolate() -> Result<(), String> {
             libc::mount(std::ptr::null(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()),
         )?;
         let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
-        let mut last = String::new();
+        let mut last = Unavailable(String::new());
         let mut dir = None;
         for d in MOUNT_POINTS {
             let rc = libc::mount(

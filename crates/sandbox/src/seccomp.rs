@@ -4,6 +4,7 @@
 //! Set up (mapping the channel, creating the io_uring, opening the epoll set) happens before
 //! the filter is installed, so none of it appears here.
 
+use crate::Unavailable;
 use std::collections::BTreeMap;
 
 use seccompiler::{SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch};
@@ -265,12 +266,12 @@ pub fn allowlist(role: Role) -> Vec<(i64, &'static str)> {
 
 /// Builds the BPF program for `role`, with what write capture needs if `guarded`: EPERM for
 /// anything not allowed.
-pub fn filter(role: Role, guarded: bool) -> Result<seccompiler::BpfProgram, String> {
+pub fn filter(role: Role, guarded: bool) -> Result<seccompiler::BpfProgram, Unavailable> {
     filter_with(role, guarded, false)
 }
 
 /// [`filter`], with what taking attached queues needs if `attach` (see [`allowlist_with`]).
-pub fn filter_with(role: Role, guarded: bool, attach: bool) -> Result<seccompiler::BpfProgram, String> {
+pub fn filter_with(role: Role, guarded: bool, attach: bool) -> Result<seccompiler::BpfProgram, Unavailable> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for (nr, _) in allowlist_with(role, guarded, attach) {
         rules.insert(nr, vec![]);
@@ -281,20 +282,20 @@ pub fn filter_with(role: Role, guarded: bool, attach: bool) -> Result<seccompile
     // mmap(addr, len, prot, flags, fd, off): anonymous, private, not executable.
     let anon = libc::MAP_ANONYMOUS as u64 | libc::MAP_PRIVATE as u64;
     let mut mmap = vec![SeccompRule::new(vec![no_exec.clone(), cond(3, Dword, MaskedEq(anon | libc::MAP_SHARED as u64), anon)])
-        .map_err(|e| e.to_string())?];
+        .map_err(|e| Unavailable(e.to_string()))?];
     if attach {
         // An attached queue's ring and arenas: shared mappings of files, never executable.
         let shared = libc::MAP_ANONYMOUS as u64 | libc::MAP_SHARED as u64 | libc::MAP_PRIVATE as u64;
         mmap.push(
             SeccompRule::new(vec![no_exec.clone(), cond(3, Dword, MaskedEq(shared), libc::MAP_SHARED as u64)])
-                .map_err(|e| e.to_string())?,
+                .map_err(|e| Unavailable(e.to_string()))?,
         );
     }
     rules.insert(libc::SYS_mmap, mmap);
-    rules.insert(libc::SYS_mprotect, vec![SeccompRule::new(vec![no_exec.clone()]).map_err(|e| e.to_string())?]);
+    rules.insert(libc::SYS_mprotect, vec![SeccompRule::new(vec![no_exec.clone()]).map_err(|e| Unavailable(e.to_string()))?]);
     if guarded {
         // pkey_mprotect(addr, len, prot, pkey): prot is the third argument, as for mprotect.
-        rules.insert(libc::SYS_pkey_mprotect, vec![SeccompRule::new(vec![no_exec]).map_err(|e| e.to_string())?]);
+        rules.insert(libc::SYS_pkey_mprotect, vec![SeccompRule::new(vec![no_exec]).map_err(|e| Unavailable(e.to_string()))?]);
     }
     if matches!(role, Role::FileSync | Role::FileIoUring) {
         const BLKDISCARD: u64 = 0x1277;
@@ -302,13 +303,13 @@ pub fn filter_with(role: Role, guarded: bool, attach: bool) -> Result<seccompile
         rules.insert(
             libc::SYS_ioctl,
             vec![
-                SeccompRule::new(vec![cond(1, Qword, Eq, BLKDISCARD)]).map_err(|e| e.to_string())?,
-                SeccompRule::new(vec![cond(1, Qword, Eq, BLKZEROOUT)]).map_err(|e| e.to_string())?,
+                SeccompRule::new(vec![cond(1, Qword, Eq, BLKDISCARD)]).map_err(|e| Unavailable(e.to_string()))?,
+                SeccompRule::new(vec![cond(1, Qword, Eq, BLKZEROOUT)]).map_err(|e| Unavailable(e.to_string()))?,
             ],
         );
     }
     if role == Role::Rbd {
-        let rule = |c: Vec<SeccompCondition>| SeccompRule::new(c).map_err(|e| e.to_string());
+        let rule = |c: Vec<SeccompCondition>| SeccompRule::new(c).map_err(|e| Unavailable(e.to_string()));
         rules.insert(
             libc::SYS_socket,
             vec![rule(vec![cond(0, Dword, Eq, libc::AF_INET as u64)])?, rule(vec![cond(0, Dword, Eq, libc::AF_INET6 as u64)])?],
@@ -325,19 +326,19 @@ pub fn filter_with(role: Role, guarded: bool, attach: bool) -> Result<seccompile
     // _IOWR(0xAA, 0x06, struct uffdio_writeprotect), as `bulkhead_sys::uffd` issues it.
     const UFFDIO_WRITEPROTECT: u64 = 0xC018_AA06;
     if role == Role::VdevModel || guarded {
-        let rule = SeccompRule::new(vec![cond(1, Qword, Eq, UFFDIO_WRITEPROTECT)]).map_err(|e| e.to_string())?;
+        let rule = SeccompRule::new(vec![cond(1, Qword, Eq, UFFDIO_WRITEPROTECT)]).map_err(|e| Unavailable(e.to_string()))?;
         rules.entry(libc::SYS_ioctl).or_default().push(rule);
     }
     let f = SeccompFilter::new(rules, SeccompAction::Errno(libc::EPERM as u32), SeccompAction::Allow, TargetArch::x86_64)
-        .map_err(|e| e.to_string())?;
-    f.try_into().map_err(|e: seccompiler::BackendError| e.to_string())
+        .map_err(|e| Unavailable(e.to_string()))?;
+    f.try_into().map_err(|e: seccompiler::BackendError| Unavailable(e.to_string()))
 }
 
 /// Installs the filter for `role` (`guarded`: with write capture's calls) on the calling
 /// thread (the domain is single-threaded).
-pub fn apply(role: Role, guarded: bool, attach: bool) -> Result<(), String> {
+pub fn apply(role: Role, guarded: bool, attach: bool) -> Result<(), Unavailable> {
     let prog = filter_with(role, guarded, attach)?;
-    seccompiler::apply_filter(&prog).map_err(|e| e.to_string())
+    seccompiler::apply_filter(&prog).map_err(|e| Unavailable(e.to_string()))
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 //! new model over the same storage, on a new line, before the new driver.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use bulkhead_config::{VdevCard, VdevWait};
@@ -57,8 +57,9 @@ pub(crate) struct CardDevice {
 }
 
 impl CardDevice {
-    /// Makes the card's memory for a device of `size` bytes and starts its model's domain.
-    pub fn start(device: &str, card: &VdevCard, size: u64, policy: Policy) -> Result<Self, Error> {
+    /// Makes the card's memory for a device of `size` bytes and starts its model's domain, exec'd
+    /// from `exe`.
+    pub fn start(device: &str, card: &VdevCard, size: u64, policy: Policy, exe: &Path) -> Result<Self, Error> {
         let card = match card {
             VdevCard::Seed(seed) => Card::generate(*seed),
             VdevCard::File(path) => {
@@ -90,7 +91,7 @@ impl CardDevice {
             irq,
             stats_fd,
             stats,
-            exe: crate::spawn::current_exe(),
+            exe: exe.to_path_buf(),
             policy,
             model: Mutex::new((None, 0)),
         };

@@ -12,6 +12,27 @@ pub fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_bulkhead")
 }
 
+/// `bulkhead-bench`, beside `bulkhead` in the target directory (where it finds the `bulkhead`
+/// it runs): a package of its own, built here if this test run did not build it (a run of this
+/// package's tests alone).
+pub fn bench_exe() -> &'static str {
+    static BUILT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let path = Path::new(exe()).with_file_name("bulkhead-bench");
+        if !path.is_file() {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let profile = if path.parent().is_some_and(|d| d.ends_with("release")) { "release" } else { "dev" };
+            let built = Command::new(cargo)
+                .args(["build", "--locked", "-q", "-p", "bulkhead-bench", "--profile", profile])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .status()
+                .expect("cargo");
+            assert!(built.success() && path.is_file(), "cannot build bulkhead-bench at {}", path.display());
+        }
+        path.to_str().expect("a UTF-8 path").to_string()
+    })
+}
+
 /// A fresh directory under /tmp, removed on drop.
 pub struct TempDir(pub PathBuf);
 

@@ -134,7 +134,7 @@ impl Launcher {
         if let BackendConfig::File { engine: engine @ Engine::Auto, format: ImageFormat::Raw, path, .. } = &mut backend {
             *engine = auto_engine(&name, path);
         }
-        let storage = Storage::open(&name, cfg, &backend, sandbox)?;
+        let storage = Storage::open(&name, cfg, &backend, sandbox, exe)?;
         // Filter state pages and outputs, opened here: the domain opens nothing.
         let mut filters = Vec::new();
         for (i, f) in cfg.filters().into_iter().enumerate() {

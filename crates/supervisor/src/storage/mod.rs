@@ -2,6 +2,7 @@
 //! nothing): each kind of backend opens and checks its own, and says what it holds.
 
 use std::os::fd::OwnedFd;
+use std::path::Path;
 use std::time::Duration;
 
 use bulkhead_config::{BackendConfig, DeviceConfig, ImageFormat};
@@ -38,8 +39,9 @@ impl Storage {
         Storage { size, desc, fds, formats: Vec::new(), card: None, rbd: None }
     }
 
-    /// Opens (or creates) the storage of `backend` for device `name` as `cfg` sizes it.
-    pub fn open(name: &str, cfg: &DeviceConfig, backend: &BackendConfig, sandbox: Policy) -> Result<Storage, Error> {
+    /// Opens (or creates) the storage of `backend` for device `name` as `cfg` sizes it; a
+    /// `vdev` device's model domain is exec'd from `exe`, as the device's other domains are.
+    pub fn open(name: &str, cfg: &DeviceConfig, backend: &BackendConfig, sandbox: Policy, exe: &Path) -> Result<Storage, Error> {
         let size = cfg.size.as_ref().map(|s| s.get_ref().0);
         let required = |what: &str| size.ok_or_else(|| Error::invalid(format!("size is required for a {what} device")));
         match backend {
@@ -60,7 +62,7 @@ impl Storage {
             }
             BackendConfig::Vdev { card, wait } => {
                 let size = required("vdev")?;
-                let c = crate::vdev::CardDevice::start(name, card, size, sandbox)?;
+                let c = crate::vdev::CardDevice::start(name, card, size, sandbox, exe)?;
                 let desc = crate::vdev::describe(card, c.name(), *wait);
                 Ok(Storage { card: Some(c), ..Storage::held(size, desc, Vec::new()) })
             }
