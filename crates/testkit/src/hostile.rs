@@ -193,9 +193,10 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
         queues.push(unsafe { RawQueue::from_spec(q) }?);
     }
     let mut ram: Box<dyn Backend> = match &spec.backend {
-        // SAFETY: as above.
         BackendSpec::Ram { fd } => {
-            Box::new(RamBackend::new(unsafe { claim(*fd) }?, spec.size).map_err(|e| crate::KitError(e.to_string()))?)
+            // SAFETY: as above.
+            let fd = unsafe { claim(*fd) }?;
+            Box::new(RamBackend::new(fd, spec.size).map_err(|e| crate::KitError(e.to_string()))?)
         }
         BackendSpec::Channel { queues: lower, generation, control_fds: _ } => {
             let mut fronts = Vec::new();
