@@ -165,10 +165,10 @@ fn parse_psk(text: &str) -> Result<HashMap<Vec<u8>, Vec<u8>>, PskLineError> {
         }
         let n = i + 1;
         let Some((id, hex)) = line.rsplit_once(':') else {
-            return Err(PskLineError { line: n, problem: format!("not `identity:hexkey`") });
+            return Err(PskLineError { line: n, problem: "not `identity:hexkey`".into() });
         };
         if id.is_empty() {
-            return Err(PskLineError { line: n, problem: format!("the identity is empty") });
+            return Err(PskLineError { line: n, problem: "the identity is empty".into() });
         }
         let hex = hex.trim();
         if hex.is_empty() || hex.len() % 2 != 0 || hex.len() / 2 > MAX_PSK {
