@@ -308,7 +308,7 @@ impl Live {
         };
         let mut cfg = lock(&self.config);
         let next = Config::load(path).map_err(|e| ControlError::invalid(e.to_string()))?;
-        let plan = plan(&cfg, &next).map_err(ControlError::invalid)?;
+        let plan = plan(&cfg, &next)?;
         // Devices to remove must be idle: checked before anything changes.
         for name in &plan.removed {
             let users: Vec<String> = self.sup.frontends(name).iter().flat_map(|d| self.users(d.name())).collect();
@@ -527,9 +527,10 @@ impl Step {
 
 /// Works out what turns `old` into `new`, or names the first change that cannot be applied
 /// live.
-fn plan(old: &Config, new: &Config) -> Result<Plan, String> {
-    let cannot = |what: String| format!("{what}: cannot be applied live; nothing was applied");
-    let keys: std::collections::BTreeSet<&String> = old.raw.keys().chain(new.raw.keys()).filter(|k| *k != "device").collect();
+fn plan(old: &Config, new: &Config) -> Result<Plan, ControlError> {
+    let cannot = |what: String| ControlError::invalid(format!("{what}: cannot be applied live; nothing was applied"));
+    let keys: std::collections::BTreeSet<&String> =
+        old.raw.keys().chain(new.raw.keys()).filter(|k| !Config::LIVE.contains(&k.as_str())).collect();
     for k in keys {
         if let Some(path) = first_difference(old.raw.get(k), new.raw.get(k), k) {
             return Err(cannot(format!("key `{path}` changed (a setting of serve itself: restart serve)")));
@@ -551,7 +552,7 @@ fn plan(old: &Config, new: &Config) -> Result<Plan, String> {
         let (Some(ot), Some(nt)) = (raw_of(old, name), raw_of(new, name)) else { continue };
         let keys: std::collections::BTreeSet<&String> = ot.keys().chain(nt.keys()).collect();
         for k in keys {
-            if matches!(k.as_str(), "tap" | "filter" | "view") {
+            if DeviceConfig::LIVE.contains(&k.as_str()) {
                 continue;
             }
             if let Some(path) = first_difference(ot.get(k), nt.get(k), k) {
@@ -575,7 +576,7 @@ fn plan(old: &Config, new: &Config) -> Result<Plan, String> {
             };
             let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
             for k in keys {
-                if bulkhead_qos::KEYS.contains(&k.as_str()) {
+                if bulkhead_config::View::LIVE.contains(&k.as_str()) {
                     continue;
                 }
                 if let Some(path) = first_difference(a.get(k), b.get(k), k) {
@@ -610,7 +611,7 @@ fn plan(old: &Config, new: &Config) -> Result<Plan, String> {
                 });
             }
             for (i, (t, f)) in nf.iter().zip(&nfs).enumerate().filter(|(_, (_, f))| !f.spec.transforms()) {
-                let table = toml::to_string(t).map_err(|e| e.to_string())?;
+                let table = toml::to_string(t).map_err(|e| ControlError::failed(e.to_string()))?;
                 plan.steps.push(Step::Change {
                     device: name.clone(),
                     change: DeviceChange::AddFilter { at: Some(i), table },
@@ -838,7 +839,7 @@ type = "ram"
             ),
             (BASE.replace("size = \"32M\"", "size = \"16M\""), "view `a-half`: key `size` changed"),
         ] {
-            let e = plan(&old, &cfg(&edit)).unwrap_err();
+            let e = plan(&old, &cfg(&edit)).unwrap_err().message;
             assert!(e.contains(says) && e.contains("nothing was applied"), "{e}");
         }
     }

@@ -43,6 +43,10 @@ pub struct View {
 pub const MAX_VIEWS: usize = bulkhead_qos::page::MAX_VIEWS;
 
 impl View {
+    /// The keys of a view that may change on a running `serve` (`bulkhead reload`, `bulkhead
+    /// qos`): its QoS. A change to any other key is refused, naming it.
+    pub const LIVE: [&'static str; 6] = bulkhead_qos::KEYS;
+
     /// Its queue count.
     pub fn queue_count(&self) -> u32 {
         self.queues.as_ref().map_or(1, |q| *q.get_ref())
