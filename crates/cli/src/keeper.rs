@@ -111,16 +111,7 @@ pub fn run(run_dir: &Path, lock: std::fs::File, give_up: Duration) -> anyhow::Re
                 }
             }
         }
-        let mut wait_ms: i32 = 1000;
-        if let Some(at) = respawn_at {
-            wait_ms = wait_ms.min(at.saturating_duration_since(now).as_millis() as i32 + 1);
-        }
-        if let Some(since) = keeper.down_since {
-            wait_ms = wait_ms.min((since + give_up).saturating_duration_since(now).as_millis() as i32 + 1);
-        }
-        if let Some(c) = keeper.child.as_ref().filter(|c| !c.ready && !c.killed) {
-            wait_ms = wait_ms.min((c.started + give_up / 2).saturating_duration_since(now).as_millis() as i32 + 1);
-        }
+        let wait_ms = keeper.wait_ms(now, respawn_at, give_up);
         let mut fds = vec![
             libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: signals.as_raw_fd(), events: libc::POLLIN, revents: 0 },
@@ -171,48 +162,82 @@ pub fn run(run_dir: &Path, lock: std::fs::File, give_up: Duration) -> anyhow::Re
             }
         }
         if fds.len() > 2 && fds[2].revents != 0 {
-            let mut c = keeper.child.take().expect("polled with a child");
-            let ended = bulkhead_sys::process::wait_child(c.pid).context("keeper: waitpid")?;
-            // What it said just before it ended (a hand-over, STOPPING) is read first.
-            while let Ok(Some((n, got))) = bulkhead_sys::recv_with_fds(sock.as_fd(), &mut buf, false) {
-                Keeper::message(&mut keeper.held, &buf[..n], got, Some(&mut c));
+            if let Some(code) = keeper.child_ended(&sock, &mut buf, &mut ever_ready, &mut fall_back, &mut respawn_at)? {
+                return Ok(code);
             }
-            ever_ready |= c.ready;
-            let how = ended;
-            if keeper.quit.is_some() || (c.stopping && !c.handing_over) {
-                log::info!("keeper: serve (pid {}) {how}; ending", c.pid);
-                let _ = std::fs::remove_file(&keeper.sock_path);
-                let code = if let Ended::Exited(code) = ended { code } else { 1 };
-                return Ok(ExitCode::from(code.clamp(0, 255) as u8));
-            }
-            if !ever_ready && !c.ready {
-                // The first serve never started (a bad configuration): nothing to keep.
-                log::error!("keeper: serve (pid {}) {how} before it was serving; ending", c.pid);
-                let _ = std::fs::remove_file(&keeper.sock_path);
-                return Ok(ExitCode::FAILURE);
-            }
-            if c.handing_over {
-                log::info!("keeper: serve (pid {}) handed over and {how}; starting {}", c.pid, keeper.exe.display());
-                keeper.failures = 0;
-            } else if c.from_path && !c.ready && keeper.last_good.is_some() {
-                let why = if c.killed { "was not serving in time".to_string() } else { format!("{how} before it was serving") };
-                let note = format!("serve (pid {}) from {} {why}", c.pid, keeper.exe.display());
-                log::error!("keeper: {note}; starting the binary of the last serve that was serving instead");
-                fall_back = Some(note);
-                keeper.failures = 0;
-            } else {
-                log::warn!(
-                    "keeper: serve (pid {}) {how} after {:.1} s; starting it again (its FUSE requests wait in the kernel)",
-                    c.pid,
-                    c.started.elapsed().as_secs_f64()
-                );
-                if !c.ready {
-                    keeper.failures += 1;
-                }
-            }
-            keeper.down_since.get_or_insert(Instant::now());
-            respawn_at = Some(Instant::now() + if keeper.failures == 0 { Duration::ZERO } else { backoff(keeper.failures) });
         }
+    }
+}
+
+impl Keeper {
+    /// How long the keeper may sleep before something is due: a respawn, giving up, or ending
+    /// a new `serve` that is not serving in time; at most a second.
+    fn wait_ms(&self, now: Instant, respawn_at: Option<Instant>, give_up: Duration) -> i32 {
+        let mut wait_ms: i32 = 1000;
+        if let Some(at) = respawn_at {
+            wait_ms = wait_ms.min(at.saturating_duration_since(now).as_millis() as i32 + 1);
+        }
+        if let Some(since) = self.down_since {
+            wait_ms = wait_ms.min((since + give_up).saturating_duration_since(now).as_millis() as i32 + 1);
+        }
+        if let Some(c) = self.child.as_ref().filter(|c| !c.ready && !c.killed) {
+            wait_ms = wait_ms.min((c.started + give_up / 2).saturating_duration_since(now).as_millis() as i32 + 1);
+        }
+        wait_ms
+    }
+
+    /// The `serve` it started has ended: reads what it said last, and returns the keeper's
+    /// exit code if that was the end, or schedules the next `serve` (`respawn_at`).
+    fn child_ended(
+        &mut self,
+        sock: &UnixDatagram,
+        buf: &mut [u8],
+        ever_ready: &mut bool,
+        fall_back: &mut Option<String>,
+        respawn_at: &mut Option<Instant>,
+    ) -> anyhow::Result<Option<ExitCode>> {
+        let mut c = self.child.take().expect("polled with a child");
+        let ended = bulkhead_sys::process::wait_child(c.pid).context("keeper: waitpid")?;
+        // What it said just before it ended (a hand-over, STOPPING) is read first.
+        while let Ok(Some((n, got))) = bulkhead_sys::recv_with_fds(sock.as_fd(), buf, false) {
+            Keeper::message(&mut self.held, &buf[..n], got, Some(&mut c));
+        }
+        *ever_ready |= c.ready;
+        let how = ended;
+        if self.quit.is_some() || (c.stopping && !c.handing_over) {
+            log::info!("keeper: serve (pid {}) {how}; ending", c.pid);
+            let _ = std::fs::remove_file(&self.sock_path);
+            let code = if let Ended::Exited(code) = ended { code } else { 1 };
+            return Ok(Some(ExitCode::from(code.clamp(0, 255) as u8)));
+        }
+        if !*ever_ready && !c.ready {
+            // The first serve never started (a bad configuration): nothing to keep.
+            log::error!("keeper: serve (pid {}) {how} before it was serving; ending", c.pid);
+            let _ = std::fs::remove_file(&self.sock_path);
+            return Ok(Some(ExitCode::FAILURE));
+        }
+        if c.handing_over {
+            log::info!("keeper: serve (pid {}) handed over and {how}; starting {}", c.pid, self.exe.display());
+            self.failures = 0;
+        } else if c.from_path && !c.ready && self.last_good.is_some() {
+            let why = if c.killed { "was not serving in time".to_string() } else { format!("{how} before it was serving") };
+            let note = format!("serve (pid {}) from {} {why}", c.pid, self.exe.display());
+            log::error!("keeper: {note}; starting the binary of the last serve that was serving instead");
+            *fall_back = Some(note);
+            self.failures = 0;
+        } else {
+            log::warn!(
+                "keeper: serve (pid {}) {how} after {:.1} s; starting it again (its FUSE requests wait in the kernel)",
+                c.pid,
+                c.started.elapsed().as_secs_f64()
+            );
+            if !c.ready {
+                self.failures += 1;
+            }
+        }
+        self.down_since.get_or_insert(Instant::now());
+        *respawn_at = Some(Instant::now() + if self.failures == 0 { Duration::ZERO } else { backoff(self.failures) });
+        Ok(None)
     }
 }
 

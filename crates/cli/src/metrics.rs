@@ -191,171 +191,191 @@ impl Collector for Scrape {
             }
         }
         let mut fam = Family { enc: &mut enc };
-        let of = |f: &Device, dev: &str| labels(&[("device", f.name()), ("of", dev)]);
-
-        let mut requests = Vec::new();
-        let mut errors = Vec::new();
-        let mut bytes = Vec::new();
-        let mut latency = Vec::new();
-        for (f, dev) in &fronts {
-            let totals = f.op_totals();
-            for (c, (_, op)) in totals.iter().zip(OPS.iter()) {
-                let n = c.requests;
-                let mut l = of(f, dev);
-                l.push(("op".into(), op.to_string()));
-                requests.push((l.clone(), n as f64));
-                errors.push((l.clone(), c.errors as f64));
-                bytes.push((l.clone(), c.bytes as f64));
-                let buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
-                    .iter()
-                    .map(|b| *b as f64 / 1e6)
-                    .chain(std::iter::once(f64::INFINITY))
-                    .zip(c.buckets.iter().copied())
-                    .collect();
-                let count = buckets.iter().map(|(_, n)| n).sum();
-                latency.push((l, c.latency_sum_ns as f64 / 1e9, count, buckets));
-            }
-        }
-        fam.counter("bulkhead_requests", "Requests the driver answered, by operation.", None, &requests)?;
-        fam.counter("bulkhead_request_errors", "Of them, answered with an error.", None, &errors)?;
-        fam.counter("bulkhead_request", "Bytes the answered requests asked for, by operation.", Some(Unit::Bytes), &bytes)?;
-        fam.histogram(
-            "bulkhead_request_latency",
-            "From a request's first submission to its answer (reissues after a restart included).",
-            Some(Unit::Seconds),
-            &latency,
-        )?;
-        let failed: Vec<_> = fronts.iter().map(|(f, d)| (of(f, d), f.counters.failed.load(Ordering::Relaxed) as f64)).collect();
-        fam.counter(
-            "bulkhead_requests_failed",
-            "Requests that failed, the driver's errors and those given up (device failed, removed, timed out).",
-            None,
-            &failed,
-        )?;
-        let in_flight: Vec<_> = fronts.iter().map(|(f, d)| (of(f, d), f.in_flight() as f64)).collect();
-        fam.gauge("bulkhead_requests_in_flight", "Requests submitted and not yet answered.", None, &in_flight)?;
-        let spin: Vec<_> = fronts.iter().map(|(f, d)| (of(f, d), f.wait_totals().0 as f64 / 1e9)).collect();
-        fam.counter("bulkhead_queue_spin", "Time the frontend's queues spun waiting for answers.", Some(Unit::Seconds), &spin)?;
-        let sleep: Vec<_> = fronts.iter().map(|(f, d)| (of(f, d), f.wait_totals().1 as f64 / 1e9)).collect();
-        fam.counter(
-            "bulkhead_queue_sleep",
-            "Time the frontend's queues slept waiting for answers.",
-            Some(Unit::Seconds),
-            &sleep,
-        )?;
-
-        // Per device: its domains.
-        let dev = |n: &str| labels(&[("device", n)]);
-        let restarts: Vec<_> = report.devices.iter().map(|d| (dev(&d.name), d.restarts as f64)).collect();
-        fam.counter("bulkhead_domain_restarts", "Times the device's domains were replaced.", None, &restarts)?;
-        let state: Vec<_> = report
-            .devices
-            .iter()
-            .map(|d| {
-                let mut l = dev(&d.name);
-                l.push(("state".into(), format!("{:?}", d.state).to_lowercase()));
-                (l, 1.0)
-            })
-            .collect();
-        fam.gauge("bulkhead_device_state", "The device's state (1 for the state it is in).", None, &state)?;
-        let outages: Vec<_> = report
-            .devices
-            .iter()
-            .map(|d| {
-                let list = sup.outages_ms(&d.name);
-                let mut per = vec![0u64; OUTAGE_BOUNDS_MS.len() + 1];
-                for o in &list {
-                    per[OUTAGE_BOUNDS_MS.iter().position(|b| o <= b).unwrap_or(OUTAGE_BOUNDS_MS.len())] += 1;
-                }
-                let buckets: Vec<(f64, u64)> =
-                    OUTAGE_BOUNDS_MS.iter().map(|b| b / 1e3).chain(std::iter::once(f64::INFINITY)).zip(per).collect();
-                (dev(&d.name), list.iter().sum::<f64>() / 1e3, list.len() as u64, buckets)
-            })
-            .collect();
-        fam.histogram(
-            "bulkhead_restart_outage",
-            "How long the device's users waited while its domains were replaced.",
-            Some(Unit::Seconds),
-            &outages,
-        )?;
-        let mut rss = Vec::new();
-        let mut cpu = Vec::new();
-        for d in &report.devices {
-            let domains = [("driver", Some(d.driver_pid).filter(|p| *p != 0), d.driver_memory), ("tap", d.tap_pid, d.tap_memory)];
-            for (role, pid, mem) in domains {
-                let Some(pid) = pid else { continue };
-                let l = labels(&[("device", &d.name), ("domain", role)]);
-                if let Some(m) = mem {
-                    rss.push((l.clone(), (m.total_kib * 1024) as f64));
-                }
-                if let Some(s) = cpu_seconds(pid) {
-                    cpu.push((l, s));
-                }
-            }
-        }
-        fam.gauge("bulkhead_domain_resident", "Resident memory of the device's domains.", Some(Unit::Bytes), &rss)?;
-        fam.counter("bulkhead_domain_cpu", "CPU time of the device's current domains.", Some(Unit::Seconds), &cpu)?;
-        let mut waits = Vec::new();
-        let mut held = Vec::new();
-        for d in &report.devices {
-            for v in &d.views {
-                waits.push((labels(&[("device", &v.name), ("of", &d.name)]), v.credit_waits as f64));
-                held.push((labels(&[("device", &v.name), ("of", &d.name)]), v.throttled_s));
-            }
-        }
-        fam.counter(
-            "bulkhead_qos_throttled",
-            "Time a view's requests were held back for QoS credit or behind a heavier view (counted when released).",
-            Some(Unit::Seconds),
-            &held,
-        )?;
-        fam.counter("bulkhead_qos_throttle_waits", "Times a view's requests waited for QoS credit.", None, &waits)?;
-        let me = std::process::id();
-        if let Some(s) = cpu_seconds(me) {
-            fam.counter("bulkhead_serve_cpu", "CPU time of serve itself.", Some(Unit::Seconds), &[(Vec::new(), s)])?;
-        }
-        if let Some(m) = report.frontend.rss {
-            fam.gauge(
-                "bulkhead_serve_resident",
-                "Resident memory of serve.",
-                Some(Unit::Bytes),
-                &[(Vec::new(), (m.total_kib * 1024) as f64)],
-            )?;
-        }
-
-        // The exports.
-        let x = self.live.export_figures();
-        let e = |export: &str| labels(&[("export", export)]);
-        if let Some(n) = &x.nbd {
-            fam.counter("bulkhead_export_connections", "Connections accepted.", None, &[(e("nbd"), n.accepted as f64)])?;
-            fam.counter(
-                "bulkhead_export_rejections",
-                "Connections refused (over `max_connections`) or closed for breaking the protocol or a deadline.",
-                None,
-                &[
-                    (labels(&[("export", "nbd"), ("why", "limit")]), n.refused as f64),
-                    (labels(&[("export", "nbd"), ("why", "protocol")]), n.dropped as f64),
-                ],
-            )?;
-            let per: Vec<_> =
-                n.clients.iter().map(|(name, c)| (labels(&[("export", "nbd"), ("device", name)]), *c as f64)).collect();
-            fam.gauge("bulkhead_export_clients", "Clients connected now, by device.", None, &per)?;
-        }
-        if !x.fuse_opens.is_empty() {
-            let per: Vec<_> =
-                x.fuse_opens.iter().map(|(name, o)| (labels(&[("export", "fuse"), ("device", name)]), *o as f64)).collect();
-            fam.gauge("bulkhead_export_fuse_opens", "Opens of each device's FUSE file not yet released.", None, &per)?;
-        }
-        if let Some(v) = &x.vhost {
-            let sessions: Vec<_> =
-                v.iter().map(|s| (labels(&[("export", "vhost_user"), ("device", &s.device)]), s.sessions as f64)).collect();
-            fam.counter("bulkhead_export_vhost_sessions", "Virtual machines that connected, by device.", None, &sessions)?;
-            let connected: Vec<_> = v
-                .iter()
-                .map(|s| (labels(&[("export", "vhost_user"), ("device", &s.device)]), f64::from(u8::from(s.connected))))
-                .collect();
-            fam.gauge("bulkhead_export_vhost_connected", "Whether a virtual machine is connected, by device.", None, &connected)?;
-        }
-        Ok(())
+        requests(&mut fam, &fronts)?;
+        domains(&mut fam, &report, sup)?;
+        qos_and_serve(&mut fam, &report)?;
+        exports(&mut fam, &self.live)
     }
+}
+
+/// Each device's and view's requests, as its frontend counted them.
+fn requests(fam: &mut Family<'_, '_>, fronts: &[(Arc<Device>, String)]) -> std::fmt::Result {
+    let of = |f: &Device, dev: &str| labels(&[("device", f.name()), ("of", dev)]);
+    let mut requests = Vec::new();
+    let mut errors = Vec::new();
+    let mut bytes = Vec::new();
+    let mut latency = Vec::new();
+    for (f, dev) in fronts {
+        let totals = f.op_totals();
+        for (c, (_, op)) in totals.iter().zip(OPS.iter()) {
+            let n = c.requests;
+            let mut l = of(f, dev);
+            l.push(("op".into(), op.to_string()));
+            requests.push((l.clone(), n as f64));
+            errors.push((l.clone(), c.errors as f64));
+            bytes.push((l.clone(), c.bytes as f64));
+            let buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
+                .iter()
+                .map(|b| *b as f64 / 1e6)
+                .chain(std::iter::once(f64::INFINITY))
+                .zip(c.buckets.iter().copied())
+                .collect();
+            let count = buckets.iter().map(|(_, n)| n).sum();
+            latency.push((l, c.latency_sum_ns as f64 / 1e9, count, buckets));
+        }
+    }
+    fam.counter("bulkhead_requests", "Requests the driver answered, by operation.", None, &requests)?;
+    fam.counter("bulkhead_request_errors", "Of them, answered with an error.", None, &errors)?;
+    fam.counter("bulkhead_request", "Bytes the answered requests asked for, by operation.", Some(Unit::Bytes), &bytes)?;
+    fam.histogram(
+        "bulkhead_request_latency",
+        "From a request's first submission to its answer (reissues after a restart included).",
+        Some(Unit::Seconds),
+        &latency,
+    )?;
+    let failed: Vec<_> = fronts.iter().map(|(f, d)| (of(f, d), f.counters.failed.load(Ordering::Relaxed) as f64)).collect();
+    fam.counter(
+        "bulkhead_requests_failed",
+        "Requests that failed, the driver's errors and those given up (device failed, removed, timed out).",
+        None,
+        &failed,
+    )?;
+    let in_flight: Vec<_> = fronts.iter().map(|(f, d)| (of(f, d), f.in_flight() as f64)).collect();
+    fam.gauge("bulkhead_requests_in_flight", "Requests submitted and not yet answered.", None, &in_flight)?;
+    let spin: Vec<_> = fronts.iter().map(|(f, d)| (of(f, d), f.wait_totals().0 as f64 / 1e9)).collect();
+    fam.counter("bulkhead_queue_spin", "Time the frontend's queues spun waiting for answers.", Some(Unit::Seconds), &spin)?;
+    let sleep: Vec<_> = fronts.iter().map(|(f, d)| (of(f, d), f.wait_totals().1 as f64 / 1e9)).collect();
+    fam.counter("bulkhead_queue_sleep", "Time the frontend's queues slept waiting for answers.", Some(Unit::Seconds), &sleep)?;
+
+    Ok(())
+}
+
+/// Each device's domains: restarts, state, outages, memory and CPU.
+fn domains(
+    fam: &mut Family<'_, '_>,
+    report: &bulkhead_control::StatusReport,
+    sup: &bulkhead_supervisor::Supervisor,
+) -> std::fmt::Result {
+    // Per device: its domains.
+    let dev = |n: &str| labels(&[("device", n)]);
+    let restarts: Vec<_> = report.devices.iter().map(|d| (dev(&d.name), d.restarts as f64)).collect();
+    fam.counter("bulkhead_domain_restarts", "Times the device's domains were replaced.", None, &restarts)?;
+    let state: Vec<_> = report
+        .devices
+        .iter()
+        .map(|d| {
+            let mut l = dev(&d.name);
+            l.push(("state".into(), format!("{:?}", d.state).to_lowercase()));
+            (l, 1.0)
+        })
+        .collect();
+    fam.gauge("bulkhead_device_state", "The device's state (1 for the state it is in).", None, &state)?;
+    let outages: Vec<_> = report
+        .devices
+        .iter()
+        .map(|d| {
+            let list = sup.outages_ms(&d.name);
+            let mut per = vec![0u64; OUTAGE_BOUNDS_MS.len() + 1];
+            for o in &list {
+                per[OUTAGE_BOUNDS_MS.iter().position(|b| o <= b).unwrap_or(OUTAGE_BOUNDS_MS.len())] += 1;
+            }
+            let buckets: Vec<(f64, u64)> =
+                OUTAGE_BOUNDS_MS.iter().map(|b| b / 1e3).chain(std::iter::once(f64::INFINITY)).zip(per).collect();
+            (dev(&d.name), list.iter().sum::<f64>() / 1e3, list.len() as u64, buckets)
+        })
+        .collect();
+    fam.histogram(
+        "bulkhead_restart_outage",
+        "How long the device's users waited while its domains were replaced.",
+        Some(Unit::Seconds),
+        &outages,
+    )?;
+    let mut rss = Vec::new();
+    let mut cpu = Vec::new();
+    for d in &report.devices {
+        let domains = [("driver", Some(d.driver_pid).filter(|p| *p != 0), d.driver_memory), ("tap", d.tap_pid, d.tap_memory)];
+        for (role, pid, mem) in domains {
+            let Some(pid) = pid else { continue };
+            let l = labels(&[("device", &d.name), ("domain", role)]);
+            if let Some(m) = mem {
+                rss.push((l.clone(), (m.total_kib * 1024) as f64));
+            }
+            if let Some(s) = cpu_seconds(pid) {
+                cpu.push((l, s));
+            }
+        }
+    }
+    fam.gauge("bulkhead_domain_resident", "Resident memory of the device's domains.", Some(Unit::Bytes), &rss)?;
+    fam.counter("bulkhead_domain_cpu", "CPU time of the device's current domains.", Some(Unit::Seconds), &cpu)?;
+    Ok(())
+}
+
+/// The views' QoS, and `serve`'s own CPU and memory.
+fn qos_and_serve(fam: &mut Family<'_, '_>, report: &bulkhead_control::StatusReport) -> std::fmt::Result {
+    let mut waits = Vec::new();
+    let mut held = Vec::new();
+    for d in &report.devices {
+        for v in &d.views {
+            waits.push((labels(&[("device", &v.name), ("of", &d.name)]), v.credit_waits as f64));
+            held.push((labels(&[("device", &v.name), ("of", &d.name)]), v.throttled_s));
+        }
+    }
+    fam.counter(
+        "bulkhead_qos_throttled",
+        "Time a view's requests were held back for QoS credit or behind a heavier view (counted when released).",
+        Some(Unit::Seconds),
+        &held,
+    )?;
+    fam.counter("bulkhead_qos_throttle_waits", "Times a view's requests waited for QoS credit.", None, &waits)?;
+    let me = std::process::id();
+    if let Some(s) = cpu_seconds(me) {
+        fam.counter("bulkhead_serve_cpu", "CPU time of serve itself.", Some(Unit::Seconds), &[(Vec::new(), s)])?;
+    }
+    if let Some(m) = report.frontend.rss {
+        fam.gauge(
+            "bulkhead_serve_resident",
+            "Resident memory of serve.",
+            Some(Unit::Bytes),
+            &[(Vec::new(), (m.total_kib * 1024) as f64)],
+        )?;
+    }
+
+    Ok(())
+}
+
+/// The exports' connections and users.
+fn exports(fam: &mut Family<'_, '_>, live: &Live) -> std::fmt::Result {
+    // The exports.
+    let x = live.export_figures();
+    let e = |export: &str| labels(&[("export", export)]);
+    if let Some(n) = &x.nbd {
+        fam.counter("bulkhead_export_connections", "Connections accepted.", None, &[(e("nbd"), n.accepted as f64)])?;
+        fam.counter(
+            "bulkhead_export_rejections",
+            "Connections refused (over `max_connections`) or closed for breaking the protocol or a deadline.",
+            None,
+            &[
+                (labels(&[("export", "nbd"), ("why", "limit")]), n.refused as f64),
+                (labels(&[("export", "nbd"), ("why", "protocol")]), n.dropped as f64),
+            ],
+        )?;
+        let per: Vec<_> = n.clients.iter().map(|(name, c)| (labels(&[("export", "nbd"), ("device", name)]), *c as f64)).collect();
+        fam.gauge("bulkhead_export_clients", "Clients connected now, by device.", None, &per)?;
+    }
+    if !x.fuse_opens.is_empty() {
+        let per: Vec<_> =
+            x.fuse_opens.iter().map(|(name, o)| (labels(&[("export", "fuse"), ("device", name)]), *o as f64)).collect();
+        fam.gauge("bulkhead_export_fuse_opens", "Opens of each device's FUSE file not yet released.", None, &per)?;
+    }
+    if let Some(v) = &x.vhost {
+        let sessions: Vec<_> =
+            v.iter().map(|s| (labels(&[("export", "vhost_user"), ("device", &s.device)]), s.sessions as f64)).collect();
+        fam.counter("bulkhead_export_vhost_sessions", "Virtual machines that connected, by device.", None, &sessions)?;
+        let connected: Vec<_> = v
+            .iter()
+            .map(|s| (labels(&[("export", "vhost_user"), ("device", &s.device)]), f64::from(u8::from(s.connected))))
+            .collect();
+        fam.gauge("bulkhead_export_vhost_connected", "Whether a virtual machine is connected, by device.", None, &connected)?;
+    }
+    Ok(())
 }
