@@ -185,9 +185,6 @@ pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCod
     if let Some(why) = &fell_back {
         log::error!("{why}: this serve runs the binary of the serve before it");
     }
-    if keeper != Keeper::None {
-        bulkhead_supervisor::kept::install(kept.clone());
-    }
     let parent = std::os::unix::process::parent_id();
     // Signals first, so a SIGTERM during start-up is not lost.
     let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR2]).context("cannot install signal handlers")?;
@@ -279,7 +276,9 @@ impl Start<'_> {
     /// Starts the supervisor, the exports, the control socket and the metrics, in that order.
     fn serve(&self, run_lock: RunLock) -> anyhow::Result<Serving> {
         let config = self.config;
-        let sup = Arc::new(Supervisor::start(config, None)?);
+        // What must outlive this serve is kept where its keeper (or systemd) holds it.
+        let store = (self.keeper != Keeper::None).then(|| self.kept.clone() as Arc<dyn bulkhead_supervisor::kept::FdStore>);
+        let sup = Arc::new(Supervisor::start_keeping(config, None, store)?);
         let live = Arc::new(Live::new(
             sup.clone(),
             Exports::default(),

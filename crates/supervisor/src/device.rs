@@ -104,6 +104,7 @@ impl DeviceRuntime {
         cfg: &DeviceConfig,
         id: usize,
         exe: &Path,
+        keep: &crate::kept::Keep,
         clock: Arc<dyn Clock>,
         mailbox: Arc<Mailbox>,
     ) -> Result<Self, Error> {
@@ -113,7 +114,7 @@ impl DeviceRuntime {
         // Writable here too: the views' caps are set in it.
         let (state_fd, state) = shared_page(&format!("bulkhead-{name}-domain"), true).map_err(|e| e.context(&device))?;
         let (below_fd, below_state) = shared_page(&format!("bulkhead-{name}-below"), false).map_err(|e| e.context(&device))?;
-        let launcher = Launcher::open(cfg, index, exe, [state_fd, below_fd]).map_err(|e| e.context(&device))?;
+        let launcher = Launcher::open(cfg, index, exe, keep, [state_fd, below_fd]).map_err(|e| e.context(&device))?;
         let policy = RestartPolicy {
             watchdog: Duration::from_millis(cfg.watchdog_ms()),
             limit: *cfg.restart_limit.get_ref(),

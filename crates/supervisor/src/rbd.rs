@@ -109,22 +109,24 @@ fn in_range(ip: IpAddr, net: IpAddr, bits: u8) -> bool {
 pub(crate) struct Opened {
     owners: Arc<Mutex<Vec<String>>>,
     kept_as: Arc<str>,
+    keep: crate::kept::Keep,
     image_bytes: Arc<AtomicU64>,
 }
 
 impl Opened {
-    /// `device`'s, starting from what an earlier `serve` kept.
-    pub(crate) fn of_device(device: &str) -> Opened {
+    /// `device`'s, starting from what an earlier `serve` kept in `keep`.
+    pub(crate) fn of_device(device: &str, keep: crate::kept::Keep) -> Opened {
         let kept_as = crate::kept::rbd_owners_name(device);
-        let list: Vec<String> = crate::kept::take_text(&kept_as)
+        let list: Vec<String> = keep
+            .take_text(&kept_as)
             .map(|t| t.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect())
             .unwrap_or_default();
         if !list.is_empty() {
             log::info!("device {device}: {} lock owner(s) of the serve before this one kept", list.len());
             // Kept again at once: this `serve` may die before its first domain says its own.
-            crate::kept::keep_text(&kept_as, &(list.join("\n") + "\n"));
+            keep.keep_text(&kept_as, &(list.join("\n") + "\n"));
         }
-        Opened { owners: Arc::new(Mutex::new(list)), kept_as: kept_as.into(), image_bytes: Arc::default() }
+        Opened { owners: Arc::new(Mutex::new(list)), kept_as: kept_as.into(), keep, image_bytes: Arc::default() }
     }
 
     /// The image's size as a domain of this device last found it; `None` before one has
@@ -143,7 +145,7 @@ impl Opened {
         v.push(addr);
         let excess = v.len().saturating_sub(8);
         v.drain(..excess);
-        crate::kept::keep_text(&self.kept_as, &(v.join("\n") + "\n"));
+        self.keep.keep_text(&self.kept_as, &(v.join("\n") + "\n"));
     }
 }
 

@@ -17,6 +17,7 @@ use bulkhead_config::Config;
 use crate::device::DeviceRuntime;
 use crate::error::Error;
 use crate::hub::Hub;
+use crate::kept::{FdStore, Keep};
 use crate::lifecycle::Event;
 use crate::mailbox::Mailbox;
 use crate::spawn::current_exe;
@@ -65,6 +66,8 @@ pub struct Supervisor {
     snapshot_seq: std::sync::atomic::AtomicU64,
     /// What domains are exec'd from.
     exe: PathBuf,
+    /// Where descriptors are kept across a restart of `serve`.
+    keep: Keep,
     /// Held while a device is added or removed: one at a time.
     changes: Mutex<()>,
 }
@@ -81,7 +84,15 @@ impl Supervisor {
     /// as), and starts watching them. If a device cannot start, those that did are ended and
     /// the first device's error (in configuration order) is returned.
     pub fn start(config: &Config, exe: Option<&Path>) -> Result<Self, Error> {
+        Self::start_keeping(config, exe, None)
+    }
+
+    /// As [`start`](Self::start), keeping in `store` what must outlive this `serve` (each
+    /// `ram` device's contents, each `rbd` device's lock owners) and taking what an earlier
+    /// `serve` kept there.
+    pub fn start_keeping(config: &Config, exe: Option<&Path>, store: Option<Arc<dyn FdStore>>) -> Result<Self, Error> {
         let exe: PathBuf = exe.map(Path::to_path_buf).unwrap_or_else(current_exe);
+        let keep = Keep::new(store);
         let setup = |e: std::io::Error| Error::failed(format!("supervisor: {e}"));
         let clock: Arc<dyn Clock> = Arc::new(Monotonic);
         let mailbox = Arc::new(Mailbox::new().map_err(setup)?);
@@ -90,9 +101,10 @@ impl Supervisor {
         let (tx, rx) = mpsc::channel();
         for cfg in &config.devices {
             let i = registry.next_id();
-            let (cfg, exe, clock, mailbox, tx) = (cfg.clone(), exe.clone(), clock.clone(), mailbox.clone(), tx.clone());
+            let (cfg, exe, keep, clock, mailbox, tx) =
+                (cfg.clone(), exe.clone(), keep.clone(), clock.clone(), mailbox.clone(), tx.clone());
             workers.submit(move || {
-                let _ = tx.send((i, DeviceRuntime::start(&cfg, i, &exe, clock, mailbox)));
+                let _ = tx.send((i, DeviceRuntime::start(&cfg, i, &exe, &keep, clock, mailbox)));
             });
         }
         drop(tx);
@@ -118,6 +130,7 @@ impl Supervisor {
             started: Instant::now(),
             stopped: AtomicBool::new(false),
             exe,
+            keep,
             changes: Mutex::new(()),
             snapshot_seq: std::sync::atomic::AtomicU64::new(0),
         };
@@ -182,10 +195,11 @@ impl Supervisor {
         }
         let id = self.hub.devices.next_id();
         let (tx, rx) = mpsc::channel();
-        let (c, exe, clock, mailbox) = (cfg.clone(), self.exe.clone(), self.hub.clock.clone(), self.hub.mailbox.clone());
+        let (c, exe, keep) = (cfg.clone(), self.exe.clone(), self.keep.clone());
+        let (clock, mailbox) = (self.hub.clock.clone(), self.hub.mailbox.clone());
         // The domains live as long as the worker that execs them.
         self.hub.workers.submit(move || {
-            let _ = tx.send(DeviceRuntime::start(&c, id, &exe, clock, mailbox));
+            let _ = tx.send(DeviceRuntime::start(&c, id, &exe, &keep, clock, mailbox));
         });
         let rt = rx.recv().map_err(|_| Error::failed("the supervisor's workers are gone").context(&device))??;
         let rt = Arc::new(rt);
@@ -210,11 +224,7 @@ impl Supervisor {
         drop(slot);
         drain_and_flush(&rt, &format!("device {name}"), &rt.device, || rt.control.in_flight(), drain);
         self.hub.devices.remove(rt.id);
-        if let Some(s) = crate::kept::store() {
-            for kept in crate::kept::names_of(name) {
-                s.forget(&kept);
-            }
-        }
+        self.keep.forget_device(name);
         self.hub.mailbox.post(crate::mailbox::Note::Removed(rt.id));
         rt.control.fail("device removed");
         end_each(std::slice::from_ref(&rt), Duration::from_secs(3));

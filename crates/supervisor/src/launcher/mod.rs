@@ -117,7 +117,13 @@ impl Launcher {
     /// Opens the backend's storage for `cfg` (the domain opens nothing) and what its filters
     /// need, and resolves its views: everything but the first launch. `state_fds` are the
     /// state pages of the domain the frontend reaches and of the domain below a tap domain.
-    pub(crate) fn open(cfg: &DeviceConfig, index: u32, exe: &Path, state_fds: [OwnedFd; 2]) -> Result<Launcher, Error> {
+    pub(crate) fn open(
+        cfg: &DeviceConfig,
+        index: u32,
+        exe: &Path,
+        keep: &crate::kept::Keep,
+        state_fds: [OwnedFd; 2],
+    ) -> Result<Launcher, Error> {
         let [state_fd, below_state_fd] = state_fds;
         let name = cfg.name.get_ref().clone();
         let mode = notify_mode(cfg.notify);
@@ -134,7 +140,7 @@ impl Launcher {
         if let BackendConfig::File { engine: engine @ Engine::Auto, format: ImageFormat::Raw, path, .. } = &mut backend {
             *engine = auto_engine(&name, path);
         }
-        let storage = Storage::open(&name, cfg, &backend, sandbox, exe)?;
+        let storage = Storage::open(&name, cfg, &backend, sandbox, exe, keep)?;
         // Filter state pages and outputs, opened here: the domain opens nothing.
         let mut filters = Vec::new();
         for (i, f) in cfg.filters().into_iter().enumerate() {

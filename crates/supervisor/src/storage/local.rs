@@ -10,12 +10,13 @@ use bulkhead_sys::uring;
 
 use super::Storage;
 use crate::error::Error;
+use crate::kept::Keep;
 
 /// A ramdisk of `size` bytes: the one a keeper held for the `serve` before this one, or a new
 /// sparse, size-sealed memfd.
-pub(super) fn ram(name: &str, size: u64) -> Result<Storage, Error> {
+pub(super) fn ram(name: &str, size: u64, keep: &Keep) -> Result<Storage, Error> {
     let kept_as = crate::kept::ram_name(name);
-    let fd = match crate::kept::store().and_then(|s| s.take(&kept_as)) {
+    let fd = match keep.take(&kept_as) {
         // The contents a `serve` before this one left, kept across its end.
         Some(fd) => {
             let have = memfd::size_of(fd.as_raw_fd()).map_err(|e| Error::failed(format!("kept ramdisk: {e}")))?;
@@ -31,9 +32,7 @@ pub(super) fn ram(name: &str, size: u64) -> Result<Storage, Error> {
             fd
         }
     };
-    if let Some(s) = crate::kept::store() {
-        s.keep(&kept_as, fd.as_fd());
-    }
+    keep.keep(&kept_as, fd.as_fd());
     Ok(Storage::held(size, "ram".into(), vec![fd]))
 }
 

@@ -9,6 +9,7 @@ use bulkhead_config::{BackendConfig, DeviceConfig, ImageFormat};
 use bulkhead_sandbox::Policy;
 
 use crate::error::Error;
+use crate::kept::Keep;
 
 mod local;
 mod nbd;
@@ -41,11 +42,18 @@ impl Storage {
 
     /// Opens (or creates) the storage of `backend` for device `name` as `cfg` sizes it; a
     /// `vdev` device's model domain is exec'd from `exe`, as the device's other domains are.
-    pub fn open(name: &str, cfg: &DeviceConfig, backend: &BackendConfig, sandbox: Policy, exe: &Path) -> Result<Storage, Error> {
+    pub fn open(
+        name: &str,
+        cfg: &DeviceConfig,
+        backend: &BackendConfig,
+        sandbox: Policy,
+        exe: &Path,
+        keep: &Keep,
+    ) -> Result<Storage, Error> {
         let size = cfg.size.as_ref().map(|s| s.get_ref().0);
         let required = |what: &str| size.ok_or_else(|| Error::invalid(format!("size is required for a {what} device")));
         match backend {
-            BackendConfig::Ram => local::ram(name, required("ram")?),
+            BackendConfig::Ram => local::ram(name, required("ram")?, keep),
             BackendConfig::Null => Ok(Storage::held(required("null")?, "null".into(), Vec::new())),
             BackendConfig::File { path, read_only, format: ImageFormat::Qcow2, .. } => qcow2::open(path, *read_only),
             BackendConfig::File { path, direct, engine, read_only, .. } => local::file(path, *direct, *engine, *read_only, size),
@@ -57,7 +65,7 @@ impl Storage {
                 let reach = crate::rbd::Reach::resolve(mon_host, networks).map_err(|e| e.context("backend mon_host"))?;
                 let ns = if namespace.is_empty() { String::new() } else { format!("{namespace}/") };
                 let desc = format!("rbd:{pool}/{ns}{image}{}", if *read_only { ",ro" } else { "" });
-                let opened = crate::rbd::Opened::of_device(name);
+                let opened = crate::rbd::Opened::of_device(name, keep.clone());
                 Ok(Storage { rbd: Some((reach, opened)), ..Storage::held(size.unwrap_or(0), desc, Vec::new()) })
             }
             BackendConfig::Vdev { card, wait } => {
