@@ -218,7 +218,7 @@ impl Metrics {
 }
 
 /// What keeps `serve`'s descriptors (FUSE session, listening sockets, `ram` memfds, its state)
-/// across a crash or an upgrade of `serve` (docs/ARCHITECTURE.md, "When `serve` itself dies").
+/// across a crash or an upgrade of `serve` (ARCHITECTURE.md, "When `serve` itself dies").
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Keeper {

@@ -67,7 +67,7 @@ impl IdleSpin {
     /// answer microseconds away, and the answer then pays a doorbell and a wake-up. So it
     /// spins within the budget, and past it while threads are waiting for a CPU (unless built
     /// [`without_crowd_check`](Self::without_crowd_check)); on CPUs with room to spare the
-    /// budget ends it as in [`spin`](Self::spin) (docs/ring-protocol.md, "Crowded CPUs").
+    /// budget ends it as in [`spin`](Self::spin) (docs/ring-protocol.md, "Adaptive budget").
     pub fn spin_for_answers(&mut self, now: u64) -> bool {
         self.spin_while(now, |w, t0| {
             now - t0 < w.budget.budget_ns() || w.crowd.as_mut().is_some_and(|c| c.crowded_lately(t0, now))

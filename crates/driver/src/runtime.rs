@@ -357,7 +357,7 @@ impl Domain {
     /// domain's CPU, and then yield as soon as it finds nothing rather than after a few idle
     /// turns: for the two domains of an `interpose` device, which with its frontend are
     /// three spinners, so on two CPUs the tap domain and the driver domain below it often
-    /// take turns on one (docs/BENCHMARKS.md, "The tap hop's floor on two CPUs"). Elsewhere
+    /// take turns on one (docs/bench/tuning.md, "The tap hop's floor on two CPUs"). Elsewhere
     /// the thread that makes the next request is a frontend whose own work takes longer than
     /// the idle turns, and yielding at once measured slower (1-thread FUSE reads).
     pub fn set_hands_off(&mut self, on: bool) {

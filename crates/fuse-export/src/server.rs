@@ -79,7 +79,7 @@ pub struct FuseOptions {
     pub queue_depth: usize,
     /// A keeper holds the session for the next `serve`: requests then go through
     /// `/dev/fuse`, whose taken requests the kernel sends again to a successor (FUSE over
-    /// io_uring's are not; docs/ARCHITECTURE.md, "When `serve` itself dies").
+    /// io_uring's are not; ARCHITECTURE.md, "When `serve` itself dies").
     pub kept: bool,
 }
 
@@ -362,7 +362,7 @@ impl FuseExport {
                 // worker runs there too: it serves the request where it was made and is woken
                 // there. Left free, a worker woken by the driver domain's doorbell was pulled
                 // onto the domain's CPU, and at one thread of writes the two then shared a CPU
-                // while the other idled (docs/BENCHMARKS.md, "Ring workers on their CPUs").
+                // while the other idled (docs/bench/tuning.md, "Ring workers on their CPUs").
                 // A CPU this process may not run on (offline, or outside a container's cpuset:
                 // EINVAL) leaves its worker free; requests issued there are still served.
                 match bulkhead_sys::pin_thread(qid) {

@@ -700,7 +700,7 @@ fn wait_policy(table: Files<'_>) -> BudgetPolicy {
 /// wait for the end of the worker's slice; alone on the CPU, the call returns at once. From
 /// the first idle look, unless a device is `poll`: its domain never sleeps, and with a
 /// worker yielding at every look one thread of reads lost about a tenth, where a 10 µs
-/// grace kept it (docs/BENCHMARKS.md, "Yielding from the first idle look").
+/// grace kept it (docs/bench/tuning.md, "FUSE over io_uring").
 fn yield_after(table: Files<'_>) -> u64 {
     if table.iter().flatten().any(|n| n.dev.mode() == NotifyMode::Poll) {
         10_000

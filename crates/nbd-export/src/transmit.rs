@@ -204,7 +204,7 @@ impl Connection<'_> {
         // There, a run-queue count mostly finds other clients' threads, and a sleep costs a
         // doorbell wake-up on every answer: beside a capped neighbour's connection, a QD1
         // reader's p99 was 124–136 µs with the check and 80–85 µs without it
-        // (docs/BENCHMARKS.md, "Over NBD: a leader that spins whatever the crowd").
+        // (docs/bench/tuning.md, "Over NBD: a leader that spins whatever the crowd").
         let mut idle = IdleSpin::new(policy).without_crowd_check();
         let mut jobs = Jobs::default();
         let mut alone = Vec::new();

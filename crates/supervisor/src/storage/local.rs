@@ -74,8 +74,7 @@ fn open_backing(path: &Path, read_only: bool, direct: bool) -> Result<OwnedFd, s
 /// not io_uring: sync for a regular file on a file system held in memory; else io_uring if
 /// the supervisor can make a ring to lend (the kernel may have io_uring switched off:
 /// `kernel.io_uring_disabled`, or a seccomp policy around `serve`), else sync. On a disk,
-/// io_uring is faster at every point measured (docs/BENCHMARKS.md, "The `file` backend's
-/// engines").
+/// io_uring is faster at every point measured (docs/bench/file-engines.md).
 pub(crate) fn auto_engine(device: &str, path: &Path) -> Engine {
     // A regular file in memory never waits for a device, and the kernel (6.18 here)
     // completes none of its requests from a ring on the spot: each goes to an io-wq worker

@@ -1,0 +1,138 @@
+//! The docs stay true: BENCHMARKS.md stays a reference of current figures within its line
+//! budget, each of its sections gives its command, and every citation of a docs section
+//! (`docs/X.md, "Section"`, in the docs and in code comments) names a section that exists.
+
+use std::path::{Path, PathBuf};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+/// Lines BENCHMARKS.md may have: it holds the current figures; what they replaced is in its
+/// history, and investigations behind a figure in docs/bench/.
+const BENCHMARKS_LINES: usize = 500;
+
+#[test]
+fn benchmarks_stays_within_its_budget_and_each_section_gives_its_command() {
+    let text = std::fs::read_to_string(repo().join("docs/BENCHMARKS.md")).unwrap();
+    let lines = text.lines().count();
+    assert!(
+        lines <= BENCHMARKS_LINES,
+        "docs/BENCHMARKS.md has {lines} lines, over its budget of {BENCHMARKS_LINES}: replace what a new result \
+         supersedes, and move an investigation to docs/bench/"
+    );
+    let mut sections = text.split("\n## ").skip(1);
+    let mut without = Vec::new();
+    for s in sections.by_ref() {
+        let title = s.lines().next().unwrap_or_default();
+        if !s.contains("```sh") {
+            without.push(title.to_string());
+        }
+    }
+    assert!(without.is_empty(), "BENCHMARKS.md sections without a ```sh block of their command: {without:?}");
+}
+
+/// The files cited from, under the repository: the docs, the README, ARCHITECTURE.md and every
+/// Rust source.
+fn citing_files(root: &Path) -> Vec<PathBuf> {
+    let mut out = vec![root.join("README.md"), root.join("ARCHITECTURE.md")];
+    let mut stack = vec![root.join("docs"), root.join("crates")];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n != "target") {
+                    stack.push(p);
+                }
+            } else if p.extension().is_some_and(|x| x == "md" || x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// The names a page's sections can be cited by: its headings, and the bold labels that open
+/// its list items (`* **Crowded CPUs.** …`), without backticks.
+fn section_names(page: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for line in page.lines() {
+        let t = line.trim_start();
+        if let Some(h) = t.strip_prefix('#') {
+            names.push(h.trim_start_matches('#').trim().replace('`', ""));
+        } else if let Some(rest) = t.strip_prefix("* **").or_else(|| t.strip_prefix("- **")) {
+            if let Some(end) = rest.find("**") {
+                names.push(rest[..end].trim_end_matches('.').replace('`', ""));
+            }
+        }
+    }
+    names
+}
+
+/// `text` with comment markers and line breaks folded into single spaces, so that a citation
+/// broken over lines reads as one.
+fn folded(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let t = line.trim_start();
+        let t = ["//!", "///", "//", "*"].iter().find_map(|m| t.strip_prefix(m)).unwrap_or(t);
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(t.trim());
+    }
+    out
+}
+
+/// Every `PATH.md, "Section"` in `text`: the path and the section.
+fn citations(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find(".md, \"") {
+        let before = &rest[..at];
+        let start = before.rfind(|c: char| !(c.is_alphanumeric() || "/._-".contains(c))).map_or(0, |i| i + 1);
+        let path = format!("{}.md", &before[start..]);
+        let after = &rest[at + ".md, \"".len()..];
+        let Some(end) = after.find('"') else { break };
+        out.push((path, after[..end].to_string()));
+        rest = &after[end..];
+    }
+    out
+}
+
+#[test]
+fn every_cited_docs_section_exists() {
+    let root = repo();
+    let mut broken = Vec::new();
+    // This file's own examples are not citations.
+    for file in citing_files(&root).into_iter().filter(|f| !f.ends_with(file!())) {
+        let text = folded(&std::fs::read_to_string(&file).unwrap());
+        for (path, section) in citations(&text) {
+            let here = file.parent().unwrap().join(&path);
+            let target = [root.join(&path), here, root.join("docs").join(&path)].into_iter().find(|p| p.is_file());
+            let Some(target) = target else {
+                broken.push(format!("{}: {path} does not exist", file.strip_prefix(&root).unwrap().display()));
+                continue;
+            };
+            let names = section_names(&std::fs::read_to_string(&target).unwrap());
+            let wanted = section.replace('`', "");
+            if !names.iter().any(|n| n.starts_with(&wanted)) {
+                broken.push(format!("{}: {path} has no section \"{section}\"", file.strip_prefix(&root).unwrap().display()));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "citations of docs sections that do not resolve:\n{}", broken.join("\n"));
+}
+
+#[test]
+fn the_citation_check_reads_citations_across_lines_and_comment_markers() {
+    let text = folded("// as measured (docs/BENCHMARKS.md, \"Waiting for\n// answers\") and docs/x.md, \"A\"");
+    assert_eq!(
+        citations(&text),
+        [("docs/BENCHMARKS.md".to_string(), "Waiting for answers".to_string()), ("docs/x.md".to_string(), "A".to_string())]
+    );
+    assert_eq!(
+        section_names("## Restart (`bulkhead-bench restart`)\n* **Crowded CPUs.** text"),
+        ["Restart (bulkhead-bench restart)", "Crowded CPUs"]
+    );
+}
