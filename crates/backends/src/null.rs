@@ -20,7 +20,7 @@ impl Backend for NullBackend {
         self.size
     }
     fn caps(&self) -> Caps {
-        Caps { flush: false, fua: true, discard: true, write_zeroes: true, read_only: false }
+        Caps::DURABLE_AT_ONCE
     }
     fn execute(&mut self, ios: &mut [Io<'_>]) {
         for io in ios {

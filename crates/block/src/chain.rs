@@ -128,45 +128,29 @@ pub struct Chain {
     /// What each layer sent below in place of each request in flight (`None`: the request as
     /// handed), by layer, then tag.
     sent: Vec<Vec<Option<Sub>>>,
-    /// Requests held by a layer now.
-    held: usize,
     /// Tags whose request a layer holds after it completed below ([`After::Hold`]).
     held_up: Vec<bool>,
-    /// When some layer next needs a poll (monotonic ns).
-    next_poll: Option<u64>,
-    /// Scratch of `run`, kept to avoid allocating per turn.
-    released: Vec<(usize, Tag, Verdict)>,
-    to_backend: Vec<Tag>,
-    batch: Vec<Tag>,
-    reaped: Vec<(Tag, Result<u64, BlockError>)>,
-    /// The backend completes requests later (see [`Backend::async_io`]).
-    asynchronous: bool,
+    /// What one turn leaves to the next.
+    turns: Turns,
     /// Last, so that it is unmapped after the backend, which may hold its windows, is gone.
     scratch: Scratch,
 }
 
 impl std::fmt::Debug for Chain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Chain").field("layers", &self.layer_names()).field("held", &self.held).finish()
+        f.debug_struct("Chain").field("layers", &self.layer_names()).field("held", &self.turns.held).finish()
     }
 }
 
 impl Chain {
     /// `layers[0]` is nearest the frontend.
     pub fn new(layers: Vec<Box<dyn Layer>>, mut backend: Box<dyn Backend>) -> Self {
-        let asynchronous = backend.async_io().is_some();
         Chain {
             sent: layers.iter().map(|_| Vec::new()).collect(),
             layers,
+            turns: Turns::new(backend.async_io().is_some()),
             backend,
-            held: 0,
             held_up: Vec::new(),
-            next_poll: None,
-            released: Vec::new(),
-            to_backend: Vec::new(),
-            batch: Vec::new(),
-            reaped: Vec::new(),
-            asynchronous,
             scratch: Scratch::default(),
         }
     }
@@ -195,10 +179,7 @@ impl Chain {
             io.attach(tags);
         }
         self.held_up = vec![false; capacity];
-        self.released.reserve(capacity);
-        self.to_backend.reserve(capacity);
-        self.batch.reserve(capacity);
-        self.reaped.reserve(capacity);
+        self.turns.reserve(capacity);
         Ok(())
     }
 
@@ -219,7 +200,7 @@ impl Chain {
 
     /// Requests some layer holds now.
     pub fn held(&self) -> usize {
-        self.held
+        self.turns.held
     }
 
     /// Requests an asynchronous backend has started and not yet answered: the chain needs a
@@ -232,7 +213,7 @@ impl Chain {
     /// When the chain next needs a [`run`](Self::run) even if no request arrives (a held
     /// request's time), monotonic ns.
     pub fn next_poll(&self) -> Option<u64> {
-        self.next_poll
+        self.turns.next_poll
     }
 
     /// Starts the backend (see [`Remote::start`]), then opens the layers from the bottom up
@@ -305,30 +286,11 @@ impl Chain {
         req: &dyn Fn(Tag) -> Request<'q>,
         done: &mut dyn FnMut(Tag, Result<u64, BlockError>),
     ) {
-        let Chain { layers, backend, sent, held, held_up, next_poll, released, to_backend, batch, reaped, asynchronous, scratch } =
-            self;
-        let mut walk = Walk {
-            layers,
-            sent,
-            held_up,
-            scratch,
-            first: 0,
-            backend: backend.as_mut(),
-            held: std::mem::take(held),
-            next_poll: next_poll.take(),
-            released: std::mem::take(released),
-            to_backend: std::mem::take(to_backend),
-            batch: std::mem::take(batch),
-            reaped: std::mem::take(reaped),
-            asynchronous: *asynchronous,
-        };
+        let Chain { layers, backend, sent, held_up, turns, scratch } = self;
+        let turns = std::mem::take(turns);
+        let mut walk = Walk { layers, sent, held_up, scratch, first: 0, backend: backend.as_mut(), turns };
         walk.turn(new, clock, req, done);
-        *held = walk.held;
-        *next_poll = walk.next_poll;
-        *released = walk.released;
-        *to_backend = walk.to_backend;
-        *batch = walk.batch;
-        *reaped = walk.reaped;
+        self.turns = walk.turns;
     }
 }
 
@@ -352,14 +314,43 @@ struct Walk<'c> {
     scratch: &'c Scratch,
     first: usize,
     backend: &'c mut dyn Backend,
+    turns: Turns,
+}
+
+/// What a chain carries from one turn to the next: the requests layers hold, when they next
+/// need a poll, and the turn's working lists, kept so that a turn does not allocate.
+#[derive(Default)]
+struct Turns {
+    /// Requests held by a layer now.
     held: usize,
+    /// When some layer next needs a poll (monotonic ns).
     next_poll: Option<u64>,
     released: Vec<(usize, Tag, Verdict)>,
     to_backend: Vec<Tag>,
     /// What goes to a synchronous backend in this round, while layers queue the next.
     batch: Vec<Tag>,
     reaped: Vec<(Tag, Result<u64, BlockError>)>,
+    /// The backend completes requests later (see [`Backend::async_io`]).
     asynchronous: bool,
+}
+
+impl Turns {
+    fn new(asynchronous: bool) -> Self {
+        Turns { asynchronous, ..Default::default() }
+    }
+
+    /// Layers need a poll by `ns` at the latest.
+    fn poll_by(&mut self, ns: u64) {
+        self.next_poll = Some(self.next_poll.map_or(ns, |n| n.min(ns)));
+    }
+
+    /// Room in the working lists for `capacity` requests.
+    fn reserve(&mut self, capacity: usize) {
+        self.released.reserve(capacity);
+        self.to_backend.reserve(capacity);
+        self.batch.reserve(capacity);
+        self.reaped.reserve(capacity);
+    }
 }
 
 impl<'c> Walk<'c> {
@@ -371,22 +362,8 @@ impl<'c> Walk<'c> {
         first: usize,
         backend: &'c mut dyn Backend,
     ) -> Self {
-        let asynchronous = backend.async_io().is_some();
-        Walk {
-            layers,
-            sent,
-            held_up,
-            scratch,
-            first,
-            backend,
-            held: 0,
-            next_poll: None,
-            released: Vec::new(),
-            to_backend: Vec::new(),
-            batch: Vec::new(),
-            reaped: Vec::new(),
-            asynchronous,
-        }
+        let turns = Turns::new(backend.async_io().is_some());
+        Walk { layers, sent, held_up, scratch, first, backend, turns }
     }
 
     fn turn<'q>(
@@ -398,11 +375,11 @@ impl<'c> Walk<'c> {
     ) {
         let timed = !self.layers.is_empty();
         let now_ns = if timed { clock() } else { 0 };
-        if self.held > 0 && self.next_poll.is_some_and(|t| t <= now_ns) {
-            let mut released = std::mem::take(&mut self.released);
+        if self.turns.held > 0 && self.turns.next_poll.is_some_and(|t| t <= now_ns) {
+            let mut released = std::mem::take(&mut self.turns.released);
             self.poll_layers(now_ns, &mut released);
             for (at, tag, verdict) in released.drain(..) {
-                self.held -= 1;
+                self.turns.held -= 1;
                 let up = self.held_up.get_mut(tag.index()).map(std::mem::take).unwrap_or(false);
                 let verdict = match verdict {
                     // A layer may not hold twice what it releases, nor send down again what
@@ -416,15 +393,15 @@ impl<'c> Walk<'c> {
                 };
                 self.walk(tag, Step::Verdict(at, verdict), now_ns, req, done);
             }
-            self.released = released;
+            self.turns.released = released;
         }
         for &tag in new {
             self.walk(tag, Step::Down(0), now_ns, req, done);
         }
         let below = self.layers.len();
-        let mut to_backend = std::mem::take(&mut self.to_backend);
-        if self.asynchronous {
-            let mut reaped = std::mem::take(&mut self.reaped);
+        let mut to_backend = std::mem::take(&mut self.turns.to_backend);
+        if self.turns.asynchronous {
+            let mut reaped = std::mem::take(&mut self.turns.reaped);
             loop {
                 for &tag in &to_backend {
                     match self.request_at(below, tag, req) {
@@ -446,21 +423,21 @@ impl<'c> Walk<'c> {
                 }
                 let now_ns = if timed && !reaped.is_empty() { clock() } else { 0 };
                 // What layers send next goes to the backend in this turn too.
-                self.to_backend = std::mem::take(&mut to_backend);
+                self.turns.to_backend = std::mem::take(&mut to_backend);
                 for (tag, result) in reaped.drain(..) {
                     self.walk(tag, Step::Up(below, result), now_ns, req, done);
                 }
-                to_backend = std::mem::take(&mut self.to_backend);
+                to_backend = std::mem::take(&mut self.turns.to_backend);
                 if to_backend.is_empty() {
                     break;
                 }
             }
-            self.reaped = reaped;
+            self.turns.reaped = reaped;
         } else {
-            let mut batch = std::mem::take(&mut self.batch);
+            let mut batch = std::mem::take(&mut self.turns.batch);
             while !to_backend.is_empty() {
                 std::mem::swap(&mut batch, &mut to_backend);
-                self.to_backend = std::mem::take(&mut to_backend);
+                self.turns.to_backend = std::mem::take(&mut to_backend);
                 for chunk in batch.chunks(BACKEND_BATCH) {
                     // These arrays are large (an `Io` is some 200 bytes): they are filled and
                     // drained in place, never moved, since a move is a copy of the whole array
@@ -493,14 +470,14 @@ impl<'c> Walk<'c> {
                     }
                 }
                 batch.clear();
-                to_backend = std::mem::take(&mut self.to_backend);
+                to_backend = std::mem::take(&mut self.turns.to_backend);
             }
-            self.batch = batch;
+            self.turns.batch = batch;
         }
         to_backend.clear();
-        self.to_backend = to_backend;
-        if self.held == 0 {
-            self.next_poll = None;
+        self.turns.to_backend = to_backend;
+        if self.turns.held == 0 {
+            self.turns.next_poll = None;
         }
     }
 
@@ -521,7 +498,7 @@ impl<'c> Walk<'c> {
                 next = Some(next.map_or(t, |n| n.min(t)));
             }
         }
-        self.next_poll = next;
+        self.turns.next_poll = next;
     }
 
     /// The request layer `level` is handed for `tag` (`level` = the number of layers: what
@@ -572,7 +549,7 @@ impl<'c> Walk<'c> {
                     let mut at = from;
                     let next = loop {
                         if at == self.layers.len() {
-                            self.to_backend.push(tag);
+                            self.turns.to_backend.push(tag);
                             return;
                         }
                         let scratch = Self::scratch_of(self.scratch, self.first + at, tag);
@@ -602,17 +579,17 @@ impl<'c> Walk<'c> {
                     Verdict::Send(sub) => self.send(at, tag, sub, req),
                     Verdict::Complete(result) => Step::Up(at, result),
                     Verdict::Hold => {
-                        self.held += 1;
+                        self.turns.held += 1;
                         // The holder's next poll time is learnt at the next poll; until then
                         // ask for one at once.
-                        self.next_poll = Some(self.next_poll.map_or(now_ns, |n| n.min(now_ns)));
+                        self.turns.poll_by(now_ns);
                         return;
                     }
                 },
                 Step::Up(mut below, mut result) => {
-                    if self.held > 0 {
+                    if self.turns.held > 0 {
                         // A layer holding requests may be waiting for this one to finish.
-                        self.next_poll = Some(self.next_poll.map_or(now_ns, |n| n.min(now_ns)));
+                        self.turns.poll_by(now_ns);
                     }
                     let mut next = None;
                     // Most requests pass every layer as they came: then each layer was handed
@@ -637,11 +614,11 @@ impl<'c> Walk<'c> {
                             }
                             After::Hold => {
                                 self.sent[below][t] = None;
-                                self.held += 1;
+                                self.turns.held += 1;
                                 if let Some(h) = self.held_up.get_mut(t) {
                                     *h = true;
                                 }
-                                self.next_poll = Some(self.next_poll.map_or(now_ns, |n| n.min(now_ns)));
+                                self.turns.poll_by(now_ns);
                                 return;
                             }
                         }
@@ -758,8 +735,11 @@ const ENOMEM: i32 = 12;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Op;
+    use crate::{Op, Outcome};
     use std::collections::VecDeque;
+
+    /// A test backend's capabilities: a write cache to flush, discard and write-zeroes.
+    const CACHED: Caps = Caps { flush: true, fua: false, discard: true, write_zeroes: true, read_only: false };
 
     struct Counting(u64);
     impl Backend for Counting {
@@ -767,7 +747,7 @@ mod tests {
             1 << 20
         }
         fn caps(&self) -> Caps {
-            Caps { flush: true, fua: false, discard: true, write_zeroes: true, read_only: false }
+            CACHED
         }
         fn execute(&mut self, ios: &mut [Io<'_>]) {
             for io in ios {
@@ -792,7 +772,6 @@ mod tests {
         fn size(&self, lower: u64) -> u64 {
             lower / 2
         }
-        fn attach(&mut self, _: TagSpace) {}
         fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
             self.log.push(format!("down {}", tag.index()));
             match req {
@@ -800,7 +779,7 @@ mod tests {
                 Request::Read { .. } | Request::Write { .. } | Request::Flush | Request::WriteZeroes { .. } => Verdict::Forward,
             }
         }
-        fn complete(&mut self, tag: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
+        fn complete(&mut self, tag: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Outcome, _: u64) -> After {
             self.log.push(format!("up {}", tag.index()));
             After::Up
         }
@@ -820,26 +799,15 @@ mod tests {
         fn name(&self) -> &'static str {
             "hold"
         }
-        fn caps(&self, lower: Caps) -> Caps {
-            lower
-        }
-        fn size(&self, lower: u64) -> u64 {
-            lower
-        }
-        fn attach(&mut self, _: TagSpace) {}
         fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
-            match req {
-                Request::Read { .. }
-                | Request::Write { .. }
-                | Request::Flush
-                | Request::Discard { .. }
-                | Request::WriteZeroes { .. } => {
+            match req.op() {
+                Op::Read | Op::Write | Op::Flush | Op::Discard | Op::WriteZeroes => {
                     self.q.push_back(tag);
                     Verdict::Hold
                 }
             }
         }
-        fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, r: &mut Result<u64, BlockError>, _: u64) -> After {
+        fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, r: &mut Outcome, _: u64) -> After {
             if let Ok(n) = r {
                 *n += self.bump;
             }
@@ -875,7 +843,7 @@ mod tests {
             1 << 20
         }
         fn caps(&self) -> Caps {
-            Caps { flush: true, fua: false, discard: true, write_zeroes: true, read_only: false }
+            CACHED
         }
         fn execute(&mut self, _: &mut [Io<'_>]) {
             unreachable!("an asynchronous backend is driven by submit and reap")
@@ -955,7 +923,7 @@ mod tests {
             self.data.len() as u64
         }
         fn caps(&self) -> Caps {
-            Caps { flush: true, fua: false, discard: true, write_zeroes: true, read_only: false }
+            CACHED
         }
         fn execute(&mut self, ios: &mut [Io<'_>]) {
             for io in ios {
@@ -1027,9 +995,6 @@ mod tests {
         fn name(&self) -> &'static str {
             "xor"
         }
-        fn caps(&self, lower: Caps) -> Caps {
-            lower
-        }
         fn size(&self, lower: u64) -> u64 {
             lower.saturating_sub(self.start)
         }
@@ -1063,14 +1028,7 @@ mod tests {
                 Request::Flush => Verdict::Forward,
             }
         }
-        fn complete(
-            &mut self,
-            tag: Tag,
-            req: &Request<'_>,
-            scratch: SharedSlice<'_>,
-            result: &mut Result<u64, BlockError>,
-            _: u64,
-        ) -> After {
+        fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Outcome, _: u64) -> After {
             match req {
                 Request::Read { into: bufs, .. } => {
                     if result.is_ok() {
@@ -1191,16 +1149,9 @@ mod tests {
         fn name(&self) -> &'static str {
             "overreach"
         }
-        fn caps(&self, lower: Caps) -> Caps {
-            lower
-        }
-        fn size(&self, lower: u64) -> u64 {
-            lower
-        }
         fn scratch_bytes(&self) -> usize {
             100
         }
-        fn attach(&mut self, _: TagSpace) {}
         fn submit(&mut self, _: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
             match req {
                 Request::Read { .. } => Verdict::Send(Sub::Read { offset: 0, into: Data::Handed { at: 1, len: 4096 } }),
@@ -1211,7 +1162,7 @@ mod tests {
                 Request::Discard { .. } | Request::WriteZeroes { .. } => Verdict::Forward,
             }
         }
-        fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
+        fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Outcome, _: u64) -> After {
             panic!("never called: nothing it sent was valid")
         }
         fn poll(&mut self, _: u64, _: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
@@ -1313,17 +1264,10 @@ mod tests {
         fn name(&self) -> &'static str {
             "hold-up"
         }
-        fn caps(&self, lower: Caps) -> Caps {
-            lower
-        }
-        fn size(&self, lower: u64) -> u64 {
-            lower
-        }
-        fn attach(&mut self, _: TagSpace) {}
         fn submit(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
             Verdict::Forward
         }
-        fn complete(&mut self, tag: Tag, _: &Request<'_>, _: SharedSlice<'_>, r: &mut Result<u64, BlockError>, _: u64) -> After {
+        fn complete(&mut self, tag: Tag, _: &Request<'_>, _: SharedSlice<'_>, r: &mut Outcome, _: u64) -> After {
             self.q.push_back((tag, r.clone()));
             After::Hold
         }

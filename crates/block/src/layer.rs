@@ -1,6 +1,6 @@
 //! The interface of a filter or soft device: tagged submission and completion.
 
-use crate::{BlockError, Caps, Command, Request, SharedSlice};
+use crate::{BlockError, Caps, Command, Outcome, Request, SharedSlice};
 
 /// A request in flight in one domain: a dense index below the capacity the chain was attached
 /// with ([`Layer::attach`]), so a layer keeps per-request state in a table allocated once
@@ -139,10 +139,14 @@ pub trait ReadBelow {
 pub trait Layer: Send {
     /// Short name for logs and status.
     fn name(&self) -> &'static str;
-    /// Capabilities seen from above, given those below.
-    fn caps(&self, lower: Caps) -> Caps;
-    /// Size seen from above, given the size below.
-    fn size(&self, lower: u64) -> u64;
+    /// Capabilities seen from above, given those below: by default the same.
+    fn caps(&self, lower: Caps) -> Caps {
+        lower
+    }
+    /// Size seen from above, given the size below: by default the same.
+    fn size(&self, lower: u64) -> u64 {
+        lower
+    }
     /// Private memory this layer wants for each tag, for the data of the [`Sub`]s it sends.
     /// Asked once, before [`attach`](Self::attach).
     fn scratch_bytes(&self) -> usize {
@@ -155,8 +159,8 @@ pub trait Layer: Send {
         Ok(())
     }
     /// Called once before any request with the tags there will be. Per-request state is
-    /// allocated here.
-    fn attach(&mut self, tags: TagSpace);
+    /// allocated here; a layer that keeps none has nothing to do.
+    fn attach(&mut self, _tags: TagSpace) {}
     /// A request on its way down. `scratch` is the layer's scratch memory for `tag` (empty
     /// if it asked for none); `now_ns` is the monotonic clock.
     fn submit(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, now_ns: u64) -> Verdict;
@@ -164,14 +168,7 @@ pub trait Layer: Send {
     /// `result` may be changed, and is the handed request's once this returns [`After::Up`]
     /// (the chain does not mend a sub-request's byte count: the layer sets what the handed
     /// request transferred).
-    fn complete(
-        &mut self,
-        tag: Tag,
-        req: &Request<'_>,
-        scratch: SharedSlice<'_>,
-        result: &mut Result<u64, BlockError>,
-        now_ns: u64,
-    ) -> After;
+    fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Outcome, now_ns: u64) -> After;
     /// Releases held requests whose time has come, through `release`, and returns when it next
     /// needs to be polled (monotonic ns), or `None` if it holds nothing. While any layer holds
     /// requests, the chain also polls soon after each completion passes through it, so a layer

@@ -40,13 +40,16 @@ impl Request<'_> {
     }
 }
 
+/// How a request ended: the bytes it transferred, or why it failed.
+pub type Outcome = Result<u64, BlockError>;
+
 /// A request with its result slot, as it moves through a chain.
 #[derive(Debug)]
 pub struct Io<'a> {
     /// The request.
     pub req: Request<'a>,
     /// Set by the layer that completes it. Starts as `Err(BlockError::NotDone)`.
-    pub result: Result<u64, BlockError>,
+    pub result: Outcome,
 }
 
 impl<'a> Io<'a> {
@@ -69,6 +72,12 @@ pub struct Caps {
     pub write_zeroes: bool,
     /// Writes are refused.
     pub read_only: bool,
+}
+
+impl Caps {
+    /// A device whose writes are durable once done, as one in memory: nothing to flush, FUA
+    /// for free, discard and write-zeroes supported.
+    pub const DURABLE_AT_ONCE: Caps = Caps { flush: false, fua: true, discard: true, write_zeroes: true, read_only: false };
 }
 
 /// Why a layer or a backend could not get ready to serve (its [`Layer::open`] or

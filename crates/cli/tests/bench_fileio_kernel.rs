@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use bulkhead_testkit::require_kernel;
 use common::*;
 
@@ -17,15 +15,13 @@ fn bench_fileio_measures_a_small_matrix_and_cleans_up() {
     let tmp = TempDir::new("bench-fileio");
     let out_dir = tmp.path().join("out");
     let before = leftovers("bh-fileio-");
-    let out = Command::new("timeout")
-        .args(["300", bench_exe(), "fileio", "--modes", "rndrd,seqwr", "--threads", "1", "--backends", "ram"])
-        .args(["--notify", "poll", "--peers", "native", "--seconds", "1", "--rounds", "2", "--out"])
-        .arg(&out_dir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (stdout, stderr) = bench(
+        300,
+        &["fileio", "--modes", "rndrd,seqwr", "--threads", "1", "--backends", "ram", "--notify", "poll", "--peers", "native"]
+            .into_iter()
+            .chain(["--seconds", "1", "--rounds", "2", "--out", out_dir.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
     assert!(stderr.contains("8/8"), "the progress counts every round and reaches the end: {stderr}");
     assert!(stdout.contains("median of 2 rounds"), "{stdout}");
     assert!(stdout.contains("bulkhead-ram-poll") && stdout.contains("native") && stdout.contains("goals"), "{stdout}");

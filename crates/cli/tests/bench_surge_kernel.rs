@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use bulkhead_testkit::require_kernel;
 use common::*;
 
@@ -24,16 +22,14 @@ fn bench_surge_measures_schedulers_through_a_vpt_beside_the_simulator_and_cleans
     let out_dir = tmp.path().join("out");
     let before = leftovers("bh-surge-");
     let reads = 600;
-    let out = Command::new("timeout")
-        .args(["300", bench_exe(), "surge", "--reads", &reads.to_string(), "--processes", "8", "--files", "60"])
-        .args(["--size", "256M", "--modes", "direct,cached", "--schedulers", &format!("cats,{kernel}"), "--sim", "cats"])
-        .arg("--out")
-        .arg(&out_dir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (n_reads, schedulers) = (reads.to_string(), format!("cats,{kernel}"));
+    let (stdout, _) = bench(
+        300,
+        &["surge", "--reads", &n_reads, "--processes", "8", "--files", "60", "--size", "256M", "--modes", "direct,cached"]
+            .into_iter()
+            .chain(["--schedulers", &schedulers, "--sim", "cats", "--out", out_dir.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
     assert!(stdout.contains("O_DIRECT") && stdout.contains("non-O_DIRECT") && stdout.contains("sim cats"), "{stdout}");
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap()).unwrap();
     assert_eq!(report["skipped"].as_array().unwrap().len(), 0, "{report}");

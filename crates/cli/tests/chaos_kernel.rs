@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use bulkhead_testkit::require_kernel;
 use common::*;
 
@@ -18,13 +16,7 @@ fn two_minutes_of_faults_of_every_kind_lose_nothing_under_fio_verify_on_ext4() {
         return;
     }
     let loops_before = sh("losetup", &["-a"]).lines().count();
-    let out = Command::new("timeout")
-        .args(["--kill-after=30", "600", bench_exe(), "chaos", "--minutes", "2", "--seed", "59", "--json"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (stdout, _stderr) = bench(600, &["chaos", "--minutes", "2", "--seed", "59", "--json"]);
     let r: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     let n = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
     assert_eq!((n("app_errors"), n("verify_failures")), (0.0, 0.0), "{r}");

@@ -185,28 +185,8 @@ fn survive_hostile_with(role: &str, mode: &str, extra: &str) -> Option<String> {
     let src = tmp.path().join("src");
     let back = tmp.path().join("back");
     std::fs::write(&src, &data).unwrap();
-    run(
-        "dd",
-        &[
-            &format!("if={}", src.display()),
-            &format!("of={}", file.display()),
-            "bs=64k",
-            "oflag=direct",
-            "conv=notrunc",
-            "status=none",
-        ],
-    );
-    run(
-        "dd",
-        &[
-            &format!("if={}", file.display()),
-            &format!("of={}", back.display()),
-            "bs=64k",
-            "count=128",
-            "iflag=direct",
-            "status=none",
-        ],
-    );
+    dd(&src, &file, &["bs=64k", "oflag=direct", "conv=notrunc"]);
+    dd(&file, &back, &["bs=64k", "count=128", "iflag=direct"]);
     assert!(std::fs::read(&back).unwrap() == data, "{role} {mode}: data read back differs");
     let st = serve.status_json();
     assert!(st["devices"][0]["restarts"].as_u64().unwrap() >= 2, "{st}");

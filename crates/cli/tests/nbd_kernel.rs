@@ -175,22 +175,9 @@ fn nbdfuse_mounts_an_export() {
     let data = pattern(21, 1 << 20);
     let src = tmp.path().join("src");
     std::fs::write(&src, &data).unwrap();
-    run(
-        "dd",
-        &[
-            &format!("if={}", src.display()),
-            &format!("of={}", file.display()),
-            "bs=64k",
-            "seek=3",
-            "conv=notrunc,fsync",
-            "status=none",
-        ],
-    );
+    dd(&src, &file, &["bs=64k", "seek=3", "conv=notrunc,fsync"]);
     let back = tmp.path().join("back");
-    run(
-        "dd",
-        &[&format!("if={}", file.display()), &format!("of={}", back.display()), "bs=64k", "skip=3", "count=16", "status=none"],
-    );
+    dd(&file, &back, &["bs=64k", "skip=3", "count=16"]);
     let unmounted = Command::new("fusermount3").arg("-u").arg(&mnt).status().map(|s| s.success()).unwrap_or(false);
     if !unmounted {
         let _ = Command::new("umount").arg("-l").arg(&mnt).status();

@@ -7,20 +7,13 @@
 
 mod common;
 
-use std::process::Command;
-
 use bulkhead_testkit::require_kernel;
 use common::*;
 
 #[test]
 fn sixteen_deep_nbd_clients_a_slowloris_and_a_client_that_never_reads_are_served_fairly_within_the_memory_bound() {
     require_kernel!();
-    let out = Command::new("timeout")
-        .args(["180", bench_exe(), "overload", "--clients", "16", "--depth", "128", "--seconds", "12", "--json"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let (stdout, _) = bench(180, &["overload", "--clients", "16", "--depth", "128", "--seconds", "12", "--json"]);
     let r: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     let n = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
     assert!(n("completed") > 16.0 * 128.0, "{r}");

@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use bulkhead_testkit::require_kernel;
 use common::*;
 
@@ -16,13 +14,7 @@ fn twenty_power_cuts_lose_nothing_acknowledged_and_leave_the_qcow2_image_consist
     if !tools(&["qemu-img"]) {
         return;
     }
-    let out = Command::new("timeout")
-        .args(["300", bench_exe(), "powercut", "--rounds", "10", "--seed", "59", "--json"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let (stdout, _stderr) = bench(300, &["powercut", "--rounds", "10", "--seed", "59", "--json"]);
     let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     let formats = report["formats"].as_array().unwrap();
     assert_eq!(formats.len(), 2, "{report}");

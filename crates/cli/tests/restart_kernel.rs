@@ -116,33 +116,13 @@ fn stopped_driver_is_restarted_by_the_watchdog_and_io_carries_on() {
     assert_eq!(unsafe { libc::kill(old as i32, libc::SIGSTOP) }, 0);
     let t0 = Instant::now();
     // This write finds the domain stopped; it must complete once the watchdog has replaced it.
-    run(
-        "dd",
-        &[
-            &format!("if={}", src.display()),
-            &format!("of={}", file.display()),
-            "bs=1M",
-            "oflag=direct",
-            "conv=notrunc",
-            "status=none",
-        ],
-    );
+    dd(&src, &file, &["bs=1M", "oflag=direct", "conv=notrunc"]);
     let took = t0.elapsed();
     let new = serve.driver_pid(0);
     assert_ne!(new, old, "a new domain serves");
     assert!(took < Duration::from_millis(300 + 2000), "restart took {took:?}");
     let back = tmp.path().join("back");
-    run(
-        "dd",
-        &[
-            &format!("if={}", file.display()),
-            &format!("of={}", back.display()),
-            "bs=1M",
-            "count=8",
-            "iflag=direct",
-            "status=none",
-        ],
-    );
+    dd(&file, &back, &["bs=1M", "count=8", "iflag=direct"]);
     assert!(std::fs::read(&back).unwrap() == data);
     let d = &serve.status_json()["devices"][0];
     assert_eq!(d["restarts"], 1);

@@ -284,17 +284,7 @@ fn unavailable_layer_warns_under_best_effort_and_refuses_under_required() {
     let data = pattern(5, 1 << 20);
     let src = tmp.path().join("src");
     std::fs::write(&src, &data).unwrap();
-    run(
-        "dd",
-        &[
-            &format!("if={}", src.display()),
-            &format!("of={}", serve.fuse_file("w").display()),
-            "bs=1M",
-            "oflag=direct",
-            "conv=notrunc",
-            "status=none",
-        ],
-    );
+    dd(&src, &serve.fuse_file("w"), &["bs=1M", "oflag=direct", "conv=notrunc"]);
     drop(serve);
 
     // required: serve refuses the device, naming the layer.

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use bulkhead_testkit::require_kernel;
@@ -26,16 +26,6 @@ fn config() -> String {
      [[device.view]]\nname = \"a-ro\"\nread_only = true\n\
      [[device]]\nname = \"b\"\nsize = \"64M\"\n[device.backend]\ntype = \"ram\"\n"
         .to_string()
-}
-
-fn socket(serve: &Serve, name: &str) -> PathBuf {
-    let p = serve.run_dir.join("vhost").join(format!("{name}.sock"));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !p.exists() {
-        assert!(Instant::now() < deadline, "no socket {}: {}", p.display(), serve.log_text());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    p
 }
 
 fn connect(path: &Path, queues: u16) -> Frontend {
@@ -78,7 +68,7 @@ fn wait_broken(serve: &Serve, dev: &str, q: usize) {
 
 /// Writes a pattern to device `b` and reads it back, as the bystander that must not notice.
 fn bystander_round_trip(serve: &Serve, fill: u8) {
-    let mut f = connect(&socket(serve, "b"), 1);
+    let mut f = connect(&serve.vhost_socket("b"), 1);
     let (q, mem) = f.queue(0);
     q.write(mem, 2048, 65536, fill).unwrap();
     assert_eq!(one(q, mem).status, 0);
@@ -95,7 +85,7 @@ fn requests_round_trip_through_a_frontend_of_our_own() {
     require_kernel!();
     let tmp = TempDir::new("vhost-rt");
     let serve = Serve::start(&tmp.path().join("run"), Some(&config()), &[]);
-    let mut f = connect(&socket(&serve, "a"), 2);
+    let mut f = connect(&serve.vhost_socket("a"), 2);
     assert_eq!(f.capacity().unwrap(), 64 << 20);
     let cfg = f.config(60).unwrap();
     assert_eq!(u16::from_le_bytes(cfg[34..36].try_into().unwrap()), 2, "num_queues");
@@ -136,7 +126,7 @@ fn requests_round_trip_through_a_frontend_of_our_own() {
 /// One crafted chain at head 0 of a fresh connection's queue 0, made available and
 /// published: the queue must stop (`broken`), and serve and device `b` must carry on.
 fn breaks_the_queue(serve: &Serve, what: &str, craft: impl FnOnce(&mut Queue, &GuestMemoryMmap)) {
-    let mut f = connect(&socket(serve, "a"), 1);
+    let mut f = connect(&serve.vhost_socket("a"), 1);
     let (q, mem) = f.queue(0);
     craft(q, mem);
     q.publish(mem).unwrap();
@@ -205,7 +195,7 @@ fn malformed_requests_fail_alone_and_the_queue_carries_on() {
     require_kernel!();
     let tmp = TempDir::new("vhost-bad-req");
     let serve = Serve::start(&tmp.path().join("run"), Some(&config()), &[]);
-    let mut f = connect(&socket(&serve, "a"), 1);
+    let mut f = connect(&serve.vhost_socket("a"), 1);
     let (q, mem) = f.queue(0);
     // Past the end of the device.
     q.read(mem, (64 << 20) / 512, 4096).unwrap();
@@ -237,7 +227,7 @@ fn malformed_requests_fail_alone_and_the_queue_carries_on() {
     assert_eq!(one(q, mem).status, 0);
     assert_eq!(queue_status(&serve, "a", 0), (5, false));
     // A read-only view refuses writes.
-    let mut ro = connect(&socket(&serve, "a-ro"), 1);
+    let mut ro = connect(&serve.vhost_socket("a-ro"), 1);
     let (q, mem) = ro.queue(0);
     q.write(mem, 8, 4096, 0).unwrap();
     assert_eq!(one(q, mem).status, IOERR);
@@ -253,7 +243,7 @@ fn a_second_frontend_is_refused_while_one_is_connected() {
     require_kernel!();
     let tmp = TempDir::new("vhost-second");
     let serve = Serve::start(&tmp.path().join("run"), Some(&config()), &[]);
-    let path = socket(&serve, "b");
+    let path = serve.vhost_socket("b");
     let mut first = connect(&path, 1);
     let second = Frontend::connect(&path, &FrontendOptions::default());
     assert!(second.is_err(), "a second frontend was served");

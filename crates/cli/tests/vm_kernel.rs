@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use bulkhead_guest::{Disk, Kit, Outcome, Vm, VmOptions};
@@ -30,16 +30,6 @@ fn kit() -> Option<Kit> {
         return None;
     }
     Some(Kit::ensure().unwrap_or_else(|e| panic!("guest kit: {e}")))
-}
-
-fn socket(serve: &Serve, name: &str) -> PathBuf {
-    let p = serve.run_dir.join("vhost").join(format!("{name}.sock"));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !p.exists() {
-        assert!(Instant::now() < deadline, "no socket {}: {}", p.display(), serve.log_text());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    p
 }
 
 fn vm(kit: &Kit, tmp: &TempDir, disks: Vec<Disk>, script: &str) -> Vm {
@@ -91,7 +81,7 @@ md5sum -c /tmp/sums
 umount /mnt
 echo FS-ROUND-TRIP-OK
 "#;
-    let g = vm(&kit, &tmp, vec![Disk { socket: socket(&serve, "disk"), queues: 2 }], script);
+    let g = vm(&kit, &tmp, vec![Disk { socket: serve.vhost_socket("disk"), queues: 2 }], script);
     let out = g.finish(Duration::from_secs(240));
     passed(&out, &serve);
     assert!(out.lines.iter().any(|l| l == "FS-ROUND-TRIP-OK"), "{}", out.tail(40));
@@ -123,7 +113,7 @@ fn thirty_driver_kills_and_wedges_under_guest_io_are_a_pause() {
     let tmp = TempDir::new("vm-kill");
     let cfg = file_config(&tmp.path().join("disk.img"));
     let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &[]);
-    let g = vm(&kit, &tmp, vec![Disk { socket: socket(&serve, "disk"), queues: 1 }], "guest-io stress /dev/vda 75 16");
+    let g = vm(&kit, &tmp, vec![Disk { socket: serve.vhost_socket("disk"), queues: 1 }], "guest-io stress /dev/vda 75 16");
     assert!(g.wait_for("GUESTIO started", Duration::from_secs(60)).is_some(), "{}", g.lines().join("\n"));
     std::thread::sleep(Duration::from_secs(2));
     let mut rng = bulkhead_rng::Rng::new(0x2545_f491);
@@ -183,7 +173,7 @@ fn twenty_kills_of_serve_under_guest_io_are_a_pause() {
     let cfg = file_config(&tmp.path().join("disk.img"));
     let run_dir = tmp.path().join("run");
     let mut serve = Serve::start(&run_dir, Some(&cfg), &[]);
-    let g = vm(&kit, &tmp, vec![Disk { socket: socket(&serve, "disk"), queues: 1 }], "guest-io stress /dev/vda 100 16");
+    let g = vm(&kit, &tmp, vec![Disk { socket: serve.vhost_socket("disk"), queues: 1 }], "guest-io stress /dev/vda 100 16");
     assert!(g.wait_for("GUESTIO started", Duration::from_secs(60)).is_some(), "{}", g.lines().join("\n"));
     let mut resubmitted = 0;
     let mut max_in_flight = 0;
@@ -239,7 +229,7 @@ fn with_a_keeper_kills_and_upgrades_of_serve_under_guest_io_are_a_pause() {
     // `serve` becomes the keeper and starts the real one; nothing else restarts it here.
     let serve = Serve::start(&run_dir, Some(&cfg), &[]);
     let keeper = serve.pid();
-    let g = vm(&kit, &tmp, vec![Disk { socket: socket(&serve, "disk"), queues: 1 }], "guest-io stress /dev/vda 35 16");
+    let g = vm(&kit, &tmp, vec![Disk { socket: serve.vhost_socket("disk"), queues: 1 }], "guest-io stress /dev/vda 35 16");
     assert!(g.wait_for("GUESTIO started", Duration::from_secs(60)).is_some(), "{}", g.lines().join("\n"));
     let mut resubmitted = 0;
     let mut pauses = Vec::new();
@@ -318,7 +308,7 @@ if dd if=/dev/zero of=/dev/vda bs=4k count=1 oflag=direct 2>/tmp/err; then echo 
 cat /tmp/err
 echo RO-REFUSED
 "#;
-    let g = vm(&kit, &tmp, vec![Disk { socket: socket(&serve, "golden"), queues: 1 }], script);
+    let g = vm(&kit, &tmp, vec![Disk { socket: serve.vhost_socket("golden"), queues: 1 }], script);
     let out = g.finish(Duration::from_secs(120));
     passed(&out, &serve);
     assert!(out.lines.iter().any(|l| l == "RO-REFUSED"), "{}", out.script_output());
@@ -351,7 +341,7 @@ fn guest_memory_never_reaches_the_driver_domain() {
          echo WROTE-DATA\n\
          sleep 4\n"
     );
-    let g = vm(&kit, &tmp, vec![Disk { socket: socket(&serve, "disk"), queues: 1 }], &script);
+    let g = vm(&kit, &tmp, vec![Disk { socket: serve.vhost_socket("disk"), queues: 1 }], &script);
     assert!(g.wait_for("GUESTIO holding", Duration::from_secs(60)).is_some(), "{}", g.lines().join("\n"));
     let scans_at = |log: &str| {
         log.lines()

@@ -415,6 +415,40 @@ impl BackendTable {
 /// errors rather than a restart).
 pub const RBD_OP_TIMEOUT_MS: u64 = 8_000;
 
+/// The device a backend table is checked for: its errors name it, and point at its name where
+/// a key they are about is missing.
+struct Owner<'a> {
+    name: &'a str,
+    at: std::ops::Range<usize>,
+    size: Option<&'a Spanned<Size>>,
+    err: &'a At<'a>,
+}
+
+impl Owner<'_> {
+    /// An error at `span` about this device.
+    fn error(&self, span: std::ops::Range<usize>, what: impl std::fmt::Display) -> ConfigError {
+        (self.err)(span, format!("device `{}`: {what}", self.name))
+    }
+
+    /// An error at `span` about key `backend.{key}`: `what` follows the key.
+    fn key(&self, span: std::ops::Range<usize>, key: &str, what: impl std::fmt::Display) -> ConfigError {
+        self.error(span, format_args!("key `backend.{key}`{what}"))
+    }
+
+    /// Key `backend.{key}`, which type `kind` needs, is missing.
+    fn missing(&self, key: &str, kind: &str) -> ConfigError {
+        self.key(self.at.clone(), key, format_args!(" is required for type = \"{kind}\""))
+    }
+
+    /// The device has no `size`, which its backend needs.
+    fn needs_size(&self) -> Result<(), ConfigError> {
+        match self.size {
+            Some(_) => Ok(()),
+            None => Err(self.error(self.at.clone(), "key `size` is required for this backend")),
+        }
+    }
+}
+
 impl BackendTable {
     /// Checks the table of device `name` (named at `name_span`, of `size` bytes if given):
     /// keys of another type refused by name, each type's own keys required and in range.
@@ -425,6 +459,7 @@ impl BackendTable {
         size: Option<&Spanned<Size>>,
         err: &At<'_>,
     ) -> Result<(), ConfigError> {
+        let dev = Owner { name, at: name_span.span(), size, err };
         let file_keys = [
             ("path", self.path.as_ref().map(|x| x.span())),
             ("direct", self.direct.as_ref().map(|x| x.span())),
@@ -450,9 +485,7 @@ impl BackendTable {
         ];
         let foreign =
             |keys: &[(&'static str, Option<std::ops::Range<usize>>)], owner: &str| match keys.iter().find(|(_, s)| s.is_some()) {
-                Some((key, Some(span))) => {
-                    Err(err(span.clone(), format!("device `{name}`: key `backend.{key}` only applies to type = \"{owner}\"")))
-                }
+                Some((key, Some(span))) => Err(dev.key(span.clone(), key, format_args!(" only applies to type = \"{owner}\""))),
                 _ => Ok(()),
             };
         if self.kind != BackendKind::File {
@@ -479,30 +512,21 @@ impl BackendTable {
             foreign(&vdev_keys, "vdev")?;
         }
         match self.kind {
-            BackendKind::File => self.validate_file(name, name_span, size, err),
-            BackendKind::Nbd => self.validate_nbd(name, name_span, err),
-            BackendKind::Rbd => self.validate_rbd(name, name_span, err),
-            BackendKind::Vdev => self.validate_vdev(name, name_span, size, err),
-            BackendKind::Ram | BackendKind::Null => match size {
-                Some(_) => Ok(()),
-                None => Err(err(name_span.span(), format!("device `{name}`: key `size` is required for this backend"))),
-            },
+            BackendKind::File => self.validate_file(&dev),
+            BackendKind::Nbd => self.validate_nbd(&dev),
+            BackendKind::Rbd => self.validate_rbd(&dev),
+            BackendKind::Vdev => self.validate_vdev(&dev),
+            BackendKind::Ram | BackendKind::Null => dev.needs_size(),
         }
     }
 
-    fn validate_file(
-        &self,
-        name: &str,
-        name_span: &Spanned<String>,
-        size: Option<&Spanned<Size>>,
-        err: &At<'_>,
-    ) -> Result<(), ConfigError> {
+    fn validate_file(&self, dev: &Owner<'_>) -> Result<(), ConfigError> {
         let Some(path) = &self.path else {
-            return Err(err(name_span.span(), format!("device `{name}`: key `backend.path` is required for type = \"file\"")));
+            return Err(dev.missing("path", "file"));
         };
         let p = path.get_ref();
         if !p.exists() {
-            return Err(err(path.span(), format!("device `{name}`: key `backend.path`: {} does not exist", p.display())));
+            return Err(dev.key(path.span(), "path", format_args!(": {} does not exist", p.display())));
         }
         if self.format.as_ref().is_some_and(|f| *f.get_ref() == ImageFormat::Qcow2) {
             // The image says its size, and its metadata is read and written by
@@ -510,13 +534,13 @@ impl BackendTable {
             let clash = [
                 ("direct", self.direct.as_ref().filter(|d| *d.get_ref()).map(|x| x.span())),
                 ("engine", self.engine.as_ref().filter(|e| *e.get_ref() == Engine::IoUring).map(|x| x.span())),
-                ("size", size.as_ref().map(|x| x.span())),
+                ("size", dev.size.as_ref().map(|x| x.span())),
             ];
             if let Some((key, Some(span))) = clash.into_iter().find(|(_, s)| s.is_some()) {
-                return Err(err(
+                return Err(dev.error(
                     span,
-                    format!(
-                        "device `{name}`: key `{}{key}` cannot be used with format = \"qcow2\" (the image \
+                    format_args!(
+                        "key `{}{key}` cannot be used with format = \"qcow2\" (the image \
                              gives the size; its I/O is buffered and synchronous)",
                         if key == "size" { "" } else { "backend." }
                     ),
@@ -526,116 +550,87 @@ impl BackendTable {
         Ok(())
     }
 
-    fn validate_nbd(&self, name: &str, name_span: &Spanned<String>, err: &At<'_>) -> Result<(), ConfigError> {
+    fn validate_nbd(&self, dev: &Owner<'_>) -> Result<(), ConfigError> {
         let Some(uri) = &self.uri else {
-            return Err(err(name_span.span(), format!("device `{name}`: key `backend.uri` is required for type = \"nbd\"")));
+            return Err(dev.missing("uri", "nbd"));
         };
         if let Err(e) = parse_nbd_uri(uri.get_ref()) {
-            return Err(err(uri.span(), format!("device `{name}`: key `backend.uri`: `{}`: {e}", uri.get_ref())));
+            return Err(dev.key(uri.span(), "uri", format_args!(": `{}`: {e}", uri.get_ref())));
         }
-        for (key, v, lo, hi) in [
+        self.check_timeouts(dev, false)
+    }
+
+    /// The remote's timeouts that are set lie in their ranges: connecting and reconnecting
+    /// (nbd, rbd), and with `request` the one for a single request (rbd).
+    fn check_timeouts(&self, dev: &Owner<'_>, request: bool) -> Result<(), ConfigError> {
+        let request = request.then_some(("op_timeout_ms", &self.op_timeout_ms, 1000, 3_600_000));
+        let keys = [
             ("connect_timeout_ms", &self.connect_timeout_ms, 10, 600_000),
             ("reconnect_timeout_ms", &self.reconnect_timeout_ms, 0, 86_400_000),
-        ] {
+        ];
+        for (key, v, lo, hi) in keys.into_iter().chain(request) {
             if let Some(v) = v {
                 if !(lo..=hi).contains(v.get_ref()) {
-                    return Err(err(
-                        v.span(),
-                        format!("device `{name}`: key `backend.{key}`: {} is out of range {lo}..={hi}", v.get_ref()),
-                    ));
+                    return Err(dev.key(v.span(), key, format_args!(": {} is out of range {lo}..={hi}", v.get_ref())));
                 }
             }
         }
         Ok(())
     }
 
-    fn validate_rbd(&self, name: &str, name_span: &Spanned<String>, err: &At<'_>) -> Result<(), ConfigError> {
+    fn validate_rbd(&self, dev: &Owner<'_>) -> Result<(), ConfigError> {
         for (key, v) in [("pool", &self.pool), ("image", &self.image), ("mon_host", &self.mon_host)] {
             match v {
-                None => {
-                    return Err(err(
-                        name_span.span(),
-                        format!("device `{name}`: key `backend.{key}` is required for type = \"rbd\""),
-                    ))
-                }
+                None => return Err(dev.missing(key, "rbd")),
                 Some(v) if v.get_ref().trim().is_empty() || v.get_ref().contains('\0') => {
-                    return Err(err(v.span(), format!("device `{name}`: key `backend.{key}` is empty")))
+                    return Err(dev.key(v.span(), key, " is empty"))
                 }
                 Some(_) => {}
             }
         }
         if let Some(m) = &self.mon_host {
             if let Err(e) = parse_mon_host(m.get_ref()) {
-                return Err(err(m.span(), format!("device `{name}`: key `backend.mon_host`: {e}")));
+                return Err(dev.key(m.span(), "mon_host", format_args!(": {e}")));
             }
         }
         let Some(key) = &self.key_file else {
-            return Err(err(
-                    name_span.span(),
-                    format!("device `{name}`: key `backend.key_file` is required for type = \"rbd\" (the file `ceph auth get-key` writes)"),
-                ));
+            return Err(dev.key(
+                dev.at.clone(),
+                "key_file",
+                " is required for type = \"rbd\" (the file `ceph auth get-key` writes)",
+            ));
         };
         if let Err(e) = std::fs::metadata(key.get_ref()) {
-            return Err(err(key.span(), format!("device `{name}`: key `backend.key_file`: {}: {e}", key.get_ref().display())));
+            return Err(dev.key(key.span(), "key_file", format_args!(": {}: {e}", key.get_ref().display())));
         }
         if let Some(n) = &self.networks {
             for net in n.get_ref() {
                 if let Err(e) = parse_cidr(net) {
-                    return Err(err(n.span(), format!("device `{name}`: key `backend.networks`: `{net}`: {e}")));
+                    return Err(dev.key(n.span(), "networks", format_args!(": `{net}`: {e}")));
                 }
             }
         }
-        for (key, v, lo, hi) in [
-            ("connect_timeout_ms", &self.connect_timeout_ms, 10, 600_000),
-            ("reconnect_timeout_ms", &self.reconnect_timeout_ms, 0, 86_400_000),
-            ("op_timeout_ms", &self.op_timeout_ms, 1000, 3_600_000),
-        ] {
-            if let Some(v) = v {
-                if !(lo..=hi).contains(v.get_ref()) {
-                    return Err(err(
-                        v.span(),
-                        format!("device `{name}`: key `backend.{key}`: {} is out of range {lo}..={hi}", v.get_ref()),
-                    ));
-                }
-            }
-        }
-        Ok(())
+        self.check_timeouts(dev, true)
     }
 
-    fn validate_vdev(
-        &self,
-        name: &str,
-        name_span: &Spanned<String>,
-        size: Option<&Spanned<Size>>,
-        err: &At<'_>,
-    ) -> Result<(), ConfigError> {
+    fn validate_vdev(&self, dev: &Owner<'_>) -> Result<(), ConfigError> {
         match (&self.card, &self.seed) {
             (Some(_), Some(seed)) => {
-                return Err(err(
-                    seed.span(),
-                    format!("device `{name}`: keys `backend.card` and `backend.seed` both name the card: give one"),
-                ))
+                return Err(dev.error(seed.span(), "keys `backend.card` and `backend.seed` both name the card: give one"))
             }
             (None, None) => {
-                return Err(err(
-                    name_span.span(),
-                    format!("device `{name}`: type = \"vdev\" needs `backend.card` (a card spec) or `backend.seed`"),
-                ))
+                return Err(dev.error(dev.at.clone(), "type = \"vdev\" needs `backend.card` (a card spec) or `backend.seed`"))
             }
             (Some(card), None) => {
                 let p = card.get_ref();
-                let text = std::fs::read_to_string(p).map_err(|e| {
-                    err(card.span(), format!("device `{name}`: key `backend.card`: cannot read {}: {e}", p.display()))
-                })?;
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| dev.key(card.span(), "card", format_args!(": cannot read {}: {e}", p.display())))?;
                 if let Err(e) = bulkhead_vdev::Card::from_json(&text) {
-                    return Err(err(card.span(), format!("device `{name}`: key `backend.card`: {}: {e}", p.display())));
+                    return Err(dev.key(card.span(), "card", format_args!(": {}: {e}", p.display())));
                 }
             }
             (None, Some(_)) => {}
         }
-        if size.is_none() {
-            return Err(err(name_span.span(), format!("device `{name}`: key `size` is required for this backend")));
-        }
-        Ok(())
+        dev.needs_size()
     }
 }

@@ -12,8 +12,8 @@
 //! maps read-only anyway. `open` runs unguarded, before the guard starts, as the filter reads
 //! its metadata through the runtime then.
 
-use bulkhead_block::SetupError;
 use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{Outcome, SetupError};
 use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec};
 use bulkhead_guard::heap::{self, Space};
 use bulkhead_guard::{Act, Guard, Handle, Mechanism, Mode};
@@ -247,14 +247,7 @@ impl Layer for Guarded {
         self.run(act, |l, _| l.submit(tag, req, scratch, now_ns))
     }
 
-    fn complete(
-        &mut self,
-        tag: Tag,
-        req: &Request<'_>,
-        scratch: SharedSlice<'_>,
-        result: &mut Result<u64, BlockError>,
-        now_ns: u64,
-    ) -> After {
+    fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Outcome, now_ns: u64) -> After {
         let at = (result as *mut Result<u64, BlockError> as u64, std::mem::size_of_val(result) as u64);
         let act = self.act(Some(req), &scratch, Some(at));
         self.run(act, |l, _| l.complete(tag, req, scratch, result, now_ns))

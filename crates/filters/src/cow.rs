@@ -25,10 +25,10 @@
 use std::os::fd::OwnedFd;
 
 use bulkhead_backends::{FdStorage, FileBackend};
-use bulkhead_block::SetupError;
 use bulkhead_block::{
     After, BlockError, Caps, Data, Layer, ReadBelow, Request, SharedSlice, SliceList, Sub, Tag, TagSpace, Verdict,
 };
+use bulkhead_block::{Outcome, SetupError};
 use bulkhead_image::snapshot::{self, SnapshotError};
 use bulkhead_image::Qcow2Header;
 use imago::qcow2::Qcow2;
@@ -502,10 +502,6 @@ impl Layer for Cow {
         Caps { flush: true, fua: true, discard: true, write_zeroes: true, read_only: false }
     }
 
-    fn size(&self, lower: u64) -> u64 {
-        lower
-    }
-
     fn scratch_bytes(&self) -> usize {
         1 << self.cluster_bits
     }
@@ -540,14 +536,7 @@ impl Layer for Cow {
         }
     }
 
-    fn complete(
-        &mut self,
-        tag: Tag,
-        req: &Request<'_>,
-        scratch: SharedSlice<'_>,
-        result: &mut Result<u64, BlockError>,
-        _: u64,
-    ) -> After {
+    fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Outcome, _: u64) -> After {
         let waited = std::mem::replace(&mut self.below[tag.index()], Below::None);
         let want = match waited {
             Below::Read(n) => n,

@@ -16,10 +16,10 @@
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 
-use bulkhead_block::SetupError;
 use bulkhead_block::{
     After, BlockError, Caps, Data, Layer, ReadBelow, Request, SharedSlice, SliceList, Sub, Tag, TagSpace, Verdict,
 };
+use bulkhead_block::{Outcome, SetupError};
 use bulkhead_crypt::{MasterKey, SectorCipher, Volume};
 use zeroize::Zeroizing;
 
@@ -250,14 +250,7 @@ impl Layer for Crypt {
         }
     }
 
-    fn complete(
-        &mut self,
-        tag: Tag,
-        req: &Request<'_>,
-        scratch: SharedSlice<'_>,
-        result: &mut Result<u64, BlockError>,
-        _: u64,
-    ) -> After {
+    fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Outcome, _: u64) -> After {
         match req {
             Request::Read { offset, into: bufs } => {
                 if result.is_ok() {

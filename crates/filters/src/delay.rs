@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use bulkhead_block::{After, BlockError, Caps, Layer, Op, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, Layer, Op, Outcome, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -51,12 +51,6 @@ impl Layer for Delay {
     fn name(&self) -> &'static str {
         "delay"
     }
-    fn caps(&self, lower: Caps) -> Caps {
-        lower
-    }
-    fn size(&self, lower: u64) -> u64 {
-        lower
-    }
     fn attach(&mut self, tags: TagSpace) {
         for q in &mut self.held {
             q.reserve(tags.capacity());
@@ -71,7 +65,7 @@ impl Layer for Delay {
             Request::WriteZeroes { .. } => self.hold(tag, Op::WriteZeroes, now_ns),
         }
     }
-    fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
+    fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Outcome, _: u64) -> After {
         After::Up
     }
     fn poll(&mut self, now_ns: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {

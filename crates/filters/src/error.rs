@@ -6,7 +6,7 @@
 //! of the device, not one per domain generation; the random generator's state lives there too,
 //! so a restart does not replay the same choices.
 
-use bulkhead_block::{After, BlockError, Caps, Layer, Op, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Layer, Op, Outcome, Request, SharedSlice, Tag, Verdict};
 
 use crate::state::StatePage;
 
@@ -115,13 +115,6 @@ impl Layer for ErrorFilter {
     fn name(&self) -> &'static str {
         "error"
     }
-    fn caps(&self, lower: Caps) -> Caps {
-        lower
-    }
-    fn size(&self, lower: u64) -> u64 {
-        lower
-    }
-    fn attach(&mut self, _: TagSpace) {}
     fn submit(&mut self, _: Tag, req: &Request<'_>, _: SharedSlice<'_>, _: u64) -> Verdict {
         match req {
             Request::Read { .. } => self.decide(Op::Read, req),
@@ -131,7 +124,7 @@ impl Layer for ErrorFilter {
             Request::WriteZeroes { .. } => self.decide(Op::WriteZeroes, req),
         }
     }
-    fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
+    fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Outcome, _: u64) -> After {
         After::Up
     }
     fn poll(&mut self, _: u64, _: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {

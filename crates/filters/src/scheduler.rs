@@ -10,8 +10,8 @@
 //! Every request it holds came through the channel's checks like any other; it sends each
 //! below unchanged, exactly once, and fails none. A tag it was not attached with is refused.
 
-use bulkhead_block::SetupError;
-use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{Outcome, SetupError};
 use bulkhead_diskmodel::sched::{self, batch_access, Next, Policy, Queued, Scheduler as Sched, Tuning};
 use bulkhead_diskmodel::Model;
 
@@ -75,12 +75,6 @@ impl Layer for Scheduler {
     fn name(&self) -> &'static str {
         "scheduler"
     }
-    fn caps(&self, lower: Caps) -> Caps {
-        lower
-    }
-    fn size(&self, lower: u64) -> u64 {
-        lower
-    }
     fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), SetupError> {
         self.model = Some(self.spec.model(below.size()).map_err(SetupError::of)?);
         Ok(())
@@ -103,7 +97,7 @@ impl Layer for Scheduler {
         self.page.add(QUEUED, 1);
         Verdict::Hold
     }
-    fn complete(&mut self, tag: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, now_ns: u64) -> After {
+    fn complete(&mut self, tag: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Outcome, now_ns: u64) -> After {
         let Some(&leader) = self.leader.get(tag.index()) else { return After::Up };
         if leader == u32::MAX {
             return After::Up;

@@ -5,7 +5,7 @@
 //! bucket 0 holds everything under 2 µs, bucket `i` latencies in `[2^i, 2^(i+1))` µs, the last
 //! everything longer.
 
-use bulkhead_block::{After, BlockError, Caps, Layer, Op, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, Layer, Op, Outcome, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -111,35 +111,18 @@ impl Layer for Stats {
     fn name(&self) -> &'static str {
         "stats"
     }
-    fn caps(&self, lower: Caps) -> Caps {
-        lower
-    }
-    fn size(&self, lower: u64) -> u64 {
-        lower
-    }
     fn attach(&mut self, tags: TagSpace) {
         self.started = vec![0; tags.capacity()];
     }
     fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, now_ns: u64) -> Verdict {
-        match req {
-            Request::Read { .. }
-            | Request::Write { .. }
-            | Request::Flush
-            | Request::Discard { .. }
-            | Request::WriteZeroes { .. } => {
+        match req.op() {
+            Op::Read | Op::Write | Op::Flush | Op::Discard | Op::WriteZeroes => {
                 self.started[tag.index()] = now_ns;
                 Verdict::Forward
             }
         }
     }
-    fn complete(
-        &mut self,
-        tag: Tag,
-        req: &Request<'_>,
-        _: SharedSlice<'_>,
-        result: &mut Result<u64, BlockError>,
-        now_ns: u64,
-    ) -> After {
+    fn complete(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, result: &mut Outcome, now_ns: u64) -> After {
         let op = req.op();
         let ns = now_ns.saturating_sub(self.started[tag.index()]);
         self.page.add(slot(op, 0), 1);
@@ -160,6 +143,7 @@ impl Layer for Stats {
 mod tests {
     use super::*;
     use crate::state::test_page;
+    use bulkhead_block::BlockError;
 
     #[test]
     fn a_page_full_of_the_largest_values_reads_without_overflow() {

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 
-use bulkhead_block::{After, BlockError, Caps, Layer, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, Layer, Outcome, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -199,12 +199,6 @@ impl Layer for Throttle {
     fn name(&self) -> &'static str {
         "throttle"
     }
-    fn caps(&self, lower: Caps) -> Caps {
-        lower
-    }
-    fn size(&self, lower: u64) -> u64 {
-        lower
-    }
     fn attach(&mut self, tags: TagSpace) {
         for q in &mut self.queues {
             q.reserve(tags.capacity());
@@ -218,7 +212,7 @@ impl Layer for Throttle {
             Request::Flush => Verdict::Forward,
         }
     }
-    fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Result<u64, BlockError>, _: u64) -> After {
+    fn complete(&mut self, _: Tag, _: &Request<'_>, _: SharedSlice<'_>, _: &mut Outcome, _: u64) -> After {
         After::Up
     }
     fn poll(&mut self, now_ns: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {

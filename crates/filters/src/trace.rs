@@ -11,7 +11,7 @@
 
 use std::io::Write;
 
-use bulkhead_block::{After, BlockError, Caps, Layer, Op, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, Layer, Op, Outcome, Request, SharedSlice, Tag, TagSpace, Verdict};
 
 use crate::state::StatePage;
 
@@ -254,37 +254,20 @@ impl Layer for Trace {
     fn name(&self) -> &'static str {
         "trace"
     }
-    fn caps(&self, lower: Caps) -> Caps {
-        lower
-    }
-    fn size(&self, lower: u64) -> u64 {
-        lower
-    }
     fn attach(&mut self, tags: TagSpace) {
         self.tags = tags;
         self.sequence = vec![0; tags.queues as usize];
     }
     fn submit(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, now_ns: u64) -> Verdict {
-        match req {
-            Request::Read { .. }
-            | Request::Write { .. }
-            | Request::Flush
-            | Request::Discard { .. }
-            | Request::WriteZeroes { .. } => {
+        match req.op() {
+            Op::Read | Op::Write | Op::Flush | Op::Discard | Op::WriteZeroes => {
                 let action = act::QUEUE | ((category(req) | act::TC_QUEUE) << act::TC_SHIFT);
                 self.record(tag, req, action, 0, now_ns);
                 Verdict::Forward
             }
         }
     }
-    fn complete(
-        &mut self,
-        tag: Tag,
-        req: &Request<'_>,
-        _: SharedSlice<'_>,
-        result: &mut Result<u64, BlockError>,
-        now_ns: u64,
-    ) -> After {
+    fn complete(&mut self, tag: Tag, req: &Request<'_>, _: SharedSlice<'_>, result: &mut Outcome, now_ns: u64) -> After {
         let action = act::COMPLETE | ((category(req) | act::TC_COMPLETE) << act::TC_SHIFT);
         let error = match result {
             Ok(_) => 0,
@@ -311,6 +294,7 @@ impl Drop for Trace {
 mod tests {
     use super::*;
     use crate::state::test_page;
+    use bulkhead_block::BlockError;
     use std::io::{Read, Seek};
 
     #[test]

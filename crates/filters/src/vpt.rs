@@ -17,8 +17,8 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use bulkhead_block::SetupError;
-use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, BlockError, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{Outcome, SetupError};
 use bulkhead_diskmodel::{Access, Model};
 use serde::{Deserialize, Serialize};
 
@@ -205,12 +205,6 @@ impl Layer for Vpt {
     fn name(&self) -> &'static str {
         "vpt"
     }
-    fn caps(&self, lower: Caps) -> Caps {
-        lower
-    }
-    fn size(&self, lower: u64) -> u64 {
-        lower
-    }
     fn open(&mut self, below: &mut dyn ReadBelow) -> Result<(), SetupError> {
         self.model = Some(self.spec.model(below.size()).map_err(SetupError::of)?);
         Ok(())
@@ -238,14 +232,7 @@ impl Layer for Vpt {
         }
         Verdict::Forward
     }
-    fn complete(
-        &mut self,
-        tag: Tag,
-        _: &Request<'_>,
-        _: SharedSlice<'_>,
-        result: &mut Result<u64, BlockError>,
-        now_ns: u64,
-    ) -> After {
+    fn complete(&mut self, tag: Tag, _: &Request<'_>, _: SharedSlice<'_>, result: &mut Outcome, now_ns: u64) -> After {
         let target = self.target.get(tag.index()).copied().unwrap_or(0);
         if target == 0 {
             return After::Up;

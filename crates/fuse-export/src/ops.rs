@@ -442,17 +442,32 @@ fn readdir(sh: &Shared, u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) {
     sink.reply(u, 0, &[&out]);
 }
 
-fn read(sh: &Shared, files: &[Option<Arc<Node>>], u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
-    let Some(r) = parse::<ReadIn>(op) else {
+/// The arguments of an I/O operation on a device file, and the device's size; `None`, with the
+/// error replied, when the arguments are short or the node is not a device file.
+fn io_args<T: FromBytes>(
+    sh: &Shared,
+    files: &[Option<Arc<Node>>],
+    u: u64,
+    nodeid: u64,
+    op: &[u8],
+    sink: &mut impl Sink,
+) -> Option<(T, u64)> {
+    let Some(args) = parse::<T>(op) else {
         sink.error(u, libc::EINVAL);
-        return Step::Done;
+        return None;
     };
     let Some(n) = sh.node_in(files, nodeid) else {
         sink.error(u, libc::EISDIR);
+        return None;
+    };
+    Some((args, n.dev.size()))
+}
+
+fn read(sh: &Shared, files: &[Option<Arc<Node>>], u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
+    let Some((r, size)) = io_args::<ReadIn>(sh, files, u, nodeid, op, sink) else {
         return Step::Done;
     };
-    let d = &n.dev;
-    let len = (r.size as u64).min(d.size().saturating_sub(r.offset));
+    let len = (r.size as u64).min(size.saturating_sub(r.offset));
     if len == 0 {
         sink.reply(u, 0, &[]);
         return Step::Done;
@@ -461,20 +476,14 @@ fn read(sh: &Shared, files: &[Option<Arc<Node>>], u: u64, nodeid: u64, op: &[u8]
 }
 
 fn write(sh: &Shared, files: &[Option<Arc<Node>>], u: u64, nodeid: u64, op: &[u8], data: &[u8], sink: &mut impl Sink) -> Step {
-    let Some(w) = parse::<WriteIn>(op) else {
-        sink.error(u, libc::EINVAL);
+    let Some((w, size)) = io_args::<WriteIn>(sh, files, u, nodeid, op, sink) else {
         return Step::Done;
     };
-    let Some(n) = sh.node_in(files, nodeid) else {
-        sink.error(u, libc::EISDIR);
-        return Step::Done;
-    };
-    let d = &n.dev;
     if data.len() != w.size as usize {
         sink.error(u, libc::EINVAL);
         return Step::Done;
     }
-    if w.offset.checked_add(data.len() as u64).is_none_or(|end| end > d.size()) {
+    if w.offset.checked_add(data.len() as u64).is_none_or(|end| end > size) {
         sink.error(u, libc::ENOSPC);
         return Step::Done;
     }
@@ -483,16 +492,10 @@ fn write(sh: &Shared, files: &[Option<Arc<Node>>], u: u64, nodeid: u64, op: &[u8
 }
 
 fn fallocate(sh: &Shared, files: &[Option<Arc<Node>>], u: u64, nodeid: u64, op: &[u8], sink: &mut impl Sink) -> Step {
-    let Some(f) = parse::<FallocateIn>(op) else {
-        sink.error(u, libc::EINVAL);
+    let Some((f, size)) = io_args::<FallocateIn>(sh, files, u, nodeid, op, sink) else {
         return Step::Done;
     };
-    let Some(n) = sh.node_in(files, nodeid) else {
-        sink.error(u, libc::EISDIR);
-        return Step::Done;
-    };
-    let d = &n.dev;
-    if f.offset.checked_add(f.length).is_none_or(|end| end > d.size()) {
+    if f.offset.checked_add(f.length).is_none_or(|end| end > size) {
         sink.error(u, if f.mode & FALLOC_FL_KEEP_SIZE != 0 { libc::EINVAL } else { libc::ENOSPC });
         return Step::Done;
     }

@@ -12,10 +12,11 @@
 use std::io::Write;
 use std::os::fd::OwnedFd;
 
-use bulkhead_block::SetupError;
-use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{Outcome, SetupError};
 use bulkhead_driver::guarded::{space_of, FilterSite};
 use bulkhead_guard::heap::{self, Space};
+use bulkhead_rng::Rng;
 
 use crate::inject::{InjectSpec, InjectTarget};
 
@@ -40,7 +41,7 @@ pub struct Injector {
     /// Its own heap space.
     own: Space,
     spec: InjectSpec,
-    rng: u64,
+    rng: Rng,
     calls: u64,
     next_at: u64,
     /// The filter's number and type, for reports.
@@ -60,28 +61,20 @@ impl Injector {
     /// [`bulkhead_guard::VIOLATION_EXIT`], as always.
     pub fn new(site: &FilterSite, spec: InjectSpec, probe: Option<OwnedFd>) -> Injector {
         let who = format!("{} ({})", site.index + 1, site.name);
-        let rng = spec.seed.max(1);
+        let rng = Rng::new(spec.seed);
         let (site, own) = (site.clone(), space_of(site.index));
         let mut i = Injector { site, own, spec, rng, calls: 0, next_at: 0, who, probe: probe.map(std::fs::File::from) };
         i.schedule();
         i
     }
 
-    fn next(&mut self) -> u64 {
-        // xorshift64*.
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
     fn schedule(&mut self) {
-        self.next_at = self.calls + 1 + self.next() % self.spec.every;
+        self.next_at = self.calls + 1 + self.rng.next_u64() % self.spec.every;
     }
 
     /// A word-aligned address in `len` bytes from `start`.
     fn pick(&mut self, start: u64, len: u64) -> Option<u64> {
-        (len >= 8).then(|| start + (self.next() % (len / 8)) * 8)
+        (len >= 8).then(|| start + (self.rng.next_u64() % (len / 8)) * 8)
     }
 
     fn in_space(&mut self, s: Space) -> Option<u64> {
@@ -94,7 +87,7 @@ impl Injector {
         match target {
             InjectTarget::Ring => {
                 let n = self.site.rings.len();
-                let k = self.next() as usize % n.max(1);
+                let k = self.rng.next_u64() as usize % n.max(1);
                 let (start, len) = *self.site.rings.get(k)?;
                 self.pick(start, len)
             }
@@ -102,7 +95,7 @@ impl Injector {
             InjectTarget::Filter => {
                 // Another filter's space.
                 let others = self.site.filters.saturating_sub(1);
-                let k = self.next() as usize % others.max(1);
+                let k = self.rng.next_u64() as usize % others.max(1);
                 let j = (0..self.site.filters).filter(|&j| j != self.site.index).nth(k)?;
                 self.in_space(space_of(j))
             }
@@ -115,7 +108,7 @@ impl Injector {
             }
             InjectTarget::Random => {
                 let choices = [InjectTarget::Ring, InjectTarget::Heap, InjectTarget::Filter];
-                let t = choices[self.next() as usize % choices.len()];
+                let t = choices[self.rng.next_u64() as usize % choices.len()];
                 self.address(t, own).or_else(|| self.address(InjectTarget::Heap, own))
             }
         }
@@ -234,14 +227,7 @@ impl Layer for Faulty {
         self.inner.submit(tag, req, scratch, now_ns)
     }
 
-    fn complete(
-        &mut self,
-        tag: Tag,
-        req: &Request<'_>,
-        scratch: SharedSlice<'_>,
-        result: &mut Result<u64, BlockError>,
-        now_ns: u64,
-    ) -> After {
+    fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Outcome, now_ns: u64) -> After {
         self.injector.call();
         self.inner.complete(tag, req, scratch, result, now_ns)
     }

@@ -129,9 +129,8 @@ fn flood_log() {
     let _ = std::io::stderr().write_all(&out);
 }
 
-/// A small deterministic generator for garbage bytes.
-#[derive(Debug)]
 /// One queue, from its parts.
+#[derive(Debug)]
 struct RawQueue {
     ring: BackRing,
     warena: Mapping,

@@ -349,12 +349,9 @@ fn a_storm_of_random_register_writes_leaves_the_card_usable() {
         drop((decoy, other));
     }
     let all = card.registers.all();
-    let mut x = 0x1234_5678_9abc_def1u64;
+    let mut rng = bulkhead_rng::Rng::new(0x1234_5678_9abc_def1);
     for _ in 0..5000 {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        let y = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        let y = rng.next_u64();
         let reg = if y & 1 == 0 {
             all[(y >> 1) as usize % all.len()].1
         } else {

@@ -166,6 +166,18 @@ impl Serve {
         self.run_dir.join("fuse").join(dev)
     }
 
+    /// Waits for the vhost-user socket of `name` and returns its path.
+    #[allow(dead_code)]
+    pub fn vhost_socket(&self, name: &str) -> PathBuf {
+        let p = self.run_dir.join("vhost").join(format!("{name}.sock"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !p.exists() {
+            assert!(Instant::now() < deadline, "no socket {}: {}", p.display(), self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        p
+    }
+
     /// Waits for the NBD export's unix socket and returns the URI of `export` on it.
     #[allow(dead_code)]
     pub fn nbd_uri(&self, export: &str) -> String {
@@ -552,6 +564,27 @@ pub fn sh(cmd: &str, args: &[&str]) -> String {
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{cmd} {args:?}: {text}");
     text
+}
+
+/// Runs `bulkhead-bench` with `args`, killed after `seconds`, and returns what it printed on
+/// stdout and on stderr; fails the test if it fails.
+#[allow(dead_code)]
+pub fn bench(seconds: u32, args: &[&str]) -> (String, String) {
+    let out = Command::new("timeout").args(["--kill-after=30", &seconds.to_string(), bench_exe()]).args(args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "bulkhead-bench {args:?}: {stdout}\n{stderr}");
+    (stdout, stderr)
+}
+
+/// Copies `from` to `to` with dd and the operands in `opts` (block size, offsets, flags);
+/// fails the test if dd fails.
+#[allow(dead_code)]
+pub fn dd(from: &Path, to: &Path, opts: &[&str]) {
+    let (i, o) = (format!("if={}", from.display()), format!("of={}", to.display()));
+    let mut args = vec![i.as_str(), o.as_str(), "status=none"];
+    args.extend(opts);
+    sh("dd", &args);
 }
 
 /// The SHA-256 of a file, as `sha256sum` prints it.
