@@ -4,7 +4,7 @@ points.csv): the correlation of adaptive's and poll's rounds, the spread of each
 and adaptive over the better mode in the same round across all points and runs. With --simulate,
 how often two modes of equal speed miss 0.9 by chance given the spread and correlation seen.
 
-The goals themselves, with their misses, come from `bulkhead bench fileio --from DIR`.
+The goals themselves, with their misses, come from `bulkhead-bench fileio --from DIR`.
 
     scripts/fileio_rounds.py docs/bench/fileio-ram-rounds5 [more dirs...] [--simulate]
 """

@@ -9,7 +9,7 @@
 # 1. Two processes pinned to CPU 1 hand a flag back and forth, each calling sched_yield()
 #    until the flag is its own: the time per round trip is two same-CPU switches. Then the
 #    same with 1.5 us of work on each side per turn, as a tap domain and a driver domain do.
-# 2. `bulkhead bench tap` with the benchmark process (the client thread, FUSE workers) on
+# 2. `bulkhead-bench tap` with the benchmark process (the client thread, FUSE workers) on
 #    CPU 0 and every domain it starts (driver and tap) moved to CPU 1 as it appears.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,4 +1,4 @@
-//! `bulkhead bench channel`: the device channel between this process and an exec'd driver
+//! `bulkhead-bench channel`: the device channel between this process and an exec'd driver
 //! domain, in each notification mode.
 //!
 //! Phases per mode: round trips without data (a flush, which the `ram` backend completes at

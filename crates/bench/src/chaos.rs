@@ -1,4 +1,4 @@
-//! `bulkhead bench chaos`: faults of every kind, at random, for minutes, under file systems
+//! `bulkhead-bench chaos`: faults of every kind, at random, for minutes, under file systems
 //! that verify every block they write.
 //!
 //! One `serve` with a device of each kind: `ram`; `file` on a raw image through io_uring, with

@@ -188,7 +188,8 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
-    /// The IDDR thesis' sysbench fileio experiment, bulkhead next to the peers (needs root).
+    /// The sysbench fileio experiment of the driver domain thesis, bulkhead next to the peers
+    /// (needs root).
     Fileio(FileioArgs),
     /// The VPT case study: a SURGE-style workload on ext4 over a vpt device, per disk scheduler
     /// (bulkhead's and the kernel's), with and without O_DIRECT, the simulator beside (needs root).
@@ -493,8 +494,8 @@ pub struct FileioArgs {
     /// Print the JSON report instead of the tables.
     #[arg(long)]
     json: bool,
-    /// Measure nothing: read a stored run (the directory `--out` wrote, or its report.json or points.csv)
-    /// and print its tables and goals as this build renders them.
+    /// Measure nothing: read a stored run (the directory `--out` wrote, or its report.json or
+    /// points.csv) and print its tables and goals as this build renders them.
     #[arg(long, value_name = "RUN", conflicts_with_all = ["quick", "modes", "threads", "backends", "notify", "peers", "seconds", "rounds", "spin_budget_us"])]
     from: Option<PathBuf>,
 }

@@ -1,4 +1,5 @@
-//! `bulkhead bench fileio`: the IDDR thesis' evaluation (ch. 5, figures 5.1–5.5) for bulkhead
+//! `bulkhead-bench fileio`: the evaluation of Shirole's "Performance Improvement of the
+//! Driver Domain" (ch. 5, figures 5.1–5.5) for bulkhead
 //! and the systems a user would pick instead, in one run.
 //!
 //! Every system is measured the same way: ext2 on a loop device (`--direct-io=on`) over the

@@ -1,4 +1,4 @@
-//! `bulkhead bench guard`: what write capture costs, per caught write, for each mechanism
+//! `bulkhead-bench guard`: what write capture costs, per caught write, for each mechanism
 //! (userfaultfd write protection raised as SIGBUS, `mprotect` and SIGSEGV) and each way of
 //! letting a write through (DWC's single step, SCDWC's cache), beside a write nobody guards;
 //! and what gating a call with protection keys adds to its entry and exit. Run in this process, on this thread, over page-aligned memory of its own.

@@ -1,4 +1,4 @@
-//! Seed 004's figures 5 to 7 from `bench guard --filters` and `bench guard --isolation`
+//! Chariot's figures 5 to 7 from `bench guard --filters` and `bench guard --isolation`
 //! together: one report, and one SVG with a panel per figure (throughput, CPU, isolation
 //! rate), each against the setting: off, DWC, then SCDWC with C from 0 to 100. Settings
 //! measured with protection keys as well are drawn as dashed lines beside the plain ones.
@@ -31,7 +31,7 @@ pub fn render(f: &Figures) -> String {
     s
 }
 
-/// The x axis: every setting either run has, in the seed's order.
+/// The x axis: every setting either run has, in Chariot's order.
 fn settings() -> Vec<(String, Option<u32>)> {
     let mut v = vec![("off".to_string(), None), ("dwc".to_string(), None)];
     v.extend(guard_filters::CACHES.iter().map(|c| (c.to_string(), Some(*c))));
@@ -182,7 +182,7 @@ pub fn svg(f: &Figures) -> String {
     format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"10\" y=\"18\" font-size=\"14\">bulkhead bench guard: filters under write capture, against the setting</text>\n\
+         <text x=\"10\" y=\"18\" font-size=\"14\">bulkhead-bench guard: filters under write capture, against the setting</text>\n\
          {body}</svg>\n"
     )
 }

@@ -1,8 +1,8 @@
-//! `bench guard --filters`: real filters under write capture, as the seed's figures 5 and 6.
-//! For each filter (trace, crypt, cow) and each setting (`off`, `dwc`, `scdwc` with C in
-//! {0, 5, 10, 20, 40, 60, 80, 100}, each also with protection keys), a supervisor in this process serves one device with that
-//! filter, exported over FUSE, and fio runs 4 KiB random reads and writes on it; the row is its
-//! throughput and the machine's CPU use meanwhile.
+//! `bench guard --filters`: real filters under write capture, as Chariot's figures 5 and 6. For
+//! each filter (trace, crypt, cow) and each setting (`off`, `dwc`, `scdwc` with C in {0, 5, 10, 20,
+//! 40, 60, 80, 100}, each also with protection keys), a supervisor in this process serves one
+//! device with that filter, exported over FUSE, and fio runs 4 KiB random reads and writes on it;
+//! the row is its throughput and the machine's CPU use meanwhile.
 
 use crate::BenchError;
 use std::path::{Path, PathBuf};
@@ -26,7 +26,7 @@ pub struct Options {
     pub settings: Vec<Setting>,
 }
 
-/// The settings, as the seed's x axis: off, DWC, then SCDWC with these C.
+/// The settings, as Chariot's x axis: off, DWC, then SCDWC with these C.
 pub const CACHES: [u32; 8] = [0, 5, 10, 20, 40, 60, 80, 100];
 
 /// One setting of the guard: a mode, and whether protection keys gate the calls as well.
@@ -51,7 +51,7 @@ impl Options {
 }
 
 impl Setting {
-    /// The seed's settings (DWC, then SCDWC with each of [`CACHES`]), then the same with
+    /// Chariot's settings (DWC, then SCDWC with each of [`CACHES`]), then the same with
     /// protection keys; `off` first if `with_off`.
     pub fn all(with_off: bool) -> Vec<Setting> {
         let mut v = Vec::new();

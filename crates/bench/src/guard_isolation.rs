@@ -1,5 +1,5 @@
 //! `bench guard --isolation`: the share of injected faults write capture stops before they
-//! change the state they aim at, against C (seed 004's figure 7).
+//! change the state they aim at, against C (Chariot's figure 7).
 //!
 //! Each fault is made by a domain of its own, in a child process forked from this one: the
 //! domain runs a chain of the filter measured (trace, crypt or cow, guarded as the setting
@@ -185,7 +185,7 @@ pub fn render(r: &Report) -> String {
     }
     s.push_str("isolation rate per target and per filter (of the decided faults)\n");
     s.push_str(&t.render());
-    // The reference is the seed's: DWC without keys, else with them.
+    // The reference is Chariot's: DWC without keys, else with them.
     let dwc_of = |k: bool| r.rows.iter().find(|x| x.cache.is_none() && x.keys == k).map(|x| x.all.rate_pct());
     if let Some(d) = dwc_of(false).or_else(|| dwc_of(true)) {
         for c60 in r.rows.iter().filter(|x| x.cache == Some(60)) {

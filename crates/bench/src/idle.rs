@@ -1,4 +1,4 @@
-//! `bulkhead bench idle`: what an idle `serve` costs as devices are added.
+//! `bulkhead-bench idle`: what an idle `serve` costs as devices are added.
 //!
 //! For each device count, a real `serve` runs that many `ram` devices (FUSE export on, as by
 //! default) and nothing uses them. Once every device serves and the start-up has settled, the

@@ -1,4 +1,4 @@
-//! `bulkhead bench images`: disk images, copy-on-write and encryption, next to
+//! `bulkhead-bench images`: disk images, copy-on-write and encryption, next to
 //! qemu-storage-daemon.
 //!
 //! Six devices, the same in both systems, each exported over NBD under the same name and
@@ -49,7 +49,7 @@ pub const JOBS: [(&str, &str, u32); 8] = [
 ];
 
 /// The passphrase of the LUKS volumes (the benchmark's own, in its scratch directory).
-const PASSPHRASE: &[u8] = b"bulkhead bench images";
+const PASSPHRASE: &[u8] = b"bulkhead-bench images";
 
 /// Options.
 #[derive(Debug, Clone)]

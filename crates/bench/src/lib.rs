@@ -1,4 +1,4 @@
-//! The benchmarks of `bulkhead-bench` (and `bulkhead bench`, which hands over to it).
+//! The benchmarks of `bulkhead-bench` (and `bulkhead-bench`, which hands over to it).
 //!
 //! Each benchmark runs the real pieces: the channel benchmark execs a real driver domain
 //! (`bulkhead driver`) with a `ram` backend and drives it from this process; the fileio benchmark

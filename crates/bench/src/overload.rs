@@ -1,4 +1,4 @@
-//! `bulkhead bench overload`: many NBD clients at a deep queue against one device, a FUSE user
+//! `bulkhead-bench overload`: many NBD clients at a deep queue against one device, a FUSE user
 //! beside them, and two clients that misbehave within the protocol's rules. No client may
 //! starve, nothing the protocol allows may be refused, and `serve`'s memory must stay within the
 //! export's bound.

@@ -1,4 +1,4 @@
-//! `bulkhead bench powercut`: what `serve` acknowledged as durable is on the file after `serve`
+//! `bulkhead-bench powercut`: what `serve` acknowledged as durable is on the file after `serve`
 //! and every domain are killed at a random moment, again and again.
 //!
 //! Each round starts `serve` on one `file` device (raw, or a qcow2 image) exported over FUSE,

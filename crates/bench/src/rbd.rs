@@ -1,4 +1,4 @@
-//! `bulkhead bench rbd`: the `rbd` backend against fio's own rbd engine (librbd in the
+//! `bulkhead-bench rbd`: the `rbd` backend against fio's own rbd engine (librbd in the
 //! benchmark process: the floor of what a client can get) and qemu-storage-daemon's rbd
 //! driver, on the same image of a throwaway single-node cluster (`scripts/ceph-dev.sh`, in a
 //! network namespace of its own), and the outage of a killed rbd domain with and without the

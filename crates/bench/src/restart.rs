@@ -1,9 +1,9 @@
-//! `bulkhead bench restart`: how long a device is out when its driver domain is killed.
+//! `bulkhead-bench restart`: how long a device is out when its driver domain is killed.
 //!
 //! A real supervisor serves one `ram` device whose domains are exec'd as usual; load threads
 //! write and read back 4 KiB blocks through the client library without pause, checking every
 //! byte; the driver is SIGKILLed at random moments. The outage of each kill runs from the
-//! supervisor noticing the death to the first request completed after it (the seed paper
+//! supervisor noticing the death to the first request completed after it (the Xen paper
 //! measured ~275 ms per driver restart). With `--tap interpose` the device has a tap domain
 //! (running a `stats` filter) over a driver domain, and one of them is killed each time
 //! (`--kill driver`, the default, or `--kill tap`): it is replaced alone while the other runs

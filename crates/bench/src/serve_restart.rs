@@ -1,4 +1,4 @@
-//! `bulkhead bench restart --kill serve` and `--upgrade`: the pause an application sees when
+//! `bulkhead-bench restart --kill serve` and `--upgrade`: the pause an application sees when
 //! `serve` itself is killed (and its keeper starts another that takes over) or upgraded, next
 //! to the pause of a driver-domain kill measured the same way.
 //!

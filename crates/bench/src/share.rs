@@ -1,4 +1,5 @@
-//! `bulkhead bench share`: one driver domain shared by several clients (seed 001 §5.4).
+//! `bulkhead-bench share`: one driver domain shared by several clients (section 5.4 of the Xen
+//! driver domain paper).
 //!
 //! A `ram` device in a supervisor in this process, carved into views; each client is a thread
 //! on a view's own queue through the client library (no export in the way), so what is measured

@@ -1,4 +1,4 @@
-//! `bulkhead bench surge`: the VPT case study's scheduler comparison. A SURGE-style workload
+//! `bulkhead-bench surge`: the VPT case study's scheduler comparison. A SURGE-style workload
 //! reads files on ext4 over a `vpt` device (`k` locked), once per scheduler, with `O_DIRECT`
 //! and through the page cache, and the same workload runs through the simulator over the
 //! files' real placement, the model as ground truth.
@@ -35,7 +35,8 @@ use serde::Serialize;
 
 use crate::fileio::{run, serve, which, Procs, Undo};
 
-/// The kernel's schedulers measured, the seed's "dline" and "cfq" (bfq replaced cfq) and none.
+/// The kernel's schedulers measured, Jones' performance modeling paper's "dline" and "cfq" (bfq
+/// replaced cfq) and none.
 pub const KERNEL: [&str; 3] = ["mq-deadline", "bfq", "none"];
 /// bulkhead's schedulers measured and simulated.
 pub const BULKHEAD: [Policy; 3] = [Policy::Cats, Policy::Deadline, Policy::Fcfs];
@@ -727,7 +728,7 @@ impl Report {
         m
     }
 
-    /// The tables, as the seed prints them, one per mode; then the goals.
+    /// The tables, as that paper prints them, one per mode; then the goals.
     pub fn render(&self) -> String {
         let p = &self.params;
         let mut s = format!(
@@ -780,7 +781,7 @@ impl Report {
         s
     }
 
-    /// The seed's order (CATS, then deadline, then bfq, by mean response) and whether the
+    /// That paper's order (CATS, then deadline, then bfq, by mean response) and whether the
     /// measured order of bulkhead's schedulers is the simulator's.
     pub fn goals(&self) -> String {
         let mut s = String::from("\nGoals (mean response time)\n");

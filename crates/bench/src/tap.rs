@@ -1,11 +1,12 @@
-//! `bulkhead bench tap`: what the block tap costs (seed 003's figure 4, redone).
+//! `bulkhead-bench tap`: what the block tap costs (figure 4 of Warfield et al., "Facilitating the
+//! Development of Soft Devices", redone).
 //!
-//! One `ram` device, with no filter, with a `trace` filter in the driver domain
-//! (`passthrough`) and with the same filter in a tap domain of its own (`interpose`), each
-//! measured through the client library and through the FUSE export: sequential writes then
-//! reads of the whole device in 1 MiB requests (after an untimed pass that fills the ramdisk),
-//! and the latency of synchronous 4 KiB reads one at a time. For the reader's comparison, nbdkit's memory plugin through nbdfuse, bare and with
-//! its `log` and `delay` filters (no delay), on the same FUSE measurements.
+//! One `ram` device, with no filter, with a `trace` filter in the driver domain (`passthrough`) and
+//! with the same filter in a tap domain of its own (`interpose`), each measured through the client
+//! library and through the FUSE export: sequential writes then reads of the whole device in 1 MiB
+//! requests (after an untimed pass that fills the ramdisk), and the latency of synchronous 4 KiB
+//! reads one at a time. For the reader's comparison, nbdkit's memory plugin through nbdfuse, bare
+//! and with its `log` and `delay` filters (no delay), on the same FUSE measurements.
 
 use crate::BenchError;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};

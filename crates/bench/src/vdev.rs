@@ -1,4 +1,4 @@
-//! `bulkhead bench vdev`: what a register-level driver over a trapped virtual card costs.
+//! `bulkhead-bench vdev`: what a register-level driver over a trapped virtual card costs.
 //!
 //! Three devices of the same size, each in a supervisor of its own: `vdev` with the driver
 //! taking the card's interrupt, `vdev` with the driver polling the card's completion counter,

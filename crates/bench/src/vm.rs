@@ -1,4 +1,4 @@
-//! `bulkhead bench vm`: bulkhead's vhost-user-blk export against qemu-storage-daemon's, with
+//! `bulkhead-bench vm`: bulkhead's vhost-user-blk export against qemu-storage-daemon's, with
 //! the same workloads on the same backing, each system brought up in turn.
 //!
 //! - **host**: a frontend of the project's own (`bulkhead_vhost_export::frontend`: memfd

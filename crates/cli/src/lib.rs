@@ -191,7 +191,7 @@ enum Cmd {
     /// scheduler, each request's service, wait and response time and their means, mean
     /// service and response, the 99th percentile and throughput in sectors/ms.
     Sim(sim_cmd::SimArgs),
-    /// Virtual devices: generated storage controller cards (seed 002's VPCI).
+    /// Virtual devices: generated storage controller cards with trapped register pages.
     Vdev {
         #[command(subcommand)]
         which: VdevCmd,

@@ -12,8 +12,8 @@ use bulkhead_diskmodel::{Access, Drive};
 /// What `bulkhead sim` was asked.
 #[derive(clap::Args)]
 pub struct SimArgs {
-    /// The seed's worked example: requests at 95, 10, 60, 41, the head at 50, one ms of
-    /// travel per unit of distance and nothing else; fcfs, satf and opt.
+    /// The worked example of Jones' performance modeling paper: requests at 95, 10, 60, 41, the
+    /// head at 50, one ms of travel per unit of distance and nothing else; fcfs, satf and opt.
     #[arg(long)]
     example: bool,
     /// A requests file: one per line, `arrival_ms position [sectors] [r|w] [stream]`.
@@ -40,7 +40,8 @@ pub struct SimArgs {
     /// Where the head starts, sector (default 0; 50 for --example).
     #[arg(long)]
     head: Option<u64>,
-    /// Size of the modelled device (default the seed's 73.4 GB drive).
+    /// Size of the modelled device (default the 73.4 GB drive of Jones' performance modeling
+    /// paper).
     #[arg(long)]
     size: Option<String>,
     /// Model travel time only, one ms per sector of distance.

@@ -136,3 +136,36 @@ fn the_citation_check_reads_citations_across_lines_and_comment_markers() {
         ["Restart (bulkhead-bench restart)", "Crowded CPUs"]
     );
 }
+
+/// Every path under crates/ or scripts/ that a page of the docs names.
+fn named_paths(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for start in ["crates/", "scripts/"] {
+        let mut rest = text;
+        while let Some(at) = rest.find(start) {
+            let path_ok = at == 0 || !rest.as_bytes()[at - 1].is_ascii_alphanumeric() && rest.as_bytes()[at - 1] != b'/';
+            let tail = &rest[at..];
+            let end = tail.find(|c: char| !(c.is_alphanumeric() || "/._-".contains(c))).unwrap_or(tail.len());
+            let path = tail[..end].trim_end_matches('.');
+            if path_ok && [".rs", ".sh", ".toml"].iter().any(|x| path.ends_with(x)) {
+                out.push(path.to_string());
+            }
+            rest = &tail[end.max(1)..];
+        }
+    }
+    out
+}
+
+#[test]
+fn every_file_the_docs_name_exists() {
+    let root = repo();
+    let mut missing = Vec::new();
+    for page in citing_files(&root).into_iter().filter(|p| p.extension().is_some_and(|x| x == "md")) {
+        for path in named_paths(&std::fs::read_to_string(&page).unwrap()) {
+            if !root.join(&path).exists() {
+                missing.push(format!("{}: {path}", page.strip_prefix(&root).unwrap().display()));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "files the docs name that do not exist:\n{}", missing.join("\n"));
+}

@@ -1,11 +1,11 @@
 //! A shadow of the drive's segmented read cache.
 //!
-//! As the seed models it: a fixed number of segments, each holding one run of consecutive
-//! sectors; fully associative (a run may land in any segment); first-in-first-out
-//! replacement; and wrap-around within a segment (a run longer than a segment keeps only its
-//! last sectors, as a ring buffer that went round overwrites its start). A read that reaches
-//! the media fills a segment with what it read plus the prefetch after it; a read that lies
-//! wholly within one segment is a hit. A write drops every segment it overlaps.
+//! As Jones' performance modeling paper models it: a fixed number of segments, each holding one run
+//! of consecutive sectors; fully associative (a run may land in any segment); first-in-first-out
+//! replacement; and wrap-around within a segment (a run longer than a segment keeps only its last
+//! sectors, as a ring buffer that went round overwrites its start). A read that reaches the media
+//! fills a segment with what it read plus the prefetch after it; a read that lies wholly within one
+//! segment is a hit. A write drops every segment it overlaps.
 
 use std::collections::VecDeque;
 
@@ -26,7 +26,7 @@ pub struct CacheGeometry {
 }
 
 impl CacheGeometry {
-    /// The seed's drive: 64 segments of 221 sectors, a 64-sector prefetch; a hit costs
+    /// That paper's drive: 64 segments of 221 sectors, a 64-sector prefetch; a hit costs
     /// 0.1 ms (the command and the transfer over the bus).
     pub fn seed() -> Self {
         CacheGeometry { segments: 64, segment_sectors: 221, prefetch_sectors: 64, hit_ns: 100_000 }

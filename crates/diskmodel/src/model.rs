@@ -25,10 +25,10 @@ pub struct Drive {
 }
 
 impl Drive {
-    /// The drive of the seed's measurements, a 15,000 RPM 73.4 GB disk (R = 4 ms, full-stroke
-    /// seek 7.5 ms, about 90 MB/s from the media, 64 cache segments of 221 sectors with a
-    /// 64-sector prefetch), stretched or shrunk to `sectors`: a seek across the device takes
-    /// the full stroke whatever its size.
+    /// The drive of the measurements in Jones' performance modeling paper, a 15,000 RPM 73.4 GB
+    /// disk (R = 4 ms, full-stroke seek 7.5 ms, about 90 MB/s from the media, 64 cache segments of
+    /// 221 sectors with a 64-sector prefetch), stretched or shrunk to `sectors`: a seek across the
+    /// device takes the full stroke whatever its size.
     pub fn seed(sectors: u64) -> Self {
         Drive {
             sectors,
@@ -39,7 +39,7 @@ impl Drive {
         }
     }
 
-    /// The drive of the seed's worked example: travel time one millisecond per unit of
+    /// The drive of that paper's worked example: travel time one millisecond per unit of
     /// distance over `sectors` units, and nothing else (no rotation, transfer or cache).
     pub fn travel_only(sectors: u64) -> Self {
         Drive { sectors, rotation_ns: 0, full_seek_ns: sectors.saturating_mul(1_000_000), transfer_bps: 0, cache: None }

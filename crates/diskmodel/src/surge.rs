@@ -2,7 +2,7 @@
 //! from a Pareto distribution, pick each file by its Zipf popularity, and read it page by page
 //! with a Pareto-distributed think time after every page.
 //!
-//! The same [`Process`] drives both sides of the comparison: `bulkhead bench surge` reads real
+//! The same [`Process`] drives both sides of the comparison: `bulkhead-bench surge` reads real
 //! files on a filesystem with it, and [`SurgeSim`] feeds the simulator with it, over the
 //! files' real placement on the device ([`Extent`]s). A process's draws depend on its seed and
 //! index alone, so both sides read the same files in the same order with the same pauses.

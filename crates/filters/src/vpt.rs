@@ -8,11 +8,11 @@
 //! waits until its target time. If it completes below after its target, it is late, and goes
 //! up at once.
 //!
-//! `k` scales model time to real time, and tunes itself as the seed's throttle does: over
-//! each window of requests, more than 1% late raises it (the device below cannot keep up
-//! with the model), fewer than 0.1% late lowers it (the run takes longer than it needs).
-//! `lock_k` keeps it fixed for measurement runs. `k` lives in the state page, so a restarted
-//! domain carries on with the `k` it had learnt.
+//! `k` scales model time to real time, and tunes itself as the throttle of Jones' performance
+//! modeling paper does: over each window of requests, more than 1% late raises it (the device below
+//! cannot keep up with the model), fewer than 0.1% late lowers it (the run takes longer than it
+//! needs). `lock_k` keeps it fixed for measurement runs. `k` lives in the state page, so a
+//! restarted domain carries on with the `k` it had learnt.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -74,7 +74,7 @@ impl DriveSpec {
         Ok(Model::new(drive))
     }
 
-    /// The seed's drive.
+    /// The drive of Jones' performance modeling paper.
     pub fn seed() -> Self {
         let d = bulkhead_diskmodel::Drive::seed(1);
         DriveSpec { rotation_ns: d.rotation_ns, full_seek_ns: d.full_seek_ns, transfer_bps: d.transfer_bps, cache: d.cache }

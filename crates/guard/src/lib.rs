@@ -1,4 +1,5 @@
-//! Write capture inside a domain, after the seed's Chariot: while guarded code runs (a filter
+//! Write capture inside a domain, after Chariot (Zheng et al., "Using Shadow Page Cache to Improve
+//! Isolated Drivers Performance"): while guarded code runs (a filter
 //! called by the domain's runtime), the memory it must not write is write-protected; each write
 //! to it is caught in the writing thread and checked against an access control table
 //! ([`Act`]). Allowed: the page is opened and the write happens. Not allowed: the write does not
@@ -10,7 +11,7 @@
 //! context), and protects every page at every call. SCDWC keeps the C most recently opened
 //! pages open (the shadow page cache), protecting the oldest when a newer one pushes it out;
 //! writes the runtime makes between calls open pages too, and what they push out of the cache
-//! goes to a pool that the next call protects in one pass (the seed's Algorithm 2). The cache
+//! goes to a pool that the next call protects in one pass (Chariot's Algorithm 2). The cache
 //! stays open across calls: a write of guarded code to one of its C pages is not caught, the
 //! price of not faulting on the pages both sides write all the time.
 //!
@@ -21,7 +22,7 @@
 //! way.
 //!
 //! Two [`Mechanism`]s catch writes: userfaultfd write protection with its faults raised as
-//! SIGBUS in the writing thread, and `mprotect` with SIGSEGV. `bulkhead bench guard` measures
+//! SIGBUS in the writing thread, and `mprotect` with SIGSEGV. `bulkhead-bench guard` measures
 //! both; docs/guard.md says which is used and why.
 //!
 //! Limits: the guard sees writes made by the guarded thread's own instructions. A system call

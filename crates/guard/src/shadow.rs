@@ -1,4 +1,4 @@
-//! The bookkeeping of opened pages, as the seed's Algorithm 2: which page to protect again
+//! The bookkeeping of opened pages, as Chariot's Algorithm 2: which page to protect again
 //! when one is opened, and which pages the next call into guarded code must protect. Plain
 //! data in fixed arrays, so the fault handler can use it without allocating; tested here
 //! without any fault.

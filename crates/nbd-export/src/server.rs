@@ -34,7 +34,7 @@ use crate::transmit::{transmit, Common};
 
 /// What one thread of a connection takes beyond the payload: its stack as used, its share of
 /// the allocator's per-thread caches, its reply list. About 75 KiB measured
-/// (`bulkhead bench overload` at 1, 16 and 64 clients); this leaves room.
+/// (`bulkhead-bench overload` at 1, 16 and 64 clients); this leaves room.
 const THREAD_MEMORY: u64 = 96 << 10;
 
 /// How much the export's private memory grows at most under any load from `connections`

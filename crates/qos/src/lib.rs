@@ -1,4 +1,5 @@
-//! Sharing one driver domain among its clients (seed 001 §5.4).
+//! Sharing one driver domain among its clients (section 5.4 of Fraser et al., "Safe Hardware Access
+//! with the Xen Virtual Machine Monitor").
 //!
 //! A domain serves several *views* of its device — each an offset and size with channels of
 //! its own — and takes their queues round-robin in batches. This crate decides how much of a
@@ -260,7 +261,7 @@ impl Bucket {
     fn refill(&mut self, now: u64) {
         let dt = now.saturating_sub(self.at) as f64;
         self.at = self.at.max(now);
-        // Whole grants, as the seed's credits are: a view held back wakes its client once per
+        // Whole grants, as Xen's credits are: a view held back wakes its client once per
         // period with a period's worth, not once per request.
         if self.caps.credit_bytes > 0 {
             let n = now.saturating_sub(self.granted_at) / self.period_ns();

@@ -1,7 +1,8 @@
 //! Index publication and the sleep/wake handshake, written over [`IndexCell`] so the same code
 //! runs on shared memory and under the loom model checker.
 //!
-//! The scheme is Xen's event index combined with the IDDR thesis' RUNNING/SLEEPING flag:
+//! The scheme is Xen's event index combined with the RUNNING/SLEEPING flag of Shirole's
+//! "Performance Improvement of the Driver Domain":
 //!
 //! * a producer stores its new index with release ordering, issues a full fence, then reads the
 //!   consumer's event index; it rings the doorbell only if the event index lies in

@@ -1,5 +1,6 @@
-//! Views: parts of a device, each exported under a name of its own over channels of its own,
-//! served by the device's domain (seed 001 §5.4).
+//! Views: parts of a device, each exported under a name of its own over channels of its own, served
+//! by the device's domain (section 5.4 of Fraser et al., "Safe Hardware Access with the Xen Virtual
+//! Machine Monitor").
 //!
 //! A view is a [`Device`] of its own to the exports — its own queues, its own generations —
 //! while the domain behind it is the device's: a restart starts every view's queues over with

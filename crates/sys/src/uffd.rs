@@ -2,10 +2,10 @@
 //! whoever holds the descriptor (this process or another it was sent to) is told of each
 //! write to a protected page, with the writing thread stopped until the page is opened.
 //!
-//! This is what a trapped register page needs (a virtual device's model learns of the
-//! driver's register writes as the seed's VPCI fault handler did), and what write capture
-//! needs to see a guarded filter's writes. The kernel's structures are spelled out here
-//! (the `libc` crate has none of them) from `include/uapi/linux/userfaultfd.h`.
+//! This is what a trapped register page needs (a virtual device's model learns of the driver's
+//! register writes as the virtual PCI bus' fault handler of Jones' virtual device paper did), and
+//! what write capture needs to see a guarded filter's writes. The kernel's structures are spelled
+//! out here (the `libc` crate has none of them) from `include/uapi/linux/userfaultfd.h`.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};

@@ -3,7 +3,7 @@
 //!
 //! The faults are made by a layer of this kit, [`Faulty`], which the test driver
 //! (`bulkhead-test-driver`, told what to make by `BULKHEAD_TEST_GUARD_INJECT`, see
-//! [`crate::inject`]) and `bulkhead bench guard --isolation`, both built with the `test-driver`
+//! [`crate::inject`]) and `bulkhead-bench guard --isolation`, both built with the `test-driver`
 //! feature, put around a filter's layer inside its write capture
 //! (`bulkhead_driver::guarded::build_filters_wrapping`): each call into the filter may first make
 //! the fault, as the filter's own code. Nothing in the configuration asks for faults, and the

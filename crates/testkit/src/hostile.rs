@@ -236,7 +236,7 @@ pub unsafe fn serve(spec: &DomainSpec, h: Hostility, stop: &AtomicBool) -> Resul
     let mut completed = 0u64;
     let mut turned = false;
     let mut idle_since: Option<u64> = None;
-    // A storm's rings, said on standard error every five seconds (`bulkhead bench storm` reads
+    // A storm's rings, said on standard error every five seconds (`bulkhead-bench storm` reads
     // the rate from the log).
     let mut rings = 0u64;
     let mut storm_since = 0u64;

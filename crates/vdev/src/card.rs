@@ -1,7 +1,7 @@
-//! A card: the register map, bit fields, command codes, descriptor layout and interrupt
-//! behaviour of one storage controller, drawn from a seed so that every seed is a different
-//! card (the seed's "virtual card generation"), and validated when read from a file, so a
-//! card spec is never trusted for its shape.
+//! A card: the register map, bit fields, command codes, descriptor layout and interrupt behaviour
+//! of one storage controller, drawn from a seed so that every seed is a different card (the
+//! "virtual card generation" of Jones' virtual device paper), and validated when read from a file,
+//! so a card spec is never trusted for its shape.
 //!
 //! Every card works the same way (see the datasheet, [`crate::datasheet`]): a ring of
 //! descriptors in DMA memory, a doorbell register that carries the ring's tail, a completion

@@ -1,4 +1,5 @@
-//! Virtual devices (seed 002, its VPCI half): a storage controller that exists only as a
+//! Virtual devices (the virtual PCI half of Jones, "Virtual Device Driver Development &
+//! Virtual Device-Based Performance Modeling"): a storage controller that exists only as a
 //! model in another process, and a driver for it written exactly as for hardware.
 //!
 //! - [`card`]: a card's spec (register map, bits, codes, descriptor layout, interrupt

@@ -1,7 +1,8 @@
-//! The trapped register page, as the seed's VPCI bus did it with a page fault handler: the
-//! driver's mapping of the register page is write-protected, and each write to it stops the
-//! writing thread and tells the model's side, which opens the page so the write lands,
-//! protects it again, and lets the model look at what changed.
+//! The trapped register page, as the virtual PCI bus of Jones' "Virtual Device Driver Development &
+//! Virtual Device-Based Performance Modeling" did it with a page fault handler: the driver's
+//! mapping of the register page is write-protected, and each write to it stops the writing thread
+//! and tells the model's side, which opens the page so the write lands, protects it again, and lets
+//! the model look at what changed.
 //!
 //! Here the trap is a userfaultfd the driver arms over its own mapping and sends to the model;
 //! the kernel stops the driver's thread, not the driver's own code. Between opening and

@@ -1,6 +1,6 @@
 //! A vhost-user-blk frontend of the project's own, playing QEMU and the guest's driver at
 //! once: "guest" memory in a sealed memfd of this process, virtqueues written directly, and
-//! the protocol spoken through `vhost`'s `Frontend`. `bulkhead bench vm` drives bulkhead and
+//! the protocol spoken through `vhost`'s `Frontend`. `bulkhead-bench vm` drives bulkhead and
 //! qemu-storage-daemon with it to measure the servers rather than an emulator, and the tests
 //! use its raw calls to write the descriptors a hostile guest would.
 //!

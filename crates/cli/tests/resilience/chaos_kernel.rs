@@ -1,9 +1,10 @@
-//! The chaos run, short: `bulkhead bench chaos --minutes 2`. Faults of every kind at random
+//! The chaos run, short: `bulkhead-bench chaos --minutes 2`. Faults of every kind at random
 //! (domains SIGKILLed and SIGSTOPped, a filter added and removed, a tap mode switched,
 //! snapshots, the remote NBD server restarted) under fio verify on six ext4 file systems, over
 //! FUSE and NBD, on a device of each kind. Nothing may be lost: no I/O error, no block that
 //! does not verify, every file system clean, no device failed. Nothing is left behind.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use bulkhead_testkit::require_kernel;

@@ -4,6 +4,7 @@
 //! break the channel (logged, rate-limited) and the supervisor replaces the domain; requests
 //! without an answer are held and reissued, so the data written reads back intact.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::process::Command;
@@ -232,7 +233,7 @@ fn log_flood_reaches_the_log_prefixed_escaped_and_rate_limited() {
     assert!(raw.len() < 512 << 10, "log grew to {} bytes", raw.len());
 }
 
-/// `bulkhead bench storm` runs end to end on a short window: a phase without the storm and one
+/// `bulkhead-bench storm` runs end to end on a short window: a phase without the storm and one
 /// with it, the victim read without error in both, the storm's rate read from the driver's
 /// log, and nothing left behind.
 #[test]

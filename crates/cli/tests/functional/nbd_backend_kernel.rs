@@ -2,6 +2,7 @@
 //! second host (a network namespace joined by veth, over TCP). Reconnects when the server
 //! goes away and comes back; fails the device, clearly, when it stays away.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};

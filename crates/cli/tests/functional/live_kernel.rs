@@ -4,6 +4,7 @@
 //! running configuration dumped, and the metrics scraped and checked against what fio did;
 //! views added to and removed from a device while fio verifies on a sibling view.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::io::{Read, Write};

@@ -1,6 +1,7 @@
 //! `serve` under a service manager: the sd_notify protocol checked against a socket of the
 //! test's own, and the shipped unit and tmpfiles entry checked by systemd's own tools.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::os::unix::net::UnixDatagram;

@@ -1,6 +1,7 @@
 //! The NBD export against real clients (qemu-io, qemu-img, nbdinfo, nbdcopy, nbdfuse), and
 //! against hostile ones: one test per class of published nbdkit / qemu NBD server advisory.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::io::{Read, Write};

@@ -1,6 +1,7 @@
-//! `bulkhead bench fileio` end to end on a small matrix: bulkhead and the native loop peer
+//! `bulkhead-bench fileio` end to end on a small matrix: bulkhead and the native loop peer
 //! measured in two rounds, outputs written, nothing left behind.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use bulkhead_testkit::require_kernel;

@@ -1,8 +1,9 @@
-//! Power cuts, the short version of `bulkhead bench powercut`: `serve` and every domain are
+//! Power cuts, the short version of `bulkhead-bench powercut`: `serve` and every domain are
 //! killed at a random moment under FUA and flushing writers, ten times on a raw file and ten
 //! on a qcow2 image; every block must then hold what was acknowledged durable or a later
 //! write, and the image must pass `qemu-img check`. Nothing is left mounted or running.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use bulkhead_testkit::require_kernel;

@@ -3,6 +3,7 @@
 //! The faults are the test driver's (`bulkhead-test-driver`, told by
 //! `BULKHEAD_TEST_GUARD_INJECT`): the shipped driver has no way to make them.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::process::Command;

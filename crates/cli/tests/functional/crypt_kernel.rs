@@ -4,6 +4,7 @@
 //! domain of its own, the key and the plaintext never reach the driver domain below, while
 //! either domain is killed; a wrong key refused with a clear error.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::process::Command;

@@ -1,6 +1,7 @@
 //! `bulkhead serve` end to end through the real kernel: FUSE, loop devices, ext4, dd, fio.
 //! Skipped with a message where the kernel support is missing, unless BULKHEAD_REQUIRE_KERNEL=1.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::io::{Read, Seek, SeekFrom, Write};

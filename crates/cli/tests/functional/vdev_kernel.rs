@@ -2,6 +2,7 @@
 //! the reference driver in the driver domain, ext4, fsck and fio through FUSE and a loop
 //! device, NBD, a hostile driver and a model that dies.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::process::Command;

@@ -4,6 +4,7 @@
 //! way round, compressed clusters included; a corrupt header refused naming the device and the
 //! field, with the file untouched.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::path::Path;

@@ -1,6 +1,7 @@
 //! The supervisor restarts dead, wedged and crash-looping driver domains without losing a
 //! request, through the real kernel: ext4 over FUSE and a loop device, fio verifying.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::process::Command;

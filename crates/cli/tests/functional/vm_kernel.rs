@@ -4,6 +4,7 @@
 //! guest passes only if its dmesg shows no I/O error and no "not a head", and every block it
 //! wrote reads back as written.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::path::Path;

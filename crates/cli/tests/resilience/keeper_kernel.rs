@@ -3,6 +3,7 @@
 //! listening sockets and the ramdisks, so applications see a pause rather than an error.
 //! Skipped where the kernel support is missing, unless BULKHEAD_REQUIRE_KERNEL=1.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::io::{Read, Write};

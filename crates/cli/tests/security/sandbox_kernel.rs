@@ -1,6 +1,7 @@
 //! The driver-domain sandbox, tested the way an attacker would: from inside a running, confined
 //! domain, try to escape, and check each attempt fails with the exact errno (or signal).
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::time::{Duration, Instant};

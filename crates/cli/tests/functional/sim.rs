@@ -1,5 +1,5 @@
-//! `bulkhead sim`: the seed's worked example comes out as printed there, a requests file is
-//! read and its mistakes named by line, and the JSON carries every scheduler.
+//! `bulkhead sim`: the performance modeling paper's worked example comes out as printed there, a
+//! requests file is read and its mistakes named by line, and the JSON carries every scheduler.
 
 use std::process::Command;
 

@@ -1,6 +1,7 @@
 //! The Debian package: built by scripts/package.sh (cargo-deb), unpacked into a scratch root,
 //! its contents checked, and `serve` run from it on the configuration it ships.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::path::Path;

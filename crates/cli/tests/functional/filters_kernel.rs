@@ -3,6 +3,7 @@
 //! reaching an application with their errno; throttled requests outlasting the watchdog without
 //! a restart; and no acknowledged write lost while the domain holding requests is killed.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::process::Command;

@@ -3,6 +3,7 @@
 //! through SIGKILLs of the shared domain, and leave nothing behind when they detach; bad
 //! requests and hostile descriptors are refused by name and harm nobody.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::io::Write;

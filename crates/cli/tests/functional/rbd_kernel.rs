@@ -1,6 +1,7 @@
 //! The `rbd` backend against a real single-node Ceph cluster (`scripts/ceph-dev.sh`), each test
 //! with a cluster of its own in a network namespace of its own, torn down even on failure.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};

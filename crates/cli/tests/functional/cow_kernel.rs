@@ -4,6 +4,7 @@
 //! what bulkhead served. Snapshots reverted and deleted through `bulkhead snapshot`, a revert
 //! refused while the device is busy, and mistakes answered by name.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::os::unix::fs::FileExt;

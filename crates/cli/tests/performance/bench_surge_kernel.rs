@@ -1,6 +1,7 @@
-//! `bulkhead bench surge` end to end on a small run: a bulkhead scheduler and a kernel one,
+//! `bulkhead-bench surge` end to end on a small run: a bulkhead scheduler and a kernel one,
 //! the simulator beside, outputs written, the loop device as it was, nothing left behind.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use bulkhead_testkit::require_kernel;

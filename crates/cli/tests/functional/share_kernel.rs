@@ -2,6 +2,7 @@
 //! with qemu-io and fio), each held to its range and its access, none able to stall the
 //! others, none losing a write when the shared domain is killed under all of them.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::io::{Read, Write};

@@ -3,6 +3,7 @@
 //! gets errors for its requests or a stopped queue, never a crash of `serve` or a change to
 //! another device.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::path::Path;

@@ -1,6 +1,7 @@
-//! `bulkhead bench guard` on a few writes: every mechanism and mode measured, and the writes
+//! `bulkhead-bench guard` on a few writes: every mechanism and mode measured, and the writes
 //! it says were caught are the ones each mode should catch.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::process::Command;

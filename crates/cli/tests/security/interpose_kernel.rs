@@ -6,6 +6,7 @@
 //! `tap = "intercept"`: one tap domain terminates every request in a soft device, and refuses a
 //! device node. Mode switches among all three under load.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::process::Command;

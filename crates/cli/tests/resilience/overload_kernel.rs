@@ -1,10 +1,11 @@
-//! Overload, the short version of `bulkhead bench overload`: 16 NBD clients at a queue depth
+//! Overload, the short version of `bulkhead-bench overload`: 16 NBD clients at a queue depth
 //! of 128 on one device, a FUSE user beside them, a slowloris and a client that never reads its
 //! answers. Nothing the protocol allows is refused, no connection is dropped, every client
 //! gets at least half of its fair share, the FUSE user is served, serve's private memory grows
 //! within the export's bound, and the slowloris is closed at the negotiation deadline (10 s)
 //! rather than held. docs/BENCHMARKS.md ("Overload") records the full run.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use bulkhead_testkit::require_kernel;
