@@ -21,7 +21,7 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Why a chain could not start.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StartError {
-    /// The backend lost what it depends on (see [`Backend::start`]): the next domain may
+    /// The backend lost what it depends on (see [`Remote::start`](crate::Remote::start)): the next domain may
     /// succeed.
     #[error("{0}")]
     Lost(SetupError),
@@ -216,7 +216,7 @@ impl Chain {
         self.turns.next_poll
     }
 
-    /// Starts the backend (see [`Remote::start`]), then opens the layers from the bottom up
+    /// Starts the backend (see [`Remote::start`](crate::Remote::start)), then opens the layers from the bottom up
     /// (see [`Layer::open`]), each reading through those below it. `clock` is the monotonic
     /// clock in ns. Call after [`attach`](Self::attach).
     pub fn start(&mut self, clock: &dyn Fn() -> u64) -> Result<(), StartError> {
@@ -242,23 +242,23 @@ impl Chain {
         Ok(())
     }
 
-    /// The backend lost what it depends on (see [`Remote::lost`]).
+    /// The backend lost what it depends on (see [`Remote::lost`](crate::Remote::lost)).
     pub fn lost(&mut self) -> Option<&str> {
         self.backend.remote().and_then(|r| r.lost())
     }
 
-    /// Whether the backend's remote has stopped answering (see [`Remote::stalled`]); `None`
+    /// Whether the backend's remote has stopped answering (see [`Remote::stalled`](crate::Remote::stalled)); `None`
     /// for a backend that cannot.
     pub fn stalled(&mut self) -> Option<bool> {
         self.backend.remote().filter(|r| r.may_stall()).map(|r| r.stalled())
     }
 
-    /// The backend's doorbell for completions and work of its own (see [`Upkeep::wake_fd`]).
+    /// The backend's doorbell for completions and work of its own (see [`Upkeep::wake_fd`](crate::Upkeep::wake_fd)).
     pub fn backend_wake_fd(&mut self) -> Option<std::os::fd::RawFd> {
         self.backend.upkeep().map(|u| u.wake_fd())
     }
 
-    /// Lets the backend do work of its own (see [`Upkeep::tend`]).
+    /// Lets the backend do work of its own (see [`Upkeep::tend`](crate::Upkeep::tend)).
     pub fn tend(&mut self) {
         if let Some(u) = self.backend.upkeep() {
             u.tend();

@@ -90,7 +90,7 @@ pub struct DeviceCounters {
     pub bytes_written: AtomicU64,
 }
 
-/// The operations [`DeviceCounters::ops`] counts, by name.
+/// The operations each queue counts ([`OpCounters`]), by name.
 pub const OPS: [(bulkhead_channel::Op, &str); 5] = [
     (bulkhead_channel::Op::Read, "read"),
     (bulkhead_channel::Op::Write, "write"),

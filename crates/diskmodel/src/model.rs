@@ -7,7 +7,7 @@ use crate::cache::{CacheGeometry, CacheShadow};
 /// Bytes of a sector, the model's unit of position.
 pub const SECTOR: u64 = 512;
 
-/// What the model knows of a drive. Positions are in sectors of [`SECTOR`] bytes; times in
+/// What the model knows of a drive. Positions are in sectors of 512 bytes; times in
 /// nanoseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

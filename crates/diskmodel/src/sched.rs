@@ -5,13 +5,13 @@
 //! - `satf`: shortest access time first, as the model predicts it (greedy).
 //! - `opt`: the first request of the order that minimises the queue's total response time
 //!   ([algorithm T](crate::opt)), recomputed at every dispatch.
-//! - `deadline`: Linux's deadline elevator: requests in sector order, one way, in batches; reads
-//!   preferred; a request past its expiry starts the next batch. - `cats`: cache-aware table
-//!   scheduling, as Jones' performance modeling paper gives it: a predicted cache hit at once;
-//!   reads before writes, in algorithm T's order; writes held until the oldest has waited a minimum
-//!   delay (or a maximum, whatever reads are queued) and then served as a burst in circular-scan
-//!   order; up to 5 ms of anticipation after a read, against deceptive idleness, for a stream whose
-//!   reads have come soon and close to each other.
+//! - `deadline`: Linux's deadline elevator: requests in sector order, one way, in batches;
+//!   reads preferred; a request past its expiry starts the next batch.
+//! - `cats`: cache-aware table scheduling, as Jones' performance modeling paper gives it: a
+//!   predicted cache hit at once; reads before writes, in algorithm T's order; writes held until
+//!   the oldest has waited a minimum delay (or a maximum, whatever reads are queued) and then
+//!   served as a burst in circular-scan order; up to 5 ms of anticipation after a read, against
+//!   deceptive idleness, for a stream whose reads have come soon and close to each other.
 //!
 //! Every scheduler coalesces: after the request it picks, it takes the queued requests of the
 //! same direction that continue it, so that one access serves them all.

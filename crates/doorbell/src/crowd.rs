@@ -86,7 +86,7 @@ pub struct CrowdWatch {
 
 impl CrowdWatch {
     /// Whether a waiter that started spinning at `since` should sleep now (`now`); looks at the
-    /// run queues at most every [`CHECK_EVERY_NS`], and not before [`FIRST_LOOK_NS`] of spinning.
+    /// run queues at most every `CHECK_EVERY_NS`, and not before `FIRST_LOOK_NS` of spinning.
     pub fn should_sleep(&mut self, since: u64, now: u64) -> bool {
         self.look(since, now).is_some_and(|crowded| self.judge(crowded))
     }

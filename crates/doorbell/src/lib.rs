@@ -2,9 +2,9 @@
 //!
 //! - [`EventFd`]: a doorbell each way between frontend and driver domain.
 //! - [`Poller`]: blocks on several doorbells at once (the driver serves all queues from one loop).
-//!   - [`NotifyMode`]: `irq` (always sleep, always ring: the base design of Shirole's driver domain
-//!   thesis), `poll` (spin forever), `adaptive` (spin up to a budget, then sleep: the thesis'
-//!   improved design).
+//! - [`NotifyMode`]: `irq` (always sleep, always ring: the base design of Shirole's driver
+//!   domain thesis), `poll` (spin forever), `adaptive` (spin up to a budget, then sleep: the
+//!   thesis' improved design).
 //! - [`SpinBudget`]: a fixed budget, or one that tunes itself from observed gaps (see
 //!   `docs/ring-protocol.md`, "Adaptive budget").
 //! - [`Crowd`]: whether runnable threads outnumber the CPUs, so an adaptive waiter stops

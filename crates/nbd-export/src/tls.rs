@@ -9,7 +9,7 @@
 //! sessions run on OpenSSL. After the client's `STARTTLS`, a relay thread speaks TLS on the
 //! connection's socket and passes the plaintext over a socket pair to the rest of the server,
 //! which goes on negotiating and serving on its end as on any other connection. Both
-//! libraries sit behind one [`Session`] face, so the relay is the same for both.
+//! libraries sit behind one `Session` face, so the relay is the same for both.
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};

@@ -5,7 +5,7 @@
 //! driver --spec …`) holding only those descriptors, and hands the frontend end to the exports
 //! as a [`bulkhead_client::Device`]. The watcher learns of a domain's death through its pidfd,
 //! of a broken channel through the device's alarm, and of a wedged domain through the
-//! watchdog; the device's [`lifecycle`](crate::lifecycle) decides what to do, and a worker does
+//! watchdog; the device's lifecycle (`lifecycle.rs`) decides what to do, and a worker does
 //! it. `serve` answers the control socket (`bulkhead_control`) through it. What a domain prints reaches the log through
 //! [`domain_log`], prefixed, sanitised and rate-limited.
 //!
