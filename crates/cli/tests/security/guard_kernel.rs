@@ -19,11 +19,16 @@ fn injected_faults_in_a_guarded_filter_are_stopped_and_no_acknowledged_write_is_
     }
     let tmp = TempDir::new("guard-kernel");
     let trace = tmp.path().join("t.blktrace");
+    // With protection keys `scdwc` stops every fault at any C. Without them the C pages it
+    // keeps open include the runtime's rings, so a fault aimed there may land by design
+    // (docs/guard.md, "Measured: isolation"); the faulting filter then runs under `dwc`.
+    let keys = std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.split_whitespace().any(|w| w == "ospke"));
+    let guard = if keys { "scdwc\"\nguard_cache = 20" } else { "dwc" };
     let config = format!(
         "[nbd]\nenabled = false\n[[device]]\nname = \"g\"\nsize = \"64M\"\nrestart_limit = 100000\n\
          [device.backend]\ntype = \"ram\"\n\
-         [[device.filter]]\ntype = \"trace\"\npath = \"{}\"\nguard = \"scdwc\"\nguard_cache = 20\n\
-         [[device.filter]]\ntype = \"stats\"\nguard = \"dwc\"\n",
+         [[device.filter]]\ntype = \"trace\"\npath = \"{}\"\nguard = \"{guard}\"\n\
+         [[device.filter]]\ntype = \"stats\"\nguard = \"scdwc\"\n",
         trace.display()
     );
     // The trace filter, the first, faults at a random call of every 3000, with seed 7.
@@ -51,7 +56,7 @@ fn injected_faults_in_a_guarded_filter_are_stopped_and_no_acknowledged_write_is_
     // The domain's own report of each stop (the supervisor's restart lines are rate-limited).
     let stopped = log.matches("which it may not write: stopped before the write").count();
     assert!(injected >= 2, "too few faults injected ({injected}) to show anything\n{log}");
-    assert!(!log.contains("landed: not isolated"), "a fault landed under scdwc with C = 20\n{log}");
+    assert!(!log.contains("landed: not isolated"), "a fault landed (protection keys: {keys})\n{log}");
     assert!(stopped + 1 >= injected, "{injected} injected, {stopped} stopped\n{log}");
     let status = serve.status_json();
     assert!(status["devices"][0]["restarts"].as_u64().unwrap() >= 1, "{status}");
