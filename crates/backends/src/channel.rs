@@ -173,6 +173,8 @@ impl ChannelBackend {
                     Err(SubmitError::Full | SubmitError::TooLarge(_)) => {
                         ios[i].result = Err(BlockError::Invalid("request larger than the channel below"))
                     }
+                    // This end forwards windows or copies slices: it never fills one.
+                    Err(SubmitError::Fill(_)) => ios[i].result = Err(BlockError::Invalid("a write's data could not be read")),
                     Err(SubmitError::Broken(e)) => return Err(BackendError::link(format!("channel to the domain below: {e}"))),
                 }
                 sent += 1;

@@ -11,7 +11,7 @@ use bulkhead_ring::{
 };
 use bulkhead_shmem::{Mapping, PageAllocator, SharedSlice, SliceList};
 
-use crate::{ChannelError, QueueConfig, SubmitError};
+use crate::{ChannelError, FillError, QueueConfig, SubmitError};
 
 /// What the frontend asks of the device: a read names how many bytes to read (the queue places
 /// them in its read arena), a write borrows the bytes to write (copied into its write arena).
@@ -59,8 +59,8 @@ enum Payload<'d> {
     /// Windows the driver already has, named as they are.
     Forward(&'d [Segment]),
     /// Bytes the caller writes into the write-arena window it is given (from memory it cannot
-    /// lend as a slice, such as a guest's).
-    Fill(&'d mut dyn FnMut(SharedSlice<'_>)),
+    /// lend as a slice, such as a guest's, or from a file); a fill that fails places nothing.
+    Fill(&'d mut dyn FnMut(SharedSlice<'_>) -> Result<(), FillError>),
 }
 
 /// One request in the shadow table: what the frontend sent, against which responses are checked.
@@ -495,7 +495,13 @@ impl FrontQueue {
                         at += b.len();
                     }
                 }
-                Payload::Fill(fill) => fill(arenas.w.slice(arena_off, n).expect("allocator stays inside the arena")),
+                Payload::Fill(fill) => {
+                    if let Err(e) = fill(arenas.w.slice(arena_off, n).expect("allocator stays inside the arena")) {
+                        // Nothing of it is placed: the window goes back, unwritten data and all.
+                        arenas.walloc.free(arena_off, n);
+                        return Err(SubmitError::Fill(e));
+                    }
+                }
                 Payload::None | Payload::ReadSpace | Payload::Forward(_) => {}
             }
             slot.nsegs = 1;
@@ -521,14 +527,15 @@ impl FrontQueue {
     }
 
     /// Places a write of `len` bytes at `offset` whose data `fill` writes into the write-arena
-    /// window it is given (exactly `len` bytes; called once, and only if the request is placed).
+    /// window it is given (exactly `len` bytes; called once, when there is room for the
+    /// request). If `fill` fails, nothing is placed and its error is returned.
     pub fn push_write_with(
         &mut self,
         offset: u64,
         len: u64,
         fua: bool,
         user: u64,
-        fill: &mut dyn FnMut(SharedSlice<'_>),
+        fill: &mut dyn FnMut(SharedSlice<'_>) -> Result<(), FillError>,
     ) -> Result<(), SubmitError> {
         self.place(Op::Write, offset, len, Payload::Fill(fill), fua, user)
     }

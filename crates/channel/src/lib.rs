@@ -70,4 +70,14 @@ pub enum SubmitError {
     /// The channel is broken.
     #[error(transparent)]
     Broken(#[from] ChannelError),
+    /// The caller could not fill a write's window ([`FrontQueue::push_write_with`]): nothing
+    /// was placed.
+    #[error("the write's data could not be read: {0}")]
+    Fill(#[from] FillError),
 }
+
+/// Why a write's data could not be put in its window: the source failed (a file that could
+/// not be read, say), in its words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct FillError(pub String);

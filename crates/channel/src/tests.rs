@@ -84,6 +84,24 @@ fn arena_exhaustion_is_full_and_oversize_is_too_large() {
 }
 
 #[test]
+fn a_write_whose_fill_fails_is_not_placed_and_gives_its_window_back() {
+    let (mut f, mut b) = pair(&cfg(), 1 << 20).unwrap();
+    let e = f.push_write_with(0, 1 << 20, false, 1, &mut |_| Err(FillError("the source is gone".into())));
+    assert_eq!(e, Err(SubmitError::Fill(FillError("the source is gone".into()))));
+    assert_eq!(f.in_flight(), 0);
+    // The whole arena is free again: a write of all of it fits.
+    f.push_write_with(0, 1 << 20, false, 2, &mut |w| {
+        w.copy_from(&vec![7; 1 << 20]).unwrap();
+        Ok(())
+    })
+    .unwrap();
+    f.publish();
+    let mut disk = vec![0u8; 1 << 20];
+    assert_eq!(serve(&mut b, &mut disk), 1);
+    assert!(disk.iter().all(|&x| x == 7));
+}
+
+#[test]
 fn four_mib_request_round_trips() {
     let c = QueueConfig { arena_bytes: 8 << 20, ..cfg() };
     let (mut f, mut b) = pair(&c, 16 << 20).unwrap();

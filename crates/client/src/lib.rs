@@ -38,7 +38,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bulkhead_channel::{ChannelError, FrontQueue, NotifyMode};
-pub use bulkhead_channel::{Command, FrontRequest, Op, SharedSlice, Status};
+pub use bulkhead_channel::{Command, FillError, FrontRequest, Op, SharedSlice, Status};
 use bulkhead_doorbell::EventFd;
 
 pub mod attach;
@@ -63,6 +63,9 @@ pub enum IoError {
     /// The queue has as many requests in flight as it holds: reap some first.
     #[error("queue full")]
     QueueFull,
+    /// A write's data could not be read from where the caller had it: nothing was sent.
+    #[error("the write's data could not be read: {0}")]
+    Unreadable(String),
 }
 
 impl IoError {
@@ -73,6 +76,7 @@ impl IoError {
             IoError::Invalid(_) => libc::EINVAL,
             IoError::Unavailable(_) => libc::EIO,
             IoError::QueueFull => libc::EAGAIN,
+            IoError::Unreadable(_) => libc::EIO,
         }
     }
 }

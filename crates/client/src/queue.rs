@@ -4,7 +4,7 @@
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
-use bulkhead_channel::{FrontQueue, FrontRequest, SharedSlice, SubmitError};
+use bulkhead_channel::{FillError, FrontQueue, FrontRequest, SharedSlice, SubmitError};
 use bulkhead_doorbell::NotifyMode;
 
 use crate::turn::{Place, Turnstile};
@@ -137,7 +137,8 @@ impl<'a> QueueHandle<'a> {
 
     /// Submits under `token` a write of `len` bytes at `offset` whose data `fill` copies into
     /// the channel window it is given (exactly `len` bytes), for data the caller cannot lend as
-    /// a slice, such as a guest's memory. `fill` runs once, when the request is placed. As
+    /// a slice, such as a guest's memory or a file. `fill` runs once, when there is room for
+    /// the request; if it fails, nothing is submitted and the error is `Invalid`. As
     /// [`submit`](Self::submit) otherwise.
     pub fn submit_write_with(
         &mut self,
@@ -145,7 +146,7 @@ impl<'a> QueueHandle<'a> {
         len: u64,
         fua: bool,
         token: u64,
-        fill: &mut dyn FnMut(SharedSlice<'_>),
+        fill: &mut dyn FnMut(SharedSlice<'_>) -> Result<(), FillError>,
     ) -> Result<(), IoError> {
         self.dev.check_range(offset, len)?;
         self.place(|q| {
@@ -186,6 +187,7 @@ impl<'a> QueueHandle<'a> {
                     self.check_timeout(started)?;
                 }
                 Err(SubmitError::TooLarge(_)) => return Err(IoError::Invalid("request larger than the queue's arena")),
+                Err(SubmitError::Fill(e)) => return Err(IoError::Unreadable(e.0)),
                 Err(SubmitError::Broken(e)) => self.dev.report_broken(&e),
             }
         }

@@ -339,6 +339,47 @@ impl<'a> SharedSlice<'a> {
         Ok(self.ptr)
     }
 
+    /// Fills the whole window from `fd` at `pos` (`pread`, again after a short read). An end
+    /// of file before the window is full is an error: the window would hold stale bytes.
+    pub fn read_at(&self, fd: std::os::fd::BorrowedFd<'_>, pos: u64) -> Result<(), ShmError> {
+        use std::os::fd::AsRawFd;
+        let ptr = self.as_mut_ptr()?;
+        let mut done = 0usize;
+        while done < self.len {
+            // SAFETY: the window is writable and valid for `len` bytes (bounds checked at
+            // creation); the kernel writes at most `len - done` bytes past `done`.
+            let n =
+                unsafe { libc::pread(fd.as_raw_fd(), ptr.add(done).cast(), self.len - done, (pos + done as u64) as libc::off_t) };
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => return Err(ShmError::Sys { op: "pread", source: std::io::ErrorKind::UnexpectedEof.into() }),
+                _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+                _ => return Err(ShmError::last("pread")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the whole window to `fd` at `pos` (`pwrite`, again after a short write).
+    pub fn write_at(&self, fd: std::os::fd::BorrowedFd<'_>, pos: u64) -> Result<(), ShmError> {
+        use std::os::fd::AsRawFd;
+        let mut done = 0usize;
+        while done < self.len {
+            // SAFETY: the window is valid for `len` reads (bounds checked at creation); the
+            // kernel reads at most `len - done` bytes past `done`.
+            let n = unsafe {
+                libc::pwrite(fd.as_raw_fd(), self.ptr.add(done).cast(), self.len - done, (pos + done as u64) as libc::off_t)
+            };
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => return Err(ShmError::Sys { op: "pwrite", source: std::io::ErrorKind::WriteZero.into() }),
+                _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+                _ => return Err(ShmError::last("pwrite")),
+            }
+        }
+        Ok(())
+    }
+
     /// An iovec over the window, for vectored system calls.
     pub fn iovec(&self) -> libc::iovec {
         libc::iovec { iov_base: self.ptr.cast(), iov_len: self.len }
@@ -450,6 +491,25 @@ mod tests {
         assert!(matches!(m.slice(usize::MAX, 2), Err(ShmError::OutOfBounds { .. })));
         let s = m.slice(0, 100).unwrap();
         assert!(s.sub(50, 51).is_err());
+    }
+
+    #[test]
+    fn a_window_is_filled_from_and_written_to_a_file_at_an_offset() {
+        use std::os::fd::AsFd;
+        let fd = memfd::create("t", 4096).unwrap();
+        let m = Mapping::new(fd.as_raw_fd(), 4096, Protection::ReadWrite).unwrap();
+        let file = memfd::create("f", 8192).unwrap();
+        let data: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        m.slice(0, 1000).unwrap().copy_from(&data).unwrap();
+        m.slice(0, 1000).unwrap().write_at(file.as_fd(), 5000).unwrap();
+        m.slice(2000, 1000).unwrap().read_at(file.as_fd(), 5000).unwrap();
+        let mut back = vec![0; 1000];
+        m.slice(2000, 1000).unwrap().copy_to(&mut back);
+        assert_eq!(back, data);
+        // Past the end of the file the window cannot be filled: an error, not stale bytes.
+        assert!(m.slice(0, 100).unwrap().read_at(file.as_fd(), 8150).is_err());
+        let ro = Mapping::new(fd.as_raw_fd(), 4096, Protection::ReadOnly).unwrap();
+        assert!(matches!(ro.slice(0, 8).unwrap().read_at(file.as_fd(), 0), Err(ShmError::ReadOnly)));
     }
 
     #[test]

@@ -333,7 +333,10 @@ pub fn run(w: QueueWork) -> RingPosition {
             let sent = match req.cmd {
                 Command::Write { offset, from, .. } => {
                     let (mem, data) = (sv.ring.memory(), &req.data);
-                    h.submit_write_with(offset, u64::from(from), false, token, &mut |win| guest_to_arena(mem, data, &win))
+                    h.submit_write_with(offset, u64::from(from), false, token, &mut |win| {
+                        guest_to_arena(mem, data, &win);
+                        Ok(())
+                    })
                 }
                 Command::Read { offset, into } => h.submit(FrontRequest::Read { offset, into: u64::from(into) }, token),
                 Command::Flush => h.submit(FrontRequest::Flush, token),
