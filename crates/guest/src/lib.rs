@@ -1,4 +1,5 @@
-//! Real Linux guests under QEMU (TCG) for the vhost-user tests and `bulkhead-bench vm`.
+//! Real Linux guests under QEMU (TCG) for the vhost-user tests, `bulkhead-bench vm`, and the
+//! kernel lab.
 //!
 //! The kit (a kernel and a busybox initramfs made from Debian packages by
 //! `scripts/guest-kit.sh`) is built once and cached. Each guest gets the kit's initramfs
@@ -6,6 +7,11 @@
 //! checker as `/bin/guest-io`. The guest's serial console (kernel messages, the script's
 //! output, and its `dmesg` at the end) is collected line by line; [`Vm`] kills QEMU when
 //! dropped, so a failing test leaves no guest behind.
+//!
+//! The lab ([`Lab`], `scripts/guest-lab.sh`) is a guest of a newer kernel (bookworm-backports'
+//! 6.12, with ublk and nbd) that runs this host's own programs: the host's root is its root,
+//! read-only over 9p, with tmpfs on `/run` and `/var/tmp`. So `bulkhead serve` itself, fio and
+//! e2fsprogs run there as built and installed here, on a kernel this host may lack.
 #![deny(missing_docs)]
 
 use std::io::{BufRead, BufReader, Write};
@@ -51,6 +57,47 @@ impl Kit {
         let guest_io = build_guest_io(&root)?;
         Ok(Kit { vmlinux: dir.join("vmlinux"), initrd: dir.join("initrd.cpio.gz"), guest_io })
     }
+}
+
+/// The cached kernel lab: a kernel with ublk and nbd, and an initramfs that switches to the
+/// host's root.
+#[derive(Debug, Clone)]
+pub struct Lab {
+    /// The kernel, uncompressed.
+    pub vmlinux: PathBuf,
+    /// The initramfs.
+    pub initrd: PathBuf,
+    /// The kernel package it came from.
+    pub kernel: String,
+}
+
+impl Lab {
+    /// The lab, built first if it is not cached (`scripts/guest-lab.sh`).
+    pub fn ensure() -> Result<Lab, GuestError> {
+        let root = workspace();
+        let out = Command::new(root.join("scripts/guest-lab.sh"))
+            .output()
+            .map_err(|e| GuestError(format!("scripts/guest-lab.sh: {e}")))?;
+        if !out.status.success() {
+            return Err(GuestError(format!("scripts/guest-lab.sh failed: {}", String::from_utf8_lossy(&out.stderr))));
+        }
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        let kernel = std::fs::read_to_string(dir.join("kernel")).unwrap_or_default().trim().to_string();
+        Ok(Lab { vmlinux: dir.join("vmlinux"), initrd: dir.join("initrd.cpio.gz"), kernel })
+    }
+}
+
+/// How to run a lab guest.
+#[derive(Debug, Clone)]
+pub struct LabOptions {
+    /// The shell script it runs (the host's `/bin/sh`, with the host's programs on `PATH`).
+    pub script: String,
+    /// Memory, MiB.
+    pub memory_mib: u32,
+    /// Virtual CPUs.
+    pub cpus: u32,
+    /// Where the combined initramfs is written.
+    pub scratch: PathBuf,
 }
 
 fn build_guest_io(root: &Path) -> Result<PathBuf, GuestError> {
@@ -192,7 +239,8 @@ impl Outcome {
     /// What the script printed (between `GUEST UP` and `GUEST EXIT`), or everything if the
     /// guest did not get that far.
     pub fn script_output(&self) -> String {
-        let start = self.lines.iter().position(|l| l.starts_with("GUEST UP")).unwrap_or(0);
+        // The firmware's last words may share the line ("Booting from ROM..GUEST UP 2.4").
+        let start = self.lines.iter().position(|l| l.contains("GUEST UP")).unwrap_or(0);
         let end = self.lines.iter().position(|l| l.starts_with("GUEST EXIT")).map_or(self.lines.len(), |e| e + 1);
         self.lines[start..end.max(start)].join("\n")
     }
@@ -208,37 +256,67 @@ impl Outcome {
     }
 }
 
+/// Writes `base` followed by an archive of `files` to `scratch`: the initramfs a guest boots.
+fn write_initrd(base: &Path, files: &[(&str, u32, &[u8])], scratch: &Path) -> Result<(), GuestError> {
+    let mut initrd = std::fs::read(base).map_err(|e| GuestError(format!("{}: {e}", base.display())))?;
+    // The kernel finds a following archive only at a four-byte boundary.
+    while !initrd.len().is_multiple_of(4) {
+        initrd.push(0);
+    }
+    initrd.extend_from_slice(&cpio(files));
+    std::fs::write(scratch, &initrd).map_err(|e| GuestError(format!("{}: {e}", scratch.display())))
+}
+
+/// QEMU booting `vmlinux` with `initrd`, `mem` MiB and `cpus` CPUs, its console on stdio.
+fn qemu(vmlinux: &Path, initrd: &Path, mem: u32, cpus: u32) -> Command {
+    let mut cmd = Command::new("qemu-system-x86_64");
+    cmd.args(["-accel", "tcg", "-m"])
+        .arg(format!("{mem}"))
+        .arg("-smp")
+        .arg(cpus.max(1).to_string())
+        .args(["-nodefaults", "-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot"])
+        .arg("-kernel")
+        .arg(vmlinux)
+        .arg("-initrd")
+        .arg(initrd)
+        .args(["-append", "console=ttyS0 quiet panic=-1"]);
+    cmd
+}
+
 impl Vm {
     /// Boots a guest of `kit` as `opts` says.
     pub fn boot(kit: &Kit, opts: &VmOptions) -> Result<Vm, GuestError> {
         let io_bin = std::fs::read(&kit.guest_io).map_err(|e| GuestError(format!("{}: {e}", kit.guest_io.display())))?;
         // Each command is echoed (`+ …`) so that a failing one shows in the console.
         let script = format!("#!/bin/sh\nset -ex\n{}\n", opts.script);
-        let extra = cpio(&[("bin/guest-io", 0o100755, &io_bin), ("run.sh", 0o100755, script.as_bytes())]);
-        let mut initrd = std::fs::read(&kit.initrd).map_err(|e| GuestError(format!("{}: {e}", kit.initrd.display())))?;
-        // The kernel finds a following archive only at a four-byte boundary.
-        while !initrd.len().is_multiple_of(4) {
-            initrd.push(0);
-        }
-        initrd.extend_from_slice(&extra);
-        std::fs::write(&opts.scratch, &initrd).map_err(|e| GuestError(format!("{}: {e}", opts.scratch.display())))?;
+        write_initrd(
+            &kit.initrd,
+            &[("bin/guest-io", 0o100755, &io_bin), ("run.sh", 0o100755, script.as_bytes())],
+            &opts.scratch,
+        )?;
         let mem = opts.memory_mib;
-        let mut cmd = Command::new("qemu-system-x86_64");
-        cmd.args(["-accel", "tcg", "-m"])
-            .arg(format!("{mem}"))
-            .arg("-smp")
-            .arg(opts.cpus.max(1).to_string())
-            .args(["-nodefaults", "-no-user-config", "-nographic", "-serial", "stdio", "-no-reboot"])
-            .arg("-kernel")
-            .arg(&kit.vmlinux)
-            .arg("-initrd")
-            .arg(&opts.scratch)
-            .args(["-append", "console=ttyS0 quiet panic=-1"])
-            .args(["-object", &format!("memory-backend-memfd,id=mem,size={mem}M,share=on"), "-numa", "node,memdev=mem"]);
+        let mut cmd = qemu(&kit.vmlinux, &opts.scratch, mem, opts.cpus);
+        cmd.args(["-object", &format!("memory-backend-memfd,id=mem,size={mem}M,share=on"), "-numa", "node,memdev=mem"]);
         for (i, d) in opts.disks.iter().enumerate() {
             cmd.arg("-chardev").arg(format!("socket,id=disk{i},path={},reconnect=1", d.socket.display()));
             cmd.arg("-device").arg(format!("vhost-user-blk-pci,chardev=disk{i},num-queues={}", d.queues));
         }
+        Vm::spawn(cmd, &opts.scratch)
+    }
+
+    /// Boots a lab guest as `opts` says: the host's root, read-only, on the lab's kernel.
+    pub fn boot_lab(lab: &Lab, opts: &LabOptions) -> Result<Vm, GuestError> {
+        // Each command is echoed (`+ …`) so that a failing one shows in the console.
+        let script = format!("#!/bin/sh\nset -ex\n{}\n", opts.script);
+        write_initrd(&lab.initrd, &[("run.sh", 0o100755, script.as_bytes())], &opts.scratch)?;
+        let mut cmd = qemu(&lab.vmlinux, &opts.scratch, opts.memory_mib, opts.cpus);
+        // multidevs=remap: the host's files keep distinct inode numbers in the guest even where
+        // they come from several file systems.
+        cmd.args(["-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]);
+        Vm::spawn(cmd, &opts.scratch)
+    }
+
+    fn spawn(mut cmd: Command, scratch: &Path) -> Result<Vm, GuestError> {
         let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -272,7 +350,7 @@ impl Vm {
             m.lock().unwrap_or_else(|e| e.into_inner()).ended = true;
             cv.notify_all();
         });
-        Ok(Vm { child: Some(child), console, reader: Some(reader), initrd: opts.scratch.clone() })
+        Ok(Vm { child: Some(child), console, reader: Some(reader), initrd: scratch.to_path_buf() })
     }
 
     /// QEMU's pid.
