@@ -10,19 +10,24 @@ want losetup util-linux
 want mkfs.ext4 e2fsprogs
 # The NBD export's pre-shared-key TLS links the system's OpenSSL: headers and pkg-config to build.
 pkg-config --exists openssl 2>/dev/null || need+=(libssl-dev pkg-config)
+# The ublk export's library (libublk) makes its kernel bindings with bindgen, which needs libclang.
+dpkg-query -W -f='${Status}' libclang-dev 2>/dev/null | grep -q "ok installed" || need+=(libclang-dev)
 case "${1:-serve}" in
   test) want fio fio; want qemu-io qemu-utils; want qemu-img qemu-utils; want nbdinfo libnbd-bin
         want nbdcopy libnbd-bin; want nbdfuse libnbd-bin; want fusermount3 fuse3
         want nbdkit nbdkit; want qemu-nbd qemu-utils; want ip iproute2; want sysbench sysbench
         want blkparse blktrace; want btt blktrace; want cryptsetup cryptsetup-bin; want openssl openssl
         want qemu-system-x86_64 qemu-system-x86; want qemu-storage-daemon qemu-system-common; static_busybox
+        # The kernel lab's NBD client test (the guest runs this host's nbd-client).
+        want nbd-client nbd-client
         # The rbd tests' throwaway cluster (scripts/ceph-dev.sh); ceph-common brings librbd1.
         want ceph-mon ceph-mon; want ceph-osd ceph-osd; want rbd ceph-common
         # The control socket's check of another user connects from a small script.
         [ -x /usr/bin/python3 ] || need+=(python3); want setpriv util-linux ;;
   bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
          want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3; want qemu-nbd qemu-utils
-         want bindfs bindfs; want cryptsetup cryptsetup-bin; want qemu-system-x86_64 qemu-system-x86; static_busybox ;;
+         want bindfs bindfs; want cryptsetup cryptsetup-bin; want qemu-system-x86_64 qemu-system-x86; static_busybox
+         want nbd-client nbd-client ;;
 esac
 if ! command -v cargo >/dev/null 2>&1; then
   echo "cargo not found: install Rust (https://rustup.rs) first" >&2
@@ -48,6 +53,7 @@ case "${1:-serve}" in
         fi ;;
 esac
 case "${1:-serve}" in
-  # The guests' kit (a kernel and an initramfs from Debian packages), built once and cached.
-  test|bench) "$(dirname "$0")/guest-kit.sh" >/dev/null ;;
+  # The guests' kit (a kernel and an initramfs from Debian packages) and the kernel lab
+  # (bookworm-backports' kernel, which has ublk and nbd), built once and cached.
+  test|bench) "$(dirname "$0")/guest-kit.sh" >/dev/null; "$(dirname "$0")/guest-lab.sh" >/dev/null ;;
 esac

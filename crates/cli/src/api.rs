@@ -61,6 +61,7 @@ impl Service for ServeApi {
         let mut report = self.sup().status();
         report.fuse = self.live.exports.fuse_status();
         report.vhost_user = self.live.exports.vhost_status();
+        report.ublk = self.live.exports.ublk_status();
         Ok(report)
     }
 

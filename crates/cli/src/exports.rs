@@ -1,4 +1,4 @@
-//! The exports `serve` runs (FUSE, NBD, vhost-user-blk), each a value that carries its own
+//! The exports `serve` runs (FUSE, NBD, vhost-user-blk, ublk), each a value that carries its own
 //! settings, held together by [`Exports`], which ends them in order however `serve` ends.
 //!
 //! A device or view goes on every export that is on with [`Exports::offer`], and comes off
@@ -12,9 +12,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bulkhead_client::Device;
 use bulkhead_config::Config;
-use bulkhead_control::{FuseStatus, VhostStatus};
+use bulkhead_control::{FuseStatus, UblkStatus, VhostStatus};
 use bulkhead_fuse_export::{FuseError, FuseExport, Transport};
 use bulkhead_nbd_export::{Export as NbdOffer, NbdServer, Reach};
+use bulkhead_ublk_export::UblkExport;
 use bulkhead_vhost_export::{VhostError, VhostExport};
 
 /// An export kind, named as the control API and the logs name it.
@@ -23,6 +24,7 @@ pub enum Kind {
     Fuse,
     Nbd,
     VhostUser,
+    Ublk,
 }
 
 impl Kind {
@@ -31,6 +33,7 @@ impl Kind {
             Kind::Fuse => "fuse",
             Kind::Nbd => "nbd",
             Kind::VhostUser => "vhost_user",
+            Kind::Ublk => "ublk",
         }
     }
 }
@@ -44,6 +47,8 @@ pub enum ExportError {
     Nbd(#[from] bulkhead_nbd_export::ExportError),
     #[error(transparent)]
     VhostUser(#[from] VhostError),
+    #[error(transparent)]
+    Ublk(#[from] bulkhead_ublk_export::Error),
 }
 
 impl ExportError {
@@ -55,6 +60,7 @@ impl ExportError {
             ExportError::Fuse(FuseError::Open { .. })
                 | ExportError::Nbd(bulkhead_nbd_export::ExportError::InUse { .. })
                 | ExportError::VhostUser(VhostError::Connected { .. })
+                | ExportError::Ublk(bulkhead_ublk_export::Error::InUse { .. })
         )
     }
 }
@@ -78,6 +84,8 @@ pub struct Offer {
     pub reach: Reach,
     /// Whether it goes on the vhost-user export.
     pub vhost_user: bool,
+    /// Whether it goes on the ublk export.
+    pub ublk: bool,
 }
 
 impl Offer {
@@ -97,6 +105,7 @@ impl Offer {
                     front: front.clone(),
                     reach: Reach::from_list(allow.and_then(bulkhead_config::allow_list)),
                     vhost_user: cfg.vhost_user_exports(name),
+                    ublk: cfg.ublk_exports(name),
                 }
             })
             .collect()
@@ -108,6 +117,7 @@ enum Taken {
     Fuse(Arc<Device>),
     Nbd(NbdOffer),
     VhostUser(Arc<Device>),
+    Ublk(Arc<Device>),
 }
 
 /// What a withdrawal took from the exports, in the order it took it.
@@ -119,6 +129,7 @@ pub enum Running {
     Fuse(FuseExport),
     Nbd(NbdServer),
     VhostUser(VhostExport),
+    Ublk(UblkExport),
 }
 
 impl Running {
@@ -127,16 +138,20 @@ impl Running {
             Running::Fuse(_) => Kind::Fuse,
             Running::Nbd(_) => Kind::Nbd,
             Running::VhostUser(_) => Kind::VhostUser,
+            Running::Ublk(_) => Kind::Ublk,
         }
     }
 
-    /// Offers `o`; whether this export took it (vhost-user takes only what is configured for it).
+    /// Offers `o`; whether this export took it (vhost-user and ublk take only what is
+    /// configured for them).
     fn offer(&self, o: &Offer) -> Result<bool, ExportError> {
         match self {
             Running::Fuse(f) => f.add(o.front.clone())?,
             Running::Nbd(n) => n.add(NbdOffer::new(o.front.clone(), o.reach.clone()))?,
             Running::VhostUser(v) if o.vhost_user => v.add(o.front.clone())?,
             Running::VhostUser(_) => return Ok(false),
+            Running::Ublk(u) if o.ublk => u.add(o.front.clone())?,
+            Running::Ublk(_) => return Ok(false),
         }
         Ok(true)
     }
@@ -146,6 +161,7 @@ impl Running {
             Running::Fuse(f) => f.remove(name, force)?.map(Taken::Fuse),
             Running::Nbd(n) => n.remove(name, force)?.map(Taken::Nbd),
             Running::VhostUser(v) => v.remove(name, force)?.map(Taken::VhostUser),
+            Running::Ublk(u) => u.remove(name, force)?.map(Taken::Ublk),
         })
     }
 
@@ -154,6 +170,7 @@ impl Running {
             (Running::Fuse(f), Taken::Fuse(dev)) => f.add(dev)?,
             (Running::Nbd(n), Taken::Nbd(export)) => n.add(export)?,
             (Running::VhostUser(v), Taken::VhostUser(dev)) => v.add(dev)?,
+            (Running::Ublk(u), Taken::Ublk(dev)) => u.add(dev)?,
             _ => unreachable!("each export is given back what it took"),
         }
         Ok(())
@@ -171,6 +188,10 @@ impl Running {
             Running::VhostUser(v) => {
                 v.connected(name).then(|| format!("`{name}`: a virtual machine is connected to its vhost-user socket"))
             }
+            Running::Ublk(u) => u.in_use(name).then(|| {
+                let path = u.path_of(name).map_or_else(|| "its ublk device".into(), |p| p.display().to_string());
+                format!("`{name}`: {path} is mounted or held by a program")
+            }),
         }
     }
 }
@@ -181,6 +202,7 @@ pub struct ExportFigures {
     pub fuse_opens: Vec<(String, usize)>,
     pub nbd: Option<NbdFigures>,
     pub vhost: Option<Vec<VhostStatus>>,
+    pub ublk: Option<Vec<UblkStatus>>,
 }
 
 /// The NBD export's figures.
@@ -193,8 +215,8 @@ pub struct NbdFigures {
 }
 
 /// The exports `serve` runs, in the order they started. They end in the reverse order:
-/// vhost-user (each guest's queues drained first), then NBD, then FUSE, on a stop, a
-/// hand-over and a start that failed part way alike.
+/// ublk (requests in flight answered first), vhost-user (each guest's queues drained first),
+/// then NBD, then FUSE, on a stop, a hand-over and a start that failed part way alike.
 #[derive(Default)]
 pub struct Exports {
     on: Mutex<Vec<Running>>,
@@ -281,19 +303,22 @@ impl Exports {
                 Running::Fuse(f) => clean = f.shutdown(),
                 Running::Nbd(n) => n.shutdown(),
                 Running::VhostUser(v) => v.shutdown(),
+                Running::Ublk(u) => u.shutdown(),
             }
         }
         clean
     }
 
     /// Ends the exports as [`stop`](Self::stop) does, but leaves what a keeper holds (the FUSE
-    /// mount and session, the NBD listening sockets) to the `serve` that takes over.
+    /// mount and session, the NBD listening sockets) and what the kernel holds (the ublk
+    /// devices) to the `serve` that takes over.
     pub fn release(&self) {
         while let Some(export) = self.lock().pop() {
             match export {
                 Running::Fuse(f) => f.release(),
                 Running::Nbd(n) => n.release(),
                 Running::VhostUser(v) => v.shutdown(),
+                Running::Ublk(u) => u.release(),
             }
         }
     }
@@ -319,10 +344,18 @@ impl Exports {
         })
     }
 
+    /// Each ublk device's block device and counters, if the export is on.
+    pub fn ublk_status(&self) -> Option<Vec<UblkStatus>> {
+        self.lock().iter().find_map(|e| match e {
+            Running::Ublk(u) => Some(u.status()),
+            _ => None,
+        })
+    }
+
     /// The exports' figures for devices and views `names`.
     pub fn figures(&self, names: &[String]) -> ExportFigures {
         let on = self.lock();
-        let mut x = ExportFigures { fuse_opens: Vec::new(), nbd: None, vhost: None };
+        let mut x = ExportFigures { fuse_opens: Vec::new(), nbd: None, vhost: None, ublk: None };
         for e in on.iter() {
             match e {
                 Running::Fuse(f) => x.fuse_opens = names.iter().filter_map(|n| f.opens(n).map(|o| (n.clone(), o))).collect(),
@@ -337,6 +370,7 @@ impl Exports {
                     });
                 }
                 Running::VhostUser(v) => x.vhost = Some(v.status()),
+                Running::Ublk(u) => x.ublk = Some(u.status()),
             }
         }
         x
@@ -350,6 +384,7 @@ fn give_back(on: &[Running], withdrawn: Withdrawn) {
             Taken::Fuse(d) => (Kind::Fuse, d.name().to_string()),
             Taken::Nbd(x) => (Kind::Nbd, x.name().to_string()),
             Taken::VhostUser(d) => (Kind::VhostUser, d.name().to_string()),
+            Taken::Ublk(d) => (Kind::Ublk, d.name().to_string()),
         };
         let Some(export) = on.iter().find(|e| e.kind() == kind) else { continue };
         if let Err(e) = export.give_back(taken) {
@@ -403,8 +438,10 @@ mod tests {
             std::fs::write(&psk, "client:00112233445566778899aabbccddeeff\n").unwrap();
             let devices: Vec<MemoryDevice> = NAMES.iter().map(|n| MemoryDevice::new(n, 1 << 20, 1)).collect();
             let reach = Reach::Only(vec![Cidr::parse("10.0.0.0/8").unwrap()]);
-            let offers: Vec<Offer> =
-                devices.iter().map(|d| Offer { front: d.device.clone(), reach: reach.clone(), vhost_user: true }).collect();
+            let offers: Vec<Offer> = devices
+                .iter()
+                .map(|d| Offer { front: d.device.clone(), reach: reach.clone(), vhost_user: true, ublk: false })
+                .collect();
             let cfg = ServerConfig {
                 unix: Some(dir.join("nbd.sock")),
                 tcp: Some("127.0.0.1:0".into()),
@@ -433,7 +470,7 @@ mod tests {
                 match e {
                     Running::Nbd(n) => nbd = n.exports().iter().map(|x| (x.name().to_string(), x.reach.clone())).collect(),
                     Running::VhostUser(v) => vhost = v.status().into_iter().map(|s| s.device).collect(),
-                    Running::Fuse(_) => {}
+                    Running::Fuse(_) | Running::Ublk(_) => {}
                 }
             }
             nbd.sort_by(|a, b| a.0.cmp(&b.0));
@@ -548,8 +585,8 @@ mod tests {
         let taken = MemoryDevice::new("a-1", 1 << 20, 1);
         let before = rig.state();
         let offers = [
-            Offer { front: extra.device.clone(), reach: Reach::Anywhere, vhost_user: true },
-            Offer { front: taken.device.clone(), reach: Reach::Anywhere, vhost_user: true },
+            Offer { front: extra.device.clone(), reach: Reach::Anywhere, vhost_user: true, ublk: false },
+            Offer { front: taken.device.clone(), reach: Reach::Anywhere, vhost_user: true, ublk: false },
         ];
         let refused = rig.exports.offer(&offers).unwrap_err();
         assert_eq!((refused.name.as_str(), refused.export), ("a-1", Kind::Nbd));

@@ -227,7 +227,7 @@ impl Keeper {
             self.failures = 0;
         } else {
             log::warn!(
-                "keeper: serve (pid {}) {how} after {:.1} s; starting it again (its FUSE requests wait in the kernel)",
+                "keeper: serve (pid {}) {how} after {:.1} s; starting it again (the requests it had wait in the kernel)",
                 c.pid,
                 c.started.elapsed().as_secs_f64()
             );
@@ -345,7 +345,8 @@ impl Keeper {
 
     /// No `serve` came back: ends the FUSE connection (closing its last descriptors makes the
     /// kernel fail what waits, so applications get errors instead of hanging), detaches the
-    /// dead mount, and ends.
+    /// dead mount, deletes the ublk devices the kernel holds for the next `serve` (their users
+    /// get errors too), and ends.
     fn give_up(&mut self, run_dir: &Path, after: Duration) -> ExitCode {
         let had_fuse = self.held.contains_key("fuse");
         if self.down_since.is_some() {
@@ -364,6 +365,10 @@ impl Keeper {
                 log::warn!("keeper: cannot detach {}: {e}", run_dir.join("fuse").display());
             }
             let _ = std::fs::remove_dir(run_dir.join("fuse"));
+        }
+        let ublk = run_dir.join("ublk");
+        if ublk.exists() {
+            bulkhead_ublk_export::abandon(&ublk);
         }
         for f in [self.sock_path.clone(), run_dir.join("nbd.sock"), run_dir.join("serve.lock")] {
             let _ = std::fs::remove_file(f);

@@ -12,7 +12,11 @@ static LOGGER: Stderr = Stderr;
 
 impl Log for Stderr {
     fn enabled(&self, metadata: &Metadata<'_>) -> bool {
-        metadata.level() <= log::max_level()
+        // The libraries' own chatter (libublk says every device and queue it sets up) is
+        // below what an operator reads: only their warnings and errors, unless debugging.
+        let library = !metadata.target().starts_with("bulkhead");
+        let max = if library { log::max_level().min(LevelFilter::Warn).max(debugging()) } else { log::max_level() };
+        metadata.level() <= max
     }
 
     fn log(&self, record: &Record<'_>) {
@@ -32,6 +36,16 @@ impl Log for Stderr {
     }
 
     fn flush(&self) {}
+}
+
+/// `Debug` when the level is `debug` or more (libraries then log at that level too), else
+/// `Off`.
+fn debugging() -> LevelFilter {
+    if log::max_level() >= LevelFilter::Debug {
+        log::max_level()
+    } else {
+        LevelFilter::Off
+    }
 }
 
 /// Installs the logger at `info`.

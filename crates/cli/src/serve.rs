@@ -278,6 +278,10 @@ impl Start<'_> {
         let config = self.config;
         // What must outlive this serve is kept where its keeper (or systemd) holds it.
         let store = (self.keeper != Keeper::None).then(|| self.kept.clone() as Arc<dyn bulkhead_supervisor::kept::FdStore>);
+        if config.ublk.enabled {
+            // Before any domain starts: a host without ublk is told so at once.
+            bulkhead_ublk_export::probe().map_err(|e| anyhow::anyhow!("key `ublk.enabled`: {e}"))?;
+        }
         let sup = Arc::new(Supervisor::start_keeping(config, None, store)?);
         let live = Arc::new(Live::new(
             sup.clone(),
@@ -311,6 +315,17 @@ impl Start<'_> {
             let devices = offers.iter().filter(|o| o.vhost_user).map(|o| o.front.clone()).collect();
             let v = VhostExport::start(&socket_dir(self.run_dir), devices).context("vhost-user export")?;
             live.exports.push(Running::VhostUser(v));
+        }
+        if config.ublk.enabled {
+            let settings = bulkhead_ublk_export::Settings {
+                dir: self.run_dir.join("ublk"),
+                depth: *config.ublk.depth.get_ref(),
+                recovery: self.keeper != Keeper::None,
+                numbers: config.ublk_numbers(),
+            };
+            let devices = offers.iter().filter(|o| o.ublk).map(|o| o.front.clone()).collect();
+            let u = bulkhead_ublk_export::UblkExport::start(settings, devices).context("ublk export")?;
+            live.exports.push(Running::Ublk(u));
         }
         if self.keeper != Keeper::None {
             live.keep_config(self.kept.clone());

@@ -149,6 +149,18 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
         Some(FuseStatus::DevFuse { threads, why_not_io_uring: None }) => println!("fuse: /dev/fuse, {threads} threads"),
         None => {}
     }
+    for u in report.ublk.iter().flatten() {
+        println!(
+            "ublk: {} is {}{}, {} queues x {}: {} requests, {} failed",
+            u.path.display(),
+            u.device,
+            if u.recovered { " (taken over from the serve before)" } else { "" },
+            u.queues,
+            u.depth,
+            u.taken,
+            u.failed
+        );
+    }
     for d in &report.devices {
         let name = &d.name;
         if let Some(pid) = d.tap_pid {

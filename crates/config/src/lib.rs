@@ -87,7 +87,7 @@ pub use backend::{
 };
 pub use device::{DeviceConfig, Notify, Sandbox, SpinBudget, Tap, DEFAULT_ATTACH, MAX_ATTACH};
 pub use filter::{Filter, FilterKind, FilterTable};
-pub use sections::{Control, Fuse, FuseUring, Keeper, Log, LogLevel, Metrics, MetricsListen, Nbd, NbdTls, VhostUser};
+pub use sections::{Control, Fuse, FuseUring, Keeper, Log, LogLevel, Metrics, MetricsListen, Nbd, NbdTls, Ublk, VhostUser};
 pub use view::View;
 
 /// Makes the error of a key at a span of the text: the file and the line it is on.
@@ -194,6 +194,9 @@ pub struct Config {
     /// vhost-user-blk export settings.
     #[serde(default)]
     pub vhost_user: VhostUser,
+    /// ublk export settings.
+    #[serde(default)]
+    pub ublk: Ublk,
     /// The keeper of `serve`'s descriptors.
     #[serde(default)]
     pub keeper: Keeper,
@@ -368,7 +371,18 @@ impl Config {
                 return Err(err(list.span(), format!("key `vhost_user.devices`: no device or view is named `{unknown}`")));
             }
         }
+        self.ublk.validate(&names, &err)?;
         Ok(())
+    }
+
+    /// Whether the ublk export serves device or view `name`.
+    pub fn ublk_exports(&self, name: &str) -> bool {
+        self.ublk.enabled && self.ublk.devices.as_ref().is_none_or(|l| l.get_ref().iter().any(|n| n == name))
+    }
+
+    /// The numbers the configuration fixes for the ublk export, by device or view.
+    pub fn ublk_numbers(&self) -> Vec<(String, u32)> {
+        self.ublk.numbers.as_ref().map(|m| m.get_ref().iter().map(|(k, v)| (k.clone(), *v)).collect()).unwrap_or_default()
     }
 
     /// Whether the vhost-user export serves device or view `name`.
@@ -456,6 +470,33 @@ mod tests {
         assert!(e.contains("`backend.pool` only applies to type = \"rbd\""), "{e}");
         assert_eq!(parse_mon_host("[v2:10.0.0.1:3300,v1:10.0.0.1:6789]").unwrap()[0], ("10.0.0.1".to_string(), Some(3300)));
         let _ = std::fs::remove_file(key);
+    }
+
+    #[test]
+    fn ublk_lists_known_devices_and_gives_distinct_numbers_in_range() {
+        let base = "[[device]]\nname = \"a\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n[[device.view]]\nname = \"a-ro\"\nread_only = true\n";
+        let off = parse(base).unwrap();
+        assert!(!off.ublk_exports("a") && off.ublk_numbers().is_empty());
+        let all = parse(&format!("[ublk]\nenabled = true\nnumbers = {{ a = 3 }}\n{base}")).unwrap();
+        assert!(all.ublk_exports("a") && all.ublk_exports("a-ro"));
+        assert_eq!(all.ublk_numbers(), vec![("a".to_string(), 3)]);
+        assert_eq!(*all.ublk.depth.get_ref(), 128);
+        let some = parse(&format!("[ublk]\nenabled = true\ndevices = [\"a-ro\"]\n{base}")).unwrap();
+        assert!(!some.ublk_exports("a") && some.ublk_exports("a-ro"));
+        for (section, want) in [
+            ("devices = [\"b\"]", "key `ublk.devices`: no device or view is named `b`"),
+            ("numbers = { b = 1 }", "key `ublk.numbers`: no device or view is named `b`"),
+            ("numbers = { a = 2, a-ro = 2 }", "both have number 2"),
+            ("numbers = { a = 1048576 }", "out of range 0..=1048575"),
+            ("depth = 0", "key `ublk.depth`: 0 is out of range 1..=4096"),
+            ("enable = true", "unknown field `enable`"),
+        ] {
+            let e = parse(&format!("[ublk]\nenabled = true\n{section}\n{base}")).unwrap_err().to_string();
+            assert!(e.contains(want), "{section}: {e}");
+            if !section.starts_with("enable ") {
+                assert!(e.contains("line 3"), "{section}: {e}");
+            }
+        }
     }
 
     #[test]

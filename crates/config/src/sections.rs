@@ -156,6 +156,71 @@ pub struct VhostUser {
     pub devices: Option<Spanned<Vec<String>>>,
 }
 
+/// The ublk export: devices and views as the kernel's own block devices, `/dev/ublkbN`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ublk {
+    /// Export them (the host needs ublk: Linux ≥ 6.5 with the `ublk_drv` module).
+    #[serde(default)]
+    pub enabled: bool,
+    /// Only these devices and views (all of them when absent).
+    #[serde(default)]
+    pub devices: Option<Spanned<Vec<String>>>,
+    /// Requests in flight per queue.
+    #[serde(default = "default_ublk_depth")]
+    pub depth: Spanned<u16>,
+    /// Fixed numbers (`/dev/ublkb<number>`) by device or view; the others get one from the
+    /// kernel the first time, kept in the run directory from then on.
+    #[serde(default)]
+    pub numbers: Option<Spanned<std::collections::BTreeMap<String, u32>>>,
+}
+
+impl Default for Ublk {
+    fn default() -> Self {
+        Ublk { enabled: false, devices: None, depth: default_ublk_depth(), numbers: None }
+    }
+}
+
+fn default_ublk_depth() -> Spanned<u16> {
+    Spanned::new(0..0, 128)
+}
+
+/// The largest number ublk gives a device (its minor numbers).
+const UBLK_MAX_NUMBER: u32 = (1 << 20) - 1;
+
+impl Ublk {
+    /// Checks the depth and the numbers; `names` are the devices' and views' names.
+    pub(crate) fn validate(&self, names: &std::collections::HashSet<String>, err: &At<'_>) -> Result<(), ConfigError> {
+        let d = &self.depth;
+        if !(1..=4096).contains(d.get_ref()) {
+            return Err(err(d.span(), format!("key `ublk.depth`: {} is out of range 1..=4096", d.get_ref())));
+        }
+        if let Some(list) = &self.devices {
+            if let Some(unknown) = list.get_ref().iter().find(|n| !names.contains(*n)) {
+                return Err(err(list.span(), format!("key `ublk.devices`: no device or view is named `{unknown}`")));
+            }
+        }
+        if let Some(numbers) = &self.numbers {
+            let mut seen = std::collections::HashMap::new();
+            for (name, &n) in numbers.get_ref() {
+                if !names.contains(name) {
+                    return Err(err(numbers.span(), format!("key `ublk.numbers`: no device or view is named `{name}`")));
+                }
+                if n > UBLK_MAX_NUMBER {
+                    return Err(err(
+                        numbers.span(),
+                        format!("key `ublk.numbers`: `{name}` = {n} is out of range 0..={UBLK_MAX_NUMBER}"),
+                    ));
+                }
+                if let Some(other) = seen.insert(n, name) {
+                    return Err(err(numbers.span(), format!("key `ublk.numbers`: `{other}` and `{name}` both have number {n}")));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The control socket (`<run-dir>/control.sock`).
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -15,6 +15,9 @@ pub struct StatusReport {
     pub fuse: Option<FuseStatus>,
     /// The vhost-user-blk export (absent when it is off).
     pub vhost_user: Option<Vec<VhostStatus>>,
+    /// The ublk export (absent when it is off).
+    #[serde(default)]
+    pub ublk: Option<Vec<UblkStatus>>,
 }
 
 /// Resident memory of one process.
@@ -260,6 +263,29 @@ pub enum FuseStatus {
         /// Requests each ring holds.
         depth: usize,
     },
+}
+
+/// One device's ublk export: its block device and the requests of its queues.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UblkStatus {
+    /// The device or view.
+    pub device: String,
+    /// Its number: the block device is `/dev/ublkb<number>`.
+    pub number: u32,
+    /// The block device.
+    pub path: std::path::PathBuf,
+    /// Taken over from an earlier `serve` (the kernel held it meanwhile) rather than made.
+    pub recovered: bool,
+    /// Its queues (one per channel queue).
+    pub queues: u16,
+    /// Requests in flight per queue.
+    pub depth: u16,
+    /// Requests taken from the kernel, summed over the queues.
+    pub taken: u64,
+    /// Requests answered with an error.
+    pub failed: u64,
+    /// Most requests at the device at once on one queue.
+    pub max_in_flight: u64,
 }
 
 /// One device's vhost-user-blk export.

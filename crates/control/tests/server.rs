@@ -26,6 +26,7 @@ impl Service for Fake {
             devices: Vec::new(),
             fuse: None,
             vhost_user: None,
+            ublk: None,
         })
     }
     fn restart(&self, c: Restart) -> Result<Changed, ControlError> {

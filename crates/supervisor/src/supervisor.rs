@@ -480,6 +480,7 @@ impl Supervisor {
             devices: self.hub.devices.all().iter().map(|rt| device_status(rt)).collect(),
             fuse: None,
             vhost_user: None,
+            ublk: None,
         }
     }
 
