@@ -191,7 +191,8 @@ pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(Fro
         report_fd: None,
     };
     let json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
-    let (child, _) = bulkhead_supervisor::spawn_domain(exe, &json, &raw, true).map_err(|e| format!("exec driver: {e}"))?;
+    let (child, _) =
+        bulkhead_supervisor::spawn_domain(exe, &spec.device, &json, &raw, true).map_err(|e| format!("exec driver: {e}"))?;
     Ok((front, child))
 }
 

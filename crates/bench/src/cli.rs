@@ -322,6 +322,33 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// The kernel's block devices in the kernel lab (a TCG guest with ublk and nbd): the ublk
+    /// export against a loop device over the FUSE export, the kernel's NBD client on the NBD
+    /// export and rublk's `loop` target, 4 KiB random and 1 MiB sequential, with CPU per
+    /// request (runs `scripts/guest-lab.sh`, QEMU, fio, nbd-client, rublk).
+    Ublk {
+        /// Alternated rounds of each system.
+        #[arg(long, default_value_t = 3, value_parser = count(1, 100))]
+        rounds: usize,
+        /// Seconds per point.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=600))]
+        seconds: u32,
+        /// The backing file's size in MiB (in the guest's memory).
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(16..=1024))]
+        size_mib: u32,
+        /// Queues of every system.
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=8))]
+        queues: u16,
+        /// rublk to compare with (default: `rublk` on PATH or in ~/.cargo/bin; left out if none).
+        #[arg(long)]
+        rublk: Option<PathBuf>,
+        /// bulkhead's device notification: `adaptive`, `irq` (always sleep) or `poll`.
+        #[arg(long, default_value = "adaptive", value_parser = ["adaptive", "irq", "poll"])]
+        notify: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Ceph RBD: the `rbd` backend over NBD against fio's rbd engine and qemu-storage-daemon's
     /// rbd driver, on a throwaway single-node cluster, and the outage of a killed rbd domain
     /// with and without the lock break (runs `scripts/ceph-dev.sh`, `serve`, fio, qsd).
@@ -598,6 +625,13 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             let r = crate::vm::run(&exe()?, &opts, |p| eprintln!("bench vm: {p}"))?;
             emit(&r, json, crate::vm::render)
         }
+        BenchCmd::Ublk { rounds, seconds, size_mib, queues, rublk, notify, json } => {
+            need_root("bench ublk runs QEMU guests whose serve makes block devices")?;
+            let rublk = rublk.or_else(find_rublk);
+            let opts = crate::ublk::Options { rounds, seconds, size_mib, queues, rublk, notify };
+            let r = crate::ublk::run(&exe()?, &opts, |p| eprintln!("bench ublk: {p}"))?;
+            emit(&r, json, crate::ublk::render)
+        }
         BenchCmd::Rbd { rounds, seconds, kills, image_mib, qsd, json } => {
             need_root("bench rbd starts a cluster in a network namespace")?;
             let opts = crate::rbd::Options { rounds, seconds, kills, qsd, image_mib };
@@ -610,6 +644,13 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             emit(&r, json, crate::vdev::render)
         }
     }
+}
+
+/// rublk on `PATH`, or where `cargo install` puts it.
+fn find_rublk() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let cargo_bin = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo/bin"));
+    std::env::split_paths(&path).chain(cargo_bin).map(|d| d.join("rublk")).find(|p| p.is_file())
 }
 
 /// The `bulkhead` the benchmarks run (its `serve`, and the domains it execs):

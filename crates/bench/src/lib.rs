@@ -32,6 +32,7 @@ pub mod share_nbd;
 pub mod storm;
 pub mod surge;
 pub mod tap;
+pub mod ublk;
 pub mod vdev;
 pub mod vm;
 
