@@ -16,6 +16,7 @@ mod live;
 mod logging;
 mod metrics;
 mod notify;
+mod run_dir;
 mod serve;
 mod sim_cmd;
 mod status;
@@ -44,18 +45,20 @@ enum Cmd {
         /// TOML configuration (default: one 1 GiB ram device `disk0`, adaptive, FUSE export).
         #[arg(long)]
         config: Option<PathBuf>,
-        /// Directory for the FUSE export, sockets and lock.
-        #[arg(long, default_value = "./bulkhead-run")]
-        run_dir: PathBuf,
+        /// Directory for the exports, sockets and lock (default: $BULKHEAD_RUN_DIR, else the
+        /// configuration's `run_dir`, else ./bulkhead-run).
+        #[arg(long, env = "BULKHEAD_RUN_DIR", value_name = "DIR")]
+        run_dir: Option<PathBuf>,
     },
     /// Print each device's state, driver pid, mode, requests, restarts, outages and memory.
+    /// Exits 0 when every device runs, 1 when one is degraded (its remote being reconnected),
+    /// 2 when one has failed, 3 when no serve answers: a health check.
     Status {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run")]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// A dashboard of every device and view: IOPS, MiB/s read and written, p99 latency and
     /// restarts over the last interval, refreshed every second.
@@ -66,17 +69,15 @@ enum Cmd {
         /// Stop after this many refreshes (default: until interrupted).
         #[arg(long)]
         count: Option<u64>,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run")]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// Restart a device's driver domain now (also one that turned `failed`).
     Restart {
         /// Device name.
         device: String,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run")]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// Move a running device's filters: `passthrough` (in its driver domain), `interpose` (in
     /// a tap domain of their own) or `intercept` (in a tap domain that ends in the soft device,
@@ -87,9 +88,8 @@ enum Cmd {
         /// passthrough | interpose | intercept.
         #[arg(value_enum)]
         mode: TapArg,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run")]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// Insert a filter into, or remove one from, a running device's chain. Requests in flight
     /// are reissued to the new domains; nothing fails.
@@ -98,9 +98,8 @@ enum Cmd {
         device: String,
         #[command(subcommand)]
         op: FilterOp,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run", global = true)]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// Shows or changes the QoS of a running view (`[[device.view]]`): `KEY=VALUE` settings of
     /// credit_bytes, credit_us, burst_bytes, iops, burst_ios, weight over its current caps
@@ -110,51 +109,45 @@ enum Cmd {
         view: String,
         /// KEY=VALUE settings; none shows the caps in force.
         settings: Vec<String>,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run")]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// Add devices to, or remove one from, a running serve.
     Device {
         #[command(subcommand)]
         op: DeviceOp,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run", global = true)]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// Add a view to, or remove one from, a running device.
     View {
         #[command(subcommand)]
         op: ViewOp,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run", global = true)]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
-    /// The running configuration.
+    /// The running configuration, or a file's check.
     Config {
         #[command(subcommand)]
         op: ConfigOp,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run", global = true)]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// Make a running serve apply its configuration file as edited (as SIGHUP does): new
     /// devices start, removed ones go (refused while in use), tap modes, filters that do not
     /// transform the data and views' QoS change in place. Anything else is refused, naming
     /// it, and nothing is applied.
     Reload {
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run")]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// Hands a running `serve` over to the binary now on disk: the keeper holds the FUSE
     /// session, the listening sockets and the ramdisks while the old `serve` ends and the new
     /// one starts; FUSE users see a pause, NBD clients reconnect. Needs `[keeper] enabled`
     /// (or systemd's descriptor store). Waits until the new `serve` answers.
     Upgrade {
-        /// Run directory of the `serve` to upgrade.
-        #[arg(long, default_value = "./bulkhead-run")]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
         /// Seconds to wait for the new `serve` to answer.
         #[arg(long, default_value_t = 60)]
         timeout: u64,
@@ -174,9 +167,8 @@ enum Cmd {
         /// Machine-readable output (`list`).
         #[arg(long)]
         json: bool,
-        /// Run directory of the `serve` to ask.
-        #[arg(long, default_value = "./bulkhead-run")]
-        run_dir: PathBuf,
+        #[command(flatten)]
+        run_dir: RunDir,
     },
     /// Summarise a trace written by a `trace` filter: requests, bytes, errors and latency per
     /// operation, requests per queue.
@@ -221,10 +213,28 @@ enum Cmd {
     /// The driver-domain role (exec'd by the supervisor; not for direct use).
     #[command(hide = true)]
     Driver {
-        /// Domain description (JSON).
-        #[arg(long)]
+        /// The device and, for a tap domain, `tap`: what `ps` shows (the spec says the rest).
+        what: Vec<String>,
+        /// Domain description (JSON); the supervisor gives it in the environment.
+        #[arg(long, env = "BULKHEAD_DOMAIN_SPEC", hide_env_values = true)]
         spec: String,
     },
+}
+
+/// `--run-dir`, for every command that talks to a running `serve`.
+#[derive(clap::Args)]
+struct RunDir {
+    /// The run directory of the `serve` to ask (default: $BULKHEAD_RUN_DIR, else ./bulkhead-run
+    /// or the packaged one, /run/bulkhead, whichever a serve listens in).
+    #[arg(long = "run-dir", env = "BULKHEAD_RUN_DIR", value_name = "DIR", global = true)]
+    dir: Option<PathBuf>,
+}
+
+impl RunDir {
+    /// The directory, found as [`run_dir::find`] says.
+    fn find(self) -> anyhow::Result<PathBuf> {
+        run_dir::find(self.dir)
+    }
 }
 
 #[derive(Subcommand)]
@@ -243,8 +253,10 @@ enum VdevCmd {
     /// use).
     #[command(hide = true)]
     Model {
-        /// Domain description (JSON).
-        #[arg(long)]
+        /// The device: what `ps` shows.
+        device: Option<String>,
+        /// Domain description (JSON); the supervisor gives it in the environment.
+        #[arg(long, env = "BULKHEAD_DOMAIN_SPEC", hide_env_values = true)]
         spec: String,
     },
 }
@@ -320,6 +332,12 @@ enum ConfigOp {
     /// Print the running configuration as TOML that `serve --config` accepts: the file it
     /// started with, and every device added, removed or changed since.
     Dump,
+    /// Check a configuration file without starting anything: the errors `serve` would give
+    /// (naming the key and the line), or a summary of what it would serve. Needs no `serve`.
+    Check {
+        /// The file.
+        file: PathBuf,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -367,23 +385,21 @@ fn man_pages(out: &std::path::Path) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Runs the command line `std::env::args` gives.
-pub fn run() -> ExitCode {
-    let cli = Cli::parse();
-    logging::install();
-    let result = match cli.cmd {
-        Cmd::Serve { config, run_dir } => serve::run(config.as_deref(), &run_dir),
-        Cmd::Status { json, run_dir } => status::run(&run_dir, json),
-        Cmd::Restart { device, run_dir } => status::restart(&run_dir, &device),
+/// Runs one command.
+fn dispatch(cmd: Cmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        Cmd::Serve { config, run_dir } => serve::run(config.as_deref(), run_dir),
+        Cmd::Status { json, run_dir } => status::run(run_dir.find(), json),
+        Cmd::Restart { device, run_dir } => status::restart(&run_dir.find()?, &device),
         Cmd::Top { interval, count, run_dir } => match std::time::Duration::try_from_secs_f64(interval) {
-            Ok(d) if d >= std::time::Duration::from_millis(100) => status::top(&run_dir, d, count),
+            Ok(d) if d >= std::time::Duration::from_millis(100) => status::top(&run_dir.find()?, d, count),
             _ => Err(anyhow::anyhow!("--interval {interval}: give at least 0.1 seconds")),
         },
-        Cmd::Driver { spec } => driver_cmd::run(&spec),
+        Cmd::Driver { spec, .. } => driver_cmd::run(&spec),
         Cmd::Trace { file, json } => trace_cmd::run(&file, json),
         Cmd::Sim(args) => sim_cmd::run(args),
         Cmd::Vdev { which: VdevCmd::Generate { seed, out } } => vdev_cmd::generate(seed, &out),
-        Cmd::Vdev { which: VdevCmd::Model { spec } } => vdev_cmd::model(&spec),
+        Cmd::Vdev { which: VdevCmd::Model { spec, .. } } => vdev_cmd::model(&spec),
         Cmd::Snapshot { device, op, name, json, run_dir } => {
             let op = match op {
                 SnapshotOpArg::Create => Some(SnapshotAction::Create),
@@ -391,32 +407,40 @@ pub fn run() -> ExitCode {
                 SnapshotOpArg::Revert => Some(SnapshotAction::Revert),
                 SnapshotOpArg::Delete => Some(SnapshotAction::Delete),
             };
-            status::snapshot(&run_dir, &device, op, name.as_deref(), json)
+            status::snapshot(&run_dir.find()?, &device, op, name.as_deref(), json)
         }
-        Cmd::Qos { view, settings, run_dir } => status::qos(&run_dir, &view, &settings),
+        Cmd::Qos { view, settings, run_dir } => status::qos(&run_dir.find()?, &view, &settings),
         Cmd::Tap { device, mode, run_dir } => {
-            status::change(&run_dir, &device, SetTap { device: device.clone(), mode: mode.into() })
+            status::change(&run_dir.find()?, &device, SetTap { device: device.clone(), mode: mode.into() })
         }
         Cmd::Filter { device, op: FilterOp::Add { at, lines }, run_dir } => {
-            status::change(&run_dir, &device, AddFilter { device: device.clone(), at, table: lines.join("\n") })
+            status::change(&run_dir.find()?, &device, AddFilter { device: device.clone(), at, table: lines.join("\n") })
         }
         Cmd::Filter { device, op: FilterOp::Remove { at }, run_dir } => {
-            status::change(&run_dir, &device, RemoveFilter { device: device.clone(), at })
+            status::change(&run_dir.find()?, &device, RemoveFilter { device: device.clone(), at })
         }
-        Cmd::Device { op: DeviceOp::Add { file }, run_dir } => status::add_devices(&run_dir, &file),
-        Cmd::Device { op: DeviceOp::Remove { name, force }, run_dir } => status::remove_device(&run_dir, &name, force),
-        Cmd::View { op: ViewOp::Add { device, lines }, run_dir } => status::add_view(&run_dir, &device, &lines),
-        Cmd::View { op: ViewOp::Remove { name, force }, run_dir } => status::remove_view(&run_dir, &name, force),
-        Cmd::Config { op: ConfigOp::Dump, run_dir } => status::dump_config(&run_dir),
-        Cmd::Reload { run_dir } => status::reload(&run_dir),
-        Cmd::Upgrade { run_dir, timeout } => status::upgrade(&run_dir, std::time::Duration::from_secs(timeout)),
+        Cmd::Device { op: DeviceOp::Add { file }, run_dir } => status::add_devices(&run_dir.find()?, &file),
+        Cmd::Device { op: DeviceOp::Remove { name, force }, run_dir } => status::remove_device(&run_dir.find()?, &name, force),
+        Cmd::View { op: ViewOp::Add { device, lines }, run_dir } => status::add_view(&run_dir.find()?, &device, &lines),
+        Cmd::View { op: ViewOp::Remove { name, force }, run_dir } => status::remove_view(&run_dir.find()?, &name, force),
+        Cmd::Config { op: ConfigOp::Dump, run_dir } => status::dump_config(&run_dir.find()?),
+        Cmd::Config { op: ConfigOp::Check { file }, .. } => serve::check_config(&file),
+        Cmd::Reload { run_dir } => status::reload(&run_dir.find()?),
+        Cmd::Upgrade { run_dir, timeout } => status::upgrade(&run_dir.find()?, std::time::Duration::from_secs(timeout)),
         Cmd::Bench { args } => bench::hand_over(&args),
         Cmd::Man { out } => man_pages(&out),
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "bulkhead", &mut std::io::stdout());
             Ok(ExitCode::SUCCESS)
         }
-    };
+    }
+}
+
+/// Runs the command line `std::env::args` gives.
+pub fn run() -> ExitCode {
+    let cli = Cli::parse();
+    logging::install();
+    let result = dispatch(cli.cmd);
     match result {
         Ok(code) => code,
         Err(e) => {

@@ -160,11 +160,41 @@ impl Drop for Serving {
     }
 }
 
-pub fn run(config_path: Option<&Path>, run_dir: &Path) -> anyhow::Result<ExitCode> {
+/// `bulkhead config check FILE`: the file parsed and validated as `serve` would, and what it
+/// would serve.
+pub fn check_config(path: &Path) -> anyhow::Result<ExitCode> {
+    let config = Config::load(path)?;
+    let run_dir = crate::run_dir::for_serve(None, config.run_dir.as_ref().map(|d| d.get_ref().as_path()));
+    let exports: Vec<&str> = [
+        (config.fuse.enabled, "fuse"),
+        (config.nbd.enabled, "nbd"),
+        (config.vhost_user.enabled, "vhost_user"),
+        (config.ublk.enabled, "ublk"),
+    ]
+    .into_iter()
+    .filter_map(|(on, name)| on.then_some(name))
+    .collect();
+    let views: usize = config.devices.iter().map(|d| d.views.len()).sum();
+    println!(
+        "{}: valid: {} device(s), {views} view(s); exports: {}; keeper {}; run dir {} (unless --run-dir or BULKHEAD_RUN_DIR)",
+        path.display(),
+        config.devices.len(),
+        if exports.is_empty() { "none".to_string() } else { exports.join(", ") },
+        if config.keeper.enabled { "on" } else { "off" },
+        run_dir.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `bulkhead serve`: the configuration at `config_path` (or the embedded default) in the run
+/// directory `run_dir` gives or the configuration names, until SIGINT or SIGTERM.
+pub fn run(config_path: Option<&Path>, run_dir: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     let config = match config_path {
         Some(p) => Config::load(p)?,
         None => Config::embedded_default(),
     };
+    let run_dir = crate::run_dir::for_serve(run_dir, config.run_dir.as_ref().map(|d| d.get_ref().as_path()));
+    let run_dir = run_dir.as_path();
     crate::logging::set_level(config.log.level);
     // A serve of many devices holds many descriptors: allow as many as the hard limit does.
     if let Err(e) = bulkhead_sys::raise_open_files_limit() {

@@ -1,11 +1,14 @@
 //! `bulkhead status`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
 use bulkhead_control::table::Table;
-use bulkhead_control::{Call, Changed, Client, FuseStatus, ListSnapshots, Restart, SetQos, Snapshot, SnapshotAction, Status};
+use bulkhead_control::{
+    Call, Changed, Client, DeviceState, FuseStatus, ListSnapshots, Restart, SetQos, Snapshot, SnapshotAction, Status,
+    StatusReport,
+};
 
 fn mib(kib: Option<u64>) -> String {
     kib.map(|k| format!("{:.1} MiB", k as f64 / 1024.0)).unwrap_or_else(|| "-".into())
@@ -98,11 +101,49 @@ fn utc(secs: u64) -> String {
     format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
-pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
-    let report = ask(run_dir, Status {})?;
+/// `bulkhead status`'s exit status, for health checks: the worst that holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Health {
+    /// `serve` answers and every device runs.
+    Running = 0,
+    /// A device is degraded: its remote server is being reconnected (I/O waits or fails).
+    Degraded = 1,
+    /// A device has failed (I/O fails) or stopped.
+    Failed = 2,
+    /// No `serve` answers.
+    NotRunning = 3,
+}
+
+impl Health {
+    /// What `report` says of the devices' health.
+    pub fn of(report: &StatusReport) -> Health {
+        report
+            .devices
+            .iter()
+            .map(|d| match d.state {
+                DeviceState::Running => Health::Running,
+                DeviceState::Reconnecting => Health::Degraded,
+                DeviceState::Failed | DeviceState::Stopped => Health::Failed,
+            })
+            .max()
+            .unwrap_or(Health::Running)
+    }
+}
+
+/// `bulkhead status`: exits with its [`Health`], also when no `serve` answers (the reason on
+/// standard error).
+pub fn run(run_dir: anyhow::Result<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
+    let report = match run_dir.and_then(|d| ask(&d, Status {})) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("bulkhead: {e:#}");
+            return Ok(ExitCode::from(Health::NotRunning as u8));
+        }
+    };
+    let health = Health::of(&report);
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(ExitCode::SUCCESS);
+        return Ok(ExitCode::from(health as u8));
     }
     let mut t = Table::new(&[
         "DEVICE",
@@ -211,7 +252,7 @@ pub fn run(run_dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
             print!("{}", t.render());
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(ExitCode::from(health as u8))
 }
 
 /// `bulkhead qos VIEW [KEY=VALUE …]`: shows or changes a running view's QoS.

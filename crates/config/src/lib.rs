@@ -176,6 +176,10 @@ impl<'de> Deserialize<'de> for Size {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// Where `serve` keeps its exports, sockets and lock, unless `--run-dir` or
+    /// `BULKHEAD_RUN_DIR` says otherwise (a top-level key, before the first table).
+    #[serde(default)]
+    pub run_dir: Option<Spanned<PathBuf>>,
     /// The control socket.
     #[serde(default)]
     pub control: Control,
@@ -322,6 +326,11 @@ impl Config {
             line: line_of(src, span.start),
             message,
         };
+        if let Some(dir) = &self.run_dir {
+            if dir.get_ref().as_os_str().is_empty() {
+                return Err(err(dir.span(), "key `run_dir`: give a directory".to_string()));
+            }
+        }
         self.fuse.validate(&err)?;
         self.nbd.validate(&err)?;
         self.keeper.validate(&err)?;

@@ -152,8 +152,8 @@ const SYNC_WAIT_MS: libc::c_int = 10_000;
 /// ([`crate::mounts`]).
 const NS_FLAGS: u64 = (libc::CLONE_NEWUSER | libc::CLONE_NEWPID | libc::CLONE_NEWNET | libc::CLONE_NEWIPC) as u64;
 
-/// Starts `exe args…` with `fds` at descriptors 3, 4, … and every other descriptor closed at
-/// exec. With `namespaces`, the process starts in new user, pid, network and IPC namespaces
+/// Starts `exe args…`, with `env` added to this process's environment, `fds` at descriptors
+/// 3, 4, … and every other descriptor closed at exec. With `namespaces`, the process starts in new user, pid, network and IPC namespaces
 /// (it makes its mount namespace itself: [`crate::mounts::isolate`]), root inside mapped to `nobody` outside (to our own uid when not root); if the
 /// kernel refuses, it starts without them and the returned layer says why. `output`, when
 /// given, becomes the process's descriptors 1 and 2 (otherwise it shares the caller's).
@@ -163,6 +163,7 @@ const NS_FLAGS: u64 = (libc::CLONE_NEWUSER | libc::CLONE_NEWPID | libc::CLONE_NE
 pub fn spawn(
     exe: &Path,
     args: &[&OsStr],
+    env: &[(&str, &OsStr)],
     fds: &[RawFd],
     output: Option<RawFd>,
     namespaces: bool,
@@ -172,13 +173,17 @@ pub fn spawn(
     }
     // Everything the child touches is prepared here: after clone3 it may not allocate.
     let path = cstr(exe.as_os_str())?;
-    let mut argv_c = vec![path.clone()];
+    // Through /proc/self/exe the domain is this very binary: `ps` names it `bulkhead`.
+    let argv0 = if exe == Path::new("/proc/self/exe") { cstr(OsStr::new("bulkhead"))? } else { path.clone() };
+    let mut argv_c = vec![argv0];
     for a in args {
         argv_c.push(cstr(a)?);
     }
     // The service manager's variables are `serve`'s alone: a domain never speaks to systemd.
     let envp_c: Vec<CString> = std::env::vars_os()
         .filter(|(k, _)| !SERVICE_MANAGER_VARS.iter().any(|m| k.as_bytes() == m.as_bytes()))
+        .filter(|(k, _)| !env.iter().any(|(e, _)| k.as_bytes() == e.as_bytes()))
+        .chain(env.iter().map(|(k, v)| (OsStr::new(k).to_os_string(), v.to_os_string())))
         .filter_map(|(k, v)| {
             let mut kv = k.as_bytes().to_vec();
             kv.push(b'=');

@@ -1,6 +1,7 @@
 //! What the supervisor tells a domain: which inherited descriptor is which, and how to serve.
 //!
-//! A domain is exec'd as `bulkhead driver --spec JSON`; this crate is that JSON's shape, shared by
+//! A domain is exec'd as `bulkhead driver DEVICE` with a JSON spec in its environment
+//! ([`SPEC_ENV`]); this crate is that JSON's shape, shared by
 //! the supervisor that writes it and the driver runtime that reads it, with no I/O of its own.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -9,7 +10,11 @@ use bulkhead_doorbell::{BudgetPolicy, NotifyMode};
 use bulkhead_filters::FilterSpec;
 use serde::{Deserialize, Serialize};
 
-/// The whole description of one domain, passed as JSON on its command line.
+/// The environment variable through which a domain gets its [`DomainSpec`] as JSON: out of
+/// its command line, which `ps` shows every user (the command line names the device only).
+pub const SPEC_ENV: &str = "BULKHEAD_DOMAIN_SPEC";
+
+/// The whole description of one domain, passed as JSON in [`SPEC_ENV`].
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DomainSpec {
@@ -305,7 +310,7 @@ pub struct RingSpec {
     pub params: Vec<u8>,
 }
 
-/// What the supervisor tells a device-model domain (`bulkhead vdev model --spec JSON`): the
+/// What the supervisor tells a device-model domain (`bulkhead vdev model DEVICE`, the JSON in [`SPEC_ENV`]): the
 /// card, and which inherited descriptor is which. The model's domain lives as long as its
 /// device; each driver generation sends it a new trap on the line.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -2,7 +2,7 @@
 //!
 //! For each configured device it opens or creates the backend's storage, creates the channel
 //! (one [`bulkhead_channel::QueueSetup`] per queue), execs the device's domains (`bulkhead
-//! driver --spec …`) holding only those descriptors, and hands the frontend end to the exports
+//! driver DEVICE`) holding only those descriptors, and hands the frontend end to the exports
 //! as a [`bulkhead_client::Device`]. The watcher learns of a domain's death through its pidfd,
 //! of a broken channel through the device's alarm, and of a wedged domain through the
 //! watchdog; the device's lifecycle (`lifecycle.rs`) decides what to do, and a worker does

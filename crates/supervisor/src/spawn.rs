@@ -16,7 +16,8 @@ use crate::error::Error;
 /// generation anyway (the old one can no longer run code; it is reaped later).
 pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
 
-/// Execs `exe ARGS` as a sandboxed domain of `device` (`what` names it in messages) holding
+/// Execs `exe ARGS` as a sandboxed domain of `device` (`what` names it in messages), its spec
+/// `spec_json` in its environment ([`bulkhead_spec::SPEC_ENV`], out of `ps`'s sight), holding
 /// `fds` at 3, 4, …, its output relayed to the log; drops `handed` (the supervisor's copies of
 /// what it passed, the write end of the report pipe among them) once the domain holds its own;
 /// and waits for its sandbox report on `report`. Under `Policy::Required`, a domain without
@@ -29,6 +30,7 @@ pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
 pub(crate) fn exec_confined<T>(
     exe: &Path,
     args: &[&std::ffi::OsStr],
+    spec_json: &str,
     fds: &[RawFd],
     handed: T,
     device: &str,
@@ -37,7 +39,8 @@ pub(crate) fn exec_confined<T>(
     what: &str,
 ) -> Result<(DomainChild, Option<Layers>), Error> {
     let (out_r, out_w) = domain_log::pipe().map_err(|e| Error::failed(format!("cannot make the domain's output pipe: {e}")))?;
-    let (mut child, ns) = bulkhead_sandbox::spawn::spawn(exe, args, fds, Some(out_w.as_raw_fd()), policy != Policy::Off)
+    let env = [(bulkhead_spec::SPEC_ENV, std::ffi::OsStr::new(spec_json))];
+    let (mut child, ns) = bulkhead_sandbox::spawn::spawn(exe, args, &env, fds, Some(out_w.as_raw_fd()), policy != Policy::Off)
         .map_err(|e| Error::failed(format!("cannot start {what}: {e}")))?;
     // The domain holds its own copies now.
     drop(handed);
@@ -122,12 +125,20 @@ pub(crate) fn current_exe() -> PathBuf {
     std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"))
 }
 
-/// Execs `exe driver --spec JSON` as a sandboxed domain (see [`bulkhead_sandbox::spawn`]):
-/// `fds` at 3, 4, …, everything else closed at exec, new namespaces when `namespaces`.
+/// Execs `exe driver DEVICE` as a sandboxed domain of spec `spec_json` (see
+/// [`bulkhead_sandbox::spawn`]): `fds` at 3, 4, …, everything else closed at exec, new
+/// namespaces when `namespaces`.
 ///
 /// The domain dies with the *thread* that calls this (PR_SET_PDEATHSIG): call it only from a
 /// thread that outlives the domain.
-pub fn spawn_domain(exe: &Path, spec_json: &str, fds: &[RawFd], namespaces: bool) -> std::io::Result<(DomainChild, Layer)> {
-    let args: [&std::ffi::OsStr; 3] = ["driver".as_ref(), "--spec".as_ref(), spec_json.as_ref()];
-    bulkhead_sandbox::spawn::spawn(exe, &args, fds, None, namespaces)
+pub fn spawn_domain(
+    exe: &Path,
+    device: &str,
+    spec_json: &str,
+    fds: &[RawFd],
+    namespaces: bool,
+) -> std::io::Result<(DomainChild, Layer)> {
+    let args: [&std::ffi::OsStr; 2] = ["driver".as_ref(), device.as_ref()];
+    let env = [(bulkhead_spec::SPEC_ENV, std::ffi::OsStr::new(spec_json))];
+    bulkhead_sandbox::spawn::spawn(exe, &args, &env, fds, None, namespaces)
 }

@@ -186,9 +186,18 @@ impl CardDevice {
             report_fd: Some(at(6)),
         };
         let json = serde_json::to_string(&spec).expect("spec serialises");
-        let args: [&std::ffi::OsStr; 4] = ["vdev".as_ref(), "model".as_ref(), "--spec".as_ref(), json.as_ref()];
-        let (mut child, layers) =
-            exec_confined(&self.exe, &args, &fds, (model_end, report_w), &self.device, self.policy, &report_r, "device model")?;
+        let args: [&std::ffi::OsStr; 3] = ["vdev".as_ref(), "model".as_ref(), self.device.as_ref()];
+        let (mut child, layers) = exec_confined(
+            &self.exe,
+            &args,
+            &json,
+            &fds,
+            (model_end, report_w),
+            &self.device,
+            self.policy,
+            &report_r,
+            "device model",
+        )?;
         if layers.is_none() {
             // Silent: it failed before confinement (it said why on its output) or hangs.
             if let Ok(Some(status)) = child.wait_timeout(EXIT_WAIT) {

@@ -7,6 +7,13 @@ fn bulkhead(args: &[&str]) -> (bool, String) {
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
+/// A fresh scratch directory of this test process.
+fn scratch(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("bulkhead-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 fn with_config(text: &str) -> (bool, String) {
     let dir = std::env::temp_dir().join(format!("bulkhead-cfg-{}-{}", std::process::id(), text.len()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -59,9 +66,42 @@ fn missing_config_file_is_named() {
 
 #[test]
 fn status_without_serve_names_the_run_dir() {
-    let (ok, err) = bulkhead(&["status", "--run-dir", "/no/such/run"]);
-    assert!(!ok);
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead")).args(["status", "--run-dir", "/no/such/run"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "no serve answers: exit status 3 ({err})");
     assert!(err.contains("no bulkhead serve is running") && err.contains("/no/such/run"), "{err}");
+    // Without --run-dir, from a directory with no serve: where it looked.
+    let dir = scratch("no-run-dir");
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .arg("status")
+        .current_dir(&dir)
+        .env_remove("BULKHEAD_RUN_DIR")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+    if out.status.code() == Some(3) {
+        assert!(err.contains("./bulkhead-run") && err.contains("BULKHEAD_RUN_DIR"), "{err}");
+    }
+}
+
+#[test]
+fn config_check_names_the_key_and_the_line_and_starts_nothing() {
+    let dir = scratch("config-check");
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "[[device]]\nname = \"a\"\nsize = \"1M\"\nqueue_depth = 3\n[device.backend]\ntype = \"ram\"\n").unwrap();
+    let (ok, err) = bulkhead(&["config", "check", bad.to_str().unwrap()]);
+    assert!(!ok && err.contains("line 4") && err.contains("queue_depth"), "{err}");
+    let good = dir.join("good.toml");
+    std::fs::write(&good, "run_dir = \"/srv/bh\"\n[ublk]\nenabled = true\n[[device]]\nname = \"a\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bulkhead")).args(["config", "check"]).arg(&good).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("valid: 1 device(s)") && text.contains("ublk") && text.contains("/srv/bh"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!std::path::Path::new("/srv/bh").exists(), "a check creates nothing");
 }
 
 #[test]

@@ -481,3 +481,50 @@ fn sigterm_with_writes_in_flight_keeps_every_acknowledged_write() {
     }
     assert!(!mounted(&tmp.path().join("run").join("fuse")), "FUSE still mounted");
 }
+
+/// `bulkhead status` is a health check (0 running, 2 a device failed, 3 no serve), and a
+/// domain shows in `ps` as `bulkhead driver DEVICE`, its spec out of sight.
+#[test]
+fn status_exits_by_health_and_domains_show_their_device_in_ps() {
+    require_kernel!();
+    let tmp = TempDir::new("health");
+    let cfg = "[[device]]\nname = \"h\"\nsize = \"16M\"\nrestart_limit = 1\n[device.backend]\ntype = \"ram\"\n";
+    let mut serve = Serve::start(&tmp.path().join("run"), Some(cfg), &["h"]);
+    let run_dir = serve.run_dir.clone();
+    let code = || Command::new(exe()).args(["status", "--run-dir"]).arg(&run_dir).output().unwrap().status.code();
+    assert_eq!(code(), Some(0));
+    let pid = serve.driver_pid(0);
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    let args: Vec<String> =
+        cmdline.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    assert_eq!(args, ["bulkhead", "driver", "h"], "the domain's command line");
+    // With restart_limit = 1 the second death fails the device.
+    let state = |s: &Serve| s.status_json()["devices"][0]["state"].as_str().unwrap_or_default().to_string();
+    let mut last = 0;
+    for _ in 0..2 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut now = serve.driver_pid(0);
+        while (now == 0 || now == last) && state(&serve) == "running" {
+            assert!(std::time::Instant::now() < deadline, "no new domain: {}", serve.log_text());
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            now = serve.driver_pid(0);
+        }
+        if state(&serve) != "running" {
+            break;
+        }
+        // SAFETY: signalling the device's own domain.
+        unsafe { libc::kill(now as i32, libc::SIGKILL) };
+        last = now;
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while state(&serve) != "failed" {
+        assert!(std::time::Instant::now() < deadline, "the device did not fail: {}", serve.log_text());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(code(), Some(2), "a failed device");
+    let out = Command::new(exe()).args(["restart", "h", "--run-dir"]).arg(&run_dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(code(), Some(0), "restarted");
+    assert!(serve.stop().success());
+    assert_eq!(code(), Some(3), "no serve");
+}

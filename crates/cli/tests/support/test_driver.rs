@@ -143,15 +143,15 @@ fn named<'a>(name: &'a str, args: &'a [String]) -> impl Iterator<Item = &'a str>
     std::iter::once(name).chain(args.iter().skip(1).map(String::as_str))
 }
 
-/// A domain, as `serve` starts it: `driver --spec JSON`.
+/// A domain, as `serve` starts it: `driver DEVICE [tap]`, its spec in the environment.
 fn domain(args: &[String]) -> ExitCode {
-    let [_, cmd, flag, json] = args else {
-        return fail("usage: bulkhead-test-driver driver --spec JSON".into());
-    };
-    if cmd != "driver" || flag != "--spec" {
-        return fail("usage: bulkhead-test-driver driver --spec JSON".into());
+    if args.get(1).map(String::as_str) != Some("driver") {
+        return fail("usage: bulkhead-test-driver driver DEVICE (spec in BULKHEAD_DOMAIN_SPEC)".into());
     }
-    let spec: DomainSpec = match serde_json::from_str(json) {
+    let Ok(json) = std::env::var(bulkhead_spec::SPEC_ENV) else {
+        return fail(format!("no domain spec: {} is not set", bulkhead_spec::SPEC_ENV));
+    };
+    let spec: DomainSpec = match serde_json::from_str(&json) {
         Ok(s) => s,
         Err(e) => return fail(format!("bad spec: {e}")),
     };

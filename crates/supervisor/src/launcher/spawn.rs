@@ -233,11 +233,16 @@ impl Launcher {
             report_fd: Some(report_fd),
         };
         let json = serde_json::to_string(&spec).map_err(|e| Error::failed(format!("domain spec: {e}")))?;
-        let args: [&std::ffi::OsStr; 3] = ["driver".as_ref(), "--spec".as_ref(), json.as_ref()];
+        // `ps` shows `bulkhead driver DEVICE`, and `tap` after it for a tap domain.
+        let args: Vec<&std::ffi::OsStr> = ["driver", self.name.as_str(), if role == "tap" { "tap" } else { "" }]
+            .into_iter()
+            .filter(|a| !a.is_empty())
+            .map(std::ffi::OsStr::new)
+            .collect();
         let raw = std::mem::take(&mut pass.raw);
         let owner_pipe = pass.rbd_owner.take();
         let what = format!("{role} domain");
-        let (child, layers) = exec_confined(&self.exe, &args, &raw, pass, &self.name, self.policy, &report_r, &what)?;
+        let (child, layers) = exec_confined(&self.exe, &args, &json, &raw, pass, &self.name, self.policy, &report_r, &what)?;
         // An rbd domain's connections go through a broker here.
         if let (Some((reach, opened)), Some(fd)) = (&self.rbd, layers.as_ref().and_then(|l| l.connect_listener)) {
             let taken = child.pidfd().try_clone().and_then(|pidfd| {
