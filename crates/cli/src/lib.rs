@@ -365,23 +365,25 @@ enum SnapshotOpArg {
     Delete,
 }
 
-/// Writes `bulkhead.1` and a page for each command that is not hidden.
+/// Writes `bulkhead.1` and a page for each command that is not hidden, nested ones included
+/// (`bulkhead-device-add.1`).
 fn man_pages(out: &std::path::Path) -> anyhow::Result<ExitCode> {
     use anyhow::Context;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let top = Cli::command();
-    let write = |name: &str, cmd: clap::Command| -> anyhow::Result<()> {
+    let mut top = Cli::command();
+    // Built, so that each subcommand carries its full name and the global options it takes.
+    top.build();
+    fn write_tree(out: &std::path::Path, name: &str, cmd: &clap::Command) -> anyhow::Result<()> {
+        // `bench` hands over to `bulkhead-bench`, whose own package has its pages.
+        for sub in cmd.get_subcommands().filter(|c| !c.is_hide_set() && c.get_name() != "bench" && c.get_name() != "help") {
+            write_tree(out, &format!("{name}-{}", sub.get_name()), sub)?;
+        }
         let path = out.join(format!("{name}.1"));
         let mut page = Vec::new();
-        clap_mangen::Man::new(cmd).render(&mut page)?;
+        clap_mangen::Man::new(cmd.clone().name(name.to_string())).render(&mut page)?;
         std::fs::write(&path, page).with_context(|| format!("cannot write {}", path.display()))
-    };
-    // `bench` hands over to `bulkhead-bench`, whose own package has its pages.
-    for sub in top.get_subcommands().filter(|c| !c.is_hide_set() && c.get_name() != "bench") {
-        let name = format!("bulkhead-{}", sub.get_name());
-        write(&name, sub.clone().name(name.clone()))?;
     }
-    write("bulkhead", top)?;
+    write_tree(out, "bulkhead", &top)?;
     Ok(ExitCode::SUCCESS)
 }
 
