@@ -454,7 +454,7 @@ mod tests {
             let nbd_exports = offers.iter().map(|o| NbdOffer::new(o.front.clone(), o.reach.clone())).collect();
             let nbd = NbdServer::start(nbd_exports, cfg).unwrap();
             let tcp = std::net::TcpListener::from(nbd.listeners().unwrap().tcp.unwrap()).local_addr().unwrap();
-            let vhost = VhostExport::start(&dir.join("vhost"), offers.iter().map(|o| o.front.clone()).collect()).unwrap();
+            let vhost = VhostExport::start(&dir.join("vhost"), offers.iter().map(|o| o.front.clone()).collect(), None).unwrap();
             let exports = Exports::default();
             exports.push(Running::Nbd(nbd));
             exports.push(Running::VhostUser(vhost));

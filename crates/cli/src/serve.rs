@@ -160,6 +160,14 @@ impl Drop for Serving {
     }
 }
 
+/// The group id a socket is to be given (`key` names the setting in errors).
+fn socket_group(group: Option<&toml::Spanned<String>>, key: &str) -> anyhow::Result<Option<u32>> {
+    group
+        .map(|g| Access::with_group(g.get_ref()).map(|a| a.group).map_err(|e| anyhow::anyhow!("key `{key}`: {e}")))
+        .transpose()
+        .map(Option::flatten)
+}
+
 /// `bulkhead config check FILE`: the file parsed and validated as `serve` would, and what it
 /// would serve.
 pub fn check_config(path: &Path) -> anyhow::Result<ExitCode> {
@@ -343,7 +351,8 @@ impl Start<'_> {
         };
         if config.vhost_user.enabled {
             let devices = offers.iter().filter(|o| o.vhost_user).map(|o| o.front.clone()).collect();
-            let v = VhostExport::start(&socket_dir(self.run_dir), devices).context("vhost-user export")?;
+            let group = socket_group(config.vhost_user.group.as_ref(), "vhost_user.group")?;
+            let v = VhostExport::start(&socket_dir(self.run_dir), devices, group).context("vhost-user export")?;
             live.exports.push(Running::VhostUser(v));
         }
         if config.ublk.enabled {
@@ -439,7 +448,13 @@ impl Start<'_> {
         };
         let exports = offers.iter().map(|o| bulkhead_nbd_export::Export::new(o.front.clone(), o.reach.clone())).collect();
         let adopted = Listeners { unix: self.kept.take_all("nbd-unix").pop(), tcp: self.kept.take_all("nbd-tcp").pop() };
+        let group = socket_group(config.nbd.group.as_ref(), "nbd.group")?;
         let n = NbdServer::start_with(exports, cfg, adopted).context("NBD export")?;
+        if let Some(g) = group {
+            let path = socket_path(self.run_dir);
+            bulkhead_sys::share_with_group(&path, g)
+                .with_context(|| format!("key `nbd.group`: cannot give {} to group {g}", path.display()))?;
+        }
         match n.listeners() {
             Ok(l) => {
                 for (name, fd) in [("nbd-unix", l.unix), ("nbd-tcp", l.tcp)] {

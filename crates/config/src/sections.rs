@@ -94,6 +94,10 @@ pub struct Nbd {
     /// `psktool` writes them and qemu, nbdkit and libnbd read them.
     #[serde(default)]
     pub tls_psk: Option<Spanned<PathBuf>>,
+    /// A group (name or number) given the unix socket, mode `0660`, so that its members may
+    /// connect; without it, `serve`'s umask decides.
+    #[serde(default)]
+    pub group: Option<Spanned<String>>,
 }
 
 /// When the NBD export uses TLS.
@@ -140,6 +144,7 @@ impl Default for Nbd {
             tls_certificates: None,
             tls_verify_peer: false,
             tls_psk: None,
+            group: None,
         }
     }
 }
@@ -154,6 +159,10 @@ pub struct VhostUser {
     /// Only these devices and views (all of them when absent).
     #[serde(default)]
     pub devices: Option<Spanned<Vec<String>>>,
+    /// A group (name or number) given each socket, mode `0660`, so that its members (a QEMU
+    /// that libvirt runs as its own user) may connect; without it, `serve`'s umask decides.
+    #[serde(default)]
+    pub group: Option<Spanned<String>>,
 }
 
 /// The ublk export: devices and views as the kernel's own block devices, `/dev/ublkbN`.

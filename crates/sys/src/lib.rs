@@ -212,6 +212,14 @@ pub fn lock_exclusive(file: BorrowedFd<'_>) -> io::Result<bool> {
     Ok(true)
 }
 
+/// Gives the file (a socket) at `path` to group `gid` with mode `0660`: its owner and the
+/// group's members may use it, nobody else.
+pub fn share_with_group(path: &std::path::Path, gid: u32) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::os::unix::fs::chown(path, None, Some(gid))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+}
+
 /// Detaches the mount at `path` (`umount2(MNT_DETACH)`): it is gone from the tree at once, and
 /// released when its last user lets go.
 pub fn detach_mount(path: &std::path::Path) -> io::Result<()> {

@@ -60,6 +60,8 @@ type Exports = Arc<Mutex<BTreeMap<u64, Arc<Exported>>>>;
 pub struct VhostExport {
     exports: Exports,
     dir: PathBuf,
+    /// The group given each socket, if any.
+    group: Option<u32>,
     epoll: Arc<Epoll>,
     next: AtomicU64,
     stop: Arc<EventFd>,
@@ -97,8 +99,10 @@ pub enum VhostError {
 
 impl VhostExport {
     /// Binds a socket for each of `devices` in `dir` (created if missing; stale sockets of an
-    /// earlier `serve` are replaced) and starts accepting.
-    pub fn start(dir: &Path, devices: Vec<Arc<Device>>) -> Result<VhostExport, VhostError> {
+    /// earlier `serve` are replaced) and starts accepting. With `group`, each socket is owned by
+    /// that group and mode `0660`, so that its members (a QEMU that libvirt runs as its own
+    /// user) may connect; without it, the process's umask decides.
+    pub fn start(dir: &Path, devices: Vec<Arc<Device>>, group: Option<u32>) -> Result<VhostExport, VhostError> {
         std::fs::create_dir_all(dir)?;
         let stop = Arc::new(EventFd::new()?);
         let stopping = Arc::new(AtomicBool::new(false));
@@ -110,6 +114,7 @@ impl VhostExport {
         let export = VhostExport {
             exports,
             dir: dir.to_path_buf(),
+            group,
             epoll,
             next: AtomicU64::new(0),
             stop,
@@ -139,6 +144,11 @@ impl VhostExport {
             Ok(l) => l,
             Err(source) => return Err(VhostError::Socket { what: "cannot bind", path, source }),
         };
+        if let Some(g) = self.group {
+            if let Err(source) = bulkhead_sys::share_with_group(&path, g) {
+                return Err(VhostError::Socket { what: "cannot give the group", path, source });
+            }
+        }
         listener.set_nonblocking(true)?;
         let token = self.next.fetch_add(1, Ordering::Relaxed);
         let e = Arc::new(Exported {

@@ -882,3 +882,66 @@ fn advisory_class_shutdown_with_clients_mid_negotiation_and_connection_limit() {
     assert!(!Path::new(&serve.run_dir.join("nbd.sock")).exists(), "socket left behind");
     drop(stuck);
 }
+
+/// Whether user and group 65534 (nobody) can connect to the unix socket at `path`: the
+/// server's first bytes arrive.
+fn nobody_connects(path: &Path) -> Result<bool, String> {
+    let script = format!(
+        "import socket,sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect({:?})\nexcept PermissionError:\n    print('refused'); sys.exit(0)\nprint('connected')",
+        path.display().to_string()
+    );
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", &script])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let said = String::from_utf8_lossy(&out.stdout);
+    match said.trim() {
+        "connected" => Ok(true),
+        "refused" => Ok(false),
+        _ => Err(format!("{said} {}", String::from_utf8_lossy(&out.stderr))),
+    }
+}
+
+/// `[nbd] group` and `[vhost_user] group` give the sockets to a group, mode 0660, so that a
+/// QEMU run as another user (libvirt's) can connect; without them, others cannot.
+#[test]
+fn a_group_opens_the_nbd_and_vhost_user_sockets_to_its_members() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    bulkhead_testkit::require_kernel!();
+    if bulkhead_sys::euid() != 0 || !tools(&["setpriv"]) || !Path::new("/usr/bin/python3").exists() {
+        assert!(std::env::var_os("BULKHEAD_REQUIRE_KERNEL").is_none(), "needs root, setpriv and python3");
+        eprintln!("SKIP: needs root, setpriv and python3");
+        return;
+    }
+    for group in [Some("65534"), None] {
+        let tmp = TempDir::new("socket-group");
+        let g = group.map(|g| format!("group = \"{g}\"\n")).unwrap_or_default();
+        let cfg = format!(
+            "[nbd]\n{g}[vhost_user]\nenabled = true\n{g}[[device]]\nname = \"d\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n"
+        );
+        let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["d"]);
+        // The way in: the run directory open to others, as the packaged one (0711) is.
+        for dir in [tmp.path().to_path_buf(), serve.run_dir.clone(), serve.run_dir.join("vhost")] {
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+        }
+        for sock in [serve.run_dir.join("nbd.sock"), serve.vhost_socket("d")] {
+            let meta = std::fs::metadata(&sock).unwrap();
+            if group.is_some() {
+                assert_eq!((meta.permissions().mode() & 0o777, meta.gid()), (0o660, 65534), "{}", sock.display());
+                assert_eq!(nobody_connects(&sock), Ok(true), "a member connects to {}", sock.display());
+            } else {
+                assert_eq!(nobody_connects(&sock), Ok(false), "another user cannot connect to {}", sock.display());
+            }
+        }
+    }
+}
+
+#[test]
+fn an_unknown_socket_group_is_refused_naming_the_key() {
+    let tmp = TempDir::new("socket-group-unknown");
+    let err = refused(
+        &tmp,
+        "[nbd]\ngroup = \"no-such-group-here\"\n[[device]]\nname = \"d\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n",
+    );
+    assert!(err.contains("key `nbd.group`") && err.contains("no group `no-such-group-here`"), "{err}");
+}

@@ -20,7 +20,9 @@ fn manual_pages_cover_every_command_and_its_options() {
     let serve = std::fs::read_to_string(out.join("bulkhead-serve.1")).unwrap();
     assert!(serve.contains("config") && serve.contains("run\\-dir"), "{serve}");
     // Nested commands have pages of their own, which their parent's page names.
-    for cmd in ["device-add", "device-remove", "view-add", "view-remove", "config-dump", "config-check", "filter-add", "vdev-generate"] {
+    for cmd in
+        ["device-add", "device-remove", "view-add", "view-remove", "config-dump", "config-check", "filter-add", "vdev-generate"]
+    {
         let page = std::fs::read_to_string(out.join(format!("bulkhead-{cmd}.1"))).unwrap_or_else(|e| panic!("{cmd}: {e}"));
         assert!(page.contains(&format!(".TH bulkhead-{cmd} 1")), "{cmd}: {page}");
     }

@@ -36,7 +36,7 @@ fn serve_pid(keeper: u32) -> Option<u32> {
 /// The pid of the `serve` answering on `run_dir`'s control socket, if one does.
 fn answering(run_dir: &Path) -> Option<u32> {
     let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(run_dir).output().ok()?;
-    if !answered(&out.status) {
+    if !common::answered(&out.status) {
         return None;
     }
     serve_pid_from_hello(run_dir)
