@@ -1,6 +1,7 @@
 //! The docs stay true: BENCHMARKS.md stays a reference of current figures within its line
 //! budget, each of its sections gives its command, and every citation of a docs section
-//! (`docs/X.md, "Section"`, in the docs and in code comments) names a section that exists.
+//! (`docs/X.md, "Section"`, in the docs and in code comments) names a section that exists,
+//! and the README's command list is the command line's.
 
 use std::path::{Path, PathBuf};
 
@@ -168,4 +169,38 @@ fn every_file_the_docs_name_exists() {
         }
     }
     assert!(missing.is_empty(), "files the docs name that do not exist:\n{}", missing.join("\n"));
+}
+
+#[test]
+fn the_readme_lists_every_command_and_no_other() {
+    use std::collections::BTreeSet;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bulkhead")).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    let commands: BTreeSet<String> = help
+        .split("Commands:")
+        .nth(1)
+        .expect("--help lists the commands")
+        .lines()
+        .skip_while(|l| l.trim().is_empty())
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(String::from)
+        .collect();
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let block = readme
+        .split("## Commands")
+        .nth(1)
+        .and_then(|r| r.split("```text").nth(1))
+        .and_then(|r| r.split("```").next())
+        .expect("README has a ## Commands section with a text block");
+    let listed: BTreeSet<String> = block
+        .lines()
+        .filter_map(|l| l.strip_prefix("bulkhead "))
+        .filter_map(|r| r.split_whitespace().next())
+        .map(String::from)
+        .collect();
+    let missing: Vec<&String> = commands.difference(&listed).collect();
+    let stale: Vec<&String> = listed.difference(&commands).collect();
+    assert!(missing.is_empty() && stale.is_empty(), "README's command list: missing {missing:?}, not commands {stale:?}");
 }

@@ -98,6 +98,12 @@ fn the_package_holds_what_a_service_needs_and_serves_from_a_scratch_root() {
     let v = Command::new("systemd-analyze").arg("verify").arg(&verify_copy).output().unwrap();
     assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
 
+    // The shipped configuration passes the check its own comment advises.
+    let check = Command::new(&bin).args(["config", "check"]).arg(root.join("etc/bulkhead/bulkhead.toml")).output().unwrap();
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    let config = std::fs::read_to_string(root.join("etc/bulkhead/bulkhead.toml")).unwrap();
+    assert!(config.contains("systemctl reload bulkhead") && !config.contains("then `systemctl restart"), "{config}");
+
     // `serve --config /etc/bulkhead/bulkhead.toml` works as shipped (the run directory moved
     // under the scratch root).
     let run_dir = tmp.path().join("run");
