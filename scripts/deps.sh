@@ -20,6 +20,8 @@ case "${1:-serve}" in
         want qemu-system-x86_64 qemu-system-x86; want qemu-storage-daemon qemu-system-common; static_busybox
         # The kernel lab's NBD client test (the guest runs this host's nbd-client).
         want nbd-client nbd-client
+        # The shipped alert rules' tests (promtool) and a real Prometheus scraping serve.
+        want promtool prometheus; want prometheus prometheus
         # The rbd tests' throwaway cluster (scripts/ceph-dev.sh); ceph-common brings librbd1.
         want ceph-mon ceph-mon; want ceph-osd ceph-osd; want rbd ceph-common
         # The control socket's check of another user connects from a small script.
@@ -41,8 +43,17 @@ if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
+  # Packages that bring a service (prometheus) are installed, not started: a policy-rc.d of
+  # our own, for the install alone, tells their scripts so.
+  made_policy=
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made_policy=1
+  fi
   # shellcheck disable=SC2046 # one word per package, duplicates removed
-  apt-get install -y -qq $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
+  rc=0
+  apt-get install -y -qq $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null || rc=$?
+  [ -z "$made_policy" ] || rm -f /usr/sbin/policy-rc.d
+  [ "$rc" = 0 ] || exit "$rc"
 fi
 case "${1:-serve}" in
   # The package test builds bulkhead_*.deb with cargo-deb (scripts/package.sh).

@@ -98,6 +98,9 @@ fn the_package_holds_what_a_service_needs_and_serves_from_a_scratch_root() {
     let v = Command::new("systemd-analyze").arg("verify").arg(&verify_copy).output().unwrap();
     assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
 
+    for f in ["bulkhead-alerts.yml", "bulkhead-alerts.test.yml", "bulkhead-dashboard.json"] {
+        assert!(root.join("usr/share/bulkhead/monitoring").join(f).is_file(), "the package ships {f}");
+    }
     // The shipped configuration passes the check its own comment advises.
     let check = Command::new(&bin).args(["config", "check"]).arg(root.join("etc/bulkhead/bulkhead.toml")).output().unwrap();
     assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
