@@ -98,6 +98,18 @@ fn the_package_holds_what_a_service_needs_and_serves_from_a_scratch_root() {
     let v = Command::new("systemd-analyze").arg("verify").arg(&verify_copy).output().unwrap();
     assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
 
+    // The group the docs suggest: sysusers makes it (tried on a scratch root), and the
+    // postinst runs sysusers.
+    let sysusers = root.join("usr/lib/sysusers.d/bulkhead.conf");
+    let users_root = tmp.path().join("sysusers-root");
+    std::fs::create_dir_all(users_root.join("etc")).unwrap();
+    common::sh("systemd-sysusers", &[&format!("--root={}", users_root.display()), sysusers.to_str().unwrap()]);
+    let groups = std::fs::read_to_string(users_root.join("etc/group")).unwrap();
+    assert!(groups.lines().any(|l| l.starts_with("bulkhead:")), "{groups}");
+    let control = tmp.path().join("control");
+    common::sh("dpkg-deb", &["-e", deb.to_str().unwrap(), control.to_str().unwrap()]);
+    let postinst = std::fs::read_to_string(control.join("postinst")).unwrap();
+    assert!(postinst.contains("systemd-sysusers bulkhead.conf") && !postinst.contains("#DEBHELPER#"), "{postinst}");
     for f in ["bulkhead-alerts.yml", "bulkhead-alerts.test.yml", "bulkhead-dashboard.json"] {
         assert!(root.join("usr/share/bulkhead/monitoring").join(f).is_file(), "the package ships {f}");
     }
