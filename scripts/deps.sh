@@ -56,6 +56,11 @@ if [ ${#need[@]} -gt 0 ]; then
   [ "$rc" = 0 ] || exit "$rc"
 fi
 case "${1:-serve}" in
+  # `bulkhead-bench ublk` compares with rublk, the ublk project's own server.
+  bench) command -v rublk >/dev/null 2>&1 || [ -x "$HOME/.cargo/bin/rublk" ] \
+           || cargo install -q rublk --no-default-features --locked --version 0.2.15 ;;
+esac
+case "${1:-serve}" in
   # The package test builds bulkhead_*.deb with cargo-deb (scripts/package.sh).
   test) command -v cargo-deb >/dev/null 2>&1 || cargo install -q cargo-deb --locked --version 3.8.0
         # The fuzz targets run briefly in the suite (scripts/fuzz.sh), on the nightly toolchain.
