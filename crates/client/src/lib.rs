@@ -465,6 +465,20 @@ impl Device {
         QueueLine::new(self, self.turns.line_up(slot % self.queues.len()))
     }
 
+    /// A queue without waiting, for a user that polls other work: a free one at once, else a
+    /// place in line kept in `line` (taken on a later call once its turn comes), so that users
+    /// who can block do not pass this one over for ever. `None` while others are ahead.
+    pub fn poll_queue<'a>(&'a self, slot: usize, line: &mut Option<QueueLine<'a>>) -> Option<QueueHandle<'a>> {
+        let handle = match line.as_mut() {
+            Some(l) => l.try_take(),
+            None => self.try_queue(slot).or_else(|| line.insert(self.line_up(slot)).try_take()),
+        };
+        if handle.is_some() {
+            *line = None;
+        }
+        handle
+    }
+
     pub(crate) fn turnstile(&self) -> &Turnstile {
         &self.turns
     }

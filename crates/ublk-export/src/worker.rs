@@ -318,18 +318,7 @@ pub(crate) fn run(w: QueueWork<'_>) -> Result<(), UblkError> {
         while !stopping || wk.down {
             let Some(&tag) = wk.waiting.front() else { break };
             if handle.is_none() {
-                handle = match line.as_mut() {
-                    Some(l) => l.try_take(),
-                    None => dev.try_queue(slot).or_else(|| {
-                        let mut l = dev.line_up(slot);
-                        let h = l.try_take();
-                        line = Some(l);
-                        h
-                    }),
-                };
-                if handle.is_some() {
-                    line = None;
-                }
+                handle = dev.poll_queue(slot, &mut line);
             }
             let Some(h) = handle.as_mut().filter(|h| !h.turn_over()) else { break };
             let sent = wk.send(h, tag);

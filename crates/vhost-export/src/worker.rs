@@ -311,20 +311,7 @@ pub fn run(w: QueueWork) -> RingPosition {
         // Send what waits, oldest first, while the device's queue has room.
         while let Some(&head) = waiting.front() {
             if handle.is_none() {
-                // A free queue at once; else a place in line, so that users who can block
-                // for a queue do not pass this one over for ever.
-                handle = match line.as_mut() {
-                    Some(l) => l.try_take(),
-                    None => dev.try_queue(slot).or_else(|| {
-                        let mut l = dev.line_up(slot);
-                        let h = l.try_take();
-                        line = Some(l);
-                        h
-                    }),
-                };
-                if handle.is_some() {
-                    line = None;
-                }
+                handle = dev.poll_queue(slot, &mut line);
             }
             // After its turn, with others in line, the worker only drains.
             let Some(h) = handle.as_mut().filter(|h| !h.turn_over()) else { break };
