@@ -24,6 +24,9 @@ case "${1:-serve}" in
         want promtool prometheus; want prometheus prometheus
         # The rbd tests' throwaway cluster (scripts/ceph-dev.sh); ceph-common brings librbd1.
         want ceph-mon ceph-mon; want ceph-osd ceph-osd; want rbd ceph-common
+        # The package's life under a real systemd: a container booted with systemd as PID 1
+        # on a Debian root that mmdebstrap makes (scripts/systemd-lab.sh).
+        want systemd-nspawn systemd-container; want mmdebstrap mmdebstrap
         # The control socket's check of another user connects from a small script.
         [ -x /usr/bin/python3 ] || need+=(python3); want setpriv util-linux ;;
   bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
@@ -72,4 +75,8 @@ case "${1:-serve}" in
   # The guests' kit (a kernel and an initramfs from Debian packages) and the kernel lab
   # (bookworm-backports' kernel, which has ublk and nbd), built once and cached.
   test|bench) "$(dirname "$0")/guest-kit.sh" >/dev/null; "$(dirname "$0")/guest-lab.sh" >/dev/null ;;
+esac
+case "${1:-serve}" in
+  # The root the package's life test boots systemd in, built once and cached.
+  test) "$(dirname "$0")/systemd-lab.sh" >/dev/null ;;
 esac

@@ -236,7 +236,7 @@ impl VhostExport {
     }
 
     /// Stops accepting, ends every session (its queues drained first), and removes the
-    /// sockets. Later calls do nothing.
+    /// sockets, and their directory if nothing else is in it. Later calls do nothing.
     pub fn shutdown(&self) {
         self.stopping.store(true, Ordering::Release);
         self.stop.ring();
@@ -252,6 +252,7 @@ impl VhostExport {
             }
             let _ = std::fs::remove_file(&e.path);
         }
+        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 
