@@ -2,7 +2,8 @@
 # Builds the Debian packages with cargo-deb: target/debian/bulkhead_VERSION-1_ARCH.deb (the
 # binary, the systemd unit and tmpfiles entry, an example config in /etc/bulkhead, manual
 # pages and shell completions generated from the command-line definitions, and the docs) and
-# bulkhead-bench_VERSION-1_ARCH.deb (the benchmarks, a program of their own, and their pages).
+# bulkhead-bench_VERSION-1_ARCH.deb (the benchmarks, a program of their own, and their pages,
+# with the scripts and the static guest program they run).
 # Usage: scripts/package.sh [--profile dev [--prebuilt]] [cargo-deb options, e.g. -o DIR]
 #   --profile dev: package the debug build; --prebuilt: as it is, without building (the tests).
 set -euo pipefail
@@ -23,6 +24,10 @@ gzip -9n "$assets"/man/*.1 "$assets"/bench-man/*.1
 "target/$dir/bulkhead" completions bash >"$assets/completions/bulkhead"
 "target/$dir/bulkhead" completions zsh >"$assets/completions/_bulkhead"
 "target/$dir/bulkhead" completions fish >"$assets/completions/bulkhead.fish"
+# The benchmarks' guests run guest-io, built static (as crates/guest builds it from source).
+RUSTFLAGS="-C target-feature=+crt-static -C strip=symbols" cargo build --release --locked -q -p bulkhead-guest-io \
+  --target x86_64-unknown-linux-gnu --target-dir target/guest
+cp target/guest/x86_64-unknown-linux-gnu/release/guest-io "$assets/guest-io"
 # The symbols go in a package of their own (bulkhead-dbgsym), not in the binary installed.
 cargo deb -p bulkhead --no-build --locked --profile "$profile" --strip "$@"
 cargo deb -p bulkhead-bench --no-build --locked --profile "$profile" --strip "$@"

@@ -697,12 +697,12 @@ impl Faults<'_> {
 
     /// A `delay` filter added to `name`, and removed after `hold`.
     fn filter_add_remove(&mut self, name: &str, hold: Duration) {
-        if let Err(e) = self.cli(&["filter", name, "add", "type = \"delay\"", "read_us = 20", "write_us = 20"]) {
+        if let Err(e) = self.cli(&["filter", "add", name, "type = \"delay\"", "read_us = 20", "write_us = 20"]) {
             return self.error(e);
         }
         self.counted(FILTER_ADD);
         std::thread::sleep(hold);
-        match self.cli(&["filter", name, "remove", "0"]) {
+        match self.cli(&["filter", "remove", name, "0"]) {
             Ok(()) => self.counted(FILTER_REMOVE),
             Err(e) => self.error(e),
         }
@@ -712,7 +712,7 @@ impl Faults<'_> {
     fn tap_switch(&mut self, name: &str) {
         let Some(d) = device(self.control, name) else { return self.error(format!("{TAP_SWITCH}: no status of {name}")) };
         let to = if d.tap == "passthrough" { "interpose" } else { "passthrough" };
-        match self.cli(&["tap", name, to]) {
+        match self.cli(&["device", "tap", name, to]) {
             Ok(()) => self.counted(TAP_SWITCH),
             Err(e) => self.error(e),
         }
@@ -720,12 +720,12 @@ impl Faults<'_> {
 
     /// Snapshot `n` of `name`'s overlay taken, and the third-last deleted.
     fn snapshot(&mut self, name: &str, n: u64) {
-        if let Err(e) = self.cli(&["snapshot", name, "create", &format!("chaos{n}")]) {
+        if let Err(e) = self.cli(&["snapshot", "create", name, &format!("chaos{n}")]) {
             return self.error(e);
         }
         self.counted(SNAPSHOT);
         if n > 3 {
-            if let Err(e) = self.cli(&["snapshot", name, "delete", &format!("chaos{}", n - 3)]) {
+            if let Err(e) = self.cli(&["snapshot", "delete", name, &format!("chaos{}", n - 3)]) {
                 self.error(e);
             }
         }

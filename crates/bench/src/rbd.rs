@@ -170,10 +170,9 @@ impl Drop for Cluster {
     }
 }
 
-/// `scripts/ceph-dev.sh` of the source tree this was built from.
+/// `scripts/ceph-dev.sh`: the package's copy, or the source tree's.
 fn script() -> Result<PathBuf, BenchError> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-dev.sh");
-    p.canonicalize().map_err(|e| BenchError::io(&p, e))
+    bulkhead_guest::script("ceph-dev.sh").map_err(|e| BenchError::Run(e.to_string()))
 }
 
 /// A server under test (bulkhead's `serve` or qemu-storage-daemon), serving `r` over NBD.

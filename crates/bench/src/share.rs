@@ -7,7 +7,7 @@
 //!
 //! - **noisy neighbour**: a QD1 4 KiB random reader's p99 on its view alone; then beside a
 //!   neighbour doing QD32 4 KiB random writes on another view, with no QoS, with the
-//!   neighbour capped (`bulkhead qos` on the running view), and with weights instead of a cap;
+//!   neighbour capped (`bulkhead view qos` on the running view), and with weights instead of a cap;
 //! - **fairness**: four equal-weight views, each client QD16 4 KiB random reads: Jain's index
 //!   of their throughputs;
 //! - **work conservation**: one of the four busy and three idle, against the same client on a

@@ -1,6 +1,6 @@
 //! `bench share` over NBD, next to qemu-storage-daemon: the noisy-neighbour and cap runs with
 //! fio's nbd engine against two exports of one 1 GiB file on a tmpfs, a view each in
-//! `bulkhead serve` (capped with `bulkhead qos` on the running view) and a `raw` node each in
+//! `bulkhead serve` (capped with `bulkhead view qos` on the running view) and a `raw` node each in
 //! qemu-storage-daemon (capped with a throttle group, the daemon started anew per setting).
 
 use crate::BenchError;

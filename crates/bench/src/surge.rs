@@ -479,7 +479,7 @@ fn set_column(col: &Column, exe: &Path, run_dir: &Path, lo: &str, opts: &Options
             let (policy, depth) = (format!("policy = \"{}\"", policy.as_str()), format!("depth = {}", opts.depth));
             run(
                 &exe.display().to_string(),
-                &["filter", "disk0", "add", "--at", "0", "--run-dir", &rd, "type = \"scheduler\"", &policy, &depth],
+                &["filter", "add", "disk0", "--at", "0", "--run-dir", &rd, "type = \"scheduler\"", &policy, &depth],
             )?;
             Ok(opts.depth)
         }
@@ -505,7 +505,7 @@ fn set_column(col: &Column, exe: &Path, run_dir: &Path, lo: &str, opts: &Options
 
 fn unset_column(col: &Column, exe: &Path, run_dir: &Path) -> Result<(), BenchError> {
     if let Column::Bulkhead { .. } = col {
-        run(&exe.display().to_string(), &["filter", "disk0", "remove", "0", "--run-dir", &run_dir.display().to_string()])?;
+        run(&exe.display().to_string(), &["filter", "remove", "disk0", "0", "--run-dir", &run_dir.display().to_string()])?;
     }
     Ok(())
 }

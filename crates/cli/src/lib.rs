@@ -28,6 +28,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_control::{AddFilter, RemoveFilter, SetTap, SnapshotAction};
+use status::Out;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
@@ -54,9 +55,8 @@ enum Cmd {
     /// Exits 0 when every device runs, 1 when one is degraded (its remote being reconnected),
     /// 2 when one has failed, 3 when no serve answers: a health check.
     Status {
-        /// Machine-readable output.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        out: Json,
         #[command(flatten)]
         run_dir: RunDir,
     },
@@ -69,57 +69,29 @@ enum Cmd {
         /// Stop after this many refreshes (default: until interrupted).
         #[arg(long)]
         count: Option<u64>,
-        #[command(flatten)]
-        run_dir: RunDir,
-    },
-    /// Restart a device's driver domain now (also one that turned `failed`).
-    Restart {
-        /// Device name.
-        device: String,
-        #[command(flatten)]
-        run_dir: RunDir,
-    },
-    /// Move a running device's filters: `passthrough` (in its driver domain), `interpose` (in
-    /// a tap domain of their own) or `intercept` (in a tap domain that ends in the soft device,
-    /// no driver domain). Requests in flight are reissued to the new domains; nothing fails.
-    Tap {
-        /// Device name.
-        device: String,
-        /// passthrough | interpose | intercept.
-        #[arg(value_enum)]
-        mode: TapArg,
+        /// One JSON object a refresh, a line each, instead of the table.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         run_dir: RunDir,
     },
     /// Insert a filter into, or remove one from, a running device's chain. Requests in flight
     /// are reissued to the new domains; nothing fails.
     Filter {
-        /// Device name.
-        device: String,
         #[command(subcommand)]
         op: FilterOp,
         #[command(flatten)]
         run_dir: RunDir,
     },
-    /// Shows or changes the QoS of a running view (`[[device.view]]`): `KEY=VALUE` settings of
-    /// credit_bytes, credit_us, burst_bytes, iops, burst_ios, weight over its current caps
-    /// (`0` or `none` lifts a cap). The domain takes them at once, without a restart.
-    Qos {
-        /// View name.
-        view: String,
-        /// KEY=VALUE settings; none shows the caps in force.
-        settings: Vec<String>,
-        #[command(flatten)]
-        run_dir: RunDir,
-    },
-    /// Add devices to, or remove one from, a running serve.
+    /// Add devices to or remove one from a running serve, restart a device's driver domain,
+    /// move its filters between domains.
     Device {
         #[command(subcommand)]
         op: DeviceOp,
         #[command(flatten)]
         run_dir: RunDir,
     },
-    /// Add a view to, or remove one from, a running device.
+    /// Add a view to or remove one from a running device, show or change a view's QoS.
     View {
         #[command(subcommand)]
         op: ViewOp,
@@ -139,6 +111,8 @@ enum Cmd {
     /// it, and nothing is applied.
     Reload {
         #[command(flatten)]
+        out: Json,
+        #[command(flatten)]
         run_dir: RunDir,
     },
     /// Hands a running `serve` over to the binary now on disk: the keeper holds the FUSE
@@ -151,22 +125,16 @@ enum Cmd {
         /// Seconds to wait for the new `serve` to answer.
         #[arg(long, default_value_t = 60)]
         timeout: u64,
+        #[command(flatten)]
+        out: Json,
     },
     /// Snapshots of a device's `cow` overlay (qcow2 internal snapshots, which `qemu-img
     /// snapshot -l` lists too): `create` takes one while I/O runs (every acknowledged write is
     /// in it), `revert` makes the device's contents a snapshot's again (the device must be
     /// idle: unmount its file system first), `delete` frees what only it held.
     Snapshot {
-        /// Device name.
-        device: String,
-        /// create | list | revert | delete.
-        #[arg(value_enum)]
-        op: SnapshotOpArg,
-        /// The snapshot's name (not for `list`).
-        name: Option<String>,
-        /// Machine-readable output (`list`).
-        #[arg(long)]
-        json: bool,
+        #[command(subcommand)]
+        op: SnapshotOp,
         #[command(flatten)]
         run_dir: RunDir,
     },
@@ -175,9 +143,8 @@ enum Cmd {
     Trace {
         /// The trace file.
         file: PathBuf,
-        /// Machine-readable output.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        out: Json,
     },
     /// Run a workload through disk schedulers on the modelled disk, with no device: per
     /// scheduler, each request's service, wait and response time and their means, mean
@@ -221,6 +188,14 @@ enum Cmd {
     },
 }
 
+/// `--json`, for every command that prints a result.
+#[derive(clap::Args, Clone, Copy)]
+struct Json {
+    /// Print the result as JSON (the control API's reply) instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
 /// `--run-dir`, for every command that talks to a running `serve`.
 #[derive(clap::Args)]
 struct RunDir {
@@ -248,6 +223,8 @@ enum VdevCmd {
         /// Directory to write to (created if missing).
         #[arg(long)]
         out: PathBuf,
+        #[command(flatten)]
+        print: Json,
     },
     /// The device-model domain of a `vdev` device (exec'd by the supervisor; not for direct
     /// use).
@@ -264,19 +241,66 @@ enum VdevCmd {
 #[derive(Subcommand)]
 enum FilterOp {
     /// Insert a filter, given as the lines of its `[[device.filter]]` table:
-    /// `bulkhead filter disk0 add 'type = "delay"' 'read_us = 200'`.
+    /// `bulkhead filter add disk0 'type = "delay"' 'read_us = 200'`.
     Add {
+        /// Device name.
+        device: String,
         /// Position (0: nearest the frontend; default: nearest the backend).
         #[arg(long)]
         at: Option<usize>,
         /// The table's lines.
         #[arg(required = true)]
         lines: Vec<String>,
+        #[command(flatten)]
+        out: Json,
     },
     /// Remove the filter at a position (0: nearest the frontend; `bulkhead status` lists them).
     Remove {
+        /// Device name.
+        device: String,
         /// Position.
         at: usize,
+        #[command(flatten)]
+        out: Json,
+    },
+}
+
+#[derive(Subcommand)]
+enum SnapshotOp {
+    /// Take a snapshot while I/O runs: every acknowledged write is in it.
+    Create {
+        /// Device name.
+        device: String,
+        /// The snapshot's name.
+        name: String,
+        #[command(flatten)]
+        out: Json,
+    },
+    /// List a device's snapshots: id, name, when taken, the space only it holds.
+    List {
+        /// Device name.
+        device: String,
+        #[command(flatten)]
+        out: Json,
+    },
+    /// Make the device's contents the snapshot's again (the device must be idle: unmount its
+    /// file system first).
+    Revert {
+        /// Device name.
+        device: String,
+        /// The snapshot's name.
+        name: String,
+        #[command(flatten)]
+        out: Json,
+    },
+    /// Delete a snapshot, freeing what only it held.
+    Delete {
+        /// Device name.
+        device: String,
+        /// The snapshot's name.
+        name: String,
+        #[command(flatten)]
+        out: Json,
     },
 }
 
@@ -288,6 +312,8 @@ enum DeviceOp {
     Add {
         /// The file, or `-`.
         file: PathBuf,
+        #[command(flatten)]
+        out: Json,
     },
     /// Unexport a device and its views, drain and flush it, and end its domains. Refused
     /// while it is in use (its FUSE file open, an NBD client or a VM connected, an application
@@ -298,6 +324,27 @@ enum DeviceOp {
         /// Remove it even while it is in use.
         #[arg(long)]
         force: bool,
+        #[command(flatten)]
+        out: Json,
+    },
+    /// Restart a device's driver domain now (also one that turned `failed`).
+    Restart {
+        /// Device name.
+        device: String,
+        #[command(flatten)]
+        out: Json,
+    },
+    /// Move a running device's filters: `passthrough` (in its driver domain), `interpose` (in
+    /// a tap domain of their own) or `intercept` (in a tap domain that ends in the soft
+    /// device, no driver domain). Requests in flight are reissued to the new domains; nothing
+    /// fails.
+    Tap {
+        /// Device name.
+        device: String,
+        #[arg(value_enum)]
+        mode: TapArg,
+        #[command(flatten)]
+        out: Json,
     },
 }
 
@@ -314,6 +361,8 @@ enum ViewOp {
         /// The table's lines, or `-`.
         #[arg(required = true)]
         lines: Vec<String>,
+        #[command(flatten)]
+        out: Json,
     },
     /// Unexport a view, drain and flush it, and take it out of its device (whose users see a
     /// pause). Refused while it is in use (its FUSE file open, an NBD client or a VM
@@ -324,6 +373,19 @@ enum ViewOp {
         /// Remove it even while it is in use.
         #[arg(long)]
         force: bool,
+        #[command(flatten)]
+        out: Json,
+    },
+    /// Show or change the QoS of a running view (`[[device.view]]`): `KEY=VALUE` settings of
+    /// credit_bytes, credit_us, burst_bytes, iops, burst_ios, weight over its current caps
+    /// (`0` or `none` lifts a cap). The domain takes them at once, without a restart.
+    Qos {
+        /// View name.
+        view: String,
+        /// KEY=VALUE settings; none shows the caps in force.
+        settings: Vec<String>,
+        #[command(flatten)]
+        out: Json,
     },
 }
 
@@ -331,12 +393,17 @@ enum ViewOp {
 enum ConfigOp {
     /// Print the running configuration as TOML that `serve --config` accepts: the file it
     /// started with, and every device added, removed or changed since.
-    Dump,
+    Dump {
+        #[command(flatten)]
+        out: Json,
+    },
     /// Check a configuration file without starting anything: the errors `serve` would give
     /// (naming the key and the line), or a summary of what it would serve. Needs no `serve`.
     Check {
         /// The file.
         file: PathBuf,
+        #[command(flatten)]
+        out: Json,
     },
 }
 
@@ -355,14 +422,6 @@ impl From<TapArg> for bulkhead_config::Tap {
             TapArg::Intercept => bulkhead_config::Tap::Intercept,
         }
     }
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum SnapshotOpArg {
-    Create,
-    List,
-    Revert,
-    Delete,
 }
 
 /// Writes `bulkhead.1` and a page for each command that is not hidden, nested ones included
@@ -389,46 +448,57 @@ fn man_pages(out: &std::path::Path) -> anyhow::Result<ExitCode> {
 
 /// Runs one command.
 fn dispatch(cmd: Cmd) -> anyhow::Result<ExitCode> {
+    let out = |j: Json| if j.json { Out::Json } else { Out::Text };
     match cmd {
         Cmd::Serve { config, run_dir } => serve::run(config.as_deref(), run_dir),
-        Cmd::Status { json, run_dir } => status::run(run_dir.find(), json),
-        Cmd::Restart { device, run_dir } => status::restart(&run_dir.find()?, &device),
-        Cmd::Top { interval, count, run_dir } => match std::time::Duration::try_from_secs_f64(interval) {
-            Ok(d) if d >= std::time::Duration::from_millis(100) => status::top(&run_dir.find()?, d, count),
+        Cmd::Status { out: o, run_dir } => status::run(run_dir.find(), out(o)),
+        Cmd::Top { interval, count, json, run_dir } => match std::time::Duration::try_from_secs_f64(interval) {
+            Ok(d) if d >= std::time::Duration::from_millis(100) => status::top(&run_dir.find()?, d, count, json),
             _ => Err(anyhow::anyhow!("--interval {interval}: give at least 0.1 seconds")),
         },
         Cmd::Driver { spec, .. } => driver_cmd::run(&spec),
-        Cmd::Trace { file, json } => trace_cmd::run(&file, json),
+        Cmd::Trace { file, out: o } => trace_cmd::run(&file, o.json),
         Cmd::Sim(args) => sim_cmd::run(args),
-        Cmd::Vdev { which: VdevCmd::Generate { seed, out } } => vdev_cmd::generate(seed, &out),
+        Cmd::Vdev { which: VdevCmd::Generate { seed, out: dir, print } } => vdev_cmd::generate(seed, &dir, out(print)),
         Cmd::Vdev { which: VdevCmd::Model { spec, .. } } => vdev_cmd::model(&spec),
-        Cmd::Snapshot { device, op, name, json, run_dir } => {
-            let op = match op {
-                SnapshotOpArg::Create => Some(SnapshotAction::Create),
-                SnapshotOpArg::List => None,
-                SnapshotOpArg::Revert => Some(SnapshotAction::Revert),
-                SnapshotOpArg::Delete => Some(SnapshotAction::Delete),
+        Cmd::Snapshot { op, run_dir } => {
+            let (device, action, name, o) = match op {
+                SnapshotOp::Create { device, name, out } => (device, Some(SnapshotAction::Create), Some(name), out),
+                SnapshotOp::List { device, out } => (device, None, None, out),
+                SnapshotOp::Revert { device, name, out } => (device, Some(SnapshotAction::Revert), Some(name), out),
+                SnapshotOp::Delete { device, name, out } => (device, Some(SnapshotAction::Delete), Some(name), out),
             };
-            status::snapshot(&run_dir.find()?, &device, op, name.as_deref(), json)
+            status::snapshot(&run_dir.find()?, &device, action, name.as_deref(), out(o))
         }
-        Cmd::Qos { view, settings, run_dir } => status::qos(&run_dir.find()?, &view, &settings),
-        Cmd::Tap { device, mode, run_dir } => {
-            status::change(&run_dir.find()?, &device, SetTap { device: device.clone(), mode: mode.into() })
+        Cmd::Filter { op: FilterOp::Add { device, at, lines, out: o }, run_dir } => {
+            status::change(&run_dir.find()?, &device, AddFilter { device: device.clone(), at, table: lines.join("\n") }, out(o))
         }
-        Cmd::Filter { device, op: FilterOp::Add { at, lines }, run_dir } => {
-            status::change(&run_dir.find()?, &device, AddFilter { device: device.clone(), at, table: lines.join("\n") })
+        Cmd::Filter { op: FilterOp::Remove { device, at, out: o }, run_dir } => {
+            status::change(&run_dir.find()?, &device, RemoveFilter { device: device.clone(), at }, out(o))
         }
-        Cmd::Filter { device, op: FilterOp::Remove { at }, run_dir } => {
-            status::change(&run_dir.find()?, &device, RemoveFilter { device: device.clone(), at })
+        Cmd::Device { op: DeviceOp::Add { file, out: o }, run_dir } => status::add_devices(&run_dir.find()?, &file, out(o)),
+        Cmd::Device { op: DeviceOp::Remove { name, force, out: o }, run_dir } => {
+            status::remove_device(&run_dir.find()?, &name, force, out(o))
         }
-        Cmd::Device { op: DeviceOp::Add { file }, run_dir } => status::add_devices(&run_dir.find()?, &file),
-        Cmd::Device { op: DeviceOp::Remove { name, force }, run_dir } => status::remove_device(&run_dir.find()?, &name, force),
-        Cmd::View { op: ViewOp::Add { device, lines }, run_dir } => status::add_view(&run_dir.find()?, &device, &lines),
-        Cmd::View { op: ViewOp::Remove { name, force }, run_dir } => status::remove_view(&run_dir.find()?, &name, force),
-        Cmd::Config { op: ConfigOp::Dump, run_dir } => status::dump_config(&run_dir.find()?),
-        Cmd::Config { op: ConfigOp::Check { file }, .. } => serve::check_config(&file),
-        Cmd::Reload { run_dir } => status::reload(&run_dir.find()?),
-        Cmd::Upgrade { run_dir, timeout } => status::upgrade(&run_dir.find()?, std::time::Duration::from_secs(timeout)),
+        Cmd::Device { op: DeviceOp::Restart { device, out: o }, run_dir } => status::restart(&run_dir.find()?, &device, out(o)),
+        Cmd::Device { op: DeviceOp::Tap { device, mode, out: o }, run_dir } => {
+            status::change(&run_dir.find()?, &device, SetTap { device: device.clone(), mode: mode.into() }, out(o))
+        }
+        Cmd::View { op: ViewOp::Add { device, lines, out: o }, run_dir } => {
+            status::add_view(&run_dir.find()?, &device, &lines, out(o))
+        }
+        Cmd::View { op: ViewOp::Remove { name, force, out: o }, run_dir } => {
+            status::remove_view(&run_dir.find()?, &name, force, out(o))
+        }
+        Cmd::View { op: ViewOp::Qos { view, settings, out: o }, run_dir } => {
+            status::qos(&run_dir.find()?, &view, &settings, out(o))
+        }
+        Cmd::Config { op: ConfigOp::Dump { out: o }, run_dir } => status::dump_config(&run_dir.find()?, out(o)),
+        Cmd::Config { op: ConfigOp::Check { file, out: o }, .. } => serve::check_config(&file, out(o)),
+        Cmd::Reload { out: o, run_dir } => status::reload(&run_dir.find()?, out(o)),
+        Cmd::Upgrade { run_dir, timeout, out: o } => {
+            status::upgrade(&run_dir.find()?, std::time::Duration::from_secs(timeout), out(o))
+        }
         Cmd::Bench { args } => bench::hand_over(&args),
         Cmd::Man { out } => man_pages(&out),
         Cmd::Completions { shell } => {
@@ -438,9 +508,43 @@ fn dispatch(cmd: Cmd) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// The forms of the command line before it read noun, verb, operands, kept for one release:
+/// `restart DEVICE`, `tap DEVICE MODE`, `qos VIEW …`, `filter DEVICE add|remove …` and
+/// `snapshot DEVICE create|list|revert|delete …`. Returns the arguments in today's form and,
+/// for an old one, the note to print.
+fn old_forms(mut args: Vec<std::ffi::OsString>) -> (Vec<std::ffi::OsString>, Option<String>) {
+    let word = |args: &[std::ffi::OsString], i: usize| args.get(i).and_then(|a| a.to_str()).unwrap_or("").to_string();
+    let (cmd, second, third) = (word(&args, 1), word(&args, 2), word(&args, 3));
+    let operand = !second.is_empty() && !second.starts_with('-');
+    let verbs = |cmd: &str| match cmd {
+        "filter" => &["add", "remove"][..],
+        _ => &["create", "list", "revert", "delete"][..],
+    };
+    let (old, new) = match cmd.as_str() {
+        "restart" | "tap" => {
+            args.insert(1, "device".into());
+            (format!("{cmd} DEVICE"), format!("device {cmd} DEVICE"))
+        }
+        "qos" => {
+            args.insert(1, "view".into());
+            ("qos VIEW".into(), "view qos VIEW".into())
+        }
+        "filter" | "snapshot" if operand && verbs(&cmd).contains(&third.as_str()) => {
+            args.swap(2, 3);
+            (format!("{cmd} DEVICE {third}"), format!("{cmd} {third} DEVICE"))
+        }
+        _ => return (args, None),
+    };
+    (args, Some(format!("bulkhead: `bulkhead {old}` is the old form, kept for this release: use `bulkhead {new}`")))
+}
+
 /// Runs the command line `std::env::args` gives.
 pub fn run() -> ExitCode {
-    let cli = Cli::parse();
+    let (args, note) = old_forms(std::env::args_os().collect());
+    if let Some(note) = note {
+        eprintln!("{note}");
+    }
+    let cli = Cli::parse_from(args);
     logging::install();
     let result = dispatch(cli.cmd);
     match result {
@@ -448,6 +552,64 @@ pub fn run() -> ExitCode {
         Err(e) => {
             eprintln!("bulkhead: {e:#}");
             ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every command that prints a result takes `--json`, and every command is noun, verb,
+    /// operands: a command with subcommands takes no operand of its own before them.
+    #[test]
+    fn every_command_that_prints_takes_json_and_reads_noun_verb_operands() {
+        // Those that print no result of their own: they run, write files, or hand over.
+        let exempt = ["serve", "man", "completions", "bench", "help"];
+        let mut top = Cli::command();
+        top.build();
+        fn leaves(cmd: &clap::Command, path: String, out: &mut Vec<(String, clap::Command)>) {
+            if cmd.has_subcommands() {
+                let operands: Vec<_> = cmd.get_positionals().map(|a| a.get_id().to_string()).collect();
+                assert!(operands.is_empty(), "`{path}` takes {operands:?} before its verb");
+                for sub in cmd.get_subcommands().filter(|c| !c.is_hide_set() && c.get_name() != "help") {
+                    leaves(sub, format!("{path} {}", sub.get_name()), out);
+                }
+            } else {
+                out.push((path, cmd.clone()));
+            }
+        }
+        let mut all = Vec::new();
+        for sub in top.get_subcommands().filter(|c| !c.is_hide_set() && !exempt.contains(&c.get_name())) {
+            leaves(sub, sub.get_name().to_string(), &mut all);
+        }
+        let without: Vec<_> =
+            all.iter().filter(|(_, c)| !c.get_arguments().any(|a| a.get_long() == Some("json"))).map(|(p, _)| p).collect();
+        assert!(without.is_empty(), "commands without --json: {without:?}");
+        assert!(all.len() >= 20, "{all:?}");
+    }
+
+    #[test]
+    fn the_old_forms_become_todays_with_a_note() {
+        let args = |s: &str| s.split(' ').map(std::ffi::OsString::from).collect::<Vec<_>>();
+        for (old, new) in [
+            ("bulkhead restart d0", "bulkhead device restart d0"),
+            ("bulkhead tap d0 interpose", "bulkhead device tap d0 interpose"),
+            ("bulkhead qos v iops=5", "bulkhead view qos v iops=5"),
+            ("bulkhead filter d0 add --at 0 type=x", "bulkhead filter add d0 --at 0 type=x"),
+            ("bulkhead filter d0 remove 1", "bulkhead filter remove d0 1"),
+            ("bulkhead snapshot d0 create s", "bulkhead snapshot create d0 s"),
+            ("bulkhead snapshot d0 list --json", "bulkhead snapshot list d0 --json"),
+        ] {
+            let (got, note) = old_forms(args(old));
+            assert_eq!(got, args(new), "{old}");
+            let note = note.unwrap_or_default();
+            assert!(note.contains("old form") && note.contains(new.split(' ').nth(1).unwrap()), "{note}");
+            Cli::try_parse_from(got).unwrap_or_else(|e| panic!("{new}: {e}"));
+        }
+        for today in ["bulkhead filter add d0 type=x", "bulkhead snapshot list d0", "bulkhead status", "bulkhead device add -"] {
+            let (got, note) = old_forms(args(today));
+            assert!(note.is_none() && got == args(today), "{today}");
         }
     }
 }

@@ -170,8 +170,16 @@ fn socket_group(group: Option<&toml::Spanned<String>>, key: &str) -> anyhow::Res
 
 /// `bulkhead config check FILE`: the file parsed and validated as `serve` would, and what it
 /// would serve.
-pub fn check_config(path: &Path) -> anyhow::Result<ExitCode> {
-    let config = Config::load(path)?;
+pub fn check_config(path: &Path, out: crate::status::Out) -> anyhow::Result<ExitCode> {
+    let config = match Config::load(path) {
+        Ok(c) => c,
+        // With --json the error is an answer too: `valid` false, and serve's message.
+        Err(e) if out == crate::status::Out::Json => {
+            out.json(&serde_json::json!({ "file": path, "valid": false, "error": format!("{e:#}") }))?;
+            return Ok(ExitCode::from(1));
+        }
+        Err(e) => return Err(e.into()),
+    };
     let run_dir = crate::run_dir::for_serve(None, config.run_dir.as_ref().map(|d| d.get_ref().as_path()));
     let exports: Vec<&str> = [
         (config.fuse.enabled, "fuse"),
@@ -183,6 +191,13 @@ pub fn check_config(path: &Path) -> anyhow::Result<ExitCode> {
     .filter_map(|(on, name)| on.then_some(name))
     .collect();
     let views: usize = config.devices.iter().map(|d| d.views.len()).sum();
+    let json = serde_json::json!({
+        "file": path, "valid": true, "devices": config.devices.iter().map(|d| d.name.get_ref().as_str()).collect::<Vec<_>>(),
+        "views": views, "exports": exports, "keeper": config.keeper.enabled, "run_dir": run_dir,
+    });
+    if out.json(&json)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     println!(
         "{}: valid: {} device(s), {views} view(s); exports: {}; keeper {}; run dir {} (unless --run-dir or BULKHEAD_RUN_DIR)",
         path.display(),

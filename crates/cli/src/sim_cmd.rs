@@ -47,9 +47,9 @@ pub struct SimArgs {
     /// Model travel time only, one ms per sector of distance.
     #[arg(long)]
     travel_only: bool,
-    /// Schedulers to run, comma-separated: fcfs, satf, opt, deadline, cats.
-    #[arg(long)]
-    schedulers: Option<String>,
+    /// Schedulers to run, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    schedulers: Vec<Scheduler>,
     /// Print every request (done anyway for up to 20).
     #[arg(long)]
     each: bool,
@@ -99,6 +99,28 @@ fn read_requests(path: &Path) -> anyhow::Result<Vec<Arrival>> {
     Ok(out)
 }
 
+/// The schedulers `--schedulers` names.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Scheduler {
+    Fcfs,
+    Satf,
+    Opt,
+    Deadline,
+    Cats,
+}
+
+impl From<Scheduler> for Policy {
+    fn from(s: Scheduler) -> Policy {
+        match s {
+            Scheduler::Fcfs => Policy::Fcfs,
+            Scheduler::Satf => Policy::Satf,
+            Scheduler::Opt => Policy::Opt,
+            Scheduler::Deadline => Policy::Deadline,
+            Scheduler::Cats => Policy::Cats,
+        }
+    }
+}
+
 fn ms(ns: u64) -> String {
     format!("{:.2}", ns as f64 / 1e6)
 }
@@ -108,19 +130,19 @@ pub fn run(a: SimArgs) -> anyhow::Result<ExitCode> {
     if sources != 1 {
         bail!("give one of --example, --requests FILE and --generate N");
     }
-    let (trace, mut drive, default_head, default_policies): (Option<Vec<Arrival>>, Drive, u64, &str) = if a.example {
+    let (trace, mut drive, default_head, default_policies): (Option<Vec<Arrival>>, Drive, u64, &[Policy]) = if a.example {
         let t = [95, 10, 60, 41]
             .into_iter()
             .map(|p| Arrival { at_ns: 0, access: Access { start: p, sectors: 0, write: false }, stream: 0 })
             .collect();
-        (Some(t), Drive::travel_only(100), 50, "fcfs,satf,opt")
+        (Some(t), Drive::travel_only(100), 50, &[Policy::Fcfs, Policy::Satf, Policy::Opt])
     } else {
         let sectors = match a.size.as_deref() {
             Some(s) => bulkhead_config::parse_size(s).map_err(|e| anyhow::anyhow!("--size: {e}"))? / 512,
             None => 73_400_000_000 / 512,
         };
         let trace = a.requests.as_deref().map(read_requests).transpose()?;
-        (trace, Drive::seed(sectors), 0, "fcfs,satf,opt,deadline,cats")
+        (trace, Drive::seed(sectors), 0, &Policy::ALL)
     };
     if a.travel_only {
         drive = Drive::travel_only(drive.sectors);
@@ -147,15 +169,8 @@ pub fn run(a: SimArgs) -> anyhow::Result<ExitCode> {
             bail!("--interval-ms {}: must be positive", a.interval_ms);
         }
     }
-    let mut policies = Vec::new();
-    for name in a.schedulers.as_deref().unwrap_or(default_policies).split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let p = Policy::parse(name)
-            .ok_or_else(|| anyhow::anyhow!("--schedulers: `{name}` is not one of fcfs, satf, opt, deadline, cats"))?;
-        policies.push(p);
-    }
-    if policies.is_empty() {
-        bail!("--schedulers names none");
-    }
+    let policies: Vec<Policy> =
+        if a.schedulers.is_empty() { default_policies.to_vec() } else { a.schedulers.iter().map(|&s| s.into()).collect() };
     let head = a.head.unwrap_or(default_head);
     let mut outcomes: Vec<Outcome> = Vec::new();
     for &p in &policies {

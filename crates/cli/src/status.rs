@@ -18,25 +18,57 @@ fn ms(v: Option<f64>) -> String {
     v.map(|x| format!("{x:.1}")).unwrap_or_else(|| "-".into())
 }
 
+/// How a command prints its result: text for people, or JSON (`--json`) for programs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Out {
+    Text,
+    Json,
+}
+
+impl Out {
+    /// Prints `value` as JSON and says so, or says it printed nothing (the caller prints text).
+    pub fn json<T: serde::Serialize>(self, value: &T) -> anyhow::Result<bool> {
+        if self == Out::Json {
+            println!("{}", serde_json::to_string_pretty(value)?);
+        }
+        Ok(self == Out::Json)
+    }
+}
+
 /// Makes `call` to the `serve` of `run_dir`.
 pub fn ask<C: Call>(run_dir: &Path, call: C) -> anyhow::Result<C::Reply> {
     Ok(Client::connect(run_dir)?.call(call)?)
 }
 
-pub fn restart(run_dir: &Path, device: &str) -> anyhow::Result<ExitCode> {
+/// `bulkhead device restart DEVICE`.
+pub fn restart(run_dir: &Path, device: &str, out: Out) -> anyhow::Result<ExitCode> {
     let a = ask(run_dir, Restart { device: device.into() })?;
+    if out.json(&a)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     println!("{device}: restarted, driver pid {}", a.driver_pid);
     Ok(ExitCode::SUCCESS)
 }
 
-/// Asks for a change to a running device (`tap`, `filter`) and prints the outcome.
-pub fn change<C: Call<Reply = Changed>>(run_dir: &Path, device: &str, call: C) -> anyhow::Result<ExitCode> {
+/// Asks for a change to a running device (`device tap`, `filter`) and prints the outcome: the
+/// new driver pid, the tap mode and the filters now in force.
+pub fn change<C: Call<Reply = Changed>>(run_dir: &Path, device: &str, call: C, out: Out) -> anyhow::Result<ExitCode> {
     let mut client = Client::connect(run_dir)?;
     let a = client.call(call)?;
-    println!("{device}: changed; new driver pid {}", a.driver_pid);
     let status = client.call(Status {})?;
-    if let Some(d) = status.devices.iter().find(|d| d.name == device) {
-        let names: Vec<&str> = d.filters.iter().map(|f| f.report.type_name()).collect();
+    let now = status.devices.iter().find(|d| d.name == device);
+    let names: Vec<&str> = now.map(|d| d.filters.iter().map(|f| f.report.type_name()).collect()).unwrap_or_default();
+    let json = serde_json::json!({
+        "device": device,
+        "driver_pid": a.driver_pid,
+        "tap": now.map(|d| d.tap.to_string()),
+        "filters": names,
+    });
+    if out.json(&json)? {
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{device}: changed; new driver pid {}", a.driver_pid);
+    if let Some(d) = now {
         println!(
             "{device}: tap {}, filters (frontend side first): {}",
             d.tap,
@@ -46,18 +78,17 @@ pub fn change<C: Call<Reply = Changed>>(run_dir: &Path, device: &str, call: C) -
     Ok(ExitCode::SUCCESS)
 }
 
-/// `bulkhead snapshot DEVICE OP [NAME]`.
+/// `bulkhead snapshot create|list|revert|delete DEVICE [NAME]`.
 pub fn snapshot(
     run_dir: &Path,
     device: &str,
     op: Option<SnapshotAction>,
     name: Option<&str>,
-    json: bool,
+    out: Out,
 ) -> anyhow::Result<ExitCode> {
     let Some(op) = op else {
         let list = ask(run_dir, ListSnapshots { device: device.into() })?.snapshots;
-        if json {
-            println!("{}", serde_json::to_string_pretty(&list)?);
+        if out.json(&list)? {
             return Ok(ExitCode::SUCCESS);
         }
         if list.is_empty() {
@@ -76,6 +107,9 @@ pub fn snapshot(
         anyhow::bail!("snapshot {} needs a NAME", op.as_str());
     };
     let a = ask(run_dir, Snapshot { device: device.into(), op, name: name.into() })?;
+    if out.json(&a)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     let done = match op {
         SnapshotAction::Create => "taken",
         SnapshotAction::Revert => "reverted to",
@@ -132,7 +166,7 @@ impl Health {
 
 /// `bulkhead status`: exits with its [`Health`], also when no `serve` answers (the reason on
 /// standard error).
-pub fn run(run_dir: anyhow::Result<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
+pub fn run(run_dir: anyhow::Result<PathBuf>, out: Out) -> anyhow::Result<ExitCode> {
     let report = match run_dir.and_then(|d| ask(&d, Status {})) {
         Ok(r) => r,
         Err(e) => {
@@ -141,8 +175,7 @@ pub fn run(run_dir: anyhow::Result<PathBuf>, json: bool) -> anyhow::Result<ExitC
         }
     };
     let health = Health::of(&report);
-    if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+    if out.json(&report)? {
         return Ok(ExitCode::from(health as u8));
     }
     let mut t = Table::new(&[
@@ -255,8 +288,8 @@ pub fn run(run_dir: anyhow::Result<PathBuf>, json: bool) -> anyhow::Result<ExitC
     Ok(ExitCode::from(health as u8))
 }
 
-/// `bulkhead qos VIEW [KEY=VALUE …]`: shows or changes a running view's QoS.
-pub fn qos(run_dir: &Path, view: &str, settings: &[String]) -> anyhow::Result<ExitCode> {
+/// `bulkhead view qos VIEW [KEY=VALUE …]`: shows or changes a running view's QoS.
+pub fn qos(run_dir: &Path, view: &str, settings: &[String], out: Out) -> anyhow::Result<ExitCode> {
     let mut set = std::collections::BTreeMap::new();
     for s in settings {
         let (k, v) =
@@ -264,12 +297,15 @@ pub fn qos(run_dir: &Path, view: &str, settings: &[String]) -> anyhow::Result<Ex
         set.insert(k.trim().to_string(), v.trim().to_string());
     }
     let a = ask(run_dir, SetQos { view: view.into(), set })?;
+    if out.json(&a)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     println!("{view}: {}", a.summary);
     Ok(ExitCode::SUCCESS)
 }
 
 /// `bulkhead device add FILE|-`.
-pub fn add_devices(run_dir: &Path, file: &Path) -> anyhow::Result<ExitCode> {
+pub fn add_devices(run_dir: &Path, file: &Path, out: Out) -> anyhow::Result<ExitCode> {
     let table = if file == Path::new("-") {
         let mut s = String::new();
         std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).context("cannot read standard input")?;
@@ -278,6 +314,9 @@ pub fn add_devices(run_dir: &Path, file: &Path) -> anyhow::Result<ExitCode> {
         std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?
     };
     let added = ask(run_dir, bulkhead_control::AddDevice { table })?;
+    if out.json(&added)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     for d in added.devices {
         let views = if d.views.is_empty() { String::new() } else { format!(" with views {}", d.views.join(", ")) };
         let on = if d.exports.is_empty() { "not exported".to_string() } else { format!("exported on {}", d.exports.join(", ")) };
@@ -287,8 +326,11 @@ pub fn add_devices(run_dir: &Path, file: &Path) -> anyhow::Result<ExitCode> {
 }
 
 /// `bulkhead device remove NAME [--force]`.
-pub fn remove_device(run_dir: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
+pub fn remove_device(run_dir: &Path, name: &str, force: bool, out: Out) -> anyhow::Result<ExitCode> {
     let r = ask(run_dir, bulkhead_control::RemoveDevice { name: name.into(), force })?;
+    if out.json(&r)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     if r.cut_off.is_empty() {
         println!("{name}: removed");
     } else {
@@ -298,7 +340,7 @@ pub fn remove_device(run_dir: &Path, name: &str, force: bool) -> anyhow::Result<
 }
 
 /// `bulkhead view add DEVICE LINES...|-`.
-pub fn add_view(run_dir: &Path, device: &str, lines: &[String]) -> anyhow::Result<ExitCode> {
+pub fn add_view(run_dir: &Path, device: &str, lines: &[String], out: Out) -> anyhow::Result<ExitCode> {
     let table = if lines == ["-"] {
         let mut s = String::new();
         std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).context("cannot read standard input")?;
@@ -307,14 +349,20 @@ pub fn add_view(run_dir: &Path, device: &str, lines: &[String]) -> anyhow::Resul
         lines.join("\n")
     };
     let r = ask(run_dir, bulkhead_control::AddView { device: device.into(), table })?;
+    if out.json(&r)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     let on = if r.exports.is_empty() { "not exported".to_string() } else { format!("exported on {}", r.exports.join(", ")) };
     println!("{}: added to {}, {on}", r.name, r.device);
     Ok(ExitCode::SUCCESS)
 }
 
 /// `bulkhead view remove NAME [--force]`.
-pub fn remove_view(run_dir: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
+pub fn remove_view(run_dir: &Path, name: &str, force: bool, out: Out) -> anyhow::Result<ExitCode> {
     let r = ask(run_dir, bulkhead_control::RemoveView { name: name.into(), force })?;
+    if out.json(&r)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     if r.cut_off.is_empty() {
         println!("{name}: removed from {}", r.device);
     } else {
@@ -323,15 +371,22 @@ pub fn remove_view(run_dir: &Path, name: &str, force: bool) -> anyhow::Result<Ex
     Ok(ExitCode::SUCCESS)
 }
 
-/// `bulkhead config dump`.
-pub fn dump_config(run_dir: &Path) -> anyhow::Result<ExitCode> {
-    print!("{}", ask(run_dir, bulkhead_control::DumpConfig {})?.toml);
+/// `bulkhead config dump`: the TOML, or with `--json` the same tables as JSON.
+pub fn dump_config(run_dir: &Path, out: Out) -> anyhow::Result<ExitCode> {
+    let text = ask(run_dir, bulkhead_control::DumpConfig {})?.toml;
+    let table: toml::Table = text.parse().context("serve dumped TOML that does not parse")?;
+    if !out.json(&table)? {
+        print!("{text}");
+    }
     Ok(ExitCode::SUCCESS)
 }
 
 /// `bulkhead reload`.
-pub fn reload(run_dir: &Path) -> anyhow::Result<ExitCode> {
+pub fn reload(run_dir: &Path, out: Out) -> anyhow::Result<ExitCode> {
     let r = ask(run_dir, bulkhead_control::Reload {})?;
+    if out.json(&r)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     println!("reloaded {}", r.path);
     for d in &r.added {
         println!("  added {d}");
@@ -350,10 +405,14 @@ pub fn reload(run_dir: &Path) -> anyhow::Result<ExitCode> {
 
 /// `bulkhead upgrade`: asks `serve` to hand over to the binary on disk, then waits until a
 /// new `serve` answers on the control socket.
-pub fn upgrade(run_dir: &Path, timeout: std::time::Duration) -> anyhow::Result<ExitCode> {
+/// With `--json`, one object once it is over: the old serve's pid and keeper, the new one's pid
+/// and version, the milliseconds since the request.
+pub fn upgrade(run_dir: &Path, timeout: std::time::Duration, out: Out) -> anyhow::Result<ExitCode> {
     let started = std::time::Instant::now();
     let r = ask(run_dir, bulkhead_control::Upgrade {})?;
-    println!("serve (pid {}) is handing over ({} holds the descriptors)", r.pid, r.keeper);
+    if out == Out::Text {
+        println!("serve (pid {}) is handing over ({} holds the descriptors)", r.pid, r.keeper);
+    }
     let deadline = started + timeout;
     loop {
         if let Ok(h) = ask(run_dir, bulkhead_control::Hello {}) {
@@ -366,12 +425,13 @@ pub fn upgrade(run_dir: &Path, timeout: std::time::Duration) -> anyhow::Result<E
                         started.elapsed().as_millis()
                     );
                 }
-                println!(
-                    "serve (pid {}, version {}) is serving, {} ms after the request",
-                    h.pid,
-                    h.version,
-                    started.elapsed().as_millis()
-                );
+                let ms = started.elapsed().as_millis();
+                let json = serde_json::json!({
+                    "handed_over_by": r.pid, "keeper": r.keeper, "pid": h.pid, "version": h.version, "ms": ms
+                });
+                if !out.json(&json)? {
+                    println!("serve (pid {}, version {}) is serving, {ms} ms after the request", h.pid, h.version);
+                }
                 return Ok(ExitCode::SUCCESS);
             }
         }
@@ -385,7 +445,12 @@ pub fn upgrade(run_dir: &Path, timeout: std::time::Duration) -> anyhow::Result<E
 /// `bulkhead top`: every device and view with its IOPS, MiB/s read and written, p99 latency
 /// and restarts over the last interval, refreshed every `interval`; `frames` of them, or until
 /// interrupted.
-pub fn top(run_dir: &Path, interval: std::time::Duration, frames: Option<u64>) -> anyhow::Result<ExitCode> {
+///
+/// With `json`, each refresh is one line of JSON: `uptime_s` and, per device and view, its
+/// `name`, `state`, `view_of`, `restarts`, and over the interval `iops`, `read_mib_s`,
+/// `write_mib_s`, `p99_us` (an upper bound; null without requests) and `new_restarts`; the
+/// rates are null in the first.
+pub fn top(run_dir: &Path, interval: std::time::Duration, frames: Option<u64>, json: bool) -> anyhow::Result<ExitCode> {
     use std::collections::HashMap;
     use std::io::IsTerminal;
     let tty = std::io::stdout().is_terminal();
@@ -397,6 +462,7 @@ pub fn top(run_dir: &Path, interval: std::time::Duration, frames: Option<u64>) -
         let now = std::time::Instant::now();
         let mut t = Table::new(&["DEVICE", "STATE", "IOPS", "READ MiB/s", "WRITE MiB/s", "P99", "RESTARTS", "VIEW OF"]);
         let mut rows = Vec::new();
+        let mut objects = Vec::new();
         for d in &report.devices {
             rows.push((d.name.clone(), format!("{:?}", d.state).to_lowercase(), d.io.clone(), d.restarts, String::new()));
             for v in &d.views {
@@ -404,10 +470,26 @@ pub fn top(run_dir: &Path, interval: std::time::Duration, frames: Option<u64>) -
             }
         }
         for (name, state, io, restarts, of) in rows {
+            let rates = before.get(&name).map(|(at, was, restarts_was)| {
+                let secs = now.duration_since(*at).as_secs_f64().max(1e-3);
+                let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / secs;
+                let mib = (1u64 << 20) as f64;
+                (
+                    per(io.requests, was.requests),
+                    per(io.bytes_read, was.bytes_read) / mib,
+                    per(io.bytes_written, was.bytes_written) / mib,
+                    io.quantile_since(was, 0.99),
+                    restarts.saturating_sub(*restarts_was),
+                )
+            });
+            objects.push(serde_json::json!({
+                "name": name, "state": state, "view_of": (!of.is_empty()).then_some(&of), "restarts": restarts,
+                "iops": rates.map(|r| r.0), "read_mib_s": rates.map(|r| r.1), "write_mib_s": rates.map(|r| r.2),
+                "p99_us": rates.and_then(|r| r.3), "new_restarts": rates.map(|r| r.4),
+            }));
             let (iops, rd, wr, p99, new_restarts) = match before.get(&name) {
-                Some((at, was, restarts_was)) => {
-                    let secs = now.duration_since(*at).as_secs_f64().max(1e-3);
-                    let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / secs;
+                Some((_, was, _)) => {
+                    let (iops, rd, wr, _, new_restarts) = rates.unwrap_or_default();
                     let p99 = match io.quantile_since(was, 0.99) {
                         Some(us) if us >= 1000 => format!("<{} ms", us / 1000),
                         Some(us) => format!("<{us} µs"),
@@ -416,13 +498,7 @@ pub fn top(run_dir: &Path, interval: std::time::Duration, frames: Option<u64>) -
                         }
                         None => "-".into(),
                     };
-                    (
-                        format!("{:.0}", per(io.requests, was.requests)),
-                        format!("{:.1}", per(io.bytes_read, was.bytes_read) / (1 << 20) as f64),
-                        format!("{:.1}", per(io.bytes_written, was.bytes_written) / (1 << 20) as f64),
-                        p99,
-                        restarts.saturating_sub(*restarts_was),
-                    )
+                    (format!("{iops:.0}"), format!("{rd:.1}"), format!("{wr:.1}"), p99, new_restarts)
                 }
                 None => ("-".into(), "-".into(), "-".into(), "-".into(), 0),
             };
@@ -430,18 +506,22 @@ pub fn top(run_dir: &Path, interval: std::time::Duration, frames: Option<u64>) -
             t.row(vec![name.clone(), state, iops, rd, wr, p99, restarts_shown, of]);
             before.insert(name, (now, io, restarts));
         }
-        if tty {
-            print!("\x1b[H\x1b[2J");
-        }
-        println!(
-            "bulkhead top: {} device(s), serve up {:.0} s, every {:.1} s (interrupt to stop)",
-            report.devices.len(),
-            report.uptime_s,
-            interval.as_secs_f64()
-        );
-        print!("{}", t.render());
-        if !tty {
-            println!();
+        if json {
+            println!("{}", serde_json::json!({ "uptime_s": report.uptime_s, "devices": objects }));
+        } else {
+            if tty {
+                print!("\x1b[H\x1b[2J");
+            }
+            println!(
+                "bulkhead top: {} device(s), serve up {:.0} s, every {:.1} s (interrupt to stop)",
+                report.devices.len(),
+                report.uptime_s,
+                interval.as_secs_f64()
+            );
+            print!("{}", t.render());
+            if !tty {
+                println!();
+            }
         }
         std::io::Write::flush(&mut std::io::stdout())?;
         shown += 1;

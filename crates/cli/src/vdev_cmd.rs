@@ -9,7 +9,9 @@ use std::sync::Arc;
 use anyhow::Context;
 use bulkhead_vdev::{datasheet, Card};
 
-pub fn generate(seed: u64, out: &Path) -> anyhow::Result<ExitCode> {
+/// Writes the files and prints their paths, or with `out` JSON, one object: the seed, the
+/// card's name and id, and the files.
+pub fn generate(seed: u64, out: &Path, print: crate::status::Out) -> anyhow::Result<ExitCode> {
     let card = Card::generate(seed);
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let files = [
@@ -17,9 +19,17 @@ pub fn generate(seed: u64, out: &Path) -> anyhow::Result<ExitCode> {
         ("datasheet.md", datasheet::markdown(&card)),
         ("datasheet.html", datasheet::html(&card)),
     ];
+    let mut written = Vec::new();
     for (name, text) in files {
         let path = out.join(name);
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        written.push(path);
+    }
+    let json = serde_json::json!({ "seed": seed, "name": card.name, "id": card.id(), "files": written });
+    if print.json(&json)? {
+        return Ok(ExitCode::SUCCESS);
+    }
+    for path in &written {
         println!("{}", path.display());
     }
     eprintln!(

@@ -215,7 +215,7 @@ pub struct Config {
 
 /// Parses and validates one filter given as the body of a `[[device.filter]]` table (`type =
 /// "delay"` and its keys, one per line), for device `device` with watchdog `watchdog_ms`, to
-/// stand at position `index`: what `bulkhead filter DEVICE add` sends. Errors name the key and
+/// stand at position `index`: what `bulkhead filter add DEVICE` sends. Errors name the key and
 /// the line of `text`.
 pub fn parse_filter(text: &str, device: &str, index: usize, watchdog_ms: u64) -> Result<Filter, ConfigError> {
     let origin = "filter";

@@ -67,19 +67,19 @@ calls! {
     Hello "hello" => hello -> HelloReply;
     /// Every device, view and export, with its figures (`bulkhead status`).
     Status "status" => status -> StatusReport;
-    /// Replaces a device's domains with fresh ones (`bulkhead restart`).
+    /// Replaces a device's domains with fresh ones (`bulkhead device restart`).
     Restart "restart" => restart -> Changed;
-    /// Runs a device's filters in another place (`bulkhead tap`).
+    /// Runs a device's filters in another place (`bulkhead device tap`).
     SetTap "tap" => set_tap -> Changed;
-    /// Inserts a filter into a running device (`bulkhead filter DEVICE add`).
+    /// Inserts a filter into a running device (`bulkhead filter add DEVICE`).
     AddFilter "filter_add" => add_filter -> Changed;
-    /// Removes a filter from a running device (`bulkhead filter DEVICE remove`).
+    /// Removes a filter from a running device (`bulkhead filter remove DEVICE`).
     RemoveFilter "filter_remove" => remove_filter -> Changed;
     /// Takes, reverts to or deletes a snapshot of a device's `cow` overlay.
     Snapshot "snapshot" => snapshot -> Changed;
     /// Lists the snapshots of a device's `cow` overlay.
     ListSnapshots "snapshot_list" => list_snapshots -> Snapshots;
-    /// Shows or changes a view's QoS (`bulkhead qos`).
+    /// Shows or changes a view's QoS (`bulkhead view qos`).
     SetQos "qos" => set_qos -> QosReply;
     /// Starts devices given as `[[device]]` tables and exports them (`bulkhead device add`).
     AddDevice "device_add" => add_device -> DevicesAdded;

@@ -26,9 +26,36 @@ use std::time::{Duration, Instant};
 #[error("{0}")]
 pub struct GuestError(pub String);
 
-/// The workspace's root.
+/// The workspace's root, where this was built from.
 fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("the workspace exists")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Where the package `bulkhead-bench` puts what a benchmark runs besides its program, beside
+/// the running program: `<prefix>/share/bulkhead-bench` (scripts) and `<prefix>/lib/bulkhead-bench`
+/// (programs) for `<prefix>/bin/bulkhead-bench`; `what` is `share` or `lib`.
+fn installed(exe: &Path, what: &str) -> Option<PathBuf> {
+    let prefix = exe.parent()?.parent()?;
+    let dir = prefix.join(what).join("bulkhead-bench");
+    dir.is_dir().then_some(dir)
+}
+
+/// A script the benchmarks and tests run (`scripts/ceph-dev.sh`): the installed package's copy
+/// when the running program is the package's, else the source tree's. The error names both
+/// places looked in.
+pub fn script(name: &str) -> Result<PathBuf, GuestError> {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let from_package = installed(&exe, "share").map(|d| d.join("scripts").join(name));
+    let from_source = workspace().join("scripts").join(name);
+    match from_package {
+        Some(p) if p.is_file() => Ok(p),
+        _ if from_source.is_file() => Ok(from_source),
+        _ => Err(GuestError(format!(
+            "{name} is in neither {} (the bulkhead-bench package's) nor {} (the source tree's)",
+            installed(&exe, "share").unwrap_or_else(|| PathBuf::from("<prefix>/share/bulkhead-bench")).join("scripts").display(),
+            from_source.display()
+        ))),
+    }
 }
 
 /// The cached kit.
@@ -46,15 +73,12 @@ impl Kit {
     /// The kit, built first if it is not cached (`scripts/guest-kit.sh`), with `guest-io`
     /// built static for it (`cargo build`, target directory `target/guest`).
     pub fn ensure() -> Result<Kit, GuestError> {
-        let root = workspace();
-        let out = Command::new(root.join("scripts/guest-kit.sh"))
-            .output()
-            .map_err(|e| GuestError(format!("scripts/guest-kit.sh: {e}")))?;
+        let out = Command::new(script("guest-kit.sh")?).output().map_err(|e| GuestError(format!("scripts/guest-kit.sh: {e}")))?;
         if !out.status.success() {
             return Err(GuestError(format!("scripts/guest-kit.sh failed: {}", String::from_utf8_lossy(&out.stderr))));
         }
         let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        let guest_io = build_guest_io(&root)?;
+        let guest_io = guest_io()?;
         Ok(Kit { vmlinux: dir.join("vmlinux"), initrd: dir.join("initrd.cpio.gz"), guest_io })
     }
 }
@@ -74,10 +98,7 @@ pub struct Lab {
 impl Lab {
     /// The lab, built first if it is not cached (`scripts/guest-lab.sh`).
     pub fn ensure() -> Result<Lab, GuestError> {
-        let root = workspace();
-        let out = Command::new(root.join("scripts/guest-lab.sh"))
-            .output()
-            .map_err(|e| GuestError(format!("scripts/guest-lab.sh: {e}")))?;
+        let out = Command::new(script("guest-lab.sh")?).output().map_err(|e| GuestError(format!("scripts/guest-lab.sh: {e}")))?;
         if !out.status.success() {
             return Err(GuestError(format!("scripts/guest-lab.sh failed: {}", String::from_utf8_lossy(&out.stderr))));
         }
@@ -98,6 +119,23 @@ pub struct LabOptions {
     pub cpus: u32,
     /// Where the combined initramfs is written.
     pub scratch: PathBuf,
+}
+
+/// `guest-io`, static: the package's (`<prefix>/lib/bulkhead-bench/guest-io`), or built from
+/// the source tree.
+fn guest_io() -> Result<PathBuf, GuestError> {
+    let exe = std::env::current_exe().unwrap_or_default();
+    if let Some(p) = installed(&exe, "lib").map(|d| d.join("guest-io")).filter(|p| p.is_file()) {
+        return Ok(p);
+    }
+    if !workspace().join("Cargo.toml").is_file() {
+        return Err(GuestError(format!(
+            "guest-io is not installed beside {} and there is no source tree at {} to build it from",
+            exe.display(),
+            workspace().display()
+        )));
+    }
+    build_guest_io(&workspace())
 }
 
 fn build_guest_io(root: &Path) -> Result<PathBuf, GuestError> {
@@ -428,6 +466,21 @@ pub fn save_console(path: &Path, lines: &[String]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_packaged_program_finds_its_scripts_beside_it_and_a_built_one_in_the_source_tree() {
+        let root = std::env::temp_dir().join(format!("bulkhead-guest-prefix-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("usr/bin")).unwrap();
+        std::fs::create_dir_all(root.join("usr/share/bulkhead-bench/scripts")).unwrap();
+        let exe = root.join("usr/bin/bulkhead-bench");
+        assert_eq!(installed(&exe, "share"), Some(root.join("usr/share/bulkhead-bench")));
+        assert_eq!(installed(&exe, "lib"), None);
+        assert_eq!(installed(&workspace().join("target/release/bulkhead-bench"), "share"), None);
+        assert!(script("ceph-dev.sh").unwrap().ends_with("scripts/ceph-dev.sh"));
+        let missing = script("no-such.sh").unwrap_err().to_string();
+        assert!(missing.contains("no-such.sh") && missing.contains("source tree"), "{missing}");
+        std::fs::remove_dir_all(root).unwrap();
+    }
 
     #[test]
     fn a_newc_archive_is_aligned_and_ends_in_its_trailer() {

@@ -1,5 +1,5 @@
 //! A device's chain as the supervisor keeps it: where the filters run, and each filter with the
-//! descriptors it is handed every generation. `bulkhead tap` and `bulkhead filter` change it on a
+//! descriptors it is handed every generation. `bulkhead device tap` and `bulkhead filter` change it on a
 //! running device; the next generation runs the new chain.
 
 use std::os::fd::{AsRawFd, OwnedFd};

@@ -395,7 +395,7 @@ impl Lifecycle {
         }
         if self.history.len() as u32 >= self.policy.limit {
             let reason = format!(
-                "{why}; {} restarts within {} ms: device failed (`bulkhead restart {}` tries again)",
+                "{why}; {} restarts within {} ms: device failed (`bulkhead device restart {}` tries again)",
                 self.history.len(),
                 self.policy.window.as_millis(),
                 self.device
@@ -476,7 +476,7 @@ impl Lifecycle {
     /// Fails the device after a reconnect episode: `what` lasted `down`. Returns why.
     fn give_up(&mut self, what: &str, down: Duration) -> String {
         let reason =
-            format!("{what} for {} ms: device failed (`bulkhead restart {}` tries again)", down.as_millis(), self.device);
+            format!("{what} for {} ms: device failed (`bulkhead device restart {}` tries again)", down.as_millis(), self.device);
         self.fail(&reason);
         reason
     }
@@ -731,7 +731,10 @@ mod tests {
                 clock.advance(2000);
             }
             let Disposition::Fail { reason } = l.on_event(exited(Role::Top, Some(1)), 1) else { panic!("should fail") };
-            assert!(reason.contains("3 restarts within 60000 ms") && reason.contains("`bulkhead restart disk9`"), "{reason}");
+            assert!(
+                reason.contains("3 restarts within 60000 ms") && reason.contains("`bulkhead device restart disk9`"),
+                "{reason}"
+            );
             assert_eq!(l.state(), DeviceState::Failed);
             assert_eq!(l.failure(), Some(reason.as_str()));
             // A failed device does not watch.
@@ -837,7 +840,7 @@ mod tests {
             };
             assert_eq!(delays, [100, 200, 400, 800], "{shape:?}");
             assert!(
-                reason.contains("the remote has not answered for 5500 ms") && reason.contains("bulkhead restart far"),
+                reason.contains("the remote has not answered for 5500 ms") && reason.contains("bulkhead device restart far"),
                 "{reason}"
             );
             assert_eq!(l.state(), DeviceState::Failed);

@@ -36,9 +36,9 @@ const CHANGE_WAIT: Duration = Duration::from_secs(60);
 /// nothing fails (qemu's blockdev-reopen and dm's suspend and reload are the models).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceChange {
-    /// The same chain, on fresh domains (`bulkhead restart`).
+    /// The same chain, on fresh domains (`bulkhead device restart`).
     Restart,
-    /// Run the filters in another place (`bulkhead tap DEVICE MODE`).
+    /// Run the filters in another place (`bulkhead device tap DEVICE MODE`).
     Tap(bulkhead_config::Tap),
     /// Insert a filter, described as a `[[device.filter]]` table's body, at a position
     /// (0: nearest the frontend; `None`: nearest the backend).

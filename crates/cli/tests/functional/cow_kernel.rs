@@ -91,7 +91,7 @@ fn ext4_and_fio_verify_over_a_cow_while_its_domain_is_killed_and_snapshots_are_t
                 std::thread::sleep(Duration::from_millis(900));
                 i += 1;
                 let name = format!("load-{i}");
-                match snapshot(&run_dir, &["c", "create", &name]) {
+                match snapshot(&run_dir, &["create", "c", &name]) {
                     Ok(_) => taken.push(name),
                     // A kill may land on the generation that carries the snapshot out; the
                     // answer then says so, and the snapshot may or may not exist.
@@ -111,14 +111,14 @@ fn ext4_and_fio_verify_over_a_cow_while_its_domain_is_killed_and_snapshots_are_t
     assert_eq!(st["devices"][0]["requests_failed"], 0, "{st}");
     let report = &st["devices"][0]["filters"][0];
     assert!(report["allocated"].as_u64().unwrap() > 0 && report["read_below"].as_u64().unwrap() > 0, "{st}");
-    let listed = snapshot(&run_dir, &["c", "list"]).unwrap();
+    let listed = snapshot(&run_dir, &["list", "c"]).unwrap();
     for name in &taken {
         assert!(listed.contains(name.as_str()), "{name} not in {listed}");
     }
     // A domain started while the file system was mounted holds a copy of the mount in its
     // namespace until it exits, and the file system's last writes (its journal) come only
     // then: a fresh generation lets them land before the device is read whole.
-    let out = Command::new(exe()).args(["restart", "c", "--run-dir"]).arg(&run_dir).output().unwrap();
+    let out = Command::new(exe()).args(["device", "restart", "c", "--run-dir"]).arg(&run_dir).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     settle(&serve);
     let served = tmp.path().join("served.raw");
@@ -158,19 +158,19 @@ fn a_snapshot_reverts_only_when_the_device_is_idle_and_mistakes_are_named() {
     let b = pattern(2, 1 << 20);
     dev.write_all_at(&a, 10 << 20).unwrap();
     dev.sync_all().unwrap();
-    snapshot(&run_dir, &["c", "create", "with-a"]).unwrap();
+    snapshot(&run_dir, &["create", "c", "with-a"]).unwrap();
     dev.write_all_at(&b, (10 << 20) + 4096).unwrap();
     dev.sync_all().unwrap();
 
     // Mistakes, named.
-    let e = snapshot(&run_dir, &["c", "create", "with-a"]).unwrap_err();
+    let e = snapshot(&run_dir, &["create", "c", "with-a"]).unwrap_err();
     assert!(e.contains("exists already"), "{e}");
-    let e = snapshot(&run_dir, &["c", "revert", "nothing"]).unwrap_err();
+    let e = snapshot(&run_dir, &["revert", "c", "nothing"]).unwrap_err();
     assert!(e.contains("no snapshot named `nothing`"), "{e}");
-    let e = snapshot(&run_dir, &["plain", "create", "x"]).unwrap_err();
+    let e = snapshot(&run_dir, &["create", "plain", "x"]).unwrap_err();
     assert!(e.contains("plain") && e.contains("no cow filter"), "{e}");
-    let e = snapshot(&run_dir, &["c", "create"]).unwrap_err();
-    assert!(e.contains("needs a NAME"), "{e}");
+    let e = snapshot(&run_dir, &["create", "c"]).unwrap_err();
+    assert!(e.contains("<NAME>"), "the name is required: {e}");
 
     // Busy: a reader keeps the device at work, and the revert says so.
     let stop = Arc::new(AtomicBool::new(false));
@@ -191,7 +191,7 @@ fn a_snapshot_reverts_only_when_the_device_is_idle_and_mistakes_are_named() {
         })
     };
     std::thread::sleep(Duration::from_millis(100));
-    let e = snapshot(&run_dir, &["c", "revert", "with-a"]).unwrap_err();
+    let e = snapshot(&run_dir, &["revert", "c", "with-a"]).unwrap_err();
     stop.store(true, Ordering::Relaxed);
     reader.join().unwrap();
     assert!(e.contains("busy"), "{e}");
@@ -199,16 +199,16 @@ fn a_snapshot_reverts_only_when_the_device_is_idle_and_mistakes_are_named() {
     let mut got = vec![0u8; 1 << 20];
     dev.read_exact_at(&mut got, 10 << 20).unwrap();
     assert!(got[4096..] == b[..(1 << 20) - 4096], "the later write is still there");
-    snapshot(&run_dir, &["c", "revert", "with-a"]).unwrap();
+    snapshot(&run_dir, &["revert", "c", "with-a"]).unwrap();
     dev.read_exact_at(&mut got, 10 << 20).unwrap();
     assert!(got == a, "reverted to the snapshot");
     let mut tail = vec![0u8; 4096];
     dev.read_exact_at(&mut tail, 11 << 20).unwrap();
     assert!(tail.iter().all(|&x| x == 0x33), "past the snapshot's write, the file below shows");
-    let listed = snapshot(&run_dir, &["c", "list", "--json"]).unwrap();
+    let listed = snapshot(&run_dir, &["list", "c", "--json"]).unwrap();
     assert!(listed.contains("\"with-a\""), "{listed}");
-    snapshot(&run_dir, &["c", "delete", "with-a"]).unwrap();
-    assert!(snapshot(&run_dir, &["c", "list"]).unwrap().contains("no snapshots"));
+    snapshot(&run_dir, &["delete", "c", "with-a"]).unwrap();
+    assert!(snapshot(&run_dir, &["list", "c"]).unwrap().contains("no snapshots"));
     dev.read_exact_at(&mut got, 10 << 20).unwrap();
     assert!(got == a, "deleting a snapshot leaves the device as it is");
     drop(dev);
@@ -284,7 +284,7 @@ fn a_cow_serves_over_memory_through_another_filter_and_over_a_remote_server() {
         assert!(got[50_000..350_000] == data[..], "{dev}: the write");
         assert!(got[350_000..].iter().all(|&b| b == below), "{dev}: past the write, the device below");
     }
-    snapshot(&run_dir, &["net", "create", "one"]).unwrap();
+    snapshot(&run_dir, &["create", "net", "one"]).unwrap();
     let st = serve.status_json();
     assert_eq!(st["devices"][0]["filters"][0]["type"], "cow", "{st}");
     // Confined with the file calls the overlay needs, and no more.

@@ -177,7 +177,7 @@ fn a_wrong_key_and_a_plain_file_are_refused_naming_the_cause_and_a_running_crypt
     // A running device neither gains nor loses a crypt filter.
     let run_dir = tmp.path().join("run");
     let serve = Serve::start(&run_dir, Some(&crypt_device("c", &img, &key, "passthrough")), &["c"]);
-    let rm = Command::new(exe()).args(["filter", "c", "remove", "0", "--run-dir"]).arg(&run_dir).output().unwrap();
+    let rm = Command::new(exe()).args(["filter", "remove", "c", "0", "--run-dir"]).arg(&run_dir).output().unwrap();
     assert!(!rm.status.success(), "crypt filter removed from a running device");
     assert!(
         String::from_utf8_lossy(&rm.stderr).contains("cannot be removed from a running device"),

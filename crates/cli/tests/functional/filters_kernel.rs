@@ -120,7 +120,7 @@ fn error_filter_fails_chosen_reads_with_its_errno_and_its_count_outlives_a_resta
     dd_read(&f, 0).expect("outside the range");
     dd_read(&f, 2 << 20).expect("the range ends at 2M");
     let before = serve.driver_pid(0);
-    let r = Command::new(exe()).args(["restart", "e", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    let r = Command::new(exe()).args(["device", "restart", "e", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     assert_ne!(serve.driver_pid(0), before);
     let e = dd_read(&f, (1 << 20) + 4096).expect_err("one failure is left after the restart");

@@ -284,10 +284,10 @@ fn nbd_backend_fails_after_the_reconnect_timeout_and_restart_revives_it() {
     assert!(t0.elapsed() < Duration::from_secs(15), "and fails promptly ({:?})", t0.elapsed());
     let st = wait_state(&serve, "failed", Duration::from_secs(5));
     let why = st["devices"][0]["failure"].as_str().unwrap();
-    assert!(why.contains("no connection for 1000 ms") && why.contains("bulkhead restart r"), "{why}");
-    // The server comes back; `bulkhead restart` brings the device back.
+    assert!(why.contains("no connection for 1000 ms") && why.contains("bulkhead device restart r"), "{why}");
+    // The server comes back; `bulkhead device restart` brings the device back.
     let _kit = Server::nbdkit(&sock, &["memory", "16M"]);
-    let out = Command::new(exe()).args(["restart", "r", "--run-dir"]).arg(&run).output().unwrap();
+    let out = Command::new(exe()).args(["device", "restart", "r", "--run-dir"]).arg(&run).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     wait_state(&serve, "running", Duration::from_secs(5));
     qemu_io(&ours, &["write -P 0x78 0 64k", "read -P 0x78 0 64k"]);

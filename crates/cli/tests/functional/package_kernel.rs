@@ -96,10 +96,22 @@ fn the_package_holds_what_a_service_needs_and_serves_from_a_scratch_root() {
     assert!(bench_info.contains("Package: bulkhead-bench") && bench_info.contains("bulkhead (="), "{bench_info}");
     let bench_root = tmp.path().join("bench-root");
     common::sh("dpkg-deb", &["-x", bench_deb.to_str().unwrap(), bench_root.to_str().unwrap()]);
-    for path in ["usr/bin/bulkhead-bench", "usr/share/man/man1/bulkhead-bench.1.gz", "usr/share/man/man1/bulkhead-bench-vm.1.gz"]
-    {
+    for path in [
+        "usr/bin/bulkhead-bench",
+        "usr/share/man/man1/bulkhead-bench.1.gz",
+        "usr/share/man/man1/bulkhead-bench-vm.1.gz",
+        // What `bench vm`, `bench ublk` and `bench rbd` run, found beside the program.
+        "usr/share/bulkhead-bench/scripts/guest-kit.sh",
+        "usr/share/bulkhead-bench/scripts/guest-lab.sh",
+        "usr/share/bulkhead-bench/scripts/ceph-dev.sh",
+        "usr/lib/bulkhead-bench/guest-io",
+    ] {
         assert!(bench_root.join(path).is_file(), "{path} is not in the benchmarks' package");
     }
+    // The guests' program runs in an initramfs with no libraries: it must be static.
+    let ldd = Command::new("ldd").arg(bench_root.join("usr/lib/bulkhead-bench/guest-io")).output().unwrap();
+    let ldd = format!("{}{}", String::from_utf8_lossy(&ldd.stdout), String::from_utf8_lossy(&ldd.stderr));
+    assert!(ldd.contains("not a dynamic executable") || ldd.contains("statically linked"), "{ldd}");
     // Neither program holds the test kit: its hostile domain's forged log line is in neither
     // (and is in the test build, which has it).
     let forged: &[u8] = b"forged: restarted, all is well";

@@ -13,16 +13,29 @@ fn manual_pages_cover_every_command_and_its_options() {
     let _ = std::fs::remove_dir_all(&out);
     let st = Command::new(exe()).args(["man", "--out"]).arg(&out).status().unwrap();
     assert!(st.success());
-    for cmd in ["serve", "status", "restart", "tap", "filter", "snapshot", "qos", "completions"] {
+    for cmd in ["serve", "status", "device", "filter", "snapshot", "view", "completions"] {
         let page = std::fs::read_to_string(out.join(format!("bulkhead-{cmd}.1"))).unwrap();
         assert!(page.starts_with(".ie") || page.contains(&format!(".TH bulkhead-{cmd} 1")), "{cmd}: {page}");
     }
     let serve = std::fs::read_to_string(out.join("bulkhead-serve.1")).unwrap();
     assert!(serve.contains("config") && serve.contains("run\\-dir"), "{serve}");
     // Nested commands have pages of their own, which their parent's page names.
-    for cmd in
-        ["device-add", "device-remove", "view-add", "view-remove", "config-dump", "config-check", "filter-add", "vdev-generate"]
-    {
+    for cmd in [
+        "device-add",
+        "device-remove",
+        "device-restart",
+        "device-tap",
+        "view-add",
+        "view-remove",
+        "view-qos",
+        "config-dump",
+        "config-check",
+        "filter-add",
+        "filter-remove",
+        "snapshot-create",
+        "snapshot-list",
+        "vdev-generate",
+    ] {
         let page = std::fs::read_to_string(out.join(format!("bulkhead-{cmd}.1"))).unwrap_or_else(|e| panic!("{cmd}: {e}"));
         assert!(page.contains(&format!(".TH bulkhead-{cmd} 1")), "{cmd}: {page}");
     }

@@ -302,7 +302,7 @@ fn a_cluster_that_stops_answering_gives_a_bounded_pause_then_errors_and_the_devi
     }
     qemu_io_ok(&uri, &["read -P 0x79 2M 64k"]);
     // Under a tap domain the rbd domain lies below it: the device still says so.
-    cli(&serve.run_dir, &["tap", "r", "interpose"]).unwrap();
+    cli(&serve.run_dir, &["device", "tap", "r", "interpose"]).unwrap();
     // The new domains have opened the image once a request is answered through them.
     qemu_io_ok(&uri, &["read -P 0x79 2M 64k"]);
     stall_and_recover(&cluster, &serve, &uri, 0x7a);
@@ -483,9 +483,9 @@ fn a_tap_domain_with_a_cow_and_snapshots_a_view_and_a_vm_socket_work_over_rbd_an
         let out = Command::new(exe()).arg("snapshot").args(args).arg("--run-dir").arg(&run_dir).output().unwrap();
         assert!(out.status.success(), "snapshot {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     };
-    snap(&["t", "create", "before"]);
+    snap(&["create", "t", "before"]);
     qemu_io_ok(&dev, &["write -P 0x64 0 64k"]);
-    snap(&["t", "revert", "before"]);
+    snap(&["revert", "t", "before"]);
     qemu_io_ok(&dev, &["read -P 0x61 0 64k"]);
     // The cow keeps writes in its overlay: the image below has none of them.
     let below = cluster.rbd(&["export", "rbd/t", "-"]);

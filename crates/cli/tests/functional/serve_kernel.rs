@@ -263,7 +263,7 @@ fn serve_sigkilled_leaves_no_domain_behind_and_a_new_serve_takes_over() {
     let cfg = format!("{}{}", small_ram_config("a", "16M", "adaptive"), small_ram_config("b", "16M", "irq"));
     let mut serve = Serve::start(&run_dir, Some(&cfg), &["a", "b"]);
     // One domain started at start-up, one by the watcher thread on a restart.
-    let r = Command::new(exe()).args(["restart", "b", "--run-dir"]).arg(&run_dir).output().unwrap();
+    let r = Command::new(exe()).args(["device", "restart", "b", "--run-dir"]).arg(&run_dir).output().unwrap();
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let domains = [serve.driver_pid(0) as i32, serve.driver_pid(1) as i32];
     assert!(domains.iter().all(|&p| p > 0));
@@ -522,7 +522,7 @@ fn status_exits_by_health_and_domains_show_their_device_in_ps() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert_eq!(code(), Some(2), "a failed device");
-    let out = Command::new(exe()).args(["restart", "h", "--run-dir"]).arg(&run_dir).output().unwrap();
+    let out = Command::new(exe()).args(["device", "restart", "h", "--run-dir"]).arg(&run_dir).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(code(), Some(0), "restarted");
     assert!(serve.stop().success());

@@ -167,7 +167,7 @@ fn four_clients_lose_nothing_when_their_shared_domain_is_killed() {
     assert!(kills.first().copied().unwrap_or(0) >= 3, "killed {kills:?}: {}", serve.log_text());
 }
 
-/// A cap set on a running view holds, and lifting it frees the view: `bulkhead qos` changes it
+/// A cap set on a running view holds, and lifting it frees the view: `bulkhead view qos` changes it
 /// without a restart, and `status --json` shows the caps and the credit. A weight set on it
 /// instead leaves every view readable.
 #[test]
@@ -175,7 +175,7 @@ fn a_running_views_caps_change_without_a_restart() {
     let (_tmp, serve) = start("share-qos", &config(""));
     let pid = serve.driver_pid(0);
     let qos = |args: &[&str]| {
-        let out = Command::new(exe()).arg("qos").args(args).arg("--run-dir").arg(&serve.run_dir).output().unwrap();
+        let out = Command::new(exe()).args(["view", "qos"]).args(args).arg("--run-dir").arg(&serve.run_dir).output().unwrap();
         (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
     };
     let (ok, text) = qos(&["vm0", "iops=50", "burst_ios=1"]);

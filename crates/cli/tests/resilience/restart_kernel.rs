@@ -149,7 +149,7 @@ fn driver_crashing_on_start_turns_the_device_failed_and_io_fails_promptly() {
         let d = serve.status_json()["devices"][0].clone();
         if d["state"] == "failed" {
             let why = d["failure"].as_str().unwrap();
-            assert!(why.contains("restarts within") && why.contains("bulkhead restart c"), "{why}");
+            assert!(why.contains("restarts within") && why.contains("bulkhead device restart c"), "{why}");
             break;
         }
         assert!(Instant::now() < deadline, "device never turned failed: {d}");
@@ -164,7 +164,7 @@ fn driver_crashing_on_start_turns_the_device_failed_and_io_fails_promptly() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("Input/output error"));
     assert!(t0.elapsed() < Duration::from_secs(1), "failed I/O took {:?}", t0.elapsed());
     // A manual restart tries again (and fails again, since the driver still crashes).
-    let r = Command::new(exe()).args(["restart", "c", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    let r = Command::new(exe()).args(["device", "restart", "c", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
     let st = serve.status_json();
     assert!(
         !r.status.success() || st["devices"][0]["state"] == "running",
@@ -184,7 +184,7 @@ fn manual_restart_replaces_a_healthy_domain_and_keeps_the_data() {
     std::fs::write(serve.fuse_file("m"), &data).unwrap();
     assert_eq!(std::fs::metadata(serve.fuse_file("m")).unwrap().len(), 32 << 20);
     let old = serve.driver_pid(0);
-    let out = Command::new(exe()).args(["restart", "m", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    let out = Command::new(exe()).args(["device", "restart", "m", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let new = serve.driver_pid(0);
     assert_ne!(old, new);
@@ -196,7 +196,7 @@ fn manual_restart_replaces_a_healthy_domain_and_keeps_the_data() {
     );
     let got = std::fs::read(serve.fuse_file("m")).unwrap();
     assert!(got[..data.len()] == data[..], "ramdisk contents survive the restart");
-    let bad = Command::new(exe()).args(["restart", "nosuch", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    let bad = Command::new(exe()).args(["device", "restart", "nosuch", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("no device `nosuch`"));
 }
 

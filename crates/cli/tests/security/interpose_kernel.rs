@@ -257,36 +257,36 @@ fn tap_mode_switches_and_filter_changes_under_fio_verify_fail_nothing() {
     };
     let pause = || std::thread::sleep(Duration::from_millis(700));
     pause();
-    cli(&run_dir, &["tap", "w", "interpose"]).unwrap();
+    cli(&run_dir, &["device", "tap", "w", "interpose"]).unwrap();
     assert_eq!(chain(&serve), ("interpose".into(), vec!["stats".into()]));
     pause();
     let driver = serve.status_json()["devices"][0]["driver_pid"].clone();
-    cli(&run_dir, &["filter", "w", "add", "--at", "0", "type = \"delay\"", "write_us = 100"]).unwrap();
-    cli(&run_dir, &["filter", "w", "add", "type = \"throttle\"", "iops = 50000"]).unwrap();
+    cli(&run_dir, &["filter", "add", "w", "--at", "0", "type = \"delay\"", "write_us = 100"]).unwrap();
+    cli(&run_dir, &["filter", "add", "w", "type = \"throttle\"", "iops = 50000"]).unwrap();
     assert_eq!(chain(&serve).1, ["delay", "stats", "throttle"]);
     // Filters in a tap domain of their own change that domain alone.
     assert_eq!(serve.status_json()["devices"][0]["driver_pid"], driver);
     pause();
     // Intercept: one tap domain, which is the driver domain too.
-    cli(&run_dir, &["tap", "w", "intercept"]).unwrap();
+    cli(&run_dir, &["device", "tap", "w", "intercept"]).unwrap();
     let st = serve.status_json();
     let d = &st["devices"][0];
     assert_eq!(d["tap"], "intercept");
     assert_eq!(d["tap_pid"], d["driver_pid"], "{d}");
     assert_eq!(d["tap_sandbox"]["seccomp_role"], "memory", "{d}");
     pause();
-    cli(&run_dir, &["tap", "w", "interpose"]).unwrap();
+    cli(&run_dir, &["device", "tap", "w", "interpose"]).unwrap();
     // A bad table is refused, naming the key and its line, and the device runs on unchanged.
-    let e = cli(&run_dir, &["filter", "w", "add", "type = \"delay\"", "flush_us = 99999999"]).unwrap_err();
+    let e = cli(&run_dir, &["filter", "add", "w", "type = \"delay\"", "flush_us = 99999999"]).unwrap_err();
     assert!(e.contains("flush_us") && e.contains("line 2"), "{e}");
-    let e = cli(&run_dir, &["filter", "w", "remove", "7"]).unwrap_err();
+    let e = cli(&run_dir, &["filter", "remove", "w", "7"]).unwrap_err();
     assert!(e.contains("no filter at position 7"), "{e}");
-    let e = cli(&run_dir, &["tap", "w", "sideways"]).unwrap_err();
+    let e = cli(&run_dir, &["device", "tap", "w", "sideways"]).unwrap_err();
     assert!(e.contains("sideways"), "{e}");
     pause();
-    cli(&run_dir, &["tap", "w", "passthrough"]).unwrap();
+    cli(&run_dir, &["device", "tap", "w", "passthrough"]).unwrap();
     pause();
-    cli(&run_dir, &["filter", "w", "remove", "0"]).unwrap();
+    cli(&run_dir, &["filter", "remove", "w", "0"]).unwrap();
     assert_eq!(chain(&serve), ("passthrough".into(), vec!["stats".into(), "throttle".into()]));
     fio.join().expect("fio verified every block");
     fs.unmount_and_check();
@@ -390,12 +390,12 @@ fn intercept_terminates_every_request_in_one_tap_domain_through_kills_and_refuse
     assert_eq!(left.len(), 1, "{states:#?}\n{}", serve.log_text());
     drop(serve);
 
-    // A device node is no soft device: refused at start, and by `bulkhead tap` on a running
+    // A device node is no soft device: refused at start, and by `bulkhead device tap` on a running
     // device, which runs on unchanged.
     let node = LoopGuard::attach_direct(&image);
     let cfg = format!("[[device]]\nname = \"n\"\n[device.backend]\ntype = \"file\"\npath = \"{}\"\n", node.dev);
     let serve = Serve::start(&tmp.path().join("run2"), Some(&cfg), &["n"]);
-    let e = cli(&serve.run_dir, &["tap", "n", "intercept"]).unwrap_err();
+    let e = cli(&serve.run_dir, &["device", "tap", "n", "intercept"]).unwrap_err();
     assert!(e.contains("device node") && e.contains(&node.dev), "{e}");
     assert_eq!(chain(&serve).0, "passthrough");
     drop(serve);

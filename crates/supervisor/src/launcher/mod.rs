@@ -66,7 +66,7 @@ pub(crate) struct Launcher {
     policy: Policy,
     /// The domain's bound on waiting for a remote server, ms.
     io_timeout_ms: u64,
-    /// Where the filters run and the filters; changed on a running device by `bulkhead tap`,
+    /// Where the filters run and the filters; changed on a running device by `bulkhead device tap`,
     /// `bulkhead filter` and `bulkhead snapshot`, taking effect with the next generation. Each
     /// launch takes a copy, so nothing waits on it while a domain starts.
     chain: Mutex<ChainSetup>,
