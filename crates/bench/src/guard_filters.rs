@@ -52,13 +52,14 @@ impl Options {
 
 impl Setting {
     /// Chariot's settings (DWC, then SCDWC with each of [`CACHES`]), then the same with
-    /// protection keys; `off` first if `with_off`.
+    /// protection keys where the processor has them; `off` first if `with_off`.
     pub fn all(with_off: bool) -> Vec<Setting> {
         let mut v = Vec::new();
         if with_off {
             v.push(Setting { mode: GuardMode::Off, keys: false });
         }
-        for keys in [false, true] {
+        let keys = if bulkhead_sys::pkey::supported() { &[false, true][..] } else { &[false][..] };
+        for &keys in keys {
             v.push(Setting { mode: GuardMode::Dwc, keys });
             v.extend(CACHES.iter().map(|&cache| Setting { mode: GuardMode::Scdwc { cache }, keys }));
         }

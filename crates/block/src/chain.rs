@@ -265,6 +265,11 @@ impl Chain {
         }
     }
 
+    /// Whether a layer has housekeeping to do (see [`Layer::idle_wanted`]).
+    pub fn idle_wanted(&self) -> bool {
+        self.layers.iter().any(|l| l.idle_wanted())
+    }
+
     /// Lets layers write out what they buffer (see [`Layer::idle`]).
     pub fn idle(&mut self) {
         for l in &mut self.layers {

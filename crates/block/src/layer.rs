@@ -174,7 +174,14 @@ pub trait Layer: Send {
     /// requests, the chain also polls soon after each completion passes through it, so a layer
     /// that waits for what it sent below to finish (a disk scheduler) can send the next.
     fn poll(&mut self, now_ns: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64>;
-    /// Called between turns of the domain (at least every half second while it runs, and once
-    /// as it stops): a layer that buffers output (a trace) writes it out here.
+    /// Called between turns of the domain (every 100 ms or so while [`idle_wanted`] says so,
+    /// and once as it stops): a layer that buffers output (a trace) writes it out here.
+    ///
+    /// [`idle_wanted`]: Self::idle_wanted
     fn idle(&mut self) {}
+    /// Whether [`idle`](Self::idle) has something to do (output buffered and not yet written).
+    /// A domain with nothing to do sleeps until asked unless a layer says so.
+    fn idle_wanted(&self) -> bool {
+        false
+    }
 }

@@ -15,12 +15,12 @@ pub const LOST_EXIT: u8 = bulkhead_supervisor::LOST_EXIT;
 pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     let spec: DomainSpec = serde_json::from_str(spec_json).context("bad domain spec")?;
     let stop = Arc::new(AtomicBool::new(false));
-    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
-    signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
+    let bell = bulkhead_driver::stop_on_signals(&stop)?;
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process
     // alone, and nothing else here uses them.
     let built = unsafe { bulkhead_driver::build_inherited(&spec, stop) };
     let mut domain = built.with_context(|| format!("device {}", spec.device))?;
+    domain.wake_on_stop(bell)?;
     bulkhead_driver::confine_and_report(&spec).with_context(|| format!("device {}", spec.device))?;
     match domain.run() {
         Ok(()) => Ok(ExitCode::SUCCESS),

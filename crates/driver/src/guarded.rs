@@ -271,6 +271,11 @@ impl Layer for Guarded {
         })
     }
 
+    fn idle_wanted(&self) -> bool {
+        // A read of the filter's own state: nothing for write capture to catch.
+        self.inner.idle_wanted()
+    }
+
     fn idle(&mut self) {
         let act = self.act(None, &SharedSlice::empty(), None);
         self.run(act, |l, _| l.idle());

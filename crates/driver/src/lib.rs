@@ -20,6 +20,20 @@ pub use build::{build_inherited, build_inherited_wrapping};
 pub use model::build_model_inherited;
 pub use runtime::{Domain, DomainStats};
 
+/// Makes SIGTERM and SIGINT set `stop` and make the returned descriptor readable, for
+/// [`Domain::wake_on_stop`]: a domain asleep with nothing to do wakes for them at once.
+pub fn stop_on_signals(stop: &std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::io::Result<std::os::fd::OwnedFd> {
+    // A pipe, written with write(2) from the handler, which every domain's seccomp role allows.
+    let (bell, ring) = std::io::pipe()?;
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        // The flag first: the handlers run in the order registered, so the flag is set when
+        // the domain wakes.
+        signal_hook::flag::register(sig, stop.clone())?;
+        signal_hook::low_level::pipe::register(sig, ring.try_clone()?)?;
+    }
+    Ok(bell.into())
+}
+
 /// Why a domain stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {

@@ -31,8 +31,12 @@ const BATCH: usize = 32;
 /// Idle turns (each a look at every queue and eight spins) before an idle spinner yields.
 const IDLE_SPINS_BEFORE_YIELD: u32 = 4;
 
-/// Longest sleep between turns, so a stop request and layers' housekeeping are seen promptly.
+/// Longest sleep between turns of a domain that has no stop doorbell
+/// ([`Domain::wake_on_stop`]), so that a stop request is seen within it.
 const MAX_SLEEP_MS: u64 = 500;
+
+/// How often layers get their housekeeping call while one asks for it (a trace's records).
+const IDLE_EVERY_NS: u64 = 100_000_000;
 
 /// Counters of a running domain.
 #[derive(Debug, Clone, Copy, Default)]
@@ -153,6 +157,9 @@ pub struct Domain {
     visits: u64,
     /// The supervisor's line about attached applications' queues.
     attach: Option<AttachLine>,
+    /// Readable once the domain is asked to stop (the stop signals' pipe): with it, a domain
+    /// with nothing to do sleeps until a doorbell rings, without a timeout.
+    stop_bell: Option<std::os::fd::OwnedFd>,
 }
 
 /// How often the views' credit is written to the state page, ns; with the turns not timed
@@ -167,6 +174,9 @@ const ABOVE_TOKEN: u64 = u64::MAX - 1;
 
 /// Poller token of the attach line.
 const ATTACH_TOKEN: u64 = u64::MAX - 2;
+
+/// Poller token of the stop doorbell.
+const STOP_TOKEN: u64 = u64::MAX - 3;
 
 /// Turns of the loop, busy or idle, between looks at the line about the domain above.
 const ABOVE_LOOK_EVERY: u32 = 1024;
@@ -244,6 +254,7 @@ impl Domain {
             reported_at: 0,
             visits: 0,
             attach: None,
+            stop_bell: None,
         })
     }
 
@@ -258,6 +269,16 @@ impl Domain {
         let line = AttachLine::new(sock, first, sizes, self.per_queue, arena_bytes);
         self.poller.add(line.fd(), ATTACH_TOKEN).map_err(|e| DriverError::Setup(e.to_string()))?;
         self.attach = Some(line);
+        Ok(())
+    }
+
+    /// Watches `bell`, which becomes readable once the domain is asked to stop (see
+    /// [`stop_on_signals`](crate::stop_on_signals)). From then on a domain with nothing to do
+    /// sleeps until a request, a completion or a line wakes it, with no timer of its own.
+    pub fn wake_on_stop(&mut self, bell: std::os::fd::OwnedFd) -> Result<(), DriverError> {
+        use std::os::fd::AsRawFd;
+        self.poller.add(bell.as_raw_fd(), STOP_TOKEN).map_err(|e| DriverError::Setup(e.to_string()))?;
+        self.stop_bell = Some(bell);
         Ok(())
     }
 
@@ -654,7 +675,7 @@ impl Domain {
             return;
         }
         let now = now_ns();
-        if force || now - self.idled_at >= 100_000_000 {
+        if force || now - self.idled_at >= IDLE_EVERY_NS {
             self.idled_at = now;
             self.chain.idle();
         }
@@ -846,20 +867,29 @@ impl Domain {
                 s.report(p);
                 self.reported_at = now;
             }
-            // A bounded wait, so a stop request racing the sleep is seen within half a second,
-            // and no longer than until a held request is due: whole milliseconds short of it,
-            // the rest spun (a `vpt` completion is due to the microsecond).
-            let mut ms = match self.next_due() {
-                Some(t) => (t.saturating_sub(now_ns()) / 1_000_000).min(MAX_SLEEP_MS),
-                None => MAX_SLEEP_MS,
+            // No longer than until a held request is due: whole milliseconds short of it, the
+            // rest spun (a `vpt` completion is due to the microsecond). With nothing due, until
+            // a doorbell rings: requests, completions, the lines and the stop signals all have
+            // one. A domain without a stop doorbell wakes now and then to see a stop request.
+            let mut ms: Option<u64> = match self.next_due() {
+                Some(t) => Some(t.saturating_sub(now_ns()) / 1_000_000),
+                None if self.stop_bell.is_some() => None,
+                None => Some(MAX_SLEEP_MS),
             };
+            let mut at_most = |cap: u64| ms = Some(ms.map_or(cap, |m| m.min(cap)));
             // Held requests, and attached applications whose requests the supervisor cannot
-            // count, leave the watchdog only the beats to go by: wake for them.
+            // count, leave the watchdog only the beats to go by: wake for them. Idle and
+            // alone, a domain shows no beat and needs none: the watchdog asks for progress
+            // only of a domain with requests waiting.
             if self.chain.held() > 0 || self.has_attached() {
-                ms = ms.min((self.heartbeat_ns / 2_000_000).max(1));
+                at_most((self.heartbeat_ns / 2_000_000).max(1));
             }
-            if ms > 0 {
-                self.poller.wait(ms as i32, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
+            if self.chain.idle_wanted() {
+                at_most(IDLE_EVERY_NS / 1_000_000);
+            }
+            if ms != Some(0) {
+                let timeout = ms.map_or(-1, |m| m.min(i32::MAX as u64) as i32);
+                self.poller.wait(timeout, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
             }
         }
         for q in self.queues.iter().flatten() {

@@ -282,6 +282,9 @@ impl Layer for Trace {
     fn idle(&mut self) {
         self.write_out();
     }
+    fn idle_wanted(&self) -> bool {
+        !self.buf.is_empty()
+    }
 }
 
 impl Drop for Trace {

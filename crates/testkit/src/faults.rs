@@ -241,6 +241,10 @@ impl Layer for Faulty {
         self.injector.call();
         self.inner.idle()
     }
+
+    fn idle_wanted(&self) -> bool {
+        self.inner.idle_wanted()
+    }
 }
 
 /// Wraps the filter at `index` (from 0) of a domain in a [`Faulty`] making `spec`'s faults

@@ -338,6 +338,62 @@ fn status_reports_fields_and_a_fresh_ram_device_costs_little() {
     assert!(text.contains("disk0") && text.contains("running") && text.contains("adaptive"), "{text}");
 }
 
+/// Context switches of `pid`'s threads so far, voluntary and not: each wake-up is one.
+fn switches(pid: u32) -> u64 {
+    let mut n = 0;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let status = std::fs::read_to_string(t.unwrap().path().join("status")).unwrap_or_default();
+        n += status
+            .lines()
+            .filter(|l| l.starts_with("voluntary_ctxt_switches") || l.starts_with("nonvoluntary_ctxt_switches"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    n
+}
+
+#[test]
+fn an_idle_domain_sleeps_until_asked_and_still_stops_at_once() {
+    require_kernel!();
+    let tmp = TempDir::new("idle-domain");
+    let config = format!("{}\n[[device]]\nname = \"t\"\nsize = \"64M\"\n[[device.filter]]\ntype = \"trace\"\npath = \"{}\"\n[device.backend]\ntype = \"ram\"\n",
+        small_ram_config("disk0", "64M", "adaptive"), tmp.path().join("t.trace").display());
+    let mut serve = Serve::start(&tmp.path().join("run"), Some(&config), &["disk0", "t"]);
+    let (plain, traced) = (serve.driver_pid(0), serve.driver_pid(1));
+    // Settle: the domain's start, the first look at its queues.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let before = (switches(plain), switches(traced));
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let after = (switches(plain), switches(traced));
+    // No timer of its own: 3 s idle without a wake-up (the old half-second bound woke it 6
+    // times). A trace with nothing buffered has no housekeeping either.
+    assert!(after.0 - before.0 <= 1, "an idle domain woke {} times in 3 s", after.0 - before.0);
+    assert!(after.1 - before.1 <= 1, "an idle domain with a trace woke {} times in 3 s", after.1 - before.1);
+    // Asked, it answers at once.
+    for dev in ["disk0", "t"] {
+        let mut f = std::fs::OpenOptions::new().read(true).write(true).open(serve.fuse_file(dev)).unwrap();
+        f.write_all(&[7u8; 4096]).unwrap();
+        f.seek(SeekFrom::Start(0)).unwrap();
+        let mut back = [0u8; 4096];
+        f.read_exact(&mut back).unwrap();
+        assert_eq!(back, [7u8; 4096]);
+    }
+    // The trace wrote its records out within its housekeeping interval, and is idle again.
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    let written = std::fs::metadata(tmp.path().join("t.trace")).map(|m| m.len()).unwrap_or(0);
+    assert!(written > 0, "the trace's records were not written out while idle");
+    let settled = switches(traced);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert!(switches(traced) - settled <= 1, "the traced domain keeps waking once its records are out");
+    // Asleep with no timeout, the domains still end as soon as serve stops them.
+    let started = std::time::Instant::now();
+    assert!(serve.stop().success(), "{}", serve.log_text());
+    assert!(started.elapsed() < std::time::Duration::from_secs(3), "stopping took {:?}", started.elapsed());
+    assert!(
+        !std::path::Path::new(&format!("/proc/{plain}")).exists() && !std::path::Path::new(&format!("/proc/{traced}")).exists()
+    );
+}
+
 /// Private memory of `pid` in KiB (`RssAnon`), 0 once it is gone.
 fn anon_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

@@ -156,11 +156,10 @@ fn domain(args: &[String]) -> ExitCode {
         Err(e) => return fail(format!("bad spec: {e}")),
     };
     let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        if let Err(e) = signal_hook::flag::register(sig, stop.clone()) {
-            return fail(format!("signal handler: {e}"));
-        }
-    }
+    let bell = match bulkhead_driver::stop_on_signals(&stop) {
+        Ok(b) => b,
+        Err(e) => return fail(format!("signal handler: {e}")),
+    };
     if let Ok(search) = std::env::var("BULKHEAD_TEST_SEARCH") {
         if let Err(e) = bulkhead_testkit::memsearch::spawn(&search) {
             return fail(format!("memory search: {e}"));
@@ -251,6 +250,9 @@ fn domain(args: &[String]) -> ExitCode {
                 Ok(d) => d,
                 Err(e) => return fail(e.to_string()),
             };
+            if let Err(e) = domain.wake_on_stop(bell) {
+                return fail(e.to_string());
+            }
             let withhold = std::env::var("BULKHEAD_TEST_UNAVAILABLE_LAYERS").unwrap_or_default();
             let withhold = withhold.split(',').filter(|l| !l.is_empty()).map(String::from).collect();
             if let Err(e) = bulkhead_driver::confine_and_report_withholding(&spec, withhold) {
