@@ -182,7 +182,10 @@ fn fio(file: &Path, seconds: u32) -> Result<(f64, f64), BenchError> {
 
 /// The device's configuration for `filter` with `guard` lines.
 fn device(filter: &str, files: &Files, guard: &str) -> String {
-    let head = "[nbd]\nenabled = false\n[fuse]\nenabled = false\n[[device]]\nname = \"g\"\n";
+    // Under DWC every write to guarded memory is a fault and a single step: a cow allocating
+    // a qcow2 L2 table (8,192 entries, each written alone) can take over the default watchdog's
+    // second, and a replaced domain would start the same allocation over.
+    let head = "[nbd]\nenabled = false\n[fuse]\nenabled = false\n[[device]]\nname = \"g\"\nwatchdog_ms = 30000\n";
     match filter {
         "trace" => format!(
             "{head}size = \"{SIZE_MIB}M\"\n[device.backend]\ntype = \"ram\"\n[[device.filter]]\ntype = \"trace\"\npath = \"{}\"\n{guard}",

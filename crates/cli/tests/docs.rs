@@ -1,5 +1,5 @@
 //! The docs stay true: BENCHMARKS.md stays a reference of current figures within its line
-//! budget, each of its sections gives its command, and every citation of a docs section
+//! budget, each of its sections gives its command and the date and processor of its run, and every citation of a docs section
 //! (`docs/X.md, "Section"`, in the docs and in code comments) names a section that exists,
 //! and the README's command list is the command line's.
 
@@ -31,6 +31,33 @@ fn benchmarks_stays_within_its_budget_and_each_section_gives_its_command() {
         }
     }
     assert!(without.is_empty(), "BENCHMARKS.md sections without a ```sh block of their command: {without:?}");
+    // And the run's date and machine: a figure without them cannot be compared with the next.
+    let undated: Vec<_> = text
+        .split("\n## ")
+        .skip(1)
+        .filter(|s| !(has_date(s) && (names_processor(s) || s.contains("processor was not recorded"))))
+        .map(|s| s.lines().next().unwrap_or_default().to_string())
+        .collect();
+    assert!(undated.is_empty(), "BENCHMARKS.md sections without the date (YYYY-MM-DD) and processor of their run: {undated:?}");
+}
+
+/// Whether `text` holds a date written YYYY-MM-DD.
+fn has_date(text: &str) -> bool {
+    let b = text.as_bytes();
+    let digits = |r: std::ops::Range<usize>| b[r].iter().all(u8::is_ascii_digit);
+    (0..b.len().saturating_sub(9))
+        .any(|i| digits(i..i + 4) && b[i + 4] == b'-' && digits(i + 5..i + 7) && b[i + 7] == b'-' && digits(i + 8..i + 10))
+}
+
+/// Whether `text` names the processor a run was on.
+fn names_processor(text: &str) -> bool {
+    ["Intel", "AMD", "EPYC", "Xeon"].iter().any(|p| text.contains(p))
+}
+
+#[test]
+fn the_section_check_reads_dates_and_processors() {
+    assert!(has_date("five runs (2026-11-28, AMD EPYC)") && names_processor("five runs (2026-11-28, AMD EPYC)"));
+    assert!(!has_date("run 2026-11 on 28") && !names_processor("a 2-vCPU guest"));
 }
 
 /// The files cited from, under the repository: the docs, the README, ARCHITECTURE.md and every
@@ -203,4 +230,60 @@ fn the_readme_lists_every_command_and_no_other() {
     let missing: Vec<&String> = commands.difference(&listed).collect();
     let stale: Vec<&String> = listed.difference(&commands).collect();
     assert!(missing.is_empty() && stale.is_empty(), "README's command list: missing {missing:?}, not commands {stale:?}");
+}
+
+/// A heading's anchor as GitHub makes it: lower case, spaces to hyphens, and everything but
+/// letters, digits, `-` and `_` dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn every_link_to_a_docs_section_resolves() {
+    let root = repo();
+    let pages: Vec<PathBuf> = citing_files(&root).into_iter().filter(|p| p.extension().is_some_and(|x| x == "md")).collect();
+    let anchors_of = |page: &Path| -> Option<Vec<String>> {
+        let text = std::fs::read_to_string(page).ok()?;
+        Some(text.lines().filter(|l| l.starts_with('#')).map(|l| anchor(l.trim_start_matches('#'))).collect())
+    };
+    let mut broken = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find("](") {
+            let link = &rest[at + 2..];
+            let end = link.find([')', ' ']).unwrap_or(link.len());
+            let (target, fragment) = match link[..end].split_once('#') {
+                Some((t, f)) if !t.contains("://") => (t, f),
+                _ => {
+                    rest = &link[end..];
+                    continue;
+                }
+            };
+            let file = if target.is_empty() { page.clone() } else { page.parent().unwrap().join(target) };
+            if file.extension().is_some_and(|x| x == "md") {
+                match anchors_of(&file) {
+                    Some(a) if a.iter().any(|x| x == fragment) => {}
+                    _ => broken.push(format!("{}: {target}#{fragment}", page.strip_prefix(&root).unwrap().display())),
+                }
+            }
+            rest = &link[end..];
+        }
+    }
+    assert!(broken.is_empty(), "links to sections that do not exist: {broken:?}");
+}
+
+#[test]
+fn anchors_are_githubs() {
+    assert_eq!(anchor(" Ceph RBD: `bulkhead-bench rbd`"), "ceph-rbd-bulkhead-bench-rbd");
+    assert_eq!(anchor("When `serve` dies or is upgraded"), "when-serve-dies-or-is-upgraded");
 }
