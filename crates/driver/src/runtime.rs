@@ -754,6 +754,10 @@ impl Domain {
         let tunes = self.mode == NotifyMode::Adaptive && self.budget.tunes();
         let mut turns = 0u32;
         let mut backend_gap = false;
+        // The backend is open: one beat says so to the supervisor, which counts a domain that
+        // has neither beaten nor answered as still reaching its remote. An idle domain may
+        // sleep from here on with no timer to beat by.
+        self.beat_loop(now_ns());
         while !self.stop.load(Ordering::Relaxed) {
             turns = turns.wrapping_add(1);
             if turns.is_multiple_of(ABOVE_LOOK_EVERY) {

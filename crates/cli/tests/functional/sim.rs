@@ -45,7 +45,7 @@ fn a_requests_file_runs_through_every_scheduler_and_its_mistakes_are_named_by_li
     let (ok, _, err) = bulkhead(&["sim", "--requests", good.to_str().unwrap(), "--size", "1M"]);
     assert!(!ok && err.contains("beyond the modelled device"), "{err}");
     let (ok, _, err) = bulkhead(&["sim", "--example", "--schedulers", "fcfs,lifo"]);
-    assert!(!ok && err.contains("`lifo`"), "{err}");
+    assert!(!ok && err.contains("'lifo'") && err.contains("possible values: fcfs, satf, opt, deadline, cats"), "{err}");
     let (ok, _, err) = bulkhead(&["sim"]);
     assert!(!ok && err.contains("--example"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
