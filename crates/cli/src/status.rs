@@ -487,10 +487,9 @@ pub fn top(run_dir: &Path, interval: std::time::Duration, frames: Option<u64>, j
                 "iops": rates.map(|r| r.0), "read_mib_s": rates.map(|r| r.1), "write_mib_s": rates.map(|r| r.2),
                 "p99_us": rates.and_then(|r| r.3), "new_restarts": rates.map(|r| r.4),
             }));
-            let (iops, rd, wr, p99, new_restarts) = match before.get(&name) {
-                Some((_, was, _)) => {
-                    let (iops, rd, wr, _, new_restarts) = rates.unwrap_or_default();
-                    let p99 = match io.quantile_since(was, 0.99) {
+            let (iops, rd, wr, p99, new_restarts) = match (rates, before.get(&name)) {
+                (Some((iops, rd, wr, p99, new_restarts)), Some((_, was, _))) => {
+                    let p99 = match p99 {
                         Some(us) if us >= 1000 => format!("<{} ms", us / 1000),
                         Some(us) => format!("<{us} µs"),
                         None if io.requests > was.requests => {
@@ -500,7 +499,7 @@ pub fn top(run_dir: &Path, interval: std::time::Duration, frames: Option<u64>, j
                     };
                     (format!("{iops:.0}"), format!("{rd:.1}"), format!("{wr:.1}"), p99, new_restarts)
                 }
-                None => ("-".into(), "-".into(), "-".into(), "-".into(), 0),
+                _ => ("-".into(), "-".into(), "-".into(), "-".into(), 0),
             };
             let restarts_shown = if new_restarts > 0 { format!("{restarts} (+{new_restarts})") } else { restarts.to_string() };
             t.row(vec![name.clone(), state, iops, rd, wr, p99, restarts_shown, of]);
