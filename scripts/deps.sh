@@ -13,7 +13,8 @@ pkg-config --exists openssl 2>/dev/null || need+=(libssl-dev pkg-config)
 # The ublk export's library (libublk) makes its kernel bindings with bindgen, which needs libclang.
 dpkg-query -W -f='${Status}' libclang-dev 2>/dev/null | grep -q "ok installed" || need+=(libclang-dev)
 case "${1:-serve}" in
-  test) want fio fio; want qemu-io qemu-utils; want qemu-img qemu-utils; want nbdinfo libnbd-bin
+  # fio's engine (scripts/fio-engine.sh) fetches the installed fio's source with curl.
+  test) want fio fio; want curl curl; want qemu-io qemu-utils; want qemu-img qemu-utils; want nbdinfo libnbd-bin
         want nbdcopy libnbd-bin; want nbdfuse libnbd-bin; want fusermount3 fuse3
         want nbdkit nbdkit; want qemu-nbd qemu-utils; want ip iproute2; want sysbench sysbench
         want blkparse blktrace; want btt blktrace; want cryptsetup cryptsetup-bin; want openssl openssl
@@ -29,7 +30,7 @@ case "${1:-serve}" in
         want systemd-nspawn systemd-container; want mmdebstrap mmdebstrap
         # The control socket's check of another user connects from a small script.
         [ -x /usr/bin/python3 ] || need+=(python3); want setpriv util-linux ;;
-  bench) want fio fio; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
+  bench) want fio fio; want curl curl; want sysbench sysbench; want nbdkit nbdkit; want nbdfuse libnbd-bin
          want qemu-storage-daemon qemu-system-common; want fusermount3 fuse3; want qemu-nbd qemu-utils
          want bindfs bindfs; want cryptsetup cryptsetup-bin; want qemu-system-x86_64 qemu-system-x86; static_busybox
          want nbd-client nbd-client ;;

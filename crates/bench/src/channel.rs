@@ -128,7 +128,7 @@ fn process_cpu_ns(pid: u32) -> u64 {
 }
 
 /// Pins `pid` (0: the calling thread) to `cpu`. Returns whether it worked.
-fn pin(pid: u32, cpu: usize) -> bool {
+pub(crate) fn pin(pid: u32, cpu: usize) -> bool {
     // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();

@@ -349,9 +349,32 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Ceph RBD: the `rbd` backend over NBD against fio's rbd engine and qemu-storage-daemon's
-    /// rbd driver, on a throwaway single-node cluster, and the outage of a killed rbd domain
-    /// with and without the lock break (runs `scripts/ceph-dev.sh`, `serve`, fio, qsd).
+    /// bulkhead's block layer through its fio engine (libbulkhead_fio.so, on a ram device of
+    /// a `serve` it runs) against fio's null engine and the channel alone, in the same rounds.
+    Fio {
+        /// Alternated rounds.
+        #[arg(long, default_value_t = 5, value_parser = count(1, 50))]
+        rounds: usize,
+        /// Seconds per fio point.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=600))]
+        seconds: u64,
+        /// Round trips sampled per latency phase of the channel.
+        #[arg(long, default_value_t = 200_000, value_parser = count(1000, 100_000_000))]
+        samples: usize,
+        /// The engine (default: libbulkhead_fio.so beside this program, else in /usr/lib/bulkhead).
+        #[arg(long)]
+        engine: Option<PathBuf>,
+        /// Do not pin the fio job and the domain (nor the channel's two ends) to different CPUs.
+        #[arg(long)]
+        no_pin: bool,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Ceph RBD: the `rbd` backend through bulkhead's fio engine and over NBD, against fio's
+    /// rbd engine and qemu-storage-daemon's rbd driver, on a throwaway single-node cluster, and
+    /// the outage of a killed rbd domain with and without the lock break (runs
+    /// `scripts/ceph-dev.sh`, `serve`, fio, qsd).
     Rbd {
         /// Alternated rounds of each system.
         #[arg(long, default_value_t = 3, value_parser = count(1, 50))]
@@ -368,6 +391,10 @@ pub enum BenchCmd {
         /// qemu-storage-daemon to compare with (left out if it has no rbd driver).
         #[arg(long, default_value = "qemu-storage-daemon")]
         qsd: PathBuf,
+        /// bulkhead's fio engine (default: libbulkhead_fio.so beside this program, else in
+        /// /usr/lib/bulkhead; left out if there is none).
+        #[arg(long)]
+        engine: Option<PathBuf>,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -632,9 +659,14 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             let r = crate::ublk::run(&exe()?, &opts, |p| eprintln!("bench ublk: {p}"))?;
             emit(&r, json, crate::ublk::render)
         }
-        BenchCmd::Rbd { rounds, seconds, kills, image_mib, qsd, json } => {
+        BenchCmd::Fio { rounds, seconds, samples, engine, no_pin, json } => {
+            let opts = crate::fio::Options { rounds, seconds, samples, engine, pin: !no_pin };
+            let r = crate::fio::run(&exe()?, &opts, |p| eprintln!("bench fio: {p}"))?;
+            emit(&r, json, crate::fio::render)
+        }
+        BenchCmd::Rbd { rounds, seconds, kills, image_mib, qsd, engine, json } => {
             need_root("bench rbd starts a cluster in a network namespace")?;
-            let opts = crate::rbd::Options { rounds, seconds, kills, qsd, image_mib };
+            let opts = crate::rbd::Options { rounds, seconds, kills, qsd, image_mib, engine };
             let r = crate::rbd::run(&exe()?, &opts, |p| eprintln!("bench rbd: {p}"))?;
             emit(&r, json, crate::rbd::render)
         }

@@ -14,6 +14,7 @@ pub mod chaos;
 #[allow(missing_docs)]
 pub mod cli;
 pub mod fileio;
+pub mod fio;
 pub mod guard;
 pub mod guard_figures;
 pub mod guard_filters;
@@ -100,6 +101,13 @@ pub fn fio_report(stdout: &[u8], what: &str) -> Result<serde_json::Value, BenchE
         return Err(BenchError::Run(format!("fio on {what}: error {}", v["jobs"][0]["error"])));
     }
     Ok(v)
+}
+
+/// CPU seconds of one job of a fio report, as fio counts them (its user and system shares of
+/// the job's run time): the load generator, with its engine's library.
+pub(crate) fn fio_job_cpu_seconds(job: &serde_json::Value) -> f64 {
+    let runtime_s = job["job_runtime"].as_f64().unwrap_or(0.0) / 1e3;
+    (job["usr_cpu"].as_f64().unwrap_or(0.0) + job["sys_cpu"].as_f64().unwrap_or(0.0)) / 100.0 * runtime_s
 }
 
 /// A page-aligned buffer for O_DIRECT.

@@ -4,11 +4,13 @@
 //! network namespace of its own), and the outage of a killed rbd domain with and without the
 //! lock break.
 //!
-//! bulkhead and qemu-storage-daemon are driven by fio's nbd engine over a unix socket. All
-//! three run librbd with its cache off (qemu-storage-daemon with `cache.direct=on`, fio with
+//! bulkhead is driven by its own fio engine (`libbulkhead_fio.so`: fio attached to the device,
+//! a queue over shared memory, no export protocol) and, as qemu-storage-daemon is, by fio's
+//! nbd engine over a unix socket. All of them run librbd with its cache off (qemu-storage-daemon with `cache.direct=on`, fio with
 //! `CEPH_ARGS=--rbd_cache=false`): with it on, writes are acknowledged before they are stored. CPU is that of
 //! the process holding librbd and what serves it: `serve` and its domains, qemu-storage-daemon,
-//! or the fio process of the rbd engine (fio's own work included).
+//! or the fio process of the rbd engine (fio's own work included); the fio job's own CPU (the
+//! load generator, with the engine's library), `serve`'s and the domain's are also given apart.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -32,6 +34,8 @@ pub struct Options {
     pub qsd: PathBuf,
     /// Image size in MiB.
     pub image_mib: u64,
+    /// bulkhead's fio engine (see [`crate::fio::find_engine`]).
+    pub engine: Option<PathBuf>,
 }
 
 /// The systems compared.
@@ -40,6 +44,8 @@ pub struct Options {
 pub enum System {
     /// bulkhead's rbd backend, over NBD.
     Bulkhead,
+    /// bulkhead's rbd backend, through bulkhead's fio engine.
+    Engine,
     /// The same with `sandbox = "off"`: the rbd domain in the host's network namespace,
     /// connecting for itself, no seccomp filter (what the broker and the filters cost).
     Unconfined,
@@ -49,7 +55,7 @@ pub enum System {
     Qsd,
 }
 
-const SYSTEMS: [System; 4] = [System::Bulkhead, System::FioRbd, System::Qsd, System::Unconfined];
+const SYSTEMS: [System; 5] = [System::Engine, System::Bulkhead, System::FioRbd, System::Qsd, System::Unconfined];
 
 #[derive(Debug, Clone, Copy)]
 struct Workload {
@@ -73,8 +79,14 @@ const WORKLOADS: [Workload; 6] = [
 pub struct Figures {
     /// IOPS of each round.
     pub iops: Vec<f64>,
-    /// CPU seconds per 100k requests of each round.
+    /// CPU seconds per 100k requests of each round: what holds librbd and serves it.
     pub cpu_per_100k: Vec<f64>,
+    /// The same, of the fio job alone (the load generator and its engine).
+    pub fio_cpu_per_100k: Vec<f64>,
+    /// The same, of `serve` alone (bulkhead only).
+    pub serve_cpu_per_100k: Vec<f64>,
+    /// The same, of the rbd domain alone (bulkhead only).
+    pub domain_cpu_per_100k: Vec<f64>,
 }
 
 /// One point.
@@ -84,7 +96,9 @@ pub struct Point {
     pub workload: String,
     /// Block size.
     pub bs: u32,
-    /// bulkhead.
+    /// bulkhead through its fio engine.
+    pub engine: Figures,
+    /// bulkhead over NBD.
     pub bulkhead: Figures,
     /// bulkhead with its sandbox off.
     pub unconfined: Figures,
@@ -120,6 +134,8 @@ pub struct Report {
     pub no_lock_break: Outages,
     /// Why qemu-storage-daemon was left out, if it was.
     pub qsd_skipped: Option<String>,
+    /// Why bulkhead's fio engine was left out, if it was.
+    pub engine_skipped: Option<String>,
     /// Runs that failed, and why; their figures are left out.
     pub failures: Vec<String>,
 }
@@ -191,7 +207,7 @@ impl Server {
         let log = dir.join("server.log");
         let err = std::fs::File::create(&log).map_err(|e| BenchError::io(&log, e))?;
         let mut cmd = match system {
-            System::Bulkhead | System::Unconfined => {
+            System::Bulkhead | System::Unconfined | System::Engine => {
                 let sandbox = if system == System::Unconfined { "sandbox = \"off\"\n" } else { "" };
                 let cfg = format!(
                     "[fuse]\nenabled = false\n[[device]]\nname = \"r\"\nsize = \"{}M\"\nrestart_limit = 100000\n{sandbox}\
@@ -251,7 +267,7 @@ impl Server {
     /// The server and, for bulkhead, its domains.
     fn pids(&self) -> Vec<u32> {
         let mut pids = vec![self.child.id()];
-        if matches!(self.system, System::Bulkhead | System::Unconfined) {
+        if matches!(self.system, System::Bulkhead | System::Unconfined | System::Engine) {
             pids.extend(self.device().map(|d| d.driver_pid).filter(|&p| p != 0));
         }
         pids
@@ -279,14 +295,27 @@ fn fio_args(w: &Workload, seconds: u64) -> Vec<String> {
     ]
 }
 
-/// Runs `w` on `system`; (IOPS, CPU seconds of what serves it).
+/// What one run of a point gives.
+struct Sample {
+    iops: f64,
+    /// CPU seconds of what holds librbd and serves it.
+    server_cpu: f64,
+    /// CPU seconds of the fio job, as fio counts them.
+    fio_cpu: f64,
+    /// CPU seconds of `serve` and of the domain (bulkhead only).
+    serve_cpu: f64,
+    domain_cpu: f64,
+}
+
+/// Runs `w` on `system`.
 fn point(
     system: System,
     server: Option<&Server>,
     cluster: &Cluster,
+    engine: Option<&Path>,
     w: &Workload,
     seconds: u64,
-) -> Result<(f64, f64), BenchError> {
+) -> Result<Sample, BenchError> {
     let mut cmd = Command::new("timeout");
     cmd.args(["--kill-after=10", &(seconds + 90).to_string(), "fio"]).args(fio_args(w, seconds));
     match (system, server) {
@@ -297,50 +326,65 @@ fn point(
                 .env("CEPH_CONF", cluster.conf())
                 .env("CEPH_ARGS", "--rbd_cache=false");
         }
+        (System::Engine, Some(s)) => {
+            let engine = engine.ok_or("no fio engine")?;
+            cmd.arg(format!("--ioengine=external:{}", engine.display()))
+                .arg(format!("--run_dir={}", s.dir.join("run").display()))
+                .arg("--filename=r");
+        }
         (_, Some(s)) => {
             cmd.arg("--ioengine=nbd").arg(format!("--uri={}", s.uri()));
         }
         (_, None) => return Err("a server is needed".into()),
     }
     let pids = server.map(Server::pids).unwrap_or_default();
-    let c0: f64 = pids.iter().map(|&p| cpu_seconds(p)).sum();
+    let c0: Vec<f64> = pids.iter().map(|&p| cpu_seconds(p)).collect();
     let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| format!("fio: {e}"))?;
-    // The rbd engine's librbd runs in fio itself: its CPU is read just before it exits.
+    // The rbd engine's librbd runs in fio itself (its job, a process of its own): its CPU is
+    // read just before it exits.
     let fio_pid = child.id();
-    let mut fio_cpu = 0.0;
+    let mut fio_tree_cpu = 0.0;
     let out = {
         let waiter = std::thread::spawn(move || child.wait_with_output());
         while !waiter.is_finished() {
-            fio_cpu = descendants_cpu(fio_pid).max(fio_cpu);
+            fio_tree_cpu = descendants_cpu(fio_pid).max(fio_tree_cpu);
             std::thread::sleep(Duration::from_millis(100));
         }
         waiter.join().map_err(|_| "fio waiter")?.map_err(|e| format!("fio: {e}"))?
     };
-    let c1: f64 = pids.iter().map(|&p| cpu_seconds(p)).sum();
+    let c1: Vec<f64> = pids.iter().map(|&p| cpu_seconds(p)).collect();
     if !out.status.success() {
         return Err(BenchError::Run(format!("fio: {}", String::from_utf8_lossy(&out.stderr).trim())));
     }
     let v = crate::fio_report(&out.stdout, &format!("{system:?} {}", w.name))?;
     let j = &v["jobs"][0];
     let iops = j["read"]["iops"].as_f64().unwrap_or(0.0) + j["write"]["iops"].as_f64().unwrap_or(0.0);
-    let cpu = if system == System::FioRbd { fio_cpu } else { c1 - c0 };
-    Ok((iops, cpu))
+    let fio_cpu = crate::fio_job_cpu_seconds(j);
+    let delta = |i: usize| c1.get(i).zip(c0.get(i)).map_or(0.0, |(a, b)| a - b);
+    let server_cpu = if system == System::FioRbd { fio_tree_cpu } else { c1.iter().sum::<f64>() - c0.iter().sum::<f64>() };
+    Ok(Sample { iops, server_cpu, fio_cpu, serve_cpu: delta(0), domain_cpu: delta(1) })
 }
 
-/// CPU seconds of `pid` and its children (`timeout` runs fio as its child).
+/// CPU seconds of `pid` and all its descendants (`timeout` runs fio, which forks its jobs).
 fn descendants_cpu(pid: u32) -> f64 {
-    let mut total = cpu_seconds(pid);
+    let mut parent_of = Vec::new();
     if let Ok(d) = std::fs::read_dir("/proc") {
         for e in d.flatten() {
             let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
             let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-            let ppid = stat.rfind(')').and_then(|i| stat[i + 2..].split_whitespace().nth(1)?.parse::<u32>().ok());
-            if ppid == Some(pid) {
-                total += cpu_seconds(p);
+            if let Some(pp) = stat.rfind(')').and_then(|i| stat[i + 2..].split_whitespace().nth(1)?.parse::<u32>().ok()) {
+                parent_of.push((p, pp));
             }
         }
     }
-    total
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let at = tree[i];
+        tree.extend(parent_of.iter().filter(|&&(_, pp)| pp == at).map(|&(p, _)| p));
+        i += 1;
+    }
+    tree.iter().map(|&p| cpu_seconds(p)).sum()
 }
 
 /// Whether qemu-storage-daemon here has the rbd driver (`qemu-block-extra`): a driver it
@@ -432,11 +476,17 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         return Err(BenchError::Run(format!("rbd bench: {}", String::from_utf8_lossy(&fill.stderr).trim())));
     }
     let mut report = Report { rounds: opts.rounds, ..Default::default() };
-    let systems: Vec<System> = match qsd_has_rbd(&opts.qsd) {
-        Ok(()) => SYSTEMS.to_vec(),
+    let mut systems = SYSTEMS.to_vec();
+    if let Err(why) = qsd_has_rbd(&opts.qsd) {
+        report.qsd_skipped = Some(why);
+        systems.retain(|&s| s != System::Qsd);
+    }
+    let engine = match crate::fio::find_engine(opts.engine.as_deref()) {
+        Ok(e) => Some(e),
         Err(why) => {
-            report.qsd_skipped = Some(why);
-            vec![System::Bulkhead, System::FioRbd, System::Unconfined]
+            report.engine_skipped = Some(why.to_string());
+            systems.retain(|&s| s != System::Engine);
+            None
         }
     };
     let mut points: Vec<Point> = WORKLOADS
@@ -444,6 +494,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         .map(|w| Point {
             workload: w.name.into(),
             bs: w.bs,
+            engine: Figures::default(),
             bulkhead: Figures::default(),
             unconfined: Figures::default(),
             fio_rbd: Figures::default(),
@@ -466,16 +517,23 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
                 },
             };
             for (i, w) in WORKLOADS.iter().enumerate() {
-                match point(system, server.as_ref(), &cluster, w, opts.seconds) {
-                    Ok((iops, cpu)) => {
+                match point(system, server.as_ref(), &cluster, engine.as_deref(), w, opts.seconds) {
+                    Ok(sample) => {
                         let f = match system {
+                            System::Engine => &mut points[i].engine,
                             System::Bulkhead => &mut points[i].bulkhead,
                             System::Unconfined => &mut points[i].unconfined,
                             System::FioRbd => &mut points[i].fio_rbd,
                             System::Qsd => &mut points[i].qsd,
                         };
-                        f.iops.push(iops);
-                        f.cpu_per_100k.push(cpu / (iops * opts.seconds as f64 / 100_000.0).max(1e-9));
+                        let per_100k = |cpu: f64| cpu / (sample.iops * opts.seconds as f64 / 100_000.0).max(1e-9);
+                        f.iops.push(sample.iops);
+                        f.cpu_per_100k.push(per_100k(sample.server_cpu));
+                        f.fio_cpu_per_100k.push(per_100k(sample.fio_cpu));
+                        if server.is_some() && system != System::Qsd {
+                            f.serve_cpu_per_100k.push(per_100k(sample.serve_cpu));
+                            f.domain_cpu_per_100k.push(per_100k(sample.domain_cpu));
+                        }
                     }
                     Err(e) => report.failures.push(format!("round {}, {system:?}, {}: {e}", r + 1, w.name)),
                 }
@@ -499,40 +557,68 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     Ok(report)
 }
 
-/// Renders the report as tables.
+/// Renders the report as tables: throughput, then CPU per request by process.
 pub fn render(r: &Report) -> String {
     let mut t = Table::new(&[
         "point",
-        "bulkhead",
+        "engine",
+        "nbd",
         "fio-rbd",
         "qsd",
-        "bulkhead / fio-rbd",
-        "bulkhead / qsd",
-        "sandbox off",
-        "CPU s/100k b|f|q",
+        "engine / fio-rbd",
+        "nbd / fio-rbd",
+        "nbd / qsd",
+        "nbd, sandbox off",
     ]);
+    let ratio = |a: f64, b: f64| if a > 0.0 && b > 0.0 { format!("{:.2}", a / b) } else { "-".into() };
     for p in &r.points {
-        let (b, f, q) = (median(&p.bulkhead.iops), median(&p.fio_rbd.iops), median(&p.qsd.iops));
-        let unit =
-            |v: f64| if p.bs >= 1 << 20 { format!("{:.0} MiB/s", v * f64::from(p.bs) / 1048576.0) } else { format!("{v:.0}") };
-        let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}", a / b) } else { "-".into() };
+        let (e, b, f, q) = (median(&p.engine.iops), median(&p.bulkhead.iops), median(&p.fio_rbd.iops), median(&p.qsd.iops));
+        let unit = |v: f64| {
+            if v <= 0.0 {
+                "-".into()
+            } else if p.bs >= 1 << 20 {
+                format!("{:.0} MiB/s", v * f64::from(p.bs) / 1048576.0)
+            } else {
+                format!("{v:.0}")
+            }
+        };
         t.row(vec![
             p.workload.clone(),
+            unit(e),
             unit(b),
             unit(f),
-            if q > 0.0 { unit(q) } else { "-".into() },
+            unit(q),
+            ratio(e, f),
             ratio(b, f),
             ratio(b, q),
             unit(median(&p.unconfined.iops)),
-            format!(
-                "{:.2}|{:.2}|{:.2}",
-                median(&p.bulkhead.cpu_per_100k),
-                median(&p.fio_rbd.cpu_per_100k),
-                median(&p.qsd.cpu_per_100k)
-            ),
         ]);
     }
     let mut out = format!("medians of {} alternated rounds; IOPS (MiB/s for 1M)\n{}", r.rounds, t.render());
+    // CPU per 100k requests: what holds librbd and serves it (serve and domain, qsd, or the
+    // rbd engine's fio), then the fio job alone and, for bulkhead, serve and the domain apart.
+    let mut c =
+        Table::new(&["CPU s/100k", "engine: total|fio|serve|domain", "nbd: total|fio|serve|domain", "fio-rbd", "qsd: total|fio"]);
+    let m = |v: &[f64]| if v.is_empty() { "-".to_string() } else { format!("{:.2}", median(v)) };
+    for p in &r.points {
+        let four = |f: &Figures| {
+            format!(
+                "{}|{}|{}|{}",
+                m(&f.cpu_per_100k),
+                m(&f.fio_cpu_per_100k),
+                m(&f.serve_cpu_per_100k),
+                m(&f.domain_cpu_per_100k)
+            )
+        };
+        c.row(vec![
+            p.workload.clone(),
+            four(&p.engine),
+            four(&p.bulkhead),
+            m(&p.fio_rbd.cpu_per_100k),
+            format!("{}|{}", m(&p.qsd.cpu_per_100k), m(&p.qsd.fio_cpu_per_100k)),
+        ]);
+    }
+    out += &c.render();
     for (what, o) in [("with the lock break", &r.lock_break), ("without it", &r.no_lock_break)] {
         if o.kills > 0 {
             out +=
@@ -541,6 +627,9 @@ pub fn render(r: &Report) -> String {
     }
     if let Some(why) = &r.qsd_skipped {
         out += &format!("qemu-storage-daemon left out: {why}\n");
+    }
+    if let Some(why) = &r.engine_skipped {
+        out += &format!("bulkhead's fio engine left out: {why}\n");
     }
     for f in &r.failures {
         out += &format!("failed: {f}\n");

@@ -61,6 +61,45 @@ int bulkhead_discard(bulkhead_device *dev, unsigned queue, uint64_t offset, uint
 /* Writes zeroes over `len` bytes at `offset`. */
 int bulkhead_write_zeroes(bulkhead_device *dev, unsigned queue, uint64_t offset, uint64_t len);
 
+/*
+ * Requests in flight. The bulkhead_submit_* calls place a request on `queue` and return at
+ * once; bulkhead_reap hands back the answers under the caller's tokens, in any order. A queue
+ * with submitted requests not yet reaped belongs to the thread that submitted them: other
+ * threads' calls on it, and the blocking calls above on it, get -EBUSY until all are reaped.
+ * When the queue is full, a submit waits for an answer (kept for bulkhead_reap) first.
+ * A restart of the domain is a pause, never an error. Requests longer than the queue carries
+ * at once go as several pieces and are answered once.
+ */
+
+/* One answer: the request's token, and 0 or a negative errno. */
+struct bulkhead_completion {
+    uint64_t token;
+    int result;
+};
+
+/* Submits a read of `len` bytes at `offset` into `buf`; `buf` must stay valid, and not be
+ * touched, until the answer is reaped. */
+int bulkhead_submit_read(bulkhead_device *dev, unsigned queue, void *buf, size_t len, uint64_t offset,
+                         uint64_t token);
+
+/* Submits a write of `len` bytes from `buf` at `offset` (copied before the call returns);
+ * flags: 0 or BULKHEAD_FUA. */
+int bulkhead_submit_write(bulkhead_device *dev, unsigned queue, const void *buf, size_t len, uint64_t offset,
+                          unsigned flags, uint64_t token);
+
+/* Submits a flush. */
+int bulkhead_submit_flush(bulkhead_device *dev, unsigned queue, uint64_t token);
+
+/* Submits a discard, or a write of zeroes, of `len` bytes at `offset`. */
+int bulkhead_submit_discard(bulkhead_device *dev, unsigned queue, uint64_t offset, uint64_t len, uint64_t token);
+int bulkhead_submit_write_zeroes(bulkhead_device *dev, unsigned queue, uint64_t offset, uint64_t len,
+                                 uint64_t token);
+
+/* Moves up to `max` answers of `queue` into `out`, first waiting until `min` are there (or
+ * nothing is in flight). Returns how many, or a negative errno. */
+int bulkhead_reap(bulkhead_device *dev, unsigned queue, struct bulkhead_completion *out, unsigned max,
+                  unsigned min);
+
 /* The message of the calling thread's last failure ("" if none); valid until its next call. */
 const char *bulkhead_last_error(void);
 

@@ -15,9 +15,25 @@ use std::path::Path;
 use bulkhead_client::{attach_with, AttachError, AttachOptions, Attached, IoError};
 use bulkhead_control::ErrorCode;
 
+mod queued;
+use queued::{Ask, QueueSlot};
+
 /// An attached device, as C holds it (opaque).
 pub struct BulkheadDevice {
+    /// The asynchronous side of each queue. Declared before `dev` so that it drops first:
+    /// a slot's held queue borrows the device.
+    slots: Vec<QueueSlot>,
     dev: Attached,
+}
+
+/// One answer of [`bulkhead_reap`] (`struct bulkhead_completion`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BulkheadCompletion {
+    /// The token the request was submitted with.
+    pub token: u64,
+    /// 0, or a negative errno.
+    pub result: c_int,
 }
 
 /// The `BULKHEAD_FUA` write flag.
@@ -81,8 +97,27 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, (c_int, Stri
 /// # Safety
 /// `dev`, if not null, must come from [`bulkhead_attach`] and not be detached.
 unsafe fn device<'a>(dev: *const BulkheadDevice) -> Result<&'a Attached, (c_int, String)> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { whole(dev) }.map(|d| &d.dev)
+}
+
+/// # Safety
+/// As [`device`].
+unsafe fn whole<'a>(dev: *const BulkheadDevice) -> Result<&'a BulkheadDevice, (c_int, String)> {
     // SAFETY: by the caller's contract a non-null `dev` is a live device from bulkhead_attach.
-    unsafe { dev.as_ref() }.map(|d| &d.dev).ok_or_else(|| (libc::EINVAL, "device is NULL".to_string()))
+    unsafe { dev.as_ref() }.ok_or_else(|| (libc::EINVAL, "device is NULL".to_string()))
+}
+
+/// # Safety
+/// As [`device`].
+unsafe fn blocking_queue<'a>(dev: *const BulkheadDevice, queue: c_uint) -> Result<(&'a Attached, usize), (c_int, String)> {
+    // SAFETY: forwarded from this function's contract.
+    let d = unsafe { whole(dev)? };
+    let q = queue_of(&d.dev, queue)?;
+    if d.slots[q].busy() {
+        return Err((libc::EBUSY, format!("queue {queue} has submitted requests not yet reaped")));
+    }
+    Ok((&d.dev, q))
 }
 
 /// # Safety
@@ -115,7 +150,8 @@ pub unsafe extern "C" fn bulkhead_attach(
         let (run_dir, name) = unsafe { (text(run_dir, "run_dir")?, text(name, "name")?) };
         let opts = AttachOptions { queues: queues.max(1) };
         let dev = attach_with(Path::new(run_dir), name, opts).map_err(|e| (attach_errno(&e), e.to_string()))?;
-        out = Box::into_raw(Box::new(BulkheadDevice { dev }));
+        let slots = (0..dev.queue_count()).map(|_| QueueSlot::default()).collect();
+        out = Box::into_raw(Box::new(BulkheadDevice { slots, dev }));
         Ok(())
     });
     if !err.is_null() {
@@ -193,7 +229,7 @@ pub unsafe extern "C" fn bulkhead_read(
 ) -> c_int {
     guarded(|| {
         // SAFETY: forwarded from this function's contract.
-        let d = unsafe { device(dev)? };
+        let (d, q) = unsafe { blocking_queue(dev, queue)? };
         if len == 0 {
             return Ok(());
         }
@@ -202,7 +238,7 @@ pub unsafe extern "C" fn bulkhead_read(
         }
         // SAFETY: not null, and writable for `len` bytes by the contract.
         let out = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), len) };
-        d.read_into(queue_of(d, queue)?, offset, out).map_err(io)
+        d.read_into(q, offset, out).map_err(io)
     })
 }
 
@@ -221,11 +257,11 @@ pub unsafe extern "C" fn bulkhead_write(
 ) -> c_int {
     guarded(|| {
         // SAFETY: forwarded from this function's contract.
-        let (d, data) = unsafe { (device(dev)?, bytes(buf, len)?) };
+        let ((d, q), data) = unsafe { (blocking_queue(dev, queue)?, bytes(buf, len)?) };
         if flags & !BULKHEAD_FUA != 0 {
             return Err((libc::EINVAL, format!("unknown flags {flags:#x}")));
         }
-        d.write(queue_of(d, queue)?, offset, data, flags & BULKHEAD_FUA != 0).map_err(io)
+        d.write(q, offset, data, flags & BULKHEAD_FUA != 0).map_err(io)
     })
 }
 
@@ -237,8 +273,8 @@ pub unsafe extern "C" fn bulkhead_write(
 pub unsafe extern "C" fn bulkhead_flush(dev: *mut BulkheadDevice, queue: c_uint) -> c_int {
     guarded(|| {
         // SAFETY: forwarded from this function's contract.
-        let d = unsafe { device(dev)? };
-        d.flush(queue_of(d, queue)?).map_err(io)
+        let (d, q) = unsafe { blocking_queue(dev, queue)? };
+        d.flush(q).map_err(io)
     })
 }
 
@@ -250,8 +286,8 @@ pub unsafe extern "C" fn bulkhead_flush(dev: *mut BulkheadDevice, queue: c_uint)
 pub unsafe extern "C" fn bulkhead_discard(dev: *mut BulkheadDevice, queue: c_uint, offset: u64, len: u64) -> c_int {
     guarded(|| {
         // SAFETY: forwarded from this function's contract.
-        let d = unsafe { device(dev)? };
-        d.discard(queue_of(d, queue)?, offset, len).map_err(io)
+        let (d, q) = unsafe { blocking_queue(dev, queue)? };
+        d.discard(q, offset, len).map_err(io)
     })
 }
 
@@ -263,9 +299,150 @@ pub unsafe extern "C" fn bulkhead_discard(dev: *mut BulkheadDevice, queue: c_uin
 pub unsafe extern "C" fn bulkhead_write_zeroes(dev: *mut BulkheadDevice, queue: c_uint, offset: u64, len: u64) -> c_int {
     guarded(|| {
         // SAFETY: forwarded from this function's contract.
-        let d = unsafe { device(dev)? };
-        d.write_zeroes(queue_of(d, queue)?, offset, len).map_err(io)
+        let (d, q) = unsafe { blocking_queue(dev, queue)? };
+        d.write_zeroes(q, offset, len).map_err(io)
     })
+}
+
+/// Places `ask` on `queue` under `token`.
+///
+/// # Safety
+/// `dev` must be a live device from [`bulkhead_attach`]; a read's buffer valid until reaped.
+unsafe fn submit(dev: *mut BulkheadDevice, queue: c_uint, ask: Ask<'_>, token: u64) -> c_int {
+    guarded(|| {
+        // SAFETY: forwarded from this function's contract.
+        let d = unsafe { whole(dev)? };
+        let q = queue_of(&d.dev, queue)?;
+        // SAFETY: the slot belongs to `d`, and drops before `d.dev` (field order); the read
+        // buffer's life is the caller's contract.
+        unsafe { d.slots[q].submit(&d.dev, q, ask, token) }
+    })
+}
+
+/// Submits a read of `len` bytes at `offset` into `buf`, without waiting.
+///
+/// # Safety
+/// `dev` must be a live device from [`bulkhead_attach`]; `buf` writable for `len` bytes and
+/// left alone until the answer is reaped.
+#[no_mangle]
+pub unsafe extern "C" fn bulkhead_submit_read(
+    dev: *mut BulkheadDevice,
+    queue: c_uint,
+    buf: *mut c_void,
+    len: usize,
+    offset: u64,
+    token: u64,
+) -> c_int {
+    if buf.is_null() && len > 0 {
+        return guarded(|| Err((libc::EINVAL, "buffer is NULL".to_string())));
+    }
+    // SAFETY: forwarded from this function's contract.
+    unsafe { submit(dev, queue, Ask::Read { buf: buf.cast(), len: len as u64, offset }, token) }
+}
+
+/// Submits a write of `len` bytes from `buf` at `offset`, without waiting (the data is copied
+/// before the call returns).
+///
+/// # Safety
+/// `dev` must be a live device from [`bulkhead_attach`]; `buf` readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn bulkhead_submit_write(
+    dev: *mut BulkheadDevice,
+    queue: c_uint,
+    buf: *const c_void,
+    len: usize,
+    offset: u64,
+    flags: c_uint,
+    token: u64,
+) -> c_int {
+    if flags & !BULKHEAD_FUA != 0 {
+        return guarded(|| Err((libc::EINVAL, format!("unknown flags {flags:#x}"))));
+    }
+    // SAFETY: forwarded from this function's contract.
+    let data = match unsafe { bytes(buf, len) } {
+        Ok(d) => d,
+        Err(e) => return guarded(|| Err(e)),
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe { submit(dev, queue, Ask::Write { data, offset, fua: flags & BULKHEAD_FUA != 0 }, token) }
+}
+
+/// Submits a flush, without waiting.
+///
+/// # Safety
+/// `dev` must be a live device from [`bulkhead_attach`].
+#[no_mangle]
+pub unsafe extern "C" fn bulkhead_submit_flush(dev: *mut BulkheadDevice, queue: c_uint, token: u64) -> c_int {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { submit(dev, queue, Ask::Flush, token) }
+}
+
+/// Submits a discard of `len` bytes at `offset`, without waiting.
+///
+/// # Safety
+/// `dev` must be a live device from [`bulkhead_attach`].
+#[no_mangle]
+pub unsafe extern "C" fn bulkhead_submit_discard(
+    dev: *mut BulkheadDevice,
+    queue: c_uint,
+    offset: u64,
+    len: u64,
+    token: u64,
+) -> c_int {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { submit(dev, queue, Ask::Discard { offset, len }, token) }
+}
+
+/// Submits a write of zeroes over `len` bytes at `offset`, without waiting.
+///
+/// # Safety
+/// `dev` must be a live device from [`bulkhead_attach`].
+#[no_mangle]
+pub unsafe extern "C" fn bulkhead_submit_write_zeroes(
+    dev: *mut BulkheadDevice,
+    queue: c_uint,
+    offset: u64,
+    len: u64,
+    token: u64,
+) -> c_int {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { submit(dev, queue, Ask::WriteZeroes { offset, len }, token) }
+}
+
+/// Moves up to `max` answers of `queue` into `out`, waiting first until `min` are there (or
+/// nothing is in flight). Returns how many, or a negative errno.
+///
+/// # Safety
+/// `dev` must be a live device from [`bulkhead_attach`]; `out` writable for `max` entries.
+#[no_mangle]
+pub unsafe extern "C" fn bulkhead_reap(
+    dev: *mut BulkheadDevice,
+    queue: c_uint,
+    out: *mut BulkheadCompletion,
+    max: c_uint,
+    min: c_uint,
+) -> c_int {
+    let mut got = 0usize;
+    let rc = guarded(|| {
+        // SAFETY: forwarded from this function's contract.
+        let d = unsafe { whole(dev)? };
+        let q = queue_of(&d.dev, queue)?;
+        if max == 0 {
+            return Ok(());
+        }
+        if out.is_null() {
+            return Err((libc::EINVAL, "completion array is NULL".to_string()));
+        }
+        // SAFETY: not null, and writable for `max` entries by the contract.
+        let out = unsafe { std::slice::from_raw_parts_mut(out, max as usize) };
+        got = d.slots[q].reap(q, out.len(), min as usize, |i, token, result| out[i] = BulkheadCompletion { token, result })?;
+        Ok(())
+    });
+    if rc < 0 {
+        rc
+    } else {
+        got as c_int
+    }
 }
 
 /// The calling thread's last failure message ("" if none), valid until its next call.

@@ -417,6 +417,86 @@ fn the_c_example_builds_against_libbulkhead_and_runs() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no device or view `nosuch`"));
 }
 
+/// Builds the fio engine (scripts/fio-engine.sh) for this build's profile into `dir`.
+fn build_fio_engine(dir: &Path) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let target = Path::new(exe()).parent().unwrap().to_path_buf();
+    let profile = if target.ends_with("release") { "release" } else { "dev" };
+    let so = dir.join("libbulkhead_fio.so");
+    let out = Command::new(root.join("scripts/fio-engine.sh")).args(["--profile", profile]).arg(&so).output().unwrap();
+    assert!(out.status.success(), "fio-engine.sh: {}", String::from_utf8_lossy(&out.stderr));
+    so
+}
+
+#[test]
+fn fio_drives_a_device_through_the_engine_verifies_every_block_and_rides_through_domain_kills() {
+    require_kernel!();
+    if !tools(&["cc", "fio", "curl"]) {
+        return;
+    }
+    let (tmp, serve, run_dir) = start("attach-fio");
+    let engine = build_fio_engine(tmp.path());
+    let fio = |args: &[&str]| {
+        let out = Command::new("fio")
+            .arg(format!("--ioengine=external:{}", engine.display()))
+            .arg(format!("--run_dir={}", run_dir.display()))
+            .args(["--name=bh", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0"])
+            .args(args)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+    };
+    // A view, with requests of 16 MiB (twice the queue's 8 MiB arena: each goes as two pieces,
+    // the second placed once the first is answered), 1 MiB (eight fill the arena) and 4 KiB,
+    // every block read back and checked.
+    for bs in ["16M", "1M", "4k"] {
+        let (ok, text) = fio(&["--filename=vm0", "--rw=randwrite", &format!("--bs={bs}"), "--iodepth=8", "--size=16M"]);
+        assert!(ok && text.contains("err= 0"), "{bs}: {text}");
+        assert!(text.contains("READ: bw="), "{bs}: fio read nothing back: {text}");
+    }
+    // The view's first block is the device's at 16 MiB.
+    let mut dev = vec![0u8; 4096];
+    std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::open(serve.fuse_file("disk0")).unwrap(), &mut dev, 16 << 20)
+        .unwrap();
+    assert!(dev.iter().any(|&b| b != 0), "the view's writes did not land at its offset");
+
+    // Two jobs at QD16, their writes spread over two seconds (4096 each at 2000 a second), while
+    // the domain is killed twice.
+    let before = serve.status_json()["devices"][0]["restarts"].as_u64().unwrap();
+    let killer = {
+        let serve_dir = run_dir.clone();
+        std::thread::spawn(move || {
+            for _ in 0..2 {
+                std::thread::sleep(Duration::from_millis(600));
+                let out = Command::new(exe()).args(["status", "--json", "--run-dir"]).arg(&serve_dir).output().unwrap();
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                let pid = v["devices"][0]["driver_pid"].as_u64().unwrap() as i32;
+                // SAFETY: signalling the domain of our own serve.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        })
+    };
+    let (ok, text) = fio(&[
+        "--filename=disk0",
+        "--rw=randwrite",
+        "--bs=4k",
+        "--iodepth=16",
+        "--numjobs=2",
+        "--size=16M",
+        "--offset_increment=16M",
+        "--rate_iops=2000",
+        "--group_reporting",
+    ]);
+    killer.join().unwrap();
+    assert!(ok && text.contains("err= 0"), "{text}");
+    let after = serve.status_json()["devices"][0]["restarts"].as_u64().unwrap();
+    assert!(after >= before + 2, "the domain was not restarted twice during the run ({before} -> {after}):\n{text}");
+
+    // A device that does not exist is named in fio's error.
+    let (ok, text) = fio(&["--filename=nosuch", "--rw=read", "--bs=4k", "--size=1M"]);
+    assert!(!ok && text.contains("no device or view `nosuch`"), "{text}");
+}
+
 /// `bulkhead ARGS --run-dir RUN`: its success and what it said.
 fn cli(run_dir: &Path, args: &[&str]) -> (bool, String) {
     let out = Command::new(exe()).args(args).arg("--run-dir").arg(run_dir).output().unwrap();

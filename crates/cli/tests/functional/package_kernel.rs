@@ -85,6 +85,7 @@ fn the_package_holds_what_a_service_needs_and_serves_from_a_scratch_root() {
         "usr/share/doc/bulkhead/README.md",
         "usr/share/doc/bulkhead/copyright",
         "usr/share/doc/bulkhead/docs/operations.md",
+        "usr/lib/bulkhead/libbulkhead_fio.so",
     ] {
         assert!(root.join(path).is_file(), "{path} is not in the package");
     }
@@ -175,6 +176,16 @@ fn the_package_holds_what_a_service_needs_and_serves_from_a_scratch_root() {
     }
     let status = Command::new(&bin).args(["status", "--run-dir"]).arg(&run_dir).output().unwrap();
     assert!(String::from_utf8_lossy(&status.stdout).contains("disk0"), "{}", String::from_utf8_lossy(&status.stderr));
+    // The shipped fio engine loads into the installed fio and verifies what it wrote.
+    let fio = Command::new("fio")
+        .arg(format!("--ioengine=external:{}", root.join("usr/lib/bulkhead/libbulkhead_fio.so").display()))
+        .arg(format!("--run_dir={}", run_dir.display()))
+        .args(["--name=packaged", "--filename=disk0", "--rw=randwrite", "--bs=4k", "--iodepth=8", "--size=8M"])
+        .args(["--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&fio.stdout).into_owned() + &String::from_utf8_lossy(&fio.stderr);
+    assert!(fio.status.success() && text.contains("err= 0"), "{text}");
     assert!(serve.stop().success(), "{}", serve.log_text());
 }
 
