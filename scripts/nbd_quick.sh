@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bulkhead's NBD export alone, three fio jobs: 4 KiB random read QD1, random write QD1, random
 # read QD16, each printed as "IOPS P50_US P99_US MIB_S". For quick before/after comparisons
-# of the export and the notification modes; scripts/nbd_bench.sh has the peers.
+# of the export and the notification modes; `bulkhead-bench nbd` has the peers.
 #
 #   scripts/nbd_quick.sh [SECONDS] [NOTIFY] [SPIN_BUDGET_US] [ram|file]
 #                         (defaults: 4, adaptive, "auto", ram)

@@ -349,6 +349,22 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// bulkhead's NBD export against nbdkit and qemu-nbd on the same backing, fio's nbd engine
+    /// the client: throughput, latency and CPU per request of each process.
+    Nbd {
+        /// Alternated rounds of each server.
+        #[arg(long, default_value_t = 5, value_parser = count(1, 50))]
+        rounds: usize,
+        /// Seconds per point.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=600))]
+        seconds: u64,
+        /// What the servers serve from.
+        #[arg(long, value_enum, default_value = "ram")]
+        backing: crate::nbd::Backing,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
     /// bulkhead's block layer through its fio engine (libbulkhead_fio.so, on a ram device of
     /// a `serve` it runs) against fio's null engine and the channel alone, in the same rounds.
     Fio {
@@ -658,6 +674,11 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             let opts = crate::ublk::Options { rounds, seconds, size_mib, queues, rublk, notify };
             let r = crate::ublk::run(&exe()?, &opts, |p| eprintln!("bench ublk: {p}"))?;
             emit(&r, json, crate::ublk::render)
+        }
+        BenchCmd::Nbd { rounds, seconds, backing, json } => {
+            let opts = crate::nbd::Options { rounds, seconds, backing };
+            let r = crate::nbd::run(&exe()?, &opts, |p| eprintln!("bench nbd: {p}"))?;
+            emit(&r, json, crate::nbd::render)
         }
         BenchCmd::Fio { rounds, seconds, samples, engine, no_pin, json } => {
             let opts = crate::fio::Options { rounds, seconds, samples, engine, pin: !no_pin };

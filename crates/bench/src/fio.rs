@@ -20,7 +20,7 @@ use bulkhead_channel::NotifyMode;
 use serde::Serialize;
 
 use crate::vm::median;
-use crate::{cpu_seconds, BenchError, Table};
+use crate::{cpu_seconds, BenchError, CpuPer100k, Table};
 
 /// Options.
 #[derive(Debug, Clone)]
@@ -46,12 +46,8 @@ pub struct Side {
     pub qd1_iops: Vec<f64>,
     /// IOPS at depth 32.
     pub qd32_iops: Vec<f64>,
-    /// CPU seconds per 100k requests at depth 32: the fio job.
-    pub fio_cpu_per_100k: Vec<f64>,
-    /// The same: `serve` (empty for `null`).
-    pub serve_cpu_per_100k: Vec<f64>,
-    /// The same: the device's domain (empty for `null`).
-    pub domain_cpu_per_100k: Vec<f64>,
+    /// CPU per 100k requests at depth 32 (`serve` and the domain empty for `null`).
+    pub qd32_cpu_per_100k: CpuPer100k,
 }
 
 /// Results.
@@ -194,10 +190,13 @@ fn engine_round(side: &mut Side, args: &[String], serve: Option<&Serve>, seconds
     side.qd1_p50_ns.push(p50);
     side.qd1_iops.push(qd1);
     side.qd32_iops.push(qd32);
-    side.fio_cpu_per_100k.push(per_100k(fio_cpu, ios));
+    let cpu = &mut side.qd32_cpu_per_100k;
+    cpu.fio.push(per_100k(fio_cpu, ios));
     if let (Some((s, d)), Some((s0, d0))) = (pids, before) {
-        side.serve_cpu_per_100k.push(per_100k(cpu_seconds(s) - s0, ios));
-        side.domain_cpu_per_100k.push(per_100k(cpu_seconds(d) - d0, ios));
+        let (serve, domain) = (cpu_seconds(s) - s0, cpu_seconds(d) - d0);
+        cpu.serve.push(per_100k(serve, ios));
+        cpu.domain.push(per_100k(domain, ios));
+        cpu.server.push(per_100k(serve + domain, ios));
     }
     Ok(())
 }
@@ -276,7 +275,7 @@ pub fn render(r: &Report) -> String {
             us(&s.qd1_p50_ns),
             n(&s.qd1_iops),
             n(&s.qd32_iops),
-            format!("{}|{}|{}", cpu(&s.fio_cpu_per_100k), cpu(&s.serve_cpu_per_100k), cpu(&s.domain_cpu_per_100k)),
+            format!("{}|{}|{}", cpu(&s.qd32_cpu_per_100k.fio), cpu(&s.qd32_cpu_per_100k.serve), cpu(&s.qd32_cpu_per_100k.domain)),
         ]);
     }
     t.row(vec!["bench channel, adaptive".into(), us(&r.channel_rtt_ns), "-".into(), n(&r.channel_qd32_iops), "-".into()]);

@@ -21,6 +21,7 @@ pub mod guard_filters;
 pub mod guard_isolation;
 pub mod idle;
 pub mod images;
+pub mod nbd;
 pub mod overload;
 pub mod powercut;
 pub mod rbd;
@@ -101,6 +102,29 @@ pub fn fio_report(stdout: &[u8], what: &str) -> Result<serde_json::Value, BenchE
         return Err(BenchError::Run(format!("fio on {what}: error {}", v["jobs"][0]["error"])));
     }
     Ok(v)
+}
+
+/// One point of a benchmark that runs fio: its name, `rw`, block size and queue depth.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FioPoint {
+    pub name: &'static str,
+    pub rw: &'static str,
+    pub bs: u32,
+    pub qd: u32,
+}
+
+/// CPU seconds per 100k requests, by process, one entry per round: what every benchmark that
+/// compares systems gives for each of them.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct CpuPer100k {
+    /// What serves the requests, together: `serve` and its domain, or the peer's process.
+    pub server: Vec<f64>,
+    /// `serve` alone (bulkhead only).
+    pub serve: Vec<f64>,
+    /// The device's domain alone (bulkhead only).
+    pub domain: Vec<f64>,
+    /// The fio job: the load generator, with its engine's library.
+    pub fio: Vec<f64>,
 }
 
 /// CPU seconds of one job of a fio report, as fio counts them (its user and system shares of

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::vm::median;
-use crate::{cpu_seconds, BenchError, Table};
+use crate::{cpu_seconds, BenchError, CpuPer100k, Table};
 
 /// Options.
 #[derive(Debug, Clone)]
@@ -57,13 +57,7 @@ pub enum System {
 
 const SYSTEMS: [System; 5] = [System::Engine, System::Bulkhead, System::FioRbd, System::Qsd, System::Unconfined];
 
-#[derive(Debug, Clone, Copy)]
-struct Workload {
-    name: &'static str,
-    rw: &'static str,
-    bs: u32,
-    qd: u32,
-}
+use crate::FioPoint as Workload;
 
 const WORKLOADS: [Workload; 6] = [
     Workload { name: "4k randread qd1", rw: "randread", bs: 4096, qd: 1 },
@@ -79,14 +73,9 @@ const WORKLOADS: [Workload; 6] = [
 pub struct Figures {
     /// IOPS of each round.
     pub iops: Vec<f64>,
-    /// CPU seconds per 100k requests of each round: what holds librbd and serves it.
-    pub cpu_per_100k: Vec<f64>,
-    /// The same, of the fio job alone (the load generator and its engine).
-    pub fio_cpu_per_100k: Vec<f64>,
-    /// The same, of `serve` alone (bulkhead only).
-    pub serve_cpu_per_100k: Vec<f64>,
-    /// The same, of the rbd domain alone (bulkhead only).
-    pub domain_cpu_per_100k: Vec<f64>,
+    /// CPU per 100k requests of each round; the server is what holds librbd and serves it
+    /// (for fio's rbd engine, fio's whole process).
+    pub cpu_per_100k: CpuPer100k,
 }
 
 /// One point.
@@ -528,11 +517,12 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
                         };
                         let per_100k = |cpu: f64| cpu / (sample.iops * opts.seconds as f64 / 100_000.0).max(1e-9);
                         f.iops.push(sample.iops);
-                        f.cpu_per_100k.push(per_100k(sample.server_cpu));
-                        f.fio_cpu_per_100k.push(per_100k(sample.fio_cpu));
+                        let cpu = &mut f.cpu_per_100k;
+                        cpu.server.push(per_100k(sample.server_cpu));
+                        cpu.fio.push(per_100k(sample.fio_cpu));
                         if server.is_some() && system != System::Qsd {
-                            f.serve_cpu_per_100k.push(per_100k(sample.serve_cpu));
-                            f.domain_cpu_per_100k.push(per_100k(sample.domain_cpu));
+                            cpu.serve.push(per_100k(sample.serve_cpu));
+                            cpu.domain.push(per_100k(sample.domain_cpu));
                         }
                     }
                     Err(e) => report.failures.push(format!("round {}, {system:?}, {}: {e}", r + 1, w.name)),
@@ -602,20 +592,15 @@ pub fn render(r: &Report) -> String {
     let m = |v: &[f64]| if v.is_empty() { "-".to_string() } else { format!("{:.2}", median(v)) };
     for p in &r.points {
         let four = |f: &Figures| {
-            format!(
-                "{}|{}|{}|{}",
-                m(&f.cpu_per_100k),
-                m(&f.fio_cpu_per_100k),
-                m(&f.serve_cpu_per_100k),
-                m(&f.domain_cpu_per_100k)
-            )
+            let c = &f.cpu_per_100k;
+            format!("{}|{}|{}|{}", m(&c.server), m(&c.fio), m(&c.serve), m(&c.domain))
         };
         c.row(vec![
             p.workload.clone(),
             four(&p.engine),
             four(&p.bulkhead),
-            m(&p.fio_rbd.cpu_per_100k),
-            format!("{}|{}", m(&p.qsd.cpu_per_100k), m(&p.qsd.fio_cpu_per_100k)),
+            m(&p.fio_rbd.cpu_per_100k.server),
+            format!("{}|{}", m(&p.qsd.cpu_per_100k.server), m(&p.qsd.cpu_per_100k.fio)),
         ]);
     }
     out += &c.render();
