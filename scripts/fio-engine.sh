@@ -19,6 +19,10 @@ case "$version" in
   *) echo "fio-engine: fio $version has no source checksum here; add the one from its Debian .dsc" >&2; exit 1 ;;
 esac
 src="/var/cache/bulkhead/fio-$version"
+# One fetch at a time: builds started together wait for the first to finish.
+mkdir -p /var/cache/bulkhead
+exec 9>/var/cache/bulkhead/.fio-source.lock
+flock 9
 if [ ! -f "$src/config-host.h" ]; then
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
@@ -28,10 +32,10 @@ if [ ! -f "$src/config-host.h" ]; then
   echo "$sha256  $tmp/fio.tar.gz" | sha256sum -c --quiet -
   tar -xzf "$tmp/fio.tar.gz" -C "$tmp"
   (cd "$tmp/fio-$version" && ./configure --disable-native --prefix=/usr >/dev/null)
-  mkdir -p /var/cache/bulkhead
   rm -rf "$src"
   mv "$tmp/fio-$version" "$src"
 fi
+flock -u 9
 dir=$([ "$profile" = dev ] && echo debug || echo "$profile")
 cargo build --locked -q -p bulkhead-capi --profile "$profile"
 cc -O2 -g -shared -fPIC -Wall -Wno-unused-parameter -Werror \

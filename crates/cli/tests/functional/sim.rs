@@ -23,10 +23,20 @@ fn the_seed_example_prints_the_seed_tables() {
     }
 }
 
+/// A scratch directory, removed when dropped: also when an assertion fails.
+struct Scratch(std::path::PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[test]
 fn a_requests_file_runs_through_every_scheduler_and_its_mistakes_are_named_by_line() {
-    let dir = std::env::temp_dir().join(format!("bulkhead-sim-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = Scratch(std::env::temp_dir().join(format!("bulkhead-sim-{}", std::process::id())));
+    let dir = &scratch.0;
+    std::fs::create_dir_all(dir).unwrap();
     let good = dir.join("good.txt");
     std::fs::write(&good, "# arrival_ms position sectors r|w stream\n0 1000 8 r 0\n0.5 9000000 8 w 1\n1 1008 8 r 0\n").unwrap();
     let (ok, out, err) = bulkhead(&["sim", "--requests", good.to_str().unwrap(), "--json"]);
@@ -48,5 +58,4 @@ fn a_requests_file_runs_through_every_scheduler_and_its_mistakes_are_named_by_li
     assert!(!ok && err.contains("'lifo'") && err.contains("possible values: fcfs, satf, opt, deadline, cats"), "{err}");
     let (ok, _, err) = bulkhead(&["sim"]);
     assert!(!ok && err.contains("--example"), "{err}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
