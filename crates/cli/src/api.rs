@@ -154,7 +154,11 @@ impl Service for ServeApi {
     }
 
     fn reload(&self, _: Reload) -> Result<Reloaded, ControlError> {
-        self.live.reload()
+        // The unit's ExecReload= asks here: systemd hears of it as it does of a SIGHUP.
+        crate::notify::reloading();
+        let r = self.live.reload();
+        crate::notify::ready(&self.live.sup);
+        r
     }
 
     fn upgrade(&self, _: Upgrade) -> Result<Upgrading, ControlError> {
