@@ -441,6 +441,9 @@ pub enum BenchCmd {
         /// guest's driver whose vCPU halts) or `poll` (spins on the used ring).
         #[arg(long, default_value = "call", value_parser = crate::vm::FrontendWait::parse)]
         frontend: crate::vm::FrontendWait,
+        /// bulkhead's device notification: `adaptive`, `irq` (always sleep) or `poll`.
+        #[arg(long, default_value = "adaptive", value_parser = ["adaptive", "irq", "poll"])]
+        notify: String,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -662,9 +665,9 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             }
             Ok(code)
         }
-        BenchCmd::Vm { rounds, seconds, guest_seconds, kills, parts, qsd, frontend, json } => {
+        BenchCmd::Vm { rounds, seconds, guest_seconds, kills, parts, qsd, frontend, notify, json } => {
             need_root("bench vm runs serve, qemu-storage-daemon and QEMU guests")?;
-            let opts = crate::vm::Options { rounds, seconds: seconds.into(), guest_seconds, kills, parts, qsd, frontend };
+            let opts = crate::vm::Options { rounds, seconds: seconds.into(), guest_seconds, kills, parts, qsd, frontend, notify };
             let r = crate::vm::run(&exe()?, &opts, |p| eprintln!("bench vm: {p}"))?;
             emit(&r, json, crate::vm::render)
         }

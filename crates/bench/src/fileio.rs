@@ -141,6 +141,11 @@ pub struct Point {
     /// results from before rounds were kept.
     #[serde(default)]
     pub rounds_mibs: Vec<f64>,
+    /// CPU seconds per 100k requests (sysbench's events) by process, in the median round:
+    /// `serve` and its domains apart for bulkhead, the peer's server as `server`, and
+    /// sysbench as `load`. Not in the CSV.
+    #[serde(default)]
+    pub cpu_per_100k: crate::CpuPer100k,
 }
 
 impl Point {
@@ -290,6 +295,7 @@ impl Report {
                 host_cpu_cores: num("host_cpu_cores")?,
                 server_cpu_cores: num("server_cpu_cores")?,
                 rounds_mibs,
+                cpu_per_100k: Default::default(),
             };
             r.rounds = r.rounds.max(p.rounds_mibs.len() as u32);
             for (seen, v) in [(&mut r.systems, &p.system), (&mut r.modes, &p.mode)] {
@@ -590,7 +596,8 @@ fn field(out: &str, key: &str) -> f64 {
 /// Runs one sysbench point on the mounted filesystem.
 fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: &[u32]) -> Result<Point, BenchError> {
     let (b0, t0) = host_jiffies();
-    let s0 = tree_jiffies(server);
+    let root = server.first().copied().unwrap_or(0);
+    let (s0, r0, l0) = (tree_jiffies(server), crate::cpu_seconds(root), children_cpu_seconds());
     let started = Instant::now();
     let out = Command::new("sysbench")
         .current_dir(mnt)
@@ -609,7 +616,7 @@ fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: 
         .map_err(|e| format!("sysbench: {e}"))?;
     let wall = started.elapsed().as_secs_f64();
     let (b1, t1) = host_jiffies();
-    let s1 = tree_jiffies(server);
+    let (s1, r1, l1) = (tree_jiffies(server), crate::cpu_seconds(root), children_cpu_seconds());
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         // sysbench reports its fatal errors on stdout.
@@ -623,6 +630,14 @@ fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: 
     let write = field(&text, "written, MiB/s:");
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
     let host = if t1 > t0 { (b1 - b0) as f64 / (t1 - t0) as f64 * ncpu } else { 0.0 };
+    let events = field(&text, "total number of events:").max(1.0);
+    let per = |c: f64| c / (events / 100_000.0);
+    let tree = s1.saturating_sub(s0) as f64 / clock_ticks();
+    let mut cpu = crate::CpuPer100k { server: vec![per(tree)], load: vec![per(l1 - l0)], ..Default::default() };
+    if sys.starts_with("bulkhead") {
+        cpu.serve.push(per(r1 - r0));
+        cpu.domain.push(per((tree - (r1 - r0)).max(0.0)));
+    }
     Ok(Point {
         system: sys.to_string(),
         mode: mode.to_string(),
@@ -632,9 +647,23 @@ fn point(sys: &str, mnt: &Path, mode: &str, threads: u32, seconds: u32, server: 
         total_mibs: read + write,
         p95_ms: field(&text, "95th percentile:"),
         host_cpu_cores: host,
-        server_cpu_cores: (s1.saturating_sub(s0)) as f64 / clock_ticks() / wall,
+        server_cpu_cores: tree / wall,
         rounds_mibs: vec![read + write],
+        cpu_per_100k: cpu,
     })
+}
+
+/// User and system CPU seconds of this process's waited-for children (sysbench, once it has
+/// exited).
+fn children_cpu_seconds() -> f64 {
+    // SAFETY: rusage is plain integers, for which all zeroes is a value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid rusage for the kernel to fill.
+    if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) } != 0 {
+        return 0.0;
+    }
+    let s = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    s(ru.ru_utime) + s(ru.ru_stime)
 }
 
 /// Why a system cannot run here, if it cannot.
@@ -849,6 +878,18 @@ impl Report {
                 t.row(row);
             }
             out.push_str(&t.render());
+            if self.points.iter().any(|p| !p.cpu_per_100k.server.is_empty()) {
+                out.push_str(&format!("{mode}: CPU s per 100k requests, serve|domain|sysbench (a peer: its server|sysbench)\n"));
+                let mut t = crate::Table::new(&header);
+                for sys in &self.systems {
+                    let mut row = vec![sys.clone()];
+                    for &th in &self.threads {
+                        row.push(self.get(sys, mode, th).map_or("-".into(), |p| p.cpu_per_100k.by_process()));
+                    }
+                    t.row(row);
+                }
+                out.push_str(&t.render());
+            }
         }
         let peers = self.peers();
         if !peers.is_empty() {
@@ -1174,6 +1215,7 @@ mod tests {
                         host_cpu_cores: 1.5,
                         server_cpu_cores: 0.8,
                         rounds_mibs: vec![v],
+                        cpu_per_100k: Default::default(),
                     });
                 }
             }
@@ -1289,6 +1331,7 @@ mod tests {
             host_cpu_cores: 1.0,
             server_cpu_cores: 0.0,
             rounds_mibs: vec![total],
+            cpu_per_100k: Default::default(),
         };
         let p = Point::median_of(vec![round(400.0, 0.1), round(300.0, 0.3), round(500.0, 0.2)]).unwrap();
         // The whole median round is kept, with every round's total in the order measured.

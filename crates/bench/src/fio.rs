@@ -191,7 +191,7 @@ fn engine_round(side: &mut Side, args: &[String], serve: Option<&Serve>, seconds
     side.qd1_iops.push(qd1);
     side.qd32_iops.push(qd32);
     let cpu = &mut side.qd32_cpu_per_100k;
-    cpu.fio.push(per_100k(fio_cpu, ios));
+    cpu.load.push(per_100k(fio_cpu, ios));
     if let (Some((s, d)), Some((s0, d0))) = (pids, before) {
         let (serve, domain) = (cpu_seconds(s) - s0, cpu_seconds(d) - d0);
         cpu.serve.push(per_100k(serve, ios));
@@ -275,7 +275,12 @@ pub fn render(r: &Report) -> String {
             us(&s.qd1_p50_ns),
             n(&s.qd1_iops),
             n(&s.qd32_iops),
-            format!("{}|{}|{}", cpu(&s.qd32_cpu_per_100k.fio), cpu(&s.qd32_cpu_per_100k.serve), cpu(&s.qd32_cpu_per_100k.domain)),
+            format!(
+                "{}|{}|{}",
+                cpu(&s.qd32_cpu_per_100k.load),
+                cpu(&s.qd32_cpu_per_100k.serve),
+                cpu(&s.qd32_cpu_per_100k.domain)
+            ),
         ]);
     }
     t.row(vec!["bench channel, adaptive".into(), us(&r.channel_rtt_ns), "-".into(), n(&r.channel_qd32_iops), "-".into()]);

@@ -83,6 +83,9 @@ pub struct Point {
     pub mibs: f64,
     /// CPU the server's processes used, in cores (1.0 = one core busy all the time).
     pub server_cpu_cores: f64,
+    /// CPU seconds per 100k requests by process (one round): `serve` and its domains apart
+    /// for bulkhead, qemu-storage-daemon as `server`, and fio's job.
+    pub cpu_per_100k: crate::CpuPer100k,
 }
 
 /// The whole run.
@@ -278,7 +281,8 @@ fn point(
     server: &[u32],
 ) -> Result<Point, BenchError> {
     let (rw, bs, qd) = job;
-    let s0 = tree_jiffies(server);
+    let root = server.first().copied().unwrap_or(0);
+    let (s0, r0) = (tree_jiffies(server), crate::cpu_seconds(root));
     let started = Instant::now();
     let out = Command::new("timeout")
         .args(["--kill-after=10", &(seconds + 60).to_string(), "fio", "--name=images", "--ioengine=nbd"])
@@ -288,7 +292,7 @@ fn point(
         .output()
         .map_err(|e| format!("fio: {e}"))?;
     let wall = started.elapsed().as_secs_f64();
-    let s1 = tree_jiffies(server);
+    let (s1, r1) = (tree_jiffies(server), crate::cpu_seconds(root));
     let what = format!("{system} {device} {rw} {bs} QD{qd}");
     if !out.status.success() {
         return Err(BenchError::Run(format!("fio on {what}: {}", String::from_utf8_lossy(&out.stderr).trim())));
@@ -296,6 +300,16 @@ fn point(
     let v = crate::fio_report(&out.stdout, &what)?;
     let job = &v["jobs"][0];
     let side = if rw.contains("write") { "write" } else { "read" };
+    let ios = job[side]["total_ios"].as_f64().unwrap_or(0.0).max(1.0);
+    let per = |c: f64| c / (ios / 100_000.0);
+    let tree = s1.saturating_sub(s0) as f64 / clock_ticks();
+    let serve = r1 - r0;
+    let mut cpu =
+        crate::CpuPer100k { server: vec![per(tree)], load: vec![per(crate::fio_job_cpu_seconds(job))], ..Default::default() };
+    if system == "bulkhead" {
+        cpu.serve.push(per(serve));
+        cpu.domain.push(per((tree - serve).max(0.0)));
+    }
     Ok(Point {
         system: system.into(),
         device: device.into(),
@@ -304,7 +318,8 @@ fn point(
         qd,
         iops: job[side]["iops"].as_f64().unwrap_or(0.0),
         mibs: job[side]["bw"].as_f64().unwrap_or(0.0) / 1024.0,
-        server_cpu_cores: s1.saturating_sub(s0) as f64 / clock_ticks() / wall,
+        server_cpu_cores: tree / wall,
+        cpu_per_100k: cpu,
     })
 }
 
@@ -434,7 +449,19 @@ pub fn render(r: &Report) -> String {
         r.xts_gibs.0,
         r.xts_gibs.1
     );
-    let mut t = Table::new(&["device", "job", "bulkhead IOPS", "MiB/s", "CPU", "qsd IOPS", "MiB/s", "CPU", "bulkhead/qsd"]);
+    let mut t = Table::new(&[
+        "device",
+        "job",
+        "bulkhead IOPS",
+        "MiB/s",
+        "CPU",
+        "s/100k serve|domain|fio",
+        "qsd IOPS",
+        "MiB/s",
+        "CPU",
+        "s/100k qsd|fio",
+        "bulkhead/qsd",
+    ]);
     for device in DEVICES {
         for job in JOBS {
             let b = find(r, "bulkhead", device, job);
@@ -443,8 +470,13 @@ pub fn render(r: &Report) -> String {
                 continue;
             }
             let cells = |p: Option<&Point>| match p {
-                Some(p) => vec![format!("{:.0}", p.iops), format!("{:.1}", p.mibs), format!("{:.2}", p.server_cpu_cores)],
-                None => vec!["-".into(), "-".into(), "-".into()],
+                Some(p) => vec![
+                    format!("{:.0}", p.iops),
+                    format!("{:.1}", p.mibs),
+                    format!("{:.2}", p.server_cpu_cores),
+                    p.cpu_per_100k.by_process(),
+                ],
+                None => vec!["-".into(), "-".into(), "-".into(), "-".into()],
             };
             let mut row = vec![device.to_string(), format!("{} {} QD{}", job.0, job.1, job.2)];
             row.extend(cells(b));
@@ -457,7 +489,8 @@ pub fn render(r: &Report) -> String {
         }
     }
     out += &t.render();
-    out += "\nCPU: the server's processes (bulkhead serve and its domains; qemu-storage-daemon), in cores.\n\n";
+    out += "\nCPU: the server's processes (bulkhead serve and its domains; qemu-storage-daemon), in cores; then CPU \
+            seconds per 100k requests of each process (fio's job as fio counts it).\n\n";
     for g in &r.goals {
         out += &format!("goal {}: {:.2} (want {}) {}\n", g.what, g.measured, g.bound, if g.met { "met" } else { "NOT met" });
     }
@@ -484,6 +517,7 @@ mod tests {
             iops,
             mibs: iops / 256.0,
             server_cpu_cores: 1.0,
+            cpu_per_100k: crate::CpuPer100k::default(),
         }
     }
 

@@ -115,7 +115,8 @@ pub(crate) struct FioPoint {
 
 /// CPU seconds per 100k requests, by process, one entry per round: what every benchmark that
 /// compares systems gives for each of them.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct CpuPer100k {
     /// What serves the requests, together: `serve` and its domain, or the peer's process.
     pub server: Vec<f64>,
@@ -123,8 +124,21 @@ pub struct CpuPer100k {
     pub serve: Vec<f64>,
     /// The device's domain alone (bulkhead only).
     pub domain: Vec<f64>,
-    /// The fio job: the load generator, with its engine's library.
-    pub fio: Vec<f64>,
+    /// The load generator: fio's job with its engine's library, the guest's QEMU, or the
+    /// bench's own frontend.
+    pub load: Vec<f64>,
+}
+
+impl CpuPer100k {
+    /// The medians as `serve|domain|load` (bulkhead) or `server|load` (a peer), two decimals.
+    pub fn by_process(&self) -> String {
+        let m = |v: &[f64]| if v.is_empty() { "-".to_string() } else { format!("{:.2}", crate::vm::median(v)) };
+        if self.serve.is_empty() {
+            format!("{}|{}", m(&self.server), m(&self.load))
+        } else {
+            format!("{}|{}|{}", m(&self.serve), m(&self.domain), m(&self.load))
+        }
+    }
 }
 
 /// CPU seconds of one job of a fio report, as fio counts them (its user and system shares of
@@ -287,6 +301,25 @@ impl Drop for BenchServe {
     }
 }
 
+/// CPU seconds of the calling thread, to the nanosecond.
+pub(crate) fn thread_cpu_seconds() -> f64 {
+    cpu_clock_seconds(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// CPU seconds of this process, to the nanosecond (`/proc` counts clock ticks).
+pub(crate) fn process_cpu_seconds() -> f64 {
+    cpu_clock_seconds(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+fn cpu_clock_seconds(clock: libc::clockid_t) -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid timespec for the kernel to fill.
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
 /// User and system CPU seconds of `pid`.
 pub(crate) fn cpu_seconds(pid: u32) -> f64 {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
@@ -323,4 +356,18 @@ pub(crate) fn stop_child(child: &mut std::process::Child, grace: std::time::Dura
     }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_by_process_splits_bulkhead_and_gives_a_peer_its_server_and_load() {
+        let ours = CpuPer100k { server: vec![3.0, 5.0], serve: vec![1.0, 2.0], domain: vec![2.0, 3.0], load: vec![4.0, 6.0] };
+        assert_eq!(ours.by_process(), "1.50|2.50|5.00");
+        let peer = CpuPer100k { server: vec![2.25], load: vec![7.0], ..Default::default() };
+        assert_eq!(peer.by_process(), "2.25|7.00");
+        assert_eq!(CpuPer100k::default().by_process(), "-|-");
+    }
 }

@@ -319,7 +319,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
                             f.p50_us.push(s.p50_us);
                             f.p99_us.push(s.p99_us);
                             let cpu = &mut f.cpu_per_100k;
-                            cpu.fio.push(per(s.fio_cpu));
+                            cpu.load.push(per(s.fio_cpu));
                             // pids[1] is 0 (and counts nothing) for a server without domains.
                             cpu.server.push(per(c1[0] - c0[0] + c1[1] - c0[1]));
                             if system == System::Bulkhead {
@@ -373,10 +373,10 @@ pub fn render(r: &Report) -> String {
                 "{}|{}|{}",
                 m(&p.bulkhead.cpu_per_100k.serve),
                 m(&p.bulkhead.cpu_per_100k.domain),
-                m(&p.bulkhead.cpu_per_100k.fio)
+                m(&p.bulkhead.cpu_per_100k.load)
             ),
-            format!("{}|{}", m(&p.nbdkit.cpu_per_100k.server), m(&p.nbdkit.cpu_per_100k.fio)),
-            format!("{}|{}", m(&p.qemu_nbd.cpu_per_100k.server), m(&p.qemu_nbd.cpu_per_100k.fio)),
+            format!("{}|{}", m(&p.nbdkit.cpu_per_100k.server), m(&p.nbdkit.cpu_per_100k.load)),
+            format!("{}|{}", m(&p.qemu_nbd.cpu_per_100k.server), m(&p.qemu_nbd.cpu_per_100k.load)),
         ]);
     }
     out += &c.render();

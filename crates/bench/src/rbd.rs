@@ -519,7 +519,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
                         f.iops.push(sample.iops);
                         let cpu = &mut f.cpu_per_100k;
                         cpu.server.push(per_100k(sample.server_cpu));
-                        cpu.fio.push(per_100k(sample.fio_cpu));
+                        cpu.load.push(per_100k(sample.fio_cpu));
                         if server.is_some() && system != System::Qsd {
                             cpu.serve.push(per_100k(sample.serve_cpu));
                             cpu.domain.push(per_100k(sample.domain_cpu));
@@ -593,14 +593,14 @@ pub fn render(r: &Report) -> String {
     for p in &r.points {
         let four = |f: &Figures| {
             let c = &f.cpu_per_100k;
-            format!("{}|{}|{}|{}", m(&c.server), m(&c.fio), m(&c.serve), m(&c.domain))
+            format!("{}|{}|{}|{}", m(&c.server), m(&c.load), m(&c.serve), m(&c.domain))
         };
         c.row(vec![
             p.workload.clone(),
             four(&p.engine),
             four(&p.bulkhead),
             m(&p.fio_rbd.cpu_per_100k.server),
-            format!("{}|{}", m(&p.qsd.cpu_per_100k.server), m(&p.qsd.cpu_per_100k.fio)),
+            format!("{}|{}", m(&p.qsd.cpu_per_100k.server), m(&p.qsd.cpu_per_100k.load)),
         ]);
     }
     out += &c.render();

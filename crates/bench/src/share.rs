@@ -499,7 +499,15 @@ pub fn render(r: &Report) -> String {
     }
     if !r.nbd.rows.is_empty() {
         out += "over NBD (fio's nbd engine; quiet QD1 4 KiB reads, neighbour QD32 4 KiB writes):\n";
-        let mut t = Table::new(&["SYSTEM", "SETTING", "QUIET p50 µs", "QUIET p99 µs", "QUIET p99.9 µs", "NEIGHBOUR MiB/s"]);
+        let mut t = Table::new(&[
+            "SYSTEM",
+            "SETTING",
+            "QUIET p50 µs",
+            "QUIET p99 µs",
+            "QUIET p99.9 µs",
+            "NEIGHBOUR MiB/s",
+            "CPU s/100k serve|domain|fio (qsd|fio)",
+        ]);
         for row in &r.nbd.rows {
             t.row(vec![
                 row.system.clone(),
@@ -508,6 +516,7 @@ pub fn render(r: &Report) -> String {
                 format!("{:.1}", row.p99_us),
                 format!("{:.1}", row.p999_us),
                 format!("{:.1}", row.noisy_mibs),
+                row.cpu_per_100k.by_process(),
             ]);
         }
         out += &t.render();

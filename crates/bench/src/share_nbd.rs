@@ -30,6 +30,18 @@ pub struct NbdRow {
     pub p999_us: f64,
     /// The neighbour's throughput, MiB/s.
     pub noisy_mibs: f64,
+    /// CPU seconds per 100k requests of both jobs together, by process: `serve` and its
+    /// domain apart for bulkhead, qemu-storage-daemon as `server`, and fio.
+    pub cpu_per_100k: crate::CpuPer100k,
+}
+
+/// What one fio run measured.
+struct Measured {
+    p50_us: f64,
+    p99_us: f64,
+    p999_us: f64,
+    noisy_mibs: f64,
+    cpu_per_100k: crate::CpuPer100k,
 }
 
 /// A cap measured on one system.
@@ -144,8 +156,15 @@ fn bulkhead_cap(control: &Path, credit: Option<(&str, &str)>) -> Result<(), Benc
         .map_err(|e| BenchError::from(format!("control socket: {e}")))
 }
 
-/// One fio run: the quiet reader, and with `noisy` the neighbour beside it.
-fn fio(sock: &Path, seconds: f64, noisy: bool) -> Result<(f64, f64, f64, f64), BenchError> {
+/// One fio run: the quiet reader, and with `noisy` the neighbour beside it, against the server
+/// whose process is `server`; with `domains`, its descendants are counted apart (bulkhead's
+/// domains).
+fn fio(sock: &Path, seconds: f64, noisy: bool, server: &Procs, domains: bool) -> Result<Measured, BenchError> {
+    let pids = server.pids();
+    let root = pids.first().copied().unwrap_or(0);
+    let sample =
+        || (crate::fileio::tree_jiffies(&pids) as f64 / bulkhead_sys::clock_ticks_per_second() as f64, crate::cpu_seconds(root));
+    let c0 = sample();
     let uri = |e: &str| format!("--uri=nbd+unix:///{e}?socket={}", sock.display());
     let mut cmd = Command::new("timeout");
     cmd.args(["--kill-after=10", &format!("{}", seconds as u64 + 60), "fio", "--ioengine=nbd", "--time_based"])
@@ -155,6 +174,7 @@ fn fio(sock: &Path, seconds: f64, noisy: bool) -> Result<(f64, f64, f64, f64), B
         cmd.args(["--name=noisy", &uri("noisy"), "--rw=randwrite", "--bs=4k", "--iodepth=32"]);
     }
     let out = cmd.output().map_err(|e| format!("fio: {e}"))?;
+    let c1 = sample();
     if !out.status.success() {
         return Err(BenchError::Run(format!("fio: {}", String::from_utf8_lossy(&out.stderr).trim())));
     }
@@ -164,7 +184,19 @@ fn fio(sock: &Path, seconds: f64, noisy: bool) -> Result<(f64, f64, f64, f64), B
     let p = |k: &str| q["read"]["clat_ns"]["percentile"][k].as_f64().unwrap_or(0.0) / 1000.0;
     let noisy_mibs =
         jobs.iter().find(|j| j["jobname"] == "noisy").map_or(0.0, |j| j["write"]["bw"].as_f64().unwrap_or(0.0) / 1024.0);
-    Ok((p("50.000000"), p("99.000000"), p("99.900000"), noisy_mibs))
+    let ios: f64 = jobs
+        .iter()
+        .map(|j| j["read"]["total_ios"].as_f64().unwrap_or(0.0) + j["write"]["total_ios"].as_f64().unwrap_or(0.0))
+        .sum();
+    let per = |c: f64| vec![c / (ios.max(1.0) / 100_000.0)];
+    let (tree, serve) = (c1.0 - c0.0, c1.1 - c0.1);
+    let load: f64 = jobs.iter().map(crate::fio_job_cpu_seconds).sum();
+    let mut cpu_per_100k = crate::CpuPer100k { server: per(tree), load: per(load), ..Default::default() };
+    if domains {
+        cpu_per_100k.serve = per(serve);
+        cpu_per_100k.domain = per(tree - serve);
+    }
+    Ok(Measured { p50_us: p("50.000000"), p99_us: p("99.000000"), p999_us: p("99.900000"), noisy_mibs, cpu_per_100k })
 }
 
 /// QD8 64 KiB writes on the neighbour for `seconds`: MiB/s.
@@ -215,14 +247,15 @@ pub fn run(
     }
     let dir = Scratch(PathBuf::from(format!("/dev/shm/bench-share-{}", std::process::id())));
     std::fs::create_dir_all(&dir.0).map_err(|e| e.to_string())?;
-    let row = |system: &str, setting: String, goal: bool, m: (f64, f64, f64, f64)| NbdRow {
+    let row = |system: &str, setting: String, goal: bool, m: Measured| NbdRow {
         system: system.into(),
         setting,
         goal,
-        p50_us: m.0,
-        p99_us: m.1,
-        p999_us: m.2,
-        noisy_mibs: m.3,
+        p50_us: m.p50_us,
+        p99_us: m.p99_us,
+        p999_us: m.p999_us,
+        noisy_mibs: m.noisy_mibs,
+        cpu_per_100k: m.cpu_per_100k,
     };
     progress("over NBD: bulkhead");
     // Written once through, so neither system measures a file's first touches.
@@ -232,14 +265,14 @@ pub fn run(
     };
     fill("bulkhead.img")?;
     let (server, sock, control) = bulkhead(exe, &dir.0, mode)?;
-    r.rows.push(row("bulkhead", "alone".into(), false, fio(&sock, seconds, false)?));
-    r.rows.push(row("bulkhead", "neighbour, no QoS".into(), false, fio(&sock, seconds, true)?));
+    r.rows.push(row("bulkhead", "alone".into(), false, fio(&sock, seconds, false, &server, true)?));
+    r.rows.push(row("bulkhead", "neighbour, no QoS".into(), false, fio(&sock, seconds, true, &server, true)?));
     for &c in caps {
         for grain in [NBD_GRAIN_US, LIBRARY_GRAIN_US] {
             let credit = (c * grain / 1_000_000).max(1).to_string();
             bulkhead_cap(&control, Some((&credit, &grain.to_string())))?;
             let setting = format!("neighbour capped at {} MiB/s, {grain} µs grants", c >> 20);
-            r.rows.push(row("bulkhead", setting, grain == NBD_GRAIN_US, fio(&sock, seconds, true)?));
+            r.rows.push(row("bulkhead", setting, grain == NBD_GRAIN_US, fio(&sock, seconds, true, &server, true)?));
         }
     }
     bulkhead_cap(&control, Some(CAP_CREDIT))?;
@@ -252,12 +285,12 @@ pub fn run(
     progress("over NBD: qemu-storage-daemon");
     fill("qsd.img")?;
     let (s, sock) = qsd(&dir.0, None)?;
-    r.rows.push(row("qsd", "alone".into(), false, fio(&sock, seconds, false)?));
-    r.rows.push(row("qsd", "neighbour, no QoS".into(), false, fio(&sock, seconds, true)?));
+    r.rows.push(row("qsd", "alone".into(), false, fio(&sock, seconds, false, &s, false)?));
+    r.rows.push(row("qsd", "neighbour, no QoS".into(), false, fio(&sock, seconds, true, &s, false)?));
     drop(s);
     for &c in caps {
         let (s, sock) = qsd(&dir.0, Some(c))?;
-        r.rows.push(row("qsd", format!("neighbour capped at {} MiB/s", c >> 20), true, fio(&sock, seconds, true)?));
+        r.rows.push(row("qsd", format!("neighbour capped at {} MiB/s", c >> 20), true, fio(&sock, seconds, true, &s, false)?));
         drop(s);
     }
     let (s, sock) = qsd(&dir.0, Some(CAP_BPS))?;

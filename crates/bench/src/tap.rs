@@ -54,6 +54,41 @@ pub struct Row {
     pub lat_p50_us: f64,
     /// 99th percentile.
     pub lat_p99_us: f64,
+    /// CPU seconds per 100k of the synchronous 4 KiB reads, by process. bulkhead: `load` is
+    /// the reading thread, `serve` the rest of this process (the supervisor and the FUSE
+    /// export's threads), `domain` the driver and tap domains. nbdkit: `server` is nbdfuse
+    /// and nbdkit, `load` the reading thread.
+    pub cpu_per_100k: crate::CpuPer100k,
+}
+
+/// Where a system's CPU goes: this process's reading thread, the rest of this process, and
+/// the processes that serve.
+struct CpuOf {
+    /// Whether this process serves (bulkhead's supervisor and FUSE export run in it).
+    in_process: bool,
+    /// The processes that serve, with their descendants.
+    servers: Vec<u32>,
+}
+
+impl CpuOf {
+    /// (this process less the calling thread, the servers, the calling thread), seconds.
+    fn sample(&self) -> (f64, f64, f64) {
+        let thread = crate::thread_cpu_seconds();
+        let process = if self.in_process { crate::process_cpu_seconds() - thread } else { 0.0 };
+        let servers = crate::fileio::tree_jiffies(&self.servers) as f64 / bulkhead_sys::clock_ticks_per_second() as f64;
+        (process, servers, thread)
+    }
+
+    /// CPU per 100k of `n` requests between two samples.
+    fn per_100k(&self, a: (f64, f64, f64), b: (f64, f64, f64), n: usize) -> crate::CpuPer100k {
+        let per = |c: f64| vec![c / (n.max(1) as f64 / 100_000.0)];
+        let (serve, servers, load) = (b.0 - a.0, b.1 - a.1, b.2 - a.2);
+        if self.in_process {
+            crate::CpuPer100k { server: per(serve + servers), serve: per(serve), domain: per(servers), load: per(load) }
+        } else {
+            crate::CpuPer100k { server: per(servers), load: per(load), ..Default::default() }
+        }
+    }
 }
 
 /// A goal of the issue, checked against this run.
@@ -124,7 +159,7 @@ fn mibs(bytes: u64, d: Duration) -> f64 {
 }
 
 /// Through the client library, from one thread.
-fn client_row(system: &str, dev: &Device, opts: &Options) -> Result<Row, BenchError> {
+fn client_row(system: &str, dev: &Device, opts: &Options, cpu: &CpuOf) -> Result<Row, BenchError> {
     let e = |e: bulkhead_client::IoError| format!("{system}: {e}");
     let mut buf = vec![0u8; CHUNK];
     for (i, b) in buf.iter_mut().enumerate() {
@@ -150,17 +185,28 @@ fn client_row(system: &str, dev: &Device, opts: &Options) -> Result<Row, BenchEr
         dev.read_into(0, off, &mut small).map_err(e)?;
     }
     let mut lat = Vec::with_capacity(opts.requests);
+    let c0 = cpu.sample();
     for off in offsets(opts.requests, opts.bytes) {
         let t = Instant::now();
         dev.read_into(0, off, &mut small).map_err(e)?;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
+    let cpu_per_100k = cpu.per_100k(c0, cpu.sample(), opts.requests);
     let (lat_mean_us, lat_p50_us, lat_p99_us) = summarize(lat);
-    Ok(Row { system: system.into(), path: "client".into(), write_mibs, read_mibs, lat_mean_us, lat_p50_us, lat_p99_us })
+    Ok(Row {
+        system: system.into(),
+        path: "client".into(),
+        write_mibs,
+        read_mibs,
+        lat_mean_us,
+        lat_p50_us,
+        lat_p99_us,
+        cpu_per_100k,
+    })
 }
 
 /// Through a FUSE file opened with O_DIRECT, from one thread.
-fn fuse_row(system: &str, file: &Path, opts: &Options) -> Result<Row, BenchError> {
+fn fuse_row(system: &str, file: &Path, opts: &Options, cpu: &CpuOf) -> Result<Row, BenchError> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -188,13 +234,24 @@ fn fuse_row(system: &str, file: &Path, opts: &Options) -> Result<Row, BenchError
         f.read_exact_at(small.buf(), off).map_err(e)?;
     }
     let mut lat = Vec::with_capacity(opts.requests);
+    let c0 = cpu.sample();
     for off in offsets(opts.requests, opts.bytes) {
         let t = Instant::now();
         f.read_exact_at(small.buf(), off).map_err(e)?;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
+    let cpu_per_100k = cpu.per_100k(c0, cpu.sample(), opts.requests);
     let (lat_mean_us, lat_p50_us, lat_p99_us) = summarize(lat);
-    Ok(Row { system: system.into(), path: "fuse".into(), write_mibs, read_mibs, lat_mean_us, lat_p50_us, lat_p99_us })
+    Ok(Row {
+        system: system.into(),
+        path: "fuse".into(),
+        write_mibs,
+        read_mibs,
+        lat_mean_us,
+        lat_p50_us,
+        lat_p99_us,
+        cpu_per_100k,
+    })
 }
 
 /// One bulkhead system: a supervisor in this process, measured through the library, then
@@ -211,10 +268,13 @@ fn bulkhead(exe: &Path, opts: &Options, system: &str, tap: &str, traced: bool) -
     let config = Config::parse(&text, "bench tap").map_err(|e| e.to_string())?;
     let sup = Supervisor::start(&config, Some(exe)).map_err(|e| e.to_string())?;
     let dev: Arc<Device> = sup.devices()[0].clone();
-    let mut rows = vec![client_row(system, &dev, opts)?];
+    let domains =
+        sup.status().devices.iter().flat_map(|d| [Some(d.driver_pid), d.tap_pid]).flatten().filter(|&p| p != 0).collect();
+    let cpu = CpuOf { in_process: true, servers: domains };
+    let mut rows = vec![client_row(system, &dev, opts, &cpu)?];
     let mnt = opts.scratch.join(format!("bench-tap-fuse-{}", std::process::id()));
     let fuse = bulkhead_fuse_export::FuseExport::mount(&mnt, sup.devices(), 4).map_err(|e| e.to_string())?;
-    let row = fuse_row(system, &mnt.join("t"), opts);
+    let row = fuse_row(system, &mnt.join("t"), opts, &cpu);
     drop(fuse);
     let _ = std::fs::remove_dir(&mnt);
     sup.shutdown();
@@ -255,7 +315,7 @@ fn nbdkit(opts: &Options, system: &str, filters: &[&str], params: &[&str]) -> Re
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let row = fuse_row(system, &file, opts);
+    let row = fuse_row(system, &file, opts, &CpuOf { in_process: false, servers: vec![n.child.id()] });
     drop(n);
     row
 }
@@ -328,7 +388,16 @@ fn goals(rows: &[Row], mode: &str) -> Vec<Goal> {
 
 /// Renders the report.
 pub fn render(r: &Report) -> String {
-    let mut t = Table::new(&["system", "path", "seq write MiB/s", "seq read MiB/s", "4K lat mean µs", "p50 µs", "p99 µs"]);
+    let mut t = Table::new(&[
+        "system",
+        "path",
+        "seq write MiB/s",
+        "seq read MiB/s",
+        "4K lat mean µs",
+        "p50 µs",
+        "p99 µs",
+        "4K CPU s/100k serve|domains|reader",
+    ]);
     for row in &r.rows {
         t.row(vec![
             row.system.clone(),
@@ -338,6 +407,7 @@ pub fn render(r: &Report) -> String {
             format!("{:.2}", row.lat_mean_us),
             format!("{:.2}", row.lat_p50_us),
             format!("{:.2}", row.lat_p99_us),
+            row.cpu_per_100k.by_process(),
         ]);
     }
     let mut out = format!(
@@ -378,6 +448,7 @@ mod tests {
             lat_mean_us: lat,
             lat_p50_us: lat,
             lat_p99_us: lat,
+            cpu_per_100k: crate::CpuPer100k::default(),
         }
     }
 

@@ -24,7 +24,7 @@ use bulkhead_guest::{Disk, Kit, Outcome, Vm, VmOptions};
 use bulkhead_vhost_export::frontend::{Frontend, FrontendOptions};
 use serde::Serialize;
 
-use crate::{cpu_seconds, BenchError, Table};
+use crate::{cpu_seconds, BenchError, CpuPer100k, Table};
 
 /// The device's size: small enough to write whole before each run.
 const DEVICE_BYTES: u64 = 256 << 20;
@@ -70,6 +70,8 @@ pub struct Options {
     pub qsd: PathBuf,
     /// How the host frontend waits for completions.
     pub frontend: FrontendWait,
+    /// bulkhead's device notification (`adaptive`, `irq`, `poll`).
+    pub notify: String,
 }
 
 /// How the host-side frontend waits for its requests.
@@ -155,8 +157,14 @@ pub struct Figures {
     pub mib_s: Vec<f64>,
     /// CPU seconds per GiB, each round.
     pub cpu_per_gib: Vec<f64>,
-    /// CPU seconds per 100,000 requests, each round.
-    pub cpu_per_100k: Vec<f64>,
+    /// CPU seconds per 100,000 requests, each round, by process: `server` is `serve` and its
+    /// domain together (or qsd), `load` the guest's QEMU or the bench's host frontend.
+    pub cpu_per_100k: CpuPer100k,
+    /// Sleeps per request of `serve` (or qsd), each round: its threads' voluntary context
+    /// switches.
+    pub serve_sleeps_per_request: Vec<f64>,
+    /// The same of the domain (bulkhead only).
+    pub domain_sleeps_per_request: Vec<f64>,
 }
 
 /// The median of `v` (0 if empty).
@@ -209,6 +217,8 @@ pub struct Report {
     pub rounds: usize,
     /// How the host frontend waited.
     pub frontend: Option<FrontendWait>,
+    /// bulkhead's device notification.
+    pub notify: String,
     /// The host frontend's points.
     pub host: Vec<Comparison>,
     /// The guests' points.
@@ -232,10 +242,11 @@ struct Server {
     socket: PathBuf,
     exe: PathBuf,
     qsd: PathBuf,
+    notify: String,
 }
 
 impl Server {
-    fn start(system: System, backing: Backing, exe: &Path, qsd: &Path, tag: &str) -> Result<Server, BenchError> {
+    fn start(system: System, backing: Backing, exe: &Path, opts: &Options, tag: &str) -> Result<Server, BenchError> {
         let dir = PathBuf::from("/dev/shm").join(format!("bulkhead-bench-vm-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
@@ -248,7 +259,16 @@ impl Server {
             System::Bulkhead => dir.join("run/vhost/vm.sock"),
             System::Qsd => dir.join("qsd.sock"),
         };
-        let mut s = Server { system, backing, child: None, dir, socket, exe: exe.to_path_buf(), qsd: qsd.to_path_buf() };
+        let mut s = Server {
+            system,
+            backing,
+            child: None,
+            dir,
+            socket,
+            exe: exe.to_path_buf(),
+            qsd: opts.qsd.clone(),
+            notify: opts.notify.clone(),
+        };
         s.spawn()?;
         Ok(s)
     }
@@ -266,8 +286,9 @@ impl Server {
                 };
                 let cfg = format!(
                     "[fuse]\nenabled = false\n[nbd]\nenabled = false\n[vhost_user]\nenabled = true\n\
-                     [[device]]\nname = \"vm\"\nsize = \"{}\"\nrestart_limit = 100000\n[device.backend]\n{backend}",
-                    DEVICE_BYTES
+                     [[device]]\nname = \"vm\"\nsize = \"{}\"\nnotify = \"{}\"\nrestart_limit = 100000\n\
+                     [device.backend]\n{backend}",
+                    DEVICE_BYTES, self.notify
                 );
                 let path = self.dir.join("vm.toml");
                 std::fs::write(&path, cfg).map_err(|e| BenchError::io(&path, e))?;
@@ -322,8 +343,16 @@ impl Server {
         pids
     }
 
-    fn cpu(&self, pids: &[u32]) -> f64 {
-        pids.iter().map(|&p| cpu_seconds(p)).sum()
+    /// CPU seconds so far of the server (`pids[0]`) and of its domains (the rest), with the
+    /// load generator's.
+    fn cpu(&self, pids: &[u32], load: u32) -> Cpu {
+        Cpu {
+            serve: pids.first().map_or(0.0, |&p| cpu_seconds(p)),
+            domain: pids.iter().skip(1).map(|&p| cpu_seconds(p)).sum(),
+            load: cpu_seconds(load),
+            serve_sleeps: pids.first().map_or(0.0, |&p| sleeps(p)),
+            domain_sleeps: pids.iter().skip(1).map(|&p| sleeps(p)).sum(),
+        }
     }
 
     /// SIGKILL, then the same server again.
@@ -439,12 +468,59 @@ fn drive(fe: &mut Frontend, w: &Workload, seconds: f64, wait: FrontendWait) -> R
     Ok((done, t0.elapsed().as_secs_f64()))
 }
 
-fn record(f: &mut Figures, w: &Workload, requests: u64, secs: f64, cpu: f64) {
+/// CPU seconds by process: `serve` (or qsd), the domains, the load generator.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cpu {
+    serve: f64,
+    domain: f64,
+    load: f64,
+    /// Sleeps (voluntary context switches, every thread) of `serve` or qsd.
+    serve_sleeps: f64,
+    /// Sleeps of the domains.
+    domain_sleeps: f64,
+}
+
+impl std::ops::Sub for Cpu {
+    type Output = Cpu;
+    fn sub(self, o: Cpu) -> Cpu {
+        Cpu {
+            serve: self.serve - o.serve,
+            domain: self.domain - o.domain,
+            load: self.load - o.load,
+            serve_sleeps: self.serve_sleeps - o.serve_sleeps,
+            domain_sleeps: self.domain_sleeps - o.domain_sleeps,
+        }
+    }
+}
+
+/// Voluntary context switches of every thread of `pid`: how often it slept.
+fn sleeps(pid: u32) -> f64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0.0 };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .filter_map(|st| {
+            st.lines().find_map(|l| l.strip_prefix("voluntary_ctxt_switches:")).and_then(|v| v.trim().parse::<f64>().ok())
+        })
+        .sum()
+}
+
+fn record(f: &mut Figures, system: System, w: &Workload, requests: u64, secs: f64, cpu: Cpu) {
     let bytes = requests as f64 * f64::from(w.bs);
+    let server = cpu.serve + cpu.domain;
     f.iops.push(requests as f64 / secs);
     f.mib_s.push(bytes / secs / 1048576.0);
-    f.cpu_per_gib.push(cpu / (bytes / (1u64 << 30) as f64));
-    f.cpu_per_100k.push(cpu / (requests as f64 / 100_000.0));
+    f.cpu_per_gib.push(server / (bytes / (1u64 << 30) as f64));
+    let per = |c: f64| c / (requests as f64 / 100_000.0);
+    let c = &mut f.cpu_per_100k;
+    c.server.push(per(server));
+    c.load.push(per(cpu.load));
+    f.serve_sleeps_per_request.push(cpu.serve_sleeps / requests.max(1) as f64);
+    if system == System::Bulkhead {
+        c.serve.push(per(cpu.serve));
+        c.domain.push(per(cpu.domain));
+        f.domain_sleeps_per_request.push(cpu.domain_sleeps / requests.max(1) as f64);
+    }
 }
 
 fn blank(backing: Backing) -> Vec<Comparison> {
@@ -470,18 +546,18 @@ fn order(r: usize) -> [System; 2] {
     }
 }
 
-/// One workload a server finished: how many requests in how long, and the server's CPU
-/// (with its domains) meanwhile.
+/// One workload a server finished: how many requests in how long, and the CPU of the server,
+/// its domains and the load generator meanwhile.
 struct Point {
     workload: usize,
     requests: u64,
     seconds: f64,
-    cpu: f64,
+    cpu: Cpu,
 }
 
 /// One server's points from the host frontend.
 fn host_round(exe: &Path, opts: &Options, system: System, backing: Backing) -> Result<Vec<Point>, BenchError> {
-    let server = Server::start(system, backing, exe, &opts.qsd, "host")?;
+    let server = Server::start(system, backing, exe, opts, "host")?;
     // Write the device whole first, so that reads find data.
     let mut fe = connect(&server.socket, 1 << 20)?;
     let fill = Workload { name: "fill", mode: "write", bs: 1 << 20, qd: 4 };
@@ -491,9 +567,10 @@ fn host_round(exe: &Path, opts: &Options, system: System, backing: Backing) -> R
     for (i, w) in WORKLOADS.iter().enumerate() {
         let mut fe = connect(&server.socket, u64::from(w.bs))?;
         let pids = server.pids();
-        let c0 = server.cpu(&pids);
+        // The frontend is this process: it does nothing else meanwhile.
+        let c0 = server.cpu(&pids, std::process::id());
         let (n, secs) = drive(&mut fe, w, opts.seconds, opts.frontend)?;
-        out.push(Point { workload: i, requests: n, seconds: secs, cpu: server.cpu(&pids) - c0 });
+        out.push(Point { workload: i, requests: n, seconds: secs, cpu: server.cpu(&pids, std::process::id()) - c0 });
     }
     Ok(out)
 }
@@ -509,7 +586,7 @@ fn host(exe: &Path, opts: &Options, failures: &mut Vec<String>, progress: &mut i
                     Ok(points) => {
                         for p in points {
                             let w = p.workload;
-                            record(figures(&mut cmp[w], system), &WORKLOADS[w], p.requests, p.seconds, p.cpu);
+                            record(figures(&mut cmp[w], system), system, &WORKLOADS[w], p.requests, p.seconds, p.cpu);
                         }
                     }
                     Err(e) => failures.push(format!("host, {backing:?}, round {}, {system:?}: {e}", r + 1)),
@@ -539,7 +616,7 @@ fn guest_round(
     backing: Backing,
     scratch: &Path,
 ) -> Result<(Vec<Point>, Option<String>), BenchError> {
-    let server = Server::start(system, backing, exe, &opts.qsd, "guest")?;
+    let server = Server::start(system, backing, exe, opts, "guest")?;
     let vm_opts = VmOptions {
         disks: vec![Disk { socket: server.socket.clone(), queues: 1 }],
         script: guest_script(opts.guest_seconds),
@@ -550,14 +627,14 @@ fn guest_round(
     let vm = Vm::boot(kit, &vm_opts).map_err(|e| BenchError::Run(e.to_string()))?;
     // CPU at each point's start, from the console's markers.
     let pids = server.pids();
-    let mut marks: Vec<(String, f64)> = Vec::new();
+    let mut marks: Vec<(String, Cpu)> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(120 + 2 * opts.guest_seconds * WORKLOADS.len() as u64);
     let mut stopped = None;
     loop {
         let lines = vm.lines();
         let points: Vec<&String> = lines.iter().filter(|l| l.starts_with("POINT ")).collect();
         while marks.len() < points.len() {
-            marks.push((points[marks.len()].clone(), server.cpu(&pids)));
+            marks.push((points[marks.len()].clone(), server.cpu(&pids, vm.pid())));
         }
         if marks.last().is_some_and(|m| m.0 == "POINT end") || lines.iter().any(|l| l.starts_with("GUEST EXIT")) {
             break;
@@ -584,7 +661,7 @@ fn guest_round(
         };
         let cpu = match (marks.get(i), marks.get(i + 1)) {
             (Some(a), Some(b)) => b.1 - a.1,
-            _ => 0.0,
+            _ => Cpu::default(),
         };
         out.push(Point { workload: i, requests: field("requests=") as u64, seconds: field("seconds="), cpu });
     }
@@ -603,7 +680,7 @@ fn guest(exe: &Path, kit: &Kit, opts: &Options, failures: &mut Vec<String>, prog
                     Ok((points, stopped)) => {
                         for p in points {
                             let w = p.workload;
-                            record(figures(&mut cmp[w], system), &WORKLOADS[w], p.requests, p.seconds, p.cpu);
+                            record(figures(&mut cmp[w], system), system, &WORKLOADS[w], p.requests, p.seconds, p.cpu);
                         }
                         if let Some(why) = stopped {
                             failures.push(format!("guest, {backing:?}, round {}, {system:?}: {why}", r + 1));
@@ -654,7 +731,7 @@ fn restart(
     kill: Kill,
     progress: &mut impl FnMut(&str),
 ) -> Result<Pauses, BenchError> {
-    let mut server = Server::start(system, Backing::Tmpfs, exe, &opts.qsd, "restart")?;
+    let mut server = Server::start(system, Backing::Tmpfs, exe, opts, "restart")?;
     let seconds = 10 + opts.kills as u64 * 3;
     // Twelve threads of verified load, and one writer timing each request.
     let script = format!(
@@ -699,7 +776,8 @@ fn restart(
 /// Runs the parts of `opts` with `exe` (a `bulkhead` that takes `serve`).
 pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     opts.check()?;
-    let mut report = Report { rounds: opts.rounds, frontend: Some(opts.frontend), ..Default::default() };
+    let mut report =
+        Report { rounds: opts.rounds, frontend: Some(opts.frontend), notify: opts.notify.clone(), ..Default::default() };
     let needs_kit = opts.parts.iter().any(|p| *p != Part::Host);
     let kit = if needs_kit {
         progress("building the guest kit");
@@ -742,6 +820,9 @@ fn table(title: &str, rows: &[Comparison]) -> String {
         "qsd MiB/s",
         "CPU s/GiB b|q",
         "CPU s/100k b|q",
+        "b serve|domain",
+        "QEMU or frontend b|q",
+        "sleeps/req b serve|domain|q",
         "bulkhead rounds",
         "qsd rounds",
     ]);
@@ -757,7 +838,15 @@ fn table(title: &str, rows: &[Comparison]) -> String {
             format!("{:.1}", median(&b.mib_s)),
             format!("{:.1}", median(&q.mib_s)),
             format!("{:.2}|{:.2}", median(&b.cpu_per_gib), median(&q.cpu_per_gib)),
-            format!("{:.2}|{:.2}", median(&b.cpu_per_100k), median(&q.cpu_per_100k)),
+            format!("{:.2}|{:.2}", median(&b.cpu_per_100k.server), median(&q.cpu_per_100k.server)),
+            format!("{:.2}|{:.2}", median(&b.cpu_per_100k.serve), median(&b.cpu_per_100k.domain)),
+            format!("{:.2}|{:.2}", median(&b.cpu_per_100k.load), median(&q.cpu_per_100k.load)),
+            format!(
+                "{:.2}|{:.2}|{:.2}",
+                median(&b.serve_sleeps_per_request),
+                median(&b.domain_sleeps_per_request),
+                median(&q.serve_sleeps_per_request)
+            ),
             rounds(&b.iops),
             rounds(&q.iops),
         ]);
@@ -789,9 +878,18 @@ pub fn render(r: &Report) -> String {
         out.push_str(&format!("goal: >= 1.5x qsd's IOPS at QD1 and QD16: lowest 4 KiB ratio {worst:.2}\n\n"));
     }
     if !r.guest.is_empty() {
-        out.push_str(&table(&format!("guest (QEMU TCG, guest-io; medians of {} alternated rounds)", r.rounds), &r.guest));
+        out.push_str(&table(
+            &format!("guest (QEMU TCG, guest-io; bulkhead notify = {}; medians of {} alternated rounds)", r.notify, r.rounds),
+            &r.guest,
+        ));
         let behind = r.guest.iter().filter(|c| median(&c.bulkhead.iops) < median(&c.qsd.iops)).count();
-        out.push_str(&format!("goal: bulkhead >= qsd at every point: {behind} of {} points behind\n\n", r.guest.len()));
+        let costlier =
+            r.guest.iter().filter(|c| median(&c.bulkhead.cpu_per_100k.server) > median(&c.qsd.cpu_per_100k.server)).count();
+        out.push_str(&format!(
+            "goal: bulkhead >= qsd at every point: {behind} of {n} points behind; CPU per request (serve and domain \
+             against qsd) <= qsd's at every point: {costlier} of {n} above\n\n",
+            n = r.guest.len()
+        ));
     }
     let mut t = Table::new(&["kill", "kills", "pause p50 ms", "pause p99 ms", "request median ms", "guest errors", "guest hung"]);
     for (name, p) in

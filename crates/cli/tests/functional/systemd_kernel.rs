@@ -145,7 +145,13 @@ fn domains_never_see_the_service_managers_socket() {
 fn the_unit_and_the_tmpfiles_entry_pass_systemds_own_checks() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging");
     let unit = std::fs::read_to_string(root.join("bulkhead.service")).unwrap();
-    for want in ["Type=notify", "WatchdogSec=", "KillMode=mixed", "NoNewPrivileges=yes", "ExecReload=/usr/bin/bulkhead reload --run-dir /run/bulkhead"] {
+    for want in [
+        "Type=notify",
+        "WatchdogSec=",
+        "KillMode=mixed",
+        "NoNewPrivileges=yes",
+        "ExecReload=/usr/bin/bulkhead reload --run-dir /run/bulkhead",
+    ] {
         assert!(unit.contains(want), "the unit lacks {want}");
     }
     for never in ["ProtectSystem=", "PrivateTmp=", "ProtectHome=", "RestrictNamespaces="] {
