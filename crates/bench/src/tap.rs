@@ -82,7 +82,7 @@ impl CpuOf {
     /// CPU per 100k of `n` requests between two samples.
     fn per_100k(&self, a: (f64, f64, f64), b: (f64, f64, f64), n: usize) -> crate::CpuPer100k {
         let per = |c: f64| vec![c / (n.max(1) as f64 / 100_000.0)];
-        let (serve, servers, load) = (b.0 - a.0, b.1 - a.1, b.2 - a.2);
+        let (serve, servers, load) = ((b.0 - a.0).max(0.0), b.1 - a.1, b.2 - a.2);
         if self.in_process {
             crate::CpuPer100k { server: per(serve + servers), serve: per(serve), domain: per(servers), load: per(load) }
         } else {
@@ -184,25 +184,32 @@ fn client_row(system: &str, dev: &Device, opts: &Options, cpu: &CpuOf) -> Result
     for off in offsets(1000, opts.bytes) {
         dev.read_into(0, off, &mut small).map_err(e)?;
     }
+    let seq = (write_mibs, read_mibs);
+    timed_small_reads(system, "client", seq, opts, cpu, |off| {
+        dev.read_into(0, off, &mut small).map(drop).map_err(|x| e(x).into())
+    })
+}
+
+/// The row of one system through one path: its sequential figures, then `opts.requests`
+/// synchronous 4 KiB reads by `read`, each timed, and the CPU they cost.
+fn timed_small_reads(
+    system: &str,
+    path: &str,
+    (write_mibs, read_mibs): (f64, f64),
+    opts: &Options,
+    cpu: &CpuOf,
+    mut read: impl FnMut(u64) -> Result<(), BenchError>,
+) -> Result<Row, BenchError> {
     let mut lat = Vec::with_capacity(opts.requests);
     let c0 = cpu.sample();
     for off in offsets(opts.requests, opts.bytes) {
         let t = Instant::now();
-        dev.read_into(0, off, &mut small).map_err(e)?;
+        read(off)?;
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
     let cpu_per_100k = cpu.per_100k(c0, cpu.sample(), opts.requests);
     let (lat_mean_us, lat_p50_us, lat_p99_us) = summarize(lat);
-    Ok(Row {
-        system: system.into(),
-        path: "client".into(),
-        write_mibs,
-        read_mibs,
-        lat_mean_us,
-        lat_p50_us,
-        lat_p99_us,
-        cpu_per_100k,
-    })
+    Ok(Row { system: system.into(), path: path.into(), write_mibs, read_mibs, lat_mean_us, lat_p50_us, lat_p99_us, cpu_per_100k })
 }
 
 /// Through a FUSE file opened with O_DIRECT, from one thread.
@@ -233,25 +240,8 @@ fn fuse_row(system: &str, file: &Path, opts: &Options, cpu: &CpuOf) -> Result<Ro
     for off in offsets(1000, opts.bytes) {
         f.read_exact_at(small.buf(), off).map_err(e)?;
     }
-    let mut lat = Vec::with_capacity(opts.requests);
-    let c0 = cpu.sample();
-    for off in offsets(opts.requests, opts.bytes) {
-        let t = Instant::now();
-        f.read_exact_at(small.buf(), off).map_err(e)?;
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
-    }
-    let cpu_per_100k = cpu.per_100k(c0, cpu.sample(), opts.requests);
-    let (lat_mean_us, lat_p50_us, lat_p99_us) = summarize(lat);
-    Ok(Row {
-        system: system.into(),
-        path: "fuse".into(),
-        write_mibs,
-        read_mibs,
-        lat_mean_us,
-        lat_p50_us,
-        lat_p99_us,
-        cpu_per_100k,
-    })
+    let seq = (write_mibs, read_mibs);
+    timed_small_reads(system, "fuse", seq, opts, cpu, |off| f.read_exact_at(small.buf(), off).map_err(|x| e(x).into()))
 }
 
 /// One bulkhead system: a supervisor in this process, measured through the library, then
@@ -268,9 +258,7 @@ fn bulkhead(exe: &Path, opts: &Options, system: &str, tap: &str, traced: bool) -
     let config = Config::parse(&text, "bench tap").map_err(|e| e.to_string())?;
     let sup = Supervisor::start(&config, Some(exe)).map_err(|e| e.to_string())?;
     let dev: Arc<Device> = sup.devices()[0].clone();
-    let domains =
-        sup.status().devices.iter().flat_map(|d| [Some(d.driver_pid), d.tap_pid]).flatten().filter(|&p| p != 0).collect();
-    let cpu = CpuOf { in_process: true, servers: domains };
+    let cpu = CpuOf { in_process: true, servers: crate::domain_pids(&sup.status()) };
     let mut rows = vec![client_row(system, &dev, opts, &cpu)?];
     let mnt = opts.scratch.join(format!("bench-tap-fuse-{}", std::process::id()));
     let fuse = bulkhead_fuse_export::FuseExport::mount(&mnt, sup.devices(), 4).map_err(|e| e.to_string())?;
