@@ -3,11 +3,24 @@
 
 use crate::{BudgetPolicy, CrowdWatch, SpinBudget};
 
-/// One serving loop's idle stretches: when one began, whether it slept, and the budget and
+/// One serving loop's idle stretches: when one began, whether it slept, and the budgets and
 /// crowd check that decide between spinning and sleeping.
+///
+/// A stretch with requests at the device waits for an answer the driver domain owes; one
+/// without waits for the loop's client to ask again. A wait for the client learns from the
+/// client's gaps alone: a TCG guest asks every ~100 µs, and a budget that also learnt from
+/// answers microseconds away spun each of those gaps for an answer's length before sleeping.
+/// A wait for answers learns from every gap of the loop: answers 40–50 µs apart (a 1 MiB
+/// read in a pipeline) would alone price a sleep as cheaper, while the client's short gaps
+/// between them show the loop is busy and a wake-up on the answer path costs throughput.
 #[derive(Debug)]
 pub struct IdleSpin {
+    /// Budget of waits for answers, from every stretch.
     budget: SpinBudget,
+    /// Budget of waits for the client's next request, from those waits alone.
+    requests: SpinBudget,
+    /// The current stretch waits for answers.
+    for_answers: bool,
     /// The run-queue check that cuts a spin short (`None`: the budget alone decides).
     crowd: Option<CrowdWatch>,
     /// When the current idle stretch began (`None`: the loop is working).
@@ -19,7 +32,14 @@ pub struct IdleSpin {
 impl IdleSpin {
     /// A loop at work, spinning by `policy` when idle, and not while threads wait for a CPU.
     pub fn new(policy: BudgetPolicy) -> Self {
-        IdleSpin { budget: SpinBudget::new(policy), crowd: Some(CrowdWatch::default()), since: None, slept: false }
+        IdleSpin {
+            budget: SpinBudget::new(policy),
+            requests: SpinBudget::new(policy),
+            for_answers: false,
+            crowd: Some(CrowdWatch::default()),
+            since: None,
+            slept: false,
+        }
     }
 
     /// The same loop with no run-queue check: the budget and the caller's `may_spin` alone
@@ -32,13 +52,16 @@ impl IdleSpin {
     }
 
     /// The loop found work at `now`: an idle stretch ends, and its length (less the wake-up,
-    /// if it slept) tunes the budget.
+    /// if it slept) tunes the budgets it belongs to.
     pub fn worked(&mut self, now: u64) {
         if let Some(t0) = self.since.take() {
-            if self.slept {
-                self.budget.record_after_sleep(now - t0);
-            } else {
-                self.budget.record(now - t0);
+            let budgets = [Some(&mut self.budget), (!self.for_answers).then_some(&mut self.requests)];
+            for budget in budgets.into_iter().flatten() {
+                if self.slept {
+                    budget.record_after_sleep(now - t0);
+                } else {
+                    budget.record(now - t0);
+                }
             }
         }
         self.slept = false;
@@ -54,8 +77,8 @@ impl IdleSpin {
     /// `may_spin`, and (unless built [`without_crowd_check`](Self::without_crowd_check)) while
     /// threads are not waiting for a CPU.
     pub fn spin(&mut self, now: u64, may_spin: bool) -> bool {
-        self.spin_while(now, |w, t0| {
-            may_spin && now - t0 < w.budget.budget_ns() && !w.crowd.as_mut().is_some_and(|c| c.should_sleep(t0, now))
+        self.spin_while(now, false, |w, t0| {
+            may_spin && now - t0 < w.requests.budget_ns() && !w.crowd.as_mut().is_some_and(|c| c.should_sleep(t0, now))
         })
     }
 
@@ -69,16 +92,22 @@ impl IdleSpin {
     /// [`without_crowd_check`](Self::without_crowd_check)); on CPUs with room to spare the
     /// budget ends it as in [`spin`](Self::spin) (docs/ring-protocol.md, "Adaptive budget").
     pub fn spin_for_answers(&mut self, now: u64) -> bool {
-        self.spin_while(now, |w, t0| {
+        self.spin_while(now, true, |w, t0| {
             now - t0 < w.budget.budget_ns() || w.crowd.as_mut().is_some_and(|c| c.crowded_lately(t0, now))
         })
     }
 
-    /// The stretch at `now` (begun at `now` if the loop was working) spins on while it has
-    /// not slept and `spin_on` says so, given when it began; once it stops, it counts as
-    /// slept until work comes.
-    fn spin_while(&mut self, now: u64, spin_on: impl FnOnce(&mut Self, u64) -> bool) -> bool {
-        let t0 = *self.since.get_or_insert(now);
+    /// The stretch at `now` (begun at `now` if the loop was working, waiting for answers or
+    /// not as `for_answers` says) spins on while it has not slept and `spin_on` says so, given
+    /// when it began; once it stops, it counts as slept until work comes.
+    fn spin_while(&mut self, now: u64, for_answers: bool, spin_on: impl FnOnce(&mut Self, u64) -> bool) -> bool {
+        let t0 = match self.since {
+            Some(t0) => t0,
+            None => {
+                self.for_answers = for_answers;
+                *self.since.insert(now)
+            }
+        };
         if !self.slept && spin_on(self, t0) {
             return true;
         }
@@ -140,6 +169,50 @@ mod tests {
         assert!(!w.spin_for_answers(11_500), "and the stretch stays slept");
         w.worked(12_000);
         assert!(w.spin_for_answers(12_500), "a new stretch spins again");
+    }
+
+    /// A loop serving a TCG guest at QD1 on a fake clock, looking every µs: each request's
+    /// answer comes 6 µs after it is sent, the guest's next request 90 µs after the answer
+    /// (later by a wake-up where the loop slept).
+    #[test]
+    fn waits_for_answers_and_for_requests_keep_their_own_budgets() {
+        let mut w = IdleSpin::new(BudgetPolicy::DEFAULT_AUTO).without_crowd_check();
+        let mut t = 0u64;
+        let mut slept_on_requests = 0;
+        for i in 0..4_000 {
+            // Sent; the answer is due.
+            assert!(w.spin_for_answers(t) || i > 0, "a fresh budget spins for the first answer");
+            let mut answered = t + 6_000;
+            let mut look = t;
+            while look < t + 6_000 {
+                if !w.spin_for_answers(look) {
+                    answered = t + 6_000 + crate::budget::WAKE_LATENCY_NS;
+                    break;
+                }
+                look += 1_000;
+            }
+            w.worked(answered);
+            // Answered; the guest asks again 90 µs later.
+            let mut next = answered + 90_000;
+            let mut look = answered;
+            while look < answered + 90_000 {
+                if !w.spin(look, true) {
+                    next += crate::budget::WAKE_LATENCY_NS;
+                    if i >= 3_000 && look - answered <= 2_000 {
+                        slept_on_requests += 1;
+                    }
+                    break;
+                }
+                look += 1_000;
+            }
+            w.worked(next);
+            t = next;
+        }
+        assert!(w.budget.budget_ns() > 6_000, "answers 6 µs away keep their spin: {} ns", w.budget.budget_ns());
+        assert!(w.requests.budget_ns() < 6_000, "requests 90 µs apart are not spun through: {} ns", w.requests.budget_ns());
+        // Probes spin to the ceiling now and then; the rest of the waits for the guest sleep
+        // at once (within the 2 µs floor), not after an answer's worth of spin.
+        assert!(slept_on_requests >= 900, "{slept_on_requests} of the last 1000 waits for the guest slept at once");
     }
 
     #[test]
