@@ -14,7 +14,7 @@
 //! sysbench and the kernel included) and the cores used by the serving processes alone
 //! (`serve` and its driver domains; nbdkit, qemu-storage-daemon and nbdfuse).
 
-use crate::BenchError;
+use crate::{median, BenchError};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -1153,20 +1153,6 @@ fn round_by_round(p: &Point, others: &[&Point]) -> Option<f64> {
 }
 
 /// The middle of `v` (the mean of the two middle values for an even count), in any order.
-fn median(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// Writes `report.json`, `points.csv`, `fileio.svg` and `report.txt` into `dir`.
 pub fn write_outputs(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, BenchError> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use bulkhead_channel::NotifyMode;
 use serde::Serialize;
 
-use crate::vm::median;
+use crate::median;
 use crate::{cpu_seconds, BenchError, CpuPer100k, Table};
 
 /// Options.

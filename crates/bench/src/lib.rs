@@ -132,7 +132,7 @@ pub struct CpuPer100k {
 impl CpuPer100k {
     /// The medians as `serve|domain|load` (bulkhead) or `server|load` (a peer), two decimals.
     pub fn by_process(&self) -> String {
-        let m = |v: &[f64]| if v.is_empty() { "-".to_string() } else { format!("{:.2}", crate::vm::median(v)) };
+        let m = |v: &[f64]| if v.is_empty() { "-".to_string() } else { format!("{:.2}", crate::median(v)) };
         if self.serve.is_empty() {
             format!("{}|{}", m(&self.server), m(&self.load))
         } else {
@@ -196,6 +196,18 @@ pub(crate) fn percentile(v: &[f64], q: f64) -> f64 {
         return 0.0;
     }
     s[((s.len() as f64 * q).ceil() as usize).clamp(1, s.len()) - 1]
+}
+
+/// The median of `v`, in any order: the middle value, or the mean of the two middle ones (0
+/// for none).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if !n.is_multiple_of(2) => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
 }
 
 /// The `q` quantile of `sorted` (0 when empty).

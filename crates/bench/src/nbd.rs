@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::vm::median;
+use crate::median;
 use crate::{cpu_seconds, BenchError, CpuPer100k, Table};
 
 /// What the servers serve from.

@@ -406,14 +406,6 @@ fn qemu_img_check(img: &Path) -> Result<(bool, u64), BenchError> {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Runs the rounds of one format in `dir`.
 fn run_format(
     exe: &Path,
@@ -502,7 +494,7 @@ fn run_format(
     r.writes = counts.writes.load(Ordering::Relaxed);
     r.fua_writes = counts.fua.load(Ordering::Relaxed);
     r.flushes = counts.flushes.load(Ordering::Relaxed);
-    r.start_p50_ms = median(&mut starts);
+    r.start_p50_ms = crate::median(&starts);
     Ok(r)
 }
 

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::vm::median;
+use crate::median;
 use crate::{cpu_seconds, BenchError, CpuPer100k, Table};
 
 /// Options.

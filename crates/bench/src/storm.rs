@@ -126,11 +126,6 @@ fn rings_per_s(log: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    quantile(&v, 0.5)
-}
-
 /// Runs one phase.
 fn phase(exe: &Path, opts: &Options, storm: bool) -> Result<Phase, BenchError> {
     let serve = start(exe, storm)?;
@@ -208,7 +203,8 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
             phases.push(p);
         }
     }
-    let of = |storm: bool, f: fn(&Phase) -> f64| median(phases.iter().filter(|p| p.storm == storm).map(f).collect());
+    let of =
+        |storm: bool, f: fn(&Phase) -> f64| crate::median(&phases.iter().filter(|p| p.storm == storm).map(f).collect::<Vec<_>>());
     let (normal_p99_us, storm_p99_us) = (of(false, |p| p.p99_us), of(true, |p| p.p99_us));
     Ok(Report {
         seconds: opts.seconds,

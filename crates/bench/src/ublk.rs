@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use bulkhead_guest::{Lab, LabOptions, Vm};
 use serde::Serialize;
 
-use crate::vm::median;
+use crate::median;
 use crate::{BenchError, Table};
 
 /// The systems, in the order of the first round.

@@ -24,7 +24,7 @@ use bulkhead_guest::{Disk, Kit, Outcome, Vm, VmOptions};
 use bulkhead_vhost_export::frontend::{Frontend, FrontendOptions};
 use serde::Serialize;
 
-use crate::{cpu_seconds, BenchError, CpuPer100k, Table};
+use crate::{cpu_seconds, median, BenchError, CpuPer100k, Table};
 
 /// The device's size: small enough to write whole before each run.
 const DEVICE_BYTES: u64 = 256 << 20;
@@ -165,17 +165,6 @@ pub struct Figures {
     pub serve_sleeps_per_request: Vec<f64>,
     /// The same of the domain (bulkhead only).
     pub domain_sleeps_per_request: Vec<f64>,
-}
-
-/// The median of `v` (0 if empty).
-pub fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if !n.is_multiple_of(2) => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
 }
 
 /// Both systems at one point.
