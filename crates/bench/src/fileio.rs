@@ -1152,7 +1152,6 @@ fn round_by_round(p: &Point, others: &[&Point]) -> Option<f64> {
     Some(median(&ratios))
 }
 
-/// The middle of `v` (the mean of the two middle values for an even count), in any order.
 /// Writes `report.json`, `points.csv`, `fileio.svg` and `report.txt` into `dir`.
 pub fn write_outputs(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, BenchError> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;

@@ -55,13 +55,11 @@ impl IdleSpin {
     /// if it slept) tunes the budgets it belongs to.
     pub fn worked(&mut self, now: u64) {
         if let Some(t0) = self.since.take() {
-            let budgets = [Some(&mut self.budget), (!self.for_answers).then_some(&mut self.requests)];
-            for budget in budgets.into_iter().flatten() {
-                if self.slept {
-                    budget.record_after_sleep(now - t0);
-                } else {
-                    budget.record(now - t0);
-                }
+            let (gap, slept) = (now - t0, self.slept);
+            let record = |b: &mut SpinBudget| if slept { b.record_after_sleep(gap) } else { b.record(gap) };
+            record(&mut self.budget);
+            if !self.for_answers {
+                record(&mut self.requests);
             }
         }
         self.slept = false;
