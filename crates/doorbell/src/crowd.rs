@@ -82,9 +82,18 @@ pub struct CrowdWatch {
     stops: u64,
     /// Whether the latest look [`crowded_lately`](Self::crowded_lately) took saw a crowd.
     last: bool,
+    /// Where looks are taken (`None`: the system's run queues, [`Crowd::get`]).
+    source: Option<fn() -> bool>,
 }
 
 impl CrowdWatch {
+    /// A watch whose looks ask `source` instead of the run queues: for a test that must
+    /// decide what every look sees, where the kernel's count can dip below the truth for
+    /// one read while threads move between run queues.
+    pub fn with_source(source: fn() -> bool) -> Self {
+        CrowdWatch { source: Some(source), ..CrowdWatch::default() }
+    }
+
     /// Whether a waiter that started spinning at `since` should sleep now (`now`); looks at the
     /// run queues at most every `CHECK_EVERY_NS`, and not before `FIRST_LOOK_NS` of spinning.
     pub fn should_sleep(&mut self, since: u64, now: u64) -> bool {
@@ -111,7 +120,7 @@ impl CrowdWatch {
             return None;
         }
         self.next = now + CHECK_EVERY_NS;
-        Some(Crowd::get().crowded())
+        Some(self.source.map_or_else(|| Crowd::get().crowded(), |look| look()))
     }
 
     /// Takes one look's answer into the average.
