@@ -22,6 +22,7 @@ use vhost::VhostUserMemoryRegionBase;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 
 use crate::blk::{self, Geometry};
+use crate::dirty::DirtyLog;
 use crate::inflight::{Inflight, InflightQueue};
 use crate::memory::GuestMem;
 use crate::virtq::{RingAddrs, RingPosition, Vring, MAX_QUEUE_SIZE};
@@ -88,6 +89,8 @@ pub struct Session {
     mem: Option<Arc<GuestMem>>,
     queues: Vec<Queue>,
     inflight: Option<Arc<Inflight>>,
+    /// The frontend's dirty log, which every region of `mem` marks while logging is on.
+    log: Arc<DirtyLog>,
 }
 
 impl Session {
@@ -103,11 +106,23 @@ impl Session {
         });
         let queues = (0..geo.queues).map(|_| Queue::new()).collect::<Vec<_>>();
         *stats.queues.lock().unwrap_or_else(|e| e.into_inner()) = queues.iter().map(|q| q.stats.clone()).collect();
-        Session { dev, name: name.to_string(), geo, features: 0, protocol: 0, mem: None, queues, inflight: None }
+        Session {
+            dev,
+            name: name.to_string(),
+            geo,
+            features: 0,
+            protocol: 0,
+            mem: None,
+            queues,
+            inflight: None,
+            log: Arc::new(DirtyLog::default()),
+        }
     }
 
     fn offered(&self) -> u64 {
-        blk::features(self.geo.read_only) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+        blk::features(self.geo.read_only)
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+            | VhostUserVirtioFeatures::LOG_ALL.bits()
     }
 
     fn queue(&mut self, index: u32) -> VuResult<&mut Queue> {
@@ -236,6 +251,8 @@ impl VhostUserBackendReqHandlerMut for Session {
             q.stats = stats;
         }
         self.inflight = None;
+        self.features = 0;
+        self.log.set_logging(false);
         Ok(())
     }
 
@@ -247,6 +264,13 @@ impl VhostUserBackendReqHandlerMut for Session {
         if features & !self.offered() != 0 {
             return Err(refuse(format!("features {:#x} were not offered", features & !self.offered())));
         }
+        let logging = features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0;
+        if logging != (self.features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0) {
+            log::info!("vhost-user {}: dirty logging {}", self.name, if logging { "on" } else { "off" });
+        }
+        // QEMU turns logging on and off with the rings running; nothing else may change then,
+        // and the workers read the rest once, as they start.
+        self.log.set_logging(logging);
         self.features = features;
         Ok(())
     }
@@ -257,7 +281,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         files: Vec<File>,
         _postcopy_listening: Option<bool>,
     ) -> VuResult<Option<Vec<VhostUserMemoryRegionBase>>> {
-        let mem = GuestMem::map(ctx, files).map_err(|e| refuse(e.to_string()))?;
+        let mem = GuestMem::map(ctx, files, &self.log).map_err(|e| refuse(e.to_string()))?;
         let running: Vec<usize> = (0..self.queues.len()).filter(|&i| self.queues[i].running.is_some()).collect();
         for &i in &running {
             self.stop_queue(i);
@@ -290,8 +314,11 @@ impl VhostUserBackendReqHandlerMut for Session {
         available: u64,
         _log: u64,
     ) -> VuResult<()> {
+        // The used ring is logged by the guest address it is written at, which is what the
+        // `log` address names (VHOST_VRING_F_LOG); QEMU sends the same addresses again with
+        // that flag as it turns logging on, with the ring running.
         let q = self.queue(index)?;
-        if q.running.is_some() {
+        if q.running.is_some() && q.addrs != Some((descriptor, used, available)) {
             return Err(refuse(format!("virtqueue {index} is running")));
         }
         q.addrs = Some((descriptor, used, available));
@@ -337,7 +364,10 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn get_protocol_features(&mut self) -> VuResult<VhostUserProtocolFeatures> {
-        Ok(VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+        Ok(VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::LOG_SHMFD)
     }
 
     fn set_protocol_features(&mut self, features: u64) -> VuResult<()> {
@@ -432,7 +462,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         Err(VuError::InvalidOperation("no shared memory regions"))
     }
 
-    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
-        Err(VuError::InvalidOperation("dirty logging is not offered"))
+    fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VuResult<()> {
+        self.log.set_base(&file, log.mmap_offset, log.mmap_size).map_err(|e| refuse(format!("dirty log: {e}")))
     }
 }

@@ -11,12 +11,15 @@
 use std::fs::File;
 use std::num::Wrapping;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{fence, Ordering};
 
-use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::message::{
+    VhostUserConfigFlags, VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures, VhostUserVringAddrFlags,
+};
 use vhost::vhost_user::{Frontend as VuFrontend, VhostUserFrontend};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::{VhostBackend, VhostUserDirtyLogRegion, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor;
@@ -24,6 +27,7 @@ use vm_memory::{Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, Gu
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::blk::SECTOR;
+use crate::dirty::LOG_PAGE;
 
 /// Why the frontend failed.
 #[derive(Debug, thiserror::Error)]
@@ -112,6 +116,8 @@ pub struct Frontend {
     pub protocol: VhostUserProtocolFeatures,
     /// The in-flight file, if the backend offered one.
     pub inflight: Option<(File, VhostUserInflight)>,
+    /// The dirty log shared with the backend while logging (one bit per 4 KiB page).
+    log: Option<File>,
 }
 
 fn per_queue(size: u16, slot_bytes: u64) -> (u64, u64) {
@@ -156,6 +162,7 @@ impl Frontend {
             let wanted = VhostUserProtocolFeatures::MQ
                 | VhostUserProtocolFeatures::CONFIG
                 | VhostUserProtocolFeatures::REPLY_ACK
+                | VhostUserProtocolFeatures::LOG_SHMFD
                 | if opts.inflight { VhostUserProtocolFeatures::INFLIGHT_SHMFD } else { VhostUserProtocolFeatures::empty() };
             protocol = conn.get_protocol_features()? & wanted;
             conn.set_protocol_features(protocol)?;
@@ -215,7 +222,7 @@ impl Frontend {
             conn.set_vring_kick(i, &queue.kick)?;
             queues.push(queue);
         }
-        let me = Frontend { conn, mem, _memfd: memfd, queues, features, protocol, inflight };
+        let me = Frontend { conn, mem, _memfd: memfd, queues, features, protocol, inflight, log: None };
         for q in &me.queues {
             // Hear of used entries only when asked: this side polls.
             me.mem.write_obj(0x8000u16, q.avail.unchecked_add(4 + 2 * u64::from(q.size))).map_err(setup)?;
@@ -246,6 +253,70 @@ impl Frontend {
     /// back. Returns the base.
     pub fn stop_queue(&mut self, i: usize) -> Result<u32, FrontendError> {
         Ok(self.conn.get_vring_base(i)?)
+    }
+
+    /// Turns dirty logging on as QEMU does when a migration starts: shares a log of one bit
+    /// per 4 KiB page of this side's memory (`SET_LOG_BASE`), sets `VHOST_F_LOG_ALL`, and
+    /// sends each ring's addresses again with `VHOST_VRING_F_LOG`, the rings running.
+    pub fn start_logging(&mut self) -> Result<(), FrontendError> {
+        if !self.protocol.contains(VhostUserProtocolFeatures::LOG_SHMFD) {
+            return Err(setup("the backend does not offer LOG_SHMFD"));
+        }
+        let pages = self.mem.last_addr().raw_value() / LOG_PAGE + 1;
+        let bytes = pages.div_ceil(8).next_multiple_of(4096);
+        let fd = bulkhead_shmem::memfd::create("bulkhead-frontend-log", bytes).map_err(setup)?;
+        let file = File::from(fd);
+        let region = VhostUserDirtyLogRegion { mmap_size: bytes, mmap_offset: 0, mmap_handle: file.as_raw_fd() };
+        self.conn.set_log_base(0, Some(region))?;
+        self.conn.set_features(self.features | VhostUserVirtioFeatures::LOG_ALL.bits())?;
+        let host_base = self.mem.find_region(GuestAddress(0)).ok_or_else(|| setup("no region"))?.as_ptr() as u64;
+        for (i, q) in self.queues.iter().enumerate() {
+            let cfg = VringConfigData {
+                queue_max_size: q.size,
+                queue_size: q.size,
+                flags: VhostUserVringAddrFlags::VHOST_VRING_F_LOG.bits(),
+                desc_table_addr: host_base + q.desc.raw_value(),
+                used_ring_addr: host_base + q.used.raw_value(),
+                avail_ring_addr: host_base + q.avail.raw_value(),
+                log_addr: Some(q.used.raw_value()),
+            };
+            self.conn.set_vring_addr(i, &cfg)?;
+        }
+        self.log = Some(file);
+        Ok(())
+    }
+
+    /// Turns dirty logging off (clears `VHOST_F_LOG_ALL`), as QEMU does after a migration
+    /// that failed or was cancelled. The log stays readable here.
+    pub fn stop_logging(&mut self) -> Result<(), FrontendError> {
+        self.conn.set_features(self.features)?;
+        Ok(())
+    }
+
+    /// Whether the page holding `addr` is marked in the dirty log.
+    pub fn logged(&self, addr: GuestAddress) -> Result<bool, FrontendError> {
+        let log = self.log.as_ref().ok_or_else(|| setup("logging was never started"))?;
+        let page = addr.raw_value() / LOG_PAGE;
+        let mut byte = [0u8];
+        log.read_exact_at(&mut byte, page / 8).map_err(setup)?;
+        Ok(byte[0] & (1 << (page % 8)) != 0)
+    }
+
+    /// Pages marked in the dirty log, by guest address, and clears it (QEMU's sync at each
+    /// pass of a migration, which swaps each word atomically; this reads and clears the whole
+    /// log, so call it with no request in flight).
+    pub fn take_log(&self) -> Result<Vec<GuestAddress>, FrontendError> {
+        let log = self.log.as_ref().ok_or_else(|| setup("logging was never started"))?;
+        let mut bytes = vec![0u8; log.metadata().map_err(setup)?.len() as usize];
+        log.read_exact_at(&mut bytes, 0).map_err(setup)?;
+        log.write_all_at(&vec![0u8; bytes.len()], 0).map_err(setup)?;
+        let mut pages = Vec::new();
+        for (i, b) in bytes.iter().enumerate().filter(|(_, b)| **b != 0) {
+            for bit in (0..8).filter(|bit| b & (1 << bit) != 0) {
+                pages.push(GuestAddress((i as u64 * 8 + bit) * LOG_PAGE));
+            }
+        }
+        Ok(pages)
     }
 
     /// The "guest" memory.

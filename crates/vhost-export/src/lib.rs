@@ -17,6 +17,7 @@
 
 mod backend;
 pub mod blk;
+pub mod dirty;
 pub mod frontend;
 pub mod inflight;
 pub mod memory;

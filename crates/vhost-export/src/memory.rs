@@ -5,9 +5,16 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 
 use vhost::vhost_user::message::VhostUserMemoryRegion;
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap};
+
+use crate::dirty::{DirtyLog, RegionLog};
+
+/// Guest memory as `serve` maps it: each region's writes marked in the session's dirty log.
+pub type Memory = GuestMemoryMmap<RegionLog>;
 
 /// Regions a frontend may share (the protocol's baseline; QEMU sends at most this many).
 pub const MAX_REGIONS: usize = 8;
@@ -72,14 +79,14 @@ struct UserRange {
 /// A guest's memory, mapped.
 #[derive(Debug)]
 pub struct GuestMem {
-    mem: GuestMemoryMmap,
+    mem: Memory,
     user: Vec<UserRange>,
 }
 
 impl GuestMem {
     /// Maps the regions of a `SET_MEM_TABLE`, checking each file holds its region and that a
-    /// memfd is sealed against shrinking, so no access can fault.
-    pub fn map(table: &[VhostUserMemoryRegion], files: Vec<File>) -> Result<GuestMem, MemoryError> {
+    /// memfd is sealed against shrinking, so no access can fault. Writes are marked in `log`.
+    pub fn map(table: &[VhostUserMemoryRegion], files: Vec<File>, log: &Arc<DirtyLog>) -> Result<GuestMem, MemoryError> {
         if table.len() != files.len() || table.is_empty() || table.len() > MAX_REGIONS {
             return Err(MemoryError::Count { regions: table.len(), files: files.len() });
         }
@@ -105,7 +112,11 @@ impl GuestMem {
                     return Err(MemoryError::Unsealed { index });
                 }
             }
-            let mapping = MmapRegion::from_file(FileOffset::new(file, r.mmap_offset), size)
+            let mapping = MmapRegionBuilder::new_with_bitmap(size, RegionLog::new(log.clone(), r.guest_phys_addr))
+                .with_file_offset(FileOffset::new(file, r.mmap_offset))
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(libc::MAP_NORESERVE | libc::MAP_SHARED)
+                .build()
                 .map_err(|source| MemoryError::Map { index, source })?;
             let region = GuestRegionMmap::new(mapping, GuestAddress(r.guest_phys_addr))
                 .ok_or_else(|| bad("wraps the guest's address space"))?;
@@ -122,7 +133,7 @@ impl GuestMem {
     }
 
     /// The memory, for reads and writes by guest address.
-    pub fn memory(&self) -> &GuestMemoryMmap {
+    pub fn memory(&self) -> &Memory {
         &self.mem
     }
 
@@ -162,7 +173,7 @@ mod tests {
     #[test]
     fn maps_regions_and_translates_frontend_addresses() {
         let table = [region(0, 1 << 20, 0x7f00_0000_0000), region(1 << 30, 1 << 20, 0x7f10_0000_0000)];
-        let mem = GuestMem::map(&table, vec![memfd(1 << 20, true), memfd(1 << 20, true)]).unwrap();
+        let mem = GuestMem::map(&table, vec![memfd(1 << 20, true), memfd(1 << 20, true)], &Arc::default()).unwrap();
         assert_eq!(mem.guest_of_user(0x7f00_0000_1000, 16), Some(GuestAddress(0x1000)));
         assert_eq!(mem.guest_of_user(0x7f10_0000_0000, 4096), Some(GuestAddress(1 << 30)));
         assert_eq!(mem.guest_of_user(0x7f00_000f_fff0, 32), None, "runs past the region");
@@ -176,14 +187,17 @@ mod tests {
     #[test]
     fn refuses_short_unsealed_and_overlapping_tables() {
         let t = [region(0, 1 << 20, 0x1000_0000)];
-        assert!(matches!(GuestMem::map(&t, vec![memfd(4096, true)]), Err(MemoryError::ShortFile { .. })));
-        assert!(matches!(GuestMem::map(&t, vec![memfd(1 << 20, false)]), Err(MemoryError::Unsealed { .. })));
-        assert!(matches!(GuestMem::map(&t, vec![]), Err(MemoryError::Count { .. })));
+        assert!(matches!(GuestMem::map(&t, vec![memfd(4096, true)], &Arc::default()), Err(MemoryError::ShortFile { .. })));
+        assert!(matches!(GuestMem::map(&t, vec![memfd(1 << 20, false)], &Arc::default()), Err(MemoryError::Unsealed { .. })));
+        assert!(matches!(GuestMem::map(&t, vec![], &Arc::default()), Err(MemoryError::Count { .. })));
         let overlap = [region(0, 1 << 20, 0x1000_0000), region(1 << 20, 1 << 20, 0x1008_0000)];
-        assert!(matches!(GuestMem::map(&overlap, vec![memfd(1 << 20, true), memfd(1 << 20, true)]), Err(MemoryError::Overlap)));
+        assert!(matches!(
+            GuestMem::map(&overlap, vec![memfd(1 << 20, true), memfd(1 << 20, true)], &Arc::default()),
+            Err(MemoryError::Overlap)
+        ));
         let guest_overlap = [region(0, 1 << 20, 0x1000_0000), region(4096, 1 << 20, 0x2000_0000)];
-        assert!(GuestMem::map(&guest_overlap, vec![memfd(1 << 20, true), memfd(1 << 20, true)]).is_err());
+        assert!(GuestMem::map(&guest_overlap, vec![memfd(1 << 20, true), memfd(1 << 20, true)], &Arc::default()).is_err());
         let empty = [region(0, 0, 0x1000_0000)];
-        assert!(matches!(GuestMem::map(&empty, vec![memfd(4096, true)]), Err(MemoryError::Region { .. })));
+        assert!(matches!(GuestMem::map(&empty, vec![memfd(4096, true)], &Arc::default()), Err(MemoryError::Region { .. })));
     }
 }

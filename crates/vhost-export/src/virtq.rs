@@ -416,7 +416,7 @@ pub(crate) mod tests {
         let fd = bulkhead_shmem::memfd::create("guest", size).unwrap();
         bulkhead_shmem::memfd::seal_size(fd.as_raw_fd()).unwrap();
         let table = [VhostUserMemoryRegion::new(0, size, 0x7000_0000_0000, 0)];
-        Arc::new(GuestMem::map(&table, vec![File::from(fd)]).unwrap())
+        Arc::new(GuestMem::map(&table, vec![File::from(fd)], &Arc::default()).unwrap())
     }
 
     const DESC: GuestAddress = GuestAddress(0x1000);

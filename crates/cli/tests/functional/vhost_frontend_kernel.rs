@@ -124,6 +124,61 @@ fn requests_round_trip_through_a_frontend_of_our_own() {
     assert_eq!(base, 16 + 16 + 1 + 1);
 }
 
+/// The start of the 4 KiB page holding `a`.
+fn page(a: vm_memory::GuestAddress) -> vm_memory::GuestAddress {
+    vm_memory::GuestAddress(a.raw_value() & !4095)
+}
+
+/// What a live migration needs of the export: with the frontend's dirty log on (turned on as
+/// QEMU does, the queue running), every page `serve` writes into guest memory is marked by the
+/// time the request is seen complete: a read's data, the status byte, the used ring. The
+/// guest's own pages are not, and with logging off again nothing is.
+#[test]
+fn pages_serve_writes_are_marked_in_the_dirty_log_while_logging() {
+    require_kernel!();
+    let tmp = TempDir::new("vhost-log");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&config()), &[]);
+    let mut f = connect(&serve.vhost_socket("a"), 1);
+    {
+        let (q, mem) = f.queue(0);
+        q.write(mem, 0, 65536, 7).unwrap().unwrap();
+        assert_eq!(one(q, mem).status, 0);
+    }
+    f.start_logging().unwrap();
+    assert!(f.take_log().unwrap().is_empty(), "nothing written yet");
+    let (q, mem) = f.queue(0);
+    let head = q.read(mem, 0, 65536).unwrap().unwrap();
+    let d = one(q, mem);
+    assert_eq!((d.head, d.status, d.len), (head, 0, 65537));
+    let (_, status, data) = q.slot(head);
+    let mut buf = vec![0u8; 65536];
+    mem.read_slice(&mut buf, data).unwrap();
+    assert!(buf.iter().all(|&b| b == 7));
+    let (used, desc) = (q.used, q.desc);
+    let logged = f.take_log().unwrap();
+    for p in 0..16u64 {
+        assert!(logged.contains(&data.unchecked_add(p * 4096)), "data page {p} of the read not logged: {logged:?}");
+    }
+    assert!(logged.contains(&page(status)), "the status byte's page not logged");
+    assert!(logged.contains(&page(used)), "the used ring not logged");
+    assert!(!logged.contains(&page(desc)), "the descriptor table and available ring are the guest's to write");
+    assert_eq!(logged.len(), 16 + 2, "{logged:?}");
+    // A write's data is only read: its status byte and the used ring are logged.
+    let (q, mem) = f.queue(0);
+    let head = q.write(mem, 128, 8192, 9).unwrap().unwrap();
+    assert_eq!(one(q, mem).status, 0);
+    let (_, status, data) = q.slot(head);
+    let logged = f.take_log().unwrap();
+    assert!(logged.contains(&page(status)) && logged.contains(&page(used)), "{logged:?}");
+    assert!(!logged.contains(&data), "a write's data is the guest's");
+    // Logging off, as after a cancelled migration: nothing is marked.
+    f.stop_logging().unwrap();
+    let (q, mem) = f.queue(0);
+    q.read(mem, 0, 65536).unwrap().unwrap();
+    assert_eq!(one(q, mem).status, 0);
+    assert!(f.take_log().unwrap().is_empty(), "logging is off");
+}
+
 /// One crafted chain at head 0 of a fresh connection's queue 0, made available and
 /// published: the queue must stop (`broken`), and serve and device `b` must carry on.
 fn breaks_the_queue(serve: &Serve, what: &str, craft: impl FnOnce(&mut Queue, &GuestMemoryMmap)) {
