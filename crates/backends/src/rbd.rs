@@ -172,7 +172,7 @@ impl RbdBackend {
             c.set(k, v).map_err(|e| BackendError::link(e.to_string()))?;
         }
         c.connect(&o.pool, &o.namespace).map_err(|e| BackendError::link(format!("cluster at {}: {e}", o.mon_host)))?;
-        let image = c.open(&o.image).map_err(|e| BackendError::link(e.to_string()))?;
+        let image = c.open(&o.image, o.read_only).map_err(|e| BackendError::link(e.to_string()))?;
         let stat = image.stat().map_err(|e| BackendError::link(e.to_string()))?;
         if let Some(pipe) = self.owner_pipe.take() {
             // The supervisor keeps the address for the next generation's lock break (no write
@@ -191,10 +191,16 @@ impl RbdBackend {
         // A lock held by one of this device's earlier domains: break it now rather than wait
         // for it to time out. Any other owner is a live client and is left alone.
         let ours: Vec<&str> = o.break_owners.iter().filter_map(|a| nonce(a)).collect();
+        // A read-only domain (an inactive device's) breaks it too, on its way out of writing.
         for owner in image.lock_owners().map_err(|e| BackendError::link(e.to_string()))? {
             if nonce(&owner).is_some_and(|n| ours.contains(&n)) {
-                image.break_lock(&owner).map_err(|e| BackendError::link(e.to_string()))?;
-                eprintln!("bulkhead driver: rbd: broke the exclusive lock of an earlier domain ({owner})");
+                match image.break_lock(&owner) {
+                    Ok(()) => eprintln!("bulkhead driver: rbd: broke the exclusive lock of an earlier domain ({owner})"),
+                    Err(e) if o.read_only => {
+                        eprintln!("bulkhead driver: rbd: could not break the lock of an earlier domain ({owner}): {e}")
+                    }
+                    Err(e) => return Err(BackendError::link(e.to_string())),
+                }
             }
         }
         // An earlier domain killed before it took the lock left its watch on the image, which

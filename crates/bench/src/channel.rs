@@ -187,6 +187,7 @@ pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(Fro
         heartbeat_ms: 100,
         above_control_fds: None,
         attach: None,
+        inactive: false,
         sandbox: Default::default(),
         report_fd: None,
     };

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use crate::kept::Keeper;
+use bulkhead_control::{Activate, Activity, Deactivate, Geometry};
 use bulkhead_control::{
     AddDevice, AddFilter, Changed, ConfigText, ControlError, DeviceRemoved, DevicesAdded, DumpConfig, Hello, HelloReply,
     ListSnapshots, QosReply, Reload, Reloaded, RemoveDevice, RemoveFilter, Restart, Service, SetQos, SetTap, Snapshot,
@@ -35,6 +36,36 @@ impl ServeApi {
         } else {
             Err(ControlError::not_found(format!("no device `{name}`")))
         }
+    }
+
+    /// What device `name`'s guests see of it.
+    fn geometry(&self, name: &str) -> Result<Geometry, ControlError> {
+        let fronts = self.sup().frontends(name);
+        let dev = fronts.first().ok_or_else(|| ControlError::not_found(format!("no device `{name}`")))?;
+        Ok(Geometry { size_bytes: dev.size(), block_size: dev.min_block().max(512), read_only: dev.read_only() })
+    }
+
+    /// Makes `device` write or not, after checking it against what the other end's was.
+    fn set_active(&self, device: String, active: bool, expect: Option<Geometry>) -> Result<Activity, ControlError> {
+        self.known_device(&device)?;
+        let geometry = self.geometry(&device)?;
+        if let Some(why) = expect.and_then(|e| geometry.mismatch(&e)) {
+            return Err(ControlError::invalid(format!(
+                "device `{device}`: not the device the other end had: {why}; it stays inactive"
+            )));
+        }
+        let changed = self
+            .sup()
+            .set_active(&device, active, crate::live::DRAIN)
+            .map_err(|e| ControlError::from(e.context(format!("device `{device}`"))))?;
+        if changed.is_some() {
+            self.live.note(Edit::Active { device: &device, active });
+        }
+        let driver_pid = match changed {
+            Some(pid) => pid,
+            None => self.sup().status().devices.iter().find(|d| d.name == device).map_or(0, |d| d.driver_pid),
+        };
+        Ok(Activity { device, active, changed: changed.is_some(), driver_pid, geometry })
     }
 
     /// Applies `change` to `device` and answers with its new driver domain.
@@ -73,6 +104,14 @@ impl Service for ServeApi {
         let done = self.change(c.device.clone(), DeviceChange::Tap(c.mode))?;
         self.live.note(Edit::Tap { device: &c.device, mode: c.mode });
         Ok(done)
+    }
+
+    fn activate(&self, c: Activate) -> Result<Activity, ControlError> {
+        self.set_active(c.device, true, c.expect)
+    }
+
+    fn deactivate(&self, c: Deactivate) -> Result<Activity, ControlError> {
+        self.set_active(c.device, false, None)
     }
 
     fn add_filter(&self, c: AddFilter) -> Result<Changed, ControlError> {

@@ -334,6 +334,31 @@ enum DeviceOp {
         #[command(flatten)]
         out: Json,
     },
+    /// Make an inactive device write (`active = false` in its table): the destination's half
+    /// of a live migration's hand-over, run once the source is deactivated (docs/vm.md, "Live
+    /// migration"). Its domains are replaced by ones on storage opened to write; an rbd
+    /// image's lock is taken at its first write. Nothing is done if it writes already.
+    Activate {
+        /// Device name.
+        device: String,
+        /// What the source printed as its geometry (`size=BYTES,block=BYTES,read_only=BOOL`):
+        /// a device that differs stays inactive, and the error names the difference.
+        #[arg(long, value_parser = parse_geometry)]
+        expect: Option<bulkhead_control::Geometry>,
+        #[command(flatten)]
+        out: Json,
+    },
+    /// Make a device stop writing: the source's half of a live migration's hand-over, run
+    /// once its guest is stopped. Waits for its requests in flight (refused if some are left
+    /// after 5 s), flushes it, and replaces its domains by ones on storage opened read-only
+    /// (an rbd image's lock is released as the old domain closes it); writes are refused from
+    /// then on. Prints the geometry for `device activate --expect` at the other end.
+    Deactivate {
+        /// Device name.
+        device: String,
+        #[command(flatten)]
+        out: Json,
+    },
     /// Move a running device's filters: `passthrough` (in its driver domain), `interpose` (in
     /// a tap domain of their own) or `intercept` (in a tap domain that ends in the soft
     /// device, no driver domain). Requests in flight are reissued to the new domains; nothing
@@ -346,6 +371,27 @@ enum DeviceOp {
         #[command(flatten)]
         out: Json,
     },
+}
+
+/// `size=BYTES,block=BYTES,read_only=BOOL`, as `device deactivate` prints it.
+fn parse_geometry(s: &str) -> Result<bulkhead_control::Geometry, String> {
+    let (mut size, mut block, mut ro) = (None, None, None);
+    for part in s.split(',') {
+        let (k, v) = part.split_once('=').ok_or_else(|| format!("`{part}` is not KEY=VALUE"))?;
+        let bad = |e: &dyn std::fmt::Display| format!("`{k}`: {e}");
+        match k.trim() {
+            "size" => size = Some(v.trim().parse::<u64>().map_err(|e| bad(&e))?),
+            "block" => block = Some(v.trim().parse::<u32>().map_err(|e| bad(&e))?),
+            "read_only" => ro = Some(v.trim().parse::<bool>().map_err(|e| bad(&e))?),
+            other => return Err(format!("unknown key `{other}` (size, block, read_only)")),
+        }
+    }
+    match (size, block, ro) {
+        (Some(size_bytes), Some(block_size), Some(read_only)) => {
+            Ok(bulkhead_control::Geometry { size_bytes, block_size, read_only })
+        }
+        _ => Err("give size, block and read_only, as `device deactivate` prints them".into()),
+    }
 }
 
 #[derive(Subcommand)]
@@ -481,6 +527,12 @@ fn dispatch(cmd: Cmd) -> anyhow::Result<ExitCode> {
             status::remove_device(&run_dir.find()?, &name, force, out(o))
         }
         Cmd::Device { op: DeviceOp::Restart { device, out: o }, run_dir } => status::restart(&run_dir.find()?, &device, out(o)),
+        Cmd::Device { op: DeviceOp::Activate { device, expect, out: o }, run_dir } => {
+            status::activity(&run_dir.find()?, bulkhead_control::Activate { device, expect }, out(o))
+        }
+        Cmd::Device { op: DeviceOp::Deactivate { device, out: o }, run_dir } => {
+            status::activity(&run_dir.find()?, bulkhead_control::Deactivate { device }, out(o))
+        }
         Cmd::Device { op: DeviceOp::Tap { device, mode, out: o }, run_dir } => {
             status::change(&run_dir.find()?, &device, SetTap { device: device.clone(), mode: mode.into() }, out(o))
         }

@@ -15,8 +15,8 @@ use bulkhead_supervisor::{DeviceChange, Supervisor};
 
 use crate::exports::{ExportFigures, Exports, Offer, Refused};
 
-/// How long a removed device's requests in flight may take to finish.
-const DRAIN: Duration = Duration::from_secs(5);
+/// How long a removed or deactivated device's requests in flight may take to finish.
+pub const DRAIN: Duration = Duration::from_secs(5);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -405,6 +405,11 @@ pub enum Edit<'a> {
         device: &'a str,
         mode: Tap,
     },
+    /// Activated or deactivated: a `serve` that takes over starts it so.
+    Active {
+        device: &'a str,
+        active: bool,
+    },
     FilterAdded {
         device: &'a str,
         at: Option<usize>,
@@ -437,6 +442,9 @@ fn edit_raw(raw: &mut toml::Table, edit: &Edit<'_>) -> Option<()> {
     match *edit {
         Edit::Tap { device, mode } => device_table(raw, device).map(|t| {
             t.insert("tap".into(), toml::Value::String(mode.as_str().into()));
+        }),
+        Edit::Active { device, active } => device_table(raw, device).map(|t| {
+            t.insert("active".into(), toml::Value::Boolean(active));
         }),
         Edit::FilterAdded { device, at, table } => {
             let f = toml::from_str::<toml::Table>(table).ok()?;

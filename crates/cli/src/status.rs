@@ -50,6 +50,21 @@ pub fn restart(run_dir: &Path, device: &str, out: Out) -> anyhow::Result<ExitCod
     Ok(ExitCode::SUCCESS)
 }
 
+/// Activates or deactivates a device and prints what it is now, and its geometry as
+/// `device activate --expect` takes it.
+pub fn activity<C: Call<Reply = bulkhead_control::Activity>>(run_dir: &Path, call: C, out: Out) -> anyhow::Result<ExitCode> {
+    let a = ask(run_dir, call)?;
+    if out.json(&a)? {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = if a.active { "active: it writes" } else { "inactive: writes are refused" };
+    let done = if a.changed { "" } else { " (already)" };
+    println!("{}: {now}{done}; driver pid {}", a.device, a.driver_pid);
+    let g = a.geometry;
+    println!("geometry: size={},block={},read_only={}", g.size_bytes, g.block_size, g.read_only);
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Asks for a change to a running device (`device tap`, `filter`) and prints the outcome: the
 /// new driver pid, the tap mode and the filters now in force.
 pub fn change<C: Call<Reply = Changed>>(run_dir: &Path, device: &str, call: C, out: Out) -> anyhow::Result<ExitCode> {
@@ -194,7 +209,7 @@ pub fn run(run_dir: anyhow::Result<PathBuf>, out: Out) -> anyhow::Result<ExitCod
     for d in &report.devices {
         t.row(vec![
             d.name.clone(),
-            d.state.as_str().into(),
+            if d.active { d.state.as_str().into() } else { format!("{} (inactive)", d.state.as_str()) },
             if d.driver_pid != 0 { d.driver_pid.to_string() } else { "-".into() },
             d.mode.clone(),
             d.requests_completed.to_string(),

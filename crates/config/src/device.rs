@@ -118,6 +118,11 @@ pub struct DeviceConfig {
     pub nbd_allow: Option<Spanned<Vec<String>>>,
     /// Queues applications may attach to the device ([`DEFAULT_ATTACH`] unless given; 0: none).
     pub attach: Option<Spanned<u32>>,
+    /// Whether the device starts writing (default `true`). `false` starts it *inactive*, as
+    /// the destination of a live migration does: opened and exported, its storage read-only
+    /// and every write refused, until `bulkhead device activate` (docs/vm.md, "Live
+    /// migration"). Where it starts only: `reload` leaves a running device as it is.
+    pub active: Option<Spanned<bool>>,
 }
 
 /// Queues applications may attach to a device or a view unless its `attach` says otherwise.
@@ -168,6 +173,11 @@ impl DeviceConfig {
         self.filters.iter().enumerate().filter_map(|(i, f)| f.resolve(name, i, watchdog, &err).ok()).collect()
     }
 
+    /// Whether the device starts writing (`active`, default `true`).
+    pub fn starts_active(&self) -> bool {
+        self.active.as_ref().is_none_or(|a| *a.get_ref())
+    }
+
     /// Queues applications may attach to the device itself.
     pub fn attach_slots(&self) -> u32 {
         self.attach.as_ref().map_or(DEFAULT_ATTACH, |a| *a.get_ref())
@@ -215,8 +225,10 @@ fn default_budget() -> SpinBudget {
 impl DeviceConfig {
     /// The keys of a device that may change on a running `serve` (`bulkhead reload`): its tap
     /// mode, its filters that do not transform the data, and its views (added, removed, and
-    /// their [`View::LIVE`] keys). A change to any other key is refused, naming it.
-    pub const LIVE: [&'static str; 3] = ["tap", "filter", "view"];
+    /// their [`View::LIVE`] keys). `active` says where a device starts, so a reload leaves a
+    /// running device active or not as it is (`bulkhead device activate` changes it). A change
+    /// to any other key is refused, naming it.
+    pub const LIVE: [&'static str; 4] = ["tap", "filter", "view", "active"];
 
     pub(crate) fn validate(&self, err: &At<'_>) -> Result<(), ConfigError> {
         let d = self;
@@ -284,6 +296,32 @@ impl DeviceConfig {
         }
         for v in &d.views {
             v.check(name, d.size.as_ref().map(|s| s.get_ref().0), &err)?;
+        }
+        if let Some(a) = d.active.as_ref().filter(|a| !*a.get_ref()) {
+            let local = match d.backend.kind {
+                BackendKind::Ram => Some("a ram device's contents stay in this serve"),
+                BackendKind::Null => Some("a null device holds nothing to hand over"),
+                BackendKind::Vdev => Some("a vdev device's disk model runs in this serve"),
+                _ => None,
+            };
+            if let Some(why) = local {
+                return Err(err(
+                    a.span(),
+                    format!(
+                        "device `{name}`: key `active`: false is for storage another host reaches too (file, rbd, nbd): {why}"
+                    ),
+                ));
+            }
+            if let Some(i) = d.filters.iter().position(|f| *f.kind.get_ref() == crate::FilterKind::Cow) {
+                return Err(err(
+                    a.span(),
+                    format!(
+                        "device `{name}`: key `active`: false cannot go with filter {} (cow): its overlay is this host's, \
+                         written as the device opens",
+                        i + 1
+                    ),
+                ));
+            }
         }
         check_allow(&d.nbd_allow, &format!("device `{name}`"), &err)?;
         check_attach(&d.attach, &format!("device `{name}`"), &err)?;

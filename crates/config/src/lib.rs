@@ -482,6 +482,24 @@ mod tests {
     }
 
     #[test]
+    fn active_false_is_for_storage_another_host_reaches_and_names_its_line() {
+        let file = |extra: &str| {
+            format!("[[device]]\nname = \"f\"\nactive = false\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\n{extra}")
+        };
+        let cfg = parse(&file("")).unwrap();
+        assert!(!cfg.devices[0].starts_active());
+        assert!(parse(&file("").replace("active = false\n", "")).unwrap().devices[0].starts_active());
+        let ram = "[[device]]\nname = \"m\"\nsize = \"1M\"\nactive = false\n[device.backend]\ntype = \"ram\"\n";
+        let e = parse(ram).unwrap_err().to_string();
+        assert!(e.contains("key `active`") && e.contains("line 4") && e.contains("ram device"), "{e}");
+        let cow = file("[[device.filter]]\ntype = \"cow\"\noverlay = \"/tmp/o.qcow2\"\n");
+        let e = parse(&cow).unwrap_err().to_string();
+        assert!(e.contains("key `active`") && e.contains("filter 1 (cow)"), "{e}");
+        let e = parse(&file("").replace("active = false", "active = \"no\"")).unwrap_err().to_string();
+        assert!(e.contains("active"), "{e}");
+    }
+
+    #[test]
     fn ublk_lists_known_devices_and_gives_distinct_numbers_in_range() {
         let base = "[[device]]\nname = \"a\"\nsize = \"16M\"\n[device.backend]\ntype = \"ram\"\n[[device.view]]\nname = \"a-ro\"\nread_only = true\n";
         let off = parse(base).unwrap();

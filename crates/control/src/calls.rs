@@ -71,6 +71,12 @@ calls! {
     Restart "restart" => restart -> Changed;
     /// Runs a device's filters in another place (`bulkhead device tap`).
     SetTap "tap" => set_tap -> Changed;
+    /// Makes an inactive device write: the destination's half of a live migration's
+    /// hand-over (`bulkhead device activate`).
+    Activate "activate" => activate -> Activity;
+    /// Drains and flushes a device and makes it stop writing: the source's half of a live
+    /// migration's hand-over (`bulkhead device deactivate`).
+    Deactivate "deactivate" => deactivate -> Activity;
     /// Inserts a filter into a running device (`bulkhead filter add DEVICE`).
     AddFilter "filter_add" => add_filter -> Changed;
     /// Removes a filter from a running device (`bulkhead filter remove DEVICE`).
@@ -263,6 +269,70 @@ pub struct Status {}
 pub struct Restart {
     /// The device.
     pub device: String,
+}
+
+/// `activate`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Activate {
+    /// The device.
+    pub device: String,
+    /// What the other end's device looked like to its guest (from its `deactivate`): a
+    /// device that differs is not activated, and the answer names the difference.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect: Option<Geometry>,
+}
+
+/// `deactivate`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Deactivate {
+    /// The device.
+    pub device: String,
+}
+
+/// What a guest sees of a device and what must match at both ends of a migration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Geometry {
+    /// Bytes.
+    pub size_bytes: u64,
+    /// The logical block the exports offer (512, or a `crypt` filter's sector).
+    pub block_size: u32,
+    /// Writes are refused whatever the device's activity (`read_only` of the backend).
+    pub read_only: bool,
+}
+
+impl Geometry {
+    /// The first way `self` differs from `other` (the expected), in words; `None` if alike.
+    pub fn mismatch(&self, expected: &Geometry) -> Option<String> {
+        if self.size_bytes != expected.size_bytes {
+            return Some(format!("size is {} bytes here and {} at the other end", self.size_bytes, expected.size_bytes));
+        }
+        if self.block_size != expected.block_size {
+            return Some(format!("block is {} bytes here and {} at the other end", self.block_size, expected.block_size));
+        }
+        if self.read_only != expected.read_only {
+            let says = |ro: bool| if ro { "read-only" } else { "read-write" };
+            return Some(format!("it is {} here and {} at the other end", says(self.read_only), says(expected.read_only)));
+        }
+        None
+    }
+}
+
+/// The answer to `activate` and `deactivate`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Activity {
+    /// The device.
+    pub device: String,
+    /// It writes now.
+    pub active: bool,
+    /// It was not so before the call (`false`: nothing was done).
+    pub changed: bool,
+    /// The driver domain now serving it.
+    pub driver_pid: u32,
+    /// What its guests see.
+    pub geometry: Geometry,
 }
 
 /// `tap`.

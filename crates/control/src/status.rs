@@ -109,6 +109,10 @@ pub struct DeviceStatus {
     pub sandbox: Option<bulkhead_sandbox::Layers>,
     /// The same for the tap domain in `interpose` and `intercept` mode.
     pub tap_sandbox: Option<bulkhead_sandbox::Layers>,
+    /// It writes (`false`: inactive, the destination of a live migration before its
+    /// switchover).
+    #[serde(default = "yes")]
+    pub active: bool,
     /// Where the filters run.
     pub tap: String,
     /// The filters, frontend side first, with their figures (as the domain counted them).
@@ -324,4 +328,8 @@ pub struct VhostQueueStatus {
     pub recalls: u64,
     /// The queue stopped on a malformed ring.
     pub broken: bool,
+}
+
+fn yes() -> bool {
+    true
 }

@@ -40,6 +40,12 @@ impl Service for Fake {
         self.changes.fetch_add(1, Ordering::Relaxed);
         Ok(Changed { device: c.device, driver_pid: 43 })
     }
+    fn activate(&self, c: bulkhead_control::Activate) -> Result<bulkhead_control::Activity, ControlError> {
+        Err(ControlError::not_found(format!("no device `{}`", c.device)))
+    }
+    fn deactivate(&self, c: bulkhead_control::Deactivate) -> Result<bulkhead_control::Activity, ControlError> {
+        Err(ControlError::not_found(format!("no device `{}`", c.device)))
+    }
     fn add_filter(&self, c: AddFilter) -> Result<Changed, ControlError> {
         self.changes.fetch_add(1, Ordering::Relaxed);
         Ok(Changed { device: c.device, driver_pid: 44 })

@@ -260,6 +260,9 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
     let first = this.queues.first().ok_or_else(|| DriverError::Setup("a domain has at least one queue".into()))?;
     let slots = this.attach.as_ref().map_or(0, |a| a.slots.len());
     let mut domain = Domain::with_slots(queues, slots, first.nslots, chain, mode, this.budget(), stop)?;
+    if this.inactive {
+        domain.set_inactive();
+    }
     if let Some(a) = &this.attach {
         // SAFETY: forwarded from this function's contract.
         let line = unsafe { claim(a.fd)? };
@@ -306,6 +309,7 @@ mod tests {
             heartbeat_ms: 100,
             above_control_fds: None,
             attach: None,
+            inactive: false,
             sandbox: SandboxSpec::default(),
             report_fd: None,
         };

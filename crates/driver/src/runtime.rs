@@ -162,6 +162,26 @@ pub struct Domain {
     /// Readable once the domain is asked to stop (the stop signals' pipe): with it, a domain
     /// with nothing to do sleeps until a doorbell rings, without a timeout.
     stop_bell: Option<std::os::fd::OwnedFd>,
+    /// The device is inactive: writes refused so far (`None`: it is active). See
+    /// [`set_inactive`](Self::set_inactive).
+    inactive: Option<u64>,
+}
+
+/// Whether `op` is refused because the device is inactive (`inactive`: refusals so far, `None`
+/// when it is active); counts and logs the refusal.
+fn refused_inactive(inactive: &mut Option<u64>, op: Op) -> bool {
+    let Some(n) = inactive else { return false };
+    if !matches!(op, Op::Write | Op::Discard | Op::WriteZeroes) {
+        return false;
+    }
+    *n += 1;
+    if n.is_power_of_two() {
+        eprintln!(
+            "bulkhead driver: the device is inactive: a {} was refused ({n} so far); `bulkhead device activate` lets it write",
+            op.as_str()
+        );
+    }
+    true
 }
 
 /// How often the views' credit is written to the state page, ns; with the turns not timed
@@ -257,7 +277,15 @@ impl Domain {
             visits: 0,
             attach: None,
             stop_bell: None,
+            inactive: None,
         })
+    }
+
+    /// Makes the domain serve an inactive device, the destination of a live migration before
+    /// its switchover: every write, discard and write-zeroes is answered `ReadOnly` before the
+    /// chain sees it, and said in the log (the first, then at every power of two).
+    pub fn set_inactive(&mut self) {
+        self.inactive = Some(0);
     }
 
     /// Gives the domain its attach line: the supervisor adds attached applications' queues to
@@ -509,6 +537,12 @@ impl Domain {
                         break;
                     }
                     Some(Popped::Valid(req)) => {
+                        if refused_inactive(&mut self.inactive, req.op()) {
+                            q.complete(req.id(), req.generation(), Status::ReadOnly, 0);
+                            self.dirty[qi] = true;
+                            refused += 1;
+                            continue;
+                        }
                         let mut base = 0;
                         if let Some(s) = &mut self.sharing {
                             if s.read_only(qi) && matches!(req.op(), Op::Write | Op::Discard | Op::WriteZeroes) {

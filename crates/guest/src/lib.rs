@@ -324,6 +324,13 @@ fn qemu(vmlinux: &Path, initrd: &Path, mem: u32, cpus: u32) -> Command {
 impl Vm {
     /// Boots a guest of `kit` as `opts` says.
     pub fn boot(kit: &Kit, opts: &VmOptions) -> Result<Vm, GuestError> {
+        Vm::boot_with(kit, opts, &[])
+    }
+
+    /// As [`boot`](Self::boot), with more of QEMU's arguments: a QMP socket, or `-incoming`
+    /// and `-S` for the destination of a migration (the same `opts` as the source's, with a
+    /// scratch file of its own).
+    pub fn boot_with(kit: &Kit, opts: &VmOptions, more: &[String]) -> Result<Vm, GuestError> {
         let io_bin = std::fs::read(&kit.guest_io).map_err(|e| GuestError(format!("{}: {e}", kit.guest_io.display())))?;
         // Each command is echoed (`+ …`) so that a failing one shows in the console.
         let script = format!("#!/bin/sh\nset -ex\n{}\n", opts.script);
@@ -339,6 +346,7 @@ impl Vm {
             cmd.arg("-chardev").arg(format!("socket,id=disk{i},path={},reconnect=1", d.socket.display()));
             cmd.arg("-device").arg(format!("vhost-user-blk-pci,chardev=disk{i},num-queues={}", d.queues));
         }
+        cmd.args(more);
         Vm::spawn(cmd, &opts.scratch)
     }
 
@@ -451,6 +459,59 @@ impl Vm {
 impl Drop for Vm {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A QMP connection to a QEMU started with `-qmp unix:PATH,server=on,wait=off`: commands
+/// in, answers out, events skipped.
+pub struct Qmp {
+    reader: BufReader<std::os::unix::net::UnixStream>,
+    writer: std::os::unix::net::UnixStream,
+}
+
+impl Qmp {
+    /// Connects to `path` (waiting up to `timeout` for QEMU to make it) and leaves
+    /// capabilities negotiation.
+    pub fn connect(path: &Path, timeout: Duration) -> Result<Qmp, GuestError> {
+        let deadline = Instant::now() + timeout;
+        let stream = loop {
+            match std::os::unix::net::UnixStream::connect(path) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => return Err(GuestError(format!("qmp {}: {e}", path.display()))),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+        let writer = stream.try_clone().map_err(|e| GuestError(format!("qmp: {e}")))?;
+        let mut q = Qmp { reader: BufReader::new(stream), writer };
+        q.line()?;
+        q.execute("qmp_capabilities", "{}")?;
+        Ok(q)
+    }
+
+    fn line(&mut self) -> Result<String, GuestError> {
+        let mut l = String::new();
+        match self.reader.read_line(&mut l) {
+            Ok(0) => Err(GuestError("qmp: QEMU closed the connection".into())),
+            Ok(_) => Ok(l),
+            Err(e) => Err(GuestError(format!("qmp: {e}"))),
+        }
+    }
+
+    /// Runs `command` with `arguments` (a JSON object); its answer's line (`{"return": …}`),
+    /// or its error.
+    pub fn execute(&mut self, command: &str, arguments: &str) -> Result<String, GuestError> {
+        writeln!(self.writer, r#"{{"execute":"{command}","arguments":{arguments}}}"#)
+            .map_err(|e| GuestError(format!("qmp {command}: {e}")))?;
+        loop {
+            let l = self.line()?;
+            if l.starts_with(r#"{"return""#) {
+                return Ok(l);
+            }
+            if l.starts_with(r#"{"error""#) {
+                return Err(GuestError(format!("qmp {command}: {}", l.trim())));
+            }
+        }
     }
 }
 

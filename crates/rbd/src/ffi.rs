@@ -52,6 +52,7 @@ api! {
     rados: rados_buffer_free: fn(*mut c_char);
     rados: rados_blocklist_add: fn(Handle, *mut c_char, u32) -> c_int;
     rbd: rbd_open: fn(Handle, *const c_char, *mut Handle, *const c_char) -> c_int;
+    rbd: rbd_open_read_only: fn(Handle, *const c_char, *mut Handle, *const c_char) -> c_int;
     rbd: rbd_close: fn(Handle) -> c_int;
     rbd: rbd_stat: fn(Handle, *mut c_void, usize) -> c_int;
     rbd: rbd_set_image_notification: fn(Handle, c_int, c_int) -> c_int;

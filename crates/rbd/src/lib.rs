@@ -137,14 +137,14 @@ impl Cluster {
         Ok(())
     }
 
-    /// Opens image `name` in the pool.
-    pub fn open(&self, name: &str) -> Result<Image, RbdError> {
+    /// Opens image `name` in the pool; `read_only`, it never takes the image's exclusive lock
+    /// nor asks its owner for it, and every write fails.
+    pub fn open(&self, name: &str, read_only: bool) -> Result<Image, RbdError> {
         let n = cstr("image", name)?;
         let mut image = std::ptr::null_mut();
+        let open = if read_only { self.api.rbd_open_read_only } else { self.api.rbd_open };
         // SAFETY: a live I/O context, a NUL-terminated name, no snapshot, a valid out pointer.
-        check(|| format!("image `{name}`"), unsafe {
-            (self.api.rbd_open)(self.ioctx, n.as_ptr(), &mut image, std::ptr::null())
-        })?;
+        check(|| format!("image `{name}`"), unsafe { open(self.ioctx, n.as_ptr(), &mut image, std::ptr::null()) })?;
         Ok(Image { api: self.api.clone(), image })
     }
 }

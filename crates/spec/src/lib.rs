@@ -53,6 +53,11 @@ pub struct DomainSpec {
     /// Room for attached applications' queues, added and removed while the domain runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attach: Option<AttachSpec>,
+    /// The device is inactive (the destination of a live migration before its switchover):
+    /// every write, discard and write-zeroes is refused before any filter sees it, and the
+    /// backend is opened read-only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inactive: bool,
     /// Sandbox policy.
     pub sandbox: SandboxSpec,
     /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
@@ -433,6 +438,7 @@ mod tests {
             heartbeat_ms: 250,
             above_control_fds: None,
             attach: None,
+            inactive: false,
             sandbox: SandboxSpec::default(),
             report_fd: Some(10),
         };

@@ -62,14 +62,14 @@ pub(crate) fn retry(rt: &DeviceRuntime, stopping: &AtomicBool) {
 }
 
 /// Takes the domains and the graveyard out of the slot.
-fn take_all(rt: &DeviceRuntime) -> (Vec<Domain>, Option<Below>, Graveyard) {
+pub(crate) fn take_all(rt: &DeviceRuntime) -> (Vec<Domain>, Option<Below>, Graveyard) {
     let mut slot = rt.lock();
     let (domains, below) = slot.domains.take_all();
     (domains, below, std::mem::take(&mut slot.graveyard))
 }
 
 /// Kills `domains` and waits for what they left in the kernel; puts the graveyard back.
-fn bury_all(rt: &DeviceRuntime, domains: Vec<Domain>, below: Option<Below>, mut graveyard: Graveyard) {
+pub(crate) fn bury_all(rt: &DeviceRuntime, domains: Vec<Domain>, below: Option<Below>, mut graveyard: Graveyard) {
     for d in domains {
         graveyard.bury(&rt.name, d);
     }

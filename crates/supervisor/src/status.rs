@@ -61,6 +61,7 @@ pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
         failure,
         sandbox: faces.driver_layers.filter(|_| running),
         tap_sandbox: faces.tap_layers.filter(|_| running && tap_pid.is_some()),
+        active: rt.launcher.held().active,
         tap: chain.tap.as_str().to_string(),
         filters: chain
             .filters

@@ -582,6 +582,64 @@ impl Supervisor {
         rx.recv_timeout(CHANGE_WAIT).map_err(|_| Error::failed("the supervisor did not answer"))?
     }
 
+    /// Makes device `name` write (`active`) or stop writing, as the two ends of a live
+    /// migration hand its storage over (`bulkhead device activate`, `device deactivate`).
+    /// Returns the new driver pid, or `None` if the device was so already.
+    ///
+    /// Deactivating waits up to `drain` for the requests in flight (the guest is stopped by
+    /// then: its rings were drained) and flushes the device; if either cannot be done it is
+    /// refused and the device writes on. Either way the running generation is asked to stop
+    /// (SIGTERM) and given [`GRACE`] to, so a file is closed after its last write and an rbd
+    /// domain releases the image's exclusive lock as it closes it, for the other end to take at
+    /// once (a killed domain holds it until the cluster notices, ~30 s). The next generation
+    /// runs on storage opened again, read-only or not ([`Launcher::set_active`]).
+    ///
+    /// [`Launcher::set_active`]: crate::launcher::Launcher::set_active
+    pub fn set_active(&self, name: &str, active: bool, drain: Duration) -> Result<Option<u32>, Error> {
+        let _one = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        let rt = self.device(name)?;
+        if self.hub.stopping.load(Ordering::Acquire) {
+            return Err(Error::busy("shutting down"));
+        }
+        let (claim, slot) = rt.claim(CLAIM_WAIT)?;
+        if rt.launcher.held().active == active {
+            return Ok(None);
+        }
+        let state = slot.life.state();
+        drop(slot);
+        if !active {
+            if state != DeviceState::Running {
+                return Err(Error::busy(format!(
+                    "the device is {}: it is deactivated once it runs, after a flush",
+                    state.as_str()
+                )));
+            }
+            let deadline = Instant::now() + drain;
+            while rt.control.in_flight() > 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let left = rt.control.in_flight();
+            if left > 0 {
+                return Err(Error::busy(format!(
+                    "{left} request(s) still in flight after {} ms: stop the guest (or the device's users) first; the \
+                     device stays active",
+                    drain.as_millis()
+                )));
+            }
+            flush_one(&rt.device, GRACE)
+                .map_err(|e| e.context("the flush before deactivating failed; the device stays active"))?;
+        }
+        rt.launcher.set_active(active)?;
+        end_gently(&rt, GRACE);
+        let why = if active { "activated: it writes" } else { "deactivated: it writes no more" };
+        let disposition = rt.lock().life.on_event(Event::Changed { why: why.into(), filters_only: false }, rt.control.answered());
+        let (tx, rx) = mpsc::channel();
+        claim.pass_on();
+        self.hub.dispatch(rt.id, disposition, self.hub.clock.now(), Some(tx));
+        let pid = rx.recv_timeout(CHANGE_WAIT).map_err(|_| Error::failed("the supervisor did not answer"))??;
+        Ok(Some(pid))
+    }
+
     /// Flushes every device, then ends every domain (SIGTERM, SIGKILL after 3 s), then the
     /// supervisor's threads. Idempotent.
     ///
@@ -683,6 +741,41 @@ fn flush_devices(running: &[(String, Arc<bulkhead_client::Device>)], limit: Dura
     for (i, _) in answered.iter().enumerate().filter(|(_, a)| !**a) {
         log::warn!("{}: final flush did not complete within {} s", running[i].0, limit.as_secs());
     }
+}
+
+/// How long a domain asked to stop before its device is activated or deactivated has to.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// Flushes `device` within `limit`; a flush its domain does not answer in time is left to the
+/// thread that sent it.
+fn flush_one(device: &Arc<bulkhead_client::Device>, limit: Duration) -> Result<(), Error> {
+    let (tx, rx) = mpsc::channel();
+    let dev = device.clone();
+    let _ = std::thread::Builder::new().name("flush".into()).spawn(move || {
+        let _ = tx.send(dev.flush(0));
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(Error::failed(e.to_string())),
+        Err(_) => Err(Error::failed(format!("not answered within {} s", limit.as_secs()))),
+    }
+}
+
+/// Asks the running domains of device `rt` (claimed by the caller) to stop, waits up to
+/// `grace` for them, kills those left, and buries them: the next launch finds none.
+fn end_gently(rt: &DeviceRuntime, grace: Duration) {
+    let (mut domains, below, graveyard) = crate::jobs::take_all(rt);
+    for d in &domains {
+        let _ = d.child.signal(libc::SIGTERM);
+    }
+    let deadline = Instant::now() + grace;
+    for d in &mut domains {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if !matches!(d.child.wait_timeout(left), Ok(Some(_))) {
+            log::warn!("device {}: domain (pid {}) did not stop within {} s; killing it", rt.name, d.pid(), grace.as_secs());
+        }
+    }
+    crate::jobs::bury_all(rt, domains, below, graveyard);
 }
 
 /// Asks every domain of `devices` to stop (SIGTERM), waits up to `grace` for them all, kills

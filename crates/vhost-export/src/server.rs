@@ -268,6 +268,9 @@ impl Exported {
     }
 }
 
+/// How long a new frontend waits for the session of the one before it to end.
+const SESSION_ENDING: std::time::Duration = std::time::Duration::from_millis(300);
+
 fn accept_loop(exports: &Exports, epoll: &Epoll, stopping: &AtomicBool) {
     let mut ready = Vec::new();
     // Names refused lately, so a frontend retrying every second does not fill the log.
@@ -298,6 +301,14 @@ fn accept_loop(exports: &Exports, epoll: &Epoll, stopping: &AtomicBool) {
                 let mut slot = e.conn.lock().unwrap_or_else(|p| p.into_inner());
                 if e.removed.load(Ordering::Acquire) {
                     break;
+                }
+                // A frontend that hung up a moment ago (a migration's source QEMU, ended as
+                // the guest comes back) may still have its session stopping its queues.
+                let ending = std::time::Instant::now() + SESSION_ENDING;
+                while slot.as_ref().is_some_and(|c| !c.thread.is_finished()) && std::time::Instant::now() < ending {
+                    drop(slot);
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                    slot = e.conn.lock().unwrap_or_else(|p| p.into_inner());
                 }
                 if slot.as_ref().is_some_and(|c| !c.thread.is_finished()) {
                     let now = std::time::Instant::now();

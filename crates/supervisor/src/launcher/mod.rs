@@ -3,7 +3,7 @@
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bulkhead_channel::{AboveControl, BelowControl, BudgetPolicy, FrontQueue, LowerQueue, NotifyMode, QueueConfig, QueueSetup};
@@ -58,11 +58,9 @@ pub(crate) struct Launcher {
     /// The backend, described for status.
     pub(crate) backend_desc: String,
     exe: PathBuf,
-    /// Descriptors kept for the life of the device (ramdisk memfd, backing files): every
-    /// generation of the domain gets the same ones, so a restart keeps the contents.
-    backend_fds: Vec<OwnedFd>,
-    /// The format of each of `backend_fds` for a disk image (the image, then its backing files).
-    image_formats: Vec<bulkhead_image::Format>,
+    /// The backend's descriptors and whether the device writes; reopened when the device is
+    /// activated or deactivated. Each launch takes a copy.
+    held: Mutex<Arc<Held>>,
     policy: Policy,
     /// The domain's bound on waiting for a remote server, ms.
     io_timeout_ms: u64,
@@ -80,6 +78,20 @@ pub(crate) struct Launcher {
     pub(crate) card: Option<crate::vdev::CardDevice>,
     /// An `rbd` device's cluster addresses, and what its domains said once they had opened the image.
     rbd: Option<(crate::rbd::Reach, crate::rbd::Opened)>,
+}
+
+/// The backend's descriptors as the supervisor holds them, and whether the device writes.
+#[derive(Debug)]
+pub(crate) struct Held {
+    /// The device writes. Inactive, its storage is opened read-only (a file, an image) and
+    /// its domains refuse writes (`DomainSpec::inactive`); an rbd domain opens the image
+    /// read-only and takes no lock.
+    pub active: bool,
+    /// Descriptors kept while the device runs as it is (ramdisk memfd, backing files): every
+    /// generation of the domain gets the same ones, so a restart keeps the contents.
+    pub fds: Vec<OwnedFd>,
+    /// The format of each of `fds` for a disk image (the image, then its backing files).
+    pub formats: Vec<bulkhead_image::Format>,
 }
 
 /// How a generation lays out the device's queues: the device's own, then each view's; and
@@ -140,7 +152,8 @@ impl Launcher {
         if let BackendConfig::File { engine: engine @ Engine::Auto, format: ImageFormat::Raw, path, .. } = &mut backend {
             *engine = auto_engine(&name, path);
         }
-        let storage = Storage::open(&name, cfg, &backend, sandbox, exe, keep)?;
+        let active = cfg.starts_active();
+        let storage = Storage::open(&name, cfg, &backend, active, sandbox, exe, keep)?;
         // Filter state pages and outputs, opened here: the domain opens nothing.
         let mut filters = Vec::new();
         for (i, f) in cfg.filters().into_iter().enumerate() {
@@ -163,8 +176,7 @@ impl Launcher {
             backend,
             backend_desc: storage.desc,
             exe: exe.to_path_buf(),
-            backend_fds: storage.fds,
-            image_formats: storage.formats,
+            held: Mutex::new(Arc::new(Held { active, fds: storage.fds, formats: storage.formats })),
             io_timeout_ms: cfg.watchdog_ms(),
             chain: Mutex::new(ChainSetup { tap: Tap::Passthrough, filters: Vec::new(), snapshot: None }),
             state_fd,
@@ -197,6 +209,38 @@ impl Launcher {
     /// The geometry and policy of the device's queues.
     pub(crate) fn queue_config(&self) -> QueueConfig {
         self.qcfg
+    }
+
+    /// The backend's descriptors and whether the device writes, as the next generation gets
+    /// them.
+    pub(crate) fn held(&self) -> Arc<Held> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Makes the next generation write (`active`) or not: a file or an image is opened again,
+    /// read-only or not, and must still be the size it was. Nothing changes if it cannot be.
+    /// The caller holds the device's claim and ends the running generation itself.
+    pub(crate) fn set_active(&self, active: bool) -> Result<(), Error> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if held.active == active {
+            return Ok(());
+        }
+        let (fds, formats) = match &self.backend {
+            BackendConfig::File { .. } => {
+                let s = Storage::reopen(&self.backend, active, Some(self.backend_size)).expect("a file is reopened")?;
+                if s.size != self.backend_size {
+                    return Err(Error::invalid(format!(
+                        "{} is {} bytes now, and the device is {}: the storage changed under it",
+                        self.backend_desc, s.size, self.backend_size
+                    )));
+                }
+                (s.fds, s.formats)
+            }
+            // The same memory, connection or cluster: the domains open it as the spec says.
+            _ => (held.fds.iter().map(|fd| fd.try_clone()).collect::<Result<_, _>>().map_err(failed)?, held.formats.clone()),
+        };
+        *held = Arc::new(Held { active, fds, formats });
+        Ok(())
     }
 
     /// A copy of the chain as the next generation will run it.

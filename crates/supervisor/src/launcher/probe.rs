@@ -41,7 +41,7 @@ impl Launcher {
                     size = if direct && self.reads_storage_directly() {
                         let file = match self.header_fd() {
                             Some(fd) => Some(std::fs::File::from(
-                                fd.try_clone().map_err(|e| Error::failed(format!("filter {} (crypt): {e}", i + 1)))?,
+                                fd.map_err(|e| Error::failed(format!("filter {} (crypt): {e}", i + 1)))?,
                             )),
                             None => None,
                         };
@@ -101,14 +101,16 @@ impl Launcher {
 
     /// The descriptor to read the backend's storage through: a direct file's buffered one (no
     /// alignment rules for a header read); `None` for the null backend (it reads as zeroes).
-    fn header_fd(&self) -> Option<&OwnedFd> {
-        match &self.backend {
-            BackendConfig::File { direct, .. } => self.backend_fds.get(usize::from(*direct)),
-            BackendConfig::Ram => self.backend_fds.first(),
+    fn header_fd(&self) -> Option<std::io::Result<OwnedFd>> {
+        let held = self.held();
+        let fd = match &self.backend {
+            BackendConfig::File { direct, .. } => held.fds.get(usize::from(*direct)),
+            BackendConfig::Ram => held.fds.first(),
             // The card keeps the device's bytes as they are, in storage the supervisor made.
             BackendConfig::Vdev { .. } => self.card.as_ref().map(|c| c.media()),
             BackendConfig::Null | BackendConfig::Nbd { .. } | BackendConfig::Rbd { .. } => None,
-        }
+        };
+        fd.map(OwnedFd::try_clone)
     }
 
     /// Runs `f` with a reader of the device the current chain makes (`self.size` bytes): a
@@ -203,7 +205,7 @@ impl Launcher {
     pub(crate) fn soft_terminal(&self) -> Result<(), Error> {
         use std::os::unix::fs::FileTypeExt;
         let BackendConfig::File { path, .. } = &self.backend else { return Ok(()) };
-        let dup = self.backend_fds[0].try_clone().map_err(|e| Error::failed(format!("{}: {e}", path.display())))?;
+        let dup = self.held().fds[0].try_clone().map_err(|e| Error::failed(format!("{}: {e}", path.display())))?;
         let kind =
             std::fs::File::from(dup).metadata().map_err(|e| Error::failed(format!("{}: {e}", path.display())))?.file_type();
         if kind.is_block_device() || kind.is_char_device() {

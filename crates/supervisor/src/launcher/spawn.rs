@@ -65,8 +65,9 @@ impl Launcher {
     /// The backend's part of a spec, its descriptors added to `pass`; and the watch on the
     /// ring lent to an io_uring engine, which the supervisor keeps (see [`RingWatch`]).
     pub(super) fn backend_spec(&self, pass: &mut Pass, conn: Option<OwnedFd>) -> Result<(BackendSpec, Option<RingWatch>), Error> {
+        let held = self.held();
         let spec = match &self.backend {
-            BackendConfig::Ram => BackendSpec::Ram { fd: pass.add(&self.backend_fds[0]) },
+            BackendConfig::Ram => BackendSpec::Ram { fd: pass.add(&held.fds[0]) },
             BackendConfig::Null => BackendSpec::Null,
             BackendConfig::Vdev { wait, .. } => {
                 let card = self.card.as_ref().ok_or_else(|| Error::failed("a vdev device has a card"))?;
@@ -114,7 +115,8 @@ impl Launcher {
                     namespace: namespace.clone(),
                     image: image.clone(),
                     cache: *cache,
-                    read_only: *read_only,
+                    // Inactive, the image is opened read-only: no lock taken, none asked for.
+                    read_only: *read_only || !held.active,
                     op_timeout_ms: *op_timeout_ms,
                     connect_timeout_ms: *connect_timeout_ms,
                     discard_granularity: 4096,
@@ -122,13 +124,8 @@ impl Launcher {
                 }
             }
             BackendConfig::File { read_only, format: ImageFormat::Qcow2, .. } => BackendSpec::Qcow2 {
-                layers: self
-                    .backend_fds
-                    .iter()
-                    .zip(&self.image_formats)
-                    .map(|(fd, f)| (pass.add(fd), f.as_str().to_string()))
-                    .collect(),
-                read_only: *read_only,
+                layers: held.fds.iter().zip(&held.formats).map(|(fd, f)| (pass.add(fd), f.as_str().to_string())).collect(),
+                read_only: *read_only || !held.active,
             },
             BackendConfig::File { direct, engine, read_only, .. } => {
                 let (ring, watch) = match engine {
@@ -146,9 +143,9 @@ impl Launcher {
                     Engine::Sync | Engine::Auto => (None, None),
                 };
                 let spec = BackendSpec::File {
-                    fd: pass.add(&self.backend_fds[0]),
-                    buffered_fd: direct.then(|| pass.add(&self.backend_fds[1])),
-                    read_only: *read_only,
+                    fd: pass.add(&held.fds[0]),
+                    buffered_fd: direct.then(|| pass.add(&held.fds[1])),
+                    read_only: *read_only || !held.active,
                     engine: engine.as_str().to_string(),
                     ring,
                 };
@@ -229,6 +226,7 @@ impl Launcher {
             heartbeat_ms: (self.io_timeout_ms / 4).max(2),
             above_control_fds: above_line,
             attach,
+            inactive: !self.held().active,
             sandbox: SandboxSpec { policy: self.policy },
             report_fd: Some(report_fd),
         };

@@ -37,10 +37,18 @@ pub(super) fn ram(name: &str, size: u64, keep: &Keep) -> Result<Storage, Error> 
 }
 
 /// A raw file or block device at `path`: its descriptor, and a buffered one beside it when
-/// `direct` (for reads with no alignment rules, such as a LUKS header's).
-pub(super) fn file(path: &Path, direct: bool, engine: Engine, read_only: bool, size: Option<u64>) -> Result<Storage, Error> {
+/// `direct` (for reads with no alignment rules, such as a LUKS header's); opened to write if
+/// the device is `active` and not `read_only`.
+pub(super) fn file(
+    path: &Path,
+    direct: bool,
+    engine: Engine,
+    read_only: bool,
+    active: bool,
+    size: Option<u64>,
+) -> Result<Storage, Error> {
     let open = |direct| {
-        open_backing(path, read_only, direct)
+        open_backing(path, read_only || !active, direct)
             .map_err(|e| Error::failed(format!("cannot open backing file {}: {e}", path.display())))
     };
     let main = open(direct)?;

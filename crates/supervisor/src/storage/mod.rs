@@ -40,23 +40,27 @@ impl Storage {
         Storage { size, desc, fds, formats: Vec::new(), card: None, rbd: None }
     }
 
-    /// Opens (or creates) the storage of `backend` for device `name` as `cfg` sizes it; a
-    /// `vdev` device's model domain is exec'd from `exe`, as the device's other domains are.
+    /// Opens (or creates) the storage of `backend` for device `name` as `cfg` sizes it, to
+    /// write if `active` (and the backend is not read-only); a `vdev` device's model domain is
+    /// exec'd from `exe`, as the device's other domains are.
     pub fn open(
         name: &str,
         cfg: &DeviceConfig,
         backend: &BackendConfig,
+        active: bool,
         sandbox: Policy,
         exe: &Path,
         keep: &Keep,
     ) -> Result<Storage, Error> {
         let size = cfg.size.as_ref().map(|s| s.get_ref().0);
+        if let Some(s) = Storage::reopen(backend, active, size) {
+            return s;
+        }
         let required = |what: &str| size.ok_or_else(|| Error::invalid(format!("size is required for a {what} device")));
         match backend {
             BackendConfig::Ram => local::ram(name, required("ram")?, keep),
             BackendConfig::Null => Ok(Storage::held(required("null")?, "null".into(), Vec::new())),
-            BackendConfig::File { path, read_only, format: ImageFormat::Qcow2, .. } => qcow2::open(path, *read_only),
-            BackendConfig::File { path, direct, engine, read_only, .. } => local::file(path, *direct, *engine, *read_only, size),
+            BackendConfig::File { .. } => unreachable!("opened above"),
             BackendConfig::Nbd { uri, target, export, connect_timeout_ms, .. } => {
                 nbd::open(uri, target, export, Duration::from_millis(*connect_timeout_ms), size)
             }
@@ -74,6 +78,23 @@ impl Storage {
                 let desc = crate::vdev::describe(card, c.name(), *wait);
                 Ok(Storage { card: Some(c), ..Storage::held(size, desc, Vec::new()) })
             }
+        }
+    }
+}
+
+impl Storage {
+    /// Opens a file or an image again (`None` for any other backend, whose domains open it
+    /// themselves), to write if `active`: a device activated or deactivated keeps nothing of
+    /// the descriptors before, so an inactive one never held one that writes.
+    pub fn reopen(backend: &BackendConfig, active: bool, size: Option<u64>) -> Option<Result<Storage, Error>> {
+        match backend {
+            BackendConfig::File { path, read_only, format: ImageFormat::Qcow2, .. } => {
+                Some(qcow2::open(path, *read_only, active))
+            }
+            BackendConfig::File { path, direct, engine, read_only, .. } => {
+                Some(local::file(path, *direct, *engine, *read_only, active, size))
+            }
+            _ => None,
         }
     }
 }

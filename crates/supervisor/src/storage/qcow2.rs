@@ -88,9 +88,10 @@ pub fn open_chain(path: &Path, read_only: bool) -> Result<ImageChain, Error> {
     Ok(chain)
 }
 
-/// The storage of a qcow2 image: the image and its backing chain.
-pub(super) fn open(path: &Path, read_only: bool) -> Result<Storage, Error> {
-    let chain = open_chain(path, read_only)?;
+/// The storage of a qcow2 image: the image and its backing chain, the image opened to write
+/// if the device is `active` and not `read_only`.
+pub(super) fn open(path: &Path, read_only: bool, active: bool) -> Result<Storage, Error> {
+    let chain = open_chain(path, read_only || !active)?;
     let desc = format!(
         "qcow2:{}{}{}",
         path.display(),
