@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 #[allow(unused_imports)] // each test file uses a different subset
 pub use bulkhead_testkit::kernel::{run, ChildGuard, LoopGuard, MountGuard};
 
+pub mod ceph;
+
 pub fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_bulkhead")
 }
