@@ -428,10 +428,12 @@ pub enum BenchCmd {
         /// Seconds per point in a guest.
         #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=600))]
         guest_seconds: u64,
-        /// Kills of each kind in the restart part.
+        /// Kills of each kind in the restart part, and migrations of each system in the
+        /// migrate part.
         #[arg(long, default_value_t = 20, value_parser = count(1, 1000))]
         kills: usize,
-        /// Parts to run (comma-separated): host, guest, restart.
+        /// Parts to run (comma-separated): host, guest, restart, and migrate (a guest moved
+        /// between two servers on one shared file, not run by default).
         #[arg(long, value_delimiter = ',', default_value = "host,guest,restart", value_parser = crate::vm::Part::parse)]
         parts: Vec<crate::vm::Part>,
         /// qemu-storage-daemon to compare with.

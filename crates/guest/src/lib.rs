@@ -462,6 +462,11 @@ impl Drop for Vm {
     }
 }
 
+/// QEMU's arguments for a QMP socket at `path`, for [`Qmp::connect`].
+pub fn qmp_args(path: &Path) -> Vec<String> {
+    vec!["-qmp".into(), format!("unix:{},server=on,wait=off", path.display())]
+}
+
 /// A QMP connection to a QEMU started with `-qmp unix:PATH,server=on,wait=off`: commands
 /// in, answers out, events skipped.
 pub struct Qmp {
@@ -495,6 +500,25 @@ impl Qmp {
             Ok(0) => Err(GuestError("qmp: QEMU closed the connection".into())),
             Ok(_) => Ok(l),
             Err(e) => Err(GuestError(format!("qmp: {e}"))),
+        }
+    }
+
+    /// Waits up to `timeout` for the migration this QEMU is making to end: its status
+    /// (`completed`, `failed` or `cancelled`) and QEMU's downtime, ms (`query-migrate`).
+    pub fn migration_ended(&mut self, timeout: Duration) -> Result<(String, f64), GuestError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let answer = self.execute("query-migrate", "{}")?;
+            let v: serde_json::Value =
+                serde_json::from_str(&answer).map_err(|e| GuestError(format!("query-migrate: {e}: {}", answer.trim())))?;
+            let status = v["return"]["status"].as_str().unwrap_or("").to_string();
+            if matches!(status.as_str(), "completed" | "failed" | "cancelled") {
+                return Ok((status, v["return"]["downtime"].as_f64().unwrap_or(0.0)));
+            }
+            if Instant::now() >= deadline {
+                return Err(GuestError(format!("the migration did not end in {timeout:?}: {}", answer.trim())));
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 

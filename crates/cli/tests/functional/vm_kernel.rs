@@ -367,31 +367,6 @@ fn guest_memory_never_reaches_the_driver_domain() {
     assert!(!log.contains("pattern 0 found"), "the driver domain found the guest's RAM: {log}");
 }
 
-/// QEMU's arguments for a QMP socket at `path`.
-fn qmp_args(path: &Path) -> Vec<String> {
-    vec!["-qmp".into(), format!("unix:{},server=on,wait=off", path.display())]
-}
-
-/// `query-migrate`'s answer once the migration has ended (`completed`, `failed` or
-/// `cancelled`), and QEMU's downtime, ms.
-fn migration_ended(qmp: &mut Qmp, timeout: Duration) -> (String, u64) {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let v = query_migrate(qmp);
-        let status = v["status"].as_str().unwrap_or("").to_string();
-        if matches!(status.as_str(), "completed" | "failed" | "cancelled") {
-            return (status, v["downtime"].as_u64().unwrap_or(0));
-        }
-        assert!(Instant::now() < deadline, "the migration did not end in {timeout:?}: {v}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn query_migrate(qmp: &mut Qmp) -> serde_json::Value {
-    let answer = qmp.execute("query-migrate", "{}").unwrap();
-    serde_json::from_str::<serde_json::Value>(&answer).unwrap()["return"].clone()
-}
-
 /// Asks the `serve` at `run_dir` to activate or deactivate `disk`.
 fn hand_over(
     run_dir: &Path,
@@ -432,14 +407,16 @@ struct Moving<'a> {
     /// The console of every QEMU the guest has left.
     console: Vec<String>,
     /// QEMU's downtime of each completed migration, ms.
-    downtimes: Vec<u64>,
+    downtimes: Vec<f64>,
 }
 
 impl<'a> Moving<'a> {
     /// Boots the guest on `serve` under a load of `seconds`.
     fn start(kit: &'a Kit, tmp: &'a TempDir, serve: &Serve, seconds: u32) -> Moving<'a> {
         let qmp_path = tmp.path().join("qmp-0.sock");
-        let guest = Vm::boot_with(kit, &loaded(serve, seconds, tmp.path().join("initrd-0")), &qmp_args(&qmp_path)).unwrap();
+        let guest =
+            Vm::boot_with(kit, &loaded(serve, seconds, tmp.path().join("initrd-0")), &bulkhead_guest::qmp_args(&qmp_path))
+                .unwrap();
         let qmp = Qmp::connect(&qmp_path, Duration::from_secs(10)).unwrap();
         assert!(guest.wait_for("GUESTIO started", Duration::from_secs(60)).is_some(), "{}", guest.lines().join("\n"));
         Moving { kit, tmp, guest, qmp, started: 1, console: Vec::new(), downtimes: Vec::new() }
@@ -451,7 +428,7 @@ impl<'a> Moving<'a> {
         self.started += 1;
         let port = 47_000 + (std::process::id() % 1000) as u16 * 16 + n as u16 % 16;
         let qmp_path = self.tmp.path().join(format!("qmp-{n}.sock"));
-        let mut more = qmp_args(&qmp_path);
+        let mut more = bulkhead_guest::qmp_args(&qmp_path);
         more.extend(["-incoming".into(), format!("tcp:127.0.0.1:{port}"), "-S".into()]);
         // The load's script is the source's memory's to run: the destination's is never read.
         let vm = Vm::boot_with(self.kit, &loaded(dst, 0, self.tmp.path().join(format!("initrd-{n}"))), &more).unwrap();
@@ -476,7 +453,7 @@ impl<'a> Moving<'a> {
         if let Some(f) = during {
             f();
         }
-        let (status, downtime) = migration_ended(&mut self.qmp, Duration::from_secs(120));
+        let (status, downtime) = self.qmp.migration_ended(Duration::from_secs(120)).unwrap();
         let i = self.downtimes.len() + 1;
         assert_eq!(status, "completed", "migration {i}: {}\n{}", next.lines().join("\n"), src.log_text());
         let was = hand_over(&src.run_dir, bulkhead_control::Deactivate { device: "disk".into() });
@@ -498,7 +475,7 @@ impl<'a> Moving<'a> {
 
     /// Waits for the load to end; checks every block read back as written and the guest
     /// saw no error.
-    fn finish(self, serves: &[&Serve]) -> Vec<u64> {
+    fn finish(self, serves: &[&Serve]) -> Vec<f64> {
         let out = self.guest.finish(Duration::from_secs(300));
         let mut lines = self.console;
         lines.extend(out.lines.iter().cloned());
@@ -537,7 +514,7 @@ fn a_guest_moves_between_two_serves_on_a_shared_file_and_survives_failed_moves()
     m.begin(port, 16);
     std::thread::sleep(Duration::from_millis(500));
     m.qmp.execute("migrate_cancel", "{}").unwrap();
-    assert_eq!(migration_ended(&mut m.qmp, Duration::from_secs(60)).0, "cancelled");
+    assert_eq!(m.qmp.migration_ended(Duration::from_secs(60)).unwrap().0, "cancelled");
     drop(dest);
     assert!(active(&a) && !active(&b));
     // The destination's serve killed while the memory is copied: the source runs on.
@@ -550,7 +527,7 @@ fn a_guest_moves_between_two_serves_on_a_shared_file_and_survives_failed_moves()
     b.child.0 = None;
     // QEMU may finish copying the memory all the same; the hand-over then has nobody to
     // activate, so the guest resumes on the source, whose device was never deactivated.
-    let (status, _) = migration_ended(&mut m.qmp, Duration::from_secs(60));
+    let (status, _) = m.qmp.migration_ended(Duration::from_secs(60)).unwrap();
     drop(dest);
     m.qmp.execute("cont", "{}").unwrap_or_else(|e| panic!("resuming the source after a migration {status}: {e}"));
     assert!(active(&a));
