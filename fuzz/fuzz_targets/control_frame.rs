@@ -26,6 +26,12 @@ impl Service for Fixed {
     fn set_tap(&self, c: SetTap) -> Result<Changed, ControlError> {
         refuse(&c.device)
     }
+    fn activate(&self, c: Activate) -> Result<Activity, ControlError> {
+        refuse(&c.device)
+    }
+    fn deactivate(&self, c: Deactivate) -> Result<Activity, ControlError> {
+        refuse(&c.device)
+    }
     fn add_filter(&self, c: AddFilter) -> Result<Changed, ControlError> {
         refuse(&c.device)
     }

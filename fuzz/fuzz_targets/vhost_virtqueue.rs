@@ -79,5 +79,5 @@ fn guest_memory(bytes: &[u8]) -> Arc<GuestMem> {
     file.write_all(&bytes[..bytes.len().min(SIZE as usize)]).unwrap();
     bulkhead_shmem::memfd::seal_size(std::os::fd::AsRawFd::as_raw_fd(&file)).unwrap();
     let region = VhostUserMemoryRegion::new(BASE, SIZE, 0x7f00_0000_0000, 0);
-    Arc::new(GuestMem::map(&[region], vec![file]).unwrap())
+    Arc::new(GuestMem::map(&[region], vec![file], &Arc::default()).unwrap())
 }
