@@ -227,7 +227,8 @@ impl Launcher {
         }
         let (fds, formats) = match &self.backend {
             BackendConfig::File { .. } => {
-                let s = Storage::reopen(&self.backend, active, Some(self.backend_size)).expect("a file is reopened")?;
+                let s = Storage::reopen(&self.backend, active, Some(self.backend_size))
+                    .ok_or_else(|| Error::failed("a file backend is opened again by Storage::reopen"))??;
                 if s.size != self.backend_size {
                     return Err(Error::invalid(format!(
                         "{} is {} bytes now, and the device is {}: the storage changed under it",
