@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A throwaway single-node Ceph cluster, for trying the `rbd` backend and for the tests.
 #
-#   scripts/ceph-dev.sh up   [--dir DIR] [--netns NAME] [--pool POOL] [--bluestore SIZE]
+#   scripts/ceph-dev.sh up   [--dir DIR] [--netns NAME [--addr IP]] [--pool POOL] [--bluestore SIZE]
 #   scripts/ceph-dev.sh down [--dir DIR]
 #
-# `up` starts one monitor on 127.0.0.1 and one OSD (memstore, or bluestore on a sparse file of
+# `up` starts one monitor on 127.0.0.1 (or, with --addr, on IP, added to the namespace's
+# loopback so that other namespaces routed to it are clients from other hosts) and one OSD (memstore, or bluestore on a sparse file of
 # SIZE), makes a pool of size 1 and initialises it for RBD, then prints the keys a `[[device]]`
 # with `type = "rbd"` needs. With --netns the cluster lives in a network namespace of that name
 # (made here, removed by `down`), so several clusters can run side by side; run clients there
@@ -17,12 +18,14 @@ cmd=${1:-}
 shift || true
 dir=${BULKHEAD_CEPH_DIR:-/tmp/bulkhead-ceph}
 netns=""
+addr=127.0.0.1
 pool=rbd
 bluestore=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dir) dir=$2; shift 2 ;;
     --netns) netns=$2; shift 2 ;;
+    --addr) addr=$2; shift 2 ;;
     --pool) pool=$2; shift 2 ;;
     --bluestore) bluestore=$2; shift 2 ;;
     *) echo "ceph-dev.sh: unknown option \`$1\`" >&2; exit 2 ;;
@@ -48,6 +51,9 @@ down() {
 }
 
 up() {
+  if [ "$addr" != 127.0.0.1 ] && [ -z "$netns" ]; then
+    echo "ceph-dev.sh: --addr needs --netns (the address is added to the namespace's loopback)" >&2; exit 2
+  fi
   command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null || {
     echo "ceph-dev.sh: ceph-mon and ceph-osd are not installed (scripts/deps.sh test installs them)" >&2; exit 1; }
   if [ -e "$dir/ceph.conf" ]; then echo "ceph-dev.sh: a cluster is already in $dir; run \`down\` first" >&2; exit 1; fi
@@ -57,8 +63,13 @@ up() {
     ip netns add "$netns"
     echo "$netns" > "$dir/netns"
     ip -n "$netns" link set lo up
+    [ "$addr" = 127.0.0.1 ] || ip -n "$netns" addr add "$addr/32" dev lo
   fi
-  local fsid
+  # Ceph picks addresses off interfaces other than the loopback: an address given is bound
+  # as it is.
+  local fsid public="public network = 127.0.0.0/8"
+  [ "$addr" = 127.0.0.1 ] || public="public addr = $addr
+cluster addr = $addr"
   fsid=$(cat /proc/sys/kernel/random/uuid)
   # memstore keeps each object in 64 KiB pages: as one buffer list, every small write splices
   # in a piece and later reads of the object walk all of them (reads at depth 32 ran at 0.6x
@@ -76,8 +87,8 @@ bluestore cache size = 134217728"
   cat > "$dir/ceph.conf" <<CONF
 [global]
 fsid = $fsid
-mon host = v2:127.0.0.1:3300
-public network = 127.0.0.0/8
+mon host = v2:$addr:3300
+$public
 auth cluster required = cephx
 auth service required = cephx
 auth client required = cephx
@@ -106,7 +117,7 @@ CONF
   ceph-authtool "$dir/keyring" --create-keyring --gen-key -n mon. --cap mon 'allow *' >/dev/null
   ceph-authtool "$dir/keyring" --gen-key -n client.admin --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' >/dev/null
   ceph-authtool "$dir/keyring" --gen-key -n osd.0 --cap mon 'allow profile osd' --cap osd 'allow *' >/dev/null
-  monmaptool --create --enable-all-features --addv a "[v2:127.0.0.1:3300]" --fsid "$fsid" "$dir/monmap" >/dev/null
+  monmaptool --create --enable-all-features --addv a "[v2:$addr:3300]" --fsid "$fsid" "$dir/monmap" >/dev/null
   ceph-mon --mkfs -i a --monmap "$dir/monmap" --keyring "$dir/keyring" -c "$dir/ceph.conf"
   in_ns ceph-mon -i a -c "$dir/ceph.conf"
   local osd_uuid
@@ -122,7 +133,7 @@ CONF
   cat <<OUT
 # cluster up in $dir${netns:+ (network namespace $netns)}; \`scripts/ceph-dev.sh down --dir $dir\` ends it
 CEPH_CONF=$dir/ceph.conf
-mon_host = "127.0.0.1:3300"
+mon_host = "$addr:3300"
 pool = "$pool"
 user = "admin"
 key_file = "$dir/client.admin.key"
@@ -132,5 +143,5 @@ OUT
 case "$cmd" in
   up) up ;;
   down) down ;;
-  *) echo "usage: scripts/ceph-dev.sh up|down [--dir DIR] [--netns NAME] [--pool POOL] [--bluestore SIZE]" >&2; exit 2 ;;
+  *) echo "usage: scripts/ceph-dev.sh up|down [--dir DIR] [--netns NAME [--addr IP]] [--pool POOL] [--bluestore SIZE]" >&2; exit 2 ;;
 esac

@@ -8,11 +8,31 @@ use std::process::Command;
 pub struct Cluster {
     pub dir: PathBuf,
     pub netns: String,
+    /// The monitor's and the OSD's address in `netns`.
+    pub addr: String,
 }
 
 impl Cluster {
-    /// Starts one, or `None` (the test skips) without the ceph packages.
+    /// Starts one on 127.0.0.1 of its namespace, or `None` (the test skips) without the ceph
+    /// packages.
     pub fn up(tag: &str) -> Option<Cluster> {
+        Self::up_at(tag, "127.0.0.1")
+    }
+
+    /// Starts one whose daemons listen on `addr`, which [`Cluster::host`]s reach.
+    pub fn routed(tag: &str) -> Option<Cluster> {
+        Self::up_at(tag, &format!("10.199.{}.1", std::process::id() % 250))
+    }
+
+    /// Another host, a client of this cluster: a namespace joined to the cluster's by a veth
+    /// pair, routed to its address.
+    pub fn host(&self) -> Option<super::netns::NetNs> {
+        let h = super::netns::NetNs::joined_to(Some(&self.netns))?;
+        h.route_to(&self.addr);
+        Some(h)
+    }
+
+    fn up_at(tag: &str, addr: &str) -> Option<Cluster> {
         if bulkhead_testkit::kernel::which("ceph-mon").is_none() || bulkhead_testkit::kernel::which("ceph-osd").is_none() {
             assert!(std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"), "ceph-mon and ceph-osd are required");
             eprintln!("SKIP: the ceph packages are not installed");
@@ -20,11 +40,11 @@ impl Cluster {
         }
         let netns = format!("bh-{tag}-{}", std::process::id());
         let dir = std::env::temp_dir().join(format!("bulkhead-ceph-{tag}-{}", std::process::id()));
-        let c = Cluster { dir, netns };
+        let c = Cluster { dir, netns, addr: addr.to_string() };
         let out = Command::new(script())
             .args(["up", "--dir"])
             .arg(&c.dir)
-            .args(["--netns", &c.netns])
+            .args(["--netns", &c.netns, "--addr", &c.addr])
             .output()
             .expect("scripts/ceph-dev.sh");
         assert!(out.status.success(), "cluster did not start: {}", String::from_utf8_lossy(&out.stderr));
@@ -59,8 +79,9 @@ impl Cluster {
         let size = if size.is_empty() { String::new() } else { format!("size = \"{size}\"\n") };
         format!(
             "[[device]]\nname = \"{name}\"\n{size}restart_limit = 100000\n\
-             [device.backend]\ntype = \"rbd\"\nmon_host = \"127.0.0.1:3300\"\npool = \"rbd\"\nimage = \"{image}\"\n\
+             [device.backend]\ntype = \"rbd\"\nmon_host = \"{}:3300\"\npool = \"rbd\"\nimage = \"{image}\"\n\
              key_file = \"{}\"\n{extra}",
+            self.addr,
             self.key_file().display()
         )
     }

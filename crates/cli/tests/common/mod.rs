@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 pub use bulkhead_testkit::kernel::{run, ChildGuard, LoopGuard, MountGuard};
 
 pub mod ceph;
+pub mod netns;
 
 pub fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_bulkhead")

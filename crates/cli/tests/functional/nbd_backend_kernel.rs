@@ -293,55 +293,13 @@ fn nbd_backend_fails_after_the_reconnect_timeout_and_restart_revives_it() {
     qemu_io(&ours, &["write -P 0x78 0 64k", "read -P 0x78 0 64k"]);
 }
 
-/// A second host: a network namespace joined to this one by a veth pair.
-struct NetNs {
-    name: String,
-    host_ip: String,
-    peer_ip: String,
-}
-
-impl NetNs {
-    fn create() -> Option<NetNs> {
-        let id = std::process::id();
-        let name = format!("bh-test-{id}");
-        let (a, b) = (format!("bhva{}", id % 100_000), format!("bhvb{}", id % 100_000));
-        let net = 1 + id % 250;
-        let ns = NetNs { name: name.clone(), host_ip: format!("10.231.{net}.1"), peer_ip: format!("10.231.{net}.2") };
-        let steps: [&[&str]; 8] = [
-            &["netns", "add", &name],
-            &["link", "add", &a, "type", "veth", "peer", "name", &b],
-            &["link", "set", &b, "netns", &name],
-            &["addr", "add", &format!("{}/24", ns.host_ip), "dev", &a],
-            &["link", "set", &a, "up"],
-            &["-n", &name, "addr", "add", &format!("{}/24", ns.peer_ip), "dev", &b],
-            &["-n", &name, "link", "set", &b, "up"],
-            &["-n", &name, "link", "set", "lo", "up"],
-        ];
-        for s in steps {
-            if let Err(e) = try_sh("ip", s, 10) {
-                assert!(std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"), "ip {s:?}: {e}");
-                eprintln!("SKIP: cannot make a network namespace: ip {s:?}: {e}");
-                return None;
-            }
-        }
-        Some(ns)
-    }
-}
-
-impl Drop for NetNs {
-    fn drop(&mut self) {
-        // Deleting the namespace deletes the veth pair with it.
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
-    }
-}
-
 #[test]
 fn nbd_backend_reaches_a_bulkhead_export_on_a_second_host_over_tcp() {
     require_kernel!();
     if !tools(&["ip", "qemu-io"]) {
         return;
     }
-    let Some(ns) = NetNs::create() else { return };
+    let Some(ns) = common::netns::NetNs::create() else { return };
     let tmp = TempDir::new("nbdb-netns");
     // The remote host: bulkhead serve inside the namespace, exporting a ram device on TCP.
     let remote_run = tmp.path().join("remote");
