@@ -4,7 +4,9 @@
 //! - `stress DEV SECONDS [THREADS]`: each thread owns the blocks `b % THREADS == t` and
 //!   rewrites random ones of them with `O_DIRECT`, each write carrying its block number and a
 //!   generation, and reads some back; at the end every block written is read and checked
-//!   against the last generation acknowledged. THREADS requests are in flight at once.
+//!   against the last generation acknowledged. THREADS requests are in flight at once. Reads
+//!   land in a buffer the CPU never writes, so only the device's writes change it: on a
+//!   migrating guest, a read whose page the backend did not mark dirty arrives stale.
 //! - `bench DEV MODE BS QD SECONDS`: MODE is `randread`, `randwrite`, `read` or `write`;
 //!   prints requests per second and MiB/s.
 //! - `pauses DEV SECONDS [TOP]`: 4 KiB random writes one at a time to the upper half of DEV
@@ -114,13 +116,15 @@ fn stress(dev: &str, seconds: u64, threads: u64) -> Result<(), Failure> {
             let mut gens = vec![0u32; owned.len()];
             let mut rng = Rng::new(t + 1);
             let (mut buf, mut scratch) = (Aligned::new(BLOCK), vec![0u8; BLOCK]);
+            // Written by the device alone (the CPU only reads it).
+            let mut rbuf = Aligned::new(BLOCK);
             let mut reads = 0;
             while Instant::now() < deadline && !failed.load(Ordering::Relaxed) {
                 let i = (rng.next_u64() % owned.len() as u64) as usize;
                 let b = owned[i];
                 if rng.next_u64().is_multiple_of(4) {
-                    file.read_exact_at(buf.buf(), b * BLOCK as u64).map_err(|e| Failure(format!("read block {b}: {e}")))?;
-                    check(buf.buf(), b, gens[i], &mut scratch)?;
+                    file.read_exact_at(rbuf.buf(), b * BLOCK as u64).map_err(|e| Failure(format!("read block {b}: {e}")))?;
+                    check(rbuf.buf(), b, gens[i], &mut scratch)?;
                     reads += 1;
                 } else {
                     let gen = gens[i] + 1;

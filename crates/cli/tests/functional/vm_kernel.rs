@@ -1,8 +1,9 @@
 //! Real Linux guests under QEMU (TCG) on bulkhead's vhost-user-blk sockets: a file system
 //! round trip, driver domains killed and wedged under the guest's I/O, `serve` itself killed
-//! and restarted under it, a read-only view, and guest memory kept out of the domains. Each
-//! guest passes only if its dmesg shows no I/O error and no "not a head", and every block it
-//! wrote reads back as written.
+//! and restarted under it, a read-only view, guest memory kept out of the domains, and a
+//! loaded guest live-migrated between two `serve`s in network namespaces of their own, the
+//! disks handed over, on a shared file and on RBD. Each guest passes only if its dmesg shows
+//! no I/O error and no "not a head", and every block it wrote reads back as written.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -367,7 +368,7 @@ fn guest_memory_never_reaches_the_driver_domain() {
     assert!(!log.contains("pattern 0 found"), "the driver domain found the guest's RAM: {log}");
 }
 
-/// Asks the `serve` at `run_dir` to activate or deactivate `disk`.
+/// Asks the `serve` at `run_dir` to activate or deactivate a device.
 fn hand_over(
     run_dir: &Path,
     call: impl bulkhead_control::Call<Reply = bulkhead_control::Activity>,
@@ -376,27 +377,70 @@ fn hand_over(
     c.call(call).unwrap_or_else(|e| panic!("{}: {e}", run_dir.display()))
 }
 
-/// Whether `disk` of the `serve` at `run_dir` writes.
-fn active(serve: &Serve) -> bool {
-    serve.status_json()["devices"][0]["active"].as_bool().unwrap_or(false)
+/// The devices a moving guest has: `disk` under `guest-io stress`, `fs` an ext2 file system
+/// under a file load.
+const MOVED: [&str; 2] = ["disk", "fs"];
+
+/// Whether every device of `serve` writes (`Some(true)`), none does (`Some(false)`), or some do.
+fn active(serve: &Serve) -> Option<bool> {
+    let st = serve.status_json();
+    let states: Vec<bool> = st["devices"].as_array().unwrap().iter().map(|d| d["active"].as_bool().unwrap_or(false)).collect();
+    if states.iter().all(|&a| a) {
+        Some(true)
+    } else if states.iter().all(|&a| !a) {
+        Some(false)
+    } else {
+        None
+    }
 }
 
-/// A guest of one queue on `serve`'s disk that runs `guest-io stress` for `seconds`.
+/// What a moving guest runs: a file load on an ext2 file system made on `/dev/vdb` (files
+/// rewritten with their checksums beside them) while `guest-io stress` runs on `/dev/vda` for
+/// `seconds`; then every file is checked after a remount and the file system unmounted clean.
+fn moving_script(seconds: u32) -> String {
+    format!(
+        r#"mke2fs -q /dev/vdb
+mount -t ext4 /dev/vdb /mnt
+(set +x; i=0; while [ ! -e /tmp/stop ]; do i=$((i + 1)); f=/mnt/f$((i % 16)); dd if=/dev/urandom of=$f bs=4k count=$((i % 48 + 1)) 2>/dev/null; md5sum $f > $f.sum; done; echo "FSLOAD rewrites=$i") &
+guest-io stress /dev/vda {seconds} 16
+touch /tmp/stop
+wait
+umount /mnt
+mount -t ext4 -o ro /dev/vdb /mnt
+cat /mnt/*.sum > /tmp/sums
+md5sum -c /tmp/sums
+umount /mnt
+echo FS-CHECKED"#
+    )
+}
+
+/// A guest of one queue on each of `serve`'s moved devices, running [`moving_script`].
 fn loaded(serve: &Serve, seconds: u32, scratch: std::path::PathBuf) -> VmOptions {
     VmOptions {
-        disks: vec![Disk { socket: serve.vhost_socket("disk"), queues: 1 }],
-        script: format!("guest-io stress /dev/vda {seconds} 16"),
+        disks: MOVED.iter().map(|d| Disk { socket: serve.vhost_socket(d), queues: 1 }).collect(),
+        script: moving_script(seconds),
         memory_mib: 256,
         cpus: 1,
         scratch,
     }
 }
 
+/// What goes wrong during a move, besides the move.
+enum Trouble<'f> {
+    None,
+    /// Runs while the memory is copied (the migration slowed to let it).
+    WhileCopying(&'f dyn Fn()),
+    /// Runs once QEMU has copied the memory, before the hand-over: it kills the source
+    /// `serve`, so the hand-over only activates the destination.
+    SourceDies(&'f dyn Fn()),
+}
+
 /// A guest under `guest-io stress` (every block written read back and checked, the
-/// reads made during a migration too) moved between `serve`s as
-/// libvirt moves one: the destination QEMU waits paused (`-S`) on its `serve`'s inactive
-/// device; once the source's migration completes, the source's device is deactivated (its
-/// guest stopped, its rings drained), the destination's activated, the destination resumed.
+/// reads made during a migration too, into pages only the device writes) and a file load,
+/// moved between `serve`s as libvirt moves one: the destination QEMU waits paused (`-S`) on
+/// its `serve`'s inactive devices; once the source's migration completes, the source's
+/// devices are deactivated (its guest stopped, its rings drained), the destination's
+/// activated, the destination resumed.
 struct Moving<'a> {
     kit: &'a Kit,
     tmp: &'a TempDir,
@@ -445,21 +489,32 @@ impl<'a> Moving<'a> {
         self.qmp.execute("migrate", &format!(r#"{{"uri":"tcp:127.0.0.1:{port}"}}"#)).unwrap_or_else(dead);
     }
 
-    /// Moves the guest from `src` to `dst`, the disk handed over; `during` runs while the
-    /// memory is being copied (the migration slowed to let it).
-    fn migrate(&mut self, src: &Serve, dst: &Serve, during: Option<&dyn Fn()>) {
+    /// Moves the guest from `src` to `dst`, the disks handed over, with `trouble`.
+    fn migrate(&mut self, src: &Serve, dst: &Serve, trouble: Trouble<'_>) {
         let (next, mut next_qmp, port) = self.destination(dst);
-        self.begin(port, if during.is_some() { 24 } else { 0 });
-        if let Some(f) = during {
+        self.begin(port, if matches!(trouble, Trouble::WhileCopying(_)) { 24 } else { 0 });
+        if let Trouble::WhileCopying(f) = trouble {
             f();
         }
         let (status, downtime) = self.qmp.migration_ended(Duration::from_secs(120)).unwrap();
         let i = self.downtimes.len() + 1;
         assert_eq!(status, "completed", "migration {i}: {}\n{}", next.lines().join("\n"), src.log_text());
-        let was = hand_over(&src.run_dir, bulkhead_control::Deactivate { device: "disk".into() });
-        assert!(was.changed && !was.active, "{was:?}");
-        let now = hand_over(&dst.run_dir, bulkhead_control::Activate { device: "disk".into(), expect: Some(was.geometry) });
-        assert!(now.changed && now.active, "{now:?}");
+        let mut expect = Vec::new();
+        match trouble {
+            Trouble::SourceDies(kill) => kill(),
+            _ => {
+                for d in MOVED {
+                    let was = hand_over(&src.run_dir, bulkhead_control::Deactivate { device: d.into() });
+                    assert!(was.changed && !was.active, "{was:?}");
+                    expect.push(was.geometry);
+                }
+            }
+        }
+        for (k, d) in MOVED.iter().enumerate() {
+            let expect = expect.get(k).cloned();
+            let now = hand_over(&dst.run_dir, bulkhead_control::Activate { device: d.to_string(), expect });
+            assert!(now.changed && now.active, "{now:?}");
+        }
         next_qmp.execute("cont", "{}").unwrap();
         self.downtimes.push(downtime);
         self.console.extend(self.guest.lines());
@@ -469,12 +524,12 @@ impl<'a> Moving<'a> {
     }
 
     fn no_errors(&self, when: &str) {
-        let failed = |l: &String| l.contains("GUESTIO FAIL") || l.contains("I/O error");
+        let failed = |l: &String| l.contains("FAIL") || l.contains("I/O error") || l.contains("BUG:") || l.contains("Oops");
         assert!(!self.console.iter().chain(&self.guest.lines()).any(failed), "{when}: {}", self.console.join("\n"));
     }
 
-    /// Waits for the load to end; checks every block read back as written and the guest
-    /// saw no error.
+    /// Waits for the load to end; checks every block read back as written, every file
+    /// matched its checksum, and the guest saw no error.
     fn finish(self, serves: &[&Serve]) -> Vec<f64> {
         let out = self.guest.finish(Duration::from_secs(300));
         let mut lines = self.console;
@@ -485,38 +540,73 @@ impl<'a> Moving<'a> {
             panic!("{e}\n{}", logs.join("\n----\n"));
         }
         assert!(all.lines.iter().any(|l| l.starts_with("GUESTIO ok stress")), "{}", all.script_output());
+        assert!(all.lines.iter().any(|l| l == "FS-CHECKED"), "{}", all.script_output());
         self.downtimes
     }
 }
 
-/// The device's table with `active = false`.
+/// The devices' tables with `active = false`.
 fn inactive(cfg: &str) -> String {
     cfg.replace("[[device]]\n", "[[device]]\nactive = false\n")
 }
 
-/// Five moves A → B → A … on a file both `serve`s open, with the failures around them: a
-/// migration cancelled, the destination `serve` killed while the memory is copied (each
-/// leaves the guest running on the source, its device active), and the source's driver
-/// domain killed while the memory is copied (replaced as usual, the move completes).
+/// `e2fsck -f -n` of a file system image: clean, or the test fails with its report.
+fn fsck_clean(image: &Path) {
+    let out = std::process::Command::new("e2fsck").arg("-f").arg("-n").arg(image).output().expect("e2fsck");
+    assert!(
+        out.status.success(),
+        "e2fsck {}: {}{}",
+        image.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The driver domain of device `dev` of `serve`.
+fn kill_driver(serve: &Serve, dev: &str) {
+    let st = serve.status_json();
+    let d = st["devices"].as_array().unwrap().iter().find(|d| d["name"] == dev).unwrap_or_else(|| panic!("no {dev}: {st}"));
+    let pid = d["driver_pid"].as_i64().unwrap() as i32;
+    // SAFETY: signalling the test's own driver domain.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+}
+
+/// Five moves A → B → A … on files both `serve`s open, each `serve` in a network namespace
+/// of its own, with the failures around them: a migration cancelled and the destination
+/// `serve` killed while the memory is copied (each leaves the guest running on the source,
+/// its devices active); driver domains killed while the memory is copied, on the
+/// destination during one move and on the source during another (replaced as usual, the move
+/// completes); the source `serve` killed once the memory is copied (the destination takes
+/// over alone). The file system's image is clean after.
 #[test]
 fn a_guest_moves_between_two_serves_on_a_shared_file_and_survives_failed_moves() {
     require_kernel!();
     let _one = one_at_a_time();
     let Some(kit) = kit() else { return };
+    let Some((host_a, host_b)) = common::netns::NetNs::create().zip(common::netns::NetNs::create()) else { return };
     let tmp = TempDir::new("vm-migrate");
-    let cfg = file_config(&tmp.path().join("shared.img"));
+    let fs_img = tmp.path().join("fs.img");
+    std::fs::File::create(&fs_img).unwrap().set_len(64 << 20).unwrap();
+    let cfg = format!(
+        "{}[[device]]\nname = \"fs\"\nsize = \"64M\"\n[device.backend]\ntype = \"file\"\npath = \"{}\"\n",
+        file_config(&tmp.path().join("shared.img")),
+        fs_img.display()
+    );
     let (a_dir, b_dir) = (tmp.path().join("a"), tmp.path().join("b"));
-    let a = Serve::start(&a_dir, Some(&cfg), &[]);
-    let mut b = Serve::start(&b_dir, Some(&inactive(&cfg)), &[]);
+    let start = |dir: &Path, host: &common::netns::NetNs, cfg: &str| {
+        Serve::start_in_netns(dir, cfg, &[], &[], &host.name, false).unwrap()
+    };
+    let a = start(&a_dir, &host_a, &cfg);
+    let mut b = start(&b_dir, &host_b, &inactive(&cfg));
     let mut m = Moving::start(&kit, &tmp, &a, 150);
-    // Cancelled: the source runs on, its device active.
+    // Cancelled: the source runs on, its devices active.
     let (dest, _dest_qmp, port) = m.destination(&b);
     m.begin(port, 16);
     std::thread::sleep(Duration::from_millis(500));
     m.qmp.execute("migrate_cancel", "{}").unwrap();
     assert_eq!(m.qmp.migration_ended(Duration::from_secs(60)).unwrap().0, "cancelled");
     drop(dest);
-    assert!(active(&a) && !active(&b));
+    assert_eq!((active(&a), active(&b)), (Some(true), Some(false)));
     // The destination's serve killed while the memory is copied: the source runs on.
     let (dest, _dest_qmp, port) = m.destination(&b);
     m.begin(port, 16);
@@ -526,63 +616,77 @@ fn a_guest_moves_between_two_serves_on_a_shared_file_and_survives_failed_moves()
     child.wait().unwrap();
     b.child.0 = None;
     // QEMU may finish copying the memory all the same; the hand-over then has nobody to
-    // activate, so the guest resumes on the source, whose device was never deactivated.
+    // activate, so the guest resumes on the source, whose devices were never deactivated.
     let (status, _) = m.qmp.migration_ended(Duration::from_secs(60)).unwrap();
     drop(dest);
     m.qmp.execute("cont", "{}").unwrap_or_else(|e| panic!("resuming the source after a migration {status}: {e}"));
-    assert!(active(&a));
+    assert_eq!(active(&a), Some(true));
     m.no_errors("after the failed migrations");
     let _ = std::fs::remove_file(b_dir.join("control.sock"));
-    let b = Serve::start(&b_dir, Some(&inactive(&cfg)), &[]);
-    // Five moves; during the third the source's driver domain is killed.
-    let kill_driver = |s: &Serve| {
-        let pid = s.status_json()["devices"][0]["driver_pid"].as_i64().unwrap() as i32;
-        // SAFETY: signalling the test's own driver domain.
+    let b = start(&b_dir, &host_b, &inactive(&cfg));
+    // Five moves: a driver domain killed during the second (the destination's) and the third
+    // (the source's); the source serve killed after the fifth's copy.
+    let kill_serve = |s: &Serve| {
+        let pid = s.child.0.as_ref().unwrap().id() as i32;
+        // SAFETY: signalling the test's own serve.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     };
     for i in 0..5 {
         let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
-        if i == 2 {
-            m.migrate(
-                src,
-                dst,
-                Some(&|| {
-                    std::thread::sleep(Duration::from_millis(500));
-                    kill_driver(src);
-                }),
-            );
-        } else {
-            m.migrate(src, dst, None);
-        }
+        let kill_dst = || {
+            std::thread::sleep(Duration::from_millis(500));
+            kill_driver(dst, "disk");
+        };
+        let kill_src = || {
+            std::thread::sleep(Duration::from_millis(500));
+            kill_driver(src, "disk");
+        };
+        let src_dies = || kill_serve(src);
+        let trouble = match i {
+            1 => Trouble::WhileCopying(&kill_dst),
+            2 => Trouble::WhileCopying(&kill_src),
+            4 => Trouble::SourceDies(&src_dies),
+            _ => Trouble::None,
+        };
+        m.migrate(src, dst, trouble);
     }
-    assert!(!active(&a) && active(&b));
+    assert_eq!(active(&b), Some(true));
     let downtimes = m.finish(&[&a, &b]);
+    fsck_clean(&fs_img);
     eprintln!("5 moves on a shared file: QEMU's downtime {downtimes:?} ms");
 }
 
-/// Five moves A → B → A … on an RBD image: the exclusive lock passes from the source, which
-/// releases it as its deactivated domain closes the image, to the destination's first
-/// write, with no lock timeout and no lock broken.
+/// Five moves A → B → A … on two RBD images, each `serve` in a network namespace of its own
+/// routed to the cluster's: the exclusive lock passes from the source, which releases it as
+/// its deactivated domain closes the image, to the destination's first write, with no lock
+/// timeout and no lock broken. The file system's image is clean after.
 #[test]
 fn a_guest_moves_between_two_serves_on_an_rbd_image_and_the_lock_follows_it() {
     require_kernel!();
     let _one = one_at_a_time();
     let Some(kit) = kit() else { return };
-    let Some(cluster) = common::ceph::Cluster::up("mig") else { return };
+    let Some(cluster) = common::ceph::Cluster::routed("mig") else { return };
+    let Some((host_a, host_b)) = cluster.host().zip(cluster.host()) else { return };
     cluster.rbd(&["create", "--size", "128M", "rbd/mig"]);
+    cluster.rbd(&["create", "--size", "64M", "rbd/mig-fs"]);
     let tmp = TempDir::new("vm-migrate-rbd");
-    let cfg = format!("{EXPORT}{}", cluster.device("disk", "mig", "128M", ""));
-    let start =
-        |dir: &str, cfg: &str| Serve::start_in_netns(&tmp.path().join(dir), cfg, &[], &[], &cluster.netns, false).unwrap();
-    let (a, b) = (start("a", &cfg), start("b", &inactive(&cfg)));
+    let cfg = format!("{EXPORT}{}{}", cluster.device("disk", "mig", "128M", ""), cluster.device("fs", "mig-fs", "64M", ""));
+    let start = |dir: &str, host: &common::netns::NetNs, cfg: &str| {
+        Serve::start_in_netns(&tmp.path().join(dir), cfg, &[], &[], &host.name, false).unwrap()
+    };
+    let (a, b) = (start("a", &host_a, &cfg), start("b", &host_b, &inactive(&cfg)));
     let mut m = Moving::start(&kit, &tmp, &a, 100);
     for i in 0..5 {
         let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
-        m.migrate(src, dst, None);
+        m.migrate(src, dst, Trouble::None);
     }
     let downtimes = m.finish(&[&a, &b]);
     for s in [&a, &b] {
         assert!(!s.log_text().contains("broke the exclusive lock"), "{}", s.log_text());
     }
+    drop((a, b));
+    let fs_img = tmp.path().join("fs.img");
+    cluster.rbd(&["export", "rbd/mig-fs", fs_img.to_str().unwrap()]);
+    fsck_clean(&fs_img);
     eprintln!("5 moves on rbd: QEMU's downtime {downtimes:?} ms");
 }
