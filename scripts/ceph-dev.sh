@@ -4,12 +4,13 @@
 #   scripts/ceph-dev.sh up   [--dir DIR] [--netns NAME [--addr IP]] [--pool POOL] [--bluestore SIZE]
 #   scripts/ceph-dev.sh down [--dir DIR]
 #
-# `up` starts one monitor on 127.0.0.1 (or, with --addr, on IP, added to the namespace's
-# loopback so that other namespaces routed to it are clients from other hosts) and one OSD (memstore, or bluestore on a sparse file of
+# `up` starts one monitor on 127.0.0.1 and one OSD (memstore, or bluestore on a sparse file of
 # SIZE), makes a pool of size 1 and initialises it for RBD, then prints the keys a `[[device]]`
 # with `type = "rbd"` needs. With --netns the cluster lives in a network namespace of that name
 # (made here, removed by `down`), so several clusters can run side by side; run clients there
-# with `nsenter --net=/run/netns/NAME`. No mgr, no cephadm, no containers. `down` stops the
+# with `nsenter --net=/run/netns/NAME`. With --addr as well, the daemons listen on IP, added
+# to the namespace's loopback, so that clients in other namespaces routed to it are other
+# hosts. No mgr, no cephadm, no containers. `down` stops the
 # daemons and removes DIR; it is safe to run on a half-started cluster.
 # Needs ceph-mon, ceph-osd and ceph-common (scripts/deps.sh installs them).
 set -euo pipefail
