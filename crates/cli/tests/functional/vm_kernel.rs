@@ -562,7 +562,7 @@ fn fsck_clean(image: &Path) {
     );
 }
 
-/// The driver domain of device `dev` of `serve`.
+/// Kills the driver domain of device `dev` of `serve`.
 fn kill_driver(serve: &Serve, dev: &str) {
     let st = serve.status_json();
     let d = st["devices"].as_array().unwrap().iter().find(|d| d["name"] == dev).unwrap_or_else(|| panic!("no {dev}: {st}"));
@@ -633,18 +633,15 @@ fn a_guest_moves_between_two_serves_on_a_shared_file_and_survives_failed_moves()
     };
     for i in 0..5 {
         let (src, dst) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
-        let kill_dst = || {
+        // Half a second into the copy, the disk's driver domain of `dst` (move 2) or `src` (3).
+        let on = if i == 1 { dst } else { src };
+        let kill_domain = || {
             std::thread::sleep(Duration::from_millis(500));
-            kill_driver(dst, "disk");
-        };
-        let kill_src = || {
-            std::thread::sleep(Duration::from_millis(500));
-            kill_driver(src, "disk");
+            kill_driver(on, "disk");
         };
         let src_dies = || kill_serve(src);
         let trouble = match i {
-            1 => Trouble::WhileCopying(&kill_dst),
-            2 => Trouble::WhileCopying(&kill_src),
+            1 | 2 => Trouble::WhileCopying(&kill_domain),
             4 => Trouble::SourceDies(&src_dies),
             _ => Trouble::None,
         };
