@@ -31,3 +31,15 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
         Err(e) => Err(e).with_context(|| format!("device {}", spec.device)),
     }
 }
+
+/// `bulkhead spare`: waits, sandboxed, for the supervisor to hand it a device, then serves it
+/// as [`run`] does. Ends quietly if the supervisor lets it go instead.
+#[allow(unsafe_code)] // takes over the hand-over line and the descriptors it brings
+pub fn spare() -> anyhow::Result<ExitCode> {
+    // SAFETY: the supervisor started this process with its hand-over line at 3 and nothing
+    // else open beyond the standard descriptors.
+    match unsafe { bulkhead_driver::spare::wait_for_work() }? {
+        Some(spec) => run(&spec),
+        None => Ok(ExitCode::SUCCESS),
+    }
+}

@@ -177,6 +177,13 @@ enum Cmd {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+    /// A spare domain, waiting for a device (started by the supervisor; not for direct use).
+    #[command(hide = true)]
+    Spare {
+        /// Room on the command line for the words of the domain it becomes.
+        #[arg(hide = true)]
+        room: Vec<String>,
+    },
     /// The driver-domain role (exec'd by the supervisor; not for direct use).
     #[command(hide = true)]
     Driver {
@@ -503,6 +510,7 @@ fn dispatch(cmd: Cmd) -> anyhow::Result<ExitCode> {
             _ => Err(anyhow::anyhow!("--interval {interval}: give at least 0.1 seconds")),
         },
         Cmd::Driver { spec, .. } => driver_cmd::run(&spec),
+        Cmd::Spare { .. } => driver_cmd::spare(),
         Cmd::Trace { file, out: o } => trace_cmd::run(&file, o.json),
         Cmd::Sim(args) => sim_cmd::run(args),
         Cmd::Vdev { which: VdevCmd::Generate { seed, out: dir, print } } => vdev_cmd::generate(seed, &dir, out(print)),

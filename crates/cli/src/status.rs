@@ -230,6 +230,21 @@ pub fn run(run_dir: anyhow::Result<PathBuf>, out: Out) -> anyhow::Result<ExitCod
         mib(fe.rss.map(|r| r.anon_kib)),
         mib(fe.rss.map(|r| r.shmem_kib))
     );
+    let sp = &report.spares;
+    if sp.wanted > 0 || sp.started > 0 {
+        let pids: Vec<String> = sp.ready.iter().map(|p| p.pid.to_string()).collect();
+        let private: u64 = sp.ready.iter().filter_map(|p| p.rss.map(|r| r.anon_kib)).sum();
+        println!(
+            "spare domains: {} of {} ready (pids {}; private {} in all), {} taken, {} lost, {} started",
+            sp.ready.len(),
+            sp.wanted,
+            if pids.is_empty() { "-".into() } else { pids.join(" ") },
+            mib(Some(private)),
+            sp.taken,
+            sp.lost,
+            sp.started
+        );
+    }
     match &report.fuse {
         Some(FuseStatus::IoUring { queues, depth }) => println!("fuse: io_uring, {queues} rings x {depth} requests"),
         Some(FuseStatus::DevFuse { threads, why_not_io_uring: Some(why) }) => {

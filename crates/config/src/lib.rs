@@ -87,7 +87,9 @@ pub use backend::{
 };
 pub use device::{DeviceConfig, Notify, Sandbox, SpinBudget, Tap, DEFAULT_ATTACH, MAX_ATTACH};
 pub use filter::{Filter, FilterKind, FilterTable};
-pub use sections::{Control, Fuse, FuseUring, Keeper, Log, LogLevel, Metrics, MetricsListen, Nbd, NbdTls, Ublk, VhostUser};
+pub use sections::{
+    Control, Domains, Fuse, FuseUring, Keeper, Log, LogLevel, Metrics, MetricsListen, Nbd, NbdTls, Ublk, VhostUser,
+};
 pub use view::View;
 
 /// Makes the error of a key at a span of the text: the file and the line it is on.
@@ -204,6 +206,9 @@ pub struct Config {
     /// The keeper of `serve`'s descriptors.
     #[serde(default)]
     pub keeper: Keeper,
+    /// The spare domains kept ready.
+    #[serde(default)]
+    pub domains: Domains,
     /// Devices.
     #[serde(default, rename = "device")]
     pub devices: Vec<DeviceConfig>,
@@ -334,6 +339,7 @@ impl Config {
         self.fuse.validate(&err)?;
         self.nbd.validate(&err)?;
         self.keeper.validate(&err)?;
+        self.domains.validate(&err)?;
         if self.keeper.enabled && self.fuse.io_uring == FuseUring::On {
             let line = src.lines().position(|l| l.trim_start().starts_with("io_uring")).map_or(1, |i| i + 1);
             return Err(ConfigError::Invalid {

@@ -376,6 +376,37 @@ impl Nbd {
     }
 }
 
+/// The domains `serve` keeps ready ahead of need (ARCHITECTURE.md, "Spare domains").
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Domains {
+    /// Spare domain processes kept waiting, already sandboxed, to take the place of one that
+    /// dies or wedges: a restart then costs no process start. Each costs no CPU while it waits
+    /// and a few MiB of memory. 0 starts every domain afresh.
+    #[serde(default = "default_spares")]
+    pub spares: Spanned<u32>,
+}
+
+fn default_spares() -> Spanned<u32> {
+    Spanned::new(0..0, 2)
+}
+
+impl Default for Domains {
+    fn default() -> Self {
+        Domains { spares: default_spares() }
+    }
+}
+
+impl Domains {
+    pub(crate) fn validate(&self, err: &At<'_>) -> Result<(), ConfigError> {
+        let n = &self.spares;
+        if *n.get_ref() > 64 {
+            return Err(err(n.span(), format!("key `domains.spares`: {} is outside 0..=64", n.get_ref())));
+        }
+        Ok(())
+    }
+}
+
 impl Keeper {
     pub(crate) fn validate(&self, err: &At<'_>) -> Result<(), ConfigError> {
         let g = &self.give_up_ms;

@@ -18,6 +18,24 @@ pub struct StatusReport {
     /// The ublk export (absent when it is off).
     #[serde(default)]
     pub ublk: Option<Vec<UblkStatus>>,
+    /// The spare domains kept ready (`[domains] spares`).
+    #[serde(default)]
+    pub spares: SparesStatus,
+}
+
+/// The pool of spare domains: those waiting now, and what it has done since `serve` started.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SparesStatus {
+    /// How many it keeps.
+    pub wanted: u32,
+    /// Those waiting now, each with its memory.
+    pub ready: Vec<ProcessMemory>,
+    /// Spares started.
+    pub started: u64,
+    /// Spares given a device (each a domain that was not exec'd).
+    pub taken: u64,
+    /// Spares that ended while they waited, or could not take a device.
+    pub lost: u64,
 }
 
 /// Resident memory of one process.

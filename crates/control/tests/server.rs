@@ -27,6 +27,7 @@ impl Service for Fake {
             fuse: None,
             vhost_user: None,
             ublk: None,
+            spares: Default::default(),
         })
     }
     fn restart(&self, c: Restart) -> Result<Changed, ControlError> {

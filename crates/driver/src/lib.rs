@@ -15,6 +15,7 @@ pub mod guarded;
 mod model;
 mod runtime;
 mod sharing;
+pub mod spare;
 
 pub use build::{build_inherited, build_inherited_wrapping};
 pub use model::build_model_inherited;

@@ -90,7 +90,7 @@ fn rlimits(now: &Footprint, role: Role, headroom: u64, attach_slots: usize) -> R
     setrlimit(libc::RLIMIT_AS, limit, limit)
 }
 
-fn no_new_privs() -> Result<(), Unavailable> {
+pub(crate) fn no_new_privs() -> Result<(), Unavailable> {
     // SAFETY: plain prctl calls.
     unsafe {
         if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 {
@@ -111,7 +111,7 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
         rlimits: Layer::Off,
         no_new_privs: Layer::Off,
         landlock: Layer::Off,
-        landlock_abi: landlock::abi(),
+        landlock_abi: crate::spare::prepared().map_or_else(landlock::abi, |p| p.layers.landlock_abi),
         seccomp: Layer::Off,
         seccomp_role: opts.role.as_str().to_string(),
         connect_listener: None,
@@ -152,16 +152,39 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
     if let Layer::Unavailable(reason) = &opts.namespaces {
         check("namespaces", Err(Unavailable(reason.clone())))?;
     }
-    let footprint = Footprint { highest_fd: highest_open_fd(), mapped: mapped_bytes() };
+    // A spare applied the layers that do not depend on the device before it was given one
+    // ([`crate::spare`]): they are checked against the policy here as if applied now.
+    let spare = crate::spare::prepared();
+    let done = |l: &Layer| match l {
+        Layer::Unavailable(why) => Err(Unavailable(why.clone())),
+        _ => Ok(()),
+    };
+    let footprint = match spare {
+        Some(p) => Footprint { highest_fd: p.highest_fd().unwrap_or(1023), mapped: p.mapped_bytes().unwrap_or(0) },
+        None => Footprint { highest_fd: highest_open_fd(), mapped: mapped_bytes() },
+    };
     // Only a domain in a mount namespace of its own may empty it.
-    layers.mounts = match opts.namespaces {
-        Layer::Applied => check("mounts", apply("mounts", &mounts::isolate))?,
-        _ => check("mounts", Err(Unavailable("no mount namespace of the domain's own".into())))?,
+    layers.mounts = match (spare, &opts.namespaces) {
+        (Some(p), _) => check("mounts", apply("mounts", &|| done(&p.layers.mounts)))?,
+        (None, Layer::Applied) => check("mounts", apply("mounts", &mounts::isolate))?,
+        (None, _) => check("mounts", Err(Unavailable("no mount namespace of the domain's own".into())))?,
     };
     layers.rlimits =
         check("rlimits", apply("rlimits", &|| rlimits(&footprint, opts.role, opts.address_space_headroom, opts.attach_slots)))?;
     layers.no_new_privs = check("no_new_privs", apply("no_new_privs", &no_new_privs))?;
-    layers.landlock = check("landlock", apply("landlock", &|| landlock::deny_all().map(|_| ())))?;
+    if let Some(p) = spare {
+        p.let_go();
+        layers.rlimits = match (&layers.rlimits, &p.layers.rlimits) {
+            (Layer::Applied, Layer::Unavailable(_)) => check("rlimits", apply("rlimits", &|| done(&p.layers.rlimits)))?,
+            (l, _) => l.clone(),
+        };
+    }
+    // The same ruleset a spare applied: once is enough.
+    layers.landlock = match spare {
+        Some(p) => check("landlock", apply("landlock", &|| done(&p.layers.landlock)))?,
+        None => check("landlock", apply("landlock", &|| landlock::deny_all().map(|_| ())))?,
+    };
+
     // An rbd domain's connects go to the supervisor: that filter first (installing a filter
     // is itself a system call the allowlist refuses).
     let mut listener = None;

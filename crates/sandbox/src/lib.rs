@@ -12,6 +12,10 @@
 //!    no signals or abstract sockets outside its domain), and a seccomp allowlist for its role
 //!    ([`seccomp::allowlist`], one line of reason per system call).
 //!
+//!
+//! A spare domain ([`spare`]) applies every layer of 2 that does not depend on its device
+//! while it waits for one, and narrows to its role's when it is given one.
+//!
 //! Where a layer is unavailable the domain starts with a warning; with [`Policy::Required`] it
 //! refuses instead. Each layer's outcome is reported in [`Layers`].
 #![deny(missing_docs)]
@@ -20,6 +24,7 @@ pub mod confine;
 pub mod landlock;
 pub mod mounts;
 pub mod seccomp;
+pub mod spare;
 pub mod spawn;
 
 use serde::{Deserialize, Serialize};

@@ -44,6 +44,28 @@ pub enum Role {
 }
 
 impl Role {
+    /// Every role.
+    pub const ALL: [Role; 11] = [
+        Role::Memory,
+        Role::FileSync,
+        Role::FileIoUring,
+        Role::Network,
+        Role::NetworkFile,
+        Role::Tap,
+        Role::TapFile,
+        Role::Vdev,
+        Role::VdevFile,
+        Role::VdevModel,
+        Role::Rbd,
+    ];
+
+    /// Whether a domain of this role may be made from a spare ([`crate::spare`]): all but an
+    /// `rbd` domain's (librados reads the host's files as it connects) and a device model's (it
+    /// lives as long as its device).
+    pub fn from_spare(self) -> bool {
+        !matches!(self, Role::Rbd | Role::VdevModel)
+    }
+
     /// Name for status.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -272,44 +294,79 @@ pub fn filter(role: Role, guarded: bool) -> Result<seccompiler::BpfProgram, Unav
 
 /// [`filter`], with what taking attached queues needs if `attach` (see [`allowlist_with`]).
 pub fn filter_with(role: Role, guarded: bool, attach: bool) -> Result<seccompiler::BpfProgram, Unavailable> {
+    let mut ioctls = Vec::new();
+    if matches!(role, Role::FileSync | Role::FileIoUring) {
+        ioctls.extend([BLKDISCARD, BLKZEROOUT]);
+    }
+    if role == Role::VdevModel || guarded {
+        ioctls.push(UFFDIO_WRITEPROTECT);
+    }
+    let conditions = Conditions { shared_mmap: attach, pkey_mprotect: guarded, ioctls, rbd: role == Role::Rbd };
+    compile(allowlist_with(role, guarded, attach), conditions)
+}
+
+const BLKDISCARD: u64 = 0x1277;
+const BLKZEROOUT: u64 = 0x127f;
+const BLKGETSIZE64: u64 = 0x8008_1272;
+const UFFDIO_WRITEPROTECT: u64 = 0xC018_AA06;
+const UFFDIO_API: u64 = 0xC018_AA3F;
+const UFFDIO_REGISTER: u64 = 0xC020_AA00;
+
+/// The argument checks a filter makes beyond its list of system calls.
+#[derive(Debug, Clone, Default)]
+pub struct Conditions {
+    /// `mmap` may map shared files too (attached queues' rings and arenas), not only
+    /// anonymous private memory.
+    pub shared_mmap: bool,
+    /// `pkey_mprotect` is allowed, never executable.
+    pub pkey_mprotect: bool,
+    /// The `ioctl` commands allowed (none: `ioctl` as the list says).
+    pub ioctls: Vec<u64>,
+    /// An `rbd` domain's: sockets of the internet families only, threads only, `PR_SET_NAME`
+    /// only, never `MSG_FASTOPEN`.
+    pub rbd: bool,
+}
+
+impl Conditions {
+    /// A spare's first filter ([`crate::spare`]): shared mappings (every queue's), protection
+    /// keys, and the `ioctl` commands of any role it may take and of write capture's setup.
+    pub fn spare() -> Conditions {
+        Conditions {
+            shared_mmap: true,
+            pkey_mprotect: true,
+            ioctls: vec![BLKDISCARD, BLKZEROOUT, BLKGETSIZE64, UFFDIO_WRITEPROTECT, UFFDIO_API, UFFDIO_REGISTER],
+            rbd: false,
+        }
+    }
+}
+
+/// Compiles `allowlist` into a filter that refuses everything else with EPERM, making the
+/// checks of `conditions`; `mmap` and `mprotect` are never executable.
+pub fn compile(allowlist: Vec<(i64, &'static str)>, conditions: Conditions) -> Result<seccompiler::BpfProgram, Unavailable> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    for (nr, _) in allowlist_with(role, guarded, attach) {
+    for (nr, _) in allowlist {
         rules.insert(nr, vec![]);
     }
     use SeccompCmpArgLen::{Dword, Qword};
     use SeccompCmpOp::{Eq, MaskedEq};
+    let rule = |c: Vec<SeccompCondition>| SeccompRule::new(c).map_err(|e| Unavailable(e.to_string()));
     let no_exec = cond(2, Dword, MaskedEq(libc::PROT_EXEC as u64), 0);
-    // mmap(addr, len, prot, flags, fd, off): anonymous, private, not executable.
     let anon = libc::MAP_ANONYMOUS as u64 | libc::MAP_PRIVATE as u64;
-    let mut mmap = vec![SeccompRule::new(vec![no_exec.clone(), cond(3, Dword, MaskedEq(anon | libc::MAP_SHARED as u64), anon)])
-        .map_err(|e| Unavailable(e.to_string()))?];
-    if attach {
-        // An attached queue's ring and arenas: shared mappings of files, never executable.
+    let mut mmap = vec![rule(vec![no_exec.clone(), cond(3, Dword, MaskedEq(anon | libc::MAP_SHARED as u64), anon)])?];
+    if conditions.shared_mmap {
         let shared = libc::MAP_ANONYMOUS as u64 | libc::MAP_SHARED as u64 | libc::MAP_PRIVATE as u64;
-        mmap.push(
-            SeccompRule::new(vec![no_exec.clone(), cond(3, Dword, MaskedEq(shared), libc::MAP_SHARED as u64)])
-                .map_err(|e| Unavailable(e.to_string()))?,
-        );
+        mmap.push(rule(vec![no_exec.clone(), cond(3, Dword, MaskedEq(shared), libc::MAP_SHARED as u64)])?);
     }
     rules.insert(libc::SYS_mmap, mmap);
-    rules.insert(libc::SYS_mprotect, vec![SeccompRule::new(vec![no_exec.clone()]).map_err(|e| Unavailable(e.to_string()))?]);
-    if guarded {
-        // pkey_mprotect(addr, len, prot, pkey): prot is the third argument, as for mprotect.
-        rules.insert(libc::SYS_pkey_mprotect, vec![SeccompRule::new(vec![no_exec]).map_err(|e| Unavailable(e.to_string()))?]);
+    rules.insert(libc::SYS_mprotect, vec![rule(vec![no_exec.clone()])?]);
+    if conditions.pkey_mprotect {
+        rules.insert(libc::SYS_pkey_mprotect, vec![rule(vec![no_exec])?]);
     }
-    if matches!(role, Role::FileSync | Role::FileIoUring) {
-        const BLKDISCARD: u64 = 0x1277;
-        const BLKZEROOUT: u64 = 0x127f;
-        rules.insert(
-            libc::SYS_ioctl,
-            vec![
-                SeccompRule::new(vec![cond(1, Qword, Eq, BLKDISCARD)]).map_err(|e| Unavailable(e.to_string()))?,
-                SeccompRule::new(vec![cond(1, Qword, Eq, BLKZEROOUT)]).map_err(|e| Unavailable(e.to_string()))?,
-            ],
-        );
+    if !conditions.ioctls.is_empty() {
+        let each = conditions.ioctls.iter().map(|&cmd| rule(vec![cond(1, Qword, Eq, cmd)])).collect::<Result<Vec<_>, _>>()?;
+        rules.insert(libc::SYS_ioctl, each);
     }
-    if role == Role::Rbd {
-        let rule = |c: Vec<SeccompCondition>| SeccompRule::new(c).map_err(|e| Unavailable(e.to_string()));
+    if conditions.rbd {
         rules.insert(
             libc::SYS_socket,
             vec![rule(vec![cond(0, Dword, Eq, libc::AF_INET as u64)])?, rule(vec![cond(0, Dword, Eq, libc::AF_INET6 as u64)])?],
@@ -317,17 +374,9 @@ pub fn filter_with(role: Role, guarded: bool, attach: bool) -> Result<seccompile
         let thread = libc::CLONE_THREAD as u64;
         rules.insert(libc::SYS_clone, vec![rule(vec![cond(0, Qword, MaskedEq(thread), thread)])?]);
         rules.insert(libc::SYS_prctl, vec![rule(vec![cond(0, Dword, Eq, libc::PR_SET_NAME as u64)])?]);
-        // TCP fast open would connect an unconnected socket to the address of a send, past
-        // the broker.
         let fast_open = libc::MSG_FASTOPEN as u64;
         rules.insert(libc::SYS_sendmsg, vec![rule(vec![cond(2, Dword, MaskedEq(fast_open), 0)])?]);
         rules.insert(libc::SYS_sendto, vec![rule(vec![cond(3, Dword, MaskedEq(fast_open), 0)])?]);
-    }
-    // _IOWR(0xAA, 0x06, struct uffdio_writeprotect), as `bulkhead_sys::uffd` issues it.
-    const UFFDIO_WRITEPROTECT: u64 = 0xC018_AA06;
-    if role == Role::VdevModel || guarded {
-        let rule = SeccompRule::new(vec![cond(1, Qword, Eq, UFFDIO_WRITEPROTECT)]).map_err(|e| Unavailable(e.to_string()))?;
-        rules.entry(libc::SYS_ioctl).or_default().push(rule);
     }
     let f = SeccompFilter::new(rules, SeccompAction::Errno(libc::EPERM as u32), SeccompAction::Allow, TargetArch::x86_64)
         .map_err(|e| Unavailable(e.to_string()))?;
@@ -347,19 +396,7 @@ mod tests {
 
     #[test]
     fn every_role_compiles_and_lists_a_reason_per_syscall() {
-        for role in [
-            Role::Memory,
-            Role::FileSync,
-            Role::FileIoUring,
-            Role::Network,
-            Role::NetworkFile,
-            Role::Tap,
-            Role::TapFile,
-            Role::Vdev,
-            Role::VdevFile,
-            Role::VdevModel,
-            Role::Rbd,
-        ] {
+        for role in Role::ALL {
             assert!(filter(role, false).is_ok() && filter(role, true).is_ok(), "{role:?}");
             for (nr, why) in allowlist(role) {
                 assert!(!why.is_empty(), "syscall {nr} has no reason");

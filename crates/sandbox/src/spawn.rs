@@ -276,6 +276,10 @@ pub fn namespaces_layer(policy: crate::Policy) -> Layer {
     if policy == crate::Policy::Off {
         return Layer::Off;
     }
+    // A spare looked before its root was emptied.
+    if let Some(p) = crate::spare::prepared() {
+        return p.layers.namespaces.clone();
+    }
     match std::fs::read_to_string("/proc/self/uid_map") {
         Ok(m) if m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"] => {
             Layer::Unavailable("the domain runs in the initial user namespace".into())

@@ -448,3 +448,52 @@ mod tests {
         assert!(serde_json::from_str::<DomainSpec>(&bad).is_err());
     }
 }
+
+/// The hand-over of a device to a spare domain (`bulkhead spare`), on the sequenced-packet line
+/// at the spare's descriptor 3. The spare sends [`handover::READY`] once sandboxed; the supervisor
+/// then sends a header ([`handover::header`]) and the spec's JSON in chunks of at most
+/// [`handover::CHUNK`] bytes, each message a [`handover::MORE`] byte then its bytes, with at most
+/// [`handover::FDS_PER_MESSAGE`] descriptors each: the spec's, in the order it numbers them from 3,
+/// then the write end of the domain's output pipe.
+pub mod handover {
+    /// What the spare sends once its sandbox is in place.
+    pub const READY: u8 = b'R';
+    /// The first byte of the header.
+    pub const HEADER: u8 = b'H';
+    /// The first byte of every message after the header.
+    pub const MORE: u8 = b'M';
+    /// Most bytes of JSON in one message.
+    pub const CHUNK: usize = 48 * 1024;
+    /// Most descriptors sent with one message.
+    pub const FDS_PER_MESSAGE: usize = 64;
+    /// Longest spec a spare takes.
+    pub const MAX_JSON: usize = 16 << 20;
+
+    /// The header: the spec's length in bytes and the number of descriptors that follow.
+    pub fn header(json_len: usize, fds: usize) -> [u8; 9] {
+        let mut h = [HEADER; 9];
+        h[1..5].copy_from_slice(&(json_len as u32).to_le_bytes());
+        h[5..9].copy_from_slice(&(fds as u32).to_le_bytes());
+        h
+    }
+
+    /// The spec's length and the descriptor count of a header; `None` if `h` is not one.
+    pub fn parse_header(h: &[u8]) -> Option<(usize, usize)> {
+        if h.len() != 9 || h[0] != HEADER {
+            return None;
+        }
+        let json = u32::from_le_bytes(h[1..5].try_into().ok()?) as usize;
+        let fds = u32::from_le_bytes(h[5..9].try_into().ok()?) as usize;
+        Some((json, fds))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn a_header_reads_back_and_nothing_else_reads_as_one() {
+            assert_eq!(super::parse_header(&super::header(70_000, 9)), Some((70_000, 9)));
+            assert_eq!(super::parse_header(b"M12345678"), None);
+            assert_eq!(super::parse_header(&super::header(1, 1)[..8]), None);
+        }
+    }
+}

@@ -107,6 +107,7 @@ impl DeviceRuntime {
         keep: &crate::kept::Keep,
         clock: Arc<dyn Clock>,
         mailbox: Arc<Mailbox>,
+        spares: &Arc<crate::spares::Spares>,
     ) -> Result<Self, Error> {
         let index = id as u32;
         let name = cfg.name.get_ref().clone();
@@ -114,7 +115,7 @@ impl DeviceRuntime {
         // Writable here too: the views' caps are set in it.
         let (state_fd, state) = shared_page(&format!("bulkhead-{name}-domain"), true).map_err(|e| e.context(&device))?;
         let (below_fd, below_state) = shared_page(&format!("bulkhead-{name}-below"), false).map_err(|e| e.context(&device))?;
-        let launcher = Launcher::open(cfg, index, exe, keep, [state_fd, below_fd]).map_err(|e| e.context(&device))?;
+        let launcher = Launcher::open(cfg, index, exe, keep, [state_fd, below_fd], spares).map_err(|e| e.context(&device))?;
         let policy = RestartPolicy {
             watchdog: Duration::from_millis(cfg.watchdog_ms()),
             limit: *cfg.restart_limit.get_ref(),

@@ -11,6 +11,7 @@ use bulkhead_sandbox::{Layer, Layers, Policy, Report};
 
 use crate::domain_log;
 use crate::error::Error;
+use crate::spares::Spares;
 
 /// How long a restart waits for a killed domain to finish exiting before it starts the next
 /// generation anyway (the old one can no longer run code; it is reaped later).
@@ -20,7 +21,8 @@ pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
 /// `spec_json` in its environment ([`bulkhead_spec::SPEC_ENV`], out of `ps`'s sight), holding
 /// `fds` at 3, 4, …, its output relayed to the log; drops `handed` (the supervisor's copies of
 /// what it passed, the write end of the report pipe among them) once the domain holds its own;
-/// and waits for its sandbox report on `report`. Under `Policy::Required`, a domain without
+/// and waits for its sandbox report on `report`. With `spares`, a spare that is ready takes the
+/// spec and descriptors instead of an exec ([`crate::spares`]). Under `Policy::Required`, a domain without
 /// namespaces, or one that refused to confine itself, is ended and the launch fails. The
 /// layers are `None` if the domain said nothing (it failed before confinement, or is slow).
 ///
@@ -37,15 +39,26 @@ pub(crate) fn exec_confined<T>(
     policy: Policy,
     report: &OwnedFd,
     what: &str,
+    spares: Option<&Spares>,
 ) -> Result<(DomainChild, Option<Layers>), Error> {
-    let (out_r, out_w) = domain_log::pipe().map_err(|e| Error::failed(format!("cannot make the domain's output pipe: {e}")))?;
-    let env = [(bulkhead_spec::SPEC_ENV, std::ffi::OsStr::new(spec_json))];
-    let (mut child, ns) = bulkhead_sandbox::spawn::spawn(exe, args, &env, fds, Some(out_w.as_raw_fd()), policy != Policy::Off)
-        .map_err(|e| Error::failed(format!("cannot start {what}: {e}")))?;
+    // A spare, if one is ready, sandboxed already; an exec otherwise.
+    let (child, ns) = match spares.and_then(|s| s.hand_over(device, spec_json, fds)) {
+        Some(taken) => taken,
+        None => {
+            let (out_r, out_w) =
+                domain_log::pipe().map_err(|e| Error::failed(format!("cannot make the domain's output pipe: {e}")))?;
+            let env = [(bulkhead_spec::SPEC_ENV, std::ffi::OsStr::new(spec_json))];
+            let (child, ns) =
+                bulkhead_sandbox::spawn::spawn(exe, args, &env, fds, Some(out_w.as_raw_fd()), policy != Policy::Off)
+                    .map_err(|e| Error::failed(format!("cannot start {what}: {e}")))?;
+            drop(out_w);
+            domain_log::relay(device, child.id(), out_r);
+            (child, ns)
+        }
+    };
+    let mut child = child;
     // The domain holds its own copies now.
     drop(handed);
-    drop(out_w);
-    domain_log::relay(device, child.id(), out_r);
     if let (Policy::Required, Layer::Unavailable(why)) = (policy, &ns) {
         discard(child);
         return Err(Error::failed(format!("sandbox = \"required\" but namespaces are unavailable: {why}")));

@@ -20,6 +20,7 @@ use crate::hub::Hub;
 use crate::kept::{FdStore, Keep};
 use crate::lifecycle::Event;
 use crate::mailbox::Mailbox;
+use crate::spares::{SpareCounts, Spares};
 use crate::spawn::current_exe;
 use crate::state::{Clock, DeviceState, Monotonic, Shape};
 use crate::status::{device_status, ProcessMemory, StatusReport};
@@ -70,6 +71,8 @@ pub struct Supervisor {
     keep: Keep,
     /// Held while a device is added or removed: one at a time.
     changes: Mutex<()>,
+    /// The spare domains kept ready.
+    spares: Arc<Spares>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -98,13 +101,14 @@ impl Supervisor {
         let mailbox = Arc::new(Mailbox::new().map_err(setup)?);
         let workers = Workers::start(WORKERS).map_err(setup)?;
         let registry = crate::hub::Registry::default();
+        let spares = Spares::start(*config.domains.spares.get_ref() as usize, exe.clone()).map_err(setup)?;
         let (tx, rx) = mpsc::channel();
         for cfg in &config.devices {
             let i = registry.next_id();
-            let (cfg, exe, keep, clock, mailbox, tx) =
-                (cfg.clone(), exe.clone(), keep.clone(), clock.clone(), mailbox.clone(), tx.clone());
+            let (cfg, exe, keep, clock, mailbox, tx, spares) =
+                (cfg.clone(), exe.clone(), keep.clone(), clock.clone(), mailbox.clone(), tx.clone(), spares.clone());
             workers.submit(move || {
-                let _ = tx.send((i, DeviceRuntime::start(&cfg, i, &exe, &keep, clock, mailbox)));
+                let _ = tx.send((i, DeviceRuntime::start(&cfg, i, &exe, &keep, clock, mailbox, &spares)));
             });
         }
         drop(tx);
@@ -132,6 +136,7 @@ impl Supervisor {
             exe,
             keep,
             changes: Mutex::new(()),
+            spares,
             snapshot_seq: std::sync::atomic::AtomicU64::new(0),
         };
         match (first_error, watcher) {
@@ -145,6 +150,11 @@ impl Supervisor {
                 Ok(sup)
             }
         }
+    }
+
+    /// What the pool of spare domains has done, and the pids of those waiting now.
+    pub fn spares(&self) -> (SpareCounts, Vec<u32>) {
+        (self.spares.counts(), self.spares.pids())
     }
 
     /// The device named `name`.
@@ -196,10 +206,10 @@ impl Supervisor {
         let id = self.hub.devices.next_id();
         let (tx, rx) = mpsc::channel();
         let (c, exe, keep) = (cfg.clone(), self.exe.clone(), self.keep.clone());
-        let (clock, mailbox) = (self.hub.clock.clone(), self.hub.mailbox.clone());
-        // The domains live as long as the worker that execs them.
+        let (clock, mailbox, spares) = (self.hub.clock.clone(), self.hub.mailbox.clone(), self.spares.clone());
+        // The domains live as long as the worker that execs them (or the spares' keeper).
         self.hub.workers.submit(move || {
-            let _ = tx.send(DeviceRuntime::start(&c, id, &exe, &keep, clock, mailbox));
+            let _ = tx.send(DeviceRuntime::start(&c, id, &exe, &keep, clock, mailbox, &spares));
         });
         let rt = rx.recv().map_err(|_| Error::failed("the supervisor's workers are gone").context(&device))??;
         let rt = Arc::new(rt);
@@ -481,6 +491,19 @@ impl Supervisor {
             fuse: None,
             vhost_user: None,
             ublk: None,
+            spares: self.spares_status(),
+        }
+    }
+
+    /// The pool of spare domains.
+    fn spares_status(&self) -> bulkhead_control::SparesStatus {
+        let (c, pids) = self.spares();
+        bulkhead_control::SparesStatus {
+            wanted: self.spares.wanted() as u32,
+            ready: pids.into_iter().map(|pid| ProcessMemory { pid, rss: crate::proc_info::rss(pid) }).collect(),
+            started: c.started,
+            taken: c.taken,
+            lost: c.lost,
         }
     }
 
@@ -668,6 +691,7 @@ impl Supervisor {
         end_each(&all, Duration::from_secs(3));
         // The domains are gone: the threads that started them may end.
         self.hub.workers.stop();
+        self.spares.stop();
         // The domains' last words reach the log before serve exits.
         crate::domain_log::finish_all(Duration::from_secs(1));
     }

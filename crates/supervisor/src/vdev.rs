@@ -197,6 +197,8 @@ impl CardDevice {
             self.policy,
             &report_r,
             "device model",
+            // A model lives as long as its device: no spare (see `crate::spares`).
+            None,
         )?;
         if layers.is_none() {
             // Silent: it failed before confinement (it said why on its output) or hangs.

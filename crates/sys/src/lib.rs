@@ -344,6 +344,18 @@ pub unsafe fn claim_inherited(fd: RawFd) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// `fd` moved to the lowest free number at `min` or above, close-on-exec (the old number is
+/// closed): out of the way of descriptors a process is about to be handed by number.
+pub fn move_above(fd: OwnedFd, min: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: duplicates a descriptor `fd` owns.
+    let high = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, min) };
+    if high < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fcntl returned a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(high) })
+}
+
 /// A connected pair of sequenced-packet unix sockets, both ends close-on-exec: each message
 /// arrives whole or not at all, with the descriptors sent along with it.
 pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -398,6 +410,13 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, data: &[u8], fd: BorrowedFd<'_>) -> io
 /// first byte of `data`. Never raises SIGPIPE (a closed peer is `BrokenPipe`); `wait`: block
 /// while the socket is full, else that is `WouldBlock`. A part sent is `WriteZero`.
 pub fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>], wait: bool) -> io::Result<()> {
+    let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+    send_with_raw_fds(sock, data, &raw, wait)
+}
+
+/// [`send_with_fds`] with descriptors given by number: the caller keeps each open for the
+/// duration of the call (one that is not open fails the send with `EBADF`).
+pub fn send_with_raw_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[RawFd], wait: bool) -> io::Result<()> {
     if fds.len() > MAX_FDS || data.is_empty() {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "no data, or more descriptors than one message carries"));
     }
@@ -423,7 +442,7 @@ pub fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>], 
             (*cmsg).cmsg_len = libc::CMSG_LEN(ints) as usize;
             let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
             for (i, fd) in fds.iter().enumerate() {
-                std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+                std::ptr::write_unaligned(data.add(i), *fd);
             }
         }
     }

@@ -204,6 +204,28 @@ impl Serve {
         serde_json::from_slice(&out.stdout).unwrap()
     }
 
+    /// Waits until every spare domain `serve` wants is ready; returns the spares' status.
+    #[allow(dead_code)]
+    pub fn spares_ready(&self) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let sp = self.status_json()["spares"].clone();
+            let wanted = sp["wanted"].as_u64().unwrap();
+            if wanted > 0 && sp["ready"].as_array().unwrap().len() as u64 == wanted {
+                return sp;
+            }
+            assert!(Instant::now() < deadline, "spares never ready: {sp}\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The pids of the spare domains waiting now.
+    #[allow(dead_code)]
+    pub fn spare_pids(&self) -> Vec<u32> {
+        let st = self.status_json();
+        st["spares"]["ready"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap() as u32).collect()
+    }
+
     pub fn driver_pid(&self, dev: usize) -> u32 {
         self.status_json()["devices"][dev]["driver_pid"].as_u64().unwrap_or(0) as u32
     }

@@ -231,3 +231,146 @@ fn io_uring_file_backend_keeps_requests_in_flight_and_loses_none_to_kills() {
     assert_eq!((d["state"].as_str(), d["requests_failed"].as_u64()), (Some("running"), Some(0)), "{d}");
     eprintln!("{kills} kills of an io_uring file domain; outage p99 {} ms", d["p99_outage_ms"]);
 }
+
+/// The process ids of `serve`'s children whose command line starts with `what`.
+fn children_running(serve: &Serve, what: &[u8]) -> Vec<u32> {
+    let mut all: Vec<u32> = Vec::new();
+    // Spares are children of the thread that keeps them, not of serve's main thread.
+    for task in std::fs::read_dir(format!("/proc/{}/task", serve.pid())).unwrap().flatten() {
+        let kids = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        all.extend(kids.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
+    }
+    all.into_iter().filter(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.starts_with(what))).collect()
+}
+
+/// A spare killed while it waits is replaced, and the next restart is served by a spare.
+#[test]
+fn a_spare_killed_while_idle_is_replaced_and_the_next_restart_takes_one() {
+    require_kernel!();
+    let tmp = TempDir::new("spare-idle");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("s", "16M", "adaptive")), &["s"]);
+    let data = pattern(5, 1 << 20);
+    std::fs::write(serve.fuse_file("s"), &data).unwrap();
+    let before = serve.spares_ready();
+    let victim = before["ready"][0]["pid"].as_u64().unwrap() as u32;
+    // SAFETY: signalling a spare of our own serve.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let sp = serve.status_json()["spares"].clone();
+        let pids = serve.spare_pids();
+        if sp["lost"].as_u64().unwrap() > before["lost"].as_u64().unwrap() && pids.len() == 2 && !pids.contains(&victim) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the killed spare was not replaced: {sp}\n{}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(serve.log_text().contains(&format!("spare domain (pid {victim}) ended while it waited")), "{}", serve.log_text());
+    let waiting = serve.spare_pids();
+    let old = serve.driver_pid(0);
+    // SAFETY: signalling a domain of our own serve.
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let new = loop {
+        let p = serve.driver_pid(0);
+        if p != 0 && p != old {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "no new domain: {}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(waiting.contains(&new), "the new domain {new} is one of the spares {waiting:?}");
+    let got = std::fs::read(serve.fuse_file("s")).unwrap();
+    assert!(got[..data.len()] == data[..], "the contents survive a restart into a spare");
+    // The pool is whole again, and nothing it started is left over: the domain, two spares.
+    serve.spares_ready();
+    assert_eq!(children_running(&serve, b"bulkhead\0spare\0").len(), 2);
+    assert_eq!(children_running(&serve, b"bulkhead\0driver\0").len(), 1);
+}
+
+/// A spare given a device whose backend then fails to open (a qcow2 image whose header was
+/// overwritten under it) fails as an exec'd domain would: the device turns failed once its
+/// restarts are used up, saying why, and the pool goes on; with the image mended, a restart
+/// serves again from a spare.
+#[test]
+fn a_spare_given_a_backend_that_fails_to_open_fails_the_device_and_the_pool_carries_on() {
+    require_kernel!();
+    let Some(qemu_img) = bulkhead_testkit::kernel::which("qemu-img") else {
+        assert!(std::env::var("BULKHEAD_REQUIRE_KERNEL").as_deref() != Ok("1"), "qemu-img required but not installed");
+        eprintln!("SKIP: qemu-img not installed");
+        return;
+    };
+    let tmp = TempDir::new("spare-open");
+    let img = tmp.path().join("q.qcow2");
+    assert!(Command::new(qemu_img).args(["create", "-q", "-f", "qcow2"]).arg(&img).arg("16M").status().unwrap().success());
+    let cfg = format!(
+        "[[device]]\nname = \"q\"\nrestart_limit = 3\nrestart_window_ms = 60000\n[device.backend]\ntype = \"file\"\nformat = \"qcow2\"\npath = \"{}\"\n",
+        img.display()
+    );
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["q"]);
+    let data = pattern(7, 256 << 10);
+    std::fs::write(serve.fuse_file("q"), &data).unwrap();
+    serve.spares_ready();
+    // The image's magic, overwritten: no domain can open it now.
+    let file = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+    let mut head = [0u8; 4];
+    std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::open(&img).unwrap(), &mut head, 0).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &[0; 4], 0).unwrap();
+    let old = serve.driver_pid(0);
+    // SAFETY: signalling a domain of our own serve.
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let d = serve.status_json()["devices"][0].clone();
+        if d["state"] == "failed" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "device never turned failed: {d}\n{}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = serve.log_text();
+    assert!(log.contains("not a qcow2 image"), "the domains said why they could not open the image:\n{log}");
+    let sp = serve.status_json()["spares"].clone();
+    assert!(sp["taken"].as_u64().unwrap() >= 1, "no spare was given the device: {sp}");
+    // The pool fills again, with nothing left behind: only the spares run now.
+    serve.spares_ready();
+    assert_eq!(children_running(&serve, b"bulkhead\0driver\0").len(), 0, "{log}");
+    assert_eq!(children_running(&serve, b"bulkhead\0spare\0").len(), 2);
+    // Mended, the device serves again from a spare, its data intact.
+    std::os::unix::fs::FileExt::write_all_at(&file, &head, 0).unwrap();
+    let waiting = serve.spare_pids();
+    let out = Command::new(exe()).args(["device", "restart", "q", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), serve.log_text());
+    assert!(waiting.contains(&serve.driver_pid(0)), "{waiting:?}");
+    let got = std::fs::read(serve.fuse_file("q")).unwrap_or_else(|e| panic!("{e}: {}", serve.log_text()));
+    assert!(got[..data.len()] == data[..], "the image's data survives");
+}
+
+/// With no spares (`[domains] spares = 0`, or none ready), each domain is exec'd: restarts
+/// work as before, and no spare runs.
+#[test]
+fn with_the_pool_empty_domains_are_execd_and_restarts_lose_nothing() {
+    require_kernel!();
+    let tmp = TempDir::new("spare-none");
+    let cfg = format!("[domains]\nspares = 0\n{}", small_ram_config("n", "16M", "adaptive"));
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["n"]);
+    let data = pattern(9, 1 << 20);
+    std::fs::write(serve.fuse_file("n"), &data).unwrap();
+    for _ in 0..3 {
+        let old = serve.driver_pid(0);
+        // SAFETY: signalling a domain of our own serve.
+        unsafe { libc::kill(old as i32, libc::SIGKILL) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while serve.driver_pid(0) == old || serve.driver_pid(0) == 0 {
+            assert!(Instant::now() < deadline, "no new domain: {}", serve.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let got = std::fs::read(serve.fuse_file("n")).unwrap();
+        assert!(got[..data.len()] == data[..]);
+    }
+    let sp = serve.status_json()["spares"].clone();
+    assert_eq!((sp["wanted"].as_u64(), sp["started"].as_u64(), sp["taken"].as_u64()), (Some(0), Some(0), Some(0)), "{sp}");
+    assert!(children_running(&serve, b"bulkhead\0spare\0").is_empty());
+    let text = Command::new(exe()).args(["status", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    assert!(!String::from_utf8_lossy(&text.stdout).contains("spare domains"), "{}", String::from_utf8_lossy(&text.stdout));
+}

@@ -321,6 +321,8 @@ fn domains_of(serve: &Serve) -> Vec<u32> {
             pids.extend(c.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
         }
     }
+    // Spare domains wait for a device of their own: not this device's.
+    pids.retain(|p| !std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.starts_with(b"bulkhead\0spare\0")));
     pids.sort_unstable();
     pids.dedup();
     pids

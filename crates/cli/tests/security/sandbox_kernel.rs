@@ -13,7 +13,15 @@ use common::*;
 fn every_escape_attempt_from_a_domain_fails_with_the_expected_errno() {
     require_kernel!();
     // With no attach slots the domain may make no shared mapping at all.
-    escapes_fail("escape", "attach = 0\n", &[]);
+    escapes_fail("escape", "attach = 0\n", &[], false);
+}
+
+/// A domain made from a spare (sandboxed before it knew its device, then narrowed to its
+/// role) fails every escape the same way.
+#[test]
+fn every_escape_attempt_from_a_domain_made_from_a_spare_fails_alike() {
+    require_kernel!();
+    escapes_fail("escape-spare", "attach = 0\n", &[], true);
 }
 
 /// A domain that takes attached queues may map memory files shared: the same escapes fail,
@@ -22,23 +30,38 @@ fn every_escape_attempt_from_a_domain_fails_with_the_expected_errno() {
 #[test]
 fn escapes_fail_too_from_a_domain_that_takes_attached_queues() {
     require_kernel!();
-    escapes_fail("escape-attach", "attach = 4\n", &["mmap_write_arena_shared_rw", "mmap_beyond_ring"]);
+    escapes_fail("escape-attach", "attach = 4\n", &["mmap_write_arena_shared_rw", "mmap_beyond_ring"], false);
 }
 
 /// Runs the escape probe in a ram domain of a device with `keys`; every attempt must fail with
-/// its errno, those in `any_error` with any error.
-fn escapes_fail(tag: &str, keys: &str, any_error: &[&str]) {
+/// its errno, those in `any_error` with any error. `from_spare`: only a domain made from a
+/// spare runs it, once one has been made (a restart asked for once the spares are ready).
+fn escapes_fail(tag: &str, keys: &str, any_error: &[&str], from_spare: bool) {
     let tmp = TempDir::new(tag);
     let cfg = format!("[[device]]\nname = \"e\"\nsize = \"16M\"\nrestart_limit = 1\n{keys}[device.backend]\ntype = \"ram\"\n");
     let me = std::process::id().to_string();
-    let Some(serve) = Serve::start_test_driver(
-        &tmp.path().join("run"),
-        Some(&cfg),
-        &["e"],
-        &[("BULKHEAD_TEST_FAULT", "escape"), ("BULKHEAD_TEST_OUTSIDE_PID", &me)],
-    ) else {
+    let mut env = vec![("BULKHEAD_TEST_FAULT", "escape"), ("BULKHEAD_TEST_OUTSIDE_PID", me.as_str())];
+    if from_spare {
+        env.push(("BULKHEAD_TEST_FAULT_FROM_SPARE", "1"));
+    }
+    let Some(serve) = Serve::start_test_driver(&tmp.path().join("run"), Some(&cfg), &["e"], &env) else {
         return;
     };
+    if from_spare {
+        let st = serve.spares_ready();
+        if st["taken"] == 0 {
+            let out = std::process::Command::new(exe())
+                .args(["device", "restart", "e", "--run-dir"])
+                .arg(&serve.run_dir)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success() || serve.log_text().contains("escape-probe"),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
     let deadline = Instant::now() + Duration::from_secs(15);
     let (probe, log) = loop {
         let log = serve.log_text();
@@ -85,6 +108,9 @@ fn escapes_fail(tag: &str, keys: &str, any_error: &[&str]) {
     // The last attempt, a store into the read-only write arena, killed the domain.
     assert!(log.contains("exited: signal: 11 (SIGSEGV)"), "{log}");
     assert!(!log.contains("write into the read-only arena succeeded"), "{log}");
+    if from_spare {
+        assert!(serve.status_json()["spares"]["taken"].as_u64().unwrap() >= 1, "no domain was made from a spare");
+    }
 }
 
 #[test]
@@ -92,12 +118,36 @@ fn status_shows_every_sandbox_layer_applied() {
     require_kernel!();
     let tmp = TempDir::new("layers");
     let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("l", "16M", "adaptive")), &["l"]);
+    layers_applied(&serve);
+    // A domain made from a spare is confined as fully, and `ps` names it as an exec'd one.
+    let before = serve.spares_ready();
+    let waiting: Vec<u64> = before["ready"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap()).collect();
+    for pid in &waiting {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        assert!(cmd.starts_with(b"bulkhead\0spare\0"), "{}", String::from_utf8_lossy(&cmd));
+        let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+        assert_eq!(mounts.lines().count(), 1, "a waiting spare has its empty root: {mounts}");
+    }
+    let out =
+        std::process::Command::new(exe()).args(["device", "restart", "l", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let pid = layers_applied(&serve);
+    assert!(waiting.contains(&pid), "the new domain {pid} is one of the spares {waiting:?}");
+    assert_eq!(serve.status_json()["spares"]["taken"].as_u64().unwrap(), before["taken"].as_u64().unwrap() + 1);
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(cmd.starts_with(b"bulkhead\0driver\0l\0"), "{}", String::from_utf8_lossy(&cmd));
+}
+
+/// Checks that every layer of the device's domain is in force, from status and from `/proc`;
+/// returns its pid.
+fn layers_applied(serve: &Serve) -> u64 {
     let st = serve.status_json();
     let s = &st["devices"][0]["sandbox"];
     for layer in ["namespaces", "mounts", "rlimits", "no_new_privs", "landlock", "seccomp"] {
         assert_eq!(s[layer], "applied", "{layer}: {s}");
     }
     assert_eq!(s["seccomp_role"], "memory");
+    assert!(s["landlock_abi"].as_u64().unwrap() > 0, "{s}");
     let pid = st["devices"][0]["driver_pid"].as_u64().unwrap();
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     assert!(status.contains("Seccomp:\t2") && status.contains("NoNewPrivs:\t1"), "{status}");
@@ -122,6 +172,13 @@ fn status_shows_every_sandbox_layer_applied() {
     // domain created itself (epoll, signal pipe).
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count();
     assert!(fds <= 3 + 4 * 5 + 1 + 4, "{fds} descriptors open in the domain");
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let limit =
+        |name: &str| limits.lines().find(|l| l.starts_with(name)).unwrap().split_whitespace().rev().nth(1).unwrap().to_string();
+    assert_eq!(limit("Max processes"), "0", "{limits}");
+    assert_eq!(limit("Max core file size"), "0", "{limits}");
+    assert_ne!(limit("Max address space"), "unlimited", "{limits}");
+    pid
 }
 
 /// A domain started while a file system is mounted on its own device (a restart under a

@@ -33,6 +33,9 @@
 //! `BULKHEAD_TEST_CONNECT=ADDR,ADDR…` connects to each address once the domain is confined
 //! and says how each attempt went (an `rbd` domain's connects go through the supervisor).
 //!
+//! `BULKHEAD_TEST_FAULT_FROM_SPARE=1` limits the fault to domains made from spare domains
+//! (`spare`, which waits for a device as `bulkhead spare` does).
+//!
 //! `BULKHEAD_TEST_FAULT_ROLE=tap|driver` limits the fault to that domain of an `interpose`
 //! device; `BULKHEAD_TEST_FAULT_DEVICE=NAME` limits it to that device's domains.
 //!
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
     let word = |i: usize| args.get(i).map(String::as_str);
     let result = match (word(1), word(2)) {
         (Some("driver"), _) => return domain(&args),
+        (Some("spare"), _) => return spare(),
         (Some("bench"), Some("storm")) => storm(&args[2..]),
         (Some("bench"), Some("guard")) if args.iter().any(|a| a == "--isolation") => isolation(&args[2..]),
         _ => return bulkhead_cli::run(),
@@ -151,7 +155,29 @@ fn domain(args: &[String]) -> ExitCode {
     let Ok(json) = std::env::var(bulkhead_spec::SPEC_ENV) else {
         return fail(format!("no domain spec: {} is not set", bulkhead_spec::SPEC_ENV));
     };
-    let spec: DomainSpec = match serde_json::from_str(&json) {
+    serve_spec(&json)
+}
+
+/// This domain was made from a spare.
+static FROM_SPARE: AtomicBool = AtomicBool::new(false);
+
+/// As `bulkhead spare`: waits for a device, then is its domain as [`domain`] is, faults and all.
+fn spare() -> ExitCode {
+    // SAFETY: the supervisor started this process with its hand-over line at 3 and nothing
+    // else open beyond the standard descriptors.
+    match unsafe { bulkhead_driver::spare::wait_for_work() } {
+        Ok(Some(json)) => {
+            FROM_SPARE.store(true, std::sync::atomic::Ordering::Relaxed);
+            serve_spec(&json)
+        }
+        Ok(None) => ExitCode::SUCCESS,
+        Err(e) => fail(e.to_string()),
+    }
+}
+
+/// A domain's life from its spec on.
+fn serve_spec(json: &str) -> ExitCode {
+    let spec: DomainSpec = match serde_json::from_str(json) {
         Ok(s) => s,
         Err(e) => return fail(format!("bad spec: {e}")),
     };
@@ -175,6 +201,10 @@ fn domain(args: &[String]) -> ExitCode {
         }
     }
     if !for_this_device(&spec) {
+        fault.clear();
+    }
+    // With `BULKHEAD_TEST_FAULT_FROM_SPARE=1`, only domains made from spares misbehave.
+    if std::env::var_os("BULKHEAD_TEST_FAULT_FROM_SPARE").is_some() && !FROM_SPARE.load(std::sync::atomic::Ordering::Relaxed) {
         fault.clear();
     }
     if fault == "vdev-hostile" {

@@ -14,6 +14,7 @@ use bulkhead_sandbox::Policy;
 use crate::chain::{ChainSetup, FilterSetup};
 use crate::domains::{Below, Domains};
 use crate::error::Error;
+use crate::spares::Spares;
 use crate::spawn::discard;
 use crate::state::Shape;
 use crate::storage::{auto_engine, connect_nbd, Storage};
@@ -78,6 +79,8 @@ pub(crate) struct Launcher {
     pub(crate) card: Option<crate::vdev::CardDevice>,
     /// An `rbd` device's cluster addresses, and what its domains said once they had opened the image.
     rbd: Option<(crate::rbd::Reach, crate::rbd::Opened)>,
+    /// The spare domains its domains may be made from (`None`: each is exec'd).
+    spares: Option<Arc<Spares>>,
 }
 
 /// The backend's descriptors as the supervisor holds them, and whether the device writes.
@@ -135,6 +138,7 @@ impl Launcher {
         exe: &Path,
         keep: &crate::kept::Keep,
         state_fds: [OwnedFd; 2],
+        spares: &Arc<Spares>,
     ) -> Result<Launcher, Error> {
         let [state_fd, below_state_fd] = state_fds;
         let name = cfg.name.get_ref().clone();
@@ -154,6 +158,10 @@ impl Launcher {
         }
         let active = cfg.starts_active();
         let storage = Storage::open(&name, cfg, &backend, active, sandbox, exe, keep)?;
+        // An rbd domain loads librados's plug-ins from the host's files as it connects, before
+        // it confines itself, and a spare's root is empty already; a domain without a sandbox
+        // is exec'd as it is.
+        let spares = (!matches!(backend, BackendConfig::Rbd { .. }) && sandbox != Policy::Off).then(|| spares.clone());
         // Filter state pages and outputs, opened here: the domain opens nothing.
         let mut filters = Vec::new();
         for (i, f) in cfg.filters().into_iter().enumerate() {
@@ -184,6 +192,7 @@ impl Launcher {
             index,
             policy: sandbox,
             card: storage.card,
+            spares,
             rbd: storage.rbd,
         };
         if let (Some(_), None) = (&launcher.rbd, &cfg.size) {

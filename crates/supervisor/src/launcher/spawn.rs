@@ -240,7 +240,18 @@ impl Launcher {
         let raw = std::mem::take(&mut pass.raw);
         let owner_pipe = pass.rbd_owner.take();
         let what = format!("{role} domain");
-        let (child, layers) = exec_confined(&self.exe, &args, &json, &raw, pass, &self.name, self.policy, &report_r, &what)?;
+        let (child, layers) = exec_confined(
+            &self.exe,
+            &args,
+            &json,
+            &raw,
+            pass,
+            &self.name,
+            self.policy,
+            &report_r,
+            &what,
+            self.spares.as_deref(),
+        )?;
         // An rbd domain's connections go through a broker here.
         if let (Some((reach, opened)), Some(fd)) = (&self.rbd, layers.as_ref().and_then(|l| l.connect_listener)) {
             let taken = child.pidfd().try_clone().and_then(|pidfd| {

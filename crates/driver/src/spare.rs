@@ -1,0 +1,145 @@
+//! A spare domain (`bulkhead spare`): started by the supervisor before any domain dies,
+//! sandboxed as far as it can be without knowing its device ([`bulkhead_sandbox::spare`]), it
+//! waits on its hand-over line until the supervisor gives it a device's spec and descriptors
+//! ([`bulkhead_spec::handover`]), puts them where the spec says, and from then on is that
+//! device's domain like one exec'd for it.
+
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use bulkhead_spec::handover;
+
+use crate::DriverError;
+
+/// Where a spare finds its hand-over line.
+pub const LINE_FD: RawFd = 3;
+
+fn setup(what: &str, e: impl std::fmt::Display) -> DriverError {
+    DriverError::Setup(format!("spare: {what}: {e}"))
+}
+
+/// Sandboxes this process as a spare, says so on the line, and waits for a device. Returns
+/// the device's spec as JSON, its descriptors at 3, 4, … as the spec numbers them and the
+/// domain's output on 1 and 2; `Ok(None)` if the supervisor closed the line instead (it no
+/// longer needs this spare, or is gone).
+///
+/// # Safety
+/// Descriptor [`LINE_FD`] must be this process's hand-over line, used by nothing else; and
+/// nothing else in the process may hold descriptors at the numbers the spec gives.
+pub unsafe fn wait_for_work() -> Result<Option<String>, DriverError> {
+    // SAFETY: the caller guarantees the line is this process's alone.
+    let line = unsafe { bulkhead_sys::claim_inherited(LINE_FD) }.map_err(|e| setup("the hand-over line", e))?;
+    // The spin policy looks at the run queues through /proc, which the empty root hides. The
+    // spare's own descriptors stay clear of the numbers the device's will take.
+    let _ = bulkhead_doorbell::Crowd::open_above(bulkhead_sandbox::spare::OWN_FDS_FROM);
+    let line =
+        bulkhead_sys::move_above(line, bulkhead_sandbox::spare::OWN_FDS_FROM).map_err(|e| setup("the hand-over line", e))?;
+    bulkhead_sandbox::spare::prepare();
+    let mut said = [handover::READY];
+    // SAFETY: writes one byte from a local.
+    if unsafe { libc::write(line.as_raw_fd(), said.as_mut_ptr().cast(), 1) } != 1 {
+        return Ok(None);
+    }
+    let mut head = [0u8; 16];
+    let Some((n, stray)) = bulkhead_sys::recv_with_fds(line.as_fd(), &mut head, true).map_err(|e| setup("the header", e))? else {
+        return Ok(None);
+    };
+    if n == 0 {
+        return Ok(None);
+    }
+    let (json_len, nfds) = handover::parse_header(&head[..n])
+        .filter(|&(j, f)| j <= handover::MAX_JSON && (1..=bulkhead_sandbox::spawn::MAX_FDS + 1).contains(&f) && stray.is_empty())
+        .ok_or_else(|| setup("the header", "not a hand-over header"))?;
+    let mut json = Vec::with_capacity(json_len);
+    let mut fds: Vec<OwnedFd> = Vec::with_capacity(nfds);
+    let mut buf = vec![0u8; handover::CHUNK + 1];
+    while json.len() < json_len || fds.len() < nfds {
+        let got = bulkhead_sys::recv_with_fds(line.as_fd(), &mut buf, true).map_err(|e| setup("the spec", e))?;
+        let Some((n, more)) = got.filter(|(n, _)| *n > 0) else {
+            return Err(setup("the spec", "the supervisor hung up in the middle of the hand-over"));
+        };
+        if buf[0] != handover::MORE || json.len() + n - 1 > json_len || fds.len() + more.len() > nfds {
+            return Err(setup("the spec", "more than the header announced"));
+        }
+        json.extend_from_slice(&buf[1..n]);
+        fds.extend(more);
+    }
+    drop(buf);
+    drop(line);
+    let output = fds.pop().ok_or_else(|| setup("the descriptors", "no output pipe"))?;
+    place(fds, output)?;
+    let json = String::from_utf8(json).map_err(|e| setup("the spec", e))?;
+    if let Ok(spec) = serde_json::from_str::<bulkhead_spec::DomainSpec>(&json) {
+        let tap = matches!(spec.backend, bulkhead_spec::BackendSpec::Channel { .. });
+        retitle(&["driver", &spec.device, if tap { "tap" } else { "" }]);
+    }
+    Ok(Some(json))
+}
+
+/// Makes `ps` show this process as an exec'd domain is shown, `bulkhead driver DEVICE [tap]`:
+/// rewrites its arguments in place (the kernel reads `/proc/PID/cmdline` from this memory).
+/// Does nothing if they do not fit or are not where the C library says they start.
+fn retitle(words: &[&str]) {
+    extern "C" {
+        static program_invocation_name: *mut libc::c_char;
+    }
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let Some(argv0) = args.first() else { return };
+    let area: usize = args.iter().map(|a| a.len() + 1).sum();
+    let first = argv0.len() + 1;
+    let mut text = Vec::new();
+    for w in words.iter().filter(|w| !w.is_empty()) {
+        text.extend_from_slice(w.as_bytes());
+        text.push(0);
+    }
+    if first + text.len() > area {
+        return;
+    }
+    // SAFETY: the C library points `program_invocation_name` at argv[0], the first of the
+    // argument strings the kernel laid out one after another; they are checked to be there
+    // (the whole `area`, as `args` holds them) before anything is written, and only bytes
+    // within it after argv[0] are written. No other code reads them after start-up (std keeps
+    // its own copies).
+    unsafe {
+        let start = program_invocation_name.cast::<u8>();
+        if start.is_null() {
+            return;
+        }
+        let now = std::slice::from_raw_parts(start, area);
+        let laid_out: Vec<u8> = args.iter().flat_map(|a| a.as_encoded_bytes().iter().copied().chain([0])).collect();
+        if now != laid_out.as_slice() {
+            return;
+        }
+        std::ptr::write_bytes(start.add(first), 0, area - first);
+        std::ptr::copy_nonoverlapping(text.as_ptr(), start.add(first), text.len());
+    }
+}
+
+/// Puts `fds` at 3, 4, … and `output` on 1 and 2. Each is first moved above the numbers it
+/// will take, so that none is closed by a `dup2` onto it.
+fn place(fds: Vec<OwnedFd>, output: OwnedFd) -> Result<(), DriverError> {
+    let top = LINE_FD + fds.len() as RawFd;
+    let high = |fd: OwnedFd| -> Result<OwnedFd, DriverError> {
+        // SAFETY: duplicates a descriptor this function owns.
+        let h = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, top) };
+        if h < 0 {
+            return Err(setup("move a descriptor", std::io::Error::last_os_error()));
+        }
+        // SAFETY: fcntl returned a fresh descriptor that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(h) })
+    };
+    let moved = fds.into_iter().map(high).collect::<Result<Vec<_>, _>>()?;
+    for (i, fd) in moved.iter().enumerate() {
+        // SAFETY: the target numbers are free (or held by nothing the process uses: the
+        // caller's contract), and the spec claims them later.
+        if unsafe { libc::dup2(fd.as_raw_fd(), LINE_FD + i as RawFd) } < 0 {
+            return Err(setup("place a descriptor", std::io::Error::last_os_error()));
+        }
+    }
+    for std_fd in [1, 2] {
+        // SAFETY: replaces standard output and error with the output pipe.
+        if unsafe { libc::dup2(output.as_raw_fd(), std_fd) } < 0 {
+            return Err(setup("the output pipe", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
