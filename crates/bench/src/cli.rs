@@ -214,6 +214,9 @@ pub enum BenchCmd {
         /// driver kill, by the pause an application on the FUSE file sees (needs root).
         #[arg(long, default_value = "driver")]
         kill: String,
+        /// Spare domains kept ready (`[domains] spares`); 0 execs every domain.
+        #[arg(long, default_value_t = 2, value_parser = count(0, 64))]
+        spares: usize,
         /// Upgrade `serve` (`bulkhead upgrade`) each round instead of killing a domain,
         /// measured as `--kill serve` is.
         #[arg(long)]
@@ -606,8 +609,8 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             emit(&r, json, crate::serve_restart::render)?;
             Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
-        BenchCmd::Restart { kills, mode, threads, tap, kill, json, .. } => {
-            let opts = crate::restart::Options { kills, mode: mode.as_str().into(), threads, tap, kill };
+        BenchCmd::Restart { kills, mode, threads, tap, kill, spares, json, .. } => {
+            let opts = crate::restart::Options { kills, mode: mode.as_str().into(), threads, tap, kill, spares };
             opts.check()?;
             let r = crate::restart::run(&exe()?, &opts, |p| eprintln!("bench restart: {p}"))?;
             emit(&r, json, crate::restart::render)?;

@@ -34,6 +34,8 @@ pub struct Options {
     pub tap: String,
     /// The domain killed with `interpose`: `driver` or `tap`.
     pub kill: String,
+    /// Spare domains kept ready.
+    pub spares: usize,
 }
 
 impl Options {
@@ -68,6 +70,12 @@ pub struct Report {
     pub kills: usize,
     /// Restarts the supervisor made.
     pub restarts: u64,
+    /// Spare domains kept ready.
+    pub spares: usize,
+    /// Domains made from a spare (the rest were exec'd).
+    pub from_spares: u64,
+    /// Private memory of each spare waiting at the end, KiB (`RssAnon`).
+    pub spare_private_kib: Vec<u64>,
     /// Outages measured.
     pub outages: usize,
     /// Median outage, ms.
@@ -90,9 +98,9 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     let kill_tap = opts.kill == "tap";
     let filters = if opts.tap == "interpose" { "[[device.filter]]\ntype = \"stats\"\n" } else { "" };
     let text = format!(
-        "[fuse]\nenabled = false\n[[device]]\nname = \"r\"\nsize = \"256M\"\nqueues = {}\nnotify = \"{}\"\ntap = \"{}\"\n\
+        "[fuse]\nenabled = false\n[domains]\nspares = {}\n[[device]]\nname = \"r\"\nsize = \"256M\"\nqueues = {}\nnotify = \"{}\"\ntap = \"{}\"\n\
          restart_limit = 1000000\n[device.backend]\ntype = \"ram\"\n{filters}",
-        opts.threads, opts.mode, opts.tap
+        opts.spares, opts.threads, opts.mode, opts.tap
     );
     let config = Config::parse(&text, "bench restart").map_err(|e| e.to_string())?;
     let sup = Supervisor::start(&config, Some(exe)).map_err(|e| e.to_string())?;
@@ -157,7 +165,9 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         let _ = t.join();
     }
     let seconds = start.elapsed().as_secs_f64();
-    let restarts = sup.status().devices[0].restarts;
+    let status = sup.status();
+    let restarts = status.devices[0].restarts;
+    let spare_private_kib = status.spares.ready.iter().filter_map(|p| p.rss.map(|r| r.anon_kib)).collect();
     let outages = sup.outages_ms("r");
     sup.shutdown();
     Ok(Report {
@@ -166,6 +176,9 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         killed: opts.kill.clone(),
         kills,
         restarts,
+        spares: opts.spares,
+        from_spares: status.spares.taken,
+        spare_private_kib,
         outages: outages.len(),
         outage_p50_ms: crate::percentile(&outages, 0.50),
         outage_p99_ms: crate::percentile(&outages, 0.99),
@@ -184,6 +197,8 @@ pub fn render(r: &Report) -> String {
         "killed",
         "kills",
         "restarts",
+        "spares",
+        "from spares",
         "outage p50 ms",
         "p99 ms",
         "max ms",
@@ -197,6 +212,8 @@ pub fn render(r: &Report) -> String {
         r.killed.clone(),
         r.kills.to_string(),
         r.restarts.to_string(),
+        r.spares.to_string(),
+        r.from_spares.to_string(),
         format!("{:.2}", r.outage_p50_ms),
         format!("{:.2}", r.outage_p99_ms),
         format!("{:.2}", r.outage_max_ms),

@@ -28,6 +28,8 @@ fn setup(what: &str, e: impl std::fmt::Display) -> DriverError {
 pub unsafe fn wait_for_work() -> Result<Option<String>, DriverError> {
     // SAFETY: the caller guarantees the line is this process's alone.
     let line = unsafe { bulkhead_sys::claim_inherited(LINE_FD) }.map_err(|e| setup("the hand-over line", e))?;
+    // The code a domain runs, in the page tables now rather than a fault at a time later.
+    warm_up();
     // The spin policy looks at the run queues through /proc, which the empty root hides. The
     // spare's own descriptors stay clear of the numbers the device's will take.
     let _ = bulkhead_doorbell::Crowd::open_above(bulkhead_sandbox::spare::OWN_FDS_FROM);
@@ -39,19 +41,33 @@ pub unsafe fn wait_for_work() -> Result<Option<String>, DriverError> {
     if unsafe { libc::write(line.as_raw_fd(), said.as_mut_ptr().cast(), 1) } != 1 {
         return Ok(None);
     }
-    let mut head = [0u8; 16];
-    let Some((n, stray)) = bulkhead_sys::recv_with_fds(line.as_fd(), &mut head, true).map_err(|e| setup("the header", e))? else {
-        return Ok(None);
+    // The header, the spec's first bytes and its first descriptors come in one message. Word
+    // that one is on its way may come first: it has woken this process (and its CPU), which
+    // sleeps again until the device comes, now sooner to wake.
+    let mut buf = vec![0u8; handover::HEADER_LEN + handover::CHUNK];
+    let (n, mut fds) = loop {
+        let Some((n, fds)) = bulkhead_sys::recv_with_fds(line.as_fd(), &mut buf, true).map_err(|e| setup("the header", e))?
+        else {
+            return Ok(None);
+        };
+        if n == 0 {
+            return Ok(None);
+        }
+        if n == 1 && buf[0] == handover::SOON && fds.is_empty() {
+            continue;
+        }
+        break (n, fds);
     };
     if n == 0 {
         return Ok(None);
     }
-    let (json_len, nfds) = handover::parse_header(&head[..n])
-        .filter(|&(j, f)| j <= handover::MAX_JSON && (1..=bulkhead_sandbox::spawn::MAX_FDS + 1).contains(&f) && stray.is_empty())
+    let (json_len, nfds) = buf
+        .get(..handover::HEADER_LEN)
+        .and_then(handover::parse_header)
+        .filter(|&(j, f)| j <= handover::MAX_JSON && (1..=bulkhead_sandbox::spawn::MAX_FDS + 1).contains(&f) && fds.len() <= f)
         .ok_or_else(|| setup("the header", "not a hand-over header"))?;
     let mut json = Vec::with_capacity(json_len);
-    let mut fds: Vec<OwnedFd> = Vec::with_capacity(nfds);
-    let mut buf = vec![0u8; handover::CHUNK + 1];
+    json.extend_from_slice(&buf[handover::HEADER_LEN..n]);
     while json.len() < json_len || fds.len() < nfds {
         let got = bulkhead_sys::recv_with_fds(line.as_fd(), &mut buf, true).map_err(|e| setup("the spec", e))?;
         let Some((n, more)) = got.filter(|(n, _)| *n > 0) else {
@@ -62,6 +78,9 @@ pub unsafe fn wait_for_work() -> Result<Option<String>, DriverError> {
         }
         json.extend_from_slice(&buf[1..n]);
         fds.extend(more);
+    }
+    if json.len() != json_len {
+        return Err(setup("the spec", "more than the header announced"));
     }
     drop(buf);
     drop(line);
@@ -111,6 +130,30 @@ fn retitle(words: &[&str]) {
         }
         std::ptr::write_bytes(start.add(first), 0, area - first);
         std::ptr::copy_nonoverlapping(text.as_ptr(), start.add(first), text.len());
+    }
+}
+
+/// Maps every page of this program's code and read-only data and of its libraries' now
+/// (`MADV_POPULATE_READ`): a process that has not run a piece of code yet takes a page fault
+/// for each page of it, and building a domain, confining it and serving its first requests
+/// runs much code the spare has not. The pages are the page cache's, shared with every other
+/// process running the program: no private memory. Nothing happens where the kernel lacks the
+/// advice (before Linux 5.14).
+fn warm_up() {
+    const MADV_POPULATE_READ: libc::c_int = 22;
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return };
+    for line in maps.lines() {
+        // START-END PERMS OFFSET DEV INODE PATH
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms), Some(path)) = (f.next(), f.next(), f.nth(3)) else { continue };
+        if !path.starts_with('/') || perms.starts_with("rw") || !perms.starts_with('r') {
+            continue;
+        }
+        let Some((a, b)) = range.split_once('-') else { continue };
+        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else { continue };
+        // SAFETY: advice on a mapping of this process, as /proc/self/maps lists it: it reads
+        // the file's pages into the page tables and changes no memory.
+        unsafe { libc::madvise(a as *mut libc::c_void, b - a, MADV_POPULATE_READ) };
     }
 }
 

@@ -450,17 +450,25 @@ mod tests {
 }
 
 /// The hand-over of a device to a spare domain (`bulkhead spare`), on the sequenced-packet line
-/// at the spare's descriptor 3. The spare sends [`handover::READY`] once sandboxed; the supervisor
-/// then sends a header ([`handover::header`]) and the spec's JSON in chunks of at most
-/// [`handover::CHUNK`] bytes, each message a [`handover::MORE`] byte then its bytes, with at most
-/// [`handover::FDS_PER_MESSAGE`] descriptors each: the spec's, in the order it numbers them from 3,
-/// then the write end of the domain's output pipe.
+/// at the spare's descriptor 3. The spare sends [`handover::READY`] once sandboxed. The
+/// supervisor then sends the spec's JSON and the descriptors: the spec's, in the order it
+/// numbers them from 3, then the write end of the domain's output pipe. The first message is a
+/// header ([`handover::header`]) followed by the JSON's first bytes; each later one a
+/// [`handover::MORE`] byte and the next bytes. Each carries at most [`handover::CHUNK`] bytes of
+/// JSON and [`handover::FDS_PER_MESSAGE`] descriptors; a small device's fits in the first.
+/// Before them, the supervisor may send [`handover::SOON`] as a message of its own.
 pub mod handover {
     /// What the spare sends once its sandbox is in place.
     pub const READY: u8 = b'R';
+    /// What the supervisor may send, alone, when a restart begins that will want a spare: it
+    /// wakes the spare (and its CPU) while the restart buries the old domain, so that the
+    /// device, when it comes a few hundred microseconds later, finds both awake.
+    pub const SOON: u8 = b'S';
     /// The first byte of the header.
     pub const HEADER: u8 = b'H';
-    /// The first byte of every message after the header.
+    /// Bytes of the header.
+    pub const HEADER_LEN: usize = 9;
+    /// The first byte of every message after the first.
     pub const MORE: u8 = b'M';
     /// Most bytes of JSON in one message.
     pub const CHUNK: usize = 48 * 1024;
@@ -469,9 +477,9 @@ pub mod handover {
     /// Longest spec a spare takes.
     pub const MAX_JSON: usize = 16 << 20;
 
-    /// The header: the spec's length in bytes and the number of descriptors that follow.
-    pub fn header(json_len: usize, fds: usize) -> [u8; 9] {
-        let mut h = [HEADER; 9];
+    /// The header: the spec's length in bytes and the number of descriptors in all.
+    pub fn header(json_len: usize, fds: usize) -> [u8; HEADER_LEN] {
+        let mut h = [HEADER; HEADER_LEN];
         h[1..5].copy_from_slice(&(json_len as u32).to_le_bytes());
         h[5..9].copy_from_slice(&(fds as u32).to_le_bytes());
         h
@@ -479,7 +487,7 @@ pub mod handover {
 
     /// The spec's length and the descriptor count of a header; `None` if `h` is not one.
     pub fn parse_header(h: &[u8]) -> Option<(usize, usize)> {
-        if h.len() != 9 || h[0] != HEADER {
+        if h.len() != HEADER_LEN || h[0] != HEADER {
             return None;
         }
         let json = u32::from_le_bytes(h[1..5].try_into().ok()?) as usize;

@@ -95,6 +95,7 @@ fn fail(rt: &DeviceRuntime, reason: &str) {
 /// reissues every request that had no response.
 fn restart_all(rt: &DeviceRuntime, why: &str, detected: Instant, stopping: &AtomicBool) {
     rt.control.outage_started(detected);
+    rt.launcher.expect_launch();
     let (domains, below, graveyard) = take_all(rt);
     bury_all(rt, domains, below, graveyard);
     // Views being removed go now that no domain serves them.
@@ -204,6 +205,7 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
     let before = rt.observe();
     let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(Error::failed(why)) };
     rt.control.time_outage(detected);
+    rt.launcher.expect_launch();
     rt.control.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
     graveyard.bury(&rt.name, driver);
     let generation = below.generation.wrapping_add(1).max(1);
@@ -243,6 +245,7 @@ fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), E
     let before = rt.observe();
     let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(Error::failed(why)) };
     rt.control.outage_started(detected);
+    rt.launcher.expect_launch();
     rt.control.log_limited(|| format!("{why}; replacing it (the driver domain below runs on)"));
     graveyard.bury(&rt.name, tap);
     graveyard.drain(&rt.name);

@@ -35,6 +35,10 @@ const SPARE_ROOM: &str = "                                                      
 /// How long a new spare has to sandbox itself and say it is ready.
 const READY_WAIT: Duration = Duration::from_secs(5);
 
+/// How long after a spare was given a device the next is started: long enough for the
+/// restart that took it to be over.
+const QUIET: Duration = Duration::from_millis(5);
+
 /// The longest pause between attempts to start a spare after one failed.
 const MOST_BACK_OFF: Duration = Duration::from_secs(30);
 
@@ -73,6 +77,8 @@ struct Inner {
     /// Wakes the keeper thread: a spare was taken, or the pool stops.
     bell: EventFd,
     stopping: AtomicBool,
+    /// When a spare was last given a device (monotonic ns; 0: never).
+    last_taken: AtomicU64,
     started: AtomicU64,
     taken: AtomicU64,
     lost: AtomicU64,
@@ -94,6 +100,7 @@ impl Spares {
             ready: Mutex::new(VecDeque::new()),
             bell: EventFd::new()?,
             stopping: AtomicBool::new(false),
+            last_taken: AtomicU64::new(0),
             started: AtomicU64::new(0),
             taken: AtomicU64::new(0),
             lost: AtomicU64::new(0),
@@ -127,6 +134,17 @@ impl Spares {
         self.inner.ready.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|s| s.child.id()).collect()
     }
 
+    /// Tells the spare that the next [`hand_over`](Self::hand_over) will take that a device is
+    /// on its way, so that it is awake when it comes: called as a restart begins, before the
+    /// old domains are buried and the new queues made.
+    pub fn expect(&self) {
+        let ready = self.inner.ready.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = ready.front() {
+            // Never blocks; a spare that misses it only takes its device a little later.
+            let _ = bulkhead_sys::send_with_fds(s.line.as_fd(), &[handover::SOON], &[], false);
+        }
+    }
+
     /// Hands device `device`'s domain to a spare: `spec_json` and `fds` (which the domain finds
     /// at 3, 4, …, as an exec'd one would), its output relayed to the log. Returns the domain
     /// and the namespaces it runs in; `None` if no spare was ready (or each one tried had
@@ -134,6 +152,7 @@ impl Spares {
     pub fn hand_over(&self, device: &str, spec_json: &str, fds: &[RawFd]) -> Option<(DomainChild, Layer)> {
         loop {
             let spare = self.inner.ready.lock().unwrap_or_else(|e| e.into_inner()).pop_front()?;
+            self.inner.last_taken.store(bulkhead_sys::monotonic_ns(), Ordering::Relaxed);
             self.inner.bell.ring();
             match give(&spare, device, spec_json, fds) {
                 Ok(()) => {
@@ -173,18 +192,21 @@ fn give(spare: &Spare, device: &str, spec_json: &str, fds: &[RawFd]) -> std::io:
     let mut all = fds.to_vec();
     all.push(out_w.as_raw_fd());
     let json = spec_json.as_bytes();
-    bulkhead_sys::send_with_fds(spare.line.as_fd(), &handover::header(json.len(), all.len()), &[], true)?;
     let (mut sent_json, mut sent_fds) = (0, 0);
-    let mut msg = Vec::with_capacity(handover::CHUNK + 1);
-    while sent_json < json.len() || sent_fds < all.len() {
+    let mut msg = Vec::with_capacity(handover::HEADER_LEN + handover::CHUNK);
+    msg.extend_from_slice(&handover::header(json.len(), all.len()));
+    loop {
         let bytes = &json[sent_json..(sent_json + handover::CHUNK).min(json.len())];
         let these = &all[sent_fds..(sent_fds + handover::FDS_PER_MESSAGE).min(all.len())];
-        msg.clear();
-        msg.push(handover::MORE);
         msg.extend_from_slice(bytes);
         bulkhead_sys::send_with_raw_fds(spare.line.as_fd(), &msg, these, true)?;
         sent_json += bytes.len();
         sent_fds += these.len();
+        if sent_json == json.len() && sent_fds == all.len() {
+            break;
+        }
+        msg.clear();
+        msg.push(handover::MORE);
     }
     drop(out_w);
     domain_log::relay(device, spare.child.id(), out_r);
@@ -227,6 +249,14 @@ fn keep(inner: &Inner) {
     let mut retry_at: Option<Instant> = None;
     while !inner.stopping.load(Ordering::Acquire) {
         let short = inner.ready.lock().unwrap_or_else(|e| e.into_inner()).len() < inner.want;
+        // Not while a spare is being given a device: starting a process copies this one's
+        // page tables, and the restart under way would wait for that.
+        let since_taken =
+            Duration::from_nanos(bulkhead_sys::monotonic_ns().saturating_sub(inner.last_taken.load(Ordering::Relaxed)));
+        if short && since_taken < QUIET {
+            let later = Instant::now() + (QUIET - since_taken);
+            retry_at = Some(retry_at.map_or(later, |t| t.max(later)));
+        }
         if short && retry_at.is_none_or(|t| Instant::now() >= t) {
             match start_one(&inner.exe) {
                 Ok(s) => {

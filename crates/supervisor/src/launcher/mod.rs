@@ -205,6 +205,14 @@ impl Launcher {
         Ok(launcher)
     }
 
+    /// Tells a spare that a domain of this device will be wanted shortly (a restart has
+    /// begun), so that it is awake when it is given the device.
+    pub(crate) fn expect_launch(&self) {
+        if let Some(s) = &self.spares {
+            s.expect();
+        }
+    }
+
     /// Bytes the frontend sees.
     pub(crate) fn size(&self) -> u64 {
         self.size
