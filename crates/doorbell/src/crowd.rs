@@ -43,17 +43,6 @@ impl Crowd {
         CROWD.get_or_init(|| Crowd { loadavg: File::open("/proc/loadavg").ok(), cpus: online_cpus() })
     }
 
-    /// Opens the process's monitor now, its descriptor at `min_fd` or above: for a process
-    /// that is about to be handed descriptors by number below that (a spare domain), and whose
-    /// filesystem view empties before it would first look.
-    pub fn open_above(min_fd: i32) -> &'static Crowd {
-        CROWD.get_or_init(|| {
-            let loadavg =
-                File::open("/proc/loadavg").ok().and_then(|f| bulkhead_sys::move_above(f.into(), min_fd).ok()).map(File::from);
-            Crowd { loadavg, cpus: online_cpus() }
-        })
-    }
-
     /// Whether the monitor can see the run queues (false where `/proc/loadavg` could not be
     /// opened: then it never reports a crowd).
     pub fn available(&self) -> bool {

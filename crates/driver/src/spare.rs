@@ -30,9 +30,7 @@ pub unsafe fn wait_for_work() -> Result<Option<String>, DriverError> {
     let line = unsafe { bulkhead_sys::claim_inherited(LINE_FD) }.map_err(|e| setup("the hand-over line", e))?;
     // The code a domain runs, in the page tables now rather than a fault at a time later.
     warm_up();
-    // The spin policy looks at the run queues through /proc, which the empty root hides. The
-    // spare's own descriptors stay clear of the numbers the device's will take.
-    let _ = bulkhead_doorbell::Crowd::open_above(bulkhead_sandbox::spare::OWN_FDS_FROM);
+    // The spare's own descriptors stay clear of the numbers the device's will take.
     let line =
         bulkhead_sys::move_above(line, bulkhead_sandbox::spare::OWN_FDS_FROM).map_err(|e| setup("the hand-over line", e))?;
     bulkhead_sandbox::spare::prepare();
