@@ -90,18 +90,6 @@ fn rlimits(now: &Footprint, role: Role, headroom: u64, attach_slots: usize) -> R
     setrlimit(libc::RLIMIT_AS, limit, limit)
 }
 
-pub(crate) fn no_new_privs() -> Result<(), Unavailable> {
-    // SAFETY: plain prctl calls.
-    unsafe {
-        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 {
-            return Err(Unavailable(format!("PR_SET_NO_NEW_PRIVS: {}", std::io::Error::last_os_error())));
-        }
-        // Not dumpable: no core, no ptrace attach, /proc/PID/mem closed to same-uid peers.
-        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
-    }
-    Ok(())
-}
-
 /// Applies every layer in order; returns what is in force. With [`Policy::Required`], the
 /// first unavailable layer is an error.
 pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
@@ -171,7 +159,7 @@ pub fn confine(opts: &Options) -> Result<Layers, SandboxError> {
     };
     layers.rlimits =
         check("rlimits", apply("rlimits", &|| rlimits(&footprint, opts.role, opts.address_space_headroom, opts.attach_slots)))?;
-    layers.no_new_privs = check("no_new_privs", apply("no_new_privs", &no_new_privs))?;
+    layers.no_new_privs = check("no_new_privs", apply("no_new_privs", &crate::spare::no_new_privs))?;
     if let Some(p) = spare {
         p.let_go();
         layers.rlimits = match (&layers.rlimits, &p.layers.rlimits) {

@@ -22,7 +22,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Mutex, OnceLock};
 
 use crate::seccomp::{self, Role};
-use crate::{landlock, mounts, Layer, Layers, Policy, Unavailable};
+use crate::{landlock, mounts, Layer, Layers, Unavailable};
 
 /// What a spare applied before it knew its device (its `seccomp_role` is `spare`: the first
 /// filter), and the descriptors that size its rlimits once it does.
@@ -119,6 +119,31 @@ fn open_own(what: &str, flags: libc::c_int) -> Option<OwnedFd> {
     bulkhead_sys::move_above(fd, OWN_FDS_FROM).ok()
 }
 
+/// Whether this process runs in a user namespace other than the initial one, as
+/// [`crate::spawn::spawn`] makes it: the namespaces layer, read from `/proc/self/uid_map`.
+pub(crate) fn namespaces_now() -> Layer {
+    match std::fs::read_to_string("/proc/self/uid_map") {
+        Ok(m) if m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"] => {
+            Layer::Unavailable("the domain runs in the initial user namespace".into())
+        }
+        Ok(_) => Layer::Applied,
+        Err(e) => Layer::Unavailable(format!("/proc/self/uid_map: {e}")),
+    }
+}
+
+/// no_new_privs, and not dumpable: no core, no ptrace attach, `/proc/PID/mem` closed to
+/// same-uid peers. For any domain ([`crate::confine`]), a spare's early.
+pub(crate) fn no_new_privs() -> Result<(), Unavailable> {
+    // SAFETY: plain prctl calls.
+    unsafe {
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0 {
+            return Err(Unavailable(format!("PR_SET_NO_NEW_PRIVS: {}", std::io::Error::last_os_error())));
+        }
+        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+    }
+    Ok(())
+}
+
 /// Applies, in this single-threaded process started by [`crate::spawn::spawn`], every layer
 /// that does not depend on the device the spare will serve, and remembers what it applied for
 /// [`crate::confine::confine`]. Unavailable layers are recorded, not refused: the policy is the
@@ -127,7 +152,7 @@ pub fn prepare() -> &'static Prepared {
     if let Some(p) = PREPARED.get() {
         return p;
     }
-    let namespaces = crate::spawn::namespaces_layer(Policy::BestEffort);
+    let namespaces = namespaces_now();
     let statm = open_own("statm", libc::O_RDONLY);
     let fd_dir = open_own("fd", libc::O_RDONLY | libc::O_DIRECTORY);
     let layer = |r: Result<(), Unavailable>| match r {
@@ -146,7 +171,7 @@ pub fn prepare() -> &'static Prepared {
             .and_then(|()| setrlimit(libc::RLIMIT_MEMLOCK, 0))
             .and_then(|()| setrlimit(libc::RLIMIT_NPROC, nproc)),
     );
-    let no_new_privs = layer(crate::confine::no_new_privs());
+    let no_new_privs = layer(no_new_privs());
     let landlock_abi = landlock::abi();
     let landlock = layer(landlock::deny_all().map(|_| ()));
     let seccomp = layer(first_filter().and_then(|prog| seccompiler::apply_filter(&prog).map_err(|e| Unavailable(e.to_string()))));

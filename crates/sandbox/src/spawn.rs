@@ -280,13 +280,7 @@ pub fn namespaces_layer(policy: crate::Policy) -> Layer {
     if let Some(p) = crate::spare::prepared() {
         return p.layers.namespaces.clone();
     }
-    match std::fs::read_to_string("/proc/self/uid_map") {
-        Ok(m) if m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"] => {
-            Layer::Unavailable("the domain runs in the initial user namespace".into())
-        }
-        Ok(_) => Layer::Applied,
-        Err(e) => Layer::Unavailable(format!("/proc/self/uid_map: {e}")),
-    }
+    crate::spare::namespaces_now()
 }
 
 fn map_ids(pid: u32) -> io::Result<()> {

@@ -29,6 +29,7 @@ mod lifecycle;
 mod mailbox;
 pub mod proc_info;
 mod rbd;
+mod reap;
 mod spares;
 mod spawn;
 mod state;

@@ -26,7 +26,7 @@ use bulkhead_sys::eventfd::EventFd;
 
 use crate::domain_log;
 use crate::error::Error;
-use crate::spawn::discard;
+use crate::reap::{discard, EXIT_WAIT};
 
 /// Spaces after `spare` on a spare's command line, where it writes the words of the domain it
 /// becomes: `driver`, a device name (at most 64 bytes) and `tap`.
@@ -236,7 +236,7 @@ fn start_one(exe: &std::path::Path) -> Result<Spare, Error> {
     };
     if !said {
         let _ = child.kill();
-        let _ = child.wait_timeout(crate::spawn::EXIT_WAIT);
+        let _ = child.wait_timeout(EXIT_WAIT);
         discard(child);
         return Err(Error::failed(format!("spare domain did not say it was ready within {} s", READY_WAIT.as_secs())));
     }

@@ -13,9 +13,7 @@ use crate::domain_log;
 use crate::error::Error;
 use crate::spares::Spares;
 
-/// How long a restart waits for a killed domain to finish exiting before it starts the next
-/// generation anyway (the old one can no longer run code; it is reaped later).
-pub(crate) const EXIT_WAIT: Duration = Duration::from_millis(500);
+pub(crate) use crate::reap::{discard, EXIT_WAIT};
 
 /// Execs `exe ARGS` as a sandboxed domain of `device` (`what` names it in messages), its spec
 /// `spec_json` in its environment ([`bulkhead_spec::SPEC_ENV`], out of `ps`'s sight), holding
@@ -112,17 +110,6 @@ pub(crate) fn finish_or_release(c: &mut DomainChild) -> bool {
         if Instant::now() >= deadline {
             return false;
         }
-    }
-}
-
-/// Ends a domain that will not be used: kills it and reaps it, on a thread of its own if it
-/// does not finish exiting at once (a killed process can take a while; see [`EXIT_WAIT`]).
-pub(crate) fn discard(mut child: DomainChild) {
-    let _ = child.kill();
-    if let Ok(None) = child.wait_timeout(EXIT_WAIT) {
-        let _ = std::thread::Builder::new().name("reap-domain".into()).spawn(move || {
-            let _ = child.wait();
-        });
     }
 }
 
