@@ -160,6 +160,10 @@ pub struct FrontQueue {
     timed: bool,
     /// Wake-ups in a row that found no response.
     spurious: u32,
+    /// The next wait sleeps at once: the requests it waits for were sent again to a domain
+    /// that has just started ([`reissue_onto`](Self::reissue_onto)), whose first answers come
+    /// later than a spin lasts, and a spin here would only take the CPU it needs.
+    sleep_first: bool,
     /// Until when (ns) waits ignore the doorbell: a storm was detected.
     damped_until: u64,
     /// Spins after which a wait yields the CPU between looks (0: never).
@@ -222,6 +226,7 @@ impl FrontQueue {
             armed_at: 0,
             timed: false,
             spurious: 0,
+            sleep_first: false,
             damped_until: 0,
             yield_after: 0,
             handoff: Handoff::default(),
@@ -671,6 +676,7 @@ impl FrontQueue {
         }
         if !live.is_empty() {
             newer.publish();
+            newer.sleep_first = true;
         }
         Ok(live.len())
     }
@@ -726,6 +732,7 @@ impl FrontQueue {
         let spin = match self.mode {
             NotifyMode::Irq => 0,
             NotifyMode::Poll => u64::MAX,
+            NotifyMode::Adaptive if std::mem::take(&mut self.sleep_first) => 0,
             NotifyMode::Adaptive => self.budget.budget_ns(),
         };
         // The clock is read every 64 turns of the spin. A budget that does not tune needs no
