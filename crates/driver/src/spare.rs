@@ -86,23 +86,58 @@ pub unsafe fn wait_for_work() -> Result<Option<String>, DriverError> {
     place(fds, output)?;
     let json = String::from_utf8(json).map_err(|e| setup("the spec", e))?;
     if let Ok(spec) = serde_json::from_str::<bulkhead_spec::DomainSpec>(&json) {
-        let tap = matches!(spec.backend, bulkhead_spec::BackendSpec::Channel { .. });
-        retitle(&["driver", &spec.device, if tap { "tap" } else { "" }]);
+        retitle_for(&spec, spec.standby_fd.is_some());
     }
     Ok(Some(json))
 }
 
-/// Makes `ps` show this process as an exec'd domain is shown, `bulkhead driver DEVICE [tap]`:
-/// rewrites its arguments in place (the kernel reads `/proc/PID/cmdline` from this memory).
-/// Does nothing if they do not fit or are not where the C library says they start.
+/// Shows in `ps` what this former spare is for `spec`'s device: `bulkhead standby DEVICE`
+/// while it waits to take over (`standby`), `bulkhead driver DEVICE [tap]` once it serves. Does
+/// nothing in a process that was never a spare (its arguments are the exec's, and no room was
+/// left in them).
+pub fn retitle_for(spec: &bulkhead_spec::DomainSpec, standby: bool) {
+    let tap = matches!(spec.backend, bulkhead_spec::BackendSpec::Channel { .. });
+    // Read once: the C library's argument strings are the ones `retitle` rewrites, and std
+    // reads them anew each time.
+    static SPARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*SPARE.get_or_init(|| std::env::args_os().nth(1).is_some_and(|a| a == "spare")) {
+        return;
+    }
+    if standby {
+        retitle(&["standby", &spec.device]);
+    } else {
+        retitle(&["driver", &spec.device, if tap { "tap" } else { "" }]);
+    }
+}
+
+/// Where this process's argument strings lie, checked once: their start (argv[0]), their
+/// bytes in all, and where those after argv[0] begin.
+static ARGS_AREA: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
+
+/// Makes `ps` show this process as `bulkhead WORDS…`: rewrites its arguments after argv[0] in
+/// place (the kernel reads `/proc/PID/cmdline` from this memory). Does nothing if the words do
+/// not fit, or the arguments are not where the C library says they start.
 fn retitle(words: &[&str]) {
     extern "C" {
         static program_invocation_name: *mut libc::c_char;
     }
-    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let Some(argv0) = args.first() else { return };
-    let area: usize = args.iter().map(|a| a.len() + 1).sum();
-    let first = argv0.len() + 1;
+    let area = ARGS_AREA.get_or_init(|| {
+        let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+        let argv0 = args.first()?;
+        let area: usize = args.iter().map(|a| a.len() + 1).sum();
+        // SAFETY: reads the pointer the C library set at start-up.
+        let start = unsafe { program_invocation_name }.cast::<u8>();
+        if start.is_null() {
+            return None;
+        }
+        // SAFETY: the C library points `program_invocation_name` at argv[0], the first of the
+        // argument strings the kernel laid out one after another, `area` bytes as `args` holds
+        // them; they are compared with `args` before anything is written.
+        let now = unsafe { std::slice::from_raw_parts(start, area) };
+        let laid_out: Vec<u8> = args.iter().flat_map(|a| a.as_encoded_bytes().iter().copied().chain([0])).collect();
+        (now == laid_out.as_slice()).then_some((start as usize, area, argv0.len() + 1))
+    });
+    let Some((start, area, first)) = *area else { return };
     let mut text = Vec::new();
     for w in words.iter().filter(|w| !w.is_empty()) {
         text.extend_from_slice(w.as_bytes());
@@ -111,21 +146,11 @@ fn retitle(words: &[&str]) {
     if first + text.len() > area {
         return;
     }
-    // SAFETY: the C library points `program_invocation_name` at argv[0], the first of the
-    // argument strings the kernel laid out one after another; they are checked to be there
-    // (the whole `area`, as `args` holds them) before anything is written, and only bytes
-    // within it after argv[0] are written. No other code reads them after start-up (std keeps
-    // its own copies).
+    let start = start as *mut u8;
+    // SAFETY: the argument strings checked above (`ARGS_AREA`); only bytes within them after
+    // argv[0] are written. What else reads them (`std::env::args`) reads them after the spec is
+    // taken, as the new title.
     unsafe {
-        let start = program_invocation_name.cast::<u8>();
-        if start.is_null() {
-            return;
-        }
-        let now = std::slice::from_raw_parts(start, area);
-        let laid_out: Vec<u8> = args.iter().flat_map(|a| a.as_encoded_bytes().iter().copied().chain([0])).collect();
-        if now != laid_out.as_slice() {
-            return;
-        }
         std::ptr::write_bytes(start.add(first), 0, area - first);
         std::ptr::copy_nonoverlapping(text.as_ptr(), start.add(first), text.len());
     }
