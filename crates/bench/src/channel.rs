@@ -190,6 +190,7 @@ pub fn spawn_ram_domain(exe: &Path, cfg: &QueueConfig, size: u64) -> Result<(Fro
         inactive: false,
         sandbox: Default::default(),
         report_fd: None,
+        standby_fd: None,
     };
     let json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
     let (child, _) =

@@ -21,7 +21,13 @@ pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     let built = unsafe { bulkhead_driver::build_inherited(&spec, stop) };
     let mut domain = built.with_context(|| format!("device {}", spec.device))?;
     domain.wake_on_stop(bell)?;
+    // SAFETY: as above: the go doorbell the spec names is this process's alone.
+    unsafe { bulkhead_driver::claim_standby(&mut domain, &spec) }?;
     bulkhead_driver::confine_and_report(&spec).with_context(|| format!("device {}", spec.device))?;
+    // A standby waits, confined, for its device's domain to die.
+    if !bulkhead_driver::stand_by(&mut domain, &spec)? {
+        return Ok(ExitCode::SUCCESS);
+    }
     match domain.run() {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(bulkhead_driver::DriverError::BackendLost(why)) => {

@@ -245,6 +245,13 @@ pub fn run(run_dir: anyhow::Result<PathBuf>, out: Out) -> anyhow::Result<ExitCod
             sp.started
         );
     }
+    for d in report.devices.iter().filter(|d| d.standby.is_some() || d.standby_restarts > 0) {
+        let waiting = match &d.standby {
+            Some(p) => format!("pid {} waiting (private {})", p.pid, mib(p.rss.map(|r| r.anon_kib))),
+            None => "none waiting".into(),
+        };
+        println!("standby domain of {}: {waiting}; {} of {} restarts taken by one", d.name, d.standby_restarts, d.restarts);
+    }
     match &report.fuse {
         Some(FuseStatus::IoUring { queues, depth }) => println!("fuse: io_uring, {queues} rings x {depth} requests"),
         Some(FuseStatus::DevFuse { threads, why_not_io_uring: Some(why) }) => {

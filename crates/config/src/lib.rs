@@ -488,6 +488,19 @@ mod tests {
     }
 
     #[test]
+    fn domains_spares_and_standbys_default_and_name_their_line_when_out_of_range() {
+        let ram = "[[device]]\nname = \"m\"\nsize = \"1M\"\n[device.backend]\ntype = \"ram\"\n";
+        let cfg = parse(ram).unwrap();
+        assert_eq!((*cfg.domains.spares.get_ref(), *cfg.domains.standbys.get_ref()), (2, 4));
+        let cfg = parse(&format!("[domains]\nspares = 3\nstandbys = 0\n{ram}")).unwrap();
+        assert_eq!((*cfg.domains.spares.get_ref(), *cfg.domains.standbys.get_ref()), (3, 0));
+        let e = parse(&format!("[domains]\nspares = 1\nstandbys = 65\n{ram}")).unwrap_err().to_string();
+        assert!(e.contains("`domains.standbys`") && e.contains("65") && e.contains("line 3"), "{e}");
+        let e = parse(&format!("[domains]\nstandby = 1\n{ram}")).unwrap_err().to_string();
+        assert!(e.contains("standby") && e.contains("line 2"), "{e}");
+    }
+
+    #[test]
     fn active_false_is_for_storage_another_host_reaches_and_names_its_line() {
         let file = |extra: &str| {
             format!("[[device]]\nname = \"f\"\nactive = false\n[device.backend]\ntype = \"file\"\npath = \"/dev/null\"\n{extra}")

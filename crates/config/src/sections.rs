@@ -385,23 +385,33 @@ pub struct Domains {
     /// and a few MiB of memory. 0 starts every domain afresh.
     #[serde(default = "default_spares")]
     pub spares: Spanned<u32>,
+    /// Devices that may keep a standby domain at once: after its first restart a device keeps
+    /// its next generation started, confined and waiting, so that the next restart only lets
+    /// it go. Each costs no CPU while it waits and a few MiB of memory. 0 keeps none.
+    #[serde(default = "default_standbys")]
+    pub standbys: Spanned<u32>,
 }
 
 fn default_spares() -> Spanned<u32> {
     Spanned::new(0..0, 2)
 }
 
+fn default_standbys() -> Spanned<u32> {
+    Spanned::new(0..0, 4)
+}
+
 impl Default for Domains {
     fn default() -> Self {
-        Domains { spares: default_spares() }
+        Domains { spares: default_spares(), standbys: default_standbys() }
     }
 }
 
 impl Domains {
     pub(crate) fn validate(&self, err: &At<'_>) -> Result<(), ConfigError> {
-        let n = &self.spares;
-        if *n.get_ref() > 64 {
-            return Err(err(n.span(), format!("key `domains.spares`: {} is outside 0..=64", n.get_ref())));
+        for (key, n) in [("spares", &self.spares), ("standbys", &self.standbys)] {
+            if *n.get_ref() > 64 {
+                return Err(err(n.span(), format!("key `domains.{key}`: {} is outside 0..=64", n.get_ref())));
+            }
         }
         Ok(())
     }

@@ -36,6 +36,12 @@ pub struct SparesStatus {
     pub taken: u64,
     /// Spares that ended while they waited, or could not take a device.
     pub lost: u64,
+    /// Devices that may keep a standby domain at once (`[domains] standbys`).
+    #[serde(default)]
+    pub standbys_most: u32,
+    /// Standby domains waiting now.
+    #[serde(default)]
+    pub standbys_held: u32,
 }
 
 /// Resident memory of one process.
@@ -147,6 +153,13 @@ pub struct DeviceStatus {
     /// Applications attached to it or its views (`bulkhead_client::attach`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attached: Vec<AttachedStatus>,
+    /// Its standby domain: its next generation, confined and waiting to take over at the next
+    /// restart (a device keeps one after its first restart, within `[domains] standbys`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub standby: Option<ProcessMemory>,
+    /// Restarts its standby took, making no domain then.
+    #[serde(default)]
+    pub standby_restarts: u64,
 }
 
 /// What a device's or a view's frontend has had answered, for rates over time (`bulkhead top`).

@@ -312,6 +312,7 @@ mod tests {
             inactive: false,
             sandbox: SandboxSpec::default(),
             report_fd: None,
+            standby_fd: None,
         };
         // SAFETY: the descriptors named are not open, which is what is being tested.
         let e = unsafe { build_inherited(&spec, Arc::new(AtomicBool::new(false))) }.unwrap_err();

@@ -66,6 +66,36 @@ const HEADROOM: u64 = 256 << 20;
 /// (most of it never touched).
 const RBD_HEADROOM: u64 = 8 << 30;
 
+/// Makes `domain` a standby if `spec` names a go doorbell (`standby_fd`): once confined it
+/// waits in [`stand_by`] until the supervisor rings it. Call after
+/// [`Domain::wake_on_stop`] and before [`confine_and_report`].
+///
+/// # Safety
+///
+/// As [`build_inherited`]: the descriptor the spec names is this process's alone, and nothing
+/// else here uses it.
+pub unsafe fn claim_standby(domain: &mut Domain, spec: &bulkhead_spec::DomainSpec) -> Result<(), DriverError> {
+    let Some(fd) = spec.standby_fd else { return Ok(()) };
+    let setup = |e: std::io::Error| DriverError::Setup(format!("the standby's go doorbell: {e}"));
+    // SAFETY: the caller's promise.
+    let go = unsafe { bulkhead_sys::claim_inherited(fd) }.map_err(setup)?;
+    domain.set_standby(bulkhead_sys::eventfd::EventFd::from_owned(go).map_err(setup)?)
+}
+
+/// A standby, confined and reported, waits here until its device's domain has died and it is
+/// let serve ([`Domain::await_go`]), then shows its role in `ps`. Returns `false` if it was
+/// asked to stop first. Returns `true` at once for a domain that is no standby.
+pub fn stand_by(domain: &mut Domain, spec: &bulkhead_spec::DomainSpec) -> Result<bool, DriverError> {
+    if spec.standby_fd.is_none() {
+        return Ok(true);
+    }
+    if !domain.await_go()? {
+        return Ok(false);
+    }
+    spare::retitle_for(spec, false);
+    Ok(true)
+}
+
 /// Confines this process as the domain `spec` describes (namespaces were entered at spawn;
 /// this applies the empty mount tree, rlimits, no_new_privs, Landlock and the seccomp allowlist
 /// of its role) and reports the layers in force, or why it refused, on the spec's report pipe.

@@ -14,7 +14,7 @@ use arrayvec::ArrayVec;
 use bulkhead_block::{BlockError, Chain, Request, StartError, Tag, TagSpace};
 use bulkhead_block::{Op, Status};
 use bulkhead_channel::{AboveControl, BackQueue, Popped};
-use bulkhead_doorbell::{now_ns, BudgetPolicy, Handoff, NotifyMode, Poller, SpinBudget};
+use bulkhead_doorbell::{now_ns, BudgetPolicy, EventFd, Handoff, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::ValidRequest;
 use bulkhead_spec::attach_line::FromDomain;
@@ -165,6 +165,11 @@ pub struct Domain {
     /// The device is inactive: writes refused so far (`None`: it is active). See
     /// [`set_inactive`](Self::set_inactive).
     inactive: Option<u64>,
+    /// A standby domain's go doorbell and the poller it waits on, until it rings
+    /// ([`set_standby`](Self::set_standby)).
+    go: Option<(EventFd, Poller)>,
+    /// The poller a standby below a tap domain waits on to attach, once go has rung.
+    waits: Option<Poller>,
 }
 
 /// Whether `op` is refused because the device is inactive (`inactive`: refusals so far, `None`
@@ -199,6 +204,9 @@ const ATTACH_TOKEN: u64 = u64::MAX - 2;
 
 /// Poller token of the stop doorbell.
 const STOP_TOKEN: u64 = u64::MAX - 3;
+
+/// Poller token of a standby domain's go doorbell.
+const GO_TOKEN: u64 = u64::MAX - 4;
 
 /// Turns of the loop, busy or idle, between looks at the line about the domain above.
 const ABOVE_LOOK_EVERY: u32 = 1024;
@@ -278,7 +286,58 @@ impl Domain {
             attach: None,
             stop_bell: None,
             inactive: None,
+            go: None,
+            waits: None,
         })
+    }
+
+    /// Makes the domain a standby: [`await_go`](Self::await_go) waits until `go` is written.
+    /// Call before the domain is confined and after [`wake_on_stop`](Self::wake_on_stop): the
+    /// wait has a poller of its own, holding only `go` and the stop doorbell (the queues'
+    /// doorbells may be rung for the domain it will replace, and must not wake it).
+    pub fn set_standby(&mut self, go: EventFd) -> Result<(), DriverError> {
+        use std::os::fd::AsRawFd;
+        let setup = |e: std::io::Error| DriverError::Setup(e.to_string());
+        let waits = Poller::new().map_err(setup)?;
+        waits.add(go.as_raw_fd(), GO_TOKEN).map_err(setup)?;
+        if let Some(bell) = &self.stop_bell {
+            waits.add(bell.as_raw_fd(), STOP_TOKEN).map_err(setup)?;
+        }
+        // A driver domain below a tap domain is let attach on its line, after go.
+        if let Some(line) = &self.above {
+            waits.add(line.wake_fd(), ABOVE_TOKEN).map_err(setup)?;
+        }
+        self.go = Some((go, waits));
+        Ok(())
+    }
+
+    /// A standby waits here, built and confined, until its supervisor rings go (its device's
+    /// domain has died and its queues are this domain's to serve): no CPU, and nothing of the
+    /// device's touched. A driver domain below a tap domain then attaches to its queues as the
+    /// generation its line names (the tap domain has started them over). Returns `false` if it
+    /// was asked to stop first. Returns at once for a domain that is no standby.
+    pub fn await_go(&mut self) -> Result<bool, DriverError> {
+        let Some((go, waits)) = self.go.take() else { return Ok(true) };
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(false);
+            }
+            if go.drain() > 0 {
+                break;
+            }
+            waits.wait(-1, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
+            // Its line may be rung before go (level-triggered, it would wake this wait again).
+            if let Some(line) = &self.above {
+                line.drain();
+            }
+        }
+        // Still on its own poller: the tap domain may ring the queues' doorbells before this
+        // domain may attach to them.
+        self.waits = Some(waits);
+        let attached = self.tend_above();
+        self.waits = None;
+        attached?;
+        Ok(!self.stop.load(Ordering::Relaxed))
     }
 
     /// Makes the domain serve an inactive device, the destination of a live migration before
@@ -448,7 +507,8 @@ impl Domain {
             if line.attach_allowed(generation) {
                 break;
             }
-            self.poller.wait(100, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
+            let poller = self.waits.as_ref().unwrap_or(&self.poller);
+            poller.wait(100, |_| {}).map_err(|e| DriverError::Setup(e.to_string()))?;
             line.drain();
         }
         for (queue, q) in self.queues.iter_mut().enumerate() {

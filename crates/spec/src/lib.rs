@@ -62,6 +62,12 @@ pub struct DomainSpec {
     pub sandbox: SandboxSpec,
     /// A pipe on which the domain reports its sandbox layers once confined (then closes it).
     pub report_fd: Option<i32>,
+    /// A standby domain, started ahead of its device's next restart: once built, confined and
+    /// reported it waits until this eventfd is written before it opens its chain or touches
+    /// anything the running domain uses, and serves from then on (see ARCHITECTURE.md,
+    /// "Standby domains").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub standby_fd: Option<i32>,
 }
 
 /// The sandbox part of a spec.
@@ -441,6 +447,7 @@ mod tests {
             inactive: false,
             sandbox: SandboxSpec::default(),
             report_fd: Some(10),
+            standby_fd: None,
         };
         let json = serde_json::to_string(&spec).unwrap();
         assert_eq!(serde_json::from_str::<DomainSpec>(&json).unwrap(), spec);

@@ -39,6 +39,14 @@ pub(crate) struct Slot {
     pub graveyard: Graveyard,
     /// A job holds the device's claim.
     pub busy: bool,
+    /// Its next generation, waiting to take over ([`crate::standby`]).
+    pub standby: Option<crate::standby::Standby>,
+    /// It has restarted, and keeps a standby from then on when it can.
+    pub standby_wanted: bool,
+    /// A worker is making its standby.
+    pub standby_preparing: bool,
+    /// Restarts a standby took.
+    pub standby_used: u64,
 }
 
 /// A configured device: frontend, views, attached applications, launcher and domains.
@@ -137,6 +145,10 @@ impl DeviceRuntime {
             life: Lifecycle::new(&name, policy, shape, clock),
             graveyard: Graveyard::default(),
             busy: false,
+            standby: None,
+            standby_wanted: false,
+            standby_preparing: false,
+            standby_used: 0,
         };
         let rt = DeviceRuntime {
             name,
@@ -208,6 +220,11 @@ impl DeviceRuntime {
     }
 
     /// Takes out the views marked to leave: the old domains are gone, the next not started.
+    /// Whether views are waiting to be taken out with the next generation.
+    pub(crate) fn views_leaving(&self) -> bool {
+        !self.leaving.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
     pub(crate) fn drop_leaving(&self) {
         let leaving = std::mem::take(&mut *self.leaving.lock().unwrap_or_else(|e| e.into_inner()));
         for name in leaving {

@@ -54,9 +54,17 @@ pub(crate) struct Below {
     pub driver_line: AboveControl,
     pub nslots: u32,
     pub arena_bytes: u64,
+    /// Names these lower queues among all a launcher makes: a standby driver domain made for
+    /// them fits them alone ([`crate::standby`]).
+    pub serial: u64,
 }
 
 impl Below {
+    /// The driver domain's end of each lower queue, copied.
+    pub fn lower_fds(&self) -> Result<Vec<BackQueueFds>, bulkhead_channel::ChannelError> {
+        self.queues.iter().map(LowerQueue::back_fds).collect()
+    }
+
     /// Wakes the tap domain wherever it waits (its loop, or a response from below).
     pub fn wake_tap(&self) {
         for q in &self.queues {
@@ -212,6 +220,11 @@ impl Graveyard {
     /// Reaps the domains that have exited since.
     pub fn reap(&mut self) {
         self.lingering.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_)) | Err(_)));
+    }
+
+    /// Whether it keeps rings of dead domains whose reads and writes may not have completed.
+    pub fn holds_rings(&self) -> bool {
+        !self.retired.is_empty()
     }
 
     /// Whether it keeps anything.

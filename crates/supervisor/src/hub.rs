@@ -74,6 +74,8 @@ pub(crate) struct Hub {
     /// `serve` is stopping: no new generation starts.
     pub stopping: AtomicBool,
     pub clock: Arc<dyn Clock>,
+    /// Room for the devices' standby domains.
+    pub standbys: Arc<crate::standby::Places>,
 }
 
 impl Hub {
@@ -84,6 +86,17 @@ impl Hub {
         self.workers.submit(move || {
             if let Some(rt) = hub.devices.get(device) {
                 crate::jobs::run(&rt, disposition, detected, reply, &hub.stopping);
+            }
+        });
+    }
+
+    /// Starts a standby for device `device` on a worker, if it still wants one
+    /// ([`crate::standby::prepare`]).
+    pub fn prepare_standby(self: &Arc<Self>, device: usize) {
+        let hub = self.clone();
+        self.workers.submit(move || {
+            if let (Some(rt), false) = (hub.devices.get(device), hub.stopping.load(Ordering::Acquire)) {
+                crate::standby::prepare(&rt, &hub.standbys);
             }
         });
     }

@@ -12,6 +12,7 @@ use crate::error::{Error, ErrorKind};
 use crate::launcher::Launched;
 use crate::lifecycle::{Disposition, Event, Launch, Observation, Which};
 use crate::mailbox::{Note, Reply};
+use crate::standby::Standby;
 use crate::state::{DeviceState, Shape};
 
 /// How long each step of replacing one domain of an `interpose` device alone may take: the tap
@@ -56,7 +57,7 @@ pub(crate) fn run(rt: &DeviceRuntime, disposition: Disposition, detected: Instan
 /// claim.
 pub(crate) fn retry(rt: &DeviceRuntime, stopping: &AtomicBool) {
     if !stopping.load(Ordering::Acquire) {
-        relaunch(rt, "remote server still unreachable");
+        relaunch(rt, "remote server still unreachable", None);
     }
     rt.release();
 }
@@ -84,6 +85,9 @@ pub(crate) fn bury_all(rt: &DeviceRuntime, domains: Vec<Domain>, below: Option<B
 /// are told.
 fn fail(rt: &DeviceRuntime, reason: &str) {
     let (domains, below, graveyard) = take_all(rt);
+    if let Some(s) = rt.lock().standby.take() {
+        s.dismiss(&rt.name);
+    }
     bury_all(rt, domains, below, graveyard);
     log::error!("device {}: {reason}", rt.name);
     rt.control.fail(reason);
@@ -95,27 +99,77 @@ fn fail(rt: &DeviceRuntime, reason: &str) {
 /// reissues every request that had no response.
 fn restart_all(rt: &DeviceRuntime, why: &str, detected: Instant, stopping: &AtomicBool) {
     rt.control.outage_started(detected);
-    rt.launcher.expect_launch();
-    let (domains, below, graveyard) = take_all(rt);
+    let standby = {
+        let mut slot = rt.lock();
+        // Having restarted once, the device keeps a standby from now on where it can.
+        slot.standby_wanted = true;
+        slot.standby.take()
+    };
+    if standby.is_none() {
+        rt.launcher.expect_launch();
+    }
+    let (domains, below, mut graveyard) = take_all(rt);
+    if let Some(s) = standby.as_ref().filter(|s| s.rung() && !stopping.load(Ordering::Acquire)) {
+        // Started already: the old domain exited and left nothing to finish
+        // (`standby::start_early`). Its queues go to the frontend first, then the old domain
+        // is reaped.
+        debug_assert!(s.fits_all(rt.device.generation().wrapping_add(1), rt.launcher.epoch()));
+        rt.control.log_limited(|| format!("{why}; restarting"));
+        relaunch(rt, why, standby);
+        for d in domains {
+            graveyard.bury(&rt.name, d);
+        }
+        drop(below);
+        rt.lock().graveyard = graveyard;
+        return;
+    }
+    // One that no longer fits goes with the old domains.
+    let generation = rt.device.generation().wrapping_add(1);
+    let standby = match standby {
+        Some(s) if s.fits_all(generation, rt.launcher.epoch()) => Some(s),
+        Some(s) => {
+            s.bury(&rt.name, &mut graveyard);
+            None
+        }
+        None => None,
+    };
     bury_all(rt, domains, below, graveyard);
     // Views being removed go now that no domain serves them.
     rt.drop_leaving();
     // A driver that breaks every generation restarts many times a second: rate-limited.
     rt.control.log_limited(|| format!("{why}; restarting"));
     if stopping.load(Ordering::Acquire) {
+        if let Some(s) = standby {
+            s.dismiss(&rt.name);
+        }
         return;
     }
-    relaunch(rt, why);
+    relaunch(rt, why, standby);
 }
 
-/// Launches the next generation of the device's domains. A remote server that cannot be
-/// reached is tried again with back-off while the device is `reconnecting`, until its
-/// reconnect timeout; any other failure turns the device failed.
-fn relaunch(rt: &DeviceRuntime, why: &str) {
+/// Launches the next generation of the device's domains, or lets `standby` serve it if it
+/// still fits (views just dropped change the layout). A remote server that cannot be reached
+/// is tried again with back-off while the device is `reconnecting`, until its reconnect
+/// timeout; any other failure turns the device failed.
+fn relaunch(rt: &DeviceRuntime, why: &str, standby: Option<crate::standby::Standby>) {
     let generation = rt.device.generation().wrapping_add(1);
     // Read before the new domains can write their pages.
     let before = rt.observe();
-    match rt.launcher.launch(generation) {
+    let epoch = rt.launcher.epoch();
+    let launched = match standby.map(|s| if s.fits_all(generation, epoch) { s.go() } else { Err(s) }) {
+        Some(Ok(launched)) => {
+            rt.launcher.trim_outputs();
+            rt.lock().standby_used += 1;
+            Ok(launched)
+        }
+        other => {
+            if let Some(Err(s)) = other {
+                s.dismiss(&rt.name);
+            }
+            rt.launcher.launch(generation)
+        }
+    };
+    match launched {
         Ok(Launched { fronts, domains, attach_line }) => {
             let shape = domains.shape().unwrap_or(Shape::Passthrough);
             let up = {
@@ -205,29 +259,69 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
     let before = rt.observe();
     let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(Error::failed(why)) };
     rt.control.time_outage(detected);
-    rt.launcher.expect_launch();
+    let standby = {
+        let mut slot = rt.lock();
+        // Having replaced one, the device keeps a standby from now on where it can.
+        slot.standby_wanted = true;
+        slot.standby.take()
+    };
+    let generation = below.generation.wrapping_add(1).max(1);
+    // A standby wakes while the tap domain starts the queues over, and attaches after.
+    let standby =
+        match standby.map(|s| if s.fits_below(below.serial, rt.launcher.epoch()) { s.wake_below(generation) } else { Err(s) }) {
+            Some(Ok(s)) => Some(s),
+            Some(Err(s)) => {
+                s.bury(&rt.name, &mut graveyard);
+                None
+            }
+            None => None,
+        };
+    if standby.is_none() {
+        rt.launcher.expect_launch();
+    }
     rt.control.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
     graveyard.bury(&rt.name, driver);
-    let generation = below.generation.wrapping_add(1).max(1);
     below.control.request_restart(generation);
     below.wake_tap();
+    let give_up = |standby: Option<Standby>, tap, below, mut graveyard: Graveyard, why| {
+        if let Some(s) = standby {
+            s.bury(&rt.name, &mut graveyard);
+        }
+        give_up(rt, vec![tap], below, graveyard, why)
+    };
     // The tap domain starts its queues below over and says so; if it dies meanwhile, or says
     // nothing in time, both domains are replaced.
     if let Err(e) = await_domain(tap.pidfd(), || below.control.ready() == u64::from(generation)) {
         let why = format!("{why}; the tap domain (pid {}) {e}", tap.pid());
-        return give_up(rt, vec![tap], below, graveyard, why);
+        return give_up(standby, tap, below, graveyard, why);
     }
     below.generation = generation;
-    // A fresh line for the new domain below: nothing the old one wrote there can mislead it.
-    below.driver_line = match rt.launcher.driver_line() {
-        Ok(l) => l,
-        Err(e) => return give_up(rt, vec![tap], below, graveyard, format!("{why}; {e}")),
-    };
     graveyard.drain(&rt.name);
-    let driver = match rt.launcher.spawn_below(&below, None) {
-        Ok(d) => d,
-        Err(e) => {
-            return give_up(rt, vec![tap], below, graveyard, format!("{why}; a new driver domain below could not start: {e}"))
+    let driver = match standby.map(|s| s.attach_below(generation)) {
+        // The standby has its own line, which nothing of the old domain's has touched: it
+        // attaches as the generation the line names and serves.
+        Some(Ok((driver, line))) => {
+            below.driver_line = line;
+            rt.lock().standby_used += 1;
+            driver
+        }
+        other => {
+            if let Some(Err(s)) = other {
+                s.bury(&rt.name, &mut graveyard);
+            }
+            // A fresh line for the new domain below: nothing the old one wrote there can
+            // mislead it.
+            below.driver_line = match rt.launcher.driver_line() {
+                Ok(l) => l,
+                Err(e) => return give_up(None, tap, below, graveyard, format!("{why}; {e}")),
+            };
+            match rt.launcher.spawn_below(&below, None) {
+                Ok(d) => d,
+                Err(e) => {
+                    let why = format!("{why}; a new driver domain below could not start: {e}");
+                    return give_up(None, tap, below, graveyard, why);
+                }
+            }
         }
     };
     install_interpose(rt, (tap, driver, below, graveyard), &before, true);
@@ -246,6 +340,8 @@ fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), E
     let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(Error::failed(why)) };
     rt.control.outage_started(detected);
     rt.launcher.expect_launch();
+    // A standby below stays as it is: the lower queues stay.
+    rt.lock().standby_wanted = true;
     rt.control.log_limited(|| format!("{why}; replacing it (the driver domain below runs on)"));
     graveyard.bury(&rt.name, tap);
     graveyard.drain(&rt.name);

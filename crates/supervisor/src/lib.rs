@@ -32,6 +32,7 @@ mod rbd;
 mod reap;
 mod spares;
 mod spawn;
+mod standby;
 mod state;
 mod status;
 mod storage;

@@ -15,12 +15,23 @@ use crate::spares::Spares;
 
 pub(crate) use crate::reap::{discard, EXIT_WAIT};
 
+/// Where a domain process comes from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum From<'a> {
+    /// An exec.
+    Exec,
+    /// A spare of the pool, if one is ready; an exec otherwise.
+    SpareElseExec(&'a Spares),
+    /// A spare of the pool, or none at all.
+    Spare(&'a Spares),
+}
+
 /// Execs `exe ARGS` as a sandboxed domain of `device` (`what` names it in messages), its spec
 /// `spec_json` in its environment ([`bulkhead_spec::SPEC_ENV`], out of `ps`'s sight), holding
 /// `fds` at 3, 4, …, its output relayed to the log; drops `handed` (the supervisor's copies of
 /// what it passed, the write end of the report pipe among them) once the domain holds its own;
-/// and waits for its sandbox report on `report`. With `spares`, a spare that is ready takes the
-/// spec and descriptors instead of an exec ([`crate::spares`]). Under `Policy::Required`, a domain without
+/// and waits for its sandbox report on `report`. From a spare, as `from` says, one that is
+/// ready takes the spec and descriptors instead of an exec ([`crate::spares`]). Under `Policy::Required`, a domain without
 /// namespaces, or one that refused to confine itself, is ended and the launch fails. The
 /// layers are `None` if the domain said nothing (it failed before confinement, or is slow).
 ///
@@ -37,11 +48,16 @@ pub(crate) fn exec_confined<T>(
     policy: Policy,
     report: &OwnedFd,
     what: &str,
-    spares: Option<&Spares>,
+    from: From<'_>,
 ) -> Result<(DomainChild, Option<Layers>), Error> {
     // A spare, if one is ready, sandboxed already; an exec otherwise.
+    let spares = match from {
+        From::Exec => None,
+        From::SpareElseExec(s) | From::Spare(s) => Some(s),
+    };
     let (child, ns) = match spares.and_then(|s| s.hand_over(device, spec_json, fds)) {
         Some(taken) => taken,
+        None if matches!(from, From::Spare(_)) => return Err(Error::busy(format!("no spare domain is ready for {what}"))),
         None => {
             let (out_r, out_w) =
                 domain_log::pipe().map_err(|e| Error::failed(format!("cannot make the domain's output pipe: {e}")))?;

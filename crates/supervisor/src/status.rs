@@ -13,11 +13,23 @@ pub use bulkhead_control::{DeviceStatus, FilterStatus, ProcessMemory, StatusRepo
 /// shows, so a device whose domains are being replaced answers at once.
 pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
     let obs = rt.observe();
-    let (state, restarting, faces, restarts, failure, shape, awaiting) = {
+    let (state, restarting, faces, restarts, failure, shape, awaiting, standby, standby_restarts) = {
         let slot = rt.lock();
         let life = &slot.life;
         let failure = life.failure().map(String::from);
-        (life.state(), slot.busy, slot.faces.clone(), life.restarts(), failure, life.shape(), life.awaiting_remote(&obs))
+        let standby = slot.standby.as_ref().map(|s| s.pid());
+        let awaiting = life.awaiting_remote(&obs);
+        (
+            life.state(),
+            slot.busy,
+            slot.faces.clone(),
+            life.restarts(),
+            failure,
+            life.shape(),
+            awaiting,
+            standby,
+            slot.standby_used,
+        )
     };
     let running = state == DeviceState::Running;
     // A domain that runs but whose remote has stopped answering (requests fail by timeout)
@@ -75,6 +87,8 @@ pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
         views: rt.views().iter().map(|v| v.status(&rt.state)).collect(),
         io: rt.device.io_figures(),
         attached: rt.attach.status(),
+        standby: standby.map(|pid| bulkhead_control::ProcessMemory { pid, rss: proc_info::rss(pid) }),
+        standby_restarts,
     }
 }
 

@@ -126,7 +126,8 @@ impl Supervisor {
             }
         }
         let failed = first_error.is_some();
-        let hub = Arc::new(Hub { devices: registry, mailbox, workers, stopping: AtomicBool::new(false), clock });
+        let standbys = crate::standby::Places::new(*config.domains.standbys.get_ref() as usize);
+        let hub = Arc::new(Hub { devices: registry, mailbox, workers, stopping: AtomicBool::new(false), clock, standbys });
         let watcher = if failed { None } else { Some(crate::watcher::start(hub.clone()).map_err(setup)) };
         let sup = Supervisor {
             hub,
@@ -504,6 +505,8 @@ impl Supervisor {
             started: c.started,
             taken: c.taken,
             lost: c.lost,
+            standbys_most: self.hub.standbys.most() as u32,
+            standbys_held: self.hub.standbys.held() as u32,
         }
     }
 
@@ -809,9 +812,13 @@ fn end_each(devices: &[Arc<DeviceRuntime>], grace: Duration) {
     for rt in devices {
         let mut slot = rt.lock();
         let (domains, below) = slot.domains.take_all();
-        let graveyard = std::mem::take(&mut slot.graveyard);
+        let mut graveyard = std::mem::take(&mut slot.graveyard);
+        let standby = slot.standby.take();
         slot.life.stopped();
         drop(slot);
+        if let Some(s) = standby {
+            s.bury(&rt.name, &mut graveyard);
+        }
         for d in &domains {
             let _ = d.child.signal(libc::SIGTERM);
         }

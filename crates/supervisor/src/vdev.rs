@@ -198,7 +198,7 @@ impl CardDevice {
             &report_r,
             "device model",
             // A model lives as long as its device: no spare (see `crate::spares`).
-            None,
+            crate::spawn::From::Exec,
         )?;
         if layers.is_none() {
             // Silent: it failed before confinement (it said why on its output) or hangs.

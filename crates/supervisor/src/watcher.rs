@@ -84,7 +84,13 @@ enum Timer {
     Job { device: usize, disposition: Disposition, detected: Instant, reply: Option<Reply> },
     /// A `reconnecting` device's next attempt.
     Retry(usize),
+    /// Starting a device's standby domain, once its restart is well over.
+    Standby(usize),
 }
+
+/// How long after a restart the device's next standby starts: the new domain's first requests
+/// go first.
+const STANDBY_AFTER: Duration = Duration::from_millis(2);
 
 struct Watcher {
     hub: Arc<Hub>,
@@ -187,7 +193,7 @@ impl Watcher {
         }
         self.timers.retain(|_, t| match t {
             Timer::Job { device, .. } => *device != i,
-            Timer::Retry(d) => *d != i,
+            Timer::Retry(d) | Timer::Standby(d) => *d != i,
         });
         self.hot.retain(|&d| d != i);
     }
@@ -309,6 +315,7 @@ impl Watcher {
         };
         let disposition = slot.life.on_event(event, rt.control.answered());
         slot.busy = true;
+        crate::standby::start_early(&rt, &mut slot, &disposition);
         drop(slot);
         self.act(i, disposition, now, None);
     }
@@ -322,6 +329,17 @@ impl Watcher {
                 self.schedule(at, Timer::Job { device: i, disposition, detected, reply });
             }
             d => self.hub.dispatch(i, d, detected, reply),
+        }
+    }
+
+    /// Schedules device `i`'s standby if it wants one and has none.
+    fn want_standby(&mut self, i: usize) {
+        let Some(rt) = self.hub.devices.get(i) else { return };
+        let wanted = crate::standby::wants(&rt.lock());
+        let pending = self.timers.values().any(|t| matches!(t, Timer::Standby(d) if *d == i));
+        if wanted && !pending && self.hub.standbys.enabled() {
+            let at = self.hub.clock.now() + STANDBY_AFTER;
+            self.schedule(at, Timer::Standby(i));
         }
     }
 
@@ -342,15 +360,18 @@ impl Watcher {
                 let Some(rt) = self.hub.devices.get(i) else { return };
                 self.rewatch(i);
                 let obs = rt.observe();
-                let mut slot = rt.lock();
-                slot.life.progress_seen(obs);
-                if let (Some(at), false) = (slot.life.retry_at(), slot.busy) {
-                    drop(slot);
+                let retry = {
+                    let mut slot = rt.lock();
+                    slot.life.progress_seen(obs);
+                    slot.life.retry_at().filter(|_| !slot.busy)
+                };
+                if let Some(at) = retry {
                     self.schedule(at, Timer::Retry(i));
                 }
                 if obs.pending > 0 && !self.hot.contains(&i) {
                     self.hot.push(i);
                 }
+                self.want_standby(i);
             }
             Note::Then { device, disposition, detected, reply } => self.act(device, disposition, detected, reply),
         }
@@ -364,6 +385,7 @@ impl Watcher {
             }
             match entry.remove() {
                 Timer::Job { device, disposition, detected, reply } => self.hub.dispatch(device, disposition, detected, reply),
+                Timer::Standby(i) => self.hub.prepare_standby(i),
                 Timer::Retry(i) => {
                     let Some(rt) = self.hub.devices.get(i) else { continue };
                     let mut slot = rt.lock();
@@ -399,6 +421,21 @@ impl Watcher {
             }
             if !slot.graveyard.is_empty() {
                 slot.graveyard.reap();
+            }
+            // A standby that died while it waited, or that a change left behind, is replaced;
+            // one that could not be made (no spare was ready) is tried again.
+            let unfit = slot.standby.as_ref().is_some_and(|s| !s.fits_slot(&rt, &slot));
+            if unfit || (full && crate::standby::wants(&slot)) {
+                if let Some(s) = slot.standby.take().filter(|_| unfit) {
+                    let name = rt.name.clone();
+                    self.hub.workers.submit(move || s.dismiss(&name));
+                }
+                drop(slot);
+                self.want_standby(i);
+                slot = rt.lock();
+                if slot.busy {
+                    continue;
+                }
             }
             let mut event = None;
             if slot.life.worth_looking_for_exit(&obs) {

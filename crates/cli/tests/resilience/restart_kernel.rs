@@ -374,3 +374,155 @@ fn with_the_pool_empty_domains_are_execd_and_restarts_lose_nothing() {
     let text = Command::new(exe()).args(["status", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
     assert!(!String::from_utf8_lossy(&text.stdout).contains("spare domains"), "{}", String::from_utf8_lossy(&text.stdout));
 }
+
+/// The pid of device `dev`'s standby domain, if it keeps one now.
+fn standby_pid(serve: &Serve, dev: usize) -> Option<u32> {
+    serve.status_json()["devices"][dev]["standby"]["pid"].as_u64().map(|p| p as u32)
+}
+
+/// Waits until device 0 keeps a standby other than those in `not`; returns its pid.
+fn await_standby(serve: &Serve, not: &[u32]) -> u32 {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(p) = standby_pid(serve, 0).filter(|p| !not.contains(p)) {
+            return p;
+        }
+        assert!(Instant::now() < deadline, "no standby domain: {}\n{}", serve.status_json()["devices"][0], serve.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// SIGKILLs device 0's driver domain and waits for the next one; returns its pid.
+fn kill_driver_and_await_next(serve: &Serve) -> u32 {
+    let old = serve.driver_pid(0);
+    assert_ne!(old, 0, "no driver domain: {}", serve.log_text());
+    // SAFETY: signalling a domain of our own serve.
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let p = serve.driver_pid(0);
+        if p != 0 && p != old && serve.status_json()["devices"][0]["state"] == "running" {
+            return p;
+        }
+        assert!(Instant::now() < deadline, "no new domain: {}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Asserts that `pid` is sandboxed in every layer a driver domain is: its own namespaces and
+/// empty root, no new privileges, a seccomp filter, nobody outside.
+fn confined_as_a_domain(pid: u32) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(status.contains("Seccomp:\t2") && status.contains("NoNewPrivs:\t1"), "{status}");
+    let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    assert_eq!(mounts.lines().count(), 1, "an empty root: {mounts}");
+    let map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).unwrap();
+    assert_eq!(map.split_whitespace().collect::<Vec<_>>(), ["0", "65534", "1"]);
+    for ns in ["mnt", "net", "pid", "ipc", "user"] {
+        let theirs = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap();
+        let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
+        assert_ne!(theirs, ours, "namespace {ns} is shared with the host");
+    }
+}
+
+/// After its first restart a device keeps a standby domain: its next generation, confined in
+/// every layer and waiting under its own name. The next restart lets it serve (no domain made
+/// then), the data is intact, and another standby follows.
+#[test]
+fn a_device_keeps_a_standby_after_a_restart_and_the_next_restart_takes_it() {
+    require_kernel!();
+    let tmp = TempDir::new("standby");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("s", "16M", "adaptive")), &["s"]);
+    let data = pattern(11, 1 << 20);
+    std::fs::write(serve.fuse_file("s"), &data).unwrap();
+    assert_eq!(standby_pid(&serve, 0), None, "no standby before the first restart");
+    kill_driver_and_await_next(&serve);
+    let standby = await_standby(&serve, &[]);
+    confined_as_a_domain(standby);
+    let cmd = std::fs::read(format!("/proc/{standby}/cmdline")).unwrap();
+    assert!(cmd.starts_with(b"bulkhead\0standby\0s\0"), "{}", String::from_utf8_lossy(&cmd));
+    assert_eq!(serve.status_json()["spares"]["standbys_held"], 1);
+    let text = Command::new(exe()).args(["status", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains(&format!("standby domain of s: pid {standby} waiting")), "{text}");
+
+    let new = kill_driver_and_await_next(&serve);
+    assert_eq!(new, standby, "the standby serves the next generation");
+    let d = serve.status_json()["devices"][0].clone();
+    assert_eq!(d["standby_restarts"], 1, "{d}");
+    let cmd = std::fs::read(format!("/proc/{new}/cmdline")).unwrap();
+    assert!(cmd.starts_with(b"bulkhead\0driver\0s\0"), "{}", String::from_utf8_lossy(&cmd));
+    confined_as_a_domain(new);
+    let got = std::fs::read(serve.fuse_file("s")).unwrap();
+    assert!(got[..data.len()] == data[..], "the contents survive a restart into a standby");
+    let next = await_standby(&serve, &[standby]);
+    assert_ne!(next, new);
+    // Nothing is left over: one domain, one standby, the spares.
+    serve.spares_ready();
+    assert_eq!(children_running(&serve, b"bulkhead\0driver\0").len(), 1);
+    assert_eq!(children_running(&serve, b"bulkhead\0standby\0").len(), 1);
+}
+
+/// A standby killed while it waits is replaced by another; one killed just before the
+/// restart it was for leaves that restart to make its domain as usual. Nothing is lost.
+#[test]
+fn a_standby_killed_while_it_waits_is_replaced_and_restarts_go_on() {
+    require_kernel!();
+    let tmp = TempDir::new("standby-kill");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("k", "16M", "adaptive")), &["k"]);
+    let data = pattern(13, 1 << 20);
+    std::fs::write(serve.fuse_file("k"), &data).unwrap();
+    kill_driver_and_await_next(&serve);
+    let victim = await_standby(&serve, &[]);
+    // SAFETY: signalling a domain of our own serve.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let second = await_standby(&serve, &[victim]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::metadata(format!("/proc/{victim}")).is_ok() {
+        assert!(Instant::now() < deadline, "the killed standby {victim} was not reaped");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Killed, and the domain it stood by for killed at once after it.
+    let before = serve.status_json()["devices"][0]["standby_restarts"].as_u64().unwrap();
+    // SAFETY: as above.
+    unsafe { libc::kill(second as i32, libc::SIGKILL) };
+    let new = kill_driver_and_await_next(&serve);
+    assert_ne!(new, second);
+    let d = serve.status_json()["devices"][0].clone();
+    assert_eq!(d["standby_restarts"].as_u64(), Some(before), "a dead standby served nothing: {d}");
+    let got = std::fs::read(serve.fuse_file("k")).unwrap();
+    assert!(got[..data.len()] == data[..]);
+    assert_eq!(d["requests_failed"].as_u64(), Some(0), "{d}");
+    // …and the device keeps standing by.
+    await_standby(&serve, &[victim, second]);
+}
+
+/// A live change to the chain (a filter added) leaves the standby behind: the restart the
+/// change makes builds the new chain, the old standby ends, and the next standby runs the new
+/// chain, so that the next kill keeps the filter.
+#[test]
+fn a_filter_added_ends_the_standby_and_the_next_one_runs_the_new_chain() {
+    require_kernel!();
+    let tmp = TempDir::new("standby-chain");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&small_ram_config("c", "16M", "adaptive")), &["c"]);
+    let data = pattern(17, 1 << 20);
+    std::fs::write(serve.fuse_file("c"), &data).unwrap();
+    kill_driver_and_await_next(&serve);
+    let old = await_standby(&serve, &[]);
+    let out =
+        Command::new(exe()).args(["filter", "add", "c", "type = \"stats\"", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), serve.log_text());
+    assert_ne!(serve.driver_pid(0), old, "a standby built for the old chain does not serve the new one");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::metadata(format!("/proc/{old}")).is_ok() {
+        assert!(Instant::now() < deadline, "the old standby {old} still runs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let next = await_standby(&serve, &[old]);
+    assert_eq!(kill_driver_and_await_next(&serve), next);
+    let d = serve.status_json()["devices"][0].clone();
+    let filters: Vec<&str> = d["filters"].as_array().unwrap().iter().filter_map(|f| f["type"].as_str()).collect();
+    assert_eq!(filters, ["stats"], "{d}");
+    let got = std::fs::read(serve.fuse_file("c")).unwrap();
+    assert!(got[..data.len()] == data[..]);
+}

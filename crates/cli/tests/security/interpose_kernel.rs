@@ -188,7 +188,7 @@ fn survive_hostile_with(role: &str, mode: &str, extra: &str) -> Option<String> {
     std::fs::write(&src, &data).unwrap();
     dd(&src, &file, &["bs=64k", "oflag=direct", "conv=notrunc"]);
     dd(&file, &back, &["bs=64k", "count=128", "iflag=direct"]);
-    assert!(std::fs::read(&back).unwrap() == data, "{role} {mode}: data read back differs");
+    assert!(std::fs::read(&back).unwrap() == data, "{role} {mode}: data read back differs\n{}", serve.log_text());
     let st = serve.status_json();
     assert!(st["devices"][0]["restarts"].as_u64().unwrap() >= 2, "{st}");
     let log = serve.log_text();
@@ -413,4 +413,71 @@ fn intercept_terminates_every_request_in_one_tap_domain_through_kills_and_refuse
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("intercept") && err.contains("device node"), "{err}");
+}
+
+/// Waits until `field` of device 0 names a live process other than those in `not`.
+fn await_pid(serve: &Serve, field: &str, not: &[u32]) -> u32 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let d = serve.status_json()["devices"][0].clone();
+        let pid = match field {
+            "standby" => d["standby"]["pid"].as_u64(),
+            f => d[f].as_u64(),
+        };
+        if let Some(p) = pid.map(|p| p as u32).filter(|p| *p != 0 && !not.contains(p)) {
+            if d["state"] == "running" {
+                return p;
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "no new {field}: {d}\n{}", serve.log_text());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// After its first replacement below, an `interpose` device keeps a standby driver domain:
+/// confined and waiting on the lower queues without touching them. A tap domain replaced meanwhile
+/// leaves it waiting (the lower queues stay); the next driver kill lets it attach and serve,
+/// the tap domain running on and the data intact.
+#[test]
+fn a_standby_driver_domain_below_the_tap_takes_the_next_kill_and_outlives_a_tap_kill() {
+    require_kernel!();
+    let tmp = TempDir::new("interpose-standby");
+    let cfg = interpose_config("s", "", "[[device.filter]]\ntype = \"stats\"\n");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["s"]);
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    std::fs::write(serve.fuse_file("s"), &data).unwrap();
+    let kill = |pid: u32| {
+        // SAFETY: signalling a domain of our own serve.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    };
+    let first = await_pid(&serve, "driver_pid", &[]);
+    kill(first);
+    let second = await_pid(&serve, "driver_pid", &[first]);
+    let standby = await_pid(&serve, "standby", &[]);
+    let status = std::fs::read_to_string(format!("/proc/{standby}/status")).unwrap();
+    assert!(status.contains("Seccomp:\t2") && status.contains("NoNewPrivs:\t1"), "{status}");
+    let mounts = std::fs::read_to_string(format!("/proc/{standby}/mountinfo")).unwrap();
+    assert_eq!(mounts.lines().count(), 1, "an empty root: {mounts}");
+    let cmd = std::fs::read(format!("/proc/{standby}/cmdline")).unwrap();
+    assert!(cmd.starts_with(b"bulkhead\0standby\0s\0"), "{}", String::from_utf8_lossy(&cmd));
+
+    let tap = await_pid(&serve, "tap_pid", &[]);
+    kill(tap);
+    let new_tap = await_pid(&serve, "tap_pid", &[tap]);
+    assert_eq!(await_pid(&serve, "standby", &[]), standby, "a tap domain replaced leaves the standby below waiting");
+    assert_eq!(await_pid(&serve, "driver_pid", &[]), second);
+
+    kill(second);
+    let third = await_pid(&serve, "driver_pid", &[first, second]);
+    assert_eq!(third, standby, "the standby serves below the tap domain");
+    let d = serve.status_json()["devices"][0].clone();
+    assert_eq!(d["standby_restarts"], 1, "{d}");
+    assert_eq!(d["tap_pid"].as_u64(), Some(u64::from(new_tap)), "the tap domain ran on");
+    let cmd = std::fs::read(format!("/proc/{third}/cmdline")).unwrap();
+    assert!(cmd.starts_with(b"bulkhead\0driver\0s\0"), "{}", String::from_utf8_lossy(&cmd));
+    let got = std::fs::read(serve.fuse_file("s")).unwrap();
+    assert!(got[..data.len()] == data[..], "the contents survive");
+    await_pid(&serve, "standby", &[standby]);
+    let log = serve.log_text();
+    assert!(!log.contains("restarting"), "the pair was restarted: {log}");
 }

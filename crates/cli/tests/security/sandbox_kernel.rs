@@ -133,7 +133,9 @@ fn status_shows_every_sandbox_layer_applied() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let pid = layers_applied(&serve);
     assert!(waiting.contains(&pid), "the new domain {pid} is one of the spares {waiting:?}");
-    assert_eq!(serve.status_json()["spares"]["taken"].as_u64().unwrap(), before["taken"].as_u64().unwrap() + 1);
+    // One for the domain; a second may have become the device's standby since.
+    let taken = serve.status_json()["spares"]["taken"].as_u64().unwrap() - before["taken"].as_u64().unwrap();
+    assert!((1..=2).contains(&taken), "{taken} spares taken");
     let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
     assert!(cmd.starts_with(b"bulkhead\0driver\0l\0"), "{}", String::from_utf8_lossy(&cmd));
 }

@@ -283,10 +283,19 @@ fn serve_spec(json: &str) -> ExitCode {
             if let Err(e) = domain.wake_on_stop(bell) {
                 return fail(e.to_string());
             }
+            // SAFETY: as above.
+            if let Err(e) = unsafe { bulkhead_driver::claim_standby(&mut domain, &spec) } {
+                return fail(e.to_string());
+            }
             let withhold = std::env::var("BULKHEAD_TEST_UNAVAILABLE_LAYERS").unwrap_or_default();
             let withhold = withhold.split(',').filter(|l| !l.is_empty()).map(String::from).collect();
             if let Err(e) = bulkhead_driver::confine_and_report_withholding(&spec, withhold) {
                 return fail(e.to_string());
+            }
+            match bulkhead_driver::stand_by(&mut domain, &spec) {
+                Ok(true) => {}
+                Ok(false) => return ExitCode::SUCCESS,
+                Err(e) => return fail(e.to_string()),
             }
             if let Ok(addrs) = std::env::var("BULKHEAD_TEST_CONNECT") {
                 for a in addrs.split(',').filter_map(|a| a.parse::<std::net::SocketAddr>().ok()) {

@@ -3,6 +3,7 @@
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,6 +37,7 @@ const FRONTEND_YIELD_AFTER_SPINS: u32 = 2048;
 
 /// A launched generation: its frontend queues (the device's, then each view's), its domains,
 /// and the supervisor's end of the attach line of the domain that takes attached queues.
+#[derive(Debug)]
 pub(crate) struct Launched {
     pub fronts: Vec<FrontQueue>,
     pub domains: Domains,
@@ -81,6 +83,11 @@ pub(crate) struct Launcher {
     rbd: Option<(crate::rbd::Reach, crate::rbd::Opened)>,
     /// The spare domains its domains may be made from (`None`: each is exec'd).
     spares: Option<Arc<Spares>>,
+    /// Bumped by every change the next generation would see (its chain, its layout, whether
+    /// it writes): a standby made before one no longer fits ([`crate::standby`]).
+    epoch: AtomicU64,
+    /// Lower queues made so far (`interpose`), each set's [`Below::serial`].
+    belows: AtomicU64,
 }
 
 /// The backend's descriptors as the supervisor holds them, and whether the device writes.
@@ -194,6 +201,8 @@ impl Launcher {
             card: storage.card,
             spares,
             rbd: storage.rbd,
+            epoch: AtomicU64::new(0),
+            belows: AtomicU64::new(0),
         };
         if let (Some(_), None) = (&launcher.rbd, &cfg.size) {
             let bytes = launcher.learn_image_size()?;
@@ -258,7 +267,13 @@ impl Launcher {
             _ => (held.fds.iter().map(|fd| fd.try_clone()).collect::<Result<_, _>>().map_err(failed)?, held.formats.clone()),
         };
         *held = Arc::new(Held { active, fds, formats });
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// How many changes the next generation has seen: chain, layout, activity.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
     }
 
     /// A copy of the chain as the next generation will run it.
@@ -273,7 +288,9 @@ impl Launcher {
 
     /// Changes the layout for the next generation (the caller holds the device's claim).
     pub(crate) fn change_layout<T>(&self, change: impl FnOnce(&mut Layout) -> T) -> T {
-        change(&mut self.layout.lock().unwrap_or_else(|e| e.into_inner()))
+        let out = change(&mut self.layout.lock().unwrap_or_else(|e| e.into_inner()));
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        out
     }
 
     /// Changes the chain for the next generation: `change` edits it and says what it did, or
@@ -283,6 +300,7 @@ impl Launcher {
         let mut next = chain.clone();
         let out = change(&mut next)?;
         *chain = next;
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         Ok(out)
     }
 
@@ -338,6 +356,46 @@ impl Launcher {
     /// Creates the queues of `generation` and execs the domains holding them and the backend,
     /// laid out as the chain's tap mode says.
     pub(crate) fn launch(&self, generation: u32) -> Result<Launched, Error> {
+        self.launch_as(generation, None)
+    }
+
+    /// Whether the device may keep a standby ([`crate::standby`]): its backend reads nothing of its storage before it serves (a qcow2 image's tables, read
+    /// while it is built, could change under a standby while the running domain writes; a
+    /// remote connection would sit idle), and its domains may come from spares (a standby is
+    /// a spare given its device early, never an exec).
+    pub(crate) fn standby_possible(&self) -> bool {
+        let local = match &self.backend {
+            BackendConfig::Ram | BackendConfig::Null => true,
+            BackendConfig::File { format, .. } => *format == ImageFormat::Raw,
+            BackendConfig::Nbd { .. } | BackendConfig::Rbd { .. } | BackendConfig::Vdev { .. } => false,
+        };
+        local && self.spares.is_some() && self.card.is_none()
+    }
+
+    /// Whether a spare is ready now to become a standby.
+    pub(crate) fn spare_ready(&self) -> bool {
+        self.spares.as_ref().is_some_and(|s| s.counts().ready > 0)
+    }
+
+    /// Launches `generation` as a standby: its domain builds, confines itself and reports,
+    /// then waits until `go` is rung (see [`crate::standby`]).
+    pub(crate) fn launch_standby(&self, generation: u32, go: &bulkhead_sys::eventfd::EventFd) -> Result<Launched, Error> {
+        if !self.standby_possible() {
+            return Err(Error::failed("this device's domains are not started ahead"));
+        }
+        self.launch_as(generation, Some(go))
+    }
+
+    /// Trims what the filters' outputs hold to whole records, as each launch does: for a
+    /// standby, once the domain before it is gone.
+    pub(crate) fn trim_outputs(&self) {
+        for f in &self.chain().filters {
+            f.trim_output();
+        }
+    }
+
+    /// [`launch`](Self::launch), as a standby waiting for `go` if given one (one domain only).
+    fn launch_as(&self, generation: u32, go: Option<&bulkhead_sys::eventfd::EventFd>) -> Result<Launched, Error> {
         let conn = self.connect()?;
         let layout = self.layout();
         let lanes = layout.lanes();
@@ -375,7 +433,7 @@ impl Launcher {
                 // in the soft device itself (intercept).
                 let (backend, ring) = self.backend_spec(&mut upper, conn)?;
                 let role = shape.top_role();
-                let (mut top, attach_line) = self.spawn(role, upper, queue_specs, backend, Some(&chain), None)?;
+                let (mut top, attach_line) = self.spawn(role, upper, queue_specs, backend, Some(&chain), None, go)?;
                 top.rings.extend(ring);
                 let domains = match shape {
                     Shape::Intercept => Domains::Intercept { tap: top },
@@ -383,6 +441,8 @@ impl Launcher {
                 };
                 Ok(Launched { fronts, domains, attach_line })
             }
+            // Its standby is a driver domain below the running tap domain (`spawn_below_from`).
+            Shape::Interpose if go.is_some() => Err(Error::failed("an interpose device's generation is not started ahead")),
             Shape::Interpose => {
                 // Three spinners (this frontend, the tap domain, the driver domain) may share
                 // two CPUs: a wait that has spun a while lets a thread runnable on its CPU go
@@ -398,6 +458,7 @@ impl Launcher {
                     driver_line: self.driver_line()?,
                     nslots: qcfg.nslots,
                     arena_bytes: arena(&fronts[0]),
+                    serial: self.belows.fetch_add(1, Ordering::Relaxed),
                 };
                 let tap = self.spawn_tap(&below, &chain)?;
                 // The tap domain has written the lower queues' headers (it reports once

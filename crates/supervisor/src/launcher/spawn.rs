@@ -13,7 +13,7 @@ use super::{failed, Launcher};
 use crate::chain::ChainSetup;
 use crate::domains::{Below, Domain};
 use crate::error::Error;
-use crate::spawn::{discard, exec_confined};
+use crate::spawn::{discard, exec_confined, From};
 use crate::views::ViewSetup;
 
 impl Launcher {
@@ -38,26 +38,41 @@ impl Launcher {
         }
         let control_fds = Some(below.control.fds().map_err(failed)?.map(|fd| pass.add_owned(fd)));
         let backend = BackendSpec::Channel { queues: below_specs, generation: below.generation, control_fds };
-        Ok(self.spawn("tap", pass, queue_specs, backend, Some(chain), None)?.0)
+        Ok(self.spawn("tap", pass, queue_specs, backend, Some(chain), None, None)?.0)
     }
 
     /// Execs a driver domain below a tap domain, on the queues of `below` (whose headers the
     /// tap domain has written for `below.generation`). `conn`: a remote backend's connection;
     /// made here if `None` and needed.
     pub(crate) fn spawn_below(&self, below: &Below, conn: Option<OwnedFd>) -> Result<Domain, Error> {
+        let fds = below.lower_fds().map_err(failed)?;
+        self.spawn_below_from(fds, below.nslots, below.arena_bytes, &below.driver_line, conn, None)
+    }
+
+    /// [`spawn_below`](Self::spawn_below) on the lower queues `fds` (`nslots` slots, arenas of
+    /// `arena_bytes`), with `line` about the tap domain; as a standby waiting for `go` if given
+    /// one (it attaches to the queues once told their generation, see [`crate::standby`]).
+    pub(crate) fn spawn_below_from(
+        &self,
+        fds: Vec<bulkhead_channel::BackQueueFds>,
+        nslots: u32,
+        arena_bytes: u64,
+        line: &bulkhead_channel::AboveControl,
+        conn: Option<OwnedFd>,
+        go: Option<&bulkhead_sys::eventfd::EventFd>,
+    ) -> Result<Domain, Error> {
         let conn = match conn {
             Some(c) => Some(c),
             None => self.connect()?,
         };
         let mut pass = Pass::default();
         let mut specs = Vec::new();
-        for l in &below.queues {
-            let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } = l.back_fds().map_err(failed)?;
-            specs.push(pass.queue([ring, write_arena, read_arena, kick, irq], below.nslots, below.arena_bytes));
+        for bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } in fds {
+            specs.push(pass.queue([ring, write_arena, read_arena, kick, irq], nslots, arena_bytes));
         }
         let (backend, ring) = self.backend_spec(&mut pass, conn)?;
-        let line = below.driver_line.fds().map_err(failed)?.map(|fd| pass.add_owned(fd));
-        let (mut driver, _) = self.spawn("driver", pass, specs, backend, None, Some(line))?;
+        let line = line.fds().map_err(failed)?.map(|fd| pass.add_owned(fd));
+        let (mut driver, _) = self.spawn("driver", pass, specs, backend, None, Some(line), go)?;
         driver.rings.extend(ring);
         Ok(driver)
     }
@@ -158,8 +173,10 @@ impl Launcher {
     /// Execs one domain (`role` names it in messages): its queues and backend are in `pass`
     /// already; the upper domain of a device also gets `chain`'s filters, their descriptors and
     /// the domain state page; a driver domain below a tap domain, its line about the tap domain
-    /// (`above_line`, in `pass` too). Waits for its sandbox report. Returns the domain and the
-    /// supervisor's end of its attach line, if it takes attached applications' queues.
+    /// (`above_line`, in `pass` too). A standby gets `go`, and waits for it once it has
+    /// reported. Waits for its sandbox report. Returns the domain and the supervisor's end of
+    /// its attach line, if it takes attached applications' queues.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn spawn(
         &self,
         role: &str,
@@ -168,6 +185,7 @@ impl Launcher {
         backend: BackendSpec,
         chain: Option<&ChainSetup>,
         above_line: Option<[i32; 2]>,
+        go: Option<&bulkhead_sys::eventfd::EventFd>,
     ) -> Result<(Domain, Option<OwnedFd>), Error> {
         let mut filters = Vec::new();
         let state_fd;
@@ -183,7 +201,11 @@ impl Launcher {
                 views = layout.views.iter().map(ViewSetup::spec).collect();
             }
             for f in &chain.filters {
-                f.trim_output();
+                // A standby's filters may still be written by the domain it will replace: it
+                // is trimmed when it is let go ([`Launcher::trim_outputs`]).
+                if go.is_none() {
+                    f.trim_output();
+                }
                 let state_fd = pass.add(&f.state_fd);
                 let output_fd = f.output.as_ref().map(|o| pass.add(o));
                 let secret_fd = f.secret.as_ref().map(|o| pass.add(o));
@@ -229,6 +251,7 @@ impl Launcher {
             inactive: !self.held().active,
             sandbox: SandboxSpec { policy: self.policy },
             report_fd: Some(report_fd),
+            standby_fd: go.map(|g| pass.add(g)),
         };
         let json = serde_json::to_string(&spec).map_err(|e| Error::failed(format!("domain spec: {e}")))?;
         // `ps` shows `bulkhead driver DEVICE`, and `tap` after it for a tap domain.
@@ -250,7 +273,11 @@ impl Launcher {
             self.policy,
             &report_r,
             &what,
-            self.spares.as_deref(),
+            match (self.spares.as_deref(), go) {
+                (Some(s), Some(_)) => From::Spare(s),
+                (Some(s), None) => From::SpareElseExec(s),
+                (None, _) => From::Exec,
+            },
         )?;
         // An rbd domain's connections go through a broker here.
         if let (Some((reach, opened)), Some(fd)) = (&self.rbd, layers.as_ref().and_then(|l| l.connect_listener)) {
