@@ -217,6 +217,10 @@ pub enum BenchCmd {
         /// Spare domains kept ready (`[domains] spares`); 0 execs every domain.
         #[arg(long, default_value_t = 2, value_parser = count(0, 64))]
         spares: usize,
+        /// Standby domains (`[domains] standbys`): after its first restart the device keeps
+        /// its next domain waiting; 0 makes every domain at its restart.
+        #[arg(long, default_value_t = 4, value_parser = count(0, 64))]
+        standbys: usize,
         /// Upgrade `serve` (`bulkhead upgrade`) each round instead of killing a domain,
         /// measured as `--kill serve` is.
         #[arg(long)]
@@ -609,8 +613,8 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             emit(&r, json, crate::serve_restart::render)?;
             Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
-        BenchCmd::Restart { kills, mode, threads, tap, kill, spares, json, .. } => {
-            let opts = crate::restart::Options { kills, mode: mode.as_str().into(), threads, tap, kill, spares };
+        BenchCmd::Restart { kills, mode, threads, tap, kill, spares, standbys, json, .. } => {
+            let opts = crate::restart::Options { kills, mode: mode.as_str().into(), threads, tap, kill, spares, standbys };
             opts.check()?;
             let r = crate::restart::run(&exe()?, &opts, |p| eprintln!("bench restart: {p}"))?;
             emit(&r, json, crate::restart::render)?;

@@ -1,6 +1,7 @@
 //! `bulkhead-bench restart`: how long a device is out when its driver domain is killed.
 //!
-//! A real supervisor serves one `ram` device whose domains are exec'd as usual; load threads
+//! A real supervisor serves one `ram` device whose domains come from spares and, after the
+//! first kill, from the device's standby (`--spares`, `--standbys`; 0 execs them); load threads
 //! write and read back 4 KiB blocks through the client library without pause, checking every
 //! byte; the driver is SIGKILLed at random moments. The outage of each kill runs from the
 //! supervisor noticing the death to the first request completed after it (the Xen paper
@@ -36,6 +37,8 @@ pub struct Options {
     pub kill: String,
     /// Spare domains kept ready.
     pub spares: usize,
+    /// Devices that may keep a standby domain.
+    pub standbys: usize,
 }
 
 impl Options {
@@ -72,10 +75,15 @@ pub struct Report {
     pub restarts: u64,
     /// Spare domains kept ready.
     pub spares: usize,
-    /// Domains made from a spare (the rest were exec'd).
+    /// Spares given a device (at a restart, or ahead of one as a standby); the rest of the
+    /// domains were exec'd.
     pub from_spares: u64,
+    /// Restarts a standby domain took.
+    pub from_standby: u64,
     /// Private memory of each spare waiting at the end, KiB (`RssAnon`).
     pub spare_private_kib: Vec<u64>,
+    /// Private memory of the device's standby domain waiting at the end, KiB (`RssAnon`).
+    pub standby_private_kib: Option<u64>,
     /// Outages measured.
     pub outages: usize,
     /// Median outage, ms.
@@ -98,9 +106,9 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     let kill_tap = opts.kill == "tap";
     let filters = if opts.tap == "interpose" { "[[device.filter]]\ntype = \"stats\"\n" } else { "" };
     let text = format!(
-        "[fuse]\nenabled = false\n[domains]\nspares = {}\n[[device]]\nname = \"r\"\nsize = \"256M\"\nqueues = {}\nnotify = \"{}\"\ntap = \"{}\"\n\
+        "[fuse]\nenabled = false\n[domains]\nspares = {}\nstandbys = {}\n[[device]]\nname = \"r\"\nsize = \"256M\"\nqueues = {}\nnotify = \"{}\"\ntap = \"{}\"\n\
          restart_limit = 1000000\n[device.backend]\ntype = \"ram\"\n{filters}",
-        opts.spares, opts.threads, opts.mode, opts.tap
+        opts.spares, opts.standbys, opts.threads, opts.mode, opts.tap
     );
     let config = Config::parse(&text, "bench restart").map_err(|e| e.to_string())?;
     let sup = Supervisor::start(&config, Some(exe)).map_err(|e| e.to_string())?;
@@ -178,7 +186,9 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         restarts,
         spares: opts.spares,
         from_spares: status.spares.taken,
+        from_standby: status.devices[0].standby_restarts,
         spare_private_kib,
+        standby_private_kib: status.devices[0].standby.as_ref().and_then(|p| p.rss.map(|r| r.anon_kib)),
         outages: outages.len(),
         outage_p50_ms: crate::percentile(&outages, 0.50),
         outage_p99_ms: crate::percentile(&outages, 0.99),
@@ -199,6 +209,7 @@ pub fn render(r: &Report) -> String {
         "restarts",
         "spares",
         "from spares",
+        "from standby",
         "outage p50 ms",
         "p99 ms",
         "max ms",
@@ -214,6 +225,7 @@ pub fn render(r: &Report) -> String {
         r.restarts.to_string(),
         r.spares.to_string(),
         r.from_spares.to_string(),
+        r.from_standby.to_string(),
         format!("{:.2}", r.outage_p50_ms),
         format!("{:.2}", r.outage_p99_ms),
         format!("{:.2}", r.outage_max_ms),
