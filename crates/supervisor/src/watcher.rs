@@ -335,7 +335,8 @@ impl Watcher {
     /// Schedules device `i`'s standby if it wants one and has none.
     fn want_standby(&mut self, i: usize) {
         let Some(rt) = self.hub.devices.get(i) else { return };
-        let wanted = crate::standby::wants(&rt.lock());
+        // A device that cannot keep one (a remote backend, no spares) is not asked again.
+        let wanted = crate::standby::wants(&rt.lock()) && rt.launcher.standby_possible();
         let pending = self.timers.values().any(|t| matches!(t, Timer::Standby(d) if *d == i));
         if wanted && !pending && self.hub.standbys.enabled() {
             let at = self.hub.clock.now() + STANDBY_AFTER;
