@@ -23,11 +23,11 @@ fn injected_faults_in_a_guarded_filter_are_stopped_and_no_acknowledged_write_is_
     // keeps open include the runtime's rings, so a fault aimed there may land by design
     // (docs/guard.md, "Measured: isolation"); the faulting filter then runs under `dwc`.
     let keys = std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.split_whitespace().any(|w| w == "ospke"));
-    let guard = if keys { "scdwc\"\nguard_cache = 20" } else { "dwc" };
+    let guard = if keys { "guard = \"scdwc\"\nguard_cache = 20" } else { "guard = \"dwc\"" };
     let config = format!(
         "[nbd]\nenabled = false\n[[device]]\nname = \"g\"\nsize = \"64M\"\nrestart_limit = 100000\n\
          [device.backend]\ntype = \"ram\"\n\
-         [[device.filter]]\ntype = \"trace\"\npath = \"{}\"\nguard = \"{guard}\"\n\
+         [[device.filter]]\ntype = \"trace\"\npath = \"{}\"\n{guard}\n\
          [[device.filter]]\ntype = \"stats\"\nguard = \"scdwc\"\n",
         trace.display()
     );
