@@ -91,12 +91,12 @@ impl Hub {
     }
 
     /// Starts a standby for device `device` on a worker, if it still wants one
-    /// ([`crate::standby::prepare`]).
+    /// ([`crate::standing_by::prepare`]).
     pub fn prepare_standby(self: &Arc<Self>, device: usize) {
         let hub = self.clone();
         self.workers.submit(move || {
             if let (Some(rt), false) = (hub.devices.get(device), hub.stopping.load(Ordering::Acquire)) {
-                crate::standby::prepare(&rt, &hub.standbys);
+                crate::standing_by::prepare(&rt, &hub.standbys);
             }
         });
     }

@@ -111,7 +111,7 @@ fn restart_all(rt: &DeviceRuntime, why: &str, detected: Instant, stopping: &Atom
     let (domains, below, mut graveyard) = take_all(rt);
     if let Some(s) = standby.as_ref().filter(|s| s.rung() && !stopping.load(Ordering::Acquire)) {
         // Started already: the old domain exited and left nothing to finish
-        // (`standby::start_early`). Its queues go to the frontend first, then the old domain
+        // (`standing_by::start_early`). Its queues go to the frontend first, then the old domain
         // is reaped.
         debug_assert!(s.fits_all(rt.device.generation().wrapping_add(1), rt.launcher.epoch()));
         rt.control.log_limited(|| format!("{why}; restarting"));

@@ -33,6 +33,7 @@ mod reap;
 mod spares;
 mod spawn;
 mod standby;
+mod standing_by;
 mod state;
 mod status;
 mod storage;

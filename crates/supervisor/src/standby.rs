@@ -33,11 +33,8 @@ use std::sync::Arc;
 use bulkhead_channel::AboveControl;
 use bulkhead_sys::eventfd::EventFd;
 
-use crate::device::{DeviceRuntime, Slot};
-use crate::domains::{Domain, Domains, Graveyard};
+use crate::domains::{Domain, Graveyard};
 use crate::launcher::Launched;
-use crate::lifecycle::{Disposition, Which};
-use crate::state::DeviceState;
 
 /// How many standbys the devices may hold at once (`[domains] standbys`), and how many they
 /// hold now.
@@ -69,7 +66,7 @@ impl Places {
     }
 
     /// Takes a place, if one is free.
-    fn take(self: &Arc<Self>) -> Option<Place> {
+    pub fn take(self: &Arc<Self>) -> Option<Place> {
         self.held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.most).then_some(n + 1))
             .ok()
@@ -79,7 +76,7 @@ impl Places {
 
 /// One standby's place among [`Places`]: given back when the standby is used or ended.
 #[derive(Debug)]
-struct Place(Arc<Places>);
+pub(crate) struct Place(Arc<Places>);
 
 impl Drop for Place {
     fn drop(&mut self) {
@@ -104,7 +101,7 @@ pub(crate) enum Next {
 pub(crate) struct Standby {
     next: Next,
     go: EventFd,
-    /// Go was rung ahead of the restart ([`start_early`]): from then on the standby serves or
+    /// Go was rung ahead of the restart ([`start_early`](crate::standing_by::start_early)): from then on the standby serves or
     /// is buried, never left waiting.
     rung: bool,
     /// The launcher's epoch it was made under.
@@ -126,9 +123,20 @@ impl Standby {
         self.domain().map_or(0, Domain::pid)
     }
 
-    /// Whether go was rung ahead of the restart ([`start_early`]).
+    /// Whether go was rung ahead of the restart ([`start_early`](crate::standing_by::start_early)).
     pub fn rung(&self) -> bool {
         self.rung
+    }
+
+    /// A standby of `next`, waiting for `go`, made under the launcher's `epoch` in `place`.
+    pub fn new(next: Next, go: EventFd, epoch: u64, place: Place) -> Standby {
+        Standby { next, go, rung: false, epoch, _place: place }
+    }
+
+    /// Rings go ahead of the restart ([`start_early`](crate::standing_by::start_early)).
+    pub fn ring_early(&mut self) {
+        self.go.ring();
+        self.rung = true;
     }
 
     /// Whether it is alive and was made under the launcher's `epoch`.
@@ -147,16 +155,7 @@ impl Standby {
         matches!(self.next, Next::Below { serial: s, .. } if s == serial) && self.current(epoch)
     }
 
-    /// Whether it still fits device `rt` as `slot` shows it.
-    pub fn fits_slot(&self, rt: &DeviceRuntime, slot: &Slot) -> bool {
-        let epoch = rt.launcher.epoch();
-        match &slot.domains {
-            Domains::Interpose { below, .. } => self.fits_below(below.serial, epoch),
-            _ => self.fits_all(rt.device.generation().wrapping_add(1), epoch),
-        }
-    }
-
-    /// Lets a standby of the whole generation serve: rings go (unless [`start_early`] did)
+    /// Lets a standby of the whole generation serve: rings go (unless [`start_early`](crate::standing_by::start_early) did)
     /// and hands over what the launch made. The device's old domains must be gone.
     pub fn go(self) -> Result<Launched, Standby> {
         match self.next {
@@ -220,118 +219,8 @@ impl Standby {
     }
 }
 
-/// Lets device `rt`'s standby start at once, before the restart's job has even begun, when
-/// what `disposition` replaces is a domain that has exited and left nothing to finish: it
-/// held no borrowed ring with reads or writes that could still land, and the standby fits the
-/// generation the job will start (no view leaves with it). The standby then opens its chain
-/// while the job buries the old domain and installs its queues. Called by the watcher with the
-/// device claimed for the job and its slot locked.
-pub(crate) fn start_early(rt: &DeviceRuntime, slot: &mut Slot, disposition: &Disposition) {
-    if !matches!(disposition, Disposition::Restart { which: Which::All, delay, .. } if delay.is_zero()) {
-        return;
-    }
-    let exited = match &slot.domains {
-        Domains::Passthrough { driver: d } | Domains::Intercept { tap: d } => d.rings.is_empty() && has_exited(d),
-        Domains::None | Domains::Interpose { .. } => false,
-    };
-    if !exited || slot.graveyard.holds_rings() || rt.views_leaving() {
-        return;
-    }
-    let generation = rt.device.generation().wrapping_add(1);
-    if let Some(s) = slot.standby.as_mut().filter(|s| s.fits_all(generation, rt.launcher.epoch())) {
-        s.go.ring();
-        s.rung = true;
-    }
-}
-
 /// Whether `d` has exited (its pidfd is readable).
-fn has_exited(d: &Domain) -> bool {
+pub(crate) fn has_exited(d: &Domain) -> bool {
     let mut pfd = [libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&d.pidfd()), events: libc::POLLIN, revents: 0 }];
     bulkhead_sys::poll(&mut pfd, 0).is_ok_and(|n| n == 1)
-}
-
-/// Starts a standby for device `rt` if it wants one and has none, and keeps it if the device
-/// is still as it was once the standby has reported. Runs on a worker, without the device's
-/// claim: a restart that begins meanwhile takes the usual path, and the standby is ended.
-pub(crate) fn prepare(rt: &DeviceRuntime, places: &Arc<Places>) {
-    // What the standby is for, read under the lock: the next generation, or the lower queues
-    // of an `interpose` device (their descriptors copied, so that the launch holds no lock).
-    let (kind, epoch, place) = {
-        let mut slot = rt.lock();
-        if !wants(&slot) || !rt.launcher.standby_possible() {
-            return;
-        }
-        // None ready: the watcher asks again later.
-        if !rt.launcher.spare_ready() {
-            return;
-        }
-        let kind = match &slot.domains {
-            Domains::Interpose { below, .. } => match below.lower_fds() {
-                Ok(fds) => Kind::Below { fds, nslots: below.nslots, arena_bytes: below.arena_bytes, serial: below.serial },
-                Err(e) => {
-                    log::warn!("device {}: no standby domain: {e}", rt.name);
-                    return;
-                }
-            },
-            _ => Kind::All(rt.device.generation().wrapping_add(1)),
-        };
-        let Some(place) = places.take() else { return };
-        slot.standby_preparing = true;
-        (kind, rt.launcher.epoch(), place)
-    };
-    let standby = make(rt, kind, epoch, place);
-    let mut slot = rt.lock();
-    slot.standby_preparing = false;
-    let Some(standby) = standby else { return };
-    let still = !slot.busy && slot.standby.is_none() && slot.life.state() == DeviceState::Running && standby.fits_slot(rt, &slot);
-    if still {
-        slot.standby = Some(standby);
-        return;
-    }
-    drop(slot);
-    standby.dismiss(&rt.name);
-}
-
-/// Whether device `rt`, as `slot` shows it, wants a standby made now: it has restarted, runs,
-/// has none and is making none.
-pub(crate) fn wants(slot: &Slot) -> bool {
-    slot.standby_wanted
-        && !slot.busy
-        && slot.standby.is_none()
-        && !slot.standby_preparing
-        && slot.life.state() == DeviceState::Running
-}
-
-/// Launches a standby of `kind` for device `rt`.
-fn make(rt: &DeviceRuntime, kind: Kind, epoch: u64, place: Place) -> Option<Standby> {
-    let go = match EventFd::new() {
-        Ok(g) => g,
-        Err(e) => {
-            log::warn!("device {}: no standby domain: {e}", rt.name);
-            return None;
-        }
-    };
-    let next = match kind {
-        Kind::All(generation) => rt.launcher.launch_standby(generation, &go).map(|launched| Next::All { launched: Box::new(launched), generation }),
-        Kind::Below { fds, nslots, arena_bytes, serial } => rt.launcher.driver_line().and_then(|line| {
-            let driver = rt.launcher.spawn_below_from(fds, nslots, arena_bytes, &line, None, Some(&go))?;
-            Ok(Next::Below { driver: Box::new(driver), line, serial })
-        }),
-    };
-    match next {
-        Ok(next) => Some(Standby { next, go, rung: false, epoch, _place: place }),
-        Err(e) => {
-            // Not the device's log: that one says what happens to the device itself.
-            log::info!("device {}: no standby domain: {e}", rt.name);
-            None
-        }
-    }
-}
-
-/// What [`prepare`] makes a standby for.
-enum Kind {
-    /// The whole next generation, this one.
-    All(u32),
-    /// A driver domain on these lower queues.
-    Below { fds: Vec<bulkhead_channel::BackQueueFds>, nslots: u32, arena_bytes: u64, serial: u64 },
 }

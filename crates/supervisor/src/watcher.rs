@@ -315,7 +315,7 @@ impl Watcher {
         };
         let disposition = slot.life.on_event(event, rt.control.answered());
         slot.busy = true;
-        crate::standby::start_early(&rt, &mut slot, &disposition);
+        crate::standing_by::start_early(&rt, &mut slot, &disposition);
         drop(slot);
         self.act(i, disposition, now, None);
     }
@@ -336,7 +336,7 @@ impl Watcher {
     fn want_standby(&mut self, i: usize) {
         let Some(rt) = self.hub.devices.get(i) else { return };
         // A device that cannot keep one (a remote backend, no spares) is not asked again.
-        let wanted = crate::standby::wants(&rt.lock()) && rt.launcher.standby_possible();
+        let wanted = crate::standing_by::wants(&rt.lock()) && rt.launcher.standby_possible();
         let pending = self.timers.values().any(|t| matches!(t, Timer::Standby(d) if *d == i));
         if wanted && !pending && self.hub.standbys.enabled() {
             let at = self.hub.clock.now() + STANDBY_AFTER;
@@ -425,8 +425,8 @@ impl Watcher {
             }
             // A standby that died while it waited, or that a change left behind, is replaced;
             // one that could not be made (no spare was ready) is tried again.
-            let unfit = slot.standby.as_ref().is_some_and(|s| !s.fits_slot(&rt, &slot));
-            if unfit || (full && crate::standby::wants(&slot)) {
+            let unfit = slot.standby.as_ref().is_some_and(|s| !crate::standing_by::fits(s, &rt, &slot));
+            if unfit || (full && crate::standing_by::wants(&slot)) {
                 if let Some(s) = slot.standby.take().filter(|_| unfit) {
                     let name = rt.name.clone();
                     self.hub.workers.submit(move || s.dismiss(&name));
