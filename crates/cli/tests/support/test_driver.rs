@@ -39,6 +39,10 @@
 //! `BULKHEAD_TEST_FAULT_ROLE=tap|driver` limits the fault to that domain of an `interpose`
 //! device; `BULKHEAD_TEST_FAULT_DEVICE=NAME` limits it to that device's domains.
 //!
+//! A standby domain runs the real runtime whatever the fault: the faults' own paths serve at
+//! once, where a standby must wait for its go and touch nothing the running domain uses (a
+//! standby below a tap domain shares the lower queues with the driver domain serving them).
+//!
 //! Built only with the `test-driver` feature: none of this is in the shipped binary.
 
 use std::path::PathBuf;
@@ -200,7 +204,7 @@ fn serve_spec(json: &str) -> ExitCode {
             fault.clear();
         }
     }
-    if !for_this_device(&spec) {
+    if !for_this_device(&spec) || spec.standby_fd.is_some() {
         fault.clear();
     }
     // With `BULKHEAD_TEST_FAULT_FROM_SPARE=1`, only domains made from spares misbehave.
