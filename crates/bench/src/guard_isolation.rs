@@ -5,9 +5,15 @@
 //! domain runs a chain of the filter measured (trace, crypt or cow, guarded as the setting
 //! says, injecting one fault) and a `stats` filter (whose state is one of the targets), over a
 //! `ram` backend or a LUKS2 file, behind one queue this process drives with 4 KiB random reads
-//! and writes. The fault strikes at a random call among the filter's first [`EVERY`], aimed at
-//! the ring, the runtime's heap, the other filter's state or a block the filter just freed,
-//! in turn.
+//! and writes. The fault strikes at a random call among the filter's first [`EVERY`]. Two
+//! populations ([`Population`]): the targeted faults aim at the ring, the runtime's heap, the
+//! other filter's state or a block the filter just freed, in turn; the seed-like ones write
+//! through a corrupted live pointer, past a buffer of the call, or at a wild address weighted
+//! by size, before or after the filter's own work, and only where DWC stops them.
+//!
+//! Before the faults, each filter's write working set is counted (the distinct pages written
+//! over the same window, by SCDWC's cache at its largest), so that C is also reported as a
+//! multiple of it.
 //!
 //! The child's heap spaces live in a memory file this process created and keeps mapped, and
 //! its ring is shared with this process, so after the child has ended this process reads the
@@ -44,11 +50,49 @@ fn unavailable() -> BenchError {
     )
 }
 
+/// Which faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Population {
+    /// Aimed at the state a filter could do the most harm to, at the start of a call.
+    Targeted,
+    /// Modelled on the bugs a fault-injection tool plants, kept only where DWC stops them.
+    SeedLike,
+}
+
+impl Population {
+    /// Both, as the benchmark runs them by default.
+    pub const ALL: [Population; 2] = [Population::Targeted, Population::SeedLike];
+
+    /// As `--population` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Population::Targeted => "targeted",
+            Population::SeedLike => "seed-like",
+        }
+    }
+
+    /// `targeted` or `seed-like`.
+    pub fn parse(s: &str) -> Result<Population, String> {
+        Population::ALL.into_iter().find(|p| p.as_str() == s).ok_or_else(|| format!("`{s}` is not targeted or seed-like"))
+    }
+
+    /// Where its faults aim, in turn (the test kit's targets).
+    pub fn targets(self) -> &'static [&'static str] {
+        match self {
+            Population::Targeted => &TARGETS,
+            Population::SeedLike => &SEED_TARGETS,
+        }
+    }
+}
+
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// Faults per setting, spread evenly over the filters and the targets.
+    /// Faults per setting and population, spread evenly over the filters and the targets.
     pub faults: u32,
+    /// The fault populations.
+    pub populations: Vec<Population>,
     /// Where the LUKS volume goes.
     pub scratch: PathBuf,
     /// The settings (`off` isolates nothing and is left out).
@@ -78,8 +122,11 @@ impl Options {
 /// two: its submit and its completion).
 pub const EVERY: u64 = 200;
 
-/// Where the faults aim, in turn.
+/// Where the targeted faults aim, in turn.
 pub const TARGETS: [&str; 4] = ["ring", "heap", "filter", "freed"];
+
+/// How the seed-like faults are made, in turn.
+pub const SEED_TARGETS: [&str; 3] = ["pointer", "overrun", "wild"];
 
 /// Faults counted by what the memory showed.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -103,9 +150,11 @@ impl Count {
     }
 }
 
-/// One setting.
+/// One setting, for one population.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
+    /// `targeted` or `seed-like`.
+    pub population: Population,
     /// `dwc` or `scdwc`.
     pub guard: String,
     /// C, for scdwc.
@@ -114,7 +163,7 @@ pub struct Row {
     pub keys: bool,
     /// Every fault.
     pub all: Count,
-    /// Per target, in the order of [`TARGETS`].
+    /// Per target, in the order of the population's [`Population::targets`].
     pub by_target: Vec<(String, Count)>,
     /// Per filter.
     pub by_filter: Vec<(String, Count)>,
@@ -127,18 +176,33 @@ pub struct Row {
     pub ms_per_fault: f64,
 }
 
+/// A filter's write working set.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkingSet {
+    /// The filter measured.
+    pub filter: String,
+    /// Distinct pages the runtime and the filters wrote over the filter's first [`EVERY`]
+    /// calls.
+    pub pages: u32,
+    /// Pages of guarded memory in use then: the ring, the used part of every heap space.
+    pub guarded: u32,
+}
+
 /// The whole run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// Faults per setting.
+    /// Faults per setting and population.
     pub faults: u32,
     /// The call window a fault strikes in.
     pub every: u64,
     /// The filters measured.
     pub filters: Vec<String>,
-    /// The rows.
+    /// Each filter's write working set, where it was counted.
+    pub working_sets: Vec<WorkingSet>,
+    /// The rows, population by population.
     pub rows: Vec<Row>,
-    /// The first C whose isolation rate is below DWC's (of the same keys setting), if any.
+    /// The first C whose isolation rate of the targeted faults is below DWC's (of the same
+    /// keys setting), if any.
     pub drops_at: Option<u32>,
     /// The same, with protection keys.
     pub drops_at_keys: Option<u32>,
@@ -146,14 +210,50 @@ pub struct Report {
     pub notes: Vec<String>,
 }
 
-/// The report as tables: every fault, then per target.
+impl Report {
+    /// C as a multiple of the filters' write working sets: the smallest and the largest.
+    pub fn cache_multiple(&self, cache: u32) -> Option<(f64, f64)> {
+        let m: Vec<f64> = self.working_sets.iter().filter(|w| w.pages > 0).map(|w| cache as f64 / w.pages as f64).collect();
+        let lo = m.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = m.iter().copied().fold(0.0, f64::max);
+        (!m.is_empty()).then_some((lo, hi))
+    }
+}
+
+/// The report as tables: the working sets, every fault, then per target.
 pub fn render(r: &Report) -> String {
     let keys = |row: &Row| if row.keys { "yes" } else { "-" }.to_string();
-    let mut t = Table::new(&["guard", "C", "keys", "faults", "isolated", "landed", "undecided", "lost", "rate", "ms/fault"]);
+    let mut s = String::new();
+    if !r.working_sets.is_empty() {
+        let ws: Vec<String> =
+            r.working_sets.iter().map(|w| format!("{} {} pages of {} guarded in use", w.filter, w.pages, w.guarded)).collect();
+        s.push_str(&format!("write working set over a filter's first {} calls: {}\n", r.every, ws.join(", ")));
+    }
+    let multiple = |row: &Row| match row.cache.and_then(|c| r.cache_multiple(c)) {
+        Some((lo, hi)) if (hi - lo) < 0.05 => format!("{lo:.1}×"),
+        Some((lo, hi)) => format!("{lo:.1}–{hi:.1}×"),
+        None => "-".into(),
+    };
+    let mut t = Table::new(&[
+        "faults",
+        "guard",
+        "C",
+        "C/ws",
+        "keys",
+        "faults",
+        "isolated",
+        "landed",
+        "undecided",
+        "lost",
+        "rate",
+        "ms/fault",
+    ]);
     for row in &r.rows {
         t.row(vec![
+            row.population.as_str().into(),
             row.guard.clone(),
             row.cache.map_or("-".into(), |c| c.to_string()),
+            multiple(row),
             keys(row),
             (row.all.isolated + row.all.landed + row.all.undecided + row.lost).to_string(),
             row.all.isolated.to_string(),
@@ -164,44 +264,54 @@ pub fn render(r: &Report) -> String {
             format!("{:.1}", row.ms_per_fault),
         ]);
     }
-    let mut s = format!(
-        "isolation: {} faults per setting over {}, each at a random call of the filter's first {}; state read after the domain ended\n{}",
+    s.push_str(&format!(
+        "isolation: {} faults per setting and population over {}, each at a random call of the filter's first {}; state read after the domain ended\n{}",
         r.faults,
         r.filters.join(", "),
         r.every,
         t.render()
-    );
-    let mut names: Vec<&str> = vec!["guard", "C", "keys"];
-    names.extend(TARGETS);
-    names.extend(r.filters.iter().map(String::as_str));
-    let mut t = Table::new(&names);
-    for row in &r.rows {
-        let mut cells = vec![row.guard.clone(), row.cache.map_or("-".into(), |c| c.to_string()), keys(row)];
-        for (_, c) in row.by_target.iter().chain(&row.by_filter) {
-            let decided = c.isolated + c.landed;
-            cells.push(if decided == 0 { "-".into() } else { format!("{:.0}% of {decided}", c.rate_pct()) });
+    ));
+    for p in Population::ALL {
+        let rows: Vec<&Row> = r.rows.iter().filter(|row| row.population == p).collect();
+        if rows.is_empty() {
+            continue;
         }
-        t.row(cells);
-    }
-    s.push_str("isolation rate per target and per filter (of the decided faults)\n");
-    s.push_str(&t.render());
-    // The reference is Chariot's: DWC without keys, else with them.
-    let dwc_of = |k: bool| r.rows.iter().find(|x| x.cache.is_none() && x.keys == k).map(|x| x.all.rate_pct());
-    if let Some(d) = dwc_of(false).or_else(|| dwc_of(true)) {
-        for c60 in r.rows.iter().filter(|x| x.cache == Some(60)) {
-            let met = if c60.all.rate_pct() >= d { "met" } else { "not met" };
-            let k = if c60.keys { " +keys" } else { "" };
-            s.push_str(&format!(
-                "goal: scdwc C=60{k} isolates as many as dwc: {:.1}% against {d:.1}% ({met})\n",
-                c60.all.rate_pct()
-            ));
+        let mut names: Vec<&str> = vec!["guard", "C", "keys"];
+        names.extend(p.targets());
+        names.extend(r.filters.iter().map(String::as_str));
+        let mut t = Table::new(&names);
+        for row in &rows {
+            let mut cells = vec![row.guard.clone(), row.cache.map_or("-".into(), |c| c.to_string()), keys(row)];
+            for (_, c) in row.by_target.iter().chain(&row.by_filter) {
+                let decided = c.isolated + c.landed;
+                cells.push(if decided == 0 { "-".into() } else { format!("{:.0}% of {decided}", c.rate_pct()) });
+            }
+            t.row(cells);
+        }
+        s.push_str(&format!("{} faults: isolation rate per target and per filter (of the decided faults)\n", p.as_str()));
+        s.push_str(&t.render());
+        // The reference is Chariot's: DWC without keys, else with them.
+        let dwc_of = |k: bool| rows.iter().find(|x| x.cache.is_none() && x.keys == k).map(|x| x.all.rate_pct());
+        if let Some(d) = dwc_of(false).or_else(|| dwc_of(true)) {
+            for c60 in rows.iter().filter(|x| x.cache == Some(60)) {
+                let rate = c60.all.rate_pct();
+                let met = if rate >= 90.0 { "met" } else { "not met" };
+                let k = if c60.keys { " +keys" } else { "" };
+                s.push_str(&format!(
+                    "goal: scdwc C=60{k} isolates at least 90% of the {} faults (dwc: {d:.1}%): {rate:.1}% ({met})\n",
+                    p.as_str()
+                ));
+            }
         }
     }
     for (keys, drops) in [(false, r.drops_at), (true, r.drops_at_keys)] {
         let k = if keys { " with keys" } else { "" };
+        let has_dwc = r.rows.iter().any(|x| x.population == Population::Targeted && x.cache.is_none() && x.keys == keys);
         match drops {
-            Some(c) => s.push_str(&format!("the isolation rate{k} first drops below dwc's at C={c}\n")),
-            None if dwc_of(keys).is_some() => s.push_str(&format!("the isolation rate{k} stays at dwc's for every C measured\n")),
+            Some(c) => s.push_str(&format!("the targeted faults' isolation rate{k} first drops below dwc's at C={c}\n")),
+            None if has_dwc => {
+                s.push_str(&format!("the targeted faults' isolation rate{k} stays at dwc's for every C measured\n"))
+            }
             None => {}
         }
     }

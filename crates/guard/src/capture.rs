@@ -65,6 +65,9 @@ pub struct Stats {
     pub region_protects: u64,
     /// Calls run with the other owners' protection keys write-disabled ([`Guard::gate_keys`]).
     pub keyed: u64,
+    /// Pages the SCDWC cache holds open now (at most C): with C above the write working set,
+    /// the distinct pages written since the cache last started empty.
+    pub open_pages: u64,
 }
 
 /// A write guarded code was not allowed to make, as the handler reports it before the
@@ -176,11 +179,24 @@ impl State {
         shadow: Shadow::new(Mode::Dwc),
         stepping: [0; MAX_STEPPING],
         nstepping: 0,
-        stats: Stats { calls: 0, allowed: 0, outside: 0, steps: 0, page_protects: 0, region_protects: 0, keyed: 0 },
+        stats: Stats {
+            calls: 0,
+            allowed: 0,
+            outside: 0,
+            steps: 0,
+            page_protects: 0,
+            region_protects: 0,
+            keyed: 0,
+            open_pages: 0,
+        },
         keys: false,
         own_key: [0; MAX_FILTERS],
         saved_pkru: None,
     };
+
+    fn stats_now(&self) -> Stats {
+        Stats { open_pages: self.shadow.cached() as u64, ..self.stats }
+    }
 
     fn region_of(&self, addr: u64) -> Option<usize> {
         self.regions[..self.nregions].iter().position(|r| addr >= r.start && addr < r.end)
@@ -658,7 +674,7 @@ impl Guard {
     /// What the guard has done.
     pub fn stats(&self) -> Stats {
         // SAFETY: a `Guard` method on the guarded thread (not Send).
-        unsafe { state() }.stats
+        unsafe { state() }.stats_now()
     }
 
     /// The mechanism.
@@ -767,7 +783,19 @@ impl Handle {
             return Stats::default();
         }
         // SAFETY: on the guarded thread, outside any handler, no other reference alive.
-        unsafe { state() }.stats
+        unsafe { state() }.stats_now()
+    }
+
+    /// Whether the running call's write of the word at `addr` would be stopped under DWC: it
+    /// lies in a guarded region and outside the call's table. `false` outside a call and off
+    /// the guarded thread. The test kit keeps only the faults this says DWC stops.
+    pub fn would_stop(&self, addr: u64) -> bool {
+        if Self::on_guarded_thread().is_err() {
+            return false;
+        }
+        // SAFETY: as in `stats`.
+        let st = unsafe { state() };
+        st.running && st.region_of(addr).is_some() && !st.act.allows(addr) && !st.act.allows(addr + 7)
     }
 }
 

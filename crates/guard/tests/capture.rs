@@ -104,6 +104,15 @@ fn scenario() {
             .unwrap();
             let s = g.stats();
             assert_eq!((s.allowed, s.steps, s.page_protects), (3, 0, 1), "{s:?}");
+            assert_eq!(s.open_pages, 2, "the cache holds C pages open: {s:?}");
+            // What DWC would stop, asked from inside a call: a guarded page outside the table,
+            // not a page in it, nor memory outside every region; and nothing outside a call.
+            let h = bulkhead_guard::capture::Handle::new();
+            let at = |page: u64| base + page * PAGE + 8;
+            let outside = [0u64; 1].as_ptr() as u64;
+            let seen = g.call(1, &act, || (h.would_stop(at(5)), h.would_stop(at(2)), h.would_stop(outside))).unwrap();
+            assert_eq!(seen, (true, false, false));
+            assert!(!h.would_stop(at(5)), "no call runs");
             // Runtime writes between calls: page 9 and 10 enter the cache, pushing 2 and 3 out
             // to the pool; 9 goes to the pool when 11 comes.
             write(mem, 9, 9);

@@ -1,6 +1,14 @@
 //! Faults made on purpose in a guarded filter: a filter writes 8 bytes where it must not, at a
 //! random call, and write capture must stop the write before it lands.
 //!
+//! Two populations. The targeted faults aim, at the start of a call, at the state a filter
+//! could do the most harm to: the ring, the runtime's heap, another filter's state, a block it
+//! just freed. The seed-like faults are modelled on the bugs a fault-injection tool plants:
+//! a write through a corrupted live pointer, an overrun past a buffer the call was given, a
+//! wild address weighted by size over the guarded memory. They strike before or after the
+//! filter's own work in the call, and only where DWC would stop them
+//! ([`bulkhead_guard::capture::Handle::would_stop`]): the paper kept only faults DWC isolated.
+//!
 //! The faults are made by a layer of this kit, [`Faulty`], which the test driver
 //! (`bulkhead-test-driver`, told what to make by `BULKHEAD_TEST_GUARD_INJECT`, see
 //! [`crate::inject`]) and `bulkhead-bench guard --isolation`, both built with the `test-driver`
@@ -15,6 +23,7 @@ use std::os::fd::OwnedFd;
 use bulkhead_block::{After, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
 use bulkhead_block::{Outcome, SetupError};
 use bulkhead_driver::guarded::{space_of, FilterSite};
+use bulkhead_guard::capture::Handle;
 use bulkhead_guard::heap::{self, Space};
 use bulkhead_rng::Rng;
 
@@ -49,6 +58,12 @@ pub struct Injector {
     /// A measurement's descriptor: one fault only, recorded here; the process ends with it,
     /// stopped or not.
     probe: Option<std::fs::File>,
+    /// The next fault strikes after the filter's own work in its call, not before.
+    after: bool,
+    /// A fault is due at the end of the running call.
+    pending: bool,
+    /// Counts the write working set instead of making a fault ([`Injector::census`]).
+    census: bool,
 }
 
 impl Injector {
@@ -63,13 +78,31 @@ impl Injector {
         let who = format!("{} ({})", site.index + 1, site.name);
         let rng = Rng::new(spec.seed);
         let (site, own) = (site.clone(), space_of(site.index));
-        let mut i = Injector { site, own, spec, rng, calls: 0, next_at: 0, who, probe: probe.map(std::fs::File::from) };
+        let probe = probe.map(std::fs::File::from);
+        let mut i =
+            Injector { site, own, spec, rng, calls: 0, next_at: 0, who, probe, after: false, pending: false, census: false };
         i.schedule();
+        i
+    }
+
+    /// No fault: at the filter's call number `calls`, writes to `probe` how many pages write
+    /// capture's cache holds open and how many pages of guarded memory are in use (the rings,
+    /// the used part of every heap space), as two 8-byte words, and ends the process with
+    /// [`PROBE_EXIT`]. Under SCDWC with a cache larger than the working set (C =
+    /// [`bulkhead_guard::shadow::MAX_CACHE`]) that is the write working set: the distinct pages
+    /// the runtime and the filters wrote over those calls.
+    pub fn census(site: &FilterSite, calls: u64, probe: OwnedFd) -> Injector {
+        let spec = InjectSpec { target: InjectTarget::Wild, every: calls.max(1), seed: 0 };
+        let mut i = Injector::new(site, spec, Some(probe));
+        (i.next_at, i.census) = (calls.max(1), true);
         i
     }
 
     fn schedule(&mut self) {
         self.next_at = self.calls + 1 + self.rng.next_u64() % self.spec.every;
+        if self.spec.target.seed_like() {
+            self.after = self.rng.next_u64() & 1 == 1;
+        }
     }
 
     /// A word-aligned address in `len` bytes from `start`.
@@ -111,8 +144,81 @@ impl Injector {
                 let t = choices[self.rng.next_u64() as usize % choices.len()];
                 self.address(t, own).or_else(|| self.address(InjectTarget::Heap, own))
             }
+            // Made in `seed_address`, which knows the call's buffers.
+            InjectTarget::Pointer | InjectTarget::Overrun | InjectTarget::Wild => None,
         }
     }
+
+    /// The guarded memory in use, as (start, bytes): the rings, and the used part of the
+    /// runtime's heap and of each filter's space, the filter's own too if `with_own`.
+    fn guarded(&self, with_own: bool) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = self.site.rings.clone();
+        let spaces = std::iter::once(heap::RUNTIME).chain((0..self.site.filters).map(space_of));
+        for s in spaces.filter(|&s| with_own || s != self.own) {
+            if let Some((start, len)) = heap::space_range(s) {
+                let used = heap::extent(s).load(std::sync::atomic::Ordering::Relaxed).min(len);
+                v.push((start, used));
+            }
+        }
+        v.retain(|&(_, len)| len >= 8);
+        v
+    }
+
+    /// A word of `regions`, drawn weighted by their sizes.
+    fn weighted(&mut self, regions: &[(u64, u64)]) -> Option<u64> {
+        let words: u64 = regions.iter().map(|&(_, len)| len / 8).sum();
+        if words == 0 {
+            return None;
+        }
+        let mut k = self.rng.next_u64() % words;
+        for &(start, len) in regions {
+            if k < len / 8 {
+                return Some(start + k * 8);
+            }
+            k -= len / 8;
+        }
+        None
+    }
+
+    /// Where a seed-like fault writes, inside the running call whose buffers are `bufs`: only
+    /// where DWC would stop the write; `None` if no such place was found.
+    fn seed_address(&mut self, bufs: &[(u64, u64)]) -> Option<u64> {
+        let guard = Handle::new();
+        let others = self.guarded(false);
+        let made = match self.spec.target {
+            InjectTarget::Pointer => {
+                // A live pointer: a word anywhere in the guarded memory, the filter's own too,
+                // whose value points into it; one low bit flipped, as a bit error or a bad
+                // offset would.
+                let all = self.guarded(true);
+                (0..4096).find_map(|_| {
+                    let at = self.weighted(&all)?;
+                    // SAFETY: a word-aligned address inside memory this process maps for as
+                    // long as it runs; read only.
+                    let v = unsafe { std::ptr::read_volatile(at as *const u64) };
+                    let live = v.is_multiple_of(8) && all.iter().any(|&(s, n)| v >= s && v < s + n);
+                    let bad = v ^ (1u64 << (3 + self.rng.next_u64() % 10));
+                    (live && within(&all, bad) && guard.would_stop(bad)).then_some(bad)
+                })
+            }
+            InjectTarget::Overrun => {
+                let bufs: Vec<(u64, u64)> = bufs.iter().copied().filter(|&(_, n)| n > 0).collect();
+                (0..64).find_map(|_| {
+                    let &(start, len) = bufs.get(self.rng.next_u64() as usize % bufs.len().max(1))?;
+                    let at = (start + len).next_multiple_of(8) + 8 * (self.rng.next_u64() % 64);
+                    (within(&others, at) && guard.would_stop(at)).then_some(at)
+                })
+            }
+            _ => None,
+        };
+        // A wild write, and what the others fall back to.
+        made.or_else(|| (0..64).find_map(|_| self.weighted(&others).filter(|&a| guard.would_stop(a))))
+    }
+}
+
+/// Whether the word at `addr` lies inside one of `regions`.
+fn within(regions: &[(u64, u64)], addr: u64) -> bool {
+    addr.is_multiple_of(8) && regions.iter().any(|&(s, n)| addr >= s && addr + 8 <= s + n)
 }
 
 /// A fault ready to strike: 8 bytes at `addr`, to become `value`.
@@ -122,30 +228,62 @@ struct Fault {
 }
 
 impl Injector {
-    /// Counts a call into the filter, and makes the fault if one is due.
-    fn call(&mut self) {
-        if let Some(f) = self.due() {
+    /// Counts a call into the filter, whose buffers are `bufs`, and makes the fault if one is
+    /// due before the filter's own work.
+    fn before(&mut self, bufs: &[(u64, u64)]) {
+        self.calls += 1;
+        if self.calls < self.next_at {
+            return;
+        }
+        if self.census {
+            let open = Handle::new().stats().open_pages;
+            let in_use: u64 = self.guarded(true).iter().map(|&(_, n)| n.div_ceil(bulkhead_guard::PAGE)).sum();
+            if let Some(r) = &mut self.probe {
+                let mut rec = [0u8; 16];
+                rec[..8].copy_from_slice(&open.to_le_bytes());
+                rec[8..].copy_from_slice(&in_use.to_le_bytes());
+                let _ = r.write_all(&rec);
+            }
+            // SAFETY: ends the process at once, as a probed fault does.
+            unsafe { libc::_exit(PROBE_EXIT) };
+        }
+        let after = self.after;
+        self.schedule();
+        if after {
+            self.pending = true;
+        } else {
+            self.make(bufs, false);
+        }
+    }
+
+    /// The filter's own work in the call is done: makes the fault due after it, if any.
+    fn after(&mut self, bufs: &[(u64, u64)]) {
+        if std::mem::take(&mut self.pending) {
+            self.make(bufs, true);
+        }
+    }
+
+    /// Makes the fault; `late`: after the filter's own work.
+    fn make(&mut self, bufs: &[(u64, u64)], late: bool) {
+        if let Some(f) = self.prepare(bufs, late) {
             self.strike(&f);
             self.landed(&f);
         }
     }
 
-    fn due(&mut self) -> Option<Fault> {
-        self.calls += 1;
-        if self.calls < self.next_at {
-            return None;
-        }
-        self.schedule();
-        let addr = self.address(self.spec.target, self.own)?;
+    fn prepare(&mut self, bufs: &[(u64, u64)], late: bool) -> Option<Fault> {
+        let target = self.spec.target;
+        let addr = if target.seed_like() { self.seed_address(bufs) } else { self.address(target, self.own) }?;
         // SAFETY: `addr` is a word-aligned address inside memory this process maps read-write
         // for as long as it runs (a ring, a heap space); reading it races with nothing, as the
         // domain is single-threaded.
         let old = unsafe { std::ptr::read_volatile(addr as *const u64) };
         let value = old ^ FAULT_FLIP;
         eprintln!(
-            "bulkhead guard: injecting a fault from filter {}: 8 bytes at {addr:#x} ({})",
+            "bulkhead guard: injecting a fault from filter {}: 8 bytes at {addr:#x} ({}{})",
             self.who,
-            self.spec.target.as_str()
+            target.as_str(),
+            if late { ", after its work" } else { "" }
         );
         if let Some(r) = &mut self.probe {
             let mut rec = [0u8; FAULT_RECORD];
@@ -163,7 +301,7 @@ impl Injector {
     /// ends the process) before it lands.
     fn strike(&mut self, f: &Fault) {
         // SAFETY: deliberately a write the filter must not make, into memory this process maps
-        // read-write (see `due`); under write capture it is stopped before it lands.
+        // read-write (see `prepare`); under write capture it is stopped before it lands.
         unsafe { std::ptr::write_volatile(f.addr as *mut u64, f.value) };
     }
 
@@ -175,7 +313,7 @@ impl Injector {
             // guarded memory on the way out).
             unsafe { libc::_exit(PROBE_EXIT) };
         }
-        // SAFETY: as in `due`.
+        // SAFETY: as in `prepare`.
         let now = unsafe { std::ptr::read_volatile(f.addr as *const u64) };
         if now == f.value {
             eprintln!("bulkhead guard: the injected write at {:#x} landed: not isolated", f.addr);
@@ -183,8 +321,27 @@ impl Injector {
     }
 }
 
+/// At most this many of a call's buffers are overrun candidates: its scratch and its first
+/// data buffers.
+const CALL_BUFS: usize = 8;
+
+/// A call's buffers, as (start, bytes): its scratch, then its request's data; kept on the
+/// stack, so that counting a call allocates nothing in the filter's space.
+fn call_bufs(req: Option<&Request<'_>>, scratch: &SharedSlice<'_>) -> ([(u64, u64); CALL_BUFS], usize) {
+    let mut v = [(0, 0); CALL_BUFS];
+    v[0] = (scratch.as_ptr() as u64, scratch.len() as u64);
+    let mut n = 1;
+    if let Some(Request::Read { into: bufs, .. } | Request::Write { from: bufs, .. }) = req {
+        for b in bufs.iter().take(CALL_BUFS - 1) {
+            v[n] = (b.as_ptr() as u64, b.len() as u64);
+            n += 1;
+        }
+    }
+    (v, n)
+}
+
 /// A filter's layer that makes its [`Injector`]'s faults: at each call, before the filter
-/// itself runs, as its own code.
+/// itself runs or after its work, as its own code.
 pub struct Faulty {
     inner: Box<dyn Layer>,
     injector: Injector,
@@ -223,23 +380,32 @@ impl Layer for Faulty {
     }
 
     fn submit(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, now_ns: u64) -> Verdict {
-        self.injector.call();
-        self.inner.submit(tag, req, scratch, now_ns)
+        let (bufs, n) = call_bufs(Some(req), &scratch);
+        self.injector.before(&bufs[..n]);
+        let v = self.inner.submit(tag, req, scratch, now_ns);
+        self.injector.after(&bufs[..n]);
+        v
     }
 
     fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Outcome, now_ns: u64) -> After {
-        self.injector.call();
-        self.inner.complete(tag, req, scratch, result, now_ns)
+        let (bufs, n) = call_bufs(Some(req), &scratch);
+        self.injector.before(&bufs[..n]);
+        let a = self.inner.complete(tag, req, scratch, result, now_ns);
+        self.injector.after(&bufs[..n]);
+        a
     }
 
     fn poll(&mut self, now_ns: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {
-        self.injector.call();
-        self.inner.poll(now_ns, release)
+        self.injector.before(&[]);
+        let p = self.inner.poll(now_ns, release);
+        self.injector.after(&[]);
+        p
     }
 
     fn idle(&mut self) {
-        self.injector.call();
-        self.inner.idle()
+        self.injector.before(&[]);
+        self.inner.idle();
+        self.injector.after(&[]);
     }
 
     fn idle_wanted(&self) -> bool {

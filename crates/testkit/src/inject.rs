@@ -15,21 +15,41 @@ pub enum InjectTarget {
     Freed,
     /// Anywhere in the guarded memory outside the filter's own.
     Random,
+    /// Seed-like: through a corrupted live pointer, a word of guarded memory that points into
+    /// guarded memory with one of its bits 3 to 12 flipped.
+    Pointer,
+    /// Seed-like: up to 512 bytes past the end of a buffer the call was given (its scratch,
+    /// its data).
+    Overrun,
+    /// Seed-like: a word drawn over the guarded memory outside the filter's own, weighted by
+    /// size.
+    Wild,
 }
 
 impl InjectTarget {
     /// Every target, as `BULKHEAD_TEST_GUARD_INJECT` spells them.
-    pub const ALL: [(&'static str, InjectTarget); 5] = [
+    pub const ALL: [(&'static str, InjectTarget); 8] = [
         ("ring", InjectTarget::Ring),
         ("filter", InjectTarget::Filter),
         ("heap", InjectTarget::Heap),
         ("freed", InjectTarget::Freed),
         ("random", InjectTarget::Random),
+        ("pointer", InjectTarget::Pointer),
+        ("overrun", InjectTarget::Overrun),
+        ("wild", InjectTarget::Wild),
     ];
 
     /// As `BULKHEAD_TEST_GUARD_INJECT` spells it.
     pub fn as_str(self) -> &'static str {
         Self::ALL.iter().find(|(_, t)| *t == self).map_or("?", |(n, _)| n)
+    }
+
+    /// Whether this is one of the seed-like faults, modelled on bugs a fault-injection tool
+    /// plants (Chariot's population): they strike before or after the filter's own work in
+    /// the call, and are made only where DWC stops them. The others aim at chosen state, at
+    /// the start of a call.
+    pub fn seed_like(self) -> bool {
+        matches!(self, InjectTarget::Pointer | InjectTarget::Overrun | InjectTarget::Wild)
     }
 }
 
@@ -93,7 +113,7 @@ mod tests {
         for (bad, why) in [
             ("ring", "two to four"),
             ("0:ring", "filter `0`"),
-            ("1:stack", "`stack` is not one of ring, filter, heap, freed, random"),
+            ("1:stack", "`stack` is not one of ring, filter, heap, freed, random, pointer, overrun, wild"),
             ("1:heap:0", "every `0`"),
             ("1:heap:5:x", "seed `x`"),
             ("1:heap:5:1:9", "two to four"),

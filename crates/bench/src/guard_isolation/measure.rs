@@ -22,7 +22,7 @@ use bulkhead_shmem::memfd;
 use bulkhead_testkit::faults::{Faulty, Injector, FAULT_FLIP, FAULT_RECORD, PROBE_EXIT};
 use bulkhead_testkit::inject::{InjectSpec, InjectTarget};
 
-use super::{Count, Options, Report, Row, EVERY, TARGETS};
+use super::{Count, Options, Population, Report, Row, WorkingSet, EVERY};
 use crate::guard_filters::Setting;
 use crate::BenchError;
 
@@ -143,16 +143,18 @@ fn below_fd(bed: &Bed) -> Result<BelowFd, BenchError> {
     }
 }
 
-/// The child: builds the domain in its heap spaces, with `inject`'s faults in the measured
-/// filter (the first), and serves until the fault ends it.
-fn child_run(
-    res: Reservation,
-    back: BackQueue,
-    below: BelowFd,
-    parts: Vec<FilterParts>,
-    inject: InjectSpec,
-    probe: OwnedFd,
-) -> String {
+/// What a child's measured filter does.
+#[derive(Clone, Copy)]
+enum Work {
+    /// Makes this one fault.
+    Fault(InjectSpec),
+    /// Counts the write working set over this many calls ([`Injector::census`]).
+    Census(u64),
+}
+
+/// The child: builds the domain in its heap spaces, with `work` in the measured filter (the
+/// first), and serves until the fault or the count ends it.
+fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<FilterParts>, work: Work, probe: OwnedFd) -> String {
     let run = || -> Result<(), BenchError> {
         heap::activate(res).map_err(|e| format!("heap: {e}"))?;
         if parts.iter().any(|p| p.guard.keys) {
@@ -169,10 +171,12 @@ fn child_run(
         // The measured filter's faults report to the probe.
         let probe = RefCell::new(Some(probe));
         let wrap = |site: &FilterSite, layer: Box<dyn Layer>| -> Box<dyn Layer> {
-            match site.index {
-                0 => Box::new(Faulty::new(layer, Injector::new(site, inject, probe.borrow_mut().take()))),
-                _ => layer,
-            }
+            let Some(probe) = (site.index == 0).then(|| probe.borrow_mut().take()).flatten() else { return layer };
+            let injector = match work {
+                Work::Fault(inject) => Injector::new(site, inject, Some(probe)),
+                Work::Census(calls) => Injector::census(site, calls, probe),
+            };
+            Box::new(Faulty::new(layer, injector))
         };
         let layers = guarded::build_filters_wrapping(parts, &rings, &wrap)?;
         let chain = Chain::new(layers, backend);
@@ -300,15 +304,29 @@ fn tail(log: &OwnedFd) -> String {
     String::from_utf8_lossy(&buf).trim().replace('\n', " | ")
 }
 
-/// One fault, in a child of its own.
-/// The fault target `name` in [`TARGETS`] stands for.
+/// The fault target `name` stands for.
 fn target(name: &str) -> InjectTarget {
     InjectTarget::ALL.iter().find(|(n, _)| *n == name).map(|(_, t)| *t).expect("a target of the test kit")
 }
 
-fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, BenchError> {
-    let inject = InjectSpec { target, every: EVERY, seed };
-    let parts = filter_parts(bed, GuardSpec { mode: setting.mode, keys: setting.keys })?;
+/// A child that has ended, and what it left.
+struct Ran {
+    /// Its wait status.
+    status: i32,
+    /// What its measured filter sent before the end.
+    record: Vec<u8>,
+    /// Its heap spaces, still mapped here.
+    res: Reservation,
+    /// Its side of the queue, whose ring this process maps too.
+    back: BackQueue,
+    /// Its standard error.
+    log: OwnedFd,
+}
+
+/// Runs `work` in a domain of its own, in a child forked from this process, over `bed`
+/// guarded by `guard`, until the child ends.
+fn run_child(bed: &Bed, guard: GuardSpec, work: Work, seed: u64) -> Result<Ran, BenchError> {
+    let parts = filter_parts(bed, guard)?;
     let below = below_fd(bed)?;
     let res = Reservation::new(1 + parts.len()).map_err(|e| format!("heap: {e}"))?;
     let cfg = QueueConfig { nslots: 32, arena_bytes: 1 << 20, mode: NotifyMode::Poll, ..Default::default() };
@@ -335,7 +353,7 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
             libc::dup2(log.as_raw_fd(), 2);
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
         }
-        let e = child_run(res, back, below, parts, inject, probe_w);
+        let e = child_run(res, back, below, parts, work, probe_w);
         eprintln!("{e}");
         // SAFETY: ends the child without running anything of the parent's (no destructors,
         // no exit handlers).
@@ -343,13 +361,21 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
     }
     drop((parts, below, probe_w));
     let child = Child { pid };
-    let status = drive(&mut front, &child, bed.size, seed);
-    let status = match status {
+    let status = match drive(&mut front, &child, bed.size, seed) {
         Ok(s) => s,
         Err(e) => return Err(BenchError::Run(format!("{e} ({})", tail(&log)))),
     };
-    let mut rec = Vec::with_capacity(FAULT_RECORD);
-    let _ = probe_r.read_to_end(&mut rec);
+    let mut record = Vec::with_capacity(FAULT_RECORD);
+    let _ = probe_r.read_to_end(&mut record);
+    drop(front);
+    Ok(Ran { status, record, res, back, log })
+}
+
+/// One fault, in a child of its own.
+fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, BenchError> {
+    let inject = InjectSpec { target, every: EVERY, seed };
+    let Ran { status, record: rec, res, back, log } =
+        run_child(bed, GuardSpec { mode: setting.mode, keys: setting.keys }, Work::Fault(inject), seed)?;
     if rec.len() != FAULT_RECORD {
         return Err(BenchError::Run(format!("the domain ended ({}) before its fault: {}", describe(status), tail(&log))));
     }
@@ -375,55 +401,89 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
         return Err(BenchError::Run(format!("the domain ended with {} after its fault: {}", describe(status), tail(&log))));
     }
     let disagreed = (outcome == Outcome::Landed && stopped) || (outcome == Outcome::Isolated && ended);
-    drop(front);
     Ok(Result1 { outcome, disagreed })
 }
 
-/// Runs every setting.
+/// The write working set of `bed`'s domain: the distinct pages the runtime and the filters
+/// write over the filter's first [`EVERY`] calls, the window a fault strikes in, counted by
+/// SCDWC's cache at its largest (256 pages, more than any of them writes); and the pages of
+/// guarded memory in use then.
+fn working_set(bed: &Bed) -> Result<(u32, u32), BenchError> {
+    let cache = bulkhead_guard::shadow::MAX_CACHE as u32;
+    let guard = GuardSpec { mode: GuardMode::Scdwc { cache }, keys: false };
+    let Ran { status, record, log, .. } = run_child(bed, guard, Work::Census(EVERY), 1)?;
+    let ended = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == PROBE_EXIT;
+    match <[u8; 16]>::try_from(record.as_slice()) {
+        Ok(b) if ended => {
+            let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes")) as u32;
+            Ok((word(0), word(8)))
+        }
+        _ => Err(BenchError::Run(format!("the domain ended ({}) before its count: {}", describe(status), tail(&log)))),
+    }
+}
+
+/// Runs every population and setting.
 pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut notes = Vec::new();
     let beds = beds(&opts.scratch, &mut notes);
+    let mut working_sets = Vec::new();
+    for b in &beds {
+        match working_set(b) {
+            Ok((pages, guarded)) => working_sets.push(WorkingSet { filter: b.name.to_string(), pages, guarded }),
+            Err(e) => notes.push(format!("{}: write working set not counted: {e}", b.name)),
+        }
+    }
+    if !working_sets.is_empty() {
+        let ws: Vec<String> = working_sets.iter().map(|w| format!("{} {} of {}", w.filter, w.pages, w.guarded)).collect();
+        progress(&format!("write working set, pages of the guarded pages in use: {}", ws.join(", ")));
+    }
     let mut rows = Vec::new();
-    let settings = opts.settings.iter().filter(|s| s.mode != GuardMode::Off);
-    for (si, &setting) in settings.enumerate() {
-        let label = setting.label();
-        progress(&format!("{label}: {} faults", opts.faults));
-        let mut all = Count::default();
-        let mut by_target: Vec<(String, Count)> = TARGETS.iter().map(|t| (t.to_string(), Count::default())).collect();
-        let mut by_filter: Vec<(String, Count)> = beds.iter().map(|b| (b.name.to_string(), Count::default())).collect();
-        let (mut disagreed, mut lost) = (0, 0);
-        let started = Instant::now();
-        for k in 0..opts.faults {
-            let bi = k as usize % beds.len();
-            let ti = (k as usize / beds.len()) % TARGETS.len();
-            let seed = 1 + ((si as u64) << 32 | k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            match one(&beds[bi], setting, target(TARGETS[ti]), seed) {
-                Ok(r) => {
-                    all.add(r.outcome);
-                    by_target[ti].1.add(r.outcome);
-                    by_filter[bi].1.add(r.outcome);
-                    disagreed += u32::from(r.disagreed);
-                }
-                Err(e) => {
-                    lost += 1;
-                    if notes.len() < 20 {
-                        notes.push(format!("{label}, {} → {}: {e}", beds[bi].name, TARGETS[ti]));
+    let settings: Vec<Setting> = opts.settings.iter().copied().filter(|s| s.mode != GuardMode::Off).collect();
+    for &population in &opts.populations {
+        let targets = population.targets();
+        for (si, &setting) in settings.iter().enumerate() {
+            let label = setting.label();
+            progress(&format!("{label}: {} {} faults", opts.faults, population.as_str()));
+            let mut all = Count::default();
+            let mut by_target: Vec<(String, Count)> = targets.iter().map(|t| (t.to_string(), Count::default())).collect();
+            let mut by_filter: Vec<(String, Count)> = beds.iter().map(|b| (b.name.to_string(), Count::default())).collect();
+            let (mut disagreed, mut lost) = (0, 0);
+            let started = Instant::now();
+            for k in 0..opts.faults {
+                let bi = k as usize % beds.len();
+                let ti = (k as usize / beds.len()) % targets.len();
+                // The targeted faults' seeds are as they always were; the seed-like ones differ.
+                let pop = u64::from(population == Population::SeedLike) << 48;
+                let seed = 1 + (pop | (si as u64) << 32 | k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                match one(&beds[bi], setting, target(targets[ti]), seed) {
+                    Ok(r) => {
+                        all.add(r.outcome);
+                        by_target[ti].1.add(r.outcome);
+                        by_filter[bi].1.add(r.outcome);
+                        disagreed += u32::from(r.disagreed);
+                    }
+                    Err(e) => {
+                        lost += 1;
+                        if notes.len() < 20 {
+                            notes.push(format!("{label}, {} → {}: {e}", beds[bi].name, targets[ti]));
+                        }
                     }
                 }
             }
+            let ms_per_fault = started.elapsed().as_secs_f64() * 1000.0 / opts.faults.max(1) as f64;
+            rows.push(Row {
+                population,
+                guard: setting.mode.as_str().into(),
+                cache: setting.cache(),
+                keys: setting.keys,
+                all,
+                by_target,
+                by_filter,
+                disagreed,
+                lost,
+                ms_per_fault,
+            });
         }
-        let ms_per_fault = started.elapsed().as_secs_f64() * 1000.0 / opts.faults.max(1) as f64;
-        rows.push(Row {
-            guard: setting.mode.as_str().into(),
-            cache: setting.cache(),
-            keys: setting.keys,
-            all,
-            by_target,
-            by_filter,
-            disagreed,
-            lost,
-            ms_per_fault,
-        });
     }
     for b in &beds {
         if let Below::Luks { file, .. } = &b.below {
@@ -431,14 +491,16 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
         }
     }
     let drops = |keys: bool| {
-        let dwc = rows.iter().find(|r| r.cache.is_none() && r.keys == keys).map(|r| r.all.rate_pct())?;
-        rows.iter().filter(|r| r.keys == keys && r.all.rate_pct() < dwc).find_map(|r| r.cache)
+        let targeted = || rows.iter().filter(|r| r.population == Population::Targeted && r.keys == keys);
+        let dwc = targeted().find(|r| r.cache.is_none()).map(|r| r.all.rate_pct())?;
+        targeted().filter(|r| r.all.rate_pct() < dwc).find_map(|r| r.cache)
     };
     let (drops_at, drops_at_keys) = (drops(false), drops(true));
     Ok(Report {
         faults: opts.faults,
         every: EVERY,
         filters: beds.iter().map(|b| b.name.to_string()).collect(),
+        working_sets,
         rows,
         drops_at,
         drops_at_keys,

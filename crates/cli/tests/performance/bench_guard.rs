@@ -48,11 +48,13 @@ fn bench_guard_refuses_fewer_writes_than_pages() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--writes"), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// `bench guard --isolation`, a few faults per setting: the memory check sees the faults DWC
-/// and SCDWC with no cache stop, and sees the ones a cache of 256 pages lets land (the pages
-/// the runtime keeps writing stay open), so it measures rather than echoes the handler. With
-/// protection keys, the same cache lets none land. The faults are the test kit's: only a
-/// build with the `test-driver` feature measures isolation.
+/// `bench guard --isolation`, a few faults per setting and population: the memory check sees
+/// the faults DWC and SCDWC with no cache stop, and sees the targeted ones a cache of 256 pages
+/// lets land (the pages the runtime keeps writing stay open), so it measures rather than echoes
+/// the handler. With protection keys, the same cache lets none land. The seed-like faults are
+/// made only where DWC stops them, so DWC stops all of them; each filter's write working set
+/// is counted. The faults are the test kit's: only a build with the `test-driver` feature
+/// measures isolation.
 #[test]
 fn bench_guard_isolation_reads_what_each_fault_left() {
     let Some(driver) = common::Serve::test_driver() else {
@@ -67,18 +69,33 @@ fn bench_guard_isolation_reads_what_each_fault_left() {
     let settings = if keys { "dwc,0,256,256+keys" } else { "dwc,0,256" };
     let out = Command::new(driver)
         .args(["bench", "guard", "--isolation", "--json", "--faults", "12", "--settings", settings])
+        .args(["--population", "targeted,seed-like"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let rows = r["isolation"]["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), if keys { 4 } else { 3 }, "{r}");
-    for row in rows {
+    let all_rows = r["isolation"]["rows"].as_array().unwrap();
+    let per = if keys { 4 } else { 3 };
+    assert_eq!(all_rows.len(), 2 * per, "{r}");
+    for row in all_rows {
         let all = &row["all"];
         let decided = all["isolated"].as_u64().unwrap() + all["landed"].as_u64().unwrap();
         assert_eq!(row["lost"], 0, "{row}");
         assert!(decided >= 10, "at most the ring's few words rewritten by the frontend: {row}");
         assert_eq!(row["disagreed"], 0, "the exit status and the memory agree: {row}");
+    }
+    let (rows, seed) = all_rows.split_at(per);
+    assert!(rows.iter().all(|row| row["population"] == "targeted") && seed.iter().all(|row| row["population"] == "seed-like"));
+    assert_eq!(seed[0]["all"]["landed"], 0, "the seed-like faults are made only where DWC stops them: {}", seed[0]);
+    assert_eq!(seed[1]["all"]["landed"], 0, "SCDWC with no cache stops every seed-like fault: {}", seed[1]);
+    for target in ["pointer", "overrun", "wild"] {
+        assert!(seed[0]["by_target"].as_array().unwrap().iter().any(|t| t[0] == target), "{}", seed[0]);
+    }
+    let sets = r["isolation"]["working_sets"].as_array().unwrap();
+    assert_eq!(sets.len(), r["isolation"]["filters"].as_array().unwrap().len(), "{r}");
+    for w in sets {
+        let (pages, guarded) = (w["pages"].as_u64().unwrap(), w["guarded"].as_u64().unwrap());
+        assert!(pages > 0 && pages <= guarded, "{w}");
     }
     assert_eq!(rows[0]["all"]["landed"], 0, "DWC stops every fault: {}", rows[0]);
     assert_eq!(rows[1]["all"]["landed"], 0, "SCDWC with no cache stops every fault: {}", rows[1]);

@@ -5,8 +5,8 @@
 //! its domains from this executable. Two benchmarks exist only here:
 //! - `bench storm [--seconds N] [--rounds N] [--json]`: a doorbell storm
 //!   ([`bulkhead_bench::storm`]);
-//! - `bench guard --isolation [--faults N] [--settings LIST] [--plot FILE] [--scratch DIR]
-//!   [--json]`: the share of injected faults write capture stops
+//! - `bench guard --isolation [--faults N] [--population LIST] [--settings LIST] [--plot FILE]
+//!   [--scratch DIR] [--json]`: the share of injected faults write capture stops
 //!   ([`bulkhead_bench::guard_isolation`]).
 //!
 //! As a domain it takes `driver --spec JSON` as `bulkhead` does and, by `BULKHEAD_TEST_FAULT`:
@@ -110,9 +110,14 @@ struct IsolationArgs {
     /// Measure the isolation rate: faults injected into real filters, checked in memory.
     #[arg(long, required = true)]
     isolation: bool,
-    /// Faults per setting, spread over the filters and the targets.
+    /// Faults per setting and population, spread over the filters and the targets.
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     faults: u32,
+    /// Only these fault populations (comma-separated: `targeted`, aimed at the state a filter
+    /// could harm most; `seed-like`, corrupted pointers, overruns and wild writes that DWC
+    /// stops), not both.
+    #[arg(long, value_delimiter = ',', value_parser = bulkhead_bench::guard_isolation::Population::parse)]
+    population: Vec<bulkhead_bench::guard_isolation::Population>,
     /// Only these settings (comma-separated: `dwc` or a cache size C, each with `+keys` for
     /// protection keys), not all.
     #[arg(long, value_delimiter = ',', value_parser = bulkhead_bench::guard_filters::Setting::parse)]
@@ -134,7 +139,9 @@ fn isolation(args: &[String]) -> anyhow::Result<ExitCode> {
     use bulkhead_bench::guard_filters::Setting;
     let a = IsolationArgs::parse_from(named("bulkhead-test-driver bench guard", args));
     let settings = if a.settings.is_empty() { Setting::all(true) } else { a.settings };
-    let opts = bulkhead_bench::guard_isolation::Options { faults: a.faults, scratch: a.scratch, settings };
+    let populations =
+        if a.population.is_empty() { bulkhead_bench::guard_isolation::Population::ALL.to_vec() } else { a.population };
+    let opts = bulkhead_bench::guard_isolation::Options { faults: a.faults, populations, scratch: a.scratch, settings };
     opts.check()?;
     bulkhead_bench::cli::need_root("bench guard --isolation uses userfaultfd on shared memory")?;
     let isolation = bulkhead_bench::guard_isolation::run(&opts, |p| eprintln!("bench guard: {p}"))?;
