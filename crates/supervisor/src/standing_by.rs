@@ -21,17 +21,22 @@ pub(crate) fn fits(standby: &Standby, rt: &DeviceRuntime, slot: &Slot) -> bool {
 }
 
 /// Lets device `rt`'s standby start at once, before the restart's job has even begun, when
-/// what `disposition` replaces is a domain that has exited and left nothing to finish: it
-/// held no borrowed ring with reads or writes that could still land, and the standby fits the
-/// generation the job will start (no view leaves with it). The standby then opens its chain
-/// while the job buries the old domain and installs its queues. Called by the watcher with the
-/// device claimed for the job and its slot locked.
+/// what `disposition` replaces is a domain that has exited, or released its memory on the way
+/// out, and left nothing to finish: it held no borrowed ring with reads or writes that could
+/// still land, and the standby fits the generation the job will start (no view leaves with
+/// it). The standby then opens its chain while the job buries the old domain and installs its
+/// queues. Called by the watcher with the device claimed for the job and its slot locked,
+/// whether it saw the exit itself or the memory released first.
 pub(crate) fn start_early(rt: &DeviceRuntime, slot: &mut Slot, disposition: &Disposition) {
     if !matches!(disposition, Disposition::Restart { which: Which::All, delay, .. } if delay.is_zero()) {
         return;
     }
     let exited = match &slot.domains {
-        Domains::Passthrough { driver: d } | Domains::Intercept { tap: d } => d.rings.is_empty() && has_exited(d),
+        // Memory released, a domain can write nothing it shared any more: it is past every
+        // system call, and its only writes that could still land are a borrowed ring's.
+        Domains::Passthrough { driver: d } | Domains::Intercept { tap: d } => {
+            d.rings.is_empty() && (has_exited(d) || crate::proc_info::memory_released(d.pid()))
+        }
         Domains::None | Domains::Interpose { .. } => false,
     };
     if !exited || slot.graveyard.holds_rings() || rt.views_leaving() {

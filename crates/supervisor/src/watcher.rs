@@ -459,6 +459,7 @@ impl Watcher {
             };
             if let Some(d) = disposition {
                 slot.busy = true;
+                crate::standing_by::start_early(&rt, &mut slot, &d);
                 drop(slot);
                 self.act(i, d, self.hub.clock.now(), None);
             }
