@@ -49,6 +49,15 @@ pub(crate) struct Slot {
     pub standby_used: u64,
 }
 
+impl Slot {
+    /// Takes the standby, if any, for the restart about to begin; having restarted once, the
+    /// device keeps one from now on where it can.
+    pub fn take_standby(&mut self) -> Option<crate::standby::Standby> {
+        self.standby_wanted = true;
+        self.standby.take()
+    }
+}
+
 /// A configured device: frontend, views, attached applications, launcher and domains.
 #[derive(Debug)]
 pub struct DeviceRuntime {

@@ -99,12 +99,7 @@ fn fail(rt: &DeviceRuntime, reason: &str) {
 /// reissues every request that had no response.
 fn restart_all(rt: &DeviceRuntime, why: &str, detected: Instant, stopping: &AtomicBool) {
     rt.control.outage_started(detected);
-    let standby = {
-        let mut slot = rt.lock();
-        // Having restarted once, the device keeps a standby from now on where it can.
-        slot.standby_wanted = true;
-        slot.standby.take()
-    };
+    let standby = rt.lock().take_standby();
     if standby.is_none() {
         rt.launcher.expect_launch();
     }
@@ -259,12 +254,7 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
     let before = rt.observe();
     let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(Error::failed(why)) };
     rt.control.time_outage(detected);
-    let standby = {
-        let mut slot = rt.lock();
-        // Having replaced one, the device keeps a standby from now on where it can.
-        slot.standby_wanted = true;
-        slot.standby.take()
-    };
+    let standby = rt.lock().take_standby();
     let generation = below.generation.wrapping_add(1).max(1);
     // A standby wakes while the tap domain starts the queues over, and attaches after.
     let standby =

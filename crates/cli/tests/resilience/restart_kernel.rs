@@ -267,18 +267,7 @@ fn a_spare_killed_while_idle_is_replaced_and_the_next_restart_takes_one() {
     }
     assert!(serve.log_text().contains(&format!("spare domain (pid {victim}) ended while it waited")), "{}", serve.log_text());
     let waiting = serve.spare_pids();
-    let old = serve.driver_pid(0);
-    // SAFETY: signalling a domain of our own serve.
-    unsafe { libc::kill(old as i32, libc::SIGKILL) };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let new = loop {
-        let p = serve.driver_pid(0);
-        if p != 0 && p != old {
-            break p;
-        }
-        assert!(Instant::now() < deadline, "no new domain: {}", serve.log_text());
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let new = kill_driver_and_await_next(&serve);
     assert!(waiting.contains(&new), "the new domain {new} is one of the spares {waiting:?}");
     let got = std::fs::read(serve.fuse_file("s")).unwrap();
     assert!(got[..data.len()] == data[..], "the contents survive a restart into a spare");
@@ -357,14 +346,7 @@ fn with_the_pool_empty_domains_are_execd_and_restarts_lose_nothing() {
     let data = pattern(9, 1 << 20);
     std::fs::write(serve.fuse_file("n"), &data).unwrap();
     for _ in 0..3 {
-        let old = serve.driver_pid(0);
-        // SAFETY: signalling a domain of our own serve.
-        unsafe { libc::kill(old as i32, libc::SIGKILL) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while serve.driver_pid(0) == old || serve.driver_pid(0) == 0 {
-            assert!(Instant::now() < deadline, "no new domain: {}", serve.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        kill_driver_and_await_next(&serve);
         let got = std::fs::read(serve.fuse_file("n")).unwrap();
         assert!(got[..data.len()] == data[..]);
     }
