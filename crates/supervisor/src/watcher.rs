@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use bulkhead_sys::epoll::Epoll;
 
 use crate::hub::Hub;
-use crate::lifecycle::{Disposition, Event};
+use crate::lifecycle::{Disposition, Event, Which};
 use crate::mailbox::{Note, Reply};
 use crate::state::{DeviceState, Role};
 
@@ -321,15 +321,32 @@ impl Watcher {
     }
 
     /// Acts on a disposition for device `i`, claimed by the caller: at once on a worker, or
-    /// after its back-off.
+    /// after its back-off. A restart whose standby already serves
+    /// ([`start_early`](crate::standing_by::start_early)) runs here when no application is
+    /// attached: it only installs the standby's queues and buries the old domain, waiting on
+    /// nothing, and a worker's wake-up would be one more wait for a CPU inside the outage.
+    /// Attached applications' queues are handed to the new domain over its line, a wait this
+    /// thread leaves to a worker.
     fn act(&mut self, i: usize, disposition: Disposition, detected: Instant, reply: Option<Reply>) {
         match disposition {
             Disposition::Restart { delay, .. } if !delay.is_zero() => {
                 let at = self.hub.clock.now() + delay;
                 self.schedule(at, Timer::Job { device: i, disposition, detected, reply });
             }
+            d @ Disposition::Restart { which: Which::All, .. } if self.standby_started(i) => {
+                if let Some(rt) = self.hub.devices.get(i) {
+                    crate::jobs::run(&rt, d, detected, reply, &self.hub.stopping);
+                }
+            }
             d => self.hub.dispatch(i, d, detected, reply),
         }
+    }
+
+    /// Whether device `i`'s standby was let start ahead of its restart, with no application
+    /// attached.
+    fn standby_started(&self, i: usize) -> bool {
+        let Some(rt) = self.hub.devices.get(i) else { return false };
+        rt.attach.attached() == 0 && rt.lock().standby.as_ref().is_some_and(|s| s.rung())
     }
 
     /// Schedules device `i`'s standby if it wants one and has none.
