@@ -235,7 +235,7 @@ pub fn render(r: &Report) -> String {
         None => "-".into(),
     };
     let mut t = Table::new(&[
-        "faults",
+        "population",
         "guard",
         "C",
         "C/ws",

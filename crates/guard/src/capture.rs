@@ -673,8 +673,9 @@ impl Guard {
 
     /// What the guard has done.
     pub fn stats(&self) -> Stats {
-        // SAFETY: a `Guard` method on the guarded thread (not Send).
-        unsafe { state() }.stats_now()
+        // SAFETY: a `Guard` method on the guarded thread (not Send); the state is only read.
+        let st = unsafe { state() };
+        st.stats_now()
     }
 
     /// The mechanism.
@@ -782,8 +783,10 @@ impl Handle {
         if Self::on_guarded_thread().is_err() {
             return Stats::default();
         }
-        // SAFETY: on the guarded thread, outside any handler, no other reference alive.
-        unsafe { state() }.stats_now()
+        // SAFETY: on the guarded thread, outside any handler, no other reference alive; the
+        // state is only read.
+        let st = unsafe { state() };
+        st.stats_now()
     }
 
     /// Whether the running call's write of the word at `addr` would be stopped under DWC: it

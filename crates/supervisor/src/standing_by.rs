@@ -26,10 +26,10 @@ pub(crate) fn fits(standby: &Standby, rt: &DeviceRuntime, slot: &Slot) -> bool {
 /// still land, and the standby fits the generation the job will start (no view leaves with
 /// it). The standby then opens its chain while the job buries the old domain and installs its
 /// queues. Called by the watcher with the device claimed for the job and its slot locked,
-/// whether it saw the exit itself or the memory released first.
-pub(crate) fn start_early(rt: &DeviceRuntime, slot: &mut Slot, disposition: &Disposition) {
+/// whether it saw the exit itself or the memory released first. Returns whether go was rung.
+pub(crate) fn start_early(rt: &DeviceRuntime, slot: &mut Slot, disposition: &Disposition) -> bool {
     if !matches!(disposition, Disposition::Restart { which: Which::All, delay, .. } if delay.is_zero()) {
-        return;
+        return false;
     }
     let exited = match &slot.domains {
         // Memory released, a domain can write nothing it shared any more: it is past every
@@ -40,11 +40,15 @@ pub(crate) fn start_early(rt: &DeviceRuntime, slot: &mut Slot, disposition: &Dis
         Domains::None | Domains::Interpose { .. } => false,
     };
     if !exited || slot.graveyard.holds_rings() || rt.views_leaving() {
-        return;
+        return false;
     }
     let generation = rt.device.generation().wrapping_add(1);
-    if let Some(s) = slot.standby.as_mut().filter(|s| s.fits_all(generation, rt.launcher.epoch())) {
-        s.ring_early();
+    match slot.standby.as_mut().filter(|s| s.fits_all(generation, rt.launcher.epoch())) {
+        Some(s) => {
+            s.ring_early();
+            true
+        }
+        None => false,
     }
 }
 

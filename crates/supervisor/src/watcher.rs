@@ -17,14 +17,15 @@
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bulkhead_sys::epoll::Epoll;
 
+use crate::device::{DeviceRuntime, Slot};
 use crate::hub::Hub;
-use crate::lifecycle::{Disposition, Event, Which};
+use crate::lifecycle::{Disposition, Event};
 use crate::mailbox::{Note, Reply};
 use crate::state::{DeviceState, Role};
 
@@ -314,39 +315,44 @@ impl Watcher {
             }
         };
         let disposition = slot.life.on_event(event, rt.control.answered());
-        slot.busy = true;
-        crate::standing_by::start_early(&rt, &mut slot, &disposition);
-        drop(slot);
-        self.act(i, disposition, now, None);
+        self.begin(i, &rt, slot, disposition, now);
     }
 
-    /// Acts on a disposition for device `i`, claimed by the caller: at once on a worker, or
-    /// after its back-off. A restart whose standby already serves
+    /// Claims device `i` (`rt`, its slot locked) for what `disposition` asks, detected at
+    /// `detected`, and acts on it. A restart whose standby it lets start at once
     /// ([`start_early`](crate::standing_by::start_early)) runs here when no application is
     /// attached: it only installs the standby's queues and buries the old domain, waiting on
     /// nothing, and a worker's wake-up would be one more wait for a CPU inside the outage.
     /// Attached applications' queues are handed to the new domain over its line, a wait this
     /// thread leaves to a worker.
+    fn begin(
+        &mut self,
+        i: usize,
+        rt: &DeviceRuntime,
+        mut slot: MutexGuard<'_, Slot>,
+        disposition: Disposition,
+        detected: Instant,
+    ) {
+        slot.busy = true;
+        let started = crate::standing_by::start_early(rt, &mut slot, &disposition);
+        drop(slot);
+        if started && rt.attach.attached() == 0 {
+            crate::jobs::run(rt, disposition, detected, None, &self.hub.stopping);
+        } else {
+            self.act(i, disposition, detected, None);
+        }
+    }
+
+    /// Acts on a disposition for device `i`, claimed by the caller: at once on a worker, or
+    /// after its back-off.
     fn act(&mut self, i: usize, disposition: Disposition, detected: Instant, reply: Option<Reply>) {
         match disposition {
             Disposition::Restart { delay, .. } if !delay.is_zero() => {
                 let at = self.hub.clock.now() + delay;
                 self.schedule(at, Timer::Job { device: i, disposition, detected, reply });
             }
-            d @ Disposition::Restart { which: Which::All, .. } if self.standby_started(i) => {
-                if let Some(rt) = self.hub.devices.get(i) {
-                    crate::jobs::run(&rt, d, detected, reply, &self.hub.stopping);
-                }
-            }
             d => self.hub.dispatch(i, d, detected, reply),
         }
-    }
-
-    /// Whether device `i`'s standby was let start ahead of its restart, with no application
-    /// attached.
-    fn standby_started(&self, i: usize) -> bool {
-        let Some(rt) = self.hub.devices.get(i) else { return false };
-        rt.attach.attached() == 0 && rt.lock().standby.as_ref().is_some_and(|s| s.rung())
     }
 
     /// Schedules device `i`'s standby if it wants one and has none.
@@ -475,10 +481,8 @@ impl Watcher {
                 },
             };
             if let Some(d) = disposition {
-                slot.busy = true;
-                crate::standing_by::start_early(&rt, &mut slot, &d);
-                drop(slot);
-                self.act(i, d, self.hub.clock.now(), None);
+                let now = self.hub.clock.now();
+                self.begin(i, &rt, slot, d, now);
             }
         }
         hot

@@ -228,6 +228,12 @@ struct Fault {
 }
 
 impl Injector {
+    /// Whether the next call is the one a fault (or the census) is due at: only then does it
+    /// need the call's buffers.
+    fn due_next(&self) -> bool {
+        self.calls + 1 >= self.next_at
+    }
+
     /// Counts a call into the filter, whose buffers are `bufs`, and makes the fault if one is
     /// due before the filter's own work.
     fn before(&mut self, bufs: &[(u64, u64)]) {
@@ -325,13 +331,17 @@ impl Injector {
 /// data buffers.
 const CALL_BUFS: usize = 8;
 
-/// A call's buffers, as (start, bytes): its scratch, then its request's data; kept on the
-/// stack, so that counting a call allocates nothing in the filter's space.
-fn call_bufs(req: Option<&Request<'_>>, scratch: &SharedSlice<'_>) -> ([(u64, u64); CALL_BUFS], usize) {
+/// A call's buffers, as (start, bytes): its scratch, then its request's data, if `injector`
+/// makes its fault in this call (none otherwise); kept on the stack, so that counting a call
+/// allocates nothing in the filter's space.
+fn call_bufs(injector: &Injector, req: &Request<'_>, scratch: &SharedSlice<'_>) -> ([(u64, u64); CALL_BUFS], usize) {
     let mut v = [(0, 0); CALL_BUFS];
+    if !injector.due_next() {
+        return (v, 0);
+    }
     v[0] = (scratch.as_ptr() as u64, scratch.len() as u64);
     let mut n = 1;
-    if let Some(Request::Read { into: bufs, .. } | Request::Write { from: bufs, .. }) = req {
+    if let Request::Read { into: bufs, .. } | Request::Write { from: bufs, .. } = req {
         for b in bufs.iter().take(CALL_BUFS - 1) {
             v[n] = (b.as_ptr() as u64, b.len() as u64);
             n += 1;
@@ -380,7 +390,7 @@ impl Layer for Faulty {
     }
 
     fn submit(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, now_ns: u64) -> Verdict {
-        let (bufs, n) = call_bufs(Some(req), &scratch);
+        let (bufs, n) = call_bufs(&self.injector, req, &scratch);
         self.injector.before(&bufs[..n]);
         let v = self.inner.submit(tag, req, scratch, now_ns);
         self.injector.after(&bufs[..n]);
@@ -388,7 +398,7 @@ impl Layer for Faulty {
     }
 
     fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Outcome, now_ns: u64) -> After {
-        let (bufs, n) = call_bufs(Some(req), &scratch);
+        let (bufs, n) = call_bufs(&self.injector, req, &scratch);
         self.injector.before(&bufs[..n]);
         let a = self.inner.complete(tag, req, scratch, result, now_ns);
         self.injector.after(&bufs[..n]);
