@@ -243,7 +243,8 @@ pub enum BenchCmd {
         #[arg(long)]
         filters: bool,
         /// With --filters: only these settings (comma-separated: `off`, `dwc`
-        /// or a cache size C, each but `off` with `+keys` for protection keys), not all.
+        /// or a cache size C, each but `off` with `+keys` for protection keys, a cache size
+        /// with `+pages` for the page gate), not all.
         #[arg(long, value_delimiter = ',', value_parser = crate::guard_filters::Setting::parse)]
         settings: Vec<crate::guard_filters::Setting>,
         /// With --filters: write the figures as an SVG here.

@@ -1,10 +1,12 @@
 //! Chariot's figures 5 to 7 from `bench guard --filters` and `bench guard --isolation`
 //! together: one report, and one SVG with a panel per figure (throughput, CPU, isolation
 //! rate), each against the setting: off, DWC, then SCDWC with C from 0 to 100. Settings
-//! measured with protection keys as well are drawn as dashed lines beside the plain ones.
+//! measured with protection keys as well are drawn as dashed lines beside the plain ones, and
+//! those gated by page protection as dotted ones.
 
 use serde::Serialize;
 
+use crate::guard_filters::Gate;
 use crate::guard_isolation::Population;
 use crate::{guard_filters, guard_isolation};
 
@@ -43,8 +45,9 @@ fn settings() -> Vec<(String, Option<u32>)> {
 struct Series {
     name: String,
     values: Vec<Option<f64>>,
-    /// With protection keys: drawn dashed, in the colour of the plain line it pairs with.
-    keys: bool,
+    /// Gated: drawn dashed (keys) or dotted (pages), in the colour of the plain line it pairs
+    /// with.
+    gate: Gate,
 }
 
 const COLOURS: [&str; 8] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf", "#7f7f7f"];
@@ -74,12 +77,16 @@ fn panel(s: &mut String, (ox, oy): (f64, f64), title: &str, ymax: f64, series: &
     }
     s.push_str(&format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">setting (SCDWC: C)</text>\n", (l + r) / 2.0, b + 30.0));
     // A keyed line takes the colour of the plain line of the same name.
-    let base = |n: &str| n.trim_end_matches(" +keys").to_string();
-    let plain: Vec<String> = series.iter().filter(|x| !x.keys).map(|x| base(&x.name)).collect();
+    let base = |n: &str| n.trim_end_matches(Gate::Keys.suffix()).trim_end_matches(Gate::Pages.suffix()).to_string();
+    let plain: Vec<String> = series.iter().filter(|x| x.gate == Gate::None).map(|x| base(&x.name)).collect();
     for (si, line) in series.iter().enumerate() {
         let colour = plain.iter().position(|n| *n == base(&line.name)).unwrap_or(plain.len() + si);
         let c = COLOURS[colour % COLOURS.len()];
-        let dash = if line.keys { " stroke-dasharray=\"5,3\"" } else { "" };
+        let dash = match line.gate {
+            Gate::None => "",
+            Gate::Keys => " stroke-dasharray=\"5,3\"",
+            Gate::Pages => " stroke-dasharray=\"1.5,2.5\"",
+        };
         let pts: Vec<String> =
             line.values.iter().enumerate().filter_map(|(i, v)| v.map(|v| format!("{:.1},{:.1}", x(i), y(v)))).collect();
         s.push_str(&format!("<polyline points=\"{}\" fill=\"none\" stroke=\"{c}\" stroke-width=\"2\"{dash}/>\n", pts.join(" ")));
@@ -92,7 +99,7 @@ fn panel(s: &mut String, (ox, oy): (f64, f64), title: &str, ymax: f64, series: &
 }
 
 /// The value of a filters row at each setting.
-fn filter_series(r: &guard_filters::Report, filter: &str, keys: bool, value: fn(&guard_filters::Row) -> f64) -> Series {
+fn filter_series(r: &guard_filters::Report, filter: &str, gate: Gate, value: fn(&guard_filters::Row) -> f64) -> Series {
     let values = settings()
         .iter()
         .map(|(label, cache)| {
@@ -100,8 +107,8 @@ fn filter_series(r: &guard_filters::Report, filter: &str, keys: bool, value: fn(
                 .iter()
                 .find(|row| {
                     row.filter == filter
-                        // `off` has no keys setting: both lines start at it.
-                        && (row.keys == keys || row.guard == "off")
+                        // `off` has no gate: every line starts at it.
+                        && (row.gate == gate || row.guard == "off")
                         && match cache {
                             Some(c) => row.cache == Some(*c),
                             None => row.guard == *label,
@@ -110,18 +117,17 @@ fn filter_series(r: &guard_filters::Report, filter: &str, keys: bool, value: fn(
                 .map(value)
         })
         .collect();
-    let name = if keys { format!("{filter} +keys") } else { filter.to_string() };
-    Series { name, values, keys }
+    Series { name: format!("{filter}{}", gate.suffix()), values, gate }
 }
 
 /// The isolation rate at each setting, of every fault of `population` (`None`) or of one
 /// target's.
-fn isolation_series(r: &guard_isolation::Report, population: Population, target: Option<&str>, keys: bool) -> Series {
+fn isolation_series(r: &guard_isolation::Report, population: Population, target: Option<&str>, gate: Gate) -> Series {
     let values = settings()
         .iter()
         .map(|(label, cache)| {
             let row = r.rows.iter().find(|row| {
-                row.keys == keys
+                row.gate == gate
                     && row.population == population
                     && match cache {
                         Some(c) => row.cache == Some(*c),
@@ -140,8 +146,7 @@ fn isolation_series(r: &guard_isolation::Report, population: Population, target:
         (Population::Targeted, None) => "all targeted",
         (Population::SeedLike, None) => "all seed-like",
     };
-    let name = if keys { format!("{name} +keys") } else { name.to_string() };
-    Series { name, values, keys }
+    Series { name: format!("{name}{}", gate.suffix()), values, gate }
 }
 
 /// The figures as an SVG: throughput (MiB/s) and CPU (%) per filter, and the isolation rate
@@ -156,14 +161,13 @@ pub fn svg(f: &Figures) -> String {
                 names.push(&row.filter);
             }
         }
-        let keyed = r.rows.iter().any(|row| row.keys);
+        let gates: Vec<Gate> =
+            [Gate::None, Gate::Keys, Gate::Pages].into_iter().filter(|g| r.rows.iter().any(|row| row.gate == *g)).collect();
         let lines = |value: fn(&guard_filters::Row) -> f64| -> Vec<Series> {
             let mut v = Vec::new();
             for n in &names {
-                v.push(filter_series(r, n, false, value));
-                if keyed {
-                    v.push(filter_series(r, n, true, value));
-                }
+                v.push(filter_series(r, n, Gate::None, value));
+                v.extend(gates.iter().filter(|g| **g != Gate::None).map(|g| filter_series(r, n, *g, value)));
             }
             v
         };
@@ -180,16 +184,18 @@ pub fn svg(f: &Figures) -> String {
         let has = |p: Population| r.rows.iter().any(|row| row.population == p);
         let mut lines = Vec::new();
         if has(Population::Targeted) {
-            lines.push(isolation_series(r, Population::Targeted, None, false));
-            lines.extend(guard_isolation::TARGETS.iter().map(|t| isolation_series(r, Population::Targeted, Some(t), false)));
+            lines.push(isolation_series(r, Population::Targeted, None, Gate::None));
+            lines.extend(guard_isolation::TARGETS.iter().map(|t| isolation_series(r, Population::Targeted, Some(t), Gate::None)));
         }
         if has(Population::SeedLike) {
-            lines.push(isolation_series(r, Population::SeedLike, None, false));
+            lines.push(isolation_series(r, Population::SeedLike, None, Gate::None));
         }
         // Last, so that they are drawn over the plain lines they meet at 100%.
-        for p in Population::ALL {
-            if r.rows.iter().any(|row| row.keys && row.population == p) {
-                lines.push(isolation_series(r, p, None, true));
+        for gate in [Gate::Keys, Gate::Pages] {
+            for p in Population::ALL {
+                if r.rows.iter().any(|row| row.gate == gate && row.population == p) {
+                    lines.push(isolation_series(r, p, None, gate));
+                }
             }
         }
         panel(&mut body, (ox, 30.0), &format!("isolation rate, % ({} faults per setting)", r.faults), 100.0, &lines);
@@ -215,7 +221,7 @@ mod tests {
             population: Population::Targeted,
             guard: if cache.is_some() { "scdwc" } else { "dwc" }.into(),
             cache,
-            keys: false,
+            gate: Gate::None,
             all: count(100 - landed, landed),
             by_target: vec![("ring".into(), count(25 - landed.min(25), landed.min(25)))],
             by_filter: vec![("trace".into(), count(100 - landed, landed))],
@@ -229,8 +235,7 @@ mod tests {
             filters: vec!["trace".into()],
             working_sets: vec![guard_isolation::WorkingSet { filter: "trace".into(), pages: 20, guarded: 90 }],
             rows: vec![row(None, 0), row(Some(0), 0), row(Some(60), 10)],
-            drops_at: Some(60),
-            drops_at_keys: None,
+            drops_at: vec![(Gate::None, Some(60))],
             notes: Vec::new(),
         }
     }
@@ -272,7 +277,7 @@ mod tests {
     fn keyed_settings_get_a_dashed_line_and_a_goal_of_their_own() {
         let mut r = isolation();
         let mut keyed = r.rows[2].clone();
-        keyed.keys = true;
+        keyed.gate = Gate::Keys;
         keyed.all = Count { isolated: 100, landed: 0, undecided: 0 };
         r.rows.push(keyed);
         let svg = svg(&Figures { filters: None, isolation: Some(r.clone()) });

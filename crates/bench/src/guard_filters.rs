@@ -1,6 +1,7 @@
 //! `bench guard --filters`: real filters under write capture, as Chariot's figures 5 and 6. For
 //! each filter (trace, crypt, cow) and each setting (`off`, `dwc`, `scdwc` with C in {0, 5, 10, 20,
-//! 40, 60, 80, 100}, each also with protection keys), a supervisor in this process serves one
+//! 40, 60, 80, 100}, scdwc also gated by page protection, and each also with protection keys
+//! where the processor has them), a supervisor in this process serves one
 //! device with that filter, exported over FUSE, and fio runs 4 KiB random reads and writes on it;
 //! the row is its throughput and the machine's CPU use meanwhile.
 
@@ -29,19 +30,52 @@ pub struct Options {
 /// The settings, as Chariot's x axis: off, DWC, then SCDWC with these C.
 pub const CACHES: [u32; 8] = [0, 5, 10, 20, 40, 60, 80, 100];
 
-/// One setting of the guard: a mode, and whether protection keys gate the calls as well.
+/// What shuts the other owners' memory for each guarded call, beside the mode's own page
+/// protection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Gate {
+    /// Nothing (`guard_keys = false`).
+    None,
+    /// Protection keys (`guard_keys = true`).
+    Keys,
+    /// Page protection of the other owners' open pages (`guard_pages = true`, keys off).
+    Pages,
+}
+
+impl Gate {
+    /// As settings and reports spell it: `""`, `" +keys"`, `" +pages"`.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Gate::None => "",
+            Gate::Keys => " +keys",
+            Gate::Pages => " +pages",
+        }
+    }
+
+    /// As a table's column: `-`, `keys`, `pages`.
+    pub fn cell(self) -> &'static str {
+        match self {
+            Gate::None => "-",
+            Gate::Keys => "keys",
+            Gate::Pages => "pages",
+        }
+    }
+}
+
+/// One setting of the guard: a mode, and what gates the calls as well.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Setting {
     /// off, dwc, or scdwc with C.
     pub mode: GuardMode,
-    /// `guard_keys`.
-    pub keys: bool,
+    /// `guard_keys`, `guard_pages`.
+    pub gate: Gate,
 }
 
 impl Options {
     /// Refuses settings this machine cannot run: protection keys on a processor without them.
     pub fn check(&self) -> Result<(), BenchError> {
-        if self.settings.iter().any(|s| s.keys) && !bulkhead_sys::pkey::supported() {
+        if self.settings.iter().any(|s| s.gate == Gate::Keys) && !bulkhead_sys::pkey::supported() {
             return Err(BenchError::Options(
                 "--settings: `+keys` needs protection keys, which this processor does not have".into(),
             ));
@@ -51,42 +85,54 @@ impl Options {
 }
 
 impl Setting {
-    /// Chariot's settings (DWC, then SCDWC with each of [`CACHES`]), then the same with
-    /// protection keys where the processor has them; `off` first if `with_off`.
+    /// `off`.
+    pub const OFF: Setting = Setting { mode: GuardMode::Off, gate: Gate::None };
+
+    /// Chariot's settings (DWC, then SCDWC with each of [`CACHES`]), then SCDWC gated by
+    /// page protection, then all of them with protection keys where the processor has them;
+    /// `off` first if `with_off`.
     pub fn all(with_off: bool) -> Vec<Setting> {
         let mut v = Vec::new();
         if with_off {
-            v.push(Setting { mode: GuardMode::Off, keys: false });
+            v.push(Setting::OFF);
         }
-        let keys = if bulkhead_sys::pkey::supported() { &[false, true][..] } else { &[false][..] };
-        for &keys in keys {
-            v.push(Setting { mode: GuardMode::Dwc, keys });
-            v.extend(CACHES.iter().map(|&cache| Setting { mode: GuardMode::Scdwc { cache }, keys }));
+        let scdwc = |gate| CACHES.iter().map(move |&cache| Setting { mode: GuardMode::Scdwc { cache }, gate });
+        v.push(Setting { mode: GuardMode::Dwc, gate: Gate::None });
+        v.extend(scdwc(Gate::None));
+        v.extend(scdwc(Gate::Pages));
+        if bulkhead_sys::pkey::supported() {
+            v.push(Setting { mode: GuardMode::Dwc, gate: Gate::Keys });
+            v.extend(scdwc(Gate::Keys));
         }
         v
     }
 
-    /// `off`, `dwc` or a cache size from 0 to 256, with `+keys` for protection keys.
+    /// `off`, `dwc` or a cache size from 0 to 256, with `+keys` for protection keys or, for
+    /// a cache size, `+pages` for the page gate.
     pub fn parse(s: &str) -> Result<Setting, String> {
         let s = s.trim();
-        let (base, keys) = match s.strip_suffix("+keys") {
-            Some(b) => (b, true),
-            None => (s, false),
+        let (base, gate) = if let Some(b) = s.strip_suffix("+keys") {
+            (b, Gate::Keys)
+        } else if let Some(b) = s.strip_suffix("+pages") {
+            (b, Gate::Pages)
+        } else {
+            (s, Gate::None)
+        };
+        let bad = || {
+            format!(
+                "`{s}` is not `off`, `dwc` or a cache size from 0 to {}, with `+keys` for protection keys (not with off) or `+pages` for the page gate (only with a cache size)",
+                bulkhead_guard::shadow::MAX_CACHE
+            )
         };
         let mode = match base {
-            "off" if !keys => GuardMode::Off,
-            "dwc" => GuardMode::Dwc,
+            "off" if gate == Gate::None => GuardMode::Off,
+            "dwc" if gate != Gate::Pages => GuardMode::Dwc,
             c => match c.parse::<u32>() {
                 Ok(cache) if cache as usize <= bulkhead_guard::shadow::MAX_CACHE => GuardMode::Scdwc { cache },
-                _ => {
-                    return Err(format!(
-                        "`{s}` is not `off`, `dwc` or a cache size from 0 to {}, with `+keys` for protection keys (not with off)",
-                        bulkhead_guard::shadow::MAX_CACHE
-                    ))
-                }
+                _ => return Err(bad()),
             },
         };
-        Ok(Setting { mode, keys })
+        Ok(Setting { mode, gate })
     }
 
     /// C, for scdwc.
@@ -97,25 +143,25 @@ impl Setting {
         }
     }
 
-    /// As reports name it: `off`, `dwc`, `scdwc C=60`, with ` +keys`.
+    /// As reports name it: `off`, `dwc`, `scdwc C=60`, with ` +keys` or ` +pages`.
     pub fn label(&self) -> String {
         let base = match self.cache() {
             Some(c) => format!("scdwc C={c}"),
             None => self.mode.as_str().to_string(),
         };
-        if self.keys {
-            format!("{base} +keys")
-        } else {
-            base
-        }
+        format!("{base}{}", self.gate.suffix())
     }
 
     /// The filter table's guard keys for it.
     fn config_lines(&self) -> String {
+        let keys = self.gate == Gate::Keys;
         match self.mode {
             GuardMode::Off => String::new(),
-            GuardMode::Dwc => format!("guard = \"dwc\"\nguard_keys = {}\n", self.keys),
-            GuardMode::Scdwc { cache } => format!("guard = \"scdwc\"\nguard_cache = {cache}\nguard_keys = {}\n", self.keys),
+            GuardMode::Dwc => format!("guard = \"dwc\"\nguard_keys = {keys}\n"),
+            GuardMode::Scdwc { cache } => format!(
+                "guard = \"scdwc\"\nguard_cache = {cache}\nguard_keys = {keys}\nguard_pages = {}\n",
+                self.gate == Gate::Pages
+            ),
         }
     }
 }
@@ -129,8 +175,8 @@ pub struct Row {
     pub guard: String,
     /// C, for scdwc.
     pub cache: Option<u32>,
-    /// Whether protection keys gated the calls too.
-    pub keys: bool,
+    /// What gated the calls too.
+    pub gate: Gate,
     /// Reads and writes per second together.
     pub iops: f64,
     /// MiB/s, reads and writes together.
@@ -269,7 +315,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         key: luks.as_ref().map(|l| l.1.clone()).unwrap_or_default(),
         overlay: opts.scratch.join("bench-guard-overlay.qcow2"),
     };
-    let off = Setting { mode: GuardMode::Off, keys: false };
+    let off = Setting::OFF;
     let settings: Vec<Setting> = std::iter::once(off).chain(opts.settings.iter().copied().filter(|s| *s != off)).collect();
     let mut rows = Vec::new();
     for f in &filters {
@@ -285,7 +331,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
                 filter: f.to_string(),
                 guard: setting.mode.as_str().to_string(),
                 cache: setting.cache(),
-                keys: setting.keys,
+                gate: setting.gate,
                 iops,
                 mibs,
                 cpu_pct,
@@ -301,13 +347,13 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
 
 /// The report as a table, with the goal (scdwc at C = 60 within 10% of off).
 pub fn render(r: &Report) -> String {
-    let mut t = Table::new(&["filter", "guard", "C", "keys", "IOPS", "MiB/s", "CPU %", "of off"]);
+    let mut t = Table::new(&["filter", "guard", "C", "gate", "IOPS", "MiB/s", "CPU %", "of off"]);
     for row in &r.rows {
         t.row(vec![
             row.filter.clone(),
             row.guard.clone(),
             row.cache.map_or("-".into(), |c| c.to_string()),
-            if row.keys { "yes" } else { "-" }.into(),
+            row.gate.cell().into(),
             format!("{:.0}", row.iops),
             format!("{:.1}", row.mibs),
             format!("{:.0}", row.cpu_pct),
@@ -316,9 +362,14 @@ pub fn render(r: &Report) -> String {
     }
     let mut s = format!("fio 4 KiB randrw, psync, QD1, {} s per row, through FUSE\n{}", r.seconds, t.render());
     for row in r.rows.iter().filter(|x| x.cache == Some(60)) {
-        let met = if row.of_off_pct >= 90.0 { "met" } else { "not met" };
-        let keys = if row.keys { " +keys" } else { "" };
-        s.push_str(&format!("goal: {} scdwc C=60{keys} within 10% of off: {:.0}% ({met})\n", row.filter, row.of_off_pct));
+        let (goal, share) = if row.gate == Gate::Pages { ("at least half", 50.0) } else { ("within 10%", 90.0) };
+        let met = if row.of_off_pct >= share { "met" } else { "not met" };
+        s.push_str(&format!(
+            "goal: {} scdwc C=60{} {goal} of off: {:.0}% ({met})\n",
+            row.filter,
+            row.gate.suffix(),
+            row.of_off_pct
+        ));
     }
     for k in &r.skipped {
         s.push_str(&format!("skipped: {k}\n"));

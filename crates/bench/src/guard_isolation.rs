@@ -26,7 +26,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::guard_filters::Setting;
+use crate::guard_filters::{Gate, Setting};
 use crate::Table;
 
 #[cfg(feature = "test-driver")]
@@ -109,7 +109,7 @@ impl Options {
         if !self.settings.iter().any(|s| s.mode != bulkhead_filters::GuardMode::Off) {
             return Err(BenchError::Options("--settings: --isolation needs a setting other than `off`".into()));
         }
-        if self.settings.iter().any(|s| s.keys) && !bulkhead_sys::pkey::supported() {
+        if self.settings.iter().any(|s| s.gate == Gate::Keys) && !bulkhead_sys::pkey::supported() {
             return Err(BenchError::Options(
                 "--settings: `+keys` needs protection keys, which this processor does not have".into(),
             ));
@@ -159,8 +159,8 @@ pub struct Row {
     pub guard: String,
     /// C, for scdwc.
     pub cache: Option<u32>,
-    /// Whether protection keys gated the calls too.
-    pub keys: bool,
+    /// What gated the calls too.
+    pub gate: Gate,
     /// Every fault.
     pub all: Count,
     /// Per target, in the order of the population's [`Population::targets`].
@@ -201,11 +201,9 @@ pub struct Report {
     pub working_sets: Vec<WorkingSet>,
     /// The rows, population by population.
     pub rows: Vec<Row>,
-    /// The first C whose isolation rate of the targeted faults is below DWC's (of the same
-    /// keys setting), if any.
-    pub drops_at: Option<u32>,
-    /// The same, with protection keys.
-    pub drops_at_keys: Option<u32>,
+    /// For each gate measured with a DWC reference (DWC with the same gate, or without one),
+    /// the first C whose isolation rate of the targeted faults is below it, if any.
+    pub drops_at: Vec<(Gate, Option<u32>)>,
     /// Filters left out, and why; why faults were lost.
     pub notes: Vec<String>,
 }
@@ -222,7 +220,7 @@ impl Report {
 
 /// The report as tables: the working sets, every fault, then per target.
 pub fn render(r: &Report) -> String {
-    let keys = |row: &Row| if row.keys { "yes" } else { "-" }.to_string();
+    let gate = |row: &Row| row.gate.cell().to_string();
     let mut s = String::new();
     if !r.working_sets.is_empty() {
         let ws: Vec<String> =
@@ -239,7 +237,7 @@ pub fn render(r: &Report) -> String {
         "guard",
         "C",
         "C/ws",
-        "keys",
+        "gate",
         "faults",
         "isolated",
         "landed",
@@ -254,7 +252,7 @@ pub fn render(r: &Report) -> String {
             row.guard.clone(),
             row.cache.map_or("-".into(), |c| c.to_string()),
             multiple(row),
-            keys(row),
+            gate(row),
             (row.all.isolated + row.all.landed + row.all.undecided + row.lost).to_string(),
             row.all.isolated.to_string(),
             row.all.landed.to_string(),
@@ -276,12 +274,12 @@ pub fn render(r: &Report) -> String {
         if rows.is_empty() {
             continue;
         }
-        let mut names: Vec<&str> = vec!["guard", "C", "keys"];
+        let mut names: Vec<&str> = vec!["guard", "C", "gate"];
         names.extend(p.targets());
         names.extend(r.filters.iter().map(String::as_str));
         let mut t = Table::new(&names);
         for row in &rows {
-            let mut cells = vec![row.guard.clone(), row.cache.map_or("-".into(), |c| c.to_string()), keys(row)];
+            let mut cells = vec![row.guard.clone(), row.cache.map_or("-".into(), |c| c.to_string()), gate(row)];
             for (_, c) in row.by_target.iter().chain(&row.by_filter) {
                 let decided = c.isolated + c.landed;
                 cells.push(if decided == 0 { "-".into() } else { format!("{:.0}% of {decided}", c.rate_pct()) });
@@ -291,28 +289,28 @@ pub fn render(r: &Report) -> String {
         s.push_str(&format!("{} faults: isolation rate per target and per filter (of the decided faults)\n", p.as_str()));
         s.push_str(&t.render());
         // The reference is Chariot's: DWC without keys, else with them.
-        let dwc_of = |k: bool| rows.iter().find(|x| x.cache.is_none() && x.keys == k).map(|x| x.all.rate_pct());
-        if let Some(d) = dwc_of(false).or_else(|| dwc_of(true)) {
+        let dwc_of = |g: Gate| rows.iter().find(|x| x.cache.is_none() && x.gate == g).map(|x| x.all.rate_pct());
+        if let Some(d) = dwc_of(Gate::None).or_else(|| dwc_of(Gate::Keys)) {
             for c60 in rows.iter().filter(|x| x.cache == Some(60)) {
                 let rate = c60.all.rate_pct();
                 let met = if rate >= 90.0 { "met" } else { "not met" };
-                let k = if c60.keys { " +keys" } else { "" };
                 s.push_str(&format!(
-                    "goal: scdwc C=60{k} isolates at least 90% of the {} faults (dwc: {d:.1}%): {rate:.1}% ({met})\n",
+                    "goal: scdwc C=60{} isolates at least 90% of the {} faults (dwc: {d:.1}%): {rate:.1}% ({met})\n",
+                    c60.gate.suffix(),
                     p.as_str()
                 ));
             }
         }
     }
-    for (keys, drops) in [(false, r.drops_at), (true, r.drops_at_keys)] {
-        let k = if keys { " with keys" } else { "" };
-        let has_dwc = r.rows.iter().any(|x| x.population == Population::Targeted && x.cache.is_none() && x.keys == keys);
+    for &(gate, drops) in &r.drops_at {
+        let k = match gate {
+            Gate::None => "",
+            Gate::Keys => " with keys",
+            Gate::Pages => " with the page gate",
+        };
         match drops {
             Some(c) => s.push_str(&format!("the targeted faults' isolation rate{k} first drops below dwc's at C={c}\n")),
-            None if has_dwc => {
-                s.push_str(&format!("the targeted faults' isolation rate{k} stays at dwc's for every C measured\n"))
-            }
-            None => {}
+            None => s.push_str(&format!("the targeted faults' isolation rate{k} stays at dwc's for every C measured\n")),
         }
     }
     let disagreed: u32 = r.rows.iter().map(|x| x.disagreed).sum();

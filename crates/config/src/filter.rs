@@ -173,6 +173,9 @@ pub struct FilterTable {
     /// `guard_keys` (with `guard`): also partition the domain's memory by x86 protection key,
     /// where the processor has them (default true).
     pub guard_keys: Option<Spanned<bool>>,
+    /// `guard_pages` (with `guard = "scdwc"`): where protection keys do not gate a call, shut
+    /// the other owners' open pages for it by page protection (default false).
+    pub guard_pages: Option<Spanned<bool>>,
 }
 
 /// A resolved filter: what the domain gets, plus the trace file the supervisor opens for it.
@@ -307,7 +310,7 @@ impl FilterTable {
         Ok(f)
     }
 
-    /// `guard`, `guard_cache` and `guard_keys`, which apply to every type.
+    /// `guard`, `guard_cache`, `guard_keys` and `guard_pages`, which apply to every type.
     fn guard_spec(&self, device: &str, index: usize, err: Err<'_>) -> Result<GuardSpec, crate::ConfigError> {
         let kind = self.kind.get_ref().as_str();
         let at = |key: &str| format!("device `{device}`: filter {} ({kind}): key `filter.{key}`", index + 1);
@@ -339,7 +342,14 @@ impl FilterTable {
             (Some(k), _) => *k.get_ref(),
             (None, mode) => mode != GuardMode::Off,
         };
-        Ok(GuardSpec { mode, keys })
+        let pages = match (&self.guard_pages, mode) {
+            (Some(p), GuardMode::Scdwc { .. }) => *p.get_ref(),
+            (Some(p), _) => {
+                return Err(err(p.span(), format!("{} only applies with guard = \"scdwc\"", at("guard_pages"))));
+            }
+            (None, _) => false,
+        };
+        Ok(GuardSpec { mode, keys, pages })
     }
 
     fn resolve_kind(&self, device: &str, index: usize, watchdog_ms: u64, err: Err<'_>) -> Result<Filter, crate::ConfigError> {

@@ -860,6 +860,8 @@ mod tests {
             ("type = \"stats\"\nguard = \"scdwc\"\nguard_cache = 300\n", "guard_cache`: 300 is out of range 0..=256", 9),
             ("type = \"stats\"\nguard_keys = false\n", "guard_keys` only applies with guard = \"dwc\" or \"scdwc\"", 8),
             ("type = \"stats\"\nguard = \"dwc\"\nguard_keys = \"yes\"\n", "guard_keys", 9),
+            ("type = \"stats\"\nguard = \"dwc\"\nguard_pages = true\n", "guard_pages` only applies with guard = \"scdwc\"", 9),
+            ("type = \"stats\"\nguard = \"scdwc\"\nguard_pages = 1\n", "guard_pages", 9),
             ("type = \"crypt\"\n", "filter.key_file` is required", 7),
             ("type = \"crypt\"\nkey_file = \"/nonexistent/key\"\n", "/nonexistent/key is not a file", 8),
             ("type = \"stats\"\nkey_file = \"/etc/hostname\"\n", "only applies to type = \"crypt\"", 8),
@@ -886,6 +888,10 @@ mod tests {
         assert_eq!(f.guard.mode, GuardMode::Dwc);
         let f = parse_filter("type = \"stats\"\n", "d", 0, 5000).unwrap();
         assert!(!f.guard.wanted() && !f.guard.keys);
+        let f = parse_filter("type = \"stats\"\nguard = \"scdwc\"\n", "d", 0, 5000).unwrap();
+        assert!(!f.guard.pages, "the page gate is off unless asked for");
+        let f = parse_filter("type = \"stats\"\nguard = \"scdwc\"\nguard_pages = true\n", "d", 0, 5000).unwrap();
+        assert!(f.guard.pages && f.guard.keys);
     }
 
     #[test]

@@ -41,20 +41,33 @@ pub fn assign_keys() {
     }
 }
 
+/// How one filter of a guarded domain wants its calls gated, for [`install`].
+#[derive(Debug, Clone)]
+pub struct Gates {
+    /// The filter's type, for reports.
+    pub name: String,
+    /// By protection keys, where the processor has them (`guard_keys`).
+    pub keys: bool,
+    /// By page protection, where keys do not gate it (`guard_pages`).
+    pub pages: bool,
+}
+
 /// Installs write capture for the calling thread of a domain whose filters (`names`, in
-/// chain order, each with whether it wants protection keys) have spaces of their own: the
+/// chain order, each with how it wants its calls gated) have spaces of their own: the
 /// runtime's heap, each filter's space and each queue's ring are guarded regions; a stopped
 /// write is reported as a line on standard error
 /// before the domain exits with [`bulkhead_guard::VIOLATION_EXIT`], and as a binary
 /// [`bulkhead_guard::Violation`] on `report`, if given.
-pub fn install(rings: &[(u64, u64)], names: &[(String, bool)], report: Option<i32>) -> std::io::Result<Guard> {
+pub fn install(rings: &[(u64, u64)], names: &[Gates], report: Option<i32>) -> std::io::Result<Guard> {
     let mut g = Guard::install(Mechanism::Userfault, Mode::Scdwc { cache: 0 }, report)?;
     g.report_text(2);
     g.add_heap_space(heap::RUNTIME, "the runtime's heap")?;
-    for (i, (n, _)) in names.iter().enumerate() {
-        g.add_heap_space(space_of(i), &format!("filter {} ({n})", i + 1))?;
-        g.name_filter(i as u32, &format!("{} ({n})", i + 1));
+    for (i, f) in names.iter().enumerate() {
+        let region = g.add_heap_space(space_of(i), &format!("filter {} ({})", i + 1, f.name))?;
+        g.own_region(region, i as u32)?;
+        g.name_filter(i as u32, &format!("{} ({})", i + 1, f.name));
     }
+    g.gate_pages(&names.iter().map(|f| f.pages).collect::<Vec<_>>())?;
     let mut ring_regions = Vec::with_capacity(rings.len());
     for (i, &(start, len)) in rings.iter().enumerate() {
         ring_regions.push(g.add_region(start, len, &format!("the ring of queue {i}"))?);
@@ -65,11 +78,8 @@ pub fn install(rings: &[(u64, u64)], names: &[(String, bool)], report: Option<i3
         for r in ring_regions {
             g.key_region(r, runtime)?;
         }
-        let own: Vec<u32> = names
-            .iter()
-            .enumerate()
-            .map(|(i, (_, keys))| if *keys { heap::key_of(space_of(i)).unwrap_or(0) } else { 0 })
-            .collect();
+        let own: Vec<u32> =
+            names.iter().enumerate().map(|(i, f)| if f.keys { heap::key_of(space_of(i)).unwrap_or(0) } else { 0 }).collect();
         g.gate_keys(&own)?;
     }
     Ok(g)
@@ -133,7 +143,10 @@ fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)], wrap: Option<Wr
     if guarded && heap::space_range(space_of(filters.len().saturating_sub(1))).is_none() {
         return Err(format!("write capture: the heap has no space for each of {} filters", filters.len()));
     }
-    let names: Vec<(String, bool)> = filters.iter().map(|f| (f.spec.type_name().to_string(), f.guard.keys)).collect();
+    let names: Vec<Gates> = filters
+        .iter()
+        .map(|f| Gates { name: f.spec.type_name().to_string(), keys: f.guard.keys, pages: f.guard.pages })
+        .collect();
     let n = filters.len();
     let mut layers: Vec<Box<dyn Layer>> = Vec::with_capacity(n);
     for (i, f) in filters.into_iter().enumerate() {

@@ -76,7 +76,8 @@ pub enum FilterSpec {
     },
 }
 
-/// Write capture for a filter (`guard`, `guard_cache`, `guard_keys` in the configuration).
+/// Write capture for a filter (`guard`, `guard_cache`, `guard_keys`, `guard_pages` in the
+/// configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GuardSpec {
@@ -87,6 +88,11 @@ pub struct GuardSpec {
     /// whatever the page protection holds open.
     #[serde(default)]
     pub keys: bool,
+    /// Whether, where protection keys do not gate its calls, each call is gated by page
+    /// protection: the pages the shadow page cache holds open that are another owner's are
+    /// shut while the filter runs.
+    #[serde(default)]
+    pub pages: bool,
 }
 
 impl GuardSpec {

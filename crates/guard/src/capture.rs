@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, Ordering};
 use bulkhead_sys::uffd::{set_write_protect, WriteTrap};
 
 use crate::act::Act;
-use crate::shadow::{Evicted, Mode, Prepare, Shadow};
+use crate::shadow::{Evicted, Mode, Prepare, Shadow, MAX_CACHE};
 use crate::PAGE;
 
 /// Most regions one guard protects.
@@ -68,6 +68,12 @@ pub struct Stats {
     /// Pages the SCDWC cache holds open now (at most C): with C above the write working set,
     /// the distinct pages written since the cache last started empty.
     pub open_pages: u64,
+    /// Calls whose entry shut the other owners' open pages ([`Guard::gate_pages`]).
+    pub gated: u64,
+    /// Ranges those calls shut at entry and opened again at exit, one system call each way.
+    pub gated_ranges: u64,
+    /// Pages in those ranges.
+    pub gated_pages: u64,
 }
 
 /// A write guarded code was not allowed to make, as the handler reports it before the
@@ -113,8 +119,16 @@ struct Region {
     extent: Option<&'static AtomicU64>,
     /// Its protection key, 0 for none.
     key: u32,
+    /// The guarded code whose own memory it is ([`Guard::own_region`]), or [`RUNTIME`].
+    owner: u32,
     name: [u8; NAME],
 }
+
+/// The owner of every region no guarded code owns: the runtime.
+const RUNTIME: u32 = u32::MAX;
+/// Pages of a gap between two runs of open pages of one region that the page gate shuts and
+/// opens with them, as one range: a page costs the kernel a small part of a system call.
+const GATE_GAP: u64 = 8;
 
 impl Region {
     fn protected_len(&self) -> u64 {
@@ -160,6 +174,16 @@ struct State {
     own_key: [u32; MAX_FILTERS],
     /// The PKRU of the guarded thread before the running call was gated, if it was.
     saved_pkru: Option<u32>,
+    /// Which filters' calls the page gate shuts other owners' open pages for
+    /// ([`Guard::gate_pages`]).
+    page_gate: [bool; MAX_FILTERS],
+    /// The ranges the running call's entry shut, to open again at its exit.
+    gated: [(u64, u64); MAX_CACHE],
+    ngated: usize,
+    /// The ranges the last gated call opened again at its exit: they hold pages the cache
+    /// does not (a gap, a page pushed out during the call), so the next call shuts them.
+    loose: [(u64, u64); MAX_CACHE],
+    nloose: usize,
 }
 
 impl State {
@@ -168,7 +192,7 @@ impl State {
         mechanism: Mechanism::Userfault,
         uffd: -1,
         report_fd: -1,
-        regions: [Region { start: 0, end: 0, extent: None, key: 0, name: [0; NAME] }; MAX_REGIONS],
+        regions: [Region { start: 0, end: 0, extent: None, key: 0, owner: RUNTIME, name: [0; NAME] }; MAX_REGIONS],
         nregions: 0,
         act: Act::new(),
         running: false,
@@ -188,10 +212,18 @@ impl State {
             region_protects: 0,
             keyed: 0,
             open_pages: 0,
+            gated: 0,
+            gated_ranges: 0,
+            gated_pages: 0,
         },
         keys: false,
         own_key: [0; MAX_FILTERS],
         saved_pkru: None,
+        page_gate: [false; MAX_FILTERS],
+        gated: [(0, 0); MAX_CACHE],
+        ngated: 0,
+        loose: [(0, 0); MAX_CACHE],
+        nloose: 0,
     };
 
     fn stats_now(&self) -> Stats {
@@ -595,6 +627,36 @@ impl Guard {
         Ok(())
     }
 
+    /// Makes region `region` the own memory of the guarded code named `filter` (as
+    /// [`enter`](Self::enter) numbers it), for [`gate_pages`](Self::gate_pages); every region
+    /// is the runtime's until then.
+    pub fn own_region(&mut self, region: u32, filter: u32) -> io::Result<()> {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        let r = st.regions.get_mut(region as usize).filter(|_| (region as usize) < st.nregions);
+        r.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("no region {region}")))?.owner = filter;
+        Ok(())
+    }
+
+    /// Gates the calls of each guarded code `filter` with `gated[filter]` by page protection,
+    /// where protection keys do not gate them ([`gate_keys`](Self::gate_keys)): at the call's
+    /// entry, the pages the shadow page cache holds open that are another owner's (the
+    /// runtime's, another filter's: [`own_region`](Self::own_region)) and that the call's
+    /// table does not reach are protected, in runs of adjacent pages, one system call each;
+    /// at its exit they are opened again. The cache then keeps the runtime's hot pages open
+    /// for the runtime without opening them to the filter, for two system calls per run per
+    /// call.
+    pub fn gate_pages(&mut self, gated: &[bool]) -> io::Result<()> {
+        if gated.len() > MAX_FILTERS {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("page gates for {} filters", gated.len())));
+        }
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        st.page_gate = [false; MAX_FILTERS];
+        st.page_gate[..gated.len()].copy_from_slice(gated);
+        Ok(())
+    }
+
     fn add(&mut self, start: u64, len: u64, owner: &str, extent: Option<&'static AtomicU64>) -> io::Result<u32> {
         let bad = |why: &str| Err(io::Error::new(io::ErrorKind::InvalidInput, format!("region {owner}: {why}")));
         if !start.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) || len == 0 {
@@ -616,7 +678,7 @@ impl Guard {
         if let Some(t) = &self.trap {
             t.register(start, len).map_err(|e| io::Error::new(e.kind(), format!("region {owner}: userfaultfd: {e}")))?;
         }
-        st.regions[st.nregions] = Region { start, end, extent, key: 0, name: name_of(owner) };
+        st.regions[st.nregions] = Region { start, end, extent, key: 0, owner: RUNTIME, name: name_of(owner) };
         st.nregions += 1;
         st.shadow.reset();
         self.owners.push(owner.to_string());
@@ -718,8 +780,18 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
                 st.stats.page_protects += pages.len() as u64;
             }
         }
-        st.running = true;
         let deny = st.deny_for(filter, act);
+        if deny == 0 && st.page_gate.get(filter as usize).copied().unwrap_or(false) {
+            gate(st, filter)?;
+        }
+        // What the last gated call opened beyond the cache is shut for every call.
+        for i in 0..std::mem::take(&mut st.nloose) {
+            let (start, end) = st.loose[i];
+            if !st.gated[..st.ngated].iter().any(|&(a, b)| a <= start && end <= b) {
+                st.set(start, end - start, true)?;
+            }
+        }
+        st.running = true;
         if deny != 0 {
             let pkru = bulkhead_sys::pkey::read();
             st.saved_pkru = Some(pkru);
@@ -731,6 +803,50 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
     Ok(())
 }
 
+/// Shuts, for the call of `filter` about to run, the pages the cache holds open that are
+/// another owner's and outside the call's table, in ranges of adjacent pages of one region
+/// (with gaps of at most [`GATE_GAP`] pages, shut already), and records them for [`exit`].
+fn gate(st: &mut State, filter: u32) -> io::Result<()> {
+    let mut pages = [0u64; MAX_CACHE];
+    let mut n = 0;
+    for p in st.shadow.cached_pages() {
+        let Some(r) = st.region_of(p) else { continue };
+        if st.regions[r].owner == filter || st.act.ranges().iter().any(|&(s, e)| s < p + PAGE && p < e) {
+            continue;
+        }
+        pages[n] = p;
+        n += 1;
+    }
+    let pages = &mut pages[..n];
+    pages.sort_unstable();
+    st.ngated = 0;
+    let mut region = usize::MAX;
+    for &p in pages.iter() {
+        let r = st.region_of(p).unwrap_or(usize::MAX);
+        if st.ngated > 0 && r == region {
+            let last = &mut st.gated[st.ngated - 1];
+            if p < last.1 {
+                continue;
+            }
+            if p <= last.1 + GATE_GAP * PAGE && !st.act.ranges().iter().any(|&(s, e)| s < p && last.1 < e) {
+                last.1 = p + PAGE;
+                continue;
+            }
+        }
+        st.gated[st.ngated] = (p, p + PAGE);
+        st.ngated += 1;
+        region = r;
+    }
+    for i in 0..st.ngated {
+        let (start, end) = st.gated[i];
+        st.set(start, end - start, true)?;
+        st.stats.gated_pages += (end - start) / PAGE;
+    }
+    st.stats.gated += 1;
+    st.stats.gated_ranges += st.ngated as u64;
+    Ok(())
+}
+
 fn exit() {
     // SAFETY: on the guarded thread, outside any handler, no other reference alive.
     let st = unsafe { state() };
@@ -738,6 +854,13 @@ fn exit() {
         bulkhead_sys::pkey::write(pkru);
     }
     st.running = false;
+    let n = std::mem::take(&mut st.ngated);
+    for i in 0..n {
+        let (start, end) = st.gated[i];
+        let _ = st.set(start, end - start, false);
+        st.loose[i] = (start, end);
+    }
+    st.nloose = n;
 }
 
 /// Enters and leaves guarded code for its owners on the guarded thread (the layers a domain

@@ -21,6 +21,10 @@
 //! to every key but the filter's, whatever the cache holds open, for one register write each
 //! way.
 //!
+//! Without keys, the page gate ([`Guard::gate_pages`]) closes it with page protection: at a
+//! filter's entry the pages the cache holds open that belong to another owner are protected,
+//! in ranges of adjacent pages, one system call each, and opened again at its exit.
+//!
 //! Two [`Mechanism`]s catch writes: userfaultfd write protection with its faults raised as
 //! SIGBUS in the writing thread, and `mprotect` with SIGSEGV. `bulkhead-bench guard` measures
 //! both; docs/guard.md says which is used and why.

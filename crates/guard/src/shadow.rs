@@ -83,6 +83,12 @@ impl Shadow {
         self.held
     }
 
+    /// The pages the cache holds open, newest first.
+    pub fn cached_pages(&self) -> impl Iterator<Item = u64> + '_ {
+        let cap = self.capacity();
+        (0..self.held).map(move |i| self.cache[(self.next + cap - 1 - i) % cap])
+    }
+
     /// Whether `page` is held open by the cache.
     pub fn is_cached(&self, page: u64) -> bool {
         let cap = self.capacity();
@@ -238,6 +244,17 @@ mod tests {
         let mut p = p.to_vec();
         p.sort();
         assert_eq!(p, [0x1000, 0x2000]);
+    }
+
+    #[test]
+    fn the_cached_pages_are_listed_newest_first() {
+        let mut s = Shadow::new(Mode::Scdwc { cache: 2 });
+        assert_eq!(s.prepare(), Prepare::All);
+        assert_eq!(s.cached_pages().count(), 0);
+        s.opened(0x1000, true);
+        s.opened(0x2000, false);
+        s.opened(0x3000, true);
+        assert_eq!(s.cached_pages().collect::<Vec<_>>(), [0x3000, 0x2000]);
     }
 
     #[test]

@@ -205,6 +205,38 @@ fn scenario() {
             .unwrap();
             println!("{PASSED}");
         }
+        "pages" => {
+            // Pages 0..8 are the runtime's, 8..16 the filter's own; the page gate shuts the
+            // runtime's pages the cache holds open for each of the filter's calls.
+            let mut g = Guard::install(mechanism, Mode::Scdwc { cache: 8 }, Some(1)).unwrap();
+            g.add_region(base, 8 * PAGE, "runtime").unwrap();
+            let own = g.add_region(base + 8 * PAGE, 8 * PAGE, "filter").unwrap();
+            g.own_region(own, 0).unwrap();
+            g.gate_pages(&[true]).unwrap();
+            let act = act_for(mem, &(8..16).collect::<Vec<_>>());
+            g.call(0, &act, || write(mem, 9, 9)).unwrap();
+            // The runtime's writes between calls: 5, 6 and 7 enter the cache.
+            write(mem, 5, 0x11);
+            write(mem, 6, 0x11);
+            write(mem, 7, 0x11);
+            assert_eq!(g.stats().outside, 3);
+            g.call(0, &act, || write(mem, 9, 10)).unwrap();
+            let s = g.stats();
+            assert_eq!((s.gated, s.gated_ranges, s.gated_pages, s.allowed), (2, 1, 3, 1), "one range of three: {s:?}");
+            // Open again for the runtime after the call: no fault.
+            write(mem, 5, 0x11);
+            assert_eq!(g.stats().outside, 3);
+            // The filter's own writes push 9 and then 5 out of the cache (C = 8). The range
+            // 5..8 is opened again whole at exit, so the runtime writes 5 without a fault...
+            g.call(0, &act, || (10..16).for_each(|p| write(mem, p, 1))).unwrap();
+            assert_eq!(g.stats().allowed, 7);
+            write(mem, 6, 0x11);
+            write(mem, 5, 0x11);
+            assert_eq!(g.stats().outside, 3, "the range was opened again whole");
+            // ...and the next call shuts it, though the cache no longer holds 5.
+            g.call(0, &act, || write(mem, 5, 0x55)).unwrap();
+            unreachable!("the gate let a write to the runtime's open page through");
+        }
         other => panic!("no scenario {other}"),
     }
 }
@@ -296,5 +328,23 @@ fn protection_keys_stop_a_write_to_a_page_the_cache_holds_open() {
                 assert_eq!((at(9), at(5)), (10, 0x55), "{m} {which}");
             }
         }
+    }
+}
+
+#[test]
+fn the_page_gate_shuts_the_runtimes_open_pages_for_each_call_and_opens_them_after() {
+    for m in mechanisms() {
+        let path = shm("pages", m);
+        let out = child("pages", m, &path);
+        let bytes = std::fs::read(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{m}: {err}");
+        let at = |p: usize| bytes[p * PAGE as usize + 8];
+        // The state: the runtime's writes and the filter's own landed, the gated one not.
+        assert_eq!((at(5), at(6), at(9), at(15)), (0x11, 0x11, 10, 1), "{m}");
+        let report = &out.stdout[out.stdout.len() - Violation::BYTES..];
+        let v = Violation::decode(report.try_into().unwrap());
+        assert_eq!((v.region, v.filter, v.address % PAGE), (0, 0, 8), "{m}: {v:?}");
     }
 }

@@ -23,7 +23,7 @@ use bulkhead_testkit::faults::{Faulty, Injector, FAULT_FLIP, FAULT_RECORD, PROBE
 use bulkhead_testkit::inject::{InjectSpec, InjectTarget};
 
 use super::{Count, Options, Population, Report, Row, WorkingSet, EVERY};
-use crate::guard_filters::Setting;
+use crate::guard_filters::{Gate, Setting};
 use crate::BenchError;
 
 /// Device size for the filters over `ram`.
@@ -374,8 +374,12 @@ fn run_child(bed: &Bed, guard: GuardSpec, work: Work, seed: u64) -> Result<Ran, 
 /// One fault, in a child of its own.
 fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, BenchError> {
     let inject = InjectSpec { target, every: EVERY, seed };
-    let Ran { status, record: rec, res, back, log } =
-        run_child(bed, GuardSpec { mode: setting.mode, keys: setting.keys }, Work::Fault(inject), seed)?;
+    let Ran { status, record: rec, res, back, log } = run_child(
+        bed,
+        GuardSpec { mode: setting.mode, keys: setting.gate == Gate::Keys, pages: setting.gate == Gate::Pages },
+        Work::Fault(inject),
+        seed,
+    )?;
     if rec.len() != FAULT_RECORD {
         return Err(BenchError::Run(format!("the domain ended ({}) before its fault: {}", describe(status), tail(&log))));
     }
@@ -410,7 +414,7 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
 /// guarded memory in use then.
 fn working_set(bed: &Bed) -> Result<(u32, u32), BenchError> {
     let cache = bulkhead_guard::shadow::MAX_CACHE as u32;
-    let guard = GuardSpec { mode: GuardMode::Scdwc { cache }, keys: false };
+    let guard = GuardSpec { mode: GuardMode::Scdwc { cache }, keys: false, pages: false };
     let Ran { status, record, log, .. } = run_child(bed, guard, Work::Census(EVERY), 1)?;
     let ended = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == PROBE_EXIT;
     match <[u8; 16]>::try_from(record.as_slice()) {
@@ -475,7 +479,7 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
                 population,
                 guard: setting.mode.as_str().into(),
                 cache: setting.cache(),
-                keys: setting.keys,
+                gate: setting.gate,
                 all,
                 by_target,
                 by_filter,
@@ -490,12 +494,19 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
             let _ = std::fs::remove_file(file);
         }
     }
-    let drops = |keys: bool| {
-        let targeted = || rows.iter().filter(|r| r.population == Population::Targeted && r.keys == keys);
-        let dwc = targeted().find(|r| r.cache.is_none()).map(|r| r.all.rate_pct())?;
-        targeted().filter(|r| r.all.rate_pct() < dwc).find_map(|r| r.cache)
-    };
-    let (drops_at, drops_at_keys) = (drops(false), drops(true));
+    // Each gate's C are judged against DWC with the same gate, or without one (the page gate
+    // has no DWC of its own: DWC keeps nothing open to shut).
+    let targeted = |g: Gate| rows.iter().filter(move |r| r.population == Population::Targeted && r.gate == g);
+    let mut drops_at = Vec::new();
+    for gate in [Gate::None, Gate::Keys, Gate::Pages] {
+        if !targeted(gate).any(|r| r.cache.is_some()) {
+            continue;
+        }
+        let dwc = targeted(gate).chain(targeted(Gate::None)).find(|r| r.cache.is_none()).map(|r| r.all.rate_pct());
+        if let Some(dwc) = dwc {
+            drops_at.push((gate, targeted(gate).filter(|r| r.all.rate_pct() < dwc).find_map(|r| r.cache)));
+        }
+    }
     Ok(Report {
         faults: opts.faults,
         every: EVERY,
@@ -503,7 +514,6 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
         working_sets,
         rows,
         drops_at,
-        drops_at_keys,
         notes,
     })
 }

@@ -51,7 +51,8 @@ fn bench_guard_refuses_fewer_writes_than_pages() {
 /// `bench guard --isolation`, a few faults per setting and population: the memory check sees
 /// the faults DWC and SCDWC with no cache stop, and sees the targeted ones a cache of 256 pages
 /// lets land (the pages the runtime keeps writing stay open), so it measures rather than echoes
-/// the handler. With protection keys, the same cache lets none land. The seed-like faults are
+/// the handler. The page gate, and protection keys where the processor has them, shut what
+/// the same cache holds open for each call: none lands, in either population. The seed-like faults are
 /// made only where DWC stops them, so DWC stops all of them; each filter's write working set
 /// is counted. The faults are the test kit's: only a build with the `test-driver` feature
 /// measures isolation.
@@ -66,7 +67,7 @@ fn bench_guard_isolation_reads_what_each_fault_left() {
         return;
     }
     let keys = bulkhead_sys::pkey::supported();
-    let settings = if keys { "dwc,0,256,256+keys" } else { "dwc,0,256" };
+    let settings = if keys { "dwc,0,256,256+pages,256+keys" } else { "dwc,0,256,256+pages" };
     let out = Command::new(driver)
         .args(["bench", "guard", "--isolation", "--json", "--faults", "12", "--settings", settings])
         .args(["--population", "targeted,seed-like"])
@@ -75,7 +76,7 @@ fn bench_guard_isolation_reads_what_each_fault_left() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let all_rows = r["isolation"]["rows"].as_array().unwrap();
-    let per = if keys { 4 } else { 3 };
+    let per = if keys { 5 } else { 4 };
     assert_eq!(all_rows.len(), 2 * per, "{r}");
     for row in all_rows {
         let all = &row["all"];
@@ -100,10 +101,13 @@ fn bench_guard_isolation_reads_what_each_fault_left() {
     assert_eq!(rows[0]["all"]["landed"], 0, "DWC stops every fault: {}", rows[0]);
     assert_eq!(rows[1]["all"]["landed"], 0, "SCDWC with no cache stops every fault: {}", rows[1]);
     assert!(rows[2]["all"]["landed"].as_u64().unwrap() > 0, "a cache of 256 pages lets some land: {}", rows[2]);
-    if keys {
-        assert_eq!(rows[3]["keys"], true, "{}", rows[3]);
-        assert_eq!(rows[3]["all"]["landed"], 0, "with keys, a cache of 256 pages lets none land: {}", rows[3]);
-    } else {
+    for (i, gate) in [(3, "pages"), (4, "keys")].into_iter().take(per - 3) {
+        for row in [&rows[i], &seed[i]] {
+            assert_eq!(row["gate"], gate, "{row}");
+            assert_eq!(row["all"]["landed"], 0, "gated by {gate}, a cache of 256 pages lets none land: {row}");
+        }
+    }
+    if !keys {
         eprintln!("protection keys not checked: the processor has none");
     }
 }

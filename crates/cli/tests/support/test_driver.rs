@@ -119,7 +119,7 @@ struct IsolationArgs {
     #[arg(long, value_delimiter = ',', value_parser = bulkhead_bench::guard_isolation::Population::parse)]
     population: Vec<bulkhead_bench::guard_isolation::Population>,
     /// Only these settings (comma-separated: `dwc` or a cache size C, each with `+keys` for
-    /// protection keys), not all.
+    /// protection keys, a cache size with `+pages` for the page gate), not all.
     #[arg(long, value_delimiter = ',', value_parser = bulkhead_bench::guard_filters::Setting::parse)]
     settings: Vec<bulkhead_bench::guard_filters::Setting>,
     /// Write the figures as an SVG here.
