@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use bulkhead_config::Config;
-use bulkhead_filters::GuardMode;
+use bulkhead_filters::{GuardMode, GuardSpec};
 use bulkhead_supervisor::Supervisor;
 use serde::Serialize;
 
@@ -152,16 +152,20 @@ impl Setting {
         format!("{base}{}", self.gate.suffix())
     }
 
+    /// The guard a filter gets for it, as the configuration would resolve it.
+    pub fn spec(&self) -> GuardSpec {
+        GuardSpec { mode: self.mode, keys: self.gate == Gate::Keys, pages: self.gate == Gate::Pages }
+    }
+
     /// The filter table's guard keys for it.
     fn config_lines(&self) -> String {
-        let keys = self.gate == Gate::Keys;
+        let GuardSpec { keys, pages, .. } = self.spec();
         match self.mode {
             GuardMode::Off => String::new(),
             GuardMode::Dwc => format!("guard = \"dwc\"\nguard_keys = {keys}\n"),
-            GuardMode::Scdwc { cache } => format!(
-                "guard = \"scdwc\"\nguard_cache = {cache}\nguard_keys = {keys}\nguard_pages = {}\n",
-                self.gate == Gate::Pages
-            ),
+            GuardMode::Scdwc { cache } => {
+                format!("guard = \"scdwc\"\nguard_cache = {cache}\nguard_keys = {keys}\nguard_pages = {pages}\n")
+            }
         }
     }
 }

@@ -807,22 +807,22 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
 /// another owner's and outside the call's table, in ranges of adjacent pages of one region
 /// (with gaps of at most [`GATE_GAP`] pages, shut already), and records them for [`exit`].
 fn gate(st: &mut State, filter: u32) -> io::Result<()> {
-    let mut pages = [0u64; MAX_CACHE];
+    // Each page with its region, found once.
+    let mut pages = [(0u64, 0usize); MAX_CACHE];
     let mut n = 0;
     for p in st.shadow.cached_pages() {
         let Some(r) = st.region_of(p) else { continue };
         if st.regions[r].owner == filter || st.act.ranges().iter().any(|&(s, e)| s < p + PAGE && p < e) {
             continue;
         }
-        pages[n] = p;
+        pages[n] = (p, r);
         n += 1;
     }
     let pages = &mut pages[..n];
     pages.sort_unstable();
     st.ngated = 0;
     let mut region = usize::MAX;
-    for &p in pages.iter() {
-        let r = st.region_of(p).unwrap_or(usize::MAX);
+    for &(p, r) in pages.iter() {
         if st.ngated > 0 && r == region {
             let last = &mut st.gated[st.ngated - 1];
             if p < last.1 {

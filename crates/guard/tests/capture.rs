@@ -245,6 +245,20 @@ fn shm(tag: &str, mechanism: &str) -> String {
     format!("/dev/shm/bulkhead-guard-test-{}-{tag}-{mechanism}", std::process::id())
 }
 
+/// Runs `scenario` under `mechanism` and returns its output and what its memory held after.
+fn run_reading(scenario: &str, mechanism: &str) -> (std::process::Output, Vec<u8>) {
+    let path = shm(scenario, mechanism);
+    let out = child(scenario, mechanism, &path);
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    (out, bytes)
+}
+
+/// The report a stopped write left last on the child's output.
+fn report_of(out: &std::process::Output) -> Violation {
+    Violation::decode(out.stdout[out.stdout.len() - Violation::BYTES..].try_into().unwrap())
+}
+
 /// Runs `scenario` under both mechanisms and asserts every check in it held.
 fn passes_under_both(scenario: &str) {
     for m in mechanisms() {
@@ -269,17 +283,13 @@ fn scdwc_keeps_the_last_pages_open_and_protects_only_the_pool_at_the_next_call()
 #[test]
 fn a_write_outside_the_table_does_not_happen_and_is_reported() {
     for m in mechanisms() {
-        let path = shm("violation", m);
-        let out = child("violation", m, &path);
-        let bytes = std::fs::read(&path).unwrap();
-        let _ = std::fs::remove_file(&path);
+        let (out, bytes) = run_reading("violation", m);
         assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{m}: {}", String::from_utf8_lossy(&out.stderr));
         // The state, not the handler's word: the allowed write landed, the other did not.
         let at = |p: usize| bytes[p * PAGE as usize + 8];
         assert_eq!((at(3), at(5)), (3, 0xaa), "{m}");
         // The report is the last thing on the child's output.
-        let report = &out.stdout[out.stdout.len() - Violation::BYTES..];
-        let v = Violation::decode(report.try_into().unwrap());
+        let v = report_of(&out);
         assert_eq!((v.region, v.filter), (0, 42), "{m}: {v:?}");
         assert_eq!(v.address % PAGE, 8, "{m}: {v:?}");
     }
@@ -309,18 +319,14 @@ fn protection_keys_stop_a_write_to_a_page_the_cache_holds_open() {
     }
     for m in mechanisms() {
         for (which, stopped) in [("keys", true), ("keys-off", false)] {
-            let path = shm(which, m);
-            let out = child(which, m, &path);
-            let bytes = std::fs::read(&path).unwrap();
-            let _ = std::fs::remove_file(&path);
+            let (out, bytes) = run_reading(which, m);
             let at = |p: usize| bytes[p * PAGE as usize + 8];
             let err = String::from_utf8_lossy(&out.stderr);
             if stopped {
                 assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{m} {which}: {err}");
                 // The state: the filter's own writes landed, the one into the cached page not.
                 assert_eq!((at(9), at(4), at(5)), (10, 4, 0x11), "{m} {which}");
-                let report = &out.stdout[out.stdout.len() - Violation::BYTES..];
-                let v = Violation::decode(report.try_into().unwrap());
+                let v = report_of(&out);
                 assert_eq!((v.region, v.filter, v.address % PAGE), (0, 0, 8), "{m}: {v:?}");
             } else {
                 // Without keys the cache lets it through: what the keys add.
@@ -334,17 +340,13 @@ fn protection_keys_stop_a_write_to_a_page_the_cache_holds_open() {
 #[test]
 fn the_page_gate_shuts_the_runtimes_open_pages_for_each_call_and_opens_them_after() {
     for m in mechanisms() {
-        let path = shm("pages", m);
-        let out = child("pages", m, &path);
-        let bytes = std::fs::read(&path).unwrap();
-        let _ = std::fs::remove_file(&path);
+        let (out, bytes) = run_reading("pages", m);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{m}: {err}");
         let at = |p: usize| bytes[p * PAGE as usize + 8];
         // The state: the runtime's writes and the filter's own landed, the gated one not.
         assert_eq!((at(5), at(6), at(9), at(15)), (0x11, 0x11, 10, 1), "{m}");
-        let report = &out.stdout[out.stdout.len() - Violation::BYTES..];
-        let v = Violation::decode(report.try_into().unwrap());
+        let v = report_of(&out);
         assert_eq!((v.region, v.filter, v.address % PAGE), (0, 0, 8), "{m}: {v:?}");
     }
 }

@@ -374,12 +374,7 @@ fn run_child(bed: &Bed, guard: GuardSpec, work: Work, seed: u64) -> Result<Ran, 
 /// One fault, in a child of its own.
 fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, BenchError> {
     let inject = InjectSpec { target, every: EVERY, seed };
-    let Ran { status, record: rec, res, back, log } = run_child(
-        bed,
-        GuardSpec { mode: setting.mode, keys: setting.gate == Gate::Keys, pages: setting.gate == Gate::Pages },
-        Work::Fault(inject),
-        seed,
-    )?;
+    let Ran { status, record: rec, res, back, log } = run_child(bed, setting.spec(), Work::Fault(inject), seed)?;
     if rec.len() != FAULT_RECORD {
         return Err(BenchError::Run(format!("the domain ended ({}) before its fault: {}", describe(status), tail(&log))));
     }
