@@ -256,6 +256,9 @@ pub enum BenchCmd {
         /// With --filters: where the trace, volume and overlay files go.
         #[arg(long, default_value = "/tmp", value_parser = dir)]
         scratch: PathBuf,
+        /// With --filters: the device's spin budget in µs (default: the self-tuning "auto").
+        #[arg(long, requires = "filters", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+        spin_budget_us: Option<u64>,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -621,9 +624,9 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<ExitCode> {
             emit(&r, json, crate::restart::render)?;
             Ok(if r.errors == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) })
         }
-        BenchCmd::Guard { writes, filters, settings, plot, seconds, scratch, json } => {
+        BenchCmd::Guard { writes, filters, settings, plot, seconds, scratch, spin_budget_us, json } => {
             if filters {
-                let which = GuardFigures { settings, plot, seconds, scratch };
+                let which = GuardFigures { settings, plot, seconds, scratch, spin_budget_us };
                 guard_figures(which, json)
             } else {
                 let r = crate::guard::run(&crate::guard::Options { writes }, |p| eprintln!("bench guard: {p}"))?;
@@ -914,12 +917,14 @@ struct GuardFigures {
     plot: Option<PathBuf>,
     seconds: u32,
     scratch: PathBuf,
+    spin_budget_us: Option<u64>,
 }
 
 fn guard_figures(w: GuardFigures, json: bool) -> anyhow::Result<ExitCode> {
     use crate::guard_filters::Setting;
     let settings = if w.settings.is_empty() { Setting::all(true) } else { w.settings };
-    let opts = crate::guard_filters::Options { seconds: w.seconds, scratch: w.scratch, settings };
+    let opts =
+        crate::guard_filters::Options { seconds: w.seconds, scratch: w.scratch, settings, spin_budget_us: w.spin_budget_us };
     opts.check()?;
     need_root("bench guard --filters uses FUSE exports and userfaultfd on shared memory")?;
     let filters = crate::guard_filters::run(&exe()?, &opts, |p| eprintln!("bench guard: {p}"))?;

@@ -25,6 +25,8 @@ pub struct Options {
     pub scratch: PathBuf,
     /// The settings (`off` is always measured first, as the rows' reference).
     pub settings: Vec<Setting>,
+    /// The device's spin budget in µs (`spin_budget_us`), `None` for the self-tuning `auto`.
+    pub spin_budget_us: Option<u64>,
 }
 
 /// The settings, as Chariot's x axis: off, DWC, then SCDWC with these C.
@@ -196,6 +198,8 @@ pub struct Row {
 pub struct Report {
     /// Seconds of fio per row.
     pub seconds: u32,
+    /// The device's spin budget in µs, `None` for `auto`.
+    pub spin_budget_us: Option<u64>,
     /// The rows.
     pub rows: Vec<Row>,
     /// Filters left out, and why.
@@ -231,11 +235,12 @@ fn fio(file: &Path, seconds: u32) -> Result<(f64, f64), BenchError> {
 }
 
 /// The device's configuration for `filter` with `guard` lines.
-fn device(filter: &str, files: &Files, guard: &str) -> String {
+fn device(filter: &str, files: &Files, guard: &str, spin_budget_us: Option<u64>) -> String {
     // Under DWC every write to guarded memory is a fault and a single step: a cow allocating
     // a qcow2 L2 table (8,192 entries, each written alone) can take over the default watchdog's
     // second, and a replaced domain would start the same allocation over.
-    let head = "[nbd]\nenabled = false\n[fuse]\nenabled = false\n[[device]]\nname = \"g\"\nwatchdog_ms = 30000\n";
+    let spin = spin_budget_us.map_or(String::new(), |us| format!("spin_budget_us = {us}\n"));
+    let head = format!("[nbd]\nenabled = false\n[fuse]\nenabled = false\n[[device]]\nname = \"g\"\nwatchdog_ms = 30000\n{spin}");
     match filter {
         "trace" => format!(
             "{head}size = \"{SIZE_MIB}M\"\n[device.backend]\ntype = \"ram\"\n[[device.filter]]\ntype = \"trace\"\npath = \"{}\"\n{guard}",
@@ -262,7 +267,7 @@ struct Files {
 
 fn run_one(exe: &Path, filter: &str, files: &Files, guard: &str, opts: &Options) -> Result<(f64, f64, f64), BenchError> {
     let _ = std::fs::remove_file(&files.overlay);
-    let config = Config::parse(&device(filter, files, guard), "bench guard").map_err(|e| e.to_string())?;
+    let config = Config::parse(&device(filter, files, guard, opts.spin_budget_us), "bench guard").map_err(|e| e.to_string())?;
     let sup = Supervisor::start(&config, Some(exe)).map_err(|e| e.to_string())?;
     let mnt = opts.scratch.join(format!("bench-guard-fuse-{}", std::process::id()));
     let fuse = bulkhead_fuse_export::FuseExport::mount(&mnt, sup.devices(), 4).map_err(|e| BenchError::Run(e.to_string()));
@@ -346,7 +351,7 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     for p in [&files.trace, &files.luks, &files.key, &files.overlay] {
         let _ = std::fs::remove_file(p);
     }
-    Ok(Report { seconds: opts.seconds, rows, skipped })
+    Ok(Report { seconds: opts.seconds, spin_budget_us: opts.spin_budget_us, rows, skipped })
 }
 
 /// The report as a table, with the goal (scdwc at C = 60 within 10% of off).
@@ -364,7 +369,9 @@ pub fn render(r: &Report) -> String {
             format!("{:.0}%", row.of_off_pct),
         ]);
     }
-    let mut s = format!("fio 4 KiB randrw, psync, QD1, {} s per row, through FUSE\n{}", r.seconds, t.render());
+    let spin = r.spin_budget_us.map_or("auto".to_string(), |us| format!("{us} µs"));
+    let mut s =
+        format!("fio 4 KiB randrw, psync, QD1, {} s per row, through FUSE, spin budget {spin}\n{}", r.seconds, t.render());
     for row in r.rows.iter().filter(|x| x.cache == Some(60)) {
         let (goal, share) = if row.gate == Gate::Pages { ("at least half", 50.0) } else { ("within 10%", 90.0) };
         let met = if row.of_off_pct >= share { "met" } else { "not met" };

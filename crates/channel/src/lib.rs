@@ -18,7 +18,7 @@ mod setup;
 mod tests;
 
 pub use above::AboveControl;
-pub use back::{ArenaWindows, BackQueue, Popped};
+pub use back::{ArenaWindows, BackQueue, Popped, RingMap};
 pub use below::BelowControl;
 pub use bulkhead_shmem::{SharedSlice, SliceList};
 pub use front::{Completion, FrontQueue, FrontRequest, QueueStats, STORM_DAMP_MS, STORM_WAKES};

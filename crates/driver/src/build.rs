@@ -94,16 +94,23 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
             .map(|v| v.size)
             .ok_or_else(|| DriverError::Setup(format!("a queue names view {v}; the spec gives {}", this.views.len()))),
     };
-    let mut queues = Vec::with_capacity(this.queues.len());
+    // The rings first, each mapped right after the last, so that they lie side by side and
+    // write capture shuts them in one range; the arenas after them.
+    let mut claimed = Vec::with_capacity(this.queues.len());
     for q in &this.queues {
         // SAFETY: forwarded from this function's contract.
         let [ring, write_arena, read_arena, kick, irq] = q.fds.map(|fd| unsafe { claim(fd) });
         let fds = BackQueueFds { ring: ring?, write_arena: write_arena?, read_arena: read_arena?, kick: kick?, irq: irq? };
+        let ring = BackQueue::map_ring(&fds, q.nslots).map_err(|e| DriverError::Setup(e.to_string()))?;
+        claimed.push((q, fds, ring));
+    }
+    let mut queues = Vec::with_capacity(this.queues.len());
+    for (q, fds, ring) in claimed {
         let arenas = ArenaSizes { write: q.arena_bytes, read: q.arena_bytes };
         // A queue of a view takes requests within the view only: its ring checks them
         // against the view's size, and the domain moves them by its offset.
         let size = view_size(q.view)?;
-        queues.push(BackQueue::from_fds(fds, q.nslots, arenas, size).map_err(|e| DriverError::Setup(e.to_string()))?);
+        queues.push(BackQueue::from_mapped(ring, fds, q.nslots, arenas, size).map_err(|e| DriverError::Setup(e.to_string()))?);
     }
     let setup = |e: bulkhead_backends::BackendError| DriverError::Setup(e.to_string());
     let backend: Box<dyn Backend> = match &this.backend {

@@ -126,8 +126,8 @@ struct Region {
 
 /// The owner of every region no guarded code owns: the runtime.
 const RUNTIME: u32 = u32::MAX;
-/// Pages of a gap between two runs of open pages of one region that the page gate shuts and
-/// opens with them, as one range: a page costs the kernel a small part of a system call.
+/// Pages of a gap between two runs of open pages that the page gate shuts and opens with
+/// them, as one range: a page costs the kernel a small part of a system call.
 const GATE_GAP: u64 = 8;
 
 impl Region {
@@ -259,6 +259,24 @@ impl State {
         deny
     }
 
+    /// Whether the gap `[start, end)` between two runs of pages the page gate shuts for
+    /// `filter` may be shut with them, as one range: it lies in guarded regions side by side
+    /// (the system call takes one mapping after another), none of them `filter`'s own, and
+    /// the call's table reaches none of it (a page it may write would fault for nothing).
+    fn may_join(&self, start: u64, end: u64, filter: u32) -> bool {
+        if self.act.ranges().iter().any(|&(s, e)| s < end && start < e) {
+            return false;
+        }
+        let mut at = start;
+        while at < end {
+            match self.region_of(at) {
+                Some(r) if self.regions[r].owner != filter => at = self.regions[r].end,
+                _ => return false,
+            }
+        }
+        true
+    }
+
     /// Protects or opens a range; async-signal-safe.
     fn set(&self, start: u64, len: u64, protect: bool) -> io::Result<()> {
         set(self.mechanism, self.uffd, start, len, protect)
@@ -323,9 +341,29 @@ unsafe fn state() -> &'static mut State {
     unsafe { &mut *STATE.0.get() }
 }
 
+std::thread_local! {
+    /// The calling thread's id, once asked: every call into guarded code and every fault
+    /// asks whether it runs on the guarded thread, and a system call each time would cost
+    /// more than the rest of the check. Plain data without a destructor, so reading it is
+    /// async-signal-safe; a forked child forgets it ([`forget_tid`]).
+    static MY_TID: std::cell::Cell<i32> = const { std::cell::Cell::new(0) };
+}
+
 fn gettid() -> i32 {
-    // SAFETY: a system call without arguments.
-    unsafe { libc::syscall(libc::SYS_gettid) as i32 }
+    MY_TID.with(|t| match t.get() {
+        0 => {
+            // SAFETY: a system call without arguments.
+            let tid = unsafe { libc::syscall(libc::SYS_gettid) as i32 };
+            t.set(tid);
+            tid
+        }
+        tid => tid,
+    })
+}
+
+/// In a forked child, whose one thread has an id of its own: asked again.
+extern "C" fn forget_tid() {
+    MY_TID.with(|t| t.set(0));
 }
 
 /// Gives `sig` back its default action, so that the fault, repeated when the handler returns,
@@ -545,6 +583,11 @@ impl Guard {
             // SAFETY: on the installing thread, no handler installed yet.
             let st = unsafe { state() };
             *st = State::EMPTY;
+            static AT_FORK: std::sync::Once = std::sync::Once::new();
+            // SAFETY: registers a handler that only clears a thread-local integer.
+            AT_FORK.call_once(|| unsafe {
+                libc::pthread_atfork(None, None, Some(forget_tid));
+            });
             st.tid = gettid();
             st.mechanism = mechanism;
             st.uffd = trap.as_ref().map_or(-1, |t| t.as_raw_fd());
@@ -804,38 +847,36 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
 }
 
 /// Shuts, for the call of `filter` about to run, the pages the cache holds open that are
-/// another owner's and outside the call's table, in ranges of adjacent pages of one region
-/// (with gaps of at most [`GATE_GAP`] pages, shut already), and records them for [`exit`].
+/// another owner's and outside the call's table, in ranges of adjacent pages (with gaps of at
+/// most [`GATE_GAP`] pages, shut already, that [`State::may_join`] across), and records them
+/// for [`exit`].
 fn gate(st: &mut State, filter: u32) -> io::Result<()> {
-    // Each page with its region, found once.
-    let mut pages = [(0u64, 0usize); MAX_CACHE];
+    let mut pages = [0u64; MAX_CACHE];
     let mut n = 0;
     for p in st.shadow.cached_pages() {
         let Some(r) = st.region_of(p) else { continue };
         if st.regions[r].owner == filter || st.act.ranges().iter().any(|&(s, e)| s < p + PAGE && p < e) {
             continue;
         }
-        pages[n] = (p, r);
+        pages[n] = p;
         n += 1;
     }
     let pages = &mut pages[..n];
     pages.sort_unstable();
     st.ngated = 0;
-    let mut region = usize::MAX;
-    for &(p, r) in pages.iter() {
-        if st.ngated > 0 && r == region {
-            let last = &mut st.gated[st.ngated - 1];
-            if p < last.1 {
+    for &p in pages.iter() {
+        if st.ngated > 0 {
+            let end = st.gated[st.ngated - 1].1;
+            if p < end {
                 continue;
             }
-            if p <= last.1 + GATE_GAP * PAGE && !st.act.ranges().iter().any(|&(s, e)| s < p && last.1 < e) {
-                last.1 = p + PAGE;
+            if p <= end + GATE_GAP * PAGE && st.may_join(end, p, filter) {
+                st.gated[st.ngated - 1].1 = p + PAGE;
                 continue;
             }
         }
         st.gated[st.ngated] = (p, p + PAGE);
         st.ngated += 1;
-        region = r;
     }
     for i in 0..st.ngated {
         let (start, end) = st.gated[i];

@@ -237,6 +237,28 @@ fn scenario() {
             g.call(0, &act, || write(mem, 5, 0x55)).unwrap();
             unreachable!("the gate let a write to the runtime's open page through");
         }
+        "pages-join" => {
+            // Two regions of the runtime side by side (0..4, 4..6), the filter's own (6..8),
+            // and the runtime's again (8..10): the gate joins open pages across the first
+            // boundary, not across the filter's own pages.
+            let mut g = Guard::install(mechanism, Mode::Scdwc { cache: 8 }, Some(1)).unwrap();
+            g.add_region(base, 4 * PAGE, "runtime a").unwrap();
+            g.add_region(base + 4 * PAGE, 2 * PAGE, "runtime b").unwrap();
+            let own = g.add_region(base + 6 * PAGE, 2 * PAGE, "filter").unwrap();
+            g.own_region(own, 0).unwrap();
+            g.add_region(base + 8 * PAGE, 2 * PAGE, "runtime c").unwrap();
+            g.gate_pages(&[true]).unwrap();
+            let act = act_for(mem, &[6, 7]);
+            g.call(0, &act, || write(mem, 6, 1)).unwrap();
+            for p in [3, 4, 9] {
+                write(mem, p, 0x11);
+            }
+            g.call(0, &act, || write(mem, 7, 1)).unwrap();
+            let s = g.stats();
+            assert_eq!((s.gated_ranges, s.gated_pages), (2, 3), "3..5 across the boundary, and 9: {s:?}");
+            g.call(0, &act, || write(mem, 4, 0x44)).unwrap();
+            unreachable!("the gate let a write to the runtime's open page through");
+        }
         other => panic!("no scenario {other}"),
     }
 }
@@ -267,6 +289,18 @@ fn passes_under_both(scenario: &str) {
         let _ = std::fs::remove_file(&path);
         assert!(out.status.success(), "{m}: {}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stdout).contains(PASSED), "{m}: {}", String::from_utf8_lossy(&out.stdout));
+    }
+}
+
+#[test]
+fn the_page_gate_shuts_open_pages_of_regions_side_by_side_in_one_range() {
+    for m in mechanisms() {
+        let (out, bytes) = run_reading("pages-join", m);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{m}: {err}");
+        assert_eq!(bytes[4 * PAGE as usize + 8], 0x11, "{m}: the gated write landed");
+        let v = report_of(&out);
+        assert_eq!((v.region, v.filter), (1, 0), "{m}: {v:?}");
     }
 }
 
