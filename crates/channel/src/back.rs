@@ -66,16 +66,16 @@ fn err(e: impl std::fmt::Display) -> ChannelError {
     ChannelError::Setup(e.to_string())
 }
 
-/// A queue's ring, mapped ([`BackQueue::map_ring`]).
+/// A queue's ring, mapped, with its geometry ([`BackQueue::map_ring`]).
 #[derive(Debug)]
-pub struct RingMap(Mapping);
+pub struct RingMap(Mapping, RingLayout);
 
 impl BackQueue {
     /// Maps the descriptors received from the supervisor. The write arena is mapped read-only
     /// (its descriptor allows nothing else).
     pub fn from_fds(fds: BackQueueFds, nslots: u32, arenas: ArenaSizes, device_size: u64) -> Result<Self, ChannelError> {
         let ring = Self::map_ring(&fds, nslots)?;
-        Self::from_mapped(ring, fds, nslots, arenas, device_size)
+        Self::from_mapped(ring, fds, arenas, device_size)
     }
 
     /// Maps the ring of a queue alone, for [`from_mapped`](Self::from_mapped). A domain maps
@@ -83,26 +83,20 @@ impl BackQueue {
     /// capture shuts them for a guarded call in one range.
     pub fn map_ring(fds: &BackQueueFds, nslots: u32) -> Result<RingMap, ChannelError> {
         let layout = RingLayout::new(nslots).map_err(err)?;
-        Ok(RingMap(Mapping::new(fds.ring.as_raw_fd(), layout.file_size(), Protection::ReadWrite).map_err(err)?))
+        Ok(RingMap(Mapping::new(fds.ring.as_raw_fd(), layout.file_size(), Protection::ReadWrite).map_err(err)?, layout))
     }
 
     /// As [`from_fds`](Self::from_fds), over the ring [`map_ring`](Self::map_ring) mapped from
     /// `fds`.
-    pub fn from_mapped(
-        ring: RingMap,
-        fds: BackQueueFds,
-        nslots: u32,
-        arenas: ArenaSizes,
-        device_size: u64,
-    ) -> Result<Self, ChannelError> {
-        let layout = RingLayout::new(nslots).map_err(err)?;
+    pub fn from_mapped(ring: RingMap, fds: BackQueueFds, arenas: ArenaSizes, device_size: u64) -> Result<Self, ChannelError> {
         for (fd, want) in [(&fds.write_arena, arenas.write), (&fds.read_arena, arenas.read)] {
             let have = bulkhead_shmem::memfd::size_of(fd.as_raw_fd()).map_err(err)?;
             if have < want {
                 return Err(ChannelError::Setup(format!("arena of {have} bytes, expected {want}")));
             }
         }
-        let ring = BackRing::attach(ring.0, layout).map_err(err)?;
+        let RingMap(map, layout) = ring;
+        let ring = BackRing::attach(map, layout).map_err(err)?;
         let warena = Mapping::new(fds.write_arena.as_raw_fd(), arenas.write as usize, Protection::ReadOnly).map_err(err)?;
         let rarena = Mapping::new(fds.read_arena.as_raw_fd(), arenas.read as usize, Protection::ReadWrite).map_err(err)?;
         Ok(BackQueue {

@@ -110,7 +110,7 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
         // A queue of a view takes requests within the view only: its ring checks them
         // against the view's size, and the domain moves them by its offset.
         let size = view_size(q.view)?;
-        queues.push(BackQueue::from_mapped(ring, fds, q.nslots, arenas, size).map_err(|e| DriverError::Setup(e.to_string()))?);
+        queues.push(BackQueue::from_mapped(ring, fds, arenas, size).map_err(|e| DriverError::Setup(e.to_string()))?);
     }
     let setup = |e: bulkhead_backends::BackendError| DriverError::Setup(e.to_string());
     let backend: Box<dyn Backend> = match &this.backend {

@@ -281,6 +281,15 @@ fn report_of(out: &std::process::Output) -> Violation {
     Violation::decode(out.stdout[out.stdout.len() - Violation::BYTES..].try_into().unwrap())
 }
 
+/// Runs `scenario` under `mechanism`, asserts that a write of it was stopped, and returns what
+/// its memory held after and the report.
+fn stopped(scenario: &str, mechanism: &str) -> (Vec<u8>, Violation) {
+    let (out, bytes) = run_reading(scenario, mechanism);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{mechanism}: {err}");
+    (bytes, report_of(&out))
+}
+
 /// Runs `scenario` under both mechanisms and asserts every check in it held.
 fn passes_under_both(scenario: &str) {
     for m in mechanisms() {
@@ -295,11 +304,8 @@ fn passes_under_both(scenario: &str) {
 #[test]
 fn the_page_gate_shuts_open_pages_of_regions_side_by_side_in_one_range() {
     for m in mechanisms() {
-        let (out, bytes) = run_reading("pages-join", m);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{m}: {err}");
+        let (bytes, v) = stopped("pages-join", m);
         assert_eq!(bytes[4 * PAGE as usize + 8], 0x11, "{m}: the gated write landed");
-        let v = report_of(&out);
         assert_eq!((v.region, v.filter), (1, 0), "{m}: {v:?}");
     }
 }
@@ -374,13 +380,10 @@ fn protection_keys_stop_a_write_to_a_page_the_cache_holds_open() {
 #[test]
 fn the_page_gate_shuts_the_runtimes_open_pages_for_each_call_and_opens_them_after() {
     for m in mechanisms() {
-        let (out, bytes) = run_reading("pages", m);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(VIOLATION_EXIT), "{m}: {err}");
+        let (bytes, v) = stopped("pages", m);
         let at = |p: usize| bytes[p * PAGE as usize + 8];
         // The state: the runtime's writes and the filter's own landed, the gated one not.
         assert_eq!((at(5), at(6), at(9), at(15)), (0x11, 0x11, 10, 1), "{m}");
-        let v = report_of(&out);
         assert_eq!((v.region, v.filter, v.address % PAGE), (0, 0, 8), "{m}: {v:?}");
     }
 }
