@@ -74,6 +74,9 @@ pub struct Stats {
     pub gated_ranges: u64,
     /// Pages in those ranges.
     pub gated_pages: u64,
+    /// Gated calls whose exit left the pages it shut shut, dropped from the cache: the
+    /// runtime's next write to each reopens it, so the cache holds only what it still writes.
+    pub trims: u64,
 }
 
 /// A write guarded code was not allowed to make, as the handler reports it before the
@@ -127,8 +130,14 @@ struct Region {
 /// The owner of every region no guarded code owns: the runtime.
 const RUNTIME: u32 = u32::MAX;
 /// Pages of a gap between two runs of open pages that the page gate shuts and opens with
-/// them, as one range: a page costs the kernel a small part of a system call.
-const GATE_GAP: u64 = 8;
+/// them, as one range: each page costs a step of the kernel's page walk, and a longer gap
+/// more than the second system call it saves.
+const GATE_GAP: u64 = 4;
+/// Every this many gated calls, the exit leaves the other owners' pages it shut shut
+/// ([`Stats::trims`]). Between two, a page the runtime wrote once (a ring slot it has moved
+/// past, a block it freed) stays in the cache, and every call shuts and opens it for nothing;
+/// a trim costs the runtime a fault for each page it still writes.
+const TRIM_EVERY: u32 = 64;
 
 impl Region {
     fn protected_len(&self) -> u64 {
@@ -184,6 +193,8 @@ struct State {
     /// does not (a gap, a page pushed out during the call), so the next call shuts them.
     loose: [(u64, u64); MAX_CACHE],
     nloose: usize,
+    /// Gated calls until one whose exit leaves what it shut shut ([`TRIM_EVERY`]).
+    trim_in: u32,
 }
 
 impl State {
@@ -215,6 +226,7 @@ impl State {
             gated: 0,
             gated_ranges: 0,
             gated_pages: 0,
+            trims: 0,
         },
         keys: false,
         own_key: [0; MAX_FILTERS],
@@ -224,6 +236,7 @@ impl State {
         ngated: 0,
         loose: [(0, 0); MAX_CACHE],
         nloose: 0,
+        trim_in: TRIM_EVERY,
     };
 
     fn stats_now(&self) -> Stats {
@@ -686,9 +699,9 @@ impl Guard {
     /// entry, the pages the shadow page cache holds open that are another owner's (the
     /// runtime's, another filter's: [`own_region`](Self::own_region)) and that the call's
     /// table does not reach are protected, in runs of adjacent pages, one system call each;
-    /// at its exit they are opened again. The cache then keeps the runtime's hot pages open
-    /// for the runtime without opening them to the filter, for two system calls per run per
-    /// call.
+    /// at its exit they are opened again ([`Stats::trims`]: now and then they are left shut).
+    /// The cache then keeps the runtime's hot pages open for the runtime without opening them
+    /// to the filter, for two system calls per run per call.
     pub fn gate_pages(&mut self, gated: &[bool]) -> io::Result<()> {
         if gated.len() > MAX_FILTERS {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("page gates for {} filters", gated.len())));
@@ -896,6 +909,18 @@ fn exit() {
     }
     st.running = false;
     let n = std::mem::take(&mut st.ngated);
+    if n > 0 {
+        st.trim_in -= 1;
+    }
+    if n > 0 && st.trim_in == 0 {
+        // Leave them shut: the runtime reopens what it still writes, a fault a page.
+        st.trim_in = TRIM_EVERY;
+        let gated = &st.gated[..n];
+        st.shadow.drop_shut(|p| gated.iter().any(|&(a, b)| a <= p && p < b));
+        st.nloose = 0;
+        st.stats.trims += 1;
+        return;
+    }
     for i in 0..n {
         let (start, end) = st.gated[i];
         let _ = st.set(start, end - start, false);

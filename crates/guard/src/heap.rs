@@ -9,9 +9,9 @@
 //! allocated before activation, or spilled to the system allocator (a space full, an alignment
 //! above a page), is freed where it came from.
 //!
-//! The spaces lie in one reservation: space `i` at `base + i * SPACE_BYTES`, backed by one
-//! memory file, so another process holding the file (a benchmark checking what an injected
-//! fault changed) sees the same bytes. Small blocks come in power-of-two classes up to 2 KiB
+//! The spaces lie in one reservation: space `i` at `base + i * SPACE_BYTES`. A domain's is
+//! private memory; a shared one is backed by one memory file, so another process holding the
+//! file (a benchmark checking what an injected fault changed) sees the same bytes. Small blocks come in power-of-two classes up to 2 KiB
 //! with a free list each; larger blocks are whole pages, and pages freed whole are marked, so
 //! the guard can tell a write to a freed block from a write to a live one.
 //!
@@ -121,25 +121,57 @@ impl Drop for Locked {
     }
 }
 
-/// The memory the spaces live in: a memory file mapped shared, not yet used for allocation.
-/// A process that keeps it across `fork` reads what the child's spaces hold.
+/// The memory the spaces live in, not yet used for allocation: private memory, or a memory
+/// file mapped shared.
+/// A process that keeps a shared one ([`Reservation::shared`]) across `fork` reads what the
+/// child's spaces hold.
 #[derive(Debug)]
 pub struct Reservation {
-    fd: OwnedFd,
+    /// The memory file of a shared reservation.
+    fd: Option<OwnedFd>,
     base: u64,
     spaces: usize,
 }
 
 impl Reservation {
-    /// Reserves `spaces` spaces (at most [`MAX_SPACES`]).
+    /// Reserves `spaces` spaces (at most [`MAX_SPACES`]) of private memory, as a domain's
+    /// heap. Private, not a memory file's: the guard opens a page again in one system call
+    /// whose kernel makes a written private page writable there and then, where a shared
+    /// page would take a write fault when next written (the kernel must mark the file dirty).
     pub fn new(spaces: usize) -> io::Result<Reservation> {
+        let len = Self::len_of(spaces)?;
+        // SAFETY: a new private mapping at an address the kernel chooses, so no existing
+        // memory changes.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Reservation { fd: None, base: p as u64, spaces })
+    }
+
+    /// As [`Reservation::new`], backed by one memory file, so that a process that forks the
+    /// one using it can [`read`](Reservation::read) what that child's spaces hold.
+    pub fn shared(spaces: usize) -> io::Result<Reservation> {
+        let len = Self::len_of(spaces)?;
+        let fd = bulkhead_sys::memfd::create("bulkhead-heap", len)?;
+        let base = bulkhead_sys::memfd::map_shared(&fd, len, libc::MAP_NORESERVE)?;
+        Ok(Reservation { fd: Some(fd), base, spaces })
+    }
+
+    fn len_of(spaces: usize) -> io::Result<u64> {
         if spaces == 0 || spaces > MAX_SPACES {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{spaces} heap spaces (1 to {MAX_SPACES})")));
         }
-        let len = spaces as u64 * SPACE_BYTES;
-        let fd = bulkhead_sys::memfd::create("bulkhead-heap", len)?;
-        let base = bulkhead_sys::memfd::map_shared(&fd, len, libc::MAP_NORESERVE)?;
-        Ok(Reservation { fd, base, spaces })
+        Ok(spaces as u64 * SPACE_BYTES)
     }
 
     /// Where space `s` starts.
@@ -147,21 +179,17 @@ impl Reservation {
         self.base + s.0 as u64 * SPACE_BYTES
     }
 
-    /// The memory file.
-    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        use std::os::fd::AsFd;
-        self.fd.as_fd()
-    }
-
     /// Spaces reserved.
     pub fn spaces(&self) -> usize {
         self.spaces
     }
 
-    /// Reads `buf.len()` bytes at `addr` (an address inside the reservation) through this
-    /// process's mapping, which sees what any process sharing the file wrote.
+    /// Reads `buf.len()` bytes at `addr` (an address inside the reservation) from the memory
+    /// file of a shared reservation, which holds what any process sharing it wrote; `false`
+    /// for a private one, or an address outside.
     pub fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
         let end = self.base + self.spaces as u64 * SPACE_BYTES;
+        let Some(fd) = &self.fd else { return false };
         if addr < self.base || addr.saturating_add(buf.len() as u64) > end {
             return false;
         }
@@ -171,7 +199,7 @@ impl Reservation {
             // local buffer; no memory of a space is touched.
             let n = unsafe {
                 libc::pread(
-                    self.fd.as_raw_fd(),
+                    fd.as_raw_fd(),
                     buf[done..].as_mut_ptr().cast(),
                     buf.len() - done,
                     (addr - self.base + done as u64) as libc::off_t,

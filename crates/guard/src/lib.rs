@@ -23,7 +23,8 @@
 //!
 //! Without keys, the page gate ([`Guard::gate_pages`]) closes it with page protection: at a
 //! filter's entry the pages the cache holds open that belong to another owner are protected,
-//! in ranges of adjacent pages, one system call each, and opened again at its exit.
+//! in ranges of adjacent pages, one system call each, and opened again at its exit (but
+//! every 64th exit, which leaves them shut so that only the pages still written reopen).
 //!
 //! Two [`Mechanism`]s catch writes: userfaultfd write protection with its faults raised as
 //! SIGBUS in the writing thread, and `mprotect` with SIGSEGV. `bulkhead-bench guard` measures

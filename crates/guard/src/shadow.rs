@@ -173,6 +173,28 @@ impl Shadow {
         self.pool_push(page);
     }
 
+    /// Drops from the cache the pages `shut` says the caller has protected again, keeping the
+    /// others open in their order: a page dropped so is neither open nor owed to the pool.
+    pub fn drop_shut(&mut self, shut: impl Fn(u64) -> bool) {
+        let cap = self.capacity();
+        if cap == 0 {
+            return;
+        }
+        // Oldest first, packed to the front of the ring.
+        let mut kept = [0u64; MAX_CACHE];
+        let mut n = 0;
+        for i in 0..self.held {
+            let page = self.cache[(self.next + cap - self.held + i) % cap];
+            if !shut(page) {
+                kept[n] = page;
+                n += 1;
+            }
+        }
+        self.cache[..n].copy_from_slice(&kept[..n]);
+        self.held = n;
+        self.next = n % cap;
+    }
+
     /// Forgets every opened page: the next call protects everything.
     pub fn reset(&mut self) {
         self.held = 0;
@@ -255,6 +277,25 @@ mod tests {
         s.opened(0x2000, false);
         s.opened(0x3000, true);
         assert_eq!(s.cached_pages().collect::<Vec<_>>(), [0x3000, 0x2000]);
+    }
+
+    #[test]
+    fn pages_dropped_as_shut_leave_the_cache_and_the_rest_keep_their_order() {
+        const PAGE: u64 = 0x1000;
+        let mut s = Shadow::new(Mode::Scdwc { cache: 4 });
+        assert_eq!(s.prepare(), Prepare::All);
+        for p in [1, 2, 3, 4, 5] {
+            s.opened(p * PAGE, false);
+        }
+        // The cache holds 2..=5, and 1 went to the pool.
+        s.drop_shut(|p| p == 3 * PAGE || p == 5 * PAGE);
+        assert_eq!(s.cached_pages().collect::<Vec<_>>(), [4 * PAGE, 2 * PAGE]);
+        assert_eq!(s.prepare(), Prepare::Pages(&[PAGE]));
+        // The room made is filled before anything is pushed out again.
+        assert_eq!(s.opened(6 * PAGE, true), None);
+        assert_eq!(s.opened(7 * PAGE, true), None);
+        assert_eq!(s.opened(8 * PAGE, true), Some(Evicted::Protect(2 * PAGE)));
+        assert_eq!(s.cached_pages().collect::<Vec<_>>(), [8 * PAGE, 7 * PAGE, 6 * PAGE, 4 * PAGE]);
     }
 
     #[test]

@@ -59,6 +59,18 @@ fn act_for(mem: &[u8], pages: &[usize]) -> Act {
     a
 }
 
+/// A guard under SCDWC with C = 8 whose page gate shuts `mem`'s pages 0..8, the runtime's,
+/// to filter 0, whose own pages 8..16 are its table.
+fn gated_halves(mechanism: Mechanism, mem: &[u8]) -> (Guard, Act) {
+    let base = mem.as_ptr() as u64;
+    let mut g = Guard::install(mechanism, Mode::Scdwc { cache: 8 }, Some(1)).unwrap();
+    g.add_region(base, 8 * PAGE, "runtime").unwrap();
+    let own = g.add_region(base + 8 * PAGE, 8 * PAGE, "filter").unwrap();
+    g.own_region(own, 0).unwrap();
+    g.gate_pages(&[true]).unwrap();
+    (g, act_for(mem, &(8..16).collect::<Vec<_>>()))
+}
+
 /// The scenarios; does nothing unless run by `child`.
 #[test]
 fn scenario() {
@@ -208,12 +220,7 @@ fn scenario() {
         "pages" => {
             // Pages 0..8 are the runtime's, 8..16 the filter's own; the page gate shuts the
             // runtime's pages the cache holds open for each of the filter's calls.
-            let mut g = Guard::install(mechanism, Mode::Scdwc { cache: 8 }, Some(1)).unwrap();
-            g.add_region(base, 8 * PAGE, "runtime").unwrap();
-            let own = g.add_region(base + 8 * PAGE, 8 * PAGE, "filter").unwrap();
-            g.own_region(own, 0).unwrap();
-            g.gate_pages(&[true]).unwrap();
-            let act = act_for(mem, &(8..16).collect::<Vec<_>>());
+            let (mut g, act) = gated_halves(mechanism, mem);
             g.call(0, &act, || write(mem, 9, 9)).unwrap();
             // The runtime's writes between calls: 5, 6 and 7 enter the cache.
             write(mem, 5, 0x11);
@@ -258,6 +265,33 @@ fn scenario() {
             assert_eq!((s.gated_ranges, s.gated_pages), (2, 3), "3..5 across the boundary, and 9: {s:?}");
             g.call(0, &act, || write(mem, 4, 0x44)).unwrap();
             unreachable!("the gate let a write to the runtime's open page through");
+        }
+        "pages-trim" => {
+            // Pages 0..8 are the runtime's, 8..16 the filter's own. The runtime writes 6 once
+            // and 5 before every call; a trim leaves both shut, and only 5 comes back.
+            let (mut g, act) = gated_halves(mechanism, mem);
+            g.call(0, &act, || write(mem, 9, 9)).unwrap();
+            write(mem, 6, 0x11);
+            let mut calls = 1;
+            while g.stats().trims == 0 {
+                write(mem, 5, 0x11);
+                g.call(0, &act, || write(mem, 9, 9)).unwrap();
+                calls += 1;
+                assert!(calls < 1000, "no trim in {calls} calls");
+            }
+            let s = g.stats();
+            assert_eq!((s.trims, s.outside), (1, 2), "6 and 5 each reopened once: {s:?}");
+            assert_eq!(s.gated_pages, 2 * (calls - 1), "5..7 shut by every call after the first: {s:?}");
+            // Shut after the trim: the runtime's write reopens 5, and the next call shuts it alone.
+            write(mem, 5, 0x11);
+            assert_eq!(g.stats().outside, 3);
+            g.call(0, &act, || write(mem, 9, 9)).unwrap();
+            let t = g.stats();
+            assert_eq!((t.gated_ranges - s.gated_ranges, t.gated_pages - s.gated_pages), (1, 1), "5 alone: {t:?}");
+            // 6 stayed shut: the runtime's write to it faults once more.
+            write(mem, 6, 0x11);
+            assert_eq!(g.stats().outside, 4);
+            println!("{PASSED}");
         }
         other => panic!("no scenario {other}"),
     }
@@ -308,6 +342,11 @@ fn the_page_gate_shuts_open_pages_of_regions_side_by_side_in_one_range() {
         assert_eq!(bytes[4 * PAGE as usize + 8], 0x11, "{m}: the gated write landed");
         assert_eq!((v.region, v.filter), (1, 0), "{m}: {v:?}");
     }
+}
+
+#[test]
+fn the_page_gate_now_and_then_leaves_what_it_shut_shut_so_that_only_pages_still_written_stay_open() {
+    passes_under_both("pages-trim");
 }
 
 #[test]

@@ -328,7 +328,7 @@ struct Ran {
 fn run_child(bed: &Bed, guard: GuardSpec, work: Work, seed: u64) -> Result<Ran, BenchError> {
     let parts = filter_parts(bed, guard)?;
     let below = below_fd(bed)?;
-    let res = Reservation::new(1 + parts.len()).map_err(|e| format!("heap: {e}"))?;
+    let res = Reservation::shared(1 + parts.len()).map_err(|e| format!("heap: {e}"))?;
     let cfg = QueueConfig { nslots: 32, arena_bytes: 1 << 20, mode: NotifyMode::Poll, ..Default::default() };
     let (mut front, back) = pair(&cfg, bed.size).map_err(|e| format!("channel: {e}"))?;
     let (mut probe_r, probe_w) = bulkhead_sys::pipe().map(|(r, w)| (std::fs::File::from(r), w)).map_err(|e| e.to_string())?;
