@@ -179,7 +179,7 @@ impl Chain {
             io.attach(tags);
         }
         self.held_up = vec![false; capacity];
-        self.turns.reserve(capacity);
+        self.turns.reserve(capacity.min(LIST_ROOM));
         Ok(())
     }
 
@@ -323,7 +323,8 @@ struct Walk<'c> {
 }
 
 /// What a chain carries from one turn to the next: the requests layers hold, when they next
-/// need a poll, and the turn's working lists, kept so that a turn does not allocate.
+/// need a poll, and the turn's working lists, kept so that a turn does not allocate once they
+/// have grown to the deepest turn seen.
 #[derive(Default)]
 struct Turns {
     /// Requests held by a layer now.
@@ -338,6 +339,12 @@ struct Turns {
     /// The backend completes requests later (see [`Backend::async_io`]).
     asynchronous: bool,
 }
+
+/// Requests a working list has room for at first ([`Chain::attach`]), rather than one per tag:
+/// lists this small lie side by side in a page or two, which the page gate of a guarded domain
+/// shuts in one range (docs/guard.md), where lists for every tag would each begin a page of
+/// their own. A deeper turn grows them once.
+pub const LIST_ROOM: usize = 32;
 
 impl Turns {
     fn new(asynchronous: bool) -> Self {

@@ -161,7 +161,7 @@ mod layer;
 mod op;
 
 pub use backend::{AsyncIo, Backend, Remote, Upkeep};
-pub use chain::{Chain, StartError};
+pub use chain::{Chain, StartError, LIST_ROOM};
 pub use layer::{After, Data, Layer, ReadBelow, Sub, Tag, TagSpace, Verdict};
 pub use op::{Command, Op, Status};
 

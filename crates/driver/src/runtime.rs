@@ -258,7 +258,7 @@ impl Domain {
         let tags = Tags::new(queues.len(), per_queue);
         chain.attach(TagSpace { queues: queues.len() as u32, per_queue }).map_err(|e| DriverError::Setup(e.to_string()))?;
         Ok(Domain {
-            done: Vec::with_capacity(tags.capacity()),
+            done: Vec::with_capacity(tags.capacity().min(bulkhead_block::LIST_ROOM)),
             dirty: vec![false; queues.len()],
             leaving: vec![false; queues.len()],
             removal_asked: vec![false; queues.len()],

@@ -11,9 +11,10 @@
 //!
 //! The spaces lie in one reservation: space `i` at `base + i * SPACE_BYTES`. A domain's is
 //! private memory; a shared one is backed by one memory file, so another process holding the
-//! file (a benchmark checking what an injected fault changed) sees the same bytes. Small blocks come in power-of-two classes up to 2 KiB
-//! with a free list each; larger blocks are whole pages, and pages freed whole are marked, so
-//! the guard can tell a write to a freed block from a write to a live one.
+//! file (a benchmark checking what an injected fault changed) sees the same bytes. Small
+//! blocks come in power-of-two classes up to 2 KiB with a free list each; larger blocks are
+//! whole pages, and pages freed whole are marked, so the guard can tell a write to a freed
+//! block from a write to a live one.
 //!
 //! The allocator's own bookkeeping lives in statics, never in a space, so the guard never
 //! protects it; free-list links live in the free blocks, in the space they belong to.
@@ -122,9 +123,8 @@ impl Drop for Locked {
 }
 
 /// The memory the spaces live in, not yet used for allocation: private memory, or a memory
-/// file mapped shared.
-/// A process that keeps a shared one ([`Reservation::shared`]) across `fork` reads what the
-/// child's spaces hold.
+/// file mapped shared ([`Reservation::shared`]), which a process that keeps it across `fork`
+/// reads to see what the child's spaces hold.
 #[derive(Debug)]
 pub struct Reservation {
     /// The memory file of a shared reservation.
@@ -135,9 +135,9 @@ pub struct Reservation {
 
 impl Reservation {
     /// Reserves `spaces` spaces (at most [`MAX_SPACES`]) of private memory, as a domain's
-    /// heap. Private, not a memory file's: the guard opens a page again in one system call
-    /// whose kernel makes a written private page writable there and then, where a shared
-    /// page would take a write fault when next written (the kernel must mark the file dirty).
+    /// heap. Private, not a memory file: when the guard opens a written private page again,
+    /// the kernel makes it writable in the same system call, where a shared page is left for
+    /// its next write to fault (the kernel marks the file dirty then).
     pub fn new(spaces: usize) -> io::Result<Reservation> {
         let len = Self::len_of(spaces)?;
         // SAFETY: a new private mapping at an address the kernel chooses, so no existing
