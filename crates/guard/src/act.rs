@@ -46,6 +46,11 @@ impl Act {
         self.ranges[..self.len].iter().any(|&(s, e)| addr >= s && addr < e)
     }
 
+    /// Whether the table allows any byte of `[start, end)`.
+    pub fn reaches(&self, start: u64, end: u64) -> bool {
+        self.ranges().iter().any(|&(s, e)| s < end && start < e)
+    }
+
     /// The allowed ranges, as (start, end).
     pub fn ranges(&self) -> &[(u64, u64)] {
         &self.ranges[..self.len]

@@ -264,7 +264,7 @@ impl State {
             if r.key == 0 || r.key == own {
                 continue;
             }
-            if act.ranges().iter().any(|&(s, e)| s < r.end && r.start < e) {
+            if act.reaches(r.start, r.end) {
                 return 0;
             }
             deny |= bulkhead_sys::pkey::write_disable(r.key);
@@ -277,7 +277,7 @@ impl State {
     /// (the system call takes one mapping after another), none of them `filter`'s own, and
     /// the call's table reaches none of it (a page it may write would fault for nothing).
     fn may_join(&self, start: u64, end: u64, filter: u32) -> bool {
-        if self.act.ranges().iter().any(|&(s, e)| s < end && start < e) {
+        if self.act.reaches(start, end) {
             return false;
         }
         let mut at = start;
@@ -868,7 +868,7 @@ fn gate(st: &mut State, filter: u32) -> io::Result<()> {
     let mut n = 0;
     for p in st.shadow.cached_pages() {
         let Some(r) = st.region_of(p) else { continue };
-        if st.regions[r].owner == filter || st.act.ranges().iter().any(|&(s, e)| s < p + PAGE && p < e) {
+        if st.regions[r].owner == filter || st.act.reaches(p, p + PAGE) {
             continue;
         }
         pages[n] = p;
@@ -911,15 +911,15 @@ fn exit() {
     let n = std::mem::take(&mut st.ngated);
     if n > 0 {
         st.trim_in -= 1;
-    }
-    if n > 0 && st.trim_in == 0 {
-        // Leave them shut: the runtime reopens what it still writes, a fault a page.
-        st.trim_in = TRIM_EVERY;
-        let gated = &st.gated[..n];
-        st.shadow.drop_shut(|p| gated.iter().any(|&(a, b)| a <= p && p < b));
-        st.nloose = 0;
-        st.stats.trims += 1;
-        return;
+        if st.trim_in == 0 {
+            // Leave them shut: the runtime reopens what it still writes, a fault a page.
+            st.trim_in = TRIM_EVERY;
+            let gated = &st.gated[..n];
+            st.shadow.drop_shut(|p| gated.iter().any(|&(a, b)| a <= p && p < b));
+            st.nloose = 0;
+            st.stats.trims += 1;
+            return;
+        }
     }
     for i in 0..n {
         let (start, end) = st.gated[i];
