@@ -77,6 +77,9 @@ pub struct Stats {
     /// Gated calls whose exit left the pages it shut shut, dropped from the cache: the
     /// runtime's next write to each reopens it, so the cache holds only what it still writes.
     pub trims: u64,
+    /// Ranges of regions the runtime writes only at known points ([`Guard::defer_reopen`])
+    /// that a gated call's exit left shut for the calls after it, until [`reopen_deferred`].
+    pub deferred: u64,
 }
 
 /// A write guarded code was not allowed to make, as the handler reports it before the
@@ -124,6 +127,9 @@ struct Region {
     key: u32,
     /// The guarded code whose own memory it is ([`Guard::own_region`]), or [`RUNTIME`].
     owner: u32,
+    /// Written by the runtime only at points it announces ([`Guard::defer_reopen`]): what
+    /// the page gate shuts here stays shut from call to call until [`reopen_deferred`].
+    deferred: bool,
     name: [u8; NAME],
 }
 
@@ -189,10 +195,15 @@ struct State {
     /// The ranges the running call's entry shut, to open again at its exit.
     gated: [(u64, u64); MAX_CACHE],
     ngated: usize,
-    /// The ranges the last gated call opened again at its exit: they hold pages the cache
-    /// does not (a gap, a page pushed out during the call), so the next call shuts them.
-    loose: [(u64, u64); MAX_CACHE],
+    /// The ranges opened again since the last call's entry (at a gated call's exit, or by
+    /// [`reopen_deferred`]): they hold pages the cache does not (a gap, a page pushed out
+    /// during the call), so the next call shuts them.
+    loose: [(u64, u64); 2 * MAX_CACHE],
     nloose: usize,
+    /// Ranges of deferred regions that gated calls shut and left shut: the cache holds their
+    /// pages as open, but they are not, until [`reopen_deferred`] or a write into one.
+    held: [(u64, u64); MAX_CACHE],
+    nheld: usize,
     /// Gated calls until one whose exit leaves what it shut shut ([`TRIM_EVERY`]).
     trim_in: u32,
 }
@@ -203,7 +214,8 @@ impl State {
         mechanism: Mechanism::Userfault,
         uffd: -1,
         report_fd: -1,
-        regions: [Region { start: 0, end: 0, extent: None, key: 0, owner: RUNTIME, name: [0; NAME] }; MAX_REGIONS],
+        regions: [Region { start: 0, end: 0, extent: None, key: 0, owner: RUNTIME, deferred: false, name: [0; NAME] };
+            MAX_REGIONS],
         nregions: 0,
         act: Act::new(),
         running: false,
@@ -227,6 +239,7 @@ impl State {
             gated_ranges: 0,
             gated_pages: 0,
             trims: 0,
+            deferred: 0,
         },
         keys: false,
         own_key: [0; MAX_FILTERS],
@@ -234,8 +247,10 @@ impl State {
         page_gate: [false; MAX_FILTERS],
         gated: [(0, 0); MAX_CACHE],
         ngated: 0,
-        loose: [(0, 0); MAX_CACHE],
+        loose: [(0, 0); 2 * MAX_CACHE],
         nloose: 0,
+        held: [(0, 0); MAX_CACHE],
+        nheld: 0,
         trim_in: TRIM_EVERY,
     };
 
@@ -276,18 +291,55 @@ impl State {
     /// `filter` may be shut with them, as one range: it lies in guarded regions side by side
     /// (the system call takes one mapping after another), none of them `filter`'s own, and
     /// the call's table reaches none of it (a page it may write would fault for nothing).
-    fn may_join(&self, start: u64, end: u64, filter: u32) -> bool {
+    /// Deferred regions ([`Guard::defer_reopen`]) join only each other: the exit treats the
+    /// two kinds apart.
+    fn may_join(&self, start: u64, end: u64, filter: u32, deferred: bool) -> bool {
         if self.act.reaches(start, end) {
             return false;
         }
         let mut at = start;
         while at < end {
             match self.region_of(at) {
-                Some(r) if self.regions[r].owner != filter => at = self.regions[r].end,
+                Some(r) if self.regions[r].owner != filter && self.regions[r].deferred == deferred => at = self.regions[r].end,
                 _ => return false,
             }
         }
         true
+    }
+
+    fn deferred_at(&self, addr: u64) -> bool {
+        self.region_of(addr).is_some_and(|r| self.regions[r].deferred)
+    }
+
+    fn held_at(&self, addr: u64) -> bool {
+        self.held[..self.nheld].iter().any(|&(a, b)| a <= addr && addr < b)
+    }
+
+    /// A write is let into `page`, which lies in what calls left shut: outside a call, every
+    /// such range opens (the runtime writes on); inside one, the ranges holding the page
+    /// only stop being taken for shut, the rest of them still shut, the page opened by the
+    /// caller, and the next call's entry shuts what the cache holds of them as of any other
+    /// range. Either way no page the page gate takes for shut is open. Async-signal-safe.
+    fn let_into_held(&mut self, page: u64) {
+        if !self.running {
+            return self.reopen_held();
+        }
+        // Every range holding it: a joined gap may lie in two.
+        while let Some(i) = self.held[..self.nheld].iter().position(|&(a, b)| a <= page && page < b) {
+            self.nheld -= 1;
+            self.held[i] = self.held[self.nheld];
+        }
+    }
+
+    /// Opens every range calls left shut, to be shut again by the next call's entry (as
+    /// `loose`); async-signal-safe.
+    fn reopen_held(&mut self) {
+        for i in 0..std::mem::take(&mut self.nheld) {
+            let (start, end) = self.held[i];
+            let _ = self.set(start, end - start, false);
+            self.loose[self.nloose] = (start, end);
+            self.nloose += 1;
+        }
     }
 
     /// Protects or opens a range; async-signal-safe.
@@ -436,6 +488,9 @@ extern "C" fn on_write_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: 
     let page = addr & !(PAGE - 1);
     if st.running && !allowed(st, addr) {
         stop(st, addr, region);
+    }
+    if st.held_at(page) {
+        st.let_into_held(page);
     }
     if st.set(page, PAGE, false).is_err() {
         return not_ours(sig);
@@ -694,6 +749,20 @@ impl Guard {
         Ok(())
     }
 
+    /// Marks region `region` (the runtime's) as written by the runtime only at points it
+    /// announces with [`reopen_deferred`], such as a domain's rings, written between turns of
+    /// its chain: what the page gate shuts of it at a call's entry stays shut at the call's
+    /// exit, so the calls that follow (a request's completion after its submission) find it
+    /// shut already, for no system call; [`reopen_deferred`] opens it. A write into it before
+    /// then is let through as any other, at the cost of a fault.
+    pub fn defer_reopen(&mut self, region: u32) -> io::Result<()> {
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        let r = st.regions.get_mut(region as usize).filter(|_| (region as usize) < st.nregions);
+        r.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("no region {region}")))?.deferred = true;
+        Ok(())
+    }
+
     /// Gates the calls of each guarded code `filter` with `gated[filter]` by page protection,
     /// where protection keys do not gate them ([`gate_keys`](Self::gate_keys)): at the call's
     /// entry, the pages the shadow page cache holds open that are another owner's (the
@@ -734,7 +803,7 @@ impl Guard {
         if let Some(t) = &self.trap {
             t.register(start, len).map_err(|e| io::Error::new(e.kind(), format!("region {owner}: userfaultfd: {e}")))?;
         }
-        st.regions[st.nregions] = Region { start, end, extent, key: 0, owner: RUNTIME, name: name_of(owner) };
+        st.regions[st.nregions] = Region { start, end, extent, key: 0, owner: RUNTIME, deferred: false, name: name_of(owner) };
         st.nregions += 1;
         st.shadow.reset();
         self.owners.push(owner.to_string());
@@ -868,7 +937,7 @@ fn gate(st: &mut State, filter: u32) -> io::Result<()> {
     let mut n = 0;
     for p in st.shadow.cached_pages() {
         let Some(r) = st.region_of(p) else { continue };
-        if st.regions[r].owner == filter || st.act.reaches(p, p + PAGE) {
+        if st.regions[r].owner == filter || st.act.reaches(p, p + PAGE) || st.held_at(p) {
             continue;
         }
         pages[n] = p;
@@ -883,7 +952,8 @@ fn gate(st: &mut State, filter: u32) -> io::Result<()> {
             if p < end {
                 continue;
             }
-            if p <= end + GATE_GAP * PAGE && st.may_join(end, p, filter) {
+            let deferred = st.deferred_at(p);
+            if p <= end + GATE_GAP * PAGE && st.deferred_at(end - PAGE) == deferred && st.may_join(end, p, filter, deferred) {
                 st.gated[st.ngated - 1].1 = p + PAGE;
                 continue;
             }
@@ -914,19 +984,39 @@ fn exit() {
         if st.trim_in == 0 {
             // Leave them shut: the runtime reopens what it still writes, a fault a page.
             st.trim_in = TRIM_EVERY;
-            let gated = &st.gated[..n];
-            st.shadow.drop_shut(|p| gated.iter().any(|&(a, b)| a <= p && p < b));
-            st.nloose = 0;
+            let (gated, held) = (&st.gated[..n], &st.held[..st.nheld]);
+            st.shadow.drop_shut(|p| gated.iter().chain(held).any(|&(a, b)| a <= p && p < b));
+            st.nheld = 0;
             st.stats.trims += 1;
             return;
         }
     }
     for i in 0..n {
         let (start, end) = st.gated[i];
+        if st.nheld < MAX_CACHE && st.deferred_at(start) {
+            st.held[st.nheld] = (start, end);
+            st.nheld += 1;
+            st.stats.deferred += 1;
+            continue;
+        }
         let _ = st.set(start, end - start, false);
-        st.loose[i] = (start, end);
+        st.loose[st.nloose] = (start, end);
+        st.nloose += 1;
     }
-    st.nloose = n;
+}
+
+/// The runtime is about to write its deferred regions ([`Guard::defer_reopen`]): opens what
+/// gated calls left shut of them. Does nothing off the guarded thread, without a guard, or
+/// while guarded code runs (whose calls must find them shut).
+pub fn reopen_deferred() {
+    if !INSTALLED.load(Ordering::Acquire) || TID.load(Ordering::Relaxed) != gettid() {
+        return;
+    }
+    // SAFETY: on the guarded thread, outside any handler, no other reference alive.
+    let st = unsafe { state() };
+    if !st.running && st.nheld > 0 {
+        st.reopen_held();
+    }
 }
 
 /// Enters and leaves guarded code for its owners on the guarded thread (the layers a domain
@@ -1010,6 +1100,9 @@ pub fn kernel_fills(buf: &mut [u8]) {
             let at = page.max(start);
             if st.running && !allowed(st, at) {
                 stop(st, at, region);
+            }
+            if st.held_at(page) {
+                st.let_into_held(page);
             }
             if st.set(page, PAGE, false).is_ok() {
                 st.shadow.pool(page);

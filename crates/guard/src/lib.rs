@@ -43,7 +43,7 @@ pub mod heap;
 pub mod shadow;
 
 pub use act::{Act, ActFull};
-pub use capture::{kernel_fills, Guard, Handle, Mechanism, Stats, Violation, VIOLATION_EXIT};
+pub use capture::{kernel_fills, reopen_deferred, Guard, Handle, Mechanism, Stats, Violation, VIOLATION_EXIT};
 pub use shadow::Mode;
 
 /// Bytes of a page.

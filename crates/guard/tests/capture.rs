@@ -293,6 +293,37 @@ fn scenario() {
             assert_eq!(g.stats().outside, 4);
             println!("{PASSED}");
         }
+        "pages-deferred" => {
+            // Pages 0..8 are the runtime's, written only where it says so (a domain's rings),
+            // 8..16 the filter's own: what a call shuts stays shut for the calls after it.
+            let (mut g, act) = gated_halves(mechanism, mem);
+            g.defer_reopen(0).unwrap();
+            g.call(0, &act, || write(mem, 9, 9)).unwrap();
+            write(mem, 5, 0x11);
+            g.call(0, &act, || write(mem, 9, 9)).unwrap();
+            g.call(0, &act, || write(mem, 9, 9)).unwrap();
+            let s = g.stats();
+            assert_eq!((s.gated_ranges, s.deferred, s.outside), (1, 1, 1), "5 shut once, for both calls: {s:?}");
+            // Announced, the runtime's write finds 5 open.
+            bulkhead_guard::reopen_deferred();
+            write(mem, 5, 0x11);
+            write(mem, 4, 0x11);
+            assert_eq!(g.stats().outside, 2, "only 4 was shut");
+            g.call(0, &act, || write(mem, 9, 9)).unwrap();
+            // Unannounced, it faults, and what was left shut counts as open again.
+            write(mem, 5, 0x11);
+            let s = g.stats();
+            assert_eq!((s.gated_ranges, s.deferred, s.outside), (2, 2, 3), "4..6 shut, then written: {s:?}");
+            g.call(0, &act, || write(mem, 9, 9)).unwrap();
+            assert_eq!(g.stats().gated_ranges, 3, "4..6 shut again");
+            // A call whose table reaches 4 writes it: let through, and no longer taken for
+            // shut, so the next call of a table without it shuts it again.
+            let wide = act_for(mem, &(4..16).collect::<Vec<_>>());
+            g.call(0, &wide, || write(mem, 4, 0x22)).unwrap();
+            assert_eq!(g.stats().allowed, 2, "9 once, then 4");
+            g.call(0, &act, || write(mem, 4, 0x44)).unwrap();
+            unreachable!("a page left shut and then written was taken for shut");
+        }
         other => panic!("no scenario {other}"),
     }
 }
@@ -347,6 +378,16 @@ fn the_page_gate_shuts_open_pages_of_regions_side_by_side_in_one_range() {
 #[test]
 fn the_page_gate_now_and_then_leaves_what_it_shut_shut_so_that_only_pages_still_written_stay_open() {
     passes_under_both("pages-trim");
+}
+
+#[test]
+fn the_page_gate_leaves_a_deferred_region_shut_from_call_to_call_until_the_runtime_says_it_writes() {
+    for m in mechanisms() {
+        let (bytes, v) = stopped("pages-deferred", m);
+        let at = |p: usize| bytes[p * PAGE as usize + 8];
+        assert_eq!((at(4), at(5)), (0x22, 0x11), "{m}: the allowed write landed, the stopped one not");
+        assert_eq!((v.region, v.filter, v.address % PAGE), (0, 0, 8), "{m}: {v:?}");
+    }
 }
 
 #[test]
