@@ -171,15 +171,20 @@ impl Chain {
         let capacity = tags.capacity();
         let sizes: Vec<usize> = self.layers.iter().map(|l| l.scratch_bytes()).collect();
         self.scratch = Scratch::new(&sizes, capacity)?;
-        for (l, sent) in self.layers.iter_mut().zip(&mut self.sent) {
+        for l in &mut self.layers {
             l.attach(tags);
-            *sent = vec![None; capacity];
         }
         if let Some(io) = self.backend.async_io() {
             io.attach(tags);
         }
         self.held_up = vec![false; capacity];
         self.turns.reserve(capacity.min(LIST_ROOM));
+        // The tables of what each tag sent last, after the small ones: under write capture
+        // their first entries, the busy ones, then lie next to the working lists and to the
+        // domain's tag table made right after, so that the page gate shuts them in one range.
+        for sent in &mut self.sent {
+            *sent = vec![None; capacity];
+        }
         Ok(())
     }
 

@@ -88,10 +88,6 @@ impl Tags {
         self.free[qi].len() == per_queue as usize
     }
 
-    fn capacity(&self) -> usize {
-        self.slots.len()
-    }
-
     fn in_flight(&self) -> usize {
         self.slots.len() - self.free.iter().map(Vec::len).sum::<usize>()
     }
@@ -255,11 +251,17 @@ impl Domain {
         if let Some(fd) = chain.backend_wake_fd() {
             poller.add(fd, u64::MAX).map_err(|e| DriverError::Setup(e.to_string()))?;
         }
-        let tags = Tags::new(queues.len(), per_queue);
+        // The runtime's busy state in the order that packs it into the fewest pages under write
+        // capture (one range for the page gate to shut): the small lists, the chain's tables,
+        // then the tag table, whose first entries are the busy ones.
+        let capacity = queues.len() * per_queue as usize;
+        let done = Vec::with_capacity(capacity.min(bulkhead_block::LIST_ROOM));
+        let dirty = vec![false; queues.len()];
         chain.attach(TagSpace { queues: queues.len() as u32, per_queue }).map_err(|e| DriverError::Setup(e.to_string()))?;
+        let tags = Tags::new(queues.len(), per_queue);
         Ok(Domain {
-            done: Vec::with_capacity(tags.capacity().min(bulkhead_block::LIST_ROOM)),
-            dirty: vec![false; queues.len()],
+            done,
+            dirty,
             leaving: vec![false; queues.len()],
             removal_asked: vec![false; queues.len()],
             per_queue,
@@ -655,6 +657,11 @@ impl Domain {
         }
         let mut n = refused;
         let mut finished = std::mem::take(&mut self.done);
+        if !finished.is_empty() {
+            // The responses go into the rings: under write capture, what the filters' calls
+            // left shut of them opens now, once for the whole turn.
+            bulkhead_guard::reopen_deferred();
+        }
         for (tag, result) in finished.drain(..) {
             let f = self.tags.slots[tag.index()].take().expect("completed tag was in flight");
             self.tags.free[f.queue].push(tag);
@@ -954,6 +961,8 @@ impl Domain {
     }
 
     fn sleep(&mut self) -> Result<(), DriverError> {
+        // The rings are written next; under write capture, what calls left shut of them opens.
+        bulkhead_guard::reopen_deferred();
         let mut pending = false;
         let now = now_ns();
         for (i, q) in self.queues.iter().enumerate() {
