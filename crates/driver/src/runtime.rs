@@ -254,10 +254,10 @@ impl Domain {
         // The runtime's busy state in the order that packs it into the fewest pages under write
         // capture (one range for the page gate to shut): the small lists, the chain's tables,
         // then the tag table, whose first entries are the busy ones.
-        let capacity = queues.len() * per_queue as usize;
-        let done = Vec::with_capacity(capacity.min(bulkhead_block::LIST_ROOM));
+        let space = TagSpace { queues: queues.len() as u32, per_queue };
+        let done = Vec::with_capacity(space.capacity().min(bulkhead_block::LIST_ROOM));
         let dirty = vec![false; queues.len()];
-        chain.attach(TagSpace { queues: queues.len() as u32, per_queue }).map_err(|e| DriverError::Setup(e.to_string()))?;
+        chain.attach(space).map_err(|e| DriverError::Setup(e.to_string()))?;
         let tags = Tags::new(queues.len(), per_queue);
         Ok(Domain {
             done,

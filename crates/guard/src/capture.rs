@@ -317,9 +317,9 @@ impl State {
 
     /// A write is let into `page`, which lies in what calls left shut: outside a call, every
     /// such range opens (the runtime writes on); inside one, the ranges holding the page
-    /// only stop being taken for shut, the rest of them still shut, the page opened by the
-    /// caller, and the next call's entry shuts what the cache holds of them as of any other
-    /// range. Either way no page the page gate takes for shut is open. Async-signal-safe.
+    /// only stop being taken for shut, the rest of them still shut and the page opened by the
+    /// caller, and the next call's entry shuts what the cache holds of them as it does any
+    /// other page. Either way no page the page gate takes for shut is open. Async-signal-safe.
     fn let_into_held(&mut self, page: u64) {
         if !self.running {
             return self.reopen_held();
@@ -933,33 +933,35 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
 /// most [`GATE_GAP`] pages, shut already, that [`State::may_join`] across), and records them
 /// for [`exit`].
 fn gate(st: &mut State, filter: u32) -> io::Result<()> {
-    let mut pages = [0u64; MAX_CACHE];
+    // Each page with whether its region is deferred, which a range keeps from its first page.
+    let mut pages = [(0u64, false); MAX_CACHE];
     let mut n = 0;
     for p in st.shadow.cached_pages() {
         let Some(r) = st.region_of(p) else { continue };
         if st.regions[r].owner == filter || st.act.reaches(p, p + PAGE) || st.held_at(p) {
             continue;
         }
-        pages[n] = p;
+        pages[n] = (p, st.regions[r].deferred);
         n += 1;
     }
     let pages = &mut pages[..n];
-    pages.sort_unstable();
+    pages.sort_unstable_by_key(|&(p, _)| p);
     st.ngated = 0;
-    for &p in pages.iter() {
+    let mut range_deferred = false;
+    for &(p, deferred) in pages.iter() {
         if st.ngated > 0 {
             let end = st.gated[st.ngated - 1].1;
             if p < end {
                 continue;
             }
-            let deferred = st.deferred_at(p);
-            if p <= end + GATE_GAP * PAGE && st.deferred_at(end - PAGE) == deferred && st.may_join(end, p, filter, deferred) {
+            if p <= end + GATE_GAP * PAGE && deferred == range_deferred && st.may_join(end, p, filter, deferred) {
                 st.gated[st.ngated - 1].1 = p + PAGE;
                 continue;
             }
         }
         st.gated[st.ngated] = (p, p + PAGE);
         st.ngated += 1;
+        range_deferred = deferred;
     }
     for i in 0..st.ngated {
         let (start, end) = st.gated[i];
