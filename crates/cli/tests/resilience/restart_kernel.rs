@@ -106,7 +106,9 @@ fn nbd_requests_in_flight_carry_over_kills_and_verify() {
 fn stopped_driver_is_restarted_by_the_watchdog_and_io_carries_on() {
     require_kernel!();
     let tmp = TempDir::new("stop");
-    let cfg = "[[device]]\nname = \"s\"\nsize = \"64M\"\nwatchdog_ms = 300\n[device.backend]\ntype = \"ram\"\n";
+    // A watchdog long enough that the replacement, starved of a CPU by the tests running
+    // beside this one, is not taken for wedged too: the test counts one restart.
+    let cfg = "[[device]]\nname = \"s\"\nsize = \"64M\"\nwatchdog_ms = 1000\n[device.backend]\ntype = \"ram\"\n";
     let serve = Serve::start(&tmp.path().join("run"), Some(cfg), &["s"]);
     let file = serve.fuse_file("s");
     let data = pattern(9, 8 << 20);
@@ -121,12 +123,12 @@ fn stopped_driver_is_restarted_by_the_watchdog_and_io_carries_on() {
     let took = t0.elapsed();
     let new = serve.driver_pid(0);
     assert_ne!(new, old, "a new domain serves");
-    assert!(took < Duration::from_millis(300 + 2000), "restart took {took:?}");
+    assert!(took < Duration::from_millis(1000 + 2000), "restart took {took:?}");
     let back = tmp.path().join("back");
     dd(&file, &back, &["bs=1M", "count=8", "iflag=direct"]);
     assert!(std::fs::read(&back).unwrap() == data);
     let d = &serve.status_json()["devices"][0];
-    assert_eq!(d["restarts"], 1);
+    assert_eq!(d["restarts"], 1, "{}", serve.log_text());
     // The stopped domain was killed, not left behind.
     std::thread::sleep(Duration::from_millis(100));
     let state = std::fs::read_to_string(format!("/proc/{old}/stat")).unwrap_or_default();
