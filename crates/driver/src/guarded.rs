@@ -70,7 +70,7 @@ pub fn install(rings: &[(u64, u64)], names: &[Gates], report: Option<i32>) -> st
     g.gate_pages(&names.iter().map(|f| f.pages).collect::<Vec<_>>())?;
     let mut ring_regions = Vec::with_capacity(rings.len());
     for (i, &(start, len)) in rings.iter().enumerate() {
-        let r = g.add_region(start, len, &format!("the ring of queue {i}"))?;
+        let r = g.add_shared_region(start, len, &format!("the ring of queue {i}"))?;
         // The runtime writes a ring only after a turn of the chain (`Domain::serve_queue`) and
         // before it sleeps, and says so first: what the page gate shuts of it stays shut from
         // a request's submission to its completion.

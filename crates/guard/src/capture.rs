@@ -130,7 +130,25 @@ struct Region {
     /// Written by the runtime only at points it announces ([`Guard::defer_reopen`]): what
     /// the page gate shuts here stays shut from call to call until [`reopen_deferred`].
     deferred: bool,
+    /// Shared memory shut and opened whole with `mprotect`, outside the userfaultfd
+    /// ([`Guard::add_shared_region`]).
+    whole: bool,
     name: [u8; NAME],
+}
+
+/// What the page gate keeps apart in its ranges: the exit treats deferred regions
+/// ([`Guard::defer_reopen`]) apart from the others, and one system call protects a range of
+/// one mechanism (regions shut whole, [`Guard::add_shared_region`], take `mprotect`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Kind {
+    deferred: bool,
+    whole: bool,
+}
+
+impl Kind {
+    fn of(r: &Region) -> Kind {
+        Kind { deferred: r.deferred, whole: r.whole }
+    }
 }
 
 /// The owner of every region no guarded code owns: the runtime.
@@ -214,8 +232,16 @@ impl State {
         mechanism: Mechanism::Userfault,
         uffd: -1,
         report_fd: -1,
-        regions: [Region { start: 0, end: 0, extent: None, key: 0, owner: RUNTIME, deferred: false, name: [0; NAME] };
-            MAX_REGIONS],
+        regions: [Region {
+            start: 0,
+            end: 0,
+            extent: None,
+            key: 0,
+            owner: RUNTIME,
+            deferred: false,
+            whole: false,
+            name: [0; NAME],
+        }; MAX_REGIONS],
         nregions: 0,
         act: Act::new(),
         running: false,
@@ -291,16 +317,15 @@ impl State {
     /// `filter` may be shut with them, as one range: it lies in guarded regions side by side
     /// (the system call takes one mapping after another), none of them `filter`'s own, and
     /// the call's table reaches none of it (a page it may write would fault for nothing).
-    /// Deferred regions ([`Guard::defer_reopen`]) join only each other: the exit treats the
-    /// two kinds apart.
-    fn may_join(&self, start: u64, end: u64, filter: u32, deferred: bool) -> bool {
+    /// Regions join only regions of their kind ([`Kind`]).
+    fn may_join(&self, start: u64, end: u64, filter: u32, kind: Kind) -> bool {
         if self.act.reaches(start, end) {
             return false;
         }
         let mut at = start;
         while at < end {
             match self.region_of(at) {
-                Some(r) if self.regions[r].owner != filter && self.regions[r].deferred == deferred => at = self.regions[r].end,
+                Some(r) if self.regions[r].owner != filter && Kind::of(&self.regions[r]) == kind => at = self.regions[r].end,
                 _ => return false,
             }
         }
@@ -342,9 +367,34 @@ impl State {
         }
     }
 
-    /// Protects or opens a range; async-signal-safe.
+    /// Protects or opens a range, which lies in regions of one mechanism; async-signal-safe.
     fn set(&self, start: u64, len: u64, protect: bool) -> io::Result<()> {
-        set(self.mechanism, self.uffd, start, len, protect)
+        set(mechanism_in(&self.regions[..self.nregions], self.mechanism, start), self.uffd, start, len, protect)
+    }
+
+    /// What the runtime's write into `page` opens, and the cache then holds: see [`span_in`].
+    fn span_of(&self, page: u64) -> (u64, u64) {
+        span_in(&self.regions[..self.nregions], page)
+    }
+}
+
+/// The mechanism that protects memory at `addr` of `regions`: `mprotect` in a region shut
+/// whole ([`Guard::add_shared_region`]), the guard's own elsewhere.
+fn mechanism_in(regions: &[Region], mechanism: Mechanism, addr: u64) -> Mechanism {
+    match regions.iter().find(|r| addr >= r.start && addr < r.end) {
+        Some(r) if r.whole => Mechanism::Mprotect,
+        _ => mechanism,
+    }
+}
+
+/// The range that stands for `page` where the runtime opens it and the cache holds it open
+/// or shuts it again: the whole region, for a region shut whole (the cache holds its first
+/// page for it), and the page itself elsewhere. Guarded code's own writes open a page alone,
+/// whatever its region.
+fn span_in(regions: &[Region], page: u64) -> (u64, u64) {
+    match regions.iter().find(|r| page >= r.start && page < r.end) {
+        Some(r) if r.whole => (r.start, r.end),
+        _ => (page, page + PAGE),
     }
 }
 
@@ -482,7 +532,7 @@ extern "C" fn on_write_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: 
         }
         return not_ours(sig);
     }
-    if sig == libc::SIGSEGV && st.mechanism == Mechanism::Userfault {
+    if sig == libc::SIGSEGV && st.mechanism == Mechanism::Userfault && !st.regions[region].whole {
         return not_ours(sig);
     }
     let page = addr & !(PAGE - 1);
@@ -492,13 +542,18 @@ extern "C" fn on_write_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: 
     if st.held_at(page) {
         st.let_into_held(page);
     }
+    if !st.running {
+        // The runtime's write: a region shut whole opens whole.
+        let (start, end) = st.span_of(page);
+        if st.set(start, end - start, false).is_err() {
+            return not_ours(sig);
+        }
+        st.stats.outside += 1;
+        st.shadow.opened(start, false);
+        return;
+    }
     if st.set(page, PAGE, false).is_err() {
         return not_ours(sig);
-    }
-    if !st.running {
-        st.stats.outside += 1;
-        st.shadow.opened(page, false);
-        return;
     }
     st.stats.allowed += 1;
     match st.shadow.mode() {
@@ -513,7 +568,8 @@ extern "C" fn on_write_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: 
         }
         Mode::Scdwc { .. } => {
             if let Some(Evicted::Protect(old)) = st.shadow.opened(page, true) {
-                let _ = st.set(old, PAGE, true);
+                let (start, end) = st.span_of(old);
+                let _ = st.set(start, end - start, true);
                 st.stats.page_protects += 1;
             }
         }
@@ -602,8 +658,9 @@ extern "C" fn on_trap(sig: libc::c_int, _info: *mut libc::siginfo_t, ctx: *mut l
 pub struct Guard {
     trap: Option<WriteTrap>,
     old: [libc::sigaction; 2],
-    /// SIGSEGV's earlier action, when [`gate_keys`](Self::gate_keys) took it under
-    /// userfaultfd (whose faults come as SIGBUS).
+    /// SIGSEGV's earlier action, when [`gate_keys`](Self::gate_keys) or a region shut whole
+    /// ([`add_shared_region`](Self::add_shared_region)) took it under userfaultfd (whose faults
+    /// come as SIGBUS).
     old_segv: Option<libc::sigaction>,
     owners: Vec<String>,
     /// Not Send: the guard belongs to the thread that installed it.
@@ -682,7 +739,21 @@ impl Guard {
     /// name `owner`. Protected from the next [`enter`](Self::enter). Returns its number, as
     /// violations name it.
     pub fn add_region(&mut self, start: u64, len: u64, owner: &str) -> io::Result<u32> {
-        self.add(start, len, owner, None)
+        self.add(start, len, owner, None, false)
+    }
+
+    /// As [`add_region`](Self::add_region), for a whole mapping of shared memory (a domain's
+    /// ring): protected and opened whole with `mprotect`, whatever the guard's mechanism, and
+    /// left out of the userfaultfd. Opened with `UFFDIO_WRITEPROTECT`, a shared page stays
+    /// read-only in the page tables until its next write, which the kernel then resolves in a
+    /// fault of its own, one a page each time; `mprotect` makes the mapping writable at once.
+    /// The runtime's first write after the region was shut opens it whole; guarded code's
+    /// allowed writes open their pages alone, as [`Mechanism::Mprotect`] does.
+    pub fn add_shared_region(&mut self, start: u64, len: u64, owner: &str) -> io::Result<u32> {
+        if self.mechanism() == Mechanism::Userfault && self.old_segv.is_none() {
+            self.old_segv = Some(sigaction(libc::SIGSEGV, on_write_fault as *const () as usize)?);
+        }
+        self.add(start, len, owner, None, true)
     }
 
     /// Adds space `s` of the active heap as a region named `owner`: pages it takes into use
@@ -690,7 +761,7 @@ impl Guard {
     pub fn add_heap_space(&mut self, s: crate::heap::Space, owner: &str) -> io::Result<u32> {
         let (start, len) = crate::heap::space_range(s)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("region {owner}: no heap space {}", s.0)))?;
-        let n = self.add(start, len, owner, Some(crate::heap::extent(s)))?;
+        let n = self.add(start, len, owner, Some(crate::heap::extent(s)), false)?;
         crate::heap::on_pages(Some(protect_heap_pages));
         if let Some(k) = crate::heap::key_of(s) {
             // SAFETY: a `Guard` method on the guarded thread (not Send).
@@ -782,7 +853,7 @@ impl Guard {
         Ok(())
     }
 
-    fn add(&mut self, start: u64, len: u64, owner: &str, extent: Option<&'static AtomicU64>) -> io::Result<u32> {
+    fn add(&mut self, start: u64, len: u64, owner: &str, extent: Option<&'static AtomicU64>, whole: bool) -> io::Result<u32> {
         let bad = |why: &str| Err(io::Error::new(io::ErrorKind::InvalidInput, format!("region {owner}: {why}")));
         if !start.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) || len == 0 {
             return bad("not whole pages");
@@ -800,10 +871,11 @@ impl Guard {
         if st.regions[..st.nregions].iter().any(|r| r.start < end && start < r.end) {
             return bad("overlaps another region");
         }
-        if let Some(t) = &self.trap {
+        if let Some(t) = self.trap.as_ref().filter(|_| !whole) {
             t.register(start, len).map_err(|e| io::Error::new(e.kind(), format!("region {owner}: userfaultfd: {e}")))?;
         }
-        st.regions[st.nregions] = Region { start, end, extent, key: 0, owner: RUNTIME, deferred: false, name: name_of(owner) };
+        st.regions[st.nregions] =
+            Region { start, end, extent, key: 0, owner: RUNTIME, deferred: false, whole, name: name_of(owner) };
         st.nregions += 1;
         st.shadow.reset();
         self.owners.push(owner.to_string());
@@ -891,16 +963,18 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
         st.filter = filter;
         st.stats.calls += 1;
         let (mechanism, uffd) = (st.mechanism, st.uffd);
+        let regions = &st.regions[..st.nregions];
         match st.shadow.prepare() {
             Prepare::All => {
-                for r in &st.regions[..st.nregions] {
-                    set(mechanism, uffd, r.start, r.protected_len(), true)?;
+                for r in regions {
+                    set(mechanism_in(regions, mechanism, r.start), uffd, r.start, r.protected_len(), true)?;
                 }
                 st.stats.region_protects += st.nregions as u64;
             }
             Prepare::Pages(pages) => {
                 for &p in pages {
-                    set(mechanism, uffd, p, PAGE, true)?;
+                    let (start, end) = span_in(regions, p);
+                    set(mechanism_in(regions, mechanism, p), uffd, start, end - start, true)?;
                 }
                 st.stats.page_protects += pages.len() as u64;
             }
@@ -933,35 +1007,39 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
 /// most [`GATE_GAP`] pages, shut already, that [`State::may_join`] across), and records them
 /// for [`exit`].
 fn gate(st: &mut State, filter: u32) -> io::Result<()> {
-    // Each page with whether its region is deferred, which a range keeps from its first page.
-    let mut pages = [(0u64, false); MAX_CACHE];
+    // What each cached page stands for, with its region's kind, which a range keeps from its
+    // first. A region shut whole is shut whole though the table reach into it: the call's
+    // allowed writes there open their pages alone.
+    let mut spans = [(0u64, 0u64, Kind { deferred: false, whole: false }); MAX_CACHE];
     let mut n = 0;
     for p in st.shadow.cached_pages() {
         let Some(r) = st.region_of(p) else { continue };
-        if st.regions[r].owner == filter || st.act.reaches(p, p + PAGE) || st.held_at(p) {
+        let region = &st.regions[r];
+        if region.owner == filter || st.held_at(p) || (!region.whole && st.act.reaches(p, p + PAGE)) {
             continue;
         }
-        pages[n] = (p, st.regions[r].deferred);
+        let (start, end) = if region.whole { (region.start, region.end) } else { (p, p + PAGE) };
+        spans[n] = (start, end, Kind::of(region));
         n += 1;
     }
-    let pages = &mut pages[..n];
-    pages.sort_unstable_by_key(|&(p, _)| p);
+    let spans = &mut spans[..n];
+    spans.sort_unstable_by_key(|&(start, _, _)| start);
     st.ngated = 0;
-    let mut range_deferred = false;
-    for &(p, deferred) in pages.iter() {
+    let mut range_kind = Kind { deferred: false, whole: false };
+    for &(start, end, kind) in spans.iter() {
         if st.ngated > 0 {
-            let end = st.gated[st.ngated - 1].1;
-            if p < end {
+            let last = st.gated[st.ngated - 1].1;
+            if start < last {
                 continue;
             }
-            if p <= end + GATE_GAP * PAGE && deferred == range_deferred && st.may_join(end, p, filter, deferred) {
-                st.gated[st.ngated - 1].1 = p + PAGE;
+            if start <= last + GATE_GAP * PAGE && kind == range_kind && st.may_join(last, start, filter, kind) {
+                st.gated[st.ngated - 1].1 = end;
                 continue;
             }
         }
-        st.gated[st.ngated] = (p, p + PAGE);
+        st.gated[st.ngated] = (start, end);
         st.ngated += 1;
-        range_deferred = deferred;
+        range_kind = kind;
     }
     for i in 0..st.ngated {
         let (start, end) = st.gated[i];
@@ -1106,8 +1184,9 @@ pub fn kernel_fills(buf: &mut [u8]) {
             if st.held_at(page) {
                 st.let_into_held(page);
             }
-            if st.set(page, PAGE, false).is_ok() {
-                st.shadow.pool(page);
+            let (start, end) = if st.running { (page, page + PAGE) } else { st.span_of(page) };
+            if st.set(start, end - start, false).is_ok() {
+                st.shadow.pool(start);
             }
         }
         page += PAGE;
