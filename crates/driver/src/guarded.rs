@@ -50,6 +50,8 @@ pub struct Gates {
     pub keys: bool,
     /// By page protection, where keys do not gate it (`guard_pages`).
     pub pages: bool,
+    /// Whether it is guarded at all (`guard` is not `off`).
+    pub guarded: bool,
 }
 
 /// Installs write capture for the calling thread of a domain whose filters (`names`, in
@@ -68,9 +70,15 @@ pub fn install(rings: &[(u64, u64)], names: &[Gates], report: Option<i32>) -> st
         g.name_filter(i as u32, &format!("{} ({})", i + 1, f.name));
     }
     g.gate_pages(&names.iter().map(|f| f.pages).collect::<Vec<_>>())?;
+    // Under the page gate a ring is shut and opened whole, writable at once after each turn
+    // (`Guard::add_shared_region`). Plain SCDWC would then hold a whole ring open for one page
+    // of its cache, so a domain with a guarded filter its page gate leaves out guards the
+    // rings page by page.
+    let whole = names.iter().all(|f| !f.guarded || f.pages);
     let mut ring_regions = Vec::with_capacity(rings.len());
     for (i, &(start, len)) in rings.iter().enumerate() {
-        let r = g.add_shared_region(start, len, &format!("the ring of queue {i}"))?;
+        let name = format!("the ring of queue {i}");
+        let r = if whole { g.add_shared_region(start, len, &name)? } else { g.add_region(start, len, &name)? };
         // The runtime writes a ring only after a turn of the chain (`Domain::serve_queue`) and
         // before it sleeps, and says so first: what the page gate shuts of it stays shut from
         // a request's submission to its completion.
@@ -150,7 +158,12 @@ fn build_layers(filters: Vec<FilterParts>, rings: &[(u64, u64)], wrap: Option<Wr
     }
     let names: Vec<Gates> = filters
         .iter()
-        .map(|f| Gates { name: f.spec.type_name().to_string(), keys: f.guard.keys, pages: f.guard.pages })
+        .map(|f| Gates {
+            name: f.spec.type_name().to_string(),
+            keys: f.guard.keys,
+            pages: f.guard.pages,
+            guarded: f.guard.wanted(),
+        })
         .collect();
     let n = filters.len();
     let mut layers: Vec<Box<dyn Layer>> = Vec::with_capacity(n);
