@@ -1008,7 +1008,7 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
 /// for [`exit`].
 fn gate(st: &mut State, filter: u32) -> io::Result<()> {
     // What each cached page stands for, with its region's kind, which a range keeps from its
-    // first. A region shut whole is shut whole though the table reach into it: the call's
+    // first. A region shut whole is shut whole though the table reaches into it: the call's
     // allowed writes there open their pages alone.
     let mut spans = [(0u64, 0u64, Kind { deferred: false, whole: false }); MAX_CACHE];
     let mut n = 0;
