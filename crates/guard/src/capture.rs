@@ -164,6 +164,16 @@ const GATE_GAP: u64 = 4;
 const TRIM_EVERY: u32 = 64;
 
 impl Region {
+    /// What protects it, for a guard of `mechanism`: `mprotect` if it is shut whole
+    /// ([`Guard::add_shared_region`]).
+    fn mechanism(&self, mechanism: Mechanism) -> Mechanism {
+        if self.whole {
+            Mechanism::Mprotect
+        } else {
+            mechanism
+        }
+    }
+
     fn protected_len(&self) -> u64 {
         match self.extent {
             Some(e) => e.load(Ordering::Relaxed).min(self.end - self.start),
@@ -374,27 +384,26 @@ impl State {
 
     /// What the runtime's write into `page` opens, and the cache then holds: see [`span_in`].
     fn span_of(&self, page: u64) -> (u64, u64) {
-        span_in(&self.regions[..self.nregions], page)
+        let (start, end, _) = span_in(&self.regions[..self.nregions], self.mechanism, page);
+        (start, end)
     }
 }
 
-/// The mechanism that protects memory at `addr` of `regions`: `mprotect` in a region shut
-/// whole ([`Guard::add_shared_region`]), the guard's own elsewhere.
+/// The mechanism that protects memory at `addr` of `regions`: that of the region it lies in
+/// ([`Region::mechanism`]), the guard's own (`mechanism`) outside every region.
 fn mechanism_in(regions: &[Region], mechanism: Mechanism, addr: u64) -> Mechanism {
-    match regions.iter().find(|r| addr >= r.start && addr < r.end) {
-        Some(r) if r.whole => Mechanism::Mprotect,
-        _ => mechanism,
-    }
+    regions.iter().find(|r| addr >= r.start && addr < r.end).map_or(mechanism, |r| r.mechanism(mechanism))
 }
 
 /// The range that stands for `page` where the runtime opens it and the cache holds it open
-/// or shuts it again: the whole region, for a region shut whole (the cache holds its first
-/// page for it), and the page itself elsewhere. Guarded code's own writes open a page alone,
-/// whatever its region.
-fn span_in(regions: &[Region], page: u64) -> (u64, u64) {
+/// or shuts it again, with the mechanism that protects it: the whole region, for a region shut
+/// whole (the cache holds its first page for it), and the page itself elsewhere. Guarded
+/// code's own writes open a page alone, whatever its region.
+fn span_in(regions: &[Region], mechanism: Mechanism, page: u64) -> (u64, u64, Mechanism) {
     match regions.iter().find(|r| page >= r.start && page < r.end) {
-        Some(r) if r.whole => (r.start, r.end),
-        _ => (page, page + PAGE),
+        Some(r) if r.whole => (r.start, r.end, r.mechanism(mechanism)),
+        Some(r) => (page, page + PAGE, r.mechanism(mechanism)),
+        None => (page, page + PAGE, mechanism),
     }
 }
 
@@ -967,14 +976,14 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
         match st.shadow.prepare() {
             Prepare::All => {
                 for r in regions {
-                    set(mechanism_in(regions, mechanism, r.start), uffd, r.start, r.protected_len(), true)?;
+                    set(r.mechanism(mechanism), uffd, r.start, r.protected_len(), true)?;
                 }
                 st.stats.region_protects += st.nregions as u64;
             }
             Prepare::Pages(pages) => {
                 for &p in pages {
-                    let (start, end) = span_in(regions, p);
-                    set(mechanism_in(regions, mechanism, p), uffd, start, end - start, true)?;
+                    let (start, end, by) = span_in(regions, mechanism, p);
+                    set(by, uffd, start, end - start, true)?;
                 }
                 st.stats.page_protects += pages.len() as u64;
             }
