@@ -303,11 +303,32 @@ pub(crate) fn make_luks(scratch: &Path, name: &str, data_bytes: u64) -> Result<(
     Ok((img, key))
 }
 
+/// A directory of one run's files under the scratch directory, removed with what it holds
+/// when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn make(under: &Path) -> Result<Scratch, BenchError> {
+        let dir = under.join(format!("bench-guard-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        Ok(Scratch(dir))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Runs every filter at every setting.
 pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut skipped = Vec::new();
     let mut filters = vec!["trace"];
-    let luks = match make_luks(&opts.scratch, "bench-guard", SIZE_MIB << 20) {
+    // Files of this run alone (two runs on one scratch directory would write each other's),
+    // removed however it ends.
+    let dir = Scratch::make(&opts.scratch)?;
+    let luks = match make_luks(&dir.0, "bench-guard", SIZE_MIB << 20) {
         Ok(l) => {
             filters.push("crypt");
             Some(l)
@@ -319,10 +340,10 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     };
     filters.push("cow");
     let files = Files {
-        trace: opts.scratch.join("bench-guard.blktrace"),
+        trace: dir.0.join("bench-guard.blktrace"),
         luks: luks.as_ref().map(|l| l.0.clone()).unwrap_or_default(),
         key: luks.as_ref().map(|l| l.1.clone()).unwrap_or_default(),
-        overlay: opts.scratch.join("bench-guard-overlay.qcow2"),
+        overlay: dir.0.join("bench-guard-overlay.qcow2"),
     };
     let off = Setting::OFF;
     let settings: Vec<Setting> = std::iter::once(off).chain(opts.settings.iter().copied().filter(|s| *s != off)).collect();
@@ -347,9 +368,6 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
                 of_off_pct,
             });
         }
-    }
-    for p in [&files.trace, &files.luks, &files.key, &files.overlay] {
-        let _ = std::fs::remove_file(p);
     }
     Ok(Report { seconds: opts.seconds, spin_budget_us: opts.spin_budget_us, rows, skipped })
 }
