@@ -14,6 +14,8 @@ pub const LOST_EXIT: u8 = bulkhead_supervisor::LOST_EXIT;
 #[allow(unsafe_code)] // claims the descriptors inherited at exec
 pub fn run(spec_json: &str) -> anyhow::Result<ExitCode> {
     let spec: DomainSpec = serde_json::from_str(spec_json).context("bad domain spec")?;
+    // A former spare shows in `ps` what it now is.
+    bulkhead_driver::spare::retitle_for(&spec, spec.standby_fd.is_some());
     let stop = Arc::new(AtomicBool::new(false));
     let bell = bulkhead_driver::stop_on_signals(&stop)?;
     // SAFETY: the supervisor placed exactly the descriptors the spec names, for this process

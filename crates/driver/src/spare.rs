@@ -4,7 +4,7 @@
 //! ([`bulkhead_spec::handover`]), puts them where the spec says, and from then on is that
 //! device's domain like one exec'd for it.
 
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 
 use bulkhead_spec::handover;
 
@@ -20,7 +20,8 @@ fn setup(what: &str, e: impl std::fmt::Display) -> DriverError {
 /// Sandboxes this process as a spare, says so on the line, and waits for a device. Returns
 /// the device's spec as JSON, its descriptors at 3, 4, … as the spec numbers them and the
 /// domain's output on 1 and 2; `Ok(None)` if the supervisor closed the line instead (it no
-/// longer needs this spare, or is gone).
+/// longer needs this spare, or is gone). The caller, having read the spec, shows the role in
+/// `ps` ([`retitle_for`]).
 ///
 /// # Safety
 /// Descriptor [`LINE_FD`] must be this process's hand-over line, used by nothing else; and
@@ -84,11 +85,7 @@ pub unsafe fn wait_for_work() -> Result<Option<String>, DriverError> {
     drop(line);
     let output = fds.pop().ok_or_else(|| setup("the descriptors", "no output pipe"))?;
     place(fds, output)?;
-    let json = String::from_utf8(json).map_err(|e| setup("the spec", e))?;
-    if let Ok(spec) = serde_json::from_str::<bulkhead_spec::DomainSpec>(&json) {
-        retitle_for(&spec, spec.standby_fd.is_some());
-    }
-    Ok(Some(json))
+    String::from_utf8(json).map(Some).map_err(|e| setup("the spec", e))
 }
 
 /// Shows in `ps` what this former spare is for `spec`'s device: `bulkhead standby DEVICE`
@@ -180,10 +177,21 @@ fn warm_up() {
     }
 }
 
-/// Puts `fds` at 3, 4, … and `output` on 1 and 2. Each is first moved above the numbers it
-/// will take, so that none is closed by a `dup2` onto it.
+/// Puts `fds` at 3, 4, … and `output` on 1 and 2. Descriptors received take the lowest free
+/// numbers, in order, and the spare holds none of its own below
+/// [`bulkhead_sandbox::spare::OWN_FDS_FROM`]: they are usually where the spec says already,
+/// and stay there. Otherwise each is first moved above the numbers it will take, so that none
+/// is closed by a `dup2` onto it.
 fn place(fds: Vec<OwnedFd>, output: OwnedFd) -> Result<(), DriverError> {
+    let in_place = fds.iter().enumerate().all(|(i, fd)| fd.as_raw_fd() == LINE_FD + i as RawFd);
     let top = LINE_FD + fds.len() as RawFd;
+    if in_place {
+        // The spec claims them by number (`claim_inherited`).
+        for fd in fds {
+            let _ = fd.into_raw_fd();
+        }
+        return put_output(output);
+    }
     let high = |fd: OwnedFd| -> Result<OwnedFd, DriverError> {
         // SAFETY: duplicates a descriptor this function owns.
         let h = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, top) };
@@ -201,6 +209,11 @@ fn place(fds: Vec<OwnedFd>, output: OwnedFd) -> Result<(), DriverError> {
             return Err(setup("place a descriptor", std::io::Error::last_os_error()));
         }
     }
+    put_output(output)
+}
+
+/// Puts `output` on 1 and 2.
+fn put_output(output: OwnedFd) -> Result<(), DriverError> {
     for std_fd in [1, 2] {
         // SAFETY: replaces standard output and error with the output pipe.
         if unsafe { libc::dup2(output.as_raw_fd(), std_fd) } < 0 {

@@ -192,6 +192,7 @@ fn serve_spec(json: &str) -> ExitCode {
         Ok(s) => s,
         Err(e) => return fail(format!("bad spec: {e}")),
     };
+    bulkhead_driver::spare::retitle_for(&spec, spec.standby_fd.is_some());
     let stop = Arc::new(AtomicBool::new(false));
     let bell = match bulkhead_driver::stop_on_signals(&stop) {
         Ok(b) => b,
