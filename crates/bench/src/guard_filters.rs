@@ -303,32 +303,16 @@ pub(crate) fn make_luks(scratch: &Path, name: &str, data_bytes: u64) -> Result<(
     Ok((img, key))
 }
 
-/// A directory of one run's files under the scratch directory, removed with what it holds
-/// when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn make(under: &Path) -> Result<Scratch, BenchError> {
-        let dir = under.join(format!("bench-guard-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        Ok(Scratch(dir))
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Runs every filter at every setting.
 pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut skipped = Vec::new();
     let mut filters = vec!["trace"];
     // Files of this run alone (two runs on one scratch directory would write each other's),
     // removed however it ends.
-    let dir = Scratch::make(&opts.scratch)?;
-    let luks = match make_luks(&dir.0, "bench-guard", SIZE_MIB << 20) {
+    let dir = opts.scratch.join(format!("bench-guard-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let _cleanup = crate::RemoveDir(dir.clone());
+    let luks = match make_luks(&dir, "bench-guard", SIZE_MIB << 20) {
         Ok(l) => {
             filters.push("crypt");
             Some(l)
@@ -340,10 +324,10 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     };
     filters.push("cow");
     let files = Files {
-        trace: dir.0.join("bench-guard.blktrace"),
+        trace: dir.join("bench-guard.blktrace"),
         luks: luks.as_ref().map(|l| l.0.clone()).unwrap_or_default(),
         key: luks.as_ref().map(|l| l.1.clone()).unwrap_or_default(),
-        overlay: dir.0.join("bench-guard-overlay.qcow2"),
+        overlay: dir.join("bench-guard-overlay.qcow2"),
     };
     let off = Setting::OFF;
     let settings: Vec<Setting> = std::iter::once(off).chain(opts.settings.iter().copied().filter(|s| *s != off)).collect();

@@ -355,7 +355,7 @@ pub fn run_bench(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: im
         systems.push("qsd");
     }
     let work = opts.scratch.join(format!("bulkhead-bench-images-{}", std::process::id()));
-    let _cleanup = RemoveDir(work.clone());
+    let _cleanup = crate::RemoveDir(work.clone());
     let total = systems.len() * DEVICES.len() * JOBS.len();
     let mut done = 0;
     'systems: for system in systems {
@@ -392,15 +392,6 @@ pub fn run_bench(exe: &Path, opts: &Options, stop: &AtomicBool, mut progress: im
     }
     report.goals = goals(&report);
     Ok(report)
-}
-
-/// Removes a directory when dropped.
-struct RemoveDir(PathBuf);
-
-impl Drop for RemoveDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn find<'a>(r: &'a Report, system: &str, device: &str, job: (&str, &str, u32)) -> Option<&'a Point> {

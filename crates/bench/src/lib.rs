@@ -355,6 +355,16 @@ pub fn domain_pids(report: &bulkhead_control::StatusReport) -> Vec<u32> {
     pids
 }
 
+/// Removes a directory, with what it holds, when dropped: a run's scratch files, however
+/// the run ends.
+pub(crate) struct RemoveDir(pub(crate) std::path::PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Ends a server this benchmark started: SIGTERM (it stops cleanly), up to `grace` to exit,
 /// then SIGKILL; reaped either way.
 pub(crate) fn stop_child(child: &mut std::process::Child, grace: std::time::Duration) {

@@ -183,15 +183,15 @@ fn warm_up() {
 /// and stay there. Otherwise each is first moved above the numbers it will take, so that none
 /// is closed by a `dup2` onto it.
 fn place(fds: Vec<OwnedFd>, output: OwnedFd) -> Result<(), DriverError> {
-    let in_place = fds.iter().enumerate().all(|(i, fd)| fd.as_raw_fd() == LINE_FD + i as RawFd);
-    let top = LINE_FD + fds.len() as RawFd;
-    if in_place {
-        // The spec claims them by number (`claim_inherited`).
+    if fds.iter().enumerate().all(|(i, fd)| fd.as_raw_fd() == LINE_FD + i as RawFd) {
+        // The spec claims them by number (`claim_inherited`). They stay close-on-exec, as
+        // received: a domain execs nothing.
         for fd in fds {
             let _ = fd.into_raw_fd();
         }
         return put_output(output);
     }
+    let top = LINE_FD + fds.len() as RawFd;
     let high = |fd: OwnedFd| -> Result<OwnedFd, DriverError> {
         // SAFETY: duplicates a descriptor this function owns.
         let h = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, top) };
