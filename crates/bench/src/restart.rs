@@ -37,7 +37,7 @@ pub struct Options {
     pub kill: String,
     /// Spare domains kept ready.
     pub spares: usize,
-    /// Devices that may keep a standby domain.
+    /// Standby domains that may be kept at once.
     pub standbys: usize,
 }
 

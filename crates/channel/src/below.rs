@@ -13,6 +13,11 @@
 //! 3. the supervisor sees it ([`ready`](BelowControl::ready)) and starts the new domain below
 //!    on the same queue files.
 //!
+//! A standby tap domain taking over from a dead one is let go with step 1 (the driver domain
+//! below has let go of the queues) and answers with step 2 while the frontend starts the
+//! channel above over; the supervisor then names that channel's generation
+//! ([`allow_above`](BelowControl::allow_above)), and the standby attaches to it.
+//!
 //! The tap domain is untrusted: what it writes in the page only decides whether the supervisor
 //! goes on to start the domain below, which validates the queues like any driver.
 
@@ -23,6 +28,9 @@ use crate::ChannelError;
 const WANTED: usize = 0;
 /// Offset of the generation the tap domain has started over as.
 const READY: usize = 8;
+/// Offset of the generation the frontend has started the channel above over as, for a standby
+/// tap domain taking over.
+const ABOVE: usize = 16;
 
 /// One end of the line (both ends have the same view).
 #[derive(Debug)]
@@ -38,6 +46,21 @@ impl BelowControl {
     pub fn request_restart(&self, generation: u32) {
         self.line.put(WANTED, generation);
         self.line.ring();
+    }
+
+    /// Supervisor: lets a standby tap domain attach to the channel above, which the frontend
+    /// has started over as `above`, and wakes it. Asked after
+    /// [`request_restart`](Self::request_restart), with which a standby is let go: it starts
+    /// the channel below over while the frontend starts the channel above over.
+    pub fn allow_above(&self, above: u32) {
+        self.line.put(ABOVE, above);
+        self.line.ring();
+    }
+
+    /// Standby tap domain: the generation of the channel above it may attach to, once
+    /// [allowed](Self::allow_above).
+    pub fn above_allowed(&self) -> Option<u32> {
+        self.line.changed(ABOVE, 0)
     }
 
     /// Supervisor: the generation the tap domain last reported having started over as.
@@ -72,5 +95,18 @@ mod tests {
         assert_eq!(tap.line.drain(), 1, "the tap domain was woken");
         tap.report_ready(2);
         assert_eq!(sup.ready(), 2);
+    }
+
+    #[test]
+    fn a_standby_tap_is_let_start_below_over_then_attach_above() {
+        let sup = BelowControl::create("t").unwrap();
+        let [page, wake] = sup.fds().unwrap();
+        let standby = BelowControl::attach(page, wake).unwrap();
+        assert_eq!(standby.above_allowed(), None, "nothing asked yet");
+        sup.request_restart(9);
+        assert_eq!((standby.above_allowed(), standby.wanted(8)), (None, Some(9)), "below first");
+        sup.allow_above(4);
+        assert_eq!(standby.above_allowed(), Some(4));
+        assert_eq!(standby.line.drain(), 2, "woken each time");
     }
 }

@@ -239,6 +239,18 @@ impl FrontQueue {
     /// naming the windows they came in, so no data is copied. Writes the ring's header: the
     /// driver end must not attach before this returns.
     pub fn forwarding(fds: crate::ForwardQueueFds, cfg: &QueueConfig) -> Result<Self, ChannelError> {
+        Self::forwarding_as(fds, cfg, true)
+    }
+
+    /// A forwarding end over a queue another tap domain serves now, for a standby tap domain:
+    /// as [`forwarding`](Self::forwarding), but nothing of the queue is written (its header is
+    /// the running tap domain's) and nothing can be sent until [`restart`](Self::restart) starts
+    /// it over, once that domain is gone.
+    pub fn forwarding_adopted(fds: crate::ForwardQueueFds, cfg: &QueueConfig) -> Result<Self, ChannelError> {
+        Self::forwarding_as(fds, cfg, false)
+    }
+
+    fn forwarding_as(fds: crate::ForwardQueueFds, cfg: &QueueConfig, write_header: bool) -> Result<Self, ChannelError> {
         let err = |e: &dyn std::fmt::Display| ChannelError::Setup(e.to_string());
         let layout = bulkhead_ring::RingLayout::new(cfg.nslots).map_err(|e| err(&e))?;
         let prot = bulkhead_shmem::Protection::ReadWrite;
@@ -258,11 +270,16 @@ impl FrontQueue {
             }
             None => None,
         };
-        let ring = FrontRing::create(ring_map, layout, cfg.generation).map_err(|e| err(&e))?;
+        let ring =
+            if write_header { FrontRing::create(ring_map, layout, cfg.generation) } else { FrontRing::adopt(ring_map, layout) }
+                .map_err(|e| err(&e))?;
         let kick = EventFd::from_owned(fds.kick).map_err(|e| err(&e))?;
         let irq = EventFd::from_owned(fds.irq).map_err(|e| err(&e))?;
         let mut q = Self::assemble(ring, arenas, cfg.arena_bytes, kick, irq, cfg);
         q.forwarding = true;
+        if !write_header {
+            q.broken = Some(ChannelError::Setup("the queue below is not started over yet".into()));
+        }
         Ok(q)
     }
 

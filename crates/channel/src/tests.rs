@@ -604,3 +604,56 @@ fn a_tap_replaced_alone_gets_every_unanswered_request_again_and_the_driver_below
     // A forwarding end does not start over this way.
     assert!(fwd.start_over(3).is_err());
 }
+
+#[test]
+fn a_standby_tap_maps_both_channels_without_writing_and_takes_over_once_started_over() {
+    let cfg = cfg();
+    let arenas = bulkhead_ring::ArenaSizes { write: 1 << 20, read: 1 << 20 };
+    let (mut front, upper) = QueueSetup::create("upper", &cfg).unwrap();
+    let lower = LowerQueue::create("lower", &cfg, &upper, false).unwrap();
+    let mut tap = BackQueue::from_fds(upper.try_clone().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
+    let mut fwd = FrontQueue::forwarding(lower.front_fds().unwrap(), &cfg).unwrap();
+    let mut below = BackQueue::from_fds(lower.back_fds().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
+    let mut disk = vec![0u8; 1 << 20];
+    let a: Vec<u8> = (0..4096u32).map(|i| (i * 3) as u8).collect();
+    front.submit(FrontRequest::Write { offset: 0, from: &a, fua: false }, 1).unwrap();
+    assert_eq!(forward_all(&mut tap, &mut fwd, &mut below, &mut disk), 1);
+    front.reap(|_| {}).unwrap();
+    // The running tap has a request outstanding below when the standby maps the queues.
+    front.submit(FrontRequest::Flush, 2).unwrap();
+    front.submit(FrontRequest::Read { offset: 0, into: 4096 }, 3).unwrap();
+    let Some(Popped::Valid(r)) = tap.pop().unwrap() else { panic!("a request") };
+    fwd.push_forward(r.op(), r.offset(), r.len(), &[], r.fua(), 0).unwrap();
+    fwd.publish();
+    let ring_bytes = |fd: &std::os::fd::OwnedFd| std::fs::read(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+    let lower_fds = lower.front_fds().unwrap();
+    let (upper_before, lower_before) = (ring_bytes(&upper.ring), ring_bytes(&lower_fds.ring));
+    let mut standby_above = BackQueue::from_fds(upper.try_clone().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
+    let mut standby_below = FrontQueue::forwarding_adopted(lower_fds, &QueueConfig { generation: 1, ..cfg }).unwrap();
+    assert_eq!(ring_bytes(&upper.ring), upper_before, "the channel above is as the running tap left it");
+    assert_eq!(ring_bytes(&lower.front_fds().unwrap().ring), lower_before, "the channel below too");
+    assert!(
+        matches!(standby_below.push_forward(Op::Flush, 0, 0, &[], false, 9), Err(SubmitError::Broken(_))),
+        "nothing goes down before the queue is started over"
+    );
+    // The running tap dies; the driver below finishes what it took and lets go; the frontend
+    // starts over in place; the standby attaches above and starts the queue below over.
+    drop((tap, fwd));
+    serve(&mut below, &mut disk);
+    assert_eq!(front.start_over(2).unwrap(), 2);
+    standby_above.reattach(2).unwrap();
+    standby_below.restart(7).unwrap();
+    below.reattach(7).unwrap();
+    assert_eq!(forward_all(&mut standby_above, &mut standby_below, &mut below, &mut disk), 2);
+    let mut read = vec![0u8; 4096];
+    let mut got = Vec::new();
+    front
+        .reap(|c| {
+            if let Some(d) = c.data {
+                d.copy_to(&mut read);
+            }
+            got.push(c.user);
+        })
+        .unwrap();
+    assert_eq!((got, read), (vec![2, 3], a), "what the dead tap held is answered through the standby");
+}

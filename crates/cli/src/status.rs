@@ -245,12 +245,22 @@ pub fn run(run_dir: anyhow::Result<PathBuf>, out: Out) -> anyhow::Result<ExitCod
             sp.started
         );
     }
-    for d in report.devices.iter().filter(|d| d.standby.is_some() || d.standby_restarts > 0) {
-        let waiting = match &d.standby {
+    for d in report.devices.iter().filter(|d| d.standby.is_some() || d.tap_standby.is_some() || d.standby_restarts > 0) {
+        let waiting = |s: &Option<bulkhead_control::ProcessMemory>| match s {
             Some(p) => format!("pid {} waiting (private {})", p.pid, mib(p.rss.map(|r| r.anon_kib))),
             None => "none waiting".into(),
         };
-        println!("standby domain of {}: {waiting}; {} of {} restarts taken by one", d.name, d.standby_restarts, d.restarts);
+        let tap = match &d.tap_standby {
+            Some(_) => format!(", tap domain {}", waiting(&d.tap_standby)),
+            None => String::new(),
+        };
+        println!(
+            "standby domain of {}: {}{tap}; {} of {} restarts taken by one",
+            d.name,
+            waiting(&d.standby),
+            d.standby_restarts,
+            d.restarts
+        );
     }
     match &report.fuse {
         Some(FuseStatus::IoUring { queues, depth }) => println!("fuse: io_uring, {queues} rings x {depth} requests"),

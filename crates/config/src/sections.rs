@@ -385,9 +385,10 @@ pub struct Domains {
     /// and a few MiB of memory. 0 starts every domain afresh.
     #[serde(default = "default_spares")]
     pub spares: Spanned<u32>,
-    /// Devices that may keep a standby domain at once: after its first restart a device keeps
-    /// its next generation started, confined and waiting, so that the next restart only lets
-    /// it go. Each costs no CPU while it waits and a few MiB of memory. 0 keeps none.
+    /// Standby domains kept at once: after its first restart a device keeps its next domain
+    /// started, confined and waiting (an `interpose` device may keep one for each of its two),
+    /// so that the next restart only lets it go. Each costs no CPU while it waits and a few MiB
+    /// of memory. 0 keeps none.
     #[serde(default = "default_standbys")]
     pub standbys: Spanned<u32>,
 }

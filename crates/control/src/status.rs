@@ -36,7 +36,7 @@ pub struct SparesStatus {
     pub taken: u64,
     /// Spares that ended while they waited, or could not take a device.
     pub lost: u64,
-    /// Devices that may keep a standby domain at once (`[domains] standbys`).
+    /// Standby domains that may be kept at once (`[domains] standbys`).
     #[serde(default)]
     pub standbys_most: u32,
     /// Standby domains waiting now.
@@ -157,7 +157,11 @@ pub struct DeviceStatus {
     /// restart (a device keeps one after its first restart, within `[domains] standbys`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub standby: Option<ProcessMemory>,
-    /// Restarts its standby took, making no domain then.
+    /// An `interpose` device's standby tap domain: confined, its channels mapped, waiting to
+    /// take over from the running tap domain (kept after the tap domain's first replacement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap_standby: Option<ProcessMemory>,
+    /// Restarts its standbys took, making no domain then.
     #[serde(default)]
     pub standby_restarts: u64,
 }

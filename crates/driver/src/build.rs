@@ -113,6 +113,9 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
         queues.push(BackQueue::from_mapped(ring, fds, arenas, size).map_err(|e| DriverError::Setup(e.to_string()))?);
     }
     let setup = |e: bulkhead_backends::BackendError| DriverError::Setup(e.to_string());
+    let standby = this.standby_fd.is_some();
+    // A standby tap domain's own handle on its line: it is told there what to take over.
+    let mut takeover = None;
     let backend: Box<dyn Backend> = match &this.backend {
         // SAFETY: forwarded from this function's contract.
         BackendSpec::Ram { fd } => Box::new(RamBackend::new(unsafe { claim(*fd)? }, this.backend_size).map_err(setup)?),
@@ -227,8 +230,9 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
                     None => None,
                 };
                 let fds = ForwardQueueFds { ring: ring?, kick: kick?, irq: irq?, arenas };
-                let mut front =
-                    FrontQueue::forwarding(fds, &cfg).map_err(|e| DriverError::Setup(format!("channel below: {e}")))?;
+                // A standby leaves the queues below to the running tap domain until it takes over.
+                let front = if standby { FrontQueue::forwarding_adopted(fds, &cfg) } else { FrontQueue::forwarding(fds, &cfg) };
+                let mut front = front.map_err(|e| DriverError::Setup(format!("channel below: {e}")))?;
                 front.set_yield_after(YIELD_AFTER_SPINS);
                 fronts.push(front);
             }
@@ -238,6 +242,10 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
                     // SAFETY: forwarded from this function's contract.
                     let [page, wake] = fds.map(|fd| unsafe { claim(fd) });
                     let c = BelowControl::attach(page?, wake?).map_err(|e| DriverError::Setup(e.to_string()))?;
+                    if standby {
+                        let [page, wake] = c.fds().map_err(|e| DriverError::Setup(e.to_string()))?;
+                        takeover = Some(BelowControl::attach(page, wake).map_err(|e| DriverError::Setup(e.to_string()))?);
+                    }
                     Some(c)
                 }
                 None => None,
@@ -278,6 +286,9 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
     }
     // The tap domain of an `interpose` device, and the driver domain below it.
     domain.set_hands_off(matches!(this.backend, BackendSpec::Channel { .. }) || this.above_control_fds.is_some());
+    if let Some(line) = takeover {
+        domain.set_takeover_line(line);
+    }
     if let Some(fds) = this.above_control_fds {
         // SAFETY: forwarded from this function's contract.
         let [page, wake] = fds.map(|fd| unsafe { claim(fd) });

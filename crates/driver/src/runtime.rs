@@ -13,7 +13,7 @@ use std::sync::Arc;
 use arrayvec::ArrayVec;
 use bulkhead_block::{BlockError, Chain, Request, StartError, Tag, TagSpace};
 use bulkhead_block::{Op, Status};
-use bulkhead_channel::{AboveControl, BackQueue, Popped};
+use bulkhead_channel::{AboveControl, BackQueue, BelowControl, Popped};
 use bulkhead_doorbell::{now_ns, BudgetPolicy, EventFd, Handoff, NotifyMode, Poller, SpinBudget};
 use bulkhead_filters::state::StatePage;
 use bulkhead_ring::ValidRequest;
@@ -166,6 +166,9 @@ pub struct Domain {
     go: Option<(EventFd, Poller)>,
     /// The poller a standby below a tap domain waits on to attach, once go has rung.
     waits: Option<Poller>,
+    /// A standby tap domain's line, on which it is told what to take over once go rings
+    /// ([`set_takeover_line`](Self::set_takeover_line)).
+    takeover: Option<BelowControl>,
 }
 
 /// Whether `op` is refused because the device is inactive (`inactive`: refusals so far, `None`
@@ -290,6 +293,7 @@ impl Domain {
             inactive: None,
             go: None,
             waits: None,
+            takeover: None,
         })
     }
 
@@ -333,6 +337,7 @@ impl Domain {
                 line.drain();
             }
         }
+        self.take_over()?;
         // Still on its own poller: the tap domain may ring the queues' doorbells before this
         // domain may attach to them.
         self.waits = Some(waits);
@@ -340,6 +345,46 @@ impl Domain {
         self.waits = None;
         attached?;
         Ok(!self.stop.load(Ordering::Relaxed))
+    }
+
+    /// Makes the domain a standby tap domain, told on `line` (its line about the domain below,
+    /// a second handle) what to take over once go rings: its queues above were mapped, and
+    /// its queues below adopted, without a byte written (see
+    /// [`FrontQueue::forwarding_adopted`](bulkhead_channel::FrontQueue::forwarding_adopted)).
+    pub fn set_takeover_line(&mut self, line: BelowControl) {
+        self.takeover = Some(line);
+    }
+
+    /// A standby tap domain, let go once the tap domain before it is gone: lets its backend
+    /// start the queues below over as the line asks (the driver domain there has let go of
+    /// them), which it reports there; then, once the frontend has started the queues above
+    /// over and the line says as which generation, attaches to them. Nothing is served before
+    /// both are done. Returns early if asked to stop.
+    fn take_over(&mut self) -> Result<(), DriverError> {
+        let Some(line) = self.takeover.take() else { return Ok(()) };
+        self.chain.tend();
+        if let Some(why) = self.chain.lost() {
+            return Err(DriverError::BackendLost(why.to_string()));
+        }
+        let generation = loop {
+            if let Some(g) = line.above_allowed() {
+                break g;
+            }
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let bell = self.stop_bell.as_ref().map_or(-1, std::os::fd::AsRawFd::as_raw_fd);
+            let mut pfd = [line.wake_fd(), bell].map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+            bulkhead_sys::poll(&mut pfd, 100).map_err(|e| DriverError::Setup(format!("waiting to take over: {e}")))?;
+            line.drain();
+        };
+        for (queue, q) in self.queues.iter_mut().enumerate() {
+            if let Some(q) = q {
+                q.reattach(generation).map_err(|source| DriverError::Channel { queue, source })?;
+            }
+        }
+        self.dirty.iter_mut().for_each(|d| *d = false);
+        Ok(())
     }
 
     /// Makes the domain serve an inactive device, the destination of a live migration before

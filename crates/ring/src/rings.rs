@@ -40,6 +40,17 @@ impl FrontRing {
         Ok(FrontRing { map, layout, req_prod: 0, req_published: 0, rsp_cons: 0, rsp_prod_seen: 0, peer_polls: false })
     }
 
+    /// The front end of a queue file whose header another front end writes now, mapped
+    /// read-write but left as it is: nothing is written until [`restart`](Self::restart), which
+    /// must come before the first [`push`](Self::push). For a standby tap domain, which takes the
+    /// queue over once the front end before it is gone.
+    pub fn adopt(map: Mapping, layout: RingLayout) -> Result<Self, RingError> {
+        if map.len() < layout.file_size() {
+            return Err(RingError::BadHeader("queue file smaller than its layout"));
+        }
+        Ok(FrontRing { map, layout, req_prod: 0, req_published: 0, rsp_cons: 0, rsp_prod_seen: 0, peer_polls: false })
+    }
+
     fn write_header(map: &Mapping, layout: RingLayout, generation: u32) -> Result<(), RingError> {
         map.write_obj(H::MAGIC, &MAGIC)?;
         map.write_obj(H::VERSION, &VERSION)?;

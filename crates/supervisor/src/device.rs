@@ -43,6 +43,11 @@ pub(crate) struct Slot {
     pub standby: Option<crate::standby::Standby>,
     /// It has restarted, and keeps a standby from then on when it can.
     pub standby_wanted: bool,
+    /// An `interpose` device's next tap domain, waiting to take over from the running one.
+    pub tap_standby: Option<crate::standby::Standby>,
+    /// Its tap domain has been replaced alone, and it keeps a standby tap domain from then on
+    /// when it can.
+    pub tap_standby_wanted: bool,
     /// A worker is making its standby.
     pub standby_preparing: bool,
     /// Restarts a standby took.
@@ -55,6 +60,13 @@ impl Slot {
     pub fn take_standby(&mut self) -> Option<crate::standby::Standby> {
         self.standby_wanted = true;
         self.standby.take()
+    }
+
+    /// Takes the standby tap domain, if any, for the replacement of the tap domain about to
+    /// begin; the device keeps one from now on where it can.
+    pub fn take_tap_standby(&mut self) -> Option<crate::standby::Standby> {
+        self.tap_standby_wanted = true;
+        self.tap_standby.take()
     }
 }
 
@@ -156,6 +168,8 @@ impl DeviceRuntime {
             busy: false,
             standby: None,
             standby_wanted: false,
+            tap_standby: None,
+            tap_standby_wanted: false,
             standby_preparing: false,
             standby_used: 0,
         };

@@ -65,12 +65,34 @@ impl Below {
         self.queues.iter().map(LowerQueue::back_fds).collect()
     }
 
+    /// The tap domain's ends of both channels, copied, with the generation below now.
+    pub fn tap_queues(&self) -> Result<TapQueues, bulkhead_channel::ChannelError> {
+        Ok(TapQueues {
+            above: self.tap_fds.iter().map(BackQueueFds::try_clone).collect::<Result<_, _>>()?,
+            below: self.queues.iter().map(LowerQueue::front_fds).collect::<Result<_, _>>()?,
+            nslots: self.nslots,
+            arena_bytes: self.arena_bytes,
+            generation: self.generation,
+        })
+    }
+
     /// Wakes the tap domain wherever it waits (its loop, or a response from below).
     pub fn wake_tap(&self) {
         for q in &self.queues {
             q.interrupt_front();
         }
     }
+}
+
+/// What a tap domain is given of the channels of a [`Below`]: its end of each queue above and
+/// of each queue below (`nslots` slots, arenas of `arena_bytes`), the latter of `generation`.
+#[derive(Debug)]
+pub(crate) struct TapQueues {
+    pub above: Vec<BackQueueFds>,
+    pub below: Vec<bulkhead_channel::ForwardQueueFds>,
+    pub nslots: u32,
+    pub arena_bytes: u64,
+    pub generation: u32,
 }
 
 /// A device's running domains: one variant per tap mode.

@@ -66,7 +66,12 @@ pub(crate) fn retry(rt: &DeviceRuntime, stopping: &AtomicBool) {
 pub(crate) fn take_all(rt: &DeviceRuntime) -> (Vec<Domain>, Option<Below>, Graveyard) {
     let mut slot = rt.lock();
     let (domains, below) = slot.domains.take_all();
-    (domains, below, std::mem::take(&mut slot.graveyard))
+    let mut graveyard = std::mem::take(&mut slot.graveyard);
+    // A standby tap domain goes with the channels it was made for.
+    if let Some(s) = slot.tap_standby.take() {
+        s.bury(&rt.name, &mut graveyard);
+    }
+    (domains, below, graveyard)
 }
 
 /// Kills `domains` and waits for what they left in the kernel; puts the graveyard back.
@@ -85,7 +90,8 @@ pub(crate) fn bury_all(rt: &DeviceRuntime, domains: Vec<Domain>, below: Option<B
 /// are told.
 fn fail(rt: &DeviceRuntime, reason: &str) {
     let (domains, below, graveyard) = take_all(rt);
-    if let Some(s) = rt.lock().standby.take() {
+    let standby = rt.lock().standby.take();
+    if let Some(s) = standby {
         s.dismiss(&rt.name);
     }
     bury_all(rt, domains, below, graveyard);
@@ -259,6 +265,29 @@ fn await_domain(pidfd: std::os::fd::BorrowedFd<'_>, mut done: impl FnMut() -> bo
     Ok(())
 }
 
+/// The standby `taken` from device `rt`'s slot if `fit` lets it serve the replacement about to
+/// begin (`Ok`, woken if it must be), else buried in `graveyard`; with none, a spare is told
+/// it will be wanted shortly ([`expect_launch`](crate::launcher::Launcher::expect_launch)).
+fn fitting(
+    rt: &DeviceRuntime,
+    taken: Option<Standby>,
+    graveyard: &mut Graveyard,
+    fit: impl FnOnce(Standby) -> Result<Standby, Standby>,
+) -> Option<Standby> {
+    let standby = match taken.map(fit) {
+        Some(Ok(s)) => Some(s),
+        Some(Err(s)) => {
+            s.bury(&rt.name, graveyard);
+            None
+        }
+        None => None,
+    };
+    if standby.is_none() {
+        rt.launcher.expect_launch();
+    }
+    standby
+}
+
 /// Replaces the driver domain below a tap domain, which has exited, leaving the tap domain
 /// running: the tap domain starts the channel below over as the next generation and sends
 /// again what had no answer, and a new driver domain attaches to the same queues. The frontend
@@ -270,18 +299,13 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
     let standby = rt.lock().take_standby();
     let generation = below.generation.wrapping_add(1).max(1);
     // A standby wakes while the tap domain starts the queues over, and attaches after.
-    let standby =
-        match standby.map(|s| if s.fits_below(below.serial, rt.launcher.epoch()) { s.wake_below(generation) } else { Err(s) }) {
-            Some(Ok(s)) => Some(s),
-            Some(Err(s)) => {
-                s.bury(&rt.name, &mut graveyard);
-                None
-            }
-            None => None,
-        };
-    if standby.is_none() {
-        rt.launcher.expect_launch();
-    }
+    let standby = fitting(rt, standby, &mut graveyard, |s| {
+        if s.fits_below(below.serial, rt.launcher.epoch()) {
+            s.wake_below(generation)
+        } else {
+            Err(s)
+        }
+    });
     rt.control.log_limited(|| format!("{why}; replacing it (the tap domain runs on)"));
     graveyard.bury(&rt.name, driver);
     below.control.request_restart(generation);
@@ -342,40 +366,86 @@ fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), E
     let before = rt.observe();
     let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(Error::failed(why)) };
     rt.control.outage_started(detected);
-    rt.launcher.expect_launch();
-    // A standby below stays as it is: the lower queues stay.
-    rt.lock().standby_wanted = true;
+    let standby = {
+        let mut slot = rt.lock();
+        // A standby below stays as it is: the lower queues stay.
+        slot.standby_wanted = true;
+        slot.take_tap_standby()
+    };
+    let standby =
+        fitting(rt, standby, &mut graveyard, |s| if s.fits_tap(below.serial, rt.launcher.epoch()) { Ok(s) } else { Err(s) });
     rt.control.log_limited(|| format!("{why}; replacing it (the driver domain below runs on)"));
     graveyard.bury(&rt.name, tap);
     graveyard.drain(&rt.name);
+    let give_up = |standby: Option<Standby>, domains, below, mut graveyard: Graveyard, why| {
+        if let Some(s) = standby {
+            s.bury(&rt.name, &mut graveyard);
+        }
+        give_up(rt, domains, below, graveyard, why)
+    };
     let failed = |what: &str| format!("{why}; the driver domain below (pid {}) {what}", driver.pid());
     let generation = below.generation.wrapping_add(1).max(1);
     // The driver domain lets go of the channel between the two, finishing what it holds.
     below.driver_line.request_detach(generation);
     if let Err(e) = await_domain(driver.pidfd(), || below.driver_line.detached(generation)) {
         let why = failed(e);
-        return give_up(rt, vec![driver], below, graveyard, why);
+        return give_up(standby, vec![driver], below, graveyard, why);
     }
     below.generation = generation;
+    // A standby starts the channel below over while the frontend starts the channel above over.
+    let taken = standby.map(|s| {
+        // What the old tap domain left half-written in the filters' outputs, as a launch trims.
+        rt.launcher.trim_outputs();
+        s.take_over(generation)
+    });
+    let standby = match taken {
+        Some(Ok((tap, line))) => {
+            // Its own line, which nothing of the old tap domain's has touched.
+            below.control = line;
+            Some(tap)
+        }
+        Some(Err(s)) => {
+            s.bury(&rt.name, &mut graveyard);
+            None
+        }
+        None => None,
+    };
+    let with = |tap: Option<Domain>, driver| tap.into_iter().chain([driver]).collect::<Vec<_>>();
     // The frontend's queues start over on the same files: the driver domain maps their arenas.
     let above = rt.device.generation().wrapping_add(1).max(1);
     if let Err(e) = rt.control.start_over_in_place(above, SWITCH_STEP) {
-        return give_up(rt, vec![driver], below, graveyard, format!("{why}; {e}"));
+        return give_up(None, with(standby, driver), below, graveyard, format!("{why}; {e}"));
     }
-    // A fresh line for the new tap domain: nothing the old one wrote there can mislead it.
-    below.control = match rt.launcher.tap_line() {
-        Ok(c) => c,
-        Err(e) => return give_up(rt, vec![driver], below, graveyard, format!("{why}; {e}")),
-    };
-    let tap = match rt.launcher.spawn_tap(&below, &rt.launcher.chain()) {
-        Ok(t) => t,
-        Err(e) => return give_up(rt, vec![driver], below, graveyard, format!("{why}; a new tap domain could not start: {e}")),
+    let tap = match standby {
+        Some(tap) => {
+            below.control.allow_above(above);
+            if let Err(e) = await_domain(tap.pidfd(), || below.control.ready() == u64::from(generation)) {
+                let why = format!("{why}; the standby tap domain (pid {}) {e}", tap.pid());
+                return give_up(None, vec![tap, driver], below, graveyard, why);
+            }
+            rt.lock().standby_used += 1;
+            tap
+        }
+        None => {
+            // A fresh line for the new tap domain: nothing the old one wrote there can mislead it.
+            below.control = match rt.launcher.tap_line() {
+                Ok(c) => c,
+                Err(e) => return give_up(None, vec![driver], below, graveyard, format!("{why}; {e}")),
+            };
+            match rt.launcher.spawn_tap(&below, &rt.launcher.chain()) {
+                Ok(t) => t,
+                Err(e) => {
+                    let why = format!("{why}; a new tap domain could not start: {e}");
+                    return give_up(None, vec![driver], below, graveyard, why);
+                }
+            }
+        }
     };
     // It has attached above and written the headers below: the driver domain attaches again.
     below.driver_line.request_attach(generation);
     if let Err(e) = await_domain(driver.pidfd(), || below.driver_line.attached(generation)) {
         let why = failed(e);
-        return give_up(rt, vec![tap, driver], below, graveyard, why);
+        return give_up(None, vec![tap, driver], below, graveyard, why);
     }
     install_interpose(rt, (tap, driver, below, graveyard), &before, false);
     rt.control.outage_over_if_idle();

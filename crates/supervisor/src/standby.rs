@@ -17,8 +17,15 @@
 //!   dies and the tap domain has started those queues over, the standby is told the
 //!   generation on a line of its own and rung: it attaches to them and serves what the tap
 //!   domain sends again. A replaced tap domain leaves it waiting.
+//! - [`Next::Tap`]: a tap domain for above an `interpose` device's driver domain, on both its
+//!   channels: the queues above mapped as any domain maps them, the queues below adopted
+//!   without a byte written. When the tap domain dies and the driver domain below has let go
+//!   of the lower queues, the standby is told their next generation on a line of its own and
+//!   rung: it starts them over while the frontend starts the queues above over in place, then
+//!   attaches above once the line names the frontend's generation. An `interpose` device keeps
+//!   it beside a standby below, each in a place of its own.
 //!
-//! A standby fits the restart it was made for only: that generation (or those lower queues)
+//! A standby fits the restart it was made for only: that generation (or those channels)
 //! of a device whose chain, views and activity are as they were when it started
 //! ([`Launcher::epoch`]). One that no longer fits, or has died, is buried and the restart
 //! takes the usual path. Only devices whose backend reads nothing of its storage before
@@ -30,7 +37,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use bulkhead_channel::AboveControl;
+use bulkhead_channel::{AboveControl, BelowControl};
 use bulkhead_sys::eventfd::EventFd;
 
 use crate::domains::{Domain, Graveyard};
@@ -94,6 +101,12 @@ pub(crate) enum Next {
     ///
     /// [`Below::serial`]: crate::domains::Below::serial
     Below { driver: Box<Domain>, line: AboveControl, serial: u64 },
+    /// A tap domain for above the driver domain of an `interpose` device, on the channels of
+    /// [`Below::serial`] `serial` (both of them mapped, neither written), with its own line about
+    /// the domain below.
+    ///
+    /// [`Below::serial`]: crate::domains::Below::serial
+    Tap { tap: Box<Domain>, line: BelowControl, serial: u64 },
 }
 
 /// A device's next domain, launched and waiting for go.
@@ -114,7 +127,7 @@ impl Standby {
     fn domain(&self) -> Option<&Domain> {
         match &self.next {
             Next::All { launched, .. } => launched.domains.top(),
-            Next::Below { driver, .. } => Some(&**driver),
+            Next::Below { driver: d, .. } | Next::Tap { tap: d, .. } => Some(&**d),
         }
     }
 
@@ -155,6 +168,34 @@ impl Standby {
         matches!(self.next, Next::Below { serial: s, .. } if s == serial) && self.current(epoch)
     }
 
+    /// Whether it can replace the tap domain over the driver domain on the channels of serial
+    /// `serial`, for a launcher at `epoch`.
+    pub fn fits_tap(&self, serial: u64, epoch: u64) -> bool {
+        matches!(self.next, Next::Tap { serial: s, .. } if s == serial) && self.current(epoch)
+    }
+
+    /// Whether it is a tap domain ([`Next::Tap`]).
+    pub fn is_tap(&self) -> bool {
+        matches!(self.next, Next::Tap { .. })
+    }
+
+    /// Lets a standby tap domain take over: the tap domain before it is gone and the driver
+    /// domain below has let go of the channel below. Asks it on its line to start that channel
+    /// over as `below` and rings go; it says on the line when it has, and attaches to the
+    /// channel above once [`BelowControl::allow_above`] names the generation the frontend
+    /// started it over as. Returns the domain and the supervisor's end of its line; `Err(self)`
+    /// for another kind.
+    pub fn take_over(self, below: u32) -> Result<(Domain, BelowControl), Standby> {
+        match self.next {
+            Next::Tap { tap, line, .. } => {
+                line.request_restart(below);
+                self.go.ring();
+                Ok((*tap, line))
+            }
+            next => Err(Standby { next, ..self }),
+        }
+    }
+
     /// Lets a standby of the whole generation serve: rings go (unless [`start_early`](crate::standing_by::start_early) did)
     /// and hands over what the launch made. The device's old domains must be gone.
     pub fn go(self) -> Result<Launched, Standby> {
@@ -165,7 +206,7 @@ impl Standby {
                 }
                 Ok(*launched)
             }
-            next @ Next::Below { .. } => Err(Standby { next, ..self }),
+            next @ (Next::Below { .. } | Next::Tap { .. }) => Err(Standby { next, ..self }),
         }
     }
 
@@ -181,7 +222,7 @@ impl Standby {
                 self.rung = true;
                 Ok(self)
             }
-            Next::All { .. } => Err(self),
+            Next::All { .. } | Next::Tap { .. } => Err(self),
         }
     }
 
@@ -207,7 +248,7 @@ impl Standby {
                     graveyard.bury(device, d);
                 }
             }
-            Next::Below { driver, .. } => graveyard.bury(device, *driver),
+            Next::Below { driver: d, .. } | Next::Tap { tap: d, .. } => graveyard.bury(device, *d),
         }
     }
 

@@ -1,5 +1,6 @@
 //! Standing by: which devices keep a standby domain ([`crate::standby`]), making one for a
-//! device, checking that it still fits, and letting it start ahead of a restart.
+//! device, checking that it still fits, and letting it start ahead of a restart. An
+//! `interpose` device may keep two: one for its tap domain, one for the domain below.
 
 use std::sync::Arc;
 
@@ -15,6 +16,7 @@ use crate::state::DeviceState;
 pub(crate) fn fits(standby: &Standby, rt: &DeviceRuntime, slot: &Slot) -> bool {
     let epoch = rt.launcher.epoch();
     match &slot.domains {
+        Domains::Interpose { below, .. } if standby.is_tap() => standby.fits_tap(below.serial, epoch),
         Domains::Interpose { below, .. } => standby.fits_below(below.serial, epoch),
         _ => standby.fits_all(rt.device.generation().wrapping_add(1), epoch),
     }
@@ -60,22 +62,28 @@ pub(crate) fn prepare(rt: &DeviceRuntime, places: &Arc<Places>) {
     // of an `interpose` device (their descriptors copied, so that the launch holds no lock).
     let (kind, epoch, place) = {
         let mut slot = rt.lock();
-        if !wants(&slot) || !rt.launcher.standby_possible() {
-            return;
-        }
+        let Some(which) = wanted(&slot).filter(|_| rt.launcher.standby_possible()) else { return };
         // None ready: the watcher asks again later.
         if !rt.launcher.spare_ready() {
             return;
         }
-        let kind = match &slot.domains {
-            Domains::Interpose { below, .. } => match below.lower_fds() {
+        let kind = match (&slot.domains, which) {
+            (Domains::Interpose { below, .. }, Wanted::Tap) => match below.tap_queues() {
+                Ok(queues) => Kind::Tap { queues, serial: below.serial },
+                Err(e) => {
+                    log::warn!("device {}: no standby tap domain: {e}", rt.name);
+                    return;
+                }
+            },
+            (Domains::Interpose { below, .. }, Wanted::Next) => match below.lower_fds() {
                 Ok(fds) => Kind::Below { fds, nslots: below.nslots, arena_bytes: below.arena_bytes, serial: below.serial },
                 Err(e) => {
                     log::warn!("device {}: no standby domain: {e}", rt.name);
                     return;
                 }
             },
-            _ => Kind::All(rt.device.generation().wrapping_add(1)),
+            (_, Wanted::Tap) => return,
+            (_, Wanted::Next) => Kind::All(rt.device.generation().wrapping_add(1)),
         };
         let Some(place) = places.take() else { return };
         slot.standby_preparing = true;
@@ -85,9 +93,11 @@ pub(crate) fn prepare(rt: &DeviceRuntime, places: &Arc<Places>) {
     let mut slot = rt.lock();
     slot.standby_preparing = false;
     let Some(standby) = standby else { return };
-    let still = !slot.busy && slot.standby.is_none() && slot.life.state() == DeviceState::Running && fits(&standby, rt, &slot);
+    let place = if standby.is_tap() { &slot.tap_standby } else { &slot.standby };
+    let still = !slot.busy && place.is_none() && slot.life.state() == DeviceState::Running && fits(&standby, rt, &slot);
     if still {
-        slot.standby = Some(standby);
+        let place = if standby.is_tap() { &mut slot.tap_standby } else { &mut slot.standby };
+        *place = Some(standby);
         return;
     }
     drop(slot);
@@ -95,13 +105,34 @@ pub(crate) fn prepare(rt: &DeviceRuntime, places: &Arc<Places>) {
 }
 
 /// Whether device `rt`, as `slot` shows it, wants a standby made now: it has restarted, runs,
-/// has none and is making none.
+/// lacks one and is making none.
 pub(crate) fn wants(slot: &Slot) -> bool {
-    slot.standby_wanted
-        && !slot.busy
-        && slot.standby.is_none()
-        && !slot.standby_preparing
-        && slot.life.state() == DeviceState::Running
+    wanted(slot).is_some()
+}
+
+/// Which standby device `rt`, as `slot` shows it, wants made now, if any: a tap domain first
+/// (its replacement has the most to build), then its next generation or driver domain below.
+fn wanted(slot: &Slot) -> Option<Wanted> {
+    if slot.busy || slot.standby_preparing || slot.life.state() != DeviceState::Running {
+        return None;
+    }
+    let interpose = matches!(slot.domains, Domains::Interpose { .. });
+    if slot.tap_standby_wanted && slot.tap_standby.is_none() && interpose {
+        Some(Wanted::Tap)
+    } else if slot.standby_wanted && slot.standby.is_none() {
+        Some(Wanted::Next)
+    } else {
+        None
+    }
+}
+
+/// Which of a device's standbys is to be made.
+#[derive(Clone, Copy)]
+enum Wanted {
+    /// An `interpose` device's next tap domain.
+    Tap,
+    /// Its next generation, or the driver domain below its tap domain.
+    Next,
 }
 
 /// Launches a standby of `kind` for device `rt`.
@@ -121,6 +152,10 @@ fn make(rt: &DeviceRuntime, kind: Kind, epoch: u64, place: Place) -> Option<Stan
             let driver = rt.launcher.spawn_below_from(fds, nslots, arena_bytes, &line, None, Some(&go))?;
             Ok(Next::Below { driver: Box::new(driver), line, serial })
         }),
+        Kind::Tap { queues, serial } => rt.launcher.tap_line().and_then(|line| {
+            let tap = rt.launcher.spawn_tap_from(queues, &line, &rt.launcher.chain(), Some(&go))?;
+            Ok(Next::Tap { tap: Box::new(tap), line, serial })
+        }),
     };
     match next {
         Ok(next) => Some(Standby::new(next, go, epoch, place)),
@@ -138,4 +173,6 @@ enum Kind {
     All(u32),
     /// A driver domain on these lower queues.
     Below { fds: Vec<bulkhead_channel::BackQueueFds>, nslots: u32, arena_bytes: u64, serial: u64 },
+    /// A tap domain over these channels.
+    Tap { queues: crate::domains::TapQueues, serial: u64 },
 }

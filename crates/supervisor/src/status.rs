@@ -17,7 +17,7 @@ pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
         let slot = rt.lock();
         let life = &slot.life;
         let failure = life.failure().map(String::from);
-        let standby = slot.standby.as_ref().map(|s| s.pid());
+        let standby = (slot.standby.as_ref().map(|s| s.pid()), slot.tap_standby.as_ref().map(|s| s.pid()));
         let awaiting = life.awaiting_remote(&obs);
         (
             life.state(),
@@ -87,7 +87,8 @@ pub(crate) fn device_status(rt: &DeviceRuntime) -> DeviceStatus {
         views: rt.views().iter().map(|v| v.status(&rt.state)).collect(),
         io: rt.device.io_figures(),
         attached: rt.attach.status(),
-        standby: standby.map(|pid| bulkhead_control::ProcessMemory { pid, rss: proc_info::rss(pid) }),
+        standby: standby.0.map(|pid| bulkhead_control::ProcessMemory { pid, rss: proc_info::rss(pid) }),
+        tap_standby: standby.1.map(|pid| bulkhead_control::ProcessMemory { pid, rss: proc_info::rss(pid) }),
         standby_restarts,
     }
 }

@@ -813,10 +813,10 @@ fn end_each(devices: &[Arc<DeviceRuntime>], grace: Duration) {
         let mut slot = rt.lock();
         let (domains, below) = slot.domains.take_all();
         let mut graveyard = std::mem::take(&mut slot.graveyard);
-        let standby = slot.standby.take();
+        let standbys = [slot.standby.take(), slot.tap_standby.take()];
         slot.life.stopped();
         drop(slot);
-        if let Some(s) = standby {
+        for s in standbys.into_iter().flatten() {
             s.bury(&rt.name, &mut graveyard);
         }
         for d in &domains {

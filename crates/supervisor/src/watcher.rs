@@ -448,9 +448,12 @@ impl Watcher {
             }
             // A standby that died while it waited, or that a change left behind, is replaced;
             // one that could not be made (no spare was ready) is tried again.
-            let unfit = slot.standby.as_ref().is_some_and(|s| !crate::standing_by::fits(s, &rt, &slot));
-            if unfit || (full && crate::standing_by::wants(&slot)) {
-                if let Some(s) = slot.standby.take().filter(|_| unfit) {
+            let unfit =
+                |s: &Option<crate::standby::Standby>| s.as_ref().is_some_and(|s| !crate::standing_by::fits(s, &rt, &slot));
+            let (unfit, unfit_tap) = (unfit(&slot.standby), unfit(&slot.tap_standby));
+            if unfit || unfit_tap || (full && crate::standing_by::wants(&slot)) {
+                let gone = [slot.standby.take_if(|_| unfit), slot.tap_standby.take_if(|_| unfit_tap)];
+                for s in gone.into_iter().flatten() {
                     let name = rt.name.clone();
                     self.hub.workers.submit(move || s.dismiss(&name));
                 }

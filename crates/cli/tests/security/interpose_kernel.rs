@@ -422,6 +422,7 @@ fn await_pid(serve: &Serve, field: &str, not: &[u32]) -> u32 {
         let d = serve.status_json()["devices"][0].clone();
         let pid = match field {
             "standby" => d["standby"]["pid"].as_u64(),
+            "tap_standby" => d["tap_standby"]["pid"].as_u64(),
             f => d[f].as_u64(),
         };
         if let Some(p) = pid.map(|p| p as u32).filter(|p| *p != 0 && !not.contains(p)) {
@@ -432,6 +433,17 @@ fn await_pid(serve: &Serve, field: &str, not: &[u32]) -> u32 {
         assert!(std::time::Instant::now() < deadline, "no new {field}: {d}\n{}", serve.log_text());
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Checks that standby `pid` of device `s` waits confined: seccomp and no_new_privs, an empty
+/// root, and the standby's title.
+fn waits_confined(pid: u32) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(status.contains("Seccomp:\t2") && status.contains("NoNewPrivs:\t1"), "{status}");
+    let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    assert_eq!(mounts.lines().count(), 1, "an empty root: {mounts}");
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(cmd.starts_with(b"bulkhead\0standby\0s\0"), "{}", String::from_utf8_lossy(&cmd));
 }
 
 /// After its first replacement below, an `interpose` device keeps a standby driver domain:
@@ -454,12 +466,7 @@ fn a_standby_driver_domain_below_the_tap_takes_the_next_kill_and_outlives_a_tap_
     kill(first);
     let second = await_pid(&serve, "driver_pid", &[first]);
     let standby = await_pid(&serve, "standby", &[]);
-    let status = std::fs::read_to_string(format!("/proc/{standby}/status")).unwrap();
-    assert!(status.contains("Seccomp:\t2") && status.contains("NoNewPrivs:\t1"), "{status}");
-    let mounts = std::fs::read_to_string(format!("/proc/{standby}/mountinfo")).unwrap();
-    assert_eq!(mounts.lines().count(), 1, "an empty root: {mounts}");
-    let cmd = std::fs::read(format!("/proc/{standby}/cmdline")).unwrap();
-    assert!(cmd.starts_with(b"bulkhead\0standby\0s\0"), "{}", String::from_utf8_lossy(&cmd));
+    waits_confined(standby);
 
     let tap = await_pid(&serve, "tap_pid", &[]);
     kill(tap);
@@ -478,6 +485,68 @@ fn a_standby_driver_domain_below_the_tap_takes_the_next_kill_and_outlives_a_tap_
     let got = std::fs::read(serve.fuse_file("s")).unwrap();
     assert!(got[..data.len()] == data[..], "the contents survive");
     await_pid(&serve, "standby", &[standby]);
+    let log = serve.log_text();
+    assert!(!log.contains("restarting"), "the pair was restarted: {log}");
+}
+
+/// After its tap domain's first replacement, an `interpose` device keeps a standby tap domain:
+/// confined, both channels mapped and neither written. The next tap kill lets it take over
+/// (the driver domain below running on, the filters' figures carried on, the data intact); a
+/// standby tap domain killed while it waits is replaced, and the kill after that is served by
+/// the new one.
+#[test]
+fn a_standby_tap_domain_takes_the_next_tap_kill_and_one_killed_while_it_waits_is_replaced() {
+    require_kernel!();
+    let tmp = TempDir::new("interpose-tap-standby");
+    let cfg = interpose_config("s", "", "[[device.filter]]\ntype = \"stats\"\n");
+    let serve = Serve::start(&tmp.path().join("run"), Some(&cfg), &["s"]);
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2_246_822_519) >> 11) as u8).collect();
+    std::fs::write(serve.fuse_file("s"), &data).unwrap();
+    let kill = |pid: u32| {
+        // SAFETY: signalling a domain of our own serve.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    };
+    let writes = |serve: &Serve| {
+        let d = serve.status_json()["devices"][0].clone();
+        d["filters"][0]["ops"].as_array().unwrap().iter().find(|o| o["op"] == "write").unwrap()["requests"].as_u64().unwrap()
+    };
+    let driver = await_pid(&serve, "driver_pid", &[]);
+    let first = await_pid(&serve, "tap_pid", &[]);
+    assert_eq!(serve.status_json()["devices"][0]["tap_standby"], serde_json::Value::Null, "none before a replacement");
+    kill(first);
+    let second = await_pid(&serve, "tap_pid", &[first]);
+    let standby = await_pid(&serve, "tap_standby", &[]);
+    waits_confined(standby);
+    // Waiting, it has written nothing: the running tap domain serves on.
+    let got = std::fs::read(serve.fuse_file("s")).unwrap();
+    assert!(got[..data.len()] == data[..], "the contents, through the running tap domain");
+    let counted = writes(&serve);
+    assert!(counted > 0, "the stats filter counts the writes");
+
+    kill(second);
+    let third = await_pid(&serve, "tap_pid", &[first, second]);
+    assert_eq!(third, standby, "the standby tap domain takes over");
+    let d = serve.status_json()["devices"][0].clone();
+    assert_eq!(d["standby_restarts"], 1, "{d}");
+    assert_eq!(d["driver_pid"].as_u64(), Some(u64::from(driver)), "the driver domain below ran on: {d}");
+    let cmd = std::fs::read(format!("/proc/{third}/cmdline")).unwrap();
+    assert!(cmd.starts_with(b"bulkhead\0driver\0s\0tap\0"), "{}", String::from_utf8_lossy(&cmd));
+    let got = std::fs::read(serve.fuse_file("s")).unwrap();
+    assert!(got[..data.len()] == data[..], "the contents survive a takeover");
+    std::fs::write(serve.fuse_file("s"), &data[..1 << 16]).unwrap();
+    assert!(writes(&serve) > counted, "the filter's figures carry on in the standby");
+
+    // A standby killed while it waits is replaced by another, which takes the next kill.
+    let victim = await_pid(&serve, "tap_standby", &[standby]);
+    kill(victim);
+    let next = await_pid(&serve, "tap_standby", &[standby, victim]);
+    kill(third);
+    assert_eq!(await_pid(&serve, "tap_pid", &[first, second, third]), next);
+    let d = serve.status_json()["devices"][0].clone();
+    assert_eq!(d["standby_restarts"], 2, "{d}");
+    assert_eq!(d["driver_pid"].as_u64(), Some(u64::from(driver)), "{d}");
+    let got = std::fs::read(serve.fuse_file("s")).unwrap();
+    assert!(got[..data.len()] == data[..], "the contents survive");
     let log = serve.log_text();
     assert!(!log.contains("restarting"), "the pair was restarted: {log}");
 }

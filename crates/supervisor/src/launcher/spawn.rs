@@ -11,7 +11,7 @@ use bulkhead_sys::uring::{self, RingWatch};
 
 use super::{failed, Launcher};
 use crate::chain::ChainSetup;
-use crate::domains::{Below, Domain};
+use crate::domains::{Below, Domain, TapQueues};
 use crate::error::Error;
 use crate::spawn::{discard, exec_confined, From};
 use crate::views::ViewSetup;
@@ -21,24 +21,36 @@ impl Launcher {
     /// (its queues' files, as the frontend last wrote their headers) and the channel below,
     /// whose headers it writes as `below.generation` before it reports.
     pub(crate) fn spawn_tap(&self, below: &Below, chain: &ChainSetup) -> Result<Domain, Error> {
+        self.spawn_tap_from(below.tap_queues().map_err(failed)?, &below.control, chain, None)
+    }
+
+    /// [`spawn_tap`](Self::spawn_tap) on the queues `queues` with `line` about the domain below;
+    /// as a standby waiting for `go` if given one: it then writes nothing of either channel
+    /// until it is told on its line to take them over (see [`crate::standby`]).
+    pub(crate) fn spawn_tap_from(
+        &self,
+        queues: TapQueues,
+        line: &bulkhead_channel::BelowControl,
+        chain: &ChainSetup,
+        go: Option<&bulkhead_sys::eventfd::EventFd>,
+    ) -> Result<Domain, Error> {
+        let TapQueues { above, below, nslots, arena_bytes, generation } = queues;
         let mut pass = Pass::default();
         let mut queue_specs = Vec::new();
-        for fds in &below.tap_fds {
-            let bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } = fds.try_clone().map_err(failed)?;
-            queue_specs.push(pass.queue([ring, write_arena, read_arena, kick, irq], below.nslots, below.arena_bytes));
+        for bulkhead_channel::BackQueueFds { ring, write_arena, read_arena, kick, irq } in above {
+            queue_specs.push(pass.queue([ring, write_arena, read_arena, kick, irq], nslots, arena_bytes));
         }
         let mut below_specs = Vec::new();
-        for l in &below.queues {
-            let bulkhead_channel::ForwardQueueFds { ring, kick, irq, arenas } = l.front_fds().map_err(failed)?;
+        for bulkhead_channel::ForwardQueueFds { ring, kick, irq, arenas } in below {
             below_specs.push(LowerQueueSpec {
-                nslots: below.nslots,
+                nslots,
                 fds: [ring, kick, irq].map(|fd| pass.add_owned(fd)),
                 arena_fds: arenas.map(|a| a.map(|fd| pass.add_owned(fd))),
             });
         }
-        let control_fds = Some(below.control.fds().map_err(failed)?.map(|fd| pass.add_owned(fd)));
-        let backend = BackendSpec::Channel { queues: below_specs, generation: below.generation, control_fds };
-        Ok(self.spawn("tap", pass, queue_specs, backend, Some(chain), None, None)?.0)
+        let control_fds = Some(line.fds().map_err(failed)?.map(|fd| pass.add_owned(fd)));
+        let backend = BackendSpec::Channel { queues: below_specs, generation, control_fds };
+        Ok(self.spawn("tap", pass, queue_specs, backend, Some(chain), None, go)?.0)
     }
 
     /// Execs a driver domain below a tap domain, on the queues of `below` (whose headers the
