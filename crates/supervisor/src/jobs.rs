@@ -359,9 +359,10 @@ fn replace_below(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(),
 /// Replaces the tap domain of an `interpose` device, which has exited, wedged or broken the
 /// channel (or whose filters changed), leaving the driver domain below it running: the driver
 /// domain lets go of the channel between them, the frontend starts its queues over in place
-/// and sends again what had no answer, a new tap domain attaches to both channels, and the
-/// driver domain attaches again. The backend's state (a remote connection, a file's cache)
-/// stays. `Err(why)`: replace both for `why`.
+/// and sends again what had no answer, a new tap domain (the device's standby tap domain, if
+/// it keeps one that fits) attaches to both channels, and the driver domain attaches again.
+/// The backend's state (a remote connection, a file's cache) stays. `Err(why)`: replace both
+/// for `why`.
 fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), Error> {
     let before = rt.observe();
     let Some((tap, driver, mut below, mut graveyard)) = take_interpose(rt) else { return Err(Error::failed(why)) };
@@ -441,7 +442,7 @@ fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), E
             }
         }
     };
-    // It has attached above and written the headers below: the driver domain attaches again.
+    // The headers below are written: the driver domain attaches again.
     below.driver_line.request_attach(generation);
     if let Err(e) = await_domain(driver.pidfd(), || below.driver_line.attached(generation)) {
         let why = failed(e);
