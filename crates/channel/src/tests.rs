@@ -549,15 +549,33 @@ fn abandoned_requests_are_reported_once_and_free_their_space() {
     f.abandon(|u| panic!("{u} reported twice"));
 }
 
+/// Arenas of the queues [`interposed`] makes.
+const ARENAS: bulkhead_ring::ArenaSizes = bulkhead_ring::ArenaSizes { write: 1 << 20, read: 1 << 20 };
+
+/// A frontend's queue, a tap domain's ends of it and of the queue below, and the driver end
+/// below: the channels of an `interpose` device, sharing the upper arenas.
+struct Interposed {
+    front: FrontQueue,
+    upper: BackQueueFds,
+    lower: LowerQueue,
+    tap: BackQueue,
+    fwd: FrontQueue,
+    below: BackQueue,
+}
+
+fn interposed(cfg: &QueueConfig) -> Interposed {
+    let (front, upper) = QueueSetup::create("upper", cfg).unwrap();
+    let lower = LowerQueue::create("lower", cfg, &upper, false).unwrap();
+    let tap = BackQueue::from_fds(upper.try_clone().unwrap(), cfg.nslots, ARENAS, 1 << 20).unwrap();
+    let fwd = FrontQueue::forwarding(lower.front_fds().unwrap(), cfg).unwrap();
+    let below = BackQueue::from_fds(lower.back_fds().unwrap(), cfg.nslots, ARENAS, 1 << 20).unwrap();
+    Interposed { front, upper, lower, tap, fwd, below }
+}
+
 #[test]
 fn a_tap_replaced_alone_gets_every_unanswered_request_again_and_the_driver_below_reattaches() {
-    let cfg = cfg();
-    let arenas = bulkhead_ring::ArenaSizes { write: 1 << 20, read: 1 << 20 };
-    let (mut front, upper) = QueueSetup::create("upper", &cfg).unwrap();
-    let lower = LowerQueue::create("lower", &cfg, &upper, false).unwrap();
-    let mut tap = BackQueue::from_fds(upper.try_clone().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
-    let mut fwd = FrontQueue::forwarding(lower.front_fds().unwrap(), &cfg).unwrap();
-    let mut below = BackQueue::from_fds(lower.back_fds().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
+    let (cfg, arenas) = (cfg(), ARENAS);
+    let Interposed { mut front, upper, lower, mut tap, mut fwd, mut below } = interposed(&cfg);
     let mut disk = vec![0u8; 1 << 20];
     let a: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
     let b: Vec<u8> = (0..8192u32).map(|i| (i * 5) as u8).collect();
@@ -607,13 +625,8 @@ fn a_tap_replaced_alone_gets_every_unanswered_request_again_and_the_driver_below
 
 #[test]
 fn a_standby_tap_maps_both_channels_without_writing_and_takes_over_once_started_over() {
-    let cfg = cfg();
-    let arenas = bulkhead_ring::ArenaSizes { write: 1 << 20, read: 1 << 20 };
-    let (mut front, upper) = QueueSetup::create("upper", &cfg).unwrap();
-    let lower = LowerQueue::create("lower", &cfg, &upper, false).unwrap();
-    let mut tap = BackQueue::from_fds(upper.try_clone().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
-    let mut fwd = FrontQueue::forwarding(lower.front_fds().unwrap(), &cfg).unwrap();
-    let mut below = BackQueue::from_fds(lower.back_fds().unwrap(), cfg.nslots, arenas, 1 << 20).unwrap();
+    let (cfg, arenas) = (cfg(), ARENAS);
+    let Interposed { mut front, upper, lower, mut tap, mut fwd, mut below } = interposed(&cfg);
     let mut disk = vec![0u8; 1 << 20];
     let a: Vec<u8> = (0..4096u32).map(|i| (i * 3) as u8).collect();
     front.submit(FrontRequest::Write { offset: 0, from: &a, fua: false }, 1).unwrap();

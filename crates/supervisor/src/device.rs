@@ -62,6 +62,15 @@ impl Slot {
         self.standby.take()
     }
 
+    /// The place of a standby of the kind `tap` says: the tap domain's, or the other.
+    pub fn standby_place(&mut self, tap: bool) -> &mut Option<crate::standby::Standby> {
+        if tap {
+            &mut self.tap_standby
+        } else {
+            &mut self.standby
+        }
+    }
+
     /// Takes the standby tap domain, if any, for the replacement of the tap domain about to
     /// begin; the device keeps one from now on where it can.
     pub fn take_tap_standby(&mut self) -> Option<crate::standby::Standby> {

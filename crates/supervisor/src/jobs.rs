@@ -378,19 +378,16 @@ fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), E
     rt.control.log_limited(|| format!("{why}; replacing it (the driver domain below runs on)"));
     graveyard.bury(&rt.name, tap);
     graveyard.drain(&rt.name);
-    let give_up = |standby: Option<Standby>, domains, below, mut graveyard: Graveyard, why| {
-        if let Some(s) = standby {
-            s.bury(&rt.name, &mut graveyard);
-        }
-        give_up(rt, domains, below, graveyard, why)
-    };
     let failed = |what: &str| format!("{why}; the driver domain below (pid {}) {what}", driver.pid());
     let generation = below.generation.wrapping_add(1).max(1);
     // The driver domain lets go of the channel between the two, finishing what it holds.
     below.driver_line.request_detach(generation);
     if let Err(e) = await_domain(driver.pidfd(), || below.driver_line.detached(generation)) {
+        if let Some(s) = standby {
+            s.bury(&rt.name, &mut graveyard);
+        }
         let why = failed(e);
-        return give_up(standby, vec![driver], below, graveyard, why);
+        return give_up(rt, vec![driver], below, graveyard, why);
     }
     below.generation = generation;
     // A standby starts the channel below over while the frontend starts the channel above over.
@@ -415,14 +412,14 @@ fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), E
     // The frontend's queues start over on the same files: the driver domain maps their arenas.
     let above = rt.device.generation().wrapping_add(1).max(1);
     if let Err(e) = rt.control.start_over_in_place(above, SWITCH_STEP) {
-        return give_up(None, with(standby, driver), below, graveyard, format!("{why}; {e}"));
+        return give_up(rt, with(standby, driver), below, graveyard, format!("{why}; {e}"));
     }
     let tap = match standby {
         Some(tap) => {
             below.control.allow_above(above);
             if let Err(e) = await_domain(tap.pidfd(), || below.control.ready() == u64::from(generation)) {
                 let why = format!("{why}; the standby tap domain (pid {}) {e}", tap.pid());
-                return give_up(None, vec![tap, driver], below, graveyard, why);
+                return give_up(rt, vec![tap, driver], below, graveyard, why);
             }
             rt.lock().standby_used += 1;
             tap
@@ -431,13 +428,13 @@ fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), E
             // A fresh line for the new tap domain: nothing the old one wrote there can mislead it.
             below.control = match rt.launcher.tap_line() {
                 Ok(c) => c,
-                Err(e) => return give_up(None, vec![driver], below, graveyard, format!("{why}; {e}")),
+                Err(e) => return give_up(rt, vec![driver], below, graveyard, format!("{why}; {e}")),
             };
             match rt.launcher.spawn_tap(&below, &rt.launcher.chain()) {
                 Ok(t) => t,
                 Err(e) => {
                     let why = format!("{why}; a new tap domain could not start: {e}");
-                    return give_up(None, vec![driver], below, graveyard, why);
+                    return give_up(rt, vec![driver], below, graveyard, why);
                 }
             }
         }
@@ -446,7 +443,7 @@ fn replace_tap(rt: &DeviceRuntime, why: &str, detected: Instant) -> Result<(), E
     below.driver_line.request_attach(generation);
     if let Err(e) = await_domain(driver.pidfd(), || below.driver_line.attached(generation)) {
         let why = failed(e);
-        return give_up(None, vec![tap, driver], below, graveyard, why);
+        return give_up(rt, vec![tap, driver], below, graveyard, why);
     }
     install_interpose(rt, (tap, driver, below, graveyard), &before, false);
     rt.control.outage_over_if_idle();

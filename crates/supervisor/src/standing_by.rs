@@ -93,11 +93,11 @@ pub(crate) fn prepare(rt: &DeviceRuntime, places: &Arc<Places>) {
     let mut slot = rt.lock();
     slot.standby_preparing = false;
     let Some(standby) = standby else { return };
-    let place = if standby.is_tap() { &slot.tap_standby } else { &slot.standby };
-    let still = !slot.busy && place.is_none() && slot.life.state() == DeviceState::Running && fits(&standby, rt, &slot);
+    let tap = standby.is_tap();
+    let still =
+        !slot.busy && slot.standby_place(tap).is_none() && slot.life.state() == DeviceState::Running && fits(&standby, rt, &slot);
     if still {
-        let place = if standby.is_tap() { &mut slot.tap_standby } else { &mut slot.standby };
-        *place = Some(standby);
+        *slot.standby_place(tap) = Some(standby);
         return;
     }
     drop(slot);
