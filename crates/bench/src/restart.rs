@@ -9,6 +9,9 @@
 //! (running a `stats` filter) over a driver domain, and one of them is killed each time
 //! (`--kill driver`, the default, or `--kill tap`): it is replaced alone while the other runs
 //! on, the tap domain sending again what it had passed down, or the frontend what it had sent.
+//! The outages that overlapped a spare being started in the background (the supervisor forks
+//! it, and it execs and builds its sandbox, while the restart runs) are told apart from the
+//! rest.
 
 use crate::BenchError;
 use std::path::Path;
@@ -92,6 +95,17 @@ pub struct Report {
     pub outage_p99_ms: f64,
     /// Longest outage, ms.
     pub outage_max_ms: f64,
+    /// Outages that overlapped a spare being started in the background, from its fork to its
+    /// word that it is ready.
+    pub during_spare_start: usize,
+    /// Median of those outages, ms.
+    pub during_spare_start_p50_ms: f64,
+    /// Longest of them, ms.
+    pub during_spare_start_max_ms: f64,
+    /// Median of the other outages, ms.
+    pub otherwise_p50_ms: f64,
+    /// Longest of the other outages, ms.
+    pub otherwise_max_ms: f64,
     /// Requests completed by the load.
     pub requests: u64,
     /// Requests that failed or read back wrong data (must be 0).
@@ -176,8 +190,11 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
     let status = sup.status();
     let restarts = status.devices[0].restarts;
     let spare_private_kib = status.spares.ready.iter().filter_map(|p| p.rss.map(|r| r.anon_kib)).collect();
-    let outages = sup.outages_ms("r");
+    let spans = sup.outages("r");
+    let starts = sup.spare_starts();
     sup.shutdown();
+    let outages: Vec<f64> = spans.iter().map(|o| o.1).collect();
+    let (during, otherwise) = part_by_spare_starts(&spans, &starts);
     Ok(Report {
         mode: opts.mode.clone(),
         tap: opts.tap.clone(),
@@ -193,10 +210,25 @@ pub fn run(exe: &Path, opts: &Options, mut progress: impl FnMut(&str)) -> Result
         outage_p50_ms: crate::percentile(&outages, 0.50),
         outage_p99_ms: crate::percentile(&outages, 0.99),
         outage_max_ms: crate::percentile(&outages, 1.0),
+        during_spare_start: during.len(),
+        during_spare_start_p50_ms: crate::percentile(&during, 0.50),
+        during_spare_start_max_ms: crate::percentile(&during, 1.0),
+        otherwise_p50_ms: crate::percentile(&otherwise, 0.50),
+        otherwise_max_ms: crate::percentile(&otherwise, 1.0),
         requests: requests.load(Ordering::Relaxed),
         errors: errors.load(Ordering::Relaxed),
         seconds,
     })
+}
+
+/// The outages (detected at, ms) that overlapped one of the spare starts (began, ended), and
+/// the others, in ms.
+fn part_by_spare_starts(outages: &[(Instant, f64)], starts: &[(Instant, Instant)]) -> (Vec<f64>, Vec<f64>) {
+    let (during, otherwise): (Vec<&(Instant, f64)>, Vec<_>) = outages.iter().partition(|(at, ms)| {
+        let end = *at + Duration::from_secs_f64(ms / 1e3);
+        starts.iter().any(|(began, ended)| *began <= end && *at <= *ended)
+    });
+    (during.iter().map(|o| o.1).collect(), otherwise.iter().map(|o| o.1).collect())
 }
 
 /// Renders the report.
@@ -233,5 +265,33 @@ pub fn render(r: &Report) -> String {
         r.errors.to_string(),
         "~275 ms".into(),
     ]);
-    t.render()
+    let mut out = t.render();
+    out.push_str(&format!(
+        "outages overlapping a spare's start: {} (p50 {:.2} ms, max {:.2}); the other {}: p50 {:.2} ms, max {:.2}\n",
+        r.during_spare_start,
+        r.during_spare_start_p50_ms,
+        r.during_spare_start_max_ms,
+        r.outages - r.during_spare_start,
+        r.otherwise_p50_ms,
+        r.otherwise_max_ms
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_outage_overlapping_a_spare_start_at_either_end_or_within_counts_as_during_one() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        // Spares started over 10–20 ms and 50–60 ms.
+        let starts = [(ms(10), ms(20)), (ms(50), ms(60))];
+        let outages = [(ms(5), 6.0), (ms(12), 1.0), (ms(19), 3.0), (ms(30), 5.0), (ms(45), 2.0), (ms(61), 1.0)];
+        let (during, otherwise) = part_by_spare_starts(&outages, &starts);
+        assert_eq!(during, vec![6.0, 1.0, 3.0]);
+        assert_eq!(otherwise, vec![5.0, 2.0, 1.0]);
+        assert_eq!(part_by_spare_starts(&outages, &[]).0, Vec::<f64>::new(), "no spare started: none overlap");
+    }
 }

@@ -198,8 +198,9 @@ struct Generations {
     wakers: Vec<Option<EventFd>>,
     /// When the outage being repaired was detected.
     outage_since: Option<Instant>,
-    /// Outages measured (detection to first completion after restart), ms.
-    outages_ms: Vec<f64>,
+    /// Outages measured (detection to first completion after restart): when each was
+    /// detected, and how long it lasted, ms.
+    outages: Vec<(Instant, f64)>,
 }
 
 /// How a queue reaches the newest generation.
@@ -590,7 +591,7 @@ impl Device {
         }
         let mut g = lock(&self.gens);
         if let Some(t) = g.outage_since.take() {
-            g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            g.outages.push((t, t.elapsed().as_secs_f64() * 1e3));
         }
         self.outage_timed.store(false, Ordering::Release);
     }
@@ -745,7 +746,7 @@ impl DeviceControl {
         let mut g = lock(&d.gens);
         if d.in_flight() == 0 {
             if let Some(t) = g.outage_since.take() {
-                g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                g.outages.push((t, t.elapsed().as_secs_f64() * 1e3));
                 d.outage_timed.store(false, Ordering::Release);
             }
         }
@@ -766,7 +767,7 @@ impl DeviceControl {
         // With nothing in flight, no caller waits on the outage: it ends with the new domain.
         if d.in_flight() == 0 {
             if let Some(t) = g.outage_since.take() {
-                g.outages_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                g.outages.push((t, t.elapsed().as_secs_f64() * 1e3));
                 d.outage_timed.store(false, Ordering::Release);
             }
         }
@@ -816,7 +817,12 @@ impl DeviceControl {
     /// Outages measured so far, ms: from detection to the first completion after the restart,
     /// or to the new domain's installation when no request was waiting.
     pub fn outages_ms(&self) -> Vec<f64> {
-        lock(&self.dev.gens).outages_ms.clone()
+        lock(&self.dev.gens).outages.iter().map(|o| o.1).collect()
+    }
+
+    /// The same outages, each with when it was detected.
+    pub fn outages(&self) -> Vec<(Instant, f64)> {
+        lock(&self.dev.gens).outages.clone()
     }
 
     /// Marks the device failed: waiting and future requests return `Unavailable` promptly.

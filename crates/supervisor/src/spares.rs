@@ -39,6 +39,9 @@ const READY_WAIT: Duration = Duration::from_secs(5);
 /// restart that took it to be over.
 const QUIET: Duration = Duration::from_millis(5);
 
+/// How many spare starts [`Spares::starts`] remembers.
+const STARTS_KEPT: usize = 1024;
+
 /// The longest pause between attempts to start a spare after one failed.
 const MOST_BACK_OFF: Duration = Duration::from_secs(30);
 
@@ -77,6 +80,8 @@ struct Inner {
     /// Wakes the keeper thread: a spare was taken, or the pool stops.
     bell: EventFd,
     stopping: AtomicBool,
+    /// When each of the last [`STARTS_KEPT`] spare starts began and ended.
+    starts: Mutex<VecDeque<(Instant, Instant)>>,
     /// When a spare was last given a device (monotonic ns; 0: never).
     last_taken: AtomicU64,
     started: AtomicU64,
@@ -98,6 +103,7 @@ impl Spares {
             want,
             exe,
             ready: Mutex::new(VecDeque::new()),
+            starts: Mutex::new(VecDeque::new()),
             bell: EventFd::new()?,
             stopping: AtomicBool::new(false),
             last_taken: AtomicU64::new(0),
@@ -127,6 +133,11 @@ impl Spares {
             taken: self.inner.taken.load(Ordering::Relaxed),
             lost: self.inner.lost.load(Ordering::Relaxed),
         }
+    }
+
+    /// When each of the last spare starts began and ended, oldest first.
+    pub fn starts(&self) -> Vec<(Instant, Instant)> {
+        self.inner.starts.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect()
     }
 
     /// The process ids of the spares waiting now.
@@ -258,7 +269,16 @@ fn keep(inner: &Inner) {
             retry_at = Some(retry_at.map_or(later, |t| t.max(later)));
         }
         if short && retry_at.is_none_or(|t| Instant::now() >= t) {
-            match start_one(&inner.exe) {
+            let began = Instant::now();
+            let started = start_one(&inner.exe);
+            {
+                let mut starts = inner.starts.lock().unwrap_or_else(|e| e.into_inner());
+                if starts.len() == STARTS_KEPT {
+                    starts.pop_front();
+                }
+                starts.push_back((began, Instant::now()));
+            }
+            match started {
                 Ok(s) => {
                     inner.started.fetch_add(1, Ordering::Relaxed);
                     inner.ready.lock().unwrap_or_else(|e| e.into_inner()).push_back(s);

@@ -158,6 +158,12 @@ impl Supervisor {
         (self.spares.counts(), self.spares.pids())
     }
 
+    /// When each of the last spare starts (up to 1,024) began and ended, for benchmarks to
+    /// tell the outages that shared the host's CPUs with one from those that did not.
+    pub fn spare_starts(&self) -> Vec<(Instant, Instant)> {
+        self.spares.starts()
+    }
+
     /// The device named `name`.
     fn device(&self, name: &str) -> Result<Arc<DeviceRuntime>, Error> {
         self.hub.devices.find(name).ok_or_else(|| Error::not_found(format!("no device `{name}`")))
@@ -479,6 +485,11 @@ impl Supervisor {
     /// Every outage of device `name` measured so far, ms (empty for an unknown device).
     pub fn outages_ms(&self, name: &str) -> Vec<f64> {
         self.device(name).map(|d| d.control.outages_ms()).unwrap_or_default()
+    }
+
+    /// The same outages, each with when it was detected.
+    pub fn outages(&self, name: &str) -> Vec<(Instant, f64)> {
+        self.device(name).map(|d| d.control.outages()).unwrap_or_default()
     }
 
     /// The current status. It never waits for a restart: a device whose domains are being

@@ -336,6 +336,11 @@ impl Controls {
         self.parts()[0].0.outages_ms()
     }
 
+    /// The same outages, each with when it was detected.
+    pub fn outages(&self) -> Vec<(Instant, f64)> {
+        self.parts()[0].0.outages()
+    }
+
     /// Fails the device and its views.
     pub fn fail(&self, reason: &str) {
         self.each(|c| c.fail(reason));
