@@ -203,6 +203,15 @@ struct Generations {
     outages: Vec<(Instant, f64)>,
 }
 
+impl Generations {
+    /// Ends the outage being timed, if one is, and records it; says whether one was.
+    fn end_outage(&mut self) -> bool {
+        let Some(t) = self.outage_since.take() else { return false };
+        self.outages.push((t, t.elapsed().as_secs_f64() * 1e3));
+        true
+    }
+}
+
 /// How a queue reaches the newest generation.
 #[derive(Debug)]
 pub(crate) enum Staged {
@@ -589,10 +598,7 @@ impl Device {
         if !self.outage_timed.load(Ordering::Acquire) {
             return;
         }
-        let mut g = lock(&self.gens);
-        if let Some(t) = g.outage_since.take() {
-            g.outages.push((t, t.elapsed().as_secs_f64() * 1e3));
-        }
+        lock(&self.gens).end_outage();
         self.outage_timed.store(false, Ordering::Release);
     }
 
@@ -744,11 +750,8 @@ impl DeviceControl {
     pub fn outage_over_if_idle(&self) {
         let d = &self.dev;
         let mut g = lock(&d.gens);
-        if d.in_flight() == 0 {
-            if let Some(t) = g.outage_since.take() {
-                g.outages.push((t, t.elapsed().as_secs_f64() * 1e3));
-                d.outage_timed.store(false, Ordering::Release);
-            }
+        if d.in_flight() == 0 && g.end_outage() {
+            d.outage_timed.store(false, Ordering::Release);
         }
     }
 
@@ -765,11 +768,8 @@ impl DeviceControl {
         g.staged = queues.into_iter().map(|q| Some(Staged::Queue(Box::new(q)))).collect();
         g.in_place_left = 0;
         // With nothing in flight, no caller waits on the outage: it ends with the new domain.
-        if d.in_flight() == 0 {
-            if let Some(t) = g.outage_since.take() {
-                g.outages.push((t, t.elapsed().as_secs_f64() * 1e3));
-                d.outage_timed.store(false, Ordering::Release);
-            }
+        if d.in_flight() == 0 && g.end_outage() {
+            d.outage_timed.store(false, Ordering::Release);
         }
         d.failed.store(false, Ordering::Release);
         *lock(&d.fail_reason) = None;
