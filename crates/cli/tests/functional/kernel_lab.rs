@@ -91,6 +91,19 @@ for i in $(seq 1 150); do [ -b /dev/ublkb0 ] && [ -b /dev/ublkb1 ] && break; sle
 js() {{ $B status --run-dir $RUN --json | python3 -c "import json,sys; r=json.load(sys.stdin); print($1)"; }}
 serve_pid() {{ js "r['frontend']['pid']" 2>/dev/null || true; }}
 ms() {{ echo $(( $(date +%s%N) / 1000000 )); }}
+# What the guest looked like, for a failure's message: each process with its state and where
+# it waits in the kernel, the kernel stacks of serve's threads, and the end of serve's log.
+diag() {{
+  echo "UBLK-DIAG $1"
+  for p in /proc/[0-9]*; do
+    c=$(tr '\0' ' ' < $p/cmdline 2>/dev/null)
+    [ -n "$c" ] && echo "UBLK-PS ${{p#/proc/}} $(cut -d' ' -f3,4 $p/stat) $(cat $p/wchan 2>/dev/null) $c"
+  done
+  for p in $(pgrep -f "$B serve"); do
+    for t in /proc/$p/task/*; do echo "UBLK-STACK $p ${{t##*/}} $(cat $t/comm) $(tr '\n' ' ' < $t/stack)"; done
+  done
+  tail -n 120 /run/serve.log | sed 's/^/UBLK-SERVELOG /'
+}}
 # Another run directory's serve asking for a number that is taken is refused, naming both.
 printf '[fuse]\nenabled = false\n[nbd]\nenabled = false\n[ublk]\nenabled = true\nnumbers = {{ e = 0 }}\n[[device]]\nname = "e"\nsize = "16M"\n[device.backend]\ntype = "ram"\n' > /run/other.toml
 if timeout 60 $B serve --config /run/other.toml --run-dir /run/other > /run/other.log 2>&1; then echo UBLK-TAKEN-ACCEPTED; fi
@@ -100,9 +113,9 @@ if dd if=/dev/zero of=/dev/ublkb1 bs=4k count=1 oflag=direct status=none 2>/dev/
 mkfs.ext4 -q /dev/ublkb0
 mkdir -p /run/m
 mount /dev/ublkb0 /run/m
-fio --name=v --directory=/run/m --size=48M --bs=4k --rw=randwrite --ioengine=psync --direct=1 --fsync=64 \
-    --verify=crc32c --verify_fatal=1 --time_based --runtime=75 --numjobs=2 --group_reporting > /run/fio.out 2>&1 &
-FP=$!
+( fio --name=v --directory=/run/m --size=48M --bs=4k --rw=randwrite --ioengine=psync --direct=1 --fsync=64 \
+    --verify=crc32c --verify_fatal=1 --time_based --runtime=75 --numjobs=2 --group_reporting > /run/fio.out 2>&1
+  echo $? > /run/fio.rc ) &
 sleep 3
 last=0
 for k in 1 2 3 4 5 6 7 8 9 10; do
@@ -133,13 +146,15 @@ for k in 1 2 3; do
   sleep 2
 done
 for k in 1 2; do
-  $B upgrade --run-dir $RUN && echo "UBLK-UPGRADED $k"
+  if $B upgrade --run-dir $RUN; then echo "UBLK-UPGRADED $k"; else diag "upgrade $k"; fi
   sleep 2
 done
 $B status --run-dir $RUN | grep '^ublk:' | sed 's/^/UBLK-STATUS /'
-rc=0
-wait $FP || rc=$?
-echo "UBLK-FIO-EXIT $rc"
+# fio ends by itself at 75 s: one that has not a minute and a half later waits on a write that
+# never completes, which is said with what the guest looked like rather than left to hang.
+for i in $(seq 1 450); do [ -f /run/fio.rc ] && break; sleep 0.2; done
+[ -f /run/fio.rc ] || {{ diag fio-hung; exit 1; }}
+echo "UBLK-FIO-EXIT $(cat /run/fio.rc)"
 grep -E 'err=|verify' /run/fio.out || true
 umount /run/m
 e2fsck -fn /dev/ublkb0 > /run/fsck.out 2>&1 && echo UBLK-FSCK-CLEAN || cat /run/fsck.out
