@@ -1,4 +1,5 @@
-//! Starting a domain: `clone3` into new namespaces, descriptors placed by number, exec.
+//! Starting a domain: `clone` into new namespaces, sharing `serve`'s memory until the exec
+//! (no fork's copy of it), descriptors placed by number, exec.
 
 use std::ffi::{CString, OsStr};
 use std::io;
@@ -107,20 +108,107 @@ impl DomainChild {
     }
 }
 
+/// The stack a child runs on between `clone` and exec. The child shares this process's memory
+/// until its exec (`CLONE_VM`), so that starting a domain neither copies the page tables of a
+/// large, many-threaded `serve` (with its memory map locked meanwhile) nor turns every page
+/// `serve` writes afterwards into a copy-on-write fault, as a fork does; it needs a stack of
+/// its own, kept until the child has exec'd or died.
+struct ChildStack {
+    base: *mut libc::c_void,
+}
+
+impl ChildStack {
+    /// Room for `child`'s frames (its largest local is `MAX_FDS` descriptors) and libc's.
+    const LEN: usize = 256 << 10;
+
+    fn new() -> io::Result<ChildStack> {
+        // SAFETY: a fresh anonymous mapping; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                Self::LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let stack = ChildStack { base };
+        // A guard page at the bottom: an overflow faults rather than writing below it.
+        // SAFETY: the first page of the mapping made above.
+        if unsafe { libc::mprotect(base, 4096, libc::PROT_NONE) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(stack)
+    }
+
+    /// Where the child's stack pointer starts (stacks grow down; 16-byte aligned).
+    fn top(&self) -> *mut libc::c_void {
+        // SAFETY: one past the end of the mapping, which is page-aligned.
+        unsafe { self.base.cast::<u8>().add(Self::LEN).cast() }
+    }
+}
+
+impl Drop for ChildStack {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, which no child uses any more (see `spawn`).
+        unsafe { libc::munmap(self.base, Self::LEN) };
+    }
+}
+
+/// What the child needs, in the parent's memory (shared with it until it execs).
+struct ChildArgs<'a> {
+    sync: (RawFd, RawFd),
+    err_w: RawFd,
+    srcs: &'a [RawFd; MAX_FDS],
+    n: usize,
+    output: Option<RawFd>,
+    in_ns: bool,
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+    /// The spawning thread's signal mask before it blocked every signal for the clone.
+    mask: libc::sigset_t,
+}
+
+/// The kernel's `struct sigaction` (not libc's), for `rt_sigaction` called directly.
 #[repr(C)]
-#[derive(Default)]
-struct CloneArgs {
-    flags: u64,
-    pidfd: u64,
-    child_tid: u64,
-    parent_tid: u64,
-    exit_signal: u64,
-    stack: u64,
-    stack_size: u64,
-    tls: u64,
-    set_tid: u64,
-    set_tid_size: u64,
-    cgroup: u64,
+struct KernelSigaction {
+    handler: usize,
+    flags: libc::c_ulong,
+    restorer: usize,
+    mask: u64,
+}
+
+/// The child's entry point, on its own stack.
+extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `ChildArgs` that `spawn` keeps alive until this child has exec'd or
+    // died; what follows makes only async-signal-safe system calls.
+    unsafe {
+        let a = &*(arg as *const ChildArgs<'_>);
+        // Every signal is blocked (the parent blocked them for the clone). A handler of
+        // `serve`'s would run here on `serve`'s memory, so each is set back to the default
+        // before signals are let through again; ignored ones stay ignored, as across a fork.
+        for sig in 1..=64 {
+            if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+                continue;
+            }
+            let mut old: KernelSigaction = std::mem::zeroed();
+            let ksize = std::mem::size_of::<u64>();
+            if libc::syscall(libc::SYS_rt_sigaction, sig, std::ptr::null::<KernelSigaction>(), &mut old, ksize) == 0
+                && old.handler != libc::SIG_DFL
+                && old.handler != libc::SIG_IGN
+            {
+                let dfl = KernelSigaction { handler: libc::SIG_DFL, flags: 0, restorer: 0, mask: 0 };
+                libc::syscall(libc::SYS_rt_sigaction, sig, &dfl, std::ptr::null_mut::<KernelSigaction>(), ksize);
+            }
+        }
+        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK, &a.mask, std::ptr::null_mut::<libc::sigset_t>(), 8);
+        child(a.sync, a.err_w, a.srcs, a.n, a.output, a.in_ns, a.path, a.argv, a.envp)
+    }
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -150,7 +238,7 @@ const SYNC_WAIT_MS: libc::c_int = 10_000;
 /// The namespaces a domain starts in. Not a mount namespace: the domain makes its own when it
 /// confines itself, so that no copy of the host's mounts outlives that moment
 /// ([`crate::mounts`]).
-const NS_FLAGS: u64 = (libc::CLONE_NEWUSER | libc::CLONE_NEWPID | libc::CLONE_NEWNET | libc::CLONE_NEWIPC) as u64;
+const NS_FLAGS: libc::c_int = libc::CLONE_NEWUSER | libc::CLONE_NEWPID | libc::CLONE_NEWNET | libc::CLONE_NEWIPC;
 
 /// Starts `exe args…`, with `env` added to this process's environment, `fds` at descriptors
 /// 3, 4, … and every other descriptor closed at exec. With `namespaces`, the process starts in new user, pid, network and IPC namespaces
@@ -171,7 +259,7 @@ pub fn spawn(
     if fds.len() > MAX_FDS {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "too many descriptors for one domain"));
     }
-    // Everything the child touches is prepared here: after clone3 it may not allocate.
+    // Everything the child touches is prepared here: after the clone it may not allocate.
     let path = cstr(exe.as_os_str())?;
     // Through /proc/self/exe the domain is this very binary: `ps` names it `bulkhead`.
     let argv0 = if exe == Path::new("/proc/self/exe") { cstr(OsStr::new("bulkhead"))? } else { path.clone() };
@@ -205,36 +293,47 @@ pub fn spawn(
         let (sync_r, sync_w) = pipe()?;
         let (err_r, err_w) = pipe()?;
         let mut pidfd: libc::c_int = -1;
-        let args = CloneArgs {
-            flags: libc::CLONE_PIDFD as u64 | if want_ns { NS_FLAGS } else { 0 },
-            pidfd: &mut pidfd as *mut libc::c_int as u64,
-            exit_signal: libc::SIGCHLD as u64,
-            ..Default::default()
+        let stack = ChildStack::new()?;
+        // SAFETY: a zeroed sigset_t is a valid value for the calls below to fill.
+        let (mut all, mut mask) = unsafe { (std::mem::zeroed::<libc::sigset_t>(), std::mem::zeroed::<libc::sigset_t>()) };
+        // SAFETY: fills a local set.
+        unsafe { libc::sigfillset(&mut all) };
+        // No handler may run in the child before it has set them back (see `child_main`).
+        // SAFETY: changes this thread's mask only, restored right after the clone.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut mask) };
+        let child_args = ChildArgs {
+            sync: (sync_r.as_raw_fd(), sync_w.as_raw_fd()),
+            err_w: err_w.as_raw_fd(),
+            srcs: &srcs,
+            n,
+            output,
+            in_ns: want_ns,
+            path: path.as_ptr(),
+            argv: argv.as_ptr(),
+            envp: envp.as_ptr(),
+            mask,
         };
-        // SAFETY: clone3 without CLONE_VM behaves like fork. The child branch below only makes
-        // async-signal-safe system calls on data prepared above, then execs or _exits.
-        let pid = unsafe { libc::syscall(libc::SYS_clone3, &args as *const CloneArgs, std::mem::size_of::<CloneArgs>()) };
-        if pid == 0 {
-            // SAFETY: child side; see above.
-            unsafe {
-                child(
-                    (sync_r.as_raw_fd(), sync_w.as_raw_fd()),
-                    err_w.as_raw_fd(),
-                    &srcs,
-                    n,
-                    output,
-                    want_ns,
-                    path.as_ptr(),
-                    argv.as_ptr(),
-                    envp.as_ptr(),
-                )
-            }
-        }
+        let flags = libc::CLONE_VM | libc::CLONE_PIDFD | if want_ns { NS_FLAGS } else { 0 } | libc::SIGCHLD;
+        // SAFETY: the child runs `child_main` on `stack` in this process's memory, reading only
+        // `child_args` and what it points to, all of which (and the stack) outlive it: this
+        // function does not return before the child has exec'd or died, which the error pipe
+        // (closed at exec or exit, after the child has left this memory) or a wait says.
+        let pid = unsafe {
+            libc::clone(
+                child_main,
+                stack.top(),
+                flags,
+                (&child_args as *const ChildArgs<'_>).cast_mut().cast(),
+                &mut pidfd as *mut libc::c_int,
+            )
+        };
+        // SAFETY: restores this thread's mask.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &mask, std::ptr::null_mut()) };
         if pid < 0 {
             let e = io::Error::last_os_error();
             if want_ns {
                 // Namespaces refused (no user namespaces, limits, a container): go without.
-                layer = Layer::Unavailable(format!("clone3 with namespaces: {e}"));
+                layer = Layer::Unavailable(format!("clone with namespaces: {e}"));
                 want_ns = false;
                 continue;
             }
@@ -259,8 +358,22 @@ pub fn spawn(
         // SAFETY: writes one byte from a local.
         unsafe { libc::write(sync_w.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
         let mut errno = [0u8; 4];
-        // SAFETY: reads up to 4 bytes into a local; EOF means the exec succeeded.
-        let got = unsafe { libc::read(err_r.as_raw_fd(), errno.as_mut_ptr().cast(), 4) };
+        // EOF means the exec succeeded. Only then (or once it has died) has the child left
+        // this memory and its stack: an interrupted read is made again, never taken for it.
+        let got = loop {
+            // SAFETY: reads up to 4 bytes into a local.
+            let got = unsafe { libc::read(err_r.as_raw_fd(), errno.as_mut_ptr().cast(), 4) };
+            if got >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                break got;
+            }
+        };
+        if got < 0 {
+            // Cannot tell whether it has exec'd: it must not run on after the stack is freed.
+            let e = io::Error::last_os_error();
+            let _ = child_proc.kill();
+            let _ = child_proc.wait();
+            return Err(e);
+        }
         drop(sync_w);
         if got == 4 {
             let _ = child_proc.wait();
@@ -297,11 +410,12 @@ fn map_ids(pid: u32) -> io::Result<()> {
     Ok(())
 }
 
-/// The child between clone3 and exec.
+/// The child between clone and exec.
 ///
 /// # Safety
-/// Runs in a copy of a possibly multi-threaded process: it may only make async-signal-safe
-/// calls and must not return.
+/// Runs in the memory of a possibly multi-threaded process, on a stack of its own: it may only
+/// make async-signal-safe calls, write nothing but its own locals, and must not return. (Its
+/// errno is the spawning thread's, which is blocked reading the error pipe meanwhile.)
 #[allow(clippy::too_many_arguments)]
 unsafe fn child(
     (sync_r, sync_w): (RawFd, RawFd),
@@ -315,7 +429,7 @@ unsafe fn child(
     envp: *const *const libc::c_char,
 ) -> ! {
     // SAFETY: only async-signal-safe system calls on integers and on memory prepared before
-    // clone3, which this copy of the address space still holds.
+    // the clone, which the parent keeps until this child has exec'd.
     unsafe {
         let fail = |err_fd: RawFd| -> ! {
             let e = *libc::__errno_location();
@@ -338,9 +452,10 @@ unsafe fn child(
         if in_ns {
             // Become the mapped root of the new namespace: until now this process has the
             // creator's ids, which the namespace does not map. Raw system calls, as glibc's
-            // wrappers would try to reach threads this copy does not have. Dropping the
-            // supplementary groups is only possible where the creator was root; otherwise
-            // setgroups is denied and the process never had groups beyond its own.
+            // wrappers would try to reach the threads of serve, whose memory this child shares
+            // but which are not its own. Dropping the supplementary groups is only possible
+            // where the creator was root; otherwise setgroups is denied and the process never
+            // had groups beyond its own.
             libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>());
             if libc::syscall(libc::SYS_setresgid, 0, 0, 0) < 0 || libc::syscall(libc::SYS_setresuid, 0, 0, 0) < 0 {
                 fail(err_w);
