@@ -2,9 +2,10 @@
 //!
 //! Layers, outermost first:
 //!
-//! 1. [`spawn`]: the supervisor starts a domain with `clone3` into new user, pid, network and
-//!    IPC namespaces (root inside maps to `nobody` outside), with exactly the descriptors it
-//!    needs at 3, 4, … and everything else closed at exec;
+//! 1. [`spawn`]: the supervisor starts a domain with `clone` into new user and pid namespaces
+//!    (root inside maps to `nobody` outside) and an empty network and IPC namespace (one that
+//!    every domain shares, where the layers below keep domains apart within it), with exactly
+//!    the descriptors it needs at 3, 4, … and everything else closed at exec;
 //! 2. [`confine`]: once the domain has mapped its channel and opened its engines, it drops what
 //!    it could still do: the host's mounts ([`mounts`]: a mount namespace of its own whose only
 //!    mount is an empty read-only root, pinning no host filesystem), rlimits (no core dumps, no new processes, bounded address space and

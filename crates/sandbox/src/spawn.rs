@@ -237,12 +237,102 @@ const SYNC_WAIT_MS: libc::c_int = 10_000;
 
 /// The namespaces a domain starts in. Not a mount namespace: the domain makes its own when it
 /// confines itself, so that no copy of the host's mounts outlives that moment
-/// ([`crate::mounts`]).
+/// ([`crate::mounts`]). Network and IPC: new ones, unless the domains share the empty ones
+/// of [`SharedNs`].
 const NS_FLAGS: libc::c_int = libc::CLONE_NEWUSER | libc::CLONE_NEWPID | libc::CLONE_NEWNET | libc::CLONE_NEWIPC;
 
+/// One empty network namespace and one IPC namespace that every domain starts in, made once,
+/// where this host lets the domains' own layers keep them apart within them.
+///
+/// A network namespace costs about a millisecond of CPU to make and as much to tear down (in
+/// a kernel worker, after the domain has died); with two CPUs, a spare's start and a killed
+/// domain's end then compete with the restart that follows. What a domain could do with a
+/// namespace it shares with other domains is closed by layers it has anyway: no domain's
+/// seccomp filter allows `socket`, `socketpair` or any System V or POSIX IPC call (an `rbd`
+/// domain's sockets are made by the supervisor, in the host's namespace), and Landlock scopes
+/// abstract unix sockets and signals to each domain's own (ABI 6). Both namespaces are owned
+/// by the host's user namespace, in which no domain has any capability: the loopback device
+/// stays down. So they are shared only where the kernel has seccomp and Landlock ABI ≥ 6 and
+/// `serve` may make them (root); elsewhere each domain gets its own, as before.
+struct SharedNs {
+    net: OwnedFd,
+    ipc: OwnedFd,
+    /// The host's, to go back to after each clone.
+    host_net: OwnedFd,
+    host_ipc: OwnedFd,
+}
+
+static SHARED_NS: std::sync::OnceLock<Option<SharedNs>> = std::sync::OnceLock::new();
+
+impl SharedNs {
+    /// The shared namespaces, made on first use; `None` where the host does not allow them.
+    fn get() -> Option<&'static SharedNs> {
+        SHARED_NS
+            .get_or_init(|| {
+                let layers_hold = crate::landlock::abi() >= 6 && Path::new("/proc/sys/kernel/seccomp/actions_avail").exists();
+                layers_hold.then(SharedNs::make).and_then(Result::ok)
+            })
+            .as_ref()
+    }
+
+    fn make() -> io::Result<SharedNs> {
+        let open = |p: &str| std::fs::File::open(p).map(OwnedFd::from);
+        let host_net = open("/proc/thread-self/ns/net")?;
+        let host_ipc = open("/proc/thread-self/ns/ipc")?;
+        // `unshare` moves the calling thread only: a thread of its own makes them and ends,
+        // and the descriptors keep them.
+        let made = std::thread::Builder::new()
+            .name("domain-ns".into())
+            .spawn(move || {
+                // SAFETY: a system call with an integer argument, on this thread only.
+                if unsafe { libc::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWIPC) } < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok((open("/proc/thread-self/ns/net")?, open("/proc/thread-self/ns/ipc")?))
+            })?
+            .join()
+            .map_err(|_| io::Error::other("the thread making the namespaces panicked"))?;
+        let (net, ipc) = made?;
+        Ok(SharedNs { net, ipc, host_net, host_ipc })
+    }
+
+    /// Moves the calling thread into the shared namespaces, for a clone whose child is to
+    /// start in them; the guard moves it back.
+    fn enter(&'static self) -> io::Result<EnteredNs> {
+        setns(&self.net, libc::CLONE_NEWNET)?;
+        if let Err(e) = setns(&self.ipc, libc::CLONE_NEWIPC) {
+            let _ = setns(&self.host_net, libc::CLONE_NEWNET);
+            return Err(e);
+        }
+        Ok(EnteredNs(self))
+    }
+}
+
+/// The calling thread is in the shared namespaces until this drops.
+struct EnteredNs(&'static SharedNs);
+
+impl Drop for EnteredNs {
+    fn drop(&mut self) {
+        // Back to the host's: with our own descriptors and the capability that entered, this
+        // does not fail; if it did, the thread would be left without a network, not with more.
+        let _ = setns(&self.0.host_net, libc::CLONE_NEWNET);
+        let _ = setns(&self.0.host_ipc, libc::CLONE_NEWIPC);
+    }
+}
+
+fn setns(fd: &OwnedFd, kind: libc::c_int) -> io::Result<()> {
+    // SAFETY: a system call on a namespace descriptor we own.
+    if unsafe { libc::setns(fd.as_raw_fd(), kind) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Starts `exe args…`, with `env` added to this process's environment, `fds` at descriptors
-/// 3, 4, … and every other descriptor closed at exec. With `namespaces`, the process starts in new user, pid, network and IPC namespaces
-/// (it makes its mount namespace itself: [`crate::mounts::isolate`]), root inside mapped to `nobody` outside (to our own uid when not root); if the
+/// 3, 4, … and every other descriptor closed at exec. With `namespaces`, the process starts in
+/// new user and pid namespaces and empty network and IPC ones (`SharedNs`: the ones every
+/// domain shares, or new ones where they cannot be shared; it makes its mount namespace
+/// itself: [`crate::mounts::isolate`]), root inside mapped to `nobody` outside (to our own uid when not root); if the
 /// kernel refuses, it starts without them and the returned layer says why. `output`, when
 /// given, becomes the process's descriptors 1 and 2 (otherwise it shares the caller's).
 ///
@@ -313,7 +403,14 @@ pub fn spawn(
             envp: envp.as_ptr(),
             mask,
         };
-        let flags = libc::CLONE_VM | libc::CLONE_PIDFD | if want_ns { NS_FLAGS } else { 0 } | libc::SIGCHLD;
+        // In the shared network and IPC namespaces, where there are some, for the clone only.
+        let entered = if want_ns { SharedNs::get().and_then(|s| s.enter().ok()) } else { None };
+        let ns_flags = match (want_ns, &entered) {
+            (false, _) => 0,
+            (true, Some(_)) => NS_FLAGS & !(libc::CLONE_NEWNET | libc::CLONE_NEWIPC),
+            (true, None) => NS_FLAGS,
+        };
+        let flags = libc::CLONE_VM | libc::CLONE_PIDFD | ns_flags | libc::SIGCHLD;
         // SAFETY: the child runs `child_main` on `stack` in this process's memory, reading only
         // `child_args` and what it points to, all of which (and the stack) outlive it: this
         // function does not return before the child has exec'd or died, which the error pipe
@@ -327,6 +424,7 @@ pub fn spawn(
                 &mut pidfd as *mut libc::c_int,
             )
         };
+        drop(entered);
         // SAFETY: restores this thread's mask.
         unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &mask, std::ptr::null_mut()) };
         if pid < 0 {

@@ -47,6 +47,24 @@ pub fn attempt_escapes(t: &Targets) -> String {
         out.push(("openat_proc_mem", errno_of(libc::openat(libc::AT_FDCWD, c"/proc/1/mem".as_ptr(), libc::O_RDWR) as i64)));
         out.push(("socket_inet", errno_of(libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) as i64)));
         out.push(("socket_unix", errno_of(libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0) as i64)));
+        // System V and POSIX IPC, and a pair of unix sockets: what two domains sharing a
+        // network and IPC namespace could otherwise meet through.
+        let mut pair = [0; 2];
+        out.push(("socketpair_unix", errno_of(libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, pair.as_mut_ptr()) as i64)));
+        out.push(("shmget", errno_of(libc::shmget(0x6268, 4096, libc::IPC_CREAT | 0o600) as i64)));
+        out.push(("msgget", errno_of(libc::msgget(0x6268, libc::IPC_CREAT | 0o600) as i64)));
+        out.push(("semget", errno_of(libc::semget(0x6268, 1, libc::IPC_CREAT | 0o600) as i64)));
+        let mode: libc::mode_t = 0o600;
+        out.push((
+            "mq_open",
+            errno_of(libc::syscall(
+                libc::SYS_mq_open,
+                c"bulkhead".as_ptr(),
+                libc::O_CREAT | libc::O_RDWR,
+                mode,
+                std::ptr::null::<u8>(),
+            )),
+        ));
         out.push(("ptrace_attach", errno_of(libc::ptrace(libc::PTRACE_ATTACH, t.outside_pid, 0, 0))));
         let mut buf = [0u8; 16];
         let local = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: 16 };

@@ -80,6 +80,11 @@ fn escapes_fail(tag: &str, keys: &str, any_error: &[&str], from_spare: bool) {
         ("openat_proc_mem", "EPERM"),
         ("socket_inet", "EPERM"),
         ("socket_unix", "EPERM"),
+        ("socketpair_unix", "EPERM"),
+        ("shmget", "EPERM"),
+        ("msgget", "EPERM"),
+        ("semget", "EPERM"),
+        ("mq_open", "EPERM"),
         ("ptrace_attach", "EPERM"),
         ("process_vm_readv", "EPERM"),
         ("kill_outside", "EPERM"),
@@ -128,6 +133,7 @@ fn status_shows_every_sandbox_layer_applied() {
         let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
         assert_eq!(mounts.lines().count(), 1, "a waiting spare has its empty root: {mounts}");
     }
+    namespaces_shared(&serve, &waiting);
     let out =
         std::process::Command::new(exe()).args(["device", "restart", "l", "--run-dir"]).arg(&serve.run_dir).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -138,6 +144,31 @@ fn status_shows_every_sandbox_layer_applied() {
     assert!((1..=2).contains(&taken), "{taken} spares taken");
     let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
     assert!(cmd.starts_with(b"bulkhead\0driver\0l\0"), "{}", String::from_utf8_lossy(&cmd));
+}
+
+/// The device's domain and the waiting spares are in one network and one IPC namespace, not
+/// the host's, where the kernel's Landlock scopes abstract sockets (ABI 6: every domain's
+/// filters and Landlock then keep them apart within it); elsewhere each has its own. Each
+/// has a pid namespace of its own either way.
+fn namespaces_shared(serve: &Serve, spares: &[u64]) {
+    let st = serve.status_json();
+    let domain = st["devices"][0]["driver_pid"].as_u64().unwrap();
+    let shared = st["devices"][0]["sandbox"]["landlock_abi"].as_u64().unwrap() >= 6;
+    let ns = |pid: &str, kind: &str| std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap();
+    let mut all = vec![domain];
+    all.extend_from_slice(spares);
+    for kind in ["net", "ipc"] {
+        let host = ns("self", kind);
+        for p in &all {
+            assert_ne!(ns(&p.to_string(), kind), host, "{p} is in the host's {kind} namespace");
+        }
+        for p in spares {
+            let (a, b) = (ns(&p.to_string(), kind), ns(&domain.to_string(), kind));
+            assert_eq!(a == b, shared, "{kind} namespaces of spare {p} ({a:?}) and domain {domain} ({b:?})");
+        }
+    }
+    let pids: std::collections::BTreeSet<_> = all.iter().map(|p| ns(&p.to_string(), "pid")).collect();
+    assert_eq!(pids.len(), all.len(), "each has a pid namespace of its own");
 }
 
 /// Checks that every layer of the device's domain is in force, from status and from `/proc`;
