@@ -424,11 +424,12 @@ pub fn spawn(
                 &mut pidfd as *mut libc::c_int,
             )
         };
+        // Taken before the calls below could overwrite errno.
+        let clone_error = (pid < 0).then(io::Error::last_os_error);
         drop(entered);
         // SAFETY: restores this thread's mask.
         unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &mask, std::ptr::null_mut()) };
-        if pid < 0 {
-            let e = io::Error::last_os_error();
+        if let Some(e) = clone_error {
             if want_ns {
                 // Namespaces refused (no user namespaces, limits, a container): go without.
                 layer = Layer::Unavailable(format!("clone with namespaces: {e}"));
