@@ -1,6 +1,7 @@
 //! `bulkhead-bench guard`: what write capture costs, per caught write, for each mechanism
 //! (userfaultfd write protection raised as SIGBUS, `mprotect` and SIGSEGV) and each way of
 //! letting a write through (DWC's single step, SCDWC's cache), beside a write nobody guards;
+//! what the page gate's ranges cost to shut and open, in small pages and as one huge page;
 //! and what gating a call with protection keys adds to its entry and exit. Run in this process, on this thread, over page-aligned memory of its own.
 
 use crate::BenchError;
@@ -211,6 +212,71 @@ fn gate(opts: &Options) -> Result<Vec<Row>, BenchError> {
     result
 }
 
+/// What the page gate's two system calls cost for one range: write-protecting and opening
+/// `n` written pages of private memory registered with a userfaultfd, 1, 11 (a trace call's
+/// heap range in small pages) and 33 (the most the kernel flushes a page at a time), and one
+/// transparent huge page, where the kernel backs one (the runtime's heap of a domain whose
+/// filters are all gated by pages). Nanoseconds per pair.
+fn ranges(opts: &Options) -> Result<Vec<Row>, BenchError> {
+    const HUGE: usize = bulkhead_guard::heap::HUGE_PAGE as usize;
+    // Twice a huge page, so that one lies inside on its boundary.
+    let len = 2 * HUGE;
+    // SAFETY: a new private anonymous mapping, unmapped below, used only here.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+    };
+    if p == libc::MAP_FAILED {
+        return Err(BenchError::Run(format!("mmap: {}", std::io::Error::last_os_error())));
+    }
+    let result = (|| -> Result<_, BenchError> {
+        let at = (p as usize).next_multiple_of(HUGE);
+        // SAFETY: advice on the mapping above, which changes how it is backed, not what it holds.
+        unsafe { libc::madvise(at as *mut libc::c_void, HUGE, libc::MADV_HUGEPAGE) };
+        // SAFETY: the huge page's worth of the mapping above, written only here.
+        unsafe { std::ptr::write_bytes(at as *mut u8, 1, HUGE) };
+        // SAFETY: as the advice above; a collapse keeps what the pages hold.
+        let huge = unsafe { libc::madvise(at as *mut libc::c_void, HUGE, libc::MADV_COLLAPSE) } == 0;
+        let small = at + HUGE;
+        // SAFETY: as above.
+        unsafe { libc::madvise(small as *mut libc::c_void, HUGE, libc::MADV_NOHUGEPAGE) };
+        // SAFETY: the second huge page's worth of the mapping, written only here.
+        unsafe { std::ptr::write_bytes(small as *mut u8, 1, 64 * PAGE as usize) };
+        let trap = bulkhead_sys::uffd::WriteTrap::new().map_err(|e| format!("userfaultfd: {e}"))?;
+        trap.register(at as u64, 2 * HUGE as u64).map_err(|e| format!("userfaultfd: {e}"))?;
+        let pairs = |start: usize, bytes: usize| -> Result<f64, BenchError> {
+            let t = Instant::now();
+            for _ in 0..opts.writes {
+                trap.protect(start as u64, bytes as u64).map_err(|e| format!("write-protect: {e}"))?;
+                trap.open(start as u64, bytes as u64).map_err(|e| format!("open: {e}"))?;
+            }
+            Ok(per(t, opts.writes))
+        };
+        let mut rows = Vec::new();
+        for n in [1, 11, 33] {
+            let ns = pairs(small, n * PAGE as usize)?;
+            rows.push(Row {
+                mechanism: "userfaultfd".into(),
+                operation: format!("page gate: shut and open {n} page{}", if n == 1 { "" } else { "s" }),
+                ns,
+                caught: 0,
+            });
+        }
+        if huge {
+            let ns = pairs(at, HUGE)?;
+            rows.push(Row {
+                mechanism: "userfaultfd".into(),
+                operation: "page gate: shut and open a 2 MiB huge page".into(),
+                ns,
+                caught: 0,
+            });
+        }
+        Ok(rows)
+    })();
+    // SAFETY: the mapping made above; the userfaultfd that registered it is closed.
+    unsafe { libc::munmap(p, len) };
+    result
+}
+
 /// Runs every measurement.
 pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, BenchError> {
     let mut mem = Pages::new();
@@ -223,6 +289,8 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
     for m in [Mechanism::Userfault, Mechanism::Mprotect] {
         rows.extend(measure(m, opts, &mut progress)?);
     }
+    progress("page gate ranges");
+    rows.extend(ranges(opts)?);
     if bulkhead_sys::pkey::supported() {
         progress("protection keys");
         rows.extend(gate(opts)?);

@@ -80,6 +80,11 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
         let r = bulkhead_guard::heap::Reservation::new(1 + this.filters.len())
             .map_err(|e| DriverError::Setup(format!("write capture: heap: {e}")))?;
         bulkhead_guard::heap::activate(r).map_err(|e| DriverError::Setup(format!("write capture: heap: {e}")))?;
+        // Under the page gate alone, the runtime's heap is shut and opened a huge page at a
+        // time (`Guard::huge_region`): asked for before anything is allocated in it.
+        if this.filters.iter().all(|f| f.guard.leaves_runtime_to_the_gate()) {
+            bulkhead_guard::heap::prefer_huge(bulkhead_guard::heap::RUNTIME);
+        }
         // Keys before any thread starts: a thread started earlier could not touch the heap.
         if this.filters.iter().any(|f| f.guard.keys && f.guard.mode != bulkhead_filters::GuardMode::Off) {
             guarded::assign_keys();

@@ -12,7 +12,7 @@
 //! maps read-only anyway. `open` runs unguarded, before the guard starts, as the filter reads
 //! its metadata through the runtime then.
 
-use bulkhead_block::{After, BlockError, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
+use bulkhead_block::{After, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
 use bulkhead_block::{Outcome, SetupError};
 use bulkhead_filters::{FilterFds, FilterSpec, GuardMode, GuardSpec};
 use bulkhead_guard::heap::{self, Space};
@@ -63,7 +63,13 @@ pub struct Gates {
 pub fn install(rings: &[(u64, u64)], names: &[Gates], report: Option<i32>) -> std::io::Result<Guard> {
     let mut g = Guard::install(Mechanism::Userfault, Mode::Scdwc { cache: 0 }, report)?;
     g.report_text(2);
-    g.add_heap_space(heap::RUNTIME, "the runtime's heap")?;
+    let runtime = g.add_heap_space(heap::RUNTIME, "the runtime's heap")?;
+    // Right away: a page of it protected alone would split a huge page.
+    if heap::is_huge(heap::RUNTIME) && g.huge_region(runtime)? {
+        eprintln!(
+            "bulkhead guard: every guarded filter is gated by pages: the runtime's heap is shut and opened 2 MiB at a time"
+        );
+    }
     for (i, f) in names.iter().enumerate() {
         let region = g.add_heap_space(space_of(i), &format!("filter {} ({})", i + 1, f.name))?;
         g.own_region(region, i as u32)?;
@@ -279,9 +285,14 @@ impl Layer for Guarded {
     }
 
     fn complete(&mut self, tag: Tag, req: &Request<'_>, scratch: SharedSlice<'_>, result: &mut Outcome, now_ns: u64) -> After {
-        let at = (result as *mut Result<u64, BlockError> as u64, std::mem::size_of_val(result) as u64);
+        // The filter changes a copy on this stack, not the runtime's own, which lies in the
+        // runtime's heap: a table reaching into it would open one of its pages alone.
+        let mut copy = result.clone();
+        let at = (&mut copy as *mut Outcome as u64, std::mem::size_of_val(&copy) as u64);
         let act = self.act(Some(req), &scratch, Some(at));
-        self.run(act, |l, _| l.complete(tag, req, scratch, result, now_ns))
+        let after = self.run(act, |l, _| l.complete(tag, req, scratch, &mut copy, now_ns));
+        *result = copy;
+        after
     }
 
     fn poll(&mut self, now_ns: u64, release: &mut dyn FnMut(Tag, Verdict)) -> Option<u64> {

@@ -101,6 +101,13 @@ impl GuardSpec {
     pub fn wanted(&self) -> bool {
         self.mode != GuardMode::Off
     }
+
+    /// Whether the filter's calls leave the runtime's memory shut to it by the page gate
+    /// alone (SCDWC with `guard_pages`), or it is not guarded: a domain whose filters all are
+    /// may guard its runtime's heap a huge page at a time.
+    pub fn leaves_runtime_to_the_gate(&self) -> bool {
+        !self.wanted() || (self.pages && matches!(self.mode, GuardMode::Scdwc { .. }))
+    }
 }
 
 /// `guard`: how a filter's writes are captured.

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, Ordering};
 use bulkhead_sys::uffd::{set_write_protect, WriteTrap};
 
 use crate::act::Act;
+use crate::heap::HUGE_PAGE;
 use crate::shadow::{Evicted, Mode, Prepare, Shadow, MAX_CACHE};
 use crate::PAGE;
 
@@ -80,6 +81,9 @@ pub struct Stats {
     /// Ranges of regions the runtime writes only at known points ([`Guard::defer_reopen`])
     /// that a gated call's exit left shut for the calls after it, until [`reopen_deferred`].
     pub deferred: u64,
+    /// Times the huge region ([`Guard::huge_region`]) went back to ordinary pages, a call's
+    /// table having reached into it.
+    pub unhuged: u64,
 }
 
 /// A write guarded code was not allowed to make, as the handler reports it before the
@@ -133,6 +137,9 @@ struct Region {
     /// Shared memory shut and opened whole with `mprotect`, outside the userfaultfd
     /// ([`Guard::add_shared_region`]).
     whole: bool,
+    /// A heap space backed by transparent huge pages, which the runtime opens and the page
+    /// gate shuts a huge page at a time ([`Guard::huge_region`]).
+    huge: bool,
     name: [u8; NAME],
 }
 
@@ -176,9 +183,16 @@ impl Region {
 
     fn protected_len(&self) -> u64 {
         match self.extent {
+            Some(e) if self.huge => e.load(Ordering::Relaxed).next_multiple_of(HUGE_PAGE).min(self.end - self.start),
             Some(e) => e.load(Ordering::Relaxed).min(self.end - self.start),
             None => self.end - self.start,
         }
+    }
+
+    /// The huge page of a huge region that holds `page`.
+    fn chunk_of(&self, page: u64) -> (u64, u64) {
+        let start = self.start + (page - self.start) / HUGE_PAGE * HUGE_PAGE;
+        (start, (start + HUGE_PAGE).min(self.end))
     }
 }
 
@@ -250,6 +264,7 @@ impl State {
             owner: RUNTIME,
             deferred: false,
             whole: false,
+            huge: false,
             name: [0; NAME],
         }; MAX_REGIONS],
         nregions: 0,
@@ -276,6 +291,7 @@ impl State {
             gated_pages: 0,
             trims: 0,
             deferred: 0,
+            unhuged: 0,
         },
         keys: false,
         own_key: [0; MAX_FILTERS],
@@ -377,6 +393,31 @@ impl State {
         }
     }
 
+    /// Gives up huge pages for region `r`, which a call's table reaches into: opening one page
+    /// alone for it would split its huge page, and a huge page split costs the kernel 512
+    /// steps each time it is shut whole. Shuts what it holds, forgets its pages in the cache
+    /// and in what calls shut, and guards it page by page from now on. Async-signal-safe.
+    fn unhuge(&mut self, r: usize) {
+        let (start, end) = (self.regions[r].start, self.regions[r].start + self.regions[r].protected_len());
+        let _ = self.set(start, end - start, true);
+        self.shadow.drop_shut(|p| start <= p && p < end);
+        let inside = |&(a, b): &(u64, u64)| start <= a && b <= end;
+        for (list, n) in [(&mut self.gated[..], &mut self.ngated), (&mut self.held[..], &mut self.nheld)] {
+            let mut k = 0;
+            for i in 0..*n {
+                if !inside(&list[i]) {
+                    list[k] = list[i];
+                    k += 1;
+                }
+            }
+            *n = k;
+        }
+        self.regions[r].huge = false;
+        HUGE_REFUSED.store(true, Ordering::Relaxed);
+        HUGE_REGION.store(0, Ordering::Relaxed);
+        self.stats.unhuged += 1;
+    }
+
     /// Protects or opens a range, which lies in regions of one mechanism; async-signal-safe.
     fn set(&self, start: u64, len: u64, protect: bool) -> io::Result<()> {
         set(mechanism_in(&self.regions[..self.nregions], self.mechanism, start), self.uffd, start, len, protect)
@@ -402,6 +443,10 @@ fn mechanism_in(regions: &[Region], mechanism: Mechanism, addr: u64) -> Mechanis
 fn span_in(regions: &[Region], mechanism: Mechanism, page: u64) -> (u64, u64, Mechanism) {
     match regions.iter().find(|r| page >= r.start && page < r.end) {
         Some(r) if r.whole => (r.start, r.end, r.mechanism(mechanism)),
+        Some(r) if r.huge => {
+            let (start, end) = r.chunk_of(page);
+            (start, end, r.mechanism(mechanism))
+        }
         Some(r) => (page, page + PAGE, r.mechanism(mechanism)),
         None => (page, page + PAGE, mechanism),
     }
@@ -446,12 +491,51 @@ fn mechanism_now() -> Mechanism {
     }
 }
 
-/// Protects pages a heap space has just taken into use or freed whole; any thread.
+/// Protects pages a heap space has just taken into use or freed whole; any thread. In the huge
+/// region ([`Guard::huge_region`]) only a huge page taken into use for the first time is
+/// protected, whole, after a write that has the kernel back it with one: inside one already
+/// in use the page gate and the runtime's faults shut and open whole huge pages, and a page
+/// protected alone would split one.
 fn protect_heap_pages(start: u64, len: u64) {
-    if INSTALLED.load(Ordering::Acquire) {
-        let _ = set(mechanism_now(), UFFD.load(Ordering::Relaxed), start, len, true);
+    if !INSTALLED.load(Ordering::Acquire) {
+        return;
     }
+    let (mechanism, uffd) = (mechanism_now(), UFFD.load(Ordering::Relaxed));
+    let huge = HUGE_REGION.load(Ordering::Relaxed);
+    if huge == 0 && !HUGE_REFUSED.load(Ordering::Relaxed) && crate::heap::space_of_addr(start).is_some_and(crate::heap::is_huge) {
+        // Not yet taken for huge ([`Guard::huge_region`]): a page protected alone would split
+        // its huge page, and the next call's entry protects the whole space in use anyway.
+        return;
+    }
+    if huge != 0 && (huge..huge + crate::heap::SPACE_BYTES).contains(&start) {
+        let top = HUGE_TOP.load(Ordering::Relaxed);
+        let end = (start + len).next_multiple_of(HUGE_PAGE);
+        let mut at = top.max(start / HUGE_PAGE * HUGE_PAGE);
+        while at < end {
+            // A huge page no block has reached before (the space hands out its pages in
+            // order, and `HUGE_TOP` is past every one taken into use before), so not yet
+            // protected. Without one, the range is still shut whole, page by page, and the
+            // next call's entry guards the region page by page.
+            if !crate::heap::back_huge(at) {
+                HUGE_FAILED.store(true, Ordering::Relaxed);
+            }
+            let _ = set(mechanism, uffd, at, HUGE_PAGE, true);
+            at += HUGE_PAGE;
+        }
+        HUGE_TOP.fetch_max(end, Ordering::Relaxed);
+        return;
+    }
+    let _ = set(mechanism, uffd, start, len, true);
 }
+
+/// The start of the heap space guarded a huge page at a time ([`Guard::huge_region`]), 0 for
+/// none, and the end of the huge pages of it taken into use.
+static HUGE_REGION: AtomicU64 = AtomicU64::new(0);
+static HUGE_TOP: AtomicU64 = AtomicU64::new(0);
+/// Set once a space that asked for huge pages is guarded page by page after all.
+static HUGE_REFUSED: AtomicBool = AtomicBool::new(false);
+/// A huge page of it taken into use could not be backed by one ([`crate::heap::back_huge`]).
+static HUGE_FAILED: AtomicBool = AtomicBool::new(false);
 
 /// The guard's state.
 ///
@@ -560,6 +644,9 @@ extern "C" fn on_write_fault(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: 
         st.stats.outside += 1;
         st.shadow.opened(start, false);
         return;
+    }
+    if st.regions[region].huge {
+        st.unhuge(region);
     }
     if st.set(page, PAGE, false).is_err() {
         return not_ours(sig);
@@ -862,6 +949,50 @@ impl Guard {
         Ok(())
     }
 
+    /// Guards heap region `region` (from [`add_heap_space`](Self::add_heap_space), a space that
+    /// [`crate::heap::prefer_huge`] made of transparent huge pages) a huge page at a time:
+    /// what the runtime opens by writing, what the cache holds and what the page gate shuts is
+    /// the whole huge page, 2 MiB for one step of the kernel's page walk, where page by page
+    /// each of the 4 KiB pages it holds open takes its own step and flush. Meant for the
+    /// runtime's space in a domain whose guarded filters are all gated by pages
+    /// ([`gate_pages`](Self::gate_pages)): plain SCDWC would then hold 2 MiB open for one
+    /// written page. Should a call's table reach into the region, it is guarded page by page
+    /// from that call on ([`Stats::unhuged`]). `false`, and nothing changes, where the space
+    /// has no huge pages or the guard uses `mprotect`.
+    pub fn huge_region(&mut self, region: u32) -> io::Result<bool> {
+        let mechanism = self.mechanism();
+        // SAFETY: a `Guard` method on the guarded thread (not Send).
+        let st = unsafe { state() };
+        let r = st.regions.get_mut(region as usize).filter(|_| (region as usize) < st.nregions);
+        let r = r.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("no region {region}")))?;
+        let space = crate::heap::space_of_addr(r.start);
+        if mechanism != Mechanism::Userfault
+            || r.extent.is_none()
+            || !r.start.is_multiple_of(HUGE_PAGE)
+            || !space.is_some_and(crate::heap::is_huge)
+            || HUGE_REGION.load(Ordering::Relaxed) != 0
+        {
+            return Ok(false);
+        }
+        // What the space holds already: protected whole, after a write that backs each huge
+        // page (the first byte of a page in use is a block's; rewritten as it is).
+        let used = r.protected_len().next_multiple_of(HUGE_PAGE);
+        let mut at = r.start;
+        while at < r.start + used {
+            if !crate::heap::back_huge(at) {
+                HUGE_REFUSED.store(true, Ordering::Relaxed);
+                st.shadow.reset();
+                return Ok(false);
+            }
+            at += HUGE_PAGE;
+        }
+        r.huge = true;
+        HUGE_TOP.store(at, Ordering::Relaxed);
+        HUGE_REGION.store(r.start, Ordering::Relaxed);
+        st.shadow.reset();
+        Ok(true)
+    }
+
     fn add(&mut self, start: u64, len: u64, owner: &str, extent: Option<&'static AtomicU64>, whole: bool) -> io::Result<u32> {
         let bad = |why: &str| Err(io::Error::new(io::ErrorKind::InvalidInput, format!("region {owner}: {why}")));
         if !start.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) || len == 0 {
@@ -884,7 +1015,7 @@ impl Guard {
             t.register(start, len).map_err(|e| io::Error::new(e.kind(), format!("region {owner}: userfaultfd: {e}")))?;
         }
         st.regions[st.nregions] =
-            Region { start, end, extent, key: 0, owner: RUNTIME, deferred: false, whole, name: name_of(owner) };
+            Region { start, end, extent, key: 0, owner: RUNTIME, deferred: false, whole, huge: false, name: name_of(owner) };
         st.nregions += 1;
         st.shadow.reset();
         self.owners.push(owner.to_string());
@@ -971,6 +1102,11 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
         st.act = *act;
         st.filter = filter;
         st.stats.calls += 1;
+        if HUGE_FAILED.swap(false, Ordering::Relaxed) {
+            if let Some(r) = st.regions[..st.nregions].iter().position(|r| r.huge) {
+                st.unhuge(r);
+            }
+        }
         let (mechanism, uffd) = (st.mechanism, st.uffd);
         let regions = &st.regions[..st.nregions];
         match st.shadow.prepare() {
@@ -1024,10 +1160,16 @@ fn gate(st: &mut State, filter: u32) -> io::Result<()> {
     for p in st.shadow.cached_pages() {
         let Some(r) = st.region_of(p) else { continue };
         let region = &st.regions[r];
-        if region.owner == filter || st.held_at(p) || (!region.whole && st.act.reaches(p, p + PAGE)) {
+        if region.owner == filter || st.held_at(p) || (!region.whole && !region.huge && st.act.reaches(p, p + PAGE)) {
             continue;
         }
-        let (start, end) = if region.whole { (region.start, region.end) } else { (p, p + PAGE) };
+        let (start, end) = if region.whole {
+            (region.start, region.end)
+        } else if region.huge {
+            region.chunk_of(p)
+        } else {
+            (p, p + PAGE)
+        };
         spans[n] = (start, end, Kind::of(region));
         n += 1;
     }

@@ -85,6 +85,12 @@ static ACTIVE: AtomicBool = AtomicBool::new(false);
 static BASE: AtomicU64 = AtomicU64::new(0);
 static NSPACES: AtomicUsize = AtomicUsize::new(0);
 static SPILLED: AtomicU64 = AtomicU64::new(0);
+/// Whether the active reservation is a memory file's ([`Reservation::shared`]).
+static SHARED: AtomicBool = AtomicBool::new(false);
+/// The spaces that asked for huge pages ([`prefer_huge`]), a bit each.
+static HUGE: AtomicU32 = AtomicU32::new(0);
+/// A transparent huge page of x86-64: what one entry of the level above the page table maps.
+pub const HUGE_PAGE: u64 = 2 << 20;
 /// Called with a range of pages a space has just taken into use, or freed whole: the guard
 /// protects them (a `fn(u64, u64)` as usize; 0 for none).
 static ON_PAGES: AtomicUsize = AtomicUsize::new(0);
@@ -140,12 +146,15 @@ impl Reservation {
     /// its next write to fault (the kernel marks the file dirty then).
     pub fn new(spaces: usize) -> io::Result<Reservation> {
         let len = Self::len_of(spaces)?;
+        // One huge page more than asked, so that the spaces can start on a huge page's
+        // boundary ([`prefer_huge`]); the slack either side is given back.
+        let mapped = len + HUGE_PAGE;
         // SAFETY: a new private mapping at an address the kernel chooses, so no existing
         // memory changes.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len as usize,
+                mapped as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
@@ -155,7 +164,16 @@ impl Reservation {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Reservation { fd: None, base: p as u64, spaces })
+        let p = p as u64;
+        let base = p.next_multiple_of(HUGE_PAGE);
+        for (start, n) in [(p, base - p), (base + len, p + mapped - (base + len))] {
+            if n > 0 {
+                // SAFETY: the slack of the mapping just made, outside the spaces; nothing
+                // points into it.
+                unsafe { libc::munmap(start as *mut libc::c_void, n as usize) };
+            }
+        }
+        Ok(Reservation { fd: None, base, spaces })
     }
 
     /// As [`Reservation::new`], backed by one memory file, so that a process that forks the
@@ -232,6 +250,7 @@ pub fn activate(r: Reservation) -> io::Result<()> {
     }
     BASE.store(r.base, Ordering::Relaxed);
     NSPACES.store(r.spaces, Ordering::Relaxed);
+    SHARED.store(r.fd.is_some(), Ordering::Relaxed);
     let base = r.base;
     // The mapping and the file live as long as the process: their memory is the heap.
     std::mem::forget(r);
@@ -295,6 +314,58 @@ pub fn assign_keys() -> io::Result<Vec<u32>> {
 /// Space `s`'s protection key, if [`assign_keys`] gave it one.
 pub fn key_of(s: Space) -> Option<u32> {
     KEYS.get(s.0 as usize).map(|k| k.load(Ordering::Relaxed)).filter(|&k| k != 0)
+}
+
+/// Asks the kernel to back private space `s` with transparent huge pages, each
+/// [`HUGE_PAGE`] bytes, so that write-protecting a huge page of it is one step of the kernel's
+/// page walk, whatever it holds ([`crate::Guard::huge_region`]). Each huge page the space
+/// touches takes its whole size of memory; the first is backed now. `false`, and the space is
+/// made of ordinary pages, where the kernel backs none (transparent huge pages `never`, a
+/// kernel before 6.1, no huge page free), or for a shared reservation. Call before anything
+/// is allocated from the space.
+pub fn prefer_huge(s: Space) -> bool {
+    let Some((start, len)) = space_range(s) else { return false };
+    if is_huge(s) {
+        return true;
+    }
+    if SHARED.load(Ordering::Relaxed) {
+        return false;
+    }
+    // SAFETY: advice on the space's own private mapping; it changes how its pages are backed,
+    // not what they hold.
+    if unsafe { libc::madvise(start as *mut libc::c_void, len as usize, libc::MADV_HUGEPAGE) } < 0 {
+        return false;
+    }
+    if !back_huge(start) {
+        // SAFETY: as above.
+        unsafe { libc::madvise(start as *mut libc::c_void, len as usize, libc::MADV_NOHUGEPAGE) };
+        return false;
+    }
+    HUGE.fetch_or(1 << s.0, Ordering::Relaxed);
+    true
+}
+
+/// Has the kernel back the huge page at `at` (a boundary of [`HUGE_PAGE`] in a space that
+/// [`prefer_huge`] advised) with one, and says whether it is: its first byte is rewritten with
+/// what it holds (a first write brings a huge page, where one is free), and `MADV_COLLAPSE`
+/// (Linux 6.1) makes one of what small pages it holds, or fails. The page must not be
+/// write-protected. Any thread.
+pub(crate) fn back_huge(at: u64) -> bool {
+    // SAFETY: a byte of a heap space, rewritten with what it holds; the space's pages are
+    // mapped for the process's life.
+    unsafe { std::ptr::write_volatile(at as *mut u8, std::ptr::read_volatile(at as *const u8)) };
+    // SAFETY: advice on the space's own mapping; a collapse keeps what the pages hold.
+    unsafe { libc::madvise(at as *mut libc::c_void, HUGE_PAGE as usize, libc::MADV_COLLAPSE) == 0 }
+}
+
+/// The space `addr` lies in, if it lies in one.
+pub fn space_of_addr(addr: u64) -> Option<Space> {
+    locate(addr).map(|(i, _)| Space(i as u8))
+}
+
+/// Whether space `s` asked for huge pages ([`prefer_huge`]).
+pub fn is_huge(s: Space) -> bool {
+    HUGE.load(Ordering::Relaxed) & (1 << s.0) != 0
 }
 
 /// Whether the heap allocates from spaces.

@@ -11,16 +11,19 @@ use std::process::Command;
 use bulkhead_testkit::require_kernel;
 use common::*;
 
+/// What a domain says on standard error when its runtime's heap is guarded a huge page at a time.
+const HUGE_LINE: &str = "the runtime's heap is shut and opened 2 MiB at a time";
+
 /// Serves a device whose guarded `trace` filter takes faults, gated by `guard` lines, and
 /// checks that fio's verified writes come back whole and every fault was stopped.
-fn faults_are_stopped_under(gate: &str, guard: &str) {
+fn faults_are_stopped_under(gate: &str, guard: &str, stats_guard: &str) {
     let tmp = TempDir::new(&format!("guard-kernel-{gate}"));
     let trace = tmp.path().join("t.blktrace");
     let config = format!(
         "[nbd]\nenabled = false\n[[device]]\nname = \"g\"\nsize = \"64M\"\nrestart_limit = 100000\n\
          [device.backend]\ntype = \"ram\"\n\
          [[device.filter]]\ntype = \"trace\"\npath = \"{}\"\n{guard}\n\
-         [[device.filter]]\ntype = \"stats\"\nguard = \"scdwc\"\n",
+         [[device.filter]]\ntype = \"stats\"\n{stats_guard}\n",
         trace.display()
     );
     // The trace filter, the first, faults at a random call of every 3000, with seed 7.
@@ -50,6 +53,9 @@ fn faults_are_stopped_under(gate: &str, guard: &str) {
     assert!(injected >= 2, "{gate}: too few faults injected ({injected}) to show anything\n{log}");
     assert!(!log.contains("landed: not isolated"), "{gate}: a fault landed\n{log}");
     assert!(stopped + 1 >= injected, "{gate}: {injected} injected, {stopped} stopped\n{log}");
+    if gate == "huge pages" {
+        assert!(log.contains(HUGE_LINE), "{gate}: the runtime's heap was not guarded in huge pages\n{log}");
+    }
     let status = serve.status_json();
     assert!(status["devices"][0]["restarts"].as_u64().unwrap() >= 1, "{gate}: {status}");
     serve.stop();
@@ -65,10 +71,18 @@ fn injected_faults_in_a_guarded_filter_are_stopped_and_no_acknowledged_write_is_
     // land by design (docs/guard.md, "Measured: isolation"). Gated by owner, every fault is
     // stopped at any C: by page protection on every processor, and by protection keys where
     // the processor has them.
-    faults_are_stopped_under("pages", "guard = \"scdwc\"\nguard_cache = 20\nguard_keys = false\nguard_pages = true");
+    let pages = "guard = \"scdwc\"\nguard_cache = 20\nguard_keys = false\nguard_pages = true";
+    faults_are_stopped_under("pages", pages, "guard = \"scdwc\"");
+    // Every guarded filter gated by pages: the runtime's heap is shut a huge page at a time,
+    // where the kernel backs it with them.
+    if std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").is_ok_and(|t| !t.contains("[never]")) {
+        faults_are_stopped_under("huge pages", pages, pages);
+    } else {
+        eprintln!("huge pages not checked: the kernel gives none");
+    }
     let keys = std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.split_whitespace().any(|w| w == "ospke"));
     if keys {
-        faults_are_stopped_under("keys", "guard = \"scdwc\"\nguard_cache = 20");
+        faults_are_stopped_under("keys", "guard = \"scdwc\"\nguard_cache = 20", "guard = \"scdwc\"");
     } else {
         eprintln!("protection keys not checked: the processor has none");
     }
