@@ -189,6 +189,12 @@ impl Region {
         }
     }
 
+    /// Whether the runtime opens it, and the cache holds it, in spans larger than a page
+    /// ([`span_in`]): the whole region, or a huge page of it.
+    fn opens_whole(&self) -> bool {
+        self.whole || self.huge
+    }
+
     /// The huge page of a huge region that holds `page`.
     fn chunk_of(&self, page: u64) -> (u64, u64) {
         let start = self.start + (page - self.start) / HUGE_PAGE * HUGE_PAGE;
@@ -1153,23 +1159,18 @@ fn enter(filter: u32, act: &Act, mode: Mode) -> io::Result<()> {
 /// for [`exit`].
 fn gate(st: &mut State, filter: u32) -> io::Result<()> {
     // What each cached page stands for, with its region's kind, which a range keeps from its
-    // first. A region shut whole is shut whole though the table reaches into it: the call's
-    // allowed writes there open their pages alone.
+    // first ([`State::span_of`]). A region shut whole, or a huge page, is shut whole though
+    // the table reaches into it: the call's allowed writes there open their pages alone (a
+    // huge region turning to small pages first, `State::unhuge`).
     let mut spans = [(0u64, 0u64, Kind { deferred: false, whole: false }); MAX_CACHE];
     let mut n = 0;
     for p in st.shadow.cached_pages() {
         let Some(r) = st.region_of(p) else { continue };
         let region = &st.regions[r];
-        if region.owner == filter || st.held_at(p) || (!region.whole && !region.huge && st.act.reaches(p, p + PAGE)) {
+        if region.owner == filter || st.held_at(p) || (!region.opens_whole() && st.act.reaches(p, p + PAGE)) {
             continue;
         }
-        let (start, end) = if region.whole {
-            (region.start, region.end)
-        } else if region.huge {
-            region.chunk_of(p)
-        } else {
-            (p, p + PAGE)
-        };
+        let (start, end) = st.span_of(p);
         spans[n] = (start, end, Kind::of(region));
         n += 1;
     }
