@@ -227,6 +227,7 @@ mod tests {
             by_filter: vec![("trace".into(), count(100 - landed, landed))],
             disagreed: 0,
             lost: 0,
+            huge: 0,
             ms_per_fault: 5.0,
         };
         guard_isolation::Report {

@@ -15,11 +15,11 @@
 //! over the same window, by SCDWC's cache at its largest), so that C is also reported as a
 //! multiple of it.
 //!
-//! The child's heap spaces live in a memory file this process created and keeps mapped, and
-//! its ring is shared with this process, so after the child has ended this process reads the
-//! word the fault aimed at: still the old value, the fault was isolated; the written value, it
-//! landed. The child's own account (its exit status) is only compared with what the memory
-//! shows, never trusted in its place.
+//! The child's heap is private memory, as any domain's is, with the runtime's space in a huge
+//! page where the domain's would be. Once the fault is due, this process traces the child to
+//! its end, and as it exits reads the word the fault aimed at from its memory: still the old
+//! value, the fault was isolated; the written value, it landed. The child's own account (its
+//! exit status) is only compared with what the memory shows, never trusted in its place.
 
 use crate::BenchError;
 use std::path::PathBuf;
@@ -29,6 +29,8 @@ use serde::Serialize;
 use crate::guard_filters::{Gate, Setting};
 use crate::Table;
 
+#[cfg(feature = "test-driver")]
+mod child;
 #[cfg(feature = "test-driver")]
 mod measure;
 #[cfg(feature = "test-driver")]
@@ -172,6 +174,9 @@ pub struct Row {
     pub disagreed: u32,
     /// Faults with no result: the child ended before making its fault, or in another way.
     pub lost: u32,
+    /// Faults whose domain had its runtime's heap in huge pages as it exited (where every
+    /// guarded filter is page-gated, [`bulkhead_driver::guarded::prepare_heap`]).
+    pub huge: u32,
     /// Mean milliseconds per fault, child and all.
     pub ms_per_fault: f64,
 }
@@ -243,6 +248,7 @@ pub fn render(r: &Report) -> String {
         "landed",
         "undecided",
         "lost",
+        "huge",
         "rate",
         "ms/fault",
     ]);
@@ -258,12 +264,13 @@ pub fn render(r: &Report) -> String {
             row.all.landed.to_string(),
             row.all.undecided.to_string(),
             row.lost.to_string(),
+            row.huge.to_string(),
             format!("{:.1}%", row.all.rate_pct()),
             format!("{:.1}", row.ms_per_fault),
         ]);
     }
     s.push_str(&format!(
-        "isolation: {} faults per setting and population over {}, each at a random call of the filter's first {}; state read after the domain ended\n{}",
+        "isolation: {} faults per setting and population over {}, each at a random call of the filter's first {}; state read as the domain exited; huge: of those, domains whose runtime heap was in huge pages\n{}",
         r.faults,
         r.filters.join(", "),
         r.every,

@@ -246,13 +246,4 @@ impl BackQueue {
         let m = self.ring.mapping();
         (m.base_ptr() as u64, (m.len() as u64).next_multiple_of(4096))
     }
-
-    /// The 8-byte word of the ring at `addr` (an address in [`ring_region`](Self::ring_region)),
-    /// as the memory holds it now: for a process that shares the ring with a domain and checks
-    /// what the domain's code wrote there. `None` outside the ring or off a word boundary.
-    pub fn ring_word(&self, addr: u64) -> Option<u64> {
-        let m = self.ring.mapping();
-        let offset = addr.checked_sub(m.base_ptr() as u64).filter(|o| o % 8 == 0)?;
-        m.atomic_u64(usize::try_from(offset).ok()?).ok().map(|w| w.load(std::sync::atomic::Ordering::Acquire))
-    }
 }

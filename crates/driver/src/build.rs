@@ -75,20 +75,11 @@ unsafe fn build_with(spec: &DomainSpec, stop: Arc<AtomicBool>, filters: FilterBu
     let lower_stop = stop.clone();
     // Write capture: every allocation from here on comes from a heap space, the runtime's or
     // a filter's, so each filter's state lies in pages of its own.
-    let guarded = this.filters.iter().any(|f| f.guard.wanted());
-    if guarded {
+    if this.filters.iter().any(|f| f.guard.wanted()) {
         let r = bulkhead_guard::heap::Reservation::new(1 + this.filters.len())
             .map_err(|e| DriverError::Setup(format!("write capture: heap: {e}")))?;
-        bulkhead_guard::heap::activate(r).map_err(|e| DriverError::Setup(format!("write capture: heap: {e}")))?;
-        // Under the page gate alone, the runtime's heap is shut and opened a huge page at a
-        // time (`Guard::huge_region`): asked for before anything is allocated in it.
-        if this.filters.iter().all(|f| f.guard.leaves_runtime_to_the_gate()) {
-            bulkhead_guard::heap::prefer_huge(bulkhead_guard::heap::RUNTIME);
-        }
-        // Keys before any thread starts: a thread started earlier could not touch the heap.
-        if this.filters.iter().any(|f| f.guard.keys && f.guard.mode != bulkhead_filters::GuardMode::Off) {
-            guarded::assign_keys();
-        }
+        let guards: Vec<_> = this.filters.iter().map(|f| f.guard).collect();
+        guarded::prepare_heap(r, &guards).map_err(DriverError::Setup)?;
     }
     let mode = this.notify_mode().map_err(|e| DriverError::Setup(e.to_string()))?;
     let view_size = |view: Option<u32>| match view {

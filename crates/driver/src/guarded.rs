@@ -32,13 +32,25 @@ pub fn space_of(index: usize) -> Space {
     Space(index as u8 + 1)
 }
 
-/// Gives each heap space a protection key, for [`install`] to gate guarded calls with. Where
-/// the processor or the kernel has none, says so on standard error: the filters are then
-/// guarded by page protection alone.
-pub fn assign_keys() {
-    if let Err(e) = heap::assign_keys() {
-        eprintln!("bulkhead guard: no protection keys ({e}); guarded filters rely on page protection alone");
+/// Makes every allocation of this process come from `r`'s heap spaces from now on, the
+/// runtime's first, then one for each filter guarded by `guards` (chain order; `r` has
+/// `1 + guards.len()` spaces), so that each filter's state lies in pages of its own. Where every guarded filter is gated by pages alone, the
+/// runtime's space is asked for huge pages ([`heap::prefer_huge`], shut and opened a huge page
+/// at a time by [`install`]); where a guarded filter wants protection keys, each space is given
+/// one ([`heap::assign_keys`]; without them, says so on standard error: the filters are then
+/// guarded by page protection alone). Call before any thread starts and before anything is
+/// allocated that the domain keeps.
+pub fn prepare_heap(r: heap::Reservation, guards: &[GuardSpec]) -> Result<(), String> {
+    heap::activate(r).map_err(|e| format!("write capture: heap: {e}"))?;
+    if guards.iter().all(|g| g.leaves_runtime_to_the_gate()) {
+        heap::prefer_huge(heap::RUNTIME);
     }
+    if guards.iter().any(|g| g.keys && g.wanted()) {
+        if let Err(e) = heap::assign_keys() {
+            eprintln!("bulkhead guard: no protection keys ({e}); guarded filters rely on page protection alone");
+        }
+    }
+    Ok(())
 }
 
 /// How one filter of a guarded domain wants its calls gated, for [`install`].
@@ -91,7 +103,7 @@ pub fn install(rings: &[(u64, u64)], names: &[Gates], report: Option<i32>) -> st
         g.defer_reopen(r)?;
         ring_regions.push(r);
     }
-    // With keys (`assign_keys`), the rings are the runtime's too, and each filter that wants
+    // With keys (`prepare_heap`), the rings are the runtime's too, and each filter that wants
     // keys may write only its own space's key while it runs.
     if let Some(runtime) = heap::key_of(heap::RUNTIME) {
         for r in ring_regions {

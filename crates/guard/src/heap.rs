@@ -9,9 +9,7 @@
 //! allocated before activation, or spilled to the system allocator (a space full, an alignment
 //! above a page), is freed where it came from.
 //!
-//! The spaces lie in one reservation: space `i` at `base + i * SPACE_BYTES`. A domain's is
-//! private memory; a shared one is backed by one memory file, so another process holding the
-//! file (a benchmark checking what an injected fault changed) sees the same bytes. Small
+//! The spaces lie in one reservation of private memory: space `i` at `base + i * SPACE_BYTES`. Small
 //! blocks come in power-of-two classes up to 2 KiB with a free list each; larger blocks are
 //! whole pages, and pages freed whole are marked, so the guard can tell a write to a freed
 //! block from a write to a live one.
@@ -22,7 +20,6 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::{Cell, UnsafeCell};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use crate::PAGE;
@@ -85,8 +82,6 @@ static ACTIVE: AtomicBool = AtomicBool::new(false);
 static BASE: AtomicU64 = AtomicU64::new(0);
 static NSPACES: AtomicUsize = AtomicUsize::new(0);
 static SPILLED: AtomicU64 = AtomicU64::new(0);
-/// Whether the active reservation is a memory file's ([`Reservation::shared`]).
-static SHARED: AtomicBool = AtomicBool::new(false);
 /// The spaces that asked for huge pages ([`prefer_huge`]), a bit each.
 static HUGE: AtomicU32 = AtomicU32::new(0);
 /// A transparent huge page of x86-64: what one entry of the level above the page table maps.
@@ -128,13 +123,9 @@ impl Drop for Locked {
     }
 }
 
-/// The memory the spaces live in, not yet used for allocation: private memory, or a memory
-/// file mapped shared ([`Reservation::shared`]), which a process that keeps it across `fork`
-/// reads to see what the child's spaces hold.
+/// The memory the spaces live in, not yet used for allocation.
 #[derive(Debug)]
 pub struct Reservation {
-    /// The memory file of a shared reservation.
-    fd: Option<OwnedFd>,
     base: u64,
     spaces: usize,
 }
@@ -173,16 +164,7 @@ impl Reservation {
                 unsafe { libc::munmap(start as *mut libc::c_void, n as usize) };
             }
         }
-        Ok(Reservation { fd: None, base, spaces })
-    }
-
-    /// As [`Reservation::new`], backed by one memory file, so that a process that forks the
-    /// one using it can [`read`](Reservation::read) what that child's spaces hold.
-    pub fn shared(spaces: usize) -> io::Result<Reservation> {
-        let len = Self::len_of(spaces)?;
-        let fd = bulkhead_sys::memfd::create("bulkhead-heap", len)?;
-        let base = bulkhead_sys::memfd::map_shared(&fd, len, libc::MAP_NORESERVE)?;
-        Ok(Reservation { fd: Some(fd), base, spaces })
+        Ok(Reservation { base, spaces })
     }
 
     fn len_of(spaces: usize) -> io::Result<u64> {
@@ -201,42 +183,13 @@ impl Reservation {
     pub fn spaces(&self) -> usize {
         self.spaces
     }
-
-    /// Reads `buf.len()` bytes at `addr` (an address inside the reservation) from the memory
-    /// file of a shared reservation, which holds what any process sharing it wrote; `false`
-    /// for a private one, or an address outside.
-    pub fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
-        let end = self.base + self.spaces as u64 * SPACE_BYTES;
-        let Some(fd) = &self.fd else { return false };
-        if addr < self.base || addr.saturating_add(buf.len() as u64) > end {
-            return false;
-        }
-        let mut done = 0;
-        while done < buf.len() {
-            // SAFETY: a positioned read from the memory file this reservation owns into a
-            // local buffer; no memory of a space is touched.
-            let n = unsafe {
-                libc::pread(
-                    fd.as_raw_fd(),
-                    buf[done..].as_mut_ptr().cast(),
-                    buf.len() - done,
-                    (addr - self.base + done as u64) as libc::off_t,
-                )
-            };
-            if n <= 0 {
-                return false;
-            }
-            done += n as usize;
-        }
-        true
-    }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         // SAFETY: the mapping is this reservation's own, `spaces` spaces long, and was never
         // handed to the allocator (`activate` forgets the reservation it takes), so nothing
-        // of this process points into it; the descriptor closes with `fd`.
+        // of this process points into it.
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.spaces * SPACE_BYTES as usize) };
     }
 }
@@ -250,9 +203,8 @@ pub fn activate(r: Reservation) -> io::Result<()> {
     }
     BASE.store(r.base, Ordering::Relaxed);
     NSPACES.store(r.spaces, Ordering::Relaxed);
-    SHARED.store(r.fd.is_some(), Ordering::Relaxed);
     let base = r.base;
-    // The mapping and the file live as long as the process: their memory is the heap.
+    // The mapping lives as long as the process: its memory is the heap.
     std::mem::forget(r);
     ACTIVE.store(true, Ordering::Release);
     // Allocations reach the spaces only through this program's global allocator: a program
@@ -321,15 +273,11 @@ pub fn key_of(s: Space) -> Option<u32> {
 /// page walk, whatever it holds ([`crate::Guard::huge_region`]). Each huge page the space
 /// touches takes its whole size of memory; the first is backed now. `false`, and the space is
 /// made of ordinary pages, where the kernel backs none (transparent huge pages `never`, a
-/// kernel before 6.1, no huge page free), or for a shared reservation. Call before anything
-/// is allocated from the space.
+/// kernel before 6.1, no huge page free). Call before anything is allocated from the space.
 pub fn prefer_huge(s: Space) -> bool {
     let Some((start, len)) = space_range(s) else { return false };
     if is_huge(s) {
         return true;
-    }
-    if SHARED.load(Ordering::Relaxed) {
-        return false;
     }
     // SAFETY: advice on the space's own private mapping; it changes how its pages are backed,
     // not what they hold.

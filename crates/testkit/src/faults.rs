@@ -17,7 +17,7 @@
 //! the fault, as the filter's own code. Nothing in the configuration asks for faults, and the
 //! driver has no code that makes them.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 
 use bulkhead_block::{After, Caps, Layer, ReadBelow, Request, SharedSlice, Tag, TagSpace, Verdict};
@@ -31,7 +31,7 @@ use crate::inject::{InjectSpec, InjectTarget};
 
 /// One fault, as a probe's descriptor receives it before the write: two 8-byte words, the
 /// address and the value to be written there (the old value with every bit of [`FAULT_FLIP`]
-/// flipped).
+/// flipped). The filter then waits for one byte back: the probe is watching the memory.
 pub const FAULT_RECORD: usize = 16;
 
 /// What a fault flips in the word it writes: the old value is the written one with these bits
@@ -69,10 +69,11 @@ pub struct Injector {
 impl Injector {
     /// The faults `spec` asks of the filter at `site`.
     ///
-    /// With a `probe` (a measurement of isolation), the filter makes one fault only: its
-    /// [`FAULT_RECORD`] goes to the probe before the write, and if the write is not stopped
-    /// the process ends at once with [`PROBE_EXIT`], so a process sharing the memory reads
-    /// whether the protected state changed. A stopped write ends it with
+    /// With a `probe` (a measurement of isolation: a stream socket), the filter makes one
+    /// fault only: its [`FAULT_RECORD`] goes to the probe before the write, and the write waits
+    /// for the probe's one byte back, sent once it watches the process's end. If the write is
+    /// not stopped the process ends at once with [`PROBE_EXIT`], so the probe reads, as the
+    /// process ends, whether the protected state changed. A stopped write ends it with
     /// [`bulkhead_guard::VIOLATION_EXIT`], as always.
     pub fn new(site: &FilterSite, spec: InjectSpec, probe: Option<OwnedFd>) -> Injector {
         let who = format!("{} ({})", site.index + 1, site.name);
@@ -295,7 +296,7 @@ impl Injector {
             let mut rec = [0u8; FAULT_RECORD];
             rec[..8].copy_from_slice(&addr.to_le_bytes());
             rec[8..].copy_from_slice(&value.to_le_bytes());
-            if r.write_all(&rec).is_err() {
+            if r.write_all(&rec).and_then(|()| r.read_exact(&mut [0u8])).is_err() {
                 // Nobody is left to check the memory: a fault nobody measures is not made.
                 return None;
             }

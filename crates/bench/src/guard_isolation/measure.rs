@@ -2,9 +2,10 @@
 //! module).
 
 use std::cell::RefCell;
-use std::io::Read;
+use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -22,14 +23,13 @@ use bulkhead_shmem::memfd;
 use bulkhead_testkit::faults::{Faulty, Injector, FAULT_FLIP, FAULT_RECORD, PROBE_EXIT};
 use bulkhead_testkit::inject::{InjectSpec, InjectTarget};
 
+use super::child::{describe, Child, End};
 use super::{Count, Options, Population, Report, Row, WorkingSet, EVERY};
 use crate::guard_filters::{Gate, Setting};
 use crate::BenchError;
 
 /// Device size for the filters over `ram`.
 const RAM_BYTES: u64 = 64 << 20;
-/// A child that has made no fault by then is stuck.
-const CHILD_LIMIT: Duration = Duration::from_secs(30);
 
 impl Count {
     fn add(&mut self, o: Outcome) {
@@ -65,6 +65,8 @@ enum Outcome {
 struct Result1 {
     outcome: Outcome,
     disagreed: bool,
+    /// Its runtime's heap was in huge pages as it exited.
+    huge: bool,
 }
 
 fn beds(scratch: &Path, notes: &mut Vec<String>) -> Vec<Bed> {
@@ -152,14 +154,12 @@ enum Work {
     Census(u64),
 }
 
-/// The child: builds the domain in its heap spaces, with `work` in the measured filter (the
-/// first), and serves until the fault or the count ends it.
+/// The child: builds the domain in the heap spaces of `res`, private as a domain's are, with
+/// `work` in the measured filter (the first), and serves until the fault or the count ends it.
 fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<FilterParts>, work: Work, probe: OwnedFd) -> String {
     let run = || -> Result<(), BenchError> {
-        heap::activate(res).map_err(|e| format!("heap: {e}"))?;
-        if parts.iter().any(|p| p.guard.keys) {
-            heap::assign_keys().map_err(|e| format!("protection keys: {e}"))?;
-        }
+        let guards: Vec<GuardSpec> = parts.iter().map(|p| p.guard).collect();
+        guarded::prepare_heap(res, &guards)?;
         let backend: Box<dyn Backend> = match below {
             BelowFd::Ram(fd) => {
                 let size = bulkhead_sys::storage_size(std::os::fd::AsFd::as_fd(&fd)).map_err(|e| e.to_string())?.0;
@@ -192,58 +192,6 @@ fn child_run(res: Reservation, back: BackQueue, below: BelowFd, parts: Vec<Filte
     }
 }
 
-/// A child process.
-struct Child {
-    pid: i32,
-}
-
-impl Child {
-    /// Its exit status if it has ended (reaped), `None` while it runs.
-    fn try_wait(&self) -> Result<Option<i32>, BenchError> {
-        let mut status = 0;
-        // SAFETY: waits for this process's own child without blocking; `status` is a local.
-        let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
-        match r {
-            0 => Ok(None),
-            r if r == self.pid => Ok(Some(status)),
-            _ => Err(BenchError::Run(format!("waitpid: {}", std::io::Error::last_os_error()))),
-        }
-    }
-
-    /// Its exit status if it has ended; an error, once it is ended and reaped, if it has run
-    /// past [`CHILD_LIMIT`] since `started` without making its fault.
-    fn ended(&self, started: Instant) -> Result<Option<i32>, BenchError> {
-        if let Some(st) = self.try_wait()? {
-            return Ok(Some(st));
-        }
-        if started.elapsed() > CHILD_LIMIT {
-            self.kill();
-            return Err(BenchError::Run(format!("the domain made no fault in {} s", CHILD_LIMIT.as_secs())));
-        }
-        Ok(None)
-    }
-
-    /// Ends it and reaps it.
-    fn kill(&self) {
-        // SAFETY: signals and reaps this process's own child, which has not been reaped yet.
-        unsafe {
-            libc::kill(self.pid, libc::SIGKILL);
-            libc::waitpid(self.pid, std::ptr::null_mut(), 0);
-        }
-    }
-}
-
-/// How the child ended, in words.
-fn describe(status: i32) -> String {
-    if libc::WIFEXITED(status) {
-        format!("exit status {}", libc::WEXITSTATUS(status))
-    } else if libc::WIFSIGNALED(status) {
-        format!("signal {}", libc::WTERMSIG(status))
-    } else {
-        format!("wait status {status:#x}")
-    }
-}
-
 /// Whether this process runs one thread: forking a process with more would leave the child
 /// with locks held by threads that do not exist in it.
 fn single_threaded() -> bool {
@@ -251,14 +199,57 @@ fn single_threaded() -> bool {
     s.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["Threads:", "1"])
 }
 
-/// Drives `front` with 4 KiB random reads and writes until the child ends; its wait status.
-fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<i32, BenchError> {
+/// The socket a child's measured filter reports to ([`Injector::new`], [`Injector::census`]).
+struct Probe {
+    sock: UnixStream,
+    /// What has come on it so far.
+    record: Vec<u8>,
+    /// Whether a whole record means a fault is due, which waits for this process to watch.
+    fault: bool,
+}
+
+impl Probe {
+    /// Takes in what has come, without waiting; whether a fault is due.
+    fn due(&mut self) -> Result<bool, BenchError> {
+        let mut buf = [0u8; FAULT_RECORD];
+        while self.record.len() < FAULT_RECORD {
+            match self.sock.read(&mut buf[..FAULT_RECORD - self.record.len()]) {
+                Ok(0) => break,
+                Ok(n) => self.record.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(BenchError::Run(format!("the probe: {e}"))),
+            }
+        }
+        Ok(self.fault && self.record.len() == FAULT_RECORD)
+    }
+}
+
+/// What ended [`drive`].
+enum Driven {
+    /// The child ended, with this wait status.
+    Ended(i32),
+    /// Its fault is due: the record is in, and the write waits.
+    Due,
+}
+
+/// Whether driving is over.
+fn over(child: &Child, probe: &mut Probe, started: Instant) -> Result<Option<Driven>, BenchError> {
+    if probe.due()? {
+        return Ok(Some(Driven::Due));
+    }
+    Ok(child.ended(started)?.map(Driven::Ended))
+}
+
+/// Drives `front` with 4 KiB random reads and writes until the child ends or its fault is
+/// due.
+fn drive(front: &mut FrontQueue, child: &Child, probe: &mut Probe, size: u64, seed: u64) -> Result<Driven, BenchError> {
     let data = vec![0x5Au8; 4096];
     let mut random = bulkhead_rng::Rng::new(seed);
     let started = Instant::now();
     loop {
-        if let Some(st) = child.ended(started)? {
-            return Ok(st);
+        if let Some(d) = over(child, probe, started)? {
+            return Ok(d);
         }
         let rng = random.next_u64();
         let offset = (rng >> 1) % (size / 4096) * 4096;
@@ -284,8 +275,8 @@ fn drive(front: &mut FrontQueue, child: &Child, size: u64, seed: u64) -> Result<
             match front.wait(2) {
                 Ok(true) => {}
                 Ok(false) | Err(_) => {
-                    if let Some(st) = child.ended(started)? {
-                        return Ok(st);
+                    if let Some(d) = over(child, probe, started)? {
+                        return Ok(d);
                     }
                 }
             }
@@ -315,10 +306,8 @@ struct Ran {
     status: i32,
     /// What its measured filter sent before the end.
     record: Vec<u8>,
-    /// Its heap spaces, still mapped here.
-    res: Reservation,
-    /// Its side of the queue, whose ring this process maps too.
-    back: BackQueue,
+    /// What its memory held as it exited, once its fault was due.
+    end: Option<End>,
     /// Its standard error.
     log: OwnedFd,
 }
@@ -328,10 +317,13 @@ struct Ran {
 fn run_child(bed: &Bed, guard: GuardSpec, work: Work, seed: u64) -> Result<Ran, BenchError> {
     let parts = filter_parts(bed, guard)?;
     let below = below_fd(bed)?;
-    let res = Reservation::shared(1 + parts.len()).map_err(|e| format!("heap: {e}"))?;
+    // Made here, so that this process knows where the child's spaces lie.
+    let res = Reservation::new(1 + parts.len()).map_err(|e| format!("heap: {e}"))?;
+    let runtime = (res.start(heap::RUNTIME), heap::SPACE_BYTES);
     let cfg = QueueConfig { nslots: 32, arena_bytes: 1 << 20, mode: NotifyMode::Poll, ..Default::default() };
     let (mut front, back) = pair(&cfg, bed.size).map_err(|e| format!("channel: {e}"))?;
-    let (mut probe_r, probe_w) = bulkhead_sys::pipe().map(|(r, w)| (std::fs::File::from(r), w)).map_err(|e| e.to_string())?;
+    let (ours, theirs) = UnixStream::pair().map_err(|e| format!("probe: {e}"))?;
+    ours.set_nonblocking(true).map_err(|e| format!("probe: {e}"))?;
     let log = memfd::create("bench-guard-log", 0).map_err(|e| e.to_string())?;
     if !single_threaded() {
         return Err("bench guard --isolation forks a domain per fault, so it must run single-threaded".into());
@@ -347,46 +339,51 @@ fn run_child(bed: &Bed, guard: GuardSpec, work: Work, seed: u64) -> Result<Ran, 
         // The child: its copy of the frontend stays untouched; its standard error goes to the
         // log; it dies with this process.
         std::mem::forget(front);
-        drop(probe_r);
+        drop(ours);
         // SAFETY: plain system calls on descriptors this process owns and on itself.
         unsafe {
             libc::dup2(log.as_raw_fd(), 2);
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
         }
-        let e = child_run(res, back, below, parts, work, probe_w);
+        let e = child_run(res, back, below, parts, work, OwnedFd::from(theirs));
         eprintln!("{e}");
         // SAFETY: ends the child without running anything of the parent's (no destructors,
         // no exit handlers).
         unsafe { libc::_exit(70) };
     }
-    drop((parts, below, probe_w));
-    let child = Child { pid };
-    let status = match drive(&mut front, &child, bed.size, seed) {
-        Ok(s) => s,
-        Err(e) => return Err(BenchError::Run(format!("{e} ({})", tail(&log)))),
+    // This process's copy of the spaces is never used.
+    drop((res, parts, below, theirs));
+    let child = Child::new(pid);
+    let started = Instant::now();
+    let mut probe = Probe { sock: ours, record: Vec::with_capacity(FAULT_RECORD), fault: matches!(work, Work::Fault(_)) };
+    let with_log = |e: BenchError| BenchError::Run(format!("{e} ({})", tail(&log)));
+    let (status, end) = match drive(&mut front, &child, &mut probe, bed.size, seed).map_err(with_log)? {
+        Driven::Ended(status) => {
+            // What it sent before it ended (a census's count) is all in by now.
+            probe.due()?;
+            (status, None)
+        }
+        Driven::Due => {
+            let addr = u64::from_le_bytes(probe.record[..8].try_into().expect("8 bytes"));
+            child.watch_end()?;
+            probe.sock.write_all(&[1]).map_err(|e| format!("probe: {e}"))?;
+            let (status, end) = child.end_reading(addr, runtime, started).map_err(with_log)?;
+            (status, Some(end))
+        }
     };
-    let mut record = Vec::with_capacity(FAULT_RECORD);
-    let _ = probe_r.read_to_end(&mut record);
-    drop(front);
-    Ok(Ran { status, record, res, back, log })
+    drop((front, back));
+    Ok(Ran { status, record: probe.record, end, log })
 }
 
 /// One fault, in a child of its own.
 fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<Result1, BenchError> {
     let inject = InjectSpec { target, every: EVERY, seed };
-    let Ran { status, record: rec, res, back, log } = run_child(bed, setting.spec(), Work::Fault(inject), seed)?;
-    if rec.len() != FAULT_RECORD {
+    let Ran { status, record: rec, end, log } = run_child(bed, setting.spec(), Work::Fault(inject), seed)?;
+    let (Some(End { word: now, huge }), true) = (end, rec.len() == FAULT_RECORD) else {
         return Err(BenchError::Run(format!("the domain ended ({}) before its fault: {}", describe(status), tail(&log))));
-    }
-    let addr = u64::from_le_bytes(rec[..8].try_into().expect("8 bytes"));
+    };
     let value = u64::from_le_bytes(rec[8..].try_into().expect("8 bytes"));
     let old = value ^ FAULT_FLIP;
-    let mut word = [0u8; 8];
-    let now = if res.read(addr, &mut word) {
-        u64::from_le_bytes(word)
-    } else {
-        back.ring_word(addr).ok_or_else(|| format!("the fault aimed at {addr:#x}, in neither the heap nor the ring"))?
-    };
     let outcome = if now == value {
         Outcome::Landed
     } else if now == old {
@@ -400,7 +397,7 @@ fn one(bed: &Bed, setting: Setting, target: InjectTarget, seed: u64) -> Result<R
         return Err(BenchError::Run(format!("the domain ended with {} after its fault: {}", describe(status), tail(&log))));
     }
     let disagreed = (outcome == Outcome::Landed && stopped) || (outcome == Outcome::Isolated && ended);
-    Ok(Result1 { outcome, disagreed })
+    Ok(Result1 { outcome, disagreed, huge })
 }
 
 /// The write working set of `bed`'s domain: the distinct pages the runtime and the filters
@@ -446,7 +443,7 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
             let mut all = Count::default();
             let mut by_target: Vec<(String, Count)> = targets.iter().map(|t| (t.to_string(), Count::default())).collect();
             let mut by_filter: Vec<(String, Count)> = beds.iter().map(|b| (b.name.to_string(), Count::default())).collect();
-            let (mut disagreed, mut lost) = (0, 0);
+            let (mut disagreed, mut lost, mut huge) = (0, 0, 0);
             let started = Instant::now();
             for k in 0..opts.faults {
                 let bi = k as usize % beds.len();
@@ -460,6 +457,7 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
                         by_target[ti].1.add(r.outcome);
                         by_filter[bi].1.add(r.outcome);
                         disagreed += u32::from(r.disagreed);
+                        huge += u32::from(r.huge);
                     }
                     Err(e) => {
                         lost += 1;
@@ -480,6 +478,7 @@ pub fn run(opts: &Options, mut progress: impl FnMut(&str)) -> Result<Report, Ben
                 by_filter,
                 disagreed,
                 lost,
+                huge,
                 ms_per_fault,
             });
         }
