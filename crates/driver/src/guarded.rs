@@ -32,14 +32,16 @@ pub fn space_of(index: usize) -> Space {
     Space(index as u8 + 1)
 }
 
-/// Makes every allocation of this process come from `r`'s heap spaces from now on, the
-/// runtime's first, then one for each filter guarded by `guards` (chain order; `r` has
-/// `1 + guards.len()` spaces), so that each filter's state lies in pages of its own. Where every guarded filter is gated by pages alone, the
-/// runtime's space is asked for huge pages ([`heap::prefer_huge`], shut and opened a huge page
-/// at a time by [`install`]); where a guarded filter wants protection keys, each space is given
-/// one ([`heap::assign_keys`]; without them, says so on standard error: the filters are then
-/// guarded by page protection alone). Call before any thread starts and before anything is
-/// allocated that the domain keeps.
+/// Makes every allocation of this process come from `r`'s heap spaces from now on: the
+/// runtime's first, then one for each filter of `guards` (chain order; `r` has
+/// `1 + guards.len()` spaces), so that each filter's state lies in pages of its own.
+///
+/// Where every guarded filter is gated by pages alone, the runtime's space is asked for huge
+/// pages ([`heap::prefer_huge`]; [`install`] then shuts and opens it a huge page at a time).
+/// Where a guarded filter wants protection keys, each space is given one
+/// ([`heap::assign_keys`]); where there are none, says so on standard error, and the filters
+/// are guarded by page protection alone. Call before any thread starts (a thread started
+/// earlier could not touch a keyed space) and before anything the domain keeps is allocated.
 pub fn prepare_heap(r: heap::Reservation, guards: &[GuardSpec]) -> Result<(), String> {
     heap::activate(r).map_err(|e| format!("write capture: heap: {e}"))?;
     if guards.iter().all(|g| g.leaves_runtime_to_the_gate()) {

@@ -9,10 +9,10 @@
 //! allocated before activation, or spilled to the system allocator (a space full, an alignment
 //! above a page), is freed where it came from.
 //!
-//! The spaces lie in one reservation of private memory: space `i` at `base + i * SPACE_BYTES`. Small
-//! blocks come in power-of-two classes up to 2 KiB with a free list each; larger blocks are
-//! whole pages, and pages freed whole are marked, so the guard can tell a write to a freed
-//! block from a write to a live one.
+//! The spaces lie in one reservation of private memory: space `i` at `base + i *
+//! SPACE_BYTES`. Small blocks come in power-of-two classes up to 2 KiB with a free list each;
+//! larger blocks are whole pages, and pages freed whole are marked, so the guard can tell a
+//! write to a freed block from a write to a live one.
 //!
 //! The allocator's own bookkeeping lives in statics, never in a space, so the guard never
 //! protects it; free-list links live in the free blocks, in the space they belong to.

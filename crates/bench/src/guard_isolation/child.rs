@@ -58,8 +58,8 @@ impl Child {
         }
     }
 
-    /// Its exit status if it has ended; an error, once it is ended and reaped, if it has run
-    /// past [`CHILD_LIMIT`] since `started`.
+    /// Its wait status if it has ended or, traced, stopped ([`try_wait`](Self::try_wait)); an
+    /// error, once it is ended and reaped, if it has run past [`CHILD_LIMIT`] since `started`.
     pub(super) fn ended(&self, started: Instant) -> Result<Option<i32>, BenchError> {
         if let Some(st) = self.try_wait()? {
             return Ok(Some(st));
