@@ -234,8 +234,7 @@ fn ranges(opts: &Options) -> Result<Vec<Row>, BenchError> {
         unsafe { libc::madvise(at as *mut libc::c_void, HUGE, libc::MADV_HUGEPAGE) };
         // SAFETY: the huge page's worth of the mapping above, written only here.
         unsafe { std::ptr::write_bytes(at as *mut u8, 1, HUGE) };
-        // SAFETY: as the advice above; a collapse keeps what the pages hold.
-        let huge = unsafe { libc::madvise(at as *mut libc::c_void, HUGE, libc::MADV_COLLAPSE) } == 0;
+        let huge = bulkhead_guard::heap::back_huge(at as u64);
         let small = at + HUGE;
         // SAFETY: as above.
         unsafe { libc::madvise(small as *mut libc::c_void, HUGE, libc::MADV_NOHUGEPAGE) };

@@ -293,14 +293,15 @@ pub fn prefer_huge(s: Space) -> bool {
     true
 }
 
-/// Has the kernel back the huge page at `at` (a boundary of [`HUGE_PAGE`] in a space that
-/// [`prefer_huge`] advised) with one, and says whether it is: its first byte is rewritten with
-/// what it holds (a first write brings a huge page, where one is free), and `MADV_COLLAPSE`
-/// (Linux 6.1) makes one of what small pages it holds, or fails. The page must not be
+/// Has the kernel back the huge page at `at` (a boundary of [`HUGE_PAGE`] in private memory
+/// advised `MADV_HUGEPAGE`: a space [`prefer_huge`] advised) with one, and says whether it
+/// is: its first byte is rewritten with what it holds (a first write brings a huge page,
+/// where one is free), and `MADV_COLLAPSE` (Linux 6.1) makes one of what small pages it
+/// holds, or fails. The page must be mapped writable for the process's life, and not
 /// write-protected. Any thread.
-pub(crate) fn back_huge(at: u64) -> bool {
-    // SAFETY: a byte of a heap space, rewritten with what it holds; the space's pages are
-    // mapped for the process's life.
+pub fn back_huge(at: u64) -> bool {
+    // SAFETY: a byte of memory the caller maps writable (a heap space's pages are mapped for
+    // the process's life), rewritten with what it holds.
     unsafe { std::ptr::write_volatile(at as *mut u8, std::ptr::read_volatile(at as *const u8)) };
     // SAFETY: advice on the space's own mapping; a collapse keeps what the pages hold.
     unsafe { libc::madvise(at as *mut libc::c_void, HUGE_PAGE as usize, libc::MADV_COLLAPSE) == 0 }

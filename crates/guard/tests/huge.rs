@@ -69,18 +69,7 @@ fn write(at: *mut u8, v: u8) {
 
 /// Whether the mapping holding `addr` is backed by huge pages, as `/proc/self/smaps` says.
 fn huge_at(addr: u64) -> bool {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let mut inside = false;
-    for line in smaps.lines() {
-        if let Some((range, _)) = line.split_once(' ').filter(|(r, _)| r.contains('-') && !r.ends_with(':')) {
-            let (a, b) = range.split_once('-').unwrap();
-            let (a, b) = (u64::from_str_radix(a, 16).unwrap_or(0), u64::from_str_radix(b, 16).unwrap_or(0));
-            inside = (a..b).contains(&addr);
-        } else if inside && line.starts_with("AnonHugePages:") {
-            return line.split_whitespace().nth(1).and_then(|k| k.parse::<u64>().ok()).unwrap_or(0) >= HUGE_PAGE / 1024;
-        }
-    }
-    false
+    bulkhead_sys::thp::bytes_in(None, addr, 1).unwrap() >= HUGE_PAGE
 }
 
 fn scenario(which: &str) {

@@ -9,6 +9,7 @@ pub mod memfd;
 pub mod pkey;
 pub mod process;
 pub mod seccomp_notify;
+pub mod thp;
 pub mod uffd;
 pub mod uring;
 

@@ -119,7 +119,8 @@ impl Child {
             // with none.
             let pass = if status >> 16 == 0 { libc::WSTOPSIG(status) } else { 0 };
             let end = exiting.then(|| -> Result<End, BenchError> {
-                Ok(End { word: self.read_word(addr)?, huge: self.huge_bytes(runtime)? > 0 })
+                let huge = bulkhead_sys::thp::bytes_in(Some(self.pid as u32), runtime.0, runtime.1).map_err(|e| e.to_string())?;
+                Ok(End { word: self.read_word(addr)?, huge: huge > 0 })
             });
             // SAFETY: resumes this process's own traced child, stopped (seen just above).
             if unsafe { libc::ptrace(libc::PTRACE_CONT, self.pid, 0, pass as libc::c_long) } < 0 {
@@ -146,26 +147,6 @@ impl Child {
         let mut word = [0u8; 8];
         mem.read_exact_at(&mut word, addr).map_err(|e| format!("{path} at {addr:#x}: {e}"))?;
         Ok(u64::from_le_bytes(word))
-    }
-
-    /// Bytes of transparent huge pages mapped in `(start, len)` of its memory, as the kernel
-    /// counts them (`AnonHugePages` of each mapping there, `/proc/PID/smaps`).
-    fn huge_bytes(&self, (start, len): (u64, u64)) -> Result<u64, BenchError> {
-        let path = format!("/proc/{}/smaps", self.pid);
-        let smaps = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
-        let mut inside = false;
-        let mut bytes = 0;
-        for line in smaps.lines() {
-            let mut words = line.split_whitespace();
-            let Some(first) = words.next() else { continue };
-            if let Some((lo, hi)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
-                let (lo, hi) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16));
-                inside = matches!((lo, hi), (Ok(lo), Ok(hi)) if lo < start + len && hi > start);
-            } else if inside && first == "AnonHugePages:" {
-                bytes += words.next().and_then(|kb| kb.parse::<u64>().ok()).unwrap_or(0) * 1024;
-            }
-        }
-        Ok(bytes)
     }
 }
 

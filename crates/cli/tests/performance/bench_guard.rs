@@ -109,7 +109,7 @@ fn bench_guard_isolation_reads_what_each_fault_left() {
     }
     // The domain's heap is private, as a real domain's is: with every guarded filter page-gated,
     // its runtime's space is in a huge page to the end, read from the domain's memory as it exits.
-    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").is_ok_and(|t| !t.contains("[never]"));
+    let thp = bulkhead_sys::thp::available();
     for row in all_rows {
         let decided = row["all"]["isolated"].as_u64().unwrap() + row["all"]["landed"].as_u64().unwrap();
         let faults = decided + row["all"]["undecided"].as_u64().unwrap();

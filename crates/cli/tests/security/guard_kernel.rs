@@ -75,7 +75,7 @@ fn injected_faults_in_a_guarded_filter_are_stopped_and_no_acknowledged_write_is_
     faults_are_stopped_under("pages", pages, "guard = \"scdwc\"");
     // Every guarded filter gated by pages: the runtime's heap is shut a huge page at a time,
     // where the kernel backs it with them.
-    if std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").is_ok_and(|t| !t.contains("[never]")) {
+    if bulkhead_sys::thp::available() {
         faults_are_stopped_under("huge pages", pages, pages);
     } else {
         eprintln!("huge pages not checked: the kernel gives none");
